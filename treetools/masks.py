@@ -1,0 +1,122 @@
+"""Weight-decay masks and ``optax.multi_transform`` labels from path patterns.
+
+Patterns are Python regexes applied with ``re.search`` to the path string of
+every leaf (``params/Dense_0/kernel``). A pattern that matches no leaf raises
+``ValueError``: a typo must not silently decay (or freeze) everything.
+The returned trees keep the params' structure, boxes included, so they plug
+into ``optax.add_decayed_weights(mask=...)``, ``optax.masked``,
+``optax.adamw(mask=...)`` and ``optax.multi_transform`` unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable, Sequence
+
+import jax
+
+from treetools._typing import KeyPath, Params, PyTree
+from treetools.partitioning import rebox, unbox
+from treetools.paths import compile_patterns, is_leaf, leaves_with_paths, match_patterns, path_parts
+
+__all__ = ["flattened_traversal", "get_param_label_fn", "get_param_mask_fn"]
+
+
+def _with_leaf_values(params: Params, values: Sequence[Any]) -> PyTree:
+    """``params`` with leaf ``i`` replaced by ``values[i]``, each inside its leaf's box."""
+    leaves, treedef = jax.tree.flatten(params, is_leaf=is_leaf)
+    return jax.tree.unflatten(treedef, [rebox(leaf, v) for leaf, v in zip(leaves, values)])
+
+
+def get_param_mask_fn(
+    exclude: Sequence[str] | str | None, include: Sequence[str] | str | None = None
+) -> Callable[[Params], PyTree]:
+    """A function ``params -> bool tree``: True where weight decay applies.
+
+    Args:
+      exclude: patterns of leaves that are *not* decayed (everything else is);
+        e.g. ``[r"bias$", r"scale$"]``. ``None`` or ``[]`` decays everything.
+      include: patterns of the only leaves that are decayed. Give either
+        ``exclude`` or ``include``, not both.
+
+    Returns:
+      ``mask_fn(params)`` returning a tree of Python bools with the structure
+      of ``params`` (boxes kept).
+
+    Raises:
+      ValueError: both ``exclude`` and ``include`` are given, a pattern is not
+        a valid regex, or (when the mask is built) a pattern matches no leaf.
+
+    >>> import jax.numpy as jnp
+    >>> mask_fn = get_param_mask_fn(exclude=[r"bias$"])
+    >>> mask_fn({"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}})
+    {'dense': {'bias': False, 'kernel': True}}
+    """
+    if exclude and include:
+        raise ValueError("give `exclude` or `include` to get_param_mask_fn, not both; use `include` alone "
+                         "to decay only the matching leaves.")
+    use_include = bool(include)
+    patterns = compile_patterns(include if use_include else exclude, name="include" if use_include else "exclude")
+
+    def mask_fn(params: Params) -> PyTree:
+        paths = [p for p, _ in leaves_with_paths(params)]
+        hits = match_patterns(paths, patterns, name="include" if use_include else "exclude")
+        return _with_leaf_values(params, [h if use_include else not h for h in hits])
+
+    return mask_fn
+
+
+def get_param_label_fn(
+    rules: Sequence[tuple[str, Hashable]], default: Hashable = "default"
+) -> Callable[[Params], PyTree]:
+    """A function ``params -> label tree`` for ``optax.multi_transform``.
+
+    Args:
+      rules: ordered ``(pattern, label)`` pairs; the first pattern that
+        ``re.search``-matches a leaf's path gives its label.
+      default: the label of leaves no rule matches.
+
+    Returns:
+      ``label_fn(params)`` returning a tree of labels with the structure of
+      ``params`` (boxes kept).
+
+    Raises:
+      ValueError: a pattern is invalid or (when labels are built) matches no leaf.
+
+    >>> import jax.numpy as jnp, optax
+    >>> label_fn = get_param_label_fn([(r"^embed/", "frozen")], default="train")
+    >>> label_fn({"embed": {"table": jnp.ones(3)}, "head": {"w": jnp.ones(3)}})
+    {'embed': {'table': 'frozen'}, 'head': {'w': 'train'}}
+    >>> tx = optax.multi_transform({"train": optax.sgd(0.1), "frozen": optax.set_to_zero()}, label_fn)
+    """
+    rules = list(rules)
+    compiled = compile_patterns([pat for pat, _ in rules], name="rules")
+
+    def label_fn(params: Params) -> PyTree:
+        paths = [p for p, _ in leaves_with_paths(params)]
+        labels: list[Hashable | None] = [None] * len(paths)
+        for pat, (_, label) in zip(compiled, rules):
+            # Every rule must match something, even where an earlier rule wins.
+            for i, hit in enumerate(match_patterns(paths, [pat], name="rules")):
+                if hit and labels[i] is None:
+                    labels[i] = label
+        return _with_leaf_values(params, [default if lab is None else lab for lab in labels])
+
+    return label_fn
+
+
+def flattened_traversal(fn: Callable[[KeyPath, Any], Any]) -> Callable[[Params], PyTree]:
+    """Kept for code written against flax's/optax's ``flattened_traversal``.
+
+    ``fn(path_tuple, leaf) -> label`` where ``path_tuple`` is the path's parts
+    as strings (``("params", "Dense_0", "kernel")``); returns ``params -> labels``.
+
+    >>> import jax.numpy as jnp
+    >>> flattened_traversal(lambda p, _: "decay" if p[-1] == "kernel" else "none")({"kernel": jnp.ones(2)})
+    {'kernel': 'decay'}
+    """
+
+    def label_fn(params: Params) -> PyTree:
+        pairs = jax.tree_util.tree_leaves_with_path(params, is_leaf=is_leaf)
+        return _with_leaf_values(params, [fn(path_parts(p), unbox(leaf)) for p, leaf in pairs])
+
+    return label_fn

@@ -1,0 +1,182 @@
+"""Key paths and the one path string: ``"a/b/0/c"``.
+
+Inside treetools a path is a ``jax.tree_util`` key path (a tuple of key
+entries); it becomes a string only at the edge: dict keys as-is, sequence
+indices as integers, attributes by name, joined with ``/``. A flax box or nnx
+``Variable`` is a leaf, so no path ends in ``/value``.
+
+>>> import jax.numpy as jnp
+>>> flatten({"params": {"Dense_0": {"kernel": jnp.ones((2, 3))}}}).keys()
+dict_keys(['params/Dense_0/kernel'])
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from treetools._typing import KeyPath, PathStr, PyTree
+from treetools.partitioning import is_box
+
+__all__ = [
+    "compile_patterns",
+    "flatten",
+    "is_leaf",
+    "leaves_with_paths",
+    "map_with_path",
+    "match_patterns",
+    "path_parts",
+    "path_prefix",
+    "path_str",
+    "unflatten",
+    "unflatten_dict",
+]
+
+SEP = "/"
+
+
+def is_leaf(x: Any) -> bool:
+    """The ``is_leaf`` every treetools traversal uses: boxes are leaves."""
+    return is_box(x)
+
+
+def _entry_str(entry: Any) -> str:
+    if isinstance(entry, DictKey):
+        return str(entry.key)
+    if isinstance(entry, SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, GetAttrKey):
+        return entry.name
+    if isinstance(entry, FlattenedIndexKey):
+        return str(entry.key)
+    # Custom key types: prefer a ``key``/``name``/``idx`` field over repr noise.
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr):
+            return str(getattr(entry, attr))
+    return str(entry)
+
+
+def path_parts(keypath: KeyPath) -> tuple[str, ...]:
+    """The printable parts of a key path, before they are joined."""
+    return tuple(_entry_str(e) for e in keypath)
+
+
+def path_str(keypath: KeyPath) -> PathStr:
+    """Turn a key path into the one path string.
+
+    >>> from jax.tree_util import DictKey, SequenceKey, GetAttrKey
+    >>> path_str((SequenceKey(0), GetAttrKey("mu"), DictKey("Dense_0"), DictKey("kernel")))
+    '0/mu/Dense_0/kernel'
+    """
+    return SEP.join(path_parts(keypath))
+
+
+def path_prefix(path: PathStr, depth: int | None) -> PathStr:
+    """The first ``depth`` parts of ``path`` (all of it when depth is None)."""
+    if depth is None:
+        return path
+    if depth < 1:
+        raise ValueError(f"`depth` must be a positive integer, got {depth}.")
+    return SEP.join(path.split(SEP)[:depth])
+
+
+def leaves_with_paths(tree: PyTree) -> list[tuple[PathStr, Any]]:
+    """``[(path_string, leaf), ...]`` in tree order, boxes kept as leaves.
+
+    Raises:
+      ValueError: two leaves print to the same path string (e.g. dict keys
+        ``1`` and ``"1"`` side by side), which would make patterns ambiguous.
+    """
+    pairs = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)]
+    if len({p for p, _ in pairs}) != len(pairs):
+        seen: set[str] = set()
+        dup = sorted({p for p, _ in pairs if p in seen or seen.add(p)})
+        raise ValueError(
+            f"leaves share the path string(s) {dup[:5]}; rename the keys so that each leaf has one path."
+        )
+    return pairs
+
+
+def flatten(tree: PyTree) -> dict[PathStr, Any]:
+    """``{path_string: leaf}`` in tree order, boxes kept as leaves."""
+    return dict(leaves_with_paths(tree))
+
+
+def unflatten(flat: dict[PathStr, Any], like: PyTree) -> PyTree:
+    """Rebuild a tree with the structure of ``like`` from ``{path: leaf}``.
+
+    Raises:
+      ValueError: ``flat`` misses paths of ``like`` or has paths it lacks.
+    """
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_leaf)
+    paths = [path_str(p) for p, _ in pairs]
+    missing = [p for p in paths if p not in flat]
+    extra = sorted(set(flat) - set(paths))
+    if missing or extra:
+        raise ValueError(f"`flat` does not match the tree: missing {missing[:5]}, unexpected {extra[:5]}.")
+    return jax.tree_util.tree_unflatten(treedef, [flat[p] for p in paths])
+
+
+def unflatten_dict(flat: dict[PathStr, Any]) -> dict[str, Any]:
+    """Nested dicts from ``{path: leaf}`` when no template tree exists."""
+    out: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        *parents, last = path.split(SEP)
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = leaf
+    return out
+
+
+def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """``jax.tree.map`` with the path string as first argument; boxes are leaves."""
+    return jax.tree_util.tree_map_with_path(lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf)
+
+
+def compile_patterns(patterns: str | Iterable[str] | None, *, name: str) -> list[re.Pattern]:
+    """Compile regexes, naming the argument in the error for a bad one."""
+    if patterns is None:
+        return []
+    if isinstance(patterns, (str, re.Pattern)):
+        patterns = [patterns]
+    out = []
+    for pat in patterns:
+        try:
+            out.append(re.compile(pat))
+        except re.error as e:
+            raise ValueError(f"`{name}` pattern {pat!r} is not a valid regex ({e}); fix or escape it.") from None
+    return out
+
+
+def _nearby(pattern: str, paths: Sequence[str], n: int = 5) -> list[str]:
+    import difflib
+
+    close = difflib.get_close_matches(pattern, paths, n=n, cutoff=0.0)
+    return close or list(paths[:n])
+
+
+def match_patterns(
+    paths: Sequence[PathStr], patterns: Sequence[re.Pattern], *, name: str
+) -> list[bool]:
+    """For each path, whether any pattern ``re.search``-matches it.
+
+    Raises:
+      ValueError: a pattern matches no path; the message names the pattern and
+        a few nearby paths (a pattern that matches nothing is a typo, not a no-op).
+    """
+    hits = [False] * len(paths)
+    for pat in patterns:
+        matched = False
+        for i, p in enumerate(paths):
+            if pat.search(p):
+                hits[i] = matched = True
+        if not matched:
+            raise ValueError(
+                f"`{name}` pattern {pat.pattern!r} matches no leaf; nearby paths: "
+                f"{_nearby(pat.pattern, paths)}. Fix the pattern or drop it."
+            )
+    return hits
