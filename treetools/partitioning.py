@@ -169,7 +169,7 @@ def leaf_sharding(x: Any, *, mesh: Any = None) -> LeafSharding | None:
 
     >>> import flax.linen as nn, jax.numpy as jnp
     >>> leaf_sharding(nn.Partitioned(jnp.ones((4, 4)), names=("fsdp", None)), mesh={"fsdp": 2}).spec
-    PartitionSpec('fsdp', None)
+    P('fsdp', None)
     """
     fallback = mesh if isinstance(mesh, Mapping) else _mesh_sizes(mesh)
     if _is_linen_box(x):

@@ -329,7 +329,7 @@ def tabulate_params(
 
     >>> import jax.numpy as jnp
     >>> print(tabulate_params({"w": jnp.zeros((2, 3))}).splitlines()[2])
-    w       (2, 3)   float32   6         24 B
+    w       (2, 3)   float32  6         24 B
     """
     params = _params_of(state)
     mask = None

@@ -1,0 +1,118 @@
+import csv
+import io
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import treetools as tt
+from tests import _models
+
+
+def _parse_tsv(text):
+    body = text.split("\n\n")[0]
+    rows = list(csv.reader(io.StringIO(body), delimiter="\t"))
+    header = [h.strip() for h in rows[0]]
+    return [dict(zip(header, [c.strip() for c in r])) for r in rows[1:]]
+
+
+def _blocks_params(n=12):
+    # A list of blocks: tree order is 0,1,...,11, string order would be 0,1,10,11,2,...
+    return {"blocks": [{"kernel": np.ones((2, 2), np.float32), "bias": np.ones(2, np.float32)} for _ in range(n)],
+            "head": {"kernel": np.ones((2, 3), np.float32)}}
+
+
+def test_weight_decay_column_agrees_with_mask_leaf_by_leaf():
+    params = _blocks_params()
+    exclude = [r"bias$", r"^blocks/(9|10)/"]
+    text = tt.tabulate_params(params, show_weight_decay=True, weight_decay_exclude=exclude, tablefmt="tsv")
+    rows = _parse_tsv(text)
+    mask = tt.flatten(tt.get_param_mask_fn(exclude)(params))
+    assert [r["path"] for r in rows] == list(mask)  # tree order, blocks/9 before blocks/10
+    assert [r["path"] for r in rows].index("blocks/9/kernel") < [r["path"] for r in rows].index("blocks/10/kernel")
+    assert {r["path"]: r["weight_decay"] == "True" for r in rows} == mask
+    assert sum(mask.values()) == 10 + 1  # kernels of blocks 0-8 and 11, plus the head kernel
+    # Sorting by path must not unglue flags from their rows.
+    sorted_rows = _parse_tsv(tt.tabulate_params(params, True, exclude, sort="path", tablefmt="tsv"))
+    assert {r["path"]: r["weight_decay"] == "True" for r in sorted_rows} == mask
+
+
+def test_columns_and_totals_for_flax_model():
+    variables = _models.init_net()
+    text = tt.tabulate_params(variables, tablefmt="tsv")
+    rows = _parse_tsv(text)
+    flat = tt.flatten(variables)
+    assert len(rows) == len(flat)
+    for r in rows:
+        leaf = flat[r["path"]]
+        assert int(r["params"].replace(",", "")) == leaf.size
+        assert r["dtype"] == "float32"
+    assert f"Total: {_models.NET_PARAMS:,} params" in text
+    assert f"float32: {_models.NET_PARAMS:,} params, {4 * _models.NET_PARAMS:,} bytes" in text
+    stacked = [r for r in rows if r["path"] == "params/blocks/up/kernel"][0]
+    assert stacked["shape"] == f"({_models.LAYERS}, {_models.D}, {_models.HIDDEN})"
+
+
+def test_depth_sums_per_module_and_keeps_totals():
+    variables = _models.init_net()
+    rows = _parse_tsv(tt.tabulate_params(variables, depth=2, tablefmt="tsv"))
+    by_path = {r["path"]: int(r["params"].replace(",", "")) for r in rows}
+    assert by_path == {
+        "params/blocks": _models.LAYERS * _models.BLOCK_PARAMS,
+        "params/embed": _models.VOCAB * _models.D,
+        "params/head": _models.D * _models.OUT + _models.OUT,
+        "params/ln_f": 2 * _models.D,
+    }
+
+
+def test_per_dtype_breakdown_and_sharding_column():
+    tree = {"emb": nn.Partitioned(jnp.ones((8, 4), jnp.bfloat16), names=("fsdp", None)),
+            "w": jnp.ones((3,), jnp.float32), "step": 7}
+    text = tt.tabulate_params(tree, tablefmt="tsv")
+    rows = {r["path"]: r for r in _parse_tsv(text)}
+    assert rows["emb"]["sharding"] == "P('fsdp', None)"
+    assert rows["step"]["params"] == "0" and rows["step"]["shape"] == ""
+    assert "bfloat16: 32 params, 64 bytes" in text and "float32: 3 params, 12 bytes" in text
+    assert "Total: 35 params" in text
+
+
+def test_accepts_train_state_nnx_module_and_state():
+    variables = _models.init_net()
+    ts = train_state.TrainState.create(apply_fn=None, params=variables["params"], tx=optax.sgd(0.1))
+    assert f"Total: {_models.NET_PARAMS:,} params" in tt.tabulate_params(ts)
+    model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+    assert "Total: 16 params" in tt.tabulate_params(model)  # 3*4 + 4
+    assert "Total: 16 params" in tt.tabulate_params(nnx.state(model))
+
+
+def test_tablefmt_passes_through_and_errors():
+    params = {"w": np.ones((2, 2), np.float32)}
+    assert tt.tabulate_params(params, tablefmt="github").startswith("| path")
+    assert "┌" in tt.tabulate_params(params, tablefmt="simple_grid")
+    with pytest.raises(ValueError, match="`sort` must be one of"):
+        tt.tabulate_params(params, sort="size")
+    with pytest.raises(ValueError, match="matches no leaf"):
+        tt.tabulate_params(params, show_weight_decay=True, weight_decay_exclude=["bias$"])
+
+
+def test_empty_tree():
+    assert "Total: 0 params" in tt.tabulate_params({})
+
+
+def test_json_and_tree_renderers_share_rows():
+    from treetools.table import render_rows, rows_from_tree
+
+    rows = rows_from_tree({"a": {"b": np.ones((2, 3), np.float32)}, "c": np.zeros(4, np.int8)})
+    import json
+
+    data = json.loads(render_rows(rows, fmt="json"))
+    assert data["total_params"] == 10 and data["total_bytes"] == 28
+    assert data["leaves"][0] == {"path": "a/b", "shape": [2, 3], "dtype": "float32", "params": 6, "bytes": 24,
+                                 "sharding": None}
+    tree_text = render_rows(rows, fmt="tree")
+    assert tree_text.splitlines()[:2] == ["a/", "  b [2, 3] float32  6 params"]
