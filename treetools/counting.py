@@ -25,21 +25,35 @@ def is_array_like(x: Any) -> bool:
 
 def leaf_size(x: Any, *, per_device: bool = False, mesh: Any = None) -> int:
     """Elements in one leaf (0 for non-arrays); ``per_device`` gives the largest shard."""
-    if not is_array_like(x):
-        return 0
-    shape = shard_shape(x, mesh=mesh) if per_device else unbox(x).shape
-    return math.prod(shape)
+    value = unbox(x)
+    if not per_device or not _array_size(value):
+        return _array_size(value)
+    return math.prod(shard_shape(x, mesh=mesh))
 
 
 def leaf_nbytes(x: Any, *, per_device: bool = False, mesh: Any = None) -> int:
     """Bytes in one leaf (itemsize of its dtype times its size)."""
-    if not is_array_like(x):
-        return 0
-    return leaf_size(x, per_device=per_device, mesh=mesh) * np.dtype(unbox(x).dtype).itemsize
+    size = leaf_size(x, per_device=per_device, mesh=mesh)
+    return size * np.dtype(unbox(x).dtype).itemsize if size else 0
 
 
-def _total(fn, tree: PyTree, **kw: Any) -> int:
-    return sum((fn(leaf, **kw) for leaf in jax.tree.leaves(tree, is_leaf=is_box)), 0)
+def _total(fn, tree: PyTree, *, per_device: bool, mesh: Any) -> int:
+    if per_device:  # shard sizes need each box's names: boxes are leaves here
+        return sum((fn(leaf, per_device=True, mesh=mesh) for leaf in jax.tree.leaves(tree, is_leaf=is_box)), 0)
+    # A box flattens to the array it holds, so global counts can use the plain
+    # (C++) flatten with no is_leaf callback per node, and no unboxing.
+    plain = _array_size if fn is leaf_size else _array_nbytes
+    return sum(map(plain, jax.tree.leaves(tree)))
+
+
+def _array_size(value: Any) -> int:
+    shape = getattr(value, "shape", None)
+    return math.prod(shape) if shape is not None and hasattr(value, "dtype") else 0
+
+
+def _array_nbytes(value: Any) -> int:
+    size = _array_size(value)
+    return size * np.dtype(value.dtype).itemsize if size else 0
 
 
 def get_num_params(tree: PyTree, *, per_device: bool = False, mesh: Any = None) -> int:

@@ -41,6 +41,9 @@ def _is_linen_box(x: Any) -> bool:
     return hasattr(x, "unbox") and hasattr(x, "names") and hasattr(x, "value")
 
 
+_BOX_TYPES: dict[type, bool] = {}
+
+
 def is_box(x: Any) -> bool:
     """True for any array wrapper that treetools treats as one leaf.
 
@@ -48,7 +51,12 @@ def is_box(x: Any) -> bool:
     axis metadata with ``unbox``/``names``) and every nnx ``Variable``, with or
     without sharding names. Usable as ``is_leaf``.
     """
-    return _is_linen_box(x) or _is_nnx_variable(x)
+    # is_leaf runs on every node of every traversal: answer per type, once.
+    t = type(x)
+    known = _BOX_TYPES.get(t)
+    if known is None:
+        known = _BOX_TYPES[t] = _is_linen_box(x) or _is_nnx_variable(x)
+    return known
 
 
 def _nnx_names(x: Any) -> tuple | None:

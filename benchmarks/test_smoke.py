@@ -1,0 +1,24 @@
+"""One quick run of the whole benchmark suite at tiny sizes (part of ``make test``).
+
+It proves the suites still run; the numbers at this size mean nothing.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).parent
+
+
+def test_benchmarks_run_at_tiny_sizes(tmp_path):
+    suites = sorted(str(p) for p in HERE.glob("test_*_bench.py"))
+    assert suites, "no benchmark suites found"
+    env = {**os.environ, "TREETOOLS_BENCH_SCALE": "0.0005", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--benchmark-disable",
+         "--rootdir", str(HERE), *suites],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=480,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "[bench]" in proc.stdout, "benchmarks printed no ratio lines"

@@ -1,0 +1,177 @@
+"""The reference training loop.
+
+Everything treetools offers, used the way a trainer would:
+
+* ``tabulate_params`` with the weight-decay column at start;
+* ``get_param_mask_fn`` as ``optax.adamw(mask=...)``;
+* ``get_param_label_fn`` + ``optax.multi_transform`` to freeze the embeddings
+  behind ``--freeze-embeddings``;
+* ``clip_by_global_norm`` on the sharded global norm;
+* ``update_ema`` for EMA params;
+* ``norm_metrics`` every step inside jit, logged every ``log_every`` steps by
+  ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between);
+* ``get_checkpoint_manager`` saving params, params_ema, opt_state and the data
+  iterator state; ``restore_checkpoint`` into ``make_abstract`` targets to resume.
+
+The model is FSDP-sharded over a mesh of all devices (``data`` x ``fsdp``);
+batches are split over both axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import treetools as tt
+from treetools.checkpoint import save_checkpoint
+from treetools.norms import MetricsLogger
+from treetools.reference.data import MarkovTask
+from treetools.reference.model import ModelConfig, Transformer
+
+WEIGHT_DECAY_EXCLUDE = (r"bias$", r"scale$", r"pos_embed$")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    workdir: str = "runs/demo"
+    steps: int = 200
+    batch_size: int = 32
+    seq_len: int = 32
+    seed: int = 0
+    learning_rate: float = 3e-3
+    weight_decay: float = 0.01
+    clip_norm: float = 1.0
+    ema_decay: float = 0.99
+    log_every: int = 20
+    ckpt_every: int = 100
+    max_to_keep: int = 3
+    freeze_embeddings: bool = False
+    resume: bool = True
+    quiet: bool = False
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+
+
+def make_mesh() -> jax.sharding.Mesh:
+    """All devices as ``data`` x ``fsdp`` (fsdp = 2 where the count is even)."""
+    n = jax.device_count()
+    fsdp = 2 if n % 2 == 0 else 1
+    return jax.make_mesh((n // fsdp, fsdp), ("data", "fsdp"))
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.steps // 10, 1), max(cfg.steps, 2))
+    adamw = optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=tt.get_param_mask_fn(WEIGHT_DECAY_EXCLUDE))
+    rules = [(r"^embed/", "frozen")] if cfg.freeze_embeddings else []
+    labels = tt.get_param_label_fn(rules, default="train")
+    return optax.chain(
+        tt.clip_by_global_norm(cfg.clip_norm),
+        optax.multi_transform({"train": adamw, "frozen": optax.set_to_zero()}, labels),
+    )
+
+
+def _shardings(abstract: Any, mesh: jax.sharding.Mesh) -> Any:
+    # Boxed leaves get NamedSharding(mesh, their names); everything else is replicated.
+    replicated = NamedSharding(mesh, P())
+    laid_out = tt.make_abstract(abstract, mesh=mesh)
+    return jax.tree.map(lambda s: s.sharding if isinstance(s.sharding, NamedSharding) else replicated, laid_out)
+
+
+def _loss_fn(model: Transformer, params: Any, batch: jax.Array) -> jax.Array:
+    logits = model.apply({"params": params}, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch[:, 1:]).mean()
+
+
+def build(cfg: TrainConfig):
+    """Model, optimizer, mesh, sharded initial state and the jitted step."""
+    mesh = make_mesh()
+    model = Transformer(cfg.model)
+    tx = make_optimizer(cfg)
+    dummy = jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32)
+
+    def init(key: jax.Array) -> dict[str, Any]:
+        params = model.init(key, dummy)["params"]
+        return {"params": params, "params_ema": params, "opt_state": tx.init(params)}
+
+    abstract_state = jax.eval_shape(init, jax.random.key(cfg.seed))
+    state_shardings = _shardings(abstract_state, mesh)
+    state = jax.jit(init, out_shardings=state_shardings)(jax.random.key(cfg.seed))
+    batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
+
+    def train_step(state: dict[str, Any], batch: jax.Array):
+        loss, grads = jax.value_and_grad(lambda p: _loss_fn(model, p, batch))(state["params"])
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics = tt.norm_metrics(grads=grads, params=params, updates=updates)
+        metrics["loss"] = loss
+        ema = tt.update_ema(state["params_ema"], params, cfg.ema_decay)
+        return {"params": params, "params_ema": ema, "opt_state": opt_state}, metrics
+
+    step_fn = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                      out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
+    return mesh, model, state, state_shardings, batch_sharding, step_fn
+
+
+def _say(cfg: TrainConfig, msg: str) -> None:
+    if not cfg.quiet:
+        print(msg, flush=True)
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    """Train (or resume) for ``cfg.steps`` total steps; returns a summary dict."""
+    if cfg.ckpt_every < 1 or cfg.log_every < 1 or cfg.steps < 0:
+        raise ValueError("`--steps` must be >= 0 and `--log-every` / `--ckpt-every` >= 1.")
+    mesh, model, state, state_shardings, batch_sharding, step_fn = build(cfg)
+    data = MarkovTask(cfg.model.vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+    ckpt_dir = os.path.abspath(os.path.join(cfg.workdir, "checkpoints"))
+    metrics_path = os.path.join(cfg.workdir, "metrics.jsonl")
+    manager = tt.get_checkpoint_manager(cfg.ckpt_every, max_to_keep=cfg.max_to_keep, checkpoint_dir=ckpt_dir)
+
+    _say(cfg, f"mesh {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s)")
+    _say(cfg, tt.tabulate_params(state["params"], show_weight_decay=True,
+                                 weight_decay_exclude=list(WEIGHT_DECAY_EXCLUDE), depth=None))
+    start = 0
+    latest = manager.latest_step() if cfg.resume else None
+    if latest is not None:
+        targets = {"params": tt.make_abstract(state["params"]), "params_ema": tt.make_abstract(state["params_ema"]),
+                   "opt_state": tt.make_abstract(state["opt_state"]), "data": None}
+        restored = tt.restore_checkpoint(manager, latest, targets)
+        state = {k: restored[k] for k in ("params", "params_ema", "opt_state")}
+        data.set_state(restored["data"])
+        start = latest
+        _say(cfg, f"resumed from step {latest} in {ckpt_dir}")
+
+    logger = MetricsLogger(metrics_path, every=cfg.log_every)
+    first_loss = last_loss = None
+    tick, tick_step = time.perf_counter(), start
+    for step in range(start + 1, cfg.steps + 1):
+        batch = jax.device_put(next(data), batch_sharding)
+        state, metrics = step_fn(state, batch)
+        if logger(step, metrics):
+            now = time.perf_counter()
+            host = jax.device_get(metrics)
+            last_loss = float(host["loss"])
+            first_loss = last_loss if first_loss is None else first_loss
+            rate = (step - tick_step) / max(now - tick, 1e-9)
+            tick, tick_step = now, step
+            _say(cfg, f"step {step:>5}/{cfg.steps}  loss {last_loss:.4f}  grad_norm {float(host['grad_norm']):.4f}  "
+                      f"update_ratio {float(host['update_ratio']):.2e}  {rate:.1f} steps/s")
+        if step % cfg.ckpt_every == 0 or step == cfg.steps:
+            save_checkpoint(manager, step, {"params": state["params"], "params_ema": state["params_ema"],
+                                            "opt_state": state["opt_state"], "data": data.get_state()})
+    manager.wait_until_finished()
+    manager.close()
+    _say(cfg, f"checkpoints: {ckpt_dir}\nmetrics:     {os.path.abspath(metrics_path)}")
+    _say(cfg, f"inspect with: treetools inspect {ckpt_dir}")
+    return {"state": state, "first_loss": first_loss, "last_loss": last_loss, "checkpoint_dir": ckpt_dir,
+            "metrics_path": metrics_path, "optimal_loss": data.optimal_loss(), "start_step": start}
