@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/treetools train --workdir $(WORKDIR)
+	rm -rf $(WORKDIR)
+	$(VENV)/bin/treetools train --workdir $(WORKDIR) --cpu-devices 4
 	$(VENV)/bin/treetools inspect $(WORKDIR)/checkpoints
 
 test: $(STAMP)

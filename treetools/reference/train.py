@@ -53,6 +53,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     clip_norm: float = 1.0
     ema_decay: float = 0.99
+    warmup_steps: int = 10
+    decay_steps: int = 2000
     log_every: int = 20
     ckpt_every: int = 100
     max_to_keep: int = 3
@@ -66,11 +68,14 @@ def make_mesh() -> jax.sharding.Mesh:
     """All devices as ``data`` x ``fsdp`` (fsdp = 2 where the count is even)."""
     n = jax.device_count()
     fsdp = 2 if n % 2 == 0 else 1
-    return jax.make_mesh((n // fsdp, fsdp), ("data", "fsdp"))
+    # Auto axes: GSPMD propagates shardings through the model (no explicit out_sharding per op).
+    return jax.make_mesh((n // fsdp, fsdp), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, max(cfg.steps // 10, 1), max(cfg.steps, 2))
+    # The schedule must not depend on --steps: a run resumed with a larger
+    # --steps has to follow the same curve as one that ran straight through.
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.decay_steps)
     adamw = optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=tt.get_param_mask_fn(WEIGHT_DECAY_EXCLUDE))
     rules = [(r"^embed/", "frozen")] if cfg.freeze_embeddings else []
     labels = tt.get_param_label_fn(rules, default="train")
@@ -144,10 +149,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     latest = manager.latest_step() if cfg.resume else None
     if latest is not None:
         targets = {"params": tt.make_abstract(state["params"]), "params_ema": tt.make_abstract(state["params_ema"]),
-                   "opt_state": tt.make_abstract(state["opt_state"]), "data": None}
+                   "opt_state": tt.make_abstract(state["opt_state"]), "data_iter": None}
         restored = tt.restore_checkpoint(manager, latest, targets)
         state = {k: restored[k] for k in ("params", "params_ema", "opt_state")}
-        data.set_state(restored["data"])
+        data.set_state(restored["data_iter"])
         start = latest
         _say(cfg, f"resumed from step {latest} in {ckpt_dir}")
 
@@ -168,7 +173,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                       f"update_ratio {float(host['update_ratio']):.2e}  {rate:.1f} steps/s")
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             save_checkpoint(manager, step, {"params": state["params"], "params_ema": state["params_ema"],
-                                            "opt_state": state["opt_state"], "data": data.get_state()})
+                                            "opt_state": state["opt_state"], "data_iter": data.get_state()},
+                            force=step == cfg.steps)
     manager.wait_until_finished()
     manager.close()
     _say(cfg, f"checkpoints: {ckpt_dir}\nmetrics:     {os.path.abspath(metrics_path)}")
