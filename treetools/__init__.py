@@ -39,6 +39,8 @@ _EXPORTS: dict[str, str] = {
     "get_param_norms": "norms",
     "norm_metrics": "norms",
     "clip_by_global_norm": "norms",
+    "MetricsLogger": "norms",
+    "JsonlWriter": "norms",
     # masks
     "get_param_mask_fn": "masks",
     "get_param_label_fn": "masks",
@@ -51,6 +53,11 @@ _EXPORTS: dict[str, str] = {
     "get_checkpoint_manager": "checkpoint",
     "restore_checkpoint": "checkpoint",
     "load_parameters": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "list_steps": "checkpoint",
+    "list_incomplete": "checkpoint",
+    "latest_step": "checkpoint",
+    "CheckpointMismatchError": "checkpoint",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -71,10 +78,21 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.abstract import make_abstract, replicate, update_ema
-    from treetools.checkpoint import get_checkpoint_manager, load_parameters, restore_checkpoint
+    from treetools.checkpoint import (
+        CheckpointMismatchError,
+        get_checkpoint_manager,
+        latest_step,
+        list_incomplete,
+        list_steps,
+        load_parameters,
+        restore_checkpoint,
+        save_checkpoint,
+    )
     from treetools.counting import get_num_bytes, get_num_params
     from treetools.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
     from treetools.norms import (
+        JsonlWriter,
+        MetricsLogger,
         clip_by_global_norm,
         get_grad_norms,
         get_param_norms,

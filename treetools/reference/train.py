@@ -34,8 +34,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treetools as tt
-from treetools.checkpoint import save_checkpoint
-from treetools.norms import MetricsLogger
 from treetools.reference.data import MarkovTask
 from treetools.reference.model import ModelConfig, Transformer
 
@@ -156,7 +154,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         start = latest
         _say(cfg, f"resumed from step {latest} in {ckpt_dir}")
 
-    logger = MetricsLogger(metrics_path, every=cfg.log_every)
+    logger = tt.MetricsLogger(metrics_path, every=cfg.log_every)
     first_loss = last_loss = None
     tick, tick_step = time.perf_counter(), start
     for step in range(start + 1, cfg.steps + 1):
@@ -172,7 +170,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             _say(cfg, f"step {step:>5}/{cfg.steps}  loss {last_loss:.4f}  grad_norm {float(host['grad_norm']):.4f}  "
                       f"update_ratio {float(host['update_ratio']):.2e}  {rate:.1f} steps/s")
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            save_checkpoint(manager, step, {"params": state["params"], "params_ema": state["params_ema"],
+            tt.save_checkpoint(manager, step, {"params": state["params"], "params_ema": state["params_ema"],
                                             "opt_state": state["opt_state"], "data_iter": data.get_state()},
                             force=step == cfg.steps)
     manager.wait_until_finished()
