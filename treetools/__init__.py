@@ -58,6 +58,11 @@ _EXPORTS: dict[str, str] = {
     "list_incomplete": "checkpoint",
     "latest_step": "checkpoint",
     "CheckpointMismatchError": "checkpoint",
+    # inspect
+    "inspect_path": "inspect",
+    "diff_paths": "inspect",
+    "open_checkpoint": "inspect",
+    "CheckpointError": "inspect",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -89,6 +94,7 @@ if TYPE_CHECKING:  # static analysers see ordinary imports
         save_checkpoint,
     )
     from treetools.counting import get_num_bytes, get_num_params
+    from treetools.inspect import CheckpointError, diff_paths, inspect_path, open_checkpoint
     from treetools.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
     from treetools.norms import (
         JsonlWriter,

@@ -1,0 +1,600 @@
+"""treetools.inspect and `treetools inspect` on checkpoints written by Orbax, Flax, safetensors and numpy.
+
+Every expected shape, dtype, count, byte total, sharding and statistic is
+derived here from the writer's own arrays (numpy float64 for statistics),
+never from the inspector.
+"""
+
+from __future__ import annotations
+
+import doctest
+import hashlib
+import importlib
+import json
+import math
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from treetools.cli import main
+from treetools.inspect import CheckpointError, inspect_path, plan_blocks
+
+STEPS = (100, 200)
+TMP_STEP = "ckpt_0300.orbax-checkpoint-tmp-1700000000"
+UNCOMMITTED_STEP = "ckpt_0400"
+# Which mesh axes each sharded leaf uses on the (data=2, model=4) mesh; None: one device, no NamedSharding.
+SPECS = {
+    "Dense_0/kernel": P(None, "model"),
+    "Dense_0/bias": P("model"),
+    "embed": P("data", "model"),
+    "layers/0/w": P(("data", "model")),
+    "layers/1/w": P(),
+    "half": None,
+    "scale": None,
+}
+
+
+# ----------------------------------------------------------------------------- writers (shared with the other test files)
+
+
+def host_tree(seed: int) -> dict:
+    """The tree every writer saves: float32, bfloat16, int32, a list, a 0-d scalar."""
+    rng = np.random.default_rng(seed)
+    return {
+        "Dense_0": {"kernel": rng.standard_normal((32, 16)).astype(np.float32),
+                    "bias": rng.standard_normal(16).astype(np.float32)},
+        "embed": (rng.standard_normal((8, 4)) * 3 + 1).astype(np.float32),
+        "layers": [{"w": rng.integers(-5, 5, (8,)).astype(np.int32)},
+                   {"w": np.array([0, 0, 1, 2, 0, 3, 4, 5], np.int32)}],
+        "half": rng.standard_normal((4, 4)).astype(ml_dtypes.bfloat16),
+        "scale": np.array(0.5, np.float32),
+    }
+
+
+def flat(tree: dict) -> dict[str, np.ndarray]:
+    """``{path: array}`` with the DESIGN path strings, built by hand (not by treetools)."""
+    out = {}
+
+    def walk(prefix, node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk(f"{prefix}{k}/", v)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(f"{prefix}{i}/", v)
+        else:
+            out[prefix[:-1]] = np.asarray(node)
+
+    walk("", tree)
+    return out
+
+
+def mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((2, 4), ("data", "model"), devices=jax.devices()[:8])
+
+
+def sharded(tree: dict) -> dict:
+    """The tree on 8 devices, each leaf laid out per SPECS."""
+    m = mesh()
+    leaves = flat(tree)
+    put = {p: (jax.device_put(x, NamedSharding(m, SPECS[p])) if SPECS[p] is not None else jax.device_put(x))
+           for p, x in leaves.items()}
+    return {
+        "Dense_0": {"kernel": put["Dense_0/kernel"], "bias": put["Dense_0/bias"]},
+        "embed": put["embed"],
+        "layers": [{"w": put["layers/0/w"]}, {"w": put["layers/1/w"]}],
+        "half": put["half"],
+        "scale": put["scale"],
+    }
+
+
+def expected_sharding(path: str) -> dict | None:
+    spec = SPECS[path]
+    if spec is None:
+        return None
+    return {"mesh": {"data": 2, "model": 4}, "spec": [list(e) if isinstance(e, tuple) else e for e in spec]}
+
+
+def opt_state_of(tree: dict):
+    return optax.adam(1e-3).init({"Dense_0": tree["Dense_0"], "embed": tree["embed"]})
+
+
+def meta_of(step: int) -> dict:
+    return {"lr": 0.001, "step": step, "name": "run"}
+
+
+def write_run(root: Path) -> Path:
+    """A CheckpointManager root: steps 100 and 200 (prefix ``ckpt``, zero padded), plus two broken saves."""
+    options = ocp.CheckpointManagerOptions(step_prefix="ckpt", step_format_fixed_length=4)
+    with ocp.CheckpointManager(str(root), options=options) as mgr:
+        for i, step in enumerate(STEPS):
+            tree = host_tree(i + 1)
+            mgr.save(step, args=ocp.args.Composite(
+                params=ocp.args.StandardSave(sharded(tree)),
+                opt_state=ocp.args.StandardSave(opt_state_of(tree)),
+                meta=ocp.args.JsonSave(meta_of(step)),
+            ))
+        mgr.wait_until_finished()
+    # A save that died in its tmp folder, and one without a commit marker.
+    # Both are made unreadable, so that reading them would fail the tests.
+    last = root / f"ckpt_{STEPS[-1]:04d}"
+    for name in (TMP_STEP, UNCOMMITTED_STEP):
+        shutil.copytree(last, root / name)
+        (root / name / "params" / "_METADATA").write_text("{broken")
+    (root / UNCOMMITTED_STEP / "commit_success.txt").unlink()
+    meta_file = root / UNCOMMITTED_STEP / "_CHECKPOINT_METADATA"
+    meta = json.loads(meta_file.read_text())
+    meta.pop("commit_timestamp_nsecs", None)
+    meta_file.write_text(json.dumps(meta))
+    (root / "logs").mkdir()
+    return root
+
+
+def write_variant(path: Path, tree: dict, *, ocdbt: bool, zarr3: bool) -> Path:
+    """A PyTreeCheckpointHandler save with OCDBT and zarr3 on or off, plus a string and a Python int."""
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=zarr3))
+    ckptr.save(str(path), args=ocp.args.PyTreeSave({**tree, "count": 7, "tag": "hello"}))
+    ckptr.close()
+    return path
+
+
+def write_files(d: Path, tree: dict) -> dict[str, Path]:
+    """The same tree as Flax msgpack, safetensors (dotted names) and npz (stored and compressed)."""
+    from flax import serialization
+    from safetensors.numpy import save_file
+
+    leaves = flat(tree)
+    out = {"msgpack": d / "state.msgpack", "safetensors": d / "model.safetensors",
+           "npz": d / "params.npz", "npz_compressed": d / "params_c.npz"}
+    out["msgpack"].write_bytes(serialization.to_bytes({"params": tree, "step": 3}))
+    save_file({p.replace("/", "."): x for p, x in leaves.items()}, str(out["safetensors"]))
+    no_bf16 = {p: x for p, x in leaves.items() if x.dtype != ml_dtypes.bfloat16}  # npy stores bfloat16 as void
+    np.savez(out["npz"], **no_bf16)
+    np.savez_compressed(out["npz_compressed"], **no_bf16)
+    return out
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def inspect_json(capsys, *argv: str) -> dict:
+    rc, out, err = run(capsys, "inspect", *argv, "--format", "json")
+    assert rc == 0, err
+    return json.loads(out)
+
+
+def leaves_of(item: dict) -> dict[str, dict]:
+    return {leaf["path"]: leaf for leaf in item["leaves"]}
+
+
+def check_item(item: dict, arrays: dict[str, np.ndarray], *, non_arrays: tuple[str, ...] = ()) -> None:
+    """Every leaf's shape/dtype/params/bytes and the totals, against the writer's arrays."""
+    got = leaves_of(item)
+    assert set(got) == set(arrays) | set(non_arrays)
+    by_dtype: dict[str, dict[str, int]] = {}
+    for path, x in arrays.items():
+        leaf = got[path]
+        assert leaf["shape"] == list(x.shape), path
+        assert leaf["dtype"] == str(x.dtype), path
+        assert leaf["params"] == x.size, path
+        assert leaf["bytes"] == x.nbytes, path
+        d = by_dtype.setdefault(str(x.dtype), {"params": 0, "bytes": 0})
+        d["params"] += x.size
+        d["bytes"] += x.nbytes
+    for path in non_arrays:
+        assert got[path]["shape"] is None and got[path]["params"] == 0 and got[path]["bytes"] == 0, path
+    assert item["total_params"] == sum(x.size for x in arrays.values())
+    assert item["total_bytes"] == sum(x.nbytes for x in arrays.values())
+    assert item["by_dtype"] == dict(sorted(by_dtype.items()))
+
+
+def numpy_stats(x: np.ndarray) -> dict:
+    x = np.asarray(x).astype(np.float64).ravel()
+    f = x[np.isfinite(x)]
+    return {
+        "mean": f.mean(), "std": f.std(), "min": f.min(), "max": f.max(), "l2": np.sqrt(np.sum(f * f)),
+        "abs_max": np.abs(f).max(), "zeros": int(np.sum(x == 0)), "nan": int(np.isnan(x).sum()),
+        "posinf": int(np.sum(x == np.inf)), "neginf": int(np.sum(x == -np.inf)),
+    }
+
+
+def check_stats(item: dict, arrays: dict[str, np.ndarray]) -> None:
+    got = leaves_of(item)
+    for path, x in arrays.items():
+        want = numpy_stats(x)
+        for key, value in want.items():
+            if isinstance(value, int):
+                assert got[path]["stats"][key] == value, (path, key)
+            else:
+                np.testing.assert_allclose(got[path]["stats"][key], value, rtol=1e-5, atol=1e-9, err_msg=f"{path} {key}")
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("treetools: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, devices) -> Path:
+    return write_run(tmp_path_factory.mktemp("inspect") / "checkpoints")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    return write_files(tmp_path_factory.mktemp("files"), host_tree(7))
+
+
+# ----------------------------------------------------------------------------- Orbax
+
+
+def test_manager_root_lists_steps_and_shows_latest(run_dir, capsys):
+    out = inspect_json(capsys, run_dir)
+    assert out["path"] == str(run_dir) and out["format"] == "orbax"
+    assert out["steps"] == list(STEPS)
+    assert out["incomplete"] == [TMP_STEP, UNCOMMITTED_STEP]
+    assert out["step"] == STEPS[-1]
+    assert set(out["items"]) == {"params", "opt_state", "meta"}
+    tree = host_tree(2)  # step 200 was saved from seed 2
+    check_item(out["items"]["params"], flat(tree))
+    opt = flat(jax.tree.map(np.asarray, {"0": {"count": np.zeros((), np.int32),
+                                               "mu": {"Dense_0": tree["Dense_0"], "embed": tree["embed"]},
+                                               "nu": {"Dense_0": tree["Dense_0"], "embed": tree["embed"]}}}))
+    check_item(out["items"]["opt_state"], opt)
+    check_item(out["items"]["meta"], {}, non_arrays=tuple(meta_of(200)))
+
+
+def test_shardings_from_saved_metadata(run_dir, capsys):
+    got = leaves_of(inspect_json(capsys, run_dir, "--item", "params")["items"]["params"])
+    for path in SPECS:
+        assert got[path]["sharding"] == expected_sharding(path), path
+
+
+def test_sharding_read_in_a_one_device_process(run_dir):
+    code = (
+        "import sys, jax\n"
+        "assert jax.device_count() == 1, jax.devices()\n"
+        "from treetools.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code, "inspect", str(run_dir), "--step", "100", "--format", "json"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["step"] == 100
+    got = leaves_of(out["items"]["params"])
+    for path in SPECS:
+        assert got[path]["sharding"] == expected_sharding(path), path
+    check_item(out["items"]["params"], flat(host_tree(1)))
+
+
+def test_explicit_step_all_steps_and_folders(run_dir, capsys):
+    assert inspect_json(capsys, run_dir, "--step", "100")["step"] == 100
+    by_step = inspect_json(capsys, run_dir, "--step", "all")
+    assert "items" not in by_step and list(by_step["by_step"]) == ["100", "200"]
+    for i, step in enumerate(STEPS):
+        check_item(by_step["by_step"][str(step)]["params"], flat(host_tree(i + 1)))
+    one_step = inspect_json(capsys, run_dir / "ckpt_0100")
+    assert one_step["steps"] is None and one_step["step"] == 100 and set(one_step["items"]) == {"params", "opt_state", "meta"}
+    item = inspect_json(capsys, run_dir / "ckpt_0100" / "params")
+    assert item["steps"] is None and list(item["items"]) == ["params"]
+    check_item(item["items"]["params"], flat(host_tree(1)))
+    meta = inspect_json(capsys, run_dir / "ckpt_0100" / "meta")
+    check_item(meta["items"]["meta"], {}, non_arrays=tuple(meta_of(100)))
+
+
+@pytest.mark.parametrize("ocdbt", [True, False])
+@pytest.mark.parametrize("zarr3", [False, True])
+def test_ocdbt_and_zarr3_variants(tmp_path, capsys, ocdbt, zarr3):
+    tree = host_tree(3)
+    path = write_variant(tmp_path / "ckpt", tree, ocdbt=ocdbt, zarr3=zarr3)
+    assert (path / "manifest.ocdbt").exists() == ocdbt
+    out = inspect_json(capsys, path, "--stats", "--chunk-mb", "0.001")
+    assert out["steps"] is None and list(out["items"]) == ["default"]
+    item = out["items"]["default"]
+    check_item(item, flat(tree), non_arrays=("count", "tag"))
+    check_stats(item, flat(tree))
+
+
+def test_standard_checkpointer_folder_is_item_default(tmp_path, capsys):
+    tree = host_tree(4)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(str(tmp_path / "std"), tree)
+    out = inspect_json(capsys, tmp_path / "std")
+    check_item(out["items"]["default"], flat(tree))
+
+
+def test_orbax_stats_match_numpy_in_small_blocks(run_dir, capsys):
+    out = inspect_json(capsys, run_dir, "--step", "100", "--item", "params", "--stats", "--chunk-mb", "0.001")
+    check_stats(out["items"]["params"], flat(host_tree(1)))
+
+
+def test_metadata_mode_reads_no_array_data(tmp_path, capsys):
+    """Non-OCDBT keeps chunks in their own files: without them metadata still reads, --stats cannot."""
+    tree = host_tree(5)
+    path = write_variant(tmp_path / "ckpt", tree, ocdbt=False, zarr3=False)
+    for chunk in path.glob("*/[0-9]*"):
+        chunk.unlink()
+    check_item(inspect_json(capsys, path)["items"]["default"], flat(tree), non_arrays=("count", "tag"))
+    rc, out, err = run(capsys, "inspect", path, "--stats")
+    assert rc == 1 and "cannot read array data" in one_error_line(err)
+
+
+# ----------------------------------------------------------------------------- Flax msgpack, safetensors, npz
+
+
+def test_flax_msgpack(files, capsys):
+    out = inspect_json(capsys, files["msgpack"], "--stats", "--chunk-mb", "0.001")
+    assert out["format"] == "msgpack" and out["steps"] is None and out["step"] is None
+    arrays = {f"params/{p}": x for p, x in flat(host_tree(7)).items()}
+    check_item(out["items"]["default"], arrays, non_arrays=("step",))
+    check_stats(out["items"]["default"], arrays)
+
+
+def test_safetensors_dotted_names_become_paths(files, capsys):
+    out = inspect_json(capsys, files["safetensors"], "--stats", "--chunk-mb", "0.001")
+    assert out["format"] == "safetensors"
+    check_item(out["items"]["default"], flat(host_tree(7)))
+    check_stats(out["items"]["default"], flat(host_tree(7)))
+
+
+@pytest.mark.parametrize("key", ["npz", "npz_compressed"])
+def test_npz_stored_and_compressed(files, capsys, key):
+    arrays = {p: x for p, x in flat(host_tree(7)).items() if x.dtype != ml_dtypes.bfloat16}
+    out = inspect_json(capsys, files[key], "--stats", "--chunk-mb", "0.001")
+    assert out["format"] == "npz"
+    check_item(out["items"]["default"], arrays)
+    check_stats(out["items"]["default"], arrays)
+
+
+def test_fortran_ordered_npz_stats(tmp_path, capsys):
+    x = np.asfortranarray(np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32))
+    for saver in (np.savez, np.savez_compressed):
+        f = tmp_path / f"{saver.__name__}.npz"
+        saver(f, x=x)
+        item = inspect_json(capsys, f, "--stats", "--chunk-mb", "0.001")["items"]["default"]
+        check_item(item, {"x": x})
+        check_stats(item, {"x": x})
+
+
+def test_nonfinite_counts_json_and_exit_code(tmp_path, capsys):
+    bad = np.array([1.0, np.nan, np.inf, -np.inf, 0.0, 2.0], np.float32)
+    allnan = np.full(3, np.nan, np.float32)
+    f = tmp_path / "bad.npz"
+    np.savez(f, bad=bad, allnan=allnan, good=np.ones(4, np.float32))
+    rc, out, err = run(capsys, "inspect", f, "--stats", "--format", "json")
+    assert rc == 0
+    got = leaves_of(json.loads(out)["items"]["default"])  # valid JSON: NaN became null
+    check_stats({"leaves": [got["bad"]]}, {"bad": bad})
+    assert got["allnan"]["stats"]["nan"] == 3 and got["allnan"]["stats"]["mean"] is None
+    rc, out, err = run(capsys, "inspect", f, "--fail-on-nonfinite")
+    assert rc == 3 and "bad" in err and "allnan" in err and "good" not in err
+    clean = tmp_path / "clean.npz"
+    np.savez(clean, good=np.ones(4, np.float32))
+    assert run(capsys, "inspect", clean, "--fail-on-nonfinite")[0] == 0
+
+
+# ----------------------------------------------------------------------------- read-only
+
+
+def _tree_state(root: Path) -> dict[str, tuple]:
+    """Every file and folder under root: kind, size, mode and content hash."""
+    state = {}
+    for p in sorted(root.rglob("*")):
+        st_ = p.lstat()
+        digest = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        state[str(p.relative_to(root))] = (stat.S_IFMT(st_.st_mode), st_.st_size, st_.st_mode, st_.st_mtime_ns, digest)
+    return state
+
+
+def test_never_writes_under_path(run_dir, files, tmp_path, capsys):
+    ro = tmp_path / "ro"
+    shutil.copytree(run_dir, ro / "run")
+    for f in files.values():
+        shutil.copy(f, ro / f.name)
+    for p in [ro, *ro.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    before = _tree_state(ro)
+    try:
+        assert run(capsys, "inspect", ro / "run")[0] == 0
+        assert run(capsys, "inspect", ro / "run", "--step", "all", "--stats")[0] == 0
+        assert run(capsys, "inspect", ro / "run" / "ckpt_0100" / "params", "--stats")[0] == 0
+        assert run(capsys, "diff", ro / "run", "--step", "100", "--step", "200", "--values")[0] == 0
+        for f in files.values():
+            assert run(capsys, "inspect", ro / f.name, "--stats")[0] == 0
+        assert run(capsys, "inspect", ro / "run", "--step", "300")[0] == 1
+        assert _tree_state(ro) == before
+    finally:
+        for p in [ro, *ro.rglob("*")]:
+            p.chmod(p.stat().st_mode | stat.S_IWUSR)
+
+
+# ----------------------------------------------------------------------------- bounded memory
+
+
+PEAK = (
+    "import resource, subprocess, sys\n"
+    "p = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)\n"
+    "assert p.returncode == 0, p.stderr\n"
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)\n"
+)
+
+
+def _child_peak_kib(*argv: str, env: dict) -> int:
+    proc = subprocess.run([sys.executable, "-c", PEAK, sys.executable, "-m", "treetools", *argv],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.strip())
+
+
+def test_stats_peak_memory_is_bounded(tmp_path):
+    """--stats on 64 MiB checkpoints with a 2 MiB budget: the child's peak RSS grows by < 32 MiB.
+
+    Loading the array whole would add >= 64 MiB (and a float64 copy 128 MiB).
+    Orbax is saved with 1 MiB chunks: TensorStore decompresses a chunk whole,
+    so the bound holds for chunks below the budget (Orbax's default chunk is
+    one device shard).
+    """
+    budget = 2 * 2**20
+    w = np.random.default_rng(0).random((4096, 4096), dtype=np.float32)  # 64 MiB
+    np.savez(tmp_path / "big.npz", w=w)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(str(tmp_path / "big_orbax"), {"w": w}, save_args={"w": ocp.SaveArgs(chunk_byte_size=2**20)})
+    env = dict(os.environ, TREETOOLS_CHUNK_BYTES=str(budget), XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    for path in (tmp_path / "big.npz", tmp_path / "big_orbax"):
+        base = _child_peak_kib("inspect", str(path), "--format", "json", env=env)
+        peak = _child_peak_kib("inspect", str(path), "--stats", "--format", "json", env=env)
+        assert peak - base < 32 * 1024, (path.name, base, peak)
+    want = numpy_stats(w)
+    got = inspect_path(str(tmp_path / "big.npz"), stats=True, chunk_bytes=budget).by_step[0].items["default"].rows[0]
+    np.testing.assert_allclose(got.stats["std"], want["std"], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- bad inputs: one line, exit 1
+
+
+def _write_zip(path: Path, members: dict[str, np.ndarray]) -> None:
+    import io
+
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, x in members.items():
+            buf = io.BytesIO()
+            np.save(buf, x)
+            zf.writestr(name, buf.getvalue())
+
+
+def _corrupt_metadata(run_dir: Path, tmp_path: Path, text: str | None = None, edit=None) -> Path:
+    item = tmp_path / "item"
+    shutil.copytree(run_dir / "ckpt_0100" / "params", item)
+    meta = item / "_METADATA"
+    if edit is not None:
+        meta.write_text(json.dumps(edit(json.loads(meta.read_text()))))
+    else:
+        meta.write_text(text if text is not None else meta.read_text()[: len(meta.read_text()) // 2])
+    return item
+
+
+def _escape_key(meta: dict) -> dict:
+    key, entry = next(iter(meta["tree_metadata"].items()))
+    entry["key_metadata"] = [{"key": "../../outside", "key_type": 2}]
+    return meta
+
+
+BAD_INPUTS = {
+    "missing path": (lambda rd, t: t / "nope", "no such file"),
+    "not a checkpoint file": (lambda rd, t: (t / "notes.txt", (t / "notes.txt").write_text("hello"))[0], "not a checkpoint"),
+    "empty folder": (lambda rd, t: (t / "empty", (t / "empty").mkdir())[0], "empty folder"),
+    "folder of other files": (lambda rd, t: (t / "d", (t / "d").mkdir(), (t / "d" / "x.txt").write_text("x"))[0],
+                              "not a checkpoint"),
+    "truncated _METADATA": (lambda rd, t: _corrupt_metadata(rd, t), "corrupt or truncated Orbax _METADATA"),
+    "_METADATA of the wrong shape": (lambda rd, t: _corrupt_metadata(rd, t, '{"foo": 1}'), "corrupt Orbax _METADATA"),
+    "orbax key escaping the folder": (lambda rd, t: _corrupt_metadata(rd, t, edit=_escape_key), "tries to escape"),
+    "truncated msgpack": (lambda rd, t: (t / "s.msgpack", (t / "s.msgpack").write_bytes(
+        __import__("flax.serialization").serialization.to_bytes({"w": np.ones((64, 64))})[:1000]))[0],
+        "corrupt or truncated Flax msgpack"),
+    "safetensors header not JSON": (lambda rd, t: (t / "m.safetensors", (t / "m.safetensors").write_bytes(
+        (10).to_bytes(8, "little") + b"{not json}" + b"\0" * 8))[0], "corrupt safetensors header"),
+    "safetensors header truncated": (lambda rd, t: (t / "m.safetensors", (t / "m.safetensors").write_bytes(
+        (4096).to_bytes(8, "little") + b'{"w": {"dtype"'))[0], "truncated safetensors header"),
+    "safetensors key escaping the folder": (lambda rd, t: (t / "m.safetensors", __import__("safetensors.numpy").numpy.save_file(
+        {"../evil": np.ones(2, np.float32)}, str(t / "m.safetensors")))[0], "tries to escape"),
+    "npz member escaping the folder": (lambda rd, t: (t / "a.npz", _write_zip(t / "a.npz", {"../evil.npy": np.ones(2)}))[0],
+                                       "tries to escape"),
+    "truncated npz": (lambda rd, t: (t / "a.npz", np.savez(t / "full.npz", w=np.ones(1000)),
+                                     (t / "a.npz").write_bytes((t / "full.npz").read_bytes()[:3000]))[0],
+                      "corrupt or truncated npz"),
+    "orbax tmp folder": (lambda rd, t: rd / TMP_STEP, "incomplete save"),
+    "step folder without commit marker": (lambda rd, t: rd / UNCOMMITTED_STEP, "incomplete save"),
+    "root with only incomplete saves": (lambda rd, t: (t / "r", (t / "r").mkdir(), shutil.copytree(rd / TMP_STEP, t / "r" / TMP_STEP))[0],
+                                        "no committed step"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_1(case, run_dir, tmp_path, capsys):
+    make, words = BAD_INPUTS[case]
+    path = make(run_dir, tmp_path)
+    rc, out, err = run(capsys, "inspect", path)
+    assert rc == 1 and out == ""
+    assert words in one_error_line(err)
+
+
+def test_bad_input_from_the_real_entry_point(tmp_path):
+    bad = tmp_path / "m.safetensors"
+    bad.write_bytes((10).to_bytes(8, "little") + b"{not json}")
+    proc = subprocess.run([sys.executable, "-m", "treetools", "inspect", str(bad)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    one_error_line(proc.stderr)
+
+
+def test_unknown_and_incomplete_steps_and_items(run_dir, capsys):
+    rc, _, err = run(capsys, "inspect", run_dir, "--step", "5")
+    assert rc == 1 and "available steps: 100, 200" in one_error_line(err)
+    rc, _, err = run(capsys, "inspect", run_dir, "--step", "300")
+    assert rc == 1 and "incomplete" in one_error_line(err)
+    rc, _, err = run(capsys, "inspect", run_dir, "--item", "nope")
+    assert rc == 1 and "meta, opt_state, params" in one_error_line(err)
+    rc, _, err = run(capsys, "inspect", run_dir, "--include", "no_such_leaf")
+    assert rc == 1 and "no_such_leaf" in one_error_line(err)
+
+
+def test_library_raises_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no such file"):
+        inspect_path(str(tmp_path / "missing"))
+
+
+# ----------------------------------------------------------------------------- blocks and docstrings
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 7), min_size=0, max_size=4),
+    max_elems=st.integers(1, 60),
+    granule=st.one_of(st.none(), st.lists(st.integers(1, 8), min_size=4, max_size=4)),
+)
+def test_plan_blocks_tiles_every_element_once(shape, max_elems, granule):
+    shape = tuple(shape)
+    g = tuple(granule[: len(shape)]) if granule is not None else None
+    seen = np.zeros(shape, np.int32)
+    order = np.arange(math.prod(shape)).reshape(shape)  # each element's C-order position
+    last_end = 0
+    for index in plan_blocks(shape, max_elems, g):
+        seen[index] += 1
+        block = order[index].ravel()
+        gran = math.prod(min(a, b) for a, b in zip(g, shape)) if g else 1
+        assert block.size <= max(max_elems, gran)
+        if g is None and block.size:  # one C-contiguous run, front to back (what a stream needs)
+            assert np.all(np.diff(block) == 1) and block[0] == last_end
+            last_end = block[-1] + 1
+    assert np.all(seen == 1)
+
+
+@pytest.mark.parametrize("name", ["_base", "_scan", "_files", "readers", "stats", "report", "diff"])
+def test_docstring_examples(name):
+    module = importlib.import_module(f"treetools.inspect.{name}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0

@@ -1,0 +1,5 @@
+"""``python -m treetools``: the same as the ``treetools`` command."""
+
+from treetools.cli import main
+
+raise SystemExit(main())

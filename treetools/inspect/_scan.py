@@ -1,0 +1,105 @@
+"""Orbax folder layout, read with the standard library only.
+
+A CheckpointManager root holds one folder per step, named ``N`` or
+``<prefix>_N`` with optional zero padding. A save in progress (or one that
+died) is a ``<name>.orbax-checkpoint-tmp-<timestamp>`` folder; a finished step
+holds ``commit_success.txt`` (or a committed ``_CHECKPOINT_METADATA``). Step
+listing and the commit rule come from ``treetools.checkpoint`` (pure Python).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any
+
+from treetools.inspect._base import CheckpointError
+
+TMP_MARKER = ".orbax-checkpoint-tmp"
+COMMIT_FILE = "commit_success.txt"
+STEP_METADATA = "_CHECKPOINT_METADATA"
+PYTREE_METADATA = "_METADATA"
+JSON_ITEM_FILE = "metadata"
+
+_STEP_RE = re.compile(r"^(?:(?P<prefix>.*)_)?(?P<step>\d+)$")
+
+
+def step_of(name: str) -> int | None:
+    """The step number in a step folder name (``100``, ``ckpt_0100``), tmp suffix dropped.
+
+    >>> step_of("ckpt_0100"), step_of("300.orbax-checkpoint-tmp-1700000000"), step_of("logs")
+    (100, 300, None)
+    """
+    base = name.split(TMP_MARKER, 1)[0]
+    m = _STEP_RE.match(base)
+    return int(m.group("step")) if m else None
+
+
+def is_tmp(name: str) -> bool:
+    return TMP_MARKER in name
+
+
+def read_json(path: str, *, what: str) -> Any:
+    """Parse a small JSON metadata file; a broken one is a ``CheckpointError``."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} is missing.") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated {what} ({e}).") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e}).") from None
+
+
+def is_committed(step_dir: str) -> bool:
+    """Whether a step folder is a finished save (``treetools.checkpoint``'s rule, shared)."""
+    from treetools.checkpoint import is_committed_step_dir
+
+    return is_committed_step_dir(step_dir)
+
+
+@dataclasses.dataclass
+class RootListing:
+    """The steps of a CheckpointManager root."""
+
+    steps: dict[int, str]
+    """Committed step -> folder path, ascending."""
+    incomplete: list[str]
+    """Folder names of unfinished saves, never read."""
+
+
+def _subdirs(path: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return sorted((e for e in it if e.is_dir()), key=lambda e: e.name)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot list folder ({e.strerror or e}).") from None
+
+
+def looks_like_item(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, PYTREE_METADATA)) or os.path.isfile(os.path.join(path, JSON_ITEM_FILE))
+
+
+def looks_like_step(path: str) -> bool:
+    if os.path.isfile(os.path.join(path, STEP_METADATA)):
+        return True
+    return any(looks_like_item(e.path) for e in _subdirs(path) if not is_tmp(e.name))
+
+
+def scan_root(path: str) -> RootListing:
+    """Committed and incomplete step folders directly under ``path``.
+
+    Delegates to ``treetools.checkpoint.scan_steps`` (pure Python), so the
+    inspector and the trainer agree on which steps exist; folders whose name
+    carries no step number are ignored.
+    """
+    from treetools.checkpoint import scan_steps
+
+    try:
+        committed, incomplete = scan_steps(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot list folder ({e.strerror or e}).") from None
+    return RootListing({step: str(folder) for step, folder in committed.items()}, list(incomplete))
