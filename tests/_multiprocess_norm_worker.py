@@ -1,0 +1,91 @@
+"""One process of the two-process norm test (run by tests/test_norms_multiprocess.py).
+
+Usage: python _multiprocess_norm_worker.py PROCESS_ID PORT METRICS_JSONL
+
+The caller sets XLA_FLAGS (CPU devices per process) and JAX_PLATFORMS=cpu in
+the environment. Every process builds the same global arrays from a fixed
+seed, places its own shards with ``jax.make_array_from_callback`` on a mesh of
+all devices of both processes, computes the sharded global norm under jit
+(GSPMD) and inside shard_map (flax boxes), logs the metrics through ``MetricsLogger`` + ``JsonlWriter``
+(only process 0 writes the shared file), and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+MESH_AXES = ("data", "fsdp")
+# name -> (shape, spec entries): fsdp-sharded, tp-like, fully sharded, replicated.
+LEAVES = {
+    "w_fsdp": ((6, 16), (None, "fsdp")),
+    "w_data": ((8, 5), ("data", None)),
+    "w_full": ((4, 8), ("data", "fsdp")),
+    "w_flat": ((24, 3), (("data", "fsdp"), None)),
+    "rep": ((7,), (None,)),
+}
+
+
+def global_arrays() -> dict[str, np.ndarray]:
+    """The same float32 arrays in every process (and in the test)."""
+    rng = np.random.default_rng(1234)
+    return {name: rng.normal(size=shape).astype(np.float32) for name, (shape, _) in LEAVES.items()}
+
+
+def main(process_id: int, port: int, metrics_path: str) -> None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        initialization_timeout=40,
+    )
+    import flax.linen as nn
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from treetools.norms import JsonlWriter, MetricsLogger, get_sharded_global_norm, norm_metrics
+
+    n = jax.device_count()
+    mesh = jax.make_mesh((2, n // 2), MESH_AXES)
+    host = global_arrays()
+    arrays = {
+        name: jax.make_array_from_callback(
+            host[name].shape, NamedSharding(mesh, P(*spec)), lambda idx, a=host[name]: a[idx]
+        )
+        for name, (_, spec) in LEAVES.items()
+    }
+    g_jit, per_leaf = jax.jit(get_sharded_global_norm)(arrays)
+
+    boxes = {name: nn.Partitioned(arrays[name], names=spec) for name, (_, spec) in LEAVES.items()}
+    specs = nn.get_partition_spec(boxes)
+
+    def inside(tree):
+        return norm_metrics(grads=tree, params=tree, per_param=True)
+
+    metrics = jax.jit(jax.shard_map(inside, mesh=mesh, in_specs=(specs,), out_specs=P()))(boxes)
+    logger = MetricsLogger(JsonlWriter(metrics_path), every=2)
+    for step in range(3):  # logs steps 0 and 2, from process 0 only
+        logger(step, metrics)
+    print(
+        json.dumps(
+            {
+                "process": jax.process_index(),
+                "processes": jax.process_count(),
+                "devices": n,
+                "local_devices": jax.local_device_count(),
+                "jit": float(g_jit),
+                "per_leaf": {k: float(v) for k, v in per_leaf.items()},
+                "shard_map": {k: float(v) for k, v in metrics.items()},
+            }
+        ),
+        flush=True,
+    )
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

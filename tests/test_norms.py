@@ -1,0 +1,508 @@
+"""treetools.norms on 8 fake CPU devices, checked against numpy float64 on the gathered arrays."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import flax.linen as nn
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from treetools.norms import (
+    JsonlWriter,
+    MetricsLogger,
+    clip_by_global_norm,
+    get_grad_norms,
+    get_param_norms,
+    get_sharded_global_norm,
+    get_sharded_norm_logits,
+    norm_metrics,
+)
+from treetools.partitioning import is_box, leaf_sharding, unbox
+from treetools.paths import flatten
+
+RTOL = 2e-6  # float32 accumulation vs float64
+
+MESHES = {
+    "8": ((8,), ("fsdp",)),
+    "2x4": ((2, 4), ("tp", "fsdp")),
+    "4x2": ((4, 2), ("tp", "fsdp")),
+}
+
+# name -> (shape, spec): every spec the issue asks for; "tp" ones only on 2-D meshes.
+LEAVES = {
+    "dense/kernel": ((6, 16), (None, "fsdp")),  # P(None, 'fsdp')
+    "dense/bias": ((16,), ("fsdp",)),
+    "attn/q": ((8, 5), ("tp", None)),  # P('tp', None)
+    "attn/o": ((8, 8), ("tp", "fsdp")),  # fully sharded, 2-D
+    "embed": ((24, 3), (("tp", "fsdp"), None)),  # fully sharded, one dim over both axes
+    "ln/scale": ((7,), (None,)),  # replicated
+}
+
+
+def _leaves_for(axes: tuple[str, ...]) -> dict[str, tuple]:
+    def ok(spec):
+        used = {a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))}
+        return used <= set(axes)
+
+    out = {k: v for k, v in LEAVES.items() if ok(v[1])}
+    if axes == ("fsdp",):
+        out["embed"] = ((24, 3), ("fsdp", None))
+    return out
+
+
+def _host_arrays(layout: Mapping[str, tuple], seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: (rng.normal(size=shape) * (i + 1)).astype(dtype) for i, (k, (shape, _)) in enumerate(layout.items())}
+
+
+def _sq64(x) -> float:
+    return float(np.sum(np.asarray(x, dtype=np.float64) ** 2))
+
+
+def _nest(flat: Mapping[str, object]) -> dict:
+    out: dict = {}
+    for path, leaf in flat.items():
+        *parents, last = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return out
+
+
+@pytest.fixture(params=list(MESHES), ids=list(MESHES))
+def setup(request, devices):
+    shape, axes = MESHES[request.param]
+    mesh = jax.make_mesh(shape, axes, devices=devices)
+    layout = _leaves_for(axes)
+    host = _host_arrays(layout)
+    glob = {k: jax.device_put(host[k], NamedSharding(mesh, P(*spec))) for k, (_, spec) in layout.items()}
+    return mesh, layout, host, glob
+
+
+def _expected(host: Mapping[str, np.ndarray]) -> tuple[float, dict[str, float]]:
+    per = {k: np.sqrt(_sq64(v)) for k, v in host.items()}
+    return float(np.sqrt(sum(_sq64(v) for v in host.values()))), per
+
+
+def _check(global_norm, per_leaf_flat: Mapping[str, object], host) -> None:
+    g, per = _expected(host)
+    assert np.asarray(global_norm).dtype == np.float32
+    np.testing.assert_allclose(float(global_norm), g, rtol=RTOL)
+    assert set(per_leaf_flat) == set(per)
+    for k, v in per.items():
+        np.testing.assert_allclose(float(per_leaf_flat[k]), v, rtol=RTOL, err_msg=k)
+
+
+def _call(fn, *args):
+    # Block on every sharded call: on fake CPU devices, XLA can deadlock in an
+    # all-reduce rendezvous when several collective programs are in flight.
+    return jax.block_until_ready(fn(*args))
+
+
+def _in_shard_map(fn, mesh, tree, out_specs=P()):
+    specs = jax.tree.map(lambda b: leaf_sharding(b).spec if is_box(b) else P(), tree, is_leaf=is_box)
+    return _call(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=out_specs)), tree)
+
+
+# --------------------------------------------------------------------------- #
+# Where the sum happens: shard_map on boxes, jit/eager on global arrays
+# --------------------------------------------------------------------------- #
+
+
+def test_shard_map_linen_partitioned(setup):
+    mesh, layout, host, glob = setup
+    tree = _nest({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
+
+    def inside(t):
+        # The box holds the local shard, e.g. (6, 16 / fsdp) for dense/kernel.
+        kernel = t["dense"]["kernel"].value
+        assert kernel.shape == (6, 16 // mesh.shape["fsdp"])
+        return get_sharded_global_norm(t)
+
+    g, per_leaf = _in_shard_map(inside, mesh, tree)
+    _check(g, flatten(per_leaf), host)
+
+
+def test_shard_map_nnx_variables(setup):
+    mesh, layout, host, glob = setup
+    tree = _nest(
+        {k: nnx.Param(glob[k], out_sharding=spec, eager_sharding=False) for k, (_, spec) in layout.items()}
+    )
+    g, per_leaf = _in_shard_map(get_sharded_global_norm, mesh, tree)
+    _check(g, flatten(per_leaf), host)
+
+
+def test_shard_map_single_leaf_logits(setup):
+    mesh, layout, host, glob = setup
+    tree = {k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()}
+    logits = _in_shard_map(lambda t: jax.tree.map(get_sharded_norm_logits, t, is_leaf=is_box), mesh, tree)
+    for k, v in host.items():
+        # A replicated leaf summed over the mesh would come out 8x too large here.
+        np.testing.assert_allclose(float(logits[k]), _sq64(v), rtol=RTOL, err_msg=k)
+
+
+def test_jit_and_eager_on_global_arrays(setup):
+    mesh, layout, host, glob = setup
+    tree = _nest(glob)
+    g_jit, per_jit = _call(jax.jit(get_sharded_global_norm), tree)
+    g_eager, per_eager = _call(get_sharded_global_norm, tree)
+    _check(g_jit, flatten(per_jit), host)
+    _check(g_eager, flatten(per_eager), host)
+    np.testing.assert_allclose(float(g_jit), float(g_eager), rtol=1e-6)
+    # Boxes around global arrays under plain jit: names are not bound axes, no psum.
+    boxed = _nest({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
+    g_box, per_box = _call(jax.jit(get_sharded_global_norm), boxed)
+    _check(g_box, flatten(per_box), host)
+
+
+def test_norm_metrics_shard_map_equals_jit(setup):
+    mesh, layout, host, glob = setup
+    boxed = _nest({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
+    inside = _in_shard_map(lambda t: norm_metrics(grads=t, params=t, per_param=True), mesh, boxed)
+    outside = _call(jax.jit(lambda t: norm_metrics(grads=t, params=t, per_param=True)), _nest(glob))
+    eager = _call(lambda t: norm_metrics(grads=t, params=t, per_param=True), _nest(glob))
+    g, per = _expected(host)
+    for m in (inside, outside, eager):
+        np.testing.assert_allclose(float(m["grad_norm"]), g, rtol=RTOL)
+        np.testing.assert_allclose(float(m["param_norm"]), g, rtol=RTOL)
+        assert int(m["nonfinite_grads"]) == 0
+        for k, v in per.items():
+            np.testing.assert_allclose(float(m[f"grad_norm/{k}"]), v, rtol=RTOL, err_msg=k)
+
+
+def test_partial_manual_shard_map_sums_only_manual_axes(devices):
+    # Only 'fsdp' is manual; 'tp' stays automatic, so the box is global over it.
+    mesh = jax.make_mesh((2, 4), ("tp", "fsdp"), devices=devices)
+    host = _host_arrays({"w": ((8, 8), None)})["w"]
+    x = jax.device_put(host, NamedSharding(mesh, P("tp", "fsdp")))
+    box = nn.Partitioned(x, names=("tp", "fsdp"))
+
+    def inside(b):
+        assert b.value.shape == (8, 2)  # split over fsdp only
+        return get_sharded_norm_logits(b)
+
+    # in_specs may name only the manual axis; the box still says ('tp', 'fsdp').
+    fn = jax.shard_map(inside, mesh=mesh, in_specs=(P(None, "fsdp"),), out_specs=P(), axis_names={"fsdp"})
+    with jax.set_mesh(mesh):
+        got = _call(jax.jit(fn), box)
+    np.testing.assert_allclose(float(got), _sq64(host), rtol=RTOL)
+
+
+def test_logically_partitioned_maps_rules_to_mesh_axes(devices):
+    mesh = jax.make_mesh((2, 4), ("tp", "fsdp"), devices=devices)
+    rules = (("embed", "fsdp"), ("mlp", "tp"), ("norm", None))
+    layout = {"wi": ((8, 12), ("embed", "mlp")), "scale": ((8,), ("norm",))}
+    mesh_specs = {"wi": P("fsdp", "tp"), "scale": P(None)}
+    host = _host_arrays(layout)
+    tree = {
+        k: nn.LogicallyPartitioned(jax.device_put(host[k], NamedSharding(mesh, mesh_specs[k])), names=names, rules=rules)
+        for k, (_, names) in layout.items()
+    }
+    for k in tree:
+        assert leaf_sharding(tree[k]).spec == mesh_specs[k]
+
+    def inside(t):
+        assert t["wi"].value.shape == (2, 6)
+        return get_sharded_global_norm(t)
+
+    g, per = _in_shard_map(inside, mesh, tree)
+    _check(g, per, host)
+
+
+def test_explicit_axes_for_a_bare_local_shard(devices):
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=devices)
+    host = _host_arrays({"w": ((16, 4), None)})["w"]
+    x = jax.device_put(host, NamedSharding(mesh, P("fsdp")))
+    fn = jax.shard_map(
+        lambda s: (get_sharded_norm_logits(s, axes=("fsdp",)), get_sharded_norm_logits(s)[None]),
+        mesh=mesh,
+        in_specs=P("fsdp"),
+        out_specs=(P(), P("fsdp")),
+    )
+    total, local = _call(jax.jit(fn), x)
+    np.testing.assert_allclose(float(total), _sq64(host), rtol=RTOL)
+    # Without a box or axes= a bare array is taken as whole: each device sees its shard only.
+    np.testing.assert_allclose(np.asarray(local), [_sq64(host[2 * i : 2 * i + 2]) for i in range(8)], rtol=RTOL)
+
+
+# --------------------------------------------------------------------------- #
+# Precision, empty trees, non-finite values
+# --------------------------------------------------------------------------- #
+
+
+def test_bf16_ten_million_elements_match_float64(devices):
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=devices)
+    rng = np.random.default_rng(7)
+    host = {
+        "a": rng.normal(size=(2000, 2500)).astype(jnp.bfloat16),  # 5e6
+        "b": (rng.normal(size=(5_000_000,)) * 3).astype(jnp.bfloat16),  # 5e6
+    }
+    tree = {k: jax.device_put(v, NamedSharding(mesh, P("fsdp"))) for k, v in host.items()}
+    g, per = _call(jax.jit(get_sharded_global_norm), tree)
+    assert g.dtype == jnp.float32 and per["a"].dtype == jnp.float32
+    expected = np.sqrt(sum(_sq64(v) for v in host.values()))
+    np.testing.assert_allclose(float(g), expected, rtol=1e-5)
+    np.testing.assert_allclose(float(per["b"]), np.sqrt(_sq64(host["b"])), rtol=1e-5)
+
+
+def test_fp16_squares_beyond_fp16_range_do_not_overflow():
+    x = jnp.full((1000,), 300.0, jnp.float16)  # 300**2 = 9e4 > fp16 max 65504
+    assert not np.isfinite(float(jnp.sum(x * x)))  # squaring in fp16 overflows
+    expected = 300.0 * np.sqrt(1000.0)
+    np.testing.assert_allclose(float(get_sharded_norm_logits(x)), 300.0**2 * 1000, rtol=RTOL)
+    for g in (get_sharded_global_norm({"x": x})[0], jax.jit(lambda t: get_sharded_global_norm(t)[0])({"x": x})):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(float(g), expected, rtol=RTOL)
+    m = jax.jit(lambda t: norm_metrics(grads=t))({"x": x})
+    assert int(m["nonfinite_grads"]) == 0
+
+
+@pytest.mark.parametrize("empty", [{}, [], (), {"a": {}, "b": None}])
+def test_empty_tree_is_zero(empty):
+    g, per = get_sharded_global_norm(empty)
+    assert float(g) == 0.0 and g.dtype == jnp.float32
+    assert jax.tree.structure(per) == jax.tree.structure(empty)
+    assert float(jax.jit(lambda t: get_sharded_global_norm(t)[0])(empty)) == 0.0
+    m = jax.jit(lambda t: norm_metrics(grads=t, params=t, per_param=True))(empty)
+    assert {k: float(v) for k, v in m.items() if k != "update_ratio"} == {
+        "grad_norm": 0.0,
+        "param_norm": 0.0,
+        "nonfinite_grads": 0.0,
+    }
+    assert get_grad_norms(empty, True) == {"grad_norm": 0.0}
+
+
+def test_nonfinite_propagate_and_are_counted(setup):
+    mesh, layout, host, glob = setup
+    host = dict(host)
+    kernel = host["dense/kernel"].copy()
+    kernel[0, 0], kernel[5, 15], kernel[3, 2] = np.nan, np.inf, -np.inf
+    scale = host["ln/scale"].copy()
+    scale[1] = np.nan  # replicated leaf: counted once, not once per device
+    host["dense/kernel"], host["ln/scale"] = kernel, scale
+    glob = {k: jax.device_put(host[k], NamedSharding(mesh, P(*spec))) for k, (_, spec) in layout.items()}
+    n_bad = sum(int(np.sum(~np.isfinite(v))) for v in host.values())
+    assert n_bad == 4
+
+    boxed = _nest({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
+    inside = _in_shard_map(lambda t: norm_metrics(grads=t, per_param=True), mesh, boxed)
+    outside = _call(jax.jit(lambda t: norm_metrics(grads=t, per_param=True)), _nest(glob))
+    for m in (inside, outside):
+        assert int(m["nonfinite_grads"]) == n_bad
+        assert np.isnan(float(m["grad_norm"]))
+        assert np.isnan(float(m["grad_norm/dense/kernel"]))
+        # A finite leaf beside them keeps its finite norm.
+        np.testing.assert_allclose(float(m["grad_norm/embed"]), np.sqrt(_sq64(host["embed"])), rtol=RTOL)
+
+    # Inf alone gives an Inf norm; a finite value whose square overflows float32 counts 0.
+    inf_only = {"a": jnp.array([1.0, jnp.inf, -jnp.inf]), "b": jnp.ones(3)}
+    m = jax.jit(lambda t: norm_metrics(grads=t))(inf_only)
+    assert float(m["grad_norm"]) == np.inf and int(m["nonfinite_grads"]) == 2
+    m = jax.jit(lambda t: norm_metrics(grads=t))({"a": jnp.array([1e30, 1.0])})
+    assert float(m["grad_norm"]) == np.inf and int(m["nonfinite_grads"]) == 0
+
+
+# --------------------------------------------------------------------------- #
+# Metric dictionaries
+# --------------------------------------------------------------------------- #
+
+
+def _model_tree(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    shapes = {
+        "encoder/layer_0/w": (4, 3),
+        "encoder/layer_0/b": (3,),
+        "encoder/layer_1/w": (3, 3),
+        "decoder/layer_0/w": (3, 2),
+        "head": (2,),
+    }
+    return {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+
+
+def test_norm_metrics_keys_exact_and_values():
+    g, p, u = _model_tree(0), _model_tree(1), _model_tree(2)
+    paths = list(g)
+    m = jax.jit(lambda *t: norm_metrics(grads=t[0], params=t[1], updates=t[2], per_param=True))(
+        _nest(g), _nest(p), _nest(u)
+    )
+    expected_keys = {"grad_norm", "param_norm", "update_norm", "update_ratio", "nonfinite_grads"}
+    expected_keys |= {f"{kind}/{path}" for kind in ("grad_norm", "param_norm", "update_norm") for path in paths}
+    assert set(m) == expected_keys
+    for kind, host in (("grad_norm", g), ("param_norm", p), ("update_norm", u)):
+        np.testing.assert_allclose(float(m[kind]), np.sqrt(sum(_sq64(v) for v in host.values())), rtol=RTOL)
+        for path in paths:
+            np.testing.assert_allclose(float(m[f"{kind}/{path}"]), np.sqrt(_sq64(host[path])), rtol=RTOL)
+    ratio = np.sqrt(sum(_sq64(v) for v in u.values())) / np.sqrt(sum(_sq64(v) for v in p.values()))
+    np.testing.assert_allclose(float(m["update_ratio"]), ratio, rtol=RTOL)
+    assert m["nonfinite_grads"].dtype == jnp.int32
+
+    assert set(norm_metrics(grads=_nest(g))) == {"grad_norm", "nonfinite_grads"}
+    assert set(norm_metrics(params=_nest(p))) == {"param_norm"}
+    assert set(norm_metrics(updates=_nest(u))) == {"update_norm"}
+    assert set(norm_metrics(params=_nest(p), updates=_nest(u))) == {"param_norm", "update_norm", "update_ratio"}
+    with pytest.raises(ValueError, match="at least one"):
+        norm_metrics()
+    with pytest.raises(ValueError, match="depth"):
+        norm_metrics(grads=_nest(g), depth=0)
+
+
+def test_depth_groups_are_sqrt_of_summed_squares():
+    g = _model_tree(3)
+    m = jax.jit(lambda t: norm_metrics(grads=t, depth=2))(_nest(g))
+    groups = {
+        "encoder/layer_0": ["encoder/layer_0/w", "encoder/layer_0/b"],
+        "encoder/layer_1": ["encoder/layer_1/w"],
+        "decoder/layer_0": ["decoder/layer_0/w"],
+        "head": ["head"],  # shorter than depth: its own group
+    }
+    assert set(m) == {"grad_norm", "nonfinite_grads"} | {f"grad_norm/{k}" for k in groups}
+    for prefix, members in groups.items():
+        np.testing.assert_allclose(
+            float(m[f"grad_norm/{prefix}"]), np.sqrt(sum(_sq64(g[p]) for p in members)), rtol=RTOL
+        )
+    sum_of_norms = sum(np.sqrt(_sq64(g[p])) for p in groups["encoder/layer_0"])
+    assert abs(float(m["grad_norm/encoder/layer_0"]) - sum_of_norms) > 1e-3
+    m1 = norm_metrics(grads=_nest(g), params=_nest(g), depth=1)
+    np.testing.assert_allclose(
+        float(m1["param_norm/encoder"]), np.sqrt(sum(_sq64(v) for k, v in g.items() if k.startswith("encoder/"))),
+        rtol=RTOL,
+    )
+
+
+def test_grad_and_param_norm_dicts():
+    g = _model_tree(4)
+    tree = [_nest(g), {"count": jnp.ones(2)}]  # list index in the path, like an optax state
+    total = np.sqrt(sum(_sq64(v) for v in g.values()) + 2.0)
+    out = get_grad_norms(tree)
+    assert set(out) == {"grad_norm"}
+    np.testing.assert_allclose(float(out["grad_norm"]), total, rtol=RTOL)
+    out = jax.jit(lambda t: get_param_norms(t, return_per_param=True))(tree)
+    assert set(out) == {"param_norm", "param_norm/1/count"} | {f"param_norm/0/{k}" for k in g}
+    np.testing.assert_allclose(float(out["param_norm/0/head"]), np.sqrt(_sq64(g["head"])), rtol=RTOL)
+    np.testing.assert_allclose(float(out["param_norm/1/count"]), np.sqrt(2.0), rtol=RTOL)
+    # Boxes are leaves: no "/value" in the path.
+    boxed = {"Dense_0": {"kernel": nn.Partitioned(jnp.ones((2, 2)), names=(None, "fsdp"))}}
+    assert set(get_grad_norms(boxed, True)) == {"grad_norm", "grad_norm/Dense_0/kernel"}
+    with pytest.raises(TypeError, match="`name`"):
+        get_grad_norms({"name": "not an array"})
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(
+        hnp.arrays(
+            st.sampled_from([np.float32, np.float16]),
+            hnp.array_shapes(min_dims=0, max_dims=3, max_side=5),
+            elements=st.floats(-100, 100, width=16),
+        ),
+        max_size=6,
+    )
+)
+def test_global_is_sqrt_of_summed_leaf_squares(arrays):
+    tree = {f"p{i}": a for i, a in enumerate(arrays)}
+    g, per = get_sharded_global_norm(tree)
+    leaf_sq = [float(v) ** 2 for v in jax.tree.leaves(per)]
+    np.testing.assert_allclose(float(g), np.sqrt(sum(leaf_sq)), rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(float(g), np.sqrt(sum(_sq64(a) for a in arrays)), rtol=1e-5, atol=1e-30)
+    m = norm_metrics(grads=tree, depth=1)
+    for k, a in tree.items():
+        np.testing.assert_allclose(float(m[f"grad_norm/{k}"]), np.sqrt(_sq64(a)), rtol=1e-5, atol=1e-30)
+
+
+# --------------------------------------------------------------------------- #
+# Clipping
+# --------------------------------------------------------------------------- #
+
+
+def test_clip_by_global_norm_on_sharded_boxes(setup):
+    mesh, layout, host, glob = setup
+    g, _ = _expected(host)
+    boxed = _nest({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
+    for max_norm in (g / 3, 2 * g):
+        tx = clip_by_global_norm(max_norm)
+
+        def inside(t, tx=tx):
+            out, _ = tx.update(t, tx.init(t))
+            return out
+
+        specs = nn.get_partition_spec(boxed)
+        clipped = _call(jax.jit(jax.shard_map(inside, mesh=mesh, in_specs=(specs,), out_specs=specs)), boxed)
+        assert all(isinstance(b, nn.Partitioned) for b in jax.tree.leaves(clipped, is_leaf=is_box))
+        flat = {k: np.asarray(unbox(v), np.float64) for k, v in flatten(clipped).items()}
+        np.testing.assert_allclose(np.sqrt(sum(_sq64(v) for v in flat.values())), min(max_norm, g), rtol=RTOL)
+        scale = min(1.0, max_norm / g)
+        for k, v in flat.items():
+            np.testing.assert_allclose(v, host[k].astype(np.float64) * scale, rtol=1e-5, atol=1e-6, err_msg=k)
+
+    # Same answer as optax's own clip under jit on the global arrays.
+    ours, _ = _call(jax.jit(lambda t: clip_by_global_norm(g / 3).update(t, optax.EmptyState())), _nest(glob))
+    ref, _ = _call(jax.jit(lambda t: optax.clip_by_global_norm(g / 3).update(t, optax.EmptyState())), _nest(glob))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_clip_keeps_dtype_and_nnx_boxes():
+    tree = {"w": nnx.Param(jnp.full((4,), 3.0, jnp.bfloat16)), "b": jnp.full((4,), 4.0, jnp.float16)}
+    out, _ = clip_by_global_norm(1.0).update(tree, optax.EmptyState())
+    assert isinstance(out["w"], nnx.Param)
+    assert out["w"].get_value().dtype == jnp.bfloat16 and out["b"].dtype == jnp.float16
+    np.testing.assert_allclose(float(get_sharded_global_norm(out)[0]), 1.0, rtol=1e-2)  # bf16/fp16 storage
+
+
+# --------------------------------------------------------------------------- #
+# Logging
+# --------------------------------------------------------------------------- #
+
+
+class _Untouchable(Mapping):
+    """A metric dict that fails if anything reads it (i.e. on a would-be host sync)."""
+
+    def __getitem__(self, k):
+        raise AssertionError("metrics read on a step that is not logged")
+
+    def __iter__(self):
+        raise AssertionError("metrics read on a step that is not logged")
+
+    def __len__(self):
+        raise AssertionError("metrics read on a step that is not logged")
+
+
+def test_metrics_logger_writes_on_due_steps_only(tmp_path):
+    seen = []
+    log = MetricsLogger(lambda step, m: seen.append((step, m)), every=3)
+    m = jax.jit(lambda t: norm_metrics(grads=t))({"w": jnp.array([3.0, 4.0])})
+    for step in range(10):
+        if step % 3:
+            assert log(step, _Untouchable()) is False
+        else:
+            assert log(step, m) is True
+    assert [s for s, _ in seen] == [0, 3, 6, 9]
+    assert seen[0][1] == {"grad_norm": 5.0, "nonfinite_grads": 0}
+    assert type(seen[0][1]["grad_norm"]) is float and type(seen[0][1]["nonfinite_grads"]) is int
+
+    path = tmp_path / "logs" / "metrics.jsonl"
+    log = MetricsLogger(str(path), every=2)
+    for step in range(5):
+        log(step, {"grad_norm": jnp.float32(step), "loss": jnp.array(np.nan)})
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == [0, 2, 4]
+    assert [line["grad_norm"] for line in lines] == [0.0, 2.0, 4.0]
+    assert np.isnan(lines[0]["loss"])
+    JsonlWriter(path)(6, {"x": 1.0})  # appends
+    assert json.loads(path.read_text().splitlines()[-1]) == {"step": 6, "x": 1.0}
+
+    with pytest.raises(ValueError, match="every"):
+        MetricsLogger(print, every=0)
+    with pytest.raises(TypeError, match="writer"):
+        MetricsLogger(3)

@@ -1,0 +1,455 @@
+"""Sharded L2 norms, the norm dictionaries a trainer logs, and a clip that uses them.
+
+Every norm is accumulated in float32: a leaf is upcast *before* it is squared,
+so bf16/fp16 trees lose no precision to the accumulator and fp16 values whose
+squares exceed the fp16 range (|x| > 256) do not overflow.
+
+Where the sum happens (the psum rule):
+
+* Under ``jax.jit`` (GSPMD) or eagerly, leaves are global ``jax.Array``s; the
+  sum of squares of a global array is already global, so no collective is
+  written (XLA inserts whatever its sharding needs).
+* Inside ``shard_map`` a leaf is the local shard. A flax ``Partitioned`` /
+  ``LogicallyPartitioned`` box or an nnx ``Variable`` carrying sharding names
+  says which mesh axes it is split over (logical names mapped to mesh axes by
+  ``treetools.partitioning.leaf_sharding``); its local sum of squares is
+  ``psum``-ed over exactly those of its mesh axes that are *bound in the
+  current trace* (that is, the manual axes of the enclosing ``shard_map``;
+  checked with ``jax.lax.axis_size``). A replicated leaf, a bare array, or an
+  axis left automatic by a partial ``shard_map(axis_names=...)`` is not summed:
+  over those axes every device already holds the whole thing.
+
+So the same call is right in both places, and a box handed to plain ``jit`` is
+never psum-ed (its axis names are not bound there). Called eagerly, the whole
+tree is reduced by one compiled program (not one per leaf). Bare arrays inside
+``shard_map`` are taken as replicated: box them (or pass ``axes=`` to
+``get_sharded_norm_logits``) if they are sharded. Caveat: an unrelated
+``vmap(axis_name=...)`` that reuses a mesh axis name would also count as bound.
+
+>>> import jax.numpy as jnp
+>>> g, per_leaf = get_sharded_global_norm({"w": jnp.full((4,), 2.0), "b": jnp.zeros(3)})
+>>> float(g), float(per_leaf["w"])
+(4.0, 4.0)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import operator
+import os
+from collections.abc import Callable, Mapping
+from numbers import Number
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from treetools._typing import PathStr, PyTree
+from treetools.partitioning import is_partitioned, leaf_sharding, mesh_axes_of, unbox
+from treetools.paths import is_leaf, leaves_with_paths, path_prefix, path_str
+
+__all__ = [
+    "JsonlWriter",
+    "MetricsLogger",
+    "clip_by_global_norm",
+    "get_grad_norms",
+    "get_param_norms",
+    "get_sharded_global_norm",
+    "get_sharded_norm_logits",
+    "norm_metrics",
+]
+
+_F32 = jnp.float32
+
+
+# --------------------------------------------------------------------------- #
+# One leaf
+# --------------------------------------------------------------------------- #
+
+
+def _axis_is_bound(name: str) -> bool:
+    # ``axis_size`` is the public way to ask the trace for an axis: inside
+    # shard_map it knows the manual axes; under jit/eager it raises NameError.
+    try:
+        jax.lax.axis_size(name)
+    except NameError:
+        return False
+    return True
+
+
+def _psum_axes(x: Any) -> tuple[str, ...]:
+    """The mesh axes a leaf's local sum must be psum-ed over (see module doc)."""
+    if not is_partitioned(x):
+        return ()
+    info = leaf_sharding(x)
+    if info is None:
+        return ()
+    names = dict.fromkeys(a for entry in info.spec for a in mesh_axes_of(entry))
+    return tuple(a for a in names if _axis_is_bound(a))
+
+
+def _local_sq(value: Any) -> jax.Array:
+    # Upcast first: squares of fp16 > 256 overflow fp16, and bf16 sums drift.
+    return jnp.sum(jnp.square(jnp.asarray(value).astype(_F32)))
+
+
+def _check_leaf(path: PathStr, x: Any) -> Any:
+    value = unbox(x)
+    if (hasattr(value, "shape") and hasattr(value, "dtype")) or isinstance(value, Number):
+        return value
+    raise TypeError(
+        f"leaf `{path}` is a {type(value).__name__}, not an array; drop it from the tree before taking norms."
+    )
+
+
+def get_sharded_norm_logits(x: Any, *, axes: tuple[str, ...] | None = None) -> jax.Array:
+    """Squared L2 norm of one leaf, accumulated in float32.
+
+    Inside ``shard_map`` a box (flax ``Partitioned``/``LogicallyPartitioned``,
+    nnx ``Variable`` with sharding names) holds a local shard; its sum of
+    squares is ``psum``-ed over the mesh axes its spec names (logical names
+    mapped to mesh axes). A replicated leaf is not summed again. Outside
+    ``shard_map`` a global array needs no collective. See the module docstring
+    for the exact rule.
+
+    Args:
+      x: an array, a number, or a box around one.
+      axes: mesh axes to ``psum`` over, overriding the box's names (e.g. for a
+        bare local shard inside ``shard_map``). ``()`` means no collective.
+
+    Returns:
+      A float32 scalar: the sum of squares of the whole (global) leaf.
+
+    >>> import jax.numpy as jnp
+    >>> float(get_sharded_norm_logits(jnp.full((2,), 3.0, jnp.float16)))
+    18.0
+    """
+    sq = _local_sq(_check_leaf("x", x))
+    axes = _psum_axes(x) if axes is None else tuple(axes)
+    return jax.lax.psum(sq, axes) if axes else sq
+
+
+# --------------------------------------------------------------------------- #
+# Many leaves: one local reduction per leaf, one psum per distinct axis set
+# --------------------------------------------------------------------------- #
+
+
+def _batched_psum(values: list[jax.Array], axes: list[tuple[str, ...]]) -> list[jax.Array]:
+    """psum each value over its axes, with one collective per distinct axis set."""
+    out = list(values)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, ax in enumerate(axes):
+        if ax:
+            groups.setdefault(tuple(sorted(ax)), []).append(i)
+    for ax, idx in groups.items():
+        summed = jax.lax.psum(jnp.stack([values[i] for i in idx]), ax)
+        for j, i in enumerate(idx):
+            out[i] = summed[j]
+    return out
+
+
+def _norms(
+    pairs: list[tuple[PathStr, Any]], *, groups: tuple[tuple[int, ...], ...] = (), count_nonfinite: bool = False
+) -> tuple[jax.Array, list[jax.Array], jax.Array | None]:
+    """``(global_norm, [norm of each group of leaves], nonfinite count or None)``."""
+    values = [_check_leaf(p, x) for p, x in pairs]
+    # Decided here, in the caller's trace: inside shard_map the axes are bound.
+    axes = tuple(_psum_axes(x) for _, x in pairs)
+    return _norms_kernel(values, axes=axes, groups=groups, count_nonfinite=count_nonfinite)
+
+
+# Jitted so that an eager call is one program, not one per leaf; under an
+# outer jit or shard_map it is inlined (the psum axes are static arguments).
+@functools.partial(jax.jit, static_argnames=("axes", "groups", "count_nonfinite"))
+def _norms_kernel(values, *, axes, groups, count_nonfinite):
+    sq = _batched_psum([_local_sq(v) for v in values], axes)
+    total = _tree_total(sq)
+    # Group norms are sqrt of summed squares, never a sum of norms.
+    group_norms = [jnp.sqrt(_tree_total([sq[i] for i in group])) for group in groups]
+    if not count_nonfinite:
+        return jnp.sqrt(total), group_norms, None
+
+    def count() -> jax.Array:
+        local = [jnp.sum(~jnp.isfinite(jnp.asarray(v)), dtype=jnp.int32) for v in values]
+        return _tree_total(_batched_psum(local, axes), dtype=jnp.int32)
+
+    # A finite total means every element is finite (a NaN or Inf anywhere
+    # makes its square, and the sum, non-finite), so the count is 0 and the
+    # arrays need not be read a second time; only a non-finite step pays for
+    # the counting pass. A finite array whose squares overflow float32 takes
+    # that branch too and counts 0, correctly.
+    # ``total * 0`` rather than a constant: inside shard_map it carries the
+    # same varying-axes type as the count (for bare sharded arrays), which
+    # cond requires of its two branches.
+    nonfinite = jax.lax.cond(jnp.isfinite(total), lambda: (total * 0).astype(jnp.int32), count)
+    return jnp.sqrt(total), group_norms, nonfinite
+
+
+def _tree_total(leaves: Any, dtype: Any = _F32) -> jax.Array:
+    return jax.tree.reduce(operator.add, leaves, initializer=jnp.zeros((), dtype))
+
+
+def get_sharded_global_norm(tree: PyTree) -> tuple[jax.Array, PyTree]:
+    """Global L2 norm of a tree and the norm of each leaf, in float32.
+
+    Correct under ``jit``/GSPMD on global arrays and inside ``shard_map`` on
+    boxed local shards (each box psum-ed over its own mesh axes, with one
+    collective per distinct axis set). The global norm is the square root of
+    the summed per-leaf squares, so every array is read once.
+
+    Args:
+      tree: any pytree of arrays or boxes; boxes are leaves.
+
+    Returns:
+      ``(global_norm, per_leaf_norms)``: a float32 scalar (0.0 for an empty
+      tree) and a tree of the same structure holding one float32 scalar per
+      leaf (boxes replaced by the scalar).
+
+    >>> import jax.numpy as jnp
+    >>> g, leaves = get_sharded_global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0])})
+    >>> float(g), float(leaves["a"])
+    (5.0, 3.0)
+    """
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    named = [(path_str(p), x) for p, x in pairs]
+    norm, per_leaf, _ = _norms(named, groups=tuple((i,) for i in range(len(named))))
+    return norm, jax.tree_util.tree_unflatten(treedef, per_leaf)
+
+
+# --------------------------------------------------------------------------- #
+# Norm dictionaries
+# --------------------------------------------------------------------------- #
+
+
+def _norm_entries(
+    tree: PyTree, kind: str, *, per_param: bool, depth: int | None, count_nonfinite: bool = False
+) -> tuple[dict[str, jax.Array], jax.Array | None]:
+    """``({kind: norm, "<kind>/<path or prefix>": ...}, nonfinite)`` in tree order."""
+    pairs = leaves_with_paths(tree)
+    names: dict[str, list[int]] = {}
+    if per_param or depth is not None:
+        for i, (path, _) in enumerate(pairs):
+            names.setdefault(path_prefix(path, depth), []).append(i)
+    groups = tuple(tuple(idx) for idx in names.values())
+    norm, group_norms, nonfinite = _norms(pairs, groups=groups, count_nonfinite=count_nonfinite)
+    out = {kind: norm}
+    out.update({f"{kind}/{name}": g for name, g in zip(names, group_norms)})
+    return out, nonfinite
+
+
+def get_grad_norms(grads: PyTree, return_per_param: bool = False, *, depth: int | None = None) -> dict[str, jax.Array]:
+    """``{"grad_norm": g}`` plus ``{"grad_norm/<path>": ...}`` per parameter.
+
+    Args:
+      grads: gradient tree (arrays or boxes; sharded or not, see module doc).
+      return_per_param: add one entry per leaf.
+      depth: add one entry per module instead: leaves grouped by the first
+        ``depth`` parts of their path, norm = sqrt of the group's summed squares.
+
+    Returns:
+      A dict of float32 scalars.
+
+    >>> import jax.numpy as jnp
+    >>> {k: float(v) for k, v in get_grad_norms({"w": jnp.array([3.0, 4.0])}, True).items()}
+    {'grad_norm': 5.0, 'grad_norm/w': 5.0}
+    """
+    return _norm_entries(grads, "grad_norm", per_param=return_per_param, depth=depth)[0]
+
+
+def get_param_norms(params: PyTree, return_per_param: bool = False, *, depth: int | None = None) -> dict[str, jax.Array]:
+    """``{"param_norm": p}`` plus ``{"param_norm/<path>": ...}`` per parameter.
+
+    Same arguments as ``get_grad_norms``.
+
+    >>> import jax.numpy as jnp
+    >>> {k: float(v) for k, v in get_param_norms({"w": jnp.array([6.0, 8.0])}).items()}
+    {'param_norm': 10.0}
+    """
+    return _norm_entries(params, "param_norm", per_param=return_per_param, depth=depth)[0]
+
+
+def norm_metrics(
+    *,
+    grads: PyTree = None,
+    params: PyTree = None,
+    updates: PyTree = None,
+    per_param: bool = False,
+    depth: int | None = None,
+) -> dict[str, jax.Array]:
+    """The norm dictionary a trainer logs, in one fused, jit-safe pass.
+
+    Each array is read once: per-leaf sums of squares are computed once and
+    the global and per-module norms are derived from them. Non-finite
+    gradients propagate into the norms (NaN/Inf are never hidden) and are
+    counted; the counting pass runs only when the gradient norm is not finite.
+    Works under ``jit`` on global arrays and inside ``shard_map`` on boxes.
+
+    Args:
+      grads: gradient tree; gives ``grad_norm`` and ``nonfinite_grads``
+        (the number of NaN/Inf gradient elements, int32).
+      params: parameter tree; gives ``param_norm``.
+      updates: optimizer updates; gives ``update_norm``, and with ``params``
+        also ``update_ratio = update_norm / param_norm``.
+      per_param: add ``<kind>/<path>`` for every leaf.
+      depth: add ``<kind>/<prefix>`` per module instead (leaves grouped by the
+        first ``depth`` path parts; sqrt of summed squares). Overrides
+        ``per_param``.
+
+    Returns:
+      ``{"grad_norm", "param_norm", "update_norm", "update_ratio",
+      "nonfinite_grads", "<kind>/<path>"...}``: float32 scalars (the count is
+      int32), with the entries whose inputs were given. ``update_ratio`` is a
+      plain division: inf or NaN when ``param_norm`` is 0.
+
+    Raises:
+      ValueError: no tree was given, or ``depth`` is not positive.
+
+    >>> import jax, jax.numpy as jnp
+    >>> m = jax.jit(norm_metrics)(grads={"w": jnp.array([3.0, 4.0])}, params={"w": jnp.array([0.0, 10.0])})
+    >>> sorted(m), float(m["grad_norm"]), int(m["nonfinite_grads"])
+    (['grad_norm', 'nonfinite_grads', 'param_norm'], 5.0, 0)
+    """
+    if grads is None and params is None and updates is None:
+        raise ValueError("`norm_metrics` needs at least one of `grads=`, `params=`, `updates=`.")
+    if depth is not None and depth < 1:
+        raise ValueError(f"`depth` must be a positive integer, got {depth}.")
+    out: dict[str, jax.Array] = {}
+    per: dict[str, jax.Array] = {}
+    norms: dict[str, jax.Array] = {}
+    for kind, tree in (("grad_norm", grads), ("param_norm", params), ("update_norm", updates)):
+        if tree is None:
+            continue
+        entries, nonfinite = _norm_entries(
+            tree, kind, per_param=per_param, depth=depth, count_nonfinite=kind == "grad_norm"
+        )
+        norms[kind] = out[kind] = entries.pop(kind)
+        per.update(entries)
+        if nonfinite is not None:
+            out["nonfinite_grads"] = nonfinite
+    if "update_norm" in norms and "param_norm" in norms:
+        out["update_ratio"] = norms["update_norm"] / norms["param_norm"]
+    out.update(per)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Clipping
+# --------------------------------------------------------------------------- #
+
+
+def clip_by_global_norm(max_norm: float):
+    """``optax.clip_by_global_norm`` computed with ``get_sharded_global_norm``.
+
+    Drop-in for optax's transform that is also right inside ``shard_map`` on
+    boxed local shards (optax's own norm would sum only the local shard there)
+    and that accumulates the norm in float32. If the global norm ``g`` exceeds
+    ``max_norm`` every update is scaled by ``max_norm / g`` (in float32, cast
+    back to each leaf's dtype), so the clipped tree's norm is ``max_norm`` to
+    float32 rounding; otherwise updates pass through unchanged. Boxes are
+    kept. A NaN/Inf norm propagates into the updates.
+
+    Args:
+      max_norm: the largest global norm an update may have.
+
+    Returns:
+      An ``optax.GradientTransformation`` with an empty state.
+
+    >>> import optax, jax.numpy as jnp
+    >>> tx = clip_by_global_norm(1.0)
+    >>> u, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(None))
+    >>> [round(float(v), 6) for v in u["w"]]
+    [0.6, 0.8]
+    """
+    import optax  # optional at import time: only the clip needs it
+
+    def update_fn(updates: PyTree, state: Any, params: PyTree = None) -> tuple[PyTree, Any]:
+        del params
+        g, _ = get_sharded_global_norm(updates)
+        scale = jnp.where(g < max_norm, jnp.ones((), _F32), jnp.asarray(max_norm, _F32) / g)
+        # tree.map without is_leaf descends into boxes and keeps their names.
+        return jax.tree.map(lambda t: (t * scale).astype(jnp.result_type(t)), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+# --------------------------------------------------------------------------- #
+# Logging
+# --------------------------------------------------------------------------- #
+
+
+def _to_host(metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    host = jax.device_get(dict(metrics))
+    return {k: int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v) for k, v in host.items()}
+
+
+class JsonlWriter:
+    """Append one JSON object per call, ``{"step": step, **metrics}``, to a file.
+
+    Non-finite values are written as ``NaN``/``Infinity`` (Python's json reads
+    them back). In a multi-process run only process 0 writes unless
+    ``all_processes=True``.
+
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "m.jsonl")
+    >>> JsonlWriter(path)(10, {"grad_norm": 1.5})
+    >>> open(path).read()
+    '{"step": 10, "grad_norm": 1.5}\\n'
+    """
+
+    def __init__(self, path: str | os.PathLike, *, all_processes: bool = False):
+        self.path = os.fspath(path)
+        self.all_processes = all_processes
+
+    def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.all_processes and jax.process_index() != 0:
+            return
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": int(step), **metrics}) + "\n")
+
+
+class MetricsLogger:
+    """Every ``every`` steps, turn a metric dict into host numbers and write it.
+
+    On other steps the arrays are not touched, so no host sync happens and the
+    device keeps running ahead. The writer is any callable
+    ``writer(step, {name: float})``; a path string means a ``JsonlWriter``.
+
+    Args:
+      writer: callable ``(step, metrics) -> None``, or a path for a JSONL file.
+      every: log when ``step % every == 0``.
+
+    >>> import jax.numpy as jnp
+    >>> seen = []
+    >>> log = MetricsLogger(lambda step, m: seen.append((step, m)), every=2)
+    >>> [log(step, {"grad_norm": jnp.float32(step)}) for step in range(1, 5)]
+    [False, True, False, True]
+    >>> seen
+    [(2, {'grad_norm': 2.0}), (4, {'grad_norm': 4.0})]
+    """
+
+    def __init__(self, writer: Callable[[int, dict[str, float]], Any] | str | os.PathLike, *, every: int = 1):
+        if isinstance(writer, (str, os.PathLike)):
+            writer = JsonlWriter(writer)
+        if not callable(writer):
+            raise TypeError(f"`writer` must be a callable (step, metrics) or a path, got {type(writer).__name__}.")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"`every` must be a positive int, got {every!r}.")
+        self.writer = writer
+        self.every = every
+
+    def __call__(self, step: int, metrics: Mapping[str, Any]) -> bool:
+        """Log ``metrics`` if ``step`` is due; returns whether it was.
+
+        ``step`` should be the host loop counter (a Python int): a device
+        array step would itself need a sync to test.
+        """
+        step = operator.index(step)
+        if step % self.every:
+            return False
+        self.writer(step, _to_host(metrics))
+        return True
