@@ -50,13 +50,9 @@ def digest(x: np.ndarray) -> dict:
 def main(process_id: int, port: int, ckpt_dir: str) -> None:
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=2,
-        process_id=process_id,
-        initialization_timeout=40,
-    )
+    from _multiprocess import init_distributed  # run as a script: tests/ is on sys.path
+
+    init_distributed(process_id, port)
     import flax.linen as nn
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P

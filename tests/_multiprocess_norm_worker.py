@@ -37,13 +37,9 @@ def global_arrays() -> dict[str, np.ndarray]:
 def main(process_id: int, port: int, metrics_path: str) -> None:
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=2,
-        process_id=process_id,
-        initialization_timeout=40,
-    )
+    from _multiprocess import init_distributed  # run as a script: tests/ is on sys.path
+
+    init_distributed(process_id, port)
     import flax.linen as nn
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -67,6 +63,20 @@ def main(process_id: int, port: int, metrics_path: str) -> None:
         return norm_metrics(grads=tree, params=tree, per_param=True)
 
     metrics = jax.jit(jax.shard_map(inside, mesh=mesh, in_specs=(specs,), out_specs=P()))(boxes)
+    # The rest of the library on the same global arrays: counts, abstract trees, replicate.
+    import treetools as tt
+
+    replicated = tt.replicate(host, NamedSharding(mesh, P()))
+    rep_sums = {k: float(np.asarray(v.addressable_shards[0].data, np.float64).sum()) for k, v in replicated.items()}
+    abstract = tt.make_abstract(arrays)
+    library = {
+        "num_params": tt.get_num_params(arrays),
+        "num_params_per_device": tt.get_num_params(arrays, per_device=True),
+        "num_params_boxed_per_device": tt.get_num_params(boxes, per_device=True, mesh=mesh),
+        "abstract_specs": {k: str(v.sharding.spec) for k, v in abstract.items()},
+        "replicated_sums": rep_sums,
+        "replicated_everywhere": all(v.sharding.is_fully_replicated for v in replicated.values()),
+    }
     logger = MetricsLogger(JsonlWriter(metrics_path), every=2)
     for step in range(3):  # logs steps 0 and 2, from process 0 only
         logger(step, metrics)
@@ -80,6 +90,7 @@ def main(process_id: int, port: int, metrics_path: str) -> None:
                 "jit": float(g_jit),
                 "per_leaf": {k: float(v) for k, v in per_leaf.items()},
                 "shard_map": {k: float(v) for k, v in metrics.items()},
+                "library": library,
             }
         ),
         flush=True,

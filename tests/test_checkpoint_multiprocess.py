@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import flax.linen as nn
@@ -17,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from tests._multiprocess import load_module, run_two_processes
 from treetools import checkpoint as ckpt
 from treetools.partitioning import unbox
 
@@ -26,52 +21,11 @@ TIMEOUT_S = 90
 
 
 def _worker_module():
-    spec = importlib.util.spec_from_file_location("_multiprocess_ckpt_worker", WORKER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return load_module(WORKER)
 
 
 def _run_two_processes(ckpt_dir: Path) -> list[dict]:
-    port = _free_port()
-    env = dict(os.environ)
-    # Overrides the 8 devices tests/conftest.py asks for: each process gets its own.
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
-    env["JAX_PLATFORMS"] = "cpu"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), str(port), str(ckpt_dir)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs: list[tuple[str, str]] = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"two-process checkpoint workers did not finish in {TIMEOUT_S}s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    results = []
-    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-        if p.returncode != 0:
-            pytest.fail(f"worker {i} exited with {p.returncode}:\n{err[-4000:]}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    return run_two_processes(WORKER, ckpt_dir, devices_per_process=DEVICES_PER_PROCESS, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,7 @@ never from the inspector.
 
 from __future__ import annotations
 
-import doctest
 import hashlib
-import importlib
 import json
 import math
 import os
@@ -591,10 +589,3 @@ def test_plan_blocks_tiles_every_element_once(shape, max_elems, granule):
             assert np.all(np.diff(block) == 1) and block[0] == last_end
             last_end = block[-1] + 1
     assert np.all(seen == 1)
-
-
-@pytest.mark.parametrize("name", ["_base", "_scan", "_files", "readers", "stats", "report", "diff"])
-def test_docstring_examples(name):
-    module = importlib.import_module(f"treetools.inspect.{name}")
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
+
+from tests._multiprocess import load_module, run_two_processes
 
 WORKER = Path(__file__).with_name("_multiprocess_norm_worker.py")
 DEVICES_PER_PROCESS = 4
@@ -20,52 +17,11 @@ TIMEOUT_S = 50
 
 
 def _worker_module():
-    spec = importlib.util.spec_from_file_location("_multiprocess_norm_worker", WORKER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return load_module(WORKER)
 
 
 def _run_two_processes(metrics_path: Path) -> list[dict]:
-    port = _free_port()
-    env = dict(os.environ)
-    # Overrides the 8 devices tests/conftest.py asks for: each process gets its own.
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
-    env["JAX_PLATFORMS"] = "cpu"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(i), str(port), str(metrics_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs: list[tuple[str, str]] = []
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"two-process norm workers did not finish in {TIMEOUT_S}s")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    results = []
-    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-        if p.returncode != 0:
-            pytest.fail(f"worker {i} exited with {p.returncode}:\n{err[-3000:]}")
-        results.append(json.loads(out.strip().splitlines()[-1]))
-    return results
+    return run_two_processes(WORKER, metrics_path, devices_per_process=DEVICES_PER_PROCESS, timeout_s=TIMEOUT_S)
 
 
 def test_two_processes_agree_with_float64(tmp_path):
@@ -92,6 +48,22 @@ def test_two_processes_agree_with_float64(tmp_path):
     for k, v in sq.items():
         np.testing.assert_allclose(r["per_leaf"][k], np.sqrt(v), rtol=2e-6)
         np.testing.assert_allclose(r["shard_map"][f"grad_norm/{k}"], np.sqrt(v), rtol=2e-6)
+
+    # Counts, abstract trees and replicate agree across processes and with a single-process view.
+    assert results[0]["library"] == results[1]["library"]
+    lib = r["library"]
+    assert lib["num_params"] == sum(v.size for v in host.values())
+    # Per device: each leaf split over the mesh axes its spec names (2 x DEVICES_PER_PROCESS mesh).
+    sizes = {"data": 2, "fsdp": DEVICES_PER_PROCESS}
+    expected_local = 0
+    for name, (shape, spec) in _worker_module().LEAVES.items():
+        parts = [int(np.prod([sizes[a] for a in (e if isinstance(e, tuple) else (e,)) if a])) for e in spec]
+        expected_local += int(np.prod([d // p for d, p in zip(shape, parts)]))
+    assert lib["num_params_per_device"] == lib["num_params_boxed_per_device"] == expected_local
+    assert lib["replicated_everywhere"]
+    for k, v in host.items():
+        np.testing.assert_allclose(lib["replicated_sums"][k], v.astype(np.float64).sum(), rtol=1e-6)
+        assert lib["abstract_specs"][k] == str(P(*_worker_module().LEAVES[k][1]))
 
     # The logger wrote steps 0 and 2 once each (process 0 only), as host numbers.
     lines = [json.loads(line) for line in metrics_path.read_text().splitlines()]
