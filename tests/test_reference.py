@@ -105,3 +105,16 @@ def test_plot_errors_are_one_line(tmp_path, capsys):
     bad.write_text('{"step": 1}\nnot json\n')
     assert cli_main(["plot", str(bad)]) == 1
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_freeze_embeddings_keeps_them_exactly(tmp_path):
+    from treetools.reference.train import build
+
+    cfg = _cfg(tmp_path, 4, freeze_embeddings=True)
+    initial = jax.device_get(tt.unbox(build(cfg)[2]["params"]["embed"]["embedding"]))
+    result = train(cfg)
+    params = result["state"]["params"]
+    np.testing.assert_array_equal(np.asarray(tt.unbox(params["embed"]["embedding"])), initial)
+    # Everything else trained: the first block's kernel moved.
+    start = jax.device_get(tt.unbox(build(cfg)[2]["params"]["layers_0"]["up"]["kernel"]))
+    assert not np.array_equal(np.asarray(tt.unbox(params["layers_0"]["up"]["kernel"])), start)
