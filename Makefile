@@ -7,10 +7,10 @@ WORKDIR ?= runs/demo
 
 .PHONY: demo test bench venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,plot]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,plot]'
 	touch $(STAMP)
 
 venv: $(STAMP)
