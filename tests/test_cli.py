@@ -33,7 +33,8 @@ NO_JAX = (
 )
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["diff", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["diff", "--help"], ["train", "--help"],
+                                  ["plot", "--help"]])
 def test_help_imports_no_jax(argv):
     proc = subprocess.run([sys.executable, "-c", NO_JAX, *argv], capture_output=True, text=True, timeout=60)
     _, rc, dt, heavy = proc.stdout.strip().splitlines()[-1].split(" ")
@@ -83,22 +84,14 @@ def test_subcommand_module_adds_its_arguments_and_runs(monkeypatch):
     assert calls[0].steps == 3 and calls[0].command == "train"
 
 
-def test_train_and_plot_default_options(monkeypatch):
-    calls = _fake_module(monkeypatch, "train", with_arguments=False)
-    assert main(["train", "--steps", "4", "--workdir", "w", "--no-resume", "--seed", "1", "--batch-size", "8",
-                 "--log-every", "2", "--ckpt-every", "3", "--freeze-embeddings", "--ema-decay", "0.9"]) == 5
-    a = calls[0]
+def test_train_and_plot_options_reach_their_commands():
+    a = cli.build_parser("train").parse_args(
+        ["train", "--steps", "4", "--workdir", "w", "--no-resume", "--seed", "1", "--batch-size", "8",
+         "--log-every", "2", "--ckpt-every", "3", "--freeze-embeddings", "--ema-decay", "0.9"])
     assert (a.steps, a.workdir, a.resume, a.seed, a.batch_size, a.log_every, a.ckpt_every, a.freeze_embeddings,
             a.ema_decay) == (4, "w", False, 1, 8, 2, 3, True, 0.9)
-    calls = _fake_module(monkeypatch, "plot", with_arguments=False)
-    assert main(["plot", "m.jsonl", "-o", "out.png"]) == 5
-    assert (calls[0].metrics, calls[0].output) == ("m.jsonl", "out.png")
-
-
-def test_missing_subcommand_module_is_an_error(monkeypatch, capsys):
-    monkeypatch.setitem(cli.COMMANDS, "plot", ("treetools.cli._no_such_module", "plot"))
-    rc, out, err = run(capsys, "plot", "m.jsonl")
-    assert rc == 1 and "not available" in one_error_line(err)
+    p = cli.build_parser("plot").parse_args(["plot", "m.jsonl", "-o", "out.png"])
+    assert (p.metrics, p.output) == ("m.jsonl", "out.png")
 
 
 @pytest.mark.parametrize("argv", [[], ["inspect"], ["inspect", "x", "--format", "yaml"], ["inspect", "x", "--depth", "0"],
@@ -258,3 +251,100 @@ def test_root_table_lists_steps_and_incomplete(tmp_path, capsys):
     assert "[params]" in out
     rc, out, _ = run(capsys, "inspect", root, "--step", "all", "--format", "markdown")
     assert "## step 1" in out and "## step 2" in out
+
+
+# ----------------------------------------------------------------------------- review: help, train and plot errors
+
+
+@pytest.mark.parametrize("command", ["inspect", "diff", "train", "plot"])
+def test_every_option_has_help_and_the_command_a_description(command, capsys):
+    rc, out, _ = run(capsys, command, "--help")
+    assert rc == 0
+    description = out.split("\n\n")[1]
+    assert len(description.split()) > 8, description  # more than a title
+    options = re.findall(r"^  (-[^\n]*?)(?:  +(\S.*))?$", out, re.M)
+    for flag, text in options:
+        if not text:  # help on the next line
+            text = out.split(flag, 1)[1].split("\n", 2)[1].strip()
+        assert text and not text.startswith("-"), f"{command} {flag} has no help"
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--steps", "-1"], ["--ckpt-every", "0"], ["--log-every", "0"],
+                                  ["--batch-size", "0"], ["--ema-decay", "2"], ["--learning-rate", "0"],
+                                  ["--cpu-devices", "0"]])
+def test_train_bad_options_are_usage_errors(argv, capsys, tmp_path):
+    rc, out, err = run(capsys, "train", "--workdir", tmp_path / "w", *argv)
+    assert rc == 2 and out == ""
+    assert err.strip().splitlines()[-1].startswith(f"treetools train: error: argument {argv[0]}")
+    assert not (tmp_path / "w").exists()
+
+
+def _committed_step(workdir: Path, step: int) -> None:
+    folder = workdir / "checkpoints" / str(step)
+    folder.mkdir(parents=True)
+    (folder / "commit_success.txt").write_text("ok")
+
+
+def test_train_batch_size_must_split_over_the_devices(capsys, tmp_path, devices):
+    rc, out, err = run(capsys, "train", "--workdir", tmp_path / "w", "--batch-size", "12", "--quiet")
+    line = one_error_line(err)
+    assert rc == 1 and "--batch-size 12" in line and str(len(devices)) in line
+
+
+def test_train_already_at_steps_does_nothing(capsys, tmp_path):
+    _committed_step(tmp_path, 20)
+    rc, out, err = run(capsys, "train", "--workdir", tmp_path, "--steps", "10")
+    assert rc == 0 and out == ""
+    assert "already at step 20" in err and "--steps" in err and len(err.strip().splitlines()) == 1
+
+
+def test_train_no_resume_refuses_existing_checkpoints(capsys, tmp_path):
+    _committed_step(tmp_path, 20)
+    rc, out, err = run(capsys, "train", "--workdir", tmp_path, "--steps", "30", "--no-resume")
+    line = one_error_line(err)
+    assert rc == 1 and str(tmp_path / "checkpoints") in line and "--workdir" in line
+
+
+METRICS = [{"step": s, "loss": 3.0 / s, "grad_norm": 1.0, "param_norm": 10.0 + s, "update_ratio": 1e-3} for s in (1, 2, 3)]
+
+
+@pytest.fixture
+def metrics(tmp_path) -> Path:
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in METRICS))
+    return f
+
+
+def test_plot_without_matplotlib_is_a_known_error(metrics, capsys, monkeypatch):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    rc, out, err = run(capsys, "plot", metrics, "-o", metrics.parent / "n.png")
+    line = one_error_line(err)
+    assert rc == 1 and "matplotlib" in line and "pip install" in line and "internal error" not in line
+    assert not (metrics.parent / "n.png").exists()
+
+
+@pytest.mark.parametrize("line", ["5", '"step"', '{"step": "one", "loss": 1}', "[1, 2]"])
+def test_plot_rejects_records_that_are_not_metrics(tmp_path, capsys, line):
+    f = tmp_path / "m.jsonl"
+    f.write_text(line + "\n")
+    rc, out, err = run(capsys, "plot", f, "-o", tmp_path / "n.png")
+    msg = one_error_line(err)
+    assert rc == 1 and "m.jsonl" in msg and "internal error" not in msg
+
+
+def test_plot_output_errors_name_the_output(metrics, capsys, tmp_path):
+    rc, _, err = run(capsys, "plot", metrics, "-o", tmp_path / "nowhere" / "n.png")
+    assert rc == 1 and str(tmp_path / "nowhere") in one_error_line(err)
+    rc, _, err = run(capsys, "plot", metrics, "-o", tmp_path / "n.txt")
+    assert rc == 1 and "n.txt" in one_error_line(err) and ".png" in err
+    (tmp_path / "adir.png").mkdir()
+    rc, _, err = run(capsys, "plot", metrics, "-o", tmp_path / "adir.png")
+    assert rc == 1 and one_error_line(err).startswith(f"treetools: error: {tmp_path / 'adir.png'}: ")
+
+
+def test_plot_accepts_a_workdir(metrics, capsys):
+    rc, out, err = run(capsys, "plot", metrics.parent)
+    png = metrics.parent / "norms.png"
+    assert rc == 0 and out.strip() == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -165,3 +165,40 @@ def test_diff_errors_are_one_line(run_dir, tmp_path, capsys):
     (broken / "_METADATA").write_text("{")
     rc, out, err = run(capsys, "diff", broken, run_dir)
     assert rc == 1 and "_METADATA" in one_error_line(err)
+
+
+def test_orbax_item_against_a_flax_msgpack_of_the_whole_state(run_dir, tmp_path, capsys):
+    """`to_bytes({"params": ..., "step": ...})`, the legacy Flax layout: --item params pairs its params subtree."""
+    from flax import serialization
+
+    tree = host_tree(1)  # step 100's params
+    (tmp_path / "state.msgpack").write_bytes(serialization.to_bytes({"params": tree, "step": 100}))
+    out = diff_json(capsys, run_dir, tmp_path / "state.msgpack", "--step", "100", "--item", "params", "--values")
+    assert out["added"] == out["removed"] == out["changed"] == []
+    assert out["identical"] is True and len(out["values"]) == len(flat(tree))
+    assert out["b"]["item"] == "params"
+
+
+def test_verdict_line_counts_value_differences(tmp_path, capsys):
+    fa, fb, a, b = _pair(tmp_path)
+    rc, text, _ = run(capsys, "diff", fa, fb, "--values", "--atol", "0", "--rtol", "0")
+    want = expected_values(a, b, atol=0.0, rtol=0.0)
+    differ = sum(not w["allclose"] for w in want.values())
+    assert rc == 0 and differ > 0
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("different:") and f"{differ} of {len(want)} compared leaves not allclose" in last, last
+
+
+def test_markdown_is_a_list_and_tables_follow_blank_lines(run_dir, capsys):
+    rc, out, _ = run(capsys, "diff", run_dir, "--step", "100", "--step", "200", "--values", "--format", "markdown")
+    lines = out.splitlines()
+    assert rc == 0 and lines[0].startswith("- A: ") and lines[1].startswith("- B: ")
+    headers = [i for i, line in enumerate(lines) if line.startswith("| path")]
+    assert len(headers) == 2 and all(lines[i - 1] == "" for i in headers), out  # changed (meta/step) and values
+
+
+def test_composite_against_a_single_tree_suggests_item(run_dir, tmp_path, capsys):
+    np.savez(tmp_path / "p.npz", **{p: x for p, x in flat(host_tree(1)).items() if x.dtype.kind != "V"})
+    rc, out, err = run(capsys, "diff", run_dir / "ckpt_0100", tmp_path / "p.npz")
+    assert rc == 0 and "different:" in out
+    assert err.startswith("treetools: note: ") and "--item" in err and len(err.strip().splitlines()) == 1

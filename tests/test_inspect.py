@@ -11,6 +11,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -589,3 +590,190 @@ def test_plan_blocks_tiles_every_element_once(shape, max_elems, granule):
             assert np.all(np.diff(block) == 1) and block[0] == last_end
             last_end = block[-1] + 1
     assert np.all(seen == 1)
+
+
+# ----------------------------------------------------------------------------- review: unreadable files, odd paths
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    """Make FIFOs; after 10 s a watchdog keeps unblocking their readers, so a regression fails instead of hanging."""
+    import threading
+
+    made: list[Path] = []
+    stop = threading.Event()
+
+    def make(path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkfifo(path)
+        made.append(path)
+        return path
+
+    def unblock():
+        if stop.wait(10):
+            return
+        while not stop.wait(0.05):
+            for p in made:
+                try:
+                    os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))  # a blocked reader now sees EOF
+                except OSError:
+                    pass  # no reader: nothing to unblock
+
+    watchdog = threading.Thread(target=unblock, daemon=True)
+    watchdog.start()
+    yield make
+    stop.set()
+    watchdog.join()
+
+
+def _item_copy(run_dir: Path, tmp_path: Path) -> Path:
+    item = tmp_path / "item"
+    shutil.copytree(run_dir / "ckpt_0100" / "params", item)
+    return item
+
+
+def test_fifo_path_is_an_error_not_a_hang(fifo, tmp_path, capsys):
+    for name in ("pipe.npz", "pipe"):
+        rc, out, err = run(capsys, "inspect", fifo(tmp_path / name))
+        assert rc == 1 and out == "" and "not a regular file" in one_error_line(err)
+
+
+def test_fifo_metadata_files_are_errors_not_hangs(run_dir, fifo, tmp_path, capsys):
+    step = tmp_path / "step"
+    shutil.copytree(run_dir / "ckpt_0100", step)
+    (step / "_CHECKPOINT_METADATA").unlink()
+    fifo(step / "_CHECKPOINT_METADATA")
+    rc, out, err = run(capsys, "inspect", step)
+    assert rc == 1 and "_CHECKPOINT_METADATA: not a regular file" in one_error_line(err)
+    item = _item_copy(run_dir, tmp_path)
+    (item / "_METADATA").unlink()
+    fifo(item / "_METADATA")
+    rc, out, err = run(capsys, "inspect", item)
+    assert rc == 1 and "_METADATA: not a regular file" in one_error_line(err)
+    data = next(p for p in (run_dir / "ckpt_0100" / "params" / "d").iterdir())
+    item2 = tmp_path / "item2"
+    shutil.copytree(run_dir / "ckpt_0100" / "params", item2)
+    (item2 / "d" / data.name).unlink()
+    fifo(item2 / "d" / data.name)
+    rc, out, err = run(capsys, "inspect", item2)
+    assert rc == 1 and f"d/{data.name}: not a regular file" in one_error_line(err)
+
+
+@pytest.mark.parametrize("how", ["missing", "folder"])
+def test_item_folder_with_a_bad_metadata_file(run_dir, tmp_path, capsys, how):
+    """Not "step folder holds no Orbax item" about `ocdbt.process_0` read as step 0: name _METADATA."""
+    item = _item_copy(run_dir, tmp_path)
+    (item / "_METADATA").unlink()
+    if how == "folder":
+        (item / "_METADATA").mkdir()
+    rc, out, err = run(capsys, "inspect", item)
+    line = one_error_line(err)
+    assert rc == 1 and "_METADATA" in line and "ocdbt.process" not in line, line
+    assert ("not a regular file" if how == "folder" else "no _METADATA") in line
+
+
+def test_broken_symlink_is_named(tmp_path, capsys):
+    (tmp_path / "link.npz").symlink_to(tmp_path / "gone.npz")
+    rc, out, err = run(capsys, "inspect", tmp_path / "link.npz")
+    assert rc == 1 and "broken symlink" in one_error_line(err) and "gone.npz" in err
+
+
+def test_data_folder_where_a_file_is_expected_gives_one_line(run_dir, tmp_path):
+    """Orbax's async reads fail; TensorStore's late callbacks must not print tracebacks after the error line."""
+    item = _item_copy(run_dir, tmp_path)
+    for f in (item / "d").iterdir():
+        f.unlink()
+        f.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "treetools", "inspect", str(item)], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert "cannot read this item" in one_error_line(proc.stderr)
+
+
+def test_tilde_and_relative_paths(tmp_path, capsys, monkeypatch):
+    np.savez(tmp_path / "w.npz", w=np.ones(3, np.float32))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert inspect_json(capsys, "~/w.npz")["items"]["default"]["total_params"] == 3
+    (tmp_path / "bad.npz").write_text("not a zip")
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run(capsys, "inspect", "bad.npz")
+    assert rc == 1 and one_error_line(err).startswith("treetools: error: bad.npz: ")  # the path as typed
+    rc, _, err = run(capsys, "inspect", ".")  # a folder of other files, named as typed
+    assert rc == 1 and one_error_line(err).startswith("treetools: error: .: not a checkpoint")
+
+
+def test_item_folder_given_as_dot_keeps_its_name(run_dir, capsys, monkeypatch):
+    monkeypatch.chdir(run_dir / "ckpt_0100" / "params")
+    assert list(inspect_json(capsys, ".")["items"]) == ["params"]
+    monkeypatch.chdir(run_dir / "ckpt_0100")
+    assert inspect_json(capsys, ".")["step"] == 100
+
+
+# ----------------------------------------------------------------------------- review: what the table shows
+
+
+def test_unmatched_pattern_lists_each_nearby_path_once(run_dir, capsys):
+    rc, _, err = run(capsys, "inspect", run_dir, "--include", "Dense_0/kernal")
+    line = one_error_line(err)
+    nearby = re.search(r"nearby paths: (\[.*?\])", line).group(1)
+    shown = eval(nearby)  # a Python list literal of strings
+    assert len(shown) == len(set(shown)), line
+
+
+def test_filter_hides_items_it_empties(run_dir, capsys):
+    out = inspect_json(capsys, run_dir, "--include", "^embed$")
+    assert list(out["items"]) == ["params"]  # opt_state's paths are 0/mu/embed..., meta has no embed
+    rc, text, _ = run(capsys, "inspect", run_dir, "--include", "^embed$")
+    assert "[opt_state]" not in text and "[meta]" not in text and "(no leaves)" not in text
+
+
+def test_table_shows_mesh_and_json_item_values(run_dir, capsys):
+    rc, out, _ = run(capsys, "inspect", run_dir, "--step", "100")
+    assert rc == 0
+    params = out.split("[params]", 1)[1].split("\n[", 1)[0]
+    assert "mesh: data=2, model=4" in params
+    meta = out.split("[meta]", 1)[1].split("\n[", 1)[0]
+    for key, value in meta_of(100).items():
+        assert re.search(rf"^{key}\s+{re.escape(json.dumps(value))}$", meta, re.M), (key, meta)
+    assert "Total: 0 params" not in meta  # a JSON item is its values, not a table of zeros
+    rc, out, _ = run(capsys, "inspect", run_dir, "--step", "100", "--item", "meta", "--format", "tree")
+    assert all(re.search(rf"^{k}\s+{re.escape(json.dumps(v))}$", out, re.M) for k, v in meta_of(100).items()), out
+
+
+def test_msgpack_scalar_values_are_shown(files, capsys):
+    rc, out, _ = run(capsys, "inspect", files["msgpack"])
+    assert rc == 0 and re.search(r"^step\s+3$", out, re.M), out
+
+
+def test_common_path_prefix_is_shown_once(tmp_path, capsys):
+    """optax.multi_transform states: every path starts with 1/inner_states/train/inner_state/."""
+    prefix = "1/inner_states/train/inner_state/"
+    leaves = {f"{prefix}0/mu/w": np.ones((2, 3), np.float32), f"{prefix}0/nu/w": np.ones((2, 3), np.float32),
+              f"{prefix}2/count": np.zeros((), np.int32)}
+    np.savez(tmp_path / "opt.npz", **leaves)
+    rc, out, _ = run(capsys, "inspect", tmp_path / "opt.npz")
+    lines = out.splitlines()
+    assert f"[default] {prefix}" in lines
+    rows = [line.split()[0] for line in lines if line.startswith(("0/", "2/"))]
+    assert rows == [p[len(prefix):] for p in leaves]
+    rc, md, _ = run(capsys, "inspect", tmp_path / "opt.npz", "--format", "markdown")
+    assert f"## default: `{prefix}`" in md and f"| 0/mu/w " in md
+    item = inspect_json(capsys, tmp_path / "opt.npz")["items"]["default"]
+    assert [leaf["path"] for leaf in item["leaves"]] == list(leaves)  # JSON keeps whole paths
+
+
+def test_item_selects_a_top_level_key_of_a_single_tree_file(files, capsys):
+    """A Flax msgpack of a whole state ({"params": ..., "step": ...}): --item params is its params subtree."""
+    out = inspect_json(capsys, files["msgpack"], "--item", "params")
+    check_item(out["items"]["params"], flat(host_tree(7)))
+    rc, _, err = run(capsys, "inspect", files["msgpack"], "--item", "opt_state")
+    assert rc == 1 and "default" in one_error_line(err) and "params" in err
+
+
+def test_markdown_tables_follow_a_blank_line(run_dir, capsys):
+    """A GFM table right below a paragraph (the mesh line) is read as part of that paragraph."""
+    rc, out, _ = run(capsys, "inspect", run_dir, "--format", "markdown")
+    lines = out.splitlines()
+    headers = [i for i, line in enumerate(lines) if line.startswith("| path")]
+    assert rc == 0 and len(headers) == 3 and any(line.startswith("mesh: ") for line in lines)
+    assert all(lines[i - 1] == "" for i in headers), out

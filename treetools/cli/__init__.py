@@ -16,7 +16,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Callable, Sequence
+from typing import Sequence
 
 __all__ = ["build_parser", "main"]
 
@@ -30,31 +30,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _default_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``treetools train`` when its module does not declare them itself."""
-    parser.add_argument("--steps", type=int, default=None, metavar="N", help="training steps")
-    parser.add_argument("--workdir", default=None, metavar="DIR", help="checkpoints and metrics go here")
-    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                        help="resume from the latest checkpoint in --workdir")
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--batch-size", type=int, default=None)
-    parser.add_argument("--log-every", type=int, default=None)
-    parser.add_argument("--ckpt-every", type=int, default=None)
-    parser.add_argument("--freeze-embeddings", action="store_true")
-    parser.add_argument("--ema-decay", type=float, default=None)
-
-
-def _default_plot_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("metrics", metavar="METRICS", help="metrics .jsonl written by treetools train")
-    parser.add_argument("-o", "--output", default=None, help="image file to write")
-
-
-_FALLBACK_ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
-    "train": _default_train_arguments,
-    "plot": _default_plot_arguments,
-}
-
-
 def _command_of(argv: Sequence[str]) -> str | None:
     """The subcommand named in ``argv`` (the first word that is one), if any."""
     for word in argv:
@@ -65,17 +40,14 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return None
 
 
-def _load_command(name: str):
-    try:
-        return importlib.import_module(COMMANDS[name][0])
-    except ModuleNotFoundError as e:
-        if e.name != COMMANDS[name][0]:
-            raise
-        return None
-
-
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The ``treetools`` parser; only ``command``'s options are filled in (its module is imported)."""
+    """The ``treetools`` parser; only ``command``'s options are filled in (its module is imported).
+
+    Each subcommand's description is its module's docstring.
+
+    >>> build_parser("plot").parse_args(["plot", "m.jsonl"]).metrics
+    'm.jsonl'
+    """
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -90,18 +62,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ver}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (_, help_text) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text[:1].upper() + help_text[1:] + ".",
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        if name != command:
-            continue
-        module = _load_command(name)
-        add = getattr(module, "add_arguments", None) or _FALLBACK_ARGUMENTS.get(name)
-        if add is not None:
-            add(sp)
-        if module is not None and getattr(module, "__doc__", None) and name in ("inspect", "diff"):
+    for name, (module_name, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name == command:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sp)
             sp.description = module.__doc__
-        sp.set_defaults(_module=module)
+            sp.set_defaults(_main=module.main)
     return parser
 
 
@@ -122,11 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    module = getattr(args, "_module", None)
-    if module is None or not hasattr(module, "main"):
-        return _error(f"the `{args.command}` command is not available in this installation.")
     try:
-        code = module.main(args)
+        code = args._main(args)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
@@ -136,10 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:
         # CheckpointError is a ValueError; so are bad patterns and TensorStore failures.
+        # ImportError: a missing optional dependency (matplotlib for `plot`), named with its fix.
         if os.environ.get("TREETOOLS_DEBUG"):
             raise
+        if isinstance(e, OSError) and e.filename is not None and e.strerror:
+            return _error(f"{e.filename}: {e.strerror}.")
         return _error(str(e) or type(e).__name__)
     except Exception as e:  # a bug, but still one line; TREETOOLS_DEBUG=1 shows the traceback
         if os.environ.get("TREETOOLS_DEBUG"):

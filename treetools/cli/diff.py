@@ -1,4 +1,5 @@
-"""Compare two checkpoints: leaves added, removed, changed; optionally their values.
+"""Compare two checkpoints: leaves added, removed and changed; optionally
+their values.
 
 A and B are anything `treetools inspect` reads, in any mix of formats (an
 Orbax step against an .npz of the same tree works). Leaves are joined by path
@@ -11,7 +12,9 @@ Two steps of one run:
   treetools diff RUN/ckpt_100 RUN/ckpt_200
 --step given once applies to each side that is a CheckpointManager root;
 given twice, the first is A's step and the second B's. --item NAME picks that
-item on each side (a side with a single item, like an .npz, uses its own).
+item on each side; in a single-tree file (a Flax msgpack of a whole train
+state) it is a top-level key, and a side with one item (an .npz of params)
+uses its own.
 
 --values streams both arrays in the same bounded blocks and reports, per
 leaf of equal shape, the max absolute difference, the relative L2 difference
@@ -27,30 +30,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treetools.cli.inspect import _step, add_common_arguments, chunk_bytes
+from treetools.cli._args import nonneg_float, step
+from treetools.cli.inspect import add_common_arguments, chunk_bytes
 
 __all__ = ["add_arguments", "main"]
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {text!r}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", metavar="A", help="first checkpoint (the reference)")
     parser.add_argument("b", metavar="B", nargs="?", default=None, help="second checkpoint (default: A)")
-    parser.add_argument("--step", type=_step, action="append", default=[], metavar="N|latest",
+    parser.add_argument("--step", type=step, action="append", default=[], metavar="N|latest",
                         help="step of a root; once for both sides, twice for A then B")
     add_common_arguments(parser)
     parser.add_argument("--values", action="store_true", help="also compare values, streamed in blocks")
-    parser.add_argument("--atol", type=_nonneg_float, default=1e-8, help="absolute tolerance (default 1e-8)")
-    parser.add_argument("--rtol", type=_nonneg_float, default=1e-5, help="relative tolerance (default 1e-5)")
+    parser.add_argument("--atol", type=nonneg_float, default=1e-8, help="absolute tolerance (default 1e-8)")
+    parser.add_argument("--rtol", type=nonneg_float, default=1e-5, help="relative tolerance (default 1e-5)")
     parser.add_argument("--format", choices=("table", "json", "markdown"), default="table",
                         help="output format (default table)")
 
@@ -81,5 +75,7 @@ def main(args: argparse.Namespace) -> int:
         rtol=args.rtol,
         chunk_bytes=chunk_bytes(args),
     )
+    for note in report.notes:
+        print(f"treetools: note: {note}", file=sys.stderr)
     print(render_diff(report, args.format))
     return 0

@@ -1,4 +1,5 @@
-"""Show what is inside a checkpoint, without the model code, the original devices, or loading it.
+"""Show what is inside a checkpoint, without the model code, the original
+devices, or loading it.
 
 PATH may be an Orbax CheckpointManager root (step folders N or prefix_N, any
 zero padding), one step folder, one item folder, a Flax msgpack file
@@ -13,6 +14,16 @@ abs_max over the finite elements, plus the counts zeros, nan, posinf, neginf.
 In JSON a float that is NaN or infinite is written as null. Dotted tensor
 names (model.layers.0.weight) are shown as path strings (model/layers/0/weight).
 
+The table has one section per item: its title names the path prefix that all
+its rows share (optax states nest deep) and the mesh of its sharded leaves; a
+JSON item (such as a data iterator's state) is shown as its values.
+
+Examples:
+  treetools inspect runs/demo/checkpoints                 latest step, every item
+  treetools inspect runs/demo/checkpoints --item params --depth 1
+  treetools inspect runs/demo/checkpoints --step all --format json
+  treetools inspect model.safetensors --include 'attn' --sort params --stats
+
 Exit codes: 0 ok; 1 error (missing path, not a checkpoint, corrupt file, a
 pattern that matches nothing); 2 usage; 3 non-finite values found under
 --fail-on-nonfinite. Nothing is ever written under PATH.
@@ -23,57 +34,33 @@ from __future__ import annotations
 import argparse
 import sys
 
+from treetools.cli._args import chunk_mb, positive_int, regex, step
+
 __all__ = ["add_arguments", "main"]
 
 FORMATS = ("table", "json", "markdown", "tree")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _step(text: str) -> int | str:
-    if text in ("latest", "all"):
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a step number, `latest` or `all`; got {text!r}") from None
-
-
-def _chunk_mb(text: str) -> int:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of MiB, got {text!r}")
-    return max(1024, int(value * 2**20))
-
-
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``inspect`` and ``diff``."""
-    parser.add_argument("--item", metavar="NAME", help="only this item of a composite checkpoint (e.g. params)")
+    parser.add_argument("--item", metavar="NAME",
+                        help="only this item of a composite checkpoint (e.g. params); in a single-tree file "
+                             "(msgpack of a whole state, npz, safetensors) a top-level key")
     # Hidden: the block budget of --stats / --values (tests and benchmarks shrink it).
-    parser.add_argument("--chunk-mb", type=_chunk_mb, default=None, dest="chunk_bytes", help=argparse.SUPPRESS)
+    parser.add_argument("--chunk-mb", type=chunk_mb, default=None, dest="chunk_bytes", help=argparse.SUPPRESS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH", help="checkpoint folder or file")
-    parser.add_argument("--step", type=_step, default=None, metavar="N|latest|all",
+    parser.add_argument("--step", type=step, default=None, metavar="N|latest|all",
                         help="step of a CheckpointManager root (default latest); `all` shows every committed step")
     add_common_arguments(parser)
-    parser.add_argument("--depth", type=_positive_int, default=None, metavar="K",
+    parser.add_argument("--depth", type=positive_int, default=None, metavar="K",
                         help="one row per path prefix of K parts, summed")
-    parser.add_argument("--include", action="append", default=[], metavar="RE",
-                        help="keep leaves whose path matches RE (re.search); repeatable")
-    parser.add_argument("--exclude", action="append", default=[], metavar="RE",
+    parser.add_argument("--include", type=regex, action="append", default=[], metavar="RE",
+                        help="keep leaves whose path matches RE (re.search); repeatable; "
+                             "a pattern that matches no leaf is an error")
+    parser.add_argument("--exclude", type=regex, action="append", default=[], metavar="RE",
                         help="drop leaves whose path matches RE; repeatable")
     parser.add_argument("--sort", choices=("path", "params", "bytes"), default=None,
                         help="row order (default: stored order; params/bytes: largest first)")
@@ -82,18 +69,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail-on-nonfinite", action="store_true",
                         help="exit 3 when any leaf holds NaN or Inf (implies --stats)")
     parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default table)")
-
-
-def check_patterns(parser_error, include, exclude) -> None:
-    """Invalid regexes are usage errors (exit 2)."""
-    import re
-
-    for flag, patterns in (("--include", include), ("--exclude", exclude)):
-        for pat in patterns:
-            try:
-                re.compile(pat)
-            except re.error as e:
-                parser_error(f"{flag} {pat!r} is not a valid regex ({e})")
 
 
 def chunk_bytes(args: argparse.Namespace) -> int:
@@ -105,11 +80,6 @@ def chunk_bytes(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     from treetools.inspect import inspect_path, render_report
 
-    def usage(message: str) -> None:
-        print(f"treetools inspect: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-    check_patterns(usage, args.include, args.exclude)
     stats = args.stats or args.fail_on_nonfinite
     report = inspect_path(
         args.path,
@@ -127,6 +97,6 @@ def main(args: argparse.Namespace) -> int:
     print(render_report(report, args.format))
     if args.fail_on_nonfinite and report.nonfinite:
         shown = ", ".join(report.nonfinite[:5]) + (" ..." if len(report.nonfinite) > 5 else "")
-        print(f"treetools: non-finite values in {len(report.nonfinite)} leaves: {shown}", file=sys.stderr)
+        print(f"treetools: non-finite values in {len(report.nonfinite)} leaf(s): {shown}", file=sys.stderr)
         return 3
     return 0

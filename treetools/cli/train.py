@@ -1,28 +1,48 @@
-"""``treetools train``: the reference trainer (``treetools.reference``)."""
+"""Train the reference model: a small decoder-only Transformer (Flax + Optax) on a
+synthetic next-token task that needs no download, FSDP-sharded over a
+data x fsdp mesh of all devices (CPU by default).
+
+WORKDIR/checkpoints/ gets an Orbax checkpoint every --ckpt-every steps
+(params, params_ema, opt_state and the data iterator); WORKDIR/metrics.jsonl
+gets loss and norm metrics every --log-every steps (`treetools plot` draws
+them). --steps is the total: a WORKDIR with checkpoints resumes from its
+latest step and trains up to --steps, bit for bit as one straight run.
+
+Examples:
+  treetools train --workdir runs/demo --cpu-devices 4
+  treetools train --workdir runs/demo --steps 400        (continue to step 400)
+  treetools inspect runs/demo/checkpoints
+  treetools plot runs/demo/metrics.jsonl -o norms.png
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 
+from treetools.cli._args import positive_float, positive_int, unit_float
+
+__all__ = ["add_arguments", "main"]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = parser.add_argument_group("run")
-    d.add_argument("--steps", type=int, default=200, help="total training steps (default: 200)")
-    d.add_argument("--workdir", default="runs/demo", help="where checkpoints/ and metrics.jsonl go (default: runs/demo)")
-    d.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                   help="continue from the latest checkpoint in WORKDIR (default: on)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--batch-size", type=int, default=32)
-    d.add_argument("--learning-rate", type=float, default=3e-3)
-    d.add_argument("--log-every", type=int, default=20, help="log norms to metrics.jsonl every N steps")
-    d.add_argument("--ckpt-every", type=int, default=100, help="save a checkpoint every N steps")
-    d.add_argument("--freeze-embeddings", action="store_true",
-                   help="freeze embed/ with optax.multi_transform + get_param_label_fn")
-    d.add_argument("--ema-decay", type=float, default=0.99)
-    d.add_argument("--cpu-devices", type=int, default=None, metavar="N",
-                   help="simulate N CPU devices (sets XLA_FLAGS; only before jax starts)")
-    d.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    d = parser.add_argument
+    d("--steps", type=positive_int, default=200, metavar="N", help="total training steps (default: 200)")
+    d("--workdir", default="runs/demo", metavar="DIR",
+      help="where checkpoints/ and metrics.jsonl go (default: runs/demo)")
+    d("--resume", action=argparse.BooleanOptionalAction, default=True,
+      help="continue from the latest checkpoint in DIR (default: on); --no-resume needs a DIR without checkpoints")
+    d("--seed", type=int, default=0, help="model init and data seed (default: 0); a resumed run must keep it")
+    d("--batch-size", type=positive_int, default=32, metavar="B",
+      help="global batch, a multiple of the device count (default: 32)")
+    d("--learning-rate", type=positive_float, default=3e-3, metavar="LR", help="peak AdamW learning rate (default: 3e-3)")
+    d("--log-every", type=positive_int, default=20, metavar="N", help="log norms to metrics.jsonl every N steps (default: 20)")
+    d("--ckpt-every", type=positive_int, default=100, metavar="N", help="save a checkpoint every N steps (default: 100)")
+    d("--freeze-embeddings", action="store_true", help="freeze embed/ with optax.multi_transform + get_param_label_fn")
+    d("--ema-decay", type=unit_float, default=0.99, metavar="D", help="decay of the EMA params (default: 0.99)")
+    d("--cpu-devices", type=positive_int, default=None, metavar="N",
+      help="simulate N CPU devices (sets XLA_FLAGS; only before jax starts)")
+    d("--quiet", action="store_true", help="print nothing but errors")
 
 
 def main(args: argparse.Namespace) -> int:

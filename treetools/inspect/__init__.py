@@ -8,7 +8,7 @@ The CLI (``treetools inspect`` / ``treetools diff``) renders these reports.
 
 from treetools.inspect._base import DEFAULT_CHUNK_BYTES, CheckpointError, Leaf, Snapshot, plan_blocks
 from treetools.inspect.diff import DiffReport, LeafChange, ValueDiff, diff_paths, render_diff, value_diff
-from treetools.inspect.readers import Source, open_checkpoint
+from treetools.inspect.readers import Source, open_checkpoint, select_item
 from treetools.inspect.report import ItemReport, Report, StepReport, inspect_path, render_report
 from treetools.inspect.stats import StatsAccumulator, array_stats, leaf_stats
 
@@ -33,5 +33,6 @@ __all__ = [
     "plan_blocks",
     "render_diff",
     "render_report",
+    "select_item",
     "value_diff",
 ]

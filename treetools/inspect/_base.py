@@ -32,6 +32,46 @@ class CheckpointError(ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
+def require_file(path: str, *, what: str) -> None:
+    """Refuse what is not a regular file before opening it: reading a FIFO would block forever.
+
+    >>> require_file("/", what="Orbax _METADATA")
+    Traceback (most recent call last):
+    ...
+    treetools.inspect._base.CheckpointError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
+    """
+    if os.path.isfile(path):
+        return
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{path}: {what} is missing.")
+    raise CheckpointError(f"{path}: not a regular file ({file_kind(path)}); cannot read it as {what}.")
+
+
+def file_kind(path: str) -> str:
+    """``a folder``, ``a FIFO``, ``a broken symlink``...: what stands at ``path`` instead of a file."""
+    import stat
+
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a broken symlink to {os.readlink(path)!r}"
+    mode = os.stat(path).st_mode
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a file")
+
+
+def require_regular_tree(folder: str) -> None:
+    """Refuse a folder holding anything but files and folders (a FIFO, a broken symlink) before a reader opens it."""
+
+    def fail(e: OSError) -> None:
+        raise CheckpointError(f"{e.filename}: cannot list folder ({e.strerror or e}).")
+
+    for root, _dirs, files in os.walk(folder, onerror=fail):
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: not a regular file ({file_kind(path)}); cannot read this checkpoint.")
+
+
 def chunk_bytes_from_env(default: int = DEFAULT_CHUNK_BYTES) -> int:
     """The block budget: ``TREETOOLS_CHUNK_BYTES`` when set, else ``default``."""
     raw = os.environ.get("TREETOOLS_CHUNK_BYTES")
@@ -117,6 +157,15 @@ class ArrayReader:
 
 NO_VALUE: Any = type("NoValue", (), {"__repr__": lambda self: "NO_VALUE"})()
 """The value of a non-array leaf that the metadata does not carry."""
+
+
+def jsonable(value: Any) -> Any:
+    """A non-array leaf's value as JSON can hold it (numpy scalars as Python numbers, others as text)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
 
 
 @dataclasses.dataclass

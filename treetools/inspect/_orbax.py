@@ -18,12 +18,23 @@ from typing import Any, Callable
 
 import numpy as np
 
-from treetools.inspect._base import ArrayReader, CheckpointError, Index, Leaf, Snapshot, check_name, dtype_name
+from treetools.inspect._base import (
+    ArrayReader,
+    CheckpointError,
+    Index,
+    Leaf,
+    Snapshot,
+    check_name,
+    dtype_name,
+    require_regular_tree,
+)
 from treetools.inspect._scan import (
     COMMIT_FILE,
     JSON_ITEM_FILE,
     PYTREE_METADATA,
     STEP_METADATA,
+    has_array_data,
+    has_entry,
     is_committed,
     is_tmp,
     looks_like_item,
@@ -131,9 +142,18 @@ def _leaf_sharding(meta: Any) -> Any:
     return LeafSharding(PartitionSpec(*entries), {str(a): int(s) for a, s in zip(names, np.asarray(sizes).tolist())})
 
 
+def _no_metadata(item_dir: str) -> CheckpointError:
+    return CheckpointError(
+        f"{item_dir}: no {PYTREE_METADATA} file, which Orbax's metadata API needs "
+        "(saved by an Orbax older than 0.5, or copied without it)."
+    )
+
+
 def _value_types(item_dir: str) -> tuple[dict[str, str], dict[str, Any]]:
     """Param name -> value type from ``_METADATA``, after refusing escaping keys."""
     path = os.path.join(item_dir, PYTREE_METADATA)
+    if not has_entry(item_dir, PYTREE_METADATA):
+        raise _no_metadata(item_dir)
     raw = read_json(path, what="Orbax _METADATA")
     tree = raw.get("tree_metadata") if isinstance(raw, dict) else None
     if not isinstance(tree, dict):
@@ -151,6 +171,28 @@ def _value_types(item_dir: str) -> tuple[dict[str, str], dict[str, Any]]:
         check_name(name, where=path)
         types[name] = value_type
     return types, raw
+
+
+def _ignore_late_callbacks() -> None:
+    """Drop the "Event loop is closed" errors of TensorStore callbacks that outlive a failed Orbax read.
+
+    When one of Orbax's concurrent metadata reads fails, its event loop closes
+    while TensorStore still completes the others; each late completion would
+    print a traceback after our one-line error. Other unraisable errors pass.
+    """
+    import sys
+
+    previous = sys.unraisablehook
+    if getattr(previous, "_treetools", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        exc = unraisable.exc_value
+        if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook._treetools = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def _quiet_absl() -> Callable[[], None]:
@@ -179,6 +221,7 @@ def _box_paths(custom: Any) -> dict[str, str]:
 
 def _pytree_leaves(item_dir: str) -> list[Leaf]:
     types, raw = _value_types(item_dir)
+    require_regular_tree(item_dir)
     use_zarr3 = bool(raw.get("use_zarr3", False))
     use_ocdbt = bool(raw.get("use_ocdbt", os.path.exists(os.path.join(item_dir, "manifest.ocdbt"))))
     undo = _quiet_absl()
@@ -191,6 +234,7 @@ def _pytree_leaves(item_dir: str) -> list[Leaf]:
     except CheckpointError:
         raise
     except Exception as e:
+        _ignore_late_callbacks()
         raise CheckpointError(
             f"{item_dir}: Orbax's metadata API cannot read this item ({type(e).__name__}: {_first_line(e)})."
         ) from None
@@ -242,15 +286,12 @@ def _json_leaves(item_dir: str) -> list[Leaf]:
 def _item_kind(item_dir: str, handler: str | None) -> str:
     if handler and "Json" in handler:
         return "json"
-    if os.path.isfile(os.path.join(item_dir, PYTREE_METADATA)):
+    if has_entry(item_dir, PYTREE_METADATA):
         return "pytree"
-    if os.path.isfile(os.path.join(item_dir, JSON_ITEM_FILE)) and not handler:
+    if has_entry(item_dir, JSON_ITEM_FILE) and not handler:
         return "json"
     if handler is None or "PyTree" in handler or "Standard" in handler:
-        raise CheckpointError(
-            f"{item_dir}: no {PYTREE_METADATA} file, which Orbax's metadata API needs "
-            "(saved by an Orbax older than 0.5, or copied without it)."
-        )
+        raise _no_metadata(item_dir)
     return "unsupported"
 
 
@@ -267,7 +308,7 @@ def _load_item(item_dir: str, handler: str | None, notes: list[str]) -> list[Lea
 
 def _load_step(step_dir: str, step: int | None) -> Snapshot:
     meta_path = os.path.join(step_dir, STEP_METADATA)
-    meta = read_json(meta_path, what="Orbax _CHECKPOINT_METADATA") if os.path.exists(meta_path) else {}
+    meta = read_json(meta_path, what="Orbax _CHECKPOINT_METADATA") if has_entry(step_dir, STEP_METADATA) else {}
     handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
     notes: list[str] = []
     if isinstance(handlers, dict):
@@ -292,16 +333,21 @@ def _load_step(step_dir: str, step: int | None) -> Snapshot:
 def _single_item_name(item_dir: str) -> str:
     """Orbax's name for an item: ``default`` for a standalone Checkpointer save, else the folder name."""
     meta_path = os.path.join(item_dir, STEP_METADATA)
-    if os.path.isfile(meta_path):
+    if has_entry(item_dir, STEP_METADATA):
         meta = read_json(meta_path, what="Orbax _CHECKPOINT_METADATA")
         if not isinstance(meta, dict) or not isinstance(meta.get("item_handlers"), dict):
             return "default"
-    return os.path.basename(os.path.normpath(item_dir)) or "default"
+    return _name(item_dir) or "default"
+
+
+def _name(path: str) -> str:
+    """The folder's own name, also for ``.`` or a trailing slash."""
+    return os.path.basename(os.path.abspath(path))
 
 
 def _refuse_incomplete(path: str) -> None:
     if not is_committed(path):
-        marker = "an Orbax tmp folder" if is_tmp(os.path.basename(os.path.normpath(path))) else f"no {COMMIT_FILE}"
+        marker = "an Orbax tmp folder" if is_tmp(_name(path)) else f"no {COMMIT_FILE}"
         raise CheckpointError(f"{path}: incomplete save ({marker}); it is never read.")
 
 
@@ -311,21 +357,19 @@ def open_orbax(path: str) -> tuple[list[int] | None, list[str], Callable[[int | 
     ``steps`` is None unless ``path`` is a CheckpointManager root; the loader
     reads one step's metadata (None: the latest, or the only one).
     """
-    if is_tmp(os.path.basename(os.path.normpath(path))):
+    if is_tmp(_name(path)):
         _refuse_incomplete(path)
-    if os.path.isfile(os.path.join(path, PYTREE_METADATA)):
+    if has_entry(path, PYTREE_METADATA) or has_array_data(path):
         name = _single_item_name(path)
         if name == "default":
             _refuse_incomplete(path)
         return None, [], lambda _step: Snapshot(None, {name: _pytree_leaves(path)}, record_sharding=True)
-    if os.path.isfile(os.path.join(path, STEP_METADATA)) or (
-        not os.path.isfile(os.path.join(path, JSON_ITEM_FILE)) and looks_like_step(path)
-    ):
+    if has_entry(path, STEP_METADATA) or (not has_entry(path, JSON_ITEM_FILE) and looks_like_step(path)):
         _refuse_incomplete(path)
-        step = step_of(os.path.basename(os.path.normpath(path)))
+        step = step_of(_name(path))
         return None, [], lambda _step: _load_step(path, step)
-    if os.path.isfile(os.path.join(path, JSON_ITEM_FILE)):
-        name = os.path.basename(os.path.normpath(path))
+    if has_entry(path, JSON_ITEM_FILE):
+        name = _name(path)
         return None, [], lambda _step: Snapshot(None, {name: _json_leaves(path)})
     listing = scan_root(path)
     if listing.steps or listing.incomplete:

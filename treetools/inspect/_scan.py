@@ -15,13 +15,14 @@ import os
 import re
 from typing import Any
 
-from treetools.inspect._base import CheckpointError
+from treetools.inspect._base import CheckpointError, require_file
 
 TMP_MARKER = ".orbax-checkpoint-tmp"
 COMMIT_FILE = "commit_success.txt"
 STEP_METADATA = "_CHECKPOINT_METADATA"
 PYTREE_METADATA = "_METADATA"
 JSON_ITEM_FILE = "metadata"
+ARRAY_DATA_NAMES = ("manifest.ocdbt", "_sharding", "array_metadatas")
 
 _STEP_RE = re.compile(r"^(?:(?P<prefix>.*)_)?(?P<step>\d+)$")
 
@@ -42,12 +43,11 @@ def is_tmp(name: str) -> bool:
 
 
 def read_json(path: str, *, what: str) -> Any:
-    """Parse a small JSON metadata file; a broken one is a ``CheckpointError``."""
+    """Parse a small JSON metadata file; a missing, unreadable or broken one is a ``CheckpointError``."""
+    require_file(path, what=what)
     try:
         with open(path, "rb") as f:
             return json.loads(f.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: {what} is missing.") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt or truncated {what} ({e}).") from None
     except OSError as e:
@@ -79,12 +79,26 @@ def _subdirs(path: str) -> list[os.DirEntry]:
         raise CheckpointError(f"{path}: cannot list folder ({e.strerror or e}).") from None
 
 
+def has_entry(folder: str, name: str) -> bool:
+    """Whether ``folder/name`` exists as anything (a FIFO or folder in place of a file still counts)."""
+    return os.path.lexists(os.path.join(folder, name))
+
+
 def looks_like_item(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, PYTREE_METADATA)) or os.path.isfile(os.path.join(path, JSON_ITEM_FILE))
+    return has_entry(path, PYTREE_METADATA) or has_entry(path, JSON_ITEM_FILE) or has_array_data(path)
+
+
+def has_array_data(path: str) -> bool:
+    """Whether ``path`` holds what Orbax writes next to an item's ``_METADATA`` (OCDBT files, ``_sharding``)."""
+    try:
+        with os.scandir(path) as it:
+            return any(e.name in ARRAY_DATA_NAMES or e.name.startswith("ocdbt.process_") for e in it)
+    except OSError:
+        return False
 
 
 def looks_like_step(path: str) -> bool:
-    if os.path.isfile(os.path.join(path, STEP_METADATA)):
+    if has_entry(path, STEP_METADATA):
         return True
     return any(looks_like_item(e.path) for e in _subdirs(path) if not is_tmp(e.name))
 

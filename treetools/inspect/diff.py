@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from treetools.inspect._base import DEFAULT_CHUNK_BYTES, NO_VALUE, CheckpointError, Leaf, is_numeric, plan_blocks
-from treetools.inspect.readers import Source, open_checkpoint
+from treetools.inspect._base import DEFAULT_CHUNK_BYTES, NO_VALUE, CheckpointError, Leaf, is_numeric, jsonable, plan_blocks
+from treetools.inspect.readers import Source, open_checkpoint, select_item
 from treetools.inspect.report import json_safe
 from treetools.table import Row
 
@@ -46,19 +46,11 @@ class LeafChange:
             j = r.to_json()
             out = {k: j[k] for k in ("shape", "dtype", "sharding")}
             if "value" in self.fields:
-                out["value"] = _jsonable(value)
+                out["value"] = jsonable(value)
             return out
 
         return {"path": self.path, "fields": self.fields, "a": side(self.a, self.value_a),
                 "b": side(self.b, self.value_b)}
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
 
 
 @dataclasses.dataclass
@@ -89,6 +81,8 @@ class DiffReport:
     values: list[ValueDiff] | None = None
     atol: float = 1e-8
     rtol: float = 1e-5
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """Diagnostics for stderr (e.g. a hint to pass ``item``); not part of the JSON object."""
 
     @property
     def identical(self) -> bool:
@@ -123,6 +117,15 @@ def value_diff(a: Leaf, b: Leaf, *, atol: float = 1e-8, rtol: float = 1e-5,
 
     Both readers follow one block plan (aligned to A's storage chunks unless a
     side can only stream front to back), so the peak memory is two blocks.
+
+    >>> import numpy as np
+    >>> from treetools.inspect._base import InMemoryReader
+    >>> from treetools.table import Row
+    >>> row = Row(path="w", shape=(2,), dtype="float32", params=2, bytes=8)
+    >>> a = Leaf(row, InMemoryReader(np.array([1.0, 2.0], np.float32)))
+    >>> b = Leaf(row, InMemoryReader(np.array([1.0, 2.5], np.float32)))
+    >>> d = value_diff(a, b); (d.max_abs_diff, d.allclose, d.mismatched)
+    (0.5, False, 1)
     """
     ra, rb = a.reader, b.reader
     if ra is None or rb is None or a.row.shape != b.row.shape:
@@ -157,14 +160,15 @@ def _describe(source: Source, step: int | None, item: str | None) -> dict[str, A
 
 
 def _pick_items(items: dict[str, list[Leaf]], item: str | None, where: str) -> dict[str, list[Leaf]]:
-    """``item`` of one side; a side with a single item (an .npz, a standalone save) uses that one."""
+    """``item`` of one side (``select_item``); a single-item side without it (an .npz of params) uses its own."""
     if item is None:
         return items
-    if item in items:
-        return {item: items[item]}
-    if len(items) == 1:
-        return items
-    raise CheckpointError(f"{where}: no item `{item}`; items: {', '.join(items) or 'none'}.")
+    try:
+        return select_item(items, item, where=where)
+    except CheckpointError:
+        if len(items) == 1:
+            return items
+        raise
 
 
 def diff_paths(
@@ -213,6 +217,10 @@ def diff_paths(
     items_a = _pick_items(snap_a.items, item, src_a.path)
     items_b = _pick_items(snap_b.items, item, src_b.path)
     single = len(items_a) == 1 and len(items_b) == 1
+    notes = []
+    if not single and 1 in (len(items_a), len(items_b)):
+        notes.append(f"A has items {', '.join(items_a)} and B {', '.join(items_b)}: paths are joined as item/path; "
+                     "pass --item NAME to compare one item with the other side's tree.")
     if single:
         flat_a, flat_b = _flat(items_a, False), _flat(items_b, False)
     else:
@@ -247,6 +255,7 @@ def diff_paths(
         unchanged=sum(1 for p in flat_a if p in flat_b) - len(changed),
         atol=atol,
         rtol=rtol,
+        notes=notes,
     )
     if values:
         report.values = [
@@ -267,14 +276,20 @@ def _renamed(row: Row, path: str) -> Row:
 
 
 def render_diff(report: DiffReport, fmt: str = "table") -> str:
-    """Render a ``DiffReport`` as ``table``, ``markdown`` or ``json``."""
+    """Render a ``DiffReport`` as ``table``, ``markdown`` or ``json``; the last line of a table is the verdict.
+
+    >>> import numpy as np, tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "a.npz"); np.savez(f, w=np.ones(3))
+    >>> render_diff(diff_paths(f, f, values=True)).splitlines()[-1]
+    'identical: 0 added, 0 removed, 0 changed, 1 unchanged in metadata; 0 of 1 compared leaves not allclose'
+    """
     if fmt == "json":
         return json.dumps(report.to_json(), indent=2, allow_nan=False)
     if fmt not in ("table", "markdown"):
         raise ValueError(f"`fmt` must be one of table, markdown, json; got {fmt!r}.")
     from tabulate import tabulate
 
-    tablefmt = "github" if fmt == "markdown" else "simple"
+    md = fmt == "markdown"
 
     def side(d: dict[str, Any]) -> str:
         extra = [f"step {d['step']}"] if d["step"] is not None else []
@@ -284,32 +299,37 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     def shape(r: Row) -> str:
         return "" if r.shape is None else str(list(r.shape))
 
-    out = [f"A: {side(report.a)}", f"B: {side(report.b)}"]
+    def shown(r: Row, field: str, value: Any) -> str:
+        if field == "value":
+            return json.dumps(jsonable(value))
+        return shape(r) if field == "shape" else str(getattr(r, field) if getattr(r, field) is not None else "-")
+
+    def table(data: list[list[str]], headers: list[str]) -> str:
+        return tabulate(data, headers=headers, tablefmt="github" if md else "simple", disable_numparse=True)
+
+    sections: list[tuple[str, str | None]] = []
     for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
         if rows:
-            table = tabulate([[r.path, shape(r), r.dtype or "", f"{r.params:,}"] for r in rows],
-                             headers=["path", "shape", "dtype", "params"], tablefmt=tablefmt, disable_numparse=True)
-            out += ["", f"{title}: {len(rows)}", table]
+            sections.append((f"{title}: {len(rows)}", table([[r.path, shape(r), r.dtype or "", f"{r.params:,}"]
+                                                               for r in rows], ["path", "shape", "dtype", "params"])))
     if report.changed:
-        data = []
-        for c in report.changed:
-            for f in c.fields:
-                va, vb = (c.value_a, c.value_b) if f == "value" else (getattr(c.a, f), getattr(c.b, f))
-                fa = shape(c.a) if f == "shape" else str(va) if va is not None else "-"
-                fb = shape(c.b) if f == "shape" else str(vb) if vb is not None else "-"
-                data.append([c.path, f, fa, fb])
-        table = tabulate(data, headers=["path", "field", "A", "B"], tablefmt=tablefmt, disable_numparse=True)
-        out += ["", f"changed: {len(report.changed)}", table]
+        data = [[c.path, f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)] for c in report.changed for f in c.fields]
+        sections.append((f"changed: {len(report.changed)}", table(data, ["path", "field", "A", "B"])))
     if report.values is not None:
         diffs = [v for v in report.values if not v.allclose or v.max_abs_diff > 0]
-        out += ["", f"values: {len(report.values)} leaves compared (atol={report.atol:g}, rtol={report.rtol:g}), "
-                    f"{sum(not v.allclose for v in report.values)} not allclose"]
-        if diffs:
-            out.append(tabulate(
-                [[v.path, f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", str(v.allclose), f"{v.mismatched:,}"] for v in diffs],
-                headers=["path", "max_abs_diff", "rel_l2", "allclose", "mismatched"],
-                tablefmt=tablefmt, disable_numparse=True))
+        body = table([[v.path, f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", str(v.allclose), f"{v.mismatched:,}"]
+                      for v in diffs], ["path", "max_abs_diff", "rel_l2", "allclose", "mismatched"]) if diffs else None
+        sections.append((f"values: {len(report.values)} leaves compared (atol={report.atol:g}, rtol={report.rtol:g}), "
+                         f"{len(diffs)} differ", body))
     verdict = "identical" if report.identical else "different"
-    out += ["", f"{verdict}: {len(report.added)} added, {len(report.removed)} removed, "
-                f"{len(report.changed)} changed, {report.unchanged} unchanged"]
+    line = (f"{verdict}: {len(report.added)} added, {len(report.removed)} removed, "
+            f"{len(report.changed)} changed, {report.unchanged} unchanged")
+    if report.values is not None:
+        line += (f" in metadata; {sum(not v.allclose for v in report.values)} of {len(report.values)} "
+                 "compared leaves not allclose")
+    out = [f"- A: {side(report.a)}", f"- B: {side(report.b)}"] if md else [f"A: {side(report.a)}", f"B: {side(report.b)}"]
+    for title, body in sections:
+        # Markdown needs a blank line between a paragraph and a table.
+        out += ["", title, *([""] if md and body else []), *([body] if body else [])]
+    out += ["", line]
     return "\n".join(out)

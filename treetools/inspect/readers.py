@@ -11,11 +11,10 @@ import dataclasses
 import os
 from typing import Callable
 
-from treetools.inspect._base import CheckpointError, Snapshot
+from treetools.inspect._base import CheckpointError, Leaf, Snapshot, file_kind
 
-__all__ = ["Source", "open_checkpoint"]
+__all__ = ["Source", "open_checkpoint", "select_item"]
 
-FORMATS = ("orbax", "msgpack", "safetensors", "npz")
 DEFAULT_ITEM = "default"
 """Item name of single-tree files (Orbax's name for an unnamed item)."""
 
@@ -99,22 +98,55 @@ def open_checkpoint(path: str | os.PathLike) -> Source:
     ('npz', None, [3])
     """
     display = os.fspath(path)
-    real = os.path.abspath(display)
-    if not os.path.exists(real):
+    local = os.path.expanduser(display)
+    if not os.path.exists(local):
+        if os.path.islink(local):
+            raise CheckpointError(f"{display}: {file_kind(local)}; point at the checkpoint itself.")
         raise CheckpointError(f"{display}: no such file or folder.")
-    if os.path.isdir(real):
+    if os.path.isdir(local):
         from treetools.inspect._orbax import open_orbax
 
-        steps, incomplete, load = open_orbax(real)
+        steps, incomplete, load = open_orbax(local)
         return Source(display, "orbax", steps, incomplete, load)
+    if not os.path.isfile(local):
+        raise CheckpointError(f"{display}: not a regular file ({file_kind(local)}); point at a checkpoint file or folder.")
     from treetools.inspect import _files
 
-    kind = _files.sniff_file(real)
+    kind = _files.sniff_file(local)
     if kind is None:
         raise CheckpointError(
             f"{display}: not a checkpoint (not an Orbax folder, Flax msgpack, .safetensors or .npz file)."
         )
     read = {"npz": _files.read_npz, "safetensors": _files.read_safetensors, "msgpack": _files.read_msgpack}[kind]
     # Parse the header now, so that a broken file fails at open time.
-    leaves = read(real)
+    leaves = read(local)
     return Source(display, kind, None, [], lambda _step: Snapshot(None, {DEFAULT_ITEM: leaves}))
+
+
+def select_item(items: dict[str, list[Leaf]], item: str, *, where: str) -> dict[str, list[Leaf]]:
+    """``{item: leaves}``: the item of that name, or a top-level key of a single-tree file.
+
+    A single-tree file (a Flax msgpack of a whole train state, an npz) has one
+    item; ``item`` then names a top-level key, and its leaves keep the paths
+    below that key, as an Orbax item of that name would.
+
+    Raises:
+      CheckpointError: no such item or top-level key (the message lists the items).
+
+    >>> from treetools.table import Row
+    >>> leaf = Leaf(Row(path="params/w", shape=(2,), dtype="float32", params=2, bytes=8))
+    >>> [l.row.path for l in select_item({"default": [leaf]}, "params", where="f")["params"]]
+    ['w']
+    """
+    if item in items:
+        return {item: items[item]}
+    if len(items) == 1:
+        prefix = f"{item}/"
+        (leaves,) = items.values()
+        below = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.row.path[len(prefix):]))
+                 for leaf in leaves if leaf.row.path.startswith(prefix)]
+        if below:
+            return {item: below}
+    keys = sorted({leaf.row.path.split("/", 1)[0] for leaves in items.values() for leaf in leaves})
+    tops = f" (top-level keys: {', '.join(keys[:10])}{', ...' if len(keys) > 10 else ''})" if len(items) == 1 else ""
+    raise CheckpointError(f"{where}: no item `{item}`; items: {', '.join(items) or 'none'}{tops}.")

@@ -11,8 +11,8 @@ import json
 import math
 from typing import Any, Sequence
 
-from treetools.inspect._base import DEFAULT_CHUNK_BYTES, CheckpointError, Leaf, Snapshot, is_numeric
-from treetools.inspect.readers import open_checkpoint
+from treetools.inspect._base import DEFAULT_CHUNK_BYTES, NO_VALUE, CheckpointError, Leaf, Snapshot, is_numeric, jsonable
+from treetools.inspect.readers import open_checkpoint, select_item
 from treetools.inspect.stats import Progress, StatsAccumulator, leaf_stats
 from treetools.table import Row, Totals, aggregate_rows, render_rows, sort_rows, totals
 
@@ -21,10 +21,27 @@ __all__ = ["ItemReport", "Report", "StepReport", "inspect_path", "json_safe", "r
 
 @dataclasses.dataclass
 class ItemReport:
-    """One item of one step: the rows shown and the totals of the leaves behind them."""
+    """One item of one step: the rows shown and the totals of the leaves behind them.
+
+    ``values`` holds the values of non-array leaves that the checkpoint stores
+    in its metadata (JSON items, msgpack scalars), by path; ``meshes`` the
+    distinct meshes (axis name -> size) of the sharded leaves. Both are for
+    the human views; the JSON object keeps DESIGN.md's schema.
+    """
 
     rows: list[Row]
     total: Totals
+    values: dict[str, Any] = dataclasses.field(default_factory=dict)
+    meshes: list[dict[str, int]] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, leaves: Sequence[Leaf], rows: list[Row]) -> "ItemReport":
+        """The report of ``leaves`` (filtered, before aggregation) shown as ``rows``."""
+        leaf_rows = [leaf.row for leaf in leaves]
+        meshes = [dict(m) for m in {tuple(r.sharding.mesh.items()): 0 for r in leaf_rows
+                                    if r.sharding is not None and r.sharding.mesh}]
+        values = {leaf.row.path: leaf.value for leaf in leaves if leaf.row.shape is None and leaf.value is not NO_VALUE}
+        return cls(rows, totals(leaf_rows), values, meshes)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.total.to_json(), "leaves": [r.to_json() for r in self.rows]}
@@ -91,21 +108,25 @@ def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence
     """Keep leaves that match an ``include`` pattern and no ``exclude`` pattern.
 
     Patterns are checked against every leaf of every shown item and step: one
-    that matches nothing anywhere is an error naming it.
+    that matches nothing anywhere is an error naming it. Items left without a
+    leaf are dropped (``--include`` asks to see the matches, not every item).
     """
     from treetools.paths import compile_patterns, match_patterns
 
+    if not include and not exclude:
+        return [dict(s.items) for s in snaps]
     inc = compile_patterns(list(include), name="include")
     exc = compile_patterns(list(exclude), name="exclude")
-    flat = [(i, name, leaf) for i, s in enumerate(snaps) for name, leaves in s.items.items() for leaf in leaves]
-    paths = [leaf.row.path for _, _, leaf in flat]
-    keep = match_patterns(paths, inc, name="include") if inc else [True] * len(paths)
+    # Match each distinct path once: items and steps repeat the same paths.
+    paths = list(dict.fromkeys(leaf.row.path for s in snaps for leaves in s.items.values() for leaf in leaves))
+    keep = dict(zip(paths, match_patterns(paths, inc, name="include") if inc else [True] * len(paths)))
     if exc:
-        keep = [k and not d for k, d in zip(keep, match_patterns(paths, exc, name="exclude"))]
-    out: list[dict[str, list[Leaf]]] = [{name: [] for name in s.items} for s in snaps]
-    for (i, name, leaf), k in zip(flat, keep):
-        if k:
-            out[i][name].append(leaf)
+        for path, dropped in zip(paths, match_patterns(paths, exc, name="exclude")):
+            keep[path] = keep[path] and not dropped
+    out: list[dict[str, list[Leaf]]] = []
+    for s in snaps:
+        kept = {name: [leaf for leaf in leaves if keep[leaf.row.path]] for name, leaves in s.items.items()}
+        out.append({name: leaves for name, leaves in kept.items() if leaves})
     return out
 
 
@@ -175,13 +196,8 @@ def inspect_path(
     notes = [n for s in snaps for n in s.notes]
     if item is not None:
         for s in snaps:
-            if item not in s.items:
-                raise CheckpointError(
-                    f"{source.path}: no item `{item}`"
-                    + (f" in step {s.step}" if s.step is not None else "")
-                    + f"; items: {', '.join(s.items) or 'none'}."
-                )
-            s.items = {item: s.items[item]}
+            where = f"{source.path} (step {s.step})" if source.steps is not None else source.path
+            s.items = select_item(s.items, item, where=where)
     kept = _filter(snaps, include, exclude)
     accs: list[dict[str, dict[str, StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite: list[str] = []
@@ -191,11 +207,10 @@ def inspect_path(
     for i, s in enumerate(snaps):
         items = {}
         for name, leaves in kept[i].items():
-            leaf_rows = [leaf.row for leaf in leaves]
-            rows = aggregate_rows(leaf_rows, depth)
+            rows = aggregate_rows([leaf.row for leaf in leaves], depth)
             if stats:
                 rows = _with_stats(rows, accs[i].get(name, {}), depth)
-            items[name] = ItemReport(sort_rows(rows, sort), totals(leaf_rows))
+            items[name] = ItemReport.of(leaves, sort_rows(rows, sort))
         by_step.append(StepReport(s.step, items))
     return Report(
         path=source.path,
@@ -247,7 +262,15 @@ def render_report(report: Report, fmt: str = "table", *, tablefmt: str = "simple
     """Render a ``Report`` as ``table``, ``markdown``, ``tree`` or ``json``.
 
     Tables and trees reuse ``treetools.table.render_rows``: one section per
-    step and item, each with its totals and per-dtype breakdown.
+    step and item, each with its totals and per-dtype breakdown. A section's
+    title names the path prefix its rows share (optax states nest deep) and
+    its mesh; a JSON item is shown as its values.
+
+    >>> import numpy as np, tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "w.npz")
+    >>> np.savez(f, **{"opt/0/mu": np.ones(2, np.float32), "opt/0/nu": np.ones(2, np.float32)})
+    >>> print(render_report(inspect_path(f)).splitlines()[2])
+    [default] opt/0/
     """
     if fmt == "json":
         return json.dumps(report.to_json(), indent=2, allow_nan=False)
@@ -262,7 +285,50 @@ def render_report(report: Report, fmt: str = "table", *, tablefmt: str = "simple
         if not s.items:
             out += ["", "(no items)"]
         for name, item in s.items.items():
-            title = f"{'###' if report.all_steps else '##'} {name}" if md else f"[{name}]"
-            body = render_rows(item.rows, fmt=fmt, tablefmt=tablefmt, total=item.total) if item.rows else "(no leaves)"
-            out += ["", title, body]
+            out += ["", *_item_section(name, item, fmt, tablefmt, level=3 if report.all_steps else 2)]
     return "\n".join(out)
+
+
+def _common_folder(paths: Sequence[str]) -> str:
+    """``a/b/`` when every one of two or more paths lies below it (a path's own last part is never shared)."""
+    import os.path
+
+    shared = os.path.commonprefix([p.split("/")[:-1] for p in paths]) if len(paths) > 1 else []
+    return "/".join(shared) + "/" if shared else ""
+
+
+def _item_section(name: str, item: ItemReport, fmt: str, tablefmt: str, *, level: int) -> list[str]:
+    md = fmt == "markdown"
+    prefix = _common_folder([r.path for r in item.rows]) if fmt != "tree" else ""
+    rows = [dataclasses.replace(r, path=r.path[len(prefix):]) for r in item.rows]
+    values = {p[len(prefix):]: v for p, v in item.values.items()}
+    if md:
+        head = [f"{'#' * level} {name}" + (f": `{prefix}`" if prefix else "")]
+    else:
+        head = [f"[{name}]" + (f" {prefix}" if prefix else "")]
+    head += [f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.items())}" for mesh in item.meshes]
+    if not rows:
+        body = ["(no leaves)"]
+    elif values and len(values) == len(rows) and all(r.path in values for r in rows):
+        body = [_render_values(values, md)]  # a JSON item: its values are what it holds
+    else:
+        body = [render_rows(rows, fmt=fmt, tablefmt=tablefmt, total=item.total)]
+        if values:
+            body += ["", "values:", _render_values(values, md)]
+    if md:  # markdown needs blank lines between a heading, a paragraph and a table
+        return [line for part in [*head, *body] if part for line in (part, "")][:-1]
+    return [*head, *body]
+
+
+def _render_values(values: dict[str, Any], md: bool) -> str:
+    def shown(v: Any) -> str:
+        text = json.dumps(jsonable(v), allow_nan=True)
+        return text if len(text) <= 80 else text[:77] + "..."
+
+    if md:
+        from tabulate import tabulate
+
+        return tabulate([[p, shown(v)] for p, v in values.items()], headers=["path", "value"], tablefmt="github",
+                        disable_numparse=True)
+    width = max(len(p) for p in values)
+    return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in values.items())

@@ -128,7 +128,12 @@ def array_stats(array: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[s
 
 def leaf_stats(reader: ArrayReader, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                progress: "Progress | None" = None) -> StatsAccumulator:
-    """Stream one stored array through a ``StatsAccumulator`` in blocks of about ``chunk_bytes``."""
+    """Stream one stored array through a ``StatsAccumulator`` in blocks of about ``chunk_bytes``.
+
+    >>> from treetools.inspect._base import InMemoryReader
+    >>> leaf_stats(InMemoryReader(np.arange(4.0)), chunk_bytes=16).result()["max"]
+    3.0
+    """
     acc = StatsAccumulator(piece_elems=max(1, chunk_bytes // 8))
     for block in reader.storage_blocks(chunk_bytes):
         acc.update(block)

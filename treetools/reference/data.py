@@ -46,8 +46,8 @@ class MarkovTask:
 
     def set_state(self, state: dict[str, Any]) -> None:
         if int(state["seed"]) != self.seed:
-            raise ValueError(f"checkpoint data seed {state['seed']} differs from --seed {self.seed}; "
-                             "resume with the seed the run started with.")
+            raise ValueError(f"the checkpoint's data seed is {state['seed']}, not --seed {self.seed}; resume with "
+                             f"--seed {state['seed']}, or start a new run in another --workdir.")
         self.index = int(state["index"])
 
     def optimal_loss(self) -> float:

@@ -20,7 +20,6 @@ batches are split over both axes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -28,7 +27,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -130,21 +128,41 @@ def _say(cfg: TrainConfig, msg: str) -> None:
         print(msg, flush=True)
 
 
+def _check_run(cfg: TrainConfig, ckpt_dir: str) -> int | None:
+    """The step to resume from (None: a fresh run); ``ValueError`` for settings that cannot work.
+
+    Checked before anything is built, so a mistake costs no compile.
+    """
+    if cfg.steps < 1 or cfg.ckpt_every < 1 or cfg.log_every < 1 or cfg.batch_size < 1:
+        raise ValueError("`--steps`, `--batch-size`, `--log-every` and `--ckpt-every` must be positive integers.")
+    n = jax.device_count()
+    if cfg.batch_size % n:
+        raise ValueError(f"--batch-size {cfg.batch_size} does not split over {n} devices; use a multiple of {n}.")
+    latest = tt.latest_step(ckpt_dir)
+    if latest is not None and not cfg.resume:
+        raise ValueError(f"{ckpt_dir} already holds checkpoints up to step {latest}; --no-resume would mix two runs "
+                         "there. Pick a new --workdir, or drop --no-resume to continue that run.")
+    return latest
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) for ``cfg.steps`` total steps; returns a summary dict."""
-    if cfg.ckpt_every < 1 or cfg.log_every < 1 or cfg.steps < 0:
-        raise ValueError("`--steps` must be >= 0 and `--log-every` / `--ckpt-every` >= 1.")
-    mesh, model, state, state_shardings, batch_sharding, step_fn = build(cfg)
-    data = MarkovTask(cfg.model.vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     ckpt_dir = os.path.abspath(os.path.join(cfg.workdir, "checkpoints"))
     metrics_path = os.path.join(cfg.workdir, "metrics.jsonl")
+    latest = _check_run(cfg, ckpt_dir)
+    if latest is not None and latest >= cfg.steps:
+        print(f"treetools: note: {ckpt_dir} is already at step {latest} >= --steps {cfg.steps}; nothing to train "
+              "(raise --steps to continue).", file=sys.stderr)
+        return {"state": None, "first_loss": None, "last_loss": None, "checkpoint_dir": ckpt_dir,
+                "metrics_path": metrics_path, "optimal_loss": None, "start_step": latest}
+    mesh, model, state, state_shardings, batch_sharding, step_fn = build(cfg)
+    data = MarkovTask(cfg.model.vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     manager = tt.get_checkpoint_manager(cfg.ckpt_every, max_to_keep=cfg.max_to_keep, checkpoint_dir=ckpt_dir)
 
     _say(cfg, f"mesh {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s)")
     _say(cfg, tt.tabulate_params(state["params"], show_weight_decay=True,
                                  weight_decay_exclude=list(WEIGHT_DECAY_EXCLUDE), depth=None))
     start = 0
-    latest = manager.latest_step() if cfg.resume else None
     if latest is not None:
         targets = {"params": tt.make_abstract(state["params"]), "params_ema": tt.make_abstract(state["params_ema"]),
                    "opt_state": tt.make_abstract(state["opt_state"]), "data_iter": None}
