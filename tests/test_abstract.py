@@ -71,3 +71,22 @@ def test_update_ema_stable_form_and_dtype():
     np.testing.assert_allclose(np.asarray(boxed["k"].value), 0.5)
     jitted = jax.jit(tt.update_ema)(ema, params, jnp.float32(0.75))
     np.testing.assert_array_equal(np.asarray(jitted["v"]), np.asarray(out["v"]))
+
+
+def test_update_ema_bf16_is_correctly_rounded():
+    # The difference is taken in float32: a bf16 `ema - params` would round the step itself
+    # (about 1 in 400 elements at decay 0.5 came out one bf16 ulp off).
+    rng = np.random.default_rng(0)
+    e = rng.normal(size=20000).astype(jnp.bfloat16)
+    p = (e.astype(np.float64) + rng.normal(size=20000) * 0.01).astype(jnp.bfloat16)
+    for decay in (0.5, 0.9):
+        e64, p64 = e.astype(np.float64), p.astype(np.float64)
+        want = (e64 - (1 - decay) * (e64 - p64)).astype(jnp.bfloat16)  # float64, rounded once to bf16
+        got = np.asarray(tt.update_ema({"w": jnp.asarray(e)}, {"w": jnp.asarray(p)}, decay)["w"])
+        np.testing.assert_array_equal(got, want)
+
+
+def test_replicate_refuses_abstract_leaves(devices):
+    mesh = jax.make_mesh((8,), ("data",))
+    with pytest.raises(TypeError, match=r"leaf `layers/0/w` is a ShapeDtypeStruct"):
+        tt.replicate({"layers": [{"w": jax.ShapeDtypeStruct((2,), jnp.float32)}]}, mesh)

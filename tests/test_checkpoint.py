@@ -205,6 +205,12 @@ def test_one_sharding_for_every_leaf(saved, manager):
     for item in ("params", "opt_state"):
         assert_tree_equal(out[item], _host_params_values(saved, 10, item))
         assert all(x.sharding == rep for x in jax.tree.leaves(out[item]))
+    # A tree of shardings for one item must sit under the item's name; bare, it was silently ignored.
+    with pytest.raises(ValueError, match=r"`sharding` keys \['embed', 'layers', 'scale'\] are not in `items`"):
+        ckpt.restore_checkpoint(manager, 10, {"params": live["params"]}, sharding=tp_shardings(live["params"], 2))
+    out = ckpt.restore_checkpoint(manager, 10, {"params": live["params"]},
+                                  sharding={"params": tp_shardings(live["params"], 2)})
+    assert unbox(out["params"]["embed"]).sharding.spec == P(None, "tp")
 
 
 def test_target_without_sharding_is_replicated(saved, manager):
@@ -252,6 +258,12 @@ def test_missing_item_is_reported(tmp_path):
     with pytest.raises(ckpt.CheckpointMismatchError) as info:
         ckpt.restore_checkpoint(mngr, None, targets)
     assert {(p.path, p.kind) for p in info.value.problems} == {("params/v", "missing"), ("params_ema", "missing")}
+    assert "params_ema: missing in checkpoint (target expects item 'params_ema'; checkpoint has items ['params'])" \
+        in str(info.value)
+    # None is how JSON items are asked for; for a pytree item it gets our message, not Orbax's handler error.
+    ckpt.save_checkpoint(mngr, 2, {"params": {"w": jnp.ones(2)}, "batch_stats": {"m": jnp.ones(2)}}, wait=True)
+    with pytest.raises(ValueError, match=r"`items\['batch_stats'\]` is None; pass the live tree or make_abstract"):
+        ckpt.restore_checkpoint(mngr, 2, {"batch_stats": None})
     mngr.close()
 
 
@@ -288,8 +300,67 @@ def test_load_parameters_unknown_step_lists_available(saved):
         ckpt.load_parameters(saved[0], 15)
     with pytest.raises(FileNotFoundError, match="no item 'weights'"):
         ckpt.load_parameters(saved[0], item="weights")
-    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+    with pytest.raises(FileNotFoundError, match=r"`checkpoint_dir` .*nowhere does not exist"):
         ckpt.load_parameters(saved[0] / "nowhere")
+
+
+def test_load_parameters_names_what_is_wrong_with_the_folder(saved, tmp_path):
+    (tmp_path / "logs").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint steps under .*manager's root folder"):
+        ckpt.load_parameters(tmp_path)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match=r"notes.txt is not a directory"):
+        ckpt.load_parameters(tmp_path / "notes.txt")
+
+
+def test_load_parameters_from_one_step_folder(saved):
+    # A step folder instead of the root (what `ls` shows a user): that step is read.
+    step_dir = saved[0] / "10"
+    assert_tree_equal(ckpt.load_parameters(step_dir), _host_params_values(saved, 10))
+    assert_tree_equal(ckpt.load_parameters(step_dir, 10, use_ema_params=True),
+                      _host_params_values(saved, 10, "params_ema"))
+    with pytest.raises(ValueError, match=r"folder of step 10, but `step`=20 was asked; pass the manager root"):
+        ckpt.load_parameters(step_dir, 20)
+
+
+def test_numpy_and_jax_integer_steps(saved, manager, tmp_path):
+    # Trainers hold the step as np.int64 / a jax scalar (state.step); Orbax saves with those too.
+    want = _host_params_values(saved, 10)
+    for step in (np.int64(10), np.int32(10), jnp.asarray(10)):
+        assert_tree_equal(ckpt.load_parameters(saved[0], step), want)
+        out = ckpt.restore_checkpoint(manager, step, {"data_iter": None})
+        assert out["data_iter"] == saved[1][10]["items"]["data_iter"]
+    for bad in (True, "10", 10.0):
+        with pytest.raises(TypeError, match="`step` must be an int"):
+            ckpt.load_parameters(saved[0], bad)
+    mngr = ckpt.get_checkpoint_manager(np.int64(10), max_to_keep=np.int32(2), checkpoint_dir=tmp_path)
+    assert mngr.should_save(20) and not mngr.should_save(25)
+    mngr.close()
+
+
+def test_json_item_with_numpy_and_jax_numbers(tmp_path):
+    # Data-iterator state often holds np.int64 / jax scalars; Orbax's JSON writer fails on them
+    # in its background thread, late, leaving a tmp folder. They are stored as Python numbers.
+    mngr = ckpt.get_checkpoint_manager(1, checkpoint_dir=tmp_path)
+    state = {"epoch": np.int64(3), "order": np.arange(3), "step": jnp.asarray(7), "lr": np.float32(0.5), "tag": None}
+    assert ckpt.save_checkpoint(mngr, 1, {"params": {"w": jnp.ones(2)}, "data_iter": state}, wait=True)
+    got = ckpt.restore_checkpoint(mngr, 1, {"data_iter": None})["data_iter"]
+    assert got == {"epoch": 3, "order": [0, 1, 2], "step": 7, "lr": 0.5, "tag": None}
+    assert type(got["epoch"]) is int and type(got["lr"]) is float
+    with pytest.raises(TypeError, match=r"`items\['data_iter'\]` is saved as JSON, but `object` values are not JSON"):
+        ckpt.save_checkpoint(mngr, 2, {"data_iter": {"rng": object()}})
+    assert ckpt.list_steps(tmp_path) == [1] and ckpt.list_incomplete(tmp_path) == []
+    mngr.close()
+
+
+def test_zero_size_array_is_refused_before_orbax_starts(tmp_path):
+    mngr = ckpt.get_checkpoint_manager(1, checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"`items\['params'\]` has zero-size arrays.*\['extra/e'\]"):
+        ckpt.save_checkpoint(mngr, 1, {"params": {"w": jnp.ones(2), "extra": {"e": np.zeros((0, 3))}}})
+    assert list(tmp_path.iterdir()) == []  # no tmp folder left behind
+    assert ckpt.save_checkpoint(mngr, 1, {"params": {"w": jnp.ones(2)}}, wait=True)
+    assert ckpt.list_steps(tmp_path) == [1]
+    mngr.close()
 
 
 def test_load_parameters_into_target(saved):
@@ -394,12 +465,14 @@ def test_parse_step_name(name, step):
 
 
 def test_constants_match_orbax():
+    from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as pytree_handler
     from orbax.checkpoint._src.metadata import checkpoint as step_metadata
     from orbax.checkpoint._src.path import atomicity_types
 
     assert ckpt.TMP_DIR_SUFFIX == atomicity_types.TMP_DIR_SUFFIX
     assert ckpt.COMMIT_SUCCESS_FILE == atomicity_types.COMMIT_SUCCESS_FILE
     assert ckpt.STEP_METADATA_FILE == step_metadata._STEP_METADATA_FILENAME
+    assert ckpt.PYTREE_METADATA_FILE == pytree_handler.PYTREE_METADATA_FILE
 
 
 def test_scanning_imports_neither_jax_nor_orbax(saved):

@@ -73,6 +73,46 @@ def test_multi_transform_freezes_exactly_the_labelled_subtree():
             assert np.all(np.asarray(u) != 0.0), path
 
 
+def test_patterns_inside_nested_transforms_count_hidden_leaves():
+    # Inside multi_transform, the "train" group's adamw gets params whose frozen leaves are
+    # optax.MaskedNode: `bias$` then matches only hidden leaves. That is no typo and must not raise.
+    params = {"frozen": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}, "head": {"kernel": jnp.full((2, 2), 2.0)}}
+    label_fn = tt.get_param_label_fn([(r"^frozen/", "frozen")], default="train")
+    train = optax.adamw(LR, weight_decay=WD, mask=tt.get_param_mask_fn(exclude=[r"bias$"]))
+    tx = optax.multi_transform({"train": train, "frozen": optax.set_to_zero()}, label_fn)
+    updates, _ = tx.update(_zero_grads(params), tx.init(params), params)
+    np.testing.assert_allclose(updates["head"]["kernel"], -LR * WD * 2.0, rtol=1e-6)  # decayed: -lr*wd*p
+    assert all(np.all(np.asarray(u) == 0) for u in jax.tree.leaves(updates["frozen"]))
+    # A pattern that matches neither a visible nor a hidden leaf is still a typo.
+    typo = optax.multi_transform(
+        {"train": optax.adamw(LR, mask=tt.get_param_mask_fn(exclude=[r"biass$"])), "frozen": optax.set_to_zero()},
+        label_fn)
+    with pytest.raises(ValueError, match=r"`exclude` pattern 'biass\$' matches no leaf"):
+        typo.init(params)
+    # Same rule for labels under optax.masked: `bias$` matches only the leaves the mask hides.
+    inner = optax.multi_transform({"a": optax.sgd(1.0), "b": optax.set_to_zero()},
+                                  tt.get_param_label_fn([(r"bias$", "b")], default="a"))
+    tx = optax.masked(inner, tt.get_param_mask_fn(None, include=[r"^head/"]))
+    ones = jax.tree.map(jnp.ones_like, params)
+    updates, _ = tx.update(ones, tx.init(params), params)
+    np.testing.assert_allclose(updates["head"]["kernel"], -1.0)  # sgd(1.0) on a gradient of 1
+    np.testing.assert_allclose(updates["frozen"]["bias"], 1.0)  # outside the mask: passed through
+
+
+def test_mask_fn_under_inject_hyperparams():
+    params = {"dense": {"kernel": jnp.full((2, 2), 2.0), "bias": jnp.ones(2)}}
+    mask_fn = tt.get_param_mask_fn(exclude=[r"bias$"])
+    # inject_hyperparams calls a callable hyperparameter with the step count unless it is static:
+    # say so, instead of "matches no leaf; nearby paths: ['']".
+    wrong = optax.inject_hyperparams(optax.adamw)(learning_rate=LR, weight_decay=WD, mask=mask_fn)
+    with pytest.raises(ValueError, match=r"got one bare array .*static_args=\('mask',\)"):
+        wrong.init(params)
+    tx = optax.inject_hyperparams(optax.adamw, static_args=("mask",))(learning_rate=LR, weight_decay=WD, mask=mask_fn)
+    updates, _ = jax.jit(tx.update)(_zero_grads(params), tx.init(params), params)
+    np.testing.assert_allclose(updates["dense"]["kernel"], -LR * WD * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(updates["dense"]["bias"], 0.0)
+
+
 def test_label_fn_first_match_wins_and_boxes_kept():
     params = _models.BoxedMLP().init(jax.random.key(0), jnp.ones((1, 32)))["params"]
     labels = tt.get_param_label_fn([(r"kernel", "k"), (r"^in/", "in")], default="rest")(params)

@@ -28,7 +28,7 @@ from treetools.norms import (
     norm_metrics,
 )
 from treetools.partitioning import is_box, leaf_sharding, unbox
-from treetools.paths import flatten
+from treetools.paths import flatten, unflatten_dict
 
 RTOL = 2e-6  # float32 accumulation vs float64
 
@@ -67,17 +67,6 @@ def _host_arrays(layout: Mapping[str, tuple], seed: int = 0, dtype=np.float32) -
 
 def _sq64(x) -> float:
     return float(np.sum(np.asarray(x, dtype=np.float64) ** 2))
-
-
-def _nest(flat: Mapping[str, object]) -> dict:
-    out: dict = {}
-    for path, leaf in flat.items():
-        *parents, last = path.split("/")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = leaf
-    return out
 
 
 @pytest.fixture(params=list(MESHES), ids=list(MESHES))
@@ -122,7 +111,7 @@ def _in_shard_map(fn, mesh, tree, out_specs=P()):
 
 def test_shard_map_linen_partitioned(setup):
     mesh, layout, host, glob = setup
-    tree = _nest({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
+    tree = unflatten_dict({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
 
     def inside(t):
         # The box holds the local shard, e.g. (6, 16 / fsdp) for dense/kernel.
@@ -136,7 +125,7 @@ def test_shard_map_linen_partitioned(setup):
 
 def test_shard_map_nnx_variables(setup):
     mesh, layout, host, glob = setup
-    tree = _nest(
+    tree = unflatten_dict(
         {k: nnx.Param(glob[k], out_sharding=spec, eager_sharding=False) for k, (_, spec) in layout.items()}
     )
     g, per_leaf = _in_shard_map(get_sharded_global_norm, mesh, tree)
@@ -154,24 +143,24 @@ def test_shard_map_single_leaf_logits(setup):
 
 def test_jit_and_eager_on_global_arrays(setup):
     mesh, layout, host, glob = setup
-    tree = _nest(glob)
+    tree = unflatten_dict(glob)
     g_jit, per_jit = _call(jax.jit(get_sharded_global_norm), tree)
     g_eager, per_eager = _call(get_sharded_global_norm, tree)
     _check(g_jit, flatten(per_jit), host)
     _check(g_eager, flatten(per_eager), host)
     np.testing.assert_allclose(float(g_jit), float(g_eager), rtol=1e-6)
     # Boxes around global arrays under plain jit: names are not bound axes, no psum.
-    boxed = _nest({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
+    boxed = unflatten_dict({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
     g_box, per_box = _call(jax.jit(get_sharded_global_norm), boxed)
     _check(g_box, flatten(per_box), host)
 
 
 def test_norm_metrics_shard_map_equals_jit(setup):
     mesh, layout, host, glob = setup
-    boxed = _nest({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
+    boxed = unflatten_dict({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
     inside = _in_shard_map(lambda t: norm_metrics(grads=t, params=t, per_param=True), mesh, boxed)
-    outside = _call(jax.jit(lambda t: norm_metrics(grads=t, params=t, per_param=True)), _nest(glob))
-    eager = _call(lambda t: norm_metrics(grads=t, params=t, per_param=True), _nest(glob))
+    outside = _call(jax.jit(lambda t: norm_metrics(grads=t, params=t, per_param=True)), unflatten_dict(glob))
+    eager = _call(lambda t: norm_metrics(grads=t, params=t, per_param=True), unflatten_dict(glob))
     g, per = _expected(host)
     for m in (inside, outside, eager):
         np.testing.assert_allclose(float(m["grad_norm"]), g, rtol=RTOL)
@@ -295,9 +284,9 @@ def test_nonfinite_propagate_and_are_counted(setup):
     n_bad = sum(int(np.sum(~np.isfinite(v))) for v in host.values())
     assert n_bad == 4
 
-    boxed = _nest({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
+    boxed = unflatten_dict({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
     inside = _in_shard_map(lambda t: norm_metrics(grads=t, per_param=True), mesh, boxed)
-    outside = _call(jax.jit(lambda t: norm_metrics(grads=t, per_param=True)), _nest(glob))
+    outside = _call(jax.jit(lambda t: norm_metrics(grads=t, per_param=True)), unflatten_dict(glob))
     for m in (inside, outside):
         assert int(m["nonfinite_grads"]) == n_bad
         assert np.isnan(float(m["grad_norm"]))
@@ -334,7 +323,7 @@ def test_norm_metrics_keys_exact_and_values():
     g, p, u = _model_tree(0), _model_tree(1), _model_tree(2)
     paths = list(g)
     m = jax.jit(lambda *t: norm_metrics(grads=t[0], params=t[1], updates=t[2], per_param=True))(
-        _nest(g), _nest(p), _nest(u)
+        unflatten_dict(g), unflatten_dict(p), unflatten_dict(u)
     )
     expected_keys = {"grad_norm", "param_norm", "update_norm", "update_ratio", "nonfinite_grads"}
     expected_keys |= {f"{kind}/{path}" for kind in ("grad_norm", "param_norm", "update_norm") for path in paths}
@@ -347,19 +336,19 @@ def test_norm_metrics_keys_exact_and_values():
     np.testing.assert_allclose(float(m["update_ratio"]), ratio, rtol=RTOL)
     assert m["nonfinite_grads"].dtype == jnp.int32
 
-    assert set(norm_metrics(grads=_nest(g))) == {"grad_norm", "nonfinite_grads"}
-    assert set(norm_metrics(params=_nest(p))) == {"param_norm"}
-    assert set(norm_metrics(updates=_nest(u))) == {"update_norm"}
-    assert set(norm_metrics(params=_nest(p), updates=_nest(u))) == {"param_norm", "update_norm", "update_ratio"}
+    assert set(norm_metrics(grads=unflatten_dict(g))) == {"grad_norm", "nonfinite_grads"}
+    assert set(norm_metrics(params=unflatten_dict(p))) == {"param_norm"}
+    assert set(norm_metrics(updates=unflatten_dict(u))) == {"update_norm"}
+    assert set(norm_metrics(params=unflatten_dict(p), updates=unflatten_dict(u))) == {"param_norm", "update_norm", "update_ratio"}
     with pytest.raises(ValueError, match="at least one"):
         norm_metrics()
     with pytest.raises(ValueError, match="depth"):
-        norm_metrics(grads=_nest(g), depth=0)
+        norm_metrics(grads=unflatten_dict(g), depth=0)
 
 
 def test_depth_groups_are_sqrt_of_summed_squares():
     g = _model_tree(3)
-    m = jax.jit(lambda t: norm_metrics(grads=t, depth=2))(_nest(g))
+    m = jax.jit(lambda t: norm_metrics(grads=t, depth=2))(unflatten_dict(g))
     groups = {
         "encoder/layer_0": ["encoder/layer_0/w", "encoder/layer_0/b"],
         "encoder/layer_1": ["encoder/layer_1/w"],
@@ -373,7 +362,7 @@ def test_depth_groups_are_sqrt_of_summed_squares():
         )
     sum_of_norms = sum(np.sqrt(_sq64(g[p])) for p in groups["encoder/layer_0"])
     assert abs(float(m["grad_norm/encoder/layer_0"]) - sum_of_norms) > 1e-3
-    m1 = norm_metrics(grads=_nest(g), params=_nest(g), depth=1)
+    m1 = norm_metrics(grads=unflatten_dict(g), params=unflatten_dict(g), depth=1)
     np.testing.assert_allclose(
         float(m1["param_norm/encoder"]), np.sqrt(sum(_sq64(v) for k, v in g.items() if k.startswith("encoder/"))),
         rtol=RTOL,
@@ -382,7 +371,7 @@ def test_depth_groups_are_sqrt_of_summed_squares():
 
 def test_grad_and_param_norm_dicts():
     g = _model_tree(4)
-    tree = [_nest(g), {"count": jnp.ones(2)}]  # list index in the path, like an optax state
+    tree = [unflatten_dict(g), {"count": jnp.ones(2)}]  # list index in the path, like an optax state
     total = np.sqrt(sum(_sq64(v) for v in g.values()) + 2.0)
     out = get_grad_norms(tree)
     assert set(out) == {"grad_norm"}
@@ -428,7 +417,7 @@ def test_global_is_sqrt_of_summed_leaf_squares(arrays):
 def test_clip_by_global_norm_on_sharded_boxes(setup):
     mesh, layout, host, glob = setup
     g, _ = _expected(host)
-    boxed = _nest({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
+    boxed = unflatten_dict({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
     for max_norm in (g / 3, 2 * g):
         tx = clip_by_global_norm(max_norm)
 
@@ -446,8 +435,8 @@ def test_clip_by_global_norm_on_sharded_boxes(setup):
             np.testing.assert_allclose(v, host[k].astype(np.float64) * scale, rtol=1e-5, atol=1e-6, err_msg=k)
 
     # Same answer as optax's own clip under jit on the global arrays.
-    ours, _ = _call(jax.jit(lambda t: clip_by_global_norm(g / 3).update(t, optax.EmptyState())), _nest(glob))
-    ref, _ = _call(jax.jit(lambda t: optax.clip_by_global_norm(g / 3).update(t, optax.EmptyState())), _nest(glob))
+    ours, _ = _call(jax.jit(lambda t: clip_by_global_norm(g / 3).update(t, optax.EmptyState())), unflatten_dict(glob))
+    ref, _ = _call(jax.jit(lambda t: optax.clip_by_global_norm(g / 3).update(t, optax.EmptyState())), unflatten_dict(glob))
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from treetools._typing import PyTree
 from treetools.counting import is_array_like
 from treetools.partitioning import is_box, leaf_sharding, rebox, unbox
-from treetools.paths import is_leaf
+from treetools.paths import is_leaf, map_with_path
 
 __all__ = ["make_abstract", "replicate", "update_ema"]
 
@@ -79,14 +80,16 @@ def replicate(tree: PyTree, sharding: Sharding | Mesh) -> PyTree:
     if not isinstance(sharding, Sharding):
         raise TypeError(f"`sharding` must be a jax Sharding or Mesh, got {type(sharding).__name__}.")
 
-    def put(leaf: Any) -> Any:
+    def put(path: str, leaf: Any) -> Any:
         if not is_array_like(leaf):
             return leaf
+        if isinstance(unbox(leaf), jax.ShapeDtypeStruct):
+            raise TypeError(f"leaf `{path}` is a ShapeDtypeStruct, which holds no values; replicate concrete arrays.")
         host = np.asarray(jax.device_get(unbox(leaf)))
         arr = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
         return rebox(leaf, arr)
 
-    return jax.tree.map(put, tree, is_leaf=is_leaf)
+    return map_with_path(put, tree)
 
 
 def update_ema(ema: PyTree, params: PyTree, decay: float | jax.Array) -> PyTree:
@@ -102,8 +105,10 @@ def update_ema(ema: PyTree, params: PyTree, decay: float | jax.Array) -> PyTree:
     """
 
     def step(e: Any, p: Any) -> Any:
-        e = jax.numpy.asarray(e)
-        delta = (e - jax.numpy.asarray(p).astype(e.dtype)).astype(jax.numpy.float32)
-        return (e.astype(jax.numpy.float32) - (1.0 - decay) * delta).astype(e.dtype)
+        e = jnp.asarray(e)
+        # Upcast before subtracting: a bf16 ``ema - params`` rounds the very difference being applied.
+        compute = jnp.promote_types(e.dtype, jnp.float32)
+        ema, delta = e.astype(compute), e.astype(compute) - jnp.asarray(p).astype(compute)
+        return (ema - (1.0 - decay) * delta).astype(e.dtype)
 
     return jax.tree.map(step, ema, params)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 import pathlib
 import re
@@ -61,13 +62,13 @@ __all__ = [
 TMP_DIR_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_SUCCESS_FILE = "commit_success.txt"
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+PYTREE_METADATA_FILE = "_METADATA"
 
 DEFAULT_ITEMS = ("params", "params_ema", "opt_state", "data_iter")
 """Items a manager from ``get_checkpoint_manager`` knows unless told otherwise."""
 DEFAULT_JSON_ITEMS = ("data_iter",)
 """Items saved as JSON (a dict of numbers, strings, lists): data iterator / trainer state."""
 
-_LATEST = (None, -1, "latest")
 # "N", "000N" or "<prefix>_N" (Orbax's step_prefix joins with an underscore).
 _STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
 _BOXES_KEY = "treetools_boxes"
@@ -226,21 +227,71 @@ def latest_step(checkpoint_dir: Any, *, step_prefix: str | None = None) -> int |
     return steps[-1] if steps else None
 
 
-def _resolve_step(root: Any, step: int | str | None) -> tuple[int, Any]:
-    """``(step, step folder)`` for a committed step; None/-1/"latest" mean the latest one."""
-    committed, incomplete = scan_steps(root)
-    note = f" (incomplete, never read: {incomplete})" if incomplete else ""
-    if step in _LATEST:
-        if not committed:
-            raise FileNotFoundError(f"no committed checkpoint step under {root}{note}.")
-        step = max(committed)
-    elif not isinstance(step, int) or isinstance(step, bool):
+def _as_int(value: Any) -> int | None:
+    """``value`` as a Python int (numpy and jax integer scalars too), or None; bools are not steps."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _no_steps_error(root: Any, incomplete: list[str]) -> FileNotFoundError:
+    """Why there is no committed step under ``root``, with the fix."""
+    if not root.exists():
+        return FileNotFoundError(f"`checkpoint_dir` {root} does not exist; pass the checkpoint manager's root folder.")
+    if not root.is_dir():
+        return FileNotFoundError(f"`checkpoint_dir` {root} is not a directory; pass the checkpoint manager's root folder.")
+    if incomplete:
+        return FileNotFoundError(f"no committed checkpoint step under {root} (incomplete, never read: {incomplete}).")
+    return FileNotFoundError(
+        f"no checkpoint steps under {root}; pass the checkpoint manager's root folder (the one holding step folders)."
+    )
+
+
+def _step_number(step: Any) -> int | None:
+    """The asked step as an int, or None for the latest (None, -1, "latest")."""
+    if step is None or (isinstance(step, str) and step == "latest"):
+        return None
+    number = None if isinstance(step, str) else _as_int(step)
+    if number is None:
         raise TypeError(f"`step` must be an int, -1, None or 'latest', got {step!r}.")
+    return None if number == -1 else number
+
+
+def _resolve_step(root: Any, step: Any) -> tuple[int, Any]:
+    """``(step, step folder)`` for a committed step; None/-1/"latest" mean the latest one."""
+    step = _step_number(step)
+    committed, incomplete = scan_steps(root)
+    if not committed:
+        raise _no_steps_error(root, incomplete)
+    if step is None:
+        step = max(committed)
     if step not in committed:
+        note = f" (incomplete, never read: {incomplete})" if incomplete else ""
         raise FileNotFoundError(
             f"checkpoint step {step} not found under {root}; available steps: {list(committed)}{note}."
         )
     return step, committed[step]
+
+
+def _step_folder(path: Any, step: Any) -> tuple[int, Any] | None:
+    """``(step, path)`` when ``path`` is itself a committed step folder rather than a manager root."""
+    own = parse_step_name(path.name)
+    if own is None or not is_committed_step_dir(path) or scan_steps(path) != ({}, []):
+        return None
+    asked = _step_number(step)
+    if asked not in (None, own):
+        raise ValueError(
+            f"`checkpoint_dir` {path} is the folder of step {own}, but `step`={step!r} was asked; "
+            f"pass the manager root {path.parent} instead."
+        )
+    return own, path
+
+
+def _items_present(step_dir: Any) -> list[str]:
+    return sorted(p.name for p in step_dir.iterdir() if p.is_dir())
 
 
 # --------------------------------------------------------------------------
@@ -251,11 +302,13 @@ def _resolve_step(root: Any, step: int | str | None) -> tuple[int, Any]:
 _MANAGER_ITEMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _positive_int(value: Any, name: str, *, optional: bool = False) -> None:
+def _positive_int(value: Any, name: str, *, optional: bool = False) -> int | None:
     if optional and value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        return None
+    number = _as_int(value)
+    if number is None or number < 1:
         raise ValueError(f"`{name}` must be a positive integer{' or None' if optional else ''}, got {value!r}.")
+    return number
 
 
 def get_checkpoint_manager(
@@ -309,9 +362,9 @@ def get_checkpoint_manager(
     (True, False)
     >>> mngr.close()
     """
-    _positive_int(ckpt_frequency, "ckpt_frequency")
-    _positive_int(max_to_keep, "max_to_keep", optional=True)
-    _positive_int(save_frequency, "save_frequency", optional=True)
+    ckpt_frequency = _positive_int(ckpt_frequency, "ckpt_frequency")
+    max_to_keep = _positive_int(max_to_keep, "max_to_keep", optional=True)
+    save_frequency = _positive_int(save_frequency, "save_frequency", optional=True)
     if save_frequency is not None and save_frequency % ckpt_frequency:
         raise ValueError(
             f"`save_frequency` ({save_frequency}) must be a multiple of `ckpt_frequency` ({ckpt_frequency}); "
@@ -391,6 +444,44 @@ def _box_record(tree: Any) -> dict[str, str]:
     return out
 
 
+def _as_json(name: str, tree: Any) -> Any:
+    """``tree`` as it will read back from JSON: numpy / jax numbers and arrays become Python ones.
+
+    Checked here, before Orbax starts: its JSON writer runs in a background
+    thread, where a ``np.int64`` epoch counter fails late and leaves a tmp folder.
+    """
+    import numpy as np
+
+    from treetools.counting import is_array_like
+
+    def plain(x: Any) -> Any:
+        if is_array_like(x):
+            return np.asarray(x).tolist()
+        raise TypeError(f"`{type(x).__name__}` values are not JSON")
+
+    try:
+        return json.loads(json.dumps(tree, default=plain))
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"`items[{name!r}]` is saved as JSON, but {e}; keep it to numbers, strings, lists and dicts, "
+            "or save it as a pytree item."
+        ) from None
+
+
+def _check_savable(name: str, tree: Any) -> None:
+    """Raise before Orbax starts (and leaves a tmp folder behind) on leaves it cannot save."""
+    from treetools.counting import is_array_like
+    from treetools.partitioning import unbox
+    from treetools.paths import leaves_with_paths
+
+    empty = [p for p, x in leaves_with_paths(tree) if is_array_like(x) and 0 in unbox(x).shape]
+    if empty:
+        raise ValueError(
+            f"`items[{name!r}]` has zero-size arrays, which Orbax cannot save: {empty[:5]}; "
+            "drop those leaves or replace them with None."
+        )
+
+
 def save_checkpoint(
     manager: "ocp.CheckpointManager",
     step: int,
@@ -404,10 +495,11 @@ def save_checkpoint(
 
     Pytrees (params, EMA, optimizer state; arrays may be sharded across
     processes, boxes are kept) go through ``ocp.args.StandardSave``; JSON items
-    through ``ocp.args.JsonSave``. Which is which: the manager's ``json_items``
-    when it came from ``get_checkpoint_manager``, otherwise a dict with no
-    array leaves is JSON. ``None`` items are skipped. Every process must call
-    this (Orbax coordinates multi-process saves).
+    through ``ocp.args.JsonSave``, numpy / jax numbers in them stored as Python
+    ones. Which is which: the manager's ``json_items`` when it came from
+    ``get_checkpoint_manager``, otherwise a dict with no array leaves is JSON.
+    ``None`` items are skipped. Every process must call this (Orbax
+    coordinates multi-process saves).
 
     Args:
       manager: from ``get_checkpoint_manager``.
@@ -417,6 +509,11 @@ def save_checkpoint(
       wait: block until the save is committed (async managers return at once
         otherwise; the next save or ``restore_checkpoint`` waits anyway).
       metrics: optional metrics stored with the step.
+
+    Raises:
+      ValueError: a pytree item holds zero-size arrays (Orbax cannot save them).
+      TypeError: a JSON item holds something JSON cannot store.
+      Both are raised before anything is written.
 
     >>> import tempfile, numpy as np
     >>> mngr = get_checkpoint_manager(1, checkpoint_dir=tempfile.mkdtemp())
@@ -431,8 +528,9 @@ def save_checkpoint(
         if tree is None:
             continue
         if _is_json_item(manager, name, tree):
-            args[name] = ocp.args.JsonSave(tree)
+            args[name] = ocp.args.JsonSave(_as_json(name, tree))
         else:
+            _check_savable(name, tree)
             boxes = _box_record(tree)
             args[name] = ocp.args.StandardSave(tree, custom_metadata={_BOXES_KEY: boxes} if boxes else None)
     saved = manager.save(step, args=ocp.args.Composite(**args), force=force, metrics=metrics)
@@ -462,7 +560,8 @@ class Mismatch:
 
     def __str__(self) -> str:
         if self.kind == "missing":
-            return f"{self.path}: missing in checkpoint (target expects {self.expected})"
+            has = "" if self.found == "nothing" else f"; checkpoint has {self.found}"
+            return f"{self.path}: missing in checkpoint (target expects {self.expected}{has})"
         if self.kind == "unexpected":
             return f"{self.path}: in checkpoint as {self.found} but not in the target"
         return f"{self.path}: {self.kind} mismatch, target {self.expected} vs checkpoint {self.found}"
@@ -562,6 +661,18 @@ def _abstract_target(item: str, target: Any, sharding: Any) -> Any:
     return jax.tree.map(fill, abstract)
 
 
+def _restores_as_json(manager: Any, name: str, target: Any, step_dir: Any) -> bool:
+    """Whether item ``name`` is restored as JSON.
+
+    A None target asks for JSON, unless the step stored ``name`` as a pytree
+    (Orbax's ``_METADATA``); then ``_prepare`` says what to pass, rather than
+    Orbax's "no registered handler" error.
+    """
+    if target is None:
+        return not (step_dir / name / PYTREE_METADATA_FILE).exists() and _is_json_item(manager, name, {})
+    return _is_json_item(manager, name, target)
+
+
 def _tree_metadata(manager: Any, step: int, step_dir: Any, name: str) -> Any:
     """Orbax's TreeMetadata of one pytree item, or None when the step lacks it."""
     import orbax.checkpoint as ocp
@@ -591,8 +702,7 @@ def _prepare(
     abstract = _abstract_target(name, target, sharding)
     meta = _tree_metadata(manager, step, step_dir, name)
     if meta is None:
-        present = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
-        return abstract, [Mismatch(name, "missing", f"item {name!r}", f"items {present}")]
+        return abstract, [Mismatch(name, "missing", f"item {name!r}", f"items {_items_present(step_dir)}")]
     boxes = (meta.custom_metadata or {}).get(_BOXES_KEY, {}) if hasattr(meta, "custom_metadata") else {}
     return abstract, _compare(name, abstract, meta.tree, boxes, allow_dtype_cast=allow_dtype_cast)
 
@@ -635,6 +745,7 @@ def restore_checkpoint(
 
     Raises:
       FileNotFoundError: no such committed step (the message lists them).
+      ValueError: ``sharding`` is a dict whose keys are not item names.
       CheckpointMismatchError: (a ``ValueError``) targets do not match.
 
     >>> import tempfile, numpy as np, jax
@@ -647,11 +758,16 @@ def restore_checkpoint(
     """
     import orbax.checkpoint as ocp
 
+    if isinstance(sharding, Mapping) and not set(sharding) <= set(items):
+        raise ValueError(
+            f"`sharding` keys {sorted(set(sharding) - set(items))} are not in `items` {list(items)}; "
+            "pass one Sharding, or {item name: Sharding or tree of Shardings}."
+        )
     manager.wait_until_finished()  # a pending async save may be the latest step
     step, step_dir = _resolve_step(manager.directory, step)
     args, problems = {}, []
     for name, target in items.items():
-        if _is_json_item(manager, name, target if target is not None else {}):
+        if _restores_as_json(manager, name, target, step_dir):
             if not (step_dir / name).is_dir():
                 problems.append(Mismatch(name, "missing", f"item {name!r}", "nothing"))
             args[name] = ocp.args.JsonRestore()
@@ -717,7 +833,8 @@ def load_parameters(
     is written.
 
     Args:
-      checkpoint_dir: the manager's root folder.
+      checkpoint_dir: the manager's root folder, or one committed step folder
+        in it (then that step is read).
       step: a committed step; -1 (or None / "latest") for the latest one.
         Incomplete saves are never picked.
       use_ema_params: read ``params_ema`` instead of ``params``.
@@ -727,8 +844,9 @@ def load_parameters(
       allow_dtype_cast: with ``target``: allow a dtype change on read.
 
     Raises:
-      FileNotFoundError: unknown step (the message lists the available steps),
-        or the step has no such item.
+      FileNotFoundError: no such folder, no checkpoint in it, an unknown step
+        (the message lists the available steps), or the step has no such item.
+      ValueError: ``checkpoint_dir`` is one step folder and ``step`` names another.
       CheckpointMismatchError: ``target`` does not match the checkpoint.
 
     >>> import tempfile, numpy as np
@@ -741,11 +859,12 @@ def load_parameters(
     import orbax.checkpoint as ocp
 
     root = _as_path(checkpoint_dir)
-    step, step_dir = _resolve_step(root, step)
+    step, step_dir = _step_folder(root, step) or _resolve_step(root, step)
     name = item or ("params_ema" if use_ema_params else "params")
     if not (step_dir / name).is_dir():
-        present = sorted(p.name for p in step_dir.iterdir() if p.is_dir())
-        raise FileNotFoundError(f"step {step} under {root} has no item {name!r}; items present: {present}.")
+        raise FileNotFoundError(
+            f"step {step} under {root} has no item {name!r}; items present: {_items_present(step_dir)}."
+        )
     if target is None:
         return _numpy_tree(step_dir / name)
     abstract, problems = _prepare(None, step, step_dir, name, target, {name: sharding}, allow_dtype_cast)

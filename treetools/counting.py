@@ -18,13 +18,23 @@ def is_array_like(x: Any) -> bool:
     """Arrays, ``ShapeDtypeStruct``s and numpy scalars: things with a shape and a dtype.
 
     Python scalars, strings and None are not (they count 0).
+
+    >>> import numpy as np
+    >>> is_array_like(np.float32(1.0)), is_array_like(1.0), is_array_like("w")
+    (True, False, False)
     """
     x = unbox(x)
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def leaf_size(x: Any, *, per_device: bool = False, mesh: Any = None) -> int:
-    """Elements in one leaf (0 for non-arrays); ``per_device`` gives the largest shard."""
+    """Elements in one leaf (0 for non-arrays); ``per_device`` gives the largest shard.
+
+    >>> import flax.linen as nn, numpy as np
+    >>> box = nn.Partitioned(np.ones((8, 4)), names=("fsdp", None))
+    >>> leaf_size(box), leaf_size(box, per_device=True, mesh={"fsdp": 8}), leaf_size(None)
+    (32, 4, 0)
+    """
     value = unbox(x)
     if not per_device or not _array_size(value):
         return _array_size(value)
@@ -32,7 +42,12 @@ def leaf_size(x: Any, *, per_device: bool = False, mesh: Any = None) -> int:
 
 
 def leaf_nbytes(x: Any, *, per_device: bool = False, mesh: Any = None) -> int:
-    """Bytes in one leaf (itemsize of its dtype times its size)."""
+    """Bytes in one leaf (itemsize of its dtype times its size).
+
+    >>> import numpy as np
+    >>> leaf_nbytes(np.ones((2, 3), np.float16))
+    12
+    """
     size = leaf_size(x, per_device=per_device, mesh=mesh)
     return size * np.dtype(unbox(x).dtype).itemsize if size else 0
 

@@ -6,6 +6,13 @@ every leaf (``params/Dense_0/kernel``). A pattern that matches no leaf raises
 The returned trees keep the params' structure, boxes included, so they plug
 into ``optax.add_decayed_weights(mask=...)``, ``optax.masked``,
 ``optax.adamw(mask=...)`` and ``optax.multi_transform`` unchanged.
+
+Nested transforms: inside ``optax.multi_transform`` (or ``optax.masked``) a
+mask or label function sees the params with the other groups' leaves replaced
+by ``optax.MaskedNode``. Those hidden leaves keep their paths for the "matches
+no leaf" check, so ``adamw(mask=get_param_mask_fn([r"bias$"]))`` in a group
+that holds no bias is fine, while a typo still raises. (A subtree hidden by a
+*prefix* mask is one ``MaskedNode``; only its prefix path is known.)
 """
 
 from __future__ import annotations
@@ -19,6 +26,21 @@ from treetools.partitioning import rebox, unbox
 from treetools.paths import compile_patterns, is_leaf, leaves_with_paths, match_patterns, path_parts
 
 __all__ = ["flattened_traversal", "get_param_label_fn", "get_param_mask_fn"]
+
+
+def _visible_and_hidden_paths(params: Params, *, name: str, patterns: Sequence[Any]) -> tuple[list[str], list[str]]:
+    """Paths of the leaves, and of the leaves an enclosing optax transform hid (``MaskedNode``)."""
+    from optax import MaskedNode  # imported on first use: masks are built for optax anyway
+
+    pairs = leaves_with_paths(params, also_leaf=lambda x: isinstance(x, MaskedNode))
+    if patterns and [p for p, _ in pairs] == [""]:
+        # What optax.inject_hyperparams does to a callable hyperparameter: calls it with the step count.
+        raise ValueError(
+            f"`{name}` patterns need a params tree, but the function got one bare array (no paths); under "
+            "optax.inject_hyperparams, pass static_args=('mask',) so it is not called as a schedule."
+        )
+    visible = [p for p, x in pairs if not isinstance(x, MaskedNode)]
+    return visible, [p for p, x in pairs if isinstance(x, MaskedNode)]
 
 
 def _with_leaf_values(params: Params, values: Sequence[Any]) -> PyTree:
@@ -44,7 +66,8 @@ def get_param_mask_fn(
 
     Raises:
       ValueError: both ``exclude`` and ``include`` are given, a pattern is not
-        a valid regex, or (when the mask is built) a pattern matches no leaf.
+        a valid regex, or (when the mask is built) a pattern matches no leaf,
+        counting leaves hidden by an enclosing ``optax.masked``/``multi_transform``.
 
     >>> import jax.numpy as jnp
     >>> mask_fn = get_param_mask_fn(exclude=[r"bias$"])
@@ -55,12 +78,13 @@ def get_param_mask_fn(
         raise ValueError("give `exclude` or `include` to get_param_mask_fn, not both; use `include` alone "
                          "to decay only the matching leaves.")
     use_include = bool(include)
-    patterns = compile_patterns(include if use_include else exclude, name="include" if use_include else "exclude")
+    name = "include" if use_include else "exclude"
+    patterns = compile_patterns(include if use_include else exclude, name=name)
 
     def mask_fn(params: Params) -> PyTree:
-        paths = [p for p, _ in leaves_with_paths(params)]
-        hits = match_patterns(paths, patterns, name="include" if use_include else "exclude")
-        return _with_leaf_values(params, [h if use_include else not h for h in hits])
+        visible, hidden = _visible_and_hidden_paths(params, name=name, patterns=patterns)
+        hits = match_patterns(visible + hidden, patterns, name=name)
+        return _with_leaf_values(params, [h if use_include else not h for h in hits[: len(visible)]])
 
     return mask_fn
 
@@ -92,11 +116,11 @@ def get_param_label_fn(
     compiled = compile_patterns([pat for pat, _ in rules], name="rules")
 
     def label_fn(params: Params) -> PyTree:
-        paths = [p for p, _ in leaves_with_paths(params)]
-        labels: list[Hashable | None] = [None] * len(paths)
+        visible, hidden = _visible_and_hidden_paths(params, name="rules", patterns=compiled)
+        labels: list[Hashable | None] = [None] * len(visible)
         for pat, (_, label) in zip(compiled, rules):
             # Every rule must match something, even where an earlier rule wins.
-            for i, hit in enumerate(match_patterns(paths, [pat], name="rules")):
+            for i, hit in enumerate(match_patterns(visible + hidden, [pat], name="rules")[: len(visible)]):
                 if hit and labels[i] is None:
                     labels[i] = label
         return _with_leaf_values(params, [default if lab is None else lab for lab in labels])

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from treetools._typing import PathStr, PyTree
+from treetools.counting import is_array_like
 from treetools.partitioning import is_partitioned, leaf_sharding, mesh_axes_of, unbox
 from treetools.paths import is_leaf, leaves_with_paths, path_prefix, path_str
 
@@ -97,7 +98,7 @@ def _local_sq(value: Any) -> jax.Array:
 
 def _check_leaf(path: PathStr, x: Any) -> Any:
     value = unbox(x)
-    if (hasattr(value, "shape") and hasattr(value, "dtype")) or isinstance(value, Number):
+    if is_array_like(value) or isinstance(value, Number):
         return value
     raise TypeError(
         f"leaf `{path}` is a {type(value).__name__}, not an array; drop it from the tree before taking norms."

@@ -50,6 +50,10 @@ def is_box(x: Any) -> bool:
     That is a flax.linen ``Partitioned``/``LogicallyPartitioned`` (or other
     axis metadata with ``unbox``/``names``) and every nnx ``Variable``, with or
     without sharding names. Usable as ``is_leaf``.
+
+    >>> import flax.linen as nn, jax.numpy as jnp
+    >>> is_box(nn.Partitioned(jnp.ones(2), names=(None,))), is_box(jnp.ones(2))
+    (True, False)
     """
     # is_leaf runs on every node of every traversal: answer per type, once.
     t = type(x)
@@ -89,7 +93,12 @@ def is_partitioned(x: Any) -> bool:
 
 
 def unbox(x: Any) -> Any:
-    """The array inside a box; anything else is returned as is."""
+    """The array inside a box; anything else is returned as is.
+
+    >>> import flax.linen as nn, numpy as np
+    >>> unbox(nn.Partitioned(np.zeros(2), names=("x",)))
+    array([0., 0.])
+    """
     if _is_nnx_variable(x):
         return x.get_value()
     if _is_linen_box(x):
@@ -102,6 +111,10 @@ def rebox(x: Any, value: Any) -> Any:
 
     Trees built this way keep the params' pytree structure, which is what
     ``optax.masked`` and ``optax.multi_transform`` compare against.
+
+    >>> import flax.linen as nn, numpy as np
+    >>> rebox(nn.Partitioned(np.zeros(2), names=("x",)), True)
+    Partitioned(value=True, names=('x',), mesh=None)
     """
     if _is_nnx_variable(x):
         return x.replace(value)
@@ -111,7 +124,12 @@ def rebox(x: Any, value: Any) -> Any:
 
 
 def unbox_tree(tree: PyTree) -> PyTree:
-    """Replace every box in ``tree`` by the array it holds."""
+    """Replace every box in ``tree`` by the array it holds.
+
+    >>> import flax.linen as nn, numpy as np
+    >>> unbox_tree({"k": nn.Partitioned(np.ones(2), names=("x",))})
+    {'k': array([1., 1.])}
+    """
     return jax.tree.map(unbox, tree, is_leaf=is_box)
 
 
@@ -202,7 +220,11 @@ def leaf_sharding(x: Any, *, mesh: Any = None) -> LeafSharding | None:
 
 
 def mesh_axes_of(entry: Any) -> tuple[str, ...]:
-    """The mesh axis names one PartitionSpec entry shards over (None gives ())."""
+    """The mesh axis names one PartitionSpec entry shards over (None gives ()).
+
+    >>> mesh_axes_of(("fsdp", "tp")), mesh_axes_of("tp"), mesh_axes_of(None)
+    (('fsdp', 'tp'), ('tp',), ())
+    """
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
         return ()
     if isinstance(entry, (tuple, list)):
@@ -218,6 +240,10 @@ def shard_shape(x: Any, *, mesh: Any = None) -> tuple[int, ...]:
 
     Raises:
       ValueError: the leaf names mesh axes but no mesh gives their sizes.
+
+    >>> import flax.linen as nn, numpy as np
+    >>> shard_shape(nn.Partitioned(np.ones((10, 4)), names=("fsdp", None)), mesh={"fsdp": 4})
+    (3, 4)
     """
     value = unbox(x)
     shape = tuple(getattr(value, "shape", ()) or ())

@@ -39,7 +39,12 @@ SEP = "/"
 
 
 def is_leaf(x: Any) -> bool:
-    """The ``is_leaf`` every treetools traversal uses: boxes are leaves."""
+    """The ``is_leaf`` every treetools traversal uses: boxes are leaves.
+
+    >>> import flax.linen as nn, jax, numpy as np
+    >>> jax.tree.leaves({"k": nn.Partitioned(np.ones(2), names=("x",))}, is_leaf=is_leaf)[0].names
+    ('x',)
+    """
     return is_box(x)
 
 
@@ -60,7 +65,12 @@ def _entry_str(entry: Any) -> str:
 
 
 def path_parts(keypath: KeyPath) -> tuple[str, ...]:
-    """The printable parts of a key path, before they are joined."""
+    """The printable parts of a key path, before they are joined.
+
+    >>> from jax.tree_util import DictKey, SequenceKey
+    >>> path_parts((DictKey("layers"), SequenceKey(3)))
+    ('layers', '3')
+    """
     return tuple(_entry_str(e) for e in keypath)
 
 
@@ -75,7 +85,11 @@ def path_str(keypath: KeyPath) -> PathStr:
 
 
 def path_prefix(path: PathStr, depth: int | None) -> PathStr:
-    """The first ``depth`` parts of ``path`` (all of it when depth is None)."""
+    """The first ``depth`` parts of ``path`` (all of it when depth is None).
+
+    >>> path_prefix("params/encoder/layer_0/kernel", 2)
+    'params/encoder'
+    """
     if depth is None:
         return path
     if depth < 1:
@@ -83,14 +97,24 @@ def path_prefix(path: PathStr, depth: int | None) -> PathStr:
     return SEP.join(path.split(SEP)[:depth])
 
 
-def leaves_with_paths(tree: PyTree) -> list[tuple[PathStr, Any]]:
+def leaves_with_paths(tree: PyTree, *, also_leaf: Callable[[Any], bool] | None = None) -> list[tuple[PathStr, Any]]:
     """``[(path_string, leaf), ...]`` in tree order, boxes kept as leaves.
 
+    Args:
+      tree: any pytree.
+      also_leaf: nodes to report as leaves besides boxes (e.g. optax's
+        ``MaskedNode``, which otherwise has no leaves and no path).
+
     Raises:
-      ValueError: two leaves print to the same path string (e.g. dict keys
-        ``1`` and ``"1"`` side by side), which would make patterns ambiguous.
+      ValueError: two leaves print to the same path string (e.g. a dict key
+        ``"a/b"`` next to ``{"a": {"b": ...}}``), which would make patterns ambiguous.
+
+    >>> import numpy as np
+    >>> leaves_with_paths({"layers": [{"w": np.ones(2)}], "step": 3})
+    [('layers/0/w', array([1., 1.])), ('step', 3)]
     """
-    pairs = [(path_str(p), leaf) for p, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)]
+    leaf = is_leaf if also_leaf is None else (lambda x: is_leaf(x) or also_leaf(x))
+    pairs = [(path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=leaf)]
     if len({p for p, _ in pairs}) != len(pairs):
         seen: set[str] = set()
         dup = sorted({p for p, _ in pairs if p in seen or seen.add(p)})
@@ -101,7 +125,11 @@ def leaves_with_paths(tree: PyTree) -> list[tuple[PathStr, Any]]:
 
 
 def flatten(tree: PyTree) -> dict[PathStr, Any]:
-    """``{path_string: leaf}`` in tree order, boxes kept as leaves."""
+    """``{path_string: leaf}`` in tree order, boxes kept as leaves.
+
+    >>> flatten({"b": [1.0, 2.0], "a": {"w": 3.0}})
+    {'a/w': 3.0, 'b/0': 1.0, 'b/1': 2.0}
+    """
     return dict(leaves_with_paths(tree))
 
 
@@ -110,6 +138,9 @@ def unflatten(flat: dict[PathStr, Any], like: PyTree) -> PyTree:
 
     Raises:
       ValueError: ``flat`` misses paths of ``like`` or has paths it lacks.
+
+    >>> unflatten({"a/0": 1.0, "a/1": 2.0}, like={"a": (0.0, 0.0)})
+    {'a': (1.0, 2.0)}
     """
     pairs, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_leaf)
     paths = [path_str(p) for p, _ in pairs]
@@ -121,7 +152,11 @@ def unflatten(flat: dict[PathStr, Any], like: PyTree) -> PyTree:
 
 
 def unflatten_dict(flat: dict[PathStr, Any]) -> dict[str, Any]:
-    """Nested dicts from ``{path: leaf}`` when no template tree exists."""
+    """Nested dicts from ``{path: leaf}`` when no template tree exists.
+
+    >>> unflatten_dict({"a/b": 1, "a/c": 2})
+    {'a': {'b': 1, 'c': 2}}
+    """
     out: dict[str, Any] = {}
     for path, leaf in flat.items():
         *parents, last = path.split(SEP)
@@ -133,12 +168,20 @@ def unflatten_dict(flat: dict[PathStr, Any]) -> dict[str, Any]:
 
 
 def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
-    """``jax.tree.map`` with the path string as first argument; boxes are leaves."""
+    """``jax.tree.map`` with the path string as first argument; boxes are leaves.
+
+    >>> map_with_path(lambda path, x: f"{path}={x}", {"a": [1, 2]})
+    {'a': ['a/0=1', 'a/1=2']}
+    """
     return jax.tree_util.tree_map_with_path(lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf)
 
 
 def compile_patterns(patterns: str | Iterable[str] | None, *, name: str) -> list[re.Pattern]:
-    """Compile regexes, naming the argument in the error for a bad one."""
+    """Compile regexes, naming the argument in the error for a bad one.
+
+    >>> [p.pattern for p in compile_patterns(r"bias$", name="exclude")]
+    ['bias$']
+    """
     if patterns is None:
         return []
     if isinstance(patterns, (str, re.Pattern)):
@@ -167,6 +210,9 @@ def match_patterns(
     Raises:
       ValueError: a pattern matches no path; the message names the pattern and
         a few nearby paths (a pattern that matches nothing is a typo, not a no-op).
+
+    >>> match_patterns(["a/bias", "a/kernel"], compile_patterns(["bias$"], name="exclude"), name="exclude")
+    [True, False]
     """
     hits = [False] * len(paths)
     for pat in patterns:

@@ -83,6 +83,10 @@ def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: An
       weight_decay: optional bool tree of the same structure (e.g. the output
         of ``get_param_mask_fn``); flags are joined by path, never by position.
       mesh: passed to ``leaf_sharding`` for boxes without a mesh.
+
+    >>> import numpy as np
+    >>> [(r.path, r.shape, r.params) for r in rows_from_tree({"w": np.ones((2, 3)), "step": 7})]
+    [('step', None, 0), ('w', (2, 3), 6)]
     """
     import numpy as np
 
@@ -122,6 +126,11 @@ def aggregate_rows(rows: Sequence[Row], depth: int | None) -> list[Row]:
     """Sum rows per path prefix of ``depth`` parts, in first-seen order.
 
     A group of one leaf keeps that leaf's row whole (shape, sharding, stats).
+
+    >>> import numpy as np
+    >>> rows = rows_from_tree({"enc": {"w": np.ones(4), "b": np.ones(2)}, "head": np.ones(3)})
+    >>> [(r.path, r.params, r.leaves) for r in aggregate_rows(rows, 1)]
+    [('enc', 6, 2), ('head', 3, 1)]
     """
     from treetools.paths import path_prefix
 
@@ -152,7 +161,12 @@ def aggregate_rows(rows: Sequence[Row], depth: int | None) -> list[Row]:
 
 
 def totals(rows: Iterable[Row]) -> Totals:
-    """Global params and bytes with a per-dtype breakdown (leaf rows only)."""
+    """Global params and bytes with a per-dtype breakdown (leaf rows only).
+
+    >>> import numpy as np
+    >>> totals(rows_from_tree({"a": np.ones(2, np.float32), "b": np.ones(3, np.int8)})).to_json()
+    {'total_params': 5, 'total_bytes': 11, 'by_dtype': {'float32': {'params': 2, 'bytes': 8}, 'int8': {'params': 3, 'bytes': 3}}}
+    """
     params = nbytes = 0
     by_dtype: dict[str, dict[str, int]] = {}
     for row in rows:
@@ -173,7 +187,12 @@ _SORT_KEYS: dict[str, Callable[[Row], Any]] = {
 
 
 def sort_rows(rows: Sequence[Row], by: str | None) -> list[Row]:
-    """Rows sorted by ``path`` (ascending) or ``params``/``bytes`` (largest first)."""
+    """Rows sorted by ``path`` (ascending) or ``params``/``bytes`` (largest first).
+
+    >>> import numpy as np
+    >>> [r.path for r in sort_rows(rows_from_tree({"a": np.ones(1), "b": np.ones(5)}), "params")]
+    ['b', 'a']
+    """
     if by is None:
         return list(rows)
     if by not in _SORT_KEYS:
@@ -182,7 +201,11 @@ def sort_rows(rows: Sequence[Row], by: str | None) -> list[Row]:
 
 
 def human(n: float, unit: str = "") -> str:
-    """1234567 -> '1.23M' (params) or, with unit='B', '1.18 MiB'."""
+    """1234567 -> '1.23M' (params) or, with unit='B', '1.18 MiB'.
+
+    >>> human(1234567), human(1234567, "B")
+    ('1.23M', '1.18 MiB')
+    """
     if unit == "B":
         for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
             if abs(n) < 1024 or suffix == "TiB":
@@ -270,6 +293,13 @@ def render_rows(
 
     ``total`` defaults to the totals of ``rows``; pass the leaf totals when the
     rows are aggregated or filtered and the footer should say so.
+
+    >>> import numpy as np
+    >>> print(render_rows(rows_from_tree({"enc": {"w": np.ones(4, np.float32)}}), fmt="tree"))
+    enc/
+      w [4] float32  4 params
+    Total: 4 params (4), 16 bytes (16 B)
+      float32: 4 params, 16 bytes (16 B)
     """
     total = total if total is not None else totals(rows)
     if fmt == "json":
