@@ -165,7 +165,7 @@ def test_depth_sums_per_prefix(npz, capsys):
         members = [x for p, x in tree.items() if p.split("/")[0] == prefix]
         assert got[prefix]["params"] == sum(x.size for x in members)
         assert got[prefix]["bytes"] == sum(x.nbytes for x in members)
-        assert got[prefix]["leaves"] == len(members)
+        assert got[prefix]["num_leaves"] == len(members)
     assert item["total_params"] == sum(x.size for x in tree.values())
 
 

@@ -8,7 +8,7 @@ import pytest
 MODULES = [
     "paths", "partitioning", "counting", "masks", "abstract", "table", "norms", "checkpoint",
     "inspect._base", "inspect._files", "inspect._scan", "inspect.diff", "inspect.readers", "inspect.report",
-    "inspect.stats",
+    "inspect.stats", "cli", "cli._args", "cli.plot",
 ]
 
 

@@ -116,3 +116,13 @@ def test_json_and_tree_renderers_share_rows():
                                  "sharding": None}
     tree_text = render_rows(rows, fmt="tree")
     assert tree_text.splitlines()[:2] == ["a/", "  b [2, 3] float32  6 params"]
+
+
+def test_markdown_footer_lists_dtypes():
+    from treetools.table import render_rows, rows_from_tree
+
+    text = render_rows(rows_from_tree({"a": np.ones(2, np.float32), "b": np.ones(3, np.int8)}), fmt="markdown")
+    footer = text.split("\n\n", 1)[1].splitlines()
+    # "Total" paragraph, a blank line, then one list item per dtype.
+    assert footer[0].startswith("Total: 5 params") and footer[1] == ""
+    assert footer[2:] == ["- float32: 2 params, 8 bytes (8 B)", "- int8: 3 params, 3 bytes (3 B)"]

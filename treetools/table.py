@@ -61,7 +61,7 @@ class Row:
         if self.stats is not None:
             out["stats"] = self.stats
         if self.leaves != 1:
-            out["leaves"] = self.leaves
+            out["num_leaves"] = self.leaves  # an aggregated (--depth) row: how many leaves it sums
         return out
 
 
@@ -255,10 +255,14 @@ def _table_data(rows: Sequence[Row], show_weight_decay: bool) -> tuple[list[str]
     return headers, data
 
 
-def _footer(t: Totals) -> str:
+def _footer(t: Totals, *, markdown: bool = False) -> str:
+    # In markdown the per-dtype lines are a list, so they do not run together into one paragraph.
+    indent = "- " if markdown else "  "
     lines = [f"Total: {t.params:,} params ({human(t.params)}), {t.bytes:,} bytes ({human(t.bytes, 'B')})"]
     for dtype, d in t.by_dtype.items():
-        lines.append(f"  {dtype}: {d['params']:,} params, {d['bytes']:,} bytes ({human(d['bytes'], 'B')})")
+        lines.append(f"{indent}{dtype}: {d['params']:,} params, {d['bytes']:,} bytes ({human(d['bytes'], 'B')})")
+    if markdown and t.by_dtype:
+        lines.insert(1, "")
     return "\n".join(lines)
 
 
@@ -312,7 +316,7 @@ def render_rows(
 
     headers, data = _table_data(rows, show_weight_decay)
     body = tabulate(data, headers=headers, tablefmt="github" if fmt == "markdown" else tablefmt, disable_numparse=True)
-    return body + "\n\n" + _footer(total)
+    return body + "\n\n" + _footer(total, markdown=fmt == "markdown")
 
 
 def _params_of(state: Any) -> PyTree:

@@ -225,6 +225,9 @@ def _pytree_leaves(item_dir: str) -> list[Leaf]:
     use_zarr3 = bool(raw.get("use_zarr3", False))
     use_ocdbt = bool(raw.get("use_ocdbt", os.path.exists(os.path.join(item_dir, "manifest.ocdbt"))))
     undo = _quiet_absl()
+    # Before the read, not in the except: late callbacks can fire while the
+    # failed read is still unwinding, before any handler of ours runs.
+    _ignore_late_callbacks()
     try:
         from etils import epath
         import orbax.checkpoint as ocp
@@ -234,7 +237,6 @@ def _pytree_leaves(item_dir: str) -> list[Leaf]:
     except CheckpointError:
         raise
     except Exception as e:
-        _ignore_late_callbacks()
         raise CheckpointError(
             f"{item_dir}: Orbax's metadata API cannot read this item ({type(e).__name__}: {_first_line(e)})."
         ) from None

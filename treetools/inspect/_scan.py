@@ -12,19 +12,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from typing import Any
 
+# Orbax's on-disk names come from the one module whose tests check them against Orbax.
+from treetools.checkpoint import COMMIT_SUCCESS_FILE as COMMIT_FILE
+from treetools.checkpoint import PYTREE_METADATA_FILE as PYTREE_METADATA
+from treetools.checkpoint import STEP_METADATA_FILE as STEP_METADATA
+from treetools.checkpoint import TMP_DIR_SUFFIX as TMP_MARKER
+from treetools.checkpoint import parse_step_name
 from treetools.inspect._base import CheckpointError, require_file
 
-TMP_MARKER = ".orbax-checkpoint-tmp"
-COMMIT_FILE = "commit_success.txt"
-STEP_METADATA = "_CHECKPOINT_METADATA"
-PYTREE_METADATA = "_METADATA"
 JSON_ITEM_FILE = "metadata"
 ARRAY_DATA_NAMES = ("manifest.ocdbt", "_sharding", "array_metadatas")
-
-_STEP_RE = re.compile(r"^(?:(?P<prefix>.*)_)?(?P<step>\d+)$")
 
 
 def step_of(name: str) -> int | None:
@@ -33,9 +32,7 @@ def step_of(name: str) -> int | None:
     >>> step_of("ckpt_0100"), step_of("300.orbax-checkpoint-tmp-1700000000"), step_of("logs")
     (100, 300, None)
     """
-    base = name.split(TMP_MARKER, 1)[0]
-    m = _STEP_RE.match(base)
-    return int(m.group("step")) if m else None
+    return parse_step_name(name.split(TMP_MARKER, 1)[0])
 
 
 def is_tmp(name: str) -> bool:

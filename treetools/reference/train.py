@@ -175,9 +175,15 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     logger = tt.MetricsLogger(metrics_path, every=cfg.log_every)
     first_loss = last_loss = None
     tick, tick_step = time.perf_counter(), start
+    # On CPU, several steps in flight gain nothing and XLA:CPU's in-process
+    # collectives (fake devices) can deadlock when many collective programs
+    # queue up; there, wait for each step. Accelerators keep running ahead.
+    one_in_flight = jax.default_backend() == "cpu"
     for step in range(start + 1, cfg.steps + 1):
         batch = jax.device_put(next(data), batch_sharding)
         state, metrics = step_fn(state, batch)
+        if one_in_flight:
+            jax.block_until_ready(metrics)
         if logger(step, metrics):
             now = time.perf_counter()
             host = jax.device_get(metrics)
