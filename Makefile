@@ -23,8 +23,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests benchmarks/test_smoke.py
 
+# One process per suite: Orbax/TensorStore threads left by one suite must not share the cores with the next.
 bench: $(STAMP)
-	$(PY) -m pytest -q -s benchmarks --benchmark-enable --benchmark-columns=min,mean,rounds -p no:randomly
+	set -e; for suite in benchmarks/test_*_bench.py; do \
+	  $(PY) -m pytest -q -s $$suite --benchmark-enable --benchmark-columns=min,median,rounds; \
+	done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .benchmarks
