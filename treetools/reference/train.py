@@ -164,17 +164,29 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                  weight_decay_exclude=list(WEIGHT_DECAY_EXCLUDE), depth=None))
     start = 0
     if latest is not None:
-        targets = {"params": tt.make_abstract(state["params"]), "params_ema": tt.make_abstract(state["params_ema"]),
-                   "opt_state": tt.make_abstract(state["opt_state"]), "data_iter": None}
-        restored = tt.restore_checkpoint(manager, latest, targets)
+        targets = tt.make_abstract({k: state[k] for k in ("params", "params_ema", "opt_state")})
+        restored = tt.restore_checkpoint(manager, latest, {**targets, "data_iter": None})
         state = {k: restored[k] for k in ("params", "params_ema", "opt_state")}
         data.set_state(restored["data_iter"])
         start = latest
         _say(cfg, f"resumed from step {latest} in {ckpt_dir}")
 
-    logger = tt.MetricsLogger(metrics_path, every=cfg.log_every)
-    first_loss = last_loss = None
-    tick, tick_step = time.perf_counter(), start
+    jsonl = tt.JsonlWriter(metrics_path)
+    losses: list[float] = []
+    tick = [time.perf_counter(), start]
+
+    def write(step: int, host: dict[str, float]) -> None:
+        # MetricsLogger hands over host floats once per log step: the file and
+        # the progress line share that one device-to-host transfer.
+        jsonl(step, host)
+        losses.append(host["loss"])
+        now = time.perf_counter()
+        rate = (step - tick[1]) / max(now - tick[0], 1e-9)
+        tick[:] = [now, step]
+        _say(cfg, f"step {step:>5}/{cfg.steps}  loss {host['loss']:.4f}  grad_norm {host['grad_norm']:.4f}  "
+                  f"update_ratio {host['update_ratio']:.2e}  {rate:.1f} steps/s")
+
+    logger = tt.MetricsLogger(write, every=cfg.log_every)
     # On CPU, several steps in flight gain nothing and XLA:CPU's in-process
     # collectives (fake devices) can deadlock when many collective programs
     # queue up; there, wait for each step. Accelerators keep running ahead.
@@ -184,15 +196,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         state, metrics = step_fn(state, batch)
         if one_in_flight:
             jax.block_until_ready(metrics)
-        if logger(step, metrics):
-            now = time.perf_counter()
-            host = jax.device_get(metrics)
-            last_loss = float(host["loss"])
-            first_loss = last_loss if first_loss is None else first_loss
-            rate = (step - tick_step) / max(now - tick, 1e-9)
-            tick, tick_step = now, step
-            _say(cfg, f"step {step:>5}/{cfg.steps}  loss {last_loss:.4f}  grad_norm {float(host['grad_norm']):.4f}  "
-                      f"update_ratio {float(host['update_ratio']):.2e}  {rate:.1f} steps/s")
+        logger(step, metrics)
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             tt.save_checkpoint(manager, step, {"params": state["params"], "params_ema": state["params_ema"],
                                             "opt_state": state["opt_state"], "data_iter": data.get_state()},
@@ -201,5 +205,6 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     manager.close()
     _say(cfg, f"checkpoints: {ckpt_dir}\nmetrics:     {os.path.abspath(metrics_path)}")
     _say(cfg, f"inspect with: treetools inspect {ckpt_dir}")
-    return {"state": state, "first_loss": first_loss, "last_loss": last_loss, "checkpoint_dir": ckpt_dir,
+    return {"state": state, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
+            "checkpoint_dir": ckpt_dir,
             "metrics_path": metrics_path, "optimal_loss": data.optimal_loss(), "start_step": start}
