@@ -444,6 +444,15 @@ def _box_record(tree: Any) -> dict[str, str]:
     return out
 
 
+def _recorded_boxes(meta: Any) -> dict[str, str]:
+    """The ``_box_record`` that ``save_checkpoint`` stored with an item's Orbax metadata ({} when none)."""
+    custom = getattr(meta, "custom_metadata", None)
+    boxes = custom.get(_BOXES_KEY) if isinstance(custom, Mapping) else None
+    if not isinstance(boxes, Mapping):
+        return {}
+    return {str(box): inner for box, inner in boxes.items() if isinstance(inner, str)}
+
+
 def _as_json(name: str, tree: Any) -> Any:
     """``tree`` as it will read back from JSON: numpy / jax numbers and arrays become Python ones.
 
@@ -703,8 +712,7 @@ def _prepare(
     meta = _tree_metadata(manager, step, step_dir, name)
     if meta is None:
         return abstract, [Mismatch(name, "missing", f"item {name!r}", f"items {_items_present(step_dir)}")]
-    boxes = (meta.custom_metadata or {}).get(_BOXES_KEY, {}) if hasattr(meta, "custom_metadata") else {}
-    return abstract, _compare(name, abstract, meta.tree, boxes, allow_dtype_cast=allow_dtype_cast)
+    return abstract, _compare(name, abstract, meta.tree, _recorded_boxes(meta), allow_dtype_cast=allow_dtype_cast)
 
 
 def restore_checkpoint(
@@ -799,7 +807,7 @@ def _numpy_tree(item_dir: Any) -> Any:
     restore_args = jax.tree.map(restore_arg, meta.tree)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
         tree = ckptr.restore(item_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-    boxes = (meta.custom_metadata or {}).get(_BOXES_KEY, {})
+    boxes = _recorded_boxes(meta)
     if not boxes:
         return tree
 

@@ -118,9 +118,10 @@ def get_param_label_fn(
     def label_fn(params: Params) -> PyTree:
         visible, hidden = _visible_and_hidden_paths(params, name="rules", patterns=compiled)
         labels: list[Hashable | None] = [None] * len(visible)
+        paths = visible + hidden
         for pat, (_, label) in zip(compiled, rules):
             # Every rule must match something, even where an earlier rule wins.
-            for i, hit in enumerate(match_patterns(visible + hidden, [pat], name="rules")[: len(visible)]):
+            for i, hit in enumerate(match_patterns(paths, [pat], name="rules")[: len(visible)]):
                 if hit and labels[i] is None:
                     labels[i] = label
         return _with_leaf_values(params, [default if lab is None else lab for lab in labels])

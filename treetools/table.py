@@ -132,10 +132,10 @@ def aggregate_rows(rows: Sequence[Row], depth: int | None) -> list[Row]:
     >>> [(r.path, r.params, r.leaves) for r in aggregate_rows(rows, 1)]
     [('enc', 6, 2), ('head', 3, 1)]
     """
-    from treetools.paths import path_prefix
-
     if depth is None:
         return list(rows)
+    from treetools.paths import path_prefix  # imports jax: not for the CLI's ungrouped rows
+
     groups: dict[str, list[Row]] = {}
     for row in rows:
         groups.setdefault(path_prefix(row.path, depth), []).append(row)

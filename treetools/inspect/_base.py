@@ -181,6 +181,39 @@ class Leaf:
     value: Any = NO_VALUE
 
 
+def array_row(path: str, shape: Sequence[int], dtype: Any, *, sharding: Any = None) -> Row:
+    """The row of one stored array, from its metadata alone: params and bytes follow from shape and dtype.
+
+    >>> array_row("w", (2, 3), np.float16).bytes
+    12
+    """
+    shape = tuple(int(d) for d in shape)
+    dtype = np.dtype(dtype)
+    size = math.prod(shape)
+    return Row(path=path, shape=shape, dtype=dtype_name(dtype), params=size, bytes=size * dtype.itemsize,
+               sharding=sharding)
+
+
+def value_row(path: str) -> Row:
+    """The row of a non-array leaf (a scalar, a string, an object array): no shape, nothing counted."""
+    return Row(path=path, shape=None, dtype=None, params=0, bytes=0)
+
+
+def tree_leaves(tree: Any, *, where: str) -> list[Leaf]:
+    """Leaves of a tree already in memory (a Flax msgpack, an Orbax JSON item), after refusing escaping keys.
+
+    Arrays get an ``InMemoryReader``; other leaves keep their value.
+    """
+    from treetools.paths import leaves_with_paths
+    from treetools.table import rows_from_tree
+
+    pairs = leaves_with_paths(tree)
+    for p, _ in pairs:
+        check_name(p, where=where)
+    return [Leaf(row, InMemoryReader(value)) if row.shape is not None else Leaf(row, value=value)
+            for row, (_, value) in zip(rows_from_tree(tree), pairs)]
+
+
 @dataclasses.dataclass
 class Snapshot:
     """One checkpoint (one step): item name -> leaves, in stored order."""
@@ -235,6 +268,16 @@ def block_extent(index: Index, shape: Sequence[int]) -> tuple[tuple[int, ...], t
     return tuple(starts), tuple(sizes)
 
 
+def block_span(index: Index, shape: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """The flat C-order offset where the block ``index`` starts in ``shape``, and the block's shape.
+
+    >>> block_span((slice(2, 4), slice(None)), (4, 3)), block_span((), ())
+    ((6, (2, 3)), (0, ()))
+    """
+    starts, sizes = block_extent(index, shape)
+    return (int(np.ravel_multi_index(starts, shape)) if math.prod(shape) else 0), sizes
+
+
 class InMemoryReader(ArrayReader):
     """An array already in memory (Flax msgpack materializes its arrays)."""
 
@@ -273,7 +316,6 @@ class MemmapReader(ArrayReader):
             del mm
 
     def read(self, index: Index) -> np.ndarray:
-        starts, sizes = block_extent(index, self.shape)
         if self._fortran:
             # Logical C-order blocks are strided in a Fortran layout: map the
             # whole array for this block only, copy the block, unmap.
@@ -282,9 +324,7 @@ class MemmapReader(ArrayReader):
                 return np.array(mm[index])
             finally:
                 del mm
-        if not self.shape:
-            return self._window(0, 1, ())
-        start = int(np.ravel_multi_index(starts, self.shape)) if math.prod(self.shape) else 0
+        start, sizes = block_span(index, self.shape)
         return self._window(start, math.prod(sizes), sizes)
 
     def storage_blocks(self, max_bytes: int) -> Iterator[np.ndarray]:
@@ -294,6 +334,5 @@ class MemmapReader(ArrayReader):
         # Fortran data is the C-order data of the transposed shape.
         rev = self.shape[::-1]
         for index in plan_blocks(rev, max(1, max_bytes // self.dtype.itemsize)):
-            starts, sizes = block_extent(index, rev)
-            start = int(np.ravel_multi_index(starts, rev)) if rev else 0
+            start, sizes = block_span(index, rev)
             yield self._window(start, math.prod(sizes), sizes)

@@ -22,15 +22,17 @@ import numpy as np
 from treetools.inspect._base import (
     ArrayReader,
     CheckpointError,
-    InMemoryReader,
     Leaf,
     MemmapReader,
+    array_row,
+    block_span,
     check_name,
     dotted_to_path,
     dtype_name,
     np_dtype,
+    tree_leaves,
+    value_row,
 )
-from treetools.table import Row
 
 __all__ = ["read_msgpack", "read_npz", "read_safetensors", "sniff_file"]
 
@@ -133,8 +135,7 @@ def read_safetensors(path: str) -> list[Leaf]:
                 f"{where}: corrupt safetensors header (offsets {begin}..{end} do not hold shape {list(shape)} "
                 f"{dtype_name(dtype)} inside {data_len} data bytes)."
             )
-        row = Row(path=path_s, shape=shape, dtype=dtype_name(dtype), params=size, bytes=size * dtype.itemsize)
-        leaves.append(Leaf(row, MemmapReader(path, data_start + begin, shape, dtype)))
+        leaves.append(Leaf(array_row(path_s, shape, dtype), MemmapReader(path, data_start + begin, shape, dtype)))
     return _unique(leaves, where=path)
 
 
@@ -168,8 +169,6 @@ class ZipStreamReader(ArrayReader):
                 yield np.frombuffer(buf, dtype=self.dtype).reshape(shape)
 
     def blocks(self, plan):
-        from treetools.inspect._base import block_extent
-
         if not self.c_order:
             raise CheckpointError(
                 f"{self._path}: npz member {self._member!r} is Fortran-ordered and compressed, so it can only be "
@@ -180,8 +179,7 @@ class ZipStreamReader(ArrayReader):
         def counts():
             nonlocal expected
             for index in plan:
-                starts, sizes = block_extent(index, self.shape)
-                start = int(np.ravel_multi_index(starts, self.shape)) if self.shape and math.prod(self.shape) else 0
+                start, sizes = block_span(index, self.shape)
                 if start != expected:
                     raise CheckpointError(f"{self._path}: blocks of {self._member!r} must be read front to back.")
                 expected = start + math.prod(sizes)
@@ -248,12 +246,12 @@ def read_npz(path: str) -> list[Leaf]:
             except (zipfile.BadZipFile, OSError, EOFError) as e:
                 raise CheckpointError(f"{where}: corrupt zip member ({e}).") from None
             if dtype.hasobject:
-                leaves.append(Leaf(Row(path=path_s, shape=None, dtype=None, params=0, bytes=0)))
+                leaves.append(Leaf(value_row(path_s)))
                 continue
             size = math.prod(shape)
             if info.file_size != header_len + size * dtype.itemsize:
                 raise CheckpointError(f"{where}: corrupt member ({info.file_size} bytes for shape {list(shape)} {dtype}).")
-            row = Row(path=path_s, shape=shape, dtype=dtype_name(dtype), params=size, bytes=size * dtype.itemsize)
+            row = array_row(path_s, shape, dtype)
             if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
                 offset = _local_data_offset(fh, info, where) + header_len
                 reader: ArrayReader = MemmapReader(path, offset, shape, dtype, fortran=fortran)
@@ -270,9 +268,6 @@ def read_msgpack(path: str) -> list[Leaf]:
     """Leaves of a ``flax.serialization.to_bytes`` file (its arrays are materialized: msgpack has no index)."""
     from flax import serialization
 
-    from treetools.paths import leaves_with_paths
-    from treetools.table import rows_from_tree
-
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -284,13 +279,4 @@ def read_msgpack(path: str) -> list[Leaf]:
         raise CheckpointError(f"{path}: corrupt or truncated Flax msgpack ({type(e).__name__}: {e}).") from None
     if not isinstance(tree, dict):
         raise CheckpointError(f"{path}: not a Flax msgpack checkpoint (top level is {type(tree).__name__}, not a dict).")
-    pairs = leaves_with_paths(tree)
-    for p, _ in pairs:
-        check_name(p, where=path)
-    leaves = []
-    for row, (_, value) in zip(rows_from_tree(tree), pairs):
-        if row.shape is not None:
-            leaves.append(Leaf(row, InMemoryReader(value)))
-        else:
-            leaves.append(Leaf(row, value=value))
-    return leaves
+    return tree_leaves(tree, where=path)

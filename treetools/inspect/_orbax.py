@@ -12,7 +12,6 @@ through TensorStore, one block at a time.
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Callable
 
@@ -24,9 +23,11 @@ from treetools.inspect._base import (
     Index,
     Leaf,
     Snapshot,
+    array_row,
     check_name,
-    dtype_name,
     require_regular_tree,
+    tree_leaves,
+    value_row,
 )
 from treetools.inspect._scan import (
     COMMIT_FILE,
@@ -43,7 +44,6 @@ from treetools.inspect._scan import (
     scan_root,
     step_of,
 )
-from treetools.table import Row
 
 __all__ = ["open_orbax"]
 
@@ -205,18 +205,15 @@ def _quiet_absl() -> Callable[[], None]:
     return lambda: logger.setLevel(level)
 
 
-def _box_paths(custom: Any) -> dict[str, str]:
+def _box_paths(metadata: Any) -> dict[str, str]:
     """``{"Dense_0/kernel/value": "Dense_0/kernel"}`` for boxes that ``treetools.checkpoint`` recorded.
 
     Orbax stores a flax box as a node holding its array; ``save_checkpoint``
     records which nodes were boxes, so paths keep the one-leaf-per-box rule.
     """
-    from treetools import checkpoint
+    from treetools.checkpoint import _recorded_boxes
 
-    boxes = (custom or {}).get(getattr(checkpoint, "_BOXES_KEY", "treetools_boxes")) if isinstance(custom, dict) else None
-    if not isinstance(boxes, dict):
-        return {}
-    return {f"{box}/{inner}": str(box) for box, inner in boxes.items() if isinstance(inner, str)}
+    return {f"{box}/{inner}": box for box, inner in _recorded_boxes(metadata).items()}
 
 
 def _pytree_leaves(item_dir: str) -> list[Leaf]:
@@ -244,7 +241,7 @@ def _pytree_leaves(item_dir: str) -> list[Leaf]:
         undo()
     from treetools.paths import leaves_with_paths
 
-    unboxed = _box_paths(getattr(metadata, "custom_metadata", None))
+    unboxed = _box_paths(metadata)
     leaves = []
     for path, meta in leaves_with_paths(tree):
         path = unboxed.get(path, path)
@@ -257,15 +254,12 @@ def _pytree_leaves(item_dir: str) -> list[Leaf]:
             and getattr(meta, "dtype", None) is not None
         )
         if not is_array:
-            leaves.append(Leaf(Row(path=path, shape=None, dtype=None, params=0, bytes=0)))
+            leaves.append(Leaf(value_row(path)))
             continue
-        shape = tuple(int(d) for d in meta.shape)
-        dtype = np.dtype(meta.dtype)
-        size = math.prod(shape)
+        row = array_row(path, meta.shape, meta.dtype, sharding=_leaf_sharding(getattr(meta, "sharding", None)))
+        shape, dtype = row.shape, np.dtype(meta.dtype)
         storage = getattr(meta, "storage", None)
         chunk = getattr(storage, "chunk_shape", None)
-        row = Row(path=path, shape=shape, dtype=dtype_name(dtype), params=size, bytes=size * dtype.itemsize,
-                  sharding=_leaf_sharding(getattr(meta, "sharding", None)))
         spec = _ts_spec(item_dir, name, use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
         reader = TensorStoreReader(spec, shape, dtype, tuple(chunk) if chunk else None,
                                    where=f"{item_dir}: `{path}`")
@@ -274,15 +268,8 @@ def _pytree_leaves(item_dir: str) -> list[Leaf]:
 
 
 def _json_leaves(item_dir: str) -> list[Leaf]:
-    from treetools.paths import leaves_with_paths
-    from treetools.table import rows_from_tree
-
     path = os.path.join(item_dir, JSON_ITEM_FILE)
-    value = read_json(path, what="Orbax JSON item")
-    pairs = leaves_with_paths(value)
-    for p, _ in pairs:
-        check_name(p, where=path)
-    return [Leaf(row, value=v) for row, (_, v) in zip(rows_from_tree(value), pairs)]
+    return tree_leaves(read_json(path, what="Orbax JSON item"), where=path)
 
 
 def _item_kind(item_dir: str, handler: str | None) -> str:

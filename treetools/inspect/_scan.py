@@ -19,7 +19,7 @@ from treetools.checkpoint import COMMIT_SUCCESS_FILE as COMMIT_FILE
 from treetools.checkpoint import PYTREE_METADATA_FILE as PYTREE_METADATA
 from treetools.checkpoint import STEP_METADATA_FILE as STEP_METADATA
 from treetools.checkpoint import TMP_DIR_SUFFIX as TMP_MARKER
-from treetools.checkpoint import parse_step_name
+from treetools.checkpoint import is_committed_step_dir, parse_step_name, scan_steps
 from treetools.inspect._base import CheckpointError, require_file
 
 JSON_ITEM_FILE = "metadata"
@@ -53,8 +53,6 @@ def read_json(path: str, *, what: str) -> Any:
 
 def is_committed(step_dir: str) -> bool:
     """Whether a step folder is a finished save (``treetools.checkpoint``'s rule, shared)."""
-    from treetools.checkpoint import is_committed_step_dir
-
     return is_committed_step_dir(step_dir)
 
 
@@ -107,8 +105,6 @@ def scan_root(path: str) -> RootListing:
     inspector and the trainer agree on which steps exist; folders whose name
     carries no step number are ignored.
     """
-    from treetools.checkpoint import scan_steps
-
     try:
         committed, incomplete = scan_steps(path)
     except OSError as e:

@@ -111,10 +111,10 @@ def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence
     that matches nothing anywhere is an error naming it. Items left without a
     leaf are dropped (``--include`` asks to see the matches, not every item).
     """
-    from treetools.paths import compile_patterns, match_patterns
-
     if not include and not exclude:
         return [dict(s.items) for s in snaps]
+    from treetools.paths import compile_patterns, match_patterns  # imports jax: only when there are patterns
+
     inc = compile_patterns(list(include), name="include")
     exc = compile_patterns(list(exclude), name="exclude")
     # Match each distinct path once: items and steps repeat the same paths.
@@ -132,12 +132,14 @@ def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence
 
 def _with_stats(rows: list[Row], accs: dict[str, StatsAccumulator], depth: int | None) -> list[Row]:
     """Attach statistics; a ``--depth`` group gets its members' streams merged."""
-    from treetools.paths import path_prefix
+    groups: dict[str, StatsAccumulator] = dict(accs)
+    if depth is not None:
+        from treetools.paths import path_prefix  # imports jax: only for --depth, as aggregate_rows does
 
-    groups: dict[str, StatsAccumulator] = {}
-    for path, acc in accs.items():
-        key = path_prefix(path, depth) if depth is not None else path
-        groups[key] = groups[key].merge(acc) if key in groups else acc
+        groups = {}
+        for path, acc in accs.items():
+            key = path_prefix(path, depth)
+            groups[key] = groups[key].merge(acc) if key in groups else acc
     return [dataclasses.replace(r, stats=groups[r.path].result()) if r.path in groups else r for r in rows]
 
 
