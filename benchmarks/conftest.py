@@ -20,9 +20,18 @@ def scale() -> float:
     return SCALE
 
 
-def report(name: str, ours: float, anchor: float, anchor_name: str, *, target: str = "") -> float:
-    """Print one benchmark line: our time, the anchor's, and the ratio."""
-    ratio = ours / anchor if anchor > 0 else float("inf")
+def report(
+    name: str, ours: float, anchor: float, anchor_name: str, *, target: str = "", ratio: float | None = None, spread=None
+) -> float:
+    """Print one benchmark line: our time, the anchor's, and the ratio.
+
+    ``ratio`` defaults to ``ours / anchor``; pass a paired statistic instead
+    (and its interquartile ``spread``) when the rounds were timed in pairs.
+    """
+    if ratio is None:
+        ratio = ours / anchor if anchor > 0 else float("inf")
     line = f"[bench] {name}: ours {ours * 1e3:.2f} ms, {anchor_name} {anchor * 1e3:.2f} ms, ratio {ratio:.3f}"
+    if spread is not None:
+        line += f" (IQR {spread[0]:.3f}-{spread[1]:.3f})"
     print(line + (f" (target {target})" if target else ""), flush=True)
     return ratio

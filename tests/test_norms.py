@@ -303,6 +303,58 @@ def test_nonfinite_propagate_and_are_counted(setup):
 
 
 # --------------------------------------------------------------------------- #
+# One pass: every array is read once
+# --------------------------------------------------------------------------- #
+
+
+def _reads_outside_cond(fn, tree) -> list[int]:
+    """For each leaf of ``tree``: how many operations of ``fn``'s jaxpr read it, not counting a ``cond``.
+
+    Nested ``jit`` calls are followed; a ``cond`` is the lazy branch (it runs
+    only on a non-finite step), so it is not counted as a read.
+    """
+    from jax.extend.core import Literal
+
+    closed = jax.make_jaxpr(fn)(tree)
+    reads = [0] * len(closed.jaxpr.invars)
+
+    def walk(jaxpr, env):
+        for eqn in jaxpr.eqns:
+            leaves = [env[v] for v in eqn.invars if not isinstance(v, Literal) and v in env]
+            if eqn.primitive.name in ("jit", "pjit"):
+                inner = eqn.params["jaxpr"].jaxpr
+                walk(inner, {iv: env[ov] for iv, ov in zip(inner.invars, eqn.invars) if not isinstance(ov, Literal) and ov in env})
+            elif eqn.primitive.name != "cond":
+                for i in leaves:
+                    reads[i] += 1
+
+    walk(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars)})
+    return reads
+
+
+def test_norm_metrics_reads_each_array_once():
+    g, p, u = _model_tree(0), _model_tree(1), _model_tree(2)
+    fn = lambda t: norm_metrics(grads=t[0], params=t[1], updates=t[2], per_param=True)  # noqa: E731
+    assert _reads_outside_cond(fn, (g, p, u)) == [1] * (3 * len(g))
+    fn = lambda t: norm_metrics(grads=t, depth=1)  # noqa: E731
+    assert _reads_outside_cond(fn, g) == [1] * len(g)
+    # The checker can fail: a second, eager non-finite count reads every gradient twice.
+    twice = lambda t: (norm_metrics(grads=t), [jnp.sum(~jnp.isfinite(x)) for x in jax.tree.leaves(t)])  # noqa: E731
+    assert _reads_outside_cond(twice, g) == [2] * len(g)
+
+
+def test_compiled_norms_access_the_tree_bytes_once():
+    # XLA's own accounting of the compiled program (no count branch without grads).
+    # Leaves big enough for XLA:CPU's one-pass reduction (tiny ones are reduced in two stages).
+    tree = {f"w{i}": jax.ShapeDtypeStruct((256, 128 * (i + 1)), jnp.float32) for i in range(4)}
+    nbytes = sum(x.size * 4 for x in tree.values())
+    for fn in (lambda t: norm_metrics(params=t, updates=t, per_param=True), get_sharded_global_norm):
+        cost = jax.jit(fn).lower(tree).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        assert nbytes <= cost["bytes accessed"] <= 1.01 * nbytes
+
+
+# --------------------------------------------------------------------------- #
 # Metric dictionaries
 # --------------------------------------------------------------------------- #
 
@@ -344,6 +396,15 @@ def test_norm_metrics_keys_exact_and_values():
         norm_metrics()
     with pytest.raises(ValueError, match="depth"):
         norm_metrics(grads=unflatten_dict(g), depth=0)
+
+
+def test_bare_array_has_no_empty_per_param_key():
+    # A tree that is one array has the empty path: no "grad_norm/" entry, the global norm says it all.
+    x = jnp.array([3.0, 4.0])
+    m = norm_metrics(grads=x, params=x, per_param=True)
+    assert sorted(m) == ["grad_norm", "nonfinite_grads", "param_norm"] and float(m["grad_norm"]) == 5.0
+    assert sorted(get_grad_norms(x, True, depth=2)) == ["grad_norm"]
+    assert sorted(norm_metrics(grads=[x], per_param=True)) == ["grad_norm", "grad_norm/0", "nonfinite_grads"]
 
 
 def test_depth_groups_are_sqrt_of_summed_squares():

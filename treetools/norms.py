@@ -232,7 +232,9 @@ def _norm_entries(
     names: dict[str, list[int]] = {}
     if per_param or depth is not None:
         for i, (path, _) in enumerate(pairs):
-            names.setdefault(path_prefix(path, depth), []).append(i)
+            # A bare array (empty path) has no per-parameter entry: it is the global norm.
+            if path:
+                names.setdefault(path_prefix(path, depth), []).append(i)
     groups = tuple(tuple(idx) for idx in names.values())
     norm, group_norms, nonfinite = _norms(pairs, groups=groups, count_nonfinite=count_nonfinite)
     out = {kind: norm}
@@ -293,7 +295,8 @@ def norm_metrics(
       params: parameter tree; gives ``param_norm``.
       updates: optimizer updates; gives ``update_norm``, and with ``params``
         also ``update_ratio = update_norm / param_norm``.
-      per_param: add ``<kind>/<path>`` for every leaf.
+      per_param: add ``<kind>/<path>`` for every leaf (none for a tree that is
+        one bare array: its path is empty and its norm is ``<kind>``).
       depth: add ``<kind>/<prefix>`` per module instead (leaves grouped by the
         first ``depth`` path parts; sqrt of summed squares). Overrides
         ``per_param``.
