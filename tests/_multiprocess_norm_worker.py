@@ -54,7 +54,11 @@ def main(process_id: int, port: int, metrics_path: str) -> None:
         )
         for name, (_, spec) in LEAVES.items()
     }
-    g_jit, per_leaf = jax.jit(get_sharded_global_norm)(arrays)
+    g_jit, per_leaf = jax.jit(get_sharded_global_norm)(arrays)  # Explicit axes: one psum per axis set
+    g_eager = get_sharded_global_norm(arrays)[0]  # concrete NamedShardings: the same path, eagerly
+    auto_mesh = jax.make_mesh((2, n // 2), MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    auto = {k: jax.device_put(v, NamedSharding(auto_mesh, v.sharding.spec)) for k, v in arrays.items()}
+    g_auto = jax.jit(get_sharded_global_norm)(auto)[0]  # Auto axes: the compiler places the collectives
 
     boxes = {name: nn.Partitioned(arrays[name], names=spec) for name, (_, spec) in LEAVES.items()}
     specs = nn.get_partition_spec(boxes)
@@ -88,6 +92,8 @@ def main(process_id: int, port: int, metrics_path: str) -> None:
                 "devices": n,
                 "local_devices": jax.local_device_count(),
                 "jit": float(g_jit),
+                "eager": float(g_eager),
+                "gspmd_auto": float(g_auto),
                 "per_leaf": {k: float(v) for k, v in per_leaf.items()},
                 "shard_map": {k: float(v) for k, v in metrics.items()},
                 "library": library,

@@ -42,6 +42,42 @@ def test_help_imports_no_jax(argv):
     assert float(dt) < 0.3, f"treetools {' '.join(argv)} took {float(dt):.3f}s in-process"
 
 
+@pytest.mark.parametrize("options", [[], ["--include", "^encoder/", "--exclude", "bias$", "--depth", "1", "--stats"]])
+@pytest.mark.parametrize("suffix", ["npz", "safetensors"])
+def test_inspect_of_npz_and_safetensors_imports_no_jax(tmp_path, suffix, options):
+    """Metadata, --stats, --include/--exclude and --depth on npz and safetensors: numpy is the one heavy import."""
+    from safetensors.numpy import save_file
+
+    tree = _tree()
+    f = tmp_path / f"tree.{suffix}"
+    if suffix == "npz":
+        np.savez(f, **tree)
+    else:
+        save_file({p.replace("/", "."): x for p, x in tree.items()}, str(f))
+    proc = subprocess.run([sys.executable, "-c", NO_JAX, "inspect", str(f), *options, "--format", "json"],
+                          capture_output=True, text=True, timeout=60)
+    *out, result = proc.stdout.strip().splitlines()
+    _, rc, _, heavy = result.split(" ")
+    assert rc == "0" and heavy == "numpy", (result, proc.stderr)
+    # The output is still right: leaves kept by the patterns, summed per first path part under --depth 1.
+    keep = {p: x for p, x in tree.items() if not options or (p.startswith("encoder/") and not p.endswith("bias"))}
+    groups: dict[str, list[np.ndarray]] = {}
+    for p, x in keep.items():
+        groups.setdefault(p.split("/")[0] if options else p, []).append(x)
+    item = json.loads("\n".join(out))["items"]["default"]
+    got = {leaf["path"]: leaf for leaf in item["leaves"]}  # safetensors keeps its own (header) order
+    assert len(item["leaves"]) == len(got) and set(got) == set(groups)
+    for path, members in groups.items():
+        leaf = got[path]
+        assert leaf["params"] == sum(x.size for x in members) and leaf["bytes"] == sum(x.nbytes for x in members)
+        assert leaf.get("num_leaves", 1) == len(members)
+        if options:
+            want = numpy_stats(np.concatenate([x.ravel() for x in members]))
+            for key, value in want.items():
+                np.testing.assert_allclose(leaf["stats"][key], value, rtol=1e-5)
+    assert item["total_params"] == sum(x.size for x in keep.values())
+
+
 def test_help_wall_time_under_budget():
     """`treetools --help`, interpreter start included: the best of three runs is under 0.3 s."""
     times = []

@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 from hypothesis import given, settings
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from treetools.norms import (
     JsonlWriter,
@@ -69,10 +69,16 @@ def _sq64(x) -> float:
     return float(np.sum(np.asarray(x, dtype=np.float64) ** 2))
 
 
-@pytest.fixture(params=list(MESHES), ids=list(MESHES))
+AXIS_TYPES = {"explicit": AxisType.Explicit, "auto": AxisType.Auto}
+
+
+@pytest.fixture(params=[(m, t) for m in MESHES for t in AXIS_TYPES], ids=[f"{m}-{t}" for m in MESHES for t in AXIS_TYPES])
 def setup(request, devices):
-    shape, axes = MESHES[request.param]
-    mesh = jax.make_mesh(shape, axes, devices=devices)
+    # Explicit axes: the leaves' types carry their specs and the norms take the
+    # one-psum-per-axis-set path under jit; Auto axes: classic GSPMD.
+    name, kind = request.param
+    shape, axes = MESHES[name]
+    mesh = jax.make_mesh(shape, axes, devices=devices, axis_types=(AXIS_TYPES[kind],) * len(axes))
     layout = _leaves_for(axes)
     host = _host_arrays(layout)
     glob = {k: jax.device_put(host[k], NamedSharding(mesh, P(*spec))) for k, (_, spec) in layout.items()}
@@ -153,6 +159,46 @@ def test_jit_and_eager_on_global_arrays(setup):
     boxed = unflatten_dict({k: nn.Partitioned(glob[k], names=spec) for k, (_, spec) in layout.items()})
     g_box, per_box = _call(jax.jit(get_sharded_global_norm), boxed)
     _check(g_box, flatten(per_box), host)
+
+
+def _all_reduced_operands(fn, tree) -> list[tuple[str, int]]:
+    """``(result type, number of operands)`` of each all-reduce in ``fn``'s compiled program."""
+    import re
+
+    text = jax.jit(fn).lower(tree).compile().as_text()
+    return [(t, args.count("%")) for t, args in re.findall(r"= (.+?) all-reduce(?:-start)?\(([^)]*)\)", text)]
+
+
+def test_explicit_axes_reduce_once_per_axis_set(devices):
+    # Under jit with Explicit axes, the compiler alone (optax) all-reduces every
+    # split leaf's sum; ours stacks the local sums: one all-reduce per distinct
+    # set of mesh axes (3 here: fsdp, data, data+fsdp), each of one operand.
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), devices=devices, axis_types=(AxisType.Explicit,) * 2)
+    layout = {"a": ((4, 8), P(None, "fsdp")), "b": ((6, 3), P("data", None)), "c": ((5,), P()),
+              "d": ((16,), P(("data", "fsdp"))), "e": ((2, 4), P(None, "fsdp")), "f": ((8, 2), P("fsdp"))}
+    host = {k: np.random.default_rng(i).normal(size=shape).astype(np.float32) for i, (k, (shape, _)) in enumerate(layout.items())}
+    tree = {k: jax.device_put(host[k], NamedSharding(mesh, spec)) for k, (_, spec) in layout.items()}
+    ours = [(t, n) for t, n in _all_reduced_operands(lambda t: norm_metrics(grads=t, per_param=True), tree) if t.startswith("f32")]
+    assert len(ours) == 3 and all(n == 1 for _, n in ours)
+    optax_operands = sum(n for _, n in _all_reduced_operands(optax.tree.norm, tree))
+    assert optax_operands == 5  # every split leaf: a, b, d, e, f
+    m = _call(jax.jit(lambda t: norm_metrics(grads=t, per_param=True)), tree)
+    _check(m["grad_norm"], {k: m[f"grad_norm/{k}"] for k in host}, host)
+
+
+def test_mixed_layouts_fall_back_to_the_compiler(devices):
+    # Eager calls on concrete NamedShardings take the one-psum path too; leaves on
+    # two meshes (same devices, other shape) or beside a numpy array take the
+    # plain path. Every case is exact.
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=devices, axis_types=(AxisType.Auto,))
+    other = jax.make_mesh((2, 4), ("data", "fsdp"), devices=devices, axis_types=(AxisType.Auto,) * 2)
+    host = {"a": np.arange(16, dtype=np.float32), "b": np.ones((8, 3), np.float32)}
+    b = jax.device_put(host["b"], NamedSharding(mesh, P("fsdp")))
+    for a in (jax.device_put(host["a"], NamedSharding(mesh, P("fsdp"))),  # one mesh: the shard_map path
+              jax.device_put(host["a"], NamedSharding(other, P(("data", "fsdp")))),  # two meshes
+              host["a"]):  # numpy
+        g, per = _call(get_sharded_global_norm, {"a": a, "b": b})
+        _check(g, per, host)
 
 
 def test_norm_metrics_shard_map_equals_jit(setup):

@@ -41,7 +41,9 @@ def test_two_processes_agree_with_float64(tmp_path):
     sq = {k: float(np.sum(v.astype(np.float64) ** 2)) for k, v in host.items()}
     expected = np.sqrt(sum(sq.values()))
     r = results[0]
-    np.testing.assert_allclose(r["jit"], expected, rtol=2e-6)
+    for path in ("jit", "eager", "gspmd_auto"):
+        assert results[0][path] == results[1][path]
+        np.testing.assert_allclose(r[path], expected, rtol=2e-6)
     np.testing.assert_allclose(r["shard_map"]["grad_norm"], expected, rtol=2e-6)
     np.testing.assert_allclose(r["shard_map"]["param_norm"], expected, rtol=2e-6)
     assert r["shard_map"]["nonfinite_grads"] == 0

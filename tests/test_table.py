@@ -12,6 +12,7 @@ from flax.training import train_state
 
 import treetools as tt
 from tests import _models
+from treetools.table import rows_from_tree
 
 
 def _parse_tsv(text):
@@ -126,3 +127,26 @@ def test_markdown_footer_lists_dtypes():
     # "Total" paragraph, a blank line, then one list item per dtype.
     assert footer[0].startswith("Total: 5 params") and footer[1] == ""
     assert footer[2:] == ["- float32: 2 params, 8 bytes (8 B)", "- int8: 3 params, 3 bytes (3 B)"]
+
+
+def test_float0_leaf_is_shown_as_float0_with_zero_bytes():
+    # Gradients of integer inputs under allow_int have jax's float0 dtype: the shape is kept, no data is stored.
+    grads = jax.grad(lambda p: jnp.sum(p["w"]) * jnp.sum(p["ids"]), allow_int=True)(
+        {"w": jnp.ones((2, 3), jnp.float32), "ids": jnp.arange(5)})
+    abstract = jax.eval_shape(lambda: grads["ids"])  # a ShapeDtypeStruct of dtype float0
+    assert grads["ids"].dtype == jax.dtypes.float0 and abstract.dtype == jax.dtypes.float0
+    ids_bytes = grads["ids"].nbytes  # jax's own count: 0, float0 carries no data
+    assert ids_bytes == 0 and np.dtype(jax.dtypes.float0).itemsize == 0
+    tree = {"grads": grads, "abstract": abstract}
+    rows = {r.path: r for r in rows_from_tree(tree)}
+    for path in ("grads/ids", "abstract"):
+        assert (rows[path].dtype, rows[path].shape, rows[path].params, rows[path].bytes) == ("float0", (5,), 5, ids_bytes)
+    assert rows["grads/w"].dtype == "float32"
+    text = tt.tabulate_params(tree, tablefmt="tsv")
+    table = {r["path"]: r for r in _parse_tsv(text)}
+    assert table["grads/ids"]["dtype"] == table["abstract"]["dtype"] == "float0"
+    assert table["grads/ids"]["bytes"] == "0 B" and table["grads/ids"]["params"] == "5"
+    assert "V'" not in text  # numpy's own spelling of float0 is "[('float0', 'V')]"
+    # Totals: 2*3 float32 (24 bytes) plus two float0 leaves of 5 elements and 0 bytes.
+    assert "Total: 16 params (16), 24 bytes (24 B)" in text
+    assert "  float0: 10 params, 0 bytes (0 B)" in text

@@ -45,6 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from treetools._typing import PathStr, PyTree
 from treetools.counting import is_array_like
@@ -158,7 +159,54 @@ def _norms(
     values = [_check_leaf(p, x) for p, x in pairs]
     # Decided here, in the caller's trace: inside shard_map the axes are bound.
     axes = tuple(_psum_axes(x) for _, x in pairs)
+    layout = None if any(axes) else _known_layout(values)
+    if layout is not None:
+        mesh, specs = layout
+        return _sharded_norms_kernel(values, mesh=mesh, specs=specs, groups=groups, count_nonfinite=count_nonfinite)
     return _norms_kernel(values, axes=axes, groups=groups, count_nonfinite=count_nonfinite)
+
+
+def _known_layout(values: list[Any]) -> tuple[Any, tuple[PartitionSpec, ...]] | None:
+    """``(mesh, spec of each leaf)`` when every leaf's sharding is known here and some leaf is split.
+
+    Known means: a concrete ``jax.Array`` with a ``NamedSharding`` (an eager
+    call), or a traced leaf whose type carries its spec, i.e. a mesh whose
+    axes are all ``Explicit`` (under ``jit``, Auto axes leave the spec to the
+    compiler and Manual ones belong to an enclosing ``shard_map``). All leaves
+    must share one mesh (jax itself only makes even splits); otherwise
+    ``None`` (the plain path).
+    """
+    mesh, specs = None, []
+    for v in values:
+        if isinstance(v, jax.core.Tracer):
+            sharding = jax.typeof(v).sharding
+            if not sharding.mesh.axis_names or any(t != AxisType.Explicit for t in sharding.mesh.axis_types):
+                return None
+        else:
+            sharding = getattr(v, "sharding", None)
+            if not isinstance(sharding, NamedSharding):
+                return None
+        if mesh is None:
+            mesh = sharding.mesh
+        elif sharding.mesh != mesh:
+            return None
+        specs.append(sharding.spec)
+    if mesh is None or not any(a for spec in specs for entry in spec for a in mesh_axes_of(entry)):
+        return None  # nothing is split: the plain path already reads each device's data once
+    return mesh, tuple(specs)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "specs", "groups", "count_nonfinite"))
+def _sharded_norms_kernel(values, *, mesh, specs, groups, count_nonfinite):
+    """``_norms_kernel`` on each device's blocks, psum-ed once per distinct set of mesh axes.
+
+    Left to itself, the compiler emits one all-reduce per split leaf (optax's
+    global norm does too); here the local sums of squares are stacked and
+    reduced together, as inside ``shard_map`` on boxes.
+    """
+    axes = tuple(tuple(dict.fromkeys(a for entry in spec for a in mesh_axes_of(entry))) for spec in specs)
+    body = functools.partial(_norms_kernel, axes=axes, groups=groups, count_nonfinite=count_nonfinite)
+    return jax.shard_map(body, mesh=mesh, in_specs=(list(specs),), out_specs=PartitionSpec())(values)
 
 
 # Jitted so that an eager call is one program, not one per leaf; under an

@@ -5,6 +5,11 @@ entries); it becomes a string only at the edge: dict keys as-is, sequence
 indices as integers, attributes by name, joined with ``/``. A flax box or nnx
 ``Variable`` is a leaf, so no path ends in ``/value``.
 
+Importing this module does not import jax: the string helpers
+(``compile_patterns``, ``match_patterns``, ``path_prefix``, ``unflatten_dict``)
+serve the CLI's jax-free inspection of npz and safetensors files, and the tree
+functions import jax when they run.
+
 >>> import jax.numpy as jnp
 >>> flatten({"params": {"Dense_0": {"kernel": jnp.ones((2, 3))}}}).keys()
 dict_keys(['params/Dense_0/kernel'])
@@ -12,14 +17,11 @@ dict_keys(['params/Dense_0/kernel'])
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable, Iterable, Sequence
 
-import jax
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
-
 from treetools._typing import KeyPath, PathStr, PyTree
-from treetools.partitioning import is_box
 
 __all__ = [
     "compile_patterns",
@@ -45,17 +47,35 @@ def is_leaf(x: Any) -> bool:
     >>> jax.tree.leaves({"k": nn.Partitioned(np.ones(2), names=("x",))}, is_leaf=is_leaf)[0].names
     ('x',)
     """
+    return _is_box(x)
+
+
+def _is_box(x: Any) -> bool:
+    # treetools.partitioning imports jax, so it is bound on the first call (a
+    # traversal has imported jax by then) and ``is_leaf`` pays no import per node.
+    global _is_box
+    from treetools.partitioning import is_box
+
+    _is_box = is_box
     return is_box(x)
 
 
-def _entry_str(entry: Any) -> str:
-    if isinstance(entry, DictKey):
+@functools.cache
+def _key_types() -> tuple[type, type, type, type]:
+    from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+    return DictKey, SequenceKey, GetAttrKey, FlattenedIndexKey
+
+
+def _entry_str(entry: Any, key_types: tuple[type, type, type, type]) -> str:
+    dict_key, sequence_key, getattr_key, flattened_key = key_types
+    if isinstance(entry, dict_key):
         return str(entry.key)
-    if isinstance(entry, SequenceKey):
+    if isinstance(entry, sequence_key):
         return str(entry.idx)
-    if isinstance(entry, GetAttrKey):
+    if isinstance(entry, getattr_key):
         return entry.name
-    if isinstance(entry, FlattenedIndexKey):
+    if isinstance(entry, flattened_key):
         return str(entry.key)
     # Custom key types: prefer a ``key``/``name``/``idx`` field over repr noise.
     for attr in ("key", "name", "idx"):
@@ -71,7 +91,8 @@ def path_parts(keypath: KeyPath) -> tuple[str, ...]:
     >>> path_parts((DictKey("layers"), SequenceKey(3)))
     ('layers', '3')
     """
-    return tuple(_entry_str(e) for e in keypath)
+    key_types = _key_types()
+    return tuple(_entry_str(e, key_types) for e in keypath)
 
 
 def path_str(keypath: KeyPath) -> PathStr:
@@ -113,6 +134,8 @@ def leaves_with_paths(tree: PyTree, *, also_leaf: Callable[[Any], bool] | None =
     >>> leaves_with_paths({"layers": [{"w": np.ones(2)}], "step": 3})
     [('layers/0/w', array([1., 1.])), ('step', 3)]
     """
+    import jax
+
     leaf = is_leaf if also_leaf is None else (lambda x: is_leaf(x) or also_leaf(x))
     pairs = [(path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=leaf)]
     if len({p for p, _ in pairs}) != len(pairs):
@@ -142,6 +165,8 @@ def unflatten(flat: dict[PathStr, Any], like: PyTree) -> PyTree:
     >>> unflatten({"a/0": 1.0, "a/1": 2.0}, like={"a": (0.0, 0.0)})
     {'a': (1.0, 2.0)}
     """
+    import jax
+
     pairs, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_leaf)
     paths = [path_str(p) for p, _ in pairs]
     missing = [p for p in paths if p not in flat]
@@ -173,6 +198,8 @@ def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree
     >>> map_with_path(lambda path, x: f"{path}={x}", {"a": [1, 2]})
     {'a': ['a/0=1', 'a/1=2']}
     """
+    import jax
+
     return jax.tree_util.tree_map_with_path(lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf)
 
 

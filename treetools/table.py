@@ -8,10 +8,12 @@ and an indented tree are four renderers of the same rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from treetools._typing import PyTree
+from treetools.paths import leaves_with_paths, path_prefix  # importing paths does not import jax
 
 __all__ = [
     "Row",
@@ -88,11 +90,8 @@ def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: An
     >>> [(r.path, r.shape, r.params) for r in rows_from_tree({"w": np.ones((2, 3)), "step": 7})]
     [('step', None, 0), ('w', (2, 3), 6)]
     """
-    import numpy as np
-
     from treetools.counting import is_array_like, leaf_nbytes, leaf_size
     from treetools.partitioning import leaf_sharding, unbox
-    from treetools.paths import leaves_with_paths
 
     flags: dict[str, Any] = {}
     if weight_decay is not None:
@@ -107,7 +106,7 @@ def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: An
             Row(
                 path=path,
                 shape=tuple(int(d) for d in value.shape) if arr else None,
-                dtype=str(np.dtype(value.dtype)) if arr else None,
+                dtype=_dtype_str(value.dtype) if arr else None,
                 params=leaf_size(leaf),
                 bytes=leaf_nbytes(leaf),
                 sharding=leaf_sharding(leaf, mesh=mesh) if arr else None,
@@ -115,6 +114,21 @@ def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: An
             )
         )
     return rows
+
+
+@functools.cache
+def _dtype_str(dtype: Any) -> str:
+    """``float32``, ``bfloat16``...; ``float0`` for jax's zero-size tangent dtype (once per dtype).
+
+    ``jax.dtypes.float0`` (the gradient dtype of integer inputs under
+    ``jax.grad(..., allow_int=True)``) is a numpy structured void dtype with
+    itemsize 0, which numpy would print as ``[('float0', 'V')]``.
+    """
+    import numpy as np
+    from jax.dtypes import float0  # a float0 leaf came from jax, which is imported by now
+
+    dtype = np.dtype(dtype)
+    return "float0" if dtype == float0 else str(dtype)
 
 
 def _merge(values: Iterable[Any]) -> Any:
@@ -134,8 +148,6 @@ def aggregate_rows(rows: Sequence[Row], depth: int | None) -> list[Row]:
     """
     if depth is None:
         return list(rows)
-    from treetools.paths import path_prefix  # imports jax: not for the CLI's ungrouped rows
-
     groups: dict[str, list[Row]] = {}
     for row in rows:
         groups.setdefault(path_prefix(row.path, depth), []).append(row)

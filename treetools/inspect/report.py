@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from treetools.inspect._base import DEFAULT_CHUNK_BYTES, NO_VALUE, CheckpointError, Leaf, Snapshot, is_numeric, jsonable
 from treetools.inspect.readers import open_checkpoint, select_item
 from treetools.inspect.stats import Progress, StatsAccumulator, leaf_stats
+from treetools.paths import compile_patterns, match_patterns, path_prefix  # string helpers: no jax
 from treetools.table import Row, Totals, aggregate_rows, render_rows, sort_rows, totals
 
 __all__ = ["ItemReport", "Report", "StepReport", "inspect_path", "json_safe", "render_report"]
@@ -113,8 +114,6 @@ def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence
     """
     if not include and not exclude:
         return [dict(s.items) for s in snaps]
-    from treetools.paths import compile_patterns, match_patterns  # imports jax: only when there are patterns
-
     inc = compile_patterns(list(include), name="include")
     exc = compile_patterns(list(exclude), name="exclude")
     # Match each distinct path once: items and steps repeat the same paths.
@@ -134,8 +133,6 @@ def _with_stats(rows: list[Row], accs: dict[str, StatsAccumulator], depth: int |
     """Attach statistics; a ``--depth`` group gets its members' streams merged."""
     groups: dict[str, StatsAccumulator] = dict(accs)
     if depth is not None:
-        from treetools.paths import path_prefix  # imports jax: only for --depth, as aggregate_rows does
-
         groups = {}
         for path, acc in accs.items():
             key = path_prefix(path, depth)
