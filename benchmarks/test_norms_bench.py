@@ -14,7 +14,8 @@ and the ratio (``make bench`` runs with -s).
 
 Protocol: ``TREETOOLS_BENCH_ROUNDS`` (default 30) rounds; each runs every
 function once in a fresh random order (on this machine the slot changes a
-time by up to 14%, so a fixed order biases whoever sits in the slow slot).
+time by a few percent, so a fixed order biases whoever sits in the slow slot;
+``benchmarks/norm_diagnostics.py`` measures it).
 The ratio is the median over rounds of ``ours / anchor`` from the same round,
 printed with its interquartile range, next to an A/A control (the anchor
 against itself): a ratio within the control's spread is parity.
@@ -84,8 +85,8 @@ def _device_owned(x: jax.Array) -> jax.Array:
     """A copy in XLA's own buffers, as real gradients (outputs of a jitted step) are.
 
     On CPU, ``device_put`` of an aligned numpy array may keep numpy's memory;
-    reading those buffers measured 10-20% slower than XLA-allocated ones of the
-    same shapes (for optax and for us alike), which would skew the floor.
+    reading those buffers measured 2-5% slower than XLA-allocated ones of the
+    same shapes (for optax and for us alike; ``norm_diagnostics.py``).
     """
     return jax.block_until_ready(jnp.copy(x))
 
@@ -104,9 +105,9 @@ def _compare(name: str, ours: tuple, anchors: dict[str, tuple]) -> None:
     """Time ``ours`` and each anchor, ``(fn, *args)``, in shuffled rounds; print paired median ratios.
 
     Each round runs every function once, in a fresh random order: on this
-    machine the slot matters (the same compiled program measured up to 14%
-    slower right after the 1.2 GB floor than before it), so a fixed order
-    biases whichever function sits in the bad slot. The ratio is the median
+    machine the slot matters (the same compiled program measured 2-4% slower
+    right after the 1.2 GB floor than before it, ``norm_diagnostics.py``), so
+    a fixed order biases whichever function sits in the bad slot. The ratio is the median
     over rounds of ``ours / anchor`` from the same round, with its
     interquartile range. An A/A control (the first anchor timed twice per
     round, as if it were two functions) shows the protocol's own spread: a
@@ -248,6 +249,17 @@ def test_fsdp_gspmd_vs_optax(benchmark, fsdp):
     np.testing.assert_allclose(float(ours(sharded)["grad_norm"]), float(_OPTAX_NORM(sharded)), rtol=1e-4)
     _compare("FSDP x8 GSPMD norm_metrics(per_param=True)", (ours, sharded), {"optax.tree.norm (GSPMD)": (_OPTAX_NORM, sharded)})
     _bench(benchmark, ours, sharded)
+
+
+def test_fsdp_explicit_axes_vs_optax(benchmark, fsdp):
+    """Explicit axes (``jax.make_mesh``'s default since jax 0.10): the leaves' types carry their specs."""
+    mesh, specs, sharded = fsdp
+    explicit = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8], axis_types=(jax.sharding.AxisType.Explicit,))
+    tree = {k: _device_owned(jax.device_put(v, NamedSharding(explicit, specs[k]))) for k, v in sharded.items()}
+    ours = jax.jit(lambda t: norm_metrics(grads=t, per_param=True))
+    np.testing.assert_allclose(float(ours(tree)["grad_norm"]), float(_OPTAX_NORM(tree)), rtol=1e-4)
+    _compare("FSDP x8 Explicit axes norm_metrics(per_param=True)", (ours, tree), {"optax.tree.norm (Explicit)": (_OPTAX_NORM, tree)})
+    _bench(benchmark, ours, tree)
 
 
 def test_fsdp_shard_map_vs_optax(benchmark, fsdp):

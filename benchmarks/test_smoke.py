@@ -22,3 +22,13 @@ def test_benchmarks_run_at_tiny_sizes(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "[bench]" in proc.stdout, "benchmarks printed no ratio lines"
+
+
+def test_norm_diagnostics_run_at_tiny_sizes(tmp_path):
+    env = {**os.environ, "TREETOOLS_BENCH_SCALE": "0.0005"}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "norm_diagnostics.py")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for section in ("1. kernels", "2. slot", "3. buffers"):
+        assert section in proc.stdout

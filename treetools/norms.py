@@ -7,8 +7,13 @@ squares exceed the fp16 range (|x| > 256) do not overflow.
 Where the sum happens (the psum rule):
 
 * Under ``jax.jit`` (GSPMD) or eagerly, leaves are global ``jax.Array``s; the
-  sum of squares of a global array is already global, so no collective is
-  written (XLA inserts whatever its sharding needs).
+  sum of squares of a global array is already global. Where the leaves'
+  shardings are known at trace time (eager arrays with a ``NamedSharding``;
+  under ``jit``, meshes whose axes are all ``Explicit``, the default of
+  ``jax.make_mesh`` since jax 0.10), the local sums of squares are computed
+  per device and stacked, with one ``psum`` per distinct set of mesh axes,
+  instead of the compiler's one all-reduce per split leaf. With ``Auto``
+  axes the spec is the compiler's to choose, so XLA inserts the collectives.
 * Inside ``shard_map`` a leaf is the local shard. A flax ``Partitioned`` /
   ``LogicallyPartitioned`` box or an nnx ``Variable`` carrying sharding names
   says which mesh axes it is split over (logical names mapped to mesh axes by

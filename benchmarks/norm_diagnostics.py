@@ -1,0 +1,102 @@
+"""Why the norm benchmark is measured the way it is: three checks, one run.
+
+Run: ``.venv/bin/python benchmarks/norm_diagnostics.py`` (about 1 min; not part
+of ``make bench``). Same tree as ``test_norms_bench.py`` (303M float32
+parameters, 203 leaves; ``TREETOOLS_BENCH_SCALE`` scales it).
+
+1. Kernels: the per-leaf sum of squares written five ways, each compiled
+   whole-tree under jit, in shuffled rounds. If they agree, no formulation of
+   the reduction can beat ``optax.tree.norm`` on this backend.
+2. Slot: one compiled program timed in a fixed order, right after the 1.2 GB
+   floor and right before it. A difference is what a fixed order charges to
+   whichever function sits in the slow slot.
+3. Buffers: ``optax.tree.norm`` on the same shapes held in numpy-owned memory
+   (``device_put`` may keep an aligned host array) and in XLA-allocated copies.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from test_norms_bench import _build, _device_owned, _shapes  # noqa: E402
+
+ROUNDS = 15
+
+
+def _timed(fns: dict, *, shuffle: bool) -> dict[str, list[float]]:
+    for fn, arg in fns.values():
+        jax.block_until_ready(fn(arg))
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    rng = np.random.default_rng(0)
+    for _ in range(ROUNDS):
+        for key in rng.permutation(list(fns)) if shuffle else list(fns):
+            fn, arg = fns[key]
+            start = time.perf_counter()
+            jax.block_until_ready(fn(arg))
+            times[key].append(time.perf_counter() - start)
+    return times
+
+
+def _print(title: str, times: dict[str, list[float]], base: str) -> None:
+    print(title)
+    for key, t in times.items():
+        ratio = statistics.median(a / b for a, b in zip(t, times[base]))
+        print(f"  {key:44s} median {statistics.median(t) * 1e3:7.2f} ms   paired ratio to {base}: {ratio:.3f}")
+
+
+def _whole_tree(leaf_sq):
+    return jax.jit(lambda t: jnp.sqrt(sum(leaf_sq(x) for x in t.values())))
+
+
+def main() -> None:
+    shapes = _shapes()
+    tree = _build(shapes)
+    n = sum(x.size for x in tree.values())
+    flat = _device_owned(jax.device_put(np.random.default_rng(1).standard_normal(n, dtype=np.float32)))
+    optax_norm = jax.jit(optax.tree.norm)
+    floor = jax.jit(lambda x: jnp.sqrt(jnp.vdot(x, x)))
+    print(f"tree: {len(tree)} leaves, {n / 1e6:.1f}M float32 params, {ROUNDS} rounds")
+
+    kernels = {
+        "optax.tree.norm": (optax_norm, tree),
+        "jnp.sum(jnp.square(x)) (treetools)": (_whole_tree(lambda x: jnp.sum(jnp.square(x))), tree),
+        "jnp.vdot(x, x)": (_whole_tree(lambda x: jnp.vdot(x, x)), tree),
+        "jnp.einsum('...,...->', x, x)": (_whole_tree(lambda x: jnp.einsum("...,...->", x, x)), tree),
+        "jnp.dot(x.ravel(), x.ravel())": (_whole_tree(lambda x: jnp.dot(x.ravel(), x.ravel())), tree),
+        "row sums, then sum": (_whole_tree(lambda x: jnp.sum(jnp.sum(x * x, axis=-1))), tree),
+    }
+    _print("1. kernels (shuffled rounds)", _timed(kernels, shuffle=True), "optax.tree.norm")
+
+    slot = {
+        "optax.tree.norm, first in the round": (optax_norm, tree),
+        "floor": (floor, flat),
+        "optax.tree.norm, right after the floor": (optax_norm, tree),
+    }
+    _print("2. slot (fixed order: the same program twice)", _timed(slot, shuffle=False),
+           "optax.tree.norm, first in the round")
+
+    rng = np.random.default_rng(2)
+    host = {k: rng.standard_normal(s, dtype=np.float32) for k, s in shapes.items()}
+    numpy_owned = jax.block_until_ready({k: jax.device_put(v) for k, v in host.items()})
+    buffers = {
+        "optax.tree.norm, XLA-allocated buffers": (optax_norm, {k: _device_owned(v) for k, v in numpy_owned.items()}),
+        "optax.tree.norm, device_put of numpy arrays": (optax_norm, numpy_owned),
+    }
+    _print("3. buffers (shuffled rounds)", _timed(buffers, shuffle=True), "optax.tree.norm, XLA-allocated buffers")
+
+
+if __name__ == "__main__":
+    main()
