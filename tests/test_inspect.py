@@ -379,6 +379,15 @@ def test_fortran_ordered_npz_stats(tmp_path, capsys):
         check_stats(item, {"x": x})
 
 
+def test_npz_float0_leaf_is_named_float0(tmp_path, capsys):
+    # jax's float0 (integer inputs' gradients) is numpy's zero-size void dtype [('float0', 'V')].
+    f = tmp_path / "grads.npz"
+    np.savez(f, step=np.zeros(3, dtype=[("float0", "V")]), w=np.ones(2, np.float32))
+    got = leaves_of(inspect_json(capsys, f)["items"]["default"])
+    assert got["step"]["dtype"] == "float0" and got["step"]["bytes"] == 0 and got["step"]["params"] == 3
+    assert got["w"]["dtype"] == "float32"
+
+
 def test_nonfinite_counts_json_and_exit_code(tmp_path, capsys):
     bad = np.array([1.0, np.nan, np.inf, -np.inf, 0.0, 2.0], np.float32)
     allnan = np.full(3, np.nan, np.float32)

@@ -106,7 +106,7 @@ def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: An
             Row(
                 path=path,
                 shape=tuple(int(d) for d in value.shape) if arr else None,
-                dtype=_dtype_str(value.dtype) if arr else None,
+                dtype=dtype_name(value.dtype) if arr else None,
                 params=leaf_size(leaf),
                 bytes=leaf_nbytes(leaf),
                 sharding=leaf_sharding(leaf, mesh=mesh) if arr else None,
@@ -117,18 +117,22 @@ def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: An
 
 
 @functools.cache
-def _dtype_str(dtype: Any) -> str:
-    """``float32``, ``bfloat16``...; ``float0`` for jax's zero-size tangent dtype (once per dtype).
+def dtype_name(dtype: Any) -> str:
+    """``float32``, ``bfloat16``...: the name a user types, not ``<f4`` (once per dtype).
 
     ``jax.dtypes.float0`` (the gradient dtype of integer inputs under
     ``jax.grad(..., allow_int=True)``) is a numpy structured void dtype with
-    itemsize 0, which numpy would print as ``[('float0', 'V')]``.
+    itemsize 0, which numpy would print as ``[('float0', 'V')]``; it is
+    recognised by its structure, so this never imports jax.
+
+    >>> import numpy as np
+    >>> dtype_name(np.float32), dtype_name(np.dtype([("float0", "V")]))
+    ('float32', 'float0')
     """
     import numpy as np
-    from jax.dtypes import float0  # a float0 leaf came from jax, which is imported by now
 
     dtype = np.dtype(dtype)
-    return "float0" if dtype == float0 else str(dtype)
+    return "float0" if dtype.names == ("float0",) and dtype.itemsize == 0 else str(dtype)
 
 
 def _merge(values: Iterable[Any]) -> Any:

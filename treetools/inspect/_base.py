@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from treetools.table import Row
+from treetools.table import Row, dtype_name
 
 Index = tuple[slice, ...]
 
@@ -110,11 +110,6 @@ def np_dtype(name: str) -> np.dtype:
         import ml_dtypes
 
         return np.dtype(getattr(ml_dtypes, name))
-
-
-def dtype_name(dtype: Any) -> str:
-    """``float32``, ``bfloat16``...: the name a user types, not ``<f4``."""
-    return str(np.dtype(dtype))
 
 
 def is_numeric(dtype: Any) -> bool:
