@@ -165,10 +165,15 @@ def _norms(
     # Decided here, in the caller's trace: inside shard_map the axes are bound.
     axes = tuple(_psum_axes(x) for _, x in pairs)
     layout = None if any(axes) else _known_layout(values)
+    # Eagerly, one compiled program (not one per leaf); when traced, the body
+    # inline: a nested jit holding the lax.cond fails under vmap with
+    # unbatched constants beside batch-sharded leaves (a jax limitation).
+    traced = any(isinstance(v, jax.core.Tracer) for v in values)
+    options = {"groups": groups, "count_nonfinite": count_nonfinite}
     if layout is not None:
         mesh, specs = layout
-        return _sharded_norms_kernel(values, mesh=mesh, specs=specs, groups=groups, count_nonfinite=count_nonfinite)
-    return _norms_kernel(values, axes=axes, groups=groups, count_nonfinite=count_nonfinite)
+        return (_sharded_norms_body if traced else _sharded_norms_kernel)(values, mesh=mesh, specs=specs, **options)
+    return (_norms_body if traced else _norms_kernel)(values, axes=axes, **options)
 
 
 def _known_layout(values: list[Any]) -> tuple[Any, tuple[PartitionSpec, ...]] | None:
@@ -177,12 +182,17 @@ def _known_layout(values: list[Any]) -> tuple[Any, tuple[PartitionSpec, ...]] | 
     Known means: a concrete ``jax.Array`` with a ``NamedSharding`` (an eager
     call), or a traced leaf whose type carries its spec, i.e. a mesh whose
     axes are all ``Explicit`` (under ``jit``, Auto axes leave the spec to the
-    compiler and Manual ones belong to an enclosing ``shard_map``). All leaves
-    must share one mesh (jax itself only makes even splits); otherwise
-    ``None`` (the plain path).
+    compiler and Manual ones belong to an enclosing ``shard_map``). Python
+    numbers and numpy arrays are replicated. All leaves must share one mesh,
+    which must be the context mesh if one is set (inside ``shard_map`` it is
+    the Manual one), and no spec may carry ``reduced``/``unreduced`` axes;
+    otherwise ``None`` (the plain path). jax itself only makes even splits.
     """
     mesh, specs = None, []
     for v in values:
+        if isinstance(v, (Number, np.ndarray, np.generic)):
+            specs.append(PartitionSpec())
+            continue
         if isinstance(v, jax.core.Tracer):
             sharding = jax.typeof(v).sharding
             if not sharding.mesh.axis_names or any(t != AxisType.Explicit for t in sharding.mesh.axis_types):
@@ -191,6 +201,8 @@ def _known_layout(values: list[Any]) -> tuple[Any, tuple[PartitionSpec, ...]] | 
             sharding = getattr(v, "sharding", None)
             if not isinstance(sharding, NamedSharding):
                 return None
+        if sharding.spec.reduced or sharding.spec.unreduced:
+            return None
         if mesh is None:
             mesh = sharding.mesh
         elif sharding.mesh != mesh:
@@ -198,26 +210,26 @@ def _known_layout(values: list[Any]) -> tuple[Any, tuple[PartitionSpec, ...]] | 
         specs.append(sharding.spec)
     if mesh is None or not any(a for spec in specs for entry in spec for a in mesh_axes_of(entry)):
         return None  # nothing is split: the plain path already reads each device's data once
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context != getattr(mesh, "abstract_mesh", mesh):
+        return None
     return mesh, tuple(specs)
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "specs", "groups", "count_nonfinite"))
-def _sharded_norms_kernel(values, *, mesh, specs, groups, count_nonfinite):
-    """``_norms_kernel`` on each device's blocks, psum-ed once per distinct set of mesh axes.
+def _sharded_norms_body(values, *, mesh, specs, groups, count_nonfinite):
+    """``_norms_body`` on each device's blocks, psum-ed once per distinct set of mesh axes.
 
     Left to itself, the compiler emits one all-reduce per split leaf (optax's
     global norm does too); here the local sums of squares are stacked and
     reduced together, as inside ``shard_map`` on boxes.
     """
     axes = tuple(tuple(dict.fromkeys(a for entry in spec for a in mesh_axes_of(entry))) for spec in specs)
-    body = functools.partial(_norms_kernel, axes=axes, groups=groups, count_nonfinite=count_nonfinite)
+    body = functools.partial(_norms_body, axes=axes, groups=groups, count_nonfinite=count_nonfinite)
     return jax.shard_map(body, mesh=mesh, in_specs=(list(specs),), out_specs=PartitionSpec())(values)
 
 
-# Jitted so that an eager call is one program, not one per leaf; under an
-# outer jit or shard_map it is inlined (the psum axes are static arguments).
-@functools.partial(jax.jit, static_argnames=("axes", "groups", "count_nonfinite"))
-def _norms_kernel(values, *, axes, groups, count_nonfinite):
+def _norms_body(values, *, axes, groups, count_nonfinite):
+    """Per-leaf sums of squares, psum-ed per axis set; the global and group norms; the lazy count."""
     sq = _batched_psum([_local_sq(v) for v in values], axes)
     total = _tree_total(sq)
     # Group norms are sqrt of summed squares, never a sum of norms.
@@ -239,6 +251,11 @@ def _norms_kernel(values, *, axes, groups, count_nonfinite):
     # cond requires of its two branches.
     nonfinite = jax.lax.cond(jnp.isfinite(total), lambda: (total * 0).astype(jnp.int32), count)
     return jnp.sqrt(total), group_norms, nonfinite
+
+
+# Eager calls: the whole tree in one compiled program (psum axes, mesh and specs are static).
+_norms_kernel = jax.jit(_norms_body, static_argnames=("axes", "groups", "count_nonfinite"))
+_sharded_norms_kernel = jax.jit(_sharded_norms_body, static_argnames=("mesh", "specs", "groups", "count_nonfinite"))
 
 
 def _tree_total(leaves: Any, dtype: Any = _F32) -> jax.Array:
