@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -31,23 +30,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from test_norms_bench import _build, _device_owned, _shapes  # noqa: E402
+from test_norms_bench import _build, _device_owned, _shapes, time_rounds  # noqa: E402
 
 ROUNDS = 15
-
-
-def _timed(fns: dict, *, shuffle: bool) -> dict[str, list[float]]:
-    for fn, arg in fns.values():
-        jax.block_until_ready(fn(arg))
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    rng = np.random.default_rng(0)
-    for _ in range(ROUNDS):
-        for key in rng.permutation(list(fns)) if shuffle else list(fns):
-            fn, arg = fns[key]
-            start = time.perf_counter()
-            jax.block_until_ready(fn(arg))
-            times[key].append(time.perf_counter() - start)
-    return times
 
 
 def _print(title: str, times: dict[str, list[float]], base: str) -> None:
@@ -78,14 +63,14 @@ def main() -> None:
         "jnp.dot(x.ravel(), x.ravel())": (_whole_tree(lambda x: jnp.dot(x.ravel(), x.ravel())), tree),
         "row sums, then sum": (_whole_tree(lambda x: jnp.sum(jnp.sum(x * x, axis=-1))), tree),
     }
-    _print("1. kernels (shuffled rounds)", _timed(kernels, shuffle=True), "optax.tree.norm")
+    _print("1. kernels (shuffled rounds)", time_rounds(kernels, ROUNDS), "optax.tree.norm")
 
     slot = {
         "optax.tree.norm, first in the round": (optax_norm, tree),
         "floor": (floor, flat),
         "optax.tree.norm, right after the floor": (optax_norm, tree),
     }
-    _print("2. slot (fixed order: the same program twice)", _timed(slot, shuffle=False),
+    _print("2. slot (fixed order: the same program twice)", time_rounds(slot, ROUNDS, shuffle=False),
            "optax.tree.norm, first in the round")
 
     rng = np.random.default_rng(2)
@@ -95,7 +80,7 @@ def main() -> None:
         "optax.tree.norm, XLA-allocated buffers": (optax_norm, {k: _device_owned(v) for k, v in numpy_owned.items()}),
         "optax.tree.norm, device_put of numpy arrays": (optax_norm, numpy_owned),
     }
-    _print("3. buffers (shuffled rounds)", _timed(buffers, shuffle=True), "optax.tree.norm, XLA-allocated buffers")
+    _print("3. buffers (shuffled rounds)", time_rounds(buffers, ROUNDS), "optax.tree.norm, XLA-allocated buffers")
 
 
 if __name__ == "__main__":

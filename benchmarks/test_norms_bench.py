@@ -101,6 +101,25 @@ def _build(shapes, shardings=None) -> dict[str, jax.Array]:
     return out
 
 
+def time_rounds(fns: dict[str, tuple], rounds: int, *, shuffle: bool = True) -> dict[str, list[float]]:
+    """Per function ``(fn, *args)``, its time in each round, after one compile-and-warm-up call.
+
+    Every round runs every function once: in a fresh random order (seeded),
+    or in the dict's order with ``shuffle=False``.
+    """
+    for fn, *args in fns.values():
+        jax.block_until_ready(fn(*args))
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    rng = np.random.default_rng(0)
+    for _ in range(rounds):
+        for key in rng.permutation(list(fns)) if shuffle else list(fns):
+            fn, *args = fns[key]
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[key].append(time.perf_counter() - start)
+    return times
+
+
 def _compare(name: str, ours: tuple, anchors: dict[str, tuple]) -> None:
     """Time ``ours`` and each anchor, ``(fn, *args)``, in shuffled rounds; print paired median ratios.
 
@@ -114,17 +133,7 @@ def _compare(name: str, ours: tuple, anchors: dict[str, tuple]) -> None:
     ratio inside it is parity.
     """
     first = next(iter(anchors))
-    fns = {**anchors, "ours": ours, "control": anchors[first]}
-    for fn, *args in fns.values():
-        jax.block_until_ready(fn(*args))  # compile + warm up
-    times: dict[str, list[float]] = {key: [] for key in fns}
-    rng = np.random.default_rng(0)
-    for _ in range(ROUNDS):
-        for key in rng.permutation(list(fns)):
-            fn, *args = fns[key]
-            start = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[key].append(time.perf_counter() - start)
+    times = time_rounds({**anchors, "ours": ours, "control": anchors[first]}, ROUNDS)
     median = {key: statistics.median(t) for key, t in times.items()}
     rows = [(name, "ours", anchor) for anchor in anchors] + [(f"A/A control: {first} vs itself", "control", first)]
     for label, who, against in rows:
@@ -209,15 +218,7 @@ def test_fixed_cost_per_call():
     scalars = [_device_owned(jnp.float32(i)) for i in range(len(small) + 2)]
     outputs_only = jax.jit(lambda xs: [x * 2 for x in xs])
     fns = {"ours": (ours, small), "optax.tree.norm": (_OPTAX_NORM, small), "outputs": (outputs_only, scalars)}
-    times: dict[str, list[float]] = {key: [] for key in fns}
-    for fn, arg in fns.values():
-        jax.block_until_ready(fn(arg))
-    for _ in range(200):
-        for key, (fn, arg) in fns.items():
-            start = time.perf_counter()
-            jax.block_until_ready(fn(arg))
-            times[key].append(time.perf_counter() - start)
-    med = {key: statistics.median(t) for key, t in times.items()}
+    med = {key: statistics.median(t) for key, t in time_rounds(fns, 200, shuffle=False).items()}
     print(
         f"[bench] fixed cost per call, {len(small)} leaves x 256 floats: norm_metrics(per_param=True) "
         f"{med['ours'] * 1e6:.0f} us, optax.tree.norm {med['optax.tree.norm'] * 1e6:.0f} us, "

@@ -93,8 +93,12 @@ def _psum_axes(x: Any) -> tuple[str, ...]:
     info = leaf_sharding(x)
     if info is None:
         return ()
-    names = dict.fromkeys(a for entry in info.spec for a in mesh_axes_of(entry))
-    return tuple(a for a in names if _axis_is_bound(a))
+    return tuple(a for a in _spec_axes(info.spec) if _axis_is_bound(a))
+
+
+def _spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec splits over, each once, in order."""
+    return tuple(dict.fromkeys(a for entry in spec for a in mesh_axes_of(entry)))
 
 
 def _local_sq(value: Any) -> jax.Array:
@@ -208,7 +212,7 @@ def _known_layout(values: list[Any]) -> tuple[Any, tuple[PartitionSpec, ...]] | 
         elif sharding.mesh != mesh:
             return None
         specs.append(sharding.spec)
-    if mesh is None or not any(a for spec in specs for entry in spec for a in mesh_axes_of(entry)):
+    if mesh is None or not any(_spec_axes(spec) for spec in specs):
         return None  # nothing is split: the plain path already reads each device's data once
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context != getattr(mesh, "abstract_mesh", mesh):
@@ -223,7 +227,7 @@ def _sharded_norms_body(values, *, mesh, specs, groups, count_nonfinite):
     global norm does too); here the local sums of squares are stacked and
     reduced together, as inside ``shard_map`` on boxes.
     """
-    axes = tuple(tuple(dict.fromkeys(a for entry in spec for a in mesh_axes_of(entry))) for spec in specs)
+    axes = tuple(_spec_axes(spec) for spec in specs)
     body = functools.partial(_norms_body, axes=axes, groups=groups, count_nonfinite=count_nonfinite)
     return jax.shard_map(body, mesh=mesh, in_specs=(list(specs),), out_specs=PartitionSpec())(values)
 
