@@ -1,17 +1,77 @@
-"""treetools: PyTree chores for JAX / Flax / Optax / Orbax trainers.
+"""PyTree chores for JAX / Flax / Optax / Orbax trainers.
 
-Names are re-exported lazily (PEP 562) so that ``import treetools`` and the
-``treetools`` CLI's ``--help`` do not pay for importing jax.
+Quickstart, by task (``help(tt.NAME)`` for any name; ``treetools --help`` for the CLI)::
+
+    >>> import jax.numpy as jnp
+    >>> import treetools as tt
+    >>> params = {"Dense_0": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)},
+    ...           "Dense_1": {"kernel": jnp.ones((8, 2)), "bias": jnp.zeros(2)}}
+
+Count and tabulate (arrays, ShapeDtypeStructs, flax boxes, nnx State, TrainState):
+
+    >>> tt.get_num_params(params), tt.get_num_bytes(params)   # per_device=True: one device's share
+    (58, 232)
+    >>> print(tt.tabulate_params(params, show_weight_decay=True, weight_decay_exclude=[r"bias$"]))
+    path            shape    dtype    params    bytes    sharding    weight_decay
+    ...
+    Dense_0/kernel  (4, 8)   float32  32        128 B                True
+    ...
+    Total: 58 params, 232 bytes
+
+Norms to log (one jit-safe pass, sharded trees too), written every N steps:
+
+    >>> m = tt.norm_metrics(grads=params, params=params, depth=1)
+    >>> sorted(m)
+    ['grad_norm', 'grad_norm/Dense_0', 'grad_norm/Dense_1', 'nonfinite_grads', 'param_norm',
+     'param_norm/Dense_0', 'param_norm/Dense_1']
+    >>> round(float(m["grad_norm/Dense_1"]), 3)   # sqrt(16 ones)
+    4.0
+    >>> # log = tt.MetricsLogger("run/metrics.jsonl", every=20); log(step, m)   then: treetools plot run
+
+Masks and labels from path patterns (``optax.adamw(mask=...)``, ``optax.multi_transform``):
+
+    >>> tt.get_param_mask_fn(exclude=[r"bias$"])(params)["Dense_0"]
+    {'bias': False, 'kernel': True}
+    >>> tt.get_param_label_fn([(r"^Dense_0/", "frozen")], default="train")(params)["Dense_1"]
+    {'bias': 'train', 'kernel': 'train'}
+
+Abstract trees and Orbax checkpoints (restore onto any mesh):
+
+    >>> abstract = tt.make_abstract(params)
+    >>> abstract["Dense_0"]["kernel"].shape
+    (4, 8)
+    >>> import tempfile
+    >>> manager = tt.get_checkpoint_manager(100, checkpoint_dir=tempfile.mkdtemp())
+    >>> tt.save_checkpoint(manager, 100, {"params": params})
+    True
+    >>> manager.wait_until_finished()
+    >>> restored = tt.restore_checkpoint(manager, "latest", {"params": abstract})["params"]
+    >>> float(restored["Dense_1"]["kernel"].sum())
+    16.0
+    >>> sorted(tt.flatten(tt.load_parameters(manager.directory)))   # no model code needed
+    ['Dense_0/bias', 'Dense_0/kernel', 'Dense_1/bias', 'Dense_1/kernel']
+    >>> manager.close()
+
+Inspect any checkpoint from the shell (no jax import for metadata)::
+
+    treetools inspect CKPT_DIR [--stats] [--format json]
+    treetools diff CKPT_A CKPT_B --values
+    treetools plot run/metrics.jsonl other/metrics.jsonl -o curves.png
+
+Every leaf is named by one path string, ``Dense_0/kernel`` (``tt.flatten``);
+patterns are regexes matched with ``re.search``.
 """
 
-from __future__ import annotations
-
-import importlib
-from typing import TYPE_CHECKING, Any
+# Names are re-exported lazily (PEP 562, __getattr__ below) so that `import treetools` and
+# `treetools --help` do not import jax. Adding a public name is one line in _EXPORTS.
+# Module-level helpers are underscored and dir() lists only __all__, so dir(tt),
+# `from treetools import *` and help(treetools) show the public API and nothing else.
+import importlib as _importlib
+import typing as _typing
 
 __version__ = "0.1.0"
 
-_EXPORTS: dict[str, str] = {
+_EXPORTS = {  # public name -> module under treetools
     # partitioning
     "is_partitioned": "partitioning",
     "is_box": "partitioning",
@@ -39,8 +99,10 @@ _EXPORTS: dict[str, str] = {
     "get_param_norms": "norms",
     "norm_metrics": "norms",
     "clip_by_global_norm": "norms",
-    "MetricsLogger": "norms",
-    "JsonlWriter": "norms",
+    # metrics
+    "MetricsLogger": "metrics",
+    "JsonlWriter": "metrics",
+    "read_metrics": "metrics",
     # masks
     "get_param_mask_fn": "masks",
     "get_param_label_fn": "masks",
@@ -68,20 +130,20 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'treetools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"treetools.{module}"), name)
+    value = getattr(_importlib.import_module(f"treetools.{module}"), name)
     globals()[name] = value  # cache: later lookups skip __getattr__
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return list(__all__)
 
 
-if TYPE_CHECKING:  # static analysers see ordinary imports
+if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.abstract import make_abstract, replicate, update_ema
     from treetools.checkpoint import (
         CheckpointMismatchError,
@@ -96,9 +158,8 @@ if TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.counting import get_num_bytes, get_num_params
     from treetools.inspect import CheckpointError, diff_paths, inspect_path, open_checkpoint
     from treetools.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
+    from treetools.metrics import JsonlWriter, MetricsLogger, read_metrics
     from treetools.norms import (
-        JsonlWriter,
-        MetricsLogger,
         clip_by_global_norm,
         get_grad_norms,
         get_param_norms,

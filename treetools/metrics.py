@@ -1,0 +1,289 @@
+"""Metrics files: written by ``JsonlWriter`` / ``MetricsLogger``, read by ``read_metrics``.
+
+A metrics file (``metrics.jsonl``) holds one JSON object per line,
+``{"step": 20, "loss": 2.31, "grad_norm": 0.84, ...}``; non-finite values are
+written as ``NaN`` / ``Infinity``. This module is the only place that writes or
+reads the format (``treetools plot`` reads through ``read_metrics``).
+
+Starting afresh or continuing (the ``resume_step`` rule):
+
+* ``JsonlWriter(path)`` / ``MetricsLogger(path)`` start a **fresh** file: one
+  left by an earlier run at that path is emptied when the writer is made, so
+  two runs never interleave in one file.
+* ``JsonlWriter(path, resume_step=N)`` / ``MetricsLogger(path, resume_step=N)``
+  **continue** a run resumed from its checkpoint at step ``N``: the records up
+  to and including step ``N`` are kept, and those after it (logged after that
+  checkpoint by the run that stopped, and about to be logged again) are
+  dropped; the file is rewritten atomically. The steps in the file then read
+  exactly as those of a run that never stopped. ``resume_step=None`` means a
+  fresh run. The reference trainer passes the step it restored, or None.
+
+Only jax's process 0 writes in a multi-process run (unless ``all_processes``).
+jax is imported only when metrics are written, so reading costs no jax import.
+
+>>> import os, tempfile
+>>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+>>> log = MetricsLogger(path, every=10)
+>>> for step in range(1, 31):
+...     _ = log(step, {"loss": 1.0 / step})
+>>> [r["step"] for r in read_metrics(path)]
+[10, 20, 30]
+>>> # The run stopped after logging step 30 but its last checkpoint was step 20:
+>>> log = MetricsLogger(path, every=10, resume_step=20)
+>>> [r["step"] for r in read_metrics(path)]
+[10, 20]
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["JsonlWriter", "MetricsLogger", "read_metrics"]
+
+METRICS_FILE = "metrics.jsonl"
+_NOT_METRICS = "is it a metrics.jsonl written by MetricsLogger / `treetools train`?"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _writes(all_processes: bool) -> bool:
+    """Whether this process writes: process 0 only, unless ``all_processes``."""
+    if all_processes:
+        return True
+    import jax
+
+    return jax.process_index() == 0
+
+
+def _to_host(metrics: Mapping[str, Any]) -> dict[str, float | int]:
+    """Device scalars -> Python ``int`` (integer dtypes) or ``float``, in one transfer."""
+    import jax
+    import numpy as np
+
+    host = jax.device_get(dict(metrics))
+    return {k: int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v) for k, v in host.items()}
+
+
+def _parse(path: str, data: bytes) -> list[tuple[int, bytes, dict]]:
+    """``(line number, raw line, record)`` per non-blank line of a metrics file.
+
+    An unterminated last line that is not JSON is skipped: a write in
+    progress (a run being watched) or cut short (a run that was killed).
+    """
+    if data.startswith(b"PK\x03\x04"):
+        raise ValueError(f"{path}: a zip archive (.npz?), not a metrics JSONL file; {_NOT_METRICS}")
+    if b"\x00" in data:
+        raise ValueError(f"{path}: binary data, not a metrics JSONL file; {_NOT_METRICS}")
+    lines = data.split(b"\n")
+    out = []
+    for lineno, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}:{lineno}: not UTF-8 text, so not a metrics JSONL file; {_NOT_METRICS}") from None
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as e:
+            if lineno == len(lines):  # no newline after it: still being written, or cut short
+                continue
+            raise ValueError(f"{path}:{lineno}: not a JSON line ({e.msg}); {_NOT_METRICS}") from None
+        if not isinstance(record, dict) or not _is_number(record.get("step")):
+            raise ValueError(f"{path}:{lineno}: not a metrics record (a JSON object with a numeric `step`); "
+                             f"{_NOT_METRICS}")
+        out.append((lineno, raw, record))
+    return out
+
+
+def read_metrics(path: str | os.PathLike, *, drop_superseded: bool = True) -> list[dict]:
+    """The records of a metrics file, one dict per logged step.
+
+    Args:
+      path: a ``metrics.jsonl``, or a folder holding one (a ``treetools train``
+        WORKDIR).
+      drop_superseded: a file that an older treetools (or another writer)
+        appended to across reruns has its steps going back where a rerun
+        started; keep only the latest run's records, as TensorBoard does: a
+        record at step ``s`` drops the earlier records at steps ``>= s``
+        (records at the same step are merged, the later values winning). The
+        result is ordered by strictly increasing step. ``False``: every record
+        in file order.
+
+    Returns:
+      A list of dicts, each with a numeric ``step``.
+
+    Raises:
+      FileNotFoundError: no such file (or no ``metrics.jsonl`` in the folder).
+      ValueError: not a metrics file (binary, not JSON lines, a record without
+        ``step``) or no records; the message names the file and line.
+
+    >>> import os, tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> _ = open(os.path.join(folder, "metrics.jsonl"), "w").write(
+    ...     '{"step": 1, "loss": 3.0}\\n{"step": 2, "loss": 2.0}\\n{"step": 2, "loss": 2.5}\\n{"step": 3, "loss": 1.5}\\n')
+    >>> [(r["step"], r["loss"]) for r in read_metrics(folder)]
+    [(1, 3.0), (2, 2.5), (3, 1.5)]
+    """
+    path = os.path.expanduser(os.fspath(path))
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, METRICS_FILE)):
+            raise FileNotFoundError(f"{path}: folder has no {METRICS_FILE}; pass the metrics file itself, or the "
+                                    f"--workdir of `treetools train`.")
+        path = os.path.join(path, METRICS_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such metrics file; `treetools train --workdir DIR` writes "
+                                f"DIR/{METRICS_FILE}.")
+    with open(path, "rb") as f:
+        records = [record for _, _, record in _parse(path, f.read())]
+    if not records:
+        raise ValueError(f"{path}: no records; {_NOT_METRICS}")
+    if not drop_superseded:
+        return records
+    kept: list[dict] = []
+    for record in records:
+        while kept and kept[-1]["step"] > record["step"]:
+            kept.pop()
+        if kept and kept[-1]["step"] == record["step"]:
+            kept[-1] = {**kept[-1], **record}
+        else:
+            kept.append(record)
+    return kept
+
+
+def _keep_until(path: str, resume_step: int) -> None:
+    """Rewrite ``path`` (atomically) with only its records at steps ``<= resume_step``."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        entries = _parse(path, data)
+    except ValueError as e:
+        raise ValueError(f"{e} Cannot resume it from step {resume_step}: move it away, or log to a fresh file "
+                         "(resume_step=None).") from None
+    kept = b"".join(raw + b"\n" for _, raw, record in entries if record["step"] <= resume_step)
+    if kept == data:
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class JsonlWriter:
+    """Write one JSON line per call, ``{"step": step, **metrics}``, to a metrics file.
+
+    Made with ``resume_step=None`` it starts the file afresh (an earlier run's
+    file is emptied); with ``resume_step=N`` it continues the file of a run
+    resumed from step ``N`` (records after ``N`` dropped); see the module doc.
+    Each call appends and closes the file, so it can be read (plotted) while
+    the run goes on.
+
+    Args:
+      path: the file; its folder is created if needed.
+      resume_step: the step the run resumed from, or None for a fresh run.
+      all_processes: write from every jax process (default: process 0 only).
+
+    Raises:
+      ValueError: ``resume_step`` is negative, or the file to resume is not a
+        metrics file.
+
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "m.jsonl")
+    >>> JsonlWriter(path)(10, {"grad_norm": 1.5})
+    >>> open(path).read()
+    '{"step": 10, "grad_norm": 1.5}\\n'
+    """
+
+    def __init__(self, path: str | os.PathLike, *, resume_step: int | None = None, all_processes: bool = False):
+        if resume_step is not None:
+            resume_step = operator.index(resume_step)
+            if resume_step < 0:
+                raise ValueError(f"`resume_step` must be a step >= 0 (or None for a fresh run), got {resume_step}.")
+        self.path = os.path.expanduser(os.fspath(path))
+        self.resume_step = resume_step
+        self.all_processes = all_processes
+        if not _writes(all_processes):
+            return
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        if resume_step is None:
+            open(self.path, "w", encoding="utf-8").close()
+        else:
+            _keep_until(self.path, resume_step)
+
+    def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not _writes(self.all_processes):
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": int(step), **metrics}) + "\n")
+
+
+class MetricsLogger:
+    """Every ``every`` steps, turn a metric dict into host numbers and write it.
+
+    On other steps the arrays are not touched, so no host sync happens and the
+    device keeps running ahead. The writer is any callable
+    ``writer(step, {name: float})``; a path means a ``JsonlWriter`` on it,
+    started afresh, or continued after ``resume_step`` (see the module doc).
+
+    Args:
+      writer: callable ``(step, metrics) -> None``, or a path for a JSONL file.
+      every: log when ``step % every == 0``.
+      resume_step: with a path: the step the run resumed from (None: a fresh
+        run). A callable writer handles its own file: pass it there.
+
+    Raises:
+      TypeError: ``writer`` is neither a callable nor a path.
+      ValueError: ``every`` is not a positive int, or ``resume_step`` was given
+        with a callable writer.
+
+    >>> import jax.numpy as jnp
+    >>> seen = []
+    >>> log = MetricsLogger(lambda step, m: seen.append((step, m)), every=2)
+    >>> [log(step, {"grad_norm": jnp.float32(step)}) for step in range(1, 5)]
+    [False, True, False, True]
+    >>> seen
+    [(2, {'grad_norm': 2.0}), (4, {'grad_norm': 4.0})]
+    """
+
+    def __init__(
+        self,
+        writer: Callable[[int, dict[str, float]], Any] | str | os.PathLike,
+        *,
+        every: int = 1,
+        resume_step: int | None = None,
+    ):
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"`every` must be a positive int, got {every!r}.")
+        if isinstance(writer, (str, os.PathLike)):
+            writer = JsonlWriter(writer, resume_step=resume_step)
+        elif not callable(writer):
+            raise TypeError(f"`writer` must be a callable (step, metrics) or a path, got {type(writer).__name__}.")
+        elif resume_step is not None:
+            raise ValueError("`resume_step` applies to a path `writer`; for a callable, pass it to the writer "
+                             "(e.g. JsonlWriter(path, resume_step=...)).")
+        self.writer = writer
+        self.every = every
+
+    def __call__(self, step: int, metrics: Mapping[str, Any]) -> bool:
+        """Log ``metrics`` if ``step`` is due; returns whether it was.
+
+        ``step`` should be the host loop counter (a Python int): a device
+        array step would itself need a sync to test.
+        """
+        step = operator.index(step)
+        if step % self.every:
+            return False
+        self.writer(step, _to_host(metrics))
+        return True
