@@ -1,39 +1,45 @@
-"""Orbax checkpoints: a manager, restore into abstract targets on any mesh, load_parameters.
+"""Orbax checkpoints: a manager, saving, restore into abstract targets on any mesh, load_parameters.
 
-A checkpoint root holds one folder per step (``100``, ``000100``, ``ckpt_100``)
-and, inside it, one folder per item: ``params``, ``params_ema`` and
-``opt_state`` (pytrees, Orbax ``StandardSave``) and ``data_iter`` (JSON, Orbax
-``JsonSave``) by default.
+Everything here reads checkpoints through the one checkpoint layer
+(``treetools.inspect.source``) and the one step rule (``treetools.steps``),
+so ``load_parameters``, ``restore_checkpoint``, the manager that
+``get_checkpoint_manager`` returns and ``treetools inspect`` agree on which
+step is the latest and on the path of every leaf:
 
-Two layers live here:
+* boxes (flax ``Partitioned``, nnx ``Variable``) are never written to disk:
+  ``save_checkpoint`` stores the arrays they hold and ``restore_checkpoint``
+  puts them back in the target's boxes;
+* checkpoints whose leaves end in ``/value`` (older treetools saves, nnx State
+  saved by plain Orbax) are read with that suffix dropped, everywhere;
+* ``restore_checkpoint`` reads each requested item's metadata once, never
+  touches an item it was not asked for, and works with any Orbax
+  ``CheckpointManager`` (or a checkpoint root path);
+* relative and ``~`` paths work everywhere (Orbax itself needs absolute ones).
 
-* Step-folder scanning (``scan_steps``, ``list_steps``, ``list_incomplete``,
-  ``parse_step_name``, ``is_committed_step_dir``): pure Python. This module
-  imports neither jax nor orbax at import time, so ``treetools inspect`` can
-  list the steps of any manager root cheaply; the Orbax layer below imports
-  them inside its functions.
-* The Orbax layer: ``get_checkpoint_manager``, ``save_checkpoint``,
-  ``restore_checkpoint``, ``load_parameters``.
-
-A step counts as *committed* only when Orbax finished it: its name carries no
-Orbax tmp suffix (``300.orbax-checkpoint-tmp-1700000000``) and it holds
-Orbax's commit marker (``commit_success.txt``, written by Orbax >= 0.11 on
-every file system) or a ``_CHECKPOINT_METADATA`` with a commit timestamp. This
-is stricter than Orbax's own listing on a local disk (any folder without the
-tmp suffix), so a save killed after its folder got its final name is never
-taken for the latest step.
+This module imports neither jax nor orbax at import time.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import operator
 import os
-import pathlib
-import re
+import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+
+from treetools.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, Mismatch
+from treetools.steps import (
+    COMMIT_SUCCESS_FILE,
+    PYTREE_METADATA_FILE,
+    STEP_METADATA_FILE,
+    TMP_DIR_SUFFIX,
+    is_committed,
+    latest_step,
+    list_incomplete,
+    list_steps,
+    parse_step_name,
+    scan_steps,
+)
 
 if TYPE_CHECKING:  # type hints only; jax and orbax are imported inside functions
     import jax
@@ -56,179 +62,26 @@ __all__ = [
     "scan_steps",
 ]
 
-# Orbax's on-disk names (orbax.checkpoint._src.path.atomicity_types and
-# _src.metadata.checkpoint); copied so that scanning needs no orbax import.
-# tests/test_checkpoint.py checks that they still equal Orbax's.
-TMP_DIR_SUFFIX = ".orbax-checkpoint-tmp"
-COMMIT_SUCCESS_FILE = "commit_success.txt"
-STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
-PYTREE_METADATA_FILE = "_METADATA"
-
 DEFAULT_ITEMS = ("params", "params_ema", "opt_state", "data_iter")
 """Items a manager from ``get_checkpoint_manager`` knows unless told otherwise."""
 DEFAULT_JSON_ITEMS = ("data_iter",)
 """Items saved as JSON (a dict of numbers, strings, lists): data iterator / trainer state."""
 
-# "N", "000N" or "<prefix>_N" (Orbax's step_prefix joins with an underscore).
-_STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
-_BOXES_KEY = "treetools_boxes"
+is_committed_step_dir = is_committed  # the name treetools 0.1 exported
 
 
-# --------------------------------------------------------------------------
-# Step folders (pure Python)
-# --------------------------------------------------------------------------
-
-
-def _as_path(path: Any) -> Any:
-    """A local ``pathlib.Path``, or an ``etils.epath.Path`` for ``gs://``-style URLs."""
-    if hasattr(path, "iterdir"):  # already a Path (pathlib or etils.epath)
-        return path
-    if isinstance(path, str) and "://" in path:
-        from etils import epath  # light, pure Python; ships with orbax
-
-        return epath.Path(path)
+def _local(path: Any, name: str = "checkpoint_dir") -> str:
+    """An absolute local path from a str/PathLike/epath, ``~`` expanded (Orbax needs absolute paths)."""
     if isinstance(path, (str, os.PathLike)):
-        return pathlib.Path(path)
-    raise TypeError(f"`checkpoint_dir` must be a path, got {type(path).__name__}.")
-
-
-def parse_step_name(name: str, *, step_prefix: str | None = None) -> int | None:
-    """The step number in a step-folder name, or None when it is not one.
-
-    Accepts Orbax's names: ``"100"``, zero padded ``"000100"``, prefixed
-    ``"ckpt_100"`` / ``"ckpt_000100"``. Orbax tmp folders are not step folders.
-
-    Args:
-      name: a folder name.
-      step_prefix: only accept this prefix (None: any prefix or none).
-
-    >>> parse_step_name("ckpt_000120"), parse_step_name("300.orbax-checkpoint-tmp-17"), parse_step_name("logs")
-    (120, None, None)
-    """
-    if TMP_DIR_SUFFIX in name:
-        return None
-    m = _STEP_NAME.match(name)
-    if m is None or (step_prefix is not None and m.group("prefix") != step_prefix):
-        return None
-    return int(m.group("step"))
-
-
-def _tmp_step(name: str, step_prefix: str | None) -> int | None:
-    """The step an Orbax tmp folder (``<step name>.orbax-checkpoint-tmp-<ts>``) was saving."""
-    head, sep, _ = name.partition(TMP_DIR_SUFFIX)
-    return parse_step_name(head, step_prefix=step_prefix) if sep else None
-
-
-def is_committed_step_dir(step_dir: Any) -> bool:
-    """True when Orbax finished writing this step folder.
-
-    Committed means: no Orbax tmp suffix in the name, and either Orbax's
-    ``commit_success.txt`` or a ``_CHECKPOINT_METADATA`` whose
-    ``commit_timestamp_nsecs`` is set. A folder with neither file is a legacy
-    Orbax checkpoint (before step metadata existed) and counts as committed
-    when it is not empty.
-
-    >>> import tempfile, pathlib
-    >>> d = pathlib.Path(tempfile.mkdtemp()) / "100"; d.mkdir()
-    >>> is_committed_step_dir(d)
-    False
-    >>> _ = (d / "commit_success.txt").write_text("ok"); is_committed_step_dir(d)
-    True
-    """
-    step_dir = _as_path(step_dir)
-    if TMP_DIR_SUFFIX in step_dir.name or not step_dir.is_dir():
-        return False
-    if (step_dir / COMMIT_SUCCESS_FILE).exists():
-        return True
-    meta = step_dir / STEP_METADATA_FILE
-    if meta.exists():
-        try:
-            return bool(json.loads(meta.read_text()).get("commit_timestamp_nsecs"))
-        except (OSError, ValueError, AttributeError):
-            return False  # half-written metadata: the save died while writing it
-    return any(True for _ in step_dir.iterdir())
-
-
-def scan_steps(root: Any, *, step_prefix: str | None = None) -> tuple[dict[int, Any], list[str]]:
-    """Committed and incomplete step folders directly under a manager root.
-
-    Reads names and marker files only (no array data, no jax, no orbax), and
-    never writes. Files and folders that are not step folders are ignored.
-
-    Args:
-      root: the manager's directory (a local path, or ``gs://...`` via etils).
-      step_prefix: only folders with this prefix (None: any prefix or none).
-
-    Returns:
-      ``(committed, incomplete)``: ``{step: step folder path}`` sorted by step,
-      and the names of incomplete folders (Orbax tmp folders and step folders
-      without a commit marker), sorted by step. A missing root gives ``({}, [])``.
-
-    >>> import tempfile, pathlib
-    >>> root = pathlib.Path(tempfile.mkdtemp())
-    >>> for name in ("ckpt_0100", "ckpt_0200.orbax-checkpoint-tmp-17", "logs"):
-    ...     (root / name).mkdir()
-    >>> _ = (root / "ckpt_0100" / "commit_success.txt").write_text("ok")
-    >>> committed, incomplete = scan_steps(root)
-    >>> list(committed), incomplete
-    ([100], ['ckpt_0200.orbax-checkpoint-tmp-17'])
-    """
-    root = _as_path(root)
-    if not root.is_dir():
-        return {}, []
-    committed: dict[int, Any] = {}
-    incomplete: list[tuple[int, str]] = []
-    for child in sorted(root.iterdir(), key=lambda p: p.name):
-        name = child.name
-        tmp = _tmp_step(name, step_prefix)
-        if tmp is not None:
-            if child.is_dir():
-                incomplete.append((tmp, name))
-            continue
-        step = parse_step_name(name, step_prefix=step_prefix)
-        if step is None or not child.is_dir():
-            continue
-        if is_committed_step_dir(child):
-            committed.setdefault(step, child)
-        else:
-            incomplete.append((step, name))
-    return dict(sorted(committed.items())), [name for _, name in sorted(incomplete)]
-
-
-def list_steps(checkpoint_dir: Any, *, step_prefix: str | None = None) -> list[int]:
-    """Committed steps under a manager root, ascending (incomplete saves left out).
-
-    >>> import tempfile
-    >>> list_steps(tempfile.mkdtemp())
-    []
-    """
-    return list(scan_steps(checkpoint_dir, step_prefix=step_prefix)[0])
-
-
-def list_incomplete(checkpoint_dir: Any, *, step_prefix: str | None = None) -> list[str]:
-    """Names of incomplete step folders (Orbax tmp folders, no commit marker).
-
-    >>> import tempfile, pathlib
-    >>> root = pathlib.Path(tempfile.mkdtemp()); (root / "7.orbax-checkpoint-tmp-1").mkdir()
-    >>> list_incomplete(root)
-    ['7.orbax-checkpoint-tmp-1']
-    """
-    return scan_steps(checkpoint_dir, step_prefix=step_prefix)[1]
-
-
-def latest_step(checkpoint_dir: Any, *, step_prefix: str | None = None) -> int | None:
-    """The highest committed step, or None when there is none.
-
-    >>> import tempfile
-    >>> latest_step(tempfile.mkdtemp()) is None
-    True
-    """
-    steps = list_steps(checkpoint_dir, step_prefix=step_prefix)
-    return steps[-1] if steps else None
+        return os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if hasattr(path, "as_posix"):  # etils.epath.Path
+        return os.path.abspath(os.path.expanduser(path.as_posix()))
+    raise TypeError(f"`{name}` must be a path, got {type(path).__name__}.")
 
 
 def _as_int(value: Any) -> int | None:
-    """``value`` as a Python int (numpy and jax integer scalars too), or None; bools are not steps."""
+    import operator
+
     if isinstance(value, bool):
         return None
     try:
@@ -237,69 +90,47 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
-def _no_steps_error(root: Any, incomplete: list[str]) -> FileNotFoundError:
-    """Why there is no committed step under ``root``, with the fix."""
-    if not root.exists():
-        return FileNotFoundError(f"`checkpoint_dir` {root} does not exist; pass the checkpoint manager's root folder.")
-    if not root.is_dir():
-        return FileNotFoundError(f"`checkpoint_dir` {root} is not a directory; pass the checkpoint manager's root folder.")
-    if incomplete:
-        return FileNotFoundError(f"no committed checkpoint step under {root} (incomplete, never read: {incomplete}).")
-    return FileNotFoundError(
-        f"no checkpoint steps under {root}; pass the checkpoint manager's root folder (the one holding step folders)."
-    )
-
-
-def _step_number(step: Any) -> int | None:
-    """The asked step as an int, or None for the latest (None, -1, "latest")."""
-    if step is None or (isinstance(step, str) and step == "latest"):
-        return None
-    number = None if isinstance(step, str) else _as_int(step)
-    if number is None:
-        raise TypeError(f"`step` must be an int, -1, None or 'latest', got {step!r}.")
-    return None if number == -1 else number
-
-
-def _resolve_step(root: Any, step: Any) -> tuple[int, Any]:
-    """``(step, step folder)`` for a committed step; None/-1/"latest" mean the latest one."""
-    step = _step_number(step)
-    committed, incomplete = scan_steps(root)
-    if not committed:
-        raise _no_steps_error(root, incomplete)
-    if step is None:
-        step = max(committed)
-    if step not in committed:
-        note = f" (incomplete, never read: {incomplete})" if incomplete else ""
-        raise FileNotFoundError(
-            f"checkpoint step {step} not found under {root}; available steps: {list(committed)}{note}."
-        )
-    return step, committed[step]
-
-
-def _step_folder(path: Any, step: Any) -> tuple[int, Any] | None:
-    """``(step, path)`` when ``path`` is itself a committed step folder rather than a manager root."""
-    own = parse_step_name(path.name)
-    if own is None or not is_committed_step_dir(path) or scan_steps(path) != ({}, []):
-        return None
-    asked = _step_number(step)
-    if asked not in (None, own):
-        raise ValueError(
-            f"`checkpoint_dir` {path} is the folder of step {own}, but `step`={step!r} was asked; "
-            f"pass the manager root {path.parent} instead."
-        )
-    return own, path
-
-
-def _items_present(step_dir: Any) -> list[str]:
-    return sorted(p.name for p in step_dir.iterdir() if p.is_dir())
-
-
 # --------------------------------------------------------------------------
 # Manager and saving
 # --------------------------------------------------------------------------
 
 # (item names, JSON item names) of the managers built here; other items are decided by content.
 _MANAGER_ITEMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class _StepNameFormat:
+    """Orbax's step ``NameFormat`` with treetools' step rule: Orbax names, treetools' commit rule.
+
+    The manager's ``all_steps()``/``latest_step()`` then list exactly the steps
+    ``treetools.steps.scan_steps`` calls committed.
+    """
+
+    def __init__(self, step_prefix: str | None, step_format_fixed_length: int | None):
+        import orbax.checkpoint as ocp
+
+        self.step_prefix = step_prefix
+        self._standard = ocp.step.standard_name_format(
+            step_prefix=step_prefix, step_format_fixed_length=step_format_fixed_length
+        )
+
+    def __str__(self) -> str:
+        return f"treetools step rule over {self._standard}"
+
+    def build_name(self, step: int) -> str:
+        return self._standard.build_name(step)
+
+    def find_all(self, base_path: Any) -> Iterable[Any]:
+        import orbax.checkpoint as ocp
+        from etils import epath
+
+        listing = scan_steps(os.fspath(base_path), step_prefix=self.step_prefix)
+        return [ocp.step.Metadata(step=s, path=epath.Path(p)) for s, p in listing.committed.items()]
+
+    def find_step(self, base_path: Any, step: int) -> Any:
+        for meta in self.find_all(base_path):
+            if meta.step == step:
+                return meta
+        raise ValueError(f"no committed step {step} under {base_path}.")
 
 
 def _positive_int(value: Any, name: str, *, optional: bool = False) -> int | None:
@@ -397,60 +228,19 @@ def get_checkpoint_manager(
         cm.AnySavePolicy([cm.FixedIntervalPolicy(ckpt_frequency), cm.PreemptionCheckpointingPolicy()]),
     )
     options.setdefault("preservation_policy", cm.AnyPreservationPolicy(keep))
+    options.setdefault("step_name_format", _StepNameFormat(step_prefix, step_format_fixed_length))
     manager_options = ocp.CheckpointManagerOptions(
         save_interval_steps=ckpt_frequency,
         enable_async_checkpointing=async_save,
-        step_prefix=step_prefix,
-        step_format_fixed_length=step_format_fixed_length,
         create=not read_only,
         read_only=read_only,
         **options,
     )
-    directory = checkpoint_dir if "://" in str(checkpoint_dir) else os.path.abspath(os.fspath(checkpoint_dir))
+    directory = _local(checkpoint_dir)
     manager = ocp.CheckpointManager(directory, options=manager_options, handler_registry=registry)
     _MANAGER_ITEMS[manager] = (frozenset(item_names), json_items)
     return manager
 
-
-def _is_json_item(manager: Any, name: str, tree: Any) -> bool:
-    """JSON when the manager registered ``name`` as JSON; else a dict without arrays."""
-    names, json_names = _MANAGER_ITEMS.get(manager, ((), ()))
-    if name in names:
-        return name in json_names
-    import jax
-
-    from treetools.counting import is_array_like
-
-    return isinstance(tree, Mapping) and not any(is_array_like(x) for x in jax.tree.leaves(tree))
-
-
-def _box_record(tree: Any) -> dict[str, str]:
-    """``{box path: path of its array inside the box}`` (e.g. ``{"Dense_0/kernel": "value"}``).
-
-    Stored as custom metadata next to the item, so that ``load_parameters``
-    without model code can drop the box level that Orbax stores as a folder.
-    """
-    import jax
-
-    from treetools.partitioning import is_box
-    from treetools.paths import leaves_with_paths, path_str
-
-    out = {}
-    for path, leaf in leaves_with_paths(tree):
-        if is_box(leaf):
-            inner = jax.tree_util.tree_leaves_with_path(leaf)
-            if len(inner) == 1:
-                out[path] = path_str(inner[0][0])
-    return out
-
-
-def _recorded_boxes(meta: Any) -> dict[str, str]:
-    """The ``_box_record`` that ``save_checkpoint`` stored with an item's Orbax metadata ({} when none)."""
-    custom = getattr(meta, "custom_metadata", None)
-    boxes = custom.get(_BOXES_KEY) if isinstance(custom, Mapping) else None
-    if not isinstance(boxes, Mapping):
-        return {}
-    return {str(box): inner for box, inner in boxes.items() if isinstance(inner, str)}
 
 
 def _as_json(name: str, tree: Any) -> Any:
@@ -491,6 +281,18 @@ def _check_savable(name: str, tree: Any) -> None:
         )
 
 
+def _is_json_item(manager: Any, name: str, tree: Any) -> bool:
+    """JSON when the manager registered ``name`` as JSON; else a dict without arrays."""
+    names, json_names = _MANAGER_ITEMS.get(manager, ((), ()))
+    if name in names:
+        return name in json_names
+    import jax
+
+    from treetools.counting import is_array_like
+
+    return isinstance(tree, Mapping) and not any(is_array_like(x) for x in jax.tree.leaves(tree))
+
+
 def save_checkpoint(
     manager: "ocp.CheckpointManager",
     step: int,
@@ -503,21 +305,31 @@ def save_checkpoint(
     """Save named items at ``step`` through ``manager``; returns whether it saved.
 
     Pytrees (params, EMA, optimizer state; arrays may be sharded across
-    processes, boxes are kept) go through ``ocp.args.StandardSave``; JSON items
-    through ``ocp.args.JsonSave``, numpy / jax numbers in them stored as Python
-    ones. Which is which: the manager's ``json_items`` when it came from
-    ``get_checkpoint_manager``, otherwise a dict with no array leaves is JSON.
-    ``None`` items are skipped. Every process must call this (Orbax
-    coordinates multi-process saves).
+    processes) go through ``ocp.args.StandardSave`` with every box replaced by
+    the array it holds (boxes are never written to disk; ``restore_checkpoint``
+    puts them back); JSON items through ``ocp.args.JsonSave``, numpy / jax
+    numbers in them stored as Python ones. Which is which: the manager's
+    ``json_items`` when it came from ``get_checkpoint_manager``, otherwise a
+    dict with no array leaves is JSON. ``None`` items are skipped. Every
+    process must call this (Orbax coordinates multi-process saves).
+
+    What happens, and what it returns:
+
+    * ``True``: the step was saved (or, with an async manager, the save started;
+      ``wait=True`` blocks until it is committed).
+    * ``False``, silently: ``step`` is not a save step of the manager's policy
+      (not a multiple of ``ckpt_frequency``), which a training loop that calls
+      this every step relies on. ``force=True`` saves anyway.
+    * ``False`` with a warning: the step is already saved (e.g. after a resume).
 
     Args:
-      manager: from ``get_checkpoint_manager``.
+      manager: from ``get_checkpoint_manager`` (or any Orbax ``CheckpointManager``).
       step: the training step.
       items: name -> pytree or JSON dict.
       force: save even when ``step`` is not a multiple of ``ckpt_frequency``.
-      wait: block until the save is committed (async managers return at once
-        otherwise; the next save or ``restore_checkpoint`` waits anyway).
-      metrics: optional metrics stored with the step.
+      wait: block until the save is committed.
+      metrics: numbers stored with the step (in its ``_CHECKPOINT_METADATA``),
+        shown by ``treetools inspect``; stored whether or not the manager has a ``best_fn``.
 
     Raises:
       ValueError: a pytree item holds zero-size arrays (Orbax cannot save them).
@@ -532,6 +344,11 @@ def save_checkpoint(
     """
     import orbax.checkpoint as ocp
 
+    from treetools.partitioning import unbox_tree
+
+    number = _as_int(step)
+    if number is None or number < 0:
+        raise TypeError(f"`step` must be a non-negative integer, got {step!r}.")
     args = {}
     for name, tree in items.items():
         if tree is None:
@@ -540,9 +357,14 @@ def save_checkpoint(
             args[name] = ocp.args.JsonSave(_as_json(name, tree))
         else:
             _check_savable(name, tree)
-            boxes = _box_record(tree)
-            args[name] = ocp.args.StandardSave(tree, custom_metadata={_BOXES_KEY: boxes} if boxes else None)
-    saved = manager.save(step, args=ocp.args.Composite(**args), force=force, metrics=metrics)
+            args[name] = ocp.args.StandardSave(unbox_tree(tree))
+    stored_metrics = _as_json("metrics", dict(metrics)) if metrics is not None else None
+    if number in (manager.all_steps() or ()):
+        warnings.warn(f"step {number} is already saved under {manager.directory}; not saved again "
+                      "(restore it, or save at a later step).", stacklevel=2)
+        return False
+    saved = manager.save(number, args=ocp.args.Composite(**args), force=force, metrics=stored_metrics,
+                         custom_metadata={"metrics": stored_metrics} if stored_metrics else None)
     if wait:
         manager.wait_until_finished()
     return bool(saved)
@@ -553,91 +375,14 @@ def save_checkpoint(
 # --------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Mismatch:
-    """One leaf where a restore target and the checkpoint disagree.
-
-    ``kind`` is ``"missing"`` (the target has it, the checkpoint does not),
-    ``"unexpected"`` (the checkpoint has it, the target does not), ``"shape"``
-    or ``"dtype"``; ``path`` is the leaf's path in ``items`` (``params/layers/3/w``).
-    """
-
-    path: str
-    kind: str
-    expected: str
-    found: str
-
-    def __str__(self) -> str:
-        if self.kind == "missing":
-            has = "" if self.found == "nothing" else f"; checkpoint has {self.found}"
-            return f"{self.path}: missing in checkpoint (target expects {self.expected}{has})"
-        if self.kind == "unexpected":
-            return f"{self.path}: in checkpoint as {self.found} but not in the target"
-        return f"{self.path}: {self.kind} mismatch, target {self.expected} vs checkpoint {self.found}"
-
-
-class CheckpointMismatchError(ValueError):
-    """A restore target does not match the checkpoint; ``problems`` lists every leaf."""
-
-    def __init__(self, step: int, root: Any, problems: list[Mismatch]):
-        self.step, self.root, self.problems = step, root, problems
-        hint = "fix the target (model config, layer count, dtypes) or restore a matching step"
-        if any(p.kind == "dtype" for p in problems):
-            hint += "; pass allow_dtype_cast=True for a deliberate dtype change"
-        lines = "\n".join(f"  {p}" for p in problems)
-        super().__init__(
-            f"checkpoint step {step} under {root} does not match the restore target "
-            f"({len(problems)} problem{'s' * (len(problems) != 1)}):\n{lines}\n{hint}."
-        )
-
-
 def _describe(x: Any) -> str:
     import numpy as np
 
+    from treetools.rows import dtype_name
+
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"{np.dtype(x.dtype).name}{list(x.shape)}"
+        return f"{dtype_name(np.dtype(x.dtype))}{list(x.shape)}"
     return type(x).__name__
-
-
-def _compare(
-    item: str, target: Any, meta_tree: Any, boxes: Mapping[str, str], *, allow_dtype_cast: bool
-) -> list[Mismatch]:
-    """Every leaf where ``target`` and the checkpoint's metadata tree disagree.
-
-    Orbax stores a box's array one level down (``kernel/value``); the target is
-    flattened the same way to line leaves up, and paths are reported at the box
-    (``kernel``), as everywhere in treetools.
-    """
-    import jax
-    import numpy as np
-
-    from treetools.paths import is_leaf, path_str
-
-    expected: dict[str, tuple[str, Any]] = {}
-    for path, leaf in jax.tree_util.tree_leaves_with_path(target, is_leaf=is_leaf):
-        for sub, x in jax.tree_util.tree_leaves_with_path(leaf):
-            expected[path_str(path + sub)] = (path_str(path), x)
-    found = {path_str(p): m for p, m in jax.tree_util.tree_leaves_with_path(meta_tree)}
-    stored_box = {f"{box}/{inner}": box for box, inner in boxes.items()}
-
-    problems = []
-    for key, (shown, x) in expected.items():
-        if key not in found:
-            problems.append(Mismatch(f"{item}/{shown}", "missing", _describe(x), "nothing"))
-            continue
-        meta = found[key]
-        if not (hasattr(x, "shape") and hasattr(meta, "shape")):
-            continue
-        if tuple(x.shape) != tuple(meta.shape):
-            problems.append(Mismatch(f"{item}/{shown}", "shape", str(tuple(x.shape)), str(tuple(meta.shape))))
-        elif getattr(meta, "dtype", None) is not None and np.dtype(x.dtype) != np.dtype(meta.dtype):
-            if not allow_dtype_cast:
-                problems.append(
-                    Mismatch(f"{item}/{shown}", "dtype", np.dtype(x.dtype).name, np.dtype(meta.dtype).name)
-                )
-    for key in found.keys() - expected.keys():
-        problems.append(Mismatch(f"{item}/{stored_box.get(key, key)}", "unexpected", "nothing", _describe(found[key])))
-    return sorted(problems, key=lambda p: (p.kind != "missing", p.path))
 
 
 def _default_sharding() -> "jax.sharding.Sharding":
@@ -649,74 +394,130 @@ def _default_sharding() -> "jax.sharding.Sharding":
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
-def _abstract_target(item: str, target: Any, sharding: Any) -> Any:
-    """The target as ``ShapeDtypeStruct``s with a sharding on every array (boxes kept)."""
+def _target_leaves(name: str, target: Any, sharding: Any) -> tuple[Any, list[Any], list[str], list[Any]]:
+    """``(treedef, leaves, paths, abstract)``: the target flattened with boxes as leaves, each leaf's
+    path string, and its unboxed ``ShapeDtypeStruct`` with a sharding (non-arrays kept as they are)."""
     import jax
 
     from treetools.abstract import make_abstract
+    from treetools.counting import is_array_like
+    from treetools.partitioning import unbox
+    from treetools.paths import is_leaf, path_str
 
     if isinstance(sharding, Mapping):
-        sharding = sharding.get(item)
-    abstract = make_abstract(target, sharding)
+        sharding = sharding.get(name)
+    abstract_tree = make_abstract(target, sharding)
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_leaf)
+    abstract_leaves = jax.tree_util.tree_leaves(abstract_tree, is_leaf=is_leaf)
     default = None
-
-    def fill(x: Any) -> Any:
-        nonlocal default
-        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+    abstract = []
+    for leaf in abstract_leaves:
+        value = unbox(leaf)
+        if is_array_like(value) and getattr(value, "sharding", None) is None:
             default = default or _default_sharding()
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=default)
-        return x
+            value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=default)
+        abstract.append(value)
+    return treedef, [x for _, x in pairs], [path_str(p) for p, _ in pairs], abstract
 
-    return jax.tree.map(fill, abstract)
+
+def _compare(name: str, paths: Sequence[str], abstract: Sequence[Any], item: Any, *, allow_dtype_cast: bool
+             ) -> list[Mismatch]:
+    """Every leaf where the target and the checkpoint's leaves disagree."""
+    import numpy as np
+
+    from treetools.counting import is_array_like
+
+    found = {leaf.name: leaf for leaf in item.leaves}
+    problems = []
+    for path, x in zip(paths, abstract):
+        leaf = found.get(path)
+        if leaf is None:
+            problems.append(Mismatch(f"{name}/{path}", "missing", _describe(x), "nothing"))
+            continue
+        if not is_array_like(x) or leaf.reader is None:
+            continue
+        shape = tuple(leaf.reader.shape)
+        if tuple(x.shape) != shape:
+            problems.append(Mismatch(f"{name}/{path}", "shape", str(tuple(x.shape)), str(shape)))
+        elif np.dtype(x.dtype) != leaf.reader.dtype and not allow_dtype_cast:
+            problems.append(Mismatch(f"{name}/{path}", "dtype", _describe(x).split("[")[0],
+                                     _describe(np.empty(0, leaf.reader.dtype)).split("[")[0]))
+    for path in found.keys() - set(paths):
+        leaf = found[path]
+        shown = f"{leaf.row.dtype}{list(leaf.row.shape)}" if leaf.row.shape is not None else "a value"
+        problems.append(Mismatch(f"{name}/{path}", "unexpected", "nothing", shown))
+    return sorted(problems, key=lambda p: (p.kind != "missing", p.path))
 
 
-def _restores_as_json(manager: Any, name: str, target: Any, step_dir: Any) -> bool:
-    """Whether item ``name`` is restored as JSON.
+def _orbax_restore(item: Any, by_path: dict[str, Any]) -> dict[str, Any]:
+    """Read one Orbax pytree item into ``{leaf path: array}``, each array per its abstract target.
 
-    A None target asks for JSON, unless the step stored ``name`` as a pytree
-    (Orbax's ``_METADATA``); then ``_prepare`` says what to pass, rather than
-    Orbax's "no registered handler" error.
+    Orbax restores the tree as it is stored (its own structure, ``kernel/value``
+    nodes of older saves included); treetools maps stored names to leaf paths.
+    The ``_METADATA`` that the checkpoint layer already parsed is handed to
+    Orbax, so the file is read once.
     """
-    if target is None:
-        return not (step_dir / name / PYTREE_METADATA_FILE).exists() and _is_json_item(manager, name, {})
-    return _is_json_item(manager, name, target)
-
-
-def _tree_metadata(manager: Any, step: int, step_dir: Any, name: str) -> Any:
-    """Orbax's TreeMetadata of one pytree item, or None when the step lacks it."""
+    import jax
     import orbax.checkpoint as ocp
+    from etils import epath
+    from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base
+    from orbax.checkpoint._src.metadata import tree as tree_metadata
 
-    if not (step_dir / name).is_dir():
-        return None
-    meta = None
-    if manager is not None:
-        try:
-            meta = manager.item_metadata(step)[name]
-        except (KeyError, ValueError, TypeError):
-            meta = None
-    if meta is None:  # an item the manager has no handler for: read it directly
-        meta = ocp.PyTreeCheckpointHandler().metadata(step_dir / name)
-    return meta
+    from treetools.counting import is_array_like
+    from treetools.paths import path_parts
+
+    handle = item.handle
+
+    class _ParsedMetadata(base.BasePyTreeCheckpointHandler):
+        async def _read_metadata_file(self, directory: Any) -> Any:
+            return tree_metadata.InternalTreeMetadata.from_json(
+                handle.metadata, pytree_metadata_options=self._pytree_metadata_options
+            )
+
+    handler = _ParsedMetadata()
+    stored = tree_metadata.InternalTreeMetadata.from_json(
+        handle.metadata, pytree_metadata_options=handler._pytree_metadata_options
+    ).as_nested_tree()
+
+    def leaf_path(keypath: Any) -> str | None:
+        logical = handle.logical.get(".".join(path_parts(keypath)))
+        return "/".join(logical) if logical is not None else None
+
+    def restore_arg(keypath: Any, _meta: Any) -> Any:
+        target = by_path.get(leaf_path(keypath) or "")
+        if is_array_like(target):
+            return ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=target.sharding,
+                                        global_shape=tuple(target.shape), dtype=target.dtype)
+        return ocp.RestoreArgs()
+
+    restore_args = jax.tree_util.tree_map_with_path(restore_arg, stored)
+    try:
+        restored = handler.restore(epath.Path(handle.folder),
+                                   args=base.BasePyTreeRestoreArgs(item=None, restore_args=restore_args))
+    finally:
+        handler.close()
+    out = {}
+    for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
+        path = leaf_path(keypath)
+        if path is not None:
+            out[path] = value
+    return out
 
 
-def _prepare(
-    manager: Any, step: int, step_dir: Any, name: str, target: Any, sharding: Any, allow_dtype_cast: bool
-) -> tuple[Any, list[Mismatch]]:
-    """``(abstract target, problems)`` for one pytree item."""
-    if target is None:
-        raise ValueError(
-            f"`items[{name!r}]` is None; pass the live tree or make_abstract(...) to restore into, "
-            "or use load_parameters() for host numpy arrays."
+def _open_orbax(root: str, display: Any) -> Any:
+    from treetools.inspect.source import open_source
+
+    source = open_source(root)
+    if source.format != "orbax":
+        raise CheckpointError(
+            f"{display}: a {source.format} checkpoint, not an Orbax one; restore_checkpoint reads Orbax checkpoints "
+            "(use load_parameters(path, target=...) for other formats)."
         )
-    abstract = _abstract_target(name, target, sharding)
-    meta = _tree_metadata(manager, step, step_dir, name)
-    if meta is None:
-        return abstract, [Mismatch(name, "missing", f"item {name!r}", f"items {_items_present(step_dir)}")]
-    return abstract, _compare(name, abstract, meta.tree, _recorded_boxes(meta), allow_dtype_cast=allow_dtype_cast)
+    return source
 
 
 def restore_checkpoint(
-    manager: "ocp.CheckpointManager",
+    manager: "ocp.CheckpointManager | str | os.PathLike",
     step: int | str | None,
     items: Mapping[str, Any],
     *,
@@ -726,19 +527,22 @@ def restore_checkpoint(
     """Restore named items of a step into their targets' structure, dtypes and shardings.
 
     Each pytree target may be the live tree (arrays), an abstract one
-    (``make_abstract``), or boxed (flax ``nn.Partitioned``: boxes come back as
-    boxes). Every array is read straight into its target sharding, so each
-    process reads only the shards its devices hold (Orbax ``ArrayRestoreArgs``
-    over tensorstore), on any mesh or device count: a checkpoint saved from 8
-    devices restores onto 1, 2 or 4, or from fsdp onto tensor-parallel specs.
-    Arrays whose target has no sharding are replicated over all devices.
+    (``make_abstract``), boxed (flax ``nn.Partitioned``, nnx State: boxes come
+    back as boxes) or any custom pytree (a ``TrainState``, optax states).
+    Every array is read straight into its target sharding, so each process
+    reads only the shards its devices hold, on any mesh or device count: a
+    checkpoint saved from 8 devices restores onto 1, 2 or 4, or from fsdp onto
+    tensor-parallel specs. Arrays whose target has no sharding are replicated
+    over all devices.
 
-    Before reading anything, every target is checked against the checkpoint's
+    Before reading any array, every target is checked against the checkpoint's
     metadata; all missing, unexpected, mis-shaped and (unless
-    ``allow_dtype_cast``) mis-typed leaves are reported in one error.
+    ``allow_dtype_cast``) mis-typed leaves are reported in one error. Only the
+    requested items are read, each item's metadata once.
 
     Args:
-      manager: from ``get_checkpoint_manager`` (any Orbax ``CheckpointManager``).
+      manager: from ``get_checkpoint_manager``, any Orbax ``CheckpointManager``
+        (a pending async save is waited for), or a checkpoint root / step folder path.
       step: a committed step; None, -1 or ``"latest"`` for the latest committed
         one (incomplete saves are never picked).
       items: name -> target tree; JSON items (``data_iter``) may map to None and
@@ -752,9 +556,9 @@ def restore_checkpoint(
       name -> restored tree (JSON items as dicts).
 
     Raises:
-      FileNotFoundError: no such committed step (the message lists them).
-      ValueError: ``sharding`` is a dict whose keys are not item names.
+      CheckpointNotFoundError: (a ``FileNotFoundError``) no such committed step (the message lists them).
       CheckpointMismatchError: (a ``ValueError``) targets do not match.
+      ValueError: ``sharding`` is a dict whose keys are not item names, or a pytree target is None.
 
     >>> import tempfile, numpy as np, jax
     >>> mngr = get_checkpoint_manager(1, checkpoint_dir=tempfile.mkdtemp())
@@ -764,60 +568,116 @@ def restore_checkpoint(
     ([0.0, 1.0, 2.0, 3.0], {'epoch': 2})
     >>> mngr.close()
     """
-    import orbax.checkpoint as ocp
-
+    if not isinstance(items, Mapping) or not items:
+        raise ValueError("`items` must be a non-empty dict of item name -> target tree (or None for JSON items).")
     if isinstance(sharding, Mapping) and not set(sharding) <= set(items):
         raise ValueError(
             f"`sharding` keys {sorted(set(sharding) - set(items))} are not in `items` {list(items)}; "
             "pass one Sharding, or {item name: Sharding or tree of Shardings}."
         )
-    manager.wait_until_finished()  # a pending async save may be the latest step
-    step, step_dir = _resolve_step(manager.directory, step)
-    args, problems = {}, []
+    if hasattr(manager, "directory") and hasattr(manager, "wait_until_finished"):
+        manager.wait_until_finished()  # a pending async save may be the latest step
+        display: Any = manager.directory
+        root = _local(manager.directory, "manager")
+    else:
+        display, root = manager, _local(manager, "manager")
+    source = _open_orbax(root, display)
+    resolved = source.resolve(step)
+    present = source.item_names(resolved)
+    problems = [Mismatch(name, "missing", f"item {name!r}", f"items {present}") for name in items if name not in present]
+    snap = source.snapshot(resolved, [name for name in items if name in present])
+    out: dict[str, Any] = {}
+    plans = {}
     for name, target in items.items():
-        if _restores_as_json(manager, name, target, step_dir):
-            if not (step_dir / name).is_dir():
-                problems.append(Mismatch(name, "missing", f"item {name!r}", "nothing"))
-            args[name] = ocp.args.JsonRestore()
+        item = snap.items.get(name)
+        if item is None:
             continue
-        abstract, item_problems = _prepare(manager, step, step_dir, name, target, sharding, allow_dtype_cast)
-        problems += item_problems
-        args[name] = ocp.args.StandardRestore(abstract)
+        if item.kind == "json":
+            out[name] = item.handle
+            continue
+        if target is None:
+            raise ValueError(
+                f"`items[{name!r}]` is None, but {name!r} is a pytree item; pass the live tree or make_abstract(...) "
+                "to restore into, or use load_parameters() for host numpy arrays."
+            )
+        treedef, leaves, paths, abstract = _target_leaves(name, target, sharding)
+        problems += _compare(name, paths, abstract, item, allow_dtype_cast=allow_dtype_cast)
+        plans[name] = (item, treedef, leaves, paths, abstract)
     if problems:
-        raise CheckpointMismatchError(step, manager.directory, problems)
-    restored = manager.restore(step, args=ocp.args.Composite(**args))
-    return {name: restored[name] for name in items}
+        raise CheckpointMismatchError(resolved, display, problems)
+    for name, (item, treedef, leaves, paths, abstract) in plans.items():
+        out[name] = _rebuild(treedef, leaves, paths, _orbax_restore(item, dict(zip(paths, abstract))))
+    return {name: out[name] for name in items}
 
 
-def _numpy_tree(item_dir: Any) -> Any:
-    """The stored tree of one pytree item as host numpy arrays, boxes dropped."""
+def _rebuild(treedef: Any, leaves: Sequence[Any], paths: Sequence[str], values: Mapping[str, Any]) -> Any:
+    """The target's structure with each leaf's restored value, inside the leaf's box."""
     import jax
+
+    from treetools.partitioning import rebox
+
+    return jax.tree_util.tree_unflatten(
+        treedef, [rebox(leaf, values[p]) if p in values else leaf for leaf, p in zip(leaves, paths)]
+    )
+
+
+# --------------------------------------------------------------------------
+# load_parameters
+# --------------------------------------------------------------------------
+
+
+def _params_item(source: Any, step: int | None, item: str | None, use_ema_params: bool) -> str:
+    """Which item holds the parameters: ``item`` if given; else ``params`` / ``params_ema``; a single-tree file's own."""
+    names = source.item_names(step)
+    if item is not None:
+        if item not in names:
+            raise source.missing_item(item, names, step)
+        return item
+    wanted = "params_ema" if use_ema_params else "params"
+    if wanted in names:
+        return wanted
+    if len(names) == 1 and source.steps is None and source.format != "orbax":
+        return names[0]
+    where = f"{source.path} (step {step})" if step is not None else source.path
+    raise CheckpointNotFoundError(
+        f"{where} has no item {wanted!r}; items present: {', '.join(names) or 'none'}; pass item=NAME."
+    )
+
+
+def _host_value(leaf: Any) -> Any:
     import numpy as np
-    import orbax.checkpoint as ocp
 
-    from treetools.paths import path_str
+    from treetools.inspect.source import NO_VALUE
 
-    meta = ocp.PyTreeCheckpointHandler().metadata(item_dir)
+    if leaf.reader is not None:
+        value = leaf.reader.read_all()
+        return value.item() if leaf.row.shape is None and np.ndim(value) == 0 else value
+    return None if leaf.value is NO_VALUE else leaf.value
 
-    def restore_arg(m: Any) -> Any:
-        # Host numpy: no device, mesh or topology of the saving run is needed.
-        is_array = isinstance(m, ocp.metadata.ArrayMetadata)
-        return ocp.RestoreArgs(restore_type=np.ndarray) if is_array else ocp.RestoreArgs()
 
-    restore_args = jax.tree.map(restore_arg, meta.tree)
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:
-        tree = ckptr.restore(item_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-    boxes = _recorded_boxes(meta)
-    if not boxes:
-        return tree
+def _nest(pairs: Sequence[tuple[Any, Any]]) -> Any:
+    """A tree of dicts (lists where the keys are 0..n-1) from ``(row, value)`` pairs.
 
-    def is_stored_box(x: Any) -> bool:
-        return isinstance(x, Mapping) and len(x) == 1 and next(iter(x)) in set(boxes.values())
+    Rows of flat-key formats (``model.layers.0.weight``) stay flat, keyed by
+    their stored name, so every leaf keeps its one path string.
+    """
+    out: dict[str, Any] = {}
+    for row, value in pairs:
+        parts = row.path if row.sep == "/" else (row.name,)
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1] if parts else ""] = value
 
-    def unbox(path: Any, x: Any) -> Any:
-        return x[boxes[path_str(path)]] if is_stored_box(x) and path_str(path) in boxes else x
+    def lists(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        node = {k: lists(v) for k, v in node.items()}
+        if node and list(node) == [str(i) for i in range(len(node))]:
+            return list(node.values())
+        return node
 
-    return jax.tree_util.tree_map_with_path(unbox, tree, is_leaf=is_stored_box)
+    return lists(out)
 
 
 def load_parameters(
@@ -832,19 +692,21 @@ def load_parameters(
 ) -> Any:
     """The params (or EMA params) of one step, without a manager or model code.
 
-    With ``target=None`` the result is the stored tree as nested dicts/lists of
-    host ``numpy`` arrays (boxes dropped: ``Dense_0/kernel`` is an array),
-    readable on any machine, whatever devices or topology saved it. With a
-    ``target`` (live or ``make_abstract`` tree, boxes allowed) it is restored
-    like ``restore_checkpoint``: checked, then placed per the target's
-    shardings (or ``sharding``). Reads only; nothing under ``checkpoint_dir``
-    is written.
+    Reads any checkpoint ``treetools inspect`` reads, through the same layer,
+    so the keys of ``flatten(load_parameters(...))`` are exactly the paths
+    ``treetools inspect --format json`` lists. With ``target=None`` the result
+    is the stored tree as nested dicts/lists of host ``numpy`` arrays (boxes
+    dropped: ``Dense_0/kernel`` is an array; flat-key files such as
+    safetensors give a flat dict of their stored names), readable on any
+    machine, whatever devices or topology saved it. With a ``target`` (live or
+    ``make_abstract`` tree, boxes allowed) it is restored like
+    ``restore_checkpoint``: checked, then placed per the target's shardings
+    (or ``sharding``). Nothing under ``checkpoint_dir`` is written.
 
     Args:
-      checkpoint_dir: the manager's root folder, or one committed step folder
-        in it (then that step is read).
+      checkpoint_dir: a checkpoint root, one committed step folder, or any
+        checkpoint file treetools reads (relative and ``~`` paths work).
       step: a committed step; -1 (or None / "latest") for the latest one.
-        Incomplete saves are never picked.
       use_ema_params: read ``params_ema`` instead of ``params``.
       target: optional tree to restore into.
       item: read this item instead (overrides ``use_ema_params``).
@@ -852,9 +714,10 @@ def load_parameters(
       allow_dtype_cast: with ``target``: allow a dtype change on read.
 
     Raises:
-      FileNotFoundError: no such folder, no checkpoint in it, an unknown step
-        (the message lists the available steps), or the step has no such item.
-      ValueError: ``checkpoint_dir`` is one step folder and ``step`` names another.
+      CheckpointNotFoundError: (a ``FileNotFoundError``) no such path, no
+        committed step, an unknown step (the message lists the available
+        steps), or the step has no such item (the message lists the items).
+      CheckpointError: not a checkpoint, corrupt, or a single step folder with another ``step`` asked.
       CheckpointMismatchError: ``target`` does not match the checkpoint.
 
     >>> import tempfile, numpy as np
@@ -864,19 +727,36 @@ def load_parameters(
     >>> load_parameters(root)["w"]
     array([0., 1., 2.])
     """
-    import orbax.checkpoint as ocp
+    from treetools.inspect.source import open_source
 
-    root = _as_path(checkpoint_dir)
-    step, step_dir = _step_folder(root, step) or _resolve_step(root, step)
-    name = item or ("params_ema" if use_ema_params else "params")
-    if not (step_dir / name).is_dir():
-        raise FileNotFoundError(
-            f"step {step} under {root} has no item {name!r}; items present: {_items_present(step_dir)}."
-        )
+    source = open_source(_local(checkpoint_dir))
+    source.path = os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, (str, os.PathLike)) else source.path
+    resolved = source.resolve(step)
+    name = _params_item(source, resolved, item, use_ema_params)
+    if target is not None and source.format == "orbax":
+        return restore_checkpoint(source.local, resolved, {name: target}, sharding={name: sharding} if sharding else None,
+                                  allow_dtype_cast=allow_dtype_cast)[name]
+    snap = source.snapshot(resolved, [name])
+    leaves = snap.items[name].leaves
     if target is None:
-        return _numpy_tree(step_dir / name)
-    abstract, problems = _prepare(None, step, step_dir, name, target, {name: sharding}, allow_dtype_cast)
+        return _nest([(leaf.row, _host_value(leaf)) for leaf in leaves])
+    return _place(source, resolved, name, snap.items[name], target, sharding, allow_dtype_cast)
+
+
+def _place(source: Any, step: int | None, name: str, item: Any, target: Any, sharding: Any,
+           allow_dtype_cast: bool) -> Any:
+    """A non-Orbax item read on the host, checked against ``target`` and put on its shardings."""
+    import jax
+
+    treedef, leaves, paths, abstract = _target_leaves(name, target, {name: sharding})
+    problems = _compare(name, paths, abstract, item, allow_dtype_cast=allow_dtype_cast)
     if problems:
-        raise CheckpointMismatchError(step, root, problems)
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-        return ckptr.restore(step_dir / name, args=ocp.args.StandardRestore(abstract))
+        raise CheckpointMismatchError(step, source.path, problems)
+    by_name = {leaf.name: leaf for leaf in item.leaves}
+    values = {}
+    for path, x in zip(paths, abstract):
+        value = _host_value(by_name[path])
+        if hasattr(x, "sharding") and hasattr(value, "shape"):
+            value = jax.device_put(value.astype(x.dtype), x.sharding)
+        values[path] = value
+    return _rebuild(treedef, leaves, paths, values)

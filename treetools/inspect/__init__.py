@@ -1,21 +1,38 @@
-"""Read-only checkpoint inspection: Orbax, Flax msgpack, safetensors and npz.
+"""Read-only checkpoint reading for the library and the CLI alike.
 
-``inspect_path`` reads a checkpoint's metadata (and, with ``stats=True``,
-streams its arrays in bounded blocks) into a ``Report``; ``diff_paths``
-compares two checkpoints. Both never write anything under the path they read.
-The CLI (``treetools inspect`` / ``treetools diff``) renders these reports.
+``open_source(path)`` opens any checkpoint through the format registry
+(``treetools/inspect/formats/``: Orbax, safetensors, npz, Flax msgpack; more
+by ``register_format``); ``inspect_path`` turns a checkpoint's metadata (and,
+with ``stats=True``, its arrays streamed in bounded blocks) into a ``Report``;
+``diff_paths`` compares two checkpoints. Nothing here writes under the path it reads.
 """
 
-from treetools.inspect._base import DEFAULT_CHUNK_BYTES, CheckpointError, Leaf, Snapshot, plan_blocks
-from treetools.inspect.diff import DiffReport, LeafChange, ValueDiff, diff_paths, render_diff, value_diff
-from treetools.inspect.readers import Source, open_checkpoint, select_item
-from treetools.inspect.report import ItemReport, Report, StepReport, inspect_path, render_report
+from treetools.errors import CheckpointError, CheckpointNotFoundError
+from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, ArrayReader, plan_blocks
+from treetools.inspect.diff import DiffReport, LeafChange, ValueDiff, diff_paths, value_diff
+from treetools.inspect.report import ItemReport, Report, StepReport, inspect_path
+from treetools.inspect.source import (
+    Format,
+    Item,
+    Leaf,
+    Snapshot,
+    Source,
+    formats,
+    open_source,
+    register_format,
+    unregister_format,
+)
 from treetools.inspect.stats import StatsAccumulator, array_stats, leaf_stats
+from treetools.render import render_diff, render_report
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "ArrayReader",
     "CheckpointError",
+    "CheckpointNotFoundError",
     "DiffReport",
+    "Format",
+    "Item",
     "ItemReport",
     "Leaf",
     "LeafChange",
@@ -27,12 +44,14 @@ __all__ = [
     "ValueDiff",
     "array_stats",
     "diff_paths",
+    "formats",
     "inspect_path",
     "leaf_stats",
-    "open_checkpoint",
+    "open_source",
     "plan_blocks",
+    "register_format",
     "render_diff",
     "render_report",
-    "select_item",
+    "unregister_format",
     "value_diff",
 ]

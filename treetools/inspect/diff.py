@@ -2,37 +2,47 @@
 
 Leaves are joined by path string. Metadata alone gives the leaves added (only
 in B), removed (only in A) and changed in shape, dtype or sharding (sharding
-only when both formats record it, i.e. Orbax on both sides). With
-``values=True`` every leaf present in both with the same shape is streamed
-block by block from both sides at once: the maximum absolute difference, the
-relative L2 difference ``||a - b|| / ||a||`` and an ``allclose`` verdict with
-numpy's rule ``|a - b| <= atol + rtol * |b|`` (NaN equals NaN).
+only when both formats record it, compared by meaning: ``P()`` and
+``P(None,)`` are both replicated). With ``values=True`` every leaf present in
+both with the same shape is streamed block by block from both sides at once:
+
+* ``bit_identical``: the stored values are the same bits (NaN payloads included);
+* ``mismatched``: elements outside ``|a - b| <= atol + rtol * |b|`` (numpy's
+  rule), where NaN equals NaN and an infinity equals the same infinity, but a
+  value that becomes NaN or Inf is always outside; integers and complex
+  numbers are compared exactly (no float64 rounding of int64 beyond 2**53, no
+  dropped imaginary part);
+* ``max_abs_diff`` over elements finite on both sides (``inf`` when a finite
+  value became non-finite or back), ``rel_l2 = ||a - b|| / ||a||``, and the
+  non-finite counts of each side.
+
+The verdict counts leaves as bit-identical, within tolerance, outside
+tolerance, added, removed and changed metadata; ``identical`` is what the
+CLI's exit code follows (GNU diff: 0 same, 1 different).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from treetools.inspect._base import DEFAULT_CHUNK_BYTES, NO_VALUE, CheckpointError, Leaf, is_numeric, jsonable, plan_blocks
-from treetools.inspect.readers import Source, open_checkpoint, select_item
-from treetools.inspect.report import json_safe
-from treetools.table import Row
+from treetools.errors import CheckpointError
+from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, is_numeric, plan_blocks
+from treetools.inspect.report import order_items
+from treetools.inspect.source import NO_VALUE, Leaf, Source, jsonable, open_source
+from treetools.paths import compile_patterns, match_patterns
+from treetools.render import json_safe, render_diff
+from treetools.rows import Row, aggregate_rows, sort_rows
 
 __all__ = ["DiffReport", "LeafChange", "ValueDiff", "diff_paths", "render_diff", "value_diff"]
 
 
 @dataclasses.dataclass
 class LeafChange:
-    """A leaf in both checkpoints whose metadata differs; ``fields`` names what changed.
-
-    ``value`` is among the fields when a non-array leaf whose value the
-    metadata carries (a JSON item entry, a msgpack scalar) differs.
-    """
+    """A leaf in both checkpoints whose metadata differs; ``fields`` names what changed."""
 
     path: str
     a: Row
@@ -55,7 +65,7 @@ class LeafChange:
 
 @dataclasses.dataclass
 class ValueDiff:
-    """Value comparison of one leaf present in both checkpoints with the same shape."""
+    """Value comparison of one leaf (or, with ``depth``, one group of leaves) present in both checkpoints."""
 
     path: str
     max_abs_diff: float
@@ -63,9 +73,30 @@ class ValueDiff:
     allclose: bool
     mismatched: int
     size: int
+    bit_identical: bool = False
+    nonfinite_a: int = 0
+    nonfinite_b: int = 0
+    diff_sq: float = 0.0
+    ref_sq: float = 0.0
+    leaves: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("diff_sq", "ref_sq", "leaves")}
+        if self.leaves != 1:
+            out["num_leaves"] = self.leaves
+        return out
+
+    def merge(self, other: "ValueDiff", path: str) -> "ValueDiff":
+        diff_sq, ref_sq = self.diff_sq + other.diff_sq, self.ref_sq + other.ref_sq
+        return ValueDiff(path, max(self.max_abs_diff, other.max_abs_diff), _rel(diff_sq, ref_sq),
+                         self.allclose and other.allclose, self.mismatched + other.mismatched, self.size + other.size,
+                         self.bit_identical and other.bit_identical, self.nonfinite_a + other.nonfinite_a,
+                         self.nonfinite_b + other.nonfinite_b, diff_sq, ref_sq, self.leaves + other.leaves)
+
+
+def _rel(diff_sq: float, ref_sq: float) -> float:
+    diff_l2, ref_l2 = math.sqrt(diff_sq), math.sqrt(ref_sq)
+    return diff_l2 / ref_l2 if ref_l2 > 0 else (0.0 if diff_l2 == 0 else math.inf)
 
 
 @dataclasses.dataclass
@@ -86,15 +117,36 @@ class DiffReport:
 
     @property
     def identical(self) -> bool:
-        """No leaf added, removed or changed, and (with values) every compared leaf allclose."""
+        """No leaf added, removed or changed, and (with values) every compared leaf within tolerance."""
         same_values = self.values is None or all(v.allclose for v in self.values)
         return not (self.added or self.removed or self.changed) and same_values
+
+    def counts(self) -> dict[str, int]:
+        """Leaves per verdict; the value counts appear only when values were compared."""
+        out = {"added": sum(r.leaves for r in self.added), "removed": sum(r.leaves for r in self.removed),
+               "changed_metadata": len(self.changed), "same_metadata": self.unchanged}
+        if self.values is not None:
+            out["bit_identical"] = sum(v.leaves for v in self.values if v.bit_identical)
+            out["within_tolerance"] = sum(v.leaves for v in self.values if v.allclose and not v.bit_identical)
+            out["outside_tolerance"] = sum(v.leaves for v in self.values if not v.allclose)
+        return out
+
+    def verdict(self) -> str:
+        """One line: same/different and every count, each named."""
+        c = self.counts()
+        parts = [f"{c['added']} added", f"{c['removed']} removed", f"{c['changed_metadata']} with changed metadata",
+                 f"{c['same_metadata']} with the same metadata"]
+        if self.values is not None:
+            parts += [f"values: {c['bit_identical']} bit-identical, {c['within_tolerance']} within tolerance, "
+                      f"{c['outside_tolerance']} outside tolerance"]
+        return ("same" if self.identical else "different") + " (leaves): " + ", ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "a": self.a,
             "b": self.b,
             "identical": self.identical,
+            "counts": self.counts(),
             "added": [r.to_json() for r in self.added],
             "removed": [r.to_json() for r in self.removed],
             "changed": [c.to_json() for c in self.changed],
@@ -106,9 +158,53 @@ class DiffReport:
         return json_safe(out)
 
 
-def _flat(items: dict[str, list[Leaf]], prefix_items: bool) -> dict[str, Leaf]:
-    return {(f"{name}/{leaf.row.path}" if prefix_items else leaf.row.path): leaf
-            for name, leaves in items.items() for leaf in leaves}
+def _kind(dtype: np.dtype) -> str:
+    if dtype.kind in "biu":
+        return "int"
+    if dtype.kind == "c":
+        return "complex"
+    return "float"
+
+
+def _as_compared(x: np.ndarray, kind: str) -> np.ndarray:
+    x = np.ravel(x)
+    if kind == "complex":
+        return x.astype(np.complex128)
+    if kind == "int":
+        return x
+    return x.astype(np.float64)  # exact for every float dtype up to float64
+
+
+def _block_compare(xa: np.ndarray, xb: np.ndarray, kind: str, atol: float, rtol: float) -> tuple[int, float, float, float, int, int]:
+    """``(mismatched, max_abs, diff_sq, ref_sq, nonfinite_a, nonfinite_b)`` of one pair of blocks."""
+    if kind == "int":
+        fa, fb = xa, xb
+        diff = fa != fb
+        if not diff.any():
+            ref = fa.astype(np.float64)
+            return 0, 0.0, 0.0, float(np.dot(ref, ref)), 0, 0
+        da, db = fa[diff].astype(np.float64), fb[diff].astype(np.float64)
+        # float64 may round two different int64s together: a differing pair is at least 1 apart.
+        d = np.maximum(np.abs(da - db), 1.0)
+        tol = atol + rtol * np.abs(db)
+        mismatched = int(np.count_nonzero(d > tol)) if (atol or rtol) else int(d.size)
+        ref = fa.astype(np.float64)
+        return mismatched, float(d.max()), float(np.dot(d, d)), float(np.dot(ref, ref)), 0, 0
+    fin_a, fin_b = np.isfinite(fa := xa), np.isfinite(fb := xb)
+    nf_a, nf_b = int(fin_a.size - np.count_nonzero(fin_a)), int(fin_b.size - np.count_nonzero(fin_b))
+    both = fin_a & fin_b
+    close = np.isclose(fa, fb, rtol=rtol, atol=atol, equal_nan=True)
+    if kind == "complex":  # equal_nan on complex: NaN in either part on both sides
+        nan_a, nan_b = np.isnan(fa), np.isnan(fb)
+        close = np.where(nan_a | nan_b, nan_a & nan_b, close)
+    mismatched = int(close.size - np.count_nonzero(close))
+    d = np.abs(fa[both] - fb[both]) if not both.all() else np.abs(fa - fb)
+    max_abs = float(d.max()) if d.size else 0.0
+    one_sided = fin_a != fin_b
+    if one_sided.any():
+        max_abs = math.inf
+    ref = np.abs(fa[fin_a]) if kind == "complex" else fa[fin_a]
+    return (mismatched, max_abs, float(np.vdot(d, d).real), float(np.vdot(ref, ref).real), nf_a, nf_b)
 
 
 def value_diff(a: Leaf, b: Leaf, *, atol: float = 1e-8, rtol: float = 1e-5,
@@ -119,56 +215,99 @@ def value_diff(a: Leaf, b: Leaf, *, atol: float = 1e-8, rtol: float = 1e-5,
     side can only stream front to back), so the peak memory is two blocks.
 
     >>> import numpy as np
-    >>> from treetools.inspect._base import InMemoryReader
-    >>> from treetools.table import Row
-    >>> row = Row(path="w", shape=(2,), dtype="float32", params=2, bytes=8)
+    >>> from treetools.inspect.arrays import InMemoryReader
+    >>> row = Row(path=("w",), shape=(2,), dtype="float32", params=2, bytes=8)
     >>> a = Leaf(row, InMemoryReader(np.array([1.0, 2.0], np.float32)))
-    >>> b = Leaf(row, InMemoryReader(np.array([1.0, 2.5], np.float32)))
-    >>> d = value_diff(a, b); (d.max_abs_diff, d.allclose, d.mismatched)
-    (0.5, False, 1)
+    >>> b = Leaf(row, InMemoryReader(np.array([1.0, np.nan], np.float32)))
+    >>> d = value_diff(a, b); (d.allclose, d.mismatched, d.nonfinite_b, d.max_abs_diff)
+    (False, 1, 1, inf)
     """
     ra, rb = a.reader, b.reader
-    if ra is None or rb is None or a.row.shape != b.row.shape:
+    if ra is None or rb is None or tuple(ra.shape) != tuple(rb.shape):
         raise ValueError(f"`value_diff` needs two array leaves of one shape; got {a.row.shape} and {b.row.shape}.")
-    shape = tuple(a.row.shape or ())
-    itemsize = max(ra.dtype.itemsize, rb.dtype.itemsize, 8)
+    shape = tuple(ra.shape)
+    kinds = {_kind(ra.dtype), _kind(rb.dtype)}
+    kind = "complex" if "complex" in kinds else ("int" if kinds == {"int"} else "float")
+    if kind == "int" and ra.dtype != rb.dtype:
+        kind = "float" if max(ra.dtype.itemsize, rb.dtype.itemsize) < 8 else "int"
+    itemsize = max(ra.dtype.itemsize, rb.dtype.itemsize, 16 if kind == "complex" else 8)
     granule = None if (ra.sequential or rb.sequential) else ra.chunk_shape
     plan = list(plan_blocks(shape, max(1, chunk_bytes // itemsize), granule))
-    max_abs = 0.0
-    diff_sq = ref_sq = 0.0
-    mismatched = 0
+    same_bits = ra.dtype == rb.dtype
+    mismatched = nf_a = nf_b = 0
+    max_abs = diff_sq = ref_sq = 0.0
     for xa, xb in zip(ra.blocks(plan), rb.blocks(plan)):
-        fa = np.ravel(xa).astype(np.float64)
-        fb = np.ravel(xb).astype(np.float64)
-        close = np.isclose(fa, fb, rtol=rtol, atol=atol, equal_nan=True)
-        mismatched += int(close.size - np.count_nonzero(close))
-        both = np.isfinite(fa) & np.isfinite(fb)
-        d = np.abs(fa[both] - fb[both]) if not both.all() else np.abs(fa - fb)
-        if d.size:
-            max_abs = max(max_abs, float(d.max()))
-            diff_sq += float(np.dot(d, d))
-        ref = fa[np.isfinite(fa)]
-        ref_sq += float(np.dot(ref, ref))
-    diff_l2 = math.sqrt(diff_sq)
-    ref_l2 = math.sqrt(ref_sq)
-    rel = diff_l2 / ref_l2 if ref_l2 > 0 else (0.0 if diff_l2 == 0 else math.inf)
-    return ValueDiff(path or a.row.path, max_abs, rel, mismatched == 0, mismatched, int(np.prod(shape)))
+        if same_bits:
+            same_bits = np.ascontiguousarray(xa).tobytes() == np.ascontiguousarray(xb).tobytes()
+        m, mx, dsq, rsq, na, nb = _block_compare(_as_compared(xa, kind), _as_compared(xb, kind), kind, atol, rtol)
+        mismatched += m
+        max_abs = max(max_abs, mx)
+        diff_sq += dsq
+        ref_sq += rsq
+        nf_a += na
+        nf_b += nb
+    return ValueDiff(path or a.name, max_abs, _rel(diff_sq, ref_sq), mismatched == 0, mismatched,
+                     int(np.prod(shape)), same_bits, nf_a, nf_b, diff_sq, ref_sq)
 
 
 def _describe(source: Source, step: int | None, item: str | None) -> dict[str, Any]:
     return {"path": source.path, "format": source.format, "step": step, "item": item}
 
 
-def _pick_items(items: dict[str, list[Leaf]], item: str | None, where: str) -> dict[str, list[Leaf]]:
-    """``item`` of one side (``select_item``); a single-item side without it (an .npz of params) uses its own."""
+def _items(source: Source, step: Any, item: str | None) -> tuple[Any, dict[str, list[Leaf]]]:
+    """The snapshot of one side and its leaves per item; ``item`` reads only that item.
+
+    A side with a single item that lacks ``item`` (an .npz of params) uses its own.
+    """
     if item is None:
-        return items
+        snap = source.snapshot(step)
+    else:
+        try:
+            snap = source.snapshot(step, [item])
+        except FileNotFoundError:
+            resolved = source.resolve(step)
+            names = source.item_names(resolved)
+            if len(names) != 1:
+                raise
+            snap = source.snapshot(step, names)
+    return snap, {name: snap.items[name].leaves for name in order_items(list(snap.items))}
+
+
+def _flat(items: dict[str, list[Leaf]], prefix_items: bool) -> dict[str, Leaf]:
+    return {(f"{name}/{leaf.name}" if prefix_items else leaf.name): leaf
+            for name, leaves in items.items() for leaf in leaves}
+
+
+def _same_value(a: Any, b: Any) -> bool:
     try:
-        return select_item(items, item, where=where)
-    except CheckpointError:
-        if len(items) == 1:
-            return items
-        raise
+        if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+            return True
+        return bool(a == b) and type(a) is type(b)
+    except Exception:  # e.g. comparing arrays of different shapes
+        return False
+
+
+def _renamed(row: Row, path: str) -> Row:
+    return row if row.name == path else dataclasses.replace(row, path=tuple(path.split("/")), sep="/")
+
+
+def _keep(paths: Sequence[str], include: Sequence[str], exclude: Sequence[str]) -> set[str]:
+    keep = set(paths)
+    if include:
+        keep = {p for p, hit in zip(paths, match_patterns(list(paths), compile_patterns(list(include), name="include"),
+                                                          name="include")) if hit}
+    if exclude:
+        dropped = match_patterns(list(paths), compile_patterns(list(exclude), name="exclude"), name="exclude")
+        keep -= {p for p, hit in zip(paths, dropped) if hit}
+    return keep
+
+
+def _group_values(values: list[ValueDiff], depth: int) -> list[ValueDiff]:
+    groups: dict[str, ValueDiff] = {}
+    for v in values:
+        key = "/".join(v.path.split("/")[:depth])
+        groups[key] = groups[key].merge(v, key) if key in groups else dataclasses.replace(v, path=key)
+    return list(groups.values())
 
 
 def diff_paths(
@@ -183,6 +322,10 @@ def diff_paths(
     atol: float = 1e-8,
     rtol: float = 1e-5,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    depth: int | None = None,
+    sort: str | None = None,
 ) -> DiffReport:
     """Compare two checkpoints of any formats, or two steps of one run.
 
@@ -193,11 +336,15 @@ def diff_paths(
 
     Args:
       a, b: checkpoint paths (B may equal A, with different steps).
-      step: the step of each side that is a CheckpointManager root (None: latest).
-      step_a, step_b: the step of A / of B, overriding ``step`` (the side must be a root).
-      item: compare only this item (a side with a single item uses that one).
+      step: the step of each side that is a checkpoint root (None: latest).
+      step_a, step_b: the step of A / of B, overriding ``step``.
+      item: compare only this item (only its metadata is read; a side with a
+        single item uses that one).
       values: also compare values (streamed in blocks of ``chunk_bytes``).
-      atol, rtol: the ``allclose`` tolerances.
+      atol, rtol: the tolerance ``|a - b| <= atol + rtol * |b|``.
+      include, exclude: path regexes selecting the leaves compared.
+      depth: group the results by path prefixes of ``depth`` parts.
+      sort: ``path``, ``params`` or ``bytes`` order of the listed leaves.
 
     Returns:
       A ``DiffReport``; ``DiffReport.identical`` says whether nothing differs.
@@ -206,51 +353,48 @@ def diff_paths(
     >>> d = tempfile.mkdtemp(); fa, fb = os.path.join(d, "a.npz"), os.path.join(d, "b.npz")
     >>> np.savez(fa, w=np.ones(3, np.float32)); np.savez(fb, w=np.ones(4, np.float32), v=np.ones(1))
     >>> r = diff_paths(fa, fb)
-    >>> [x.path for x in r.added], [c.fields for c in r.changed]
-    (['v'], [['shape']])
+    >>> [x.name for x in r.added], [c.fields for c in r.changed], r.identical
+    (['v'], [['shape']], False)
     """
-    src_a, src_b = open_checkpoint(a), open_checkpoint(b)
+    src_a, src_b = open_source(a), open_source(b)
     if step is not None and step != "latest" and src_a.steps is None and src_b.steps is None:
-        raise CheckpointError(f"--step {step}: neither {src_a.path} nor {src_b.path} is a CheckpointManager root.")
-    snap_a = src_a.snapshot(step_a if step_a is not None else (step if src_a.steps is not None else None))
-    snap_b = src_b.snapshot(step_b if step_b is not None else (step if src_b.steps is not None else None))
-    items_a = _pick_items(snap_a.items, item, src_a.path)
-    items_b = _pick_items(snap_b.items, item, src_b.path)
+        raise CheckpointError(f"step {step}: neither {src_a.path} nor {src_b.path} is a checkpoint root with steps.")
+    snap_a, items_a = _items(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item)
+    snap_b, items_b = _items(src_b, step_b if step_b is not None else (step if src_b.steps is not None else None), item)
     single = len(items_a) == 1 and len(items_b) == 1
     notes = []
     if not single and 1 in (len(items_a), len(items_b)):
         notes.append(f"A has items {', '.join(items_a)} and B {', '.join(items_b)}: paths are joined as item/path; "
                      "pass --item NAME to compare one item with the other side's tree.")
-    if single:
-        flat_a, flat_b = _flat(items_a, False), _flat(items_b, False)
-    else:
-        flat_a, flat_b = _flat(items_a, True), _flat(items_b, True)
+    flat_a, flat_b = _flat(items_a, not single), _flat(items_b, not single)
+    if include or exclude:
+        keep = _keep(list(dict.fromkeys([*flat_a, *flat_b])), include, exclude)
+        flat_a = {p: leaf for p, leaf in flat_a.items() if p in keep}
+        flat_b = {p: leaf for p, leaf in flat_b.items() if p in keep}
     compare_sharding = snap_a.record_sharding and snap_b.record_sharding
     added = [_renamed(flat_b[p].row, p) for p in flat_b if p not in flat_a]
     removed = [_renamed(flat_a[p].row, p) for p in flat_a if p not in flat_b]
     changed: list[LeafChange] = []
     same_shape: list[str] = []
     for p in (p for p in flat_a if p in flat_b):
-        ra, rb = flat_a[p].row, flat_b[p].row
+        la, lb = flat_a[p], flat_b[p]
+        ra, rb = la.row, lb.row
         fields = [f for f in ("shape", "dtype") if getattr(ra, f) != getattr(rb, f)]
-        sa = ra.sharding.to_json() if ra.sharding is not None else None
-        sb = rb.sharding.to_json() if rb.sharding is not None else None
-        if compare_sharding and sa != sb:
+        if compare_sharding and not _same_sharding(ra.sharding, rb.sharding):
             fields.append("sharding")
-        va, vb = flat_a[p].value, flat_b[p].value
+        va, vb = la.value, lb.value
         if va is not NO_VALUE and vb is not NO_VALUE and not _same_value(va, vb):
             fields.append("value")
         if fields:
             changed.append(LeafChange(p, ra, rb, fields, va, vb))
-        la, lb = flat_a[p], flat_b[p]
-        if (ra.shape is not None and ra.shape == rb.shape and la.reader is not None and lb.reader is not None
+        if (la.reader is not None and lb.reader is not None and tuple(la.reader.shape) == tuple(lb.reader.shape)
                 and is_numeric(la.reader.dtype) and is_numeric(lb.reader.dtype)):
             same_shape.append(p)
     report = DiffReport(
         a=_describe(src_a, snap_a.step, next(iter(items_a)) if len(items_a) == 1 else item),
         b=_describe(src_b, snap_b.step, next(iter(items_b)) if len(items_b) == 1 else item),
-        added=added,
-        removed=removed,
+        added=sort_rows(aggregate_rows(added, depth), sort),
+        removed=sort_rows(aggregate_rows(removed, depth), sort),
         changed=changed,
         unchanged=sum(1 for p in flat_a if p in flat_b) - len(changed),
         atol=atol,
@@ -258,78 +402,21 @@ def diff_paths(
         notes=notes,
     )
     if values:
-        report.values = [
-            value_diff(flat_a[p], flat_b[p], atol=atol, rtol=rtol, chunk_bytes=chunk_bytes, path=p) for p in same_shape
-        ]
+        diffs = [value_diff(flat_a[p], flat_b[p], atol=atol, rtol=rtol, chunk_bytes=chunk_bytes, path=p)
+                 for p in same_shape]
+        if depth is not None:
+            diffs = _group_values(diffs, depth)
+        if sort in ("params", "bytes"):
+            diffs.sort(key=lambda v: (-v.size, v.path))
+        elif sort == "path":
+            diffs.sort(key=lambda v: v.path)
+        report.values = diffs
     return report
 
 
-def _same_value(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b) and type(a) is type(b)
-    except Exception:  # e.g. comparing arrays of different shapes
-        return False
-
-
-def _renamed(row: Row, path: str) -> Row:
-    return row if row.path == path else dataclasses.replace(row, path=path)
-
-
-def render_diff(report: DiffReport, fmt: str = "table") -> str:
-    """Render a ``DiffReport`` as ``table``, ``markdown`` or ``json``; the last line of a table is the verdict.
-
-    >>> import numpy as np, tempfile, os
-    >>> f = os.path.join(tempfile.mkdtemp(), "a.npz"); np.savez(f, w=np.ones(3))
-    >>> render_diff(diff_paths(f, f, values=True)).splitlines()[-1]
-    'identical: 0 added, 0 removed, 0 changed, 1 unchanged in metadata; 0 of 1 compared leaves not allclose'
-    """
-    if fmt == "json":
-        return json.dumps(report.to_json(), indent=2, allow_nan=False)
-    if fmt not in ("table", "markdown"):
-        raise ValueError(f"`fmt` must be one of table, markdown, json; got {fmt!r}.")
-    from tabulate import tabulate
-
-    md = fmt == "markdown"
-
-    def side(d: dict[str, Any]) -> str:
-        extra = [f"step {d['step']}"] if d["step"] is not None else []
-        extra += [f"item {d['item']}"] if d["item"] else []
-        return f"{d['path']} ({', '.join([d['format'], *extra])})"
-
-    def shape(r: Row) -> str:
-        return "" if r.shape is None else str(list(r.shape))
-
-    def shown(r: Row, field: str, value: Any) -> str:
-        if field == "value":
-            return json.dumps(jsonable(value))
-        return shape(r) if field == "shape" else str(getattr(r, field) if getattr(r, field) is not None else "-")
-
-    def table(data: list[list[str]], headers: list[str]) -> str:
-        return tabulate(data, headers=headers, tablefmt="github" if md else "simple", disable_numparse=True)
-
-    sections: list[tuple[str, str | None]] = []
-    for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
-        if rows:
-            sections.append((f"{title}: {len(rows)}", table([[r.path, shape(r), r.dtype or "", f"{r.params:,}"]
-                                                               for r in rows], ["path", "shape", "dtype", "params"])))
-    if report.changed:
-        data = [[c.path, f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)] for c in report.changed for f in c.fields]
-        sections.append((f"changed: {len(report.changed)}", table(data, ["path", "field", "A", "B"])))
-    if report.values is not None:
-        diffs = [v for v in report.values if not v.allclose or v.max_abs_diff > 0]
-        body = table([[v.path, f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", str(v.allclose), f"{v.mismatched:,}"]
-                      for v in diffs], ["path", "max_abs_diff", "rel_l2", "allclose", "mismatched"]) if diffs else None
-        sections.append((f"values: {len(report.values)} leaves compared (atol={report.atol:g}, rtol={report.rtol:g}), "
-                         f"{len(diffs)} differ", body))
-    verdict = "identical" if report.identical else "different"
-    line = (f"{verdict}: {len(report.added)} added, {len(report.removed)} removed, "
-            f"{len(report.changed)} changed, {report.unchanged} unchanged")
-    if report.values is not None:
-        line += (f" in metadata; {sum(not v.allclose for v in report.values)} of {len(report.values)} "
-                 "compared leaves not allclose")
-    out = [f"- A: {side(report.a)}", f"- B: {side(report.b)}"] if md else [f"A: {side(report.a)}", f"B: {side(report.b)}"]
-    for title, body in sections:
-        # Markdown needs a blank line between a paragraph and a table.
-        out += ["", title, *([""] if md and body else []), *([body] if body else [])]
-    out += ["", line]
-    return "\n".join(out)
+def _same_sharding(a: Any, b: Any) -> bool:
+    if a is None and b is None:
+        return True
+    if a is None:
+        return a is b or b.same_layout(None)
+    return a.same_layout(b)

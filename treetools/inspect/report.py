@@ -1,23 +1,39 @@
 """``inspect_path``: a checkpoint's rows per step and item, filtered, summed, with stats.
 
-The report is data; ``render_report`` turns it into the terminal table,
-markdown, an indented tree, or the JSON object of DESIGN.md.
+The report is data; ``treetools.render.render_report`` turns it into the
+terminal table, markdown, an indented tree, or the versioned JSON object
+(``Report.to_json``, schema 2, documented in ``docs/json-schema.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from typing import Any, Sequence
 
-from treetools.inspect._base import DEFAULT_CHUNK_BYTES, NO_VALUE, CheckpointError, Leaf, Snapshot, is_numeric, jsonable
-from treetools.inspect.readers import open_checkpoint, select_item
+from treetools.errors import CheckpointError
+from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, is_numeric
+from treetools.inspect.source import NO_VALUE, Item, Leaf, Snapshot, jsonable, open_source
 from treetools.inspect.stats import Progress, StatsAccumulator, leaf_stats
-from treetools.paths import compile_patterns, match_patterns, path_prefix  # string helpers: no jax
-from treetools.table import Row, Totals, aggregate_rows, render_rows, sort_rows, totals
+from treetools.paths import compile_patterns, match_patterns  # string helpers: no jax
+from treetools.render import json_safe, render_report
+from treetools.rows import Row, Totals, aggregate_rows, common_prefix, sort_rows, totals
 
-__all__ = ["ItemReport", "Report", "StepReport", "inspect_path", "json_safe", "render_report"]
+__all__ = ["ItemReport", "Report", "SCHEMA", "StepReport", "inspect_path", "json_safe", "order_items", "render_report"]
+
+SCHEMA = 2
+"""Version of the ``--format json`` object; bumped on any incompatible change."""
+
+_ITEM_ORDER = ("params", "params_ema", "ema_params", "opt_state")
+
+
+def order_items(names: Sequence[str]) -> list[str]:
+    """Params first, then EMA params, then optimizer state, then the rest in stored order.
+
+    >>> order_items(["data_iter", "opt_state", "params_ema", "params"])
+    ['params', 'params_ema', 'opt_state', 'data_iter']
+    """
+    first = [n for n in _ITEM_ORDER if n in names]
+    return first + [n for n in names if n not in first]
 
 
 @dataclasses.dataclass
@@ -26,35 +42,52 @@ class ItemReport:
 
     ``values`` holds the values of non-array leaves that the checkpoint stores
     in its metadata (JSON items, msgpack scalars), by path; ``meshes`` the
-    distinct meshes (axis name -> size) of the sharded leaves. Both are for
-    the human views; the JSON object keeps DESIGN.md's schema.
+    distinct meshes (axis name -> size) of the sharded leaves; ``value`` the
+    whole value of a JSON item.
     """
 
     rows: list[Row]
     total: Totals
     values: dict[str, Any] = dataclasses.field(default_factory=dict)
     meshes: list[dict[str, int]] = dataclasses.field(default_factory=list)
+    kind: str = "pytree"
+    value: Any = NO_VALUE
 
     @classmethod
-    def of(cls, leaves: Sequence[Leaf], rows: list[Row]) -> "ItemReport":
-        """The report of ``leaves`` (filtered, before aggregation) shown as ``rows``."""
+    def of(cls, item: Item, leaves: Sequence[Leaf], rows: list[Row]) -> "ItemReport":
+        """The report of ``leaves`` (filtered, before aggregation) of ``item``, shown as ``rows``."""
         leaf_rows = [leaf.row for leaf in leaves]
         meshes = [dict(m) for m in {tuple(r.sharding.mesh.items()): 0 for r in leaf_rows
                                     if r.sharding is not None and r.sharding.mesh}]
-        values = {leaf.row.path: leaf.value for leaf in leaves if leaf.row.shape is None and leaf.value is not NO_VALUE}
-        return cls(rows, totals(leaf_rows), values, meshes)
+        values = {leaf.name: leaf.value for leaf in leaves if leaf.row.shape is None and leaf.value is not NO_VALUE}
+        value = item.handle if item.kind == "json" else NO_VALUE
+        return cls(rows, totals(leaf_rows), values, meshes, item.kind, value)
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.total.to_json(), "leaves": [r.to_json() for r in self.rows]}
+        out = {**self.total.to_json(), "leaves": [r.to_json() for r in self.rows]}
+        if self.kind == "json":
+            out["value"] = jsonable(self.value)
+        return out
 
 
 @dataclasses.dataclass
 class StepReport:
+    """One step (or the one checkpoint): its saved metadata and items."""
+
     step: int | None
     items: dict[str, ItemReport]
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def total(self) -> Totals:
+        out = Totals(0, 0, {})
+        for item in self.items.values():
+            out = out + item.total
+        return out
 
     def to_json(self) -> dict[str, Any]:
-        return {name: item.to_json() for name, item in self.items.items()}
+        return {"step": self.step, "metadata": jsonable(self.metadata),
+                "items": {name: item.to_json() for name, item in self.items.items()}}
 
 
 @dataclasses.dataclass
@@ -62,9 +95,9 @@ class Report:
     """What ``treetools inspect`` prints, as data.
 
     ``steps`` is None for a single checkpoint; ``step`` is the step shown
-    (None for a single checkpoint, and with ``all_steps``, where ``by_step``
-    holds every committed step); ``nonfinite`` lists ``item/path`` of leaves
-    with NaN or Inf (filled by ``stats=True``).
+    (None for a single checkpoint, and with ``all_steps``); ``by_step`` holds
+    one ``StepReport`` per step shown; ``nonfinite`` lists ``item/path`` of
+    leaves with NaN or Inf (filled by ``stats=True``).
     """
 
     path: str
@@ -77,32 +110,19 @@ class Report:
     stats: bool = False
     nonfinite: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    depth: int | None = None
+    leaves: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        """The DESIGN.md object; non-finite floats become ``null`` so the result is valid JSON."""
-        out: dict[str, Any] = {
+        """The versioned object of ``docs/json-schema.md``; non-finite floats become ``null``."""
+        return json_safe({
+            "schema": SCHEMA,
             "path": self.path,
             "format": self.format,
             "steps": self.steps,
             "incomplete": self.incomplete,
-            "step": self.step,
-        }
-        if self.all_steps:
-            out["by_step"] = {str(s.step): s.to_json() for s in self.by_step}
-        else:
-            out["items"] = self.by_step[0].to_json() if self.by_step else {}
-        return json_safe(out)
-
-
-def json_safe(value: Any) -> Any:
-    """Replace NaN and +-Inf floats by None anywhere in a JSON-like value (JSON has no NaN)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
+            "checkpoints": [s.to_json() for s in self.by_step],
+        })
 
 
 def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence[str]) -> list[dict[str, list[Leaf]]]:
@@ -113,31 +133,52 @@ def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence
     leaf are dropped (``--include`` asks to see the matches, not every item).
     """
     if not include and not exclude:
-        return [dict(s.items) for s in snaps]
+        return [{name: item.leaves for name, item in s.items.items()} for s in snaps]
     inc = compile_patterns(list(include), name="include")
     exc = compile_patterns(list(exclude), name="exclude")
     # Match each distinct path once: items and steps repeat the same paths.
-    paths = list(dict.fromkeys(leaf.row.path for s in snaps for leaves in s.items.values() for leaf in leaves))
+    paths = list(dict.fromkeys(leaf.name for s in snaps for item in s.items.values() for leaf in item.leaves))
     keep = dict(zip(paths, match_patterns(paths, inc, name="include") if inc else [True] * len(paths)))
     if exc:
         for path, dropped in zip(paths, match_patterns(paths, exc, name="exclude")):
             keep[path] = keep[path] and not dropped
     out: list[dict[str, list[Leaf]]] = []
     for s in snaps:
-        kept = {name: [leaf for leaf in leaves if keep[leaf.row.path]] for name, leaves in s.items.items()}
+        kept = {name: [leaf for leaf in item.leaves if keep[leaf.name]] for name, item in s.items.items()}
         out.append({name: leaves for name, leaves in kept.items() if leaves})
     return out
 
 
-def _with_stats(rows: list[Row], accs: dict[str, StatsAccumulator], depth: int | None) -> list[Row]:
-    """Attach statistics; a ``--depth`` group gets its members' streams merged."""
-    groups: dict[str, StatsAccumulator] = dict(accs)
-    if depth is not None:
-        groups = {}
-        for path, acc in accs.items():
-            key = path_prefix(path, depth)
-            groups[key] = groups[key].merge(acc) if key in groups else acc
+def _with_stats(rows: list[Row], accs: dict[tuple[str, ...], StatsAccumulator]) -> list[Row]:
+    """Attach statistics; a group row gets its members' streams merged."""
+    groups: dict[tuple[str, ...], StatsAccumulator] = {}
+    for r in rows:
+        members = [acc for path, acc in accs.items() if path[:len(r.path)] == r.path]
+        if members:
+            acc = members[0]
+            for other in members[1:]:
+                acc = acc.merge(other)
+            groups[r.path] = acc
     return [dataclasses.replace(r, stats=groups[r.path].result()) if r.path in groups else r for r in rows]
+
+
+def auto_depth(rows: Sequence[Row], offset: int, budget: int) -> int | None:
+    """The deepest grouping (counted below ``offset``) that shows at most ``budget`` rows; None when all fit.
+
+    >>> rows = [Row(("a", str(i), "w"), (1,), "float32", 1, 4) for i in range(30)]
+    >>> auto_depth(rows, 0, 10), auto_depth(rows, 0, 40)
+    (1, None)
+    """
+    if len(rows) <= budget:
+        return None
+    deepest = max((len(r.path) - offset for r in rows), default=1)
+    best = 1
+    for depth in range(1, max(deepest, 1) + 1):
+        if len({r.path[:offset + depth] for r in rows}) <= budget:
+            best = depth
+        else:
+            break
+    return best
 
 
 def inspect_path(
@@ -146,21 +187,25 @@ def inspect_path(
     step: int | str | None = None,
     item: str | None = None,
     depth: int | None = None,
+    leaves: bool = False,
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     sort: str | None = None,
     stats: bool = False,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: bool | None = None,
+    rows_per_item: int | None = None,
 ) -> Report:
     """Inspect a checkpoint from its metadata (and, with ``stats``, its data in bounded blocks).
 
     Args:
-      path: an Orbax CheckpointManager root, step folder or item folder, a Flax
-        msgpack file, a ``.safetensors`` or an ``.npz``.
+      path: any checkpoint a registered format reads (an Orbax root, step or
+        item folder, a Flax msgpack file, a ``.safetensors``, an ``.npz``...).
       step: a step number, ``"latest"`` (default) or ``"all"``; roots only.
-      item: show only this item (e.g. ``params``).
-      depth: one row per path prefix of ``depth`` parts, summed.
+      item: show only this item (e.g. ``params``); only its metadata is read.
+      depth: one row per path prefix of ``depth`` parts below the item's
+        shared prefix, summed.
+      leaves: one row per leaf (no grouping).
       include: regexes (``re.search`` on path strings); keep leaves matching any.
       exclude: regexes; drop leaves matching any. A pattern that matches no leaf is an error.
       sort: ``path``, ``params`` or ``bytes``; default stored order.
@@ -168,49 +213,57 @@ def inspect_path(
         zeros, nan, posinf, neginf.
       chunk_bytes: the block budget for ``stats``.
       progress: draw a progress bar on stderr (default: when stderr is a terminal).
+      rows_per_item: without ``depth`` or ``leaves``, group an item's rows at
+        the deepest level that keeps it to this many rows (the CLI's one-screen
+        summary); None shows every leaf.
 
     Returns:
       A ``Report``; ``Report.to_json()`` is the ``--format json`` object.
 
     Raises:
-      CheckpointError: missing path, not a checkpoint, corrupt or unreadable.
-      ValueError: a bad or unmatched include/exclude pattern, a bad ``depth``.
+      CheckpointNotFoundError: missing path, unknown step or item.
+      CheckpointError: not a checkpoint, corrupt or unreadable.
+      PatternError: a bad or unmatched include/exclude pattern.
 
     >>> import numpy as np, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "w.npz")
     >>> np.savez(f, **{"a/w": np.ones((2, 3), np.float32), "a/b": np.zeros(3, np.float32)})
-    >>> inspect_path(f, depth=1).to_json()["items"]["default"]["leaves"][0]["params"]
+    >>> inspect_path(f, depth=1).to_json()["checkpoints"][0]["items"]["default"]["leaves"][0]["params"]
     9
     """
     if depth is not None and depth < 1:
         raise ValueError(f"`depth` must be a positive integer, got {depth}.")
-    source = open_checkpoint(path)
+    source = open_source(path)
     all_steps = step == "all"
+    wanted = [item] if item is not None else None
     if all_steps:
         if source.steps is None:
-            raise CheckpointError(f"--step all: {source.path} is a single checkpoint, not a CheckpointManager root.")
-        snaps = [source.snapshot(s) for s in source.steps]
+            raise CheckpointError(f"{source.path}: a single checkpoint, not a checkpoint root; `all` steps needs a root.")
+        snaps = [source.snapshot(s, wanted) for s in source.steps]
     else:
-        snaps = [source.snapshot(step)]
-    notes = [n for s in snaps for n in s.notes]
-    if item is not None:
-        for s in snaps:
-            where = f"{source.path} (step {s.step})" if source.steps is not None else source.path
-            s.items = select_item(s.items, item, where=where)
+        snaps = [source.snapshot(step, wanted)]
+    for s in snaps:
+        s.items = {name: s.items[name] for name in order_items(list(s.items))}
+    notes = list(dict.fromkeys(n for s in snaps for n in s.notes))
     kept = _filter(snaps, include, exclude)
-    accs: list[dict[str, dict[str, StatsAccumulator]]] = [{} for _ in snaps]
+    accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite: list[str] = []
     if stats:
         accs, nonfinite = _compute_stats(kept, snaps, chunk_bytes, progress)
     by_step = []
     for i, s in enumerate(snaps):
         items = {}
-        for name, leaves in kept[i].items():
-            rows = aggregate_rows([leaf.row for leaf in leaves], depth)
+        for name, item_leaves in kept[i].items():
+            leaf_rows = [leaf.row for leaf in item_leaves]
+            offset = len(common_prefix(leaf_rows))
+            group = None if leaves else depth
+            if group is None and not leaves and rows_per_item is not None:
+                group = auto_depth(leaf_rows, offset, rows_per_item)
+            rows = aggregate_rows(leaf_rows, group, offset=offset)
             if stats:
-                rows = _with_stats(rows, accs[i].get(name, {}), depth)
-            items[name] = ItemReport.of(leaves, sort_rows(rows, sort))
-        by_step.append(StepReport(s.step, items))
+                rows = _with_stats(rows, accs[i].get(name, {}))
+            items[name] = ItemReport.of(s.items[name], item_leaves, sort_rows(rows, sort))
+        by_step.append(StepReport(s.step, items, s.metadata))
     return Report(
         path=source.path,
         format=source.format,
@@ -222,112 +275,32 @@ def inspect_path(
         stats=stats,
         nonfinite=nonfinite,
         notes=notes,
+        depth=depth,
+        leaves=leaves,
     )
 
 
 def _compute_stats(kept, snaps, chunk_bytes, progress):
     todo = [(i, name, leaf) for i, items in enumerate(kept) for name, leaves in items.items()
             for leaf in leaves if leaf.reader is not None and is_numeric(leaf.reader.dtype)]
-    bar = Progress(sum(leaf.row.bytes for _, _, leaf in todo), enabled=progress)
-    accs: list[dict[str, dict[str, StatsAccumulator]]] = [{} for _ in snaps]
+    bar = Progress(sum(leaf.reader.dtype.itemsize * _size(leaf.reader.shape) for _, _, leaf in todo), enabled=progress)
+    accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite = []
     try:
         for i, name, leaf in todo:
-            bar.start(f"{name}/{leaf.row.path}")
+            bar.start(f"{name}/{leaf.name}")
             acc = leaf_stats(leaf.reader, chunk_bytes=chunk_bytes, progress=bar)
-            accs[i].setdefault(name, {})[leaf.row.path] = acc
+            accs[i].setdefault(name, {})[leaf.path] = acc
             if acc.nonfinite:
-                where = f"{name}/{leaf.row.path}"
+                where = f"{name}/{leaf.name}"
                 nonfinite.append(where if snaps[i].step is None or len(snaps) == 1 else f"{snaps[i].step}:{where}")
     finally:
         bar.close()
     return accs, nonfinite
 
 
-# ---------------------------------------------------------------------------- rendering
-
-
-def _header(report: Report) -> list[str]:
-    lines = [f"{report.path} ({report.format})"]
-    if report.steps is not None:
-        shown = "all" if report.all_steps else report.step
-        lines.append(f"steps: {', '.join(map(str, report.steps)) or 'none'} (showing {shown})")
-    if report.incomplete:
-        lines.append(f"incomplete (not read): {', '.join(report.incomplete)}")
-    return lines
-
-
-def render_report(report: Report, fmt: str = "table", *, tablefmt: str = "simple") -> str:
-    """Render a ``Report`` as ``table``, ``markdown``, ``tree`` or ``json``.
-
-    Tables and trees reuse ``treetools.table.render_rows``: one section per
-    step and item, each with its totals and per-dtype breakdown. A section's
-    title names the path prefix its rows share (optax states nest deep) and
-    its mesh; a JSON item is shown as its values.
-
-    >>> import numpy as np, tempfile, os
-    >>> f = os.path.join(tempfile.mkdtemp(), "w.npz")
-    >>> np.savez(f, **{"opt/0/mu": np.ones(2, np.float32), "opt/0/nu": np.ones(2, np.float32)})
-    >>> print(render_report(inspect_path(f)).splitlines()[2])
-    [default] opt/0/
-    """
-    if fmt == "json":
-        return json.dumps(report.to_json(), indent=2, allow_nan=False)
-    if fmt not in ("table", "markdown", "tree"):
-        raise ValueError(f"`fmt` must be one of table, markdown, tree, json; got {fmt!r}.")
-    md = fmt == "markdown"
-    head = _header(report)
-    out = [f"# {head[0]}", *(f"- {line}" for line in head[1:])] if md else list(head)
-    for s in report.by_step:
-        if report.all_steps:
-            out += ["", f"## step {s.step}" if md else f"=== step {s.step} ==="]
-        if not s.items:
-            out += ["", "(no items)"]
-        for name, item in s.items.items():
-            out += ["", *_item_section(name, item, fmt, tablefmt, level=3 if report.all_steps else 2)]
-    return "\n".join(out)
-
-
-def _common_folder(paths: Sequence[str]) -> str:
-    """``a/b/`` when every one of two or more paths lies below it (a path's own last part is never shared)."""
-    import os.path
-
-    shared = os.path.commonprefix([p.split("/")[:-1] for p in paths]) if len(paths) > 1 else []
-    return "/".join(shared) + "/" if shared else ""
-
-
-def _item_section(name: str, item: ItemReport, fmt: str, tablefmt: str, *, level: int) -> list[str]:
-    md = fmt == "markdown"
-    prefix = _common_folder([r.path for r in item.rows]) if fmt != "tree" else ""
-    rows = [dataclasses.replace(r, path=r.path[len(prefix):]) for r in item.rows]
-    values = {p[len(prefix):]: v for p, v in item.values.items()}
-    if md:
-        head = [f"{'#' * level} {name}" + (f": `{prefix}`" if prefix else "")]
-    else:
-        head = [f"[{name}]" + (f" {prefix}" if prefix else "")]
-    head += [f"mesh: {', '.join(f'{a}={n}' for a, n in mesh.items())}" for mesh in item.meshes]
-    if not rows:
-        body = ["(no leaves)"]
-    elif values and len(values) == len(rows) and all(r.path in values for r in rows):
-        body = [_render_values(values, md)]  # a JSON item: its values are what it holds
-    else:
-        body = [render_rows(rows, fmt=fmt, tablefmt=tablefmt, total=item.total)]
-        if values:
-            body += ["", "values:", _render_values(values, md)]
-    if md:  # markdown needs blank lines between a heading, a paragraph and a table
-        return [line for part in [*head, *body] if part for line in (part, "")][:-1]
-    return [*head, *body]
-
-
-def _render_values(values: dict[str, Any], md: bool) -> str:
-    def shown(v: Any) -> str:
-        text = json.dumps(jsonable(v), allow_nan=True)
-        return text if len(text) <= 80 else text[:77] + "..."
-
-    if md:
-        from tabulate import tabulate
-
-        return tabulate([[p, shown(v)] for p, v in values.items()], headers=["path", "value"], tablefmt="github",
-                        disable_numparse=True)
-    width = max(len(p) for p in values)
-    return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in values.items())
+def _size(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -18,7 +18,7 @@ from typing import Any, Iterable, TextIO
 
 import numpy as np
 
-from treetools.inspect._base import DEFAULT_CHUNK_BYTES, ArrayReader
+from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, ArrayReader
 
 __all__ = ["StatsAccumulator", "array_stats", "leaf_stats", "Progress"]
 

@@ -1,75 +1,25 @@
-"""Shared pieces of the checkpoint readers: errors, leaves, block plans.
+"""Block readers: one stored array handed out in bounded blocks, never whole.
 
-A reader turns a checkpoint into ``Leaf``s: a ``treetools.table.Row`` built
-from metadata alone, plus (for arrays) an ``ArrayReader`` that can hand out
-the array in bounded blocks. Nothing here reads array data by itself.
+Every format's leaves carry an ``ArrayReader``; ``--stats``, ``--show``,
+``diff --values``, ``verify`` and ``load_parameters`` read arrays only
+through it. ``plan_blocks`` tiles an array into blocks aligned to its storage
+chunks, so no chunk is decoded twice.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from treetools.table import Row, dtype_name
+from treetools.errors import CheckpointError
 
 Index = tuple[slice, ...]
 
 DEFAULT_CHUNK_BYTES = 8 * 2**20
 """Default block budget for ``--stats`` and ``diff --values`` (bytes of source data)."""
-
-
-class CheckpointError(ValueError):
-    """A known problem with a checkpoint: missing, not a checkpoint, corrupt or unreadable.
-
-    The CLI prints it as one ``treetools: error: ...`` line and exits 1.
-    """
-
-    def __init__(self, message: str):
-        super().__init__(" ".join(str(message).split()))
-
-
-def require_file(path: str, *, what: str) -> None:
-    """Refuse what is not a regular file before opening it: reading a FIFO would block forever.
-
-    >>> require_file("/", what="Orbax _METADATA")
-    Traceback (most recent call last):
-    ...
-    treetools.inspect._base.CheckpointError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
-    """
-    if os.path.isfile(path):
-        return
-    if not os.path.lexists(path):
-        raise CheckpointError(f"{path}: {what} is missing.")
-    raise CheckpointError(f"{path}: not a regular file ({file_kind(path)}); cannot read it as {what}.")
-
-
-def file_kind(path: str) -> str:
-    """``a folder``, ``a FIFO``, ``a broken symlink``...: what stands at ``path`` instead of a file."""
-    import stat
-
-    if os.path.islink(path) and not os.path.exists(path):
-        return f"a broken symlink to {os.readlink(path)!r}"
-    mode = os.stat(path).st_mode
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((name for test, name in kinds if test(mode)), "not a file")
-
-
-def require_regular_tree(folder: str) -> None:
-    """Refuse a folder holding anything but files and folders (a FIFO, a broken symlink) before a reader opens it."""
-
-    def fail(e: OSError) -> None:
-        raise CheckpointError(f"{e.filename}: cannot list folder ({e.strerror or e}).")
-
-    for root, _dirs, files in os.walk(folder, onerror=fail):
-        for name in files:
-            path = os.path.join(root, name)
-            if not os.path.isfile(path):
-                raise CheckpointError(f"{path}: not a regular file ({file_kind(path)}); cannot read this checkpoint.")
 
 
 def chunk_bytes_from_env(default: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -84,22 +34,6 @@ def chunk_bytes_from_env(default: int = DEFAULT_CHUNK_BYTES) -> int:
     if value < 1024:
         raise CheckpointError(f"`TREETOOLS_CHUNK_BYTES` must be at least 1024, got {value}.")
     return value
-
-
-def check_name(name: str, *, where: str) -> None:
-    """Refuse a stored name that would point outside the checkpoint.
-
-    A name is refused when it is absolute or has a ``..`` part (``/`` or ``\\``
-    separated): such a key could make a reader open files outside PATH.
-    """
-    parts = name.replace("\\", "/").split("/")
-    if name.startswith(("/", "\\")) or ".." in parts:
-        raise CheckpointError(f"{where}: key {name!r} tries to escape the checkpoint folder; refusing to read it.")
-
-
-def dotted_to_path(name: str) -> str:
-    """``model.layers.0.weight`` -> ``model/layers/0/weight`` (torch-style names as path strings)."""
-    return name.replace(".", "/")
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -141,6 +75,15 @@ class ArrayReader:
         for index in plan:
             yield self.read(index)
 
+    def read_all(self) -> np.ndarray:
+        """The whole array (``load_parameters``): one read where the storage allows random access."""
+        if not self.sequential:
+            return np.asarray(self.read(tuple(slice(None) for _ in self.shape)))
+        if not math.prod(self.shape):
+            return np.zeros(self.shape, self.dtype)
+        flat = np.concatenate([np.ravel(b) for b in self.storage_blocks(DEFAULT_CHUNK_BYTES)])
+        return flat.reshape(self.shape, order="C" if self.c_order else "F")
+
     def storage_blocks(self, max_bytes: int) -> Iterator[np.ndarray]:
         """Every element exactly once, in whatever order the storage reads fastest.
 
@@ -148,77 +91,6 @@ class ArrayReader:
         Fortran-ordered; statistics do not care.
         """
         return self.blocks(plan_blocks(self.shape, max(1, max_bytes // self.dtype.itemsize), self.chunk_shape))
-
-
-NO_VALUE: Any = type("NoValue", (), {"__repr__": lambda self: "NO_VALUE"})()
-"""The value of a non-array leaf that the metadata does not carry."""
-
-
-def jsonable(value: Any) -> Any:
-    """A non-array leaf's value as JSON can hold it (numpy scalars as Python numbers, others as text)."""
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
-
-
-@dataclasses.dataclass
-class Leaf:
-    """One leaf of a checkpoint: its row (metadata) and, for arrays, a reader.
-
-    ``value`` holds a non-array leaf's value when the metadata carries it
-    (JSON items, scalars in a msgpack), else ``NO_VALUE``.
-    """
-
-    row: Row
-    reader: ArrayReader | None = None
-    value: Any = NO_VALUE
-
-
-def array_row(path: str, shape: Sequence[int], dtype: Any, *, sharding: Any = None) -> Row:
-    """The row of one stored array, from its metadata alone: params and bytes follow from shape and dtype.
-
-    >>> array_row("w", (2, 3), np.float16).bytes
-    12
-    """
-    shape = tuple(int(d) for d in shape)
-    dtype = np.dtype(dtype)
-    size = math.prod(shape)
-    return Row(path=path, shape=shape, dtype=dtype_name(dtype), params=size, bytes=size * dtype.itemsize,
-               sharding=sharding)
-
-
-def value_row(path: str) -> Row:
-    """The row of a non-array leaf (a scalar, a string, an object array): no shape, nothing counted."""
-    return Row(path=path, shape=None, dtype=None, params=0, bytes=0)
-
-
-def tree_leaves(tree: Any, *, where: str) -> list[Leaf]:
-    """Leaves of a tree already in memory (a Flax msgpack, an Orbax JSON item), after refusing escaping keys.
-
-    Arrays get an ``InMemoryReader``; other leaves keep their value.
-    """
-    from treetools.paths import leaves_with_paths
-    from treetools.table import rows_from_tree
-
-    pairs = leaves_with_paths(tree)
-    for p, _ in pairs:
-        check_name(p, where=where)
-    return [Leaf(row, InMemoryReader(value)) if row.shape is not None else Leaf(row, value=value)
-            for row, (_, value) in zip(rows_from_tree(tree), pairs)]
-
-
-@dataclasses.dataclass
-class Snapshot:
-    """One checkpoint (one step): item name -> leaves, in stored order."""
-
-    step: int | None
-    items: dict[str, list[Leaf]]
-    record_sharding: bool = False
-    """Whether the format stores shardings (so a missing one means "not sharded")."""
-    notes: list[str] = dataclasses.field(default_factory=list)
-    """Diagnostics for stderr (e.g. an item kind the inspector skips)."""
 
 
 def plan_blocks(shape: Sequence[int], max_elems: int, granule: Sequence[int] | None = None) -> Iterator[Index]:

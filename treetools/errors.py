@@ -1,0 +1,100 @@
+"""The exceptions treetools users catch.
+
+All but ``CheckpointNotFoundError`` are ``ValueError`` subclasses, so code written against the older
+``except ValueError`` keeps working. Importing this module imports nothing
+heavy (no jax, no numpy).
+
+* ``CheckpointError``: a known problem with a checkpoint on disk: missing,
+  not a checkpoint, corrupt, unreadable, an unknown or incomplete step. The
+  CLI prints it as one ``treetools: error: ...`` line and exits 1.
+* ``CheckpointNotFoundError``: a ``FileNotFoundError``: the path, the step
+  (the message lists the committed ones) or the item asked for is not there.
+* ``CheckpointMismatchError``: a restore target does not match the
+  checkpoint; ``problems`` lists every offending leaf.
+* ``PatternError``: an include/exclude/label pattern that is not a regex or
+  that matches no leaf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "Mismatch", "PatternError"]
+
+
+class CheckpointError(ValueError):
+    """A known problem with a checkpoint: missing, not a checkpoint, corrupt, unreadable, unknown step.
+
+    The message is one line naming the path and, where there is one, the fix.
+
+    >>> str(CheckpointError("runs/x: no such file or folder."))
+    'runs/x: no such file or folder.'
+    """
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """The path, step or item asked for does not exist; the message lists what does.
+
+    >>> isinstance(CheckpointNotFoundError("runs/x: no step 5; committed steps: 100, 200."), FileNotFoundError)
+    True
+    """
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+class PatternError(ValueError):
+    """A path pattern that is not a valid regex, or that matches no leaf.
+
+    >>> isinstance(PatternError("`exclude` pattern 'bias$' matches no leaf"), ValueError)
+    True
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """One leaf where a restore target and the checkpoint disagree.
+
+    ``kind`` is ``"missing"`` (the target has it, the checkpoint does not),
+    ``"unexpected"`` (the checkpoint has it, the target does not), ``"shape"``
+    or ``"dtype"``; ``path`` is the leaf's path in ``items`` (``params/layers/3/w``).
+    """
+
+    path: str
+    kind: str
+    expected: str
+    found: str
+
+    def __str__(self) -> str:
+        if self.kind == "missing":
+            has = "" if self.found == "nothing" else f"; checkpoint has {self.found}"
+            return f"{self.path}: missing in checkpoint (target expects {self.expected}{has})"
+        if self.kind == "unexpected":
+            return f"{self.path}: in checkpoint as {self.found} but not in the target"
+        return f"{self.path}: {self.kind} mismatch, target {self.expected} vs checkpoint {self.found}"
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A restore target does not match the checkpoint; ``problems`` lists every leaf.
+
+    >>> e = CheckpointMismatchError(5, "ckpt", [Mismatch("params/w", "shape", "(2,)", "(3,)")])
+    >>> e.problems[0].kind, str(e).splitlines()[0]
+    ('shape', 'checkpoint step 5 under ckpt does not match the restore target (1 problem):')
+    """
+
+    def __init__(self, step: int | None, root: Any, problems: Sequence[Mismatch]):
+        self.step, self.root, self.problems = step, root, list(problems)
+        hint = "fix the target (model config, layer count, dtypes) or restore a matching step"
+        if any(p.kind == "dtype" for p in problems):
+            hint += "; pass allow_dtype_cast=True for a deliberate dtype change"
+        lines = "\n".join(f"  {p}" for p in problems)
+        where = f"checkpoint step {step} under {root}" if step is not None else f"checkpoint {root}"
+        n = len(problems)
+        # Not CheckpointError.__init__: the per-leaf lines must stay on their own lines.
+        ValueError.__init__(
+            self, f"{where} does not match the restore target ({n} problem{'s' * (n != 1)}):\n{lines}\n{hint}."
+        )

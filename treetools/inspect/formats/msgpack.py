@@ -1,0 +1,48 @@
+"""Flax msgpack files (``flax.serialization.to_bytes`` of a state dict).
+
+msgpack has no index: the file is parsed whole (its arrays materialized) to
+list its leaves. Paths follow the state dict's keys.
+"""
+
+from __future__ import annotations
+
+import os
+
+from treetools.errors import CheckpointError
+from treetools.inspect.source import FileSource, Format, Leaf, file_head, tree_leaves
+
+__all__ = ["FORMAT", "read_msgpack"]
+
+
+def read_msgpack(path: str) -> list[Leaf]:
+    """Leaves of a ``flax.serialization.to_bytes`` file (its arrays are materialized: msgpack has no index)."""
+    from flax import serialization
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
+    try:
+        tree = serialization.msgpack_restore(data)
+    except Exception as e:  # msgpack raises ValueError, ExtraData, FormatError, TypeError...
+        raise CheckpointError(f"{path}: corrupt or truncated Flax msgpack ({type(e).__name__}: {e}).") from None
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{path}: not a Flax msgpack checkpoint (top level is {type(tree).__name__}, not a dict).")
+    return tree_leaves(tree, where=path)
+
+
+def _claims(path: str) -> bool:
+    head = file_head(path, 1)
+    if head and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)):
+        return True  # a map: what flax.serialization.to_bytes writes for a state dict
+    return bool(head) and os.path.splitext(path)[1].lower() in (".msgpack", ".flax", ".mpk")
+
+
+FORMAT = Format(
+    name="msgpack",
+    priority=10,
+    claims=_claims,
+    open=lambda local, display: FileSource(display, "msgpack", read_msgpack(local)),
+    description="a Flax msgpack file from flax.serialization.to_bytes",
+)

@@ -1,0 +1,156 @@
+"""``.npz`` archives (``numpy.savez``): leaves from each member's .npy header; array bytes on request.
+
+A stored (uncompressed) member is mapped a block at a time; a compressed one is
+streamed front to back. Member names are kept as stored (``Dense_0/kernel``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+import zipfile
+from typing import Any, Iterator
+
+import numpy as np
+
+from treetools.errors import CheckpointError
+from treetools.inspect.arrays import ArrayReader, MemmapReader, block_span
+from treetools.inspect.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path, value_row
+
+__all__ = ["FORMAT", "ZipStreamReader", "read_npz"]
+
+
+class ZipStreamReader(ArrayReader):
+    """A compressed npz member, decompressed front to back in bounded reads."""
+
+    sequential = True
+
+    def __init__(self, path: str, member: str, skip: int, shape: tuple[int, ...], dtype: np.dtype, fortran: bool):
+        self._path, self._member, self._skip = path, member, skip
+        self.shape = shape
+        self.dtype = dtype
+        self.c_order = not fortran
+
+    def _stream(self, counts: Iterator[tuple[int, tuple[int, ...]]]) -> Iterator[np.ndarray]:
+        with zipfile.ZipFile(self._path) as zf, zf.open(self._member) as f:
+            f.read(self._skip)
+            for count, shape in counts:
+                want = count * self.dtype.itemsize
+                buf = bytearray(want)
+                view = memoryview(buf)
+                got = 0
+                while got < want:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        raise CheckpointError(f"{self._path}: npz member {self._member!r} is truncated.")
+                    got += n
+                yield np.frombuffer(buf, dtype=self.dtype).reshape(shape)
+
+    def blocks(self, plan):
+        if not self.c_order:
+            raise CheckpointError(
+                f"{self._path}: npz member {self._member!r} is Fortran-ordered and compressed, so it can only be "
+                "streamed in storage order; re-save it with np.ascontiguousarray to compare values."
+            )
+        expected = 0
+
+        def counts():
+            nonlocal expected
+            for index in plan:
+                start, sizes = block_span(index, self.shape)
+                if start != expected:
+                    raise CheckpointError(f"{self._path}: blocks of {self._member!r} must be read front to back.")
+                expected = start + math.prod(sizes)
+                yield math.prod(sizes), sizes
+
+        return self._stream(counts())
+
+    def storage_blocks(self, max_bytes: int) -> Iterator[np.ndarray]:
+        total = math.prod(self.shape)
+        per = max(1, max_bytes // self.dtype.itemsize)
+        return self._stream((min(per, total - a), (min(per, total - a),)) for a in range(0, total, per))
+
+
+def _npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = fmt.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = fmt.read_array_header_2_0(f)
+        else:
+            shape, fortran, dtype = fmt._read_array_header(f, version)  # 3.0 (utf-8 names): no public reader
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, SyntaxError) as e:
+        raise CheckpointError(f"{where}: corrupt .npy header ({e}).") from None
+    return tuple(int(d) for d in shape), bool(fortran), np.dtype(dtype), f.tell()
+
+
+def _local_data_offset(fh: io.BufferedReader, info: zipfile.ZipInfo, where: str) -> int:
+    """Where a stored (uncompressed) member's bytes begin in the zip file."""
+    fh.seek(info.header_offset)
+    local = fh.read(30)
+    if len(local) != 30 or local[:4] != b"PK\x03\x04":
+        raise CheckpointError(f"{where}: corrupt zip local header.")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def read_npz(path: str) -> list[Leaf]:
+    """Leaves of an ``.npz`` from each member's .npy header; array bytes are never read here.
+
+    >>> import numpy as np, tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "a.npz")
+    >>> np.savez(f, **{"Dense_0/kernel": np.zeros((2, 3), np.float32)})
+    >>> [(l.name, l.row.shape, l.row.params) for l in read_npz(f)]
+    [('Dense_0/kernel', (2, 3), 6)]
+    """
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, EOFError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated npz ({e}).") from None
+    leaves = []
+    with zf, open(path, "rb") as fh:
+        for info in zf.infolist():
+            if info.is_dir():
+                continue
+            where = f"{path}: member {info.filename!r}"
+            if not info.filename.endswith(".npy"):
+                raise CheckpointError(f"{where} is not a .npy array; not an npz checkpoint.")
+            name = info.filename[: -len(".npy")]
+            check_name(name, where=path)
+            parts, sep = stored_path(name)
+            try:
+                with zf.open(info) as f:
+                    shape, fortran, dtype, header_len = _npy_header(f, where)
+            except (zipfile.BadZipFile, OSError, EOFError) as e:
+                raise CheckpointError(f"{where}: corrupt zip member ({e}).") from None
+            if dtype.hasobject:
+                leaves.append(Leaf(value_row(parts, sep=sep), key=name))
+                continue
+            size = math.prod(shape)
+            if info.file_size != header_len + size * dtype.itemsize:
+                raise CheckpointError(f"{where}: corrupt member ({info.file_size} bytes for shape {list(shape)} {dtype}).")
+            row = array_row(parts, shape, dtype, sep=sep)
+            if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
+                offset = _local_data_offset(fh, info, where) + header_len
+                reader: ArrayReader = MemmapReader(path, offset, shape, dtype, fortran=fortran)
+            else:
+                reader = ZipStreamReader(path, info.filename, header_len, shape, dtype, fortran)
+            leaves.append(Leaf(row, reader, key=name))
+    return leaves
+
+
+def _claims(path: str) -> bool:
+    head = file_head(path, 4)
+    return head in (b"PK\x03\x04", b"PK\x05\x06") or (path.lower().endswith(".npz") and bool(head))
+
+
+FORMAT = Format(
+    name="npz",
+    priority=30,
+    claims=_claims,
+    open=lambda local, display: FileSource(display, "npz", read_npz(local)),
+    description="an .npz file from numpy.savez",
+)

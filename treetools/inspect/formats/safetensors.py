@@ -1,0 +1,123 @@
+"""``.safetensors`` files: leaves from the JSON header; tensor bytes mapped a block at a time on request.
+
+Tensor names are kept exactly as stored (``model.layers.0.self_attn.q_proj.weight``);
+``--depth`` and the tree view split them on ``.``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any
+
+from treetools.errors import CheckpointError
+from treetools.inspect.arrays import MemmapReader, np_dtype
+from treetools.inspect.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path
+from treetools.rows import dtype_name
+
+__all__ = ["FORMAT", "read_safetensors"]
+
+_ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+}
+_ST_MAX_HEADER = 100 * 2**20  # the safetensors spec caps the header at 100 MB
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object that refuses a key given twice (json.loads would silently keep the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"tensor name {key!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _st_header(path: str) -> tuple[dict[str, Any], int, int]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length).")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(size - 8, _ST_MAX_HEADER):
+            raise CheckpointError(
+                f"{path}: corrupt or truncated safetensors header (says {n} bytes, file has {size - 8} after the length)."
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise CheckpointError(f"{path}: corrupt safetensors header ({reason}).") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object).")
+    return header, 8 + n, size - 8 - n
+
+
+def read_safetensors(path: str) -> list[Leaf]:
+    """Leaves of a ``.safetensors`` file from its JSON header; tensor bytes are never read here.
+
+    >>> import numpy as np, safetensors.numpy, tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+    >>> safetensors.numpy.save_file({"dense.kernel": np.zeros((2, 3), np.float32)}, f)
+    >>> [(l.name, l.row.shape, l.row.dtype, l.row.bytes) for l in read_safetensors(f)]
+    [('dense.kernel', (2, 3), 'float32', 24)]
+    """
+    header, data_start, data_len = _st_header(path)
+    leaves = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {name!r}"
+        check_name(name, where=path)
+        parts, sep = stored_path(name)
+        try:
+            dtype = np_dtype(_ST_DTYPES[entry["dtype"]])
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise CheckpointError(f"{where}: corrupt safetensors header entry {entry!r}.") from None
+        size = math.prod(shape)
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_len or end - begin != size * dtype.itemsize:
+            raise CheckpointError(
+                f"{where}: corrupt safetensors header (offsets {begin}..{end} do not hold shape {list(shape)} "
+                f"{dtype_name(dtype)} inside {data_len} data bytes)."
+            )
+        leaves.append(Leaf(array_row(parts, shape, dtype, sep=sep), MemmapReader(path, data_start + begin, shape, dtype),
+                           key=name))
+    _check_overlaps(path, header)
+    return leaves
+
+
+def _check_overlaps(path: str, header: dict[str, Any]) -> None:
+    """Refuse two tensors whose data ranges overlap (the safetensors library refuses them too)."""
+    spans = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1]), name)
+                   for name, e in header.items() if name != "__metadata__")
+    for (_, end_a, a), (begin_b, end_b, b) in zip(spans, spans[1:]):
+        if begin_b < end_a and begin_b < end_b:
+            raise CheckpointError(f"{path}: corrupt safetensors header (tensors {a!r} and {b!r} share data bytes).")
+
+
+def _claims(path: str) -> bool:
+    head = file_head(path, 9)
+    if len(head) == 9 and head[8:9] == b"{":
+        try:
+            return 2 <= struct.unpack("<Q", head[:8])[0] <= os.path.getsize(path) - 8
+        except OSError:
+            return False
+    return path.lower().endswith(".safetensors") and os.path.isfile(path)  # a broken header: its reader says how
+
+
+FORMAT = Format(
+    name="safetensors",
+    priority=40,
+    claims=_claims,
+    open=lambda local, display: FileSource(display, "safetensors", read_safetensors(local)),
+    description="a .safetensors file",
+)

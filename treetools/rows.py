@@ -1,0 +1,372 @@
+"""Rows: the data every table, report and diff is made of.
+
+A ``Row`` is one leaf (or, after ``aggregate_rows``, one group of leaves).
+Its path is kept as a tuple of parts and joined only when it is shown or
+matched: ``Row.name`` is the one path string (``"/"``-joined for trees; a
+flat-key format such as safetensors keeps its stored name, split on ``"."``
+for grouping and joined back with ``"."``). ``treetools.render`` turns rows
+into the terminal table, markdown, an indented tree or JSON.
+
+Importing this module imports no jax (``rows_from_tree`` imports it when it runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from treetools._typing import PyTree
+
+__all__ = [
+    "LeafSharding",
+    "MIXED",
+    "Row",
+    "Totals",
+    "aggregate_rows",
+    "common_prefix",
+    "dtype_name",
+    "format_count",
+    "format_shape",
+    "human",
+    "rows_from_tree",
+    "sort_rows",
+    "totals",
+]
+
+MIXED = "mixed"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSharding:
+    """How one leaf is laid out: a PartitionSpec over named mesh axes.
+
+    ``spec`` holds one entry per array dimension (a mesh axis name, a tuple
+    of them, or None); a ``jax.sharding.PartitionSpec`` is such a tuple.
+    ``mesh`` maps axis name to size and is None when the leaf does not say.
+    Two shardings are the same when they split the same dimensions over the
+    same axes (``P()`` and ``P(None,)`` are both replicated): compare with
+    ``same_layout``.
+
+    >>> s = LeafSharding(("fsdp", None), {"fsdp": 4})
+    >>> str(s), s.to_json(), str(LeafSharding((None,), {"fsdp": 4}))
+    ("P('fsdp', None)", {'mesh': {'fsdp': 4}, 'spec': ['fsdp', None]}, 'replicated')
+    """
+
+    spec: Any
+    mesh: Mapping[str, int] | None = None
+
+    @property
+    def entries(self) -> tuple:
+        """The spec's entries with trailing Nones dropped and one-axis tuples unwrapped."""
+        out = [e[0] if isinstance(e, (tuple, list)) and len(e) == 1 else
+               (tuple(e) if isinstance(e, (tuple, list)) else e) for e in tuple(self.spec)]
+        out = [None if e == () else e for e in out]
+        while out and out[-1] is None:
+            out.pop()
+        return tuple(out)
+
+    @property
+    def replicated(self) -> bool:
+        return not self.entries
+
+    def same_layout(self, other: "LeafSharding | None") -> bool:
+        """Whether ``other`` splits the same dimensions over the same mesh axes (None counts as replicated)."""
+        if other is None:
+            return self.replicated
+        return self.entries == other.entries and (self.mesh is None or other.mesh is None or dict(self.mesh) == dict(other.mesh))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mesh": dict(self.mesh) if self.mesh is not None else None,
+            "spec": [list(e) if isinstance(e, (tuple, list)) else e for e in tuple(self.spec)],
+        }
+
+    def __str__(self) -> str:
+        if self.replicated:
+            return "replicated"
+        return "P(" + ", ".join(repr(e) for e in self.entries) + ")"
+
+
+@dataclasses.dataclass
+class Row:
+    """One leaf (or, after ``aggregate_rows``, one group of leaves).
+
+    ``path`` is a tuple of parts; ``name`` joins them with ``sep``.
+    ``sharding`` is a ``LeafSharding`` or None; ``shape`` is None for
+    non-array leaves and for aggregated rows; ``weight_decay`` is None where
+    it was not asked for or is mixed; ``stats`` holds per-leaf statistics
+    when they were computed; ``leaves`` counts the leaves a group sums.
+    """
+
+    path: tuple[str, ...]
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    params: int
+    bytes: int
+    sharding: Any = None
+    weight_decay: bool | None = None
+    stats: dict[str, Any] | None = None
+    leaves: int = 1
+    sep: str = "/"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.path, str):  # a joined name given: split it once, here
+            self.path = tuple(self.path.split(self.sep)) if self.path else ()
+
+    @property
+    def name(self) -> str:
+        """The one path string of this row."""
+        return self.sep.join(self.path)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "path": self.name,
+            "shape": list(self.shape) if self.shape is not None else None,
+            "dtype": self.dtype,
+            "params": self.params,
+            "bytes": self.bytes,
+            "sharding": self.sharding.to_json() if self.sharding is not None else None,
+        }
+        if self.weight_decay is not None:
+            out["weight_decay"] = self.weight_decay
+        if self.stats is not None:
+            out["stats"] = self.stats
+        if self.leaves != 1:
+            out["num_leaves"] = self.leaves  # an aggregated (--depth) row: how many leaves it sums
+        return out
+
+
+@dataclasses.dataclass
+class Totals:
+    """Params and bytes of a set of leaves, with a per-dtype breakdown."""
+
+    params: int
+    bytes: int
+    by_dtype: dict[str, dict[str, int]]
+    leaves: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"total_params": self.params, "total_bytes": self.bytes, "by_dtype": self.by_dtype}
+
+    def __add__(self, other: "Totals") -> "Totals":
+        by_dtype = {k: dict(v) for k, v in self.by_dtype.items()}
+        for dtype, d in other.by_dtype.items():
+            mine = by_dtype.setdefault(dtype, {"params": 0, "bytes": 0})
+            mine["params"] += d["params"]
+            mine["bytes"] += d["bytes"]
+        return Totals(self.params + other.params, self.bytes + other.bytes, dict(sorted(by_dtype.items())),
+                      self.leaves + other.leaves)
+
+
+@functools.cache
+def dtype_name(dtype: Any) -> str:
+    """``float32``, ``bfloat16``...: the name a user types, not ``<f4`` (once per dtype).
+
+    ``jax.dtypes.float0`` (the gradient dtype of integer inputs under
+    ``jax.grad(..., allow_int=True)``) is a numpy structured void dtype with
+    itemsize 0, which numpy would print as ``[('float0', 'V')]``; it is
+    recognised by its structure, so this never imports jax.
+
+    >>> import numpy as np
+    >>> dtype_name(np.float32), dtype_name(np.dtype([("float0", "V")]))
+    ('float32', 'float0')
+    """
+    import numpy as np
+
+    if not isinstance(dtype, np.dtype) and "key<" in str(dtype):  # a typed PRNG key dtype
+        return str(dtype)
+    dtype = np.dtype(dtype)
+    return "float0" if dtype.names == ("float0",) and dtype.itemsize == 0 else str(dtype)
+
+
+def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: Any = None) -> list[Row]:
+    """One ``Row`` per leaf of ``tree``, in tree order.
+
+    Args:
+      tree: any pytree; boxes are leaves and report their sharding.
+      weight_decay: optional bool tree of the same structure (e.g. the output
+        of ``get_param_mask_fn``); flags are joined by path, never by position.
+      mesh: passed to ``leaf_sharding`` for boxes without a mesh.
+
+    >>> import numpy as np
+    >>> [(r.name, r.shape, r.params) for r in rows_from_tree({"w": np.ones((2, 3)), "step": 7})]
+    [('step', None, 0), ('w', (2, 3), 6)]
+    """
+    import jax
+
+    from treetools.counting import is_array_like, leaf_nbytes, leaf_size
+    from treetools.partitioning import leaf_sharding, unbox
+    from treetools.paths import is_leaf, leaves_with_paths, path_parts
+
+    flags: dict[str, Any] = {}
+    if weight_decay is not None:
+        flags = {p: bool(unbox(f)) for p, f in leaves_with_paths(weight_decay)}
+    rows = []
+    for keypath, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
+        parts = path_parts(keypath)
+        name = "/".join(parts)
+        arr = is_array_like(leaf)
+        value = unbox(leaf)
+        if weight_decay is not None and name not in flags:
+            raise ValueError(f"weight-decay mask has no entry for `{name}`; build it from the same params.")
+        rows.append(
+            Row(
+                path=parts,
+                shape=tuple(int(d) for d in value.shape) if arr else None,
+                dtype=dtype_name(value.dtype) if arr else None,
+                params=leaf_size(leaf),
+                bytes=leaf_nbytes(leaf),
+                sharding=leaf_sharding(leaf, mesh=mesh) if arr else None,
+                weight_decay=flags.get(name) if weight_decay is not None else None,
+            )
+        )
+    return rows
+
+
+def _merge(values: Iterable[Any]) -> Any:
+    vals = set(values)
+    return vals.pop() if len(vals) == 1 else None
+
+
+def common_prefix(rows: Sequence[Row]) -> tuple[str, ...]:
+    """The folder parts every one of two or more rows lies below (a row's own last part is never shared).
+
+    >>> common_prefix([Row(("opt", "0", "mu"), None, None, 0, 0), Row(("opt", "0", "nu"), None, None, 0, 0)])
+    ('opt', '0')
+    """
+    if len(rows) < 2:
+        return ()
+    first = rows[0].path[:-1]
+    n = len(first)
+    for r in rows[1:]:
+        parent = r.path[:-1]
+        n = min(n, len(parent))
+        for i in range(n):
+            if parent[i] != first[i]:
+                n = i
+                break
+        if n == 0:
+            break
+    return tuple(first[:n])
+
+
+def aggregate_rows(rows: Sequence[Row], depth: int | None, *, offset: int = 0) -> list[Row]:
+    """Sum rows per path prefix of ``offset + depth`` parts, in first-seen order.
+
+    ``offset`` is how many leading parts every row shares (a section header
+    shows them once): depth counts from there. A group of one leaf keeps that
+    leaf's row whole (shape, sharding, stats).
+
+    >>> import numpy as np
+    >>> rows = rows_from_tree({"enc": {"w": np.ones(4), "b": np.ones(2)}, "head": np.ones(3)})
+    >>> [(r.name, r.params, r.leaves) for r in aggregate_rows(rows, 1)]
+    [('enc', 6, 2), ('head', 3, 1)]
+    """
+    if depth is None:
+        return list(rows)
+    if depth < 1:
+        raise ValueError(f"`depth` must be a positive integer, got {depth}.")
+    cut = offset + depth
+    groups: dict[tuple[str, ...], list[Row]] = {}
+    for row in rows:
+        groups.setdefault(row.path[:cut], []).append(row)
+    out = []
+    for prefix, members in groups.items():
+        if len(members) == 1 and members[0].path == prefix:
+            out.append(members[0])
+            continue
+        dtypes = {m.dtype for m in members if m.dtype is not None}
+        out.append(
+            Row(
+                path=prefix,
+                shape=None,
+                dtype=dtypes.pop() if len(dtypes) == 1 else (MIXED if dtypes else None),
+                params=sum(m.params for m in members),
+                bytes=sum(m.bytes for m in members),
+                sharding=None,
+                weight_decay=_merge(m.weight_decay for m in members),
+                leaves=sum(m.leaves for m in members),
+                sep=members[0].sep,
+            )
+        )
+    return out
+
+
+def totals(rows: Iterable[Row]) -> Totals:
+    """Global params and bytes with a per-dtype breakdown (leaf rows only).
+
+    >>> import numpy as np
+    >>> totals(rows_from_tree({"a": np.ones(2, np.float32), "b": np.ones(3, np.int8)})).to_json()
+    {'total_params': 5, 'total_bytes': 11, 'by_dtype': {'float32': {'params': 2, 'bytes': 8}, 'int8': {'params': 3, 'bytes': 3}}}
+    """
+    params = nbytes = leaves = 0
+    by_dtype: dict[str, dict[str, int]] = {}
+    for row in rows:
+        params += row.params
+        nbytes += row.bytes
+        leaves += row.leaves
+        if row.dtype is not None and row.dtype != MIXED:
+            d = by_dtype.setdefault(row.dtype, {"params": 0, "bytes": 0})
+            d["params"] += row.params
+            d["bytes"] += row.bytes
+    return Totals(params, nbytes, dict(sorted(by_dtype.items())), leaves)
+
+
+_SORT_KEYS: dict[str, Callable[[Row], Any]] = {
+    "path": lambda r: r.name,
+    "params": lambda r: (-r.params, r.name),
+    "bytes": lambda r: (-r.bytes, r.name),
+}
+
+
+def sort_rows(rows: Sequence[Row], by: str | None) -> list[Row]:
+    """Rows sorted by ``path`` (ascending) or ``params``/``bytes`` (largest first).
+
+    >>> import numpy as np
+    >>> [r.name for r in sort_rows(rows_from_tree({"a": np.ones(1), "b": np.ones(5)}), "params")]
+    ['b', 'a']
+    """
+    if by is None:
+        return list(rows)
+    if by not in _SORT_KEYS:
+        raise ValueError(f"`sort` must be one of {sorted(_SORT_KEYS)}, got {by!r}.")
+    return sorted(rows, key=_SORT_KEYS[by])
+
+
+def human(n: float, unit: str = "") -> str:
+    """1234567 -> '1.23M' (params) or, with unit='B', '1.18 MiB'.
+
+    >>> human(1234567), human(1234567, "B"), human(244)
+    ('1.23M', '1.18 MiB', '244')
+    """
+    if unit == "B":
+        for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(n) < 1024 or suffix == "TiB":
+                return f"{n:.0f} {suffix}" if suffix == "B" else f"{n:.2f} {suffix}"
+            n /= 1024
+    for suffix in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000 or suffix == "T":
+            return f"{n:.0f}" if suffix == "" else f"{n:.2f}{suffix}"
+        n /= 1000
+    return str(n)
+
+
+def format_shape(shape: Sequence[int] | None) -> str:
+    """The one way a shape is printed: ``(64, 128)``, ``(4,)``, ``()``; empty for non-arrays.
+
+    >>> format_shape((64, 128)), format_shape((4,)), format_shape(()), format_shape(None)
+    ('(64, 128)', '(4,)', '()', '')
+    """
+    if shape is None:
+        return ""
+    return "(" + ", ".join(map(str, shape)) + ("," if len(shape) == 1 else "") + ")"
+
+
+def format_count(n: int) -> str:
+    """The one way a count is printed: ``1,234`` below a million, ``12,345,678 (12.35M)`` above.
+
+    >>> format_count(244), format_count(12345678)
+    ('244', '12,345,678 (12.35M)')
+    """
+    return f"{n:,}" if abs(n) < 1_000_000 else f"{n:,} ({human(n)})"

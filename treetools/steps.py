@@ -1,0 +1,414 @@
+"""The one step rule: which folders are steps, which are unfinished, and what ``step=`` means.
+
+Standard library only (no jax, no orbax, no numpy): ``treetools inspect`` lists
+steps cheaply, and every reader of a checkpoint root (``inspect``, ``diff``,
+``load_parameters``, ``restore_checkpoint`` and the Orbax manager that
+``get_checkpoint_manager`` builds) asks this module, so they cannot disagree
+about which step is the latest.
+
+Step folders are named like Orbax names them: ``100``, zero padded
+``000100``, or ``<prefix>_100``. A step is *committed* when
+
+* its name carries no Orbax tmp suffix (``300.orbax-checkpoint-tmp-1700000000``), and
+* it holds Orbax's commit marker ``commit_success.txt``, or a
+  ``_CHECKPOINT_METADATA`` whose ``commit_timestamp_nsecs`` is set, or (Orbax
+  before step metadata existed) no ``_CHECKPOINT_METADATA`` at all but an
+  item folder that Orbax finalized (its ``_METADATA`` or JSON ``metadata``).
+
+Everything else is *incomplete*: listed, never read, never the latest.
+Metadata files are checked to be regular files and read with a size cap, so
+a FIFO or a huge file in a step folder cannot hang or exhaust a reader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import operator
+import os
+import re
+import stat
+from typing import Any, Iterable, Union
+
+from treetools.errors import CheckpointError, CheckpointNotFoundError
+
+__all__ = [
+    "COMMIT_SUCCESS_FILE",
+    "PYTREE_METADATA_FILE",
+    "STEP_METADATA_FILE",
+    "TMP_DIR_SUFFIX",
+    "StepListing",
+    "StepSpec",
+    "is_committed",
+    "latest_step",
+    "list_incomplete",
+    "list_steps",
+    "parse_step",
+    "parse_step_name",
+    "read_json_file",
+    "resolve_step",
+    "scan_steps",
+    "tmp_step",
+]
+
+# Orbax's on-disk names (orbax.checkpoint._src.path.atomicity_types and
+# _src.metadata.checkpoint), copied so that the rule needs no orbax import;
+# tests/test_steps.py checks that they still equal Orbax's.
+TMP_DIR_SUFFIX = ".orbax-checkpoint-tmp"
+COMMIT_SUCCESS_FILE = "commit_success.txt"
+STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+PYTREE_METADATA_FILE = "_METADATA"
+JSON_ITEM_FILE = "metadata"
+
+MAX_METADATA_BYTES = 64 * 2**20
+"""The largest metadata file (JSON, msgpack index, header) a reader parses; real ones are KBs to a few MBs."""
+
+StepSpec = Union[int, str, None]
+"""What ``step=`` accepts: an int, ``-1``/``None``/``"latest"`` for the latest committed step, or ``"all"``."""
+
+# "N", "000N" or "<prefix>_N" (Orbax's step_prefix joins with an underscore).
+_STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
+
+
+def read_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> bytes:
+    """The bytes of a small file, refusing what is not a regular file or is larger than ``max_bytes``.
+
+    A FIFO would block ``open`` forever and ``/dev/zero`` never ends: both are
+    refused before they are opened.
+
+    Raises:
+      CheckpointNotFoundError: nothing at ``path``.
+      CheckpointError: not a regular file, too large, or unreadable.
+
+    >>> read_file("/", what="Orbax _METADATA")
+    Traceback (most recent call last):
+    ...
+    treetools.errors.CheckpointError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise CheckpointError(f"{path}: {file_kind(path)}; cannot read it as {what}.") from None
+        raise CheckpointNotFoundError(f"{path}: {what} is missing.") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e}).") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: not a regular file ({file_kind(path)}); cannot read it as {what}.")
+    if st.st_size > max_bytes:
+        raise CheckpointError(
+            f"{path}: {what} is {st.st_size:,} bytes, over the {max_bytes:,}-byte limit for metadata; "
+            "the file is corrupt or not what its name says."
+        )
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e}).") from None
+    if len(data) > max_bytes:  # grew while we read it
+        raise CheckpointError(f"{path}: {what} is over the {max_bytes:,}-byte limit for metadata.")
+    return data
+
+
+def read_json_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> Any:
+    """Parse a small JSON metadata file (see ``read_file``); a broken one is a ``CheckpointError``.
+
+    >>> import tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "m.json"); _ = open(f, "w").write('{"a": 1}')
+    >>> read_json_file(f, what="test metadata")
+    {'a': 1}
+    """
+    data = read_file(path, what=what, max_bytes=max_bytes)
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise CheckpointError(f"{path}: corrupt or truncated {what} ({reason}).") from None
+
+
+def file_kind(path: str) -> str:
+    """``a folder``, ``a FIFO``, ``a broken symlink``...: what stands at ``path`` instead of a file."""
+    if os.path.islink(path) and not os.path.exists(path):
+        return f"a broken or looping symlink to {os.readlink(path)!r}"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        return f"unreadable: {e.strerror or e}"
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "a regular file")
+
+
+def parse_step_name(name: str, *, step_prefix: str | None = None) -> int | None:
+    """The step number in a step-folder name, or None when it is not one.
+
+    Accepts Orbax's names: ``"100"``, zero padded ``"000100"``, prefixed
+    ``"ckpt_100"`` / ``"ckpt_000100"``. Orbax tmp folders are not step folders.
+
+    Args:
+      name: a folder name.
+      step_prefix: only accept this prefix (None: any prefix or none).
+
+    >>> parse_step_name("ckpt_000120"), parse_step_name("300.orbax-checkpoint-tmp-17"), parse_step_name("logs")
+    (120, None, None)
+    """
+    if TMP_DIR_SUFFIX in name:
+        return None
+    m = _STEP_NAME.match(name)
+    if m is None or (step_prefix is not None and m.group("prefix") != step_prefix):
+        return None
+    return int(m.group("step"))
+
+
+def tmp_step(name: str, *, step_prefix: str | None = None) -> int | None:
+    """The step an Orbax tmp folder (``<step name>.orbax-checkpoint-tmp-<ts>``) was saving, else None.
+
+    >>> tmp_step("ckpt_0300.orbax-checkpoint-tmp-1700000000"), tmp_step("300")
+    (300, None)
+    """
+    head, sep, _ = name.partition(TMP_DIR_SUFFIX)
+    return parse_step_name(head, step_prefix=step_prefix) if sep else None
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _finalized_item(step_dir: str) -> bool:
+    """Whether a step folder without step metadata holds an item Orbax finalized (pre-0.5 Orbax saves)."""
+    try:
+        with os.scandir(step_dir) as it:
+            subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return False
+    return any(_is_regular(os.path.join(d, PYTREE_METADATA_FILE)) or _is_regular(os.path.join(d, JSON_ITEM_FILE))
+               for d in subdirs)
+
+
+def is_committed(step_dir: str | os.PathLike) -> bool:
+    """True when Orbax finished writing this step folder (the rule in this module's docstring).
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()) / "100"; d.mkdir()
+    >>> is_committed(d)
+    False
+    >>> _ = (d / "commit_success.txt").write_text("ok"); is_committed(d)
+    True
+    """
+    step_dir = os.fspath(step_dir)
+    if TMP_DIR_SUFFIX in os.path.basename(os.path.normpath(step_dir)) or not os.path.isdir(step_dir):
+        return False
+    if _is_regular(os.path.join(step_dir, COMMIT_SUCCESS_FILE)):
+        return True
+    meta = os.path.join(step_dir, STEP_METADATA_FILE)
+    if os.path.lexists(meta):
+        try:
+            data = read_json_file(meta, what=f"Orbax {STEP_METADATA_FILE}")
+        except (CheckpointError, CheckpointNotFoundError):
+            return False  # half-written, hostile or unreadable: never taken as a finished save
+        return isinstance(data, dict) and bool(data.get("commit_timestamp_nsecs"))
+    return _finalized_item(step_dir)
+
+
+@dataclasses.dataclass
+class StepListing:
+    """The steps of a checkpoint root: ``committed`` step -> folder, ``incomplete`` folder names.
+
+    ``duplicates`` maps a step to the names of every committed folder that
+    claims it (``2`` and ``000002``); such a step cannot be read until one goes.
+    """
+
+    root: str
+    committed: dict[int, str]
+    incomplete: list[str]
+    duplicates: dict[int, list[str]] = dataclasses.field(default_factory=dict)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    """Entries that could not be examined (unreadable, looping symlinks): ignored, reported as notes."""
+
+    @property
+    def steps(self) -> list[int]:
+        return list(self.committed)
+
+    def folder(self, step: int) -> str:
+        """The folder of one committed step; two folders for one step are an error naming both."""
+        if step in self.duplicates:
+            names = " and ".join(self.duplicates[step])
+            raise CheckpointError(
+                f"{self.root}: step {step} has two committed folders ({names}); remove or rename one."
+            )
+        return self.committed[step]
+
+
+def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None) -> StepListing:
+    """Committed and incomplete step folders directly under ``root``.
+
+    Reads names and marker files only (no array data), and never writes.
+    Files and folders that are not step folders are ignored; a missing root
+    gives an empty listing.
+
+    >>> import tempfile, pathlib
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> for name in ("ckpt_0100", "ckpt_0200.orbax-checkpoint-tmp-17", "logs"):
+    ...     (root / name).mkdir()
+    >>> _ = (root / "ckpt_0100" / "commit_success.txt").write_text("ok")
+    >>> listing = scan_steps(root)
+    >>> listing.steps, listing.incomplete
+    ([100], ['ckpt_0200.orbax-checkpoint-tmp-17'])
+    """
+    root = os.fspath(root)
+    committed: dict[int, list[str]] = {}
+    incomplete: list[tuple[int, str]] = []
+    skipped: list[str] = []
+    try:
+        with os.scandir(root) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except FileNotFoundError:
+        return StepListing(root, {}, [])
+    except NotADirectoryError:
+        return StepListing(root, {}, [])
+    except OSError as e:
+        raise CheckpointError(f"{root}: cannot list folder ({e.strerror or e}).") from None
+    for entry in entries:
+        name = entry.name
+        tmp = tmp_step(name, step_prefix=step_prefix)
+        step = tmp if tmp is not None else parse_step_name(name, step_prefix=step_prefix)
+        if step is None:
+            continue
+        try:
+            is_dir = entry.is_dir()
+        except OSError:  # a symlink loop, an unreadable entry: junk, not a reason to fail the whole root
+            skipped.append(name)
+            continue
+        if not is_dir:
+            if entry.is_symlink() and not os.path.exists(entry.path):
+                skipped.append(name)
+            continue
+        if tmp is None and is_committed(entry.path):
+            committed.setdefault(step, []).append(entry.path)
+        else:
+            incomplete.append((step, name))
+    ordered = dict(sorted(committed.items()))
+    return StepListing(
+        root,
+        {s: paths[0] for s, paths in ordered.items()},
+        [name for _, name in sorted(incomplete)],
+        {s: [os.path.basename(p) for p in paths] for s, paths in ordered.items() if len(paths) > 1},
+        skipped,
+    )
+
+
+def list_steps(checkpoint_dir: str | os.PathLike, *, step_prefix: str | None = None) -> list[int]:
+    """Committed steps under a checkpoint root, ascending (incomplete saves left out).
+
+    >>> import tempfile
+    >>> list_steps(tempfile.mkdtemp())
+    []
+    """
+    return scan_steps(os.path.expanduser(os.fspath(checkpoint_dir)), step_prefix=step_prefix).steps
+
+
+def list_incomplete(checkpoint_dir: str | os.PathLike, *, step_prefix: str | None = None) -> list[str]:
+    """Names of incomplete step folders (Orbax tmp folders, no commit evidence).
+
+    >>> import tempfile, pathlib
+    >>> root = pathlib.Path(tempfile.mkdtemp()); (root / "7.orbax-checkpoint-tmp-1").mkdir()
+    >>> list_incomplete(root)
+    ['7.orbax-checkpoint-tmp-1']
+    """
+    return scan_steps(os.path.expanduser(os.fspath(checkpoint_dir)), step_prefix=step_prefix).incomplete
+
+
+def latest_step(checkpoint_dir: str | os.PathLike, *, step_prefix: str | None = None) -> int | None:
+    """The highest committed step, or None when there is none.
+
+    >>> import tempfile
+    >>> latest_step(tempfile.mkdtemp()) is None
+    True
+    """
+    steps = list_steps(checkpoint_dir, step_prefix=step_prefix)
+    return steps[-1] if steps else None
+
+
+def parse_step(step: Any, *, allow_all: bool = False, name: str = "step") -> int | str | None:
+    """The one parser of step specs: None for the latest, an int, or ``"all"``.
+
+    Accepts ``None``, ``-1`` and ``"latest"`` (the latest committed step), an
+    int (Python, numpy or jax integer scalar) or a string of digits, and with
+    ``allow_all`` the string ``"all"``.
+
+    Raises:
+      TypeError: anything else (the message names the argument).
+
+    >>> parse_step(None), parse_step(-1), parse_step("latest"), parse_step("200"), parse_step("all", allow_all=True)
+    (None, None, None, 200, 'all')
+    """
+    if step is None:
+        return None
+    if isinstance(step, str):
+        text = step.strip()
+        if text == "latest":
+            return None
+        if text == "all" and allow_all:
+            return "all"
+        if text.lstrip("-").isdigit():
+            step = int(text)
+        else:
+            options = "an int, -1, None, 'latest'" + (" or 'all'" if allow_all else "")
+            raise TypeError(f"`{name}` must be {options}; got {step!r}.")
+    if isinstance(step, bool):
+        raise TypeError(f"`{name}` must be an int, -1, None or 'latest'; got {step!r}.")
+    try:
+        number = operator.index(step)
+    except TypeError:
+        raise TypeError(f"`{name}` must be an int, -1, None or 'latest'; got {step!r}.") from None
+    if number == -1:
+        return None
+    if number < 0:
+        raise TypeError(f"`{name}` must be a step number >= 0, or -1 for the latest; got {number}.")
+    return number
+
+
+def _list(values: Iterable[Any]) -> str:
+    values = list(values)
+    return ", ".join(map(str, values)) if values else "none"
+
+
+def resolve_step(listing: StepListing, step: Any, *, where: str | None = None) -> int:
+    """The committed step that ``step`` names in ``listing`` (None/-1/"latest": the latest).
+
+    Raises:
+      CheckpointNotFoundError: no committed step at all, or not this one; the
+        message lists the committed steps and says when the step is an
+        incomplete save.
+      CheckpointError: two committed folders claim the step.
+
+    >>> listing = StepListing("run", {100: "run/100", 200: "run/200"}, ["300.orbax-checkpoint-tmp-1"])
+    >>> resolve_step(listing, "latest"), resolve_step(listing, 100)
+    (200, 100)
+    >>> resolve_step(listing, 300)
+    Traceback (most recent call last):
+    ...
+    treetools.errors.CheckpointNotFoundError: run: step 300 is an incomplete save (300.orbax-checkpoint-tmp-1); it is never read. Committed steps: 100, 200.
+    """
+    where = where or listing.root
+    asked = parse_step(step)
+    if not listing.committed:
+        if not os.path.exists(listing.root):
+            raise CheckpointNotFoundError(f"{where}: no such file or folder.")
+        note = f" (incomplete, never read: {_list(listing.incomplete)})" if listing.incomplete else ""
+        raise CheckpointNotFoundError(f"{where}: no committed checkpoint step{note}.")
+    if asked is None:
+        asked = max(listing.committed)
+    elif asked not in listing.committed:
+        partial = [n for n in listing.incomplete if (tmp_step(n) if tmp_step(n) is not None else parse_step_name(n)) == asked]
+        if partial:
+            raise CheckpointNotFoundError(
+                f"{where}: step {asked} is an incomplete save ({', '.join(partial)}); it is never read. "
+                f"Committed steps: {_list(listing.committed)}."
+            )
+        raise CheckpointNotFoundError(f"{where}: no step {asked}; available steps: {_list(listing.committed)}.")
+    listing.folder(asked)  # two folders for one step: an error naming both
+    return asked
