@@ -168,9 +168,9 @@ def _keep_until(path: str, resume_step: int) -> None:
     except ValueError as e:
         raise ValueError(f"{e} Cannot resume it from step {resume_step}: move it away, or log to a fresh file "
                          "(resume_step=None).") from None
+    if all(record["step"] <= resume_step for _, _, record in entries) and (not data or data.endswith(b"\n")):
+        return  # nothing to drop, and the next line will start on a line of its own
     kept = b"".join(raw + b"\n" for _, raw, record in entries if record["step"] <= resume_step)
-    if kept == data:
-        return
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(kept)

@@ -9,7 +9,8 @@ Everything treetools offers, used the way a trainer would:
 * ``clip_by_global_norm`` on the sharded global norm;
 * ``update_ema`` for EMA params;
 * ``norm_metrics`` every step inside jit, logged every ``log_every`` steps by
-  ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between);
+  ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between;
+  started afresh by a fresh run, continued after the restored step on resume);
 * ``get_checkpoint_manager`` saving params, params_ema, opt_state and the data
   iterator state; ``restore_checkpoint`` into ``make_abstract`` targets to resume.
 
@@ -171,7 +172,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         start = latest
         _say(cfg, f"resumed from step {latest} in {ckpt_dir}")
 
-    jsonl = tt.JsonlWriter(metrics_path)
+    # A fresh run starts metrics.jsonl afresh; a resumed one keeps the records up to the restored
+    # step and drops those logged after it (they are about to be logged again).
+    jsonl = tt.JsonlWriter(metrics_path, resume_step=latest)
     losses: list[float] = []
     tick = [time.perf_counter(), start]
 
