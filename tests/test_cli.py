@@ -127,7 +127,7 @@ def test_train_and_plot_options_reach_their_commands():
     assert (a.steps, a.workdir, a.resume, a.seed, a.batch_size, a.log_every, a.ckpt_every, a.freeze_embeddings,
             a.ema_decay) == (4, "w", False, 1, 8, 2, 3, True, 0.9)
     p = cli.build_parser("plot").parse_args(["plot", "m.jsonl", "-o", "out.png"])
-    assert (p.metrics, p.output) == ("m.jsonl", "out.png")
+    assert (p.metrics, p.output) == (["m.jsonl"], "out.png")
 
 
 @pytest.mark.parametrize("argv", [[], ["inspect"], ["inspect", "x", "--format", "yaml"], ["inspect", "x", "--depth", "0"],

@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("treetools.cli.inspect", "show what is inside a checkpoint, without loading it"),
     "diff": ("treetools.cli.diff", "compare two checkpoints (or two steps of one run)"),
     "train": ("treetools.cli.train", "run the reference trainer"),
-    "plot": ("treetools.cli.plot", "plot norm curves from a metrics .jsonl"),
+    "plot": ("treetools.cli.plot", "plot metric curves from metrics.jsonl files, runs overlaid"),
 }
 
 

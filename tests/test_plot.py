@@ -1,0 +1,243 @@
+"""`treetools plot` / treetools.cli.plot: panels, keys, per-module norms, axes and overlays, checked on the Figure."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+matplotlib = pytest.importorskip("matplotlib")
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+
+import treetools as tt  # noqa: E402
+from treetools.cli import main as cli_main  # noqa: E402
+from treetools.cli.plot import metrics_figure, plot_files, run_labels  # noqa: E402
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _write(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _panels(fig):
+    return {ax.get_title(): ax for ax in fig.axes}
+
+
+def _cli(capsys, *args):
+    code = cli_main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _error_line(err):
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("treetools: error: "), err
+    assert "Traceback" not in err and "internal error" not in err
+    return lines[0]
+
+
+def _trainer_like(steps, *, scale=1.0):
+    return [{"step": s, "loss": 4.0 * math.exp(-s / 50 * scale) + 0.7, "grad_norm": 2.0 / s, "param_norm": 30.0 + s,
+             "update_norm": 0.3 * math.exp(-s / 40), "update_ratio": 0.01 * math.exp(-s / 40), "nonfinite_grads": 0}
+            for s in steps]
+
+
+def test_custom_keys_get_panels_with_curves(tmp_path, capsys):
+    # A file with other keys than the trainer's gave an empty figure before.
+    f = _write(tmp_path / "run" / "metrics.jsonl",
+               [{"step": s, "train/loss": 3.0 / s, "lr": 1e-3 * s, "acc": 0.1 * s} for s in range(1, 11)])
+    fig = plot_files([f])
+    panels = _panels(fig)
+    assert list(panels) == ["train/loss", "lr"]  # default: loss-like and the learning rate; `acc` needs --keys
+    np.testing.assert_allclose(panels["train/loss"].lines[0].get_ydata(), [3.0 / s for s in range(1, 11)])
+    np.testing.assert_array_equal(panels["lr"].lines[0].get_xdata(), range(1, 11))
+    assert fig._suptitle.get_text() == "run"
+
+    code, out, err = _cli(capsys, "plot", f, "-o", tmp_path / "p.png")
+    assert code == 0 and out.strip() == str(tmp_path / "p.png") and err == ""
+    assert (tmp_path / "p.png").read_bytes()[:8] == PNG
+
+
+def test_every_metric_when_none_is_a_default_one(tmp_path):
+    f = _write(tmp_path / "m.jsonl", [{"step": s, "acc": 0.1 * s, "tokens_per_s": 1000.0 + s} for s in (1, 2)])
+    assert [ax.get_title() for ax in plot_files([f]).axes] == ["acc", "tokens_per_s"]
+
+
+def test_default_panels_for_the_trainers_metrics(tmp_path):
+    f = _write(tmp_path / "demo" / "metrics.jsonl", _trainer_like(range(20, 201, 20)))
+    fig = plot_files([f])
+    # nonfinite_grads is a count, not a curve: only with --keys.
+    assert [ax.get_title() for ax in fig.axes] == ["loss", "grad_norm", "param_norm", "update_norm", "update_ratio"]
+    assert all(len(ax.lines) == 1 for ax in fig.axes)
+    assert all(ax.get_xlabel() == "step" for ax in fig.axes[-3:])
+
+
+def test_keys_pick_metrics_by_regex_and_repeat(tmp_path, capsys):
+    f = _write(tmp_path / "demo" / "metrics.jsonl", _trainer_like(range(1, 6)))
+    assert [ax.get_title() for ax in plot_files([f], keys="norm$").axes] == ["grad_norm", "param_norm", "update_norm"]
+    assert [ax.get_title() for ax in plot_files([f], keys=["^loss$", "nonfinite"]).axes] == ["loss", "nonfinite_grads"]
+    code, _, _ = _cli(capsys, "plot", f, "--keys", "^loss$", "--keys", "ratio", "-o", tmp_path / "k.png")
+    assert code == 0 and (tmp_path / "k.png").read_bytes()[:8] == PNG
+
+
+def test_keys_matching_nothing_is_an_error_not_an_empty_figure(tmp_path, capsys):
+    f = _write(tmp_path / "demo" / "metrics.jsonl", _trainer_like(range(1, 6)))
+    with pytest.raises(ValueError, match=r"--keys 'accuracy' matches none of the logged metrics \(loss, grad_norm"):
+        plot_files([f], keys="accuracy")
+    code, out, err = _cli(capsys, "plot", f, "--keys", "accuracy", "-o", tmp_path / "none.png")
+    line = _error_line(err)
+    assert code == 1 and "accuracy" in line and "update_ratio" in line and out == ""
+    assert not (tmp_path / "none.png").exists()
+    code, _, err = _cli(capsys, "plot", f, "--keys", "(", "-o", tmp_path / "none.png")
+    assert code == 1 and "not a valid regex" in _error_line(err)
+
+
+def _module_metrics(tmp_path):
+    """A metrics file from norm_metrics(depth=1) on a 10-layer tree, logged by MetricsLogger."""
+    params = {f"layers_{i}": {"w": jnp.full((4,), float(i + 1)), "b": jnp.zeros(2)} for i in range(10)}
+    step_fn = jax.jit(lambda p, s: tt.norm_metrics(grads=jax.tree.map(lambda x: x / s, p), params=p, depth=1))
+    path = tmp_path / "mods" / "metrics.jsonl"
+    log = tt.MetricsLogger(str(path), every=1)
+    for step in range(1, 5):
+        metrics = step_fn(params, jnp.float32(step))
+        metrics["loss"] = jnp.float32(1.0 / step)
+        log(step, metrics)
+    return path
+
+
+def test_per_module_norms_get_one_panel_per_kind(tmp_path):
+    fig = plot_files([_module_metrics(tmp_path)], keys="norm")
+    panels = _panels(fig)
+    assert list(panels) == ["grad_norm", "param_norm", "grad_norm per module (largest 8 of 10)",
+                            "param_norm per module (largest 8 of 10)"]
+    ax = panels["grad_norm per module (largest 8 of 10)"]
+    # Largest last value first: layer i's grad norm is 2 (i + 1) / step.
+    assert [line.get_label() for line in ax.lines] == [f"layers_{i}" for i in range(9, 1, -1)]
+    np.testing.assert_allclose(ax.lines[0].get_ydata(), [20.0 / s for s in range(1, 5)], rtol=1e-6)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"layers_{i}" for i in range(9, 1, -1)]
+    # By default too, next to the loss.
+    titles = [ax.get_title() for ax in plot_files([_module_metrics(tmp_path)]).axes]
+    assert titles[:3] == ["loss", "grad_norm", "param_norm"] and "grad_norm per module (largest 8 of 10)" in titles
+    # --keys on one module.
+    only = plot_files([_module_metrics(tmp_path)], keys="^grad_norm/layers_3$")
+    assert [(ax.get_title(), [line.get_label() for line in ax.lines]) for ax in only.axes] == [
+        ("grad_norm per module", ["layers_3"])]
+
+
+def _visible_major_ticks(fig, ax):
+    FigureCanvasAgg(fig).draw()
+    lo, hi = ax.get_ylim()
+    return [t for t in ax.yaxis.get_major_ticks() if lo <= t.get_loc() <= hi and t.label1.get_text()]
+
+
+@pytest.mark.parametrize("span", [4.0, 30.0, 1e4])
+def test_update_ratio_is_a_log_axis_with_several_labelled_ticks(span, tmp_path):
+    steps = range(1, 21)
+    records = [{"step": s, "update_ratio": 1e-2 * span ** (-(s - 1) / 19)} for s in steps]
+    fig = metrics_figure({"run": records})
+    (ax,) = fig.axes
+    assert ax.get_yscale() == "log"
+    ticks = _visible_major_ticks(fig, ax)
+    assert len(ticks) >= 3, [t.label1.get_text() for t in ticks]
+    assert len(ticks) <= 12
+    assert all("10^" not in t.label1.get_text() and "$" not in t.label1.get_text() for t in ticks)
+
+
+def test_flat_or_linear_curves_keep_a_linear_axis(tmp_path):
+    records = [{"step": s, "update_ratio": 1e-3, "loss": 2.0 - 0.1 * s} for s in range(1, 6)]
+    panels = _panels(metrics_figure({"run": records}))
+    assert panels["update_ratio"].get_yscale() == "linear" and panels["loss"].get_yscale() == "linear"
+
+
+def test_step_ticks_are_integers_on_short_runs(tmp_path):
+    fig = metrics_figure({"run": _trainer_like([1, 2, 3])})
+    FigureCanvasAgg(fig).draw()
+    for ax in fig.axes:
+        lo, hi = ax.get_xlim()
+        locs = [t for t in ax.xaxis.get_majorticklocs() if lo <= t <= hi]
+        assert locs and all(float(t).is_integer() for t in locs), locs
+
+
+def test_several_runs_are_overlaid_with_a_legend(tmp_path, capsys):
+    a = _write(tmp_path / "x" / "base" / "metrics.jsonl", _trainer_like(range(10, 101, 10)))
+    b = _write(tmp_path / "y" / "base" / "metrics.jsonl", _trainer_like(range(10, 61, 10), scale=2.0))
+    c = _write(tmp_path / "y" / "wide.jsonl", _trainer_like(range(10, 101, 10), scale=0.5))
+    fig = plot_files([a, b, c])
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["x/base", "y/base", "y/wide"]
+    loss = _panels(fig)["loss"]
+    assert [line.get_label() for line in loss.lines] == ["x/base", "y/base", "y/wide"]
+    assert len({line.get_color() for line in loss.lines}) == 3
+    np.testing.assert_array_equal(loss.lines[1].get_xdata(), range(10, 61, 10))
+
+    code, out, _ = _cli(capsys, "plot", a, b, c, "-o", tmp_path / "abc.png")
+    assert code == 0 and (tmp_path / "abc.png").read_bytes()[:8] == PNG
+
+
+def test_runs_overlaid_on_per_module_panels_by_line_style(tmp_path):
+    first = _module_metrics(tmp_path / "a")
+    second = _module_metrics(tmp_path / "b")
+    fig = plot_files([first, second], keys="^grad_norm/layers_[01]$")
+    (ax,) = fig.axes
+    assert [line.get_linestyle() for line in ax.lines] == ["-", "-", "--", "--"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["layers_1", "layers_0", "a/mods", "b/mods"]
+
+
+def test_run_labels_disambiguate():
+    assert run_labels(["r/a/metrics.jsonl", "r/b/metrics.jsonl"]) == ["a", "b"]
+    assert run_labels(["p/a/metrics.jsonl", "q/a/metrics.jsonl"]) == ["p/a", "q/a"]
+    assert run_labels(["r/a/metrics.jsonl", "r/a/metrics.jsonl"]) == ["a", "a (2)"]
+
+
+def test_a_rerun_appended_to_the_file_plots_the_latest_run(tmp_path):
+    # Written by an older MetricsLogger that appended across reruns: the curve used to zig-zag back.
+    records = _trainer_like([2, 4, 6, 8]) + _trainer_like([6, 8, 10], scale=2.0)
+    fig = plot_files([_write(tmp_path / "m.jsonl", records)])
+    steps = _panels(fig)["loss"].lines[0].get_xdata()
+    assert list(steps) == [2, 4, 6, 8, 10]
+
+
+def test_non_finite_values_are_left_out(tmp_path):
+    records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": float("nan")}, {"step": 3, "loss": 1.0},
+               {"step": 1, "grad_norm": float("inf")}]
+    panels = _panels(metrics_figure({"run": records[:3] + [{"step": 4, "grad_norm": float("inf")}]}))
+    assert list(panels["loss"].lines[0].get_xdata()) == [1, 3]
+    assert "grad_norm (no finite values)" in panels and not panels["grad_norm (no finite values)"].lines
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("w.npz", None, "zip archive"),
+    ("config.json", b'{"lr": 0.1, "steps": 100}\n', "numeric `step`"),
+    ("image.png", PNG + b"\x00\x00\x00\rIHDR", "binary"),
+])
+def test_a_file_that_is_not_metrics_is_one_error_line(tmp_path, capsys, name, content, expected):
+    path = tmp_path / name
+    if content is None:
+        np.savez(path, w=np.ones(3))
+    else:
+        path.write_bytes(content)
+    code, out, err = _cli(capsys, "plot", path, "-o", tmp_path / "out.png")
+    line = _error_line(err)
+    assert code == 1 and name in line and expected in line and "codec" not in line and out == ""
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_too_many_panels_asks_for_keys(tmp_path):
+    records = [{"step": 1, **{f"m{i}": float(i) for i in range(20)}}]
+    with pytest.raises(ValueError, match="20 metrics to plot.*--keys"):
+        metrics_figure({"run": records})
+
+
+def test_several_files_default_output_in_the_current_folder(tmp_path, capsys, monkeypatch):
+    a = _write(tmp_path / "a" / "metrics.jsonl", _trainer_like([1, 2]))
+    b = _write(tmp_path / "b" / "metrics.jsonl", _trainer_like([1, 2]))
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = _cli(capsys, "plot", a, b)
+    assert code == 0 and out.strip() == "norms.png" and (tmp_path / "norms.png").read_bytes()[:8] == PNG
+    assert not (tmp_path / "a" / "norms.png").exists()
