@@ -7,8 +7,8 @@ import pytest
 
 MODULES = [
     "paths", "partitioning", "counting", "masks", "abstract", "table", "norms", "checkpoint",
-    "inspect._base", "inspect._files", "inspect._scan", "inspect.diff", "inspect.readers", "inspect.report",
-    "inspect.stats", "cli", "cli._args", "cli.plot",
+    "errors", "steps", "rows", "render", "inspect.source", "inspect.diff", "inspect.report", "inspect.stats",
+    "inspect.formats.orbax", "inspect.formats.safetensors", "inspect.formats.npz", "cli", "cli._args", "cli.plot",
 ]
 
 

@@ -22,6 +22,7 @@ import re
 from typing import Any, Callable, Iterable, Sequence
 
 from treetools._typing import KeyPath, PathStr, PyTree
+from treetools.errors import PatternError
 
 __all__ = [
     "compile_patterns",
@@ -218,7 +219,7 @@ def compile_patterns(patterns: str | Iterable[str] | None, *, name: str) -> list
         try:
             out.append(re.compile(pat))
         except re.error as e:
-            raise ValueError(f"`{name}` pattern {pat!r} is not a valid regex ({e}); fix or escape it.") from None
+            raise PatternError(f"`{name}` pattern {pat!r} is not a valid regex ({e}); fix or escape it.") from None
     return out
 
 
@@ -248,7 +249,7 @@ def match_patterns(
             if pat.search(p):
                 hits[i] = matched = True
         if not matched:
-            raise ValueError(
+            raise PatternError(
                 f"`{name}` pattern {pat.pattern!r} matches no leaf; nearby paths: "
                 f"{_nearby(pat.pattern, paths)}. Fix the pattern or drop it."
             )

@@ -211,6 +211,15 @@ def render_report(report: "Report", fmt: str = "table", *, tablefmt: str = "simp
             out += ["", "(no items)"]
         for name, item in s.items.items():
             out += ["", *_item_section(name, item, fmt, tablefmt, level=3 if report.all_steps else 2)]
+        if len(s.items) > 1:
+            t = s.total
+            size = human(t.bytes, "B")
+            line = f"Grand total ({len(s.items)} items): {format_count(t.params)} params, {size}"
+            out += ["", f"**{line}**" if md else line]
+    grouped = report.grouped_at if hasattr(report, "grouped_at") else None
+    if grouped:
+        hint = f"rows grouped {grouped} level(s) below each item's shared prefix; --leaves shows every leaf, --depth K chooses."
+        out += ["", f"_{hint}_" if md else hint]
     return "\n".join(out)
 
 

@@ -50,7 +50,7 @@ class LeafSharding:
 
     >>> s = LeafSharding(("fsdp", None), {"fsdp": 4})
     >>> str(s), s.to_json(), str(LeafSharding((None,), {"fsdp": 4}))
-    ("P('fsdp', None)", {'mesh': {'fsdp': 4}, 'spec': ['fsdp', None]}, 'replicated')
+    ("P('fsdp')", {'mesh': {'fsdp': 4}, 'spec': ['fsdp', None]}, 'replicated')
     """
 
     spec: Any

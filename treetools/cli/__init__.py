@@ -7,7 +7,10 @@ jax nor numpy. Each subcommand module provides ``add_arguments(parser)`` and
 
 Exit codes: 0 ok; 1 a known error (one ``treetools: error: ...`` line on
 stderr, no traceback); 2 usage; 3 non-finite values under
-``--fail-on-nonfinite``.
+``--fail-on-nonfinite``. ``diff`` follows GNU diff: 0 same, 1 different, 2
+trouble. Known errors are mapped by type (``treetools.errors``, missing files,
+a missing optional dependency); any other exception is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     Each subcommand's description is its module's docstring.
 
     >>> build_parser("plot").parse_args(["plot", "m.jsonl"]).metrics
-    'm.jsonl'
+    ['m.jsonl']
     """
     from importlib.metadata import PackageNotFoundError, version
 
@@ -70,6 +73,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             sp.description = module.__doc__
             sp.set_defaults(_main=module.main)
     return parser
+
+
+def _known_errors() -> tuple[type, ...]:
+    """Exception types that are the user's input, not a bug: reported as one line. Anything else keeps its traceback."""
+    from treetools.errors import CheckpointError, CheckpointNotFoundError, PatternError
+
+    return (CheckpointError, CheckpointNotFoundError, PatternError, FileNotFoundError, PermissionError,
+            IsADirectoryError, NotADirectoryError, ImportError, UnicodeDecodeError)
+
+
+KNOWN_ERRORS: tuple[type, ...] = _known_errors()
 
 
 def _error(message: str) -> int:
@@ -100,16 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except (ValueError, OSError, ImportError) as e:
-        # CheckpointError is a ValueError; so are bad patterns and TensorStore failures.
-        # ImportError: a missing optional dependency (matplotlib for `plot`), named with its fix.
+    except KNOWN_ERRORS + ((ValueError,) if command in ("plot", "train") else ()) as e:
+        # Known problems with what the user gave: one line, exit 1 (diff: 2, GNU diff's "trouble").
         if os.environ.get("TREETOOLS_DEBUG"):
             raise
+        code = 2 if command == "diff" else 1
         if isinstance(e, OSError) and e.filename is not None and e.strerror:
-            return _error(f"{e.filename}: {e.strerror}.")
-        return _error(str(e) or type(e).__name__)
-    except Exception as e:  # a bug, but still one line; TREETOOLS_DEBUG=1 shows the traceback
-        if os.environ.get("TREETOOLS_DEBUG"):
-            raise
-        return _error(f"internal error: {type(e).__name__}: {e} (set TREETOOLS_DEBUG=1 for the traceback)")
+            _error(f"{e.filename}: {e.strerror}.")
+        else:
+            _error(str(e) or type(e).__name__)
+        return code
     return int(code or 0)

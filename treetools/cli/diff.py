@@ -16,13 +16,24 @@ item on each side; in a single-tree file (a Flax msgpack of a whole train
 state) it is a top-level key, and a side with one item (an .npz of params)
 uses its own.
 
---values streams both arrays in the same bounded blocks and reports, per
-leaf of equal shape, the max absolute difference, the relative L2 difference
-||a - b|| / ||a||, and allclose under |a - b| <= atol + rtol * |b| (numpy's
-rule, NaN equal to NaN; defaults atol 1e-8, rtol 1e-5).
+Shardings are compared by meaning (P() and P(None,) are both replicated).
+--include/--exclude pick leaves by path regex, --depth K groups the listing
+by path prefixes, --sort orders it.
 
-Exit codes: 0 when the comparison ran, whether or not the checkpoints differ
-(the verdict is the last line, and "identical" in JSON); 1 error; 2 usage.
+--values streams both arrays in the same bounded blocks and reports, per
+leaf of equal shape, whether it is bit-identical, how many elements lie
+outside |a - b| <= atol + rtol * |b| (numpy's rule; NaN equals NaN and Inf
+the same Inf, but a value that becomes NaN or Inf is always outside, and the
+non-finite counts of both sides are shown), the max absolute difference over
+elements finite on both sides, and the relative L2 difference ||a - b|| / ||a||.
+Integers and complex numbers are compared exactly. Defaults atol 1e-8, rtol 1e-5.
+
+The last line is the verdict, with every count named: leaves added, removed,
+with changed metadata, with the same metadata and, with --values,
+bit-identical, within tolerance and outside tolerance.
+
+Exit codes (as GNU diff): 0 the checkpoints are the same (within tolerance);
+1 they differ; 2 trouble (usage, a missing or unreadable checkpoint).
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treetools.cli._args import nonneg_float, step
+from treetools.cli._args import nonneg_float, positive_int, regex, step
 from treetools.cli.inspect import add_common_arguments, chunk_bytes
 
 __all__ = ["add_arguments", "main"]
@@ -45,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--values", action="store_true", help="also compare values, streamed in blocks")
     parser.add_argument("--atol", type=nonneg_float, default=1e-8, help="absolute tolerance (default 1e-8)")
     parser.add_argument("--rtol", type=nonneg_float, default=1e-5, help="relative tolerance (default 1e-5)")
+    parser.add_argument("--depth", type=positive_int, default=None, metavar="K",
+                        help="group the listing by path prefixes of K parts")
+    parser.add_argument("--include", type=regex, action="append", default=[], metavar="RE",
+                        help="compare only leaves whose path matches RE; repeatable")
+    parser.add_argument("--exclude", type=regex, action="append", default=[], metavar="RE",
+                        help="skip leaves whose path matches RE; repeatable")
+    parser.add_argument("--sort", choices=("path", "params", "bytes"), default=None, help="order of the listing")
     parser.add_argument("--format", choices=("table", "json", "markdown"), default="table",
                         help="output format (default table)")
 
@@ -74,8 +92,12 @@ def main(args: argparse.Namespace) -> int:
         atol=args.atol,
         rtol=args.rtol,
         chunk_bytes=chunk_bytes(args),
+        include=args.include,
+        exclude=args.exclude,
+        depth=args.depth,
+        sort=args.sort,
     )
     for note in report.notes:
         print(f"treetools: note: {note}", file=sys.stderr)
     print(render_diff(report, args.format))
-    return 0
+    return 0 if report.identical else 1

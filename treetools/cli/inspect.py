@@ -11,12 +11,15 @@ Metadata mode reads no array data. --stats streams each array in bounded
 blocks (TREETOOLS_CHUNK_BYTES, default 8 MiB; a compressed storage chunk is
 always decoded whole) and reports mean, std (population), min, max, l2 and
 abs_max over the finite elements, plus the counts zeros, nan, posinf, neginf.
-In JSON a float that is NaN or infinite is written as null. Dotted tensor
-names (model.layers.0.weight) are shown as path strings (model/layers/0/weight).
+In JSON a float that is NaN or infinite is written as null.
 
-The table has one section per item: its title names the path prefix that all
-its rows share (optax states nest deep) and the mesh of its sharded leaves; a
-JSON item (such as a data iterator's state) is shown as its values.
+The default view fits a screen: the step's saved time and metrics, then one
+section per item (params first, then EMA params, optimizer state, the rest),
+each titled with the path prefix all its rows share and grouped at the deepest
+level (counted below that prefix) that keeps it to about 20 rows, then a
+grand total. --depth K chooses the level, --leaves shows every leaf. A JSON
+item (such as a data iterator's state) is shown as its values. Tensor names of
+flat-key files (safetensors, npz) are shown exactly as stored.
 
 Examples:
   treetools inspect runs/demo/checkpoints                 latest step, every item
@@ -55,8 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=step, default=None, metavar="N|latest|all",
                         help="step of a CheckpointManager root (default latest); `all` shows every committed step")
     add_common_arguments(parser)
-    parser.add_argument("--depth", type=positive_int, default=None, metavar="K",
-                        help="one row per path prefix of K parts, summed")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--depth", type=positive_int, default=None, metavar="K",
+                       help="one row per path prefix of K parts below the item's shared prefix, summed")
+    group.add_argument("--leaves", action="store_true",
+                       help="one row per leaf (the default view groups each item to fit a screen)")
     parser.add_argument("--include", type=regex, action="append", default=[], metavar="RE",
                         help="keep leaves whose path matches RE (re.search); repeatable; "
                              "a pattern that matches no leaf is an error")
@@ -72,20 +78,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def chunk_bytes(args: argparse.Namespace) -> int:
-    from treetools.inspect._base import chunk_bytes_from_env
+    from treetools.inspect.arrays import chunk_bytes_from_env
 
     return args.chunk_bytes if args.chunk_bytes is not None else chunk_bytes_from_env()
+
+
+ROWS_PER_ITEM = 20
+"""The default view groups each item at the deepest level that keeps it to this many rows."""
 
 
 def main(args: argparse.Namespace) -> int:
     from treetools.inspect import inspect_path, render_report
 
     stats = args.stats or args.fail_on_nonfinite
+    summary = args.format != "json" and args.depth is None and not args.leaves
     report = inspect_path(
         args.path,
         step=args.step,
         item=args.item,
         depth=args.depth,
+        leaves=args.leaves,
+        rows_per_item=ROWS_PER_ITEM if summary else None,
         include=args.include,
         exclude=args.exclude,
         sort=args.sort,

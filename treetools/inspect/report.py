@@ -112,6 +112,8 @@ class Report:
     notes: list[str] = dataclasses.field(default_factory=list)
     depth: int | None = None
     leaves: bool = False
+    grouped_at: int | None = None
+    """The depth the summary view chose to fit ``rows_per_item`` (None: every leaf, or ``depth`` was given)."""
 
     def to_json(self) -> dict[str, Any]:
         """The versioned object of ``docs/json-schema.md``; non-finite floats become ``null``."""
@@ -227,9 +229,9 @@ def inspect_path(
 
     >>> import numpy as np, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "w.npz")
-    >>> np.savez(f, **{"a/w": np.ones((2, 3), np.float32), "a/b": np.zeros(3, np.float32)})
-    >>> inspect_path(f, depth=1).to_json()["checkpoints"][0]["items"]["default"]["leaves"][0]["params"]
-    9
+    >>> np.savez(f, **{"a/x/w": np.ones((2, 3), np.float32), "a/x/b": np.zeros(3, np.float32), "a/y": np.ones(2)})
+    >>> [(r["path"], r["params"]) for r in inspect_path(f, depth=1).to_json()["checkpoints"][0]["items"]["default"]["leaves"]]
+    [('a/x', 9), ('a/y', 2)]
     """
     if depth is not None and depth < 1:
         raise ValueError(f"`depth` must be a positive integer, got {depth}.")
@@ -251,6 +253,7 @@ def inspect_path(
     if stats:
         accs, nonfinite = _compute_stats(kept, snaps, chunk_bytes, progress)
     by_step = []
+    grouped_at = None
     for i, s in enumerate(snaps):
         items = {}
         for name, item_leaves in kept[i].items():
@@ -259,6 +262,8 @@ def inspect_path(
             group = None if leaves else depth
             if group is None and not leaves and rows_per_item is not None:
                 group = auto_depth(leaf_rows, offset, rows_per_item)
+                if group is not None:
+                    grouped_at = max(grouped_at or 0, group)
             rows = aggregate_rows(leaf_rows, group, offset=offset)
             if stats:
                 rows = _with_stats(rows, accs[i].get(name, {}))
@@ -277,6 +282,7 @@ def inspect_path(
         notes=notes,
         depth=depth,
         leaves=leaves,
+        grouped_at=grouped_at,
     )
 
 

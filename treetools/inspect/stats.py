@@ -130,7 +130,7 @@ def leaf_stats(reader: ArrayReader, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                progress: "Progress | None" = None) -> StatsAccumulator:
     """Stream one stored array through a ``StatsAccumulator`` in blocks of about ``chunk_bytes``.
 
-    >>> from treetools.inspect._base import InMemoryReader
+    >>> from treetools.inspect.arrays import InMemoryReader
     >>> leaf_stats(InMemoryReader(np.arange(4.0)), chunk_bytes=16).result()["max"]
     3.0
     """

@@ -1,0 +1,365 @@
+"""The one checkpoint layer: every reader agrees on steps and on the path of every leaf.
+
+For every checkpoint kind the tests can write (treetools saves, plain Orbax
+saves of linen params, of nnx State, of an optax state, a JSON item, Flax
+msgpack, safetensors, npz), the paths ``inspect --format json`` lists, the
+keys of ``flatten(load_parameters(...))`` and the paths ``restore_checkpoint``
+accepts are the same strings, and restoring into
+``make_abstract(load_parameters(...))`` is bit-exact. Truth comes from the
+writer's own arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx, serialization
+
+import treetools as tt
+from treetools.cli import main
+from treetools.inspect import diff_paths, inspect_path
+from treetools.inspect.source import Format, FileSource, register_format, tree_leaves, unregister_format
+from treetools.paths import flatten
+
+FIXTURE = Path(__file__).parent / "fixtures" / "treetools_v0_1"
+FIXTURE_TRUTH = Path(__file__).parent / "fixtures" / "treetools_v0_1_truth.npz"
+
+
+def _params(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "Dense_0": {"kernel": rng.standard_normal((8, 4)).astype(np.float32), "bias": np.arange(4, dtype=np.float32)},
+        "layers": [{"w": rng.standard_normal((4, 4)).astype(np.float32)} for _ in range(2)],
+        "scale": np.float32(rng.standard_normal((4,))),
+    }
+
+
+class _Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(4, 8, rngs=rngs)
+        self.fc2 = nnx.Linear(8, 4, rngs=rngs)
+
+
+class _Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.blocks = nnx.List([_Block(rngs) for _ in range(2)])
+
+
+def _host(tree) -> dict:
+    return {p: np.asarray(jax.device_get(tt.unbox(x))) for p, x in flatten(tree).items()}
+
+
+# ----------------------------------------------------------------------------- writers: (path, item) per kind
+
+
+def write_treetools_boxed(tmp: Path):
+    mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    host = _params()
+    params = jax.tree.map(jnp.asarray, host)
+    params["Dense_0"]["kernel"] = nn.Partitioned(
+        jax.device_put(host["Dense_0"]["kernel"], jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))),
+        names=("fsdp", None), mesh=mesh)
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=tmp / "run", async_save=False)
+    tt.save_checkpoint(mngr, 3, {"params": params, "data_iter": {"index": 3}})
+    mngr.close()
+    return tmp / "run", "params", _host(params)
+
+
+def write_orbax_manager_linen(tmp: Path):
+    model = nn.Dense(4)
+    variables = model.init(jax.random.key(0), jnp.ones((1, 3)))
+    with ocp.CheckpointManager(tmp / "plain") as mngr:
+        mngr.save(7, args=ocp.args.Composite(params=ocp.args.StandardSave(variables["params"])))
+        mngr.wait_until_finished()
+    return tmp / "plain", "params", _host(variables["params"])
+
+
+def write_orbax_nnx_state(tmp: Path):
+    # The Flax NNX guide's way: split the module, save the State with a plain StandardCheckpointer.
+    model = _Net(nnx.Rngs(0))
+    _, state = nnx.split(model)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp / "nnx_state", state)
+    return tmp / "nnx_state", "default", _host(state)
+
+
+def write_orbax_optax_state(tmp: Path):
+    params = jax.tree.map(jnp.asarray, _params())
+    opt = optax.adamw(1e-3).init(params)
+    with ocp.CheckpointManager(tmp / "opt") as mngr:
+        mngr.save(1, args=ocp.args.Composite(opt_state=ocp.args.StandardSave(opt)))
+        mngr.wait_until_finished()
+    return tmp / "opt", "opt_state", _host(opt)
+
+
+def write_msgpack(tmp: Path):
+    host = _params()
+    (tmp / "state.msgpack").write_bytes(serialization.to_bytes(host))
+    return tmp / "state.msgpack", None, {p: np.asarray(x) for p, x in flatten(host).items()}
+
+
+def write_safetensors(tmp: Path):
+    from safetensors.numpy import save_file
+
+    tensors = {"model.layers.0.self_attn.q_proj.weight": np.ones((4, 4), np.float32),
+               "model.embed_tokens.weight": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    save_file(tensors, str(tmp / "model.safetensors"))
+    return tmp / "model.safetensors", None, tensors
+
+
+def write_npz(tmp: Path):
+    flat = {p: np.asarray(x) for p, x in flatten(_params()).items()}
+    np.savez(tmp / "weights.npz", **flat)
+    return tmp / "weights.npz", None, flat
+
+
+WRITERS = [write_treetools_boxed, write_orbax_manager_linen, write_orbax_nnx_state, write_orbax_optax_state,
+           write_msgpack, write_safetensors, write_npz]
+ORBAX = {write_treetools_boxed, write_orbax_manager_linen, write_orbax_nnx_state, write_orbax_optax_state}
+
+
+def _json_paths(capsys, path, item) -> list[str]:
+    argv = ["inspect", str(path), "--format", "json"] + (["--item", item] if item else [])
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["schema"] == 2
+    (name,) = report["checkpoints"][0]["items"]
+    return [leaf["path"] for leaf in report["checkpoints"][0]["items"][name]["leaves"]]
+
+
+@pytest.mark.parametrize("writer", WRITERS, ids=lambda w: w.__name__[len("write_"):])
+def test_one_path_per_leaf_everywhere(tmp_path, capsys, writer):
+    path, item, truth = writer(tmp_path)
+    listed = _json_paths(capsys, path, item)
+    loaded = tt.load_parameters(path, item=item)
+    # The same strings (each side in its own order: stored order vs jax's sorted dict keys).
+    assert sorted(listed) == sorted(flatten(loaded)), "inspect and load_parameters disagree on paths"
+    assert sorted(listed) == sorted(truth), "paths differ from the writer's own"
+    for p, want in truth.items():
+        got = np.asarray(flatten(loaded)[p])
+        assert got.dtype == np.asarray(want).dtype and np.array_equal(got, want), p
+    if writer in ORBAX:
+        # restore_checkpoint accepts exactly those paths, and the round trip is bit-exact.
+        restored = tt.restore_checkpoint(path, "latest", {item: tt.make_abstract(loaded)})[item]
+        assert sorted(flatten(restored)) == sorted(listed)
+        for p, want in truth.items():
+            np.testing.assert_array_equal(np.asarray(flatten(restored)[p]), want, err_msg=p)
+
+
+def test_json_item_reads_the_same_everywhere(tmp_path, capsys):
+    path, _, _ = write_treetools_boxed(tmp_path)
+    assert main(["inspect", str(path), "--format", "json"]) == 0
+    items = json.loads(capsys.readouterr().out)["checkpoints"][0]["items"]
+    assert items["data_iter"]["value"] == {"index": 3}
+    assert [leaf["path"] for leaf in items["data_iter"]["leaves"]] == ["index"]
+    assert tt.restore_checkpoint(path, None, {"data_iter": None})["data_iter"] == {"index": 3}
+
+
+def test_boxed_demo_save_restores_into_make_abstract_of_load_parameters(tmp_path):
+    # Bug 1 of the issue: load_parameters then restore_checkpoint into its abstract tree.
+    path, item, truth = write_treetools_boxed(tmp_path)
+    assert not any(p.endswith("/value") for p in flatten(tt.load_parameters(path)))
+    meta = json.loads((path / "3" / "params" / "_METADATA").read_text())
+    assert not any("value" == e["key_metadata"][-1]["key"] for e in meta["tree_metadata"].values()), \
+        "a box was written to disk"
+    mngr = tt.get_checkpoint_manager(100, checkpoint_dir=path)
+    p = tt.load_parameters(path)
+    out = tt.restore_checkpoint(mngr, "latest", {"params": tt.make_abstract(p)})["params"]
+    got = _host(out)
+    assert sorted(got) == sorted(truth)
+    for k in truth:
+        np.testing.assert_array_equal(got[k], truth[k], err_msg=k)
+    mngr.close()
+
+
+def test_relative_and_home_paths(tmp_path, monkeypatch):
+    # Bug 2: a relative checkpoint_dir reached Orbax, which needs absolute paths.
+    monkeypatch.chdir(tmp_path)
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir="runs/demo/checkpoints")
+    params = {"w": jnp.arange(4.0)}
+    tt.save_checkpoint(mngr, 1, {"params": params}, wait=True)
+    out = tt.restore_checkpoint(mngr, "latest", {"params": tt.make_abstract(params)})
+    np.testing.assert_array_equal(np.asarray(out["params"]["w"]), np.arange(4.0))
+    mngr.close()
+    np.testing.assert_array_equal(tt.load_parameters("runs/demo/checkpoints")["w"], np.arange(4.0))
+    out = tt.restore_checkpoint("runs/demo/checkpoints", 1, {"params": tt.make_abstract(params)})
+    np.testing.assert_array_equal(np.asarray(out["params"]["w"]), np.arange(4.0))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    np.testing.assert_array_equal(tt.load_parameters("~/runs/demo/checkpoints")["w"], np.arange(4.0))
+    assert tt.list_steps("~/runs/demo/checkpoints") == [1]
+
+
+def test_nnx_state_saved_by_plain_orbax_agrees_with_treetools_save(tmp_path):
+    # Bug 3: three functions gave three answers on `kernel/value` leaves.
+    path, item, truth = write_orbax_nnx_state(tmp_path)
+    loaded = tt.load_parameters(path)
+    assert isinstance(loaded["blocks"][0]["fc1"]["kernel"], np.ndarray)
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=tmp_path / "ours", async_save=False)
+    tt.save_checkpoint(mngr, 1, {"params": nnx.state(_Net(nnx.Rngs(0)))})
+    mngr.close()
+    report = diff_paths(str(path), str(tmp_path / "ours"), item="params", values=True)
+    assert not report.added and not report.removed
+    assert report.counts()["bit_identical"] == len(truth) and report.identical
+
+
+def test_checkpoint_written_by_treetools_0_1_still_reads(capsys):
+    # A fixture written by the code before this layer (boxes stored as `.../value` nodes).
+    truth = dict(np.load(FIXTURE_TRUTH))
+    loaded = flatten(tt.load_parameters(FIXTURE))
+    assert sorted(loaded) == sorted(truth)
+    for p in truth:
+        np.testing.assert_array_equal(loaded[p], truth[p])
+    assert sorted(_json_paths(capsys, FIXTURE, "params")) == sorted(loaded)
+    out = tt.restore_checkpoint(FIXTURE, None, {"params": tt.make_abstract(tt.load_parameters(FIXTURE)),
+                                                "data_iter": None})
+    assert out["data_iter"] == {"index": 7, "seed": 3}
+    for p in truth:
+        np.testing.assert_array_equal(np.asarray(flatten(out["params"])[p]), truth[p])
+    # Restoring into boxed targets gives boxes back.
+    boxed = {"Dense_0": {"kernel": nn.Partitioned(jnp.zeros((8, 4)), names=("fsdp", None)), "bias": jnp.zeros(4)},
+             "embed": nn.Partitioned(jnp.zeros((4, 8)), names=(None, "fsdp"))}
+    out = tt.restore_checkpoint(FIXTURE, None, {"params": boxed})["params"]
+    assert isinstance(out["embed"], nn.Partitioned)
+    np.testing.assert_array_equal(np.asarray(out["embed"].value), truth["embed"])
+
+
+# ----------------------------------------------------------------------------- metadata read once, only what is asked
+
+
+class _Opens:
+    """Counts the files Python opens (an audit hook; TensorStore's own reads are not seen)."""
+
+    installed = False
+    active: list | None = None
+
+    def __init__(self):
+        if not _Opens.installed:
+            sys.addaudithook(lambda event, args: _Opens.active.append(os.fspath(args[0]))
+                             if event == "open" and _Opens.active is not None and isinstance(args[0], (str, bytes, os.PathLike))
+                             else None)
+            _Opens.installed = True
+
+    def __enter__(self):
+        _Opens.active = self.paths = []
+        return self
+
+    def __exit__(self, *exc):
+        _Opens.active = None
+
+    def count(self, suffix: str) -> int:
+        return sum(1 for p in self.paths if str(p).endswith(suffix))
+
+
+def _three_items(tmp_path: Path) -> Path:
+    params = {"w": jnp.arange(8.0).reshape(2, 4), "b": jnp.ones(4)}
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=tmp_path / "run", async_save=False)
+    tt.save_checkpoint(mngr, 1, {"params": params, "params_ema": params,
+                                 "opt_state": optax.adam(1e-3).init(params), "data_iter": {"i": 1}})
+    mngr.close()
+    return tmp_path / "run"
+
+
+def test_restore_reads_each_requested_items_metadata_once(tmp_path):
+    root = _three_items(tmp_path)
+    targets = {"params": {"w": jnp.zeros((2, 4)), "b": jnp.zeros(4)}}
+    targets["params_ema"] = targets["params"]
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=root)
+    with _Opens() as opens:
+        out = tt.restore_checkpoint(mngr, "latest", targets)
+    np.testing.assert_array_equal(np.asarray(out["params_ema"]["w"]), np.arange(8.0).reshape(2, 4))
+    for name in ("params", "params_ema"):
+        assert opens.count(f"/1/{name}/_METADATA") == 1, opens.paths
+    assert not any("/opt_state/" in p or "/data_iter/" in p for p in opens.paths), opens.paths
+    mngr.close()
+
+
+def test_inspect_item_reads_only_that_item(tmp_path, capsys):
+    root = _three_items(tmp_path)
+    with _Opens() as opens:
+        assert main(["inspect", str(root), "--item", "params", "--format", "json"]) == 0
+    capsys.readouterr()
+    assert opens.count("/1/params/_METADATA") == 1
+    assert not any(f"/1/{other}/" in p for p in opens.paths for other in ("params_ema", "opt_state", "data_iter"))
+
+
+# ----------------------------------------------------------------------------- a new format is one module
+
+
+def _read_tiny(path: str) -> list:
+    data = json.loads(Path(path).read_text())
+    return tree_leaves({k: np.asarray(v, np.float32) for k, v in data["tensors"].items()}, where=path)
+
+
+TINY = Format(
+    name="tiny",
+    priority=100,
+    claims=lambda p: p.endswith(".tiny") and os.path.isfile(p),
+    open=lambda local, display: FileSource(display, "tiny", _read_tiny(local)),
+    description="a test-only JSON file of tensors",
+)
+
+
+@pytest.fixture
+def tiny_format():
+    register_format(TINY)
+    yield
+    unregister_format("tiny")
+
+
+def test_a_format_registered_from_outside_reaches_every_reader(tmp_path, capsys, tiny_format):
+    a, b = tmp_path / "a.tiny", tmp_path / "b.tiny"
+    a.write_text(json.dumps({"tensors": {"w": [1.0, 2.0, float("nan")], "v": [3.0]}}))
+    b.write_text(json.dumps({"tensors": {"w": [1.0, 2.5, float("nan")], "v": [3.0]}}))
+    assert main(["inspect", str(a), "--format", "json", "--stats"]) == 0
+    leaves = json.loads(capsys.readouterr().out)["checkpoints"][0]["items"]["default"]["leaves"]
+    assert {leaf["path"]: leaf["stats"]["nan"] for leaf in leaves} == {"w": 1, "v": 0}
+    assert main(["inspect", str(a), "--fail-on-nonfinite"]) == 3
+    capsys.readouterr()
+    np.testing.assert_array_equal(tt.load_parameters(a)["w"], np.array([1.0, 2.0, np.nan], np.float32))
+    report = diff_paths(str(a), str(b), values=True)
+    assert report.counts()["outside_tolerance"] == 1 and report.counts()["bit_identical"] == 1
+    assert main(["diff", str(a), str(b), "--values"]) == 1
+    assert main(["diff", str(a), str(a), "--values"]) == 0
+    capsys.readouterr()
+
+
+def test_not_a_checkpoint_lists_the_registered_formats(tmp_path, capsys, tiny_format):
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("hello")
+    assert main(["inspect", str(tmp_path / "notes")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Readable formats:" in err
+    for name in ("orbax", "safetensors", "npz", "msgpack", "tiny"):
+        assert name in err
+
+
+def test_t5x_style_folder_is_not_claimed_as_orbax(tmp_path, capsys):
+    # `checkpoint_100/checkpoint` (T5X) has no Orbax evidence: not an Orbax root refused later.
+    step = tmp_path / "model" / "checkpoint_100"
+    step.mkdir(parents=True)
+    (step / "checkpoint").write_bytes(b"\x81\xa6target\x80")
+    assert main(["inspect", str(tmp_path / "model")]) == 1
+    assert "step folder holds no Orbax item" not in capsys.readouterr().err
+
+
+def test_unexpected_exception_keeps_its_traceback(tmp_path, monkeypatch):
+    # A bug is not a known error: the CLI lets it through instead of a one-line "internal error".
+    path, _, _ = write_npz(tmp_path)
+    import treetools.inspect.report as report
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(report, "open_source", boom)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["inspect", str(path)])
