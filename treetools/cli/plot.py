@@ -168,7 +168,14 @@ def _log_axis(ax: Any, lo: float, hi: float) -> None:
 
     ax.set_yscale("log")
     decades = math.log10(hi / lo)
-    subs = (1.0,) if decades > 2.5 else (1.0, 2.0, 5.0) if decades > 1 else (1.0, 2.0, 3.0, 4.0, 5.0, 7.0)
+    if decades > 2.5:
+        subs: tuple[float, ...] = (1.0,)
+    elif decades > 1:
+        subs = (1.0, 2.0, 5.0)
+    elif decades > 0.6:
+        subs = (1.0, 2.0, 3.0, 5.0, 7.0)
+    else:
+        subs = tuple(float(i) for i in range(1, 10))
     ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=subs, numticks=12))
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_locator(ticker.LogLocator(base=10, subs="auto", numticks=12))
@@ -260,7 +267,7 @@ def metrics_figure(
                             marker="." if len(steps) < 30 else None, label=label)
         ax.set_title(title if values else f"{title} (no finite values)", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True))
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         if values:
             lo, hi = min(values), max(values)
             wants_log = "ratio" in title or (hi / lo >= 100 if lo > 0 else False)
