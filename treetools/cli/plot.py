@@ -8,7 +8,7 @@ share a name).
 Panels, one per metric: by default loss-like keys, grad/param/update norms,
 update_ratio and the learning rate (lr, learning_rate), whichever are logged
 (every metric when none of these is). --keys RE picks metrics by regex
-(re.search; repeat it to add more); a metric that matches nothing is an error.
+(re.search; repeat it to add more); --keys matching no metric is an error.
 Per-module entries such as grad_norm/layers_0 (norm_metrics(depth=K)) get one
 panel per kind, a line per module (the largest few). update_ratio, and curves
 spanning several decades, use a log axis. Non-finite values are left out.
