@@ -1,6 +1,6 @@
 """PyTree chores for JAX / Flax / Optax / Orbax trainers.
 
-Quickstart, by task (``help(tt.NAME)`` for any name; ``treetools --help`` for the CLI)::
+Quickstart, by task (``help(tt.NAME)`` for any name; ``treetools --help`` for the CLI):
 
     >>> import jax.numpy as jnp
     >>> import treetools as tt
@@ -52,7 +52,7 @@ Abstract trees and Orbax checkpoints (restore onto any mesh):
     ['Dense_0/bias', 'Dense_0/kernel', 'Dense_1/bias', 'Dense_1/kernel']
     >>> manager.close()
 
-Inspect any checkpoint from the shell (no jax import for metadata)::
+Inspect any checkpoint from the shell (no jax import for metadata):
 
     treetools inspect CKPT_DIR [--stats] [--format json]
     treetools diff CKPT_A CKPT_B --values
@@ -116,15 +116,19 @@ _EXPORTS = {  # public name -> module under treetools
     "restore_checkpoint": "checkpoint",
     "load_parameters": "checkpoint",
     "save_checkpoint": "checkpoint",
-    "list_steps": "checkpoint",
-    "list_incomplete": "checkpoint",
-    "latest_step": "checkpoint",
-    "CheckpointMismatchError": "checkpoint",
+    "list_steps": "steps",
+    "list_incomplete": "steps",
+    "latest_step": "steps",
+    "CheckpointMismatchError": "errors",
+    "CheckpointNotFoundError": "errors",
+    "PatternError": "errors",
     # inspect
     "inspect_path": "inspect",
     "diff_paths": "inspect",
-    "open_checkpoint": "inspect",
-    "CheckpointError": "inspect",
+    "open_source": "inspect",
+    "register_format": "inspect",
+    "Format": "inspect",
+    "CheckpointError": "errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -156,7 +160,9 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         save_checkpoint,
     )
     from treetools.counting import get_num_bytes, get_num_params
-    from treetools.inspect import CheckpointError, diff_paths, inspect_path, open_checkpoint
+    from treetools.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, PatternError
+    from treetools.inspect import Format, diff_paths, inspect_path, open_source, register_format
+    from treetools.steps import latest_step, list_incomplete, list_steps
     from treetools.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
     from treetools.metrics import JsonlWriter, MetricsLogger, read_metrics
     from treetools.norms import (
