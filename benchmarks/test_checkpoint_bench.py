@@ -2,10 +2,12 @@
 
 Saved FSDP-sharded from 8 devices (``P("x", None)``), restored onto a 4x2 mesh
 with tensor-parallel specs (``P(None, "tp")``). Our restore also checks every
-target against the metadata first; the target is at most 1.1x Orbax's time.
-Full size: 64 leaves of 4096x1024 float32 (1 GiB), scaled by TREETOOLS_BENCH_SCALE.
-The metadata check is a fixed cost per item (Orbax's metadata read, ~30 ms for
-64 leaves here), so the ratio approaches 1 as checkpoints grow.
+target against the metadata first (read once per requested item, through
+treetools' own jax-free reader, and handed to Orbax so it is not read again);
+the target is at most 1.05x Orbax's time. Full size: 64 leaves of 4096x1024
+float32 (1 GiB), scaled by TREETOOLS_BENCH_SCALE. The second case saves
+params, params_ema and opt_state and restores two of them: unrequested items
+are never touched.
 """
 
 import time
@@ -32,7 +34,7 @@ def saved(tmp_path_factory):
                                                 NamedSharding(mesh, P("x", None)))} for i in range(N_LEAVES)}
     root = tmp_path_factory.mktemp("restore_bench")
     mngr = tt.get_checkpoint_manager(1, checkpoint_dir=root / "ckpt", async_save=False)
-    tt.save_checkpoint(mngr, 1, {"params": params}, wait=True)
+    tt.save_checkpoint(mngr, 1, {"params": params, "params_ema": params, "opt_state": {"mu": params}}, wait=True)
     mesh2 = jax.make_mesh((4, 2), ("data", "tp"), devices=jax.devices())
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh2, P(None, "tp"))),
                           params)
@@ -46,7 +48,7 @@ def _timed(fn):
     return time.perf_counter() - t0, out
 
 
-def _interleaved(ours, anchor, repeat=3):
+def _interleaved(ours, anchor, repeat=5):
     """Best of ``repeat`` for each, alternating so that both see the same page cache."""
     best_ours = best_anchor = float("inf")
     for _ in range(repeat):
@@ -66,5 +68,18 @@ def test_restore_onto_new_sharding_vs_orbax(benchmark, saved):
         np.testing.assert_array_equal(np.asarray(a[key]["w"]), np.asarray(params[key]["w"]))
         assert a[key]["w"].sharding == target[key]["w"].sharding
     mib = tt.get_num_bytes(params) / 2**20
-    report(f"restore_checkpoint {mib:.0f} MiB onto P(None,'tp')", ours_t, anchor_t, "orbax restore", target="<= 1.1")
+    report(f"restore_checkpoint {mib:.0f} MiB onto P(None,'tp')", ours_t, anchor_t, "orbax restore", target="<= 1.05")
+    benchmark.pedantic(ours, rounds=1, iterations=1)
+
+
+def test_restore_two_of_three_items_vs_orbax(benchmark, saved):
+    mngr, target, params = saved
+    items = {"params": target, "params_ema": target}
+    ours = lambda: tt.restore_checkpoint(mngr, 1, items)  # noqa: E731
+    direct = lambda: mngr.restore(1, args=ocp.args.Composite(  # noqa: E731
+        **{k: ocp.args.StandardRestore(v) for k, v in items.items()}))
+    ours_t, anchor_t, a = _interleaved(ours, direct)
+    np.testing.assert_array_equal(np.asarray(a["params_ema"]["layer_0"]["w"]), np.asarray(params["layer_0"]["w"]))
+    mib = 2 * tt.get_num_bytes(params) / 2**20
+    report(f"restore_checkpoint 2 of 3 items, {mib:.0f} MiB", ours_t, anchor_t, "orbax restore", target="<= 1.05")
     benchmark.pedantic(ours, rounds=1, iterations=1)

@@ -64,12 +64,14 @@ def test_inspect_reads_the_trainers_checkpoint(straight, capsys):
     code = cli_main(["inspect", straight["checkpoint_dir"], "--format", "json"])
     assert code in (0, None)
     out = json.loads(capsys.readouterr().out)
-    assert out["format"] == "orbax" and out["steps"] == [N, 2 * N] and out["step"] == 2 * N
+    assert out["format"] == "orbax" and out["steps"] == [N, 2 * N] and out["checkpoints"][0]["step"] == 2 * N
+    items = out["checkpoints"][0]["items"]
+    assert list(items)[:3] == ["params", "params_ema", "opt_state"]
     params = straight["state"]["params"]
-    assert out["items"]["params"]["total_params"] == tt.get_num_params(params)
-    assert out["items"]["params"]["total_bytes"] == tt.get_num_bytes(params)
-    assert out["items"]["opt_state"]["total_params"] == tt.get_num_params(straight["state"]["opt_state"])
-    leaves = {leaf["path"]: leaf for leaf in out["items"]["params"]["leaves"]}
+    assert items["params"]["total_params"] == tt.get_num_params(params)
+    assert items["params"]["total_bytes"] == tt.get_num_bytes(params)
+    assert items["opt_state"]["total_params"] == tt.get_num_params(straight["state"]["opt_state"])
+    leaves = {leaf["path"]: leaf for leaf in items["params"]["leaves"]}
     live = tt.flatten(params)
     assert set(leaves) == set(live)
     kernel = leaves["layers_0/up/kernel"]

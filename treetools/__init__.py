@@ -149,16 +149,7 @@ def __dir__() -> list[str]:
 
 if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.abstract import make_abstract, replicate, update_ema
-    from treetools.checkpoint import (
-        CheckpointMismatchError,
-        get_checkpoint_manager,
-        latest_step,
-        list_incomplete,
-        list_steps,
-        load_parameters,
-        restore_checkpoint,
-        save_checkpoint,
-    )
+    from treetools.checkpoint import get_checkpoint_manager, load_parameters, restore_checkpoint, save_checkpoint
     from treetools.counting import get_num_bytes, get_num_params
     from treetools.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, PatternError
     from treetools.inspect import Format, diff_paths, inspect_path, open_source, register_format
