@@ -76,8 +76,8 @@ def test_restore_two_of_three_items_vs_orbax(benchmark, saved):
     mngr, target, params = saved
     items = {"params": target, "params_ema": target}
     ours = lambda: tt.restore_checkpoint(mngr, 1, items)  # noqa: E731
-    direct = lambda: mngr.restore(1, args=ocp.args.Composite(  # noqa: E731
-        **{k: ocp.args.StandardRestore(v) for k, v in items.items()}))
+    direct = lambda: dict(mngr.restore(1, args=ocp.args.Composite(  # noqa: E731
+        **{k: ocp.args.StandardRestore(v) for k, v in items.items()})).items())
     ours_t, anchor_t, a = _interleaved(ours, direct)
     np.testing.assert_array_equal(np.asarray(a["params_ema"]["layer_0"]["w"]), np.asarray(params["layer_0"]["w"]))
     mib = 2 * tt.get_num_bytes(params) / 2**20
