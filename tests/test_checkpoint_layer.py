@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -363,3 +364,30 @@ def test_unexpected_exception_keeps_its_traceback(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "open_source", boom)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["inspect", str(path)])
+
+
+def test_orbax_metadata_inspection_imports_neither_jax_nor_orbax(tmp_path):
+    root = _three_items(tmp_path)
+    code = ("import sys\n"
+            "from treetools.cli import main\n"
+            f"assert main(['inspect', {str(root)!r}]) == 0\n"
+            f"assert main(['inspect', {str(root)!r}, '--format', 'json', '--item', 'opt_state']) == 0\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'orbax', 'flax'))\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[params]" in proc.stdout and "Grand total (4 items)" in proc.stdout
+
+
+def test_orbax_metadata_without_orbax_matches_orbax_own_metadata_api(tmp_path):
+    # The jax-free reader against Orbax's metadata API, on OCDBT, non-OCDBT and zarr3 layouts.
+    params = {"a": {"w": jnp.arange(12.0).reshape(3, 4), "b": jnp.ones(4, jnp.bfloat16)}, "n": jnp.int32(3)}
+    for name, kwargs in {"ocdbt": {}, "plain": {"use_ocdbt": False}, "zarr3": {"use_zarr3": True}}.items():
+        folder = tmp_path / name
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(**kwargs)) as ckptr:
+            ckptr.save(folder, args=ocp.args.PyTreeSave(params))
+        ours = {leaf.name: (leaf.reader.shape, leaf.reader.dtype) for leaf in
+                tt.open_source(folder).snapshot().items["default"].leaves}
+        theirs = ocp.PyTreeCheckpointHandler().metadata(folder).tree
+        want = {p: (tuple(m.shape), np.dtype(m.dtype)) for p, m in flatten(theirs).items()}
+        assert ours == want, name

@@ -1,0 +1,56 @@
+"""``treetools inspect RUN`` (Orbax metadata only) as a whole process vs ``python -c "import jax"``.
+
+Metadata inspection of an Orbax checkpoint imports neither jax nor orbax
+(TensorStore and the files' own metadata suffice), so a user waits less than
+the import of jax alone. Both commands are timed side by side, alternating,
+median of the rounds; target: at most 0.5x. The checkpoint is a trainer-like
+root: two steps of params, params_ema, opt_state (adam) and data_iter, 24
+layers of 4 leaves each (about 1,200 leaves per step).
+"""
+
+import statistics
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import optax
+import pytest
+from conftest import SCALE, report
+
+import treetools as tt
+
+LAYERS = max(int(24 * min(SCALE, 1.0)), 2)
+ROUNDS = 7 if SCALE >= 1 else 2
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_speed") / "run"
+    params = {f"layer_{i}": {"q": jnp.ones((64, 64)), "k": jnp.ones((64, 64)), "mlp": jnp.ones((64, 256)),
+                             "scale": jnp.ones(64)} for i in range(LAYERS)}
+    mngr = tt.get_checkpoint_manager(100, checkpoint_dir=root, async_save=False)
+    for step in (100, 200):
+        tt.save_checkpoint(mngr, step, {"params": params, "params_ema": params,
+                                        "opt_state": optax.adam(1e-3).init(params), "data_iter": {"index": step}})
+    mngr.close()
+    return root
+
+
+def _wall(argv):
+    t0 = time.perf_counter()
+    subprocess.run(argv, check=True, capture_output=True)
+    return time.perf_counter() - t0
+
+
+def test_inspect_process_vs_import_jax(benchmark, root):
+    ours_cmd = [sys.executable, "-m", "treetools", "inspect", str(root)]
+    jax_cmd = [sys.executable, "-c", "import jax"]
+    _wall(ours_cmd), _wall(jax_cmd)  # warm the page cache and the bytecode caches
+    ours, anchor = [], []
+    for _ in range(ROUNDS):
+        anchor.append(_wall(jax_cmd))
+        ours.append(_wall(ours_cmd))
+    report("treetools inspect RUN (whole process, Orbax metadata)", statistics.median(ours),
+           statistics.median(anchor), 'python -c "import jax"', target="<= 0.5")
+    benchmark.pedantic(lambda: _wall(ours_cmd), rounds=1, iterations=1)
