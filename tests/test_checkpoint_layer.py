@@ -391,3 +391,29 @@ def test_orbax_metadata_without_orbax_matches_orbax_own_metadata_api(tmp_path):
         theirs = ocp.PyTreeCheckpointHandler().metadata(folder).tree
         want = {p: (tuple(m.shape), np.dtype(m.dtype)) for p, m in flatten(theirs).items()}
         assert ours == want, name
+
+
+def test_restore_through_a_plain_orbax_manager_logs_no_warnings(tmp_path, caplog):
+    path, item, truth = write_orbax_manager_linen(tmp_path)
+    import logging
+
+    with ocp.CheckpointManager(path) as mngr, caplog.at_level(logging.WARNING):
+        target = tt.make_abstract(tt.load_parameters(path))
+        out = tt.restore_checkpoint(mngr, "latest", {"params": target})
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]
+    for p, want in truth.items():
+        np.testing.assert_array_equal(np.asarray(flatten(out["params"])[p]), want)
+
+
+def test_save_checkpoint_stores_metrics_and_says_when_a_step_exists(tmp_path):
+    mngr = tt.get_checkpoint_manager(100, checkpoint_dir=tmp_path, async_save=False)
+    params = {"w": jnp.ones(2)}
+    assert tt.save_checkpoint(mngr, 100, {"params": params}, metrics={"loss": np.float32(1.5)}) is True
+    assert tt.save_checkpoint(mngr, 150, {"params": params}) is False  # not a save step: the policy's silence
+    with pytest.warns(UserWarning, match="step 100 is already saved"):
+        assert tt.save_checkpoint(mngr, 100, {"params": params}) is False
+    assert tt.save_checkpoint(mngr, 150, {"params": params}, force=True) is True
+    mngr.close()
+    report = inspect_path(str(tmp_path), step=100)
+    assert report.by_step[0].metadata["metrics"] == {"loss": 1.5}
+    assert tt.list_steps(tmp_path) == [100, 150]

@@ -126,6 +126,7 @@ _EXPORTS = {  # public name -> module under treetools
     "inspect_path": "inspect",
     "diff_paths": "inspect",
     "open_source": "inspect",
+    "open_checkpoint": "inspect",
     "register_format": "inspect",
     "Format": "inspect",
     "CheckpointError": "errors",
@@ -152,7 +153,7 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.checkpoint import get_checkpoint_manager, load_parameters, restore_checkpoint, save_checkpoint
     from treetools.counting import get_num_bytes, get_num_params
     from treetools.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, PatternError
-    from treetools.inspect import Format, diff_paths, inspect_path, open_source, register_format
+    from treetools.inspect import Format, diff_paths, inspect_path, open_checkpoint, open_source, register_format
     from treetools.steps import latest_step, list_incomplete, list_steps
     from treetools.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
     from treetools.metrics import JsonlWriter, MetricsLogger, read_metrics

@@ -25,6 +25,9 @@ from treetools.inspect.source import (
 from treetools.inspect.stats import StatsAccumulator, array_stats, leaf_stats
 from treetools.render import render_diff, render_report
 
+open_checkpoint = open_source
+"""The name treetools 0.1 exported for ``open_source``."""
+
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "ArrayReader",
@@ -47,6 +50,7 @@ __all__ = [
     "formats",
     "inspect_path",
     "leaf_stats",
+    "open_checkpoint",
     "open_source",
     "plan_blocks",
     "register_format",
