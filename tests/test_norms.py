@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 
 import flax.linen as nn
@@ -271,6 +272,148 @@ def test_explicit_axes_for_a_bare_local_shard(devices):
     np.testing.assert_allclose(np.asarray(local), [_sq64(host[2 * i : 2 * i + 2]) for i in range(8)], rtol=RTOL)
 
 
+def _logical_tree(mesh):
+    """A LogicallyPartitioned box split over both mesh axes once the rules map its names."""
+    rules = (("embed", "fsdp"), ("mlp", "tp"))
+    host = _host_arrays({"wi": ((8, 12), None), "scale": ((8,), None)}, seed=3)
+    with nn.logical_axis_rules(rules):
+        spec = nn.logical_to_mesh_axes(("embed", "mlp"))
+    assert spec == P("fsdp", "tp")
+    tree = {"wi": nn.LogicallyPartitioned(jax.device_put(host["wi"], NamedSharding(mesh, spec)), names=("embed", "mlp")),
+            "scale": nn.LogicallyPartitioned(jax.device_put(host["scale"], NamedSharding(mesh, P())), names=("norm",))}
+    return rules, host, tree, {"wi": spec, "scale": P()}
+
+
+def test_logical_boxes_in_shard_map_without_rules_raise(devices):
+    # Issue 14: traced outside any logical_axis_rules context, the box's names
+    # map to nothing and only the local shard was summed (a silent wrong norm).
+    mesh = jax.make_mesh((2, 4), ("tp", "fsdp"), devices=devices)
+    rules, host, tree, specs = _logical_tree(mesh)
+    truth = np.sqrt(sum(_sq64(v) for v in host.values()))
+
+    def run(fn, out_specs=P()):
+        # check_vma=False as in trainers that return per-device values: jax's own check cannot help then.
+        return _call(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(specs,), out_specs=out_specs, check_vma=False)), tree)
+
+    calls = {
+        "get_sharded_global_norm": (lambda t: get_sharded_global_norm(t)[0], P()),
+        "norm_metrics": (lambda t: norm_metrics(grads=t)["grad_norm"], P()),
+        "clip_by_global_norm": (lambda t: clip_by_global_norm(1.0).update(t, None)[0]["wi"].value, P("fsdp", "tp")),
+        "get_sharded_norm_logits": (lambda t: get_sharded_norm_logits(t["wi"]), P()),
+    }
+    for name, (fn, out_specs) in calls.items():
+        with pytest.raises(ValueError, match=r"logical names \('embed', 'mlp'\).*nn\.logical_axis_rules") as err:
+            run(fn, out_specs)
+        # Every offending leaf named, each on its own line (a single leaf: one line).
+        lines = str(err.value).splitlines()
+        if name == "get_sharded_norm_logits":
+            assert lines[0].startswith("leaf `x` is a LogicallyPartitioned box"), name
+        else:
+            assert lines[0].startswith("inside shard_map, 2 boxes"), name
+            assert "leaf `scale`" in lines[1] and "leaf `wi`" in lines[2], name
+
+    # Where the mapping is knowable, the answer is the global one.
+    def inside_rules(t):
+        with nn.logical_axis_rules(rules):
+            return get_sharded_global_norm(t)[0]
+
+    np.testing.assert_allclose(float(run(inside_rules)), truth, rtol=RTOL)
+    with nn.logical_axis_rules(rules):  # the context around the trace is what counts
+        np.testing.assert_allclose(float(run(lambda t: norm_metrics(grads=t)["grad_norm"])), truth, rtol=RTOL)
+    with_rules = {k: nn.LogicallyPartitioned(b.value, names=b.names, rules=rules) for k, b in tree.items()}
+    got = _call(jax.jit(jax.shard_map(lambda t: get_sharded_global_norm(t)[0], mesh=mesh, in_specs=(specs,),
+                                      out_specs=P(), check_vma=False)), with_rules)
+    np.testing.assert_allclose(float(got), truth, rtol=RTOL)
+    # Outside shard_map the arrays are global: no rules needed, no error.
+    np.testing.assert_allclose(float(_call(jax.jit(lambda t: get_sharded_global_norm(t)[0]), tree)), truth, rtol=RTOL)
+
+
+def test_box_naming_an_axis_the_mesh_lacks_raises_in_shard_map(devices):
+    # An nnx Variable whose names are logical (no sharding_rules): inside shard_map
+    # they name no mesh axis, so its local sum cannot be placed; an error, not a local norm.
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=devices)
+    host = _host_arrays({"w": ((16, 4), None)})["w"]
+    x = jax.device_put(host, NamedSharding(mesh, P("fsdp")))
+    tree = {"layer": {"w": nnx.Param(x, out_sharding=("embed", None), eager_sharding=False)}}
+    fn = jax.shard_map(lambda t: get_sharded_global_norm(t)[0], mesh=mesh, in_specs=({"layer": {"w": P("fsdp")}},),
+                       out_specs=P(), check_vma=False)
+    with pytest.raises(ValueError, match=r"`layer/w` is split over \['embed'\].*\('fsdp',\)"):
+        _call(jax.jit(fn), tree)
+
+
+# --------------------------------------------------------------------------- #
+# Complex leaves: |z|^2, as optax
+# --------------------------------------------------------------------------- #
+
+
+def _complex_host(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    z = (rng.normal(size=(8, 6)) + 1j * rng.normal(size=(8, 6)) * 3).astype(np.complex64)
+    return {"z": z, "w": rng.normal(size=(8,)).astype(np.float32), "u": (1j * rng.normal(size=(16,))).astype(np.complex64)}
+
+
+def test_complex_norms_match_optax_and_float64():
+    # Issue 14: the float32 cast dropped the imaginary part (3.0 for |3+4i|); the
+    # cast's DeprecationWarning was muted. Errors on any warning here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        one = {"z": jnp.array([3 + 4j])}
+        assert float(get_sharded_global_norm(one)[0]) == float(optax.tree.norm(one)) == 5.0
+        assert float(get_sharded_norm_logits(one["z"])) == 25.0
+        host = _complex_host()
+        tree = {k: jnp.asarray(v) for k, v in host.items()}
+        truth = np.sqrt(sum(float(np.sum(np.abs(v.astype(np.complex128)) ** 2)) for v in host.values()))
+        for g, per in (get_sharded_global_norm(tree), _call(jax.jit(get_sharded_global_norm), tree)):
+            assert g.dtype == jnp.float32 and per["z"].dtype == jnp.float32
+            np.testing.assert_allclose(float(g), truth, rtol=RTOL)
+            np.testing.assert_allclose(float(g), float(optax.tree.norm(tree)), rtol=RTOL)
+            for k, v in host.items():
+                np.testing.assert_allclose(float(per[k]), np.linalg.norm(v.astype(np.complex128)), rtol=RTOL, err_msg=k)
+                np.testing.assert_allclose(float(per[k]), float(optax.tree.norm(tree[k])), rtol=RTOL, err_msg=k)
+        m = jax.jit(lambda t: norm_metrics(grads=t, params=t, per_param=True))(tree)
+        np.testing.assert_allclose(float(m["grad_norm"]), truth, rtol=RTOL)
+        np.testing.assert_allclose(float(m["grad_norm/u"]), np.linalg.norm(host["u"].astype(np.complex128)), rtol=RTOL)
+        assert int(m["nonfinite_grads"]) == 0
+
+
+def test_complex_nonfinite_counted_per_element():
+    z = np.array([1 + 1j, complex(np.nan, 0), complex(0, np.inf), complex(np.inf, np.nan), 2j], np.complex64)
+    m = jax.jit(lambda t: norm_metrics(grads=t))({"z": z, "w": np.array([np.nan, 1.0], np.float32)})
+    assert int(m["nonfinite_grads"]) == 3 + 1  # elements, not parts: inf+nan*i is one
+    assert np.isnan(float(m["grad_norm"]))
+
+
+def test_complex_sharded_in_shard_map_and_jit(devices):
+    mesh = jax.make_mesh((8,), ("fsdp",), devices=devices)
+    host = _complex_host(1)
+    specs = {"z": P("fsdp"), "w": P("fsdp"), "u": P()}
+    glob = {k: jax.device_put(host[k], NamedSharding(mesh, specs[k])) for k in host}
+    boxed = {k: nn.Partitioned(glob[k], names=tuple(specs[k]) or (None,)) for k in host}
+    truth = np.sqrt(sum(float(np.sum(np.abs(v.astype(np.complex128)) ** 2)) for v in host.values()))
+    inside = _in_shard_map(lambda t: norm_metrics(grads=t, per_param=True), mesh, boxed)
+    outside = _call(jax.jit(lambda t: norm_metrics(grads=t, per_param=True)), glob)
+    for m in (inside, outside):
+        np.testing.assert_allclose(float(m["grad_norm"]), truth, rtol=RTOL)
+        np.testing.assert_allclose(float(m["grad_norm/z"]), np.linalg.norm(host["z"].astype(np.complex128)), rtol=RTOL)
+        assert int(m["nonfinite_grads"]) == 0
+
+
+@pytest.mark.parametrize("max_norm", [1.0, 1e3])
+def test_clip_complex_as_optax(max_norm):
+    # Issue 14: clip_by_global_norm(1.0) left a complex tree at norm 1.67.
+    host = _complex_host(2)
+    tree = {k: jnp.asarray(v) for k, v in host.items()}
+    truth = np.sqrt(sum(float(np.sum(np.abs(v.astype(np.complex128)) ** 2)) for v in host.values()))
+    ours, _ = jax.jit(clip_by_global_norm(max_norm).update)(tree, optax.EmptyState())
+    ref, _ = jax.jit(optax.clip_by_global_norm(max_norm).update)(tree, optax.EmptyState())
+    clipped = {k: np.asarray(v).astype(np.complex128) for k, v in ours.items()}
+    np.testing.assert_allclose(np.sqrt(sum(float(np.sum(np.abs(v) ** 2)) for v in clipped.values())), min(max_norm, truth), rtol=1e-6)
+    for k, v in host.items():
+        assert ours[k].dtype == v.dtype, k
+        np.testing.assert_allclose(clipped[k], v.astype(np.complex128) * min(1.0, max_norm / truth), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(ours[k]), np.asarray(ref[k]), rtol=1e-6, atol=1e-7)
+
+
 # --------------------------------------------------------------------------- #
 # Precision, empty trees, non-finite values
 # --------------------------------------------------------------------------- #
@@ -353,51 +496,156 @@ def test_nonfinite_propagate_and_are_counted(setup):
 # --------------------------------------------------------------------------- #
 
 
-def _reads_outside_cond(fn, tree) -> list[int]:
-    """For each leaf of ``tree``: how many operations of ``fn``'s jaxpr read it, not counting a ``cond``.
+def _program(fn, args, platform: str) -> tuple[list[list[tuple]], list[str]]:
+    """What ``fn``'s traced program does to each input leaf once lowered for ``platform``.
 
-    Nested ``jit`` calls are followed; a ``cond`` is the lazy branch (it runs
-    only on a non-finite step), so it is not counted as a read.
+    Returns, per leaf of ``args``, the reductions its data flows into (as
+    ``(primitive, axes, number of operands)``), and the data-dependent
+    conditionals and loops met on the way. Nested calls (jit, custom_jvp,
+    shard_map) are followed; a ``cond`` made by ``jax.lax.platform_dependent``
+    is resolved to ``platform``'s branch, as jax's lowering does.
     """
-    from jax.extend.core import Literal
+    from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-    closed = jax.make_jaxpr(fn)(tree)
-    reads = [0] * len(closed.jaxpr.invars)
+    closed = jax.make_jaxpr(fn)(args)
+    reductions: list[list[tuple]] = [[] for _ in closed.jaxpr.invars]
+    conditionals: list[str] = []
 
-    def walk(jaxpr, env):
+    def inner_jaxprs(eqn):
+        for v in eqn.params.values():
+            for j in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(j, (Jaxpr, ClosedJaxpr)):
+                    yield j.jaxpr if isinstance(j, ClosedJaxpr) else j
+
+    def walk(jaxpr, env):  # env: var -> the leaves its value is computed from
         for eqn in jaxpr.eqns:
-            leaves = [env[v] for v in eqn.invars if not isinstance(v, Literal) and v in env]
-            if eqn.primitive.name in ("jit", "pjit"):
-                inner = eqn.params["jaxpr"].jaxpr
-                walk(inner, {iv: env[ov] for iv, ov in zip(inner.invars, eqn.invars) if not isinstance(ov, Literal) and ov in env})
-            elif eqn.primitive.name != "cond":
-                for i in leaves:
-                    reads[i] += 1
+            srcs = frozenset().union(*(env.get(v, frozenset()) for v in eqn.invars if not isinstance(v, Literal)))
+            name = eqn.primitive.name
+            if name == "cond":
+                platforms = eqn.params.get("branches_platforms")
+                if platforms is None:
+                    conditionals.append(str(eqn.params["branches"][0].jaxpr)[:80])
+                    picked = list(range(len(eqn.params["branches"])))
+                else:
+                    picked = [next(i for i, p in enumerate(platforms) if p is not None and platform in p)
+                              if any(p is not None and platform in p for p in platforms)
+                              else platforms.index(None)]
+                outs = [frozenset()] * len(eqn.outvars)
+                for b in picked:
+                    br = eqn.params["branches"][b].jaxpr
+                    res = walk(br, {iv: env.get(ov, frozenset()) for iv, ov in zip(br.invars, eqn.invars[1:])
+                                    if not isinstance(ov, Literal)})
+                    outs = [o | r for o, r in zip(outs, res)]
+            elif name.startswith("reduce") and name != "reduce_precision":
+                # A variadic ``reduce`` takes its operands, then as many init values.
+                operands = len(eqn.invars) // 2 if name == "reduce" else len(eqn.invars)
+                for i in srcs:
+                    reductions[i].append((name, eqn.params.get("axes", eqn.params.get("dimensions")), operands))
+                outs = [frozenset()] * len(eqn.outvars)  # a scalar: what follows is not a read of the leaf
+            elif name == "while":
+                conditionals.append("while")
+                outs = [srcs] * len(eqn.outvars)
+            elif (subs := list(inner_jaxprs(eqn))):
+                sub = subs[0]
+                res = walk(sub, {iv: env.get(ov, frozenset()) for iv, ov in zip(sub.invars, eqn.invars)
+                                 if not isinstance(ov, Literal)})
+                outs = res if len(res) == len(eqn.outvars) else [srcs] * len(eqn.outvars)
+            else:
+                outs = [srcs] * len(eqn.outvars)
+            for ov, o in zip(eqn.outvars, outs):
+                env[ov] = o
+        return [env.get(v, frozenset()) if not isinstance(v, Literal) else frozenset() for v in jaxpr.outvars]
 
-    walk(closed.jaxpr, {v: i for i, v in enumerate(closed.jaxpr.invars)})
-    return reads
+    walk(closed.jaxpr, {v: frozenset([i]) for i, v in enumerate(closed.jaxpr.invars)})
+    return reductions, conditionals
 
 
-def test_norm_metrics_reads_each_array_once():
-    g, p, u = _model_tree(0), _model_tree(1), _model_tree(2)
+def _gpu_tree(seed: int, dtype=jnp.float32) -> dict:
+    # Leaf shapes of a transformer block; ShapeDtypeStructs: nothing is allocated.
+    shapes = {"embed": (512, 64), "attn/q": (64, 64), "mlp/wi": (64, 256), "mlp/bi": (256,), "ln/scale": (64,)}
+    return {f"{k}_{seed}": jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu", "cpu"])
+def test_no_conditional_and_one_pass_per_leaf(platform):
+    # Issue 15: on a GPU the lax.cond that skipped the non-finite count made the
+    # rest of the step wait for its predicate. Now: no conditional on any
+    # platform. Each gradient feeds exactly two reductions over the same axes
+    # (its sum of squares and its non-finite count: siblings that XLA:GPU/TPU
+    # fuse into one kernel, the program a trainer writes with optax), or, on
+    # CPU, one variadic reduction giving both; params and updates one each.
+    g, p, u = _gpu_tree(0), _gpu_tree(1, jnp.bfloat16), _gpu_tree(2)
+    n = len(g)
     fn = lambda t: norm_metrics(grads=t[0], params=t[1], updates=t[2], per_param=True)  # noqa: E731
-    assert _reads_outside_cond(fn, (g, p, u)) == [1] * (3 * len(g))
-    fn = lambda t: norm_metrics(grads=t, depth=1)  # noqa: E731
-    assert _reads_outside_cond(fn, g) == [1] * len(g)
-    # The checker can fail: a second, eager non-finite count reads every gradient twice.
-    twice = lambda t: (norm_metrics(grads=t), [jnp.sum(~jnp.isfinite(x)) for x in jax.tree.leaves(t)])  # noqa: E731
-    assert _reads_outside_cond(twice, g) == [2] * len(g)
+    reductions, conditionals = _program(fn, (g, p, u), platform)
+    assert conditionals == []
+    for red in reductions[:n]:
+        if platform == "cpu":
+            assert [(name, k) for name, _, k in red] == [("reduce", 2)]  # one variadic reduce: (squares, count)
+        else:
+            assert sorted(name for name, _, _ in red) == ["reduce_sum", "reduce_sum"]
+            assert red[0][1] == red[1][1]  # same axes: fusible siblings
+    for red in reductions[n:]:
+        assert [name for name, _, _ in red] == ["reduce_sum"]
+    # The global-only forms: one reduction per leaf (two siblings for gradients off CPU).
+    reductions, conditionals = _program(lambda t: norm_metrics(grads=t), g, platform)
+    assert conditionals == [] and [len(r) for r in reductions] == [1 if platform == "cpu" else 2] * n
+    reductions, conditionals = _program(lambda t: get_sharded_global_norm(t), p, platform)
+    assert conditionals == [] and [len(r) for r in reductions] == [1] * n
+    # The checker can fail: a lazy count behind lax.cond, as the code had before.
+    lazy = lambda t: jax.lax.cond(optax.tree.norm(t) < 1, lambda: 0, lambda: sum(jnp.sum(~jnp.isfinite(x)) for x in t.values()))  # noqa: E731
+    assert _program(lazy, g, platform)[1]
 
 
-def test_compiled_norms_access_the_tree_bytes_once():
-    # XLA's own accounting of the compiled program (no count branch without grads).
+def test_lowered_for_gpu_has_the_fusible_reductions():
+    # The StableHLO jax hands to XLA:GPU (exported without a GPU): no `if`/`while`,
+    # 2 reductions per gradient, 1 per param/update leaf; on CPU one (variadic) per leaf.
+    g, p, u = _gpu_tree(0), _gpu_tree(1), _gpu_tree(2)
+    fn = jax.jit(lambda g, p, u: norm_metrics(grads=g, params=p, updates=u, per_param=True))
+    for platform, expected, variadic in (("cuda", 2 * len(g) + len(p) + len(u), 0), ("cpu", len(g) + len(p) + len(u), len(g))):
+        text = jax.export.export(fn, platforms=[platform])(g, p, u).mlir_module()
+        assert "stablehlo.if" not in text and "stablehlo.while" not in text
+        reduces = [line for line in text.splitlines() if "stablehlo.reduce(" in line]
+        assert len(reduces) == expected, platform
+        assert sum(line.count(" init: ") == 2 for line in reduces) == variadic
+
+
+def test_compiled_cpu_program_reads_each_array_once_without_a_branch():
+    # XLA's own accounting of the compiled program: the tree's bytes once, the
+    # non-finite count included, and no conditional left in it.
     # Leaves big enough for XLA:CPU's one-pass reduction (tiny ones are reduced in two stages).
-    tree = {f"w{i}": jax.ShapeDtypeStruct((256, 128 * (i + 1)), jnp.float32) for i in range(4)}
-    nbytes = sum(x.size * 4 for x in tree.values())
-    for fn in (lambda t: norm_metrics(params=t, updates=t, per_param=True), get_sharded_global_norm):
-        cost = jax.jit(fn).lower(tree).compile().cost_analysis()
+    def tree(seed):
+        return {f"w{i}_{seed}": jax.ShapeDtypeStruct((256, 128 * (i + 1)), jnp.float32) for i in range(4)}
+
+    g, p, u = tree(0), tree(1), tree(2)
+    nbytes = 3 * sum(x.size * 4 for x in g.values())
+    cases = {
+        "norm_metrics(g, p, u, per_param)": (lambda g, p, u: norm_metrics(grads=g, params=p, updates=u, per_param=True)),
+        "norm_metrics(g, p, u)": (lambda g, p, u: norm_metrics(grads=g, params=p, updates=u)),
+        "get_sharded_global_norm": (lambda g, p, u: get_sharded_global_norm((g, p, u))),
+    }
+    for name, fn in cases.items():
+        compiled = jax.jit(fn).lower(g, p, u).compile()
+        cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        assert nbytes <= cost["bytes accessed"] <= 1.01 * nbytes
+        assert nbytes <= cost["bytes accessed"] <= 1.01 * nbytes, name
+        assert "conditional" not in compiled.as_text(), name
+
+
+def test_gradient_of_norms_through_the_one_pass():
+    # The count's one-pass reduction (variadic on CPU) has a hand-written JVP: d||g|| / dg = g / ||g||.
+    tree = {k: jnp.asarray(v) for k, v in _model_tree(5).items()}
+    total = np.sqrt(sum(_sq64(v) for v in tree.values()))
+    grads = jax.jit(jax.grad(lambda t: norm_metrics(grads=t)["grad_norm"]))(tree)
+    for k, v in tree.items():
+        np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(v, np.float64) / total, rtol=1e-5, atol=1e-7)
+    head = jax.jit(jax.grad(lambda t: norm_metrics(grads=t, per_param=True)["grad_norm/head"]))(tree)
+    np.testing.assert_allclose(np.asarray(head["head"]), np.asarray(tree["head"], np.float64) / np.sqrt(_sq64(tree["head"])), rtol=1e-5)
+    assert all(not np.any(np.asarray(head[k])) for k in tree if k != "head")
+    # Forward mode too (jvp is what the custom rule defines).
+    t = jax.tree.map(jnp.ones_like, tree)
+    _, tangent = jax.jvp(lambda x: norm_metrics(grads=x)["grad_norm"], (tree,), (t,))
+    np.testing.assert_allclose(float(tangent), sum(float(np.sum(np.asarray(v, np.float64))) for v in tree.values()) / total, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- #

@@ -2,7 +2,14 @@
 
 Every norm is accumulated in float32: a leaf is upcast *before* it is squared,
 so bf16/fp16 trees lose no precision to the accumulator and fp16 values whose
-squares exceed the fp16 range (|x| > 256) do not overflow.
+squares exceed the fp16 range (|x| > 256) do not overflow. A complex leaf
+contributes ``|z|^2 = re^2 + im^2`` (as ``optax.tree.norm``), in float32.
+
+One pass, no branch: each leaf is read once, and the non-finite count of
+``norm_metrics`` is taken in that same pass (XLA:CPU gets one variadic reduce
+per leaf, other backends the two sibling reductions their compilers fuse into
+one kernel; chosen at lowering by ``jax.lax.platform_dependent``). The compiled
+program has no conditional: on a GPU, one would stall the step on its predicate.
 
 Where the sum happens (the psum rule):
 
@@ -28,7 +35,11 @@ So the same call is right in both places, and a box handed to plain ``jit`` is
 never psum-ed (its axis names are not bound there). Called eagerly, the whole
 tree is reduced by one compiled program (not one per leaf). Bare arrays inside
 ``shard_map`` are taken as replicated: box them (or pass ``axes=`` to
-``get_sharded_norm_logits``) if they are sharded. Caveat: an unrelated
+``get_sharded_norm_logits``) if they are sharded. A box whose layout cannot be
+known inside ``shard_map`` is an error, never a local answer: a
+``LogicallyPartitioned`` box with no logical axis rules in effect (neither its
+own ``rules`` nor an ``nn.logical_axis_rules(...)`` context around the trace),
+or a box naming an axis the mesh does not have. Caveat: an unrelated
 ``vmap(axis_name=...)`` that reuses a mesh axis name would also count as bound.
 
 >>> import jax.numpy as jnp
@@ -54,7 +65,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from treetools._typing import PathStr, PyTree
 from treetools.counting import is_array_like
-from treetools.partitioning import is_partitioned, leaf_sharding, mesh_axes_of, unbox
+from treetools.partitioning import is_partitioned, leaf_sharding, mesh_axes_of, unbox, unmapped_logical_names
 from treetools.paths import is_leaf, leaves_with_paths, path_prefix, path_str
 
 __all__ = [
@@ -96,14 +107,158 @@ def _psum_axes(x: Any) -> tuple[str, ...]:
     return tuple(a for a in _spec_axes(info.spec) if _axis_is_bound(a))
 
 
+def _unknown_layout(x: Any) -> str | None:
+    """Why a box's local shard cannot be summed right here, or None.
+
+    Only inside ``shard_map`` (where a box holds a local shard): a
+    ``LogicallyPartitioned`` box with no rules in effect, or a box split over
+    an axis the mesh does not have. Its local sum would pass for the global one.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.manual_axes or not is_partitioned(x):
+        return None
+    if names := unmapped_logical_names(x):
+        return (
+            f"a LogicallyPartitioned box with logical names {names} and no rules mapping them to mesh axes; "
+            "trace the shard_map'd function inside `with nn.logical_axis_rules(rules):` (or build the box with `rules=`)"
+        )
+    info = leaf_sharding(x)
+    unknown = [a for a in _spec_axes(info.spec) if a not in mesh.axis_names] if info is not None else []
+    if unknown:
+        return (
+            f"split over {unknown}, which the mesh (axes {tuple(mesh.axis_names)}) does not have; name mesh axes, "
+            "or map logical names with rules (`nn.logical_axis_rules(...)`, `sharding_rules=` on an nnx Variable)"
+        )
+    return None
+
+
+def _check_layouts(pairs: list[tuple[PathStr, Any]]) -> None:
+    """Raise once, naming every box whose local shard cannot be summed right (inside shard_map)."""
+    problems = [(path, why) for path, x in pairs if (why := _unknown_layout(x))]
+    if not problems:
+        return
+    lines = [f"leaf `{path}` is {why}." if path else f"the tree's one leaf is {why}." for path, why in problems]
+    if len(lines) == 1:
+        raise ValueError(lines[0])
+    raise ValueError(
+        f"inside shard_map, {len(lines)} boxes cannot be summed over the right mesh axes:\n  " + "\n  ".join(lines)
+    )
+
+
 def _spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
     """The mesh axes a PartitionSpec splits over, each once, in order."""
     return tuple(dict.fromkeys(a for entry in spec for a in mesh_axes_of(entry)))
 
 
+def _abs_sq(value: Any) -> jax.Array:
+    """Elementwise ``|x|^2`` in float32 (complex: ``re^2 + im^2``).
+
+    Upcast first: squares of fp16 > 256 overflow fp16, and bf16 sums drift.
+    A complex leaf is split into its parts rather than cast (a cast to a real
+    dtype would drop the imaginary part).
+    """
+    x = jnp.asarray(value)
+    if jnp.iscomplexobj(x):
+        return jnp.square(jnp.real(x).astype(_F32)) + jnp.square(jnp.imag(x).astype(_F32))
+    return jnp.square(x.astype(_F32))
+
+
 def _local_sq(value: Any) -> jax.Array:
-    # Upcast first: squares of fp16 > 256 overflow fp16, and bf16 sums drift.
-    return jnp.sum(jnp.square(jnp.asarray(value).astype(_F32)))
+    return jnp.sum(_abs_sq(value))
+
+
+def _nonfinite(value: Any) -> jax.Array | None:
+    """Elementwise int32 1 where ``value`` is NaN or +-Inf; None for dtypes that cannot be."""
+    x = jnp.asarray(value)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return None
+    return (~jnp.isfinite(x)).astype(jnp.int32)
+
+
+def _add_pairs(a, b):
+    return a[0] + b[0], a[1] + b[1]
+
+
+@jax.custom_jvp
+def _sum_and_count(sq: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sum(sq), sum(bad))`` as ONE reduction: each input element is read once."""
+    dims = tuple(range(sq.ndim))
+    return jax.lax.reduce((sq, bad), (jnp.zeros((), sq.dtype), jnp.zeros((), bad.dtype)), _add_pairs, dims)
+
+
+@_sum_and_count.defjvp
+def _sum_and_count_jvp(primals, tangents):
+    # jax has no JVP for a variadic reduce; the sum is linear and the count has none.
+    out = _sum_and_count(*primals)
+    return out, (jnp.sum(tangents[0]), np.zeros((), jax.dtypes.float0))
+
+
+def _sq_and_count_fused(values: list[Any]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """XLA:CPU: one variadic reduce per leaf gives its sum of squares and its non-finite count.
+
+    XLA:CPU does not fuse two sibling reductions of one array (the count would
+    read every gradient a second time, through an int32 temporary), but it
+    emits a variadic reduce as one pass as fast as the plain sum.
+    """
+    sq, counts = [], []
+    for v in values:
+        bad = _nonfinite(v)
+        if bad is None:
+            sq.append(_local_sq(v))
+            counts.append(jnp.zeros((), jnp.int32))
+        else:
+            s, c = _sum_and_count(_abs_sq(v), bad)
+            sq.append(s)
+            counts.append(c)
+    return sq, counts
+
+
+def _sq_and_count_siblings(values: list[Any]) -> tuple[list[jax.Array], list[jax.Array]]:
+    """GPU/TPU: two reductions of each leaf, which XLA fuses into one kernel (multi-output fusion).
+
+    It is the program a trainer writes with optax (a sum of squares and
+    ``jnp.sum(~jnp.isfinite(g))`` per leaf), so it costs what that costs.
+    """
+    sq = [_local_sq(v) for v in values]
+    counts = [jnp.zeros((), jnp.int32) if (bad := _nonfinite(v)) is None else jnp.sum(bad, dtype=jnp.int32) for v in values]
+    return sq, counts
+
+
+def get_sharded_norm_logits(x: Any, *, axes: tuple[str, ...] | None = None) -> jax.Array:
+    """Squared L2 norm of one leaf, accumulated in float32.
+
+    Inside ``shard_map`` a box (flax ``Partitioned``/``LogicallyPartitioned``,
+    nnx ``Variable`` with sharding names) holds a local shard; its sum of
+    squares is ``psum``-ed over the mesh axes its spec names (logical names
+    mapped to mesh axes). A replicated leaf is not summed again. Outside
+    ``shard_map`` a global array needs no collective. See the module docstring
+    for the exact rule. A complex leaf gives ``sum(|z|^2)``.
+
+    Args:
+      x: an array, a number, or a box around one.
+      axes: mesh axes to ``psum`` over, overriding the box's names (e.g. for a
+        bare local shard inside ``shard_map``). ``()`` means no collective.
+
+    Returns:
+      A float32 scalar: the sum of squares of the whole (global) leaf.
+
+    Raises:
+      ValueError: inside ``shard_map``, a box whose layout cannot be known (a
+        ``LogicallyPartitioned`` box with no logical axis rules in effect, or
+        a mesh axis the mesh does not have).
+
+    >>> import jax.numpy as jnp
+    >>> float(get_sharded_norm_logits(jnp.full((2,), 3.0, jnp.float16)))
+    18.0
+    >>> float(get_sharded_norm_logits(jnp.array([3 + 4j])))
+    25.0
+    """
+    sq = _local_sq(_check_leaf("x", x))
+    if axes is None:
+        _check_layouts([("x", x)])
+        axes = _psum_axes(x)
+    axes = tuple(axes)
+    return jax.lax.psum(sq, axes) if axes else sq
 
 
 def _check_leaf(path: PathStr, x: Any) -> Any:
@@ -115,50 +270,36 @@ def _check_leaf(path: PathStr, x: Any) -> Any:
     )
 
 
-def get_sharded_norm_logits(x: Any, *, axes: tuple[str, ...] | None = None) -> jax.Array:
-    """Squared L2 norm of one leaf, accumulated in float32.
-
-    Inside ``shard_map`` a box (flax ``Partitioned``/``LogicallyPartitioned``,
-    nnx ``Variable`` with sharding names) holds a local shard; its sum of
-    squares is ``psum``-ed over the mesh axes its spec names (logical names
-    mapped to mesh axes). A replicated leaf is not summed again. Outside
-    ``shard_map`` a global array needs no collective. See the module docstring
-    for the exact rule.
-
-    Args:
-      x: an array, a number, or a box around one.
-      axes: mesh axes to ``psum`` over, overriding the box's names (e.g. for a
-        bare local shard inside ``shard_map``). ``()`` means no collective.
-
-    Returns:
-      A float32 scalar: the sum of squares of the whole (global) leaf.
-
-    >>> import jax.numpy as jnp
-    >>> float(get_sharded_norm_logits(jnp.full((2,), 3.0, jnp.float16)))
-    18.0
-    """
-    sq = _local_sq(_check_leaf("x", x))
-    axes = _psum_axes(x) if axes is None else tuple(axes)
-    return jax.lax.psum(sq, axes) if axes else sq
-
-
 # --------------------------------------------------------------------------- #
 # Many leaves: one local reduction per leaf, one psum per distinct axis set
 # --------------------------------------------------------------------------- #
 
 
-def _batched_psum(values: list[jax.Array], axes: list[tuple[str, ...]]) -> list[jax.Array]:
-    """psum each value over its axes, with one collective per distinct axis set."""
+def _batched_psum(
+    values: list[jax.Array], axes: list[tuple[str, ...]], counts: list[jax.Array] | None = None
+) -> tuple[list[jax.Array], jax.Array | None]:
+    """psum each value over its axes, one collective per distinct axis set; and the total count.
+
+    ``counts`` (int32, one per leaf) are summed per axis set before the psum:
+    the count needs only the total, one more scalar per collective.
+    """
     out = list(values)
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, ax in enumerate(axes):
-        if ax:
-            groups.setdefault(tuple(sorted(ax)), []).append(i)
+        groups.setdefault(tuple(sorted(ax)), []).append(i)
+    total = None if counts is None else jnp.zeros((), jnp.int32)
     for ax, idx in groups.items():
-        summed = jax.lax.psum(jnp.stack([values[i] for i in idx]), ax)
+        local = None if counts is None else _tree_total([counts[i] for i in idx], dtype=jnp.int32)
+        if not ax:
+            if local is not None:
+                total = total + local
+            continue
+        summed, local = jax.lax.psum((jnp.stack([values[i] for i in idx]), local), ax)
         for j, i in enumerate(idx):
             out[i] = summed[j]
-    return out
+        if local is not None:
+            total = total + local
+    return out, total
 
 
 def _norms(
@@ -167,11 +308,10 @@ def _norms(
     """``(global_norm, [norm of each group of leaves], nonfinite count or None)``."""
     values = [_check_leaf(p, x) for p, x in pairs]
     # Decided here, in the caller's trace: inside shard_map the axes are bound.
+    _check_layouts(pairs)
     axes = tuple(_psum_axes(x) for _, x in pairs)
     layout = None if any(axes) else _known_layout(values)
-    # Eagerly, one compiled program (not one per leaf); when traced, the body
-    # inline: a nested jit holding the lax.cond fails under vmap with
-    # unbatched constants beside batch-sharded leaves (a jax limitation).
+    # Eagerly, one compiled program (not one per leaf); when traced, the body inline.
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
     options = {"groups": groups, "count_nonfinite": count_nonfinite}
     if layout is not None:
@@ -233,27 +373,23 @@ def _sharded_norms_body(values, *, mesh, specs, groups, count_nonfinite):
 
 
 def _norms_body(values, *, axes, groups, count_nonfinite):
-    """Per-leaf sums of squares, psum-ed per axis set; the global and group norms; the lazy count."""
-    sq = _batched_psum([_local_sq(v) for v in values], axes)
+    """Per-leaf sums of squares (and non-finite counts) in one pass, psum-ed per axis set; global and group norms.
+
+    No branch: a ``lax.cond`` that skipped the count on finite steps made the
+    rest of a GPU step wait for its predicate (XLA:GPU reads it on the host).
+    The count is taken in the same pass as the squares instead, so it costs
+    no extra read: per backend, the form its compiler makes one pass of.
+    """
+    if count_nonfinite:
+        sq, counts = jax.lax.platform_dependent(
+            values, cpu=_sq_and_count_fused, default=_sq_and_count_siblings
+        )
+    else:
+        sq, counts = [_local_sq(v) for v in values], None
+    sq, nonfinite = _batched_psum(sq, axes, counts)
     total = _tree_total(sq)
     # Group norms are sqrt of summed squares, never a sum of norms.
     group_norms = [jnp.sqrt(_tree_total([sq[i] for i in group])) for group in groups]
-    if not count_nonfinite:
-        return jnp.sqrt(total), group_norms, None
-
-    def count() -> jax.Array:
-        local = [jnp.sum(~jnp.isfinite(jnp.asarray(v)), dtype=jnp.int32) for v in values]
-        return _tree_total(_batched_psum(local, axes), dtype=jnp.int32)
-
-    # A finite total means every element is finite (a NaN or Inf anywhere
-    # makes its square, and the sum, non-finite), so the count is 0 and the
-    # arrays need not be read a second time; only a non-finite step pays for
-    # the counting pass. A finite array whose squares overflow float32 takes
-    # that branch too and counts 0, correctly.
-    # ``total * 0`` rather than a constant: inside shard_map it carries the
-    # same varying-axes type as the count (for bare sharded arrays), which
-    # cond requires of its two branches.
-    nonfinite = jax.lax.cond(jnp.isfinite(total), lambda: (total * 0).astype(jnp.int32), count)
     return jnp.sqrt(total), group_norms, nonfinite
 
 
@@ -282,10 +418,17 @@ def get_sharded_global_norm(tree: PyTree) -> tuple[jax.Array, PyTree]:
       tree) and a tree of the same structure holding one float32 scalar per
       leaf (boxes replaced by the scalar).
 
+    Raises:
+      TypeError: a leaf is not an array or a number.
+      ValueError: inside ``shard_map``, a box whose layout cannot be known
+        (see the module doc).
+
     >>> import jax.numpy as jnp
     >>> g, leaves = get_sharded_global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0])})
     >>> float(g), float(leaves["a"])
     (5.0, 3.0)
+    >>> float(get_sharded_global_norm({"z": jnp.array([3 + 4j])})[0])  # |3 + 4i|
+    5.0
     """
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     named = [(path_str(p), x) for p, x in pairs]
@@ -360,7 +503,7 @@ def norm_metrics(
     Each array is read once: per-leaf sums of squares are computed once and
     the global and per-module norms are derived from them. Non-finite
     gradients propagate into the norms (NaN/Inf are never hidden) and are
-    counted; the counting pass runs only when the gradient norm is not finite.
+    counted in the same pass as the squares (no second read, no branch).
     Works under ``jit`` on global arrays and inside ``shard_map`` on boxes.
 
     Args:
@@ -382,7 +525,8 @@ def norm_metrics(
       plain division: inf or NaN when ``param_norm`` is 0.
 
     Raises:
-      ValueError: no tree was given, or ``depth`` is not positive.
+      ValueError: no tree was given, ``depth`` is not positive, or inside
+        ``shard_map`` a box's layout cannot be known (see the module doc).
 
     >>> import jax, jax.numpy as jnp
     >>> m = jax.jit(norm_metrics)(grads={"w": jnp.array([3.0, 4.0])}, params={"w": jnp.array([0.0, 10.0])})
@@ -422,7 +566,8 @@ def clip_by_global_norm(max_norm: float):
 
     Drop-in for optax's transform that is also right inside ``shard_map`` on
     boxed local shards (optax's own norm would sum only the local shard there)
-    and that accumulates the norm in float32. If the global norm ``g`` exceeds
+    and that accumulates the norm in float32 (complex leaves: ``|z|^2``, and
+    both parts are scaled). If the global norm ``g`` exceeds
     ``max_norm`` every update is scaled by ``max_norm / g`` (in float32, cast
     back to each leaf's dtype), so the clipped tree's norm is ``max_norm`` to
     float32 rounding; otherwise updates pass through unchanged. Boxes are

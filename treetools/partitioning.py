@@ -28,6 +28,7 @@ __all__ = [
     "shard_shape",
     "unbox",
     "unbox_tree",
+    "unmapped_logical_names",
 ]
 
 
@@ -217,6 +218,29 @@ def leaf_sharding(x: Any, *, mesh: Any = None) -> LeafSharding | None:
     if isinstance(sharding, NamedSharding):
         return LeafSharding(sharding.spec, _mesh_sizes(sharding.mesh))
     return None
+
+
+def unmapped_logical_names(x: Any) -> tuple[str, ...]:
+    """The logical names of a linen ``LogicallyPartitioned`` box that no rules can map.
+
+    A box carrying its own ``rules``, or read inside ``nn.logical_axis_rules(...)``,
+    maps its names (a name without a rule means replicated, as in flax); with
+    neither, its layout is unknown and every logical name it carries is returned.
+    Any other leaf gives ``()``.
+
+    >>> import flax.linen as nn, numpy as np
+    >>> unmapped_logical_names(nn.LogicallyPartitioned(np.ones((2, 2)), names=("embed", None)))
+    ('embed',)
+    """
+    if not (_is_linen_box(x) and hasattr(x, "rules") and "Logically" in type(x).__name__):
+        return ()
+    if getattr(x, "rules", None) is not None:
+        return ()
+    from flax import linen as nn  # heavy; only for logical names
+
+    if nn.get_logical_axis_rules():
+        return ()
+    return tuple(n for n in x.names if isinstance(n, str))
 
 
 def mesh_axes_of(entry: Any) -> tuple[str, ...]:
