@@ -158,11 +158,12 @@ class InMemoryReader(ArrayReader):
 
 
 class MemmapReader(ArrayReader):
-    """Raw array bytes at ``offset`` in a file, mapped one block at a time.
+    """Raw array bytes at ``offset`` in a file, read one block at a time.
 
-    Each block maps only its own byte range and unmaps it afterwards, so the
-    pages it touched leave the process: resident memory stays one block, not
-    the whole file.
+    Blocks are read with ``os.pread`` into a fresh buffer, not memory-mapped:
+    a file truncated or rewritten under the reader gives a short read, which is
+    a one-line ``CheckpointError``, where a mapping would kill the process with
+    SIGBUS. Resident memory stays one block.
     """
 
     def __init__(self, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *, fortran: bool = False):
@@ -175,12 +176,27 @@ class MemmapReader(ArrayReader):
     def _window(self, start: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
         if count == 0:
             return np.zeros(shape, self.dtype)
-        mm = np.memmap(self._path, dtype=self.dtype, mode="r", offset=self._offset + start * self.dtype.itemsize,
-                       shape=(count,))
+        want = count * self.dtype.itemsize
+        out = np.empty(count, self.dtype)
+        view = memoryview(out).cast("B")
+        pos = self._offset + start * self.dtype.itemsize
         try:
-            return np.array(mm).reshape(shape)
+            fd = os.open(self._path, os.O_RDONLY)
+        except OSError as e:
+            raise CheckpointError(f"{self._path}: cannot read ({e.strerror or e}).") from None
+        try:
+            got = 0
+            while got < want:
+                n = os.preadv(fd, [view[got:]], pos + got)
+                if n <= 0:
+                    raise CheckpointError(
+                        f"{self._path}: the file ended at byte {pos + got:,}, before the data its header promises; "
+                        "it is truncated, or changed while being read."
+                    )
+                got += n
         finally:
-            del mm
+            os.close(fd)
+        return out.reshape(shape)
 
     def read(self, index: Index) -> np.ndarray:
         if self._fortran:

@@ -8,6 +8,7 @@ terminal table, markdown, an indented tree, or the versioned JSON object
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 from treetools.errors import CheckpointError
@@ -302,6 +303,13 @@ def _compute_stats(kept, snaps, chunk_bytes, progress):
                 nonfinite.append(where if snaps[i].step is None or len(snaps) == 1 else f"{snaps[i].step}:{where}")
     finally:
         bar.close()
+    # Non-array leaves whose value the metadata carries (a Python float in a msgpack, a JSON item) count too.
+    for i, items in enumerate(kept):
+        for name, leaves in items.items():
+            for leaf in leaves:
+                if leaf.reader is None and isinstance(leaf.value, float) and not math.isfinite(leaf.value):
+                    where = f"{name}/{leaf.name}"
+                    nonfinite.append(where if snaps[i].step is None or len(snaps) == 1 else f"{snaps[i].step}:{where}")
     return accs, nonfinite
 
 

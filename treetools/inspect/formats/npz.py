@@ -33,6 +33,18 @@ class ZipStreamReader(ArrayReader):
         self.c_order = not fortran
 
     def _stream(self, counts: Iterator[tuple[int, tuple[int, ...]]]) -> Iterator[np.ndarray]:
+        import zlib
+
+        try:
+            yield from self._stream_unchecked(counts)
+        except (zlib.error, zipfile.BadZipFile, EOFError, OSError) as e:
+            raise CheckpointError(f"{self._path}: npz member {self._member!r} is corrupt ({e}).") from None
+        except RuntimeError as e:  # zipfile: an encrypted member needs a password
+            raise CheckpointError(f"{self._path}: npz member {self._member!r} cannot be read ({e}).") from None
+        except NotImplementedError as e:  # zipfile: a compression method it does not support
+            raise CheckpointError(f"{self._path}: npz member {self._member!r} uses an unsupported compression ({e}).") from None
+
+    def _stream_unchecked(self, counts: Iterator[tuple[int, tuple[int, ...]]]) -> Iterator[np.ndarray]:
         with zipfile.ZipFile(self._path) as zf, zf.open(self._member) as f:
             f.read(self._skip)
             for count, shape in counts:
@@ -124,8 +136,8 @@ def read_npz(path: str) -> list[Leaf]:
             try:
                 with zf.open(info) as f:
                     shape, fortran, dtype, header_len = _npy_header(f, where)
-            except (zipfile.BadZipFile, OSError, EOFError) as e:
-                raise CheckpointError(f"{where}: corrupt zip member ({e}).") from None
+            except (zipfile.BadZipFile, OSError, EOFError, RuntimeError, NotImplementedError) as e:
+                raise CheckpointError(f"{where}: cannot read this zip member ({e}).") from None
             if dtype.hasobject:
                 leaves.append(Leaf(value_row(parts, sep=sep), key=name))
                 continue

@@ -52,7 +52,7 @@ def _st_header(path: str) -> tuple[dict[str, Any], int, int]:
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise CheckpointError(f"{path}: corrupt safetensors header ({reason}).") from None
     if not isinstance(header, dict):
