@@ -16,7 +16,7 @@ In JSON a float that is NaN or infinite is written as null.
 The default view fits a screen: the step's saved time and metrics, then one
 section per item (params first, then EMA params, optimizer state, the rest),
 each titled with the path prefix all its rows share and grouped at the deepest
-level (counted below that prefix) that keeps it to about 20 rows, then a
+level (counted below that prefix) that keeps it to about 15 rows, then a
 grand total. --depth K chooses the level, --leaves shows every leaf. A JSON
 item (such as a data iterator's state) is shown as its values. Tensor names of
 flat-key files (safetensors, npz) are shown exactly as stored.
@@ -83,7 +83,7 @@ def chunk_bytes(args: argparse.Namespace) -> int:
     return args.chunk_bytes if args.chunk_bytes is not None else chunk_bytes_from_env()
 
 
-ROWS_PER_ITEM = 20
+ROWS_PER_ITEM = 15
 """The default view groups each item at the deepest level that keeps it to this many rows."""
 
 
