@@ -74,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="stream every array: mean std min max l2 abs_max zeros nan posinf neginf")
     parser.add_argument("--fail-on-nonfinite", action="store_true",
                         help="exit 3 when any leaf holds NaN or Inf (implies --stats)")
+    parser.add_argument("--show", metavar="LEAF[SLICE]", default=None,
+                        help="print the values of one leaf, or a slice like 'params/w[0:4, -1]', reading only that leaf")
     parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default table)")
 
 
@@ -84,12 +86,46 @@ def chunk_bytes(args: argparse.Namespace) -> int:
 
 
 ROWS_PER_ITEM = 15
+
+SHOW_THRESHOLD = 200
+"""``--show`` prints at most about this many elements (numpy's summarization with ``...`` beyond)."""
+
+
+def _show(args: argparse.Namespace) -> int:
+    import json
+
+    import numpy as np
+
+    from treetools.errors import CheckpointError
+    from treetools.inspect.report import show_leaf
+    from treetools.inspect.source import jsonable
+    from treetools.render import safe_text
+
+    try:
+        name, value = show_leaf(args.path, args.show, step=args.step if args.step != "all" else None, item=args.item)
+    except ValueError as e:
+        if isinstance(e, CheckpointError):
+            raise
+        print(f"treetools inspect: error: --show: {e}", file=sys.stderr)  # a bad index: usage
+        return 2
+    if args.format == "json":
+        print(json.dumps({"path": name, "value": jsonable(value)}, default=str))
+        return 0
+    if isinstance(value, np.ndarray):
+        print(f"{safe_text(name)}: shape {tuple(value.shape)}, {value.dtype}")
+        with np.printoptions(threshold=SHOW_THRESHOLD, edgeitems=3, linewidth=100):
+            print(np.array2string(value))
+    else:
+        print(f"{safe_text(name)}: {safe_text(repr(value))}")
+    return 0
 """The default view groups each item at the deepest level that keeps it to this many rows."""
 
 
 def main(args: argparse.Namespace) -> int:
     from treetools.inspect import inspect_path, render_report
 
+    if args.show is not None:
+        return _show(args)
     stats = args.stats or args.fail_on_nonfinite
     summary = args.format != "json" and args.depth is None and not args.leaves
     report = inspect_path(

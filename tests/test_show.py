@@ -1,0 +1,48 @@
+"""`inspect --show LEAF[SLICE]`: the values of one leaf or a slice, equal to the writer's array."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from treetools.cli import main
+from treetools.inspect.report import parse_leaf_spec, show_leaf
+
+FIXTURE = Path(__file__).parent / "fixtures" / "treetools_v0_1"
+TRUTH = dict(np.load(Path(__file__).parent / "fixtures" / "treetools_v0_1_truth.npz"))
+
+
+@pytest.mark.parametrize("index", ["", "[0]", "[1:3]", "[-1, ::2]", "[::3, 1:]", "[2, 3]"])
+def test_slices_equal_numpy_on_the_writers_array(index):
+    name, value = show_leaf(str(FIXTURE), f"params/Dense_0/kernel{index}")
+    assert name == "params/Dense_0/kernel"
+    want = TRUTH["Dense_0/kernel"] if not index else eval(f"TRUTH['Dense_0/kernel']{index}")  # noqa: S307
+    np.testing.assert_array_equal(value, want)
+
+
+def test_item_option_and_unique_paths(capsys):
+    np.testing.assert_array_equal(show_leaf(str(FIXTURE), "embed[1]", item="params")[1], TRUTH["embed"][1])
+    assert main(["inspect", str(FIXTURE), "--show", "params/embed[0, 0:2]", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == {"path": "params/embed", "value": TRUTH["embed"][0, 0:2].tolist()}
+    assert main(["inspect", str(FIXTURE), "--show", "data_iter/index"]) == 0
+    assert "7" in capsys.readouterr().out
+
+
+def test_unknown_leaf_and_bad_index_are_one_line(capsys):
+    assert main(["inspect", str(FIXTURE), "--show", "params/embd"]) == 1
+    assert "close paths: params/embed" in capsys.readouterr().err
+    assert main(["inspect", str(FIXTURE), "--show", "params/embed[9]"]) == 2
+    assert "out of range" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not an integer"):
+        parse_leaf_spec("w[a]")
+
+
+def test_big_leaf_output_is_bounded(tmp_path, capsys):
+    np.savez(tmp_path / "big.npz", w=np.arange(10**6, dtype=np.float32))
+    assert main(["inspect", str(tmp_path / "big.npz"), "--show", "w"]) == 0
+    out = capsys.readouterr().out
+    assert "..." in out and len(out) < 2000
