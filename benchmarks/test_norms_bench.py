@@ -207,6 +207,28 @@ def test_norm_metrics_per_param_vs_same_dict_with_optax(tree):
     _compare("norm_metrics(per_param=True)", (ours, tree), {"the same dict with optax": (same_dict, tree)})
 
 
+def _optax_gpu_dict(g, p, u) -> dict[str, jax.Array]:
+    """``norm_metrics(grads=g, params=p, updates=u, per_param=True)`` written naively with optax: the same keys."""
+    out = {"grad_norm": optax.tree.norm(g), "param_norm": optax.tree.norm(p), "update_norm": optax.tree.norm(u)}
+    out["update_ratio"] = out["update_norm"] / out["param_norm"]
+    out["nonfinite_grads"] = sum(jnp.sum(~jnp.isfinite(x)) for x in g.values())
+    for kind, t in (("grad_norm", g), ("param_norm", p), ("update_norm", u)):
+        out |= {f"{kind}/{k}": jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)))) for k, x in t.items()}
+    return out
+
+
+def test_norm_metrics_gpu_dict_vs_same_dict_with_optax(tree):
+    """grads, params and updates, per leaf: against the naive optax dict with exactly the same keys."""
+    p = {k: _device_owned(x * 2) for k, x in tree.items()}
+    u = {k: _device_owned(x * 0.5) for k, x in tree.items()}
+    ours = jax.jit(lambda g, p, u: norm_metrics(grads=g, params=p, updates=u, per_param=True))
+    same_dict = jax.jit(_optax_gpu_dict)
+    m, ref = ours(tree, p, u), same_dict(tree, p, u)
+    assert m.keys() == ref.keys()
+    np.testing.assert_allclose([float(m[k]) for k in ref], [float(ref[k]) for k in ref], rtol=1e-4)
+    _compare("norm_metrics(g, p, u, per_param=True)", (ours, tree, p, u), {"the same dict with optax": (same_dict, tree, p, u)})
+
+
 def test_fixed_cost_per_call():
     """The per-call cost that does not grow with bytes: 203 leaves of 256 floats.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Mapping
 
@@ -499,8 +500,8 @@ def test_nonfinite_propagate_and_are_counted(setup):
 def _program(fn, args, platform: str) -> tuple[list[list[tuple]], list[str]]:
     """What ``fn``'s traced program does to each input leaf once lowered for ``platform``.
 
-    Returns, per leaf of ``args``, the reductions its data flows into (as
-    ``(primitive, axes, number of operands)``), and the data-dependent
+    Returns, per leaf of ``args``, the reductions its data flows into, each as
+    ``(primitive, axes, inside a conditional)``, and the data-dependent
     conditionals and loops met on the way. Nested calls (jit, custom_jvp,
     shard_map) are followed; a ``cond`` made by ``jax.lax.platform_dependent``
     is resolved to ``platform``'s branch, as jax's lowering does.
@@ -517,38 +518,36 @@ def _program(fn, args, platform: str) -> tuple[list[list[tuple]], list[str]]:
                 if isinstance(j, (Jaxpr, ClosedJaxpr)):
                     yield j.jaxpr if isinstance(j, ClosedJaxpr) else j
 
-    def walk(jaxpr, env):  # env: var -> the leaves its value is computed from
+    def walk(jaxpr, env, in_cond):  # env: var -> the leaves its value is computed from
         for eqn in jaxpr.eqns:
             srcs = frozenset().union(*(env.get(v, frozenset()) for v in eqn.invars if not isinstance(v, Literal)))
             name = eqn.primitive.name
             if name == "cond":
                 platforms = eqn.params.get("branches_platforms")
-                if platforms is None:
-                    conditionals.append(str(eqn.params["branches"][0].jaxpr)[:80])
-                    picked = list(range(len(eqn.params["branches"])))
+                branches = eqn.params["branches"]
+                if platforms is None:  # data-dependent: every branch may run
+                    conditionals.append(name)
+                    picked, inside = range(len(branches)), True
                 else:
-                    picked = [next(i for i, p in enumerate(platforms) if p is not None and platform in p)
-                              if any(p is not None and platform in p for p in platforms)
-                              else platforms.index(None)]
+                    mine = [i for i, p in enumerate(platforms) if p is not None and platform in p]
+                    picked, inside = (mine or [platforms.index(None)])[:1], in_cond
                 outs = [frozenset()] * len(eqn.outvars)
                 for b in picked:
-                    br = eqn.params["branches"][b].jaxpr
+                    br = branches[b].jaxpr
                     res = walk(br, {iv: env.get(ov, frozenset()) for iv, ov in zip(br.invars, eqn.invars[1:])
-                                    if not isinstance(ov, Literal)})
+                                    if not isinstance(ov, Literal)}, inside)
                     outs = [o | r for o, r in zip(outs, res)]
             elif name.startswith("reduce") and name != "reduce_precision":
-                # A variadic ``reduce`` takes its operands, then as many init values.
-                operands = len(eqn.invars) // 2 if name == "reduce" else len(eqn.invars)
                 for i in srcs:
-                    reductions[i].append((name, eqn.params.get("axes", eqn.params.get("dimensions")), operands))
+                    reductions[i].append((name, eqn.params.get("axes", eqn.params.get("dimensions")), in_cond))
                 outs = [frozenset()] * len(eqn.outvars)  # a scalar: what follows is not a read of the leaf
             elif name == "while":
-                conditionals.append("while")
+                conditionals.append(name)
                 outs = [srcs] * len(eqn.outvars)
-            elif (subs := list(inner_jaxprs(eqn))):
+            elif subs := list(inner_jaxprs(eqn)):
                 sub = subs[0]
                 res = walk(sub, {iv: env.get(ov, frozenset()) for iv, ov in zip(sub.invars, eqn.invars)
-                                 if not isinstance(ov, Literal)})
+                                 if not isinstance(ov, Literal)}, in_cond)
                 outs = res if len(res) == len(eqn.outvars) else [srcs] * len(eqn.outvars)
             else:
                 outs = [srcs] * len(eqn.outvars)
@@ -556,7 +555,7 @@ def _program(fn, args, platform: str) -> tuple[list[list[tuple]], list[str]]:
                 env[ov] = o
         return [env.get(v, frozenset()) if not isinstance(v, Literal) else frozenset() for v in jaxpr.outvars]
 
-    walk(closed.jaxpr, {v: frozenset([i]) for i, v in enumerate(closed.jaxpr.invars)})
+    walk(closed.jaxpr, {v: frozenset([i]) for i, v in enumerate(closed.jaxpr.invars)}, False)
     return reductions, conditionals
 
 
@@ -566,85 +565,105 @@ def _gpu_tree(seed: int, dtype=jnp.float32) -> dict:
     return {f"{k}_{seed}": jax.ShapeDtypeStruct(s, dtype) for k, s in shapes.items()}
 
 
-@pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu", "cpu"])
-def test_no_conditional_and_one_pass_per_leaf(platform):
+@pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
+def test_accelerators_get_no_conditional_and_fusible_sibling_reductions(platform):
     # Issue 15: on a GPU the lax.cond that skipped the non-finite count made the
-    # rest of the step wait for its predicate. Now: no conditional on any
-    # platform. Each gradient feeds exactly two reductions over the same axes
-    # (its sum of squares and its non-finite count: siblings that XLA:GPU/TPU
-    # fuse into one kernel, the program a trainer writes with optax), or, on
-    # CPU, one variadic reduction giving both; params and updates one each.
+    # rest of the step wait for its predicate. Lowered for an accelerator: no
+    # conditional, and each gradient feeds exactly two reductions over the same
+    # axes (its sum of squares and its non-finite count: siblings that XLA:GPU/TPU
+    # fuse into one kernel, i.e. the program a trainer writes with optax);
+    # params and updates one each.
     g, p, u = _gpu_tree(0), _gpu_tree(1, jnp.bfloat16), _gpu_tree(2)
     n = len(g)
     fn = lambda t: norm_metrics(grads=t[0], params=t[1], updates=t[2], per_param=True)  # noqa: E731
     reductions, conditionals = _program(fn, (g, p, u), platform)
     assert conditionals == []
     for red in reductions[:n]:
-        if platform == "cpu":
-            assert [(name, k) for name, _, k in red] == [("reduce", 2)]  # one variadic reduce: (squares, count)
-        else:
-            assert sorted(name for name, _, _ in red) == ["reduce_sum", "reduce_sum"]
-            assert red[0][1] == red[1][1]  # same axes: fusible siblings
-    for red in reductions[n:]:
-        assert [name for name, _, _ in red] == ["reduce_sum"]
-    # The global-only forms: one reduction per leaf (two siblings for gradients off CPU).
+        assert [name for name, _, _ in red] == ["reduce_sum", "reduce_sum"]
+        assert red[0][1] == red[1][1]  # same axes: fusible siblings
+    assert [[name for name, _, _ in red] for red in reductions[n:]] == [["reduce_sum"]] * (2 * n)
+    # The global-only forms: the same, without per-leaf outputs.
     reductions, conditionals = _program(lambda t: norm_metrics(grads=t), g, platform)
-    assert conditionals == [] and [len(r) for r in reductions] == [1 if platform == "cpu" else 2] * n
+    assert conditionals == [] and [len(r) for r in reductions] == [2] * n
     reductions, conditionals = _program(lambda t: get_sharded_global_norm(t), p, platform)
     assert conditionals == [] and [len(r) for r in reductions] == [1] * n
     # The checker can fail: a lazy count behind lax.cond, as the code had before.
     lazy = lambda t: jax.lax.cond(optax.tree.norm(t) < 1, lambda: 0, lambda: sum(jnp.sum(~jnp.isfinite(x)) for x in t.values()))  # noqa: E731
-    assert _program(lazy, g, platform)[1]
+    assert _program(lazy, g, platform)[1] == ["cond"]
 
 
-def test_lowered_for_gpu_has_the_fusible_reductions():
-    # The StableHLO jax hands to XLA:GPU (exported without a GPU): no `if`/`while`,
-    # 2 reductions per gradient, 1 per param/update leaf; on CPU one (variadic) per leaf.
+def test_cpu_keeps_the_lazy_count():
+    # XLA:CPU fuses neither the sibling reductions nor a variadic one into one
+    # fast pass, and a conditional there is an in-process branch: the count
+    # runs only when the norm is not finite. Each leaf: one reduction outside it.
+    g, p = _gpu_tree(0), _gpu_tree(1)
+    n = len(g)
+    reductions, conditionals = _program(lambda t: norm_metrics(grads=t[0], params=t[1], per_param=True), (g, p), "cpu")
+    assert conditionals == ["cond"]
+    assert [[inside for _, _, inside in red] for red in reductions] == [[False, True]] * n + [[False]] * n
+
+
+def _case_regions(text: str) -> list[list[str]]:
+    """The regions (branch bodies) of every ``stablehlo.case`` in an MLIR module's text."""
+    out = []
+    for match in re.finditer(r'"stablehlo\.case"\([^)]*\) \(\{', text):
+        depth, start, regions = 1, match.end(), []
+        for i in range(match.end(), len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    regions.append(text[start:i])
+                    if not text.startswith("}, {", i):
+                        break
+                    depth, start = 0, i + 4  # the loop meets that region's "{" next
+        out.append(regions)
+    return out
+
+
+def test_lowered_for_gpu_has_no_branch_around_reductions():
+    # The StableHLO jax hands to XLA:GPU, exported without a GPU: 2 reductions per
+    # gradient and 1 per param/update leaf, none of them in a two-way branch
+    # (the platform choice lowers to a one-region case that XLA inlines); for
+    # CPU the counting reductions sit in the lazy two-way branch.
     g, p, u = _gpu_tree(0), _gpu_tree(1), _gpu_tree(2)
     fn = jax.jit(lambda g, p, u: norm_metrics(grads=g, params=p, updates=u, per_param=True))
-    for platform, expected, variadic in (("cuda", 2 * len(g) + len(p) + len(u), 0), ("cpu", len(g) + len(p) + len(u), len(g))):
+    n = len(g)
+    for platform in ("cuda", "cpu"):
         text = jax.export.export(fn, platforms=[platform])(g, p, u).mlir_module()
         assert "stablehlo.if" not in text and "stablehlo.while" not in text
-        reduces = [line for line in text.splitlines() if "stablehlo.reduce(" in line]
-        assert len(reduces) == expected, platform
-        assert sum(line.count(" init: ") == 2 for line in reduces) == variadic
+        assert text.count("stablehlo.reduce(") == 4 * n, platform
+        branched = [regions for regions in _case_regions(text) if len(regions) > 1 and "stablehlo.reduce(" in "".join(regions)]
+        if platform == "cuda":
+            assert branched == []
+        else:
+            assert len(branched) == 1 and sum(r.count("stablehlo.reduce(") for r in branched[0]) == n
 
 
-def test_compiled_cpu_program_reads_each_array_once_without_a_branch():
-    # XLA's own accounting of the compiled program: the tree's bytes once, the
-    # non-finite count included, and no conditional left in it.
+def test_compiled_cpu_program_reads_each_array_once():
+    # XLA's own accounting of the compiled program (no count branch without grads).
     # Leaves big enough for XLA:CPU's one-pass reduction (tiny ones are reduced in two stages).
     def tree(seed):
         return {f"w{i}_{seed}": jax.ShapeDtypeStruct((256, 128 * (i + 1)), jnp.float32) for i in range(4)}
 
-    g, p, u = tree(0), tree(1), tree(2)
-    nbytes = 3 * sum(x.size * 4 for x in g.values())
-    cases = {
-        "norm_metrics(g, p, u, per_param)": (lambda g, p, u: norm_metrics(grads=g, params=p, updates=u, per_param=True)),
-        "norm_metrics(g, p, u)": (lambda g, p, u: norm_metrics(grads=g, params=p, updates=u)),
-        "get_sharded_global_norm": (lambda g, p, u: get_sharded_global_norm((g, p, u))),
-    }
-    for name, fn in cases.items():
-        compiled = jax.jit(fn).lower(g, p, u).compile()
-        cost = compiled.cost_analysis()
+    p, u = tree(1), tree(2)
+    nbytes = 2 * sum(x.size * 4 for x in p.values())
+    for fn in (lambda p, u: norm_metrics(params=p, updates=u, per_param=True), lambda p, u: get_sharded_global_norm((p, u))):
+        cost = jax.jit(fn).lower(p, u).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
-        assert nbytes <= cost["bytes accessed"] <= 1.01 * nbytes, name
-        assert "conditional" not in compiled.as_text(), name
+        assert nbytes <= cost["bytes accessed"] <= 1.01 * nbytes
 
 
-def test_gradient_of_norms_through_the_one_pass():
-    # The count's one-pass reduction (variadic on CPU) has a hand-written JVP: d||g|| / dg = g / ||g||.
+def test_gradient_through_the_counting_form():
+    # The count's platform choice sits beside the norm: d||g|| / dg = g / ||g||, forward and reverse.
     tree = {k: jnp.asarray(v) for k, v in _model_tree(5).items()}
     total = np.sqrt(sum(_sq64(v) for v in tree.values()))
     grads = jax.jit(jax.grad(lambda t: norm_metrics(grads=t)["grad_norm"]))(tree)
     for k, v in tree.items():
         np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(v, np.float64) / total, rtol=1e-5, atol=1e-7)
-    head = jax.jit(jax.grad(lambda t: norm_metrics(grads=t, per_param=True)["grad_norm/head"]))(tree)
-    np.testing.assert_allclose(np.asarray(head["head"]), np.asarray(tree["head"], np.float64) / np.sqrt(_sq64(tree["head"])), rtol=1e-5)
-    assert all(not np.any(np.asarray(head[k])) for k in tree if k != "head")
-    # Forward mode too (jvp is what the custom rule defines).
-    t = jax.tree.map(jnp.ones_like, tree)
-    _, tangent = jax.jvp(lambda x: norm_metrics(grads=x)["grad_norm"], (tree,), (t,))
+    ones = jax.tree.map(jnp.ones_like, tree)
+    _, tangent = jax.jvp(lambda x: norm_metrics(grads=x, per_param=True)["grad_norm"], (tree,), (ones,))
     np.testing.assert_allclose(float(tangent), sum(float(np.sum(np.asarray(v, np.float64))) for v in tree.values()) / total, rtol=1e-5)
 
 

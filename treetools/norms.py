@@ -5,11 +5,12 @@ so bf16/fp16 trees lose no precision to the accumulator and fp16 values whose
 squares exceed the fp16 range (|x| > 256) do not overflow. A complex leaf
 contributes ``|z|^2 = re^2 + im^2`` (as ``optax.tree.norm``), in float32.
 
-One pass, no branch: each leaf is read once, and the non-finite count of
-``norm_metrics`` is taken in that same pass (XLA:CPU gets one variadic reduce
-per leaf, other backends the two sibling reductions their compilers fuse into
-one kernel; chosen at lowering by ``jax.lax.platform_dependent``). The compiled
-program has no conditional: on a GPU, one would stall the step on its predicate.
+One pass: each leaf is read once. The non-finite count of ``norm_metrics`` is
+chosen per backend when lowering (``jax.lax.platform_dependent``): on GPU/TPU
+it is a second reduction of each gradient, which XLA fuses with its sum of
+squares into one kernel, and the program has no conditional (on a GPU one
+would stall the step while the host reads its predicate); on CPU, where XLA
+fuses neither, the count runs in a branch taken only when the norm is not finite.
 
 Where the sum happens (the psum rule):
 
@@ -167,61 +168,13 @@ def _local_sq(value: Any) -> jax.Array:
     return jnp.sum(_abs_sq(value))
 
 
-def _nonfinite(value: Any) -> jax.Array | None:
-    """Elementwise int32 1 where ``value`` is NaN or +-Inf; None for dtypes that cannot be."""
-    x = jnp.asarray(value)
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return None
-    return (~jnp.isfinite(x)).astype(jnp.int32)
-
-
-def _add_pairs(a, b):
-    return a[0] + b[0], a[1] + b[1]
-
-
-@jax.custom_jvp
-def _sum_and_count(sq: jax.Array, bad: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(sum(sq), sum(bad))`` as ONE reduction: each input element is read once."""
-    dims = tuple(range(sq.ndim))
-    return jax.lax.reduce((sq, bad), (jnp.zeros((), sq.dtype), jnp.zeros((), bad.dtype)), _add_pairs, dims)
-
-
-@_sum_and_count.defjvp
-def _sum_and_count_jvp(primals, tangents):
-    # jax has no JVP for a variadic reduce; the sum is linear and the count has none.
-    out = _sum_and_count(*primals)
-    return out, (jnp.sum(tangents[0]), np.zeros((), jax.dtypes.float0))
-
-
-def _sq_and_count_fused(values: list[Any]) -> tuple[list[jax.Array], list[jax.Array]]:
-    """XLA:CPU: one variadic reduce per leaf gives its sum of squares and its non-finite count.
-
-    XLA:CPU does not fuse two sibling reductions of one array (the count would
-    read every gradient a second time, through an int32 temporary), but it
-    emits a variadic reduce as one pass as fast as the plain sum.
-    """
-    sq, counts = [], []
-    for v in values:
-        bad = _nonfinite(v)
-        if bad is None:
-            sq.append(_local_sq(v))
-            counts.append(jnp.zeros((), jnp.int32))
-        else:
-            s, c = _sum_and_count(_abs_sq(v), bad)
-            sq.append(s)
-            counts.append(c)
-    return sq, counts
-
-
-def _sq_and_count_siblings(values: list[Any]) -> tuple[list[jax.Array], list[jax.Array]]:
-    """GPU/TPU: two reductions of each leaf, which XLA fuses into one kernel (multi-output fusion).
-
-    It is the program a trainer writes with optax (a sum of squares and
-    ``jnp.sum(~jnp.isfinite(g))`` per leaf), so it costs what that costs.
-    """
-    sq = [_local_sq(v) for v in values]
-    counts = [jnp.zeros((), jnp.int32) if (bad := _nonfinite(v)) is None else jnp.sum(bad, dtype=jnp.int32) for v in values]
-    return sq, counts
+def _count_nonfinite(values: list[Any], axes: tuple[tuple[str, ...], ...]) -> jax.Array:
+    """The number of NaN/Inf elements of all ``values``, psum-ed like their squares (int32)."""
+    local = [
+        jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros((), jnp.int32)
+        for x in map(jnp.asarray, values)
+    ]
+    return _tree_total(_batched_psum(local, axes), dtype=jnp.int32)
 
 
 def get_sharded_norm_logits(x: Any, *, axes: tuple[str, ...] | None = None) -> jax.Array:
@@ -275,31 +228,18 @@ def _check_leaf(path: PathStr, x: Any) -> Any:
 # --------------------------------------------------------------------------- #
 
 
-def _batched_psum(
-    values: list[jax.Array], axes: list[tuple[str, ...]], counts: list[jax.Array] | None = None
-) -> tuple[list[jax.Array], jax.Array | None]:
-    """psum each value over its axes, one collective per distinct axis set; and the total count.
-
-    ``counts`` (int32, one per leaf) are summed per axis set before the psum:
-    the count needs only the total, one more scalar per collective.
-    """
+def _batched_psum(values: list[jax.Array], axes: tuple[tuple[str, ...], ...]) -> list[jax.Array]:
+    """psum each value over its axes, with one collective per distinct axis set."""
     out = list(values)
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, ax in enumerate(axes):
-        groups.setdefault(tuple(sorted(ax)), []).append(i)
-    total = None if counts is None else jnp.zeros((), jnp.int32)
+        if ax:
+            groups.setdefault(tuple(sorted(ax)), []).append(i)
     for ax, idx in groups.items():
-        local = None if counts is None else _tree_total([counts[i] for i in idx], dtype=jnp.int32)
-        if not ax:
-            if local is not None:
-                total = total + local
-            continue
-        summed, local = jax.lax.psum((jnp.stack([values[i] for i in idx]), local), ax)
+        summed = jax.lax.psum(jnp.stack([values[i] for i in idx]), ax)
         for j, i in enumerate(idx):
             out[i] = summed[j]
-        if local is not None:
-            total = total + local
-    return out, total
+    return out
 
 
 def _norms(
@@ -373,24 +313,31 @@ def _sharded_norms_body(values, *, mesh, specs, groups, count_nonfinite):
 
 
 def _norms_body(values, *, axes, groups, count_nonfinite):
-    """Per-leaf sums of squares (and non-finite counts) in one pass, psum-ed per axis set; global and group norms.
-
-    No branch: a ``lax.cond`` that skipped the count on finite steps made the
-    rest of a GPU step wait for its predicate (XLA:GPU reads it on the host).
-    The count is taken in the same pass as the squares instead, so it costs
-    no extra read: per backend, the form its compiler makes one pass of.
-    """
-    if count_nonfinite:
-        sq, counts = jax.lax.platform_dependent(
-            values, cpu=_sq_and_count_fused, default=_sq_and_count_siblings
-        )
-    else:
-        sq, counts = [_local_sq(v) for v in values], None
-    sq, nonfinite = _batched_psum(sq, axes, counts)
+    """Per-leaf sums of squares, psum-ed per axis set; the global and group norms; the non-finite count."""
+    sq = _batched_psum([_local_sq(v) for v in values], axes)
     total = _tree_total(sq)
     # Group norms are sqrt of summed squares, never a sum of norms.
     group_norms = [jnp.sqrt(_tree_total([sq[i] for i in group])) for group in groups]
-    return jnp.sqrt(total), group_norms, nonfinite
+    if not count_nonfinite:
+        return jnp.sqrt(total), group_norms, None
+    count = functools.partial(_count_nonfinite, values, axes)
+
+    def lazy(total: jax.Array) -> jax.Array:
+        # A finite total means every element is finite (a NaN or Inf anywhere
+        # makes its square, and the sum, non-finite), so the count is 0 and the
+        # arrays need not be read a second time. A finite array whose squares
+        # overflow float32 takes the counting branch too and counts 0, correctly.
+        # ``total * 0`` rather than a constant: inside shard_map it carries the
+        # same varying-axes type as the count, which cond requires of its branches.
+        return jax.lax.cond(jnp.isfinite(total), lambda: (total * 0).astype(jnp.int32), count)
+
+    # Which program is cheaper depends on the compiler, so it is chosen when
+    # lowering. XLA:GPU/TPU fuse the count's reduction with the sum of squares
+    # of the same leaf (sibling multi-output fusion: one read, one kernel), and
+    # a conditional there would stall the step (XLA:GPU copies the predicate to
+    # the host and waits). XLA:CPU fuses neither: an unconditional count would
+    # read every gradient again, while a conditional is an in-process branch.
+    return jnp.sqrt(total), group_norms, jax.lax.platform_dependent(total, cpu=lazy, default=lambda total: count())
 
 
 # Eager calls: the whole tree in one compiled program (psum axes, mesh and specs are static).
@@ -503,7 +450,8 @@ def norm_metrics(
     Each array is read once: per-leaf sums of squares are computed once and
     the global and per-module norms are derived from them. Non-finite
     gradients propagate into the norms (NaN/Inf are never hidden) and are
-    counted in the same pass as the squares (no second read, no branch).
+    counted without a second read (see the module doc: on GPU/TPU in the
+    same pass as the squares, with no branch; on CPU only on a non-finite step).
     Works under ``jit`` on global arrays and inside ``shard_map`` on boxes.
 
     Args:
