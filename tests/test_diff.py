@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,10 +17,15 @@ from treetools.inspect import diff_paths
 from tests.test_inspect import flat, host_tree, meta_of, one_error_line, run, write_run
 
 
-def diff_json(capsys, *argv) -> dict:
-    rc, out, err = run(capsys, "diff", *argv, "--format", "json")
-    assert rc == 0, err
-    return json.loads(out)
+def diff_json(capsys, *argv, rc: int | None = None) -> dict:
+    """The JSON report; the exit code follows GNU diff (0 same, 1 different) and must agree with ``identical``."""
+    got, out, err = run(capsys, "diff", *argv, "--format", "json")
+    assert got in (0, 1), err
+    data = json.loads(out)
+    assert got == (0 if data["identical"] else 1), (got, data["identical"])
+    if rc is not None:
+        assert got == rc
+    return data
 
 
 def expected_values(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, atol=1e-8, rtol=1e-5) -> dict[str, dict]:
@@ -64,7 +70,7 @@ def _pair(tmp_path) -> tuple[Path, Path, dict, dict]:
 
 def test_metadata_diff_added_removed_changed(tmp_path, capsys):
     fa, fb, a, b = _pair(tmp_path)
-    out = diff_json(capsys, fa, fb)
+    out = diff_json(capsys, fa, fb, rc=1)
     assert [r["path"] for r in out["added"]] == [p for p in b if p not in a]
     assert [r["path"] for r in out["removed"]] == [p for p in a if p not in b]
     changed = {c["path"]: c for c in out["changed"]}
@@ -72,11 +78,14 @@ def test_metadata_diff_added_removed_changed(tmp_path, capsys):
     assert changed["ids"]["fields"] == ["dtype"]
     assert (changed["ids"]["a"]["dtype"], changed["ids"]["b"]["dtype"]) == ("int32", "int64")
     assert out["identical"] is False and "values" not in out
+    common = a.keys() & b.keys()
+    assert out["counts"] == {"added": len(b.keys() - a.keys()), "removed": len(a.keys() - b.keys()),
+                             "changed_metadata": len(changed), "same_metadata": len(common) - len(changed)}
 
 
 def test_values_match_numpy_in_small_blocks(tmp_path, capsys):
     fa, fb, a, b = _pair(tmp_path)
-    out = diff_json(capsys, fa, fb, "--values", "--chunk-mb", "0.001")
+    out = diff_json(capsys, fa, fb, "--values", "--chunk-mb", "0.001", rc=1)
     check_values(out, expected_values(a, b))
     assert out["values"] and {v["path"] for v in out["values"]} == {"w", "b", "ids"}
 
@@ -84,7 +93,7 @@ def test_values_match_numpy_in_small_blocks(tmp_path, capsys):
 @pytest.mark.parametrize("atol", [1e-2, 1e-6])
 def test_allclose_verdict_follows_tolerances(tmp_path, capsys, atol):
     fa, fb, a, b = _pair(tmp_path)
-    out = diff_json(capsys, fa, fb, "--values", "--atol", str(atol), "--rtol", "0")
+    out = diff_json(capsys, fa, fb, "--values", "--atol", str(atol), "--rtol", "0", rc=1)  # "new"/"old" differ
     check_values(out, expected_values(a, b, atol=atol, rtol=0.0))
     w = next(v for v in out["values"] if v["path"] == "w")
     assert w["allclose"] == (atol == 1e-2)  # the perturbation is ~1e-3
@@ -94,16 +103,27 @@ def test_nan_equals_nan_and_table_view(tmp_path, capsys):
     x = np.array([1.0, np.nan, 3.0], np.float32)
     np.savez(tmp_path / "a.npz", x=x)
     np.savez(tmp_path / "b.npz", x=x.copy())
-    out = diff_json(capsys, tmp_path / "a.npz", tmp_path / "b.npz", "--values")
+    out = diff_json(capsys, tmp_path / "a.npz", tmp_path / "b.npz", "--values", rc=0)
     assert out["identical"] is True and out["values"][0]["allclose"] is True
+    assert out["values"][0]["bit_identical"] is True
+    assert (out["values"][0]["nonfinite_a"], out["values"][0]["nonfinite_b"]) == (1, 1)
     rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
-    assert rc == 0 and text.strip().splitlines()[-1].startswith("identical:")
+    assert rc == 0 and text.strip().splitlines()[-1] == (
+        "same (leaves): 0 added, 0 removed, 0 with changed metadata, 1 with the same metadata, "
+        "values: 1 bit-identical, 0 within tolerance, 0 outside tolerance")
+    # A value that becomes NaN is outside any tolerance.
+    y = x.copy()
+    y[0] = np.nan
+    np.savez(tmp_path / "c.npz", x=y)
+    out = diff_json(capsys, tmp_path / "a.npz", tmp_path / "c.npz", "--values", "--atol", "1e9", rc=1)
+    (v,) = out["values"]
+    assert v["allclose"] is False and v["mismatched"] == 1 and (v["nonfinite_a"], v["nonfinite_b"]) == (1, 2)
 
 
 def test_orbax_against_npz_of_the_same_tree(run_dir, tmp_path, capsys):
     arrays = flat(host_tree(1))  # step 100's params
     np.savez(tmp_path / "p.npz", **{p: x for p, x in arrays.items() if x.dtype.kind != "V"})
-    out = diff_json(capsys, run_dir, tmp_path / "p.npz", "--step", "100", "--item", "params", "--values")
+    out = diff_json(capsys, run_dir, tmp_path / "p.npz", "--step", "100", "--item", "params", "--values", rc=1)
     assert [r["path"] for r in out["removed"]] == ["half"]  # bfloat16: left out of the npz
     assert out["added"] == [] and out["changed"] == []  # shardings are not compared against a format without them
     assert all(v["allclose"] and v["max_abs_diff"] == 0 for v in out["values"])
@@ -111,8 +131,8 @@ def test_orbax_against_npz_of_the_same_tree(run_dir, tmp_path, capsys):
 
 
 def test_two_steps_of_one_run(run_dir, capsys):
-    by_flag = diff_json(capsys, run_dir, "--step", "100", "--step", "200", "--values")
-    by_path = diff_json(capsys, run_dir / "ckpt_0100", run_dir / "ckpt_0200", "--values")
+    by_flag = diff_json(capsys, run_dir, "--step", "100", "--step", "200", "--values", rc=1)
+    by_path = diff_json(capsys, run_dir / "ckpt_0100", run_dir / "ckpt_0200", "--values", rc=1)
     assert by_flag["a"]["step"] == 100 and by_flag["b"]["step"] == 200
     assert by_flag["changed"] == by_path["changed"] and by_flag["values"] == by_path["values"]
     changed = {c["path"]: c for c in by_flag["changed"]}
@@ -124,28 +144,35 @@ def test_two_steps_of_one_run(run_dir, capsys):
     for p, w in expected_values(a, b).items():
         np.testing.assert_allclose(got[p]["max_abs_diff"], w["max_abs_diff"], rtol=1e-6, err_msg=p)
         assert got[p]["allclose"] == w["allclose"], p
-    same = diff_json(capsys, run_dir, run_dir, "--step", "100", "--values")
+    same = diff_json(capsys, run_dir, run_dir, "--step", "100", "--values", rc=0)
     assert same["identical"] is True
 
 
 def test_sharding_change_between_orbax_saves(tmp_path, capsys, devices):
     mesh = jax.make_mesh((8,), ("fsdp",), devices=jax.devices()[:8])
     x = np.arange(64, dtype=np.float32).reshape(8, 8)
-    for name, spec in (("a", P("fsdp", None)), ("b", P(None, "fsdp"))):
+    for name, spec in (("a", P("fsdp", None)), ("b", P(None, "fsdp")), ("c", P("fsdp"))):
         with ocp.StandardCheckpointer() as ckptr:
             ckptr.save(str(tmp_path / name), {"w": jax.device_put(x, NamedSharding(mesh, spec)), "v": x[0]})
-    out = diff_json(capsys, tmp_path / "a", tmp_path / "b", "--values")
+    out = diff_json(capsys, tmp_path / "a", tmp_path / "b", "--values", rc=1)
     (change,) = out["changed"]
     assert change["path"] == "w" and change["fields"] == ["sharding"]
     assert change["a"]["sharding"] == {"mesh": {"fsdp": 8}, "spec": ["fsdp", None]}
     assert change["b"]["sharding"] == {"mesh": {"fsdp": 8}, "spec": [None, "fsdp"]}
     assert all(v["allclose"] and v["max_abs_diff"] == 0 for v in out["values"])
+    # Shardings compare by meaning: P('fsdp', None) and P('fsdp') split the same dimension.
+    same = diff_json(capsys, tmp_path / "a", tmp_path / "c", "--values", rc=0)
+    assert same["changed"] == [] and same["counts"]["bit_identical"] == 2
+    rc, text, _ = run(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert rc == 1 and "changed metadata: 1" in text.splitlines()
+    assert re.search(r"^w\s+sharding\s+P\('fsdp'\)\s+P\(None, 'fsdp'\)$", text, re.M), text
 
 
 def test_library_diff_paths(tmp_path):
     fa, fb, a, b = _pair(tmp_path)
     r = diff_paths(str(fa), str(fb), values=True)
-    assert not r.identical and [x.path for x in r.added] == ["new"] and [x.path for x in r.removed] == ["old"]
+    assert not r.identical and [x.name for x in r.added] == ["new"] and [x.name for x in r.removed] == ["old"]
+    assert [x.path for x in r.added] == [("new",)]  # Row.path is the tuple of parts
 
 
 @pytest.mark.parametrize("argv", [["A"], ["A", "--step", "1"], ["A", "A", "--step", "1", "--step", "2", "--step", "3"],
@@ -156,15 +183,16 @@ def test_diff_usage_errors(run_dir, capsys, argv):
 
 
 def test_diff_errors_are_one_line(run_dir, tmp_path, capsys):
+    # diff exits 2 on trouble (GNU diff), with one error line and no traceback.
     rc, out, err = run(capsys, "diff", tmp_path / "missing", run_dir)
-    assert rc == 1 and "no such file" in one_error_line(err)
+    assert rc == 2 and "no such file" in one_error_line(err)
     rc, out, err = run(capsys, "diff", run_dir, "--step", "100", "--step", "999")
-    assert rc == 1 and "available steps" in one_error_line(err)
+    assert rc == 2 and "available steps" in one_error_line(err)
     broken = tmp_path / "broken"
     shutil.copytree(run_dir / "ckpt_0100" / "params", broken)
     (broken / "_METADATA").write_text("{")
     rc, out, err = run(capsys, "diff", broken, run_dir)
-    assert rc == 1 and "_METADATA" in one_error_line(err)
+    assert rc == 2 and "_METADATA" in one_error_line(err)
 
 
 def test_orbax_item_against_a_flax_msgpack_of_the_whole_state(run_dir, tmp_path, capsys):
@@ -173,7 +201,7 @@ def test_orbax_item_against_a_flax_msgpack_of_the_whole_state(run_dir, tmp_path,
 
     tree = host_tree(1)  # step 100's params
     (tmp_path / "state.msgpack").write_bytes(serialization.to_bytes({"params": tree, "step": 100}))
-    out = diff_json(capsys, run_dir, tmp_path / "state.msgpack", "--step", "100", "--item", "params", "--values")
+    out = diff_json(capsys, run_dir, tmp_path / "state.msgpack", "--step", "100", "--item", "params", "--values", rc=0)
     assert out["added"] == out["removed"] == out["changed"] == []
     assert out["identical"] is True and len(out["values"]) == len(flat(tree))
     assert out["b"]["item"] == "params"
@@ -184,15 +212,21 @@ def test_verdict_line_counts_value_differences(tmp_path, capsys):
     rc, text, _ = run(capsys, "diff", fa, fb, "--values", "--atol", "0", "--rtol", "0")
     want = expected_values(a, b, atol=0.0, rtol=0.0)
     differ = sum(not w["allclose"] for w in want.values())
-    assert rc == 0 and differ > 0
+    bit_same = sum(a[p].dtype == b[p].dtype and a[p].tobytes() == b[p].tobytes() for p in want)
+    within = len(want) - differ - bit_same
+    common = a.keys() & b.keys()
+    meta_changed = sum(a[p].dtype != b[p].dtype or a[p].shape != b[p].shape for p in common)
+    assert rc == 1 and differ > 0 and bit_same > 0 and within > 0  # ids: int32 -> int64, equal values
     last = text.strip().splitlines()[-1]
-    assert last.startswith("different:") and f"{differ} of {len(want)} compared leaves not allclose" in last, last
+    assert last == (f"different (leaves): {len(b.keys() - a.keys())} added, {len(a.keys() - b.keys())} removed, "
+                    f"{meta_changed} with changed metadata, {len(common) - meta_changed} with the same metadata, "
+                    f"values: {bit_same} bit-identical, {within} within tolerance, {differ} outside tolerance"), last
 
 
 def test_markdown_is_a_list_and_tables_follow_blank_lines(run_dir, capsys):
     rc, out, _ = run(capsys, "diff", run_dir, "--step", "100", "--step", "200", "--values", "--format", "markdown")
     lines = out.splitlines()
-    assert rc == 0 and lines[0].startswith("- A: ") and lines[1].startswith("- B: ")
+    assert rc == 1 and lines[0].startswith("- A: ") and lines[1].startswith("- B: ")
     headers = [i for i, line in enumerate(lines) if line.startswith("| path")]
     assert len(headers) == 2 and all(lines[i - 1] == "" for i in headers), out  # changed (meta/step) and values
 
@@ -200,5 +234,5 @@ def test_markdown_is_a_list_and_tables_follow_blank_lines(run_dir, capsys):
 def test_composite_against_a_single_tree_suggests_item(run_dir, tmp_path, capsys):
     np.savez(tmp_path / "p.npz", **{p: x for p, x in flat(host_tree(1)).items() if x.dtype.kind != "V"})
     rc, out, err = run(capsys, "diff", run_dir / "ckpt_0100", tmp_path / "p.npz")
-    assert rc == 0 and "different:" in out
+    assert rc == 1 and out.strip().splitlines()[-1].startswith("different (leaves): ")
     assert err.startswith("treetools: note: ") and "--item" in err and len(err.strip().splitlines()) == 1
