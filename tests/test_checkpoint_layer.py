@@ -417,3 +417,25 @@ def test_save_checkpoint_stores_metrics_and_says_when_a_step_exists(tmp_path):
     report = inspect_path(str(tmp_path), step=100)
     assert report.by_step[0].metadata["metrics"] == {"loss": 1.5}
     assert tt.list_steps(tmp_path) == [100, 150]
+
+
+def test_load_parameters_finds_params_inside_a_single_train_state_item(tmp_path):
+    # Orbax's basic example: one unnamed `default` item holding the whole train state.
+    params = jax.tree.map(jnp.asarray, _params())
+    state = {"step": jnp.int32(5), "params": params, "opt_state": optax.adam(1e-3).init(params)}
+    with ocp.CheckpointManager(tmp_path / "basic") as mngr:
+        mngr.save(5, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+    loaded = tt.load_parameters(tmp_path / "basic")
+    assert sorted(flatten(loaded)) == sorted(flatten(params))
+    for p, x in flatten(params).items():
+        np.testing.assert_array_equal(flatten(loaded)[p], np.asarray(x))
+    restored = tt.load_parameters(tmp_path / "basic", target=tt.make_abstract(loaded))
+    np.testing.assert_array_equal(np.asarray(restored["Dense_0"]["kernel"]), np.asarray(params["Dense_0"]["kernel"]))
+    with pytest.raises(FileNotFoundError, match="holds no EMA parameters.*top-level keys: "):
+        tt.load_parameters(tmp_path / "basic", use_ema_params=True)
+    # The whole item stays reachable by name.
+    assert "opt_state" in tt.load_parameters(tmp_path / "basic", item="default")
+    # A Flax msgpack of a whole state: the same rule.
+    (tmp_path / "state.msgpack").write_bytes(serialization.to_bytes({"params": _params(), "step": 3}))
+    assert sorted(flatten(tt.load_parameters(tmp_path / "state.msgpack"))) == sorted(flatten(_params()))

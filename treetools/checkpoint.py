@@ -595,19 +595,29 @@ def restore_checkpoint(
         if item.kind == "json":
             out[name] = item.handle
             continue
-        if target is None:
-            raise ValueError(
-                f"`items[{name!r}]` is None, but {name!r} is a pytree item; pass the live tree or make_abstract(...) "
-                "to restore into, or use load_parameters() for host numpy arrays."
-            )
-        treedef, leaves, paths, abstract = _target_leaves(name, target, sharding)
-        problems += _compare(name, paths, abstract, item, allow_dtype_cast=allow_dtype_cast)
-        plans[name] = (item, treedef, leaves, paths, abstract)
+        plans[name], item_problems = _plan(name, item, target, sharding, allow_dtype_cast)
+        problems += item_problems
     if problems:
         raise CheckpointMismatchError(resolved, display, problems)
-    for name, (item, treedef, leaves, paths, abstract) in plans.items():
-        out[name] = _rebuild(treedef, leaves, paths, _orbax_restore(item, dict(zip(paths, abstract))))
+    for name, plan in plans.items():
+        out[name] = _restore_plan(*plan)
     return {name: out[name] for name in items}
+
+
+def _plan(name: str, item: Any, target: Any, sharding: Any, allow_dtype_cast: bool) -> tuple[tuple, list[Mismatch]]:
+    """What restoring ``target`` from one pytree item needs, and every mismatch (nothing is read yet)."""
+    if target is None:
+        raise ValueError(
+            f"`items[{name!r}]` is None, but {name!r} is a pytree item; pass the live tree or make_abstract(...) "
+            "to restore into, or use load_parameters() for host numpy arrays."
+        )
+    treedef, leaves, paths, abstract = _target_leaves(name, target, sharding)
+    problems = _compare(name, paths, abstract, item, allow_dtype_cast=allow_dtype_cast)
+    return (item, treedef, leaves, paths, abstract), problems
+
+
+def _restore_plan(item: Any, treedef: Any, leaves: Sequence[Any], paths: Sequence[str], abstract: Sequence[Any]) -> Any:
+    return _rebuild(treedef, leaves, paths, _orbax_restore(item, dict(zip(paths, abstract))))
 
 
 def _rebuild(treedef: Any, leaves: Sequence[Any], paths: Sequence[str], values: Mapping[str, Any]) -> Any:
@@ -733,14 +743,43 @@ def load_parameters(
     source.path = os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, (str, os.PathLike)) else source.path
     resolved = source.resolve(step)
     name = _params_item(source, resolved, item, use_ema_params)
-    if target is not None and source.format == "orbax":
-        return restore_checkpoint(source.local, resolved, {name: target}, sharding={name: sharding} if sharding else None,
-                                  allow_dtype_cast=allow_dtype_cast)[name]
-    snap = source.snapshot(resolved, [name])
-    leaves = snap.items[name].leaves
+    found = source.snapshot(resolved, [name]).items[name]
+    if item is None and name not in ("params", "params_ema"):
+        found = _params_subtree(found, use_ema_params)
     if target is None:
-        return _nest([(leaf.row, _host_value(leaf)) for leaf in leaves])
-    return _place(source, resolved, name, snap.items[name], target, sharding, allow_dtype_cast)
+        return _nest([(leaf.row, _host_value(leaf)) for leaf in found.leaves])
+    if source.format == "orbax":
+        plan = _plan(name, found, target, {name: sharding} if sharding is not None else None, allow_dtype_cast)
+        if plan[1]:
+            raise CheckpointMismatchError(resolved, source.path, plan[1])
+        return _restore_plan(*plan[0])
+    return _place(source, resolved, name, found, target, sharding, allow_dtype_cast)
+
+
+_PARAM_SUBTREES = {False: ("params", "target"), True: ("params_ema", "ema_params", "ema")}
+"""Where real layouts keep the parameters inside one item holding a whole train state (T5X: ``target``)."""
+
+
+def _params_subtree(item: Any, use_ema_params: bool) -> Any:
+    """The ``params`` (or EMA) subtree of an item holding a whole train state; the item itself when it has none."""
+    import dataclasses
+
+    tops = [leaf.path[0] for leaf in item.leaves if len(leaf.path) > 1]
+    for key in _PARAM_SUBTREES[use_ema_params]:
+        if key in tops:
+            leaves = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[1:]))
+                      for leaf in item.leaves if len(leaf.path) > 1 and leaf.path[0] == key]
+            handle = item.handle
+            if hasattr(handle, "logical"):  # an Orbax item: its stored names now map to paths below `key`
+                handle = dataclasses.replace(handle, logical={p: path[1:] for p, path in handle.logical.items()
+                                                              if len(path) > 1 and path[0] == key})
+            return dataclasses.replace(item, leaves=leaves, handle=handle)
+    if use_ema_params:
+        raise CheckpointNotFoundError(
+            f"item `{item.name}` holds no EMA parameters (looked for {', '.join(_PARAM_SUBTREES[True])}); "
+            f"its top-level keys: {', '.join(dict.fromkeys(leaf.path[0] for leaf in item.leaves if leaf.path))}."
+        )
+    return item
 
 
 def _place(source: Any, step: int | None, name: str, item: Any, target: Any, sharding: Any,
