@@ -19,6 +19,26 @@ from treetools.cli import main
 from treetools.inspect.stats import Progress
 from tests.test_inspect import inspect_json, numpy_stats, one_error_line, run
 
+def only_item(data: dict, name: str = "default") -> dict:
+    """The one item of a single checkpoint in the schema-2 JSON object."""
+    assert data["schema"] == 2 and data["steps"] is None and "items" not in data
+    (checkpoint,) = data["checkpoints"]
+    assert checkpoint["step"] is None and list(checkpoint["items"]) == [name]
+    return checkpoint["items"][name]
+
+
+def shared_folder(paths: list[list[str]]) -> list[str]:
+    """The folder parts that two or more paths all lie below (a path's own last part never counts), by hand."""
+    if len(paths) < 2:
+        return []
+    out = []
+    for parts in zip(*(p[:-1] for p in paths)):
+        if len(set(parts)) != 1:
+            break
+        out.append(parts[0])
+    return out
+
+
 # ----------------------------------------------------------------------------- import cost
 
 
@@ -42,29 +62,37 @@ def test_help_imports_no_jax(argv):
     assert float(dt) < 0.3, f"treetools {' '.join(argv)} took {float(dt):.3f}s in-process"
 
 
-@pytest.mark.parametrize("options", [[], ["--include", "^encoder/", "--exclude", "bias$", "--depth", "1", "--stats"]])
+@pytest.mark.parametrize("filtered", [False, True])
 @pytest.mark.parametrize("suffix", ["npz", "safetensors"])
-def test_inspect_of_npz_and_safetensors_imports_no_jax(tmp_path, suffix, options):
+def test_inspect_of_npz_and_safetensors_imports_no_jax(tmp_path, suffix, filtered):
     """Metadata, --stats, --include/--exclude and --depth on npz and safetensors: numpy is the one heavy import."""
     from safetensors.numpy import save_file
 
-    tree = _tree()
+    # Flat-key formats keep the names as stored: "/" in the npz, "." in the safetensors file.
+    sep = "/" if suffix == "npz" else "."
+    tree = {p.replace("/", sep): x for p, x in _tree().items()}
     f = tmp_path / f"tree.{suffix}"
     if suffix == "npz":
         np.savez(f, **tree)
     else:
-        save_file({p.replace("/", "."): x for p, x in tree.items()}, str(f))
+        save_file(tree, str(f))
+    options = ["--include", "^encoder" + re.escape(sep), "--exclude", "bias$", "--depth", "1", "--stats"] if filtered else []
     proc = subprocess.run([sys.executable, "-c", NO_JAX, "inspect", str(f), *options, "--format", "json"],
                           capture_output=True, text=True, timeout=60)
     *out, result = proc.stdout.strip().splitlines()
     _, rc, _, heavy = result.split(" ")
     assert rc == "0" and heavy == "numpy", (result, proc.stderr)
-    # The output is still right: leaves kept by the patterns, summed per first path part under --depth 1.
-    keep = {p: x for p, x in tree.items() if not options or (p.startswith("encoder/") and not p.endswith("bias"))}
+    # The output is still right: leaves kept by the patterns; under --depth 1 summed per first part below the
+    # kept leaves' shared folder (encoder), i.e. per layer.
+    keep = {p: x for p, x in tree.items()
+            if not filtered or (p.startswith("encoder" + sep) and not p.endswith("bias"))}
+    cut = len(shared_folder([p.split(sep) for p in keep])) + 1
+    assert not filtered or cut == 2
     groups: dict[str, list[np.ndarray]] = {}
     for p, x in keep.items():
-        groups.setdefault(p.split("/")[0] if options else p, []).append(x)
-    item = json.loads("\n".join(out))["items"]["default"]
+        groups.setdefault(sep.join(p.split(sep)[:cut]) if filtered else p, []).append(x)
+    assert not filtered or set(groups) == {f"encoder{sep}layer_0", f"encoder{sep}layer_1"}
+    item = only_item(json.loads("\n".join(out)))
     got = {leaf["path"]: leaf for leaf in item["leaves"]}  # safetensors keeps its own (header) order
     assert len(item["leaves"]) == len(got) and set(got) == set(groups)
     for path, members in groups.items():
@@ -98,7 +126,7 @@ def test_console_script_and_python_dash_m(tmp_path):
             continue
         proc = subprocess.run([*cmd, "inspect", str(f), "--format", "json"], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout)["items"]["default"]["total_params"] == 6
+        assert only_item(json.loads(proc.stdout))["total_params"] == 6
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -177,7 +205,9 @@ def test_table_view_has_rows_totals_and_dtypes(npz, capsys):
         row = next(line for line in out.splitlines() if line.startswith(path + " "))
         assert f"{x.size:,}" in row and str(x.dtype) in row
     total = sum(x.size for x in tree.values())
-    assert f"Total: {total:,} params" in out
+    nbytes = sum(x.nbytes for x in tree.values())
+    assert nbytes < 1024  # no human size in parentheses below 1 KiB
+    assert f"Total: {total:,} params, {nbytes:,} bytes" in out.splitlines()
     for dtype in {str(x.dtype) for x in tree.values()}:
         d_params = sum(x.size for x in tree.values() if str(x.dtype) == dtype)
         assert f"  {dtype}: {d_params:,} params" in out
@@ -188,12 +218,18 @@ def test_markdown_and_tree_views(npz, capsys):
     assert rc == 0 and out.startswith("# ") and "| path" in out and "|---" in out.replace("-|-", "---")
     rc, out, _ = run(capsys, "inspect", npz, "--format", "tree")
     lines = out.splitlines()
-    assert "encoder/" in lines and "  layer_0/" in lines
-    assert any(line.startswith("    kernel [16, 8] float32") for line in lines)
+    tree = _tree()
+    encoder = sum(x.size for p, x in tree.items() if p.startswith("encoder/"))
+    layer_0 = sum(x.size for p, x in tree.items() if p.startswith("encoder/layer_0/"))
+    kernel = tree["encoder/layer_0/kernel"]
+    # Every folder line carries its params subtotal; shapes print as tuples.
+    assert f"encoder/  {encoder:,} params" in lines and f"  layer_0/  {layer_0:,} params" in lines
+    assert f"    kernel (16, 8) float32  {kernel.size:,} params" in lines and kernel.shape == (16, 8)
+    assert f"    bias (8,) float32  {tree['encoder/layer_0/bias'].size} params" in lines
 
 
 def test_depth_sums_per_prefix(npz, capsys):
-    item = inspect_json(capsys, npz, "--depth", "1")["items"]["default"]
+    item = only_item(inspect_json(capsys, npz, "--depth", "1"))
     tree = _tree()
     got = {leaf["path"]: leaf for leaf in item["leaves"]}
     assert list(got) == ["encoder", "decoder"]
@@ -206,7 +242,7 @@ def test_depth_sums_per_prefix(npz, capsys):
 
 
 def test_depth_with_stats_merges_member_streams(npz, capsys):
-    item = inspect_json(capsys, npz, "--depth", "2", "--stats", "--chunk-mb", "0.001")["items"]["default"]
+    item = only_item(inspect_json(capsys, npz, "--depth", "2", "--stats", "--chunk-mb", "0.001"))
     got = {leaf["path"]: leaf for leaf in item["leaves"]}
     members = [x for p, x in _tree().items() if p.startswith("encoder/layer_0/")]
     want = numpy_stats(np.concatenate([x.ravel().astype(np.float64) for x in members]))
@@ -217,7 +253,7 @@ def test_depth_with_stats_merges_member_streams(npz, capsys):
 @pytest.mark.parametrize("include,exclude", [(["kernel"], []), ([], ["^encoder"]), (["encoder", "steps$"], ["bias"])])
 def test_include_exclude_filter_leaves_and_totals(npz, capsys, include, exclude):
     argv = [a for pat in include for a in ("--include", pat)] + [a for pat in exclude for a in ("--exclude", pat)]
-    item = inspect_json(capsys, npz, *argv)["items"]["default"]
+    item = only_item(inspect_json(capsys, npz, *argv))
     tree = _tree()
     keep = {p: x for p, x in tree.items()
             if (not include or any(re.search(i, p) for i in include)) and not any(re.search(e, p) for e in exclude)}
@@ -232,7 +268,7 @@ def test_unmatched_pattern_names_it(npz, capsys):
 
 @pytest.mark.parametrize("key", ["params", "bytes", "path"])
 def test_sort(npz, capsys, key):
-    item = inspect_json(capsys, npz, "--sort", key)["items"]["default"]
+    item = only_item(inspect_json(capsys, npz, "--sort", key))
     tree = _tree()
     if key == "path":
         want = sorted(tree)
