@@ -28,6 +28,7 @@ PROG = "treetools"
 COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("treetools.cli.inspect", "show what is inside a checkpoint, without loading it"),
     "diff": ("treetools.cli.diff", "compare two checkpoints (or two steps of one run)"),
+    "verify": ("treetools.cli.verify", "check that a checkpoint is whole: markers, metadata, every chunk readable"),
     "train": ("treetools.cli.train", "run the reference trainer"),
     "plot": ("treetools.cli.plot", "plot metric curves from metrics.jsonl files, runs overlaid"),
 }

@@ -219,8 +219,12 @@ def _shardings(item_dir: str) -> dict[str, LeafSharding]:
     return out
 
 
-def _open_all(specs: list[dict[str, Any]], where: list[str]) -> list[Any]:
-    """Open many arrays' zarr headers at once (TensorStore reads them in parallel); no array data."""
+def _open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] | None = None) -> list[Any]:
+    """Open many arrays' zarr headers at once (TensorStore reads them in parallel); no array data.
+
+    With ``problems``, a leaf that cannot be opened is recorded there (and its
+    store is None) instead of failing the whole item: ``verify`` lists them all.
+    """
     import tensorstore as ts
 
     context = ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}})
@@ -230,12 +234,20 @@ def _open_all(specs: list[dict[str, Any]], where: list[str]) -> list[Any]:
         try:
             stores.append(future.result())
         except Exception as e:
-            raise CheckpointError(f"{w}: cannot open array metadata ({_first_line(e)}).") from None
+            message = f"{w}: cannot open array metadata ({_first_line(e)})."
+            if problems is None:
+                raise CheckpointError(message) from None
+            problems.append(message)
+            stores.append(None)
     return stores
 
 
-def read_pytree_item(item_dir: str, name: str) -> Item:
-    """The leaves of one Orbax pytree item from ``_METADATA``, ``_sharding`` and the zarr headers."""
+def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None) -> Item:
+    """The leaves of one Orbax pytree item from ``_METADATA``, ``_sharding`` and the zarr headers.
+
+    With ``problems``, leaves whose stored array cannot be opened are recorded
+    there and left out, instead of failing the item (``verify``).
+    """
     meta_path = os.path.join(item_dir, PYTREE_METADATA_FILE)
     if not os.path.lexists(meta_path):
         raise CheckpointError(
@@ -255,7 +267,7 @@ def read_pytree_item(item_dir: str, name: str) -> Item:
     stored = [(keys, vt, path) for (keys, vt, _), path in zip(entries, paths) if vt != "string"]
     specs = [ts_spec(item_dir, ".".join(keys), use_ocdbt=use_ocdbt, use_zarr3=use_zarr3) for keys, _, _ in stored]
     wheres = [f"{item_dir}: `{'/'.join(path)}`" for _, _, path in stored]
-    stores = iter(zip(specs, _open_all(specs, wheres)))
+    stores = iter(zip(specs, _open_all(specs, wheres, problems)))
     leaves: list[Leaf] = []
     logical: dict[str, tuple[str, ...]] = {}
     for (keys, value_type, _), path in zip(entries, paths):
@@ -265,6 +277,8 @@ def read_pytree_item(item_dir: str, name: str) -> Item:
             leaves.append(Leaf(value_row(path), key=param))
             continue
         spec, store = next(stores)
+        if store is None:  # recorded in `problems`
+            continue
         dtype = np.dtype(store.dtype.numpy_dtype)
         shape = tuple(int(d) for d in store.shape)
         chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
@@ -300,6 +314,9 @@ def _is_json_item(folder: str) -> bool:
     except OSError:
         return False
     return head[:1] in (b"{", b"[")
+
+
+is_json_item = _is_json_item
 
 
 def _is_item(folder: str) -> bool:
@@ -345,6 +362,10 @@ class OrbaxSource(Source):
         step = parse_step_name(os.path.basename(local)) if mode == "step" else None
         super().__init__(display, listing=listing, step=step)
         self._step_meta: dict[str, Any] = {}
+
+    def item_dir(self, step: int | None, name: str) -> str:
+        """The folder of one item of one step."""
+        return self.local if self.mode == "item" else os.path.join(self._step_dir(step), name)
 
     def _step_dir(self, step: int | None) -> str:
         return self.listing.folder(step) if self.listing is not None and step is not None else self.local
