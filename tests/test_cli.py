@@ -282,8 +282,16 @@ def test_stats_table_columns_and_no_progress_when_not_a_tty(npz, capsys):
     rc, out, err = run(capsys, "inspect", npz, "--stats")
     assert rc == 0 and err == ""
     header = next(line for line in out.splitlines() if line.startswith("path"))
+    # A compact set by default; --stats-columns chooses (`all`: every statistic).
     assert header.split() == ["path", "shape", "dtype", "params", "bytes", "sharding", "mean", "std", "min", "max",
-                              "l2", "abs_max", "zeros", "nan", "posinf", "neginf"]
+                              "nonfinite"]
+    rc, out, _ = run(capsys, "inspect", npz, "--stats", "--stats-columns", "all")
+    header = next(line for line in out.splitlines() if line.startswith("path"))
+    assert header.split()[6:] == ["mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf", "neginf",
+                                  "nonfinite"]
+    rc, out, _ = run(capsys, "inspect", npz, "--stats", "--stats-columns", "l2,zeros")
+    header = next(line for line in out.splitlines() if line.startswith("path"))
+    assert header.split()[6:] == ["l2", "zeros"]
 
 
 def test_progress_bar_draws_only_on_a_tty():

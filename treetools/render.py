@@ -20,7 +20,16 @@ if TYPE_CHECKING:
 
 __all__ = ["json_safe", "render_diff", "render_report", "render_rows", "safe_text"]
 
-STAT_COLUMNS = ("mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf", "neginf")
+STAT_COLUMNS = ("mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf", "neginf", "nonfinite")
+"""Every statistic a table can show (``nonfinite`` = nan + posinf + neginf)."""
+DEFAULT_STAT_COLUMNS = ("mean", "std", "min", "max", "nonfinite")
+"""The compact set ``--stats`` shows unless ``--stats-columns`` chooses."""
+
+
+def _stat(stats: dict[str, Any], key: str) -> Any:
+    if key == "nonfinite":
+        return sum(int(stats.get(k) or 0) for k in ("nan", "posinf", "neginf"))
+    return stats.get(key)
 
 
 def safe_text(text: Any) -> str:
@@ -54,7 +63,8 @@ def _fmt_stat(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int) -> tuple[list[str], list[list[Any]]]:
+def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int,
+                stat_columns: Sequence[str] = DEFAULT_STAT_COLUMNS) -> tuple[list[str], list[list[Any]]]:
     show_stats = any(r.stats is not None for r in rows)
     show_leaves = any(r.leaves != 1 for r in rows)
     headers = ["path", "shape", "dtype", "params", "bytes", "sharding"]
@@ -63,7 +73,7 @@ def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int) -> tup
     if show_weight_decay:
         headers.append("weight_decay")
     if show_stats:
-        headers += list(STAT_COLUMNS)
+        headers += list(stat_columns)
     data = []
     for r in rows:
         line: list[Any] = [
@@ -79,7 +89,7 @@ def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int) -> tup
         if show_weight_decay:
             line.append(MIXED if r.weight_decay is None else str(r.weight_decay))
         if show_stats:
-            line += ["" if r.stats is None else _fmt_stat(r.stats.get(k)) for k in STAT_COLUMNS]
+            line += ["" if r.stats is None else _fmt_stat(_stat(r.stats, k)) for k in stat_columns]
         data.append(line)
     return headers, data
 
@@ -131,6 +141,7 @@ def render_rows(
     show_weight_decay: bool = False,
     total: Totals | None = None,
     strip: int = 0,
+    stat_columns: Sequence[str] = DEFAULT_STAT_COLUMNS,
 ) -> str:
     """Render rows as ``table`` (tabulate's ``tablefmt``), ``markdown``, ``tree`` or ``json``.
 
@@ -154,7 +165,7 @@ def render_rows(
         raise ValueError(f"`fmt` must be one of table, markdown, tree, json; got {fmt!r}.")
     from tabulate import tabulate
 
-    headers, data = _table_data(rows, show_weight_decay, strip)
+    headers, data = _table_data(rows, show_weight_decay, strip, stat_columns)
     body = tabulate(data, headers=headers, tablefmt="github" if fmt == "markdown" else tablefmt, disable_numparse=True)
     return body + "\n\n" + _footer(total, markdown=fmt == "markdown")
 
@@ -188,7 +199,8 @@ def _metadata_lines(metadata: dict[str, Any] | None) -> list[str]:
     return out
 
 
-def render_report(report: "Report", fmt: str = "table", *, tablefmt: str = "simple") -> str:
+def render_report(report: "Report", fmt: str = "table", *, tablefmt: str = "simple",
+                  stat_columns: Sequence[str] = DEFAULT_STAT_COLUMNS) -> str:
     """Render an inspect ``Report`` as ``table``, ``markdown``, ``tree`` or ``json``.
 
     One section per step and item, each with its totals; a section's title
@@ -210,7 +222,8 @@ def render_report(report: "Report", fmt: str = "table", *, tablefmt: str = "simp
         if not s.items:
             out += ["", "(no items)"]
         for name, item in s.items.items():
-            out += ["", *_item_section(name, item, fmt, tablefmt, level=3 if report.all_steps else 2)]
+            out += ["", *_item_section(name, item, fmt, tablefmt, level=3 if report.all_steps else 2,
+                                       stat_columns=stat_columns)]
         if len(s.items) > 1:
             t = s.total
             size = human(t.bytes, "B")
@@ -223,7 +236,8 @@ def render_report(report: "Report", fmt: str = "table", *, tablefmt: str = "simp
     return "\n".join(out)
 
 
-def _item_section(name: str, item: "ItemReport", fmt: str, tablefmt: str, *, level: int) -> list[str]:
+def _item_section(name: str, item: "ItemReport", fmt: str, tablefmt: str, *, level: int,
+                  stat_columns: Sequence[str] = DEFAULT_STAT_COLUMNS) -> list[str]:
     md = fmt == "markdown"
     prefix = common_prefix(item.rows) if fmt != "tree" else ()
     sep = item.rows[0].sep if item.rows else "/"
@@ -242,7 +256,8 @@ def _item_section(name: str, item: "ItemReport", fmt: str, tablefmt: str, *, lev
     elif values and len(values) == len(item.rows) and names <= set(values):
         body = [_render_values(values, md)]  # a JSON item: its values are what it holds
     else:
-        body = [render_rows(item.rows, fmt=fmt, tablefmt=tablefmt, total=item.total, strip=strip)]
+        body = [render_rows(item.rows, fmt=fmt, tablefmt=tablefmt, total=item.total, strip=strip,
+                            stat_columns=stat_columns)]
         if values:
             body += ["", "values:", _render_values(values, md)]
     if md:  # markdown needs blank lines between a heading, a paragraph and a table

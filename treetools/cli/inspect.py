@@ -72,11 +72,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="row order (default: stored order; params/bytes: largest first)")
     parser.add_argument("--stats", action="store_true",
                         help="stream every array: mean std min max l2 abs_max zeros nan posinf neginf")
+    parser.add_argument("--stats-columns", type=stat_columns, default=None, metavar="COLS",
+                        help="comma-separated statistics to show with --stats (default mean,std,min,max,nonfinite; "
+                             "any of mean,std,min,max,l2,abs_max,zeros,nan,posinf,neginf,nonfinite or `all`); "
+                             "JSON always has every statistic")
     parser.add_argument("--fail-on-nonfinite", action="store_true",
                         help="exit 3 when any leaf holds NaN or Inf (implies --stats)")
     parser.add_argument("--show", metavar="LEAF[SLICE]", default=None,
                         help="print the values of one leaf, or a slice like 'params/w[0:4, -1]', reading only that leaf")
     parser.add_argument("--format", choices=FORMATS, default="table", help="output format (default table)")
+
+
+_STATS = ("mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf", "neginf", "nonfinite")
+
+
+def stat_columns(text: str) -> tuple[str, ...]:
+    """``mean,std`` -> ``("mean", "std")``; ``all`` -> every statistic; an unknown name is a usage error."""
+    if text.strip() == "all":
+        return _STATS
+    cols = tuple(c.strip() for c in text.split(",") if c.strip())
+    bad = [c for c in cols if c not in _STATS]
+    if bad or not cols:
+        raise argparse.ArgumentTypeError(f"unknown statistic(s) {', '.join(bad) or '(none)'}; choose from {', '.join(_STATS)} or all")
+    return cols
 
 
 def chunk_bytes(args: argparse.Namespace) -> int:
@@ -143,7 +161,9 @@ def main(args: argparse.Namespace) -> int:
     )
     for note in report.notes:
         print(f"treetools: note: {note}", file=sys.stderr)
-    print(render_report(report, args.format))
+    from treetools.render import DEFAULT_STAT_COLUMNS
+
+    print(render_report(report, args.format, stat_columns=args.stats_columns or DEFAULT_STAT_COLUMNS))
     if args.fail_on_nonfinite and report.nonfinite:
         shown = ", ".join(report.nonfinite[:5]) + (" ..." if len(report.nonfinite) > 5 else "")
         print(f"treetools: non-finite values in {len(report.nonfinite)} leaf(s): {shown}", file=sys.stderr)
