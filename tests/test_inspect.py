@@ -181,6 +181,17 @@ def inspect_json(capsys, *argv: str) -> dict:
     return json.loads(out)
 
 
+def one_checkpoint(out: dict) -> dict:
+    """The one checkpoint of a schema-2 JSON object (one step, or a single checkpoint)."""
+    assert out["schema"] == 2 and "items" not in out and "by_step" not in out and "step" not in out
+    (checkpoint,) = out["checkpoints"]
+    return checkpoint
+
+
+def items_of(out: dict) -> dict[str, dict]:
+    return one_checkpoint(out)["items"]
+
+
 def leaves_of(item: dict) -> dict[str, dict]:
     return {leaf["path"]: leaf for leaf in item["leaves"]}
 
@@ -254,19 +265,23 @@ def test_manager_root_lists_steps_and_shows_latest(run_dir, capsys):
     assert out["path"] == str(run_dir) and out["format"] == "orbax"
     assert out["steps"] == list(STEPS)
     assert out["incomplete"] == [TMP_STEP, UNCOMMITTED_STEP]
-    assert out["step"] == STEPS[-1]
-    assert set(out["items"]) == {"params", "opt_state", "meta"}
+    checkpoint = one_checkpoint(out)
+    assert checkpoint["step"] == STEPS[-1]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", checkpoint["metadata"]["saved_at"])
+    items = checkpoint["items"]
+    assert list(items) == ["params", "opt_state", "meta"]  # params, opt_state, then the rest
     tree = host_tree(2)  # step 200 was saved from seed 2
-    check_item(out["items"]["params"], flat(tree))
+    check_item(items["params"], flat(tree))
     opt = flat(jax.tree.map(np.asarray, {"0": {"count": np.zeros((), np.int32),
                                                "mu": {"Dense_0": tree["Dense_0"], "embed": tree["embed"]},
                                                "nu": {"Dense_0": tree["Dense_0"], "embed": tree["embed"]}}}))
-    check_item(out["items"]["opt_state"], opt)
-    check_item(out["items"]["meta"], {}, non_arrays=tuple(meta_of(200)))
+    check_item(items["opt_state"], opt)  # adam's EmptyState is no leaf (as in jax)
+    check_item(items["meta"], {}, non_arrays=tuple(meta_of(200)))
+    assert items["meta"]["value"] == meta_of(200) and "value" not in items["params"]
 
 
 def test_shardings_from_saved_metadata(run_dir, capsys):
-    got = leaves_of(inspect_json(capsys, run_dir, "--item", "params")["items"]["params"])
+    got = leaves_of(items_of(inspect_json(capsys, run_dir, "--item", "params"))["params"])
     for path in SPECS:
         assert got[path]["sharding"] == expected_sharding(path), path
 
@@ -283,26 +298,29 @@ def test_sharding_read_in_a_one_device_process(run_dir):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["step"] == 100
-    got = leaves_of(out["items"]["params"])
+    assert one_checkpoint(out)["step"] == 100
+    got = leaves_of(items_of(out)["params"])
     for path in SPECS:
         assert got[path]["sharding"] == expected_sharding(path), path
-    check_item(out["items"]["params"], flat(host_tree(1)))
+    check_item(items_of(out)["params"], flat(host_tree(1)))
 
 
 def test_explicit_step_all_steps_and_folders(run_dir, capsys):
-    assert inspect_json(capsys, run_dir, "--step", "100")["step"] == 100
-    by_step = inspect_json(capsys, run_dir, "--step", "all")
-    assert "items" not in by_step and list(by_step["by_step"]) == ["100", "200"]
-    for i, step in enumerate(STEPS):
-        check_item(by_step["by_step"][str(step)]["params"], flat(host_tree(i + 1)))
+    assert one_checkpoint(inspect_json(capsys, run_dir, "--step", "100"))["step"] == 100
+    every = inspect_json(capsys, run_dir, "--step", "all")  # the same shape, one entry per committed step
+    assert "items" not in every and every["steps"] == list(STEPS)
+    assert [c["step"] for c in every["checkpoints"]] == list(STEPS)
+    for i, checkpoint in enumerate(every["checkpoints"]):
+        check_item(checkpoint["items"]["params"], flat(host_tree(i + 1)))
+        assert checkpoint["items"]["meta"]["value"] == meta_of(STEPS[i])
     one_step = inspect_json(capsys, run_dir / "ckpt_0100")
-    assert one_step["steps"] is None and one_step["step"] == 100 and set(one_step["items"]) == {"params", "opt_state", "meta"}
+    assert one_step["steps"] is None and one_checkpoint(one_step)["step"] == 100
+    assert set(items_of(one_step)) == {"params", "opt_state", "meta"}
     item = inspect_json(capsys, run_dir / "ckpt_0100" / "params")
-    assert item["steps"] is None and list(item["items"]) == ["params"]
-    check_item(item["items"]["params"], flat(host_tree(1)))
+    assert item["steps"] is None and list(items_of(item)) == ["params"]
+    check_item(items_of(item)["params"], flat(host_tree(1)))
     meta = inspect_json(capsys, run_dir / "ckpt_0100" / "meta")
-    check_item(meta["items"]["meta"], {}, non_arrays=tuple(meta_of(100)))
+    check_item(items_of(meta)["meta"], {}, non_arrays=tuple(meta_of(100)))
 
 
 @pytest.mark.parametrize("ocdbt", [True, False])
@@ -312,8 +330,8 @@ def test_ocdbt_and_zarr3_variants(tmp_path, capsys, ocdbt, zarr3):
     path = write_variant(tmp_path / "ckpt", tree, ocdbt=ocdbt, zarr3=zarr3)
     assert (path / "manifest.ocdbt").exists() == ocdbt
     out = inspect_json(capsys, path, "--stats", "--chunk-mb", "0.001")
-    assert out["steps"] is None and list(out["items"]) == ["default"]
-    item = out["items"]["default"]
+    assert out["steps"] is None and list(items_of(out)) == ["default"]
+    item = items_of(out)["default"]
     check_item(item, flat(tree), non_arrays=("count", "tag"))
     check_stats(item, flat(tree))
 
@@ -323,12 +341,12 @@ def test_standard_checkpointer_folder_is_item_default(tmp_path, capsys):
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(str(tmp_path / "std"), tree)
     out = inspect_json(capsys, tmp_path / "std")
-    check_item(out["items"]["default"], flat(tree))
+    check_item(items_of(out)["default"], flat(tree))
 
 
 def test_orbax_stats_match_numpy_in_small_blocks(run_dir, capsys):
     out = inspect_json(capsys, run_dir, "--step", "100", "--item", "params", "--stats", "--chunk-mb", "0.001")
-    check_stats(out["items"]["params"], flat(host_tree(1)))
+    check_stats(items_of(out)["params"], flat(host_tree(1)))
 
 
 def test_metadata_mode_reads_no_array_data(tmp_path, capsys):
@@ -337,7 +355,7 @@ def test_metadata_mode_reads_no_array_data(tmp_path, capsys):
     path = write_variant(tmp_path / "ckpt", tree, ocdbt=False, zarr3=False)
     for chunk in path.glob("*/[0-9]*"):
         chunk.unlink()
-    check_item(inspect_json(capsys, path)["items"]["default"], flat(tree), non_arrays=("count", "tag"))
+    check_item(items_of(inspect_json(capsys, path))["default"], flat(tree), non_arrays=("count", "tag"))
     rc, out, err = run(capsys, "inspect", path, "--stats")
     assert rc == 1 and "cannot read array data" in one_error_line(err)
 
@@ -347,17 +365,29 @@ def test_metadata_mode_reads_no_array_data(tmp_path, capsys):
 
 def test_flax_msgpack(files, capsys):
     out = inspect_json(capsys, files["msgpack"], "--stats", "--chunk-mb", "0.001")
-    assert out["format"] == "msgpack" and out["steps"] is None and out["step"] is None
+    assert out["format"] == "msgpack" and out["steps"] is None and one_checkpoint(out)["step"] is None
     arrays = {f"params/{p}": x for p, x in flat(host_tree(7)).items()}
-    check_item(out["items"]["default"], arrays, non_arrays=("step",))
-    check_stats(out["items"]["default"], arrays)
+    check_item(items_of(out)["default"], arrays, non_arrays=("step",))
+    check_stats(items_of(out)["default"], arrays)
 
 
-def test_safetensors_dotted_names_become_paths(files, capsys):
+def test_safetensors_names_are_kept_as_stored(files, capsys):
+    # The writer stored dotted names ("Dense_0.kernel", "layers.0.w"): they are shown exactly so.
+    arrays = {p.replace("/", "."): x for p, x in flat(host_tree(7)).items()}
     out = inspect_json(capsys, files["safetensors"], "--stats", "--chunk-mb", "0.001")
     assert out["format"] == "safetensors"
-    check_item(out["items"]["default"], flat(host_tree(7)))
-    check_stats(out["items"]["default"], flat(host_tree(7)))
+    check_item(items_of(out)["default"], arrays)
+    check_stats(items_of(out)["default"], arrays)
+    # --depth splits the stored names on ".": one row per top-level module.
+    grouped = leaves_of(items_of(inspect_json(capsys, files["safetensors"], "--depth", "1"))["default"])
+    tops: dict[str, list[np.ndarray]] = {}
+    for name, x in arrays.items():
+        tops.setdefault(name.split(".")[0], []).append(x)
+    assert set(grouped) == set(tops) == {"Dense_0", "embed", "layers", "half", "scale"}
+    for top, members in tops.items():
+        assert grouped[top]["params"] == sum(x.size for x in members), top
+        assert grouped[top]["bytes"] == sum(x.nbytes for x in members), top
+        assert grouped[top].get("num_leaves", 1) == len(members), top
 
 
 @pytest.mark.parametrize("key", ["npz", "npz_compressed"])
@@ -365,8 +395,8 @@ def test_npz_stored_and_compressed(files, capsys, key):
     arrays = {p: x for p, x in flat(host_tree(7)).items() if x.dtype != ml_dtypes.bfloat16}
     out = inspect_json(capsys, files[key], "--stats", "--chunk-mb", "0.001")
     assert out["format"] == "npz"
-    check_item(out["items"]["default"], arrays)
-    check_stats(out["items"]["default"], arrays)
+    check_item(items_of(out)["default"], arrays)
+    check_stats(items_of(out)["default"], arrays)
 
 
 def test_fortran_ordered_npz_stats(tmp_path, capsys):
@@ -374,7 +404,7 @@ def test_fortran_ordered_npz_stats(tmp_path, capsys):
     for saver in (np.savez, np.savez_compressed):
         f = tmp_path / f"{saver.__name__}.npz"
         saver(f, x=x)
-        item = inspect_json(capsys, f, "--stats", "--chunk-mb", "0.001")["items"]["default"]
+        item = items_of(inspect_json(capsys, f, "--stats", "--chunk-mb", "0.001"))["default"]
         check_item(item, {"x": x})
         check_stats(item, {"x": x})
 
@@ -383,7 +413,7 @@ def test_npz_float0_leaf_is_named_float0(tmp_path, capsys):
     # jax's float0 (integer inputs' gradients) is numpy's zero-size void dtype [('float0', 'V')].
     f = tmp_path / "grads.npz"
     np.savez(f, step=np.zeros(3, dtype=[("float0", "V")]), w=np.ones(2, np.float32))
-    got = leaves_of(inspect_json(capsys, f)["items"]["default"])
+    got = leaves_of(items_of(inspect_json(capsys, f))["default"])
     assert got["step"]["dtype"] == "float0" and got["step"]["bytes"] == 0 and got["step"]["params"] == 3
     assert got["w"]["dtype"] == "float32"
 
@@ -395,7 +425,7 @@ def test_nonfinite_counts_json_and_exit_code(tmp_path, capsys):
     np.savez(f, bad=bad, allnan=allnan, good=np.ones(4, np.float32))
     rc, out, err = run(capsys, "inspect", f, "--stats", "--format", "json")
     assert rc == 0
-    got = leaves_of(json.loads(out)["items"]["default"])  # valid JSON: NaN became null
+    got = leaves_of(items_of(json.loads(out))["default"])  # valid JSON: NaN became null
     check_stats({"leaves": [got["bad"]]}, {"bad": bad})
     assert got["allnan"]["stats"]["nan"] == 3 and got["allnan"]["stats"]["mean"] is None
     rc, out, err = run(capsys, "inspect", f, "--fail-on-nonfinite")
@@ -430,7 +460,7 @@ def test_never_writes_under_path(run_dir, files, tmp_path, capsys):
         assert run(capsys, "inspect", ro / "run")[0] == 0
         assert run(capsys, "inspect", ro / "run", "--step", "all", "--stats")[0] == 0
         assert run(capsys, "inspect", ro / "run" / "ckpt_0100" / "params", "--stats")[0] == 0
-        assert run(capsys, "diff", ro / "run", "--step", "100", "--step", "200", "--values")[0] == 0
+        assert run(capsys, "diff", ro / "run", "--step", "100", "--step", "200", "--values")[0] == 1  # they differ
         for f in files.values():
             assert run(capsys, "inspect", ro / f.name, "--stats")[0] == 0
         assert run(capsys, "inspect", ro / "run", "--step", "300")[0] == 1
@@ -537,7 +567,7 @@ BAD_INPUTS = {
     "orbax tmp folder": (lambda rd, t: rd / TMP_STEP, "incomplete save"),
     "step folder without commit marker": (lambda rd, t: rd / UNCOMMITTED_STEP, "incomplete save"),
     "root with only incomplete saves": (lambda rd, t: (t / "r", (t / "r").mkdir(), shutil.copytree(rd / TMP_STEP, t / "r" / TMP_STEP))[0],
-                                        "no committed step"),
+                                        "no committed checkpoint step"),
 }
 
 
@@ -571,8 +601,15 @@ def test_unknown_and_incomplete_steps_and_items(run_dir, capsys):
 
 
 def test_library_raises_checkpoint_error(tmp_path):
-    with pytest.raises(CheckpointError, match="no such file"):
+    from treetools.errors import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError, match="missing: no such file or folder") as e:
         inspect_path(str(tmp_path / "missing"))
+    assert isinstance(e.value, FileNotFoundError) and not isinstance(e.value, CheckpointError)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(CheckpointError, match="not a checkpoint that treetools can read. Readable formats: orbax") as e:
+        inspect_path(str(tmp_path / "notes.txt"))
+    assert isinstance(e.value, ValueError)
 
 
 # ----------------------------------------------------------------------------- blocks and docstrings
@@ -684,7 +721,7 @@ def test_item_folder_with_a_bad_metadata_file(run_dir, tmp_path, capsys, how):
 def test_broken_symlink_is_named(tmp_path, capsys):
     (tmp_path / "link.npz").symlink_to(tmp_path / "gone.npz")
     rc, out, err = run(capsys, "inspect", tmp_path / "link.npz")
-    assert rc == 1 and "broken symlink" in one_error_line(err) and "gone.npz" in err
+    assert rc == 1 and "broken or looping symlink" in one_error_line(err) and "gone.npz" in err
 
 
 def test_data_folder_where_a_file_is_expected_gives_one_line(run_dir, tmp_path):
@@ -696,13 +733,14 @@ def test_data_folder_where_a_file_is_expected_gives_one_line(run_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "treetools", "inspect", str(item)], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
     assert proc.returncode == 1 and proc.stdout == ""
-    assert "cannot read this item" in one_error_line(proc.stderr)
+    line = one_error_line(proc.stderr)
+    assert line.startswith(f"treetools: error: {item}: `") and "cannot open array" in line, line
 
 
 def test_tilde_and_relative_paths(tmp_path, capsys, monkeypatch):
     np.savez(tmp_path / "w.npz", w=np.ones(3, np.float32))
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert inspect_json(capsys, "~/w.npz")["items"]["default"]["total_params"] == 3
+    assert items_of(inspect_json(capsys, "~/w.npz"))["default"]["total_params"] == 3
     (tmp_path / "bad.npz").write_text("not a zip")
     monkeypatch.chdir(tmp_path)
     rc, _, err = run(capsys, "inspect", "bad.npz")
@@ -713,9 +751,9 @@ def test_tilde_and_relative_paths(tmp_path, capsys, monkeypatch):
 
 def test_item_folder_given_as_dot_keeps_its_name(run_dir, capsys, monkeypatch):
     monkeypatch.chdir(run_dir / "ckpt_0100" / "params")
-    assert list(inspect_json(capsys, ".")["items"]) == ["params"]
+    assert list(items_of(inspect_json(capsys, "."))) == ["params"]
     monkeypatch.chdir(run_dir / "ckpt_0100")
-    assert inspect_json(capsys, ".")["step"] == 100
+    assert one_checkpoint(inspect_json(capsys, "."))["step"] == 100
 
 
 # ----------------------------------------------------------------------------- review: what the table shows
@@ -731,7 +769,7 @@ def test_unmatched_pattern_lists_each_nearby_path_once(run_dir, capsys):
 
 def test_filter_hides_items_it_empties(run_dir, capsys):
     out = inspect_json(capsys, run_dir, "--include", "^embed$")
-    assert list(out["items"]) == ["params"]  # opt_state's paths are 0/mu/embed..., meta has no embed
+    assert list(items_of(out)) == ["params"]  # opt_state's paths are 0/mu/embed..., meta has no embed
     rc, text, _ = run(capsys, "inspect", run_dir, "--include", "^embed$")
     assert "[opt_state]" not in text and "[meta]" not in text and "(no leaves)" not in text
 
@@ -767,14 +805,14 @@ def test_common_path_prefix_is_shown_once(tmp_path, capsys):
     assert rows == [p[len(prefix):] for p in leaves]
     rc, md, _ = run(capsys, "inspect", tmp_path / "opt.npz", "--format", "markdown")
     assert f"## default: `{prefix}`" in md and f"| 0/mu/w " in md
-    item = inspect_json(capsys, tmp_path / "opt.npz")["items"]["default"]
+    item = items_of(inspect_json(capsys, tmp_path / "opt.npz"))["default"]
     assert [leaf["path"] for leaf in item["leaves"]] == list(leaves)  # JSON keeps whole paths
 
 
 def test_item_selects_a_top_level_key_of_a_single_tree_file(files, capsys):
     """A Flax msgpack of a whole state ({"params": ..., "step": ...}): --item params is its params subtree."""
     out = inspect_json(capsys, files["msgpack"], "--item", "params")
-    check_item(out["items"]["params"], flat(host_tree(7)))
+    check_item(items_of(out)["params"], flat(host_tree(7)))
     rc, _, err = run(capsys, "inspect", files["msgpack"], "--item", "opt_state")
     assert rc == 1 and "default" in one_error_line(err) and "params" in err
 

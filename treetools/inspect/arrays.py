@@ -178,7 +178,7 @@ class MemmapReader(ArrayReader):
             return np.zeros(shape, self.dtype)
         want = count * self.dtype.itemsize
         out = np.empty(count, self.dtype)
-        view = memoryview(out).cast("B")
+        view = memoryview(out.view(np.uint8))  # not memoryview(out): ml_dtypes (bfloat16...) have no buffer format
         pos = self._offset + start * self.dtype.itemsize
         try:
             fd = os.open(self._path, os.O_RDONLY)

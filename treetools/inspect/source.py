@@ -311,7 +311,12 @@ def open_source(path: str | os.PathLike) -> Source:
     registered = formats()
     for fmt in registered:
         if _claims(fmt, local):
-            return fmt.open(local, display)
+            try:
+                return fmt.open(local, display)
+            except (CheckpointError, CheckpointNotFoundError) as e:  # name the path as typed, not its absolute form
+                if local == display or not str(e).startswith(local):
+                    raise
+                raise type(e)(display + str(e)[len(local):]) from None
     if os.path.isdir(local):
         try:
             empty = not os.listdir(local)

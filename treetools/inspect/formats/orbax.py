@@ -46,6 +46,7 @@ from treetools.steps import (
     PYTREE_METADATA_FILE,
     STEP_METADATA_FILE,
     TMP_DIR_SUFFIX,
+    file_kind,
     is_committed,
     parse_step_name,
     read_json_file,
@@ -219,6 +220,30 @@ def _shardings(item_dir: str) -> dict[str, LeafSharding]:
     return out
 
 
+def _refuse_special_files(item_dir: str, names: Sequence[str], *, use_ocdbt: bool, use_zarr3: bool) -> None:
+    """TensorStore blocks forever opening a FIFO: refuse special files among those it reads for array metadata."""
+    import stat
+
+    if use_ocdbt:  # the manifests and the b-tree/data files of the item and of each process
+        folders = [item_dir, os.path.join(item_dir, "d")]
+        folders += [os.path.join(item_dir, p, sub) for p in _subdirs(item_dir) if p.startswith("ocdbt.process_")
+                    for sub in ("", "d")]
+        paths = []
+        for folder in folders:
+            if os.path.isdir(folder):
+                with os.scandir(folder) as it:
+                    paths += [e.path for e in it]
+    else:
+        paths = [os.path.join(item_dir, n, "zarr.json" if use_zarr3 else ".zarray") for n in names]
+    for path in paths:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            continue  # missing: TensorStore's own error names it
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise CheckpointError(f"{path}: not a regular file ({file_kind(path)}); cannot read it as Orbax array data.")
+
+
 def _open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] | None = None) -> list[Any]:
     """Open many arrays' zarr headers at once (TensorStore reads them in parallel); no array data.
 
@@ -265,6 +290,7 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
     shardings = _shardings(item_dir)
 
     stored = [(keys, vt, path) for (keys, vt, _), path in zip(entries, paths) if vt != "string"]
+    _refuse_special_files(item_dir, [".".join(keys) for keys, _, _ in stored], use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
     specs = [ts_spec(item_dir, ".".join(keys), use_ocdbt=use_ocdbt, use_zarr3=use_zarr3) for keys, _, _ in stored]
     wheres = [f"{item_dir}: `{'/'.join(path)}`" for _, _, path in stored]
     stores = iter(zip(specs, _open_all(specs, wheres, problems)))
@@ -321,6 +347,11 @@ is_json_item = _is_json_item
 
 def _is_item(folder: str) -> bool:
     return os.path.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or _is_json_item(folder)
+
+
+def _item_without_metadata(folder: str) -> bool:
+    """Orbax's own item files (OCDBT manifest, ``_sharding``) without ``_METADATA``: read_pytree_item names what is missing."""
+    return any(os.path.isfile(os.path.join(folder, f)) for f in ("manifest.ocdbt", SHARDING_FILE))
 
 
 def _subdirs(folder: str) -> list[str]:
@@ -447,7 +478,7 @@ def _claims(path: str) -> bool:
         return True
     if any(os.path.lexists(os.path.join(path, f)) for f in (PYTREE_METADATA_FILE, STEP_METADATA_FILE)):
         return True
-    if _is_json_item(path) or _looks_like_step(path):
+    if _is_json_item(path) or _looks_like_step(path) or _item_without_metadata(path):
         return True
     # A root: some step folder (or Orbax tmp folder) with Orbax's own evidence in it.
     for child in _subdirs(path):
@@ -465,7 +496,7 @@ def _open(local: str, display: str) -> OrbaxSource:
     if TMP_DIR_SUFFIX in name or (parse_step_name(name) is not None and _looks_like_step(local)
                                   and not _is_item(local) and not is_committed(local)):
         raise CheckpointError(f"{display}: incomplete save (an Orbax tmp folder or no commit marker); it is never read.")
-    if _is_item(local):
+    if _is_item(local) or _item_without_metadata(local):
         source = OrbaxSource(local, display, "item")
         if source._item_name() == "default" and not is_committed(local):
             raise CheckpointError(f"{display}: incomplete save (no commit marker); it is never read.")

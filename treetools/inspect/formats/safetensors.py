@@ -108,7 +108,8 @@ def _claims(path: str) -> bool:
     head = file_head(path, 9)
     if len(head) == 9 and head[8:9] == b"{":
         try:
-            return 2 <= struct.unpack("<Q", head[:8])[0] <= os.path.getsize(path) - 8
+            if 2 <= struct.unpack("<Q", head[:8])[0] <= os.path.getsize(path) - 8:
+                return True
         except OSError:
             return False
     return path.lower().endswith(".safetensors") and os.path.isfile(path)  # a broken header: its reader says how
