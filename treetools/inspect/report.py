@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any, Sequence
 
 from treetools.errors import CheckpointError
@@ -184,6 +185,65 @@ def auto_depth(rows: Sequence[Row], offset: int, budget: int) -> int | None:
     return best
 
 
+_NUMBERED = re.compile(r"^(.*?)(\d+)$")
+
+
+def collapse_numbered(rows: Sequence[Row], offset: int = 0) -> list[Row]:
+    """Merge sibling rows that differ only by one numbered path part (``layers_0/attn`` .. ``layers_23/attn``).
+
+    The merged row is named ``layers_0..23/attn`` and sums its members; the
+    summary view uses it when grouping alone cannot fit an item on a screen
+    (24 layers named ``layers_N`` are 24 rows at any depth). Runs of fewer than
+    three are left alone.
+
+    >>> rows = [Row(("layers_" + str(i), "w"), None, "float32", 4, 16, leaves=2) for i in range(3)] + [Row(("head",), (2,), "float32", 2, 8)]
+    >>> [(r.name, r.params, r.leaves) for r in collapse_numbered(rows)]
+    [('layers_0..2/w', 12, 6), ('head', 2, 1)]
+    """
+
+    def key(r: Row) -> tuple | None:
+        for k, part in enumerate(r.path[offset:], offset):
+            m = _NUMBERED.match(part)
+            if m:
+                return (k, r.path[:k], m.group(1), r.path[k + 1:])
+        return None
+
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        k = key(r)
+        if k is not None:
+            groups.setdefault(k, []).append(r)
+    out: list[Row] = []
+    done: set[tuple] = set()
+    for r in rows:
+        k = key(r)
+        if k is None or len(groups[k]) < 3:
+            out.append(r)
+            continue
+        if k in done:
+            continue
+        done.add(k)
+        pos, head, stem, tail = k
+        numbers = sorted(int(_NUMBERED.match(x.path[pos]).group(2)) for x in groups[k])
+        path = head + (f"{stem}{numbers[0]}..{numbers[-1]}",) + tail
+        merged = aggregate_rows([dataclasses.replace(x, path=path) for x in groups[k]], len(path))
+        out.extend(dataclasses.replace(x, shape=None, sharding=None) for x in merged)
+    return out
+
+
+def summary_rows(rows: Sequence[Row], offset: int, budget: int, *, collapse: bool = True) -> tuple[list[Row], int]:
+    """The rows of the one-screen view and their depth: the deepest grouping (below ``offset``) that
+    fits ``budget`` rows, numbered siblings (``layers_0..23``) merged when ``collapse``; depth 1 if none fits."""
+    deepest = max((len(r.path) - offset for r in rows), default=1)
+    for depth in range(max(deepest - 1, 1), 0, -1):
+        grouped = aggregate_rows(rows, depth, offset=offset)
+        if collapse and len(grouped) > budget:
+            grouped = collapse_numbered(grouped, offset)
+        if len(grouped) <= budget or depth == 1:
+            return grouped, depth
+    return aggregate_rows(rows, 1, offset=offset), 1
+
+
 def inspect_path(
     path: str,
     *,
@@ -261,11 +321,11 @@ def inspect_path(
             leaf_rows = [leaf.row for leaf in item_leaves]
             offset = len(common_prefix(leaf_rows))
             group = None if leaves else depth
-            if group is None and not leaves and rows_per_item is not None:
-                group = auto_depth(leaf_rows, offset, rows_per_item)
-                if group is not None:
-                    grouped_at = max(grouped_at or 0, group)
-            rows = aggregate_rows(leaf_rows, group, offset=offset)
+            if group is None and not leaves and rows_per_item is not None and len(leaf_rows) > rows_per_item:
+                rows, group = summary_rows(leaf_rows, offset, rows_per_item, collapse=not stats)
+                grouped_at = max(grouped_at or 0, group)
+            else:
+                rows = aggregate_rows(leaf_rows, group, offset=offset)
             if stats:
                 rows = _with_stats(rows, accs[i].get(name, {}))
             items[name] = ItemReport.of(s.items[name], item_leaves, sort_rows(rows, sort))
