@@ -25,8 +25,11 @@ from treetools.inspect.source import (
 from treetools.inspect.stats import StatsAccumulator, array_stats, leaf_stats
 from treetools.render import render_diff, render_report
 
-open_checkpoint = open_source
-"""The name treetools 0.1 exported for ``open_source``."""
+
+
+def open_checkpoint(path):  # noqa: ANN001, ANN201 - the 0.1 name, kept for code written against it
+    """``open_source(path)`` under the name treetools 0.1 exported."""
+    return open_source(path)
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
