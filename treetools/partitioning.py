@@ -134,26 +134,8 @@ def unbox_tree(tree: PyTree) -> PyTree:
     return jax.tree.map(unbox, tree, is_leaf=is_box)
 
 
-@dataclasses.dataclass(frozen=True)
-class LeafSharding:
-    """How one leaf is laid out: a PartitionSpec over named mesh axes.
-
-    ``mesh`` maps axis name to size and is None when the leaf does not say
-    (a box created without a mesh); ``spec`` entries are mesh axis names
-    (logical names already mapped through the rules), tuples of them, or None.
-    """
-
-    spec: PartitionSpec
-    mesh: Mapping[str, int] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "mesh": dict(self.mesh) if self.mesh is not None else None,
-            "spec": [list(e) if isinstance(e, tuple) else e for e in self.spec],
-        }
-
-    def __str__(self) -> str:
-        return str(self.spec)
+# One class for "how a leaf is laid out", shared with the jax-free checkpoint readers.
+from treetools.rows import LeafSharding  # noqa: E402
 
 
 def _mesh_sizes(mesh: Any) -> dict[str, int] | None:

@@ -217,16 +217,11 @@ def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: An
                 dtype=dtype_name(value.dtype) if arr else None,
                 params=leaf_size(leaf),
                 bytes=leaf_nbytes(leaf),
-                sharding=_as_leaf_sharding(leaf_sharding(leaf, mesh=mesh)) if arr else None,
+                sharding=leaf_sharding(leaf, mesh=mesh) if arr else None,
                 weight_decay=flags.get(name) if weight_decay is not None else None,
             )
         )
     return rows
-
-
-def _as_leaf_sharding(s: Any) -> LeafSharding | None:
-    # treetools.partitioning has its own LeafSharding (str() is the raw spec); rows show this module's.
-    return None if s is None else LeafSharding(s.spec, s.mesh)
 
 
 def _merge(values: Iterable[Any]) -> Any:
