@@ -59,15 +59,20 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+_PARAM_ITEMS = ("params", "params_ema", "ema_params", "default")
+"""Items whose element counts are parameters; other items' tables count "elements"."""
+
+
 def _fmt_stat(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int,
-                stat_columns: Sequence[str] = DEFAULT_STAT_COLUMNS) -> tuple[list[str], list[list[Any]]]:
+                stat_columns: Sequence[str] = DEFAULT_STAT_COLUMNS,
+                count_label: str = "params") -> tuple[list[str], list[list[Any]]]:
     show_stats = any(r.stats is not None for r in rows)
     show_leaves = any(r.leaves != 1 for r in rows)
-    headers = ["path", "shape", "dtype", "params", "bytes", "sharding"]
+    headers = ["path", "shape", "dtype", count_label, "bytes", "sharding"]
     if show_leaves:
         headers.insert(1, "leaves")
     if show_weight_decay:
@@ -94,14 +99,14 @@ def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int,
     return headers, data
 
 
-def _footer(t: Totals, *, markdown: bool = False) -> str:
+def _footer(t: Totals, *, markdown: bool = False, count_label: str = "params") -> str:
     # In markdown the per-dtype lines are a list, so they do not run together into one paragraph.
     indent = "- " if markdown else "  "
     size = f"{t.bytes:,} bytes" + (f" ({human(t.bytes, 'B')})" if t.bytes >= 1024 else "")
-    lines = [f"Total: {format_count(t.params)} params, {size}"]
+    lines = [f"Total: {format_count(t.params)} {count_label}, {size}"]
     if len(t.by_dtype) > 1:
         for dtype, d in t.by_dtype.items():
-            lines.append(f"{indent}{dtype}: {format_count(d['params'])} params, {human(d['bytes'], 'B')}")
+            lines.append(f"{indent}{dtype}: {format_count(d['params'])} {count_label}, {human(d['bytes'], 'B')}")
     if markdown and len(lines) > 1:
         lines.insert(1, "")
     return "\n".join(lines)
@@ -142,6 +147,7 @@ def render_rows(
     total: Totals | None = None,
     strip: int = 0,
     stat_columns: Sequence[str] = DEFAULT_STAT_COLUMNS,
+    count_label: str = "params",
 ) -> str:
     """Render rows as ``table`` (tabulate's ``tablefmt``), ``markdown``, ``tree`` or ``json``.
 
@@ -165,9 +171,9 @@ def render_rows(
         raise ValueError(f"`fmt` must be one of table, markdown, tree, json; got {fmt!r}.")
     from tabulate import tabulate
 
-    headers, data = _table_data(rows, show_weight_decay, strip, stat_columns)
+    headers, data = _table_data(rows, show_weight_decay, strip, stat_columns, count_label)
     body = tabulate(data, headers=headers, tablefmt="github" if fmt == "markdown" else tablefmt, disable_numparse=True)
-    return body + "\n\n" + _footer(total, markdown=fmt == "markdown")
+    return body + "\n\n" + _footer(total, markdown=fmt == "markdown", count_label=count_label)
 
 
 # ---------------------------------------------------------------------------- inspect reports
@@ -227,7 +233,7 @@ def render_report(report: "Report", fmt: str = "table", *, tablefmt: str = "simp
         if len(s.items) > 1:
             t = s.total
             size = human(t.bytes, "B")
-            line = f"Grand total ({len(s.items)} items): {format_count(t.params)} params, {size}"
+            line = f"Grand total ({len(s.items)} items): {format_count(t.params)} elements, {size}"
             out += ["", f"**{line}**" if md else line]
     grouped = report.grouped_at if hasattr(report, "grouped_at") else None
     if grouped:
@@ -256,8 +262,10 @@ def _item_section(name: str, item: "ItemReport", fmt: str, tablefmt: str, *, lev
     elif values and len(values) == len(item.rows) and names <= set(values):
         body = [_render_values(values, md)]  # a JSON item: its values are what it holds
     else:
+        # Optimizer moments and other state are elements, not parameters.
+        label = "params" if name in _PARAM_ITEMS else "elements"
         body = [render_rows(item.rows, fmt=fmt, tablefmt=tablefmt, total=item.total, strip=strip,
-                            stat_columns=stat_columns)]
+                            stat_columns=stat_columns, count_label=label)]
         if values:
             body += ["", "values:", _render_values(values, md)]
     if md:  # markdown needs blank lines between a heading, a paragraph and a table
