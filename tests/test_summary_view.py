@@ -40,7 +40,6 @@ def test_default_view_is_one_screen_with_a_grand_total(run, capsys):
     assert "layers_0..23/attn" in out  # 24 numbered layers merged into one row per module kind
     assert "--leaves shows every leaf" in out
     # Columns named for what they count: optimizer moments are elements, not parameters.
-    header = {line.split()[0]: line for line in lines}
     tables = out.split("[opt_state]")
     assert " params " in tables[0] and " elements " in tables[1].split("[data_iter]")[0]
 
