@@ -1,7 +1,8 @@
 """Why the norm benchmark is measured the way it is: three checks, one run.
 
 Run: ``.venv/bin/python benchmarks/norm_diagnostics.py`` (about 1 min; not part
-of ``make bench``). Same tree as ``test_norms_bench.py`` (303M float32
+of ``make bench``); ``... norm_diagnostics.py programs`` prints the compiled
+CPU programs' instructions instead (no clock: compare two checkouts). Same tree as ``test_norms_bench.py`` (303M float32
 parameters, 203 leaves; ``TREETOOLS_BENCH_SCALE`` scales it).
 
 1. Kernels: the per-leaf sum of squares written five ways, each compiled
@@ -83,5 +84,38 @@ def main() -> None:
     _print("3. buffers (shuffled rounds)", time_rounds(buffers, ROUNDS), "optax.tree.norm, XLA-allocated buffers")
 
 
+def programs() -> None:
+    """Print, as JSON, the instructions of the compiled XLA:CPU programs of the norm calls (no clock).
+
+    Run it in two checkouts and compare: equal multisets mean the CPU runs the
+    same program, so a change cannot have made it slower. Cases: per-leaf
+    grads, the g/p/u dict, the global norm, and FSDP x8 with Auto and Explicit axes.
+    """
+    import collections
+    import json
+    import re
+
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from treetools.norms import get_sharded_global_norm, norm_metrics
+
+    def ops(fn, tree) -> dict[str, int]:
+        text = jax.jit(fn).lower(tree).compile().as_text()
+        entry = text[text.find("\nENTRY") :]
+        return dict(sorted(collections.Counter(re.findall(r"= (?:\([^)]*\)|\S+) ([a-z][\w\-]*)\(", entry)).items()))
+
+    tree = {f"w{i}": jax.ShapeDtypeStruct((256, 128 * (i + 1)), jnp.float32) for i in range(6)}
+    out = {
+        "norm_metrics(g, per_param)": ops(lambda t: norm_metrics(grads=t, per_param=True), tree),
+        "norm_metrics(g, p, u, per_param)": ops(lambda t: norm_metrics(grads=t, params=t, updates=t, per_param=True), tree),
+        "get_sharded_global_norm": ops(get_sharded_global_norm, tree),
+    }
+    for kind in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(kind,))
+        sharded = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(mesh, P(None, "fsdp"))) for k, v in tree.items()}
+        out[f"FSDP x8 {kind.name} norm_metrics(g, per_param)"] = ops(lambda t: norm_metrics(grads=t, per_param=True), sharded)
+    print(json.dumps(out, indent=1))
+
+
 if __name__ == "__main__":
-    main()
+    programs() if sys.argv[1:] == ["programs"] else main()
