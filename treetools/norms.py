@@ -7,10 +7,12 @@ contributes ``|z|^2 = re^2 + im^2`` (as ``optax.tree.norm``), in float32.
 
 One pass: each leaf is read once. The non-finite count of ``norm_metrics`` is
 chosen per backend when lowering (``jax.lax.platform_dependent``): on GPU/TPU
-it is a second reduction of each gradient, which XLA fuses with its sum of
-squares into one kernel, and the program has no conditional (on a GPU one
-would stall the step while the host reads its predicate); on CPU, where XLA
-fuses neither, the count runs in a branch taken only when the norm is not finite.
+it is a second reduction of each gradient beside its sum of squares, over the
+same axes (the sibling pair XLA's multi-output fusion merges into one kernel;
+the program a trainer writes with optax), and the program has no conditional
+(on a GPU one would stall the step while the host reads its predicate); on
+CPU, where XLA fuses neither, the count runs in a branch taken only when the
+norm is not finite.
 
 Where the sum happens (the psum rule):
 
@@ -251,7 +253,9 @@ def _norms(
     _check_layouts(pairs)
     axes = tuple(_psum_axes(x) for _, x in pairs)
     layout = None if any(axes) else _known_layout(values)
-    # Eagerly, one compiled program (not one per leaf); when traced, the body inline.
+    # Eagerly, one compiled program (not one per leaf); when traced, the body
+    # inline: a nested jit holding the (CPU) lax.cond fails under vmap with
+    # unbatched constants beside batch-sharded leaves (a jax limitation).
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
     options = {"groups": groups, "count_nonfinite": count_nonfinite}
     if layout is not None:
@@ -332,8 +336,8 @@ def _norms_body(values, *, axes, groups, count_nonfinite):
         return jax.lax.cond(jnp.isfinite(total), lambda: (total * 0).astype(jnp.int32), count)
 
     # Which program is cheaper depends on the compiler, so it is chosen when
-    # lowering. XLA:GPU/TPU fuse the count's reduction with the sum of squares
-    # of the same leaf (sibling multi-output fusion: one read, one kernel), and
+    # lowering. XLA:GPU/TPU can fuse the count's reduction with the sum of
+    # squares of the same leaf (sibling multi-output fusion: one read), and
     # a conditional there would stall the step (XLA:GPU copies the predicate to
     # the host and waits). XLA:CPU fuses neither: an unconditional count would
     # read every gradient again, while a conditional is an in-process branch.
