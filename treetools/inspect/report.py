@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from treetools.errors import CheckpointError
 from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, is_numeric
 from treetools.inspect.source import NO_VALUE, Item, Leaf, Snapshot, jsonable, open_source
-from treetools.inspect.stats import Progress, StatsAccumulator, leaf_stats
+from treetools.inspect.stats import Progress, StatsAccumulator, compute_stats
 from treetools.paths import compile_patterns, match_patterns  # string helpers: no jax
 from treetools.render import json_safe, render_report
 from treetools.rows import Row, Totals, aggregate_rows, common_prefix, sort_rows, totals
@@ -354,9 +354,10 @@ def _compute_stats(kept, snaps, chunk_bytes, progress):
     accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite = []
     try:
-        for i, name, leaf in todo:
-            bar.start(f"{name}/{leaf.name}")
-            acc = leaf_stats(leaf.reader, chunk_bytes=chunk_bytes, progress=bar)
+        # All cores, a few blocks per task, peak memory bounded per thread (stats.compute_stats).
+        computed = compute_stats([leaf.reader for _, _, leaf in todo], chunk_bytes=chunk_bytes, progress=bar,
+                                 labels=[f"{name}/{leaf.name}" for _, name, leaf in todo])
+        for (i, name, leaf), acc in zip(todo, computed):
             accs[i].setdefault(name, {})[leaf.path] = acc
             if acc.nonfinite:
                 where = f"{name}/{leaf.name}"

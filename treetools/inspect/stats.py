@@ -12,23 +12,36 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
+import threading
 import time
-from typing import Any, Iterable, TextIO
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence, TextIO
 
 import numpy as np
 
-from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, ArrayReader
+from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, ArrayReader, plan_blocks
 
-__all__ = ["StatsAccumulator", "array_stats", "leaf_stats", "Progress"]
+__all__ = ["StatsAccumulator", "array_stats", "leaf_stats", "compute_stats", "Progress"]
 
 STAT_KEYS = ("mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf", "neginf")
 
 
-def _pieces(block: np.ndarray, max_elems: int) -> Iterable[np.ndarray]:
-    flat = np.ravel(block)
-    for a in range(0, flat.size, max_elems):
-        yield flat[a:a + max_elems]
+_PIECE_ELEMS = 1 << 16
+"""Elements per piece: a float32 piece and its deviations stay in a core's L2 cache."""
+_F32_SAFE_MAX = 1e15  # (2 * 1e15) ** 2 * _PIECE_ELEMS stays below float32's 3.4e38
+_F32_SAFE_MIN = 1e-15  # squares of smaller values lose precision in float32 subnormals
+
+
+def _work_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a piece is reduced in: float32 for float32 and narrower floats, else float64."""
+    dtype = np.dtype(dtype)
+    if dtype.kind == "c":
+        return np.dtype(np.float32) if dtype.itemsize <= 8 else np.dtype(np.float64)
+    if dtype.kind == "f" and dtype.itemsize <= 4 or dtype.kind == "V":  # ml_dtypes floats: bfloat16, float8
+        return np.dtype(np.float32)
+    return np.dtype(np.float64)  # float64, ints (exact to 2**53), bool
 
 
 @dataclasses.dataclass
@@ -54,26 +67,58 @@ class StatsAccumulator:
     piece_elems: int = DEFAULT_CHUNK_BYTES // 8
 
     def update(self, block: np.ndarray) -> None:
-        """Fold one block in, converting at most ``piece_elems`` elements to float64 at a time."""
-        for piece in _pieces(block, self.piece_elems):
-            x = piece.astype(np.float64) if not np.iscomplexobj(piece) else np.abs(piece).astype(np.float64)
+        """Fold one block in, a cache-sized piece at a time (float32 math for float32 and narrower).
+
+        Each piece makes a few passes at memory speed: min and max first (when
+        both are finite there is no NaN or Inf and the counting passes are
+        skipped), the zeros, a pairwise sum for a provisional mean, then the
+        deviations from it, their sum and their sum of squares. The exact
+        piece mean and M2 follow from those in float64 (``mean0 + sum(d)/n``,
+        ``sum(d*d) - sum(d)**2/n``), so a large mean with a small spread stays
+        accurate; pieces merge in float64 (Chan et al.).
+        """
+        flat = np.ravel(block)
+        if flat.size == 0:
+            return
+        work = _work_dtype(flat.dtype)
+        step = max(1, min(self.piece_elems, _PIECE_ELEMS))
+        for a in range(0, flat.size, step):
+            piece = flat[a:a + step]
+            if piece.dtype.kind == "c":
+                piece = np.abs(piece)
+            if piece.dtype != work:
+                piece = piece.astype(work)
+            self._fold(piece)
+
+    def _fold(self, x: np.ndarray) -> None:
+        n = x.size
+        lo, hi = x.min(), x.max()  # NaN propagates into both
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             finite = np.isfinite(x)
-            n_finite = int(np.count_nonzero(finite))
-            if n_finite != x.size:
-                self.nan += int(np.count_nonzero(np.isnan(x)))
-                self.posinf += int(np.count_nonzero(x == np.inf))
-                self.neginf += int(np.count_nonzero(x == -np.inf))
-                x = x[finite]
-            del finite
-            if n_finite == 0:
-                continue
-            self.zeros += int(np.count_nonzero(x == 0))
-            self.min = min(self.min, float(x.min()))
-            self.max = max(self.max, float(x.max()))
-            self.sumsq += float(np.dot(x, x))
-            mean_b = float(x.mean())
-            x -= mean_b  # in place: no second float64 copy
-            self._combine(n_finite, mean_b, float(np.dot(x, x)))
+            self.nan += int(np.count_nonzero(np.isnan(x)))
+            self.posinf += int(np.count_nonzero(x == np.inf))
+            self.neginf += int(np.count_nonzero(x == -np.inf))
+            x = x[finite]
+            n = x.size
+            if n == 0:
+                return
+            lo, hi = x.min(), x.max()
+        lo, hi = float(lo), float(hi)
+        self.zeros += n - int(np.count_nonzero(x))
+        amax = max(-lo, hi)
+        if x.dtype == np.float32 and (amax > _F32_SAFE_MAX or 0 < amax < _F32_SAFE_MIN):
+            x = x.astype(np.float64)  # squares would overflow or underflow in float32
+        mean0 = x.dtype.type(float(np.add.reduce(x)) / n)
+        d = x - mean0
+        sd = float(np.add.reduce(d))
+        np.multiply(d, d, out=d)
+        sdd = float(np.add.reduce(d))
+        mean_b = float(mean0) + sd / n
+        m2_b = max(sdd - sd * sd / n, 0.0)
+        self.min = min(self.min, lo)
+        self.max = max(self.max, hi)
+        self.sumsq += m2_b + n * mean_b * mean_b
+        self._combine(n, mean_b, m2_b)
 
     def _combine(self, n_b: int, mean_b: float, m2_b: float) -> None:
         n_a = self.count
@@ -143,6 +188,92 @@ def leaf_stats(reader: ArrayReader, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     return acc
 
 
+_GROUP_BLOCKS = 4
+"""Blocks of one leaf per task: enough to amortize opening a store, few enough to spread a big leaf."""
+
+
+def _splittable(reader: ArrayReader) -> bool:
+    """Random access through the base block plan: blocks of one leaf may be read by several threads."""
+    return not reader.sequential and type(reader).storage_blocks is ArrayReader.storage_blocks
+
+
+def _tasks(readers: Sequence[ArrayReader], chunk_bytes: int) -> list[tuple[int, Any]]:
+    """(reader number, block plan or None for the reader's own storage order), largest leaves first."""
+    order = sorted(range(len(readers)), key=lambda i: -math.prod(readers[i].shape) * readers[i].dtype.itemsize)
+    tasks: list[tuple[int, Any]] = []
+    for i in order:
+        r = readers[i]
+        if not _splittable(r):
+            tasks.append((i, None))
+            continue
+        plan = list(plan_blocks(r.shape, max(1, chunk_bytes // r.dtype.itemsize), r.chunk_shape))
+        tasks.extend((i, plan[a:a + _GROUP_BLOCKS]) for a in range(0, len(plan), _GROUP_BLOCKS))
+    return tasks
+
+
+def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                  progress: "Progress | None" = None, workers: int | None = None,
+                  labels: Sequence[str] | None = None) -> list[StatsAccumulator]:
+    """The statistics of many stored arrays, on all cores: one ``StatsAccumulator`` per reader, same order.
+
+    Threads take tasks of a few blocks each (a leaf with random access is
+    split across threads; a sequential one, such as a compressed npz member,
+    is one task); numpy's reductions and the readers' I/O release the GIL.
+    Each thread holds at most its current blocks (a TensorStore reader reads
+    one block ahead), so peak memory is about ``2 * workers * chunk_bytes``
+    plus one storage chunk per thread, whatever the checkpoint size. Partial
+    results merge in block order, so the answer does not depend on timing.
+
+    Args:
+      readers: the arrays, each an ``ArrayReader``.
+      chunk_bytes: the block budget (bytes of stored data per block).
+      progress: advanced by each block's stored bytes (thread-safe).
+      workers: threads; default ``os.cpu_count()``. 1 runs in this thread.
+      labels: shown by ``progress`` as each leaf starts (default none).
+
+    Returns:
+      One accumulator per reader, in the order given.
+
+    >>> from treetools.inspect.arrays import InMemoryReader
+    >>> accs = compute_stats([InMemoryReader(np.arange(5.0)), InMemoryReader(np.ones(3, np.float32))],
+    ...                      chunk_bytes=16, workers=2)
+    >>> [a.result()["mean"] for a in accs]
+    [2.0, 1.0]
+    """
+    workers = max(1, int(workers if workers is not None else (os.cpu_count() or 1)))
+    piece = max(1, chunk_bytes // 8)
+    tasks = _tasks(readers, chunk_bytes)
+    started: set[int] = set()
+    lock = threading.Lock()
+
+    def run(task: tuple[int, Any]) -> StatsAccumulator:
+        i, plan = task
+        reader = readers[i]
+        if progress is not None and labels is not None:
+            with lock:
+                if i not in started:
+                    started.add(i)
+                    progress.start(labels[i])
+        acc = StatsAccumulator(piece_elems=piece)
+        blocks = reader.storage_blocks(chunk_bytes) if plan is None else reader.blocks(plan)
+        for block in blocks:
+            acc.update(block)
+            if progress is not None:
+                progress.advance(block.size * reader.dtype.itemsize)
+            del block
+        return acc
+
+    if workers == 1 or len(tasks) <= 1:
+        parts = [run(t) for t in tasks]
+    else:
+        with ThreadPoolExecutor(max_workers=min(workers, len(tasks)), thread_name_prefix="treetools-stats") as pool:
+            parts = list(pool.map(run, tasks))  # pool.map keeps task order; tasks hold indices, not data
+    out = [StatsAccumulator(piece_elems=piece) for _ in readers]
+    for (i, _), part in zip(tasks, parts):
+        out[i] = out[i].merge(part)
+    return out
+
+
 class Progress:
     """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
 
@@ -153,17 +284,20 @@ class Progress:
         self.done = 0
         self.label = ""
         self._last = 0.0
+        self._lock = threading.Lock()  # compute_stats advances from several threads
 
     def start(self, label: str) -> None:
-        self.label = label
-        self._draw()
+        with self._lock:
+            self.label = label
+            self._draw()
 
     def advance(self, nbytes: int) -> None:
-        self.done += int(nbytes)
-        now = time.monotonic()
-        if now - self._last > 0.1:
-            self._draw()
-            self._last = now
+        with self._lock:
+            self.done += int(nbytes)
+            now = time.monotonic()
+            if now - self._last > 0.1:
+                self._draw()
+                self._last = now
 
     def _draw(self) -> None:
         if not self.enabled:
