@@ -34,6 +34,21 @@ _F32_SAFE_MAX = 1e15  # (2 * 1e15) ** 2 * _PIECE_ELEMS stays below float32's 3.4
 _F32_SAFE_MIN = 1e-15  # squares of smaller values lose precision in float32 subnormals
 
 
+_local = threading.local()
+
+
+def _buffers(dtype: np.dtype) -> Any:
+    """This thread's scratch arrays for one piece (no allocation, and no fresh pages, per piece)."""
+    key = np.dtype(dtype).char
+    bufs = getattr(_local, key, None)
+    if bufs is None:
+        bufs = type("Buffers", (), {})()
+        bufs.dev = np.empty(_PIECE_ELEMS, dtype)
+        bufs.mask = np.empty(_PIECE_ELEMS, bool)
+        setattr(_local, key, bufs)
+    return bufs
+
+
 def _work_dtype(dtype: np.dtype) -> np.dtype:
     """The dtype a piece is reduced in: float32 for float32 and narrower floats, else float64."""
     dtype = np.dtype(dtype)
@@ -92,7 +107,7 @@ class StatsAccumulator:
 
     def _fold(self, x: np.ndarray) -> None:
         n = x.size
-        lo, hi = x.min(), x.max()  # NaN propagates into both
+        lo, hi = np.minimum.reduce(x), np.maximum.reduce(x)  # NaN propagates into both
         if not (math.isfinite(lo) and math.isfinite(hi)):
             finite = np.isfinite(x)
             self.nan += int(np.count_nonzero(np.isnan(x)))
@@ -102,18 +117,36 @@ class StatsAccumulator:
             n = x.size
             if n == 0:
                 return
-            lo, hi = x.min(), x.max()
+            lo, hi = np.minimum.reduce(x), np.maximum.reduce(x)
         lo, hi = float(lo), float(hi)
-        self.zeros += n - int(np.count_nonzero(x))
         amax = max(-lo, hi)
         if x.dtype == np.float32 and (amax > _F32_SAFE_MAX or 0 < amax < _F32_SAFE_MIN):
             x = x.astype(np.float64)  # squares would overflow or underflow in float32
-        mean0 = x.dtype.type(float(np.add.reduce(x)) / n)
-        d = x - mean0
-        sd = float(np.add.reduce(d))
-        np.multiply(d, d, out=d)
-        sdd = float(np.add.reduce(d))
-        mean_b = float(mean0) + sd / n
+        bufs = _buffers(x.dtype)
+        if lo <= 0 <= hi:
+            eq = bufs.mask[:n]
+            np.equal(x, 0, out=eq)
+            self.zeros += int(np.count_nonzero(eq))  # count_nonzero of bools is far faster than of floats
+        # Deviations from a shift near the mean: the running mean (else the midrange) first; when it
+        # proves far from this piece's mean (relative to its spread), again from the piece's own mean.
+        shift = self.mean if self.count and lo <= self.mean <= hi else (lo + hi) / 2
+        d = bufs.dev[:n]
+        for _ in range(4):
+            shift = x.dtype.type(shift)
+            np.subtract(x, shift, out=d)
+            sd = float(np.add.reduce(d))
+            np.multiply(d, d, out=d)
+            sdd = float(np.add.reduce(d))
+            if sd * sd <= 0.1 * n * sdd:  # (mean - shift)**2 <= 0.1 * mean square: M2 keeps float32 precision
+                break
+            shift = float(shift) + sd / n
+        else:
+            x = x.astype(np.float64)
+            shift = float(np.add.reduce(x)) / n
+            d = x - shift
+            sd = float(np.add.reduce(d))
+            sdd = float(np.dot(d, d))
+        mean_b = float(shift) + sd / n
         m2_b = max(sdd - sd * sd / n, 0.0)
         self.min = min(self.min, lo)
         self.max = max(self.max, hi)
