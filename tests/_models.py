@@ -1,6 +1,7 @@
 """Small Flax models shared by the tests, with hand-derived parameter counts."""
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 
@@ -48,3 +49,37 @@ class BoxedMLP(nn.Module):
                          bias_init=nn.with_partitioning(nn.initializers.zeros, (None,)), name="ln")(x)
         return nn.Dense(16, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("tp", "fsdp")),
                         bias_init=nn.with_partitioning(nn.initializers.zeros, (None,)), name="out")(x)
+
+
+class DenseKernelsBoxed(nn.Module):
+    """linen FSDP layout with *unboxed* biases (flax's default bias_init): kernels named, biases not."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(64, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "fsdp")), name="up")(x)
+        return nn.Dense(8, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), ("fsdp", None)),
+                        name="down")(x)
+
+
+# nnx: Linear(8->16, kernel named ("fsdp", None)) + BatchNorm(16) + Dropout(rngs) + Linear(16->4).
+NNX_PARAMS = 8 * 16 + 16 + 2 * 16 + 16 * 4 + 4  # 244: kernels, biases, BatchNorm scale and bias
+NNX_STATE = NNX_PARAMS + 2 * 16 + 1 + 1  # + BatchNorm mean/var (BatchStat), the Dropout's RngCount and RngKey
+
+
+class NnxNet(nnx.Module):
+    """An nnx Module with a named kernel, BatchNorm and a Dropout that holds its own Rngs stream.
+
+    The named kernel needs a mesh (``jax.set_mesh``) or ``nnx.eval_shape`` to be created, as flax requires.
+    """
+
+    def __init__(self, rngs: nnx.Rngs, *, names=("fsdp", None)):
+        kernel_init = nnx.initializers.lecun_normal()
+        if names is not None:
+            kernel_init = nnx.with_partitioning(kernel_init, names)
+        self.up = nnx.Linear(8, 16, kernel_init=kernel_init, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(self.bn(self.up(x))))

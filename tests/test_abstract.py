@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -90,3 +91,118 @@ def test_replicate_refuses_abstract_leaves(devices):
     mesh = jax.make_mesh((8,), ("data",))
     with pytest.raises(TypeError, match=r"leaf `layers/0/w` is a ShapeDtypeStruct"):
         tt.replicate({"layers": [{"w": jax.ShapeDtypeStruct((2,), jnp.float32)}]}, mesh)
+
+
+# --------------------------------------------------------------------------- #
+# make_abstract(mesh=) puts every leaf on the mesh; sharding prefixes; AbstractMesh targets (issue 14)
+# --------------------------------------------------------------------------- #
+
+
+def _device_sets(tree):
+    return {tt.unbox(x).sharding.device_set == frozenset(x for x in jax.devices())
+            for x in jax.tree.leaves(tree, is_leaf=tt.is_box)}
+
+
+def test_make_abstract_mesh_puts_unboxed_leaves_on_the_mesh_and_restore_jits(devices, tmp_path):
+    # Auto axes: GSPMD picks the activations' layout, as in the classic linen FSDP setup.
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    model, x = _models.DenseKernelsBoxed(), jnp.ones((2, 16))
+    params = model.init(jax.random.key(0), x)["params"]  # kernels boxed, biases unboxed; all on device 0
+    target = tt.make_abstract(params, mesh=mesh)
+    flat = tt.flatten(target)
+    for path, leaf in flat.items():
+        assert tt.unbox(leaf).sharding.mesh == mesh, path
+    assert flat["up/bias"].sharding == NamedSharding(mesh, P())  # unboxed: replicated on the mesh
+    assert flat["up/kernel"].value.sharding == NamedSharding(mesh, P(None, "fsdp"))  # boxed: per its names
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=tmp_path / "ckpt")
+    tt.save_checkpoint(mngr, 1, {"params": params}, wait=True)
+    restored = tt.restore_checkpoint(mngr, "latest", {"params": target})["params"]
+    mngr.close()
+    assert _device_sets(restored) == {True}
+    # jax.jit takes the restored tree (before: "incompatible devices", biases on device 0).
+    out = jax.jit(lambda p: model.apply({"params": p}, x))(restored)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(model.apply({"params": params}, x)), rtol=1e-5)
+
+
+def test_make_abstract_mesh_keeps_specs_of_arrays_from_another_mesh(devices):
+    old = jax.make_mesh((8,), ("fsdp",))
+    new = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    tree = {"w": jax.device_put(np.ones((8, 4)), NamedSharding(old, P("fsdp"))), "n": np.ones(3)}
+    ab = tt.make_abstract(tree, mesh=new)
+    assert ab["w"].sharding == NamedSharding(new, P("fsdp")) and ab["n"].sharding == NamedSharding(new, P())
+    other = jax.make_mesh((8,), ("data",))
+    with pytest.raises(ValueError, match=r"leaf `w`.*no such axes"):
+        tt.make_abstract(tree, mesh=other)
+
+
+def test_make_abstract_accepts_a_tree_prefix_of_shardings_as_jit_does(devices):
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    tree = {"params": {"w": np.ones((8, 4), np.float32), "b": np.ones(4, np.float32)},
+            "opt": [np.ones((8, 4), np.float32), np.zeros((), np.int32)]}
+    rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    prefix = {"params": rows, "opt": [rep, None]}
+    # jax.jit accepts this prefix as out_shardings (a None entry: jit's choice; make_abstract: the leaf's own).
+    jitted = jax.jit(lambda: jax.tree.map(jnp.asarray, tree), out_shardings={"params": rows, "opt": rep})()
+    ab = tt.make_abstract(tree, prefix)
+    assert ab["params"]["w"].sharding == jitted["params"]["w"].sharding == rows
+    assert ab["params"]["b"].sharding == rows and ab["opt"][0].sharding == rep
+    assert ab["opt"][1].sharding is None
+    # nn.get_sharding on boxed params (boxes become shardings) and nnx's Variables holding shardings.
+    boxed = jax.eval_shape(_models.BoxedMLP().init, jax.random.key(0), jnp.ones((1, 32)))
+    mesh2 = jax.make_mesh((2, 4), ("fsdp", "tp"))
+    ab_boxed = tt.make_abstract(boxed, nn.get_sharding(boxed, mesh2))
+    assert ab_boxed["params"]["in"]["kernel"].value.sharding == NamedSharding(mesh2, P("fsdp", "tp"))
+    with jax.set_mesh(mesh2):
+        state = nnx.state(nnx.eval_shape(lambda: _models.NnxNet(nnx.Rngs(0))))
+    ab_nnx = tt.make_abstract(state, nnx.get_named_sharding(state, mesh2))
+    assert ab_nnx["up"]["kernel"].get_value().sharding == NamedSharding(mesh2, P("fsdp", None))
+    with pytest.raises(ValueError, match="prefix"):
+        tt.make_abstract(tree, {"params": rep})
+
+
+def test_make_abstract_incompatible_sharding_names_the_leaf(devices):
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    tree = {"layers": [{"w": np.ones((3, 8))}]}
+    with pytest.raises(ValueError, match=r"leaf `layers/0/w` \(float64\[3, 8\]\).*divide"):
+        tt.make_abstract(tree, NamedSharding(mesh, P("fsdp")))
+    with pytest.raises(ValueError, match=r"leaf `layers/0/w`.*rank"):
+        tt.make_abstract(tree, {"layers": [{"w": NamedSharding(mesh, P(None, None, "fsdp"))}]})
+    with pytest.raises(ValueError, match=r"leaf `layers/0/w`.*tp"):
+        tt.make_abstract(tree, P(None, "tp"), mesh=mesh)
+    boxed = {"k": nn.Partitioned(np.ones((4, 4)), names=("tp", None))}
+    with pytest.raises(ValueError, match=r"leaf `k`"):
+        tt.make_abstract(boxed, mesh=mesh)
+
+
+def test_make_abstract_resolves_abstract_mesh_shardings_against_the_active_mesh(devices):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"))
+    with jax.set_mesh(mesh):
+        state = nnx.state(nnx.eval_shape(lambda: _models.NnxNet(nnx.Rngs(0))))
+    kernel = state["up"]["kernel"].get_value()
+    assert isinstance(kernel.sharding.mesh, jax.sharding.AbstractMesh)
+    with jax.set_mesh(mesh):
+        ab = tt.make_abstract(state)
+    for path, leaf in tt.flatten(ab).items():
+        sharding = tt.unbox(leaf).sharding
+        assert isinstance(sharding.mesh, jax.sharding.Mesh) and sharding.mesh == mesh, path
+    assert ab["up"]["kernel"].get_value().sharding == NamedSharding(mesh, P("fsdp", None))
+    assert tt.make_abstract(state, mesh=mesh)["up"]["kernel"].get_value().sharding.mesh == mesh
+    with pytest.raises(ValueError, match=r"leaf `\w+/\w+`.*AbstractMesh.*jax.set_mesh"):
+        tt.make_abstract(state)
+
+
+def test_restore_into_nnx_eval_shape_targets_under_set_mesh(devices, tmp_path):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"))
+    with jax.set_mesh(mesh):
+        model = _models.NnxNet(nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=tmp_path / "ckpt")
+    tt.save_checkpoint(mngr, 1, {"params": params}, wait=True)
+    mngr.close()
+    with jax.set_mesh(mesh):
+        target = nnx.state(nnx.eval_shape(lambda: _models.NnxNet(nnx.Rngs(1))), nnx.Param)
+        restored = tt.restore_checkpoint(tmp_path / "ckpt", "latest", {"params": target})["params"]
+    for path, leaf in tt.flatten(restored).items():
+        value, saved = leaf.get_value(), tt.flatten(params)[path].get_value()
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(saved), err_msg=path)
+        assert value.sharding == saved.sharding, path

@@ -99,7 +99,8 @@ def test_per_device_matches_addressable_shards(devices, shape, axes):
 
 def test_per_device_boxed_flax_model_and_logical_names(devices):
     mesh = jax.make_mesh((2, 4), ("fsdp", "tp"))
-    variables = _models.BoxedMLP().init(jax.random.key(0), jnp.ones((1, 32)))
+    # Unplaced (jax.eval_shape): the box names and the mesh say what each device will hold.
+    variables = jax.eval_shape(_models.BoxedMLP().init, jax.random.key(0), jnp.ones((1, 32)))
     # in: kernel (32,64)/(2*4) + bias 64/4; ln: 64 + 64; out: kernel (64,16)/(4*2) + bias 16
     expected = 32 * 64 // 8 + 64 // 4 + 64 + 64 + 64 * 16 // 8 + 16
     assert tt.get_num_params(variables, per_device=True, mesh=mesh) == expected
@@ -116,11 +117,15 @@ def test_per_device_without_mesh_is_a_clear_error():
         tt.get_num_params(boxed, per_device=True)
 
 
-def test_nnx_variables_per_device():
-    state = {"w": nnx.Param(jnp.ones((8, 6)), out_sharding=("fsdp", None), eager_sharding=False),
-             "s": nnx.BatchStat(jnp.ones(6))}
+def test_nnx_variables_per_device(devices):
+    # Unplaced (numpy): the names and the mesh say it.
+    state = {"w": nnx.Param(np.ones((8, 6), np.float32), out_sharding=("fsdp", None), eager_sharding=False),
+             "s": nnx.BatchStat(np.ones(6, np.float32))}
     assert tt.get_num_params(state) == 54
     assert tt.get_num_params(state, per_device=True, mesh={"fsdp": 4}) == 2 * 6 + 6
+    # Placed on device 0: device 0 holds all of it, whatever the names say.
+    placed = jax.tree.map(jnp.asarray, state)
+    assert tt.get_num_params(placed, per_device=True, mesh={"fsdp": 4}) == _held(placed) == 54
 
 
 def test_uneven_split_rounds_up():
@@ -142,3 +147,145 @@ def test_count_equals_numpy_size(tree, boxed):
     assert tt.get_num_params(tree) == sum(np.size(x) for x in jax.tree.leaves(plain))
     assert tt.get_num_bytes(tree) == sum(np.size(x) * 2 for x in jax.tree.leaves(plain))
     assert tt.get_num_params(tree) == sum(math.prod(x.shape) for x in jax.tree.leaves(plain))
+
+
+# --------------------------------------------------------------------------- #
+# Per device: a placed array counts what each device really holds (issue 14)
+# --------------------------------------------------------------------------- #
+
+
+def _held(tree):
+    """The truth: jax's own addressable shards, summed per device; the most any device holds."""
+    per_device = {}
+    for leaf in jax.tree.leaves(tt.unbox_tree(tree)):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.size
+    return max(per_device.values())
+
+
+def _held_bytes(tree):
+    per_device = {}
+    for leaf in jax.tree.leaves(tt.unbox_tree(tree)):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
+
+
+def test_per_device_linen_fsdp_recipe_reads_the_arrays_shardings(devices):
+    # The standard recipe: init under jit with out_shardings from nn.get_sharding. The boxes carry no mesh;
+    # the arrays do, and that is enough (no `mesh=` needed).
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"))
+    model, x = _models.BoxedMLP(), jnp.ones((1, 32))
+    abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+    variables = jax.jit(model.init, out_shardings=nn.get_sharding(abstract, mesh))(jax.random.key(0), x)
+    assert all(leaf.mesh is None for leaf in jax.tree.leaves(variables, is_leaf=tt.is_box))
+    assert tt.get_num_params(variables, per_device=True) == _held(variables) == 544
+    assert tt.get_num_bytes(variables, per_device=True) == _held_bytes(variables)
+    # The plan (abstract, names + mesh) and the placed arrays agree.
+    assert tt.get_num_params(abstract, per_device=True, mesh=mesh) == _held(variables)
+
+
+def test_per_device_boxed_tree_on_one_device_counts_everything(devices):
+    # model.init without jit: every buffer sits on device 0, whatever the names say.
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"))
+    variables = _models.BoxedMLP().init(jax.random.key(0), jnp.ones((1, 32)))
+    assert _held(variables) == tt.get_num_params(variables) == 3280
+    assert tt.get_num_params(variables, per_device=True, mesh=mesh) == _held(variables)
+    on_3 = jax.device_put(variables, devices[3])
+    assert tt.get_num_bytes(on_3, per_device=True, mesh=mesh) == _held_bytes(on_3) == 4 * 3280
+
+
+def test_per_device_is_the_fullest_device_not_a_sum_of_largest_shards(devices):
+    # Two leaves on two different devices: each device holds one of them.
+    tree = {"a": jax.device_put(np.ones(10, np.float32), devices[0]),
+            "b": jax.device_put(np.ones(6, np.float32), devices[1])}
+    assert tt.get_num_params(tree, per_device=True) == _held(tree) == 10
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_per_device_box_names_do_not_override_a_replicated_array(devices, kind):
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    arr = jax.device_put(np.ones((16, 16), np.float32), NamedSharding(mesh, P()))
+    box = (nn.Partitioned(arr, names=("fsdp", None)) if kind == "linen"
+           else nnx.Param(arr, out_sharding=("fsdp", None), eager_sharding=False))
+    assert tt.get_num_params({"w": box}, per_device=True, mesh=mesh) == _held({"w": box}) == 256
+    # The table's sharding column says the same: where the array is.
+    row = tt.tabulate_params({"w": box}, tablefmt="tsv").splitlines()[1].split("\t")
+    assert row[5].strip() == "replicated"
+
+
+def test_per_device_nnx_state_after_replicate(devices):
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    with jax.set_mesh(mesh):
+        model = _models.NnxNet(nnx.Rngs(0))
+    state = tt.replicate(nnx.state(model), mesh)  # every array whole on every device, names unchanged
+    assert tt.get_num_params(state, per_device=True) == _held(state) == _models.NNX_STATE
+    assert tt.get_num_bytes(state, per_device=True) == _held_bytes(state)
+
+
+def test_per_device_nnx_module_created_under_set_mesh(devices):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"))
+    with jax.set_mesh(mesh):
+        model = _models.NnxNet(nnx.Rngs(0))
+    # Outside the mesh context, no mesh argument: the arrays know where they are.
+    state = nnx.state(model)
+    assert tt.get_num_params(state, per_device=True) == _held(state)
+    assert tt.get_num_bytes(state, per_device=True) == _held_bytes(state)
+    params = nnx.state(model, nnx.Param)
+    assert tt.get_num_params(model, per_device=True) == _held(params) == _models.NNX_PARAMS - 8 * 16 // 2  # the kernel halved over fsdp=2
+    # The abstract model (nnx.eval_shape under the mesh) plans the same layout.
+    with jax.set_mesh(mesh):
+        abstract = nnx.eval_shape(lambda: _models.NnxNet(nnx.Rngs(0)))
+    assert tt.get_num_params(nnx.state(abstract, nnx.Param), per_device=True) == _held(params)
+
+
+# --------------------------------------------------------------------------- #
+# Typed PRNG keys, TrainState and nnx Modules
+# --------------------------------------------------------------------------- #
+
+
+def test_typed_prng_keys_count_their_real_bytes(devices):
+    key = jax.random.key(0)
+    assert tt.get_num_bytes({"rng": key}) == key.nbytes == 8
+    assert tt.get_num_params({"rng": key}) == key.size == 1
+    rbg = jax.random.key(0, impl="rbg")
+    keys = jax.random.split(key, 8)
+    tree = {"rbg": rbg, "keys": keys, "raw": jax.random.PRNGKey(1)}
+    assert tt.get_num_bytes(tree) == rbg.nbytes + keys.nbytes + 8
+    mesh = jax.make_mesh((8,), ("data",))
+    sharded = {"keys": jax.device_put(keys, NamedSharding(mesh, P("data")))}
+    assert tt.get_num_bytes(sharded, per_device=True) == _held_bytes(sharded) == 8
+    assert tt.get_num_bytes(jax.eval_shape(lambda: tree)) == tt.get_num_bytes(tree)
+
+
+def test_tabulate_nnx_state_with_dropout_rngs():
+    with jax.set_mesh(jax.make_mesh((8,), ("fsdp",))):
+        model = _models.NnxNet(nnx.Rngs(0))
+    state = nnx.state(model)
+    text = tt.tabulate_params(state, tablefmt="tsv")
+    rows = {r[0]: r for r in ([f.strip() for f in line.split("\t")] for line in text.split("\n\n")[0].splitlines()[1:])}
+    key = state["drop"]["rngs"]["key"].get_value()
+    assert rows["drop/rngs/key"][2] == str(key.dtype) and rows["drop/rngs/key"][4] == f"{key.nbytes} B"
+    total = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    assert f"Total: {_models.NNX_STATE:,} params, {total:,} bytes" in text
+    assert tt.get_num_bytes(state) == total
+
+
+def test_train_state_counts_its_params_as_the_table_shows():
+    from flax.training import train_state
+
+    params = nn.Dense(4).init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+    assert tt.get_num_params(state) == tt.get_num_params(params) == 16  # not 49 (mu, nu, count, step)
+    assert f"Total: {tt.get_num_params(state)} params, {tt.get_num_bytes(state)} bytes" in tt.tabulate_params(state)
+    assert tt.get_num_params(state.opt_state) == 33  # the optimizer moments, when asked for
+
+
+def test_nnx_module_counts_params_only_as_the_table_shows():
+    with jax.set_mesh(jax.make_mesh((8,), ("fsdp",))):
+        model = _models.NnxNet(nnx.Rngs(0))
+    assert tt.get_num_params(model) == _models.NNX_PARAMS == 244  # not the BatchStats and RNG state
+    assert tt.get_num_params(nnx.state(model)) == _models.NNX_STATE
+    table = tt.tabulate_params(model)
+    assert f"Total: {tt.get_num_params(model)} params, {tt.get_num_bytes(model):,} bytes" in table
+    assert tt.get_num_bytes(model) == sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -157,3 +157,51 @@ def test_mask_and_label_trees_have_params_structure(params):
     assert jax.tree.structure(mask) == jax.tree.structure(params)
     assert jax.tree.structure(labels) == jax.tree.structure(params)
     assert all(m is True for m in jax.tree.leaves(mask)) and set(jax.tree.leaves(labels)) <= {"d"}
+
+
+def _llama_like():
+    """A LLaMA-style block: no biases, RMSNorm scales."""
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.RMSNorm(name="norm")(x)
+            return nn.Dense(8, use_bias=False, name="proj")(x)
+
+    return Block().init(jax.random.key(0), jnp.ones((1, 8)))["params"]
+
+
+def test_allow_unmatched_serves_models_with_and_without_biases():
+    exclude = [r"bias$", r"scale$"]
+    llama, boxed = _llama_like(), _models.BoxedMLP().init(jax.random.key(0), jnp.ones((1, 32)))["params"]
+    with pytest.raises(ValueError, match=r"`exclude` pattern 'bias\$' matches no leaf.*allow_unmatched=True"):
+        tt.get_param_mask_fn(exclude)(llama)  # strict stays the default
+    mask_fn = tt.get_param_mask_fn(exclude, allow_unmatched=True)
+    assert mask_fn(llama) == {"norm": {"scale": False}, "proj": {"kernel": True}}
+    assert {p: m.value for p, m in tt.flatten(mask_fn(boxed)).items()} == {
+        "in/bias": False, "in/kernel": True, "ln/bias": False, "ln/scale": False, "out/bias": False,
+        "out/kernel": True}
+    # The same optimizer config on both families.
+    for params in (llama, boxed):
+        tx = optax.adamw(LR, weight_decay=WD, mask=mask_fn)
+        updates, _ = tx.update(_zero_grads(params), tx.init(params), params)
+        for path, u in tt.flatten(tt.unbox_tree(updates)).items():
+            p = tt.flatten(tt.unbox_tree(params))[path]
+            want = -LR * WD * np.asarray(p) if path.endswith("kernel") else np.zeros(p.shape)
+            np.testing.assert_allclose(np.asarray(u), want, rtol=1e-6, err_msg=path)
+    # include= and typos in a permissive config: a pattern that matches nothing is just unused.
+    assert tt.get_param_mask_fn(None, include=[r"kernel$", r"nope"], allow_unmatched=True)(llama) == {
+        "norm": {"scale": False}, "proj": {"kernel": True}}
+
+
+def test_label_fn_allow_unmatched():
+    llama = _llama_like()
+    rules = [(r"^embed/", "frozen"), (r"bias$", "no_decay")]
+    with pytest.raises(ValueError, match=r"`rules` pattern '\^embed/' matches no leaf"):
+        tt.get_param_label_fn(rules, default="train")(llama)
+    label_fn = tt.get_param_label_fn(rules, default="train", allow_unmatched=True)
+    assert label_fn(llama) == {"norm": {"scale": "train"}, "proj": {"kernel": "train"}}
+    tx = optax.multi_transform({"train": optax.sgd(1.0), "frozen": optax.set_to_zero(),
+                                "no_decay": optax.sgd(1.0)}, label_fn)
+    updates, _ = tx.update(jax.tree.map(jnp.ones_like, llama), tx.init(llama), llama)
+    assert all(np.all(np.asarray(u) == -1.0) for u in jax.tree.leaves(updates))

@@ -79,6 +79,7 @@ _EXPORTS = {  # public name -> module under treetools
     "unbox_tree": "partitioning",
     "leaf_sharding": "partitioning",
     "LeafSharding": "partitioning",
+    "params_of": "partitioning",
     # paths
     "flatten": "paths",
     "unflatten": "paths",
@@ -165,6 +166,6 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         get_sharded_norm_logits,
         norm_metrics,
     )
-    from treetools.partitioning import LeafSharding, is_box, is_partitioned, leaf_sharding, unbox, unbox_tree
+    from treetools.partitioning import LeafSharding, is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
     from treetools.paths import flatten, leaves_with_paths, map_with_path, path_str, unflatten
     from treetools.table import Row, rows_from_tree, tabulate_params

@@ -11,32 +11,91 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from treetools._typing import PyTree
 from treetools.counting import is_array_like
-from treetools.partitioning import is_box, leaf_sharding, rebox, unbox
-from treetools.paths import is_leaf, map_with_path
+from treetools.partitioning import (
+    active_mesh,
+    box_spec,
+    is_box,
+    mesh_axes_of,
+    own_sharding,
+    rebox,
+    resolve_sharding,
+    unbox,
+)
+from treetools.paths import is_leaf, map_with_path, path_str
 
 __all__ = ["make_abstract", "replicate", "update_ema"]
 
 
-def _own_sharding(leaf: Any, mesh: Mesh | None) -> Sharding | None:
-    if mesh is not None and is_box(leaf):
-        info = leaf_sharding(leaf, mesh=mesh)
-        if info is not None:
-            return NamedSharding(mesh, info.spec)
-    return getattr(unbox(leaf), "sharding", None)
+def _spec_fits(spec: PartitionSpec, mesh: Mesh) -> bool:
+    return all(a in mesh.axis_names for e in spec for a in mesh_axes_of(e))
 
 
-def _abstract_leaf(leaf: Any, sharding: Any, mesh: Mesh | None) -> Any:
+def _on_mesh(leaf: Any, mesh: Mesh) -> Sharding:
+    """Where ``make_abstract(mesh=mesh)`` puts a leaf: box names, else its own spec, else replicated."""
+    spec = box_spec(leaf)
+    if spec is not None:
+        return NamedSharding(mesh, spec)
+    own = own_sharding(leaf)
+    if isinstance(own, NamedSharding):
+        if own.mesh == mesh:
+            return own
+        if _spec_fits(own.spec, mesh):
+            return NamedSharding(mesh, own.spec)
+        raise ValueError(
+            f"it is laid out as {own.spec} on a mesh with axes {tuple(own.mesh.axis_names)}, and the mesh "
+            f"(axes {tuple(mesh.axis_names)}) has no such axes; pass a sharding for it."
+        )
+    return NamedSharding(mesh, PartitionSpec())  # unboxed, unnamed: replicated on the mesh
+
+
+def _abstract_leaf(path: str, leaf: Any, sharding: Any, mesh: Mesh | None) -> Any:
     if not is_array_like(leaf):
         return leaf
     value = unbox(leaf)
-    sharding = unbox(sharding) if sharding is not None else _own_sharding(leaf, mesh)
-    if isinstance(sharding, PartitionSpec):
-        if mesh is None:
-            raise ValueError("`sharding` holds PartitionSpecs; pass `mesh=` so they can become NamedShardings.")
-        sharding = NamedSharding(mesh, sharding)
-    if sharding is not None and not isinstance(sharding, Sharding):
-        raise TypeError(f"`sharding` leaves must be jax Shardings or PartitionSpecs, got {type(sharding).__name__}.")
-    return rebox(leaf, jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+    try:
+        if sharding is None:
+            sharding = _on_mesh(leaf, mesh) if mesh is not None else own_sharding(leaf)
+        if isinstance(sharding, PartitionSpec):
+            spec_mesh = mesh if mesh is not None else active_mesh()
+            if spec_mesh is None:
+                raise ValueError("`sharding` holds PartitionSpecs; pass `mesh=` so they can become NamedShardings.")
+            sharding = NamedSharding(spec_mesh, sharding)
+        if sharding is not None and not isinstance(sharding, Sharding):
+            raise TypeError(
+                f"`sharding` leaves must be jax Shardings or PartitionSpecs, got {type(sharding).__name__}."
+            )
+        sharding = resolve_sharding(sharding, mesh)
+        struct = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+        if sharding is not None:
+            sharding.shard_shape(tuple(value.shape))  # indivisible splits fail here, not in Orbax or jit
+    except TypeError as e:
+        raise TypeError(f"leaf `{path}`: {e}") from None
+    except Exception as e:
+        raise ValueError(f"leaf `{path}` ({value.dtype}{list(value.shape)}): {e}") from None
+    return rebox(leaf, struct)
+
+
+def _is_sharding_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (Sharding, PartitionSpec))
+
+
+def _broadcast_shardings(tree: PyTree, sharding: PyTree, n_leaves: int) -> list[Any]:
+    """One sharding per leaf of ``tree``: ``sharding`` may be a tree prefix of it (as for ``jax.jit``)."""
+    prefix = jax.tree.map(unbox, sharding, is_leaf=is_box)  # nnx.get_named_sharding gives Variables
+    specs, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=_is_sharding_leaf)
+    try:
+        subtrees = prefix_def.flatten_up_to(tree)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"`sharding` must be one Sharding, or a tree of Shardings / PartitionSpecs that is the tree or a prefix "
+            f"of it (as jax.jit's shardings); it does not match: {e}"
+        ) from None
+    out = []
+    for spec, sub in zip(specs, subtrees):
+        out.extend([spec] * len(jax.tree_util.tree_leaves(sub, is_leaf=is_leaf)))
+    if len(out) != n_leaves:  # a prefix leaf that is None over a None subtree, etc.
+        raise ValueError("`sharding` does not match the tree's leaves; give one sharding per leaf or per subtree.")
+    return out
 
 
 def make_abstract(tree: PyTree, sharding: Any = None, *, mesh: Mesh | None = None) -> PyTree:
@@ -47,10 +106,25 @@ def make_abstract(tree: PyTree, sharding: Any = None, *, mesh: Mesh | None = Non
 
     Args:
       tree: arrays, structs or boxes; non-array leaves are kept as they are.
-      sharding: one ``Sharding`` for every leaf, a tree of them (or of
-        ``PartitionSpec``s with ``mesh``) matching ``tree``, or None to keep each
-        array's own sharding.
-      mesh: with ``sharding=None``, boxes get ``NamedSharding(mesh, their names)``.
+      sharding: one ``Sharding`` for every leaf, or a tree of them (or of
+        ``PartitionSpec``s, laid on ``mesh`` or the active mesh) that is
+        ``tree`` or a tree prefix of it, as ``jax.jit`` accepts (a ``None``
+        entry: those leaves as with ``sharding=None``); or None.
+      mesh: with ``sharding=None``, puts every leaf on ``mesh``: a box per its
+        names (through flax's rules), an array laid out by name on another
+        mesh with the same spec, and every other leaf (unboxed biases on one
+        device, numpy arrays) replicated. Without ``mesh``, each leaf keeps its
+        own sharding (none for numpy arrays and ``jax.eval_shape`` structs).
+
+    Shardings on an ``AbstractMesh`` (structs from ``nnx.eval_shape`` under
+    ``jax.set_mesh``) are laid on ``mesh``, else on the active ``jax.set_mesh``
+    mesh: they cannot place data themselves.
+
+    Raises:
+      ValueError: a leaf's sharding does not fit it (rank, an indivisible split,
+        an axis the mesh lacks, an AbstractMesh with no concrete mesh to resolve
+        it on); the message names the leaf's path. Also when ``sharding`` is no
+        prefix of ``tree``.
 
     >>> import jax, jax.numpy as jnp
     >>> make_abstract({"w": jnp.zeros((2, 3), jnp.bfloat16)})["w"].shape
@@ -58,9 +132,13 @@ def make_abstract(tree: PyTree, sharding: Any = None, *, mesh: Mesh | None = Non
     """
     if isinstance(sharding, Mesh):
         sharding, mesh = None, sharding
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     if sharding is None or isinstance(sharding, (Sharding, PartitionSpec)):
-        return jax.tree.map(lambda x: _abstract_leaf(x, sharding, mesh), tree, is_leaf=is_leaf)
-    return jax.tree.map(lambda x, s: _abstract_leaf(x, s, mesh), tree, sharding, is_leaf=is_leaf)
+        shardings = [sharding] * len(pairs)
+    else:
+        shardings = _broadcast_shardings(tree, sharding, len(pairs))
+    leaves = [_abstract_leaf(path_str(p), x, s, mesh) for (p, x), s in zip(pairs, shardings)]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def replicate(tree: PyTree, sharding: Sharding | Mesh) -> PyTree:
@@ -85,7 +163,12 @@ def replicate(tree: PyTree, sharding: Sharding | Mesh) -> PyTree:
             return leaf
         if isinstance(unbox(leaf), jax.ShapeDtypeStruct):
             raise TypeError(f"leaf `{path}` is a ShapeDtypeStruct, which holds no values; replicate concrete arrays.")
-        host = np.asarray(jax.device_get(unbox(leaf)))
+        value = unbox(leaf)
+        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):  # typed keys: place their data, rewrap
+            host = np.asarray(jax.device_get(jax.random.key_data(value)))
+            data = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+            return rebox(leaf, jax.random.wrap_key_data(data, impl=jax.random.key_impl(value)))
+        host = np.asarray(jax.device_get(value))
         arr = jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
         return rebox(leaf, arr)
 

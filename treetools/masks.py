@@ -23,6 +23,7 @@ import jax
 
 from treetools._typing import KeyPath, Params, PyTree
 from treetools.partitioning import rebox, unbox
+from treetools.errors import PatternError
 from treetools.paths import compile_patterns, is_leaf, leaves_with_paths, match_patterns, path_parts
 
 __all__ = ["flattened_traversal", "get_param_label_fn", "get_param_mask_fn"]
@@ -43,6 +44,19 @@ def _visible_and_hidden_paths(params: Params, *, name: str, patterns: Sequence[A
     return visible, [p for p, x in pairs if isinstance(x, MaskedNode)]
 
 
+def _matches(paths: Sequence[str], patterns: Sequence[Any], *, name: str, allow_unmatched: bool) -> list[bool]:
+    """For each path, whether a pattern matches it; strict: a pattern that matches no leaf raises."""
+    if allow_unmatched:
+        return [any(p.search(path) for p in patterns) for path in paths]
+    try:
+        return match_patterns(paths, patterns, name=name)
+    except PatternError as e:
+        raise PatternError(
+            f"{e} (One config for several model families, where a pattern may match nothing in some: "
+            "pass allow_unmatched=True.)"
+        ) from None
+
+
 def _with_leaf_values(params: Params, values: Sequence[Any]) -> PyTree:
     """``params`` with leaf ``i`` replaced by ``values[i]``, each inside its leaf's box."""
     leaves, treedef = jax.tree.flatten(params, is_leaf=is_leaf)
@@ -50,7 +64,10 @@ def _with_leaf_values(params: Params, values: Sequence[Any]) -> PyTree:
 
 
 def get_param_mask_fn(
-    exclude: Sequence[str] | str | None, include: Sequence[str] | str | None = None
+    exclude: Sequence[str] | str | None,
+    include: Sequence[str] | str | None = None,
+    *,
+    allow_unmatched: bool = False,
 ) -> Callable[[Params], PyTree]:
     """A function ``params -> bool tree``: True where weight decay applies.
 
@@ -59,6 +76,10 @@ def get_param_mask_fn(
         e.g. ``[r"bias$", r"scale$"]``. ``None`` or ``[]`` decays everything.
       include: patterns of the only leaves that are decayed. Give either
         ``exclude`` or ``include``, not both.
+      allow_unmatched: let a pattern match no leaf (one optimizer config for
+        model families with and without biases: ``[r"bias$", r"scale$"]`` on a
+        LLaMA-style model). Strict by default: a pattern that matches nothing
+        is taken for a typo and raises.
 
     Returns:
       ``mask_fn(params)`` returning a tree of Python bools with the structure
@@ -66,8 +87,9 @@ def get_param_mask_fn(
 
     Raises:
       ValueError: both ``exclude`` and ``include`` are given, a pattern is not
-        a valid regex, or (when the mask is built) a pattern matches no leaf,
-        counting leaves hidden by an enclosing ``optax.masked``/``multi_transform``.
+        a valid regex, or (when the mask is built, unless ``allow_unmatched``) a
+        pattern matches no leaf, counting leaves hidden by an enclosing
+        ``optax.masked``/``multi_transform``.
 
     >>> import jax.numpy as jnp
     >>> mask_fn = get_param_mask_fn(exclude=[r"bias$"])
@@ -83,14 +105,14 @@ def get_param_mask_fn(
 
     def mask_fn(params: Params) -> PyTree:
         visible, hidden = _visible_and_hidden_paths(params, name=name, patterns=patterns)
-        hits = match_patterns(visible + hidden, patterns, name=name)
+        hits = _matches(visible + hidden, patterns, name=name, allow_unmatched=allow_unmatched)
         return _with_leaf_values(params, [h if use_include else not h for h in hits[: len(visible)]])
 
     return mask_fn
 
 
 def get_param_label_fn(
-    rules: Sequence[tuple[str, Hashable]], default: Hashable = "default"
+    rules: Sequence[tuple[str, Hashable]], default: Hashable = "default", *, allow_unmatched: bool = False
 ) -> Callable[[Params], PyTree]:
     """A function ``params -> label tree`` for ``optax.multi_transform``.
 
@@ -98,13 +120,16 @@ def get_param_label_fn(
       rules: ordered ``(pattern, label)`` pairs; the first pattern that
         ``re.search``-matches a leaf's path gives its label.
       default: the label of leaves no rule matches.
+      allow_unmatched: let a rule's pattern match no leaf (one config for
+        several model families). Strict by default: it raises.
 
     Returns:
       ``label_fn(params)`` returning a tree of labels with the structure of
       ``params`` (boxes kept).
 
     Raises:
-      ValueError: a pattern is invalid or (when labels are built) matches no leaf.
+      ValueError: a pattern is invalid or (when labels are built, unless
+        ``allow_unmatched``) matches no leaf.
 
     >>> import jax.numpy as jnp, optax
     >>> label_fn = get_param_label_fn([(r"^embed/", "frozen")], default="train")
@@ -121,7 +146,8 @@ def get_param_label_fn(
         paths = visible + hidden
         for pat, (_, label) in zip(compiled, rules):
             # Every rule must match something, even where an earlier rule wins.
-            for i, hit in enumerate(match_patterns(paths, [pat], name="rules")[: len(visible)]):
+            hits = _matches(paths, [pat], name="rules", allow_unmatched=allow_unmatched)
+            for i, hit in enumerate(hits[: len(visible)]):
                 if hit and labels[i] is None:
                     labels[i] = label
         return _with_leaf_values(params, [default if lab is None else lab for lab in labels])

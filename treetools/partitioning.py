@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import Any, Mapping
 
 import jax
@@ -20,11 +21,16 @@ from treetools._typing import PyTree
 
 __all__ = [
     "LeafSharding",
+    "active_mesh",
+    "box_spec",
     "is_box",
     "is_partitioned",
     "leaf_sharding",
     "mesh_axes_of",
+    "own_sharding",
+    "params_of",
     "rebox",
+    "resolve_sharding",
     "shard_shape",
     "unbox",
     "unbox_tree",
@@ -155,17 +161,142 @@ def _context_mesh() -> dict[str, int] | None:
     return _mesh_sizes(mesh) if mesh is not None and not getattr(mesh, "empty", True) else None
 
 
-def _logical_spec(names: tuple, rules: Any) -> PartitionSpec:
+def _is_logical_box(x: Any) -> bool:
+    return _is_linen_box(x) and hasattr(x, "rules") and "Logically" in type(x).__name__
+
+
+def _linen_spec(x: Any) -> PartitionSpec:
+    # flax's own rules: a LogicallyPartitioned box maps its names with
+    # ``nn.logical_to_mesh_axes`` (its ``rules``, else the context's; a name no
+    # rule maps is replicated), exactly as its ``unbox`` constrains the value.
+    names = tuple(x.names)
+    if not _is_logical_box(x):
+        return x.get_partition_spec() if hasattr(x, "get_partition_spec") else PartitionSpec(*names)
     from flax import linen as nn  # heavy; only for logical names
 
-    if rules is None:
-        rules = nn.get_logical_axis_rules()
-    spec = nn.logical_to_mesh_axes(names, rules)
-    return PartitionSpec(*spec) if spec is not None else PartitionSpec(*([None] * len(names)))
+    spec = nn.logical_to_mesh_axes(names, getattr(x, "rules", None))
+    return spec if spec is not None else PartitionSpec(*([None] * len(names)))
+
+
+def _nnx_spec(x: Any) -> PartitionSpec | None:
+    # flax's own rules: ``nnx.spmd.get_var_pspec`` (the Variable's
+    # ``sharding_rules`` composed with the ``logical_axis_rules`` context).
+    names = x.get_metadata().get("out_sharding")
+    if not names:
+        return None
+    from flax.core import spmd as core_spmd
+    from flax.nnx import spmd
+
+    if isinstance(names, NamedSharding):  # get_var_pspec unpacks the names; flax's shard_value maps the spec
+        return core_spmd.apply_rules(names, x.get_metadata().get("sharding_rules")).spec
+    return spmd.get_var_pspec(x)
+
+
+def box_spec(x: Any) -> PartitionSpec | None:
+    """The PartitionSpec (over mesh axes) a box's names give, through flax's own rules.
+
+    linen ``Partitioned``: its names; ``LogicallyPartitioned``: its names
+    through ``nn.logical_to_mesh_axes`` (its ``rules``, else the
+    ``nn.logical_axis_rules`` context); nnx ``Variable``: ``nnx.spmd.get_var_pspec``.
+    None for a leaf that is no box or carries no names. The array inside is
+    not looked at: that is ``own_sharding``.
+
+    >>> import flax.linen as nn, numpy as np
+    >>> box = nn.LogicallyPartitioned(np.ones((4, 4)), names=("embed", "mlp"), rules=(("embed", "fsdp"),))
+    >>> box_spec(box)
+    P('fsdp', None)
+    """
+    if _is_linen_box(x):
+        return _linen_spec(x)
+    if _is_nnx_variable(x):
+        return _nnx_spec(x)
+    return None
+
+
+def _box_mesh(x: Any) -> Any:
+    if _is_linen_box(x):
+        return getattr(x, "mesh", None)
+    if _is_nnx_variable(x):
+        meta = x.get_metadata()
+        names = meta.get("out_sharding")
+        return names.mesh if isinstance(names, NamedSharding) else meta.get("mesh")
+    return None
+
+
+def own_sharding(x: Any) -> jax.sharding.Sharding | None:
+    """The ``Sharding`` the array (or ``ShapeDtypeStruct``) inside ``x`` carries itself.
+
+    That is where a placed array really is, whatever names its box carries.
+    None for numpy arrays, tracers, structs without a sharding and non-arrays.
+
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> own_sharding(np.ones(2)) is None, own_sharding(jnp.ones(2)).is_fully_replicated
+    (True, True)
+    """
+    value = unbox(x)
+    if isinstance(value, jax.core.Tracer):
+        return None
+    sharding = getattr(value, "sharding", None)
+    return sharding if isinstance(sharding, jax.sharding.Sharding) else None
+
+
+def active_mesh() -> jax.sharding.Mesh | None:
+    """The concrete ``Mesh`` of the enclosing ``jax.set_mesh(...)``, or None.
+
+    >>> active_mesh() is None
+    True
+    """
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    if get_mesh is None:
+        return None
+    try:
+        mesh = get_mesh()
+    except Exception:  # no concrete mesh in this context
+        return None
+    return mesh if isinstance(mesh, jax.sharding.Mesh) and not mesh.empty else None
+
+
+def _is_abstract_mesh_sharding(sharding: Any) -> bool:
+    return isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, jax.sharding.AbstractMesh)
+
+
+def resolve_sharding(sharding: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
+    """A ``NamedSharding`` on an ``AbstractMesh`` put on a concrete mesh; any other value as is.
+
+    ``nnx.eval_shape`` under ``jax.set_mesh`` gives structs whose shardings
+    live on the abstract mesh, which cannot place data. The spec is kept and
+    laid on ``mesh``, or on the active concrete mesh (``jax.set_mesh``).
+
+    Raises:
+      ValueError: no concrete mesh is given or active, or the spec names an
+        axis the mesh does not have.
+    """
+    if not _is_abstract_mesh_sharding(sharding):
+        return sharding
+    mesh = mesh if mesh is not None else active_mesh()
+    if mesh is None:
+        raise ValueError(
+            f"the sharding {sharding.spec} lives on an AbstractMesh (axes {tuple(sharding.mesh.axis_names)}), "
+            "which cannot place data; call inside `with jax.set_mesh(mesh):` or pass `mesh=`."
+        )
+    missing = [a for e in sharding.spec for a in mesh_axes_of(e) if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"the sharding {sharding.spec} names mesh axes {missing} that the mesh (axes "
+            f"{tuple(mesh.axis_names)}) does not have."
+        )
+    return NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
 
 
 def leaf_sharding(x: Any, *, mesh: Any = None) -> LeafSharding | None:
     """The PartitionSpec (over mesh axes) and mesh-axis sizes of one leaf.
+
+    A leaf whose array (or struct) carries a ``NamedSharding`` answers with
+    it: that is where the array is, whatever names its box carries. Otherwise
+    (numpy, single-device arrays, ``jax.eval_shape`` structs, tracers) a box
+    answers with its names, mapped to mesh axes by flax's own rules
+    (``box_spec``), the mesh sizes from the box's mesh, else ``mesh``, else the
+    ambient mesh.
 
     Args:
       x: a box, a ``jax.Array``, or a ``ShapeDtypeStruct``.
@@ -180,25 +311,13 @@ def leaf_sharding(x: Any, *, mesh: Any = None) -> LeafSharding | None:
     >>> leaf_sharding(nn.Partitioned(jnp.ones((4, 4)), names=("fsdp", None)), mesh={"fsdp": 2}).spec
     P('fsdp', None)
     """
-    fallback = mesh if isinstance(mesh, Mapping) else _mesh_sizes(mesh)
-    if _is_linen_box(x):
-        names = tuple(x.names)
-        if hasattr(x, "rules") and "Logically" in type(x).__name__:
-            spec = _logical_spec(names, getattr(x, "rules", None))
-        else:
-            spec = PartitionSpec(*names)
-        return LeafSharding(spec, _mesh_sizes(getattr(x, "mesh", None)) or fallback or _context_mesh())
-    if _is_nnx_variable(x):
-        names = _nnx_names(x)
-        if names is None:
-            return leaf_sharding(x.get_value(), mesh=mesh)
-        meta = x.get_metadata()
-        rules = meta.get("sharding_rules")
-        spec = _logical_spec(names, rules) if rules else PartitionSpec(*names)
-        return LeafSharding(spec, _mesh_sizes(meta.get("mesh")) or fallback or _context_mesh())
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-        return LeafSharding(sharding.spec, _mesh_sizes(sharding.mesh))
+    own = own_sharding(x)
+    if isinstance(own, NamedSharding):
+        return LeafSharding(own.spec, _mesh_sizes(own.mesh))
+    spec = box_spec(x)
+    if spec is not None:
+        fallback = mesh if isinstance(mesh, Mapping) else _mesh_sizes(mesh)
+        return LeafSharding(spec, _mesh_sizes(_box_mesh(x)) or fallback or _context_mesh())
     return None
 
 
@@ -214,7 +333,7 @@ def unmapped_logical_names(x: Any) -> tuple[str, ...]:
     >>> unmapped_logical_names(nn.LogicallyPartitioned(np.ones((2, 2)), names=("embed", None)))
     ('embed',)
     """
-    if not (_is_linen_box(x) and hasattr(x, "rules") and "Logically" in type(x).__name__):
+    if not _is_logical_box(x):
         return ()
     if getattr(x, "rules", None) is not None:
         return ()
@@ -241,8 +360,10 @@ def mesh_axes_of(entry: Any) -> tuple[str, ...]:
 def shard_shape(x: Any, *, mesh: Any = None) -> tuple[int, ...]:
     """The shape of the largest piece of ``x`` that one device holds.
 
-    Uses the array's own ``Sharding`` when it has one (any kind, not only
-    NamedSharding); for boxes, the names and the mesh. Uneven splits round up.
+    The array's own ``Sharding`` first (any kind, not only NamedSharding; a
+    box's names do not override where its array really is); for a box whose
+    array carries no sharding (numpy, ``jax.eval_shape`` structs), its names
+    and the mesh. Uneven splits round up.
 
     Raises:
       ValueError: the leaf names mesh axes but no mesh gives their sizes.
@@ -253,13 +374,12 @@ def shard_shape(x: Any, *, mesh: Any = None) -> tuple[int, ...]:
     """
     value = unbox(x)
     shape = tuple(getattr(value, "shape", ()) or ())
-    if not is_box(x):
-        sharding = getattr(value, "sharding", None)
-        if isinstance(sharding, jax.sharding.Sharding):
-            try:
-                return tuple(sharding.shard_shape(shape))
-            except Exception:  # uneven split: fall through to the ceil rule
-                pass
+    sharding = own_sharding(x)
+    if sharding is not None:
+        try:
+            return tuple(sharding.shard_shape(shape))
+        except Exception:  # uneven split: fall through to the ceil rule
+            pass
     info = leaf_sharding(x, mesh=mesh)
     if info is None:
         return shape
@@ -269,10 +389,44 @@ def shard_shape(x: Any, *, mesh: Any = None) -> tuple[int, ...]:
         parts = 1
         for axis in mesh_axes_of(entry):
             if axis not in sizes:
+                known = f"the mesh has axes {tuple(sizes)}" if sizes else "no mesh says its size"
                 raise ValueError(
-                    f"leaf is sharded over mesh axis `{axis}` but no mesh says its size; "
-                    "pass `mesh=` (a Mesh or {axis: size}) or call inside `jax.set_mesh(mesh)`."
+                    f"leaf is sharded over mesh axis `{axis}` but {known}; "
+                    "pass `mesh=` (a Mesh or {axis: size}) or call inside `jax.set_mesh(mesh)`"
+                    + ("; map logical names to mesh axes with `nn.logical_axis_rules(...)`." if sizes else ".")
                 )
             parts *= sizes[axis]
         out.append(math.ceil(dim / parts))
     return tuple(out)
+
+
+def _is_nnx_module(x: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")  # a Module exists only once flax.nnx is imported
+    return nnx is not None and isinstance(x, nnx.Module)
+
+
+def params_of(state: Any) -> Any:
+    """The parameters of a state: what ``get_num_params`` and ``tabulate_params`` count.
+
+    * an nnx ``Module``: ``nnx.state(module, nnx.Param)``, its ``nnx.Param``
+      variables only (no ``BatchStat``, no ``Rngs`` keys and counts);
+    * a ``TrainState`` (any non-mapping object with a ``params`` attribute,
+      e.g. ``flax.training.train_state.TrainState``): its ``params``, not the
+      optimizer state or the step;
+    * anything else (a params dict, linen ``variables``, an nnx ``State``, an
+      optax state): the tree itself, every leaf counted.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax.training import train_state
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+    >>> params_of(state) is params
+    True
+    """
+    if _is_nnx_module(state):
+        from flax import nnx
+
+        return nnx.state(state, nnx.Param)
+    if not isinstance(state, Mapping) and not is_box(state) and hasattr(state, "params"):
+        return state.params
+    return state

@@ -7,7 +7,7 @@ for code that imported them from ``treetools.table``.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 from treetools._typing import PyTree
 from treetools.render import render_rows
@@ -28,15 +28,10 @@ __all__ = [
 
 
 def _params_of(state: Any) -> PyTree:
-    """A TrainState's ``params``; an nnx Module's state; any other tree as is."""
-    if hasattr(state, "params") and not isinstance(state, Mapping):
-        return state.params
-    if hasattr(state, "__class__") and any(c.__module__.startswith("flax.nnx") and c.__name__ == "Module"
-                                           for c in type(state).__mro__):
-        from flax import nnx
+    """What the table shows: ``treetools.partitioning.params_of``, the rule ``get_num_params`` counts by."""
+    from treetools.partitioning import params_of
 
-        return nnx.state(state, nnx.Param)
-    return state
+    return params_of(state)
 
 
 def tabulate_params(
