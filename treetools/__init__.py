@@ -122,6 +122,7 @@ _EXPORTS = {  # public name -> module under treetools
     "latest_step": "steps",
     "CheckpointMismatchError": "errors",
     "CheckpointNotFoundError": "errors",
+    "StepDeletedError": "errors",
     "PatternError": "errors",
     # inspect
     "inspect_path": "inspect",
@@ -153,7 +154,13 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.abstract import make_abstract, replicate, update_ema
     from treetools.checkpoint import get_checkpoint_manager, load_parameters, restore_checkpoint, save_checkpoint
     from treetools.counting import get_num_bytes, get_num_params
-    from treetools.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, PatternError
+    from treetools.errors import (
+        CheckpointError,
+        CheckpointMismatchError,
+        CheckpointNotFoundError,
+        PatternError,
+        StepDeletedError,
+    )
     from treetools.inspect import Format, diff_paths, inspect_path, open_checkpoint, open_source, register_format
     from treetools.steps import latest_step, list_incomplete, list_steps
     from treetools.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn

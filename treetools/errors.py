@@ -20,7 +20,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-__all__ = ["CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError", "Mismatch", "PatternError"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "Mismatch",
+    "PatternError",
+    "StepDeletedError",
+]
 
 
 class CheckpointError(ValueError):
@@ -45,6 +52,14 @@ class CheckpointNotFoundError(FileNotFoundError):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+class StepDeletedError(CheckpointNotFoundError):
+    """A step folder vanished between listing the steps and reading it (a manager pruning old steps).
+
+    Reading again sees the steps present now; ``treetools inspect`` does so
+    once by itself when the step was the latest.
+    """
 
 
 class PatternError(ValueError):

@@ -104,6 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    budget = getattr(args, "memory_budget_mb", None)
+    saved_budget = os.environ.get("TREETOOLS_MEMORY_BUDGET_MB")
+    if budget is not None:  # the readers take it from the environment; restored below (tests call main in-process)
+        os.environ["TREETOOLS_MEMORY_BUDGET_MB"] = repr(budget)
     try:
         code = args._main(args)
     except KeyboardInterrupt:
@@ -125,4 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _error(str(e) or type(e).__name__)
         return code
+    finally:
+        if budget is not None:
+            if saved_budget is None:
+                os.environ.pop("TREETOOLS_MEMORY_BUDGET_MB", None)
+            else:
+                os.environ["TREETOOLS_MEMORY_BUDGET_MB"] = saved_budget
     return int(code or 0)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treetools.cli._args import chunk_mb, positive_int, regex, step
+from treetools.cli._args import chunk_mb, positive_float, positive_int, regex, step
 
 __all__ = ["add_arguments", "main"]
 
@@ -49,8 +49,16 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--item", metavar="NAME",
                         help="only this item of a composite checkpoint (e.g. params); in a single-tree file "
                              "(msgpack of a whole state, npz, safetensors) a top-level key")
+    add_memory_argument(parser)
     # Hidden: the block budget of --stats / --values (tests and benchmarks shrink it).
     parser.add_argument("--chunk-mb", type=chunk_mb, default=None, dest="chunk_bytes", help=argparse.SUPPRESS)
+
+
+def add_memory_argument(parser: argparse.ArgumentParser) -> None:
+    """``--memory-budget-mb``: the most stored data decoded at once (``inspect``, ``diff``, ``verify``)."""
+    parser.add_argument("--memory-budget-mb", type=positive_float, default=None, metavar="MB",
+                        help="most stored data decoded at once by --stats/--show/--values/verify: one storage "
+                             "chunk or one --show read (default 2048; TREETOOLS_MEMORY_BUDGET_MB)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

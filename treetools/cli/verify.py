@@ -21,6 +21,7 @@ import json
 import sys
 
 from treetools.cli._args import step
+from treetools.cli.inspect import add_memory_argument
 
 __all__ = ["add_arguments", "main"]
 
@@ -30,6 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step", type=step, default=None, metavar="N|latest|all",
                         help="step of a checkpoint root (default latest); `all` checks every committed step")
     parser.add_argument("--format", choices=("table", "json"), default="table", help="output format (default table)")
+    add_memory_argument(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -36,6 +36,51 @@ def chunk_bytes_from_env(default: int = DEFAULT_CHUNK_BYTES) -> int:
     return value
 
 
+DEFAULT_MEMORY_BUDGET = 2 * 2**30
+"""Default memory budget: the most stored data ``--stats``, ``--show``, ``diff --values``
+and ``verify`` decode at once (one storage chunk, or one ``--show`` read)."""
+
+
+def memory_budget() -> int:
+    """The memory budget in bytes: ``TREETOOLS_MEMORY_BUDGET_MB`` (the CLI's ``--memory-budget-mb``) or 2 GiB."""
+    raw = os.environ.get("TREETOOLS_MEMORY_BUDGET_MB")
+    if not raw:
+        return DEFAULT_MEMORY_BUDGET
+    try:
+        value = float(raw)
+    except ValueError:
+        raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be a number of MB, got {raw!r}.") from None
+    if not value > 0:
+        raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be positive, got {raw!r}.")
+    return int(value * 2**20)
+
+
+def check_budget(nbytes: int, *, where: str, what: str) -> None:
+    """Refuse to decode ``nbytes`` at once when that is over the memory budget (one line naming the flag).
+
+    >>> check_budget(10, where="w", what="one storage chunk")
+    >>> check_budget(2**50, where="ckpt/params: `w`", what="one storage chunk")
+    Traceback (most recent call last):
+    treetools.errors.CheckpointError: ckpt/params: `w`: one storage chunk decodes to 1024.00 TiB, over the memory budget of 2.00 GiB; raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
+    """
+    budget = memory_budget()
+    if nbytes > budget:
+        from treetools.rows import human
+
+        raise CheckpointError(
+            f"{where}: {what} decodes to {human(nbytes, 'B')}, over the memory budget of {human(budget, 'B')}; "
+            "raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory."
+        )
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes, when the OS says."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def np_dtype(name: str) -> np.dtype:
     """A numpy dtype by name, including ml_dtypes ones (``bfloat16``, ``float8_e4m3fn``)."""
     try:

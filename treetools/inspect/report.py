@@ -12,13 +12,14 @@ import math
 import re
 from typing import Any, Sequence
 
-from treetools.errors import CheckpointError
-from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, is_numeric
+from treetools.errors import CheckpointError, StepDeletedError
+from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, is_numeric, memory_budget
 from treetools.inspect.source import NO_VALUE, Item, Leaf, Snapshot, jsonable, open_source
 from treetools.inspect.stats import Progress, StatsAccumulator, compute_stats
 from treetools.paths import compile_patterns, match_patterns  # string helpers: no jax
 from treetools.render import json_safe, render_report
-from treetools.rows import Row, Totals, aggregate_rows, common_prefix, sort_rows, totals
+from treetools.steps import parse_step
+from treetools.rows import Row, Totals, aggregate_rows, common_prefix, human, sort_rows, totals
 
 __all__ = ["ItemReport", "Report", "SCHEMA", "StepReport", "inspect_path", "json_safe", "order_items", "render_report"]
 
@@ -296,6 +297,34 @@ def inspect_path(
     """
     if depth is not None and depth < 1:
         raise ValueError(f"`depth` must be a positive integer, got {depth}.")
+    args = dict(step=step, item=item, depth=depth, leaves=leaves, include=include, exclude=exclude, sort=sort,
+                stats=stats, chunk_bytes=chunk_bytes, progress=progress, rows_per_item=rows_per_item)
+    try:
+        return _inspect(path, **args)
+    except StepDeletedError as e:
+        if parse_step(step, allow_all=True) not in (None, -1):
+            raise
+        # The latest step went while it was read (a manager saved a newer one and pruned it): once more.
+        report = _inspect(path, **args)
+        report.notes.insert(0, f"{e} Read again: showing step {report.step}.")
+        return report
+
+
+def _inspect(
+    path: str,
+    *,
+    step: int | str | None,
+    item: str | None,
+    depth: int | None,
+    leaves: bool,
+    include: Sequence[str],
+    exclude: Sequence[str],
+    sort: str | None,
+    stats: bool,
+    chunk_bytes: int,
+    progress: bool | None,
+    rows_per_item: int | None,
+) -> Report:
     source = open_source(path)
     all_steps = step == "all"
     wanted = [item] if item is not None else None
@@ -312,7 +341,14 @@ def inspect_path(
     accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite: list[str] = []
     if stats:
-        accs, nonfinite = _compute_stats(kept, snaps, chunk_bytes, progress)
+        try:
+            accs, nonfinite = _compute_stats(kept, snaps, chunk_bytes, progress)
+        except (CheckpointError, OSError):
+            for s in snaps:  # a step deleted while its arrays were read: say so, not "cannot read chunk"
+                gone = source.step_deleted(s.step)
+                if gone is not None:
+                    raise gone from None
+            raise
     by_step = []
     grouped_at = None
     for i, s in enumerate(snaps):
@@ -460,7 +496,14 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
             raise ValueError(f"`{item_name}/{leaf.name}` is a value, not an array; drop the index.")
         return f"{item_name}/{leaf.name}", leaf.value
     shape = tuple(leaf.reader.shape)
+    where = f"{source.path}: `{item_name}/{leaf.name}`"
     if index is None:
+        nbytes = _size(shape) * leaf.reader.dtype.itemsize
+        if nbytes > memory_budget():  # without a slice the whole leaf is read: a slice reads what is printed
+            raise CheckpointError(
+                f"{where} is {human(nbytes, 'B')}, over the memory budget of {human(memory_budget(), 'B')}; "
+                f"show a slice of it (e.g. `{leaf.name}[:4]`), or raise the budget with --memory-budget-mb."
+            )
         return f"{item_name}/{leaf.name}", leaf.reader.read_all()
     if len(index) > len(shape):
         raise ValueError(f"`show` index {spec!r} has {len(index)} entries for an array of shape {shape}.")

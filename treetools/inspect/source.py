@@ -25,7 +25,7 @@ import os
 import pkgutil
 from typing import Any, Callable, Sequence
 
-from treetools.errors import CheckpointError, CheckpointNotFoundError
+from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.inspect.arrays import ArrayReader, InMemoryReader
 from treetools.rows import Row, dtype_name
 from treetools.steps import StepListing, file_kind, parse_step, resolve_step
@@ -191,6 +191,26 @@ class Source:
             (the message lists the items present).
         """
         resolved = self.resolve(step)
+        try:
+            return self._snapshot(resolved, items)
+        except (CheckpointError, OSError):
+            gone = self.step_deleted(resolved)
+            if gone is not None:
+                raise gone from None
+            raise
+
+    def step_deleted(self, step: int | None) -> StepDeletedError | None:
+        """The error to raise when ``step``'s folder is gone since the steps were listed, else None."""
+        if step is None or self.listing is None or step not in self.listing.committed:
+            return None
+        if os.path.isdir(self.listing.committed[step]):
+            return None
+        return StepDeletedError(
+            f"{self.path}: step {step} was deleted while it was being read (a manager pruning old steps?); "
+            "run again to read the steps present now."
+        )
+
+    def _snapshot(self, resolved: int | None, items: Sequence[str] | None) -> Snapshot:
         present = self.item_names(resolved)
         if items is None:
             names = present

@@ -22,12 +22,13 @@ import dataclasses
 import datetime
 import json
 import os
+import math
 from typing import Any, Sequence
 
 import numpy as np
 
 from treetools.errors import CheckpointError
-from treetools.inspect.arrays import ArrayReader, Index
+from treetools.inspect.arrays import ArrayReader, Index, check_budget, physical_memory
 from treetools.inspect.source import (
     Format,
     Item,
@@ -90,13 +91,34 @@ class TensorStoreReader(ArrayReader):
         self._where = where
         self._store: Any = None
 
-    def _open(self) -> Any:
+    def _open(self, *, whole: bool = False) -> Any:
+        """Open the store; refuse before decoding anything when one stored chunk is too big to hold.
+
+        The chunk shape is the store's own (``.zarray`` / ``zarr.json``), which a
+        hostile file may declare at 2^40 elements: block reads are held to the
+        memory budget, a whole-array read (``load_parameters``) to the machine's memory.
+        """
         import tensorstore as ts
 
         try:
-            return ts.open(self.spec, read=True, open=True, context=ts.Context()).result()
+            store = ts.open(self.spec, read=True, open=True, context=ts.Context()).result()
         except Exception as e:  # tensorstore raises ValueError with a long status text
             raise CheckpointError(f"{self._where}: cannot open array data ({_first_line(e)}).") from None
+        try:
+            chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
+        except Exception:  # a driver without a chunk layout: fall back to the metadata's
+            chunk = tuple(self.chunk_shape or self.shape)
+        piece = math.prod(chunk) * self.dtype.itemsize
+        if whole:
+            memory = physical_memory()
+            if memory is not None and max(piece, math.prod(self.shape) * self.dtype.itemsize) > memory:
+                raise CheckpointError(
+                    f"{self._where}: the array (or one stored chunk, {list(chunk)}) is larger than this machine's "
+                    "memory; read it in slices (treetools inspect --show LEAF[SLICE]) instead."
+                )
+        else:
+            check_budget(piece, where=self._where, what=f"one storage chunk ({list(chunk)} {self.dtype})")
+        return store
 
     def _result(self, future: Any) -> np.ndarray:
         try:
@@ -107,6 +129,9 @@ class TensorStoreReader(ArrayReader):
     def read(self, index: Index) -> np.ndarray:
         store = self._store if self._store is not None else self._open()
         return self._result(store[index].read())
+
+    def read_all(self) -> np.ndarray:
+        return self._result(self._open(whole=True).read())
 
     def blocks(self, plan):
         """Blocks in plan order; the next block's read is in flight while the caller uses this one."""
