@@ -9,13 +9,16 @@ about which step is the latest.
 Step folders are named like Orbax names them: ``100``, zero padded
 ``000100``, or ``<prefix>_100``. A step is *committed* when
 
-* its name carries no Orbax tmp suffix (``300.orbax-checkpoint-tmp-1700000000``), and
+* its name carries no tmp suffix (Orbax's ``300.orbax-checkpoint-tmp-1700000000``,
+  T5X's ``checkpoint_300.tmp-1700000000``), and
 * it holds Orbax's commit marker ``commit_success.txt``, or a
   ``_CHECKPOINT_METADATA`` whose ``commit_timestamp_nsecs`` is set, or (Orbax
   before step metadata existed) no ``_CHECKPOINT_METADATA`` at all but an
   item folder that Orbax finalized (its ``_METADATA`` or JSON ``metadata``).
 
-Everything else is *incomplete*: listed, never read, never the latest.
+Everything else is *incomplete*: listed, never read, never the latest. A
+format with its own commit evidence (T5X's ``checkpoint`` file) passes its
+rule to ``scan_steps(commit_rule=...)``; step names and tmp suffixes stay these.
 Metadata files are checked to be regular files and read with a size cap, so
 a FIFO or a huge file in a step folder cannot hang or exhaust a reader.
 """
@@ -28,7 +31,7 @@ import operator
 import os
 import re
 import stat
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Union
 
 from treetools.errors import CheckpointError, CheckpointNotFoundError
 
@@ -68,6 +71,8 @@ StepSpec = Union[int, str, None]
 
 # "N", "000N" or "<prefix>_N" (Orbax's step_prefix joins with an underscore).
 _STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
+# T5X saves into "<step name>.tmp-<unix time>" and renames it when done.
+_T5X_TMP_NAME = re.compile(r"^(?P<head>.+)\.tmp-\d+$")
 
 
 def read_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> bytes:
@@ -161,13 +166,20 @@ def parse_step_name(name: str, *, step_prefix: str | None = None) -> int | None:
 
 
 def tmp_step(name: str, *, step_prefix: str | None = None) -> int | None:
-    """The step an Orbax tmp folder (``<step name>.orbax-checkpoint-tmp-<ts>``) was saving, else None.
+    """The step a tmp folder was saving, else None.
 
-    >>> tmp_step("ckpt_0300.orbax-checkpoint-tmp-1700000000"), tmp_step("300")
-    (300, None)
+    Orbax's tmp folders are ``<step name>.orbax-checkpoint-tmp-<ts>``, T5X's ``<step name>.tmp-<ts>``.
+
+    >>> tmp_step("ckpt_0300.orbax-checkpoint-tmp-1700000000"), tmp_step("checkpoint_300.tmp-1700000000"), tmp_step("300")
+    (300, 300, None)
     """
     head, sep, _ = name.partition(TMP_DIR_SUFFIX)
-    return parse_step_name(head, step_prefix=step_prefix) if sep else None
+    if not sep:
+        m = _T5X_TMP_NAME.match(name)
+        if m is None:
+            return None
+        head = m.group("head")
+    return parse_step_name(head, step_prefix=step_prefix)
 
 
 def _is_regular(path: str) -> bool:
@@ -242,12 +254,19 @@ class StepListing:
         return self.committed[step]
 
 
-def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None) -> StepListing:
+def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
+               commit_rule: Callable[[str], bool] | None = None) -> StepListing:
     """Committed and incomplete step folders directly under ``root``.
 
     Reads names and marker files only (no array data), and never writes.
     Files and folders that are not step folders are ignored; a missing root
     gives an empty listing.
+
+    Args:
+      root: the checkpoint root.
+      step_prefix: only accept this step-name prefix (None: any prefix or none).
+      commit_rule: a format's own test of a step folder without a tmp suffix
+        (default ``is_committed``, Orbax's commit evidence).
 
     >>> import tempfile, pathlib
     >>> root = pathlib.Path(tempfile.mkdtemp())
@@ -286,7 +305,7 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None) -> St
             if entry.is_symlink() and not os.path.exists(entry.path):
                 skipped.append(name)
             continue
-        if tmp is None and is_committed(entry.path):
+        if tmp is None and (commit_rule or is_committed)(entry.path):
             committed.setdefault(step, []).append(entry.path)
         else:
             incomplete.append((step, name))
