@@ -195,3 +195,17 @@ def test_stats_of_a_step_deleted_mid_read_is_retried_for_the_latest(tmp_path, ca
     assert data["checkpoints"][0]["step"] == 3
     assert data["checkpoints"][0]["items"]["params"]["leaves"][0]["stats"]["mean"] == pytest.approx(2.0)
     assert "step 2 was deleted" in err
+
+
+def test_msgpack_parsed_whole_is_held_to_the_budget_but_load_parameters_is_not(tmp_path, capsys, monkeypatch):
+    from flax import serialization
+
+    w = np.random.default_rng(2).random(2**20, dtype=np.float32)  # a 4 MiB file: parsing holds about 8 MiB
+    path = tmp_path / "state.msgpack"
+    path.write_bytes(serialization.to_bytes({"params": {"w": w}}))
+    code, _, err = _run(capsys, "inspect", path, "--memory-budget-mb", "4")
+    assert code == 1 and "parsed whole" in err and "--memory-budget-mb" in err
+    code, out, _ = _run(capsys, "inspect", path, "--memory-budget-mb", "16", "--show", "params/w[:3]")
+    assert code == 0 and np.array2string(w[:3]).split()[0].strip("[") in out
+    monkeypatch.setenv("TREETOOLS_MEMORY_BUDGET_MB", "1")
+    np.testing.assert_array_equal(tt.load_parameters(path)["w"], w)

@@ -737,6 +737,14 @@ def load_parameters(
     >>> load_parameters(root)["w"]
     array([0., 1., 2.])
     """
+    from treetools.inspect.arrays import whole_reads
+
+    with whole_reads():  # whole arrays are what it returns: held to the machine's memory, not the block budget
+        return _load_parameters(checkpoint_dir, step, use_ema_params, target, item, sharding, allow_dtype_cast)
+
+
+def _load_parameters(checkpoint_dir: Any, step: Any, use_ema_params: bool, target: Any, item: str | None,
+                     sharding: Any, allow_dtype_cast: bool) -> Any:
     from treetools.inspect.source import open_source
 
     source = open_source(_local(checkpoint_dir))

@@ -8,6 +8,8 @@ chunks, so no chunk is decoded twice.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
 from typing import Any, Iterable, Iterator, Sequence
@@ -41,8 +43,26 @@ DEFAULT_MEMORY_BUDGET = 2 * 2**30
 and ``verify`` decode at once (one storage chunk, or one ``--show`` read)."""
 
 
+_WHOLE_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("treetools_whole_reads", default=False)
+
+
+@contextlib.contextmanager
+def whole_reads() -> Iterator[None]:
+    """Inside: no memory budget (``load_parameters`` returns whole arrays; the machine's memory bounds it)."""
+    token = _WHOLE_READS.set(True)
+    try:
+        yield
+    finally:
+        _WHOLE_READS.reset(token)
+
+
 def memory_budget() -> int:
-    """The memory budget in bytes: ``TREETOOLS_MEMORY_BUDGET_MB`` (the CLI's ``--memory-budget-mb``) or 2 GiB."""
+    """The memory budget in bytes: ``TREETOOLS_MEMORY_BUDGET_MB`` (the CLI's ``--memory-budget-mb``) or 2 GiB.
+
+    Unbounded inside ``whole_reads()``.
+    """
+    if _WHOLE_READS.get():
+        return 2**62
     raw = os.environ.get("TREETOOLS_MEMORY_BUDGET_MB")
     if not raw:
         return DEFAULT_MEMORY_BUDGET
