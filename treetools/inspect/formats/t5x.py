@@ -1,0 +1,385 @@
+"""T5X checkpoints, and Orbax saves from before 0.5 (the same files), read without jax, flax or T5X.
+
+T5X (``t5x.checkpoints.Checkpointer``) saves step ``N`` of a model dir into
+``checkpoint_N.tmp-<unix time>/`` and renames it ``checkpoint_N/`` when done:
+
+* every partitioned array is a zarr folder written through TensorStore, named
+  by its state-dict key path joined with ``.`` (``target.encoder.layers_0.
+  attention.query.kernel``), bfloat16 stored as bfloat16 (checkpoint version 3);
+* ``checkpoint``, written last, is a Flax msgpack of ``{"version": 3,
+  "optimizer": state_dict}``: each leaf is either its value inline (msgpack
+  ext arrays: unpartitioned arrays, the step) or the TensorStore spec of its
+  zarr folder, ``{"driver": "zarr", "kvstore": {"driver": "file", "path":
+  NAME}, "metadata": {...}}`` with ``NAME`` relative to the step folder.
+
+Orbax before 0.5 (T5X's Orbax-era ``checkpoint_N/state/``, any
+``CheckpointManager`` root ``N/<item>/``) wrote the same zarr folders per
+leaf and an item-level ``checkpoint`` msgpack whose leaves are inline values
+or ``"PLACEHOLDER://NAME"``, and no ``_METADATA``.
+
+A spec or placeholder is one leaf; its shape and dtype come from the zarr
+folder's ``.zarray`` (checked against the spec), its data is read only on
+request, through TensorStore, rooted in the step (or item) folder: a name
+that is absolute, has ``..`` or resolves outside that folder is refused.
+Steps follow ``treetools.steps``: unfinished ``*.tmp-<ts>`` and
+``*.orbax-checkpoint-tmp-<ts>`` folders are listed, never read. The state
+dict is one item, ``default``; ``load_parameters`` takes its ``target``
+subtree (T5X's model parameters), ``state/param_states`` is optimizer state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import numpy as np
+
+from treetools.errors import CheckpointError
+from treetools.inspect.arrays import check_budget, np_dtype
+from treetools.inspect.formats.orbax import (
+    TensorStoreReader,
+    is_json_item,
+    logical_paths,
+    read_json_item,
+    read_pytree_item,
+    ts_spec,
+)
+from treetools.inspect.source import (
+    DEFAULT_ITEM,
+    FileSource,
+    Format,
+    Item,
+    Leaf,
+    Snapshot,
+    Source,
+    array_row,
+    check_name,
+    file_head,
+    tree_leaves,
+)
+from treetools.steps import (
+    PYTREE_METADATA_FILE,
+    TMP_DIR_SUFFIX,
+    is_committed,
+    parse_step_name,
+    read_file,
+    read_json_file,
+    scan_steps,
+    tmp_step,
+)
+
+__all__ = ["CHECKPOINT_FILE", "FORMAT", "T5XSource", "read_tree"]
+
+CHECKPOINT_FILE = "checkpoint"
+"""The msgpack file of a T5X step folder (and of an Orbax item folder before 0.5)."""
+
+ZARRAY_FILE = ".zarray"
+_PLACEHOLDER_PREFIXES = ("PLACEHOLDER://", "AGGREGATED://")  # Orbax's names for "stored in its own folder"
+_TS_DRIVERS = ("zarr",)
+_KVSTORE_DRIVERS = ("file", "gfile", "gcs")  # T5X's spec is relative whatever the store: only the path is used
+_CHUNKED = "__msgpack_chunked_array__"  # flax splits an inline array over 1 GiB into flat chunks
+
+
+# ---------------------------------------------------------------------------- the `checkpoint` msgpack
+
+
+class _StoredSpec:
+    """A TensorStore spec found in the msgpack: one leaf, never its driver/kvstore/metadata keys."""
+
+    def __init__(self, spec: dict[str, Any]):
+        self.spec = spec
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    """Flax's msgpack ext types: 1 an ndarray, 2 a complex, 3 a numpy scalar (arrays as ``(shape, dtype, bytes)``)."""
+    import msgpack
+
+    if code == 2:
+        real, imag = msgpack.unpackb(data)
+        return complex(real, imag)
+    if code not in (1, 3):
+        return msgpack.ExtType(code, data)
+    shape, name, buffer = msgpack.unpackb(data, raw=True)
+    dtype = np_dtype(name.decode("ascii"))
+    if dtype.hasobject:
+        raise ValueError(f"array of dtype {dtype} (objects cannot be stored inline)")
+    array = np.frombuffer(buffer, dtype=dtype).reshape(shape)
+    return array[()] if code == 3 else array
+
+
+def _object_hook(node: dict[Any, Any]) -> Any:
+    """Each map as it is decoded: a TensorStore spec becomes one leaf, a chunked big array one array."""
+    if "driver" in node and "kvstore" in node:
+        return _StoredSpec(node)
+    if node.get(_CHUNKED) is True:
+        shape = node["shape"]
+        chunks = node["chunks"]
+        flat = np.concatenate([chunks[str(i)] for i in range(len(chunks))])
+        return flat.reshape(tuple(shape[str(i)] for i in range(len(shape))))
+    return node
+
+
+def _load_msgpack(path: str) -> dict[str, Any]:
+    """The state dict in a ``checkpoint`` file (parsed whole: msgpack has no index), after the size budget."""
+    import msgpack
+
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        size = 0  # read_file names what is wrong
+    check_budget(size, where=path, what="the `checkpoint` msgpack (parsed whole: msgpack has no index)")
+    # The cap is the size just checked (read_file reads up to cap + 1 bytes, to notice a file still growing).
+    data = read_file(path, what="T5X `checkpoint` msgpack", max_bytes=max(size, 1))
+    try:
+        tree = msgpack.unpackb(data, ext_hook=_ext_hook, object_hook=_object_hook, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises ValueError, ExtraData, FormatError, StackError; the hooks ValueError, KeyError...
+        raise CheckpointError(
+            f"{path}: corrupt or truncated `checkpoint` msgpack ({type(e).__name__}: {e}); "
+            "the save did not finish or the file was cut short: copy the step folder again."
+        ) from None
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{path}: not a T5X `checkpoint` (its msgpack holds a {type(tree).__name__}, not a state dict).")
+    return tree
+
+
+def _state_dict(tree: dict[str, Any]) -> tuple[Any, int | None]:
+    """T5X wraps the state dict as ``{"version": V, "optimizer": ...}`` (version 0 files are the state dict)."""
+    version = tree.get("version")
+    if set(tree) == {"version", "optimizer"} and isinstance(version, int) and not isinstance(version, bool):
+        return tree["optimizer"], version
+    return tree, None
+
+
+# ---------------------------------------------------------------------------- arrays in zarr folders
+
+
+def _zarray(path: str) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
+    """``(shape, dtype, chunks)`` from a zarr v2 ``.zarray`` (no array data)."""
+    meta = read_json_file(path, what="zarr .zarray")
+    try:
+        if meta.get("zarr_format") != 2:
+            raise ValueError(f"zarr_format {meta.get('zarr_format')!r}, not 2")
+        shape = tuple(int(d) for d in meta["shape"])
+        chunks = tuple(int(c) for c in meta["chunks"])
+        dtype = np_dtype(meta["dtype"])
+        if any(d < 0 for d in shape) or len(chunks) != len(shape) or any(c < 1 for c in chunks) or dtype.hasobject:
+            raise ValueError("negative shape, chunks not matching the shape, or an object dtype")
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt zarr .zarray ({e}); the array folder is damaged.") from None
+    return shape, dtype, chunks
+
+
+def _spec_name(spec: dict[str, Any], *, where: str, leaf: str) -> str:
+    """The zarr folder a T5X spec names, relative to the step folder; anything else is refused."""
+    kvstore = spec.get("kvstore")
+    if spec.get("driver") not in _TS_DRIVERS or not isinstance(kvstore, dict) or kvstore.get("driver") not in _KVSTORE_DRIVERS:
+        driver = spec.get("driver"), kvstore.get("driver") if isinstance(kvstore, dict) else kvstore
+        raise CheckpointError(
+            f"{where}: `{leaf}` is stored with TensorStore {driver[0]!r} over {driver[1]!r}; treetools reads T5X's "
+            "zarr arrays in the step folder (driver `zarr`, kvstore `file`/`gfile`/`gcs` with a relative path)."
+        )
+    name = kvstore.get("path", spec.get("path"))  # T5X's gcs specs keep the path at the top level
+    if not isinstance(name, str) or not name.strip("/"):
+        raise CheckpointError(f"{where}: `{leaf}` has a TensorStore spec without a path; the `checkpoint` file is corrupt.")
+    return name.rstrip("/")
+
+
+def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, Any] | None, *, where: str) -> Leaf:
+    """One array in its zarr folder ``base/name``: shape and dtype from ``.zarray``, data through TensorStore."""
+    leaf = "/".join(parts)
+    check_name(name, where=where)
+    folder = os.path.join(base, name)
+    root = os.path.realpath(base)
+    if os.path.commonpath([os.path.realpath(folder), root]) != root:
+        raise CheckpointError(f"{where}: key {name!r} resolves outside {base} (a symlink?); refusing to read it.")
+    if not os.path.isdir(folder):
+        raise CheckpointError(
+            f"{where}: `{leaf}` is stored in the zarr folder {name!r}, which is missing from {base}; "
+            "the step was copied in part: copy the whole step folder."
+        )
+    zarray = os.path.join(folder, ZARRAY_FILE)
+    if not os.path.lexists(zarray):
+        raise CheckpointError(
+            f"{folder}: zarr folder without .zarray (`{leaf}`); the array was never finished or was copied in part: "
+            "copy the whole step folder."
+        )
+    shape, dtype, chunks = _zarray(zarray)
+    if spec is not None:
+        meta = spec.get("metadata") if isinstance(spec.get("metadata"), dict) else {}
+        said_shape = meta.get("shape")
+        said_dtype = spec.get("dtype", meta.get("dtype"))
+        try:
+            same = (said_shape is None or tuple(int(d) for d in said_shape) == shape) and (
+                said_dtype is None or np_dtype(said_dtype) == dtype)
+        except (TypeError, ValueError, AttributeError):
+            same = False
+        if not same:
+            raise CheckpointError(
+                f"{where}: `{leaf}` is {said_dtype}{list(said_shape or [])} in the `checkpoint` file but "
+                f"{dtype}{list(shape)} in {zarray}; the step folder mixes two saves."
+            )
+    spec_open = ts_spec(base, name, use_ocdbt=False, use_zarr3=False)
+    reader = TensorStoreReader(spec_open, shape, dtype, chunks, where=f"{base}: `{leaf}`")
+    return Leaf(array_row(parts, shape, dtype), reader, key=name)
+
+
+def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
+    """The leaves of one ``checkpoint`` msgpack and the zarr folders beside it; no array data is read.
+
+    Returns the item and T5X's checkpoint version (None for an Orbax item file).
+    """
+    base = os.path.dirname(path)
+    tree, version = _state_dict(_load_msgpack(path))
+    leaves = tree_leaves(tree, where=path)
+    paths = logical_paths([leaf.path for leaf in leaves])
+    out = []
+    for leaf, parts in zip(leaves, paths):
+        value = leaf.value
+        if isinstance(value, _StoredSpec):
+            stored = _spec_name(value.spec, where=path, leaf="/".join(parts))
+            out.append(_stored_leaf(parts, stored, base, value.spec, where=path))
+        elif isinstance(value, str) and value.startswith(_PLACEHOLDER_PREFIXES):
+            stored = value.split("://", 1)[1]
+            out.append(_stored_leaf(parts, stored, base, None, where=path))
+        else:
+            out.append(dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=parts)))
+    return Item(name, "pytree", out, handle=path), version
+
+
+# ---------------------------------------------------------------------------- folders
+
+
+def _holds_map(path: str) -> bool:
+    """A regular file whose first byte opens a msgpack map (what ``flax.serialization.to_bytes`` writes)."""
+    head = file_head(path, 1)
+    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
+
+
+def _has_tree(folder: str) -> bool:
+    """A T5X step folder or an Orbax (< 0.5) item folder: a ``checkpoint`` msgpack and no ``_METADATA``."""
+    return _holds_map(os.path.join(folder, CHECKPOINT_FILE)) and not os.path.lexists(
+        os.path.join(folder, PYTREE_METADATA_FILE))
+
+
+def _subdirs(folder: str) -> list[str]:
+    try:
+        with os.scandir(folder) as it:
+            return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+    except OSError:
+        return []
+
+
+def _is_t5x_tmp(name: str) -> bool:
+    return TMP_DIR_SUFFIX not in name and tmp_step(name) is not None
+
+
+def _orbax_step(folder: str) -> bool:
+    """An Orbax (< 0.5) step folder: an item subfolder (not itself a step) with a ``checkpoint`` msgpack."""
+    return any(_has_tree(os.path.join(folder, d)) for d in _subdirs(folder)
+               if parse_step_name(d) is None and tmp_step(d) is None)
+
+
+def _committed(step_dir: str) -> bool:
+    """T5X writes ``checkpoint`` last, then renames the tmp folder; Orbax before 0.5 renamed a folder of such items."""
+    return _has_tree(step_dir) or _orbax_step(step_dir) or is_committed(step_dir)
+
+
+def _is_item(folder: str) -> bool:
+    return _has_tree(folder) or os.path.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or is_json_item(folder)
+
+
+class T5XSource(Source):
+    """A T5X model dir or Orbax (< 0.5) root (``mode="root"``), one step folder, one item folder, or the file."""
+
+    format = "t5x"
+
+    def __init__(self, local: str, display: str, mode: str):
+        self.local = local
+        self.mode = mode
+        listing = scan_steps(local, commit_rule=_committed) if mode == "root" else None
+        folder = os.path.dirname(local) if mode == "file" else local
+        super().__init__(display, listing=listing, step=None if mode == "root" else parse_step_name(os.path.basename(folder)))
+
+    def _step_dir(self, step: int | None) -> str:
+        if self.listing is not None and step is not None:
+            return self.listing.folder(step)
+        return os.path.dirname(self.local) if self.mode == "file" else self.local
+
+    def _items(self, step: int | None) -> dict[str, str]:
+        """Item name -> the folder holding it (its ``checkpoint``, or Orbax's ``_METADATA``)."""
+        folder = self._step_dir(step)
+        if self.mode == "file" or _has_tree(folder):
+            return {DEFAULT_ITEM: folder}
+        return {d: os.path.join(folder, d) for d in _subdirs(folder)
+                if TMP_DIR_SUFFIX not in d and _is_item(os.path.join(folder, d))}
+
+    def item_names(self, step: int | None) -> list[str]:
+        return list(self._items(step))
+
+    def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
+        folders = self._items(step)
+        items: dict[str, Item] = {}
+        metadata: dict[str, Any] = {}
+        for name in names:
+            folder = folders[name]
+            if self.mode != "file" and os.path.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
+                items[name] = read_pytree_item(folder, name)  # a later Orbax save in the same root
+            elif self.mode != "file" and is_json_item(folder):
+                items[name] = read_json_item(folder, name)
+            else:
+                path = self.local if self.mode == "file" else os.path.join(folder, CHECKPOINT_FILE)
+                items[name], version = read_tree(path, name)
+                if version is not None:
+                    metadata["custom"] = {"t5x_checkpoint_version": version}
+        return Snapshot(step, items, metadata=metadata)
+
+    def _snapshot(self, resolved: int | None, items: Sequence[str] | None) -> Snapshot:
+        """As ``Source``'s, and ``items`` may name a top-level key of the one state dict (``target``, ``state``)."""
+        present = self.item_names(resolved)
+        if items is None or present != [DEFAULT_ITEM] or all(n in present for n in items):
+            return super()._snapshot(resolved, items)
+        whole = self.read_items(resolved, present)
+        snap = FileSource(self.path, self.format, whole.items[DEFAULT_ITEM].leaves).snapshot(None, items)
+        snap.step, snap.metadata, snap.notes = resolved, whole.metadata, self.notes + whole.notes
+        return snap
+
+
+def _claims(path: str) -> bool:
+    if os.path.isfile(path):
+        return os.path.basename(path) == CHECKPOINT_FILE and _holds_map(path)
+    if not os.path.isdir(path):
+        return False
+    if _is_t5x_tmp(os.path.basename(path)) or _has_tree(path) or _orbax_step(path):
+        return True
+    # A root: a step folder with a `checkpoint` (its own or an item's), or T5X's tmp folder of an unfinished save.
+    for d in _subdirs(path):
+        child = os.path.join(path, d)
+        if _is_t5x_tmp(d) or (parse_step_name(d) is not None and (_has_tree(child) or _orbax_step(child))):
+            return True
+    return False
+
+
+def _open(local: str, display: str) -> T5XSource:
+    folder = os.path.dirname(local) if os.path.isfile(local) else local
+    if tmp_step(os.path.basename(folder)) is not None:
+        raise CheckpointError(f"{display}: incomplete save (a tmp folder, renamed only when the save finishes); "
+                              "it is never read.")
+    if os.path.isfile(local):
+        return T5XSource(local, display, "file")
+    if _has_tree(local):
+        return T5XSource(local, display, "step")
+    root = any(parse_step_name(d) is not None and _committed(os.path.join(local, d)) for d in _subdirs(local))
+    if not root and _orbax_step(local):
+        return T5XSource(local, display, "step")
+    return T5XSource(local, display, "root")
+
+
+FORMAT = Format(
+    name="t5x",
+    priority=55,  # before orbax (50), which refuses Orbax < 0.5 item folders that hold `_sharding`
+    claims=_claims,
+    open=_open,
+    description="a T5X model dir, checkpoint_<step> folder or its `checkpoint` file; an Orbax root, step or item "
+                "folder saved before Orbax 0.5 (a `checkpoint` msgpack, no _METADATA)",
+)
