@@ -364,3 +364,44 @@ def test_claims_need_positive_evidence(tmp_path):
     assert not FORMAT.claims(str(tmp_path))
     with pytest.raises(CheckpointError, match="not a checkpoint that treetools can read"):
         open_source(str(tmp_path))
+
+
+def test_metadata_and_stats_import_neither_jax_nor_flax(model_dir):
+    import subprocess
+
+    root, _ = model_dir
+    code = ("import sys\n"
+            "from treetools.cli import main\n"
+            f"assert main(['inspect', {str(root)!r}, '--stats']) == 0\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'orbax', 'flax'))\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "(t5x)" in proc.stdout
+
+
+def test_orbax_before_0_5_item_in_ocdbt(tmp_path):
+    import tensorstore as ts
+
+    # Orbax's use_ocdbt=True: every array in one OCDBT store rooted in the item folder, placeholders in `checkpoint`.
+    tree = {"a": {"w": np.arange(12.0, dtype=np.float32).reshape(3, 4)}, "n": np.int32(3)}
+    item = tmp_path / "params"
+    item.mkdir()
+    kvstore = {"driver": "ocdbt", "base": f"file://{item}/"}
+    for keys, arr in traverse_util.flatten_dict(tree).items():
+        spec = {"driver": "zarr", "kvstore": dict(kvstore, path=".".join(keys)),
+                "metadata": {"shape": list(np.shape(arr)), "dtype": np.asarray(arr).dtype.str}}
+        ts.open(spec, create=True, open=True).result()[...].write(np.asarray(arr)).result()
+    from flax import serialization
+
+    placeholders = traverse_util.unflatten_dict({k: "PLACEHOLDER://" + ".".join(k) for k in traverse_util.flatten_dict(tree)})
+    (item / "checkpoint").write_bytes(serialization.msgpack_serialize(placeholders))
+    assert (item / "manifest.ocdbt").is_file() and not (item / "a.w").exists()
+    leaves = _leaves(inspect_path(str(item), stats=True).to_json())
+    assert leaves["a/w"]["shape"] == [3, 4] and leaves["a/w"]["stats"]["max"] == 11.0
+    got = tt.load_parameters(item)
+    np.testing.assert_array_equal(got["a"]["w"], tree["a"]["w"])
+    assert int(got["n"]) == 3
+    (item / "checkpoint").write_bytes(serialization.msgpack_serialize({"x": "PLACEHOLDER://missing"}))
+    with pytest.raises(CheckpointError, match="`x`: cannot open array metadata"):
+        inspect_path(str(item))

@@ -37,8 +37,10 @@ import numpy as np
 
 from treetools.errors import CheckpointError
 from treetools.inspect.arrays import check_budget, np_dtype
-from treetools.inspect.formats.orbax import (
+from treetools.inspect.formats.orbax import (  # the OCDBT helpers are orbax.py's own, shared rather than copied
     TensorStoreReader,
+    _open_all,
+    _refuse_special_files,
     is_json_item,
     logical_paths,
     read_json_item,
@@ -75,6 +77,7 @@ CHECKPOINT_FILE = "checkpoint"
 """The msgpack file of a T5X step folder (and of an Orbax item folder before 0.5)."""
 
 ZARRAY_FILE = ".zarray"
+OCDBT_MANIFEST = "manifest.ocdbt"
 _PLACEHOLDER_PREFIXES = ("PLACEHOLDER://", "AGGREGATED://")  # Orbax's names for "stored in its own folder"
 _TS_DRIVERS = ("zarr",)
 _KVSTORE_DRIVERS = ("file", "gfile", "gcs")  # T5X's spec is relative whatever the store: only the path is used
@@ -233,17 +236,35 @@ def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
     tree, version = _state_dict(_load_msgpack(path))
     leaves = tree_leaves(tree, where=path)
     paths = logical_paths([leaf.path for leaf in leaves])
-    out = []
+    ocdbt = os.path.isfile(os.path.join(base, OCDBT_MANIFEST))
+    out: list[Leaf] = []
+    in_ocdbt: list[tuple[int, tuple[str, ...], str]] = []
     for leaf, parts in zip(leaves, paths):
         value = leaf.value
-        if isinstance(value, _StoredSpec):
-            stored = _spec_name(value.spec, where=path, leaf="/".join(parts))
-            out.append(_stored_leaf(parts, stored, base, value.spec, where=path))
+        spec = value.spec if isinstance(value, _StoredSpec) else None
+        if spec is not None:
+            stored = _spec_name(spec, where=path, leaf="/".join(parts))
         elif isinstance(value, str) and value.startswith(_PLACEHOLDER_PREFIXES):
             stored = value.split("://", 1)[1]
-            out.append(_stored_leaf(parts, stored, base, None, where=path))
         else:
             out.append(dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=parts)))
+            continue
+        if ocdbt and spec is None:  # Orbax's use_ocdbt=True: every array in one OCDBT store in the item folder
+            check_name(stored, where=path)
+            in_ocdbt.append((len(out), parts, stored))
+            out.append(leaf)  # replaced below
+        else:
+            out.append(_stored_leaf(parts, stored, base, spec, where=path))
+    if in_ocdbt:
+        _refuse_special_files(base, [], use_ocdbt=True, use_zarr3=False)
+        specs = [ts_spec(base, stored, use_ocdbt=True, use_zarr3=False) for _, _, stored in in_ocdbt]
+        wheres = [f"{base}: `{'/'.join(parts)}`" for _, parts, _ in in_ocdbt]
+        for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, _open_all(specs, wheres)):
+            shape = tuple(int(d) for d in store.shape)
+            dtype = np.dtype(store.dtype.numpy_dtype)
+            chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
+            out[i] = Leaf(array_row(parts, shape, dtype), TensorStoreReader(spec, shape, dtype, chunks, where=where),
+                          key=stored)
     return Item(name, "pytree", out, handle=path), version
 
 
