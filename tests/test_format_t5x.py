@@ -405,3 +405,13 @@ def test_orbax_before_0_5_item_in_ocdbt(tmp_path):
     (item / "checkpoint").write_bytes(serialization.msgpack_serialize({"x": "PLACEHOLDER://missing"}))
     with pytest.raises(CheckpointError, match="`x`: cannot open array metadata"):
         inspect_path(str(item))
+
+
+def test_an_inline_array_whose_bytes_do_not_fill_its_shape_is_corrupt(tmp_path):
+    import msgpack
+
+    # Flax's ext type 1: (shape, dtype name, bytes); here 4 bytes for a 1000x1000 float32 array.
+    bad = msgpack.ExtType(1, msgpack.packb(((1000, 1000), "float32", b"\0" * 4), use_bin_type=True))
+    (tmp_path / "checkpoint").write_bytes(msgpack.packb({"version": 3, "optimizer": {"target": {"w": bad}}}))
+    with pytest.raises(CheckpointError, match=r"checkpoint: corrupt or truncated `checkpoint` msgpack \(ValueError"):
+        inspect_path(str(tmp_path / "checkpoint"))

@@ -182,7 +182,7 @@ def _spec_name(spec: dict[str, Any], *, where: str, leaf: str) -> str:
             f"{where}: `{leaf}` is stored with TensorStore {driver[0]!r} over {driver[1]!r}; treetools reads T5X's "
             "zarr arrays in the step folder (driver `zarr`, kvstore `file`/`gfile`/`gcs` with a relative path)."
         )
-    name = kvstore.get("path", spec.get("path"))  # T5X's gcs specs keep the path at the top level
+    name = kvstore.get("path") or spec.get("path")  # TensorStore < 0.1.14 specs kept the path at the top level
     if not isinstance(name, str) or not name.strip("/"):
         raise CheckpointError(f"{where}: `{leaf}` has a TensorStore spec without a path; the `checkpoint` file is corrupt.")
     return name.rstrip("/")
