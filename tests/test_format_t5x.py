@@ -415,3 +415,12 @@ def test_an_inline_array_whose_bytes_do_not_fill_its_shape_is_corrupt(tmp_path):
     (tmp_path / "checkpoint").write_bytes(msgpack.packb({"version": 3, "optimizer": {"target": {"w": bad}}}))
     with pytest.raises(CheckpointError, match=r"checkpoint: corrupt or truncated `checkpoint` msgpack \(ValueError"):
         inspect_path(str(tmp_path / "checkpoint"))
+
+
+def test_docstring_examples():
+    import doctest
+
+    from treetools.inspect.formats import t5x
+
+    result = doctest.testmod(t5x, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

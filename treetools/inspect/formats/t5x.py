@@ -231,6 +231,13 @@ def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
     """The leaves of one ``checkpoint`` msgpack and the zarr folders beside it; no array data is read.
 
     Returns the item and T5X's checkpoint version (None for an Orbax item file).
+
+    >>> import msgpack, tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "checkpoint")
+    >>> _ = open(f, "wb").write(msgpack.packb({"version": 3, "optimizer": {"state": {"step": 7}}}))
+    >>> item, version = read_tree(f)
+    >>> [(leaf.name, leaf.value) for leaf in item.leaves], version
+    ([('state/step', 7)], 3)
     """
     base = os.path.dirname(path)
     tree, version = _state_dict(_load_msgpack(path))
