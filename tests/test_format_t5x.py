@@ -424,3 +424,13 @@ def test_docstring_examples():
 
     result = doctest.testmod(t5x, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_the_checkpoint_msgpack_is_held_to_the_memory_budget(model_dir, monkeypatch):
+    root, truth = model_dir
+    size = (root / "checkpoint_200" / "checkpoint").stat().st_size
+    monkeypatch.setenv("TREETOOLS_MEMORY_BUDGET_MB", str(1.5 * size / 2**20))  # under the 2x size it takes to parse
+    with pytest.raises(CheckpointError, match="parsed whole .* over the memory budget"):
+        inspect_path(str(root))
+    got = _flat(tt.load_parameters(root))  # returns whole arrays: held to the machine's memory, not the budget
+    np.testing.assert_array_equal(got["token_embedder/embedding"], truth[200]["target"]["token_embedder"]["embedding"])

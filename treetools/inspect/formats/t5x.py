@@ -131,7 +131,8 @@ def _load_msgpack(path: str) -> dict[str, Any]:
         size = os.stat(path).st_size
     except OSError:
         size = 0  # read_file names what is wrong
-    check_budget(size, where=path, what="the `checkpoint` msgpack (parsed whole: msgpack has no index)")
+    # No index: the bytes and the inline arrays parsed from them are held at once (as for a Flax msgpack file).
+    check_budget(2 * size, where=path, what="the `checkpoint` msgpack, parsed whole (it has no index),")
     # The cap is the size just checked (read_file reads up to cap + 1 bytes, to notice a file still growing).
     data = read_file(path, what="T5X `checkpoint` msgpack", max_bytes=max(size, 1))
     try:
