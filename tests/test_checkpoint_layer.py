@@ -345,12 +345,14 @@ def test_not_a_checkpoint_lists_the_registered_formats(tmp_path, capsys, tiny_fo
 
 
 def test_t5x_style_folder_is_not_claimed_as_orbax(tmp_path, capsys):
-    # `checkpoint_100/checkpoint` (T5X) has no Orbax evidence: not an Orbax root refused later.
+    # `checkpoint_100/checkpoint` (T5X) has no Orbax evidence: the T5X format reads it, Orbax never claims it.
     step = tmp_path / "model" / "checkpoint_100"
     step.mkdir(parents=True)
     (step / "checkpoint").write_bytes(b"\x81\xa6target\x80")
-    assert main(["inspect", str(tmp_path / "model")]) == 1
-    assert "step folder holds no Orbax item" not in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "model"), "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["format"] == "t5x" and json.loads(out)["steps"] == [100]
+    assert "step folder holds no Orbax item" not in err
 
 
 def test_unexpected_exception_keeps_its_traceback(tmp_path, monkeypatch):
