@@ -209,3 +209,77 @@ def test_msgpack_parsed_whole_is_held_to_the_budget_but_load_parameters_is_not(t
     assert code == 0 and np.array2string(w[:3]).split()[0].strip("[") in out
     monkeypatch.setenv("TREETOOLS_MEMORY_BUDGET_MB", "1")
     np.testing.assert_array_equal(tt.load_parameters(path)["w"], w)
+
+
+def test_show_slices_are_held_to_the_budget_by_what_they_read(tmp_path, capsys):
+    w = np.arange(2**20, dtype=np.float32)  # 4 MiB
+    np.savez(tmp_path / "w.npz", w=w)
+    for spec in ("w[:]", "w[::2]"):  # a strided slice reads its whole span
+        code, _, err = _run(capsys, "inspect", tmp_path / "w.npz", "--show", spec, "--memory-budget-mb", "1")
+        assert code == 1 and "4.00 MiB" in err and "--memory-budget-mb" in err, (spec, err)
+    code, out, _ = _run(capsys, "inspect", tmp_path / "w.npz", "--show", "w[::2]", "--memory-budget-mb", "inf",
+                        "--format", "json")
+    assert code == 0 and json.loads(out)["value"] == w[::2].tolist()  # `inf`: no budget
+
+
+def test_show_on_a_compressed_npz_member(tmp_path, capsys):
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    np.savez_compressed(tmp_path / "w.npz", w=w)
+    code, out, err = _run(capsys, "inspect", tmp_path / "w.npz", "--show", "w[1]", "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["value"] == w[1].tolist()
+
+
+def test_verify_over_budget_is_a_known_error_not_damage(tmp_path, capsys):
+    w = np.random.default_rng(0).random(2**20, dtype=np.float32)
+    folder = _plain_orbax(tmp_path / "ckpt", {"w": w})
+    code, out, err = _run(capsys, "verify", folder, "--memory-budget-mb", "1")
+    assert code == 1 and "FAILED" not in out and "memory budget" in err and "--memory-budget-mb" in err
+    assert _run(capsys, "verify", folder, "--memory-budget-mb", "8")[0] == 0
+
+
+@pytest.fixture
+def prune_after_open(monkeypatch):
+    """Patch a module's ``open_source`` so that right after the listing, step 2's folder is deleted."""
+    def patch(module, root: Path):
+        real = tt.open_source
+
+        def racing_open(path):
+            src = real(path)
+            shutil.rmtree(root / "2", ignore_errors=True)
+            return src
+
+        monkeypatch.setattr(module, "open_source", racing_open)
+    return patch
+
+
+def test_load_parameters_and_restore_of_a_pruned_step_name_it(tmp_path, prune_after_open):
+    import treetools.inspect.source as source_module
+
+    root = _two_steps(tmp_path)
+    prune_after_open(source_module, root)
+    with pytest.raises(StepDeletedError, match="step 2 was deleted"):
+        tt.load_parameters(root, step=2)
+    shutil.copytree(root / "1", root / "2")
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=root)
+    with pytest.raises(StepDeletedError, match="step 2 was deleted"):
+        tt.restore_checkpoint(mngr, 2, {"params": {"w": jax_struct((4,))}})
+
+
+def jax_struct(shape):
+    import jax
+
+    return jax.ShapeDtypeStruct(shape, np.float32)
+
+
+def test_verify_and_show_of_a_pruned_step_name_it(tmp_path, capsys, prune_after_open):
+    import treetools.inspect.verify as verify_module
+
+    root = _two_steps(tmp_path)
+    prune_after_open(verify_module, root)
+    code, out, err = _run(capsys, "verify", root, "--step", "2")
+    assert code == 1 and "step 2 was deleted" in err and "FAILED" not in out
+    shutil.copytree(root / "1", root / "2")
+    prune_after_open(report_module, root)
+    code, _, err = _run(capsys, "inspect", root, "--step", "2", "--show", "params/w")
+    assert code == 1 and "step 2 was deleted" in err

@@ -441,3 +441,40 @@ def test_load_parameters_finds_params_inside_a_single_train_state_item(tmp_path)
     # A Flax msgpack of a whole state: the same rule.
     (tmp_path / "state.msgpack").write_bytes(serialization.to_bytes({"params": _params(), "step": 3}))
     assert sorted(flatten(tt.load_parameters(tmp_path / "state.msgpack"))) == sorted(flatten(_params()))
+
+
+def test_typed_prng_keys_restore_as_keys(tmp_path):
+    # nnx State with Dropout holds a typed key; Orbax stores its key data. Truth: Orbax's own restore.
+    class M(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+    state = nnx.state(M(nnx.Rngs(0, dropout=1)))
+    abstract = nnx.state(nnx.eval_shape(lambda: M(nnx.Rngs(0, dropout=1))))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "orbax", state)
+        theirs = ckptr.restore(tmp_path / "orbax", abstract)
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=tmp_path / "run")
+    tt.save_checkpoint(mngr, 1, {"params": state, "rng": {"k": jax.random.key(7)}}, wait=True)
+    ours = tt.restore_checkpoint(mngr, "latest", {"params": tt.make_abstract(abstract),
+                                                  "rng": {"k": jax.eval_shape(lambda: jax.random.key(0))}})
+    key = ours["params"]["drop"]["rngs"]["key"].get_value()
+    want = theirs["drop"]["rngs"]["key"].get_value()
+    assert key.dtype == want.dtype and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(want))
+    np.testing.assert_array_equal(jax.random.key_data(ours["rng"]["k"]), jax.random.key_data(jax.random.key(7)))
+
+
+def test_manager_with_best_fn_stores_a_metrics_item_that_every_reader_reads(tmp_path, capsys):
+    # Orbax writes a best_fn manager's metrics as the item `metrics` in the file `metrics/metrics`.
+    root = tmp_path / "run"
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=root, best_fn=lambda m: m["loss"], best_mode="min")
+    tt.save_checkpoint(mngr, 1, {"params": {"w": jnp.ones(4)}}, metrics={"loss": 1.5}, wait=True)
+    mngr.close()
+    assert (root / "1" / "metrics" / "metrics").is_file()
+    assert main(["inspect", str(root), "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["checkpoints"][0]["items"]["metrics"]["value"] == {"loss": 1.5}
+    assert main(["verify", str(root)]) == 0
+    assert main(["diff", str(root), str(root)]) == 0

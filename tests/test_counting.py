@@ -289,3 +289,16 @@ def test_nnx_module_counts_params_only_as_the_table_shows():
     table = tt.tabulate_params(model)
     assert f"Total: {tt.get_num_params(model)} params, {tt.get_num_bytes(model):,} bytes" in table
     assert tt.get_num_bytes(model) == sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_per_device_struct_with_an_uneven_split_on_a_concrete_mesh_rounds_up(devices):
+    # A plan (struct) whose split is uneven: jax cannot place it, the count rounds up as for boxes.
+    # (10, 6) over P("model", "data") on a (2, 4) mesh: ceil(10 / 4) * ceil(6 / 2) = 3 * 3 = 9.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    struct = jax.ShapeDtypeStruct((10, 6), jnp.float32, sharding=NamedSharding(mesh, P("model", "data")))
+    on_abstract = jax.ShapeDtypeStruct((10, 6), jnp.float32, sharding=NamedSharding(mesh.abstract_mesh, P("model", "data")))
+    assert tt.get_num_params({"emb": struct}, per_device=True) == 9
+    assert tt.get_num_params({"emb": on_abstract}, per_device=True) == 9
+    assert tt.get_num_bytes({"emb": struct}, per_device=True) == 36

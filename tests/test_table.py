@@ -154,3 +154,18 @@ def test_float0_leaf_is_shown_as_float0_with_zero_bytes():
     assert "Total: 16 params, 24 bytes" in text.splitlines()
     assert "  float0: 10 params, 0 B" in text.splitlines()
     assert "  float32: 6 params, 24 B" in text.splitlines()
+
+
+def test_weight_decay_column_with_allow_unmatched_for_a_model_without_biases():
+    # One optimizer config for model families with and without biases prints too.
+    import treetools as tt
+
+    params = {"proj": {"kernel": jnp.ones((4, 4))}, "norm": {"scale": jnp.ones(4)}}
+    with pytest.raises(ValueError, match="bias"):
+        tt.tabulate_params(params, show_weight_decay=True, weight_decay_exclude=[r"bias$", r"scale$"])
+    table = tt.tabulate_params(params, show_weight_decay=True, weight_decay_exclude=[r"bias$", r"scale$"],
+                               allow_unmatched=True, tablefmt="tsv")
+    rows = {line.split("\t")[0].strip(): line for line in table.splitlines()}
+    want = tt.get_param_mask_fn(exclude=[r"bias$", r"scale$"], allow_unmatched=True)(params)
+    assert want == {"proj": {"kernel": True}, "norm": {"scale": False}}
+    assert rows["proj/kernel"].rstrip().endswith("True") and rows["norm/scale"].rstrip().endswith("False"), table

@@ -423,6 +423,7 @@ def _target_leaves(name: str, target: Any, sharding: Any) -> tuple[Any, list[Any
 def _compare(name: str, paths: Sequence[str], abstract: Sequence[Any], item: Any, *, allow_dtype_cast: bool
              ) -> list[Mismatch]:
     """Every leaf where the target and the checkpoint's leaves disagree."""
+    import jax
     import numpy as np
 
     from treetools.counting import is_array_like
@@ -436,6 +437,8 @@ def _compare(name: str, paths: Sequence[str], abstract: Sequence[Any], item: Any
             continue
         if not is_array_like(x) or leaf.reader is None:
             continue
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed keys are stored as their key data
+            x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
         shape = tuple(leaf.reader.shape)
         if tuple(x.shape) != shape:
             problems.append(Mismatch(f"{name}/{path}", "shape", str(tuple(x.shape)), str(shape)))
@@ -583,24 +586,26 @@ def restore_checkpoint(
         display, root = manager, _local(manager, "manager")
     source = _open_orbax(root, display)
     resolved = source.resolve(step)
-    present = source.item_names(resolved)
-    problems = [Mismatch(name, "missing", f"item {name!r}", f"items {present}") for name in items if name not in present]
-    snap = source.snapshot(resolved, [name for name in items if name in present])
-    out: dict[str, Any] = {}
-    plans = {}
-    for name, target in items.items():
-        item = snap.items.get(name)
-        if item is None:
-            continue
-        if item.kind == "json":
-            out[name] = item.handle
-            continue
-        plans[name], item_problems = _plan(name, item, target, sharding, allow_dtype_cast)
-        problems += item_problems
-    if problems:
-        raise CheckpointMismatchError(resolved, display, problems)
-    for name, plan in plans.items():
-        out[name] = _restore_plan(*plan)
+    with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
+        present = source.item_names(resolved)
+        problems = [Mismatch(name, "missing", f"item {name!r}", f"items {present}")
+                    for name in items if name not in present]
+        snap = source.snapshot(resolved, [name for name in items if name in present])
+        out: dict[str, Any] = {}
+        plans = {}
+        for name, target in items.items():
+            item = snap.items.get(name)
+            if item is None:
+                continue
+            if item.kind == "json":
+                out[name] = item.handle
+                continue
+            plans[name], item_problems = _plan(name, item, target, sharding, allow_dtype_cast)
+            problems += item_problems
+        if problems:
+            raise CheckpointMismatchError(resolved, display, problems)
+        for name, plan in plans.items():
+            out[name] = _restore_plan(*plan)
     return {name: out[name] for name in items}
 
 
@@ -750,18 +755,19 @@ def _load_parameters(checkpoint_dir: Any, step: Any, use_ema_params: bool, targe
     source = open_source(_local(checkpoint_dir))
     source.path = os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, (str, os.PathLike)) else source.path
     resolved = source.resolve(step)
-    name = _params_item(source, resolved, item, use_ema_params)
-    found = source.snapshot(resolved, [name]).items[name]
-    if item is None and name not in ("params", "params_ema"):
-        found = _params_subtree(found, use_ema_params)
-    if target is None:
-        return _nest([(leaf.row, _host_value(leaf)) for leaf in found.leaves])
-    if source.format == "orbax":
-        plan = _plan(name, found, target, {name: sharding} if sharding is not None else None, allow_dtype_cast)
-        if plan[1]:
-            raise CheckpointMismatchError(resolved, source.path, plan[1])
-        return _restore_plan(*plan[0])
-    return _place(source, resolved, name, found, target, sharding, allow_dtype_cast)
+    with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
+        name = _params_item(source, resolved, item, use_ema_params)
+        found = source.snapshot(resolved, [name]).items[name]
+        if item is None and name not in ("params", "params_ema"):
+            found = _params_subtree(found, use_ema_params)
+        if target is None:
+            return _nest([(leaf.row, _host_value(leaf)) for leaf in found.leaves])
+        if source.format == "orbax":
+            plan = _plan(name, found, target, {name: sharding} if sharding is not None else None, allow_dtype_cast)
+            if plan[1]:
+                raise CheckpointMismatchError(resolved, source.path, plan[1])
+            return _restore_plan(*plan[0])
+        return _place(source, resolved, name, found, target, sharding, allow_dtype_cast)
 
 
 _PARAM_SUBTREES = {False: ("params", "target"), True: ("params_ema", "ema_params", "ema")}

@@ -143,7 +143,9 @@ def _per_device_total(tree: PyTree, *, nbytes: bool, mesh: Any) -> int:
     for (sharding, shape, unit), count in placed.items():
         sizes = _placed_sizes(sharding, shape)
         if sizes is None:
-            unplaced += math.prod(sharding.shard_shape(shape)) * unit * count
+            # No device assignment: the largest shard, uneven splits rounded up (shard_shape's rule).
+            struct = jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)
+            unplaced += math.prod(shard_shape(struct)) * unit * count
             continue
         for device, size in sizes:
             per_device[device] += size * unit * count

@@ -44,6 +44,7 @@ def tabulate_params(
     tablefmt: str = "simple",
     sort: str | None = None,
     mesh: Any = None,
+    allow_unmatched: bool = False,
 ) -> str:
     """A table of parameters: path, shape, dtype, params, bytes, sharding.
 
@@ -56,6 +57,9 @@ def tabulate_params(
       show_weight_decay: add the weight-decay column.
       weight_decay_exclude: patterns of leaves *not* decayed (``get_param_mask_fn``).
       weight_decay_include: patterns of the only leaves decayed.
+      allow_unmatched: let a weight-decay pattern match no leaf, as
+        ``get_param_mask_fn(..., allow_unmatched=True)`` (the same config for
+        model families with and without biases).
       depth: one row per module prefix of ``depth`` path parts, summed.
       tablefmt: any ``tabulate`` format (``simple``, ``github``, ``simple_grid``...).
       sort: ``path``, ``params`` or ``bytes``; default tree order.
@@ -73,7 +77,8 @@ def tabulate_params(
     if show_weight_decay:
         from treetools.masks import get_param_mask_fn
 
-        mask = get_param_mask_fn(weight_decay_exclude or [], weight_decay_include)(params)
+        mask = get_param_mask_fn(weight_decay_exclude or [], weight_decay_include,
+                                 allow_unmatched=allow_unmatched)(params)
     leaf_rows = rows_from_tree(params, weight_decay=mask, mesh=mesh)
     rows = sort_rows(aggregate_rows(leaf_rows, depth), sort)
     return render_rows(rows, tablefmt=tablefmt, show_weight_decay=show_weight_decay, total=totals(leaf_rows))

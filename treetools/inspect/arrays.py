@@ -72,7 +72,11 @@ def memory_budget() -> int:
         raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be a number of MB, got {raw!r}.") from None
     if not value > 0:
         raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be positive, got {raw!r}.")
-    return int(value * 2**20)
+    return int(min(value * 2**20, 2**62))  # `inf`: no budget
+
+
+class MemoryBudgetError(CheckpointError):
+    """A read that would decode more than the memory budget at once (not damage: raise the budget)."""
 
 
 def check_budget(nbytes: int, *, where: str, what: str) -> None:
@@ -81,13 +85,13 @@ def check_budget(nbytes: int, *, where: str, what: str) -> None:
     >>> check_budget(10, where="w", what="one storage chunk")
     >>> check_budget(2**50, where="ckpt/params: `w`", what="one storage chunk")
     Traceback (most recent call last):
-    treetools.errors.CheckpointError: ckpt/params: `w`: one storage chunk decodes to 1024.00 TiB, over the memory budget of 2.00 GiB; raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
+    treetools.inspect.arrays.MemoryBudgetError: ckpt/params: `w`: one storage chunk decodes to 1024.00 TiB, over the memory budget of 2.00 GiB; raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
     """
     budget = memory_budget()
     if nbytes > budget:
         from treetools.rows import human
 
-        raise CheckpointError(
+        raise MemoryBudgetError(
             f"{where}: {what} decodes to {human(nbytes, 'B')}, over the memory budget of {human(budget, 'B')}; "
             "raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory."
         )

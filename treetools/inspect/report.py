@@ -13,7 +13,7 @@ import re
 from typing import Any, Sequence
 
 from treetools.errors import CheckpointError, StepDeletedError
-from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, is_numeric, memory_budget
+from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, MemoryBudgetError, block_extent, is_numeric, memory_budget
 from treetools.inspect.source import NO_VALUE, Item, Leaf, Snapshot, jsonable, open_source
 from treetools.inspect.stats import Progress, StatsAccumulator, compute_stats
 from treetools.paths import compile_patterns, match_patterns  # string helpers: no jax
@@ -467,15 +467,21 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
     >>> show_leaf(f, "w[1, ::2]")
     ('default/w', array([4, 6]))
     """
+    name, index = parse_leaf_spec(spec)
+    source = open_source(path)
+    resolved = source.resolve(step)
+    with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
+        return _show_leaf(source, resolved, spec, name, index, item)
+
+
+def _show_leaf(source: Any, resolved: int | None, spec: str, name: str, index: tuple[Any, ...] | None,
+               item: str | None) -> tuple[str, Any]:
     import difflib
 
     import numpy as np
 
     from treetools.errors import CheckpointNotFoundError
 
-    name, index = parse_leaf_spec(spec)
-    source = open_source(path)
-    resolved = source.resolve(step)
     names = [item] if item is not None else source.item_names(resolved)
     head, _, rest = name.partition("/")
     if item is None and head in names and rest:
@@ -496,15 +502,7 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
             raise ValueError(f"`{item_name}/{leaf.name}` is a value, not an array; drop the index.")
         return f"{item_name}/{leaf.name}", leaf.value
     shape = tuple(leaf.reader.shape)
-    where = f"{source.path}: `{item_name}/{leaf.name}`"
-    if index is None:
-        nbytes = _size(shape) * leaf.reader.dtype.itemsize
-        if nbytes > memory_budget():  # without a slice the whole leaf is read: a slice reads what is printed
-            raise CheckpointError(
-                f"{where} is {human(nbytes, 'B')}, over the memory budget of {human(memory_budget(), 'B')}; "
-                f"show a slice of it (e.g. `{leaf.name}[:4]`), or raise the budget with --memory-budget-mb."
-            )
-        return f"{item_name}/{leaf.name}", leaf.reader.read_all()
+    index = index if index is not None else ()
     if len(index) > len(shape):
         raise ValueError(f"`show` index {spec!r} has {len(index)} entries for an array of shape {shape}.")
     full: list[Any] = []
@@ -515,7 +513,21 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
             full.append(slice(ix % n, ix % n + 1))
         else:
             full.append(slice(*ix.indices(n)) if ix.step in (None, 1) else slice(None))
-    block = np.asarray(leaf.reader.read(tuple(full)))
+    # What is read: the region the slice spans (a strided slice reads its whole span), or the whole
+    # leaf where the storage streams front to back (a compressed npz member). Held to the memory budget.
+    region = shape if leaf.reader.sequential else block_extent(tuple(full), shape)[1]
+    nbytes = _size(region) * leaf.reader.dtype.itemsize
+    if nbytes > memory_budget():
+        reads = "the whole leaf" if tuple(region) == shape else f"a {list(region)} region"
+        raise MemoryBudgetError(
+            f"{source.path}: `{item_name}/{leaf.name}`: showing {spec!r} reads {reads}, {human(nbytes, 'B')}, over "
+            f"the memory budget of {human(memory_budget(), 'B')}; show a smaller slice (e.g. `{leaf.name}"
+            f"[{', '.join(['0'] * max(0, len(shape) - 1) + [':4'])}]`), or raise the budget with --memory-budget-mb."
+        )
+    if leaf.reader.sequential:
+        block = np.asarray(leaf.reader.read_all())[tuple(full)]
+    else:
+        block = np.asarray(leaf.reader.read(tuple(full)))
     # Apply integer indices (drop their axes) and strided slices on the block that was read.
     post = tuple(0 if isinstance(ix, int) else (slice(None) if ix.step in (None, 1) else ix)
                  for ix in index + (slice(None),) * (len(shape) - len(index)))

@@ -19,11 +19,12 @@ Importing this module imports no jax.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
 import pkgutil
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.inspect.arrays import ArrayReader, InMemoryReader
@@ -191,10 +192,16 @@ class Source:
             (the message lists the items present).
         """
         resolved = self.resolve(step)
-        try:
+        with self.reading(resolved):
             return self._snapshot(resolved, items)
+
+    @contextlib.contextmanager
+    def reading(self, step: int | None) -> Iterator[None]:
+        """Around any read of ``step``: an error because its folder went since the listing is a ``StepDeletedError``."""
+        try:
+            yield
         except (CheckpointError, OSError):
-            gone = self.step_deleted(resolved)
+            gone = self.step_deleted(step)
             if gone is not None:
                 raise gone from None
             raise
@@ -220,6 +227,10 @@ class Source:
                 raise self.missing_item(missing[0], present, resolved)
             names = list(dict.fromkeys(items))
         snap = self.read_items(resolved, names)
+        if items is not None:
+            gone = [n for n in names if n not in snap.items]  # skipped by the reader: its folder went, or unreadable
+            if gone:
+                raise self.missing_item(gone[0], list(snap.items), resolved)
         snap.step = resolved
         snap.notes = self.notes + snap.notes
         return snap

@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from treetools.errors import CheckpointError, CheckpointNotFoundError
-from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES
+from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, MemoryBudgetError
 from treetools.inspect.source import Item, open_source
 
 __all__ = ["VerifyReport", "verify_path"]
@@ -71,6 +71,8 @@ def _read_leaves(item: Item, report: VerifyReport, chunk_bytes: int) -> None:
         try:
             for block in reader.storage_blocks(chunk_bytes):
                 got += block.size
+        except MemoryBudgetError:
+            raise  # not damage: the one-line error names the flag that raises the budget
         except (CheckpointError, OSError, ValueError) as e:
             report.problems.append(f"{item.name}/{leaf.name}: stored data cannot be read ({e}).")
             continue
@@ -152,13 +154,16 @@ def verify_path(path: str, *, step: int | str | None = None, chunk_bytes: int = 
             names = source.item_names(resolved)
         except CheckpointError as e:
             report.problems.append(str(e))
-            return report
+            names = []
         for name in names:
             report.items += 1
             _verify_orbax_item(source, resolved, name, report, chunk_bytes)
-        return report
-    snap = source.snapshot(resolved)
-    for item in snap.items.values():
-        report.items += 1
-        _read_leaves(item, report, chunk_bytes)
+    else:
+        snap = source.snapshot(resolved)
+        for item in snap.items.values():
+            report.items += 1
+            _read_leaves(item, report, chunk_bytes)
+    gone = source.step_deleted(resolved) if report.problems else None
+    if gone is not None:  # pruned while it was checked: not damage
+        raise gone
     return report

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from treetools.errors import CheckpointError
-from treetools.inspect.arrays import memory_budget
+from treetools.inspect.arrays import MemoryBudgetError, memory_budget
 from treetools.inspect.source import FileSource, Format, Leaf, file_head, tree_leaves
 from treetools.rows import human
 
@@ -25,7 +25,7 @@ def read_msgpack(path: str) -> list[Leaf]:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
     if 2 * size > memory_budget():  # no index: the bytes and the arrays parsed from them are held at once
-        raise CheckpointError(
+        raise MemoryBudgetError(
             f"{path}: a Flax msgpack file has no index and is parsed whole (about {human(2 * size, 'B')} of memory), "
             f"over the memory budget of {human(memory_budget(), 'B')}; raise it with --memory-budget-mb "
             "(tt.load_parameters is not held to it)."

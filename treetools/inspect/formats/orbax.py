@@ -342,8 +342,19 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
     return Item(name, "pytree", leaves, handle=OrbaxItem(item_dir, raw, logical))
 
 
+def _json_file(folder: str) -> str:
+    """The file of a JSON item: ``metadata`` (JsonSave's default), else one named as its folder.
+
+    A manager with ``best_fn`` stores the step's metrics as the item ``metrics``
+    in the file ``metrics/metrics``.
+    """
+    own = os.path.join(folder, os.path.basename(os.path.normpath(folder)))
+    default = os.path.join(folder, JSON_ITEM_FILE)
+    return own if not _is_file(default) and _is_file(own) else default
+
+
 def read_json_item(item_dir: str, name: str) -> Item:
-    path = os.path.join(item_dir, JSON_ITEM_FILE)
+    path = _json_file(item_dir)
     value = read_json_file(path, what="Orbax JSON item")
     return Item(name, "json", tree_leaves(value, where=path), handle=value)
 
@@ -356,7 +367,7 @@ def _is_file(path: str) -> bool:
 
 
 def _is_json_item(folder: str) -> bool:
-    path = os.path.join(folder, JSON_ITEM_FILE)
+    path = _json_file(folder)
     if not _is_file(path) or os.path.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
         return False
     try:
