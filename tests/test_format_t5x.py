@@ -62,8 +62,13 @@ def model_dir(tmp_path_factory):
     return root, truth
 
 
-def _leaves(report: dict, item: str = "default") -> dict[str, dict]:
-    return {leaf["path"]: leaf for leaf in report["checkpoints"][0]["items"][item]["leaves"]}
+def _leaves(report: dict) -> dict[str, dict]:
+    """Rows by state-dict path: a T5X step's items are its top-level keys (target, state), so
+    ``item/path``; an Orbax (< 0.5) item file is one item, ``default``, its paths as they are."""
+    items = report["checkpoints"][0]["items"]
+    if list(items) == ["default"]:
+        return {leaf["path"]: leaf for leaf in items["default"]["leaves"]}
+    return {f"{name}/{leaf['path']}": leaf for name, item in items.items() for leaf in item["leaves"]}
 
 
 # ----------------------------------------------------------------------------- steps, layouts
@@ -195,13 +200,13 @@ def test_show_reads_a_slice_of_a_tensorstore_leaf_and_an_inline_one(model_dir, c
     root, truth = model_dir
     kernel = truth[200]["target"]["encoder"]["layers_0"]["attention"]["query"]["kernel"]
     name, value = show_leaf(str(root), f"target/{KERNEL}[2:5, -1]")
-    assert name == f"default/target/{KERNEL}"
+    assert name == f"target/{KERNEL}"
     np.testing.assert_array_equal(value, kernel[2:5, -1])
     name, value = show_leaf(str(root), "state/step")
     assert int(value) == 200
     assert main(["inspect", str(root), "--show", f"target/{KERNEL}[0, 0:2]", "--format", "json"]) == 0
     shown = json.loads(capsys.readouterr().out)
-    assert shown["path"] == f"default/target/{KERNEL}"
+    assert shown["path"] == f"target/{KERNEL}"
     np.testing.assert_array_equal(np.asarray(shown["value"], np.float32), kernel[0, 0:2])  # float32 -> JSON is exact
 
 
@@ -434,3 +439,19 @@ def test_the_checkpoint_msgpack_is_held_to_the_memory_budget(model_dir, monkeypa
         inspect_path(str(root))
     got = _flat(tt.load_parameters(root))  # returns whole arrays: held to the machine's memory, not the budget
     np.testing.assert_array_equal(got["token_embedder/embedding"], truth[200]["target"]["token_embedder"]["embedding"])
+
+
+def test_items_are_the_state_dict_top_level_keys_params_first(model_dir, capsys):
+    # T5X's `target` is the model: shown first, its count column is "params"; `state` counts "elements".
+    root, truth = model_dir
+    data = inspect_path(str(root)).to_json()
+    items = data["checkpoints"][0]["items"]
+    assert list(items) == ["target", "state"]
+    assert sorted(leaf["path"] for leaf in items["target"]["leaves"]) == sorted(_flat(truth[200]["target"]))
+    assert main(["inspect", str(root), "--leaves"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("target") < out.index("state")
+    header = lambda word: [line for line in out.splitlines() if line.split()[:1] == ["path"] and word in line]
+    assert len(header("params")) == 1 and len(header("elements")) == 1, out
+    got = tt.load_parameters(root)
+    assert sorted(tt.flatten(got)) == sorted(_flat(truth[200]["target"]))

@@ -642,7 +642,8 @@ def _rebuild(treedef: Any, leaves: Sequence[Any], paths: Sequence[str], values: 
 
 
 def _params_item(source: Any, step: int | None, item: str | None, use_ema_params: bool) -> str:
-    """Which item holds the parameters: ``item`` if given; else ``params`` / ``params_ema``; else a lone item."""
+    """Which item holds the parameters: ``item`` if given; else ``params`` / ``params_ema`` (T5X: ``target``);
+    else a lone item."""
     names = source.item_names(step)
     if item is not None:
         if item not in names:
@@ -651,6 +652,8 @@ def _params_item(source: Any, step: int | None, item: str | None, use_ema_params
     wanted = "params_ema" if use_ema_params else "params"
     if wanted in names:
         return wanted
+    if not use_ema_params and "target" in names:  # T5X: the model parameters are the item `target`
+        return "target"
     if len(names) == 1:  # a single-tree file, or a standalone Orbax save (item `default`)
         return names[0]
     where = f"{source.path} (step {step})" if step is not None else source.path

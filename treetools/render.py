@@ -59,8 +59,13 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-_PARAM_ITEMS = ("params", "params_ema", "ema_params", "default")
+_PARAM_ITEMS = ("params", "params_ema", "ema_params", "target", "default")
 """Items whose element counts are parameters; other items' tables count "elements"."""
+
+
+def _bytes_text(n: int) -> str:
+    """A byte total as every footer prints it: ``600 bytes``, ``2,097,152 bytes (2.00 MiB)``."""
+    return f"{n:,} bytes" + (f" ({human(n, 'B')})" if n >= 1024 else "")
 
 
 def _fmt_stat(v: Any) -> str:
@@ -102,8 +107,7 @@ def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int,
 def _footer(t: Totals, *, markdown: bool = False, count_label: str = "params") -> str:
     # In markdown the per-dtype lines are a list, so they do not run together into one paragraph.
     indent = "- " if markdown else "  "
-    size = f"{t.bytes:,} bytes" + (f" ({human(t.bytes, 'B')})" if t.bytes >= 1024 else "")
-    lines = [f"Total: {format_count(t.params)} {count_label}, {size}"]
+    lines = [f"Total: {format_count(t.params)} {count_label}, {_bytes_text(t.bytes)}"]
     if len(t.by_dtype) > 1:
         for dtype, d in t.by_dtype.items():
             lines.append(f"{indent}{dtype}: {format_count(d['params'])} {count_label}, {human(d['bytes'], 'B')}")
@@ -232,8 +236,7 @@ def render_report(report: "Report", fmt: str = "table", *, tablefmt: str = "simp
                                        stat_columns=stat_columns)]
         if len(s.items) > 1:
             t = s.total
-            size = human(t.bytes, "B")
-            line = f"Grand total ({len(s.items)} items): {format_count(t.params)} elements, {size}"
+            line = f"Grand total ({len(s.items)} items): {format_count(t.params)} elements, {_bytes_text(t.bytes)}"
             out += ["", f"**{line}**" if md else line]
     grouped = report.grouped_at if hasattr(report, "grouped_at") else None
     if grouped:

@@ -26,7 +26,7 @@ __all__ = ["ItemReport", "Report", "SCHEMA", "StepReport", "inspect_path", "json
 SCHEMA = 2
 """Version of the ``--format json`` object; bumped on any incompatible change."""
 
-_ITEM_ORDER = ("params", "params_ema", "ema_params", "opt_state")
+_ITEM_ORDER = ("params", "params_ema", "ema_params", "target", "opt_state", "state")
 
 
 def order_items(names: Sequence[str]) -> list[str]:

@@ -23,8 +23,9 @@ request, through TensorStore, rooted in the step (or item) folder: a name
 that is absolute, has ``..`` or resolves outside that folder is refused.
 Steps follow ``treetools.steps``: unfinished ``*.tmp-<ts>`` and
 ``*.orbax-checkpoint-tmp-<ts>`` folders are listed, never read. The state
-dict is one item, ``default``; ``load_parameters`` takes its ``target``
-subtree (T5X's model parameters), ``state/param_states`` is optimizer state.
+dict's top-level keys are the items: ``target`` (T5X's model parameters, what
+``load_parameters`` returns) and ``state`` (``step``, the optimizer's
+``param_states``); an Orbax (< 0.5) item file is one item.
 """
 
 from __future__ import annotations
@@ -326,6 +327,7 @@ class T5XSource(Source):
     def __init__(self, local: str, display: str, mode: str):
         self.local = local
         self.mode = mode
+        self._trees: dict[int | None, tuple[Item, int | None]] = {}
         listing = scan_steps(local, commit_rule=_committed) if mode == "root" else None
         folder = os.path.dirname(local) if mode == "file" else local
         super().__init__(display, listing=listing, step=None if mode == "root" else parse_step_name(os.path.basename(folder)))
@@ -335,11 +337,33 @@ class T5XSource(Source):
             return self.listing.folder(step)
         return os.path.dirname(self.local) if self.mode == "file" else self.local
 
+    def _tree(self, step: int | None) -> tuple[Item, int | None]:
+        """The step's ``checkpoint`` msgpack, parsed once per step."""
+        if step not in self._trees:
+            path = self.local if self.mode == "file" else os.path.join(self._step_dir(step), CHECKPOINT_FILE)
+            self._trees[step] = read_tree(path, DEFAULT_ITEM)
+        return self._trees[step]
+
+    def _split(self, step: int | None) -> dict[str, Item] | None:
+        """A T5X state dict as its top-level items (``target``: the model parameters, ``state``: the
+        optimizer's), or None for an Orbax (< 0.5) item file, which is one tree."""
+        if not (self.mode == "file" or _has_tree(self._step_dir(step))):
+            return None
+        whole, version = self._tree(step)
+        if version is None or not whole.leaves or any(len(leaf.path) < 2 for leaf in whole.leaves):
+            return None
+        out: dict[str, list[Leaf]] = {}
+        for leaf in whole.leaves:
+            out.setdefault(leaf.path[0], []).append(
+                dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[1:])))
+        return {name: Item(name, "pytree", leaves, handle=whole.handle) for name, leaves in out.items()}
+
     def _items(self, step: int | None) -> dict[str, str]:
         """Item name -> the folder holding it (its ``checkpoint``, or Orbax's ``_METADATA``)."""
         folder = self._step_dir(step)
         if self.mode == "file" or _has_tree(folder):
-            return {DEFAULT_ITEM: folder}
+            split = self._split(step)
+            return dict.fromkeys(split, folder) if split is not None else {DEFAULT_ITEM: folder}
         return {d: os.path.join(folder, d) for d in _subdirs(folder)
                 if TMP_DIR_SUFFIX not in d and _is_item(os.path.join(folder, d))}
 
@@ -347,6 +371,11 @@ class T5XSource(Source):
         return list(self._items(step))
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
+        split = self._split(step)
+        if split is not None:
+            version = self._tree(step)[1]
+            return Snapshot(step, {name: split[name] for name in names},
+                            metadata={"custom": {"t5x_checkpoint_version": version}})
         folders = self._items(step)
         items: dict[str, Item] = {}
         metadata: dict[str, Any] = {}
@@ -356,9 +385,11 @@ class T5XSource(Source):
                 items[name] = read_pytree_item(folder, name)  # a later Orbax save in the same root
             elif self.mode != "file" and is_json_item(folder):
                 items[name] = read_json_item(folder, name)
+            elif self.mode == "file" or _has_tree(folder) and folder == self._step_dir(step):
+                whole, version = self._tree(step)
+                items[name] = dataclasses.replace(whole, name=name)
             else:
-                path = self.local if self.mode == "file" else os.path.join(folder, CHECKPOINT_FILE)
-                items[name], version = read_tree(path, name)
+                items[name], version = read_tree(os.path.join(folder, CHECKPOINT_FILE), name)
                 if version is not None:
                     metadata["custom"] = {"t5x_checkpoint_version": version}
         return Snapshot(step, items, metadata=metadata)
