@@ -30,6 +30,7 @@ import numpy as np
 from treetools.errors import CheckpointError
 from treetools.inspect.arrays import ArrayReader, Index, check_budget, physical_memory
 from treetools.inspect.source import (
+    DEFAULT_ITEM,
     Format,
     Item,
     Leaf,
@@ -398,11 +399,18 @@ def _subdirs(folder: str) -> list[str]:
         raise CheckpointError(f"{folder}: cannot list folder ({e.strerror or e}).") from None
 
 
+def _step_is_item(folder: str) -> bool:
+    """A step folder that is itself the item: a Checkpointer's save per step (Flax's ``checkpoint_<N>`` Orbax mode)."""
+    return (parse_step_name(os.path.basename(folder)) is not None
+            and os.path.lexists(os.path.join(folder, STEP_METADATA_FILE)) and _is_item(folder))
+
+
 def _looks_like_step(folder: str) -> bool:
     if os.path.lexists(os.path.join(folder, STEP_METADATA_FILE)):
         return True
-    try:
-        return any(_is_item(os.path.join(folder, d)) for d in _subdirs(folder))
+    try:  # a folder of step folders that are items (or their tmp folders) is a root, not a step holding items
+        return any(_is_item(os.path.join(folder, d)) and not (_step_is_item(os.path.join(folder, d))
+                                                               or tmp_step(d) is not None) for d in _subdirs(folder))
     except CheckpointError:
         return False
 
@@ -431,8 +439,11 @@ class OrbaxSource(Source):
         self._step_meta: dict[str, Any] = {}
 
     def item_dir(self, step: int | None, name: str) -> str:
-        """The folder of one item of one step."""
-        return self.local if self.mode == "item" else os.path.join(self._step_dir(step), name)
+        """The folder of one item of one step (the step folder itself when the step is one item)."""
+        if self.mode == "item":
+            return self.local
+        step_dir = self._step_dir(step)
+        return step_dir if self.mode == "root" and _step_is_item(step_dir) else os.path.join(step_dir, name)
 
     def _step_dir(self, step: int | None) -> str:
         return self.listing.folder(step) if self.listing is not None and step is not None else self.local
@@ -453,6 +464,8 @@ class OrbaxSource(Source):
         if self.mode == "item":
             return [self._item_name()]
         step_dir = self._step_dir(step)
+        if self.mode == "root" and _step_is_item(step_dir):
+            return [DEFAULT_ITEM]
         handlers = self._handlers(step_dir)
         if handlers is not None:
             return sorted(handlers)
@@ -467,12 +480,13 @@ class OrbaxSource(Source):
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         notes: list[str] = []
         items: dict[str, Item] = {}
-        if self.mode == "item":
-            (name,) = names
-            reader = read_json_item if _is_json_item(self.local) else read_pytree_item
-            items[name] = reader(self.local, name)
-            return Snapshot(step, items, record_sharding=True, metadata=self._metadata(self.local), notes=notes)
         step_dir = self._step_dir(step)
+        if self.mode == "item" or (self.mode == "root" and _step_is_item(step_dir)):
+            folder = self.local if self.mode == "item" else step_dir
+            (name,) = names
+            reader = read_json_item if _is_json_item(folder) else read_pytree_item
+            items[name] = reader(folder, name)
+            return Snapshot(step, items, record_sharding=True, metadata=self._metadata(folder), notes=notes)
         handlers = self._handlers(step_dir) or {}
         for name in names:
             check_name(name, where=os.path.join(step_dir, STEP_METADATA_FILE))

@@ -1,0 +1,164 @@
+"""Flax's legacy ``flax.training.checkpoints.save_checkpoint``: msgpack ``checkpoint_<N>`` files and its Orbax mode.
+
+Every checkpoint here is written by flax itself; the truth is the tree handed to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+from flax import config as flax_config
+from flax.training import checkpoints
+
+import treetools as tt
+from treetools.cli import main
+from treetools.inspect import inspect_path
+
+
+def _state(step):
+    rng = np.random.default_rng(step)
+    return {"params": {"Dense_0": {"kernel": rng.standard_normal((3, 4)).astype(np.float32),
+                                   "bias": np.full((4,), step, np.float32)}},
+            "opt": {"mu": np.arange(4, dtype=np.float32) * step}}
+
+
+@contextlib.contextmanager
+def _orbax_backend(on):
+    old = flax_config.flax_use_orbax_checkpointing
+    flax_config.update("flax_use_orbax_checkpointing", on)
+    try:
+        yield
+    finally:
+        flax_config.update("flax_use_orbax_checkpointing", old)
+
+
+def write_flax_legacy(folder, steps=(1, 2, 3), *, orbax=False, prefix="checkpoint_"):
+    """Save ``_state(step)`` for each step with flax's own save_checkpoint; returns {step: state}."""
+    with _orbax_backend(orbax):
+        for step in steps:
+            checkpoints.save_checkpoint(str(folder), _state(step), step, prefix=prefix, keep=100)
+    return {step: _state(step) for step in steps}
+
+
+def _leaves(rep, i=0):
+    return {leaf["path"]: leaf for leaf in rep["checkpoints"][i]["items"]["default"]["leaves"]}
+
+
+def _assert_tree_equal(got, want):
+    assert sorted(tt.flatten(got)) == sorted(tt.flatten(want))
+    for path, value in tt.flatten(want).items():
+        np.testing.assert_array_equal(tt.flatten(got)[path], value, err_msg=path)
+
+
+@pytest.fixture
+def msgpack_dir(tmp_path):
+    truth = write_flax_legacy(tmp_path)
+    # An unfinished save: flax writes <prefix>tmp and renames it when done. Garbage, so reading it would fail.
+    (tmp_path / "checkpoint_tmp").write_bytes(b"\x82\xa1a")
+    return tmp_path, truth
+
+
+def test_msgpack_steps_latest_and_unfinished_save(msgpack_dir):
+    folder, truth = msgpack_dir
+    assert sorted(os.listdir(folder)) == ["checkpoint_1", "checkpoint_2", "checkpoint_3", "checkpoint_tmp"]
+    rep = inspect_path(str(folder), stats=True).to_json()
+    assert rep["format"] == "flax-legacy"
+    assert rep["steps"] == [1, 2, 3] and rep["incomplete"] == ["checkpoint_tmp"]
+    assert rep["checkpoints"][0]["step"] == 3
+    leaves = _leaves(rep)
+    assert sorted(leaves) == sorted(tt.flatten(truth[3]))
+    assert leaves["params/Dense_0/bias"]["stats"]["mean"] == 3.0
+    kernel = truth[3]["params"]["Dense_0"]["kernel"]
+    assert leaves["params/Dense_0/kernel"]["stats"]["max"] == pytest.approx(float(kernel.max()))
+    one = _leaves(inspect_path(str(folder), step=1, stats=True).to_json())
+    assert one["opt/mu"]["stats"]["max"] == 3.0  # arange(4) * 1
+
+
+def test_msgpack_load_parameters_latest_and_step(msgpack_dir):
+    folder, truth = msgpack_dir
+    _assert_tree_equal(tt.load_parameters(folder), truth[3]["params"])
+    _assert_tree_equal(tt.load_parameters(folder, step=2), truth[2]["params"])
+    with pytest.raises(FileNotFoundError, match="1, 2, 3"):
+        tt.load_parameters(folder, step=7)
+
+
+def test_msgpack_cli_show_unknown_step_and_verify(msgpack_dir, capsys):
+    folder, truth = msgpack_dir
+    assert main(["inspect", str(folder), "--step", "2", "--show", "params/Dense_0/bias"]) == 0
+    assert "[2. 2. 2. 2.]" in capsys.readouterr().out
+    assert main(["inspect", str(folder), "--step", "9"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("treetools: error:") and "1, 2, 3" in err
+    assert main(["verify", str(folder), "--step", "all"]) == 0
+
+
+def test_msgpack_other_prefix(tmp_path):
+    truth = write_flax_legacy(tmp_path, (5, 40), prefix="ckpt_")
+    rep = inspect_path(str(tmp_path)).to_json()
+    assert rep["format"] == "flax-legacy" and rep["steps"] == [5, 40]
+    _assert_tree_equal(tt.load_parameters(tmp_path, step=5), truth[5]["params"])
+
+
+def test_msgpack_single_file_is_a_msgpack_checkpoint(msgpack_dir):
+    folder, truth = msgpack_dir
+    rep = inspect_path(str(folder / "checkpoint_2")).to_json()
+    assert rep["format"] == "msgpack" and rep["steps"] is None
+    _assert_tree_equal(tt.load_parameters(folder / "checkpoint_2"), truth[2]["params"])
+
+
+def test_msgpack_diff_of_two_steps(msgpack_dir, capsys):
+    folder, _ = msgpack_dir
+    assert main(["diff", str(folder / "checkpoint_3"), str(folder), "--values"]) == 0
+    assert main(["diff", str(folder / "checkpoint_1"), str(folder), "--values"]) == 1
+
+
+@pytest.fixture
+def orbax_dir(tmp_path):
+    return tmp_path, write_flax_legacy(tmp_path, (1, 2), orbax=True)
+
+
+def test_orbax_mode_root_lists_steps_and_reads_the_step_folder_as_the_item(orbax_dir):
+    folder, truth = orbax_dir
+    # flax's Orbax backend writes each step folder as one item: its files sit next to the step metadata.
+    assert {"_METADATA", "_CHECKPOINT_METADATA"} <= set(os.listdir(folder / "checkpoint_2"))
+    rep = inspect_path(str(folder), stats=True).to_json()
+    assert rep["format"] == "orbax" and rep["steps"] == [1, 2]
+    assert list(rep["checkpoints"][0]["items"]) == ["default"]
+    leaves = _leaves(rep)
+    assert sorted(leaves) == sorted(tt.flatten(truth[2]))
+    assert leaves["params/Dense_0/bias"]["stats"]["mean"] == 2.0
+    _assert_tree_equal(tt.load_parameters(folder), truth[2]["params"])
+    _assert_tree_equal(tt.load_parameters(folder, step=1), truth[1]["params"])
+    _assert_tree_equal(tt.load_parameters(folder / "checkpoint_1"), truth[1]["params"])
+
+
+def test_orbax_mode_errors_never_name_orbax_internals(orbax_dir, capsys):
+    folder, _ = orbax_dir
+    with pytest.raises(FileNotFoundError) as e:
+        tt.load_parameters(folder, item="params")
+    assert "items: default." in str(e.value)
+    for internal in ("ocdbt.process_0", "array_metadatas", "`d`", " d,", "manifest"):
+        assert internal not in str(e.value)
+    assert main(["inspect", str(folder), "--item", "d"]) == 1
+    assert "items: default." in capsys.readouterr().err
+
+
+def test_orbax_mode_restore_round_trip_and_verify(orbax_dir):
+    folder, truth = orbax_dir
+    whole = tt.load_parameters(folder, item="default")
+    restored = tt.restore_checkpoint(str(folder), 1, {"default": tt.make_abstract(whole)})["default"]
+    _assert_tree_equal(restored, truth[1])
+    assert main(["verify", str(folder), "--step", "all"]) == 0
+
+
+def test_orbax_mode_unfinished_save_is_listed_not_read(orbax_dir):
+    folder, _ = orbax_dir
+    tmp = folder / "checkpoint_3.orbax-checkpoint-tmp-1700000000"
+    tmp.mkdir()
+    (tmp / "_METADATA").write_text("{broken")
+    rep = inspect_path(str(folder)).to_json()
+    assert rep["steps"] == [1, 2] and rep["incomplete"] == [tmp.name]
+    assert rep["checkpoints"][0]["step"] == 2

@@ -1,0 +1,120 @@
+"""Flax's legacy ``flax.training.checkpoints.save_checkpoint`` in msgpack mode: a folder of ``checkpoint_<N>`` files.
+
+With ``flax.config.flax_use_orbax_checkpointing`` off, ``save_checkpoint(dir,
+target, step, prefix="checkpoint_")`` writes ``flax.serialization.to_bytes``
+of the target to ``<prefix>tmp`` and renames it to ``<prefix><step>``; the
+step is in the file name. PATH is that folder: every ``<prefix><N>`` file
+holding a msgpack map is a committed step, ``<prefix>tmp`` is an unfinished
+save (listed as incomplete, never read). Multi-process ``_gda`` folders are
+not read. Each step is one item, ``default``, read like a single Flax msgpack
+file (see ``msgpack.py``); one file is a ``msgpack`` checkpoint by itself.
+
+In Orbax mode (the default since Flax 0.7) ``save_checkpoint`` writes
+``checkpoint_<N>/`` folders, each one Orbax item: the ``orbax`` format reads
+that root (its steps' item is ``default``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Sequence
+
+from treetools.errors import CheckpointError, StepDeletedError
+from treetools.inspect.formats.msgpack import read_msgpack
+from treetools.inspect.source import DEFAULT_ITEM, Format, Item, Snapshot, Source, file_head
+from treetools.steps import StepListing
+
+__all__ = ["FORMAT", "scan_files"]
+
+# Flax joins prefix and step with nothing in between (``checkpoint_`` + ``100``); integer steps only.
+_STEP_FILE = re.compile(r"^(?P<prefix>.*?\D)?(?P<step>\d+)$")
+_DEFAULT_PREFIX = "checkpoint_"
+_TMP = "tmp"  # flax.training.checkpoints._get_checkpoint_paths: ``<prefix>tmp``
+
+
+def _is_msgpack_map(path: str) -> bool:
+    head = file_head(path, 1)
+    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
+
+
+def _step_files(folder: str) -> dict[str, dict[int, str]]:
+    """prefix -> {step: file path} of the msgpack step files directly under ``folder``."""
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return {}
+    found: dict[str, dict[int, str]] = {}
+    for entry in entries:
+        m = _STEP_FILE.match(entry.name)
+        if m is None or not entry.is_file(follow_symlinks=False) or not _is_msgpack_map(entry.path):
+            continue
+        found.setdefault(m.group("prefix") or "", {}).setdefault(int(m.group("step")), entry.path)
+    return found
+
+
+def scan_files(folder: str) -> tuple[str, StepListing]:
+    """The prefix and the steps of a legacy Flax checkpoint folder.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> for name in ("checkpoint_10", "checkpoint_2"):
+    ...     _ = open(os.path.join(d, name), "wb").write(b"\\x80")
+    >>> _ = open(os.path.join(d, "checkpoint_tmp"), "wb").write(b"\\x80")
+    >>> prefix, listing = scan_files(d)
+    >>> prefix, listing.steps, listing.incomplete
+    ('checkpoint_', [2, 10], ['checkpoint_tmp'])
+    """
+    found = _step_files(folder)
+    if not found:
+        raise CheckpointError(f"{folder}: no Flax checkpoint files (<prefix><step> msgpack files) in it.")
+    if len(found) > 1 and _DEFAULT_PREFIX not in found:
+        raise CheckpointError(
+            f"{folder}: Flax checkpoint files with several prefixes ({', '.join(sorted(map(repr, found)))}); "
+            "move each run's files into a folder of its own."
+        )
+    prefix = _DEFAULT_PREFIX if _DEFAULT_PREFIX in found else next(iter(found))
+    committed = dict(sorted(found[prefix].items()))
+    tmp = prefix + _TMP
+    incomplete = [tmp] if os.path.lexists(os.path.join(folder, tmp)) else []
+    return prefix, StepListing(folder, committed, incomplete)
+
+
+class FlaxLegacySource(Source):
+    """A folder of ``<prefix><N>`` msgpack files; each step is item ``default``."""
+
+    format = "flax-legacy"
+
+    def __init__(self, local: str, display: str):
+        self.local = local
+        self.prefix, listing = scan_files(local)
+        super().__init__(display, listing=listing)
+
+    def item_names(self, step: int | None) -> list[str]:
+        return [DEFAULT_ITEM]
+
+    def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
+        assert self.listing is not None and step is not None
+        leaves = read_msgpack(self.listing.folder(step))
+        return Snapshot(step, {name: Item(name, "pytree", list(leaves)) for name in names})
+
+    def step_deleted(self, step: int | None) -> StepDeletedError | None:
+        # The step is a file, not a folder (Source's own test asks for a folder).
+        if step is None or self.listing is None or step not in self.listing.committed:
+            return None
+        if os.path.isfile(self.listing.committed[step]):
+            return None
+        return StepDeletedError(
+            f"{self.path}: step {step} was deleted while it was being read (save_checkpoint's keep= pruning "
+            "old steps?); run again to read the steps present now."
+        )
+
+
+FORMAT = Format(
+    name="flax-legacy",
+    priority=40,
+    claims=lambda path: os.path.isdir(path) and bool(_step_files(path)),
+    open=FlaxLegacySource,
+    description="a folder of checkpoint_<step> msgpack files from flax.training.checkpoints.save_checkpoint",
+)
