@@ -15,7 +15,8 @@ from flax.training import checkpoints
 
 import treetools as tt
 from treetools.cli import main
-from treetools.inspect import inspect_path
+from treetools.errors import StepDeletedError
+from treetools.inspect import inspect_path, open_source
 
 
 def _state(step):
@@ -93,6 +94,19 @@ def test_msgpack_cli_show_unknown_step_and_verify(msgpack_dir, capsys):
     err = capsys.readouterr().err
     assert err.startswith("treetools: error:") and "1, 2, 3" in err
     assert main(["verify", str(folder), "--step", "all"]) == 0
+
+
+def test_msgpack_step_deleted_after_listing(msgpack_dir):
+    folder, truth = msgpack_dir
+    source = open_source(str(folder))
+    assert source.snapshot(3).items["default"].leaves  # a step file that is there reads
+    (folder / "checkpoint_2").write_bytes(b"\x82\xa1")  # still there, but corrupt: not "deleted"
+    with pytest.raises(tt.CheckpointError, match="corrupt or truncated") as e:
+        source.snapshot(2)
+    assert not isinstance(e.value, StepDeletedError)
+    (folder / "checkpoint_3").unlink()  # keep= pruning it between the listing and the read
+    with pytest.raises(StepDeletedError, match="step 3 was deleted"):
+        source.snapshot(3)
 
 
 def test_msgpack_other_prefix(tmp_path):

@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import serialization
+from safetensors.numpy import save_file as save_safetensors
 
 import treetools as tt
 from treetools.cli import main
@@ -75,9 +76,10 @@ def _flat(tree):
     return {p: np.asarray(x) for p, x in flatten(tree).items()}
 
 
-def _manager(tmp):
-    root, item, truth = write_orbax_manager_linen(tmp)
-    return root, truth
+def _manager(tmp, *below, item="params"):
+    """The Orbax manager root that test_checkpoint_layer writes (step 7, item ``params``), or a folder below it."""
+    root, name, truth = write_orbax_manager_linen(tmp)
+    return Case(root.joinpath(*below), truth, item=item, restore_item=name)
 
 
 def _checkpointer_save(tmp, handler, name):
@@ -104,11 +106,16 @@ def _single_file(tmp, name, save):
     return Case(tmp / name, _flat(tree))
 
 
+def _safetensors(tmp):
+    tensors = {name.replace("/", "."): value for name, value in _flat(_params()).items()}  # HF's dotted names
+    save_safetensors(tensors, str(tmp / "model.safetensors"))
+    return Case(tmp / "model.safetensors", tensors)
+
+
 CASES: dict[str, Callable[[Path], Case]] = {
-    "Orbax CheckpointManager root": lambda t: Case(*_manager(t), item="params", restore_item="params"),
-    "Orbax step folder": lambda t: (lambda r: Case(r[0] / "7", r[1], item="params", restore_item="params"))(_manager(t)),
-    "Orbax single item folder": lambda t: (lambda r: Case(r[0] / "7" / "params", r[1],
-                                                          restore_item="params"))(_manager(t)),
+    "Orbax CheckpointManager root": _manager,
+    "Orbax step folder": lambda t: _manager(t, "7"),
+    "Orbax single item folder": lambda t: _manager(t, "7", "params", item=None),
     "Orbax StandardCheckpointer save": lambda t: _checkpointer_save(t, ocp.StandardCheckpointHandler(), "std"),
     "Orbax PyTreeCheckpointer save": lambda t: _checkpointer_save(t, ocp.PyTreeCheckpointHandler(), "pytree"),
     "Orbax zarr3 (`use_zarr3=True`)": lambda t: _checkpointer_save(t, ocp.PyTreeCheckpointHandler(use_zarr3=True),
@@ -122,21 +129,13 @@ CASES: dict[str, Callable[[Path], Case]] = {
                                                 lambda p, tree: p.write_bytes(serialization.to_bytes(tree))),
     "Flax legacy `checkpoint_<N>` msgpack files": lambda t: _flax_legacy(t, orbax=False),
     "Flax legacy Orbax mode `checkpoint_<N>/`": lambda t: _flax_legacy(t, orbax=True),
-    "Hugging Face safetensors file": lambda t: _single_file(
-        t, "model.safetensors", lambda p, tree: __import__("safetensors.numpy").numpy.save_file(
-            {k.replace("/", "."): v for k, v in _flat(tree).items()}, str(p))),
+    "Hugging Face safetensors file": _safetensors,
     "Hugging Face sharded safetensors": lambda t: Case(t, write_hf_sharded(t, [
         {"model.embed.weight": np.arange(12, dtype=np.float32).reshape(3, 4)},
         {"model.layers.0.q.weight": np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)}])),
     "Hugging Face Flax sharded msgpack": lambda t: Case(t, write_hf_flax(t, _params(), max_shard_size=100)),
     "numpy npz": lambda t: _single_file(t, "weights.npz", lambda p, tree: np.savez(p, **_flat(tree))),
 }
-
-
-def _fix_safetensors_truth(case: Case) -> Case:
-    if case.path.suffix == ".safetensors":  # stored under dotted names, read back as stored
-        case.truth = {k.replace("/", "."): v for k, v in case.truth.items()}
-    return case
 
 
 ROWS = parse_table(DOC.read_text())
@@ -215,7 +214,7 @@ def test_row_is_true(row, tmp_path, capsys):
         if row.get("format") == "t5x":
             pytest.skip("T5X rows: covered by tests/test_format_t5x.py (no writer in CASES yet)")
         pytest.fail(f"no writer for the documented layout {row['layout']!r}: add one to CASES")
-    case = _fix_safetensors_truth(CASES[row["layout"]](tmp_path))
+    case = CASES[row["layout"]](tmp_path)
     assert open_source(str(case.path)).format == row["format"]
     for col in COLUMNS:
         work = tmp_path / f"_{col}"
