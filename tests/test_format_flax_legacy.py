@@ -74,6 +74,8 @@ def test_msgpack_steps_latest_and_unfinished_save(msgpack_dir):
     assert leaves["params/Dense_0/bias"]["stats"]["mean"] == 3.0
     kernel = truth[3]["params"]["Dense_0"]["kernel"]
     assert leaves["params/Dense_0/kernel"]["stats"]["max"] == pytest.approx(float(kernel.max()))
+    with pytest.raises(tt.CheckpointError, match="unfinished Flax save"):  # pointed at directly: still never read
+        inspect_path(str(folder / "checkpoint_tmp"))
     one = _leaves(inspect_path(str(folder), step=1, stats=True).to_json())
     assert one["opt/mu"]["stats"]["max"] == 3.0  # arange(4) * 1
 

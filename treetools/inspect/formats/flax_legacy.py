@@ -5,11 +5,11 @@ target, step, prefix="checkpoint_")`` writes ``flax.serialization.to_bytes``
 of the target to ``<prefix>tmp`` and renames it to ``<prefix><step>``; the
 step is in the file name. PATH is that folder: every ``<prefix><N>`` file
 holding a msgpack map is a committed step, ``<prefix>tmp`` is an unfinished
-save (listed as incomplete, never read). Multi-process ``_gda`` folders are
+save (listed as incomplete, never read, refused when PATH names it). Multi-process ``_gda`` folders are
 not read. Each step is one item, ``default``, read like a single Flax msgpack
 file (see ``msgpack.py``); one file is a ``msgpack`` checkpoint by itself.
 
-In Orbax mode (the default since Flax 0.7) ``save_checkpoint`` writes
+In Orbax mode (the default in Flax 0.8 and later; tested with 0.8.5 and 0.12.8) ``save_checkpoint`` writes
 ``checkpoint_<N>/`` folders, each one Orbax item: the ``orbax`` format reads
 that root (its steps' item is ``default``).
 """
@@ -106,10 +106,26 @@ class FlaxLegacySource(Source):
         return super().step_deleted(step)
 
 
+def _is_tmp_file(path: str) -> bool:
+    """``<prefix>tmp`` beside that prefix's step files (or ``checkpoint_tmp``): a save flax has not renamed yet."""
+    name = os.path.basename(path)
+    if not name.endswith(_TMP) or not os.path.isfile(path):
+        return False
+    prefix = name[: -len(_TMP)]
+    return prefix == _DEFAULT_PREFIX or prefix in _step_files(os.path.dirname(path))
+
+
+def _open(local: str, display: str) -> FlaxLegacySource:
+    if os.path.isfile(local):  # claimed as an unfinished save
+        raise CheckpointError(f"{display}: an unfinished Flax save (save_checkpoint renames it to <prefix><step> "
+                              "when done); it is never read.")
+    return FlaxLegacySource(local, display)
+
+
 FORMAT = Format(
     name="flax-legacy",
     priority=40,
-    claims=lambda path: os.path.isdir(path) and bool(_step_files(path)),
-    open=FlaxLegacySource,
+    claims=lambda path: (os.path.isdir(path) and bool(_step_files(path))) or _is_tmp_file(path),
+    open=_open,
     description="a folder of checkpoint_<step> msgpack files from flax.training.checkpoints.save_checkpoint",
 )
