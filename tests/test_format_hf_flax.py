@@ -118,3 +118,22 @@ def test_index_places_tensor_in_wrong_shard_is_an_error(sharded):
     (folder / INDEX).write_text(json.dumps(index))
     with pytest.raises(tt.CheckpointError, match="places bert/extra in"):
         inspect_path(str(folder))
+
+
+def test_index_naming_a_file_outside_the_folder_is_refused(sharded):
+    folder, _ = sharded
+    index = json.loads((folder / INDEX).read_text())
+    index["weight_map"]["cls/predictions/bias"] = "../flax_model-00001-of-00003.msgpack"
+    (folder / INDEX).write_text(json.dumps(index))
+    with pytest.raises(tt.CheckpointError, match="tries to escape the checkpoint folder"):
+        tt.load_parameters(folder)
+
+
+def test_corrupt_index_and_corrupt_shard_are_clear_errors(sharded, capsys):
+    folder, _ = sharded
+    (folder / "flax_model-00003-of-00003.msgpack").write_bytes(b"\x83\xa1a")
+    assert main(["inspect", str(folder)]) == 1
+    assert "flax_model-00003-of-00003.msgpack: corrupt or truncated Flax msgpack" in capsys.readouterr().err
+    (folder / INDEX).write_text('{"weight_map": ')
+    assert main(["inspect", str(folder)]) == 1
+    assert "corrupt or truncated Flax msgpack index" in capsys.readouterr().err
