@@ -20,7 +20,7 @@ from treetools.inspect import inspect_path, open_source
 
 
 def _state(step):
-    rng = np.random.default_rng(step)
+    rng = np.random.default_rng(int(step))
     return {"params": {"Dense_0": {"kernel": rng.standard_normal((3, 4)).astype(np.float32),
                                    "bias": np.full((4,), step, np.float32)}},
             "opt": {"mu": np.arange(4, dtype=np.float32) * step}}
@@ -112,7 +112,9 @@ def test_msgpack_step_deleted_after_listing(msgpack_dir):
 
 
 def test_msgpack_other_prefix(tmp_path):
+    write_flax_legacy(tmp_path, (1.5,), prefix="ckpt_")  # a float step (flax allows them): not listed, not read
     truth = write_flax_legacy(tmp_path, (5, 40), prefix="ckpt_")
+    assert (tmp_path / "ckpt_1.5").is_file()
     rep = inspect_path(str(tmp_path)).to_json()
     assert rep["format"] == "flax-legacy" and rep["steps"] == [5, 40]
     _assert_tree_equal(tt.load_parameters(tmp_path, step=5), truth[5]["params"])

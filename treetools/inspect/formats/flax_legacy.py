@@ -50,6 +50,8 @@ def _step_files(folder: str) -> dict[str, dict[int, str]]:
         m = _STEP_FILE.match(entry.name)
         if m is None or not entry.is_file(follow_symlinks=False) or not _is_msgpack_map(entry.path):
             continue
+        if re.search(r"\d\.$", m.group("prefix") or ""):  # a float step (``checkpoint_1.5``): not read
+            continue
         found.setdefault(m.group("prefix") or "", {}).setdefault(int(m.group("step")), entry.path)
     return found
 
