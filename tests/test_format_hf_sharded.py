@@ -70,3 +70,12 @@ def test_missing_shard_and_disagreeing_index_are_one_line(sharded, capsys):
               str(folder / "model-00002-of-00003.safetensors"))
     assert main(["inspect", str(folder)]) == 1
     assert "holds tensors the index does not list (extra.bias)" in capsys.readouterr().err
+
+
+def test_a_shard_file_the_index_never_names_is_an_error(tmp_path, capsys):
+    # A leftover shard of an earlier save (another -of- count) beside the index: the two disagree.
+    _write(tmp_path, [{"a.w": np.ones(2, np.float32)}, {"b.w": np.ones(3, np.float32)}])
+    save_file({"c.w": np.ones(1, np.float32)}, str(tmp_path / "model-00003-of-00003.safetensors"))
+    assert main(["inspect", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "model-00003-of-00003.safetensors" in err and "does not name" in err

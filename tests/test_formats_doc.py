@@ -4,9 +4,9 @@ The table is parsed from the markdown. For each row the layout's writer runs
 (Orbax, flax, safetensors, numpy; the Orbax 0.6 / Flax 0.8 rows read the
 fixtures those versions wrote), and each column's operation runs on it: a ✓
 must work and give the writer's own arrays, a ✗ must be refused with an
-error. A row without a writer here fails (add one to ``CASES``), except rows
-of format ``t5x``, which tests/test_format_t5x.py covers until a writer is
-added here.
+error. A row without a writer here fails (add one to ``CASES``). T5X has no
+installable writer without TensorFlow: its rows use tests/_t5x_writer.py,
+which follows T5X's own save code.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tests.test_checkpoint_layer import write_orbax_manager_linen
 from tests.test_format_flax_legacy import write_flax_legacy
 from tests.test_format_hf_flax import write_hf_flax
 from tests.test_format_hf_sharded import _write as write_hf_sharded
+from tests._t5x_writer import save_orbax_legacy_step, save_t5x
 
 DOC = Path(__file__).parent.parent / "docs" / "formats.md"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -106,6 +107,24 @@ def _single_file(tmp, name, save):
     return Case(tmp / name, _flat(tree))
 
 
+def _t5x(tmp, *below):
+    """A T5X model dir (steps 1 and 2, and an unfinished save) as T5X's Checkpointer writes it; truth: step 2's target."""
+    from tests.test_format_t5x import _state
+
+    states = {step: _state(step, step) for step in (1, 2)}
+    for step, state in states.items():
+        save_t5x(tmp / "model", step, state)
+    save_t5x(tmp / "model", 3, _state(3, 3), finish=False)
+    return Case((tmp / "model").joinpath(*below), _flat(states[2]["target"]), item="target")
+
+
+def _orbax_before_0_5(tmp):
+    params = _params()
+    for step in (1, 2):
+        save_orbax_legacy_step(tmp / "run", step, {"params": params if step == 2 else _params(step)})
+    return Case(tmp / "run", _flat(params), item="params")
+
+
 def _safetensors(tmp):
     tensors = {name.replace("/", "."): value for name, value in _flat(_params()).items()}  # HF's dotted names
     save_safetensors(tensors, str(tmp / "model.safetensors"))
@@ -135,6 +154,10 @@ CASES: dict[str, Callable[[Path], Case]] = {
         {"model.layers.0.q.weight": np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)}])),
     "Hugging Face Flax sharded msgpack": lambda t: Case(t, write_hf_flax(t, _params(), max_shard_size=100)),
     "numpy npz": lambda t: _single_file(t, "weights.npz", lambda p, tree: np.savez(p, **_flat(tree))),
+    "T5X model dir": _t5x,
+    "T5X step folder": lambda t: _t5x(t, "checkpoint_2"),
+    "T5X `checkpoint` file": lambda t: _t5x(t, "checkpoint_2", "checkpoint"),
+    "Orbax before 0.5 CheckpointManager (`checkpoint` msgpack + zarr folders, no `_METADATA`)": _orbax_before_0_5,
 }
 
 
@@ -211,8 +234,6 @@ CHECKS = {col: globals()[f"check_{col}"] for col in COLUMNS}
 @pytest.mark.parametrize("row", ROWS, ids=[row["layout"] for row in ROWS])
 def test_row_is_true(row, tmp_path, capsys):
     if row["layout"] not in CASES:
-        if row.get("format") == "t5x":
-            pytest.skip("T5X rows: covered by tests/test_format_t5x.py (no writer in CASES yet)")
         pytest.fail(f"no writer for the documented layout {row['layout']!r}: add one to CASES")
     case = CASES[row["layout"]](tmp_path)
     assert open_source(str(case.path)).format == row["format"]
