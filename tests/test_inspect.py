@@ -489,15 +489,17 @@ def _child_peak_kib(*argv: str, env: dict) -> int:
 
 
 def test_stats_peak_memory_is_bounded(tmp_path):
-    """--stats on 64 MiB checkpoints with a 2 MiB budget: the child's peak RSS grows by < 32 MiB.
+    """--stats on 128 MiB checkpoints with a 2 MiB budget: the child's peak RSS grows by < 48 MiB.
 
-    Loading the array whole would add >= 64 MiB (and a float64 copy 128 MiB).
+    Loading the array whole would add >= 128 MiB (and a float64 copy 256 MiB).
+    The growth measured is 28-35 MiB whatever the size (stats threads, their
+    blocks in flight, TensorStore's thread pools), hence the margin.
     Orbax is saved with 1 MiB chunks: TensorStore decompresses a chunk whole,
     so the bound holds for chunks below the budget (Orbax's default chunk is
     one device shard).
     """
     budget = 2 * 2**20
-    w = np.random.default_rng(0).random((4096, 4096), dtype=np.float32)  # 64 MiB
+    w = np.random.default_rng(0).random((4096, 8192), dtype=np.float32)  # 128 MiB
     np.savez(tmp_path / "big.npz", w=w)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(str(tmp_path / "big_orbax"), {"w": w}, save_args={"w": ocp.SaveArgs(chunk_byte_size=2**20)})
@@ -505,7 +507,7 @@ def test_stats_peak_memory_is_bounded(tmp_path):
     for path in (tmp_path / "big.npz", tmp_path / "big_orbax"):
         base = _child_peak_kib("inspect", str(path), "--format", "json", env=env)
         peak = _child_peak_kib("inspect", str(path), "--stats", "--format", "json", env=env)
-        assert peak - base < 32 * 1024, (path.name, base, peak)
+        assert peak - base < 48 * 1024, (path.name, base, peak)
     want = numpy_stats(w)
     got = inspect_path(str(tmp_path / "big.npz"), stats=True, chunk_bytes=budget).by_step[0].items["default"].rows[0]
     np.testing.assert_allclose(got.stats["std"], want["std"], rtol=1e-5)
