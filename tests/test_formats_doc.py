@@ -125,6 +125,21 @@ def _orbax_before_0_5(tmp):
     return Case(tmp / "run", _flat(params), item="params")
 
 
+def _orbax_v1_training(tmp):
+    """Orbax's v1 API: ``training.Checkpointer.save(step, state)`` writes each step's state as the item `state`."""
+    import jax.numpy as jnp
+    from orbax.checkpoint.experimental.v1 import training
+
+    # Keys with a `/` inside ("Dense_0/kernel"), as a flattened params dict has: Orbax stores them as
+    # nested folders / OCDBT keys, which verify once took for arrays _METADATA does not list.
+    params = _params()
+    state = {"params": {k: jnp.asarray(v) for k, v in flatten(params).items()}, "opt_state": {"mu": jnp.zeros(3)}}
+    with training.Checkpointer(str(tmp / "v1")) as ckptr:
+        ckptr.save(3, state)
+    return Case(tmp / "v1", {p: np.asarray(x) for p, x in flatten(state).items()}, item="state",
+                restore_item="state")
+
+
 def _safetensors(tmp):
     tensors = {name.replace("/", "."): value for name, value in _flat(_params()).items()}  # HF's dotted names
     save_safetensors(tensors, str(tmp / "model.safetensors"))
@@ -141,6 +156,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
                                                                     "zarr3"),
     "Orbax without OCDBT (`use_ocdbt=False`)": lambda t: _checkpointer_save(
         t, ocp.PyTreeCheckpointHandler(use_ocdbt=False), "plain"),
+    "Orbax v1 training Checkpointer (`ocp.experimental.v1.training`)": _orbax_v1_training,
     "Orbax 0.6.x CheckpointManager": lambda t: Case(FIXTURES / "orbax_0_6_manager", _truth_npz("manager/2/"),
                                                     item="params", restore_item="params"),
     "nnx State, Flax 0.8 (`.../raw_value` on disk)": lambda t: Case(FIXTURES / "orbax_0_6_nnx", _truth_npz("nnx/")),

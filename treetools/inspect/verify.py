@@ -82,14 +82,26 @@ def _read_leaves(item: Item, report: VerifyReport, chunk_bytes: int) -> None:
 
 
 def _orbax_unlisted(item_dir: str, listed: set[str], use_ocdbt: bool) -> list[str]:
-    """Arrays stored in an Orbax item folder that its ``_METADATA`` does not list."""
+    """Arrays stored in an Orbax item folder that its ``_METADATA`` does not list.
+
+    An array is a zarr header (``<name>/.zarray``, ``<name>/zarr.json``) in the
+    OCDBT store or the folder; a name may itself hold ``/`` (a dict key with a slash).
+    """
+    headers = (".zarray", "zarr.json")
     if use_ocdbt:
         import tensorstore as ts
 
         kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": os.path.abspath(item_dir) + "/"}}).result()
-        names = {key.decode("utf-8", "replace").split("/", 1)[0] for key in kv.list().result()}
+        keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
+        names = {key.rsplit("/", 1)[0] for key in keys if "/" in key and key.rsplit("/", 1)[1] in headers}
     else:
-        names = {e for e in os.listdir(item_dir) if os.path.isdir(os.path.join(item_dir, e)) and e not in _ORBAX_FILES}
+        names = set()
+        for top in os.listdir(item_dir):
+            if top in _ORBAX_FILES or not os.path.isdir(os.path.join(item_dir, top)):
+                continue
+            for folder, _, files in os.walk(os.path.join(item_dir, top)):
+                if any(h in files for h in headers):
+                    names.add(os.path.relpath(folder, item_dir).replace(os.sep, "/"))
     return sorted(names - listed)
 
 
