@@ -478,3 +478,15 @@ def test_manager_with_best_fn_stores_a_metrics_item_that_every_reader_reads(tmp_
     assert data["checkpoints"][0]["items"]["metrics"]["value"] == {"loss": 1.5}
     assert main(["verify", str(root)]) == 0
     assert main(["diff", str(root), str(root)]) == 0
+
+
+def test_load_parameters_finds_the_state_item_beside_a_metrics_item(tmp_path):
+    # A manager with best_fn saving one `state` item: the step holds `state` and Orbax's `metrics`.
+    root = tmp_path / "run"
+    params = {"Dense_0": {"kernel": np.arange(6.0, dtype=np.float32).reshape(2, 3)}}
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=root, best_fn=lambda m: m["loss"], best_mode="min")
+    tt.save_checkpoint(mngr, 1, {"state": {"params": params, "step": np.int32(1)}}, metrics={"loss": 0.5}, wait=True)
+    mngr.close()
+    assert sorted(tt.open_source(root).snapshot().items) == ["metrics", "state"]
+    got = tt.load_parameters(root)
+    np.testing.assert_array_equal(got["Dense_0"]["kernel"], params["Dense_0"]["kernel"])

@@ -641,6 +641,10 @@ def _rebuild(treedef: Any, leaves: Sequence[Any], paths: Sequence[str], values: 
 # --------------------------------------------------------------------------
 
 
+_STATE_ITEMS = ("state", "default", "train_state")
+"""Item names that hold a whole train state (Orbax's legacy and v1 training APIs, a single-item manager)."""
+
+
 def _params_item(source: Any, step: int | None, item: str | None, use_ema_params: bool) -> str:
     """Which item holds the parameters: ``item`` if given; else ``params`` / ``params_ema`` (T5X: ``target``);
     else a lone item."""
@@ -656,6 +660,9 @@ def _params_item(source: Any, step: int | None, item: str | None, use_ema_params
         return "target"
     if len(names) == 1:  # a single-tree file, or a standalone Orbax save (item `default`)
         return names[0]
+    whole = [n for n in names if n in _STATE_ITEMS]
+    if len(whole) == 1:  # one item holds the whole train state, beside others (a best_fn manager's `metrics`)
+        return whole[0]
     where = f"{source.path} (step {step})" if step is not None else source.path
     raise CheckpointNotFoundError(
         f"{where} has no item {wanted!r}; items present: {', '.join(names) or 'none'}; pass item=NAME."
