@@ -490,3 +490,15 @@ def test_load_parameters_finds_the_state_item_beside_a_metrics_item(tmp_path):
     assert sorted(tt.open_source(root).snapshot().items) == ["metrics", "state"]
     got = tt.load_parameters(root)
     np.testing.assert_array_equal(got["Dense_0"]["kernel"], params["Dense_0"]["kernel"])
+
+
+def test_flat_stored_names_are_never_split_into_a_params_subtree(tmp_path):
+    # safetensors names starting with `params.` stay as stored: load_parameters' keys are inspect's paths.
+    from safetensors.numpy import save_file
+
+    tensors = {"params.w": np.ones(2, np.float32), "params.b": np.zeros(2, np.float32),
+               "lm_head.weight": np.full((2, 2), 3.0, np.float32)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    got = tt.load_parameters(tmp_path / "m.safetensors")
+    assert sorted(got) == sorted(tensors)
+    np.testing.assert_array_equal(got["lm_head.weight"], tensors["lm_head.weight"])

@@ -180,3 +180,28 @@ def test_orbax_mode_unfinished_save_is_listed_not_read(orbax_dir):
     rep = inspect_path(str(folder)).to_json()
     assert rep["steps"] == [1, 2] and rep["incomplete"] == [tmp.name]
     assert rep["checkpoints"][0]["step"] == 2
+
+
+def test_a_run_resumed_with_the_other_backend_reads_both_kinds_of_step(tmp_path):
+    # Step 1 saved in Orbax mode, step 2 in msgpack mode, in one folder: flax reads both, and so does treetools.
+    d = tmp_path / "mixed"
+    truth = write_flax_legacy(d, (1,), orbax=True)
+    truth.update(write_flax_legacy(d, (2,), orbax=False))
+    assert checkpoints.latest_checkpoint(str(d)).endswith("checkpoint_2")  # flax's own answer
+    source = open_source(str(d))
+    assert source.format == "flax-legacy" and source.steps == [1, 2]
+    for step in (1, 2):
+        _assert_tree_equal(tt.load_parameters(d, step=step), truth[step]["params"])
+    assert main(["verify", str(d), "--step", "all"]) == 0
+
+
+def test_multi_process_gda_placeholders_are_refused_not_returned(tmp_path):
+    # flax's save_checkpoint_multiprocess keeps '//GDAPlaceholder:<path>' strings in the msgpack and the arrays
+    # in checkpoint_<N>_gda/ (flax.training.checkpoints.MP_ARRAY_PH); the placeholder is no parameter.
+    from flax.serialization import to_bytes
+
+    (tmp_path / "checkpoint_1").write_bytes(to_bytes({"params": {"w": checkpoints.MP_ARRAY_PH + "params/w",
+                                                                 "b": np.ones(3, np.float32)}}))
+    with pytest.raises(tt.CheckpointError, match=r"multi-process checkpoint.*params/w.*checkpoint_1_gda"):
+        tt.load_parameters(tmp_path)
+    assert main(["verify", str(tmp_path)]) == 1

@@ -104,3 +104,18 @@ def test_diff_is_exact_for_complex_and_large_int64(tmp_path):
     by = {v.path: v for v in report.values}
     assert by["z"].mismatched == 1 and by["z"].max_abs_diff == pytest.approx(1.0)
     assert by["i"].mismatched == 2 and not report.identical
+
+
+def test_msgpack_nested_a_thousand_levels_deep_is_no_recursion_error(tmp_path):
+    # msgpack itself unpacks up to about 1024 levels; walking the tree must not recurse per level.
+    import msgpack
+
+    tree = {"leaf": 1}
+    for _ in range(900):
+        tree = {"n": tree}
+    (tmp_path / "deep.msgpack").write_bytes(msgpack.packb(tree))
+    from treetools.inspect import open_source
+
+    source = open_source(str(tmp_path / "deep.msgpack"))
+    (leaf,) = source.snapshot().items["default"].leaves
+    assert len(leaf.path) == 901 and leaf.value == 1

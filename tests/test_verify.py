@@ -111,3 +111,24 @@ def test_ocdbt_data_file_damage_is_found(tmp_path):
         os.truncate(p, p.stat().st_size // 3)
     report = verify_path(str(tmp_path / "run"))
     assert not report.ok
+
+
+def test_verify_lists_damage_of_any_format_and_goes_on_to_the_next_step(tmp_path, capsys):
+    # A truncated msgpack step of a Flax legacy folder: a problem line and FAILED for that step, the others checked.
+    d = tmp_path / "legacy"
+    d.mkdir()
+    for step in (1, 2):  # what flax's msgpack-mode save_checkpoint writes (to_bytes of the target)
+        (d / f"checkpoint_{step}").write_bytes(serialization.to_bytes({"params": {"w": np.full(3, step, np.float32)}}))
+    data = (d / "checkpoint_2").read_bytes()
+    (d / "checkpoint_2").write_bytes(data[: len(data) // 2])
+    assert main(["verify", str(d), "--step", "all"]) == 1
+    out = capsys.readouterr().out
+    assert "problem:" in out and "checkpoint_2" in out and "FAILED" in out and "ok:" in out and "(step 1)" in out
+    shards = tmp_path / "st"
+    shards.mkdir()
+    save_file({"a": np.ones(4, np.float32)}, str(shards / "model.safetensors"))
+    raw = (shards / "model.safetensors").read_bytes()
+    (shards / "model.safetensors").write_bytes(raw[:-4])  # header promises 16 data bytes, 12 remain
+    assert main(["verify", str(shards / "model.safetensors")]) == 1
+    out = capsys.readouterr().out
+    assert "problem:" in out and "FAILED" in out

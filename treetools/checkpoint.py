@@ -788,6 +788,8 @@ def _params_subtree(item: Any, use_ema_params: bool) -> Any:
     """The ``params`` (or EMA) subtree of an item holding a whole train state; the item itself when it has none."""
     import dataclasses
 
+    if any(leaf.row.sep != "/" for leaf in item.leaves):  # flat stored names (safetensors): never split
+        return item
     tops = [leaf.path[0] for leaf in item.leaves if len(leaf.path) > 1]
     for key in _PARAM_SUBTREES[use_ema_params]:
         if key in tops:

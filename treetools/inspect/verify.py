@@ -22,7 +22,7 @@ import math
 import os
 from typing import Any
 
-from treetools.errors import CheckpointError, CheckpointNotFoundError
+from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, MemoryBudgetError
 from treetools.inspect.source import Item, open_source
 
@@ -155,7 +155,14 @@ def verify_path(path: str, *, step: int | str | None = None, chunk_bytes: int = 
     """
     from treetools.steps import is_committed
 
-    source = open_source(path)
+    try:
+        source = open_source(path)
+    except (CheckpointNotFoundError, MemoryBudgetError):
+        raise
+    except CheckpointError as e:  # a single-file format reads its header at open: damage there is a problem too
+        report = VerifyReport(path, "?", None)
+        report.problems.append(str(e))
+        return report
     resolved = source.resolve(step)
     report = VerifyReport(source.path, source.format, resolved)
     if source.format == "orbax":
@@ -171,10 +178,18 @@ def verify_path(path: str, *, step: int | str | None = None, chunk_bytes: int = 
             report.items += 1
             _verify_orbax_item(source, resolved, name, report, chunk_bytes)
     else:
-        snap = source.snapshot(resolved)
-        for item in snap.items.values():
-            report.items += 1
-            _read_leaves(item, report, chunk_bytes)
+        try:
+            snap = source.snapshot(resolved)
+        except MemoryBudgetError:
+            raise
+        except (CheckpointError, CheckpointNotFoundError) as e:  # corrupt: a problem of this step, not the end
+            if isinstance(e, StepDeletedError):
+                raise
+            report.problems.append(str(e))
+        else:
+            for item in snap.items.values():
+                report.items += 1
+                _read_leaves(item, report, chunk_bytes)
     gone = source.step_deleted(resolved) if report.problems else None
     if gone is not None:  # pruned while it was checked: not damage
         raise gone

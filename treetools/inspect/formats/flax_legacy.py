@@ -11,7 +11,10 @@ file (see ``msgpack.py``); one file is a ``msgpack`` checkpoint by itself.
 
 In Orbax mode (the default in Flax 0.8 and later; tested with 0.8.5 and 0.12.8) ``save_checkpoint`` writes
 ``checkpoint_<N>/`` folders, each one Orbax item: the ``orbax`` format reads
-that root (its steps' item is ``default``).
+that root (its steps' item is ``default``). A folder holding both (a run
+resumed with the other backend) is read here: its Orbax-mode folders are
+steps too, read through ``orbax.py``; one step saved both ways is an error
+naming both.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Sequence
 from treetools.errors import CheckpointError, StepDeletedError
 from treetools.inspect.formats.msgpack import read_msgpack
 from treetools.inspect.source import DEFAULT_ITEM, Format, Item, Snapshot, Source, file_head
-from treetools.steps import StepListing
+from treetools.steps import PYTREE_METADATA_FILE, StepListing, is_committed
 
 __all__ = ["FORMAT", "scan_files"]
 
@@ -77,10 +80,31 @@ def scan_files(folder: str) -> tuple[str, StepListing]:
             "move each run's files into a folder of its own."
         )
     prefix = _DEFAULT_PREFIX if _DEFAULT_PREFIX in found else next(iter(found))
-    committed = dict(sorted(found[prefix].items()))
+    committed = dict(found[prefix])
+    duplicates: dict[int, list[str]] = {}
+    for step, path in _orbax_step_folders(folder, prefix).items():  # a run resumed with the other Flax backend
+        if step in committed:
+            duplicates[step] = [os.path.basename(committed[step]), os.path.basename(path) + "/"]
+        committed[step] = path
     tmp = prefix + _TMP
     incomplete = [tmp] if os.path.lexists(os.path.join(folder, tmp)) else []
-    return prefix, StepListing(folder, committed, incomplete)
+    return prefix, StepListing(folder, dict(sorted(committed.items())), incomplete, duplicates=duplicates)
+
+
+def _orbax_step_folders(folder: str, prefix: str) -> dict[int, str]:
+    """Committed ``<prefix><N>/`` Orbax-mode folders (each one Orbax item) beside the msgpack files."""
+    out: dict[int, str] = {}
+    try:
+        with os.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return out
+    for entry in entries:
+        rest = entry.name[len(prefix):] if entry.name.startswith(prefix) else ""
+        if rest.isdigit() and entry.is_dir(follow_symlinks=False) and is_committed(entry.path) and os.path.lexists(
+                os.path.join(entry.path, PYTREE_METADATA_FILE)):
+            out[int(rest)] = entry.path
+    return out
 
 
 class FlaxLegacySource(Source):
@@ -98,12 +122,17 @@ class FlaxLegacySource(Source):
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         assert self.listing is not None and step is not None
-        leaves = read_msgpack(self.listing.folder(step))
+        path = self.listing.folder(step)
+        if os.path.isdir(path):  # an Orbax-mode step folder: one Orbax item
+            from treetools.inspect.formats.orbax import read_pytree_item
+
+            return Snapshot(step, {name: read_pytree_item(path, name) for name in names})
+        leaves = read_msgpack(path)
         return Snapshot(step, {name: Item(name, "pytree", list(leaves)) for name in names})
 
     def step_deleted(self, step: int | None) -> StepDeletedError | None:
-        # A step here is a file: while it is there it was not deleted (Source's own test asks for a folder).
-        if step is not None and self.listing is not None and os.path.isfile(self.listing.committed.get(step, "")):
+        # A step here is a file (or an Orbax-mode folder): while it is there it was not deleted.
+        if step is not None and self.listing is not None and os.path.exists(self.listing.committed.get(step, "")):
             return None
         return super().step_deleted(step)
 
@@ -126,7 +155,7 @@ def _open(local: str, display: str) -> FlaxLegacySource:
 
 FORMAT = Format(
     name="flax-legacy",
-    priority=40,
+    priority=52,  # before orbax (50): a folder with msgpack step files may also hold Orbax-mode step folders
     claims=lambda path: (os.path.isdir(path) and bool(_step_files(path))) or _is_tmp_file(path),
     open=_open,
     description="a folder of checkpoint_<step> msgpack files from flax.training.checkpoints.save_checkpoint",

@@ -15,6 +15,8 @@ from treetools.rows import human
 
 __all__ = ["FORMAT", "read_msgpack"]
 
+_GDA_PLACEHOLDER = "//GDAPlaceholder:"  # flax.training.checkpoints.MP_ARRAY_PH
+
 
 def read_msgpack(path: str) -> list[Leaf]:
     """Leaves of a ``flax.serialization.to_bytes`` file (its arrays are materialized: msgpack has no index)."""
@@ -41,7 +43,15 @@ def read_msgpack(path: str) -> list[Leaf]:
         raise CheckpointError(f"{path}: corrupt or truncated Flax msgpack ({type(e).__name__}: {e}).") from None
     if not isinstance(tree, dict):
         raise CheckpointError(f"{path}: not a Flax msgpack checkpoint (top level is {type(tree).__name__}, not a dict).")
-    return tree_leaves(tree, where=path)
+    leaves = tree_leaves(tree, where=path)
+    held = [leaf.name for leaf in leaves if isinstance(leaf.value, str) and leaf.value.startswith(_GDA_PLACEHOLDER)]
+    if held:  # flax's save_checkpoint_multiprocess: the arrays are in `<file>_gda/`, the file keeps placeholders
+        raise CheckpointError(
+            f"{path}: a Flax multi-process checkpoint whose arrays ({', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}) are stored in {os.path.basename(path)}_gda/, which treetools does "
+            "not read; restore it with flax.training.checkpoints.restore_checkpoint(..., gda_manager=...)."
+        )
+    return leaves
 
 
 def _claims(path: str) -> bool:
