@@ -205,3 +205,14 @@ def test_multi_process_gda_placeholders_are_refused_not_returned(tmp_path):
     with pytest.raises(tt.CheckpointError, match=r"multi-process checkpoint.*params/w.*checkpoint_1_gda"):
         tt.load_parameters(tmp_path)
     assert main(["verify", str(tmp_path)]) == 1
+
+
+def test_a_first_save_still_in_progress_is_incomplete_never_read(tmp_path, capsys):
+    # During the first save the folder holds only `<prefix>tmp`: no committed step, and the file is never read.
+    from flax.serialization import to_bytes
+
+    (tmp_path / "ckpt_tmp").write_bytes(to_bytes({"params": {"w": np.ones(3, np.float32)}}))
+    assert main(["inspect", str(tmp_path)]) == 1
+    assert "no committed checkpoint step (incomplete, never read: ckpt_tmp)" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "ckpt_tmp")]) == 1
+    assert "unfinished Flax save" in capsys.readouterr().err

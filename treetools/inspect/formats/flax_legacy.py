@@ -73,6 +73,9 @@ def scan_files(folder: str) -> tuple[str, StepListing]:
     """
     found = _step_files(folder)
     if not found:
+        pending = _tmp_files(folder)
+        if pending:  # the first save is still being written: no step yet (resolve_step says so)
+            return pending[0][: -len(_TMP)], StepListing(folder, {}, pending)
         raise CheckpointError(f"{folder}: no Flax checkpoint files (<prefix><step> msgpack files) in it.")
     if len(found) > 1 and _DEFAULT_PREFIX not in found:
         raise CheckpointError(
@@ -138,12 +141,24 @@ class FlaxLegacySource(Source):
 
 
 def _is_tmp_file(path: str) -> bool:
-    """``<prefix>tmp`` beside that prefix's step files (or ``checkpoint_tmp``): a save flax has not renamed yet."""
+    """``<prefix>tmp``, a save flax has not renamed yet: ``checkpoint_tmp``, any ``<prefix>tmp`` beside that
+    prefix's step files, or a msgpack map named ``..._tmp`` / ``...-tmp`` / ``....tmp`` (a first save)."""
     name = os.path.basename(path)
     if not name.endswith(_TMP) or not os.path.isfile(path):
         return False
     prefix = name[: -len(_TMP)]
-    return prefix == _DEFAULT_PREFIX or prefix in _step_files(os.path.dirname(path))
+    if prefix == _DEFAULT_PREFIX or prefix in _step_files(os.path.dirname(path)):
+        return True
+    return prefix[-1:] in ("_", "-", ".") and _is_msgpack_map(path)
+
+
+def _tmp_files(folder: str) -> list[str]:
+    """Names of the unfinished saves (``<prefix>tmp``) directly under ``folder``."""
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return []
+    return [n for n in names if _is_tmp_file(os.path.join(folder, n))]
 
 
 def _open(local: str, display: str) -> FlaxLegacySource:
@@ -156,7 +171,7 @@ def _open(local: str, display: str) -> FlaxLegacySource:
 FORMAT = Format(
     name="flax-legacy",
     priority=52,  # before orbax (50): a folder with msgpack step files may also hold Orbax-mode step folders
-    claims=lambda path: (os.path.isdir(path) and bool(_step_files(path))) or _is_tmp_file(path),
+    claims=lambda path: (os.path.isdir(path) and bool(_step_files(path) or _tmp_files(path))) or _is_tmp_file(path),
     open=_open,
     description="a folder of checkpoint_<step> msgpack files from flax.training.checkpoints.save_checkpoint",
 )
