@@ -32,7 +32,7 @@ from tests.test_checkpoint_layer import write_orbax_manager_linen
 from tests.test_format_flax_legacy import write_flax_legacy
 from tests.test_format_hf_flax import write_hf_flax
 from tests.test_format_hf_sharded import _write as write_hf_sharded
-from tests._t5x_writer import save_orbax_legacy_step, save_t5x
+from tests._t5x_writer import save_t5x
 
 DOC = Path(__file__).parent.parent / "docs" / "formats.md"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -118,11 +118,11 @@ def _t5x(tmp, *below):
     return Case((tmp / "model").joinpath(*below), _flat(states[2]["target"]), item="target")
 
 
-def _orbax_before_0_5(tmp):
-    params = _params()
-    for step in (1, 2):
-        save_orbax_legacy_step(tmp / "run", step, {"params": params if step == 2 else _params(step)})
-    return Case(tmp / "run", _flat(params), item="params")
+def _orbax_fixture(version):
+    """A CheckpointManager written by a real old Orbax (tests/fixtures/make_orbax_<version>.py); truth: step 2."""
+    with np.load(FIXTURES / f"orbax_{version}_truth.npz") as z:
+        truth = {k[2:]: z[k] for k in z.files if k.startswith("2/")}
+    return Case(FIXTURES / f"orbax_{version}_manager", truth, item="params", restore_item="params")
 
 
 def _orbax_v1_training(tmp):
@@ -173,7 +173,9 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "T5X model dir": _t5x,
     "T5X step folder": lambda t: _t5x(t, "checkpoint_2"),
     "T5X `checkpoint` file": lambda t: _t5x(t, "checkpoint_2", "checkpoint"),
-    "Orbax before 0.5 CheckpointManager (`checkpoint` msgpack + zarr folders, no `_METADATA`)": _orbax_before_0_5,
+    "Orbax before 0.5 CheckpointManager (`checkpoint` msgpack + zarr folders, no `_METADATA`)":
+        lambda t: _orbax_fixture("0_3"),
+    "Orbax 0.4.x CheckpointManager": lambda t: _orbax_fixture("0_4"),
 }
 
 
