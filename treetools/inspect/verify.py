@@ -180,11 +180,9 @@ def verify_path(path: str, *, step: int | str | None = None, chunk_bytes: int = 
     else:
         try:
             snap = source.snapshot(resolved)
-        except MemoryBudgetError:
+        except (MemoryBudgetError, StepDeletedError):
             raise
         except (CheckpointError, CheckpointNotFoundError) as e:  # corrupt: a problem of this step, not the end
-            if isinstance(e, StepDeletedError):
-                raise
             report.problems.append(str(e))
         else:
             for item in snap.items.values():

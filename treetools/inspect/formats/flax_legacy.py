@@ -24,8 +24,8 @@ import re
 from typing import Sequence
 
 from treetools.errors import CheckpointError, StepDeletedError
-from treetools.inspect.formats.msgpack import read_msgpack
-from treetools.inspect.source import DEFAULT_ITEM, Format, Item, Snapshot, Source, file_head
+from treetools.inspect.formats.msgpack import is_msgpack_map, read_msgpack
+from treetools.inspect.source import DEFAULT_ITEM, Format, Item, Snapshot, Source
 from treetools.steps import PYTREE_METADATA_FILE, StepListing, is_committed
 
 __all__ = ["FORMAT", "scan_files"]
@@ -34,11 +34,6 @@ __all__ = ["FORMAT", "scan_files"]
 _STEP_FILE = re.compile(r"^(?P<prefix>.*?\D)?(?P<step>\d+)$")
 _DEFAULT_PREFIX = "checkpoint_"
 _TMP = "tmp"  # flax.training.checkpoints._get_checkpoint_paths: ``<prefix>tmp``
-
-
-def _is_msgpack_map(path: str) -> bool:
-    head = file_head(path, 1)
-    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
 
 
 def _step_files(folder: str) -> dict[str, dict[int, str]]:
@@ -51,7 +46,7 @@ def _step_files(folder: str) -> dict[str, dict[int, str]]:
     found: dict[str, dict[int, str]] = {}
     for entry in entries:
         m = _STEP_FILE.match(entry.name)
-        if m is None or not entry.is_file(follow_symlinks=False) or not _is_msgpack_map(entry.path):
+        if m is None or not entry.is_file(follow_symlinks=False) or not is_msgpack_map(entry.path):
             continue
         if re.search(r"\d\.$", m.group("prefix") or ""):  # a float step (``checkpoint_1.5``): not read
             continue
@@ -149,7 +144,7 @@ def _is_tmp_file(path: str) -> bool:
     prefix = name[: -len(_TMP)]
     if prefix == _DEFAULT_PREFIX or prefix in _step_files(os.path.dirname(path)):
         return True
-    return prefix[-1:] in ("_", "-", ".") and _is_msgpack_map(path)
+    return prefix[-1:] in ("_", "-", ".") and is_msgpack_map(path)
 
 
 def _tmp_files(folder: str) -> list[str]:

@@ -9,11 +9,10 @@ from __future__ import annotations
 import os
 
 from treetools.errors import CheckpointError
-from treetools.inspect.arrays import MemoryBudgetError, memory_budget
+from treetools.inspect.arrays import check_budget
 from treetools.inspect.source import FileSource, Format, Leaf, file_head, tree_leaves
-from treetools.rows import human
 
-__all__ = ["FORMAT", "read_msgpack"]
+__all__ = ["FORMAT", "is_msgpack_map", "read_msgpack"]
 
 _GDA_PLACEHOLDER = "//GDAPlaceholder:"  # flax.training.checkpoints.MP_ARRAY_PH
 
@@ -26,12 +25,8 @@ def read_msgpack(path: str) -> list[Leaf]:
         size = os.path.getsize(path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
-    if 2 * size > memory_budget():  # no index: the bytes and the arrays parsed from them are held at once
-        raise MemoryBudgetError(
-            f"{path}: a Flax msgpack file has no index and is parsed whole (about {human(2 * size, 'B')} of memory), "
-            f"over the memory budget of {human(memory_budget(), 'B')}; raise it with --memory-budget-mb "
-            "(tt.load_parameters is not held to it)."
-        )
+    # No index: the bytes and the arrays parsed from them are held at once.
+    check_budget(2 * size, where=path, what="this Flax msgpack file, parsed whole (it has no index),")
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -54,11 +49,15 @@ def read_msgpack(path: str) -> list[Leaf]:
     return leaves
 
 
-def _claims(path: str) -> bool:
+def is_msgpack_map(path: str) -> bool:
+    """A file whose first byte opens a msgpack map: what ``flax.serialization.to_bytes`` writes for a state dict."""
     head = file_head(path, 1)
-    if head and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF)):
-        return True  # a map: what flax.serialization.to_bytes writes for a state dict
-    return bool(head) and os.path.splitext(path)[1].lower() in (".msgpack", ".flax", ".mpk")
+    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
+
+
+def _claims(path: str) -> bool:
+    return is_msgpack_map(path) or (bool(file_head(path, 1))
+                                    and os.path.splitext(path)[1].lower() in (".msgpack", ".flax", ".mpk"))
 
 
 FORMAT = Format(

@@ -38,6 +38,7 @@ import numpy as np
 
 from treetools.errors import CheckpointError
 from treetools.inspect.arrays import check_budget, np_dtype
+from treetools.inspect.formats.msgpack import is_msgpack_map
 from treetools.inspect.formats.orbax import (  # the OCDBT helpers are orbax.py's own, shared rather than copied
     TensorStoreReader,
     _open_all,
@@ -58,7 +59,6 @@ from treetools.inspect.source import (
     Source,
     array_row,
     check_name,
-    file_head,
     tree_leaves,
 )
 from treetools.steps import (
@@ -280,15 +280,9 @@ def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
 # ---------------------------------------------------------------------------- folders
 
 
-def _holds_map(path: str) -> bool:
-    """A regular file whose first byte opens a msgpack map (what ``flax.serialization.to_bytes`` writes)."""
-    head = file_head(path, 1)
-    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
-
-
 def _has_tree(folder: str) -> bool:
     """A T5X step folder or an Orbax (< 0.5) item folder: a ``checkpoint`` msgpack and no ``_METADATA``."""
-    return _holds_map(os.path.join(folder, CHECKPOINT_FILE)) and not os.path.lexists(
+    return is_msgpack_map(os.path.join(folder, CHECKPOINT_FILE)) and not os.path.lexists(
         os.path.join(folder, PYTREE_METADATA_FILE))
 
 
@@ -407,7 +401,7 @@ class T5XSource(Source):
 
 def _claims(path: str) -> bool:
     if os.path.isfile(path):
-        return os.path.basename(path) == CHECKPOINT_FILE and _holds_map(path)
+        return os.path.basename(path) == CHECKPOINT_FILE and is_msgpack_map(path)
     if not os.path.isdir(path):
         return False
     if _is_t5x_tmp(os.path.basename(path)) or _has_tree(path) or _orbax_step(path):
