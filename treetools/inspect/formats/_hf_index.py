@@ -1,8 +1,8 @@
 """The Hugging Face sharded-checkpoint index, shared by sharded safetensors and sharded Flax msgpack.
 
 Not a format (its name starts with ``_``): ``hf_sharded.py`` and
-``hf_flax_sharded.py`` read their shards through it, so both check an index
-against its shards the same way.
+``hf_flax_sharded.py`` are each ``indexed_format`` with their shard reader,
+so both find, open and check an index against its shards the same way.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import re
 from typing import Callable
 
 from treetools.errors import CheckpointError
-from treetools.inspect.source import Leaf, check_name
+from treetools.inspect.source import FileSource, Format, Leaf, check_name
 from treetools.steps import read_json_file
 
-__all__ = ["find_index", "read_indexed_shards"]
+__all__ = ["find_index", "indexed_format", "read_indexed_shards"]
 
 
 def find_index(path: str, suffix: str, preferred: str) -> str | None:
@@ -85,3 +85,24 @@ def read_indexed_shards(index_path: str, *, read_shard: Callable[[str], list[Lea
                               "the index and the shards disagree.")
     order = {name: i for i, name in enumerate(weight_map)}  # the index's order (the model's), not the shards'
     return sorted(leaves, key=lambda leaf: order.get(leaf.name, len(order)))
+
+
+def indexed_format(name: str, *, index_suffix: str, preferred: str, read: Callable[[str], list[Leaf]],
+                   description: str) -> Format:
+    """The ``Format`` of a folder of shards with its index (or the index itself): every shard one item.
+
+    Args:
+      name: the format's name.
+      index_suffix: how an index file's name ends (``.safetensors.index.json``).
+      preferred: the index chosen when a folder holds several (``model.safetensors.index.json``).
+      read: the index file -> every leaf (``read_indexed_shards`` with the shard reader).
+      description: for the "not a checkpoint" error.
+    """
+    def _open(local: str, display: str) -> FileSource:
+        index = find_index(local, index_suffix, preferred)
+        if index is None:  # claims() said so; the folder changed since
+            raise CheckpointError(f"{display}: no *{index_suffix} index in it.")
+        return FileSource(display, name, read(index))
+
+    return Format(name=name, priority=45, claims=lambda path: find_index(path, index_suffix, preferred) is not None,
+                  open=_open, description=description)

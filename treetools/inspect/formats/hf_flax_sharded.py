@@ -18,10 +18,9 @@ file is). A single unsharded ``flax_model.msgpack`` is a ``msgpack`` file.
 
 from __future__ import annotations
 
-from treetools.errors import CheckpointError
-from treetools.inspect.formats._hf_index import find_index, read_indexed_shards
+from treetools.inspect.formats._hf_index import indexed_format, read_indexed_shards
 from treetools.inspect.formats.msgpack import read_msgpack
-from treetools.inspect.source import FileSource, Format, Leaf
+from treetools.inspect.source import Leaf
 
 __all__ = ["FORMAT", "read_flax_sharded"]
 
@@ -46,18 +45,11 @@ def read_flax_sharded(index_path: str) -> list[Leaf]:
     return read_indexed_shards(index_path, read_shard=read_msgpack, what="Flax msgpack index", shard_ext=".msgpack")
 
 
-def _open(local: str, display: str) -> FileSource:
-    index = find_index(local, INDEX_SUFFIX, _PREFERRED)
-    if index is None:  # claims() said so; the folder changed since
-        raise CheckpointError(f"{display}: no *{INDEX_SUFFIX} index in it.")
-    return FileSource(display, "flax-sharded", read_flax_sharded(index))
-
-
-FORMAT = Format(
-    name="flax-sharded",
-    priority=45,
-    claims=lambda path: find_index(path, INDEX_SUFFIX, _PREFERRED) is not None,
-    open=_open,
+FORMAT = indexed_format(
+    "flax-sharded",
+    index_suffix=INDEX_SUFFIX,
+    preferred=_PREFERRED,
+    read=read_flax_sharded,
     description="a Hugging Face Flax folder of flax_model-*-of-*.msgpack shards with flax_model.msgpack.index.json, "
                 "or that index",
 )

@@ -13,19 +13,13 @@ bytes read a block at a time on request).
 
 from __future__ import annotations
 
-from treetools.errors import CheckpointError
-from treetools.inspect.formats._hf_index import find_index, read_indexed_shards
+from treetools.inspect.formats._hf_index import indexed_format, read_indexed_shards
 from treetools.inspect.formats.safetensors import read_safetensors
-from treetools.inspect.source import FileSource, Format, Leaf
+from treetools.inspect.source import Leaf
 
 __all__ = ["FORMAT", "read_sharded"]
 
 INDEX_SUFFIX = ".safetensors.index.json"
-_PREFERRED = "model" + INDEX_SUFFIX
-
-
-def _index_file(path: str) -> str | None:
-    return find_index(path, INDEX_SUFFIX, _PREFERRED)
 
 
 def read_sharded(index_path: str) -> list[Leaf]:
@@ -44,17 +38,10 @@ def read_sharded(index_path: str) -> list[Leaf]:
                                shard_ext=".safetensors")
 
 
-def _open(local: str, display: str) -> FileSource:
-    index = _index_file(local)
-    if index is None:  # claims() said so; the folder changed since
-        raise CheckpointError(f"{display}: no *{INDEX_SUFFIX} index in it.")
-    return FileSource(display, "safetensors-sharded", read_sharded(index))
-
-
-FORMAT = Format(
-    name="safetensors-sharded",
-    priority=45,
-    claims=lambda path: _index_file(path) is not None,
-    open=_open,
+FORMAT = indexed_format(
+    "safetensors-sharded",
+    index_suffix=INDEX_SUFFIX,
+    preferred="model" + INDEX_SUFFIX,
+    read=read_sharded,
     description="a Hugging Face folder of sharded safetensors with its *.safetensors.index.json, or that index",
 )
