@@ -154,20 +154,13 @@ def test_count_equals_numpy_size(tree, boxed):
 # --------------------------------------------------------------------------- #
 
 
-def _held(tree):
-    """The truth: jax's own addressable shards, summed per device; the most any device holds."""
+def _held(tree, unit="size"):
+    """The truth: jax's own addressable shards, summed per device (elements, or ``unit="nbytes"``); the most
+    any device holds."""
     per_device = {}
     for leaf in jax.tree.leaves(tt.unbox_tree(tree)):
         for shard in leaf.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.size
-    return max(per_device.values())
-
-
-def _held_bytes(tree):
-    per_device = {}
-    for leaf in jax.tree.leaves(tt.unbox_tree(tree)):
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+            per_device[shard.device] = per_device.get(shard.device, 0) + getattr(shard.data, unit)
     return max(per_device.values())
 
 
@@ -180,7 +173,7 @@ def test_per_device_linen_fsdp_recipe_reads_the_arrays_shardings(devices):
     variables = jax.jit(model.init, out_shardings=nn.get_sharding(abstract, mesh))(jax.random.key(0), x)
     assert all(leaf.mesh is None for leaf in jax.tree.leaves(variables, is_leaf=tt.is_box))
     assert tt.get_num_params(variables, per_device=True) == _held(variables) == 544
-    assert tt.get_num_bytes(variables, per_device=True) == _held_bytes(variables)
+    assert tt.get_num_bytes(variables, per_device=True) == _held(variables, "nbytes")
     # The plan (abstract, names + mesh) and the placed arrays agree.
     assert tt.get_num_params(abstract, per_device=True, mesh=mesh) == _held(variables)
 
@@ -192,7 +185,7 @@ def test_per_device_boxed_tree_on_one_device_counts_everything(devices):
     assert _held(variables) == tt.get_num_params(variables) == 3280
     assert tt.get_num_params(variables, per_device=True, mesh=mesh) == _held(variables)
     on_3 = jax.device_put(variables, devices[3])
-    assert tt.get_num_bytes(on_3, per_device=True, mesh=mesh) == _held_bytes(on_3) == 4 * 3280
+    assert tt.get_num_bytes(on_3, per_device=True, mesh=mesh) == _held(on_3, "nbytes") == 4 * 3280
 
 
 def test_per_device_is_the_fullest_device_not_a_sum_of_largest_shards(devices):
@@ -220,7 +213,7 @@ def test_per_device_nnx_state_after_replicate(devices):
         model = _models.NnxNet(nnx.Rngs(0))
     state = tt.replicate(nnx.state(model), mesh)  # every array whole on every device, names unchanged
     assert tt.get_num_params(state, per_device=True) == _held(state) == _models.NNX_STATE
-    assert tt.get_num_bytes(state, per_device=True) == _held_bytes(state)
+    assert tt.get_num_bytes(state, per_device=True) == _held(state, "nbytes")
 
 
 def test_per_device_nnx_module_created_under_set_mesh(devices):
@@ -230,7 +223,7 @@ def test_per_device_nnx_module_created_under_set_mesh(devices):
     # Outside the mesh context, no mesh argument: the arrays know where they are.
     state = nnx.state(model)
     assert tt.get_num_params(state, per_device=True) == _held(state)
-    assert tt.get_num_bytes(state, per_device=True) == _held_bytes(state)
+    assert tt.get_num_bytes(state, per_device=True) == _held(state, "nbytes")
     params = nnx.state(model, nnx.Param)
     assert tt.get_num_params(model, per_device=True) == _held(params) == _models.NNX_PARAMS - 8 * 16 // 2  # the kernel halved over fsdp=2
     # The abstract model (nnx.eval_shape under the mesh) plans the same layout.
@@ -254,7 +247,7 @@ def test_typed_prng_keys_count_their_real_bytes(devices):
     assert tt.get_num_bytes(tree) == rbg.nbytes + keys.nbytes + 8
     mesh = jax.make_mesh((8,), ("data",))
     sharded = {"keys": jax.device_put(keys, NamedSharding(mesh, P("data")))}
-    assert tt.get_num_bytes(sharded, per_device=True) == _held_bytes(sharded) == 8
+    assert tt.get_num_bytes(sharded, per_device=True) == _held(sharded, "nbytes") == 8
     assert tt.get_num_bytes(jax.eval_shape(lambda: tree)) == tt.get_num_bytes(tree)
 
 
