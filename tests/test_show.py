@@ -46,3 +46,30 @@ def test_big_leaf_output_is_bounded(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "big.npz"), "--show", "w"]) == 0
     out = capsys.readouterr().out
     assert "..." in out and len(out) < 2000
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "npz", "npz-fortran"])
+@pytest.mark.parametrize("index", ["[0:2, 0:4]", "[1:3, 5:]", "[:, 3]", "[2, 1:3, 0:2]", "[:, :, 1]"])
+def test_raw_file_slices_across_rows_equal_numpy(tmp_path, layout, index):
+    """Safetensors and uncompressed npz are read by byte ranges: a slice spanning rows is not one contiguous run
+    (before the fix, `w[0:2, 0:4]` returned 8 consecutive elements)."""
+    truth = np.arange(4 * 6 * 3, dtype=np.float32).reshape(4, 6, 3)
+    if layout == "safetensors":
+        from safetensors.numpy import save_file
+
+        path = tmp_path / "m.safetensors"
+        save_file({"w": truth}, str(path))
+    else:
+        path = tmp_path / "m.npz"
+        np.savez(path, w=np.asfortranarray(truth) if layout == "npz-fortran" else truth)
+    if index.count(",") == 1:  # a 2-D view of the same bytes for the two-index cases
+        truth = truth.reshape(4, 18)
+        path = tmp_path / ("m2" + path.suffix)
+        if layout == "safetensors":
+            from safetensors.numpy import save_file
+
+            save_file({"w": truth}, str(path))
+        else:
+            np.savez(path, w=np.asfortranarray(truth) if layout == "npz-fortran" else truth)
+    _, value = show_leaf(str(path), f"w{index}")
+    np.testing.assert_array_equal(value, eval(f"truth{index}"))  # noqa: S307

@@ -27,6 +27,7 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+from treetools import storage
 from treetools.errors import CheckpointError, CheckpointMismatchError, CheckpointNotFoundError, Mismatch
 from treetools.steps import (
     COMMIT_SUCCESS_FILE,
@@ -71,11 +72,12 @@ is_committed_step_dir = is_committed  # the name treetools 0.1 exported
 
 
 def _local(path: Any, name: str = "checkpoint_dir") -> str:
-    """An absolute local path from a str/PathLike/epath, ``~`` expanded (Orbax needs absolute paths)."""
+    """An absolute local path from a str/PathLike/epath, ``~`` expanded (Orbax needs absolute paths),
+    or a ``gs://`` / ``s3://`` URL as it is."""
     if isinstance(path, (str, os.PathLike)):
-        return os.path.abspath(os.path.expanduser(os.fspath(path)))
+        return storage.normalize(os.fspath(path))
     if hasattr(path, "as_posix"):  # etils.epath.Path
-        return os.path.abspath(os.path.expanduser(path.as_posix()))
+        return storage.normalize(str(path) if storage.is_remote(str(path)) else path.as_posix())
     raise TypeError(f"`{name}` must be a path, got {type(path).__name__}.")
 
 
@@ -622,7 +624,47 @@ def _plan(name: str, item: Any, target: Any, sharding: Any, allow_dtype_cast: bo
 
 
 def _restore_plan(item: Any, treedef: Any, leaves: Sequence[Any], paths: Sequence[str], abstract: Sequence[Any]) -> Any:
+    if storage.is_remote(getattr(item.handle, "folder", "")):
+        # Orbax reads gs:// only, and not through the emulator and endpoint variables: a bucket is read
+        # through treetools' own readers (TensorStore's gcs/s3 stores), each device's shard alone.
+        return _rebuild(treedef, leaves, paths, _reader_values(item, paths, abstract))
     return _rebuild(treedef, leaves, paths, _orbax_restore(item, dict(zip(paths, abstract))))
+
+
+def _reader_values(item: Any, paths: Sequence[str], abstract: Sequence[Any]) -> dict[str, Any]:
+    """``{leaf path: value}`` read through the checkpoint layer's readers.
+
+    An array target with a sharding becomes a ``jax.Array`` assembled shard by
+    shard: each addressable device's block is read alone (a replicated block
+    once), so a process reads only what its devices hold. Other targets get
+    host values.
+    """
+    import jax
+    import numpy as np
+
+    by_name = {leaf.name: leaf for leaf in item.leaves}
+    values = {}
+    for path, x in zip(paths, abstract):
+        leaf = by_name[path]
+        if leaf.reader is None or not (hasattr(x, "sharding") and hasattr(x, "shape")):
+            values[path] = _host_value(leaf)
+            continue
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # stored as key data; whole, then wrapped
+            data = np.asarray(leaf.reader.read_all())
+            # key_impl takes arrays only; an abstract key's dtype carries its impl
+            impl = jax.random.key_impl(x) if isinstance(x, jax.Array) else x.dtype._impl
+            values[path] = jax.device_put(jax.random.wrap_key_data(data, impl=impl), x.sharding)
+            continue
+        reader, dtype, blocks = leaf.reader, np.dtype(x.dtype), {}
+
+        def block(index: Any, reader: Any = reader, dtype: Any = dtype, blocks: dict = blocks) -> np.ndarray:
+            key = tuple((s.start, s.stop, s.step) for s in index)
+            if key not in blocks:
+                blocks[key] = np.asarray(reader.read(tuple(index))).astype(dtype, copy=False)
+            return blocks[key]
+
+        values[path] = jax.make_array_from_callback(tuple(x.shape), x.sharding, block)
+    return values
 
 
 def _rebuild(treedef: Any, leaves: Sequence[Any], paths: Sequence[str], values: Mapping[str, Any]) -> Any:
@@ -810,18 +852,9 @@ def _params_subtree(item: Any, use_ema_params: bool) -> Any:
 
 def _place(source: Any, step: int | None, name: str, item: Any, target: Any, sharding: Any,
            allow_dtype_cast: bool) -> Any:
-    """A non-Orbax item read on the host, checked against ``target`` and put on its shardings."""
-    import jax
-
+    """A non-Orbax item checked against ``target`` and read onto its shardings, shard by shard."""
     treedef, leaves, paths, abstract = _target_leaves(name, target, {name: sharding})
     problems = _compare(name, paths, abstract, item, allow_dtype_cast=allow_dtype_cast)
     if problems:
         raise CheckpointMismatchError(step, source.path, problems)
-    by_name = {leaf.name: leaf for leaf in item.leaves}
-    values = {}
-    for path, x in zip(paths, abstract):
-        value = _host_value(by_name[path])
-        if hasattr(x, "sharding") and hasattr(value, "shape"):
-            value = jax.device_put(value.astype(x.dtype), x.sharding)
-        values[path] = value
-    return _rebuild(treedef, leaves, paths, values)
+    return _rebuild(treedef, leaves, paths, _reader_values(item, paths, abstract))

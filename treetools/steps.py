@@ -33,6 +33,7 @@ import re
 import stat
 from typing import Any, Callable, Iterable, Union
 
+from treetools import storage
 from treetools.errors import CheckpointError, CheckpointNotFoundError
 
 __all__ = [
@@ -91,9 +92,9 @@ def read_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> b
     treetools.errors.CheckpointError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
     """
     try:
-        st = os.stat(path)
+        st = storage.stat(path)
     except FileNotFoundError:
-        if os.path.islink(path):
+        if storage.islink(path):
             raise CheckpointError(f"{path}: {file_kind(path)}; cannot read it as {what}.") from None
         raise CheckpointNotFoundError(f"{path}: {what} is missing.") from None
     except OSError as e:
@@ -106,7 +107,7 @@ def read_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> b
             "the file is corrupt or not what its name says."
         )
     try:
-        with open(path, "rb") as f:
+        with storage.open(path, "rb") as f:
             data = f.read(max_bytes + 1)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e}).") from None
@@ -133,10 +134,10 @@ def read_json_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES)
 
 def file_kind(path: str) -> str:
     """``a folder``, ``a FIFO``, ``a broken symlink``...: what stands at ``path`` instead of a file."""
-    if os.path.islink(path) and not os.path.exists(path):
+    if storage.islink(path) and not storage.exists(path):
         return f"a broken or looping symlink to {os.readlink(path)!r}"
     try:
-        mode = os.stat(path).st_mode
+        mode = storage.stat(path).st_mode
     except OSError as e:
         return f"unreadable: {e.strerror or e}"
     kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
@@ -184,7 +185,7 @@ def tmp_step(name: str, *, step_prefix: str | None = None) -> int | None:
 
 def _is_regular(path: str) -> bool:
     try:
-        return stat.S_ISREG(os.stat(path).st_mode)
+        return stat.S_ISREG(storage.stat(path).st_mode)
     except OSError:
         return False
 
@@ -192,7 +193,7 @@ def _is_regular(path: str) -> bool:
 def _finalized_item(step_dir: str) -> bool:
     """Whether a step folder without step metadata holds an item Orbax finalized (pre-0.5 Orbax saves)."""
     try:
-        with os.scandir(step_dir) as it:
+        with storage.scandir(step_dir) as it:
             subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
     except OSError:
         return False
@@ -211,12 +212,12 @@ def is_committed(step_dir: str | os.PathLike) -> bool:
     True
     """
     step_dir = os.fspath(step_dir)
-    if TMP_DIR_SUFFIX in os.path.basename(os.path.normpath(step_dir)) or not os.path.isdir(step_dir):
+    if TMP_DIR_SUFFIX in os.path.basename(storage.normalize(step_dir)) or not storage.isdir(step_dir):
         return False
     if _is_regular(os.path.join(step_dir, COMMIT_SUCCESS_FILE)):
         return True
     meta = os.path.join(step_dir, STEP_METADATA_FILE)
-    if os.path.lexists(meta):
+    if storage.lexists(meta):
         try:
             data = read_json_file(meta, what=f"Orbax {STEP_METADATA_FILE}")
         except (CheckpointError, CheckpointNotFoundError):
@@ -282,7 +283,7 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
     incomplete: list[tuple[int, str]] = []
     skipped: list[str] = []
     try:
-        with os.scandir(root) as it:
+        with storage.scandir(root) as it:
             entries = sorted(it, key=lambda e: e.name)
     except FileNotFoundError:
         return StepListing(root, {}, [])
@@ -302,7 +303,7 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
             skipped.append(name)
             continue
         if not is_dir:
-            if entry.is_symlink() and not os.path.exists(entry.path):
+            if entry.is_symlink() and not storage.exists(entry.path):
                 skipped.append(name)
             continue
         if tmp is None and (commit_rule or is_committed)(entry.path):
@@ -415,7 +416,7 @@ def resolve_step(listing: StepListing, step: Any, *, where: str | None = None) -
     where = where or listing.root
     asked = parse_step(step)
     if not listing.committed:
-        if not os.path.exists(listing.root):
+        if not storage.exists(listing.root):
             raise CheckpointNotFoundError(f"{where}: no such file or folder.")
         note = f" (incomplete, never read: {_list(listing.incomplete)})" if listing.incomplete else ""
         raise CheckpointNotFoundError(f"{where}: no committed checkpoint step{note}.")

@@ -227,12 +227,13 @@ class InMemoryReader(ArrayReader):
 
 
 class MemmapReader(ArrayReader):
-    """Raw array bytes at ``offset`` in a file, read one block at a time.
+    """Raw array bytes at ``offset`` in a file (local or in a bucket), read one block at a time.
 
-    Blocks are read with ``os.pread`` into a fresh buffer, not memory-mapped:
-    a file truncated or rewritten under the reader gives a short read, which is
-    a one-line ``CheckpointError``, where a mapping would kill the process with
-    SIGBUS. Resident memory stays one block.
+    Local blocks are read with ``os.preadv`` into a fresh buffer, not
+    memory-mapped: a file truncated or rewritten under the reader gives a short
+    read, which is a one-line ``CheckpointError``, where a mapping would kill the
+    process with SIGBUS. In a bucket each block is one ranged GET. Resident
+    memory stays one block.
     """
 
     def __init__(self, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *, fortran: bool = False):
@@ -242,42 +243,75 @@ class MemmapReader(ArrayReader):
         self.dtype = np.dtype(dtype)
         self._fortran = fortran
 
-    def _window(self, start: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
-        if count == 0:
-            return np.zeros(shape, self.dtype)
-        want = count * self.dtype.itemsize
-        out = np.empty(count, self.dtype)
-        view = memoryview(out.view(np.uint8))  # not memoryview(out): ml_dtypes (bfloat16...) have no buffer format
-        pos = self._offset + start * self.dtype.itemsize
+    def _fill(self, view: memoryview, pos: int) -> int:
+        """Read into ``view`` from byte ``pos``; the number of bytes read (short at the end of the file)."""
+        from treetools import storage
+
+        if storage.is_remote(self._path):
+            data = storage.read_range(self._path, pos, len(view))
+            view[: len(data)] = data
+            return len(data)
         try:
             fd = os.open(self._path, os.O_RDONLY)
         except OSError as e:
             raise CheckpointError(f"{self._path}: cannot read ({e.strerror or e}).") from None
         try:
             got = 0
-            while got < want:
+            while got < len(view):
                 n = os.preadv(fd, [view[got:]], pos + got)
                 if n <= 0:
-                    raise CheckpointError(
-                        f"{self._path}: the file ended at byte {pos + got:,}, before the data its header promises; "
-                        "it is truncated, or changed while being read."
-                    )
+                    break
                 got += n
+            return got
         finally:
             os.close(fd)
+
+    def _window(self, start: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
+        """``count`` elements from flat element ``start``, as ``shape``."""
+        if count == 0:
+            return np.zeros(shape, self.dtype)
+        out = np.empty(count, self.dtype)
+        view = memoryview(out.view(np.uint8))  # not memoryview(out): ml_dtypes (bfloat16...) have no buffer format
+        pos = self._offset + start * self.dtype.itemsize
+        got = self._fill(view, pos)
+        if got < len(view):
+            raise CheckpointError(
+                f"{self._path}: the file ended at byte {pos + got:,}, before the data its header promises; "
+                "it is truncated, or changed while being read."
+            )
         return out.reshape(shape)
+
+    def _region(self, starts: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+        """The block at corner ``starts`` of ``sizes`` in C-ordered data of ``shape``.
+
+        One contiguous read when the block is a run of the flat data; else the
+        rows of its first partial axis are read whole (when that costs at most
+        4x the block) or the block is split along that axis.
+        """
+        if 0 in sizes:
+            return np.zeros(sizes, self.dtype)
+        nd = len(shape)
+        k = 0  # leading axes of size one, then the first axis that may be partial
+        while k < nd and sizes[k] == 1:
+            k += 1
+        if k == nd or all(sizes[j] == shape[j] for j in range(k + 1, nd)):
+            flat = int(np.ravel_multi_index(starts, shape)) if nd else 0
+            return self._window(flat, math.prod(sizes), sizes)
+        slab = (starts[:k + 1] + (0,) * (nd - k - 1), sizes[:k + 1] + shape[k + 1:])
+        if math.prod(slab[1]) <= 4 * math.prod(sizes):
+            data = self._region(*slab, shape)
+            return data[(slice(None),) * (k + 1) + tuple(slice(a, a + n) for a, n in zip(starts[k + 1:], sizes[k + 1:]))]
+        parts = [self._region(starts[:k] + (starts[k] + i,) + starts[k + 1:], sizes[:k] + (1,) + sizes[k + 1:], shape)
+                 for i in range(sizes[k])]
+        return np.concatenate(parts, axis=k)
 
     def read(self, index: Index) -> np.ndarray:
         if self._fortran:
-            # Logical C-order blocks are strided in a Fortran layout: map the
-            # whole array for this block only, copy the block, unmap.
-            mm = np.memmap(self._path, dtype=self.dtype, mode="r", offset=self._offset, shape=self.shape, order="F")
-            try:
-                return np.array(mm[index])
-            finally:
-                del mm
-        start, sizes = block_span(index, self.shape)
-        return self._window(start, math.prod(sizes), sizes)
+            # Fortran data is the C-order data of the transposed shape: read the transposed block.
+            starts, sizes = block_extent(index, self.shape)
+            return self._region(starts[::-1], sizes[::-1], self.shape[::-1]).T
+        starts, sizes = block_extent(index, self.shape)
+        return self._region(starts, sizes, self.shape)
 
     def storage_blocks(self, max_bytes: int) -> Iterator[np.ndarray]:
         if not self._fortran:

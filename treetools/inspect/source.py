@@ -26,6 +26,7 @@ import os
 import pkgutil
 from typing import Any, Callable, Iterator, Sequence
 
+from treetools import storage
 from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.inspect.arrays import ArrayReader, InMemoryReader
 from treetools.rows import Row, dtype_name
@@ -210,7 +211,8 @@ class Source:
         """The error to raise when ``step``'s folder is gone since the steps were listed, else None."""
         if step is None or self.listing is None or step not in self.listing.committed:
             return None
-        if os.path.isdir(self.listing.committed[step]):
+        storage.forget(self.path)  # ask the bucket again, not what was listed
+        if storage.isdir(self.listing.committed[step]):
             return None
         return StepDeletedError(
             f"{self.path}: step {step} was deleted while it was being read (a manager pruning old steps?); "
@@ -332,12 +334,15 @@ def open_source(path: str | os.PathLike) -> Source:
     display = os.fspath(path)
     if not display:
         raise CheckpointNotFoundError("empty path: pass a checkpoint folder or file.")
-    local = os.path.abspath(os.path.expanduser(display))
-    if not os.path.exists(local):
-        if os.path.islink(local):
+    local = storage.normalize(display)
+    storage.forget(local)  # a bucket is listed afresh each time a checkpoint is opened
+    if not storage.exists(local):
+        if storage.islink(local):
             raise CheckpointError(f"{display}: {file_kind(local)}; point at the checkpoint itself.")
+        if storage.is_remote(local):
+            raise storage.missing(local)
         raise CheckpointNotFoundError(f"{display}: no such file or folder.")
-    if not (os.path.isdir(local) or os.path.isfile(local)):
+    if not (storage.isdir(local) or storage.isfile(local)):
         raise CheckpointError(f"{display}: not a regular file ({file_kind(local)}); point at a checkpoint file or folder.")
     registered = formats()
     for fmt in registered:
@@ -348,9 +353,9 @@ def open_source(path: str | os.PathLike) -> Source:
                 if local == display or not str(e).startswith(local):
                     raise
                 raise type(e)(display + str(e)[len(local):]) from None
-    if os.path.isdir(local):
+    if storage.isdir(local):
         try:
-            empty = not os.listdir(local)
+            empty = not storage.listdir(local)
         except OSError as e:
             raise CheckpointError(f"{display}: cannot list folder ({e.strerror or e}).") from None
         if empty:
@@ -451,10 +456,9 @@ def file_head(path: str, n: int) -> bytes:
     import stat as stat_
 
     try:
-        if not stat_.S_ISREG(os.stat(path).st_mode):
+        if not stat_.S_ISREG(storage.stat(path).st_mode):
             return b""
-        with open(path, "rb") as f:
-            return f.read(n)
+        return storage.read_range(path, 0, n)
     except OSError:
         return b""
 

@@ -22,6 +22,7 @@ import math
 import os
 from typing import Any
 
+from treetools import storage
 from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, MemoryBudgetError
 from treetools.inspect.source import Item, open_source
@@ -81,6 +82,13 @@ def _read_leaves(item: Item, report: VerifyReport, chunk_bytes: int) -> None:
         report.bytes += got * reader.dtype.itemsize
 
 
+def _relative(folder: str, base: str) -> str:
+    """``folder`` relative to ``base``, ``/``-separated (local or bucket paths)."""
+    if storage.is_remote(folder):
+        return storage.normalize(folder)[len(storage.normalize(base)) + 1:]
+    return os.path.relpath(folder, base).replace(os.sep, "/")
+
+
 def _orbax_unlisted(item_dir: str, listed: set[str], use_ocdbt: bool) -> list[str]:
     """Arrays stored in an Orbax item folder that its ``_METADATA`` does not list.
 
@@ -91,17 +99,17 @@ def _orbax_unlisted(item_dir: str, listed: set[str], use_ocdbt: bool) -> list[st
     if use_ocdbt:
         import tensorstore as ts
 
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": {"driver": "file", "path": os.path.abspath(item_dir) + "/"}}).result()
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(item_dir)}).result()
         keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
         names = {key.rsplit("/", 1)[0] for key in keys if "/" in key and key.rsplit("/", 1)[1] in headers}
     else:
         names = set()
-        for top in os.listdir(item_dir):
-            if top in _ORBAX_FILES or not os.path.isdir(os.path.join(item_dir, top)):
+        for top in storage.listdir(item_dir):
+            if top in _ORBAX_FILES or not storage.isdir(os.path.join(item_dir, top)):
                 continue
-            for folder, _, files in os.walk(os.path.join(item_dir, top)):
+            for folder, _, files in storage.walk(os.path.join(item_dir, top)):
                 if any(h in files for h in headers):
-                    names.add(os.path.relpath(folder, item_dir).replace(os.sep, "/"))
+                    names.add(_relative(folder, item_dir))
     return sorted(names - listed)
 
 
@@ -122,7 +130,7 @@ def _verify_orbax_item(source: Any, step: int | None, name: str, report: VerifyR
     _read_leaves(item, report, chunk_bytes)
     if item.kind == "pytree":
         meta = item.handle.metadata
-        use_ocdbt = bool(meta.get("use_ocdbt", os.path.exists(os.path.join(item_dir, "manifest.ocdbt"))))
+        use_ocdbt = bool(meta.get("use_ocdbt", storage.exists(os.path.join(item_dir, "manifest.ocdbt"))))
         try:
             extra = _orbax_unlisted(item_dir, set(item.handle.logical), use_ocdbt)
         except Exception as e:  # tensorstore: a corrupt manifest

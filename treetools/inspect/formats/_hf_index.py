@@ -11,6 +11,7 @@ import os
 import re
 from typing import Callable
 
+from treetools import storage
 from treetools.errors import CheckpointError
 from treetools.inspect.source import FileSource, Format, Leaf, check_name
 from treetools.steps import read_json_file
@@ -20,11 +21,11 @@ __all__ = ["find_index", "indexed_format", "read_indexed_shards"]
 
 def find_index(path: str, suffix: str, preferred: str) -> str | None:
     """The index at ``path``: itself when it ends in ``suffix``, else the folder's ``preferred`` or first such file."""
-    if os.path.isfile(path) and path.endswith(suffix):
+    if storage.isfile(path) and path.endswith(suffix):
         return path
-    if os.path.isdir(path):
+    if storage.isdir(path):
         try:
-            names = sorted(n for n in os.listdir(path) if n.endswith(suffix))
+            names = sorted(n for n in storage.listdir(path) if n.endswith(suffix))
         except OSError:
             return None
         if names:
@@ -61,7 +62,7 @@ def read_indexed_shards(index_path: str, *, read_shard: Callable[[str], list[Lea
     for shard in dict.fromkeys(sorted(weight_map.values())):  # shard files sort in their -0000k-of- order
         check_name(shard, where=index_path)
         shard_path = os.path.join(folder, shard)
-        if not os.path.isfile(shard_path):
+        if not storage.isfile(shard_path):
             raise CheckpointError(f"{index_path}: shard {shard!r} named by the index is missing from {folder or '.'}.")
         held = read_shard(shard_path)
         listed = {name for name, s in weight_map.items() if s == shard}
@@ -77,7 +78,7 @@ def read_indexed_shards(index_path: str, *, read_shard: Callable[[str], list[Lea
     stem = os.path.basename(index_path).split(".")[0]
     family = re.compile(re.escape(stem) + r"-\d+-of-\d+" + re.escape(shard_ext) + "$")
     try:
-        stray = sorted(n for n in os.listdir(folder or ".") if family.match(n) and n not in weight_map.values())
+        stray = sorted(n for n in storage.listdir(folder or ".") if family.match(n) and n not in weight_map.values())
     except OSError:
         stray = []
     if stray:

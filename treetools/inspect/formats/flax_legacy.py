@@ -23,6 +23,7 @@ import os
 import re
 from typing import Sequence
 
+from treetools import storage
 from treetools.errors import CheckpointError, StepDeletedError
 from treetools.inspect.formats.msgpack import is_msgpack_map, read_msgpack
 from treetools.inspect.source import DEFAULT_ITEM, Format, Item, Snapshot, Source
@@ -39,7 +40,7 @@ _TMP = "tmp"  # flax.training.checkpoints._get_checkpoint_paths: ``<prefix>tmp``
 def _step_files(folder: str) -> dict[str, dict[int, str]]:
     """prefix -> {step: file path} of the msgpack step files directly under ``folder``."""
     try:
-        with os.scandir(folder) as it:
+        with storage.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
     except OSError:
         return {}
@@ -85,7 +86,7 @@ def scan_files(folder: str) -> tuple[str, StepListing]:
             duplicates[step] = [os.path.basename(committed[step]), os.path.basename(path) + "/"]
         committed[step] = path
     tmp = prefix + _TMP
-    incomplete = [tmp] if os.path.lexists(os.path.join(folder, tmp)) else []
+    incomplete = [tmp] if storage.lexists(os.path.join(folder, tmp)) else []
     return prefix, StepListing(folder, dict(sorted(committed.items())), incomplete, duplicates=duplicates)
 
 
@@ -93,13 +94,13 @@ def _orbax_step_folders(folder: str, prefix: str) -> dict[int, str]:
     """Committed ``<prefix><N>/`` Orbax-mode folders (each one Orbax item) beside the msgpack files."""
     out: dict[int, str] = {}
     try:
-        with os.scandir(folder) as it:
+        with storage.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
     except OSError:
         return out
     for entry in entries:
         rest = entry.name[len(prefix):] if entry.name.startswith(prefix) else ""
-        if rest.isdigit() and entry.is_dir(follow_symlinks=False) and is_committed(entry.path) and os.path.lexists(
+        if rest.isdigit() and entry.is_dir(follow_symlinks=False) and is_committed(entry.path) and storage.lexists(
                 os.path.join(entry.path, PYTREE_METADATA_FILE)):
             out[int(rest)] = entry.path
     return out
@@ -121,7 +122,7 @@ class FlaxLegacySource(Source):
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         assert self.listing is not None and step is not None
         path = self.listing.folder(step)
-        if os.path.isdir(path):  # an Orbax-mode step folder: one Orbax item
+        if storage.isdir(path):  # an Orbax-mode step folder: one Orbax item
             from treetools.inspect.formats.orbax import read_pytree_item
 
             return Snapshot(step, {name: read_pytree_item(path, name) for name in names})
@@ -130,7 +131,7 @@ class FlaxLegacySource(Source):
 
     def step_deleted(self, step: int | None) -> StepDeletedError | None:
         # A step here is a file (or an Orbax-mode folder): while it is there it was not deleted.
-        if step is not None and self.listing is not None and os.path.exists(self.listing.committed.get(step, "")):
+        if step is not None and self.listing is not None and storage.exists(self.listing.committed.get(step, "")):
             return None
         return super().step_deleted(step)
 
@@ -139,7 +140,7 @@ def _is_tmp_file(path: str) -> bool:
     """``<prefix>tmp``, a save flax has not renamed yet: ``checkpoint_tmp``, any ``<prefix>tmp`` beside that
     prefix's step files, or a msgpack map named ``..._tmp`` / ``...-tmp`` / ``....tmp`` (a first save)."""
     name = os.path.basename(path)
-    if not name.endswith(_TMP) or not os.path.isfile(path):
+    if not name.endswith(_TMP) or not storage.isfile(path):
         return False
     prefix = name[: -len(_TMP)]
     if prefix == _DEFAULT_PREFIX or prefix in _step_files(os.path.dirname(path)):
@@ -150,14 +151,14 @@ def _is_tmp_file(path: str) -> bool:
 def _tmp_files(folder: str) -> list[str]:
     """Names of the unfinished saves (``<prefix>tmp``) directly under ``folder``."""
     try:
-        names = sorted(os.listdir(folder))
+        names = sorted(storage.listdir(folder))
     except OSError:
         return []
     return [n for n in names if _is_tmp_file(os.path.join(folder, n))]
 
 
 def _open(local: str, display: str) -> FlaxLegacySource:
-    if os.path.isfile(local):  # claimed as an unfinished save
+    if storage.isfile(local):  # claimed as an unfinished save
         raise CheckpointError(f"{display}: an unfinished Flax save (save_checkpoint renames it to <prefix><step> "
                               "when done); it is never read.")
     return FlaxLegacySource(local, display)
@@ -166,7 +167,7 @@ def _open(local: str, display: str) -> FlaxLegacySource:
 FORMAT = Format(
     name="flax-legacy",
     priority=52,  # before orbax (50): a folder with msgpack step files may also hold Orbax-mode step folders
-    claims=lambda path: (os.path.isdir(path) and bool(_step_files(path) or _tmp_files(path))) or _is_tmp_file(path),
+    claims=lambda path: (storage.isdir(path) and bool(_step_files(path) or _tmp_files(path))) or _is_tmp_file(path),
     open=_open,
     description="a folder of checkpoint_<step> msgpack files from flax.training.checkpoints.save_checkpoint",
 )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from treetools import storage
 from treetools.errors import CheckpointError
 from treetools.inspect.arrays import check_budget
 from treetools.inspect.source import FileSource, Format, Leaf, file_head, tree_leaves
@@ -22,13 +23,13 @@ def read_msgpack(path: str) -> list[Leaf]:
     from flax import serialization
 
     try:
-        size = os.path.getsize(path)
+        size = storage.getsize(path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
     # No index: the bytes and the arrays parsed from them are held at once.
     check_budget(2 * size, where=path, what="this Flax msgpack file, parsed whole (it has no index),")
     try:
-        with open(path, "rb") as f:
+        with storage.open(path, "rb") as f:
             data = f.read()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from treetools import storage
 from treetools.errors import CheckpointError
 from treetools.inspect.arrays import ArrayReader, MemmapReader, block_span
 from treetools.inspect.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path, value_row
@@ -45,7 +46,7 @@ class ZipStreamReader(ArrayReader):
             raise CheckpointError(f"{self._path}: npz member {self._member!r} uses an unsupported compression ({e}).") from None
 
     def _stream_unchecked(self, counts: Iterator[tuple[int, tuple[int, ...]]]) -> Iterator[np.ndarray]:
-        with zipfile.ZipFile(self._path) as zf, zf.open(self._member) as f:
+        with storage.open(self._path, block_size=8 * 2**20) as raw, zipfile.ZipFile(raw) as zf, zf.open(self._member) as f:
             f.read(self._skip)
             for count, shape in counts:
                 want = count * self.dtype.itemsize
@@ -118,12 +119,14 @@ def read_npz(path: str) -> list[Leaf]:
     >>> [(l.name, l.row.shape, l.row.params) for l in read_npz(f)]
     [('Dense_0/kernel', (2, 3), 6)]
     """
+    fh = storage.open(path)
     try:
-        zf = zipfile.ZipFile(path)
+        zf = zipfile.ZipFile(fh)
     except (zipfile.BadZipFile, OSError, EOFError) as e:
+        fh.close()
         raise CheckpointError(f"{path}: corrupt or truncated npz ({e}).") from None
     leaves = []
-    with zf, open(path, "rb") as fh:
+    with zf, fh:
         for info in zf.infolist():
             if info.is_dir():
                 continue

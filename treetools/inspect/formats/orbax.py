@@ -27,6 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from treetools import storage
 from treetools.errors import CheckpointError
 from treetools.inspect.arrays import ArrayReader, Index, check_budget, physical_memory
 from treetools.inspect.source import (
@@ -152,11 +153,10 @@ class TensorStoreReader(ArrayReader):
 
 def ts_spec(item_dir: str, name: str, *, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
     """The TensorStore spec of one saved array, as Orbax's ``ArrayReadSpec`` builds it."""
-    item_dir = os.path.abspath(item_dir)
     if use_ocdbt:
-        kvstore: dict[str, Any] = {"driver": "ocdbt", "base": {"driver": "file", "path": item_dir + "/"}, "path": name}
+        kvstore: dict[str, Any] = {"driver": "ocdbt", "base": storage.kvstore_spec(item_dir), "path": name}
     else:
-        kvstore = {"driver": "file", "path": os.path.join(item_dir, name) + "/"}
+        kvstore = storage.kvstore_spec(os.path.join(item_dir, name))
     return {
         "driver": "zarr3" if use_zarr3 else "zarr",
         "kvstore": kvstore,
@@ -224,7 +224,7 @@ def logical_paths(keys: Sequence[tuple[str, ...]], boxes: dict[str, str] | None 
 def _shardings(item_dir: str) -> dict[str, LeafSharding]:
     """Param name -> ``LeafSharding`` from Orbax's ``_sharding`` file (NamedShardings only)."""
     path = os.path.join(item_dir, SHARDING_FILE)
-    if not os.path.lexists(path):
+    if not storage.lexists(path):
         return {}
     raw = read_json_file(path, what="Orbax _sharding")
     out: dict[str, LeafSharding] = {}
@@ -256,14 +256,14 @@ def _refuse_special_files(item_dir: str, names: Sequence[str], *, use_ocdbt: boo
                     for sub in ("", "d")]
         paths = []
         for folder in folders:
-            if os.path.isdir(folder):
-                with os.scandir(folder) as it:
+            if storage.isdir(folder):
+                with storage.scandir(folder) as it:
                     paths += [e.path for e in it]
     else:
         paths = [os.path.join(item_dir, n, "zarr.json" if use_zarr3 else ".zarray") for n in names]
     for path in paths:
         try:
-            mode = os.stat(path).st_mode
+            mode = storage.stat(path).st_mode
         except OSError:
             continue  # missing: TensorStore's own error names it
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
@@ -300,7 +300,7 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
     there and left out, instead of failing the item (``verify``).
     """
     meta_path = os.path.join(item_dir, PYTREE_METADATA_FILE)
-    if not os.path.lexists(meta_path):
+    if not storage.lexists(meta_path):
         raise CheckpointError(
             f"{item_dir}: no {PYTREE_METADATA_FILE} file (saved by an Orbax older than 0.5, or copied without it); "
             "treetools cannot tell its leaves."
@@ -312,7 +312,7 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
     boxes = {str(k): v for k, v in boxes.items() if isinstance(v, str)} if isinstance(boxes, dict) else None
     paths = logical_paths([keys for keys, _, _ in entries], boxes)
     use_zarr3 = bool(raw.get("use_zarr3", False))
-    use_ocdbt = bool(raw.get("use_ocdbt", os.path.exists(os.path.join(item_dir, "manifest.ocdbt"))))
+    use_ocdbt = bool(raw.get("use_ocdbt", storage.exists(os.path.join(item_dir, "manifest.ocdbt"))))
     shardings = _shardings(item_dir)
 
     stored = [(keys, vt, path) for (keys, vt, _), path in zip(entries, paths) if vt != "string"]
@@ -349,7 +349,7 @@ def _json_file(folder: str) -> str:
     A manager with ``best_fn`` stores the step's metrics as the item ``metrics``
     in the file ``metrics/metrics``.
     """
-    own = os.path.join(folder, os.path.basename(os.path.normpath(folder)))
+    own = os.path.join(folder, os.path.basename(storage.normalize(folder)))
     default = os.path.join(folder, JSON_ITEM_FILE)
     return own if not _is_file(default) and _is_file(own) else default
 
@@ -364,15 +364,15 @@ def read_json_item(item_dir: str, name: str) -> Item:
 
 
 def _is_file(path: str) -> bool:
-    return os.path.isfile(path)
+    return storage.isfile(path)
 
 
 def _is_json_item(folder: str) -> bool:
     path = _json_file(folder)
-    if not _is_file(path) or os.path.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
+    if not _is_file(path) or storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
         return False
     try:
-        with open(path, "rb") as f:
+        with storage.open(path, "rb") as f:
             head = f.read(64).lstrip()
     except OSError:
         return False
@@ -383,17 +383,17 @@ is_json_item = _is_json_item
 
 
 def _is_item(folder: str) -> bool:
-    return os.path.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or _is_json_item(folder)
+    return storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or _is_json_item(folder)
 
 
 def _item_without_metadata(folder: str) -> bool:
     """Orbax's own item files (OCDBT manifest, ``_sharding``) without ``_METADATA``: read_pytree_item names what is missing."""
-    return any(os.path.isfile(os.path.join(folder, f)) for f in ("manifest.ocdbt", SHARDING_FILE))
+    return any(storage.isfile(os.path.join(folder, f)) for f in ("manifest.ocdbt", SHARDING_FILE))
 
 
 def _subdirs(folder: str) -> list[str]:
     try:
-        with os.scandir(folder) as it:
+        with storage.scandir(folder) as it:
             return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
     except OSError as e:
         raise CheckpointError(f"{folder}: cannot list folder ({e.strerror or e}).") from None
@@ -402,11 +402,11 @@ def _subdirs(folder: str) -> list[str]:
 def _step_is_item(folder: str) -> bool:
     """A step folder that is itself the item: a Checkpointer's save per step (Flax's ``checkpoint_<N>`` Orbax mode)."""
     return (parse_step_name(os.path.basename(folder)) is not None
-            and os.path.lexists(os.path.join(folder, STEP_METADATA_FILE)) and _is_item(folder))
+            and storage.lexists(os.path.join(folder, STEP_METADATA_FILE)) and _is_item(folder))
 
 
 def _looks_like_step(folder: str) -> bool:
-    if os.path.lexists(os.path.join(folder, STEP_METADATA_FILE)):
+    if storage.lexists(os.path.join(folder, STEP_METADATA_FILE)):
         return True
     try:  # a folder of step folders that are items (or their tmp folders) is a root, not a step holding items
         return any(_is_item(os.path.join(folder, d)) and not (_step_is_item(os.path.join(folder, d))
@@ -452,7 +452,7 @@ class OrbaxSource(Source):
         """The parsed ``_CHECKPOINT_METADATA`` of a step folder (read once per source), {} when absent."""
         if step_dir not in self._step_meta:
             path = os.path.join(step_dir, STEP_METADATA_FILE)
-            meta = read_json_file(path, what=f"Orbax {STEP_METADATA_FILE}") if os.path.lexists(path) else {}
+            meta = read_json_file(path, what=f"Orbax {STEP_METADATA_FILE}") if storage.lexists(path) else {}
             self._step_meta[step_dir] = meta if isinstance(meta, dict) else {}
         return self._step_meta[step_dir]
 
@@ -473,7 +473,7 @@ class OrbaxSource(Source):
 
     def _item_name(self) -> str:
         """``default`` for a standalone Checkpointer save (the folder is the item), else the folder's name."""
-        if os.path.lexists(os.path.join(self.local, STEP_METADATA_FILE)):
+        if storage.lexists(os.path.join(self.local, STEP_METADATA_FILE)):
             return "default"
         return os.path.basename(self.local) or "default"
 
@@ -491,7 +491,7 @@ class OrbaxSource(Source):
         for name in names:
             check_name(name, where=os.path.join(step_dir, STEP_METADATA_FILE))
             item_dir = os.path.join(step_dir, name)
-            if not os.path.isdir(item_dir):
+            if not storage.isdir(item_dir):
                 notes.append(f"item `{name}` is listed in {STEP_METADATA_FILE} but has no folder; skipped.")
                 continue
             kind = _kind_of(handlers.get(name)) if name in handlers else ("json" if _is_json_item(item_dir) else "pytree")
@@ -521,12 +521,12 @@ class OrbaxSource(Source):
 
 
 def _claims(path: str) -> bool:
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         return False
     name = os.path.basename(path)
     if TMP_DIR_SUFFIX in name:
         return True
-    if any(os.path.lexists(os.path.join(path, f)) for f in (PYTREE_METADATA_FILE, STEP_METADATA_FILE)):
+    if any(storage.lexists(os.path.join(path, f)) for f in (PYTREE_METADATA_FILE, STEP_METADATA_FILE)):
         return True
     if _is_json_item(path) or _looks_like_step(path) or _item_without_metadata(path):
         return True
@@ -536,7 +536,7 @@ def _claims(path: str) -> bool:
             return True
         if parse_step_name(child) is not None:
             folder = os.path.join(path, child)
-            if os.path.lexists(os.path.join(folder, COMMIT_SUCCESS_FILE)) or _looks_like_step(folder):
+            if storage.lexists(os.path.join(folder, COMMIT_SUCCESS_FILE)) or _looks_like_step(folder):
                 return True
     return False
 

@@ -12,6 +12,7 @@ import os
 import struct
 from typing import Any
 
+from treetools import storage
 from treetools.errors import CheckpointError
 from treetools.inspect.arrays import MemmapReader, np_dtype
 from treetools.inspect.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path
@@ -39,8 +40,8 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _st_header(path: str) -> tuple[dict[str, Any], int, int]:
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = storage.getsize(path)
+    with storage.open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length).")
@@ -108,11 +109,11 @@ def _claims(path: str) -> bool:
     head = file_head(path, 9)
     if len(head) == 9 and head[8:9] == b"{":
         try:
-            if 2 <= struct.unpack("<Q", head[:8])[0] <= os.path.getsize(path) - 8:
+            if 2 <= struct.unpack("<Q", head[:8])[0] <= storage.getsize(path) - 8:
                 return True
         except OSError:
             return False
-    return path.lower().endswith(".safetensors") and os.path.isfile(path)  # a broken header: its reader says how
+    return path.lower().endswith(".safetensors") and storage.isfile(path)  # a broken header: its reader says how
 
 
 FORMAT = Format(

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from treetools import storage
 from treetools.errors import CheckpointError
 from treetools.inspect.arrays import check_budget, np_dtype
 from treetools.inspect.formats.msgpack import is_msgpack_map
@@ -129,7 +130,7 @@ def _load_msgpack(path: str) -> dict[str, Any]:
     import msgpack
 
     try:
-        size = os.stat(path).st_size
+        size = storage.stat(path).st_size
     except OSError:
         size = 0  # read_file names what is wrong
     # No index: the bytes and the inline arrays parsed from them are held at once (as for a Flax msgpack file).
@@ -195,16 +196,16 @@ def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, A
     leaf = "/".join(parts)
     check_name(name, where=where)
     folder = os.path.join(base, name)
-    root = os.path.realpath(base)
-    if os.path.commonpath([os.path.realpath(folder), root]) != root:
+    root = storage.realpath(base)
+    if not storage.is_remote(base) and os.path.commonpath([storage.realpath(folder), root]) != root:
         raise CheckpointError(f"{where}: key {name!r} resolves outside {base} (a symlink?); refusing to read it.")
-    if not os.path.isdir(folder):
+    if not storage.isdir(folder):
         raise CheckpointError(
             f"{where}: `{leaf}` is stored in the zarr folder {name!r}, which is missing from {base}; "
             "the step was copied in part: copy the whole step folder."
         )
     zarray = os.path.join(folder, ZARRAY_FILE)
-    if not os.path.lexists(zarray):
+    if not storage.lexists(zarray):
         raise CheckpointError(
             f"{folder}: zarr folder without .zarray (`{leaf}`); the array was never finished or was copied in part: "
             "copy the whole step folder."
@@ -245,7 +246,7 @@ def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
     tree, version = _state_dict(_load_msgpack(path))
     leaves = tree_leaves(tree, where=path)
     paths = logical_paths([leaf.path for leaf in leaves])
-    ocdbt = os.path.isfile(os.path.join(base, OCDBT_MANIFEST))
+    ocdbt = storage.isfile(os.path.join(base, OCDBT_MANIFEST))
     out: list[Leaf] = []
     in_ocdbt: list[tuple[int, tuple[str, ...], str]] = []
     for leaf, parts in zip(leaves, paths):
@@ -282,13 +283,13 @@ def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
 
 def _has_tree(folder: str) -> bool:
     """A T5X step folder or an Orbax (< 0.5) item folder: a ``checkpoint`` msgpack and no ``_METADATA``."""
-    return is_msgpack_map(os.path.join(folder, CHECKPOINT_FILE)) and not os.path.lexists(
+    return is_msgpack_map(os.path.join(folder, CHECKPOINT_FILE)) and not storage.lexists(
         os.path.join(folder, PYTREE_METADATA_FILE))
 
 
 def _subdirs(folder: str) -> list[str]:
     try:
-        with os.scandir(folder) as it:
+        with storage.scandir(folder) as it:
             return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
     except OSError:
         return []
@@ -310,7 +311,7 @@ def _committed(step_dir: str) -> bool:
 
 
 def _is_item(folder: str) -> bool:
-    return _has_tree(folder) or os.path.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or is_json_item(folder)
+    return _has_tree(folder) or storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or is_json_item(folder)
 
 
 class T5XSource(Source):
@@ -375,7 +376,7 @@ class T5XSource(Source):
         metadata: dict[str, Any] = {}
         for name in names:
             folder = folders[name]
-            if self.mode != "file" and os.path.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
+            if self.mode != "file" and storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
                 items[name] = read_pytree_item(folder, name)  # a later Orbax save in the same root
             elif self.mode != "file" and is_json_item(folder):
                 items[name] = read_json_item(folder, name)
@@ -400,9 +401,9 @@ class T5XSource(Source):
 
 
 def _claims(path: str) -> bool:
-    if os.path.isfile(path):
+    if storage.isfile(path):
         return os.path.basename(path) == CHECKPOINT_FILE and is_msgpack_map(path)
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         return False
     if _is_t5x_tmp(os.path.basename(path)) or _has_tree(path) or _orbax_step(path):
         return True
@@ -415,11 +416,11 @@ def _claims(path: str) -> bool:
 
 
 def _open(local: str, display: str) -> T5XSource:
-    folder = os.path.dirname(local) if os.path.isfile(local) else local
+    folder = os.path.dirname(local) if storage.isfile(local) else local
     if tmp_step(os.path.basename(folder)) is not None:
         raise CheckpointError(f"{display}: incomplete save (a tmp folder, renamed only when the save finishes); "
                               "it is never read.")
-    if os.path.isfile(local):
+    if storage.isfile(local):
         return T5XSource(local, display, "file")
     if _has_tree(local):
         return T5XSource(local, display, "step")

@@ -1,0 +1,418 @@
+"""Where checkpoint files live: the local disk, or ``gs://`` and ``s3://`` buckets read in place.
+
+Every reader of a checkpoint (the step rule, the formats, the array readers)
+asks this module instead of ``os``, so one code path reads a local folder and
+the same folder in a bucket. Local paths go straight to ``os`` (same
+semantics, symlinks and FIFOs included, no import cost). Remote paths go to
+fsspec's ``gcsfs``/``s3fs`` for listings and small files, imported only when a
+remote path is given; arrays are read by TensorStore's own ``gcs``/``s3``
+key-value stores (``kvstore_spec``), in place, with byte ranges.
+
+Credentials and endpoints are the ecosystem's: whatever the client libraries
+already read (``AWS_*`` variables and profiles, ``AWS_ENDPOINT_URL`` for
+MinIO or a local S3; Google default credentials, ``STORAGE_EMULATOR_HOST``
+and ``TENSORSTORE_GCS_HTTP_URL`` for a GCS emulator).
+
+Standard library only at import time.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import dataclasses
+import os
+import stat as stat_
+import threading
+from typing import Any, Iterator
+
+from treetools.errors import CheckpointError, CheckpointNotFoundError
+
+__all__ = ["REMOTE_SCHEMES", "RemoteStorageError", "is_remote", "kvstore_spec"]
+
+REMOTE_SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}
+"""URL scheme -> the fsspec package (the ``remote`` extra) that lists and reads it."""
+
+
+class RemoteStorageError(CheckpointError):
+    """A bucket could not be read: the extra is missing, no credentials, no such bucket, permission denied."""
+
+
+def is_remote(path: Any) -> bool:
+    """Whether ``path`` is a ``gs://`` or ``s3://`` URL.
+
+    >>> is_remote("gs://bucket/ckpt"), is_remote("/data/ckpt"), is_remote("S3://b")
+    (True, False, True)
+    """
+    return isinstance(path, str) and path[:5].lower() in ("gs://", "s3://")
+
+
+def _split(url: str) -> tuple[str, str, str]:
+    """``(scheme, bucket, key)`` of a URL; the key has no leading or trailing ``/``."""
+    scheme, _, rest = url.partition("://")
+    bucket, _, key = rest.strip("/").partition("/")
+    return scheme.lower(), bucket, "/".join(p for p in key.split("/") if p)
+
+
+def normalize(path: str) -> str:
+    """An absolute local path (``~`` expanded), or a URL without doubled or trailing slashes.
+
+    >>> normalize("s3://b//run/ckpt/")
+    's3://b/run/ckpt'
+    """
+    if is_remote(path):
+        scheme, bucket, key = _split(path)
+        return f"{scheme}://{bucket}/{key}" if key else f"{scheme}://{bucket}"
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def realpath(path: str) -> str:
+    return normalize(path) if is_remote(path) else os.path.realpath(path)
+
+
+def kvstore_spec(folder: str) -> dict[str, Any]:
+    """The TensorStore key-value store of a folder: ``file`` locally, ``gcs`` or ``s3`` in a bucket.
+
+    For S3 the endpoint comes from ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
+    (TensorStore does not read them itself) and the region from ``AWS_REGION`` /
+    ``AWS_DEFAULT_REGION``; without either, TensorStore asks AWS for the bucket's region.
+
+    >>> kvstore_spec("gs://b/run/7/params")
+    {'driver': 'gcs', 'bucket': 'b', 'path': 'run/7/params/'}
+    """
+    if not is_remote(folder):
+        return {"driver": "file", "path": os.path.abspath(folder) + "/"}
+    scheme, bucket, key = _split(folder)
+    spec: dict[str, Any] = {"driver": "gcs" if scheme == "gs" else "s3", "bucket": bucket,
+                            "path": key + "/" if key else ""}
+    if scheme == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if endpoint:
+            spec["endpoint"] = endpoint
+            region = region or "us-east-1"
+        if region:
+            spec["aws_region"] = region
+    return spec
+
+
+# ---------------------------------------------------------------------------- remote file systems
+
+
+@dataclasses.dataclass(frozen=True)
+class _Info:
+    kind: str  # "file" or "directory"
+    size: int
+
+
+class _Remote:
+    """One bucket scheme through fsspec, with the listings this process has made remembered.
+
+    Object stores have no folders, only key prefixes: a "folder" exists when
+    some key starts with it. Every existence and kind question about a path is
+    answered from its parent's listing when that was made (one LIST per folder,
+    the way a format's ``claims`` probes many names of one folder), else from one
+    ``info`` call. ``forget()`` drops what was remembered (each ``open_source``
+    starts fresh, so a long-lived process sees new steps).
+    """
+
+    def __init__(self, scheme: str):
+        self.scheme = scheme
+        package = REMOTE_SCHEMES[scheme]
+        try:
+            if scheme == "gs":
+                # gcsfs probes for hierarchical-namespace buckets unless told not to; against emulators and
+                # plain buckets that probe only costs time.
+                os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+            import fsspec
+
+            kwargs: dict[str, Any] = {}
+            if scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"):
+                kwargs["token"] = "anon"  # an emulator takes no credentials
+            self.fs = fsspec.filesystem("gcs" if scheme == "gs" else "s3", **kwargs)
+        except ImportError as e:
+            raise RemoteStorageError(
+                f"reading {scheme}:// paths needs the `remote` extra ({package}): pip install 'treetools[remote]' "
+                f"({e})."
+            ) from None
+        self._listings: dict[str, dict[str, _Info]] = {}
+        self._infos: dict[str, _Info | None] = {}
+        self._lock = threading.Lock()
+
+    def forget(self) -> None:
+        with self._lock:
+            self._listings.clear()
+            self._infos.clear()
+        self.fs.invalidate_cache()
+
+    def _key(self, url: str) -> str:
+        _, bucket, key = _split(url)
+        return f"{bucket}/{key}" if key else bucket
+
+    def listing(self, url: str) -> dict[str, _Info]:
+        """name -> info of the entries directly in folder ``url``; raises FileNotFoundError when it has none."""
+        url = normalize(url)
+        with self._lock:
+            cached = self._listings.get(url)
+        if cached is not None:
+            return cached
+        with translate(url):
+            entries = self.fs.ls(self._key(url), detail=True)
+        out: dict[str, _Info] = {}
+        base = self._key(url).rstrip("/") + "/"
+        for e in entries:
+            name = e["name"].rstrip("/")
+            if not name.startswith(base) or name == base.rstrip("/"):
+                continue  # the folder's own placeholder object
+            rel = name[len(base):]
+            if "/" in rel or not rel:
+                continue
+            kind = "directory" if e.get("type") == "directory" else "file"
+            if rel in out and out[rel].kind == "directory":
+                continue  # a placeholder object "a/" beside keys under "a/": a folder
+            out[rel] = _Info(kind, int(e.get("size") or 0))
+        if not out:
+            raise FileNotFoundError(url)
+        with self._lock:
+            self._listings[url] = out
+        return out
+
+    def info(self, url: str) -> _Info | None:
+        url = normalize(url)
+        _, bucket, key = _split(url)
+        if not key:
+            return _Info("directory", 0)  # a bucket; whether it exists shows at its first listing
+        parent, _, name = url.rpartition("/")
+        with self._lock:
+            if parent in self._listings:
+                return self._listings[parent].get(name)
+            if url in self._infos:
+                return self._infos[url]
+        try:
+            with translate(url):
+                raw = self.fs.info(self._key(url))
+            found: _Info | None = _Info("directory" if raw.get("type") == "directory" else "file",
+                                        int(raw.get("size") or 0))
+        except FileNotFoundError:
+            found = None
+        with self._lock:
+            self._infos[url] = found
+        return found
+
+    def read(self, url: str, start: int = 0, end: int | None = None) -> bytes:
+        with translate(url):
+            return self.fs.cat_file(self._key(url), start=start, end=end)
+
+    def open(self, url: str, block_size: int) -> Any:
+        with translate(url):
+            return self.fs.open(self._key(url), "rb", block_size=block_size, cache_type="readahead")
+
+
+_REMOTES: dict[str, _Remote] = {}
+_REMOTES_LOCK = threading.Lock()
+
+
+def remote(url: str) -> _Remote:
+    scheme = _split(url)[0]
+    with _REMOTES_LOCK:
+        if scheme not in _REMOTES:
+            _REMOTES[scheme] = _Remote(scheme)
+        return _REMOTES[scheme]
+
+
+def forget(path: str) -> None:
+    """Drop remembered listings, so the next look at ``path`` asks the bucket again (no-op locally)."""
+    if is_remote(path):
+        remote(path).forget()
+
+
+_CREDENTIAL_HINTS = {
+    "gs": "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS",
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+}
+
+
+@contextlib.contextmanager
+def translate(url: str) -> Iterator[None]:
+    """Client-library errors as one line each: no credentials, permission denied, no such bucket.
+
+    A missing key stays a ``FileNotFoundError`` (callers decide what a missing file means).
+    """
+    scheme, bucket, _ = _split(url)
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except PermissionError as e:
+        raise RemoteStorageError(
+            f"{url}: permission denied ({_first_line(e)}); the credentials in use cannot read this bucket."
+        ) from None
+    except Exception as e:
+        name = type(e).__name__
+        text = _first_line(e)
+        if "NoCredentials" in name or "DefaultCredentialsError" in name or "credentials" in text.lower():
+            raise RemoteStorageError(
+                f"{url}: no credentials for {scheme}:// ({text}); {_CREDENTIAL_HINTS[scheme]}."
+            ) from None
+        if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+            raise RemoteStorageError(f"{url}: no such bucket {bucket!r}.") from None
+        if isinstance(e, (OSError, ValueError)) or "botocore" in type(e).__module__ or "gcsfs" in type(e).__module__:
+            raise RemoteStorageError(f"{url}: cannot read ({name}: {text}).") from None
+        raise
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
+
+
+def missing(url: str) -> CheckpointNotFoundError:
+    """The error for a URL with nothing under it: naming a missing bucket as such."""
+    r = remote(url)
+    scheme, bucket, _ = _split(url)
+    try:
+        with translate(url):
+            bucket_there = r.fs.exists(bucket)
+    except RemoteStorageError:
+        raise
+    except FileNotFoundError:
+        bucket_there = False
+    if not bucket_there:
+        return RemoteNotFoundError(f"{url}: no such bucket {bucket!r} (or it is not visible to these credentials).")
+    return CheckpointNotFoundError(f"{url}: no such file or folder.")
+
+
+class RemoteNotFoundError(CheckpointNotFoundError):
+    """No such bucket."""
+
+
+# ---------------------------------------------------------------------------- os-like functions
+
+
+def isdir(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.isdir(path)
+    info = remote(path).info(path)
+    return info is not None and info.kind == "directory"
+
+
+def isfile(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.isfile(path)
+    info = remote(path).info(path)
+    return info is not None and info.kind == "file"
+
+
+def exists(path: str) -> bool:
+    if not is_remote(path):
+        return os.path.exists(path)
+    return remote(path).info(path) is not None
+
+
+def lexists(path: str) -> bool:
+    return os.path.lexists(path) if not is_remote(path) else exists(path)
+
+
+def islink(path: str) -> bool:
+    return os.path.islink(path) if not is_remote(path) else False
+
+
+def getsize(path: str) -> int:
+    if not is_remote(path):
+        return os.path.getsize(path)
+    info = remote(path).info(path)
+    if info is None:
+        raise FileNotFoundError(path)
+    return info.size
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stat:
+    st_mode: int
+    st_size: int
+
+
+def stat(path: str) -> Any:
+    """``os.stat`` (following symlinks); for a URL, a regular file or a folder with its size."""
+    if not is_remote(path):
+        return os.stat(path)
+    info = remote(path).info(path)
+    if info is None:
+        raise FileNotFoundError(path)
+    return _Stat((stat_.S_IFDIR if info.kind == "directory" else stat_.S_IFREG) | 0o444, info.size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """What ``os.scandir`` yields, for an entry of a bucket folder."""
+
+    name: str
+    path: str
+    _info: _Info
+
+    def is_dir(self, follow_symlinks: bool = True) -> bool:
+        return self._info.kind == "directory"
+
+    def is_file(self, follow_symlinks: bool = True) -> bool:
+        return self._info.kind == "file"
+
+    def is_symlink(self) -> bool:
+        return False
+
+    def stat(self, follow_symlinks: bool = True) -> _Stat:
+        mode = stat_.S_IFDIR if self._info.kind == "directory" else stat_.S_IFREG
+        return _Stat(mode | 0o444, self._info.size)
+
+
+@contextlib.contextmanager
+def scandir(path: str) -> Iterator[Any]:
+    """``os.scandir``; in a bucket, the folder's entries (FileNotFoundError when nothing is under it)."""
+    if not is_remote(path):
+        with os.scandir(path) as it:
+            yield it
+        return
+    url = normalize(path)
+    entries = remote(url).listing(url)
+    yield iter([_Entry(name, f"{url}/{name}", info) for name, info in sorted(entries.items())])
+
+
+def listdir(path: str) -> list[str]:
+    if not is_remote(path):
+        return os.listdir(path)
+    return sorted(remote(path).listing(path))
+
+
+def walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk`` (top down), for a local folder or a bucket folder."""
+    if not is_remote(top):
+        yield from os.walk(top)
+        return
+    pending = [normalize(top)]
+    while pending:
+        folder = pending.pop()
+        try:
+            entries = remote(folder).listing(folder)
+        except FileNotFoundError:
+            continue
+        dirs = sorted(n for n, i in entries.items() if i.kind == "directory")
+        yield folder, dirs, sorted(n for n, i in entries.items() if i.kind == "file")
+        pending.extend(f"{folder}/{d}" for d in reversed(dirs))
+
+
+def open(path: str, mode: str = "rb", *, block_size: int = 64 * 2**10) -> Any:  # noqa: A001 - os-like on purpose
+    """A file opened for reading (binary); in a bucket, a seekable file fetching ranges of ``block_size`` bytes
+    ahead of what is read (small for headers, large for a stream read front to back)."""
+    if mode != "rb":
+        raise ValueError(f"treetools.storage.open reads only ('rb'), got mode {mode!r}.")
+    if not is_remote(path):
+        return builtins.open(path, "rb")
+    return remote(path).open(path, block_size)
+
+
+def read_range(path: str, start: int, length: int) -> bytes:
+    """``length`` bytes at ``start`` (fewer at the end of the file): one ranged GET in a bucket."""
+    if not is_remote(path):
+        with builtins.open(path, "rb") as f:
+            f.seek(start)
+            return f.read(length)
+    return remote(path).read(path, start, start + length)
