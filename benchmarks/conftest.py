@@ -35,3 +35,16 @@ def report(
         line += f" (IQR {spread[0]:.3f}-{spread[1]:.3f})"
     print(line + (f" (target {target})" if target else ""), flush=True)
     return ratio
+
+
+def best(fn, repeat: int) -> float:
+    """The fastest of ``repeat`` timed calls of ``fn`` (seconds)."""
+    import math
+    import time
+
+    fastest = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        fastest = min(fastest, time.perf_counter() - t0)
+    return fastest

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import SCALE, report
+from conftest import SCALE, best, report
 from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -78,15 +78,6 @@ def ckpts(tmp_path_factory):
     shutil.rmtree(root, ignore_errors=True)
 
 
-def _best(fn, repeat: int) -> float:
-    best = math.inf
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _orbax_restore_numpy(path: str):
     """What a user does without the inspector: restore every array to host numpy."""
     handler = ocp.PyTreeCheckpointHandler()
@@ -114,8 +105,8 @@ def _anchor_stats(path: str) -> dict:
 def test_metadata_time_depends_on_leaves_not_bytes(benchmark, ckpts):
     for p in (ckpts["small"], ckpts["large"]):  # warm the page cache and imports for both
         inspect_path(p)
-    small_t = _best(lambda: inspect_path(ckpts["small"]), 5)
-    large_t = _best(lambda: inspect_path(ckpts["large"]), 5)
+    small_t = best(lambda: inspect_path(ckpts["small"]), 5)
+    large_t = best(lambda: inspect_path(ckpts["large"]), 5)
     mib = ckpts["bytes"]["large"] / 2**20
     ratio = report(f"inspect metadata {mib:.0f} MiB vs {ckpts['bytes']['small'] / 2**20:.2f} MiB (64 leaves)",
                    large_t, small_t, "same tree small", target="<= 1.2")
@@ -127,8 +118,8 @@ def test_metadata_time_depends_on_leaves_not_bytes(benchmark, ckpts):
 
 def test_metadata_inspect_vs_orbax_restore(benchmark, ckpts):
     path = ckpts["large"]
-    anchor_t = _best(lambda: _orbax_restore_numpy(path), 1 if SCALE >= 0.5 else 3)
-    ours_t = _best(lambda: inspect_path(path), 3)
+    anchor_t = best(lambda: _orbax_restore_numpy(path), 1 if SCALE >= 0.5 else 3)
+    ours_t = best(lambda: inspect_path(path), 3)
     mib = ckpts["bytes"]["large"] / 2**20
     report(f"inspect metadata {mib:.0f} MiB", ours_t, anchor_t, "orbax restore to look", target="<< 1")
     benchmark.pedantic(inspect_path, args=(path,), rounds=3, iterations=1)

@@ -107,8 +107,7 @@ def read_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> b
             "the file is corrupt or not what its name says."
         )
     try:
-        with storage.open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        data = storage.read_range(path, 0, max_bytes + 1)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e}).") from None
     if len(data) > max_bytes:  # grew while we read it

@@ -21,6 +21,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import logging
 import os
 import stat as stat_
 import threading
@@ -93,6 +94,10 @@ def kvstore_spec(folder: str) -> dict[str, Any]:
             region = region or "us-east-1"
         if region:
             spec["aws_region"] = region
+        if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
+            # The keys botocore would use first; without this TensorStore walks its provider chain
+            # (profile files first) and logs every file it does not find.
+            spec["context"] = {"aws_credentials": {"type": "environment"}}
     return spec
 
 
@@ -125,6 +130,11 @@ class _Remote:
                 # plain buckets that probe only costs time.
                 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
             import fsspec
+
+            # gcsfs logs each refused request with its traceback before raising; with no logging configured,
+            # Python prints that to stderr. The error itself reaches the user as one line; a NullHandler keeps
+            # the log for applications that configure logging, and off the terminal otherwise.
+            logging.getLogger(package).addHandler(logging.NullHandler())
 
             kwargs: dict[str, Any] = {}
             if scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"):
@@ -188,6 +198,13 @@ class _Remote:
                 return self._listings[parent].get(name)
             if url in self._infos:
                 return self._infos[url]
+        if _split(parent)[2]:
+            # Readers probe several names of one folder (marker files, item folders): one LIST of the
+            # folder answers them all. The folder a user names is probed alone (its parent may be huge).
+            try:
+                return self.listing(parent).get(name)
+            except FileNotFoundError:
+                return None
         try:
             with translate(url):
                 raw = self.fs.info(self._key(url))
@@ -204,8 +221,11 @@ class _Remote:
             return self.fs.cat_file(self._key(url), start=start, end=end)
 
     def open(self, url: str, block_size: int) -> Any:
+        info = self.info(url)  # known from a listing: no HEAD request for the size
+        if info is None or info.kind != "file":
+            raise FileNotFoundError(url)
         with translate(url):
-            return self.fs.open(self._key(url), "rb", block_size=block_size, cache_type="readahead")
+            return self.fs.open(self._key(url), "rb", block_size=block_size, cache_type="readahead", size=info.size)
 
 
 _REMOTES: dict[str, _Remote] = {}
@@ -250,9 +270,16 @@ def translate(url: str) -> Iterator[None]:
     except Exception as e:
         name = type(e).__name__
         text = _first_line(e)
-        if "NoCredentials" in name or "DefaultCredentialsError" in name or "credentials" in text.lower():
+        code = getattr(e, "code", None)  # gcsfs's HttpError carries the HTTP status
+        if ("NoCredentials" in name or "DefaultCredentialsError" in name or "Unable to locate credentials" in text
+                or code == 401 or text.startswith("Anonymous caller")):
             raise RemoteStorageError(
                 f"{url}: no credentials for {scheme}:// ({text}); {_CREDENTIAL_HINTS[scheme]}."
+            ) from None
+        if code == 403 or text.startswith("Forbidden"):  # gcsfs raises a plain OSError for a 403
+            detail = " ".join(str(e).split("\n")[1:2]).strip() or text
+            raise RemoteStorageError(
+                f"{url}: permission denied ({detail[:300]}); the credentials in use cannot read this bucket."
             ) from None
         if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
             raise RemoteStorageError(f"{url}: no such bucket {bucket!r}.") from None

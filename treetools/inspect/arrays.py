@@ -135,6 +135,8 @@ class ArrayReader:
     """True when blocks must come in C order, front to back (a compressed zip member)."""
     c_order: bool = True
     """False when a sequential reader streams Fortran-ordered data."""
+    remote: bool = False
+    """True when blocks come from a bucket: reads wait on the network more than on a core."""
 
     def read(self, index: Index) -> np.ndarray:
         raise NotImplementedError
@@ -237,11 +239,14 @@ class MemmapReader(ArrayReader):
     """
 
     def __init__(self, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *, fortran: bool = False):
+        from treetools import storage
+
         self._path = path
         self._offset = int(offset)
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self._fortran = fortran
+        self.remote = storage.is_remote(path)
 
     def _fill(self, view: memoryview, pos: int) -> int:
         """Read into ``view`` from byte ``pos``; the number of bytes read (short at the end of the file)."""

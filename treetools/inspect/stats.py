@@ -245,6 +245,10 @@ def _tasks(readers: Sequence[ArrayReader], chunk_bytes: int) -> list[tuple[int, 
     return tasks
 
 
+REMOTE_WORKERS = 16
+"""Threads for ``--stats`` of a checkpoint in a bucket: round trips overlap (memory ~ 2 * 16 * chunk_bytes)."""
+
+
 def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                   progress: "Progress | None" = None, workers: int | None = None,
                   labels: Sequence[str] | None = None) -> list[StatsAccumulator]:
@@ -262,7 +266,8 @@ def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_
       readers: the arrays, each an ``ArrayReader``.
       chunk_bytes: the block budget (bytes of stored data per block).
       progress: advanced by each block's stored bytes (thread-safe).
-      workers: threads; default ``os.cpu_count()``. 1 runs in this thread.
+      workers: threads; default ``os.cpu_count()``, and at least ``REMOTE_WORKERS`` when a reader reads
+        from a bucket (each read waits on a round trip, not on a core). 1 runs in this thread.
       labels: shown by ``progress`` as each leaf starts (default none).
 
     Returns:
@@ -274,7 +279,11 @@ def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_
     >>> [a.result()["mean"] for a in accs]
     [2.0, 1.0]
     """
-    workers = max(1, int(workers if workers is not None else (os.cpu_count() or 1)))
+    if workers is None:
+        workers = os.cpu_count() or 1
+        if any(r.remote for r in readers):
+            workers = max(workers, REMOTE_WORKERS)
+    workers = max(1, int(workers))
     piece = max(1, chunk_bytes // 8)
     tasks = _tasks(readers, chunk_bytes)
     started: set[int] = set()

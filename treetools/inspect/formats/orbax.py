@@ -85,13 +85,20 @@ class TensorStoreReader(ArrayReader):
     """
 
     def __init__(self, spec: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype,
-                 chunk_shape: tuple[int, ...] | None, *, where: str):
+                 chunk_shape: tuple[int, ...] | None, *, where: str, context: Any = None):
         self.spec = spec
         self.shape = shape
         self.dtype = np.dtype(dtype)
         self.chunk_shape = chunk_shape
         self._where = where
         self._store: Any = None
+        self._context = context
+        self.remote = context is not None
+
+    def _ts_context(self) -> Any:
+        import tensorstore as ts
+
+        return self._context if self._context is not None else ts.Context()
 
     def _open(self, *, whole: bool = False) -> Any:
         """Open the store; refuse before decoding anything when one stored chunk is too big to hold.
@@ -103,7 +110,7 @@ class TensorStoreReader(ArrayReader):
         import tensorstore as ts
 
         try:
-            store = ts.open(self.spec, read=True, open=True, context=ts.Context()).result()
+            store = ts.open(self.spec, read=True, open=True, context=self._ts_context()).result()
         except Exception as e:  # tensorstore raises ValueError with a long status text
             raise CheckpointError(f"{self._where}: cannot open array data ({_first_line(e)}).") from None
         try:
@@ -149,6 +156,22 @@ class TensorStoreReader(ArrayReader):
                 yield self._result(pending)
         finally:
             self._store = None
+
+
+def reader_context(folder: str) -> Any:
+    """The TensorStore context the readers of one item share: None locally (each array opens with a fresh,
+    cache-less context), one shared context in a bucket.
+
+    In a bucket every open costs round trips (an OCDBT manifest and b-tree
+    nodes, the credentials): sharing the context shares those and the
+    connections, and its small cache keeps the b-tree nodes that every array
+    of the item looks up.
+    """
+    if not storage.is_remote(folder):
+        return None
+    import tensorstore as ts
+
+    return ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}})
 
 
 def ts_spec(item_dir: str, name: str, *, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
@@ -250,6 +273,9 @@ def _refuse_special_files(item_dir: str, names: Sequence[str], *, use_ocdbt: boo
     """TensorStore blocks forever opening a FIFO: refuse special files among those it reads for array metadata."""
     import stat
 
+    if storage.is_remote(item_dir):
+        return  # a bucket holds objects only
+
     if use_ocdbt:  # the manifests and the b-tree/data files of the item and of each process
         folders = [item_dir, os.path.join(item_dir, "d")]
         folders += [os.path.join(item_dir, p, sub) for p in _subdirs(item_dir) if p.startswith("ocdbt.process_")
@@ -320,6 +346,7 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
     specs = [ts_spec(item_dir, ".".join(keys), use_ocdbt=use_ocdbt, use_zarr3=use_zarr3) for keys, _, _ in stored]
     wheres = [f"{item_dir}: `{'/'.join(path)}`" for _, _, path in stored]
     stores = iter(zip(specs, _open_all(specs, wheres, problems)))
+    context = reader_context(item_dir)
     leaves: list[Leaf] = []
     logical: dict[str, tuple[str, ...]] = {}
     for (keys, value_type, _), path in zip(entries, paths):
@@ -334,7 +361,7 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
         dtype = np.dtype(store.dtype.numpy_dtype)
         shape = tuple(int(d) for d in store.shape)
         chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
-        reader = TensorStoreReader(spec, shape, dtype, chunk, where=f"{item_dir}: `{'/'.join(path)}`")
+        reader = TensorStoreReader(spec, shape, dtype, chunk, where=f"{item_dir}: `{'/'.join(path)}`", context=context)
         if value_type in _VALUE_TYPES:  # a Python scalar: a value, counted as no parameter
             leaves.append(Leaf(value_row(path), reader, key=param))
         else:

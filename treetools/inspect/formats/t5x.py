@@ -48,6 +48,7 @@ from treetools.inspect.formats.orbax import (  # the OCDBT helpers are orbax.py'
     logical_paths,
     read_json_item,
     read_pytree_item,
+    reader_context,
     ts_spec,
 )
 from treetools.inspect.source import (
@@ -191,7 +192,8 @@ def _spec_name(spec: dict[str, Any], *, where: str, leaf: str) -> str:
     return name.rstrip("/")
 
 
-def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, Any] | None, *, where: str) -> Leaf:
+def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, Any] | None, *, where: str,
+                 context: Any = None) -> Leaf:
     """One array in its zarr folder ``base/name``: shape and dtype from ``.zarray``, data through TensorStore."""
     leaf = "/".join(parts)
     check_name(name, where=where)
@@ -226,7 +228,7 @@ def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, A
                 f"{dtype}{list(shape)} in {zarray}; the step folder mixes two saves."
             )
     spec_open = ts_spec(base, name, use_ocdbt=False, use_zarr3=False)
-    reader = TensorStoreReader(spec_open, shape, dtype, chunks, where=f"{base}: `{leaf}`")
+    reader = TensorStoreReader(spec_open, shape, dtype, chunks, where=f"{base}: `{leaf}`", context=context)
     return Leaf(array_row(parts, shape, dtype), reader, key=name)
 
 
@@ -249,6 +251,7 @@ def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
     ocdbt = storage.isfile(os.path.join(base, OCDBT_MANIFEST))
     out: list[Leaf] = []
     in_ocdbt: list[tuple[int, tuple[str, ...], str]] = []
+    context = reader_context(base)
     for leaf, parts in zip(leaves, paths):
         value = leaf.value
         spec = value.spec if isinstance(value, _StoredSpec) else None
@@ -264,7 +267,7 @@ def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
             in_ocdbt.append((len(out), parts, stored))
             out.append(leaf)  # replaced below
         else:
-            out.append(_stored_leaf(parts, stored, base, spec, where=path))
+            out.append(_stored_leaf(parts, stored, base, spec, where=path, context=context))
     if in_ocdbt:
         _refuse_special_files(base, [], use_ocdbt=True, use_zarr3=False)
         specs = [ts_spec(base, stored, use_ocdbt=True, use_zarr3=False) for _, _, stored in in_ocdbt]
@@ -273,8 +276,8 @@ def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
             shape = tuple(int(d) for d in store.shape)
             dtype = np.dtype(store.dtype.numpy_dtype)
             chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
-            out[i] = Leaf(array_row(parts, shape, dtype), TensorStoreReader(spec, shape, dtype, chunks, where=where),
-                          key=stored)
+            reader = TensorStoreReader(spec, shape, dtype, chunks, where=where, context=context)
+            out[i] = Leaf(array_row(parts, shape, dtype), reader, key=stored)
     return Item(name, "pytree", out, handle=path), version
 
 
