@@ -147,12 +147,14 @@ class _Remote:
             ) from None
         self._listings: dict[str, dict[str, _Info]] = {}
         self._infos: dict[str, _Info | None] = {}
+        self._probes: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def forget(self) -> None:
         with self._lock:
             self._listings.clear()
             self._infos.clear()
+            self._probes.clear()
         self.fs.invalidate_cache()
 
     def _key(self, url: str) -> str:
@@ -198,9 +200,11 @@ class _Remote:
                 return self._listings[parent].get(name)
             if url in self._infos:
                 return self._infos[url]
-        if _split(parent)[2]:
-            # Readers probe several names of one folder (marker files, item folders): one LIST of the
-            # folder answers them all. The folder a user names is probed alone (its parent may be huge).
+            probes = self._probes[parent] = self._probes.get(parent, 0) + 1
+        if probes > 1 and _split(parent)[2]:
+            # Readers probe several names of one folder (marker files, item folders): from the second probe
+            # on, one LIST of the folder answers them all. A folder probed once (an array-data folder of
+            # thousands of objects asked for one marker) is not listed, nor a bucket's top level.
             try:
                 return self.listing(parent).get(name)
             except FileNotFoundError:
