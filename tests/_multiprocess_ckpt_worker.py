@@ -2,6 +2,9 @@
 
 Usage: python _multiprocess_ckpt_worker.py PROCESS_ID PORT CHECKPOINT_DIR
 
+A ``gs://`` or ``s3://`` CHECKPOINT_DIR (the first run's checkpoint, uploaded)
+is only restored: each process reads its own shards from the bucket.
+
 The caller sets XLA_FLAGS (CPU devices per process) and JAX_PLATFORMS=cpu.
 Every process builds the same global arrays from a fixed seed, places only
 its own shards (``jax.make_array_from_callback``) on a mesh over the devices
@@ -77,8 +80,12 @@ def main(process_id: int, port: int, ckpt_dir: str) -> None:
     # Each process holds only part of every sharded array.
     assert not params["w"].is_fully_addressable
 
-    manager = get_checkpoint_manager(1, checkpoint_dir=ckpt_dir)
-    save_checkpoint(manager, STEP, {"params": params, "data_iter": {"epoch": 1, "seen": [STEP]}}, wait=True)
+    remote = ckpt_dir.startswith(("gs://", "s3://"))
+    if remote:
+        manager = ckpt_dir  # restore_checkpoint takes a path; Orbax's manager does not reach a bucket's emulator
+    else:
+        manager = get_checkpoint_manager(1, checkpoint_dir=ckpt_dir)
+        save_checkpoint(manager, STEP, {"params": params, "data_iter": {"epoch": 1, "seen": [STEP]}}, wait=True)
 
     restore_shardings = {name: NamedSharding(restore_mesh, P(*spec)) for name, (_, _, spec) in LEAVES.items()}
     target = make_abstract(params, restore_shardings)
@@ -94,7 +101,8 @@ def main(process_id: int, port: int, ckpt_dir: str) -> None:
             local_ok &= bool(np.array_equal(np.asarray(shard.data), host[name][shard.index]))
         gathered = np.asarray(multihost_utils.process_allgather(arr, tiled=True))
         leaves[name] = dict(digest(gathered), spec=str(arr.sharding.spec), boxed=boxed, values=gathered.tolist())
-    manager.close()
+    if not remote:
+        manager.close()
     print(
         json.dumps(
             {

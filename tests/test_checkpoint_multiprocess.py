@@ -75,3 +75,15 @@ def test_single_process_restore_of_the_two_process_checkpoint(two_process_run, d
         np.testing.assert_array_equal(numpy_load[name], data)
         assert worker.digest(restored) == {k: results[0]["leaves"][name][k] for k in ("sha256", "sum", "shape", "dtype")}
         assert unbox(out[name]).sharding == NamedSharding(mesh, P("tp"))
+
+
+def test_two_processes_restore_from_a_bucket(two_process_run, remote_store):
+    """The same checkpoint uploaded to a bucket: two processes restore it from there, each reading its own
+    shards through the bucket's TensorStore store, and get exactly what the local restore gave."""
+    ckpt_dir, local_results = two_process_run
+    remote_store.upload(ckpt_dir, "mp", "checkpoints")
+    results = run_two_processes(WORKER, remote_store.url("mp", "checkpoints"),
+                                devices_per_process=DEVICES_PER_PROCESS, timeout_s=TIMEOUT_S)
+    for got, want in zip(results, local_results):
+        assert got["local_shards_ok"] and got["steps"] == want["steps"] and got["data_iter"] == want["data_iter"]
+        assert got["leaves"] == want["leaves"]  # digests, values and the restore specs
