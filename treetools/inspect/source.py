@@ -252,6 +252,11 @@ class Format:
       claims: ``claims(local_path) -> bool``: cheap, total, positive evidence only.
       open: ``open(local_path, display_path) -> Source``.
       description: what paths it reads, for the "not a checkpoint" error.
+
+    ``local_path`` is an absolute local path or a ``gs://`` / ``s3://`` URL: a
+    format that lists and reads through ``treetools.storage`` (``isdir``,
+    ``scandir``, ``open``, ``read_range``, and ``kvstore_spec`` for TensorStore)
+    instead of ``os`` reads buckets too.
     """
 
     name: str
