@@ -37,7 +37,9 @@ def _params(scale: float = 1.0) -> dict:
 
 
 def _orbax_run(root, steps=(1, 2)) -> None:
-    """A manager root with committed steps and one unfinished save (an Orbax tmp folder with no commit)."""
+    """A manager root with committed steps and two unfinished saves: an Orbax tmp folder (local disks), and a
+    step folder without commit (on GCS, which has no atomic rename, Orbax writes in place and commits with
+    ``commit_success.txt`` and the commit time in ``_CHECKPOINT_METADATA``)."""
     mngr = tt.get_checkpoint_manager(1, checkpoint_dir=root, async_save=False)
     for s in steps:
         tt.save_checkpoint(mngr, s, {"params": _params(s), "data_iter": {"epoch": s}}, metrics={"loss": 1.0 / s})
@@ -47,6 +49,16 @@ def _orbax_run(root, steps=(1, 2)) -> None:
     os.remove(os.path.join(partial, "_CHECKPOINT_METADATA"))
     with open(os.path.join(partial, "params", "_METADATA"), "w") as f:
         f.write("{ not json: a half-written save must never be parsed")
+    in_place = os.path.join(root, str(steps[-1] + 2))
+    shutil.copytree(os.path.join(root, str(steps[-1])), in_place)
+    os.remove(os.path.join(in_place, "commit_success.txt"))
+    with open(os.path.join(in_place, "_CHECKPOINT_METADATA")) as f:
+        meta = json.load(f)
+    del meta["commit_timestamp_nsecs"]
+    with open(os.path.join(in_place, "_CHECKPOINT_METADATA"), "w") as f:
+        json.dump(meta, f)
+    with open(os.path.join(in_place, "params", "_METADATA"), "w") as f:
+        f.write("{ not json either")
 
 
 def _json(args: list[str], capsys) -> tuple[int, dict]:
@@ -73,7 +85,7 @@ def test_orbax_run_in_a_bucket_reads_as_on_disk(tmp_path, remote_store, capsys):
         code_r, remote = _json(["inspect", url, *extra], capsys)
         assert (code_l, code_r) == (0, 0), extra
         _same_report(local, remote)
-    assert remote["incomplete"] == ["3.orbax-checkpoint-tmp-1700000000"]  # listed, never read (its JSON is junk)
+    assert remote["incomplete"] == ["3.orbax-checkpoint-tmp-1700000000", "4"]  # listed, never read (junk JSON)
     assert remote["steps"] == [1, 2]
 
     # --show, verify, diff local vs remote
