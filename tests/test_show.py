@@ -73,3 +73,18 @@ def test_raw_file_slices_across_rows_equal_numpy(tmp_path, layout, index):
             np.savez(path, w=np.asfortranarray(truth) if layout == "npz-fortran" else truth)
     _, value = show_leaf(str(path), f"w{index}")
     np.testing.assert_array_equal(value, eval(f"truth{index}"))  # noqa: S307
+
+
+@pytest.mark.parametrize("slab", [8, 40, 200])
+def test_raw_file_slices_read_in_small_slabs(tmp_path, monkeypatch, slab):
+    """A non-contiguous block is read in slabs of at most SLAB_BYTES (several rows per read, or one row in
+    pieces when a row is larger): every way of cutting it gives numpy's answer."""
+    from treetools.inspect import arrays
+
+    monkeypatch.setattr(arrays, "SLAB_BYTES", slab)
+    truth = np.arange(6 * 5 * 4, dtype=np.float32).reshape(6, 5, 4)
+    np.savez(tmp_path / "m.npz", w=truth, f=np.asfortranarray(truth))
+    for leaf in ("w", "f"):
+        for index in ("[:, 1:3, 2]", "[1:5, :, 0:3]", "[2:6, 4, :]", "[:, 0:4, 1:2]"):
+            _, value = show_leaf(str(tmp_path / "m.npz"), f"{leaf}{index}")
+            np.testing.assert_array_equal(value, eval(f"truth{index}"))  # noqa: S307

@@ -228,6 +228,10 @@ class InMemoryReader(ArrayReader):
         return self._array[index]
 
 
+SLAB_BYTES = 8 * 2**20
+"""The most a raw-file reader reads at once to cut a non-contiguous block out of it."""
+
+
 class MemmapReader(ArrayReader):
     """Raw array bytes at ``offset`` in a file (local or in a bucket), read one block at a time.
 
@@ -289,9 +293,10 @@ class MemmapReader(ArrayReader):
     def _region(self, starts: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
         """The block at corner ``starts`` of ``sizes`` in C-ordered data of ``shape``.
 
-        One contiguous read when the block is a run of the flat data; else the
-        rows of its first partial axis are read whole (when that costs at most
-        4x the block) or the block is split along that axis.
+        One contiguous read when the block is a run of the flat data. Else the
+        block is read in slabs: whole rows of its first partial axis, up to
+        ``SLAB_BYTES`` at a time (a column slice of a tall leaf is a few large
+        reads, not one read per row: one ranged GET each in a bucket), then cut.
         """
         if 0 in sizes:
             return np.zeros(sizes, self.dtype)
@@ -302,12 +307,15 @@ class MemmapReader(ArrayReader):
         if k == nd or all(sizes[j] == shape[j] for j in range(k + 1, nd)):
             flat = int(np.ravel_multi_index(starts, shape)) if nd else 0
             return self._window(flat, math.prod(sizes), sizes)
-        slab = (starts[:k + 1] + (0,) * (nd - k - 1), sizes[:k + 1] + shape[k + 1:])
-        if math.prod(slab[1]) <= 4 * math.prod(sizes):
+        row = math.prod(shape[k + 1:]) * self.dtype.itemsize  # one step along axis k, whole trailing axes
+        group = max(1, SLAB_BYTES // row)
+        if group >= sizes[k]:  # the slab of all the block's rows fits: one contiguous read, then cut
+            slab = (starts[:k + 1] + (0,) * (nd - k - 1), sizes[:k + 1] + shape[k + 1:])
             data = self._region(*slab, shape)
             return data[(slice(None),) * (k + 1) + tuple(slice(a, a + n) for a, n in zip(starts[k + 1:], sizes[k + 1:]))]
-        parts = [self._region(starts[:k] + (starts[k] + i,) + starts[k + 1:], sizes[:k] + (1,) + sizes[k + 1:], shape)
-                 for i in range(sizes[k])]
+        parts = [self._region(starts[:k] + (starts[k] + i,) + starts[k + 1:],
+                              sizes[:k] + (min(group, sizes[k] - i),) + sizes[k + 1:], shape)
+                 for i in range(0, sizes[k], group)]
         return np.concatenate(parts, axis=k)
 
     def read(self, index: Index) -> np.ndarray:
