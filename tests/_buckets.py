@@ -41,11 +41,6 @@ from typing import Any, Iterable, Iterator
 
 import pytest
 
-# gcsfs decides at *import* whether to probe every bucket for a hierarchical
-# namespace (a 60 s wait per lookup against an emulator); this module is imported
-# by conftest, before any test can import gcsfs.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
 __all__ = ["CountingProxy", "Store", "gcs_store", "remote_store", "s3_store"]
 
 _HOP_BY_HOP = {
@@ -251,7 +246,6 @@ def _gcs_env(endpoint: str) -> dict[str, str]:
     return {
         "STORAGE_EMULATOR_HOST": endpoint,
         "TENSORSTORE_GCS_HTTP_URL": endpoint,
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
         # With no Google credentials on disk, TensorStore asks the GCE metadata server before reading
         # anonymously; a port nothing listens on refuses that probe at once, offline or on GCE.
         "GCE_METADATA_ROOT": f"127.0.0.1:{_free_port()}",
@@ -285,9 +279,9 @@ class Store:
             import s3fs
 
             return s3fs.S3FileSystem(skip_instance_cache=True)
-        import gcsfs
+        import gcsfs.core  # the plain client, as treetools.storage uses it
 
-        return gcsfs.GCSFileSystem(token="anon", skip_instance_cache=True)
+        return gcsfs.core.GCSFileSystem(token="anon", skip_instance_cache=True)
 
     def upload(self, local_path: str | os.PathLike, *parts: str) -> str:
         """Copy a local file, or a folder tree recursively, to ``url(*parts)``; returns that URL.
@@ -312,7 +306,7 @@ class Store:
         Clears fsspec's instance caches and ``treetools.storage``'s per-scheme
         clients (which hold fsspec instances and listings). Each store fixture calls it.
         """
-        for module, cls in (("s3fs", "S3FileSystem"), ("gcsfs", "GCSFileSystem")):
+        for module, cls in (("s3fs", "S3FileSystem"), ("gcsfs.core", "GCSFileSystem")):
             if module in sys.modules:
                 getattr(sys.modules[module], cls).clear_instance_cache()
         storage = sys.modules.get("treetools.storage")

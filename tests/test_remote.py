@@ -353,9 +353,9 @@ def test_gcs_refusals_are_one_line(tmp_path, status, message, words):
     server = _gcs_refusing(status, message)
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        env = {**os.environ, "STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
-               "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-        env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+        env = {**os.environ, "STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url}
+        for name in ("GOOGLE_APPLICATION_CREDENTIALS", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"):
+            env.pop(name, None)
         proc = subprocess.run([sys.executable, "-m", "treetools", "inspect", "gs://private-bucket/run"], env=env,
                               capture_output=True, text=True, timeout=120)
     finally:

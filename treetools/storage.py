@@ -125,21 +125,21 @@ class _Remote:
         self.scheme = scheme
         package = REMOTE_SCHEMES[scheme]
         try:
-            if scheme == "gs":
-                # gcsfs probes for hierarchical-namespace buckets unless told not to; against emulators and
-                # plain buckets that probe only costs time.
-                os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-            import fsspec
-
             # gcsfs logs each refused request with its traceback before raising; with no logging configured,
             # Python prints that to stderr. The error itself reaches the user as one line; a NullHandler keeps
             # the log for applications that configure logging, and off the terminal otherwise.
             logging.getLogger(package).addHandler(logging.NullHandler())
+            if scheme == "gs":
+                # gcsfs's plain client: the package's default class is an experimental subclass that first asks
+                # the Storage Control API what kind each bucket is (a minute's wait against an emulator).
+                import gcsfs.core
 
-            kwargs: dict[str, Any] = {}
-            if scheme == "gs" and os.environ.get("STORAGE_EMULATOR_HOST"):
-                kwargs["token"] = "anon"  # an emulator takes no credentials
-            self.fs = fsspec.filesystem("gcs" if scheme == "gs" else "s3", **kwargs)
+                token = "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else None  # an emulator takes none
+                self.fs = gcsfs.core.GCSFileSystem(token=token)
+            else:
+                import s3fs
+
+                self.fs = s3fs.S3FileSystem()
         except ImportError as e:
             raise RemoteStorageError(
                 f"reading {scheme}:// paths needs the `remote` extra ({package}): pip install 'treetools[remote]' "
