@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from treetools.inspect import inspect_path
+from treetools.inspect.report import inspect_path
 
 LAYERS = 32
 FULL_SMALL = 2 * 2**20

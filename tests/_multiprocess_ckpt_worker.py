@@ -61,7 +61,7 @@ def main(process_id: int, port: int, ckpt_dir: str) -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from treetools.abstract import make_abstract
-    from treetools.checkpoint import get_checkpoint_manager, list_steps, restore_checkpoint, save_checkpoint
+    from treetools import get_checkpoint_manager, list_steps, restore_checkpoint, save_checkpoint
     from treetools.partitioning import unbox
 
     host = global_arrays()

@@ -26,7 +26,7 @@ import treetools as tt
 import treetools.inspect.report as report_module
 from treetools.cli import main
 from treetools.errors import CheckpointError, StepDeletedError
-from treetools.inspect import inspect_path
+from treetools.inspect.report import inspect_path
 
 
 def _plain_orbax(folder: Path, tree: dict) -> Path:
@@ -156,8 +156,8 @@ def test_inspect_reads_again_when_the_latest_step_went(tmp_path, capsys, monkeyp
     real = report_module.open_source
     calls = []
 
-    def racing_open(path):
-        src = real(path)
+    def racing_open(path, **kwargs):
+        src = real(path, **kwargs)
         if not calls:  # the first listing sees steps 1, 2; then a manager saves 3 and prunes 2
             shutil.copytree(root / "2", root / "3")
             shutil.rmtree(root / "2")
@@ -244,8 +244,8 @@ def prune_after_open(monkeypatch):
     def patch(module, root: Path):
         real = tt.open_source
 
-        def racing_open(path):
-            src = real(path)
+        def racing_open(path, **kwargs):
+            src = real(path, **kwargs)
             shutil.rmtree(root / "2", ignore_errors=True)
             return src
 
@@ -254,10 +254,10 @@ def prune_after_open(monkeypatch):
 
 
 def test_load_parameters_and_restore_of_a_pruned_step_name_it(tmp_path, prune_after_open):
-    import treetools.inspect.source as source_module
+    import treetools.restore as restore_module  # the module whose open_source load_parameters and restore use
 
     root = _two_steps(tmp_path)
-    prune_after_open(source_module, root)
+    prune_after_open(restore_module, root)
     with pytest.raises(StepDeletedError, match="step 2 was deleted"):
         tt.load_parameters(root, step=2)
     shutil.copytree(root / "1", root / "2")
@@ -280,6 +280,8 @@ def test_verify_and_show_of_a_pruned_step_name_it(tmp_path, capsys, prune_after_
     code, out, err = _run(capsys, "verify", root, "--step", "2")
     assert code == 1 and "step 2 was deleted" in err and "FAILED" not in out
     shutil.copytree(root / "1", root / "2")
-    prune_after_open(report_module, root)
+    import treetools.inspect.show as show_module  # --show reads through show_leaf
+
+    prune_after_open(show_module, root)
     code, _, err = _run(capsys, "inspect", root, "--step", "2", "--show", "params/w")
     assert code == 1 and "step 2 was deleted" in err

@@ -1,4 +1,4 @@
-"""treetools.checkpoint on 8 fake CPU devices: save, restore on other meshes, mismatches, load_parameters."""
+"""treetools.manager and treetools.restore on 8 fake CPU devices: save, restore on other meshes, mismatches, load_parameters."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from treetools import checkpoint as ckpt
+import treetools as ckpt
+from treetools.ckpt import steps
 from treetools.abstract import make_abstract
 from treetools.partitioning import unbox
 from treetools.paths import flatten, is_leaf
@@ -306,7 +307,7 @@ def test_load_parameters_unknown_step_lists_available(saved):
 
 def test_load_parameters_names_what_is_wrong_with_the_folder(saved, tmp_path):
     # Not a checkpoint: one error that lists the formats treetools reads (from the registry).
-    from treetools.inspect.source import formats
+    from treetools.ckpt.source import registered_formats as formats
 
     (tmp_path / "logs").mkdir()
     with pytest.raises(ckpt.CheckpointError, match=r"not a checkpoint that treetools can read\. Readable formats: ") as info:
@@ -444,7 +445,7 @@ def test_scan_steps_name_formats(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "ckpt_7").write_text("a file, not a step folder")
 
-    listing = ckpt.scan_steps(tmp_path)
+    listing = steps.scan_steps(tmp_path)
     committed, incomplete = {s: Path(p) for s, p in listing.committed.items()}, listing.incomplete
     assert committed == {3: tmp_path / "ckpt_000003", 12: tmp_path / "ckpt_000012"}
     assert incomplete == ["ckpt_000015.orbax-checkpoint-tmp-5"]
@@ -452,7 +453,7 @@ def test_scan_steps_name_formats(tmp_path):
     # Orbax's own utilities agree on which folders are temporary / finalized.
     assert ocp.path.step.is_path_temporary(tmp_path / incomplete[0])
     assert all(ocp.path.step.is_path_finalized(p) for p in committed.values())
-    assert ckpt.scan_steps(tmp_path, step_prefix="other").committed == {}
+    assert steps.scan_steps(tmp_path, step_prefix="other").committed == {}
     np.testing.assert_array_equal(ckpt.load_parameters(tmp_path, 12)["w"], np.arange(12, dtype=np.float32))
     mngr.close()
 
@@ -464,7 +465,7 @@ def test_scan_steps_name_formats(tmp_path):
 )
 def test_parse_step_name(name, step):
     # Orbax's own parser agrees on every committed name it accepts.
-    assert ckpt.parse_step_name(name) == step
+    assert steps.parse_step_name(name) == step
     if step is not None:
         assert ocp.path.step.step_from_checkpoint_name(name) == step
 
@@ -474,15 +475,15 @@ def test_constants_match_orbax():
     from orbax.checkpoint._src.metadata import checkpoint as step_metadata
     from orbax.checkpoint._src.path import atomicity_types
 
-    assert ckpt.TMP_DIR_SUFFIX == atomicity_types.TMP_DIR_SUFFIX
-    assert ckpt.COMMIT_SUCCESS_FILE == atomicity_types.COMMIT_SUCCESS_FILE
-    assert ckpt.STEP_METADATA_FILE == step_metadata._STEP_METADATA_FILENAME
-    assert ckpt.PYTREE_METADATA_FILE == pytree_handler.PYTREE_METADATA_FILE
+    assert steps.TMP_DIR_SUFFIX == atomicity_types.TMP_DIR_SUFFIX
+    assert steps.COMMIT_SUCCESS_FILE == atomicity_types.COMMIT_SUCCESS_FILE
+    assert steps.STEP_METADATA_FILE == step_metadata._STEP_METADATA_FILENAME
+    assert steps.PYTREE_METADATA_FILE == pytree_handler.PYTREE_METADATA_FILE
 
 
 def test_scanning_imports_neither_jax_nor_orbax(saved):
     code = (
-        "import sys, treetools.checkpoint as c\n"
+        "import sys, treetools as c\n"
         f"assert c.list_steps({str(saved[0])!r}) == [10, 20]\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'orbax', 'jaxlib')))\n"
     )

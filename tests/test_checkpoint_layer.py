@@ -28,8 +28,9 @@ from flax import nnx, serialization
 
 import treetools as tt
 from treetools.cli import main
-from treetools.inspect import diff_paths, inspect_path
-from treetools.inspect.source import Format, FileSource, register_format, tree_leaves, unregister_format
+from treetools.inspect.diff import diff_paths
+from treetools.inspect.report import inspect_path
+from treetools.ckpt.source import Format, FileSource, register_format, tree_leaves, unregister_format
 from treetools.paths import flatten
 
 FIXTURE = Path(__file__).parent / "fixtures" / "treetools_v0_1"

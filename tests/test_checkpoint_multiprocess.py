@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import flax.linen as nn
@@ -12,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests._multiprocess import load_module, run_two_processes
-from treetools import checkpoint as ckpt
+import treetools as ckpt
 from treetools.partitioning import unbox
 
 WORKER = Path(__file__).with_name("_multiprocess_ckpt_worker.py")

@@ -16,7 +16,7 @@ import pytest
 
 from treetools import cli
 from treetools.cli import main
-from treetools.inspect.stats import Progress
+from treetools.inspect.progress import Progress
 from tests.test_inspect import inspect_json, numpy_stats, one_error_line, run
 
 def only_item(data: dict, name: str = "default") -> dict:
@@ -173,6 +173,18 @@ def test_version_and_help_return_0(capsys):
     assert run(capsys, "--version")[0] == 0
     rc, out, _ = run(capsys, "inspect", "--help")
     assert rc == 0 and "--fail-on-nonfinite" in out and "--chunk-mb" not in out
+
+
+def test_inspect_help_names_every_built_in_format_and_statistic(capsys):
+    from treetools.ckpt.source import registered_formats
+    from treetools.rows import STATS
+
+    rc, out, _ = run(capsys, "inspect", "--help")
+    text = " ".join(out.split())
+    assert rc == 0
+    missing = [f.name for f in registered_formats() if f.name not in text]
+    assert not missing, f"`inspect --help` does not name the formats {missing}"
+    assert " ".join(STATS) in text  # the --stats help lists every statistic, from the one tuple
 
 
 # ----------------------------------------------------------------------------- views and options

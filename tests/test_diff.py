@@ -13,7 +13,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from treetools.inspect import diff_paths
+from treetools.inspect.diff import diff_paths
 from tests.test_inspect import flat, host_tree, meta_of, one_error_line, run, write_run
 
 

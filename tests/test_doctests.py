@@ -6,9 +6,11 @@ import importlib
 import pytest
 
 MODULES = [
-    "paths", "partitioning", "counting", "masks", "abstract", "table", "norms", "checkpoint",
-    "errors", "steps", "rows", "render", "inspect.source", "inspect.diff", "inspect.report", "inspect.stats",
-    "inspect.formats.orbax", "inspect.formats.safetensors", "inspect.formats.npz", "inspect.formats.hf_sharded", "inspect.formats.t5x", "inspect.verify", "cli", "cli._args", "cli.plot",
+    "paths", "patterns", "partitioning", "counting", "masks", "abstract", "table", "norms", "manager", "restore",
+    "errors", "rows", "render", "ckpt.storage", "ckpt.steps", "ckpt.readers", "ckpt.source",
+    "ckpt.formats.orbax", "ckpt.formats.safetensors", "ckpt.formats.npz", "ckpt.formats.hf_sharded", "ckpt.formats.t5x",
+    "inspect.options", "inspect.diff", "inspect.report", "inspect.show", "inspect.stats", "inspect.verify",
+    "cli", "cli._args", "cli.options", "cli.plot",
 ]
 
 

@@ -16,7 +16,8 @@ from flax.training import checkpoints
 import treetools as tt
 from treetools.cli import main
 from treetools.errors import StepDeletedError
-from treetools.inspect import inspect_path, open_source
+from treetools.ckpt.source import open_source
+from treetools.inspect.report import inspect_path
 
 
 def _state(step):

@@ -18,9 +18,10 @@ from flax import traverse_util
 import treetools as tt
 from treetools.cli import main
 from treetools.errors import CheckpointError, CheckpointNotFoundError
-from treetools.inspect import diff_paths, inspect_path
-from treetools.inspect.report import show_leaf
-from treetools.inspect.source import open_source
+from treetools.inspect.diff import diff_paths
+from treetools.inspect.report import inspect_path
+from treetools.inspect.show import show_leaf
+from treetools.ckpt.source import open_source
 from treetools.inspect.verify import verify_path
 
 from tests._t5x_writer import save_orbax_legacy_item, save_orbax_legacy_step, save_t5x
@@ -360,7 +361,7 @@ def test_a_fifo_instead_of_zarray_is_refused_not_waited_on(model_dir, tmp_path):
 
 
 def test_claims_need_positive_evidence(tmp_path):
-    from treetools.inspect.formats.t5x import FORMAT
+    from treetools.ckpt.formats.t5x import FORMAT
 
     (tmp_path / "checkpoint").write_text("model_checkpoint_path: \"model.ckpt-100\"\n")  # TensorFlow's index file
     assert not FORMAT.claims(str(tmp_path / "checkpoint"))
@@ -425,7 +426,7 @@ def test_an_inline_array_whose_bytes_do_not_fill_its_shape_is_corrupt(tmp_path):
 def test_docstring_examples():
     import doctest
 
-    from treetools.inspect.formats import t5x
+    from treetools.ckpt.formats import t5x
 
     result = doctest.testmod(t5x, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

@@ -29,7 +29,9 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from treetools.cli import main
-from treetools.inspect import CheckpointError, inspect_path, plan_blocks
+from treetools.ckpt.readers import plan_blocks
+from treetools.errors import CheckpointError
+from treetools.inspect.report import inspect_path
 
 STEPS = (100, 200)
 TMP_STEP = "ckpt_0300.orbax-checkpoint-tmp-1700000000"

@@ -156,12 +156,6 @@ def test_reading_does_not_import_jax(tmp_path):
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
-def test_names_still_importable_from_norms():
-    from treetools import norms
-
-    assert norms.MetricsLogger is tt.MetricsLogger and norms.JsonlWriter is tt.JsonlWriter
-
-
 def test_reference_trainer_restart_logs_the_same_steps_as_a_straight_run(tmp_path):
     from treetools.reference.train import TrainConfig, train
 

@@ -19,9 +19,8 @@ from flax import nnx
 from hypothesis import given, settings
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from treetools.metrics import JsonlWriter, MetricsLogger
 from treetools.norms import (
-    JsonlWriter,
-    MetricsLogger,
     clip_by_global_norm,
     get_grad_norms,
     get_param_norms,

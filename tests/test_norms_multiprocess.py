@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests._multiprocess import load_module, run_two_processes

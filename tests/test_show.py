@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from treetools.cli import main
-from treetools.inspect.report import parse_leaf_spec, show_leaf
+from treetools.inspect.show import parse_leaf_spec, show_leaf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "treetools_v0_1"
 TRUTH = dict(np.load(Path(__file__).parent / "fixtures" / "treetools_v0_1_truth.npz"))
@@ -79,7 +79,7 @@ def test_raw_file_slices_across_rows_equal_numpy(tmp_path, layout, index):
 def test_raw_file_slices_read_in_small_slabs(tmp_path, monkeypatch, slab):
     """A non-contiguous block is read in slabs of at most SLAB_BYTES (several rows per read, or one row in
     pieces when a row is larger): every way of cutting it gives numpy's answer."""
-    from treetools.inspect import arrays
+    from treetools.ckpt import readers as arrays
 
     monkeypatch.setattr(arrays, "SLAB_BYTES", slab)
     truth = np.arange(6 * 5 * 4, dtype=np.float32).reshape(6, 5, 4)

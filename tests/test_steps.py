@@ -1,4 +1,4 @@
-"""The one step rule (treetools.steps): names, commit evidence, step specs, and the manager agreeing with it."""
+"""The one step rule (treetools.ckpt.steps): names, commit evidence, step specs, and the manager agreeing with it."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import subprocess
 
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
 import treetools as tt
-from treetools import steps
+from treetools.ckpt import steps
 
 
 def test_constants_match_orbax():
@@ -96,7 +95,7 @@ def test_fifo_step_metadata_is_never_committed_and_never_hangs(tmp_path):
 
 
 def test_step_rule_imports_neither_jax_nor_orbax(tmp_path):
-    code = ("import sys, treetools.steps as s\n"
+    code = ("import sys, treetools.ckpt.steps as s\n"
             f"s.scan_steps({str(tmp_path)!r})\n"
             "assert 'jax' not in sys.modules and 'orbax' not in sys.modules, sorted(sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True)

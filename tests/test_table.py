@@ -109,7 +109,8 @@ def test_empty_tree():
 
 
 def test_json_and_tree_renderers_share_rows():
-    from treetools.table import render_rows, rows_from_tree
+    from treetools.render import render_rows
+    from treetools.table import rows_from_tree
 
     rows = rows_from_tree({"a": {"b": np.ones((2, 3), np.float32)}, "c": np.zeros(4, np.int8)})
     import json
@@ -123,7 +124,8 @@ def test_json_and_tree_renderers_share_rows():
 
 
 def test_markdown_footer_lists_dtypes():
-    from treetools.table import render_rows, rows_from_tree
+    from treetools.render import render_rows
+    from treetools.table import rows_from_tree
 
     text = render_rows(rows_from_tree({"a": np.ones(2, np.float32), "b": np.ones(3, np.int8)}), fmt="markdown")
     footer = text.split("\n\n", 1)[1].splitlines()

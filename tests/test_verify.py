@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest

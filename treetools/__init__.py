@@ -78,7 +78,7 @@ _EXPORTS = {  # public name -> module under treetools
     "unbox": "partitioning",
     "unbox_tree": "partitioning",
     "leaf_sharding": "partitioning",
-    "LeafSharding": "partitioning",
+    "LeafSharding": "rows",
     "params_of": "partitioning",
     # paths
     "flatten": "paths",
@@ -91,7 +91,7 @@ _EXPORTS = {  # public name -> module under treetools
     "get_num_bytes": "counting",
     # table
     "tabulate_params": "table",
-    "Row": "table",
+    "Row": "rows",
     "rows_from_tree": "table",
     # norms
     "get_sharded_norm_logits": "norms",
@@ -112,26 +112,27 @@ _EXPORTS = {  # public name -> module under treetools
     "make_abstract": "abstract",
     "replicate": "abstract",
     "update_ema": "abstract",
-    # checkpoint
-    "get_checkpoint_manager": "checkpoint",
-    "restore_checkpoint": "checkpoint",
-    "load_parameters": "checkpoint",
-    "save_checkpoint": "checkpoint",
-    "list_steps": "steps",
-    "list_incomplete": "steps",
-    "latest_step": "steps",
+    # checkpointing: a manager and saving; restore and load from any checkpoint
+    "get_checkpoint_manager": "manager",
+    "save_checkpoint": "manager",
+    "restore_checkpoint": "restore",
+    "load_parameters": "restore",
+    # the checkpoint layer (treetools.ckpt has the rest, for format authors)
+    "list_steps": "ckpt.steps",
+    "list_incomplete": "ckpt.steps",
+    "latest_step": "ckpt.steps",
+    "open_source": "ckpt.source",
+    "register_format": "ckpt.source",
+    "Format": "ckpt.source",
+    # commands over checkpoints
+    "inspect_path": "inspect.report",
+    "diff_paths": "inspect.diff",
+    # errors
+    "CheckpointError": "errors",
     "CheckpointMismatchError": "errors",
     "CheckpointNotFoundError": "errors",
     "StepDeletedError": "errors",
     "PatternError": "errors",
-    # inspect
-    "inspect_path": "inspect",
-    "diff_paths": "inspect",
-    "open_source": "inspect",
-    "open_checkpoint": "inspect",
-    "register_format": "inspect",
-    "Format": "inspect",
-    "CheckpointError": "errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -152,7 +153,8 @@ def __dir__() -> list[str]:
 
 if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.abstract import make_abstract, replicate, update_ema
-    from treetools.checkpoint import get_checkpoint_manager, load_parameters, restore_checkpoint, save_checkpoint
+    from treetools.ckpt.source import Format, open_source, register_format
+    from treetools.ckpt.steps import latest_step, list_incomplete, list_steps
     from treetools.counting import get_num_bytes, get_num_params
     from treetools.errors import (
         CheckpointError,
@@ -161,8 +163,9 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         PatternError,
         StepDeletedError,
     )
-    from treetools.inspect import Format, diff_paths, inspect_path, open_checkpoint, open_source, register_format
-    from treetools.steps import latest_step, list_incomplete, list_steps
+    from treetools.inspect.diff import diff_paths
+    from treetools.inspect.report import inspect_path
+    from treetools.manager import get_checkpoint_manager, save_checkpoint
     from treetools.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
     from treetools.metrics import JsonlWriter, MetricsLogger, read_metrics
     from treetools.norms import (
@@ -173,6 +176,8 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         get_sharded_norm_logits,
         norm_metrics,
     )
-    from treetools.partitioning import LeafSharding, is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
+    from treetools.partitioning import is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
     from treetools.paths import flatten, leaves_with_paths, map_with_path, path_str, unflatten
-    from treetools.table import Row, rows_from_tree, tabulate_params
+    from treetools.restore import load_parameters, restore_checkpoint
+    from treetools.rows import LeafSharding, Row
+    from treetools.table import rows_from_tree, tabulate_params

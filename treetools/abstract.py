@@ -23,8 +23,6 @@ from treetools.partitioning import (
 )
 from treetools.paths import is_leaf, map_with_path, path_str
 
-__all__ = ["make_abstract", "replicate", "update_ema"]
-
 
 def _spec_fits(spec: PartitionSpec, mesh: Mesh) -> bool:
     return all(a in mesh.axis_names for e in spec for a in mesh_axes_of(e))

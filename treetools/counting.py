@@ -36,8 +36,6 @@ import numpy as np
 from treetools._typing import PyTree
 from treetools.partitioning import is_box, own_sharding, params_of, shard_shape, unbox
 
-__all__ = ["get_num_bytes", "get_num_params", "is_array_like", "itemsize", "leaf_nbytes", "leaf_size"]
-
 
 def is_array_like(x: Any) -> bool:
     """Arrays, ``ShapeDtypeStruct``s and numpy scalars: things with a shape and a dtype.

@@ -20,15 +20,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "CheckpointNotFoundError",
-    "Mismatch",
-    "PatternError",
-    "StepDeletedError",
-]
-
 
 class CheckpointError(ValueError):
     """A known problem with a checkpoint: missing, not a checkpoint, corrupt, unreadable, unknown step.

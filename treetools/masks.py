@@ -24,9 +24,8 @@ import jax
 from treetools._typing import KeyPath, Params, PyTree
 from treetools.partitioning import rebox, unbox
 from treetools.errors import PatternError
-from treetools.paths import compile_patterns, is_leaf, leaves_with_paths, match_patterns, path_parts
-
-__all__ = ["flattened_traversal", "get_param_label_fn", "get_param_mask_fn"]
+from treetools.paths import is_leaf, leaves_with_paths, path_parts
+from treetools.patterns import compile_patterns, match_patterns
 
 
 def _visible_and_hidden_paths(params: Params, *, name: str, patterns: Sequence[Any]) -> tuple[list[str], list[str]]:

@@ -42,7 +42,6 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["JsonlWriter", "MetricsLogger", "read_metrics"]
 
 METRICS_FILE = "metrics.jsonl"
 _NOT_METRICS = "is it a metrics.jsonl written by MetricsLogger / `treetools train`?"

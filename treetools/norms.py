@@ -54,10 +54,7 @@ or a box naming an axis the mesh does not have. Caveat: an unrelated
 from __future__ import annotations
 
 import functools
-import json
 import operator
-import os
-from collections.abc import Callable, Mapping
 from numbers import Number
 from typing import Any
 
@@ -71,16 +68,6 @@ from treetools.counting import is_array_like
 from treetools.partitioning import is_partitioned, leaf_sharding, mesh_axes_of, unbox, unmapped_logical_names
 from treetools.paths import is_leaf, leaves_with_paths, path_prefix, path_str
 
-__all__ = [
-    "JsonlWriter",
-    "MetricsLogger",
-    "clip_by_global_norm",
-    "get_grad_norms",
-    "get_param_norms",
-    "get_sharded_global_norm",
-    "get_sharded_norm_logits",
-    "norm_metrics",
-]
 
 _F32 = jnp.float32
 
@@ -547,8 +534,3 @@ def clip_by_global_norm(max_norm: float):
         return jax.tree.map(lambda t: (t * scale).astype(jnp.result_type(t)), updates), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
-
-
-# JsonlWriter and MetricsLogger live in treetools.metrics (the one module that writes and reads
-# metrics files); still importable from here for code written against treetools.norms.
-from treetools.metrics import JsonlWriter, MetricsLogger  # noqa: E402,F401

@@ -9,7 +9,6 @@ what array it holds, and how that array is laid out on a mesh.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 from typing import Any, Mapping
@@ -18,25 +17,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from treetools._typing import PyTree
-
-__all__ = [
-    "LeafSharding",
-    "active_mesh",
-    "box_spec",
-    "is_box",
-    "is_partitioned",
-    "leaf_sharding",
-    "mesh_axes_of",
-    "own_sharding",
-    "params_of",
-    "rebox",
-    "resolve_sharding",
-    "shard_shape",
-    "unbox",
-    "unbox_tree",
-    "unmapped_logical_names",
-]
-
+from treetools.rows import LeafSharding  # "how a leaf is laid out", shared with the jax-free checkpoint readers
 
 def _is_nnx_variable(x: Any) -> bool:
     # Duck-typed so that nnx is never imported here: nnx Variables carry their
@@ -138,10 +119,6 @@ def unbox_tree(tree: PyTree) -> PyTree:
     {'k': array([1., 1.])}
     """
     return jax.tree.map(unbox, tree, is_leaf=is_box)
-
-
-# One class for "how a leaf is laid out", shared with the jax-free checkpoint readers.
-from treetools.rows import LeafSharding  # noqa: E402
 
 
 def _mesh_sizes(mesh: Any) -> dict[str, int] | None:

@@ -3,12 +3,8 @@
 Inside treetools a path is a ``jax.tree_util`` key path (a tuple of key
 entries); it becomes a string only at the edge: dict keys as-is, sequence
 indices as integers, attributes by name, joined with ``/``. A flax box or nnx
-``Variable`` is a leaf, so no path ends in ``/value``.
-
-Importing this module does not import jax: the string helpers
-(``compile_patterns``, ``match_patterns``, ``path_prefix``, ``unflatten_dict``)
-serve the CLI's jax-free inspection of npz and safetensors files, and the tree
-functions import jax when they run.
+``Variable`` is a leaf, so no path ends in ``/value``. Patterns over these
+strings are ``treetools.patterns`` (no jax).
 
 >>> import jax.numpy as jnp
 >>> flatten({"params": {"Dense_0": {"kernel": jnp.ones((2, 3))}}}).keys()
@@ -17,26 +13,12 @@ dict_keys(['params/Dense_0/kernel'])
 
 from __future__ import annotations
 
-import functools
-import re
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable
+
+import jax
 
 from treetools._typing import KeyPath, PathStr, PyTree
-from treetools.errors import PatternError
-
-__all__ = [
-    "compile_patterns",
-    "flatten",
-    "is_leaf",
-    "leaves_with_paths",
-    "map_with_path",
-    "match_patterns",
-    "path_parts",
-    "path_prefix",
-    "path_str",
-    "unflatten",
-    "unflatten_dict",
-]
+from treetools.partitioning import is_box
 
 SEP = "/"
 
@@ -44,40 +26,20 @@ SEP = "/"
 def is_leaf(x: Any) -> bool:
     """The ``is_leaf`` every treetools traversal uses: boxes are leaves.
 
-    >>> import flax.linen as nn, jax, numpy as np
+    >>> import flax.linen as nn, numpy as np
     >>> jax.tree.leaves({"k": nn.Partitioned(np.ones(2), names=("x",))}, is_leaf=is_leaf)[0].names
     ('x',)
     """
-    return _is_box(x)
-
-
-def _is_box(x: Any) -> bool:
-    # treetools.partitioning imports jax, so it is bound on the first call (a
-    # traversal has imported jax by then) and ``is_leaf`` pays no import per node.
-    global _is_box
-    from treetools.partitioning import is_box
-
-    _is_box = is_box
     return is_box(x)
 
 
-@functools.cache
-def _key_types() -> tuple[type, type, type, type]:
-    from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
-
-    return DictKey, SequenceKey, GetAttrKey, FlattenedIndexKey
-
-
-def _entry_str(entry: Any, key_types: tuple[type, type, type, type]) -> str:
-    dict_key, sequence_key, getattr_key, flattened_key = key_types
-    if isinstance(entry, dict_key):
+def _entry_str(entry: Any) -> str:
+    if isinstance(entry, (jax.tree_util.DictKey, jax.tree_util.FlattenedIndexKey)):
         return str(entry.key)
-    if isinstance(entry, sequence_key):
+    if isinstance(entry, jax.tree_util.SequenceKey):
         return str(entry.idx)
-    if isinstance(entry, getattr_key):
+    if isinstance(entry, jax.tree_util.GetAttrKey):
         return entry.name
-    if isinstance(entry, flattened_key):
-        return str(entry.key)
     # Custom key types: prefer a ``key``/``name``/``idx`` field over repr noise.
     for attr in ("key", "name", "idx"):
         if hasattr(entry, attr):
@@ -92,8 +54,7 @@ def path_parts(keypath: KeyPath) -> tuple[str, ...]:
     >>> path_parts((DictKey("layers"), SequenceKey(3)))
     ('layers', '3')
     """
-    key_types = _key_types()
-    return tuple(_entry_str(e, key_types) for e in keypath)
+    return tuple(_entry_str(e) for e in keypath)
 
 
 def path_str(keypath: KeyPath) -> PathStr:
@@ -135,8 +96,6 @@ def leaves_with_paths(tree: PyTree, *, also_leaf: Callable[[Any], bool] | None =
     >>> leaves_with_paths({"layers": [{"w": np.ones(2)}], "step": 3})
     [('layers/0/w', array([1., 1.])), ('step', 3)]
     """
-    import jax
-
     leaf = is_leaf if also_leaf is None else (lambda x: is_leaf(x) or also_leaf(x))
     pairs = [(path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=leaf)]
     if len({p for p, _ in pairs}) != len(pairs):
@@ -166,8 +125,6 @@ def unflatten(flat: dict[PathStr, Any], like: PyTree) -> PyTree:
     >>> unflatten({"a/0": 1.0, "a/1": 2.0}, like={"a": (0.0, 0.0)})
     {'a': (1.0, 2.0)}
     """
-    import jax
-
     pairs, treedef = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_leaf)
     paths = [path_str(p) for p, _ in pairs]
     missing = [p for p in paths if p not in flat]
@@ -199,58 +156,4 @@ def map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree
     >>> map_with_path(lambda path, x: f"{path}={x}", {"a": [1, 2]})
     {'a': ['a/0=1', 'a/1=2']}
     """
-    import jax
-
     return jax.tree_util.tree_map_with_path(lambda p, *xs: fn(path_str(p), *xs), tree, *rest, is_leaf=is_leaf)
-
-
-def compile_patterns(patterns: str | Iterable[str] | None, *, name: str) -> list[re.Pattern]:
-    """Compile regexes, naming the argument in the error for a bad one.
-
-    >>> [p.pattern for p in compile_patterns(r"bias$", name="exclude")]
-    ['bias$']
-    """
-    if patterns is None:
-        return []
-    if isinstance(patterns, (str, re.Pattern)):
-        patterns = [patterns]
-    out = []
-    for pat in patterns:
-        try:
-            out.append(re.compile(pat))
-        except re.error as e:
-            raise PatternError(f"`{name}` pattern {pat!r} is not a valid regex ({e}); fix or escape it.") from None
-    return out
-
-
-def _nearby(pattern: str, paths: Sequence[str], n: int = 5) -> list[str]:
-    import difflib
-
-    close = difflib.get_close_matches(pattern, paths, n=n, cutoff=0.0)
-    return close or list(paths[:n])
-
-
-def match_patterns(
-    paths: Sequence[PathStr], patterns: Sequence[re.Pattern], *, name: str
-) -> list[bool]:
-    """For each path, whether any pattern ``re.search``-matches it.
-
-    Raises:
-      ValueError: a pattern matches no path; the message names the pattern and
-        a few nearby paths (a pattern that matches nothing is a typo, not a no-op).
-
-    >>> match_patterns(["a/bias", "a/kernel"], compile_patterns(["bias$"], name="exclude"), name="exclude")
-    [True, False]
-    """
-    hits = [False] * len(paths)
-    for pat in patterns:
-        matched = False
-        for i, p in enumerate(paths):
-            if pat.search(p):
-                hits[i] = matched = True
-        if not matched:
-            raise PatternError(
-                f"`{name}` pattern {pat.pattern!r} matches no leaf; nearby paths: "
-                f"{_nearby(pat.pattern, paths)}. Fix the pattern or drop it."
-            )
-    return hits

@@ -7,7 +7,9 @@ flat-key format such as safetensors keeps its stored name, split on ``"."``
 for grouping and joined back with ``"."``). ``treetools.render`` turns rows
 into the terminal table, markdown, an indented tree or JSON.
 
-Importing this module imports no jax (``rows_from_tree`` imports it when it runs).
+Standard library only (``dtype_name`` imports numpy when it runs): the
+checkpoint readers and the jax-free commands build rows from metadata,
+``treetools.table.rows_from_tree`` from a live tree.
 """
 
 from __future__ import annotations
@@ -16,25 +18,13 @@ import dataclasses
 import functools
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from treetools._typing import PyTree
-
-__all__ = [
-    "LeafSharding",
-    "MIXED",
-    "Row",
-    "Totals",
-    "aggregate_rows",
-    "common_prefix",
-    "dtype_name",
-    "format_count",
-    "format_shape",
-    "human",
-    "rows_from_tree",
-    "sort_rows",
-    "totals",
-]
-
 MIXED = "mixed"
+
+STATS = ("mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf", "neginf")
+"""The statistics a ``Row`` carries (``--stats``), in the order every table and JSON object lists them:
+floats over the finite elements (``std`` is the population one), then counts of elements."""
+STAT_COUNTS = ("zeros", "nan", "posinf", "neginf")
+"""The statistics that count elements."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +85,8 @@ class Row:
     ``path`` is a tuple of parts; ``name`` joins them with ``sep``.
     ``sharding`` is a ``LeafSharding`` or None; ``shape`` is None for
     non-array leaves and for aggregated rows; ``weight_decay`` is None where
-    it was not asked for or is mixed; ``stats`` holds per-leaf statistics
-    when they were computed; ``leaves`` counts the leaves a group sums.
+    it was not asked for or is mixed; ``stats`` holds the statistics of
+    ``STATS`` when they were computed; ``leaves`` counts the leaves a group sums.
     """
 
     path: tuple[str, ...]
@@ -180,50 +170,6 @@ def dtype_name(dtype: Any) -> str:
     return "float0" if dtype.names == ("float0",) and dtype.itemsize == 0 else str(dtype)
 
 
-def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: Any = None) -> list[Row]:
-    """One ``Row`` per leaf of ``tree``, in tree order.
-
-    Args:
-      tree: any pytree; boxes are leaves and report their sharding.
-      weight_decay: optional bool tree of the same structure (e.g. the output
-        of ``get_param_mask_fn``); flags are joined by path, never by position.
-      mesh: passed to ``leaf_sharding`` for boxes without a mesh.
-
-    >>> import numpy as np
-    >>> [(r.name, r.shape, r.params) for r in rows_from_tree({"w": np.ones((2, 3)), "step": 7})]
-    [('step', None, 0), ('w', (2, 3), 6)]
-    """
-    import jax
-
-    from treetools.counting import is_array_like, leaf_nbytes, leaf_size
-    from treetools.partitioning import leaf_sharding, unbox
-    from treetools.paths import is_leaf, leaves_with_paths, path_parts
-
-    flags: dict[str, Any] = {}
-    if weight_decay is not None:
-        flags = {p: bool(unbox(f)) for p, f in leaves_with_paths(weight_decay)}
-    rows = []
-    for keypath, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
-        parts = path_parts(keypath)
-        name = "/".join(parts)
-        arr = is_array_like(leaf)
-        value = unbox(leaf)
-        if weight_decay is not None and name not in flags:
-            raise ValueError(f"weight-decay mask has no entry for `{name}`; build it from the same params.")
-        rows.append(
-            Row(
-                path=parts,
-                shape=tuple(int(d) for d in value.shape) if arr else None,
-                dtype=dtype_name(value.dtype) if arr else None,
-                params=leaf_size(leaf),
-                bytes=leaf_nbytes(leaf),
-                sharding=leaf_sharding(leaf, mesh=mesh) if arr else None,
-                weight_decay=flags.get(name) if weight_decay is not None else None,
-            )
-        )
-    return rows
-
-
 def _merge(values: Iterable[Any]) -> Any:
     vals = set(values)
     return vals.pop() if len(vals) == 1 else None
@@ -258,8 +204,8 @@ def aggregate_rows(rows: Sequence[Row], depth: int | None, *, offset: int = 0) -
     shows them once): depth counts from there. A group of one leaf keeps that
     leaf's row whole (shape, sharding, stats).
 
-    >>> import numpy as np
-    >>> rows = rows_from_tree({"enc": {"w": np.ones(4), "b": np.ones(2)}, "head": np.ones(3)})
+    >>> rows = [Row(("enc", "w"), (4,), "float64", 4, 32), Row(("enc", "b"), (2,), "float64", 2, 16),
+    ...         Row(("head",), (3,), "float64", 3, 24)]
     >>> [(r.name, r.params, r.leaves) for r in aggregate_rows(rows, 1)]
     [('enc', 6, 2), ('head', 3, 1)]
     """
@@ -296,8 +242,7 @@ def aggregate_rows(rows: Sequence[Row], depth: int | None, *, offset: int = 0) -
 def totals(rows: Iterable[Row]) -> Totals:
     """Global params and bytes with a per-dtype breakdown (leaf rows only).
 
-    >>> import numpy as np
-    >>> totals(rows_from_tree({"a": np.ones(2, np.float32), "b": np.ones(3, np.int8)})).to_json()
+    >>> totals([Row(("a",), (2,), "float32", 2, 8), Row(("b",), (3,), "int8", 3, 3)]).to_json()
     {'total_params': 5, 'total_bytes': 11, 'by_dtype': {'float32': {'params': 2, 'bytes': 8}, 'int8': {'params': 3, 'bytes': 3}}}
     """
     params = nbytes = leaves = 0
@@ -323,8 +268,7 @@ _SORT_KEYS: dict[str, Callable[[Row], Any]] = {
 def sort_rows(rows: Sequence[Row], by: str | None) -> list[Row]:
     """Rows sorted by ``path`` (ascending) or ``params``/``bytes`` (largest first).
 
-    >>> import numpy as np
-    >>> [r.name for r in sort_rows(rows_from_tree({"a": np.ones(1), "b": np.ones(5)}), "params")]
+    >>> [r.name for r in sort_rows([Row(("a",), (1,), "float32", 1, 4), Row(("b",), (5,), "float32", 5, 20)], "params")]
     ['b', 'a']
     """
     if by is None:

@@ -1,37 +1,61 @@
 """``tabulate_params``: a tree -> rows (``treetools.rows``) -> a rendered table (``treetools.render``).
 
-The row type and the renderers live in their own modules so that the
-checkpoint inspector and the CLI share them; their names are re-exported here
-for code that imported them from ``treetools.table``.
+The row type and the renderers are shared with the checkpoint inspector and
+the CLI; this module builds rows from a live tree (``rows_from_tree``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import jax
+
 from treetools._typing import PyTree
+from treetools.counting import is_array_like, leaf_nbytes, leaf_size
+from treetools.masks import get_param_mask_fn
+from treetools.partitioning import leaf_sharding, params_of, unbox
+from treetools.paths import is_leaf, leaves_with_paths, path_parts
 from treetools.render import render_rows
-from treetools.rows import Row, Totals, aggregate_rows, dtype_name, human, rows_from_tree, sort_rows, totals
-
-__all__ = [
-    "Row",
-    "Totals",
-    "aggregate_rows",
-    "dtype_name",
-    "human",
-    "render_rows",
-    "rows_from_tree",
-    "sort_rows",
-    "tabulate_params",
-    "totals",
-]
+from treetools.rows import Row, aggregate_rows, dtype_name, sort_rows, totals
 
 
-def _params_of(state: Any) -> PyTree:
-    """What the table shows: ``treetools.partitioning.params_of``, the rule ``get_num_params`` counts by."""
-    from treetools.partitioning import params_of
+def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: Any = None) -> list[Row]:
+    """One ``Row`` per leaf of ``tree``, in tree order.
 
-    return params_of(state)
+    Args:
+      tree: any pytree; boxes are leaves and report their sharding.
+      weight_decay: optional bool tree of the same structure (e.g. the output
+        of ``get_param_mask_fn``); flags are joined by path, never by position.
+      mesh: passed to ``leaf_sharding`` for boxes without a mesh.
+
+    >>> import numpy as np
+    >>> [(r.name, r.shape, r.params) for r in rows_from_tree({"w": np.ones((2, 3)), "step": 7})]
+    [('step', None, 0), ('w', (2, 3), 6)]
+    """
+    flags: dict[str, Any] = {}
+    if weight_decay is not None:
+        flags = {p: bool(unbox(f)) for p, f in leaves_with_paths(weight_decay)}
+    rows = []
+    for keypath, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
+        parts = path_parts(keypath)
+        name = "/".join(parts)
+        arr = is_array_like(leaf)
+        value = unbox(leaf)
+        if weight_decay is not None and name not in flags:
+            raise ValueError(f"weight-decay mask has no entry for `{name}`; build it from the same params.")
+        rows.append(
+            Row(
+                path=parts,
+                shape=tuple(int(d) for d in value.shape) if arr else None,
+                dtype=dtype_name(value.dtype) if arr else None,
+                params=leaf_size(leaf),
+                bytes=leaf_nbytes(leaf),
+                sharding=leaf_sharding(leaf, mesh=mesh) if arr else None,
+                weight_decay=flags.get(name) if weight_decay is not None else None,
+            )
+        )
+    return rows
+
 
 
 def tabulate_params(
@@ -72,11 +96,9 @@ def tabulate_params(
     >>> print(tabulate_params({"w": jnp.zeros((2, 3))}).splitlines()[2])
     w       (2, 3)   float32  6         24 B
     """
-    params = _params_of(state)
+    params = params_of(state)
     mask = None
     if show_weight_decay:
-        from treetools.masks import get_param_mask_fn
-
         mask = get_param_mask_fn(weight_decay_exclude or [], weight_decay_include,
                                  allow_unmatched=allow_unmatched)(params)
     leaf_rows = rows_from_tree(params, weight_decay=mask, mesh=mesh)

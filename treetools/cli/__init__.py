@@ -21,7 +21,8 @@ import os
 import sys
 from typing import Sequence
 
-__all__ = ["build_parser", "main"]
+from treetools.errors import CheckpointError, CheckpointNotFoundError, PatternError
+
 
 PROG = "treetools"
 
@@ -76,15 +77,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _known_errors() -> tuple[type, ...]:
-    """Exception types that are the user's input, not a bug: reported as one line. Anything else keeps its traceback."""
-    from treetools.errors import CheckpointError, CheckpointNotFoundError, PatternError
-
-    return (CheckpointError, CheckpointNotFoundError, PatternError, FileNotFoundError, PermissionError,
-            IsADirectoryError, NotADirectoryError, ImportError, UnicodeDecodeError)
-
-
-KNOWN_ERRORS: tuple[type, ...] = _known_errors()
+KNOWN_ERRORS: tuple[type, ...] = (CheckpointError, CheckpointNotFoundError, PatternError, FileNotFoundError,
+                                   PermissionError, IsADirectoryError, NotADirectoryError, ImportError,
+                                   UnicodeDecodeError)
+"""Exception types that are the user's input, not a bug: reported as one line. Anything else keeps its traceback."""
 
 
 def _error(message: str) -> int:
@@ -104,10 +100,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    budget = getattr(args, "memory_budget_mb", None)
-    saved_budget = os.environ.get("TREETOOLS_MEMORY_BUDGET_MB")
-    if budget is not None:  # the readers take it from the environment; restored below (tests call main in-process)
-        os.environ["TREETOOLS_MEMORY_BUDGET_MB"] = repr(budget)
     try:
         code = args._main(args)
     except KeyboardInterrupt:
@@ -129,10 +121,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _error(str(e) or type(e).__name__)
         return code
-    finally:
-        if budget is not None:
-            if saved_budget is None:
-                os.environ.pop("TREETOOLS_MEMORY_BUDGET_MB", None)
-            else:
-                os.environ["TREETOOLS_MEMORY_BUDGET_MB"] = saved_budget
     return int(code or 0)

@@ -41,34 +41,39 @@ from __future__ import annotations
 import argparse
 import sys
 
-from treetools.cli._args import nonneg_float, positive_int, regex, step
-from treetools.cli.inspect import add_common_arguments, chunk_bytes
-
-__all__ = ["add_arguments", "main"]
+from treetools.cli._args import nonneg_float
+from treetools.cli.options import (
+    add_depth,
+    add_filters,
+    add_item,
+    add_output_format,
+    add_reading,
+    add_sort,
+    add_step,
+    options_from,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", metavar="A", help="first checkpoint (the reference)")
     parser.add_argument("b", metavar="B", nargs="?", default=None, help="second checkpoint (default: A)")
-    parser.add_argument("--step", type=step, action="append", default=[], metavar="N|latest",
-                        help="step of a root; once for both sides, twice for A then B")
-    add_common_arguments(parser)
+    add_step(parser, twice=True)
+    add_item(parser)
+    add_reading(parser)
     parser.add_argument("--values", action="store_true", help="also compare values, streamed in blocks")
     parser.add_argument("--atol", type=nonneg_float, default=1e-8, help="absolute tolerance (default 1e-8)")
     parser.add_argument("--rtol", type=nonneg_float, default=1e-5, help="relative tolerance (default 1e-5)")
-    parser.add_argument("--depth", type=positive_int, default=None, metavar="K",
-                        help="group the listing by path prefixes of K parts")
-    parser.add_argument("--include", type=regex, action="append", default=[], metavar="RE",
-                        help="compare only leaves whose path matches RE; repeatable")
-    parser.add_argument("--exclude", type=regex, action="append", default=[], metavar="RE",
-                        help="skip leaves whose path matches RE; repeatable")
-    parser.add_argument("--sort", choices=("path", "params", "bytes"), default=None, help="order of the listing")
-    parser.add_argument("--format", choices=("table", "json", "markdown"), default="table",
-                        help="output format (default table)")
+    add_depth(parser, help="group the listing by path prefixes of K parts")
+    add_filters(parser, verb="compare only")
+    add_sort(parser, help="order of the listing")
+    add_output_format(parser, ("table", "json", "markdown"))
 
 
 def main(args: argparse.Namespace) -> int:
-    from treetools.inspect import diff_paths, render_diff
+    # Here, not at the top: the reading modules import numpy, which `treetools diff --help` does not need.
+    from treetools.inspect.diff import diff_paths
+    from treetools.inspect.options import DiffOptions
+    from treetools.inspect.text import render_diff
 
     def usage(message: str) -> int:
         print(f"treetools diff: error: {message}", file=sys.stderr)
@@ -81,22 +86,9 @@ def main(args: argparse.Namespace) -> int:
         return usage("--step all is for `inspect`; diff compares one step with another")
     if args.b is None and len(steps) != 2:
         return usage("with one checkpoint, give two steps: treetools diff RUN --step 100 --step 200")
-    report = diff_paths(
-        args.a,
-        args.b if args.b is not None else args.a,
-        step=steps[0] if len(steps) == 1 else None,
-        step_a=steps[0] if len(steps) == 2 else None,
-        step_b=steps[1] if len(steps) == 2 else None,
-        item=args.item,
-        values=args.values,
-        atol=args.atol,
-        rtol=args.rtol,
-        chunk_bytes=chunk_bytes(args),
-        include=args.include,
-        exclude=args.exclude,
-        depth=args.depth,
-        sort=args.sort,
-    )
+    options = options_from(args, DiffOptions, step=steps[0] if len(steps) == 1 else None,
+                           step_a=steps[0] if len(steps) == 2 else None, step_b=steps[1] if len(steps) == 2 else None)
+    report = diff_paths(args.a, args.b if args.b is not None else args.a, options)
     for note in report.notes:
         print(f"treetools: note: {note}", file=sys.stderr)
     print(render_diff(report, args.format))

@@ -37,7 +37,6 @@ from treetools.metrics import METRICS_FILE, read_metrics
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["add_arguments", "main", "metrics_figure", "plot_files", "run_labels"]
 
 DEFAULT_KEYS = r"loss|(^|/)(grad|param|update)_norm(/|$)|update_ratio|(^|/)(lr|learning_rate)$"
 MAX_PANELS = 12

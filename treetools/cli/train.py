@@ -22,8 +22,6 @@ import os
 
 from treetools.cli._args import positive_float, positive_int, unit_float
 
-__all__ = ["add_arguments", "main"]
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument
@@ -50,6 +48,7 @@ def main(args: argparse.Namespace) -> int:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
+    # The trainer is jax: imported after XLA_FLAGS is set, and never by `treetools train --help`.
     from treetools.reference.train import TrainConfig, train
 
     cfg = TrainConfig(workdir=args.workdir, steps=args.steps, batch_size=args.batch_size, seed=args.seed,

@@ -17,39 +17,28 @@ checkpoint); 2 usage.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
-from treetools.cli._args import step
-from treetools.cli.inspect import add_memory_argument
-
-__all__ = ["add_arguments", "main"]
+from treetools.cli.options import add_output_format, add_reading, add_step, options_from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH", help="checkpoint folder or file")
-    parser.add_argument("--step", type=step, default=None, metavar="N|latest|all",
-                        help="step of a checkpoint root (default latest); `all` checks every committed step")
-    parser.add_argument("--format", choices=("table", "json"), default="table", help="output format (default table)")
-    add_memory_argument(parser)
+    add_step(parser)
+    add_output_format(parser, ("table", "json"))
+    add_reading(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    from treetools.inspect.arrays import chunk_bytes_from_env
-    from treetools.inspect.source import open_source
+    # Here, not at the top: the reading modules import numpy, which `treetools verify --help` does not need.
+    from treetools.ckpt.source import open_source
+    from treetools.inspect.options import VerifyOptions
+    from treetools.inspect.text import render_verify
     from treetools.inspect.verify import verify_path
-    from treetools.render import safe_text
 
     steps = [args.step]
     if args.step == "all":
-        source = open_source(args.path)
+        source = open_source(args.path, memory_budget=args.memory_budget)
         steps = source.steps if source.steps is not None else [None]
-    reports = [verify_path(args.path, step=s, chunk_bytes=chunk_bytes_from_env()) for s in steps]
-    if args.format == "json":
-        print(json.dumps([r.to_json() for r in reports] if args.step == "all" else reports[0].to_json(), indent=2))
-    else:
-        for r in reports:
-            for problem in r.problems:
-                print(f"problem: {safe_text(problem)}")
-            print(safe_text(r.verdict()))
+    reports = [verify_path(args.path, options_from(args, VerifyOptions, step=s)) for s in steps]
+    print(render_verify(reports, args.format, many=args.step == "all"))
     return 0 if all(r.ok for r in reports) else 1

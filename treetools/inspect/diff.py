@@ -29,15 +29,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, is_numeric, plan_blocks
+from treetools.ckpt.source import NO_VALUE, Leaf, Source, open_source, order_items
 from treetools.errors import CheckpointError
-from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, is_numeric, plan_blocks
-from treetools.inspect.report import order_items
-from treetools.inspect.source import NO_VALUE, Leaf, Source, jsonable, open_source
-from treetools.paths import compile_patterns, match_patterns
-from treetools.render import json_safe, render_diff
+from treetools.inspect.options import DiffOptions, resolve
+from treetools.patterns import select
+from treetools.render import json_safe, jsonable
 from treetools.rows import Row, aggregate_rows, sort_rows
-
-__all__ = ["DiffReport", "LeafChange", "ValueDiff", "diff_paths", "render_diff", "value_diff"]
 
 
 @dataclasses.dataclass
@@ -215,7 +213,7 @@ def value_diff(a: Leaf, b: Leaf, *, atol: float = 1e-8, rtol: float = 1e-5,
     side can only stream front to back), so the peak memory is two blocks.
 
     >>> import numpy as np
-    >>> from treetools.inspect.arrays import InMemoryReader
+    >>> from treetools.ckpt.readers import InMemoryReader
     >>> row = Row(path=("w",), shape=(2,), dtype="float32", params=2, bytes=8)
     >>> a = Leaf(row, InMemoryReader(np.array([1.0, 2.0], np.float32)))
     >>> b = Leaf(row, InMemoryReader(np.array([1.0, np.nan], np.float32)))
@@ -292,14 +290,7 @@ def _renamed(row: Row, path: str) -> Row:
 
 
 def _keep(paths: Sequence[str], include: Sequence[str], exclude: Sequence[str]) -> set[str]:
-    keep = set(paths)
-    if include:
-        keep = {p for p, hit in zip(paths, match_patterns(list(paths), compile_patterns(list(include), name="include"),
-                                                          name="include")) if hit}
-    if exclude:
-        dropped = match_patterns(list(paths), compile_patterns(list(exclude), name="exclude"), name="exclude")
-        keep -= {p for p, hit in zip(paths, dropped) if hit}
-    return keep
+    return {p for p, kept in zip(paths, select(paths, include, exclude)) if kept}
 
 
 def _group_values(values: list[ValueDiff], depth: int) -> list[ValueDiff]:
@@ -310,23 +301,7 @@ def _group_values(values: list[ValueDiff], depth: int) -> list[ValueDiff]:
     return list(groups.values())
 
 
-def diff_paths(
-    a: str,
-    b: str,
-    *,
-    step: int | str | None = None,
-    step_a: int | str | None = None,
-    step_b: int | str | None = None,
-    item: str | None = None,
-    values: bool = False,
-    atol: float = 1e-8,
-    rtol: float = 1e-5,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    include: Sequence[str] = (),
-    exclude: Sequence[str] = (),
-    depth: int | None = None,
-    sort: str | None = None,
-) -> DiffReport:
+def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: Any) -> DiffReport:
     """Compare two checkpoints of any formats, or two steps of one run.
 
     Items are paired by name; when each side has exactly one item (or
@@ -336,15 +311,9 @@ def diff_paths(
 
     Args:
       a, b: checkpoint paths (B may equal A, with different steps).
-      step: the step of each side that is a checkpoint root (None: latest).
-      step_a, step_b: the step of A / of B, overriding ``step``.
-      item: compare only this item (only its metadata is read; a side with a
-        single item uses that one).
-      values: also compare values (streamed in blocks of ``chunk_bytes``).
-      atol, rtol: the tolerance ``|a - b| <= atol + rtol * |b|``.
-      include, exclude: path regexes selecting the leaves compared.
-      depth: group the results by path prefixes of ``depth`` parts.
-      sort: ``path``, ``params`` or ``bytes`` order of the listed leaves.
+      options: a ``DiffOptions`` (step, step_a, step_b, item, values, atol,
+        rtol, include, exclude, depth, sort, chunk_bytes, memory_budget).
+      **fields: the same fields as keywords (``diff_paths(a, b, values=True)``), over ``options``.
 
     Returns:
       A ``DiffReport``; ``DiffReport.identical`` says whether nothing differs.
@@ -356,7 +325,10 @@ def diff_paths(
     >>> [x.name for x in r.added], [c.fields for c in r.changed], r.identical
     (['v'], [['shape']], False)
     """
-    src_a, src_b = open_source(a), open_source(b)
+    opts = resolve(DiffOptions, options, fields)
+    step, step_a, step_b, item, include, exclude = opts.step, opts.step_a, opts.step_b, opts.item, opts.include, opts.exclude
+    src_a = open_source(a, memory_budget=opts.memory_budget)
+    src_b = open_source(b, memory_budget=opts.memory_budget)
     if step is not None and step != "latest" and src_a.steps is None and src_b.steps is None:
         raise CheckpointError(f"step {step}: neither {src_a.path} nor {src_b.path} is a checkpoint root with steps.")
     snap_a, items_a = _items(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item)
@@ -393,22 +365,22 @@ def diff_paths(
     report = DiffReport(
         a=_describe(src_a, snap_a.step, next(iter(items_a)) if len(items_a) == 1 else item),
         b=_describe(src_b, snap_b.step, next(iter(items_b)) if len(items_b) == 1 else item),
-        added=sort_rows(aggregate_rows(added, depth), sort),
-        removed=sort_rows(aggregate_rows(removed, depth), sort),
+        added=sort_rows(aggregate_rows(added, opts.depth), opts.sort),
+        removed=sort_rows(aggregate_rows(removed, opts.depth), opts.sort),
         changed=changed,
         unchanged=sum(1 for p in flat_a if p in flat_b) - len(changed),
-        atol=atol,
-        rtol=rtol,
+        atol=opts.atol,
+        rtol=opts.rtol,
         notes=notes,
     )
-    if values:
-        diffs = [value_diff(flat_a[p], flat_b[p], atol=atol, rtol=rtol, chunk_bytes=chunk_bytes, path=p)
+    if opts.values:
+        diffs = [value_diff(flat_a[p], flat_b[p], atol=opts.atol, rtol=opts.rtol, chunk_bytes=opts.block_bytes, path=p)
                  for p in same_shape]
-        if depth is not None:
-            diffs = _group_values(diffs, depth)
-        if sort in ("params", "bytes"):
+        if opts.depth is not None:
+            diffs = _group_values(diffs, opts.depth)
+        if opts.sort in ("params", "bytes"):
             diffs.sort(key=lambda v: (-v.size, v.path))
-        elif sort == "path":
+        elif opts.sort == "path":
             diffs.sort(key=lambda v: v.path)
         report.values = diffs
     return report

@@ -1,8 +1,7 @@
-"""Per-leaf statistics, streamed in bounded blocks with float64 accumulation.
+"""Per-leaf statistics (``treetools.rows.STATS``), streamed in bounded blocks with float64 accumulation.
 
-``mean``, ``std`` (population, ddof=0), ``min``, ``max``, ``l2`` and
-``abs_max`` are taken over the *finite* elements; ``zeros``, ``nan``,
-``posinf`` and ``neginf`` count elements. Blocks are merged with Chan et al.'s
+The float statistics (``std`` is the population one, ddof=0) are taken over
+the *finite* elements; the counts (``rows.STAT_COUNTS``) over all. Blocks are merged with Chan et al.'s
 pairwise update of (count, mean, M2), which stays accurate where a running
 sum of squares would cancel. A leaf with no finite element gets NaN for the
 float statistics (``null`` in JSON).
@@ -13,19 +12,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence, TextIO
+from typing import Any, Sequence
 
 import numpy as np
 
-from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, ArrayReader, plan_blocks
-
-__all__ = ["StatsAccumulator", "array_stats", "leaf_stats", "compute_stats", "Progress"]
-
-STAT_KEYS = ("mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf", "neginf")
+from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, ArrayReader, plan_blocks
+from treetools.inspect.progress import Progress
+from treetools.rows import STAT_COUNTS, STATS
 
 
 _PIECE_ELEMS = 1 << 19
@@ -169,14 +164,14 @@ class StatsAccumulator:
             out._combine(other.count, other.mean, other.m2)
         out.sumsq += other.sumsq
         out.min, out.max = min(self.min, other.min), max(self.max, other.max)
-        for key in ("zeros", "nan", "posinf", "neginf"):
+        for key in STAT_COUNTS:
             setattr(out, key, getattr(self, key) + getattr(other, key))
         return out
 
     def result(self) -> dict[str, Any]:
-        """The ten statistics; floats are NaN when no element was finite."""
+        """Every statistic of ``STATS``; floats are NaN when no element was finite."""
         if self.count == 0:
-            floats = dict.fromkeys(("mean", "std", "min", "max", "l2", "abs_max"), math.nan)
+            floats = dict.fromkeys((k for k in STATS if k not in STAT_COUNTS), math.nan)
         else:
             floats = {
                 "mean": self.mean,
@@ -186,8 +181,8 @@ class StatsAccumulator:
                 "l2": math.sqrt(self.sumsq),
                 "abs_max": max(abs(self.min), abs(self.max)),
             }
-        ints = {"zeros": self.zeros, "nan": self.nan, "posinf": self.posinf, "neginf": self.neginf}
-        return {k: {**floats, **ints}[k] for k in STAT_KEYS}
+        ints = {k: getattr(self, k) for k in STAT_COUNTS}
+        return {k: {**floats, **ints}[k] for k in STATS}
 
     @property
     def nonfinite(self) -> int:
@@ -209,7 +204,7 @@ def leaf_stats(reader: ArrayReader, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                progress: "Progress | None" = None) -> StatsAccumulator:
     """Stream one stored array through a ``StatsAccumulator`` in blocks of about ``chunk_bytes``.
 
-    >>> from treetools.inspect.arrays import InMemoryReader
+    >>> from treetools.ckpt.readers import InMemoryReader
     >>> leaf_stats(InMemoryReader(np.arange(4.0)), chunk_bytes=16).result()["max"]
     3.0
     """
@@ -273,7 +268,7 @@ def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_
     Returns:
       One accumulator per reader, in the order given.
 
-    >>> from treetools.inspect.arrays import InMemoryReader
+    >>> from treetools.ckpt.readers import InMemoryReader
     >>> accs = compute_stats([InMemoryReader(np.arange(5.0)), InMemoryReader(np.ones(3, np.float32))],
     ...                      chunk_bytes=16, workers=2)
     >>> [a.result()["mean"] for a in accs]
@@ -315,43 +310,3 @@ def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_
     for (i, _), part in zip(tasks, parts):
         out[i] = out[i].merge(part)
     return out
-
-
-class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
-
-    def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool | None = None):
-        self.stream = stream if stream is not None else sys.stderr
-        self.enabled = enabled if enabled is not None else bool(getattr(self.stream, "isatty", lambda: False)())
-        self.total = max(int(total), 1)
-        self.done = 0
-        self.label = ""
-        self._last = 0.0
-        self._lock = threading.Lock()  # compute_stats advances from several threads
-
-    def start(self, label: str) -> None:
-        with self._lock:
-            self.label = label
-            self._draw()
-
-    def advance(self, nbytes: int) -> None:
-        with self._lock:
-            self.done += int(nbytes)
-            now = time.monotonic()
-            if now - self._last > 0.1:
-                self._draw()
-                self._last = now
-
-    def _draw(self) -> None:
-        if not self.enabled:
-            return
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(frac * 30)
-        label = self.label if len(self.label) <= 40 else "..." + self.label[-37:]
-        self.stream.write(f"\r[{bar:<30}] {frac:6.1%} {label:<40}")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\r" + " " * 80 + "\r")
-            self.stream.flush()

@@ -19,18 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Any
 
-from treetools import storage
-from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
-from treetools.inspect.arrays import DEFAULT_CHUNK_BYTES, MemoryBudgetError
-from treetools.inspect.source import Item, open_source
-
-__all__ = ["VerifyReport", "verify_path"]
-
-_ORBAX_FILES = {"_METADATA", "_sharding", "_CHECKPOINT_METADATA", "commit_success.txt", "array_metadatas", "d",
-                "manifest.ocdbt", "descriptor", "metadata"}
+from treetools.ckpt.readers import MemoryBudgetError
+from treetools.ckpt.source import Item, open_source
+from treetools.errors import CheckpointError, CheckpointNotFoundError
+from treetools.inspect.options import VerifyOptions, resolve
 
 
 @dataclasses.dataclass
@@ -82,72 +76,17 @@ def _read_leaves(item: Item, report: VerifyReport, chunk_bytes: int) -> None:
         report.bytes += got * reader.dtype.itemsize
 
 
-def _relative(folder: str, base: str) -> str:
-    """``folder`` relative to ``base``, ``/``-separated (local or bucket paths)."""
-    if storage.is_remote(folder):
-        return storage.normalize(folder)[len(storage.normalize(base)) + 1:]
-    return os.path.relpath(folder, base).replace(os.sep, "/")
-
-
-def _orbax_unlisted(item_dir: str, listed: set[str], use_ocdbt: bool) -> list[str]:
-    """Arrays stored in an Orbax item folder that its ``_METADATA`` does not list.
-
-    An array is a zarr header (``<name>/.zarray``, ``<name>/zarr.json``) in the
-    OCDBT store or the folder; a name may itself hold ``/`` (a dict key with a slash).
-    """
-    headers = (".zarray", "zarr.json")
-    if use_ocdbt:
-        import tensorstore as ts
-
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(item_dir)}).result()
-        keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
-        names = {key.rsplit("/", 1)[0] for key in keys if "/" in key and key.rsplit("/", 1)[1] in headers}
-    else:
-        names = set()
-        for top in storage.listdir(item_dir):
-            if top in _ORBAX_FILES or not storage.isdir(os.path.join(item_dir, top)):
-                continue
-            for folder, _, files in storage.walk(os.path.join(item_dir, top)):
-                if any(h in files for h in headers):
-                    names.add(_relative(folder, item_dir))
-    return sorted(names - listed)
-
-
-def _verify_orbax_item(source: Any, step: int | None, name: str, report: VerifyReport, chunk_bytes: int) -> None:
-    from treetools.inspect.formats import orbax
-
-    item_dir = source.item_dir(step, name)
-    found: list[str] = []
-    try:
-        if orbax.is_json_item(item_dir):
-            item = orbax.read_json_item(item_dir, name)
-        else:
-            item = orbax.read_pytree_item(item_dir, name, problems=found)
-    except (CheckpointError, CheckpointNotFoundError) as e:
-        report.problems.append(str(e))
-        return
-    report.problems += found
-    _read_leaves(item, report, chunk_bytes)
-    if item.kind == "pytree":
-        meta = item.handle.metadata
-        use_ocdbt = bool(meta.get("use_ocdbt", storage.exists(os.path.join(item_dir, "manifest.ocdbt"))))
-        try:
-            extra = _orbax_unlisted(item_dir, set(item.handle.logical), use_ocdbt)
-        except Exception as e:  # tensorstore: a corrupt manifest
-            report.problems.append(f"{item_dir}: cannot list the stored arrays ({str(e).splitlines()[0]}).")
-            return
-        if extra:
-            report.problems.append(f"{item_dir}: stores arrays its _METADATA does not list: {', '.join(extra[:10])}"
-                                   f"{', ...' if len(extra) > 10 else ''}.")
-
-
-def verify_path(path: str, *, step: int | str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> VerifyReport:
+def verify_path(path: str, options: VerifyOptions | None = None, /, **fields: Any) -> VerifyReport:
     """Check one step of a checkpoint end to end; nothing is written.
+
+    The format checks its metadata (``Source.verify_metadata``: Orbax adds
+    commit evidence and arrays its ``_METADATA`` does not list); then every
+    leaf's stored data is read in bounded blocks.
 
     Args:
       path: anything ``treetools inspect`` reads.
-      step: the step of a checkpoint root (default: the latest committed one).
-      chunk_bytes: the block budget for reading the arrays.
+      options: a ``VerifyOptions`` (step, chunk_bytes, memory_budget).
+      **fields: the same fields as keywords (``verify_path(path, step=100)``), over ``options``.
 
     Returns:
       A ``VerifyReport``; ``.ok`` is True when no problem was found.
@@ -161,41 +100,22 @@ def verify_path(path: str, *, step: int | str | None = None, chunk_bytes: int = 
     >>> verify_path(f).verdict().startswith("ok:")
     True
     """
-    from treetools.steps import is_committed
-
+    opts = resolve(VerifyOptions, options, fields)
     try:
-        source = open_source(path)
+        source = open_source(path, memory_budget=opts.memory_budget)
     except (CheckpointNotFoundError, MemoryBudgetError):
         raise
     except CheckpointError as e:  # a single-file format reads its header at open: damage there is a problem too
         report = VerifyReport(path, "?", None)
         report.problems.append(str(e))
         return report
-    resolved = source.resolve(step)
+    resolved = source.resolve(opts.step)
     report = VerifyReport(source.path, source.format, resolved)
-    if source.format == "orbax":
-        if source.mode == "step" and not is_committed(source.local):
-            report.problems.append(f"{source.path}: no commit evidence (commit_success.txt or a committed "
-                                   "_CHECKPOINT_METADATA); the save may be unfinished.")
-        try:
-            names = source.item_names(resolved)
-        except CheckpointError as e:
-            report.problems.append(str(e))
-            names = []
-        for name in names:
-            report.items += 1
-            _verify_orbax_item(source, resolved, name, report, chunk_bytes)
-    else:
-        try:
-            snap = source.snapshot(resolved)
-        except (MemoryBudgetError, StepDeletedError):
-            raise
-        except (CheckpointError, CheckpointNotFoundError) as e:  # corrupt: a problem of this step, not the end
-            report.problems.append(str(e))
-        else:
-            for item in snap.items.values():
-                report.items += 1
-                _read_leaves(item, report, chunk_bytes)
+    items, problems = source.verify_metadata(resolved)
+    report.problems += problems
+    for item in items:
+        report.items += 1
+        _read_leaves(item, report, opts.block_bytes)
     gone = source.step_deleted(resolved) if report.problems else None
     if gone is not None:  # pruned while it was checked: not damage
         raise gone

@@ -13,11 +13,10 @@ bytes read a block at a time on request).
 
 from __future__ import annotations
 
-from treetools.inspect.formats._hf_index import indexed_format, read_indexed_shards
-from treetools.inspect.formats.safetensors import read_safetensors
-from treetools.inspect.source import Leaf
+from treetools.ckpt.formats._hf_index import indexed_format, read_indexed_shards
+from treetools.ckpt.formats.safetensors import read_safetensors
+from treetools.ckpt.source import Leaf
 
-__all__ = ["FORMAT", "read_sharded"]
 
 INDEX_SUFFIX = ".safetensors.index.json"
 

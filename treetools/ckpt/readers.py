@@ -1,9 +1,16 @@
-"""Block readers: one stored array handed out in bounded blocks, never whole.
+"""Block readers: one stored array handed out in bounded blocks, never whole; and the memory budget.
 
 Every format's leaves carry an ``ArrayReader``; ``--stats``, ``--show``,
 ``diff --values``, ``verify`` and ``load_parameters`` read arrays only
 through it. ``plan_blocks`` tiles an array into blocks aligned to its storage
 chunks, so no chunk is decoded twice.
+
+The memory budget is the most stored data one read may decode at once (one
+storage chunk, one ``--show`` slice). It travels explicitly:
+``open_source(path, memory_budget=...)`` sets it on the ``Source``, which sets
+it on every reader it hands out (``ArrayReader.budget``), so worker threads
+read it from the reader they hold. ``TREETOOLS_MEMORY_BUDGET_MB`` is only the
+default when none is given (``default_budget``).
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from treetools.ckpt import storage
 from treetools.errors import CheckpointError
+from treetools.rows import human
 
 Index = tuple[slice, ...]
 
@@ -39,30 +48,20 @@ def chunk_bytes_from_env(default: int = DEFAULT_CHUNK_BYTES) -> int:
 
 
 DEFAULT_MEMORY_BUDGET = 2 * 2**30
-"""Default memory budget: the most stored data ``--stats``, ``--show``, ``diff --values``
-and ``verify`` decode at once (one storage chunk, or one ``--show`` read)."""
+"""The memory budget when neither the caller nor ``TREETOOLS_MEMORY_BUDGET_MB`` gives one."""
+
+UNBOUNDED = math.inf
+"""No budget: whole arrays are what ``load_parameters`` returns, held to the machine's memory instead."""
+
+_OPENING: contextvars.ContextVar[float | None] = contextvars.ContextVar("treetools_opening_budget", default=None)
 
 
-_WHOLE_READS: contextvars.ContextVar[bool] = contextvars.ContextVar("treetools_whole_reads", default=False)
+def default_budget() -> float:
+    """The memory budget in bytes when the caller gives none: ``TREETOOLS_MEMORY_BUDGET_MB`` or 2 GiB.
 
-
-@contextlib.contextmanager
-def whole_reads() -> Iterator[None]:
-    """Inside: no memory budget (``load_parameters`` returns whole arrays; the machine's memory bounds it)."""
-    token = _WHOLE_READS.set(True)
-    try:
-        yield
-    finally:
-        _WHOLE_READS.reset(token)
-
-
-def memory_budget() -> int:
-    """The memory budget in bytes: ``TREETOOLS_MEMORY_BUDGET_MB`` (the CLI's ``--memory-budget-mb``) or 2 GiB.
-
-    Unbounded inside ``whole_reads()``.
+    Raises:
+      CheckpointError: the variable is not a positive number (``inf`` means no budget).
     """
-    if _WHOLE_READS.get():
-        return 2**62
     raw = os.environ.get("TREETOOLS_MEMORY_BUDGET_MB")
     if not raw:
         return DEFAULT_MEMORY_BUDGET
@@ -72,27 +71,43 @@ def memory_budget() -> int:
         raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be a number of MB, got {raw!r}.") from None
     if not value > 0:
         raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be positive, got {raw!r}.")
-    return int(min(value * 2**20, 2**62))  # `inf`: no budget
+    return value * 2**20
+
+
+@contextlib.contextmanager
+def opening(budget: float | None) -> Iterator[None]:
+    """The budget of the checks a format makes while ``open_source`` opens it (before a ``Source`` exists)."""
+    token = _OPENING.set(budget)
+    try:
+        yield
+    finally:
+        _OPENING.reset(token)
+
+
+def resolve_budget(budget: float | None) -> float:
+    """``budget`` in bytes; None: the budget of the ``open_source`` in progress, else ``default_budget()``."""
+    if budget is not None:
+        return budget
+    opening_budget = _OPENING.get()
+    return opening_budget if opening_budget is not None else default_budget()
 
 
 class MemoryBudgetError(CheckpointError):
     """A read that would decode more than the memory budget at once (not damage: raise the budget)."""
 
 
-def check_budget(nbytes: int, *, where: str, what: str) -> None:
-    """Refuse to decode ``nbytes`` at once when that is over the memory budget (one line naming the flag).
+def check_budget(nbytes: int, *, where: str, what: str, budget: float | None = None) -> None:
+    """Refuse to decode ``nbytes`` at once when that is over ``budget`` (one line naming the flag).
 
     >>> check_budget(10, where="w", what="one storage chunk")
-    >>> check_budget(2**50, where="ckpt/params: `w`", what="one storage chunk")
+    >>> check_budget(2**50, where="ckpt/params: `w`", what="one storage chunk", budget=2**31)
     Traceback (most recent call last):
-    treetools.inspect.arrays.MemoryBudgetError: ckpt/params: `w`: one storage chunk decodes to 1024.00 TiB, over the memory budget of 2.00 GiB; raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
+    treetools.ckpt.readers.MemoryBudgetError: ckpt/params: `w`: one storage chunk decodes to 1024.00 TiB, over the memory budget of 2.00 GiB; raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
     """
-    budget = memory_budget()
-    if nbytes > budget:
-        from treetools.rows import human
-
+    limit = resolve_budget(budget)
+    if nbytes > limit:
         raise MemoryBudgetError(
-            f"{where}: {what} decodes to {human(nbytes, 'B')}, over the memory budget of {human(budget, 'B')}; "
+            f"{where}: {what} decodes to {human(nbytes, 'B')}, over the memory budget of {human(limit, 'B')}; "
             "raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory."
         )
 
@@ -130,6 +145,8 @@ class ArrayReader:
 
     shape: tuple[int, ...]
     dtype: np.dtype
+    budget: float | None = None
+    """The most this reader decodes at once, in bytes; None: ``resolve_budget``'s default. Set by the ``Source``."""
     chunk_shape: tuple[int, ...] | None = None
     sequential: bool = False
     """True when blocks must come in C order, front to back (a compressed zip member)."""
@@ -232,7 +249,7 @@ SLAB_BYTES = 8 * 2**20
 """The most a raw-file reader reads at once to cut a non-contiguous block out of it."""
 
 
-class MemmapReader(ArrayReader):
+class FileReader(ArrayReader):
     """Raw array bytes at ``offset`` in a file (local or in a bucket), read one block at a time.
 
     Local blocks are read with ``os.preadv`` into a fresh buffer, not
@@ -243,8 +260,6 @@ class MemmapReader(ArrayReader):
     """
 
     def __init__(self, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *, fortran: bool = False):
-        from treetools import storage
-
         self._path = path
         self._offset = int(offset)
         self.shape = tuple(int(d) for d in shape)
@@ -254,8 +269,6 @@ class MemmapReader(ArrayReader):
 
     def _fill(self, view: memoryview, pos: int) -> int:
         """Read into ``view`` from byte ``pos``; the number of bytes read (short at the end of the file)."""
-        from treetools import storage
-
         if storage.is_remote(self._path):
             data = storage.read_range(self._path, pos, len(view))
             view[: len(data)] = data

@@ -1,6 +1,6 @@
 """One module per on-disk checkpoint format; each exposes ``FORMAT = Format(...)``.
 
-``treetools.inspect.source.formats()`` imports every module here (names not
+``treetools.ckpt.source.registered_formats()`` imports every module here (names not
 starting with ``_``) and registers its ``FORMAT``: adding a format is adding a
 module (and its test file). Modules import nothing heavy at import time.
 """

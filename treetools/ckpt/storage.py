@@ -29,7 +29,6 @@ from typing import Any, Iterator
 
 from treetools.errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = ["REMOTE_SCHEMES", "RemoteStorageError", "is_remote", "kvstore_spec"]
 
 REMOTE_SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}
 """URL scheme -> the fsspec package (the ``remote`` extra) that lists and reads it."""
@@ -65,6 +64,23 @@ def normalize(path: str) -> str:
         scheme, bucket, key = _split(path)
         return f"{scheme}://{bucket}/{key}" if key else f"{scheme}://{bucket}"
     return os.path.abspath(os.path.expanduser(path))
+
+
+def location(path: Any, *, name: str = "path") -> str:
+    """Where a path given by a user points: an absolute local path (``~`` expanded; Orbax needs absolute
+    ones) from a str, PathLike or ``etils.epath.Path``, or a ``gs://`` / ``s3://`` URL as it is.
+
+    Raises:
+      TypeError: ``path`` is not a path (the message names the argument ``name``).
+
+    >>> location("gs://b//run/"), location("/tmp/../tmp/x")
+    ('gs://b/run', '/tmp/x')
+    """
+    if isinstance(path, (str, os.PathLike)):
+        return normalize(os.fspath(path))
+    if hasattr(path, "as_posix"):  # etils.epath.Path
+        return normalize(str(path) if is_remote(str(path)) else path.as_posix())
+    raise TypeError(f"`{name}` must be a path, got {type(path).__name__}.")
 
 
 def realpath(path: str) -> str:

@@ -22,15 +22,22 @@ import dataclasses
 import datetime
 import json
 import os
-import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from treetools import storage
-from treetools.errors import CheckpointError
-from treetools.inspect.arrays import ArrayReader, Index, check_budget, physical_memory
-from treetools.inspect.source import (
+from treetools.ckpt import storage
+from treetools.ckpt.formats._tensorstore import (
+    TensorStoreReader,
+    first_line,
+    open_all,
+    reader_context,
+    refuse_special_files,
+    subdirs,
+    ts_spec,
+)
+from treetools.ckpt.readers import MemoryBudgetError
+from treetools.ckpt.source import (
     DEFAULT_ITEM,
     Format,
     Item,
@@ -42,22 +49,21 @@ from treetools.inspect.source import (
     tree_leaves,
     value_row,
 )
-from treetools.rows import LeafSharding
-from treetools.steps import (
+from treetools.ckpt.steps import (
     COMMIT_SUCCESS_FILE,
     JSON_ITEM_FILE,
     PYTREE_METADATA_FILE,
     STEP_METADATA_FILE,
     TMP_DIR_SUFFIX,
-    file_kind,
     is_committed,
     parse_step_name,
     read_json_file,
     scan_steps,
     tmp_step,
 )
+from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
+from treetools.rows import LeafSharding
 
-__all__ = ["FORMAT", "OrbaxItem", "OrbaxSource", "TensorStoreReader"]
 
 SHARDING_FILE = "_sharding"
 BOX_SUFFIXES = ("value", "raw_value")
@@ -66,140 +72,18 @@ _NOT_STORED = ("None",)  # value types Orbax records without data (None leaves, 
 _VALUE_TYPES = ("scalar", "string")
 
 
-# ---------------------------------------------------------------------------- array data
-
-
-def _first_line(e: BaseException) -> str:
-    """The gist of an error: its first line, without TensorStore's appended spec dump."""
-    text = str(e).strip().splitlines()
-    return text[0].split(" [tensorstore_spec=", 1)[0] if text else type(e).__name__
-
-
-class TensorStoreReader(ArrayReader):
-    """One Orbax array, read through TensorStore a block at a time.
-
-    The store is opened read-only with TensorStore's cache disabled, so a
-    block's memory is freed once the block is consumed. A storage chunk is
-    decompressed whole: the peak per block is the larger of the block and the
-    chunks it touches.
-    """
-
-    def __init__(self, spec: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype,
-                 chunk_shape: tuple[int, ...] | None, *, where: str, context: Any = None):
-        self.spec = spec
-        self.shape = shape
-        self.dtype = np.dtype(dtype)
-        self.chunk_shape = chunk_shape
-        self._where = where
-        self._store: Any = None
-        self._context = context
-        self.remote = context is not None
-
-    def _ts_context(self) -> Any:
-        import tensorstore as ts
-
-        return self._context if self._context is not None else ts.Context()
-
-    def _open(self, *, whole: bool = False) -> Any:
-        """Open the store; refuse before decoding anything when one stored chunk is too big to hold.
-
-        The chunk shape is the store's own (``.zarray`` / ``zarr.json``), which a
-        hostile file may declare at 2^40 elements: block reads are held to the
-        memory budget, a whole-array read (``load_parameters``) to the machine's memory.
-        """
-        import tensorstore as ts
-
-        try:
-            store = ts.open(self.spec, read=True, open=True, context=self._ts_context()).result()
-        except Exception as e:  # tensorstore raises ValueError with a long status text
-            raise CheckpointError(f"{self._where}: cannot open array data ({_first_line(e)}).") from None
-        try:
-            chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
-        except Exception:  # a driver without a chunk layout: fall back to the metadata's
-            chunk = tuple(self.chunk_shape or self.shape)
-        piece = math.prod(chunk) * self.dtype.itemsize
-        if whole:
-            memory = physical_memory()
-            if memory is not None and max(piece, math.prod(self.shape) * self.dtype.itemsize) > memory:
-                raise CheckpointError(
-                    f"{self._where}: the array (or one stored chunk, {list(chunk)}) is larger than this machine's "
-                    "memory; read it in slices (treetools inspect --show LEAF[SLICE]) instead."
-                )
-        else:
-            check_budget(piece, where=self._where, what=f"one storage chunk ({list(chunk)} {self.dtype})")
-        return store
-
-    def _result(self, future: Any) -> np.ndarray:
-        try:
-            return np.asarray(future.result())
-        except Exception as e:
-            raise CheckpointError(f"{self._where}: cannot read array data ({_first_line(e)}).") from None
-
-    def read(self, index: Index) -> np.ndarray:
-        store = self._store if self._store is not None else self._open()
-        return self._result(store[index].read())
-
-    def read_all(self) -> np.ndarray:
-        return self._result(self._open(whole=True).read())
-
-    def blocks(self, plan):
-        """Blocks in plan order; the next block's read is in flight while the caller uses this one."""
-        self._store = store = self._open()
-        try:
-            pending = None
-            for index in plan:
-                nxt = store[index].read()
-                if pending is not None:
-                    yield self._result(pending)
-                pending = nxt
-            if pending is not None:
-                yield self._result(pending)
-        finally:
-            self._store = None
-
-
-def reader_context(folder: str) -> Any:
-    """The TensorStore context the readers of one item share: None locally (each array opens with a fresh,
-    cache-less context), one shared context in a bucket.
-
-    In a bucket every open costs round trips (an OCDBT manifest and b-tree
-    nodes, the credentials): sharing the context shares those and the
-    connections, and its small cache keeps the b-tree nodes that every array
-    of the item looks up.
-    """
-    if not storage.is_remote(folder):
-        return None
-    import tensorstore as ts
-
-    return ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}})
-
-
-def ts_spec(item_dir: str, name: str, *, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
-    """The TensorStore spec of one saved array, as Orbax's ``ArrayReadSpec`` builds it."""
-    if use_ocdbt:
-        kvstore: dict[str, Any] = {"driver": "ocdbt", "base": storage.kvstore_spec(item_dir), "path": name}
-    else:
-        kvstore = storage.kvstore_spec(os.path.join(item_dir, name))
-    return {
-        "driver": "zarr3" if use_zarr3 else "zarr",
-        "kvstore": kvstore,
-        "recheck_cached_data": False,
-        "recheck_cached_metadata": False,
-        "fill_missing_data_reads": False,  # a missing chunk is an error, not zeros
-    }
-
-
 # ---------------------------------------------------------------------------- pytree items
 
 
 @dataclasses.dataclass
-class OrbaxItem:
-    """What a restore needs of one pytree item, read once: its folder and parsed ``_METADATA``."""
+class OrbaxItem(Item):
+    """A pytree item and what Orbax's own restore needs of it, read once: its folder and parsed ``_METADATA``.
 
-    folder: str
-    metadata: dict[str, Any]
-    logical: dict[str, tuple[str, ...]]
-    """Orbax param name (``Dense_0.kernel.value``) -> the leaf's path (``("Dense_0", "kernel")``)."""
+    Each leaf's ``key`` is its Orbax param name (``Dense_0.kernel.value``).
+    """
+
+    folder: str = ""
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _entries(raw: Any, path: str) -> list[tuple[tuple[str, ...], str, bool]]:
@@ -269,56 +153,6 @@ def _shardings(item_dir: str) -> dict[str, LeafSharding]:
     return out
 
 
-def _refuse_special_files(item_dir: str, names: Sequence[str], *, use_ocdbt: bool, use_zarr3: bool) -> None:
-    """TensorStore blocks forever opening a FIFO: refuse special files among those it reads for array metadata."""
-    import stat
-
-    if storage.is_remote(item_dir):
-        return  # a bucket holds objects only
-
-    if use_ocdbt:  # the manifests and the b-tree/data files of the item and of each process
-        folders = [item_dir, os.path.join(item_dir, "d")]
-        folders += [os.path.join(item_dir, p, sub) for p in _subdirs(item_dir) if p.startswith("ocdbt.process_")
-                    for sub in ("", "d")]
-        paths = []
-        for folder in folders:
-            if storage.isdir(folder):
-                with storage.scandir(folder) as it:
-                    paths += [e.path for e in it]
-    else:
-        paths = [os.path.join(item_dir, n, "zarr.json" if use_zarr3 else ".zarray") for n in names]
-    for path in paths:
-        try:
-            mode = storage.stat(path).st_mode
-        except OSError:
-            continue  # missing: TensorStore's own error names it
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise CheckpointError(f"{path}: not a regular file ({file_kind(path)}); cannot read it as Orbax array data.")
-
-
-def _open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] | None = None) -> list[Any]:
-    """Open many arrays' zarr headers at once (TensorStore reads them in parallel); no array data.
-
-    With ``problems``, a leaf that cannot be opened is recorded there (and its
-    store is None) instead of failing the whole item: ``verify`` lists them all.
-    """
-    import tensorstore as ts
-
-    context = ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}})
-    futures = [ts.open(spec, read=True, open=True, context=context) for spec in specs]
-    stores = []
-    for future, w in zip(futures, where):
-        try:
-            stores.append(future.result())
-        except Exception as e:
-            message = f"{w}: cannot open array metadata ({_first_line(e)})."
-            if problems is None:
-                raise CheckpointError(message) from None
-            problems.append(message)
-            stores.append(None)
-    return stores
-
-
 def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None) -> Item:
     """The leaves of one Orbax pytree item from ``_METADATA``, ``_sharding`` and the zarr headers.
 
@@ -342,16 +176,14 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
     shardings = _shardings(item_dir)
 
     stored = [(keys, vt, path) for (keys, vt, _), path in zip(entries, paths) if vt != "string"]
-    _refuse_special_files(item_dir, [".".join(keys) for keys, _, _ in stored], use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
+    refuse_special_files(item_dir, [".".join(keys) for keys, _, _ in stored], use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
     specs = [ts_spec(item_dir, ".".join(keys), use_ocdbt=use_ocdbt, use_zarr3=use_zarr3) for keys, _, _ in stored]
     wheres = [f"{item_dir}: `{'/'.join(path)}`" for _, _, path in stored]
-    stores = iter(zip(specs, _open_all(specs, wheres, problems)))
+    stores = iter(zip(specs, open_all(specs, wheres, problems)))
     context = reader_context(item_dir)
     leaves: list[Leaf] = []
-    logical: dict[str, tuple[str, ...]] = {}
     for (keys, value_type, _), path in zip(entries, paths):
         param = ".".join(keys)
-        logical[param] = path
         if value_type == "string":
             leaves.append(Leaf(value_row(path), key=param))
             continue
@@ -367,7 +199,7 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
         else:
             row = array_row(path, shape, dtype, sharding=shardings.get(param))
             leaves.append(Leaf(row, reader, key=param))
-    return Item(name, "pytree", leaves, handle=OrbaxItem(item_dir, raw, logical))
+    return OrbaxItem(name, "pytree", leaves, folder=item_dir, metadata=raw)
 
 
 def _json_file(folder: str) -> str:
@@ -384,7 +216,7 @@ def _json_file(folder: str) -> str:
 def read_json_item(item_dir: str, name: str) -> Item:
     path = _json_file(item_dir)
     value = read_json_file(path, what="Orbax JSON item")
-    return Item(name, "json", tree_leaves(value, where=path), handle=value)
+    return Item(name, "json", tree_leaves(value, where=path), value=value)
 
 
 # ---------------------------------------------------------------------------- folders
@@ -418,14 +250,6 @@ def _item_without_metadata(folder: str) -> bool:
     return any(storage.isfile(os.path.join(folder, f)) for f in ("manifest.ocdbt", SHARDING_FILE))
 
 
-def _subdirs(folder: str) -> list[str]:
-    try:
-        with storage.scandir(folder) as it:
-            return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
-    except OSError as e:
-        raise CheckpointError(f"{folder}: cannot list folder ({e.strerror or e}).") from None
-
-
 def _step_is_item(folder: str) -> bool:
     """A step folder that is itself the item: a Checkpointer's save per step (Flax's ``checkpoint_<N>`` Orbax mode)."""
     return (parse_step_name(os.path.basename(folder)) is not None
@@ -437,7 +261,7 @@ def _looks_like_step(folder: str) -> bool:
         return True
     try:  # a folder of step folders that are items (or their tmp folders) is a root, not a step holding items
         return any(_is_item(os.path.join(folder, d)) and not (_step_is_item(os.path.join(folder, d))
-                                                               or tmp_step(d) is not None) for d in _subdirs(folder))
+                                                               or tmp_step(d) is not None) for d in subdirs(folder))
     except CheckpointError:
         return False
 
@@ -457,23 +281,23 @@ class OrbaxSource(Source):
     format = "orbax"
     record_sharding = True
 
-    def __init__(self, local: str, display: str, mode: str):
-        self.local = local
+    def __init__(self, location: str, display: str, mode: str):
+        self.location = location
         self.mode = mode
-        listing = scan_steps(local) if mode == "root" else None
-        step = parse_step_name(os.path.basename(local)) if mode == "step" else None
+        listing = scan_steps(location) if mode == "root" else None
+        step = parse_step_name(os.path.basename(location)) if mode == "step" else None
         super().__init__(display, listing=listing, step=step)
         self._step_meta: dict[str, Any] = {}
 
     def item_dir(self, step: int | None, name: str) -> str:
         """The folder of one item of one step (the step folder itself when the step is one item)."""
         if self.mode == "item":
-            return self.local
+            return self.location
         step_dir = self._step_dir(step)
         return step_dir if self.mode == "root" and _step_is_item(step_dir) else os.path.join(step_dir, name)
 
     def _step_dir(self, step: int | None) -> str:
-        return self.listing.folder(step) if self.listing is not None and step is not None else self.local
+        return self.listing.folder(step) if self.listing is not None and step is not None else self.location
 
     def step_metadata(self, step_dir: str) -> dict[str, Any]:
         """The parsed ``_CHECKPOINT_METADATA`` of a step folder (read once per source), {} when absent."""
@@ -496,20 +320,20 @@ class OrbaxSource(Source):
         handlers = self._handlers(step_dir)
         if handlers is not None:
             return sorted(handlers)
-        return [d for d in _subdirs(step_dir) if TMP_DIR_SUFFIX not in d and _is_item(os.path.join(step_dir, d))]
+        return [d for d in subdirs(step_dir) if TMP_DIR_SUFFIX not in d and _is_item(os.path.join(step_dir, d))]
 
     def _item_name(self) -> str:
         """``default`` for a standalone Checkpointer save (the folder is the item), else the folder's name."""
-        if storage.lexists(os.path.join(self.local, STEP_METADATA_FILE)):
+        if storage.lexists(os.path.join(self.location, STEP_METADATA_FILE)):
             return "default"
-        return os.path.basename(self.local) or "default"
+        return os.path.basename(self.location) or "default"
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         notes: list[str] = []
         items: dict[str, Item] = {}
         step_dir = self._step_dir(step)
         if self.mode == "item" or (self.mode == "root" and _step_is_item(step_dir)):
-            folder = self.local if self.mode == "item" else step_dir
+            folder = self.location if self.mode == "item" else step_dir
             (name,) = names
             reader = read_json_item if _is_json_item(folder) else read_pytree_item
             items[name] = reader(folder, name)
@@ -547,6 +371,165 @@ class OrbaxSource(Source):
         return out
 
 
+    # -- hooks
+
+    def restore_arrays(self, item: Item, targets: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Orbax's own restore of a local pytree item, each array per its target; None in a bucket.
+
+        Orbax reads ``gs://`` only through its own path handling and not
+        ``s3://`` at all, and ignores the emulator and endpoint variables: in a
+        bucket the generic restore (TensorStore's gcs/s3 stores, each device's
+        block alone) reads instead. The ``_METADATA`` parsed for the metadata
+        view is handed to Orbax, so the file is read once.
+        """
+        if not isinstance(item, OrbaxItem) or storage.is_remote(item.folder):
+            return None
+        return _orbax_restore(item, targets)
+
+    def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
+        """Commit evidence of a step folder given directly; each item read leaf by leaf (a leaf whose array
+        cannot be opened is a problem, the others are still checked); arrays ``_METADATA`` does not list."""
+        problems: list[str] = []
+        if self.mode == "step" and not is_committed(self.location):
+            problems.append(f"{self.path}: no commit evidence (commit_success.txt or a committed "
+                            "_CHECKPOINT_METADATA); the save may be unfinished.")
+        try:
+            names = self.item_names(step)
+        except CheckpointError as e:
+            return [], problems + [str(e)]
+        items: list[Item] = []
+        for name in names:
+            item_dir = self.item_dir(step, name)
+            try:
+                if _is_json_item(item_dir):
+                    item: Item = read_json_item(item_dir, name)
+                else:
+                    item = read_pytree_item(item_dir, name, problems=problems)
+            except (MemoryBudgetError, StepDeletedError):
+                raise
+            except (CheckpointError, CheckpointNotFoundError) as e:
+                problems.append(str(e))
+                items.append(Item(name, "pytree", []))  # counted as checked, nothing to read
+                continue
+            self.hold_to_budget([item])
+            items.append(item)
+            if isinstance(item, OrbaxItem):
+                problems += _unlisted_arrays(item)
+        return items, problems
+
+
+def _orbax_restore(item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any]:
+    """Read one Orbax pytree item through Orbax into ``{leaf name: array}``, each per its abstract target.
+
+    Orbax restores the tree as it is stored (its own structure, ``kernel/value``
+    nodes of older saves included); each leaf's ``key`` (its stored param
+    name) maps the stored arrays to leaf names.
+    """
+    # jax and orbax only here: metadata reads of Orbax checkpoints import neither.
+    import jax
+    import orbax.checkpoint as ocp
+    from etils import epath
+    from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base
+    from orbax.checkpoint._src.metadata import tree as tree_metadata
+
+    names = {leaf.key: leaf.name for leaf in item.leaves}
+
+    class _ParsedMetadata(base.BasePyTreeCheckpointHandler):
+        async def _read_metadata_file(self, directory: Any) -> Any:
+            return tree_metadata.InternalTreeMetadata.from_json(
+                item.metadata, pytree_metadata_options=self._pytree_metadata_options
+            )
+
+    handler = _ParsedMetadata()
+    stored = tree_metadata.InternalTreeMetadata.from_json(
+        item.metadata, pytree_metadata_options=handler._pytree_metadata_options
+    ).as_nested_tree()
+
+    def key_name(entry: Any) -> str:  # Orbax's stored trees are dicts and lists
+        return str(entry.key if hasattr(entry, "key") else entry.idx)
+
+    def leaf_name(keypath: Any) -> str | None:
+        return names.get(".".join(key_name(e) for e in keypath))
+
+    def restore_arg(keypath: Any, _meta: Any) -> Any:
+        target = targets.get(leaf_name(keypath) or "")
+        if target is not None and hasattr(target, "shape") and hasattr(target, "dtype"):
+            return ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=target.sharding,
+                                        global_shape=tuple(target.shape), dtype=target.dtype)
+        return ocp.RestoreArgs()
+
+    restore_args = jax.tree_util.tree_map_with_path(restore_arg, stored)
+    try:
+        restored = handler.restore(epath.Path(item.folder),
+                                   args=base.BasePyTreeRestoreArgs(item=None, restore_args=restore_args))
+    finally:
+        handler.close()
+    out = {}
+    for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
+        name = leaf_name(keypath)
+        if name is not None:
+            out[name] = value
+    return out
+
+
+_ORBAX_FILES = {"_METADATA", "_sharding", "_CHECKPOINT_METADATA", "commit_success.txt", "array_metadatas", "d",
+                "manifest.ocdbt", "descriptor", "metadata"}
+
+
+def _relative(folder: str, base: str) -> str:
+    """``folder`` relative to ``base``, ``/``-separated (location or bucket paths)."""
+    if storage.is_remote(folder):
+        return storage.normalize(folder)[len(storage.normalize(base)) + 1:]
+    return os.path.relpath(folder, base).replace(os.sep, "/")
+
+
+def _stored_arrays(item_dir: str, use_ocdbt: bool) -> set[str]:
+    """The arrays stored in an Orbax item folder: every zarr header (``<name>/.zarray``, ``<name>/zarr.json``)
+    in the OCDBT store or the folder; a name may itself hold ``/`` (a dict key with a slash)."""
+    headers = (".zarray", "zarr.json")
+    if use_ocdbt:
+        import tensorstore as ts
+
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(item_dir)}).result()
+        keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
+        return {key.rsplit("/", 1)[0] for key in keys if "/" in key and key.rsplit("/", 1)[1] in headers}
+    names = set()
+    for top in storage.listdir(item_dir):
+        if top in _ORBAX_FILES or not storage.isdir(os.path.join(item_dir, top)):
+            continue
+        for folder, _, files in storage.walk(os.path.join(item_dir, top)):
+            if any(h in files for h in headers):
+                names.add(_relative(folder, item_dir))
+    return names
+
+
+def _unlisted_arrays(item: OrbaxItem) -> list[str]:
+    """A problem when the item folder stores arrays its ``_METADATA`` does not list."""
+    use_ocdbt = bool(item.metadata.get("use_ocdbt", storage.exists(os.path.join(item.folder, "manifest.ocdbt"))))
+    try:
+        extra = sorted(_stored_arrays(item.folder, use_ocdbt) - {leaf.key for leaf in item.leaves} - _listed(item))
+    except Exception as e:  # tensorstore: a corrupt manifest
+        return [f"{item.folder}: cannot list the stored arrays ({first_line(e)})."]
+    if not extra:
+        return []
+    return [f"{item.folder}: stores arrays its _METADATA does not list: {', '.join(extra[:10])}"
+            f"{', ...' if len(extra) > 10 else ''}."]
+
+
+def _listed(item: OrbaxItem) -> set[str]:
+    """Every param name ``_METADATA`` lists (leaves left out of the view, such as skipped ones, included)."""
+    tree = item.metadata.get("tree_metadata")
+    if not isinstance(tree, dict):
+        return set()
+    out = set()
+    for entry in tree.values():
+        try:
+            out.add(".".join(str(k["key"]) for k in entry["key_metadata"]))
+        except (KeyError, TypeError):
+            continue
+    return out
+
+
 def _claims(path: str) -> bool:
     if not storage.isdir(path):
         return False
@@ -558,7 +541,7 @@ def _claims(path: str) -> bool:
     if _is_json_item(path) or _looks_like_step(path) or _item_without_metadata(path):
         return True
     # A root: some step folder (or Orbax tmp folder) with Orbax's own evidence in it.
-    for child in _subdirs(path):
+    for child in subdirs(path):
         if TMP_DIR_SUFFIX in child and tmp_step(child) is not None:
             return True
         if parse_step_name(child) is not None:
@@ -568,19 +551,19 @@ def _claims(path: str) -> bool:
     return False
 
 
-def _open(local: str, display: str) -> OrbaxSource:
-    name = os.path.basename(local)
-    if TMP_DIR_SUFFIX in name or (parse_step_name(name) is not None and _looks_like_step(local)
-                                  and not _is_item(local) and not is_committed(local)):
+def _open(location: str, display: str) -> OrbaxSource:
+    name = os.path.basename(location)
+    if TMP_DIR_SUFFIX in name or (parse_step_name(name) is not None and _looks_like_step(location)
+                                  and not _is_item(location) and not is_committed(location)):
         raise CheckpointError(f"{display}: incomplete save (an Orbax tmp folder or no commit marker); it is never read.")
-    if _is_item(local) or _item_without_metadata(local):
-        source = OrbaxSource(local, display, "item")
-        if source._item_name() == "default" and not is_committed(local):
+    if _is_item(location) or _item_without_metadata(location):
+        source = OrbaxSource(location, display, "item")
+        if source._item_name() == "default" and not is_committed(location):
             raise CheckpointError(f"{display}: incomplete save (no commit marker); it is never read.")
         return source
-    if _looks_like_step(local):
-        return OrbaxSource(local, display, "step")
-    return OrbaxSource(local, display, "root")
+    if _looks_like_step(location):
+        return OrbaxSource(location, display, "step")
+    return OrbaxSource(location, display, "root")
 
 
 FORMAT = Format(

@@ -11,12 +11,10 @@ import os
 import re
 from typing import Callable
 
-from treetools import storage
+from treetools.ckpt import storage
 from treetools.errors import CheckpointError
-from treetools.inspect.source import FileSource, Format, Leaf, check_name
-from treetools.steps import read_json_file
-
-__all__ = ["find_index", "indexed_format", "read_indexed_shards"]
+from treetools.ckpt.source import FileSource, Format, Leaf, check_name
+from treetools.ckpt.steps import read_json_file
 
 
 def find_index(path: str, suffix: str, preferred: str) -> str | None:
@@ -99,8 +97,8 @@ def indexed_format(name: str, *, index_suffix: str, preferred: str, read: Callab
       read: the index file -> every leaf (``read_indexed_shards`` with the shard reader).
       description: for the "not a checkpoint" error.
     """
-    def _open(local: str, display: str) -> FileSource:
-        index = find_index(local, index_suffix, preferred)
+    def _open(location: str, display: str) -> FileSource:
+        index = find_index(location, index_suffix, preferred)
         if index is None:  # claims() said so; the folder changed since
             raise CheckpointError(f"{display}: no *{index_suffix} index in it.")
         return FileSource(display, name, read(index))

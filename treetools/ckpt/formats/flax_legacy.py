@@ -23,13 +23,13 @@ import os
 import re
 from typing import Sequence
 
-from treetools import storage
+from treetools.ckpt import storage
 from treetools.errors import CheckpointError, StepDeletedError
-from treetools.inspect.formats.msgpack import is_msgpack_map, read_msgpack
-from treetools.inspect.source import DEFAULT_ITEM, Format, Item, Snapshot, Source
-from treetools.steps import PYTREE_METADATA_FILE, StepListing, is_committed
+from treetools.ckpt.formats.msgpack import is_msgpack_map, read_msgpack
+from treetools.ckpt.formats.orbax import read_pytree_item
+from treetools.ckpt.source import DEFAULT_ITEM, Format, Item, Snapshot, Source
+from treetools.ckpt.steps import PYTREE_METADATA_FILE, StepListing, is_committed
 
-__all__ = ["FORMAT", "scan_files"]
 
 # Flax joins prefix and step with nothing in between (``checkpoint_`` + ``100``); integer steps only.
 _STEP_FILE = re.compile(r"^(?P<prefix>.*?\D)?(?P<step>\d+)$")
@@ -111,20 +111,17 @@ class FlaxLegacySource(Source):
 
     format = "flax-legacy"
 
-    def __init__(self, local: str, display: str):
-        self.local = local
-        self.prefix, listing = scan_files(local)
+    def __init__(self, location: str, display: str):
+        self.location = location
+        self.prefix, listing = scan_files(location)
         super().__init__(display, listing=listing)
 
     def item_names(self, step: int | None) -> list[str]:
         return [DEFAULT_ITEM]
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
-        assert self.listing is not None and step is not None
         path = self.listing.folder(step)
         if storage.isdir(path):  # an Orbax-mode step folder: one Orbax item
-            from treetools.inspect.formats.orbax import read_pytree_item
-
             return Snapshot(step, {name: read_pytree_item(path, name) for name in names})
         leaves = read_msgpack(path)
         return Snapshot(step, {name: Item(name, "pytree", list(leaves)) for name in names})
@@ -157,11 +154,11 @@ def _tmp_files(folder: str) -> list[str]:
     return [n for n in names if _is_tmp_file(os.path.join(folder, n))]
 
 
-def _open(local: str, display: str) -> FlaxLegacySource:
-    if storage.isfile(local):  # claimed as an unfinished save
+def _open(location: str, display: str) -> FlaxLegacySource:
+    if storage.isfile(location):  # claimed as an unfinished save
         raise CheckpointError(f"{display}: an unfinished Flax save (save_checkpoint renames it to <prefix><step> "
                               "when done); it is never read.")
-    return FlaxLegacySource(local, display)
+    return FlaxLegacySource(location, display)
 
 
 FORMAT = Format(

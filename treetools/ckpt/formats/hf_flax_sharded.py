@@ -18,11 +18,10 @@ file is). A single unsharded ``flax_model.msgpack`` is a ``msgpack`` file.
 
 from __future__ import annotations
 
-from treetools.inspect.formats._hf_index import indexed_format, read_indexed_shards
-from treetools.inspect.formats.msgpack import read_msgpack
-from treetools.inspect.source import Leaf
+from treetools.ckpt.formats._hf_index import indexed_format, read_indexed_shards
+from treetools.ckpt.formats.msgpack import read_msgpack
+from treetools.ckpt.source import Leaf
 
-__all__ = ["FORMAT", "read_flax_sharded"]
 
 INDEX_SUFFIX = ".msgpack.index.json"
 _PREFERRED = "flax_model" + INDEX_SUFFIX  # transformers' FLAX_WEIGHTS_INDEX_NAME

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from typing import Any
 
-from treetools import storage
+from treetools.ckpt import storage
 from treetools.errors import CheckpointError
-from treetools.inspect.arrays import MemmapReader, np_dtype
-from treetools.inspect.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path
+from treetools.ckpt.readers import FileReader, np_dtype
+from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path
 from treetools.rows import dtype_name
 
-__all__ = ["FORMAT", "read_safetensors"]
 
 _ST_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -90,7 +88,7 @@ def read_safetensors(path: str) -> list[Leaf]:
                 f"{where}: corrupt safetensors header (offsets {begin}..{end} do not hold shape {list(shape)} "
                 f"{dtype_name(dtype)} inside {data_len} data bytes)."
             )
-        leaves.append(Leaf(array_row(parts, shape, dtype, sep=sep), MemmapReader(path, data_start + begin, shape, dtype),
+        leaves.append(Leaf(array_row(parts, shape, dtype, sep=sep), FileReader(path, data_start + begin, shape, dtype),
                            key=name))
     _check_overlaps(path, header)
     return leaves
@@ -120,6 +118,6 @@ FORMAT = Format(
     name="safetensors",
     priority=40,
     claims=_claims,
-    open=lambda local, display: FileSource(display, "safetensors", read_safetensors(local)),
+    open=lambda location, display: FileSource(display, "safetensors", read_safetensors(location)),
     description="a .safetensors file",
 )

@@ -3,7 +3,7 @@
 Every reader of a checkpoint, the library's ``load_parameters`` and
 ``restore_checkpoint`` as much as ``treetools inspect``/``diff``/``verify``,
 opens it with ``open_source(path)``. A format is one module under
-``treetools/inspect/formats/`` exposing ``FORMAT = Format(name, priority,
+``treetools/ckpt/formats/`` exposing ``FORMAT = Format(name, priority,
 claims, open)``, or a ``Format`` handed to ``register_format``:
 
 * ``claims(path)`` is cheap and total (never raises) and needs positive
@@ -14,6 +14,15 @@ claims, open)``, or a ``Format`` handed to ``register_format``:
   for and no array data. Each ``Leaf`` carries a ``Row`` (path tuple, shape,
   dtype, counts, sharding) and, for arrays, an ``ArrayReader``.
 
+Format-specific work that other code needs is a hook of ``Source`` with a
+generic default (``restore_arrays``: a format's own fast restore;
+``verify_metadata``: a format's own consistency checks), so no code outside
+a format branches on its name or reads its private state.
+
+This module is also the one home of item-name knowledge: which item holds the
+parameters (``params_item``, ``params_subtree``), in which order items are
+shown (``order_items``), whose counts are parameters (``counts_params``).
+
 Importing this module imports no jax.
 """
 
@@ -22,33 +31,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import math
 import os
 import pkgutil
-from typing import Any, Callable, Iterator, Sequence
+import stat as stat_
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-from treetools import storage
+import numpy as np
+
+from treetools.ckpt import storage
+from treetools.ckpt.readers import ArrayReader, InMemoryReader, MemoryBudgetError, opening
+from treetools.ckpt.steps import StepListing, file_kind, parse_step, resolve_step
 from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
-from treetools.inspect.arrays import ArrayReader, InMemoryReader
 from treetools.rows import Row, dtype_name
-from treetools.steps import StepListing, file_kind, parse_step, resolve_step
-
-__all__ = [
-    "DEFAULT_ITEM",
-    "Format",
-    "Item",
-    "Leaf",
-    "NO_VALUE",
-    "Snapshot",
-    "Source",
-    "array_row",
-    "check_name",
-    "formats",
-    "jsonable",
-    "open_source",
-    "register_format",
-    "tree_leaves",
-    "value_row",
-]
 
 DEFAULT_ITEM = "default"
 """Item name of single-tree files (Orbax's name for an unnamed item)."""
@@ -57,22 +52,38 @@ NO_VALUE: Any = type("NoValue", (), {"__repr__": lambda self: "NO_VALUE"})()
 """The value of a non-array leaf that the metadata does not carry."""
 
 
-def jsonable(value: Any) -> Any:
-    """A non-array leaf's value as JSON can hold it (numpy scalars as Python numbers, others as text).
+# ---------------------------------------------------------------------------- item names
 
-    >>> import numpy as np
-    >>> jsonable(np.float32(1.5)), jsonable({"a": [1, 2]})
-    (1.5, {'a': [1, 2]})
+ITEM_ORDER = ("params", "params_ema", "ema_params", "target", "opt_state", "state")
+"""Items shown first, in this order (params, EMA params, optimizer state); the rest follow as stored."""
+
+PARAM_ITEMS = ("params", "params_ema", "ema_params", "target", "default")
+"""Items whose element counts are parameters; other items (optimizer moments, state) count "elements"."""
+
+STATE_ITEMS = ("state", "default", "train_state")
+"""Items that hold a whole train state (Orbax's legacy and v1 training APIs, a single-item manager)."""
+
+PARAM_SUBTREES = {False: ("params", "target"), True: ("params_ema", "ema_params", "ema")}
+"""Where real layouts keep the parameters inside one item holding a whole train state (T5X: ``target``)."""
+
+
+def order_items(names: Sequence[str]) -> list[str]:
+    """Params first, then EMA params, then optimizer state, then the rest in stored order.
+
+    >>> order_items(["data_iter", "opt_state", "params_ema", "params"])
+    ['params', 'params_ema', 'opt_state', 'data_iter']
     """
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return str(value)
+    first = [n for n in ITEM_ORDER if n in names]
+    return first + [n for n in names if n not in first]
+
+
+def counts_params(item: str) -> bool:
+    """Whether an item's element count is its parameter count (else its table says "elements").
+
+    >>> counts_params("params"), counts_params("opt_state")
+    (True, False)
+    """
+    return item in PARAM_ITEMS
 
 
 @dataclasses.dataclass
@@ -103,14 +114,16 @@ class Leaf:
 class Item:
     """One item of one step: a pytree (arrays) or a JSON value, as leaves.
 
-    ``handle`` is what the format needs to read the item again (an Orbax item
-    folder and its parsed ``_METADATA``); other code treats it as opaque.
+    ``kind`` is ``"pytree"`` or ``"json"``; ``value`` holds a JSON item's whole
+    value (``NO_VALUE`` for a pytree). A format that needs more to read the item
+    again (Orbax: its folder and parsed ``_METADATA``) subclasses ``Item``;
+    code outside the format never looks at those fields.
     """
 
     name: str
     kind: str
     leaves: list[Leaf]
-    handle: Any = None
+    value: Any = NO_VALUE
 
 
 @dataclasses.dataclass
@@ -145,6 +158,8 @@ class Source:
 
     format: str = "?"
     record_sharding: bool = False
+    memory_budget: float | None = None
+    """Bytes one read may decode at once (set by ``open_source``); every reader handed out gets it."""
 
     def __init__(self, path: str, *, listing: StepListing | None = None, step: int | None = None):
         self.path = path
@@ -194,7 +209,18 @@ class Source:
         """
         resolved = self.resolve(step)
         with self.reading(resolved):
-            return self._snapshot(resolved, items)
+            snap = self._snapshot(resolved, items)
+        self.hold_to_budget(snap.items.values())
+        return snap
+
+    def hold_to_budget(self, items: Iterable[Item]) -> None:
+        """Give every reader of ``items`` this source's memory budget (``snapshot`` does it for its items)."""
+        if self.memory_budget is None:
+            return
+        for item in items:
+            for leaf in item.leaves:
+                if leaf.reader is not None:
+                    leaf.reader.budget = self.memory_budget
 
     @contextlib.contextmanager
     def reading(self, step: int | None) -> Iterator[None]:
@@ -241,6 +267,39 @@ class Source:
         where = f"{self.path} (step {step})" if step is not None else self.path
         return CheckpointNotFoundError(f"{where} has no item `{name}`; items: {', '.join(present) or 'none'}.")
 
+    # -- hooks: a format's own way of doing something, with a generic default
+
+    def restore_arrays(self, item: Item, targets: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Read arrays of ``item`` straight into their targets the format's own way; None: the generic way.
+
+        ``targets`` maps a leaf's name (``Leaf.name``) to a ``jax.ShapeDtypeStruct``
+        with a sharding; the result maps the same names to ``jax.Array``s. The
+        default returns None, and the restore reads each device's block through
+        the leaves' ``ArrayReader``s, which works for every format. Orbax
+        overrides it to use Orbax's own restore where it can.
+
+        Implementation hint: import jax (and your library) inside this method,
+        so metadata reads stay jax-free.
+        """
+        return None
+
+    def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
+        """For ``treetools verify``: the step's items read for checking, and every problem found doing so.
+
+        A problem is one sentence naming the file or leaf; an item that cannot
+        be read at all is a problem, not an error. Arrays are read afterwards,
+        by ``verify``, through the returned items' readers. The default reads
+        the step's snapshot; a format with more to check (Orbax: commit
+        evidence, arrays its metadata does not list) overrides it.
+        """
+        try:
+            snap = self.snapshot(step)
+        except (MemoryBudgetError, StepDeletedError):
+            raise
+        except (CheckpointError, CheckpointNotFoundError) as e:  # corrupt: a problem of this step, not the end
+            return [], [str(e)]
+        return list(snap.items.values()), []
+
 
 @dataclasses.dataclass(frozen=True)
 class Format:
@@ -249,12 +308,12 @@ class Format:
     Attributes:
       name: short name shown to users (``orbax``, ``safetensors``).
       priority: formats are asked in descending priority; the first that claims a path opens it.
-      claims: ``claims(local_path) -> bool``: cheap, total, positive evidence only.
-      open: ``open(local_path, display_path) -> Source``.
+      claims: ``claims(location) -> bool``: cheap, total, positive evidence only.
+      open: ``open(location, display) -> Source``: ``display`` is the path as the user gave it, for messages.
       description: what paths it reads, for the "not a checkpoint" error.
 
-    ``local_path`` is an absolute local path or a ``gs://`` / ``s3://`` URL: a
-    format that lists and reads through ``treetools.storage`` (``isdir``,
+    ``location`` is an absolute local path or a ``gs://`` / ``s3://`` URL: a
+    format that lists and reads through ``treetools.ckpt.storage`` (``isdir``,
     ``scandir``, ``open``, ``read_range``, and ``kvstore_spec`` for TensorStore)
     instead of ``os`` reads buckets too.
     """
@@ -274,7 +333,7 @@ def register_format(fmt: Format) -> Format:
     """Add (or replace, by name) a format; ``inspect``, ``diff``, ``verify`` and ``load_parameters`` then read it.
 
     >>> f = register_format(Format("demo", -100, lambda p: False, lambda p, d: Source(d)))
-    >>> "demo" in [x.name for x in formats()]
+    >>> "demo" in [x.name for x in registered_formats()]
     True
     >>> unregister_format("demo")
     """
@@ -290,11 +349,11 @@ def unregister_format(name: str) -> None:
 
 
 def _load_builtins() -> None:
-    """Import every module of ``treetools.inspect.formats`` once and register its ``FORMAT``."""
+    """Import every module of ``treetools.ckpt.formats`` once and register its ``FORMAT``."""
     global _BUILTINS_LOADED
     if _BUILTINS_LOADED:
         return
-    package = importlib.import_module("treetools.inspect.formats")
+    package = importlib.import_module("treetools.ckpt.formats")
 
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
         if info.name.startswith("_"):
@@ -306,7 +365,7 @@ def _load_builtins() -> None:
     _BUILTINS_LOADED = True
 
 
-def formats() -> list[Format]:
+def registered_formats() -> list[Format]:
     """Every registered format, in the order they are asked (descending priority, then name)."""
     _load_builtins()
     return sorted(_REGISTERED.values(), key=lambda f: (-f.priority, f.name))
@@ -319,10 +378,16 @@ def _claims(fmt: Format, path: str) -> bool:
         return False
 
 
-def open_source(path: str | os.PathLike) -> Source:
+def open_source(path: str | os.PathLike, *, memory_budget: float | None = None) -> Source:
     """Open any checkpoint read-only through the format that claims it.
 
     Relative and ``~`` paths work; the path is shown as given.
+
+    Args:
+      path: a checkpoint file or folder, local or ``gs://``/``s3://``.
+      memory_budget: bytes one read may decode at once (a storage chunk, a
+        metadata file parsed whole); every reader of the source is held to it.
+        None: ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB; ``math.inf``: no budget.
 
     Raises:
       CheckpointNotFoundError: nothing at ``path``.
@@ -339,28 +404,31 @@ def open_source(path: str | os.PathLike) -> Source:
     display = os.fspath(path)
     if not display:
         raise CheckpointNotFoundError("empty path: pass a checkpoint folder or file.")
-    local = storage.normalize(display)
-    storage.forget(local)  # a bucket is listed afresh each time a checkpoint is opened
-    if not storage.exists(local):
-        if storage.islink(local):
-            raise CheckpointError(f"{display}: {file_kind(local)}; point at the checkpoint itself.")
-        if storage.is_remote(local):
-            raise storage.missing(local)
+    location = storage.normalize(display)
+    storage.forget(location)  # a bucket is listed afresh each time a checkpoint is opened
+    if not storage.exists(location):
+        if storage.islink(location):
+            raise CheckpointError(f"{display}: {file_kind(location)}; point at the checkpoint itself.")
+        if storage.is_remote(location):
+            raise storage.missing(location)
         raise CheckpointNotFoundError(f"{display}: no such file or folder.")
-    if not (storage.isdir(local) or storage.isfile(local)):
-        raise CheckpointError(f"{display}: not a regular file ({file_kind(local)}); point at a checkpoint file or folder.")
-    registered = formats()
+    if not (storage.isdir(location) or storage.isfile(location)):
+        raise CheckpointError(f"{display}: not a regular file ({file_kind(location)}); point at a checkpoint file or folder.")
+    registered = registered_formats()
     for fmt in registered:
-        if _claims(fmt, local):
+        if _claims(fmt, location):
             try:
-                return fmt.open(local, display)
+                with opening(memory_budget):
+                    source = fmt.open(location, display)
+                source.memory_budget = memory_budget
+                return source
             except (CheckpointError, CheckpointNotFoundError) as e:  # name the path as typed, not its absolute form
-                if local == display or not str(e).startswith(local):
+                if location == display or not str(e).startswith(location):
                     raise
-                raise type(e)(display + str(e)[len(local):]) from None
-    if storage.isdir(local):
+                raise type(e)(display + str(e)[len(location):]) from None
+    if storage.isdir(location):
         try:
-            empty = not storage.listdir(local)
+            empty = not storage.listdir(location)
         except OSError as e:
             raise CheckpointError(f"{display}: cannot list folder ({e.strerror or e}).") from None
         if empty:
@@ -395,10 +463,6 @@ def array_row(path: Sequence[str], shape: Sequence[int], dtype: Any, *, sharding
     >>> array_row(("w",), (2, 3), np.float16).bytes
     12
     """
-    import math
-
-    import numpy as np
-
     shape = tuple(int(d) for d in shape)
     dtype = np.dtype(dtype)
     size = math.prod(shape)
@@ -442,8 +506,6 @@ def tree_leaves(tree: Any, *, where: str) -> list[Leaf]:
     >>> [(l.name, l.row.shape, l.value) for l in tree_leaves({"w": np.ones(2), "epoch": 3}, where="x")]
     [('w', (2,), NO_VALUE), ('epoch', None, 3)]
     """
-    import numpy as np
-
     leaves = []
     for parts, value in _tree_pairs(tree):
         for p in parts:
@@ -458,8 +520,6 @@ def tree_leaves(tree: Any, *, where: str) -> list[Leaf]:
 
 def file_head(path: str, n: int) -> bytes:
     """The first ``n`` bytes of a regular file (b"" for anything else): what ``claims`` functions sniff."""
-    import stat as stat_
-
     try:
         if not stat_.S_ISREG(storage.stat(path).st_mode):
             return b""
@@ -499,8 +559,7 @@ class FileSource(Source):
     def top_level_keys(self) -> list[str]:
         return list(dict.fromkeys(leaf.path[0] for leaf in self._leaves if leaf.path))
 
-    def snapshot(self, step: Any = None, items: Sequence[str] | None = None) -> Snapshot:
-        self.resolve(step)
+    def _snapshot(self, resolved: int | None, items: Sequence[str] | None) -> Snapshot:
         out: dict[str, Item] = {}
         for name in items if items is not None else [DEFAULT_ITEM]:
             if name == DEFAULT_ITEM:
@@ -516,3 +575,78 @@ class FileSource(Source):
                 )
             out[name] = Item(name, "pytree", below)
         return Snapshot(None, out, record_sharding=self.record_sharding, notes=list(self.notes))
+
+
+# ---------------------------------------------------------------------------- which item holds the params
+
+
+def params_item(source: Source, step: int | None, *, item: str | None = None, use_ema: bool = False) -> str:
+    """The item that holds the parameters of one step.
+
+    ``item`` when given (it must exist); else ``params`` (``params_ema`` with
+    ``use_ema``; T5X: ``target``); else the one item of a single-item step;
+    else the one item holding a whole train state beside others (a ``best_fn``
+    manager's ``metrics`` item).
+
+    Raises:
+      CheckpointNotFoundError: no such item, or none of these (the message lists the items).
+    """
+    names = source.item_names(step)
+    if item is not None:
+        if item not in names:
+            raise source.missing_item(item, names, step)
+        return item
+    wanted = "params_ema" if use_ema else "params"
+    if wanted in names:
+        return wanted
+    if not use_ema and "target" in names:  # T5X: the model parameters are the item `target`
+        return "target"
+    if len(names) == 1:  # a single-tree file, or a standalone Orbax save (item `default`)
+        return names[0]
+    whole = [n for n in names if n in STATE_ITEMS]
+    if len(whole) == 1:
+        return whole[0]
+    where = f"{source.path} (step {step})" if step is not None else source.path
+    raise CheckpointNotFoundError(
+        f"{where} has no item {wanted!r}; items present: {', '.join(names) or 'none'}; pass item=NAME."
+    )
+
+
+def params_of_step(source: Source, step: int | None, *, item: str | None = None, use_ema: bool = False) -> Item:
+    """The parameters of one step as one item: ``params_item``'s item, narrowed by ``params_subtree``
+    when it holds a whole train state (an item asked for by name is returned whole)."""
+    name = params_item(source, step, item=item, use_ema=use_ema)
+    found = source.snapshot(step, [name]).items[name]
+    if item is None and name not in ("params", "params_ema"):
+        found = params_subtree(found, use_ema=use_ema)
+    return found
+
+
+def params_subtree(item: Item, *, use_ema: bool = False) -> Item:
+    """The ``params`` (or EMA) subtree of an item holding a whole train state; the item itself when it has none.
+
+    Leaves keep their ``key`` (the format's own name), so a format's hooks
+    still find them; their paths lose the subtree's name.
+
+    Raises:
+      CheckpointNotFoundError: ``use_ema`` and the item holds no EMA parameters.
+
+    >>> import numpy as np
+    >>> state = tree_leaves({"params": {"w": np.ones(2)}, "step": 3}, where="x")
+    >>> [leaf.name for leaf in params_subtree(Item("default", "pytree", state)).leaves]
+    ['w']
+    """
+    if any(leaf.row.sep != "/" for leaf in item.leaves):  # flat stored names (safetensors): never split
+        return item
+    tops = [leaf.path[0] for leaf in item.leaves if len(leaf.path) > 1]
+    for key in PARAM_SUBTREES[use_ema]:
+        if key in tops:
+            leaves = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[1:]))
+                      for leaf in item.leaves if len(leaf.path) > 1 and leaf.path[0] == key]
+            return dataclasses.replace(item, leaves=leaves)
+    if use_ema:
+        raise CheckpointNotFoundError(
+            f"item `{item.name}` holds no EMA parameters (looked for {', '.join(PARAM_SUBTREES[True])}); "
+            f"its top-level keys: {', '.join(dict.fromkeys(leaf.path[0] for leaf in item.leaves if leaf.path))}."
+        )
+    return item

@@ -31,29 +31,11 @@ import operator
 import os
 import re
 import stat
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable
 
-from treetools import storage
+from treetools.ckpt import storage
 from treetools.errors import CheckpointError, CheckpointNotFoundError
 
-__all__ = [
-    "COMMIT_SUCCESS_FILE",
-    "PYTREE_METADATA_FILE",
-    "STEP_METADATA_FILE",
-    "TMP_DIR_SUFFIX",
-    "StepListing",
-    "StepSpec",
-    "is_committed",
-    "latest_step",
-    "list_incomplete",
-    "list_steps",
-    "parse_step",
-    "parse_step_name",
-    "read_json_file",
-    "resolve_step",
-    "scan_steps",
-    "tmp_step",
-]
 
 # Orbax's on-disk names (orbax.checkpoint._src.path.atomicity_types and
 # _src.metadata.checkpoint), copied so that the rule needs no orbax import;
@@ -66,9 +48,6 @@ JSON_ITEM_FILE = "metadata"
 
 MAX_METADATA_BYTES = 64 * 2**20
 """The largest metadata file (JSON, msgpack index, header) a reader parses; real ones are KBs to a few MBs."""
-
-StepSpec = Union[int, str, None]
-"""What ``step=`` accepts: an int, ``-1``/``None``/``"latest"`` for the latest committed step, or ``"all"``."""
 
 # "N", "000N" or "<prefix>_N" (Orbax's step_prefix joins with an underscore).
 _STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")

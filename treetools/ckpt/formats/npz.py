@@ -14,12 +14,10 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from treetools import storage
+from treetools.ckpt import storage
 from treetools.errors import CheckpointError
-from treetools.inspect.arrays import ArrayReader, MemmapReader, block_span
-from treetools.inspect.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path, value_row
-
-__all__ = ["FORMAT", "ZipStreamReader", "read_npz"]
+from treetools.ckpt.readers import ArrayReader, FileReader, block_span
+from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path, value_row
 
 
 class ZipStreamReader(ArrayReader):
@@ -150,7 +148,7 @@ def read_npz(path: str) -> list[Leaf]:
             row = array_row(parts, shape, dtype, sep=sep)
             if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
                 offset = _local_data_offset(fh, info, where) + header_len
-                reader: ArrayReader = MemmapReader(path, offset, shape, dtype, fortran=fortran)
+                reader: ArrayReader = FileReader(path, offset, shape, dtype, fortran=fortran)
             else:
                 reader = ZipStreamReader(path, info.filename, header_len, shape, dtype, fortran)
             leaves.append(Leaf(row, reader, key=name))
@@ -166,6 +164,6 @@ FORMAT = Format(
     name="npz",
     priority=30,
     claims=_claims,
-    open=lambda local, display: FileSource(display, "npz", read_npz(local)),
+    open=lambda location, display: FileSource(display, "npz", read_npz(location)),
     description="an .npz file from numpy.savez",
 )

@@ -36,22 +36,24 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from treetools import storage
+from treetools.ckpt import storage
 from treetools.errors import CheckpointError
-from treetools.inspect.arrays import check_budget, np_dtype
-from treetools.inspect.formats.msgpack import is_msgpack_map
-from treetools.inspect.formats.orbax import (  # the OCDBT helpers are orbax.py's own, shared rather than copied
+from treetools.ckpt.readers import check_budget, np_dtype
+from treetools.ckpt.formats.msgpack import is_msgpack_map
+from treetools.ckpt.formats._tensorstore import (
     TensorStoreReader,
-    _open_all,
-    _refuse_special_files,
+    open_all,
+    reader_context,
+    refuse_special_files,
+    ts_spec,
+)
+from treetools.ckpt.formats.orbax import (  # a T5X root may hold later Orbax saves; boxes as nodes are Orbax's rule
     is_json_item,
     logical_paths,
     read_json_item,
     read_pytree_item,
-    reader_context,
-    ts_spec,
 )
-from treetools.inspect.source import (
+from treetools.ckpt.source import (
     DEFAULT_ITEM,
     FileSource,
     Format,
@@ -63,7 +65,7 @@ from treetools.inspect.source import (
     check_name,
     tree_leaves,
 )
-from treetools.steps import (
+from treetools.ckpt.steps import (
     PYTREE_METADATA_FILE,
     TMP_DIR_SUFFIX,
     is_committed,
@@ -74,7 +76,6 @@ from treetools.steps import (
     tmp_step,
 )
 
-__all__ = ["CHECKPOINT_FILE", "FORMAT", "T5XSource", "read_tree"]
 
 CHECKPOINT_FILE = "checkpoint"
 """The msgpack file of a T5X step folder (and of an Orbax item folder before 0.5)."""
@@ -126,7 +127,7 @@ def _object_hook(node: dict[Any, Any]) -> Any:
     return node
 
 
-def _load_msgpack(path: str) -> dict[str, Any]:
+def _load_msgpack(path: str, budget: float | None = None) -> dict[str, Any]:
     """The state dict in a ``checkpoint`` file (parsed whole: msgpack has no index), after the size budget."""
     import msgpack
 
@@ -135,7 +136,7 @@ def _load_msgpack(path: str) -> dict[str, Any]:
     except OSError:
         size = 0  # read_file names what is wrong
     # No index: the bytes and the inline arrays parsed from them are held at once (as for a Flax msgpack file).
-    check_budget(2 * size, where=path, what="the `checkpoint` msgpack, parsed whole (it has no index),")
+    check_budget(2 * size, where=path, what="the `checkpoint` msgpack, parsed whole (it has no index),", budget=budget)
     # The cap is the size just checked (read_file reads up to cap + 1 bytes, to notice a file still growing).
     data = read_file(path, what="T5X `checkpoint` msgpack", max_bytes=max(size, 1))
     try:
@@ -232,7 +233,7 @@ def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, A
     return Leaf(array_row(parts, shape, dtype), reader, key=name)
 
 
-def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
+def read_tree(path: str, name: str = DEFAULT_ITEM, *, budget: float | None = None) -> tuple[Item, int | None]:
     """The leaves of one ``checkpoint`` msgpack and the zarr folders beside it; no array data is read.
 
     Returns the item and T5X's checkpoint version (None for an Orbax item file).
@@ -245,7 +246,7 @@ def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
     ([('state/step', 7)], 3)
     """
     base = os.path.dirname(path)
-    tree, version = _state_dict(_load_msgpack(path))
+    tree, version = _state_dict(_load_msgpack(path, budget))
     leaves = tree_leaves(tree, where=path)
     paths = logical_paths([leaf.path for leaf in leaves])
     ocdbt = storage.isfile(os.path.join(base, OCDBT_MANIFEST))
@@ -269,16 +270,16 @@ def read_tree(path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
         else:
             out.append(_stored_leaf(parts, stored, base, spec, where=path, context=context))
     if in_ocdbt:
-        _refuse_special_files(base, [], use_ocdbt=True, use_zarr3=False)
+        refuse_special_files(base, [], use_ocdbt=True, use_zarr3=False)
         specs = [ts_spec(base, stored, use_ocdbt=True, use_zarr3=False) for _, _, stored in in_ocdbt]
         wheres = [f"{base}: `{'/'.join(parts)}`" for _, parts, _ in in_ocdbt]
-        for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, _open_all(specs, wheres)):
+        for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, open_all(specs, wheres)):
             shape = tuple(int(d) for d in store.shape)
             dtype = np.dtype(store.dtype.numpy_dtype)
             chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
             reader = TensorStoreReader(spec, shape, dtype, chunks, where=where, context=context)
             out[i] = Leaf(array_row(parts, shape, dtype), reader, key=stored)
-    return Item(name, "pytree", out, handle=path), version
+    return Item(name, "pytree", out), version
 
 
 # ---------------------------------------------------------------------------- folders
@@ -322,24 +323,24 @@ class T5XSource(Source):
 
     format = "t5x"
 
-    def __init__(self, local: str, display: str, mode: str):
-        self.local = local
+    def __init__(self, location: str, display: str, mode: str):
+        self.location = location
         self.mode = mode
         self._trees: dict[int | None, tuple[Item, int | None]] = {}
-        listing = scan_steps(local, commit_rule=_committed) if mode == "root" else None
-        folder = os.path.dirname(local) if mode == "file" else local
+        listing = scan_steps(location, commit_rule=_committed) if mode == "root" else None
+        folder = os.path.dirname(location) if mode == "file" else location
         super().__init__(display, listing=listing, step=None if mode == "root" else parse_step_name(os.path.basename(folder)))
 
     def _step_dir(self, step: int | None) -> str:
         if self.listing is not None and step is not None:
             return self.listing.folder(step)
-        return os.path.dirname(self.local) if self.mode == "file" else self.local
+        return os.path.dirname(self.location) if self.mode == "file" else self.location
 
     def _tree(self, step: int | None) -> tuple[Item, int | None]:
         """The step's ``checkpoint`` msgpack, parsed once per step."""
         if step not in self._trees:
-            path = self.local if self.mode == "file" else os.path.join(self._step_dir(step), CHECKPOINT_FILE)
-            self._trees[step] = read_tree(path, DEFAULT_ITEM)
+            path = self.location if self.mode == "file" else os.path.join(self._step_dir(step), CHECKPOINT_FILE)
+            self._trees[step] = read_tree(path, DEFAULT_ITEM, budget=self.memory_budget)
         return self._trees[step]
 
     def _split(self, step: int | None) -> dict[str, Item] | None:
@@ -354,7 +355,7 @@ class T5XSource(Source):
         for leaf in whole.leaves:
             out.setdefault(leaf.path[0], []).append(
                 dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[1:])))
-        return {name: Item(name, "pytree", leaves, handle=whole.handle) for name, leaves in out.items()}
+        return {name: Item(name, "pytree", leaves) for name, leaves in out.items()}
 
     def _items(self, step: int | None) -> dict[str, str]:
         """Item name -> the folder holding it (its ``checkpoint``, or Orbax's ``_METADATA``)."""
@@ -387,7 +388,7 @@ class T5XSource(Source):
                 whole, version = self._tree(step)
                 items[name] = dataclasses.replace(whole, name=name)
             else:
-                items[name], version = read_tree(os.path.join(folder, CHECKPOINT_FILE), name)
+                items[name], version = read_tree(os.path.join(folder, CHECKPOINT_FILE), name, budget=self.memory_budget)
                 if version is not None:
                     metadata["custom"] = {"t5x_checkpoint_version": version}
         return Snapshot(step, items, metadata=metadata)
@@ -418,19 +419,19 @@ def _claims(path: str) -> bool:
     return False
 
 
-def _open(local: str, display: str) -> T5XSource:
-    folder = os.path.dirname(local) if storage.isfile(local) else local
+def _open(location: str, display: str) -> T5XSource:
+    folder = os.path.dirname(location) if storage.isfile(location) else location
     if tmp_step(os.path.basename(folder)) is not None:
         raise CheckpointError(f"{display}: incomplete save (a tmp folder, renamed only when the save finishes); "
                               "it is never read.")
-    if storage.isfile(local):
-        return T5XSource(local, display, "file")
-    if _has_tree(local):
-        return T5XSource(local, display, "step")
-    root = any(parse_step_name(d) is not None and _committed(os.path.join(local, d)) for d in _subdirs(local))
-    if not root and _orbax_step(local):
-        return T5XSource(local, display, "step")
-    return T5XSource(local, display, "root")
+    if storage.isfile(location):
+        return T5XSource(location, display, "file")
+    if _has_tree(location):
+        return T5XSource(location, display, "step")
+    root = any(parse_step_name(d) is not None and _committed(os.path.join(location, d)) for d in _subdirs(location))
+    if not root and _orbax_step(location):
+        return T5XSource(location, display, "step")
+    return T5XSource(location, display, "root")
 
 
 FORMAT = Format(

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import os
 
-from treetools import storage
+from treetools.ckpt import storage
 from treetools.errors import CheckpointError
-from treetools.inspect.arrays import check_budget
-from treetools.inspect.source import FileSource, Format, Leaf, file_head, tree_leaves
+from treetools.ckpt.readers import check_budget
+from treetools.ckpt.source import FileSource, Format, Leaf, file_head, tree_leaves
 
-__all__ = ["FORMAT", "is_msgpack_map", "read_msgpack"]
 
 _GDA_PLACEHOLDER = "//GDAPlaceholder:"  # flax.training.checkpoints.MP_ARRAY_PH
 
@@ -65,6 +64,6 @@ FORMAT = Format(
     name="msgpack",
     priority=10,
     claims=_claims,
-    open=lambda local, display: FileSource(display, "msgpack", read_msgpack(local)),
+    open=lambda location, display: FileSource(display, "msgpack", read_msgpack(location)),
     description="a Flax msgpack file from flax.serialization.to_bytes",
 )

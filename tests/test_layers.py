@@ -1,0 +1,101 @@
+"""The package's layers (DESIGN.md "Layout"): contracts kept, no cycle, the checkpoint layer jax-free, hidden imports pinned."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "treetools"
+
+
+def test_import_contracts_are_kept():
+    # The contracts in pyproject.toml: layers one way down, the checkpoint layer's own layers, the commands' layers,
+    # no jax in the checkpoint layer/commands/shared modules, no cycle anywhere (function-level imports count).
+    lint = pathlib.Path(sys.executable).with_name("lint-imports")
+    proc = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "Contracts: 5 kept, 0 broken." in proc.stdout
+
+
+def test_a_broken_layer_is_caught(tmp_path):
+    # The linter is not vacuous: a copy of the package where the checkpoint layer imports the commands fails it.
+    import shutil
+
+    copy = tmp_path / "src"
+    shutil.copytree(PACKAGE, copy / "treetools", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
+    source = copy / "treetools" / "ckpt" / "source.py"
+    source.write_text(source.read_text() + "\n\ndef _up():\n    from treetools.inspect import report  # noqa\n")
+    lint = pathlib.Path(sys.executable).with_name("lint-imports")
+    env = {"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([str(lint), "--no-cache"], cwd=copy, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "treetools.ckpt.source -> treetools.inspect.report" in proc.stdout
+
+
+def test_the_checkpoint_layer_imports_no_command_no_cli_and_no_jax():
+    code = ("import sys, treetools.ckpt as c\n"
+            "c.registered_formats()\n"  # every built-in format module imported too
+            "bad = sorted(m for m in sys.modules if m.startswith(('treetools.inspect', 'treetools.cli'))\n"
+            "             or m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'optax', 'orbax'))\n"
+            "print(bad)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+
+
+# Every import of a treetools module placed inside a function, and why it is there. Anything not listed here is a
+# hidden edge of the import graph: move it to the top of its module (or to the layer it belongs in).
+FUNCTION_LEVEL_IMPORTS = {
+    # `treetools COMMAND --help` builds the parser only: numpy (and the reading modules) load when the command runs.
+    ("cli/inspect.py", "main"): "numpy",
+    ("cli/inspect.py", "_show"): "numpy",
+    ("cli/diff.py", "main"): "numpy",
+    ("cli/verify.py", "main"): "numpy",
+    # The reference trainer is jax, flax and optax.
+    ("cli/train.py", "main"): "jax",
+    # load_parameters(path) without a target returns numpy: the jax-side modules load only to place arrays.
+    ("restore.py", "_target"): "jax",
+}
+
+
+def _function_level_imports() -> dict[tuple[str, str], list[str]]:
+    found: dict[tuple[str, str], list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
+                         [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+                for name in names:
+                    if name == "treetools" or name.startswith("treetools."):
+                        found.setdefault((str(path.relative_to(PACKAGE)), fn.name), []).append(name)
+    return found
+
+
+def test_function_level_imports_of_treetools_modules_are_only_the_listed_ones():
+    found = _function_level_imports()
+    assert set(found) == set(FUNCTION_LEVEL_IMPORTS), sorted(set(found) ^ set(FUNCTION_LEVEL_IMPORTS))
+    # Each says why, in a comment at the top of the function body (before its first import).
+    for (file, function), reason in FUNCTION_LEVEL_IMPORTS.items():
+        source = (PACKAGE / file).read_text()
+        fn = next(n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == function)
+        body = source.splitlines()[fn.lineno: fn.end_lineno]
+        comments = " ".join(line for line in body if line.strip().startswith("#") or "  # " in line)
+        assert reason in comments, f"{file}:{function} imports treetools modules without saying it keeps {reason} out"
+
+
+@pytest.mark.parametrize("module", ["rows", "patterns", "render", "errors"])
+def test_shared_and_low_modules_import_only_the_standard_library_and_below(module):
+    code = (f"import sys; import treetools.{module}\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'numpy', 'flax', 'orbax', 'tensorstore')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"

@@ -1,0 +1,94 @@
+"""Option groups shared by the checkpoint commands, defined once, and the options objects built from them.
+
+Each ``add_*`` function adds one group of flags to a subcommand's parser;
+``options_from(args, InspectOptions)`` builds the command's options object
+from the parsed flags by field name. Standard library only: parsers are built
+before any heavy import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any, Sequence, TypeVar
+
+from treetools.cli._args import chunk_mb, positive_float, positive_int, regex, step
+
+_T = TypeVar("_T")
+
+
+def add_step(parser: argparse.ArgumentParser, *, allow_all: bool = True, twice: bool = False) -> None:
+    """``--step N|latest[|all]``; with ``twice``, once for both sides or twice for A then B."""
+    if twice:
+        parser.add_argument("--step", type=step, action="append", default=[], metavar="N|latest",
+                            help="step of a root (default latest); once for both sides, twice for A then B")
+        return
+    parser.add_argument("--step", type=step, default=None, metavar="N|latest|all" if allow_all else "N|latest",
+                        help="step of a checkpoint root (default latest)"
+                             + ("; `all`: every committed step" if allow_all else ""))
+
+
+def add_item(parser: argparse.ArgumentParser) -> None:
+    """``--item NAME``."""
+    parser.add_argument("--item", metavar="NAME",
+                        help="only this item of a composite checkpoint (e.g. params); in a single-tree file "
+                             "(msgpack of a whole state, npz, safetensors) a top-level key")
+
+
+def add_filters(parser: argparse.ArgumentParser, *, verb: str = "keep") -> None:
+    """``--include RE`` / ``--exclude RE``, repeatable."""
+    parser.add_argument("--include", type=regex, action="append", default=[], metavar="RE",
+                        help=f"{verb} leaves whose path matches RE (re.search); repeatable; "
+                             "a pattern that matches no leaf is an error")
+    parser.add_argument("--exclude", type=regex, action="append", default=[], metavar="RE",
+                        help="drop leaves whose path matches RE; repeatable")
+
+
+def add_sort(parser: argparse.ArgumentParser, *, help: str = "row order (default: stored order; params/bytes: "
+             "largest first)") -> None:
+    """``--sort path|params|bytes``."""
+    parser.add_argument("--sort", choices=("path", "params", "bytes"), default=None, help=help)
+
+
+def add_depth(parser: argparse.ArgumentParser | Any, *, help: str) -> None:
+    """``--depth K``."""
+    parser.add_argument("--depth", type=positive_int, default=None, metavar="K", help=help)
+
+
+def memory_budget_mb(text: str) -> float:
+    """``--memory-budget-mb``: MB (fractions allowed, ``inf`` for none) -> bytes.
+
+    >>> memory_budget_mb("0.5"), memory_budget_mb("inf")
+    (524288.0, inf)
+    """
+    return positive_float(text) * 2**20
+
+
+def add_reading(parser: argparse.ArgumentParser) -> None:
+    """``--memory-budget-mb MB`` (the most stored data decoded at once), and the hidden block size ``--chunk-mb``."""
+    parser.add_argument("--memory-budget-mb", type=memory_budget_mb, default=None, dest="memory_budget", metavar="MB",
+                        help="most stored data decoded at once by --stats/--show/--values/verify: one storage "
+                             "chunk or one --show read (default 2048; TREETOOLS_MEMORY_BUDGET_MB)")
+    # Hidden: the block budget of --stats / --values / verify (tests and benchmarks shrink it).
+    parser.add_argument("--chunk-mb", type=chunk_mb, default=None, dest="chunk_bytes", help=argparse.SUPPRESS)
+
+
+def add_output_format(parser: argparse.ArgumentParser, choices: Sequence[str]) -> None:
+    """``--format`` with the renderings a command has."""
+    parser.add_argument("--format", choices=tuple(choices), default="table", help="output format (default table)")
+
+
+def options_from(args: argparse.Namespace, cls: type[_T], **fields: Any) -> _T:
+    """An options object of type ``cls`` from the parsed flags of the same names, with ``fields`` on top.
+
+    >>> import dataclasses
+    >>> @dataclasses.dataclass
+    ... class Opts:
+    ...     depth: int | None = None
+    ...     sort: str | None = None
+    >>> options_from(argparse.Namespace(depth=2, sort=None, format="json"), Opts, sort="path")
+    Opts(depth=2, sort='path')
+    """
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    given = {k: v for k, v in vars(args).items() if k in names and k not in fields}
+    return cls(**given, **fields)

@@ -1,0 +1,119 @@
+"""The options of each checkpoint command, one dataclass per command.
+
+A command is data in, a report out: ``inspect_path(path, InspectOptions(...))``,
+``diff_paths(a, b, DiffOptions(...))``, ``verify_path(path, VerifyOptions(...))``.
+Keyword arguments are a shorthand for the same fields
+(``inspect_path(path, depth=1)``). The CLI builds these objects from its
+option groups (``treetools.cli.options``) by field name, so a new option is
+one field here, its use in the command, and its flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence, TypeVar
+
+from treetools.ckpt.readers import chunk_bytes_from_env
+
+_O = TypeVar("_O", bound="ReadOptions")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReadOptions:
+    """How a command reads array data: block size, memory budget, progress bar.
+
+    Attributes:
+      chunk_bytes: bytes of stored data per block (None: ``TREETOOLS_CHUNK_BYTES``, else 8 MiB).
+      memory_budget: the most stored data decoded at once, in bytes (None:
+        ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB; ``math.inf``: none).
+      progress: draw a progress bar on stderr (None: when stderr is a terminal).
+    """
+
+    chunk_bytes: int | None = None
+    memory_budget: float | None = None
+    progress: bool | None = None
+
+    @property
+    def block_bytes(self) -> int:
+        """``chunk_bytes``, or its default."""
+        return self.chunk_bytes if self.chunk_bytes is not None else chunk_bytes_from_env()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InspectOptions(ReadOptions):
+    """What ``inspect_path`` shows.
+
+    Attributes:
+      step: a step number, ``"latest"`` (default) or ``"all"``; roots only.
+      item: show only this item (e.g. ``params``); only its metadata is read.
+      depth: one row per path prefix of ``depth`` parts below the item's shared prefix, summed.
+      leaves: one row per leaf (no grouping).
+      include: regexes (``re.search`` on path strings); keep leaves matching any.
+      exclude: regexes; drop leaves matching any. A pattern that matches no leaf is an error.
+      sort: ``path``, ``params`` or ``bytes``; default stored order.
+      stats: stream every array and attach the statistics of ``treetools.inspect.stats.STATS``.
+      rows_per_item: without ``depth`` or ``leaves``, group an item's rows at the deepest level that keeps
+        it to this many rows (the CLI's one-screen summary); None shows every leaf.
+    """
+
+    step: int | str | None = None
+    item: str | None = None
+    depth: int | None = None
+    leaves: bool = False
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    sort: str | None = None
+    stats: bool = False
+    rows_per_item: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.depth is not None and self.depth < 1:
+            raise ValueError(f"`depth` must be a positive integer, got {self.depth}.")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DiffOptions(ReadOptions):
+    """What ``diff_paths`` compares.
+
+    Attributes:
+      step: the step of each side that is a checkpoint root (None: latest).
+      step_a, step_b: the step of A / of B, overriding ``step``.
+      item: compare only this item (a side with a single item uses that one).
+      values: also compare values, streamed in blocks.
+      atol, rtol: the tolerance ``|a - b| <= atol + rtol * |b|``.
+      include, exclude: path regexes selecting the leaves compared.
+      depth: group the results by path prefixes of ``depth`` parts.
+      sort: ``path``, ``params`` or ``bytes`` order of the listed leaves.
+    """
+
+    step: int | str | None = None
+    step_a: int | str | None = None
+    step_b: int | str | None = None
+    item: str | None = None
+    values: bool = False
+    atol: float = 1e-8
+    rtol: float = 1e-5
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    depth: int | None = None
+    sort: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyOptions(ReadOptions):
+    """What ``verify_path`` checks: one step of a checkpoint root (None: the latest committed one)."""
+
+    step: int | str | None = None
+
+
+def resolve(cls: type[_O], options: _O | None, fields: dict[str, Any]) -> _O:
+    """``options`` (or the defaults of ``cls``) with ``fields`` given as keywords on top.
+
+    >>> resolve(InspectOptions, None, {"depth": 2}).depth
+    2
+    """
+    if options is None:
+        return cls(**fields)
+    if not isinstance(options, cls):
+        raise TypeError(f"`options` must be a {cls.__name__}, got {type(options).__name__}.")
+    return dataclasses.replace(options, **fields) if fields else options

@@ -1,0 +1,92 @@
+"""Path patterns: Python regexes matched with ``re.search`` against the one path string.
+
+Standard library only: the jax-free commands (``treetools inspect``, ``diff``)
+filter checkpoint leaves with the same rule as ``get_param_mask_fn`` filters a
+live tree. A pattern that matches no path is an error naming the pattern and a
+few nearby paths, never a silent no-op: a typo must not decay (or freeze,
+or drop) everything.
+
+>>> match_patterns(["a/bias", "a/kernel"], compile_patterns(["bias$"], name="exclude"), name="exclude")
+[True, False]
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Iterable, Sequence
+
+from treetools.errors import PatternError
+
+
+def compile_patterns(patterns: str | Iterable[str] | None, *, name: str) -> list[re.Pattern]:
+    """Compile regexes, naming the argument in the error for a bad one.
+
+    >>> [p.pattern for p in compile_patterns(r"bias$", name="exclude")]
+    ['bias$']
+    """
+    if patterns is None:
+        return []
+    if isinstance(patterns, (str, re.Pattern)):
+        patterns = [patterns]
+    out = []
+    for pat in patterns:
+        try:
+            out.append(re.compile(pat))
+        except re.error as e:
+            raise PatternError(f"`{name}` pattern {pat!r} is not a valid regex ({e}); fix or escape it.") from None
+    return out
+
+
+def nearby(text: str, paths: Sequence[str], n: int = 5) -> list[str]:
+    """The paths closest to ``text`` (the first few when none is close), each once.
+
+    >>> nearby("Dense_0/kernal", ["Dense_0/kernel", "Dense_0/bias", "head/w"], n=1)
+    ['Dense_0/kernel']
+    """
+    unique = list(dict.fromkeys(paths))
+    return difflib.get_close_matches(text, unique, n=n, cutoff=0.0) or unique[:n]
+
+
+def match_patterns(paths: Sequence[str], patterns: Sequence[re.Pattern], *, name: str) -> list[bool]:
+    """For each path, whether any pattern ``re.search``-matches it.
+
+    Raises:
+      PatternError: a pattern matches no path; the message names the pattern and
+        a few nearby paths.
+
+    >>> match_patterns(["a/bias"], compile_patterns(["kernel"], name="include"), name="include")
+    Traceback (most recent call last):
+    ...
+    treetools.errors.PatternError: `include` pattern 'kernel' matches no leaf; nearby paths: ['a/bias']. Fix the pattern or drop it.
+    """
+    hits = [False] * len(paths)
+    for pat in patterns:
+        matched = False
+        for i, p in enumerate(paths):
+            if pat.search(p):
+                hits[i] = matched = True
+        if not matched:
+            raise PatternError(
+                f"`{name}` pattern {pat.pattern!r} matches no leaf; nearby paths: "
+                f"{nearby(pat.pattern, paths)}. Fix the pattern or drop it."
+            )
+    return hits
+
+
+def select(paths: Sequence[str], include: Sequence[str] = (), exclude: Sequence[str] = ()) -> list[bool]:
+    """Which paths to keep: those matching an ``include`` pattern (all when none) and no ``exclude`` pattern.
+
+    Each distinct path is matched once. A pattern that matches no path is a ``PatternError``.
+
+    >>> select(["a/w", "a/b", "c/w"], include=["^a/"], exclude=["b$"])
+    [True, False, False]
+    """
+    distinct = list(dict.fromkeys(paths))
+    inc = compile_patterns(list(include), name="include")
+    exc = compile_patterns(list(exclude), name="exclude")
+    keep = dict(zip(distinct, match_patterns(distinct, inc, name="include") if inc else [True] * len(distinct)))
+    if exc:
+        for path, dropped in zip(distinct, match_patterns(distinct, exc, name="exclude")):
+            keep[path] = keep[path] and not dropped
+    return [keep[p] for p in paths]
