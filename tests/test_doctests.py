@@ -8,7 +8,7 @@ import pytest
 MODULES = [
     "paths", "partitioning", "counting", "masks", "abstract", "table", "norms", "checkpoint",
     "errors", "steps", "rows", "render", "inspect.source", "inspect.diff", "inspect.report", "inspect.stats",
-    "inspect.formats.orbax", "inspect.formats.safetensors", "inspect.formats.npz", "inspect.formats.hf_sharded", "inspect.formats.t5x", "inspect.verify", "cli", "cli._args", "cli.plot",
+    "rules", "inspect.formats.orbax", "inspect.formats.safetensors", "inspect.formats.npz", "inspect.formats.hf_sharded", "inspect.formats.t5x", "inspect.verify", "cli", "cli._args", "cli.plot",
 ]
 
 

@@ -124,6 +124,9 @@ _EXPORTS = {  # public name -> module under treetools
     "CheckpointNotFoundError": "errors",
     "StepDeletedError": "errors",
     "PatternError": "errors",
+    "RulesError": "errors",
+    # rules
+    "Rules": "rules",
     # inspect
     "inspect_path": "inspect",
     "diff_paths": "inspect",
@@ -159,6 +162,7 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         CheckpointMismatchError,
         CheckpointNotFoundError,
         PatternError,
+        RulesError,
         StepDeletedError,
     )
     from treetools.inspect import Format, diff_paths, inspect_path, open_checkpoint, open_source, register_format
@@ -175,4 +179,5 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     )
     from treetools.partitioning import LeafSharding, is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
     from treetools.paths import flatten, leaves_with_paths, map_with_path, path_str, unflatten
+    from treetools.rules import Rules
     from treetools.table import Row, rows_from_tree, tabulate_params
