@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import shlex
 import subprocess
 import sys
 from collections import namedtuple
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -390,10 +392,17 @@ def test_two_leaves_renamed_onto_one_path_names_both():
         Rules(unstack=["^a$"], rename={r"^a/(\d)$": r"b/\1"}).plan([("a", (2,), "f4"), ("b/1", (), "f4")])
 
 
+    with pytest.raises(RulesError, match=r"^`a/x`, `a/y` and `a/z` all become `b`"):
+        Rules(rename={"^a/.$": "b"}).plan([("a/x", (1,), "f4"), ("a/y", (1,), "f4"), ("a/z", (1,), "f4")])
+
+
 def test_a_bad_replacement_is_said_once():
     with pytest.raises(RulesError) as e:
         Rules(rename=[(r"attn/(.)$", r"attn/\2")]).plan(LEAVES)
     assert len(e.value.problems) == 1 and "invalid group reference 2" in str(e.value)
+    # the target layer check renames too, and leaves the bad replacement to the rename stage
+    with pytest.raises(RulesError, match="invalid group reference 2"):
+        Rules(unstack=["layers"], rename=[(r"attn/(.)$", r"attn/\2")]).plan(LEAVES, targets={"x"})
 
 
 def test_unstack_errors_name_the_leaf_and_its_shape():
@@ -675,6 +684,37 @@ def test_describe_rows_and_text():
                                "(5,", "3)", "float32", "->", "bfloat16"]
     assert text[-1].split() == ["opt_state/0/mu/embed", "(dropped)"]
     assert str(rules.plan(leaves)) == format_rows(rows)
+
+
+def test_docs_rules_md_python_toml_json_and_flags_are_the_same_rules(tmp_path):
+    import treetools as tt
+
+    doc = (Path(__file__).parent.parent / "docs" / "rules.md").read_text()
+    blocks = re.findall(r"```(\w*)\n(.*?)```", doc, flags=re.S)
+    python, = [b for lang, b in blocks if lang == "python" and "tt.Rules(" in b]
+    toml, = [b for lang, b in blocks if lang == "toml"]
+    json_text, = [b for lang, b in blocks if lang == "json"]
+    flags, = [b for lang, b in blocks if lang == "" and b.startswith("--rename")]
+    namespace = {"tt": tt}
+    exec(python, namespace)
+    (tmp_path / "r.toml").write_text(toml)
+    (tmp_path / "r.json").write_text(json_text)
+    words = shlex.split(flags)
+    kwargs = {"rename": [], "transpose": []}
+    for flag, value in zip(words[::2], words[1::2]):
+        name = flag.removeprefix("--")
+        kwargs[name] = value if name == "dtype" else kwargs[name] + [value]
+    expected = GPT2_TO_PYTORCH.merge(Rules(dtype="float16"))
+    assert namespace["rules"] == expected
+    assert Rules.from_file(tmp_path / "r.toml") == expected
+    assert Rules.from_file(tmp_path / "r.json") == expected
+    assert Rules.from_cli(**kwargs) == expected
+    # the printed plan on the page is what str(plan) prints
+    printed, = [b for lang, b in blocks if lang == "" and b.startswith("source")]
+    plan = Rules(unstack=["layers"], rename=[(r"^layers/(\d+)/w$", r"h.\1.weight")], drop=["^opt"],
+                 transpose=[(r"weight$", (1, 0))], dtype="bfloat16").plan(
+        [("layers/w", (2, 4, 8), "float32"), ("step", (), "int32"), ("opt/mu", (3,), "float32")])
+    assert str(plan) == printed.rstrip("\n")
 
 
 # ---------------------------------------------------------------------------------------------- properties

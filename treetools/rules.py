@@ -218,7 +218,7 @@ def _axes(value: Any, field: str = "transpose") -> tuple[int, ...]:
     return tuple(int(a) for a in value)
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
+@dataclasses.dataclass(frozen=True, repr=False, kw_only=True)
 class Rules:
     """How a checkpoint's leaves become the leaves a user wants (see the module docstring).
 
@@ -578,7 +578,7 @@ class TargetLeaf:
 
     path: str
     shape: Shape | None
-    dtype: np.dtype | None
+    dtype: Any
     pieces: tuple[Piece, ...]
     source_shape: Shape | None
     source_dtype: Any
@@ -715,25 +715,6 @@ class RulesPlan:
 # ---------------------------------------------------------------------------------------------- planner
 
 
-@dataclasses.dataclass
-class _Node:
-    """A leaf between stages: its current path, what it is made of, and its shape/dtype so far."""
-
-    path: str
-    pieces: tuple[Piece, ...]
-    shape: Shape | None
-    dtype: Any
-    source_shape: Shape | None
-    source_dtype: Any
-    stacked: bool = False
-    axes: tuple[int, ...] | None = None
-    cast: np.dtype | None = None
-
-    @property
-    def origin(self) -> str:
-        return _pieces_text(self.pieces, self.stacked)
-
-
 def _as_leaves(leaves: Any) -> list[tuple[str, Shape | None, Any]]:
     if isinstance(leaves, Mapping):
         triples = []
@@ -832,7 +813,7 @@ class _Planner:
         return firsts
 
     def run(self, leaves: list[tuple[str, Shape | None, Any]]) -> RulesPlan:
-        nodes = [_Node(p, (Piece(p),), s, d, s, d) for p, s, d in leaves]
+        nodes = [TargetLeaf(p, s, d, (Piece(p),), s, d) for p, s, d in leaves]
         nodes, dropped = self.keep_drop(nodes)
         self.check()
         nodes = self.unstack(nodes)
@@ -841,23 +822,18 @@ class _Planner:
         self.check()
         nodes = self.stack(nodes)
         self.check()
-        self.transpose(nodes)
-        self.cast(nodes)
+        nodes = self.cast(self.transpose(nodes))
         self.check()
-        leaves_out = tuple(
-            TargetLeaf(n.path, n.shape, n.dtype, n.pieces, n.source_shape, n.source_dtype, n.stacked, n.axes, n.cast)
-            for n in nodes
-        )
-        return RulesPlan(leaves_out, tuple(dropped))
+        return RulesPlan(tuple(nodes), tuple(dropped))
 
-    def keep_drop(self, nodes: list[_Node]) -> tuple[list[_Node], list[str]]:
+    def keep_drop(self, nodes: list[TargetLeaf]) -> tuple[list[TargetLeaf], list[str]]:
         paths = [n.path for n in nodes]
         keep = self.first_match("keep", paths, "checkpoint paths") if self.rules.keep else [0] * len(paths)
         drop = self.first_match("drop", paths, "checkpoint paths")
         kept = [n for n, k, d in zip(nodes, keep, drop) if k is not None and d is None]
         return kept, [n.path for n, k, d in zip(nodes, keep, drop) if not (k is not None and d is None)]
 
-    def unstack(self, nodes: list[_Node]) -> list[_Node]:
+    def unstack(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
         firsts = self.first_match("unstack", [n.path for n in nodes], "checkpoint paths after keep/drop")
         out = []
         for node, k in zip(nodes, firsts):
@@ -885,13 +861,16 @@ class _Planner:
                 ))
         return out
 
-    def check_target_layers(self, node: _Node, match: re.Match, shape: Shape) -> None:
+    def check_target_layers(self, node: TargetLeaf, match: re.Match, shape: Shape) -> None:
         """With ``targets``: the layers of an unstacked leaf that the target names must be 0 .. L-1."""
         if self.targets is None:
             return
         named = 0
-        while named <= len(self.targets) and self.renamed(insert_index(node.path, match, named)) in self.targets:
-            named += 1
+        try:
+            while named <= len(self.targets) and self.renamed(insert_index(node.path, match, named)) in self.targets:
+                named += 1
+        except (re.error, IndexError):
+            return  # a bad replacement: the rename stage names it
         if named and named != shape[0]:
             first, last = (self.renamed(insert_index(node.path, match, i)) for i in (0, named - 1))
             self.problems.append(
@@ -905,41 +884,44 @@ class _Planner:
                 return pat.sub(repl, path)
         return path
 
-    def rename(self, nodes: list[_Node]) -> list[_Node]:
+    def rename(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
         where = "paths after keep/drop and unstack" if self.rules.unstack else "checkpoint paths after keep/drop"
         firsts = self.first_match("rename", [n.path for n in nodes], where)
         failed: set[int] = set()  # a bad replacement is said once, on the first path it fails on
+        out = []
         for node, k in zip(nodes, firsts):
+            out.append(node)
             if k is None or k in failed:
                 continue
             pattern, repl = self.rules.rename[k]
             try:
-                node.path = self.rules._compiled["rename"][k].sub(repl, node.path)
+                out[-1] = dataclasses.replace(node, path=self.rules._compiled["rename"][k].sub(repl, node.path))
             except (re.error, IndexError) as e:
                 failed.add(k)
                 self.problems.append(
                     f"`rename` rule ({pattern!r}, {repl!r}) fails on `{node.path}`: {e}; fix the replacement "
                     r"(groups are \1 or \g<name>)."
                 )
-        self.check_collisions(nodes, "rename")
-        return nodes
+        self.check_collisions(out, "rename")
+        return out
 
-    def check_collisions(self, nodes: Sequence[_Node], stage: str) -> None:
-        by_path: dict[str, list[_Node]] = {}
+    def check_collisions(self, nodes: Sequence[TargetLeaf], stage: str) -> None:
+        by_path: dict[str, list[TargetLeaf]] = {}
         for node in nodes:
             by_path.setdefault(node.path, []).append(node)
         for path, group in by_path.items():
             if len(group) > 1:
-                names = " and ".join(f"`{n.origin}`" for n in group)
+                names = [f"`{_pieces_text(n.pieces, n.stacked)}`" for n in group]
+                both = "both" if len(names) == 2 else "all"
                 self.problems.append(
-                    f"{names} both become `{path}` after {stage}; fix the `{stage}` rules so that each leaf "
-                    "gets its own path, or drop one of them."
+                    f"{', '.join(names[:-1])} and {names[-1]} {both} become `{path}` after {stage}; fix the "
+                    f"`{stage}` rules so that each leaf gets its own path, or drop all but one of them."
                 )
 
-    def stack(self, nodes: list[_Node]) -> list[_Node]:
+    def stack(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
         firsts = self.first_match("stack", [n.path for n in nodes], "paths after rename")
-        groups: dict[str, list[tuple[int, _Node]]] = {}
-        slots: list[_Node | str] = []  # unstacked nodes, and each group's path where its first member was
+        groups: dict[str, list[tuple[int, TargetLeaf]]] = {}
+        slots: list[TargetLeaf | str] = []  # leaves no stack takes, and each stack's path where its first layer was
         for node, k in zip(nodes, firsts):
             if k is None:
                 slots.append(node)
@@ -966,38 +948,37 @@ class _Planner:
         self.check_collisions(out, "stack")
         return out
 
-    def stack_group(self, path: str, members: list[tuple[int, _Node]]) -> _Node:
+    def stack_group(self, path: str, members: list[tuple[int, TargetLeaf]]) -> TargetLeaf:
         members.sort(key=lambda m: m[0])
         indices = [i for i, _ in members]
+        first = members[0][1]
         names = ", ".join(f"`{n.path}`" for _, n in members[:3]) + (" ..." if len(members) > 3 else "")
         if indices != list(range(len(indices))):
             missing = sorted(set(range(max(indices) + 1)) - set(indices))
             twice = sorted({i for i in indices if indices.count(i) > 1})
-            what = (f"missing {missing}" if missing else "") + ("; " if missing and twice else "") + (
-                f"given twice {twice}" if twice else "")
+            what = "; ".join([f"missing {missing}"] * bool(missing) + [f"given twice {twice}"] * bool(twice))
             self.problems.append(
                 f"`stack` into `{path}`: layers {indices} from {names} are not 0 .. {len(indices) - 1} ({what}); "
                 "every layer from 0 up must be present once."
             )
-        kinds = {(n.shape, str(n.dtype)) for _, n in members}
-        if len(kinds) > 1:
-            each = "; ".join(f"`{n.path}` {n.shape} {_dtype_text(n.dtype)}" for _, n in members
-                             if (n.shape, str(n.dtype)) != (members[0][1].shape, str(members[0][1].dtype)))
+        odd = [n for _, n in members if (n.shape, str(n.dtype)) != (first.shape, str(first.dtype))]
+        if odd:
+            each = "; ".join(f"`{n.path}` {n.shape} {_dtype_text(n.dtype)}" for n in [first, *odd])
             self.problems.append(
-                f"`stack` into `{path}`: the layers differ in shape or dtype (`{members[0][1].path}` "
-                f"{members[0][1].shape} {_dtype_text(members[0][1].dtype)}; {each}); only like layers stack."
+                f"`stack` into `{path}`: the layers differ in shape or dtype ({each}); only like layers stack."
             )
         if self.num_layers is not None and len(members) != self.num_layers:
             self.problems.append(
                 f"`stack` into `{path}`: {len(members)} layers ({names}), not the {self.num_layers} expected."
             )
-        first = members[0][1]
-        return _Node(path, tuple(n.pieces[0] for _, n in members), (len(members), *first.shape), first.dtype,
-                     first.source_shape, first.source_dtype, stacked=True)
+        return TargetLeaf(path, (len(members), *first.shape), first.dtype, tuple(n.pieces[0] for _, n in members),
+                          first.source_shape, first.source_dtype, stacked=True)
 
-    def transpose(self, nodes: list[_Node]) -> None:
+    def transpose(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
         firsts = self.first_match("transpose", [n.path for n in nodes], "target paths, after rename and stack")
+        out = []
         for node, k in zip(nodes, firsts):
+            out.append(node)
             if k is None:
                 continue
             pattern, axes = self.rules.transpose[k]
@@ -1013,48 +994,48 @@ class _Planner:
                 continue
             axes = tuple(a % rank for a in axes)
             if axes != tuple(range(rank)):
-                node.axes = axes
-                node.shape = tuple(node.shape[a] for a in axes)
+                out[-1] = dataclasses.replace(node, axes=axes, shape=tuple(node.shape[a] for a in axes))
+        return out
 
-    def cast(self, nodes: list[_Node]) -> None:
+    def cast(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
         firsts = self.first_match("cast", [n.path for n in nodes], "target paths, after rename and stack")
-        casts = [resolve_dtype(d) for _, d in self.rules.cast]
-        blanket = None if self.rules.dtype is None else resolve_dtype(self.rules.dtype)
         # The kinds each cast rule applies to: a kind change is only for a rule written for that kind.
         kinds_of: dict[int, dict[str | None, str]] = {}
         for node, k in zip(nodes, firsts):
             if k is not None and node.shape is not None:
                 kinds_of.setdefault(k, {}).setdefault(_node_kind(node), node.path)
+        out = []
         for node, k in zip(nodes, firsts):
-            if node.shape is None:
-                continue
-            kind = _node_kind(node)
-            if k is None:
-                if blanket is not None and kind == "floating" and node.dtype != blanket:
-                    node.cast = node.dtype = blanket
-                continue
-            pattern, target = self.rules.cast[k][0], casts[k]
-            if kind is None:
-                self.problems.append(
-                    f"`cast` rule {pattern!r} -> {target.name} matches `{node.path}` of dtype "
-                    f"{_dtype_text(node.dtype)}, which does not cast; narrow the pattern."
-                )
-                continue
-            others = {kd: p for kd, p in kinds_of[k].items() if kd != kind}
-            if _kind(target) != kind and others:
-                other_kind, other = next(iter(others.items()))
-                self.problems.append(
-                    f"`cast` rule {pattern!r} -> {target.name} would turn {kind} `{node.path}` "
-                    f"({_dtype_text(node.dtype)}) into {_kind(target)}, but the rule also applies to {other_kind} "
-                    f"`{other}`; a kind change needs a rule for leaves of that kind only: narrow the pattern or "
-                    "put a rule for this leaf first (`dtype=` casts floating leaves only)."
-                )
-                continue
-            if node.dtype != target:
-                node.cast = node.dtype = target
+            target = None if node.shape is None else self.cast_to(node, k, kinds_of.get(k, {}))
+            out.append(node if target is None or target == node.dtype else
+                       dataclasses.replace(node, dtype=target, cast=target))
+        return out
+
+    def cast_to(self, node: TargetLeaf, k: int | None, kinds: dict[str | None, str]) -> np.dtype | None:
+        """The dtype cast rule ``k`` (or ``dtype=``, for None) gives an array leaf; None for none."""
+        kind = _node_kind(node)
+        if k is None:
+            return resolve_dtype(self.rules.dtype) if self.rules.dtype and kind == "floating" else None
+        pattern, target = self.rules.cast[k][0], resolve_dtype(self.rules.cast[k][1])
+        if kind is None:
+            self.problems.append(
+                f"`cast` rule {pattern!r} -> {target.name} matches `{node.path}` of dtype "
+                f"{_dtype_text(node.dtype)}, which does not cast; narrow the pattern."
+            )
+            return None
+        others = [(kd, p) for kd, p in kinds.items() if kd != kind]
+        if _kind(target) != kind and others:
+            self.problems.append(
+                f"`cast` rule {pattern!r} -> {target.name} would turn {kind} `{node.path}` "
+                f"({_dtype_text(node.dtype)}) into {_kind(target)}, but the rule also applies to {others[0][0]} "
+                f"`{others[0][1]}`; a kind change needs a rule for leaves of that kind only: narrow the pattern or "
+                "put a rule for this leaf first (`dtype=` casts floating leaves only)."
+            )
+            return None
+        return target
 
 
-def _node_kind(node: _Node) -> str | None:
+def _node_kind(node: TargetLeaf) -> str | None:
     return _kind(node.dtype) if isinstance(node.dtype, np.dtype) else None
 
 
