@@ -133,6 +133,9 @@ _EXPORTS = {  # public name -> module under treetools
     "CheckpointNotFoundError": "errors",
     "StepDeletedError": "errors",
     "PatternError": "errors",
+    "RulesError": "errors",
+    # rules: rename, drop, cast, transpose, stack/unstack a checkpoint's leaves
+    "Rules": "rules",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -161,6 +164,7 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         CheckpointMismatchError,
         CheckpointNotFoundError,
         PatternError,
+        RulesError,
         StepDeletedError,
     )
     from treetools.inspect.diff import diff_paths
@@ -181,3 +185,4 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.restore import load_parameters, restore_checkpoint
     from treetools.rows import LeafSharding, Row
     from treetools.table import rows_from_tree, tabulate_params
+    from treetools.rules import Rules

@@ -13,6 +13,10 @@ heavy (no jax, no numpy).
   checkpoint; ``problems`` lists every offending leaf.
 * ``PatternError``: an include/exclude/label pattern that is not a regex or
   that matches no leaf.
+* ``RulesError``: a ``PatternError``: ``tt.Rules`` that do not fit a
+  checkpoint's leaves (a pattern matching nothing, two leaves renamed onto one
+  path, an unstack of a leaf without the layer axis...); ``problems`` lists
+  one line per rule or leaf.
 """
 
 from __future__ import annotations
@@ -59,6 +63,27 @@ class PatternError(ValueError):
     >>> isinstance(PatternError("`exclude` pattern 'bias$' matches no leaf"), ValueError)
     True
     """
+
+
+class RulesError(PatternError):
+    """``tt.Rules`` that do not fit the leaves they are applied to; ``problems`` has one line each.
+
+    Raised while planning, before any array data is read. A single problem is
+    the whole message; several are listed one per line under a header.
+
+    >>> e = RulesError(["`drop` pattern 'opt' matches no leaf; nearby paths: ['params/w']."])
+    >>> isinstance(e, PatternError), str(e).startswith("`drop` pattern")
+    (True, True)
+    """
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            message = self.problems[0]
+        else:
+            lines = "\n".join(f"  {p}" for p in self.problems)
+            message = f"the rules do not fit the leaves ({len(self.problems)} problems):\n{lines}"
+        super().__init__(message)
 
 
 @dataclasses.dataclass(frozen=True)
