@@ -440,3 +440,15 @@ def test_plot_accepts_a_workdir(metrics, capsys):
     rc, out, err = run(capsys, "plot", metrics.parent)
     png = metrics.parent / "norms.png"
     assert rc == 0 and out.strip() == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("command", ["inspect", "diff", "verify"])
+def test_a_negative_step_other_than_minus_1_is_usage_and_minus_1_is_the_latest(command, tmp_path, capsys):
+    # Issue 24, point 2: `--step -2` printed a traceback and exited 1 (for diff, "different").
+    np.savez(tmp_path / "a.npz", w=np.ones(2))
+    rc, out, err = run(capsys, command, str(tmp_path / "a.npz"), "--step", "-2")
+    assert rc == 2 and "Traceback" not in err and "-1 or `latest`" in err, err
+    rc, _, err = run(capsys, "inspect", "--help")
+    assert "-1 is the latest too" in " ".join(err.split()) or rc == 0
+    rc, out, _ = run(capsys, "inspect", "--help")
+    assert "-1 is the latest too" in " ".join(out.split())

@@ -205,3 +205,10 @@ def test_label_fn_allow_unmatched():
                                 "no_decay": optax.sgd(1.0)}, label_fn)
     updates, _ = tx.update(jax.tree.map(jnp.ones_like, llama), tx.init(llama), llama)
     assert all(np.all(np.asarray(u) == -1.0) for u in jax.tree.leaves(updates))
+
+
+def test_include_alone_as_the_readme_writes_it():
+    # Issue 24, point 1: `get_param_mask_fn(include=[...])` raised TypeError (missing `exclude`).
+    params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}}
+    assert tt.get_param_mask_fn(include=[r"kernel$"])(params) == {"dense": {"bias": False, "kernel": True}}
+    assert tt.get_param_mask_fn()(params) == {"dense": {"bias": True, "kernel": True}}  # neither: decay everything

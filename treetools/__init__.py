@@ -116,6 +116,8 @@ _EXPORTS = {  # public name -> module under treetools
     "get_checkpoint_manager": "manager",
     "save_checkpoint": "manager",
     "restore_checkpoint": "restore",
+    "plan_restore": "restore",
+    "RestorePlan": "restore",
     "load_parameters": "restore",
     # the checkpoint layer (treetools.ckpt has the rest, for format authors)
     "list_steps": "ckpt.steps",
@@ -182,7 +184,7 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     )
     from treetools.partitioning import is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
     from treetools.paths import flatten, leaves_with_paths, map_with_path, path_str, unflatten
-    from treetools.restore import load_parameters, restore_checkpoint
+    from treetools.restore import RestorePlan, load_parameters, plan_restore, restore_checkpoint
     from treetools.rows import LeafSharding, Row
     from treetools.table import rows_from_tree, tabulate_params
     from treetools.rules import Rules

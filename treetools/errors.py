@@ -93,6 +93,8 @@ class Mismatch:
     ``kind`` is ``"missing"`` (the target has it, the checkpoint does not),
     ``"unexpected"`` (the checkpoint has it, the target does not), ``"shape"``
     or ``"dtype"``; ``path`` is the leaf's path in ``items`` (``params/layers/3/w``).
+    A ``found`` that starts with ``fill_missing`` is the value ``fill_missing``
+    offered for a leaf the checkpoint lacks.
     """
 
     path: str
@@ -106,7 +108,8 @@ class Mismatch:
             return f"{self.path}: missing in checkpoint (target expects {self.expected}{has})"
         if self.kind == "unexpected":
             return f"{self.path}: in checkpoint as {self.found} but not in the target"
-        return f"{self.path}: {self.kind} mismatch, target {self.expected} vs checkpoint {self.found}"
+        where = "" if self.found.startswith("fill_missing") else "checkpoint "
+        return f"{self.path}: {self.kind} mismatch, target {self.expected} vs {where}{self.found}"
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -119,9 +122,16 @@ class CheckpointMismatchError(CheckpointError):
 
     def __init__(self, step: int | None, root: Any, problems: Sequence[Mismatch]):
         self.step, self.root, self.problems = step, root, list(problems)
+        kinds = {p.kind for p in problems}
         hint = "fix the target (model config, layer count, dtypes) or restore a matching step"
-        if any(p.kind == "dtype" for p in problems):
-            hint += "; pass allow_dtype_cast=True for a deliberate dtype change"
+        if "missing" in kinds:
+            hint += "; fill_missing=TREE takes the missing leaves from TREE (a fresh init)"
+        if "unexpected" in kinds:
+            hint += "; allow_unused=True leaves checkpoint leaves unused (a params-only target from a train state)"
+        if "dtype" in kinds:
+            hint += "; pass allow_dtype_cast=True (or a cast rule) for a deliberate dtype change"
+        if kinds & {"missing", "unexpected"}:
+            hint += "; Rules(rename=...) maps checkpoint names onto the target's"
         lines = "\n".join(f"  {p}" for p in problems)
         where = f"checkpoint step {step} under {root}" if step is not None else f"checkpoint {root}"
         n = len(problems)

@@ -63,7 +63,7 @@ def _with_leaf_values(params: Params, values: Sequence[Any]) -> PyTree:
 
 
 def get_param_mask_fn(
-    exclude: Sequence[str] | str | None,
+    exclude: Sequence[str] | str | None = None,
     include: Sequence[str] | str | None = None,
     *,
     allow_unmatched: bool = False,
@@ -91,8 +91,10 @@ def get_param_mask_fn(
         ``optax.masked``/``multi_transform``.
 
     >>> import jax.numpy as jnp
-    >>> mask_fn = get_param_mask_fn(exclude=[r"bias$"])
-    >>> mask_fn({"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}})
+    >>> params = {"dense": {"kernel": jnp.ones((2, 2)), "bias": jnp.ones(2)}}
+    >>> get_param_mask_fn(exclude=[r"bias$"])(params)
+    {'dense': {'bias': False, 'kernel': True}}
+    >>> get_param_mask_fn(include=[r"kernel$"])(params)
     {'dense': {'bias': False, 'kernel': True}}
     """
     if exclude and include:

@@ -1,19 +1,23 @@
-"""Restore any checkpoint into target trees on any mesh, and load its parameters as numpy.
+"""Restore any checkpoint into target trees on any mesh, with rules; and load its parameters as numpy.
 
 Everything here reads checkpoints through the one checkpoint layer
 (``treetools.ckpt``), so ``load_parameters``, ``restore_checkpoint`` and
 ``treetools inspect`` agree on which step is the latest and on the path of
 every leaf, for every format the layer reads:
 
+* ``plan_restore`` reads metadata only and says, for every target leaf, where
+  its value comes from (a checkpoint leaf after ``Rules``, or ``fill_missing``),
+  which checkpoint leaves go unused, and every problem;
+  ``restore_checkpoint`` builds the same plan and raises one
+  ``CheckpointMismatchError`` listing every problem before any array is read;
 * boxes (flax ``Partitioned``, nnx ``Variable``) are never written to disk:
-  ``restore_checkpoint`` puts the stored arrays back in the target's boxes;
-* checkpoints whose leaves end in ``/value`` (older treetools saves, nnx State
-  saved by plain Orbax) are read with that suffix dropped, everywhere;
-* each requested item's metadata is read once, and an item not asked for is
-  never touched; the whole target is checked before any array is read;
+  the stored arrays are put back in the target's boxes; leaves saved as
+  ``.../value`` nodes are read with that suffix dropped, everywhere;
 * every array is read straight into its target's sharding: a format's own
-  restore where it has one (Orbax's, through ``Source.restore_arrays``), else
-  each addressable device's block through the leaves' readers;
+  restore for the leaves the rules leave as stored (Orbax's, through
+  ``Source.restore_arrays``, with every other stored leaf Orbax's
+  ``PLACEHOLDER``: never read), else each addressable device's block through
+  the leaves' readers (through the rules: an unstacked layer reads its slice);
 * relative and ``~`` paths work everywhere (Orbax itself needs absolute ones).
 
 This module imports neither jax nor orbax at import time: ``load_parameters``
@@ -29,10 +33,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import numpy as np
 
 from treetools.ckpt import storage
+from treetools.ckpt.mapping import map_item
 from treetools.ckpt.readers import UNBOUNDED
 from treetools.ckpt.source import NO_VALUE, Item, Leaf, Source, open_source, params_of_step
 from treetools.errors import CheckpointMismatchError, Mismatch
-from treetools.rows import Row, dtype_name
+from treetools.render import safe_text
+from treetools.rows import Row, dtype_name, format_shape
+from treetools.rules import Rules, RulesPlan
 
 if TYPE_CHECKING:  # type hints only
     import orbax.checkpoint as ocp
@@ -44,25 +51,137 @@ def _describe(x: Any) -> str:
     return type(x).__name__
 
 
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _is_key(x: Any) -> bool:
+    """A typed PRNG key target (stored as its key data)."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and "key<" in str(dtype)
+
+
+# ---------------------------------------------------------------------------- the plan, as data
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """Where one target leaf's value comes from.
+
+    ``origin`` is ``"checkpoint"`` (``source`` names the checkpoint leaf, or
+    ``path[3]`` for one layer of a stacked leaf, after the rules),
+    ``"fill_missing"`` or ``"missing"``; ``ops`` says what happens on the way
+    (``unstack [3]``, ``transpose (1, 0)``, ``cast bfloat16``, ``renamed``).
+    """
+
+    path: str
+    origin: str
+    source: str | None
+    shape: tuple[int, ...] | None
+    dtype: str | None
+    ops: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class ItemPlan:
+    """The plan of one item: its target leaves, and the checkpoint leaves no target leaf uses or the rules drop."""
+
+    name: str
+    kind: str
+    leaves: list[LeafPlan] = dataclasses.field(default_factory=list)
+    unused: list[str] = dataclasses.field(default_factory=list)
+    dropped: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class RestorePlan:
+    """What ``restore_checkpoint`` would do, from metadata alone (``plan_restore``).
+
+    ``str(plan)`` is the summary a person reads (the count from the
+    checkpoint, the leaves from ``fill_missing``, the checkpoint leaves left
+    unused, every problem); ``plan.describe()`` lists every leaf.
+    """
+
+    path: str
+    format: str
+    step: int | None
+    items: dict[str, ItemPlan]
+    problems: list[Mismatch]
+
+    @property
+    def ok(self) -> bool:
+        """No problem: ``restore_checkpoint`` with the same arguments reads."""
+        return not self.problems
+
+    def _leaves(self, origin: str) -> list[str]:
+        return [f"{i.name}/{leaf.path}" for i in self.items.values() for leaf in i.leaves if leaf.origin == origin]
+
+    def __str__(self) -> str:
+        total = sum(len(i.leaves) for i in self.items.values())
+        from_ckpt, filled = self._leaves("checkpoint"), self._leaves("fill_missing")
+        unused = [f"{i.name}/{p}" for i in self.items.values() for p in i.unused]
+        dropped = sum(len(i.dropped) for i in self.items.values())
+        parts = [f"{len(from_ckpt)}/{total} target leaves from the checkpoint"]
+        parts.append(f"{len(filled)} from fill_missing{_few(filled)}")
+        parts.append(f"{len(unused)} checkpoint leaves unused{_few(unused)}")
+        if dropped:
+            parts.append(f"{dropped} dropped by the rules")
+        n = len(self.problems)
+        parts.append(f"{n} problem{'s' * (n != 1)}")
+        where = f"{safe_text(self.path)}" + (f" (step {self.step})" if self.step is not None else "")
+        lines = [f"{where}: " + ", ".join(parts)]
+        lines += [f"  {safe_text(p)}" for p in self.problems]
+        return "\n".join(lines)
+
+    def describe(self) -> str:
+        """Every target leaf: ``item/path <- source  shape  dtype  what happens``, then the unused leaves."""
+        rows = [("target", "<- source", "shape", "dtype", "")]
+        for item in self.items.values():
+            for leaf in item.leaves:
+                source = {"checkpoint": leaf.source, "fill_missing": "fill_missing", "missing": "MISSING"}[leaf.origin]
+                rows.append((f"{item.name}/{leaf.path}", f"<- {source}", format_shape(leaf.shape), leaf.dtype or "",
+                             ", ".join(leaf.ops)))
+            rows += [(f"({item.name}/{p} unused)", "", "", "", "") for p in item.unused]
+            rows += [(f"({item.name}/{p} dropped by the rules)", "", "", "", "") for p in item.dropped]
+        rows = [tuple(safe_text(c) for c in row) for row in rows]
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _few(names: Sequence[str], n: int = 3) -> str:
+    if not names:
+        return ""
+    return " (" + ", ".join(safe_text(x) for x in names[:n]) + (", ..." if len(names) > n else "") + ")"
+
+
+# ---------------------------------------------------------------------------- targets
+
+
 @dataclasses.dataclass
 class _Target:
-    """One target tree flattened (boxes as leaves): each leaf's path string and its unboxed abstract value
-    (a ``ShapeDtypeStruct`` with a sharding for arrays; non-arrays as they are), and how to put it back."""
+    """One target tree flattened (boxes as leaves): each leaf's path and unboxed abstract value (a
+    ``ShapeDtypeStruct`` with a sharding for arrays; non-arrays as they are), the ``fill_missing`` leaves
+    by path, and how to put the tree back together."""
 
     paths: list[str]
     abstract: list[Any]
+    fill: dict[str, Any]
     rebuild: Callable[[Mapping[str, Any]], Any]
 
+    @property
+    def by_path(self) -> dict[str, Any]:
+        return dict(zip(self.paths, self.abstract))
 
-def _target(target: Any, sharding: Any) -> _Target:
-    """Flatten ``target`` on ``sharding`` (or its own shardings; arrays without one are replicated)."""
+
+def _target(target: Any, sharding: Any, fill: Any) -> _Target:
+    """Flatten ``target`` on ``sharding`` (or its own shardings; arrays without one are replicated), and ``fill``."""
     # The jax side, imported here only: load_parameters(path) without a target stays numpy-only.
     import jax
 
     from treetools.abstract import make_abstract
     from treetools.counting import is_array_like
     from treetools.partitioning import rebox, unbox
-    from treetools.paths import is_leaf, path_str
+    from treetools.paths import is_leaf, leaves_with_paths, path_str
 
     pairs, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_leaf)
     leaves = [x for _, x in pairs]
@@ -77,47 +196,105 @@ def _target(target: Any, sharding: Any) -> _Target:
                 replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=replicated)
         abstract.append(value)
+    filled = {p: unbox(x) for p, x in leaves_with_paths(fill)} if fill is not None else {}
 
     def rebuild(values: Mapping[str, Any]) -> Any:
         """The target's structure with each leaf's restored value, inside the leaf's box."""
         return jax.tree_util.tree_unflatten(
             treedef, [rebox(leaf, values[p]) if p in values else leaf for leaf, p in zip(leaves, paths)])
 
-    return _Target(paths, abstract, rebuild)
+    return _Target(paths, abstract, filled, rebuild)
 
 
-def _is_key(x: Any) -> bool:
-    """A typed PRNG key target (stored as its key data)."""
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and "key<" in str(dtype)
+@dataclasses.dataclass
+class _Work:
+    """One pytree item's plan: the item as stored, as the rules map it, the target, and where each leaf comes from."""
+
+    stored: Item
+    mapped: Item
+    rules: RulesPlan | None
+    target: _Target
+    from_checkpoint: list[str]
+    from_fill: list[str]
 
 
-def _compare(name: str, target: _Target, item: Item, *, allow_dtype_cast: bool) -> list[Mismatch]:
-    """Every leaf where the target and the checkpoint's leaves disagree."""
-    found = {leaf.name: leaf for leaf in item.leaves}
-    problems = []
-    for path, x in zip(target.paths, target.abstract):
+def _check_leaf(name: str, path: str, x: Any, shape: Any, dtype: Any, allow_dtype_cast: bool, *,
+                what: str = "") -> list[Mismatch]:
+    """A target leaf against what will fill it (a checkpoint leaf after the rules, or a fill value)."""
+    if not _is_array(x) or shape is None:
+        return []
+    if _is_key(x):  # typed keys are stored as their key data
+        import jax  # a typed key target: jax is loaded already
+
+        x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    if tuple(x.shape) != tuple(shape):
+        return [Mismatch(f"{name}/{path}", "shape", str(tuple(x.shape)), f"{what}{tuple(shape)}")]
+    if np.dtype(x.dtype) != np.dtype(dtype) and not allow_dtype_cast:
+        return [Mismatch(f"{name}/{path}", "dtype", dtype_name(np.dtype(x.dtype)), f"{what}{dtype_name(np.dtype(dtype))}")]
+    return []
+
+
+def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules | None, fill: Any,
+               allow_unused: bool, allow_dtype_cast: bool) -> tuple[_Work, ItemPlan, list[Mismatch]]:
+    """Plan one pytree item against its target: nothing is read."""
+    tgt = _target(target, sharding, fill)
+    plan = None
+    mapped = stored
+    if rules is not None and not rules.empty:
+        mapped, plan = map_item(stored, rules, targets=tgt.paths)
+    found = {leaf.name: leaf for leaf in mapped.leaves}
+    problems: list[Mismatch] = []
+    item_plan = ItemPlan(name, "pytree", dropped=list(plan.dropped) if plan is not None else [])
+    from_ckpt, from_fill = [], []
+    for path, x in zip(tgt.paths, tgt.abstract):
         leaf = found.get(path)
-        if leaf is None:
+        if leaf is not None:
+            shape = tuple(leaf.reader.shape) if leaf.reader is not None else None
+            dtype = leaf.reader.dtype if leaf.reader is not None else None
+            problems += _check_leaf(name, path, x, shape, dtype, allow_dtype_cast)
+            ops = _ops(plan, path, x, dtype)
+            source = str(plan[path].row().source) if plan is not None else path
+            item_plan.leaves.append(LeafPlan(path, "checkpoint", source, shape and tuple(shape),
+                                             dtype_name(dtype) if dtype is not None else None, ops))
+            from_ckpt.append(path)
+        elif path in tgt.fill:
+            value = tgt.fill[path]
+            if _is_array(x):
+                problems += _check_leaf(name, path, x, getattr(value, "shape", None), getattr(value, "dtype", None),
+                                        allow_dtype_cast, what="fill_missing ")
+            shape = tuple(value.shape) if _is_array(value) else None
+            item_plan.leaves.append(LeafPlan(path, "fill_missing", None, shape,
+                                             dtype_name(np.dtype(value.dtype)) if _is_array(value) else None))
+            from_fill.append(path)
+        else:
             problems.append(Mismatch(f"{name}/{path}", "missing", _describe(x), "nothing"))
+            item_plan.leaves.append(LeafPlan(path, "missing", None, getattr(x, "shape", None) and tuple(x.shape),
+                                             dtype_name(np.dtype(x.dtype)) if _is_array(x) else None))
+    wanted = set(tgt.paths)
+    for path, leaf in found.items():
+        if path in wanted:
             continue
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")) or leaf.reader is None:
-            continue
-        if _is_key(x):  # typed keys are stored as their key data
-            import jax  # a typed key target: jax is loaded already
+        item_plan.unused.append(path)
+        if not allow_unused:
+            shown = f"{leaf.row.dtype}{list(leaf.row.shape)}" if leaf.row.shape is not None else "a value"
+            problems.append(Mismatch(f"{name}/{path}", "unexpected", "nothing", shown))
+    work = _Work(stored, mapped, plan, tgt, from_ckpt, from_fill)
+    return work, item_plan, sorted(problems, key=lambda p: (p.kind != "missing", p.path))
 
-            x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
-        shape = tuple(leaf.reader.shape)
-        if tuple(x.shape) != shape:
-            problems.append(Mismatch(f"{name}/{path}", "shape", str(tuple(x.shape)), str(shape)))
-        elif np.dtype(x.dtype) != leaf.reader.dtype and not allow_dtype_cast:
-            problems.append(Mismatch(f"{name}/{path}", "dtype", dtype_name(np.dtype(x.dtype)),
-                                     dtype_name(leaf.reader.dtype)))
-    for path in found.keys() - set(target.paths):
-        leaf = found[path]
-        shown = f"{leaf.row.dtype}{list(leaf.row.shape)}" if leaf.row.shape is not None else "a value"
-        problems.append(Mismatch(f"{name}/{path}", "unexpected", "nothing", shown))
-    return sorted(problems, key=lambda p: (p.kind != "missing", p.path))
+
+def _ops(plan: RulesPlan | None, path: str, x: Any, dtype: Any) -> tuple[str, ...]:
+    ops: list[str] = []
+    if plan is not None:
+        row = plan[path].row()
+        ops = list(row.ops)
+        if row.source.split("[")[0] != path and not plan[path].stacked:
+            ops.insert(0, "renamed")
+    if dtype is not None and _is_array(x) and not _is_key(x) and np.dtype(x.dtype) != np.dtype(dtype):
+        ops.append(f"cast {dtype_name(np.dtype(x.dtype))} on read")
+    return tuple(ops)
+
+
+# ---------------------------------------------------------------------------- reading
 
 
 def _host_value(leaf: Leaf) -> Any:
@@ -128,7 +305,7 @@ def _host_value(leaf: Leaf) -> Any:
     return None if leaf.value is NO_VALUE else leaf.value
 
 
-def _reader_values(item: Item, target: _Target) -> dict[str, Any]:
+def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any]) -> dict[str, Any]:
     """``{leaf path: value}`` read through the checkpoint layer's readers.
 
     An array target with a sharding becomes a ``jax.Array`` assembled shard by
@@ -138,10 +315,9 @@ def _reader_values(item: Item, target: _Target) -> dict[str, Any]:
     """
     import jax  # placing arrays is the jax side
 
-    by_name = {leaf.name: leaf for leaf in item.leaves}
     values = {}
-    for path, x in zip(target.paths, target.abstract):
-        leaf = by_name[path]
+    for path, x in targets.items():
+        leaf = leaves[path]
         if leaf.reader is None or not (hasattr(x, "sharding") and hasattr(x, "shape")):
             values[path] = _host_value(leaf)
             continue
@@ -151,36 +327,71 @@ def _reader_values(item: Item, target: _Target) -> dict[str, Any]:
             impl = jax.random.key_impl(x) if isinstance(x, jax.Array) else x.dtype._impl
             values[path] = jax.device_put(jax.random.wrap_key_data(data, impl=impl), x.sharding)
             continue
-        reader, dtype, blocks = leaf.reader, np.dtype(x.dtype), {}
-
-        def block(index: Any, reader: Any = reader, dtype: Any = dtype, blocks: dict = blocks) -> np.ndarray:
-            key = tuple((s.start, s.stop, s.step) for s in index)
-            if key not in blocks:
-                blocks[key] = np.asarray(reader.read(tuple(index))).astype(dtype, copy=False)
-            return blocks[key]
-
-        values[path] = jax.make_array_from_callback(tuple(x.shape), x.sharding, block)
+        values[path] = _assemble(leaf.reader, x)
     return values
 
 
-def _place(source: Source, step: int | None, item: Item, target: Any, sharding: Any, allow_dtype_cast: bool,
-           problems: list[Mismatch]) -> Callable[[], Any] | None:
-    """Check ``target`` against one pytree item (adding to ``problems``); return what reads it, later.
+def _assemble(reader: Any, target: Any) -> Any:
+    """One ``jax.Array`` on ``target``'s sharding, its device blocks read one at a time.
 
-    Nothing is read here: the caller raises every problem of every item at
-    once, before any array is read.
+    Each distinct block of this process's devices is read once (a replicated
+    block is put on every device that holds it), placed on its device(s), and
+    dropped: host memory holds about one device block, never the whole leaf.
+    A compressed npz member, which streams only front to back, is read whole once.
     """
-    plan = _target(target, sharding)
-    found = _compare(item.name, plan, item, allow_dtype_cast=allow_dtype_cast)
-    problems += found
-    if found:
-        return None
+    import jax  # placing arrays is the jax side
 
-    def read() -> Any:
-        own = source.restore_arrays(item, dict(zip(plan.paths, plan.abstract)))
-        return plan.rebuild(own if own is not None else _reader_values(item, plan))
+    shape, dtype = tuple(target.shape), np.dtype(target.dtype)
+    groups: dict[tuple, tuple[Any, list[Any]]] = {}
+    for device, index in target.sharding.addressable_devices_indices_map(shape).items():
+        groups.setdefault(_index_key(index), (index, []))[1].append(device)
+    whole = np.asarray(reader.read_all()).astype(dtype, copy=False) if reader.sequential else None
+    placed = {}
+    for index, devices in groups.values():
+        block = whole[tuple(index)] if whole is not None else np.asarray(reader.read(tuple(index))).astype(dtype, copy=False)
+        for device in devices:
+            placed[device] = jax.device_put(block, device)
+        del block
+    return jax.make_array_from_single_device_arrays(shape, target.sharding, [placed[d] for d in placed])
 
-    return read
+
+def _index_key(index: Any) -> tuple:
+    return tuple((s.start, s.stop, s.step) for s in index)
+
+
+def _fill_values(fill: Mapping[str, Any], targets: Mapping[str, Any]) -> dict[str, Any]:
+    """``fill_missing`` values placed like the checkpoint's: an array on its target's sharding and dtype."""
+    import jax  # placing arrays is the jax side
+
+    out = {}
+    for path, value in fill.items():
+        x = targets[path]
+        if _is_array(x) and hasattr(x, "sharding") and _is_array(value):
+            value = jax.device_put(jax.numpy.asarray(value, dtype=x.dtype), x.sharding)
+        out[path] = value
+    return out
+
+
+def _read(source: Source, work: _Work) -> Any:
+    """Every target leaf's value, then the target tree: a format's own restore for the leaves the rules leave
+    as stored, the readers (through the rules) for the others, ``fill_missing`` for the missing ones."""
+    abstract = work.target.by_path
+    values = _fill_values({p: work.target.fill[p] for p in work.from_fill}, abstract)
+    mapped = {leaf.name: leaf for leaf in work.mapped.leaves}
+    as_stored = {p: (work.rules[p].source if work.rules is not None else p) for p in work.from_checkpoint
+                 if work.rules is None or work.rules[p].identity}
+    rest = [p for p in work.from_checkpoint if p not in as_stored]
+    if as_stored:
+        own = source.restore_arrays(work.stored, {as_stored[p]: abstract[p] for p in as_stored})
+        if own is None:
+            rest = list(work.from_checkpoint)
+        else:
+            values.update({p: own[src] for p, src in as_stored.items()})
+    values.update(_reader_values(mapped, {p: abstract[p] for p in rest}))
+    return work.target.rebuild(values)
+
+
+# ---------------------------------------------------------------------------- restore
 
 
 def _open(manager: Any) -> tuple[Source, Any]:
@@ -191,15 +402,122 @@ def _open(manager: Any) -> tuple[Source, Any]:
     return open_source(storage.location(manager, name="manager")), manager
 
 
+def _per_item(value: Any, names: Sequence[str], what: str, *, is_one: Callable[[Any], bool]) -> dict[str, Any]:
+    """A per-item argument (``sharding``, ``rules``, ``fill_missing``): one value for every item, or a dict by item.
+
+    ``sharding`` and ``rules`` may be a dict by item name whatever the items;
+    ``fill_missing`` is one tree for the one pytree item, or a dict by item name when there are several.
+    """
+    if value is None:
+        return {}
+    if is_one(value):
+        return dict.fromkeys(names, value)
+    if not isinstance(value, Mapping) or not set(value) <= set(names):
+        extra = sorted(set(value) - set(names)) if isinstance(value, Mapping) else []
+        raise ValueError(
+            f"`{what}` keys {extra} are not in `items` {list(names)}; pass one value for every item, or "
+            f"{{item name: value}}."
+        )
+    return dict(value)
+
+
+def _prepare(manager: Any, step: Any, items: Mapping[str, Any], *, sharding: Any, rules: Any, fill_missing: Any,
+             allow_unused: bool, allow_dtype_cast: bool) -> tuple[Source, int | None, Any, RestorePlan, dict, dict]:
+    if not isinstance(items, Mapping) or not items:
+        raise ValueError("`items` must be a non-empty dict of item name -> target tree (or None for JSON items).")
+    names = list(items)
+    pytree_names = [n for n, t in items.items() if t is not None]
+    shardings = _per_item(sharding, names, "sharding",
+                          is_one=lambda v: not isinstance(v, Mapping) or not set(v) <= set(names) or not v)
+    if isinstance(sharding, Mapping) and sharding and not set(sharding) <= set(names):
+        raise ValueError(
+            f"`sharding` keys {sorted(set(sharding) - set(names))} are not in `items` {names}; "
+            "pass one Sharding, or {item name: Sharding or tree of Shardings}."
+        )
+    rules_by = _per_item(rules, names, "rules", is_one=lambda v: isinstance(v, Rules))
+    fills = _per_item(fill_missing, pytree_names, "fill_missing", is_one=lambda v: len(pytree_names) == 1)
+    source, display = _open(manager)
+    resolved = source.resolve(step)
+    with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
+        present = source.item_names(resolved)
+        problems = [Mismatch(name, "missing", f"item {name!r}", f"items {present}") for name in names
+                    if name not in present and not (name in fills and items[name] is not None)]
+        plans: dict[str, ItemPlan] = {}
+        work: dict[str, _Work] = {}
+        json_values: dict[str, Any] = {}
+        snap = source.snapshot(resolved, [n for n in names if n in present])
+        for name, target in items.items():
+            item = snap.items.get(name)
+            if item is None:
+                if name not in fills or target is None:
+                    continue  # a problem above
+                item = Item(name, "pytree", [])  # the whole item from fill_missing
+            if item.kind == "json":
+                json_values[name] = item.value
+                plans[name] = ItemPlan(name, "json")
+                continue
+            if target is None:
+                raise ValueError(
+                    f"`items[{name!r}]` is None, but {name!r} is a pytree item; pass the live tree or "
+                    "make_abstract(...) to restore into, or use load_parameters() for host numpy arrays."
+                )
+            work[name], plans[name], found = _plan_item(name, item, target, shardings.get(name), rules_by.get(name),
+                                                        fills.get(name), allow_unused, allow_dtype_cast)
+            problems += found
+    plan = RestorePlan(os.fspath(display) if isinstance(display, (str, os.PathLike)) else str(display),
+                       source.format, resolved, plans, problems)
+    return source, resolved, display, plan, work, json_values
+
+
+def plan_restore(
+    manager: "ocp.CheckpointManager | str | os.PathLike",
+    step: int | str | None,
+    items: Mapping[str, Any],
+    *,
+    sharding: Any = None,
+    rules: Rules | Mapping[str, Rules] | None = None,
+    fill_missing: Any = None,
+    allow_unused: bool = False,
+    allow_dtype_cast: bool = False,
+) -> RestorePlan:
+    """What ``restore_checkpoint`` would do with the same arguments, from metadata alone.
+
+    For every target leaf: the checkpoint leaf it comes from (after ``rules``)
+    or ``fill_missing``, its shape and dtype; every checkpoint leaf left
+    unused; every problem (missing, unexpected, shape, dtype). Nothing is read
+    but metadata; nothing is raised for a mismatch (``plan.problems`` lists
+    them), only for bad arguments and bad rules (``RulesError``).
+
+    Args: as ``restore_checkpoint``.
+
+    Returns:
+      a ``RestorePlan``; ``print(plan)`` gives the summary, ``plan.describe()`` every leaf.
+
+    >>> import tempfile, jax, numpy as np
+    >>> from treetools.manager import get_checkpoint_manager, save_checkpoint
+    >>> root = tempfile.mkdtemp()
+    >>> mngr = get_checkpoint_manager(1, checkpoint_dir=root)
+    >>> _ = save_checkpoint(mngr, 1, {"params": {"body": np.ones(3, np.float32)}}, wait=True); mngr.close()
+    >>> target = {"body": jax.ShapeDtypeStruct((3,), np.float32), "head": jax.ShapeDtypeStruct((2,), np.float32)}
+    >>> print(plan_restore(root, -1, {"params": target}, fill_missing={"head": np.zeros(2, np.float32)}))  # doctest: +ELLIPSIS
+    /... (step 1): 1/2 target leaves from the checkpoint, 1 from fill_missing (params/head), 0 checkpoint leaves unused, 0 problems
+    """
+    return _prepare(manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing,
+                    allow_unused=allow_unused, allow_dtype_cast=allow_dtype_cast)[3]
+
+
 def restore_checkpoint(
     manager: "ocp.CheckpointManager | str | os.PathLike",
     step: int | str | None,
     items: Mapping[str, Any],
     *,
     sharding: Any = None,
+    rules: Rules | Mapping[str, Rules] | None = None,
+    fill_missing: Any = None,
+    allow_unused: bool = False,
     allow_dtype_cast: bool = False,
 ) -> dict[str, Any]:
-    """Restore named items of a step into their targets' structure, dtypes and shardings.
+    """Restore named items of a step into their targets' structure, dtypes and shardings, with rules.
 
     Reads every checkpoint format treetools reads (Orbax of every version,
     T5X, Flax msgpack, safetensors, Hugging Face sharded, npz; local or in a
@@ -212,8 +530,9 @@ def restore_checkpoint(
     tensor-parallel specs. Arrays whose target has no sharding are replicated
     over all devices.
 
-    Before reading any array, every target is checked against the checkpoint's
-    metadata; all missing, unexpected, mis-shaped and (unless
+    Before reading any array, the plan (``plan_restore``) is made: every
+    target leaf is matched with a checkpoint leaf (after ``rules``) or
+    ``fill_missing``, and all missing, unexpected, mis-shaped and (unless
     ``allow_dtype_cast``) mis-typed leaves are reported in one error. Only the
     requested items are read, each item's metadata once.
 
@@ -226,6 +545,15 @@ def restore_checkpoint(
         come back as dicts.
       sharding: one ``Sharding`` for every array, or ``{name: Sharding or tree
         of Shardings}``; overrides the targets' own shardings.
+      rules: a ``tt.Rules`` applied to every pytree item (paths inside the
+        item), or ``{name: Rules}``: rename (T5X's ``assignment_map``), drop,
+        keep, cast, transpose, unstack/stack the checkpoint's leaves onto the target's.
+      fill_missing: a tree whose leaves fill the target leaves the checkpoint
+        lacks (T5X's ``fallback_state``: a fresh init for a new head); one tree
+        when ``items`` has one pytree item, else ``{name: tree}``. An item the
+        checkpoint does not have at all is filled whole.
+      allow_unused: let checkpoint leaves go unused (a params-only target from a
+        whole train state); otherwise each is a problem.
       allow_dtype_cast: let a target dtype differ from the stored one (e.g. bf16
         params from an fp32 checkpoint); values are converted on read.
 
@@ -234,7 +562,9 @@ def restore_checkpoint(
 
     Raises:
       CheckpointNotFoundError: (a ``FileNotFoundError``) no such committed step (the message lists them).
-      CheckpointMismatchError: (a ``ValueError``) targets do not match.
+      CheckpointMismatchError: (a ``ValueError``) targets do not match; every problem is listed.
+      RulesError: the rules do not fit the checkpoint (a pattern that matches nothing, two leaves renamed
+        onto one path, an unstack whose leading axis is not the layer count).
       ValueError: ``sharding`` is a dict whose keys are not item names, or a pytree target is None.
 
     >>> import tempfile, jax
@@ -246,41 +576,18 @@ def restore_checkpoint(
     ([0.0, 1.0, 2.0, 3.0], {'epoch': 2})
     >>> mngr.close()
     """
-    if not isinstance(items, Mapping) or not items:
-        raise ValueError("`items` must be a non-empty dict of item name -> target tree (or None for JSON items).")
-    if isinstance(sharding, Mapping) and not set(sharding) <= set(items):
-        raise ValueError(
-            f"`sharding` keys {sorted(set(sharding) - set(items))} are not in `items` {list(items)}; "
-            "pass one Sharding, or {item name: Sharding or tree of Shardings}."
-        )
-    source, display = _open(manager)
-    resolved = source.resolve(step)
-    with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
-        present = source.item_names(resolved)
-        problems = [Mismatch(name, "missing", f"item {name!r}", f"items {present}")
-                    for name in items if name not in present]
-        snap = source.snapshot(resolved, [name for name in items if name in present])
-        out: dict[str, Any] = {}
-        reads = {}
-        for name, target in items.items():
-            item = snap.items.get(name)
-            if item is None:
-                continue
-            if item.kind == "json":
-                out[name] = item.value
-                continue
-            if target is None:
-                raise ValueError(
-                    f"`items[{name!r}]` is None, but {name!r} is a pytree item; pass the live tree or "
-                    "make_abstract(...) to restore into, or use load_parameters() for host numpy arrays."
-                )
-            item_sharding = sharding.get(name) if isinstance(sharding, Mapping) else sharding
-            reads[name] = _place(source, resolved, item, target, item_sharding, allow_dtype_cast, problems)
-        if problems:
-            raise CheckpointMismatchError(resolved, display, problems)
-        for name, read in reads.items():
-            out[name] = read()
+    source, resolved, display, plan, work, out = _prepare(
+        manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing, allow_unused=allow_unused,
+        allow_dtype_cast=allow_dtype_cast)
+    if plan.problems:
+        raise CheckpointMismatchError(resolved, display, plan.problems)
+    with source.reading(resolved):
+        for name, item_work in work.items():
+            out[name] = _read(source, item_work)
     return {name: out[name] for name in items}
+
+
+# ---------------------------------------------------------------------------- load_parameters
 
 
 def _nest(pairs: Sequence[tuple[Row, Any]]) -> Any:
@@ -316,6 +623,9 @@ def load_parameters(
     target: Any = None,
     item: str | None = None,
     sharding: Any = None,
+    rules: Rules | None = None,
+    fill_missing: Any = None,
+    allow_unused: bool = False,
     allow_dtype_cast: bool = False,
 ) -> Any:
     """The params (or EMA params) of one step, without a manager or model code.
@@ -326,11 +636,14 @@ def load_parameters(
     is the stored tree as nested dicts/lists of host ``numpy`` arrays (boxes
     dropped: ``Dense_0/kernel`` is an array; flat-key files such as
     safetensors give a flat dict of their stored names), readable on any
-    machine, whatever devices or topology saved it. With a ``target`` (live or
-    ``make_abstract`` tree, boxes allowed) it is restored like
-    ``restore_checkpoint``: checked, then placed per the target's shardings
-    (or ``sharding``). Nothing under ``checkpoint_dir`` is written. Whole
-    arrays are what it returns: no memory budget applies, the machine's memory does.
+    machine, whatever devices or topology saved it; with ``rules`` the tree
+    the rules make (a renamed leaf keyed by its new path). With a ``target``
+    (live or ``make_abstract`` tree, boxes allowed) it is restored like
+    ``restore_checkpoint`` (rules, ``fill_missing``, ``allow_unused``,
+    ``allow_dtype_cast`` as there): checked, then placed per the target's
+    shardings (or ``sharding``). Nothing under ``checkpoint_dir`` is written.
+    Whole arrays are what it returns: no memory budget applies, the machine's
+    memory does.
 
     Args:
       checkpoint_dir: a checkpoint root, one committed step folder, or any
@@ -340,7 +653,8 @@ def load_parameters(
       target: optional tree to restore into.
       item: read this item instead (overrides ``use_ema_params``).
       sharding: with ``target``: one ``Sharding`` for every array, or a tree.
-      allow_dtype_cast: with ``target``: allow a dtype change on read.
+      rules: a ``tt.Rules`` mapping the stored leaves onto the ones returned.
+      fill_missing, allow_unused, allow_dtype_cast: with ``target``, as ``restore_checkpoint``.
 
     Raises:
       CheckpointNotFoundError: (a ``FileNotFoundError``) no such path, no
@@ -348,6 +662,7 @@ def load_parameters(
         steps), or the step has no such item (the message lists the items).
       CheckpointError: not a checkpoint, corrupt, or a single step folder with another ``step`` asked.
       CheckpointMismatchError: ``target`` does not match the checkpoint.
+      RulesError: the rules do not fit the checkpoint.
 
     >>> import tempfile, numpy as np
     >>> from treetools.manager import get_checkpoint_manager, save_checkpoint
@@ -356,6 +671,8 @@ def load_parameters(
     >>> _ = save_checkpoint(mngr, 5, {"params": {"w": np.arange(3.0)}}, wait=True); mngr.close()
     >>> load_parameters(root)["w"]
     array([0., 1., 2.])
+    >>> load_parameters(root, rules=Rules(rename=[("^w$", "dense/kernel")], dtype="float16"))["dense"]["kernel"]
+    array([0., 1., 2.], dtype=float16)
     """
     source = open_source(storage.location(checkpoint_dir, name="checkpoint_dir"), memory_budget=UNBOUNDED)
     if isinstance(checkpoint_dir, (str, os.PathLike)):
@@ -364,9 +681,11 @@ def load_parameters(
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
         found = params_of_step(source, resolved, item=item, use_ema=use_ema_params)
         if target is None:
+            if rules is not None and not rules.empty:
+                found = map_item(found, rules)[0]
             return _nest([(leaf.row, _host_value(leaf)) for leaf in found.leaves])
-        problems: list[Mismatch] = []
-        read = _place(source, resolved, found, target, sharding, allow_dtype_cast, problems)
-        if problems or read is None:
+        work, plan, problems = _plan_item(found.name, found, target, sharding, rules, fill_missing, allow_unused,
+                                          allow_dtype_cast)
+        if problems:
             raise CheckpointMismatchError(resolved, source.path, problems)
-        return read()
+        return _read(source, work)

@@ -681,6 +681,8 @@ class RulesPlan:
 
     leaves: tuple[TargetLeaf, ...]
     dropped: tuple[str, ...] = ()
+    unmatched: tuple[tuple[tuple[str, str], str], ...] = ()
+    """``((field, pattern), message)`` of every pattern that matched nothing (with ``allow_unmatched``, which let it)."""
 
     def __iter__(self) -> Iterator[TargetLeaf]:
         return iter(self.leaves)
@@ -786,6 +788,7 @@ class _Planner:
         self.num_layers = num_layers
         self.targets = None if targets is None else set(targets)
         self.problems: list[str] = []
+        self.unmatched: dict[tuple[str, str], str] = {}  # recorded even when allow_unmatched lets them pass
 
     def check(self) -> None:
         if self.problems:
@@ -803,13 +806,13 @@ class _Planner:
                     matched[k] = True
                     first = k if first is None else first
             firsts.append(first)
-        if not self.rules.allow_unmatched:
-            for pat, ok in zip(patterns, matched):
-                if not ok:
-                    self.problems.append(
-                        f"`{field}` pattern {pat.pattern!r} matches no leaf ({where}); nearby paths: "
-                        f"{nearby(pat.pattern, list(paths))}. Fix the pattern, drop it, or pass allow_unmatched=True."
-                    )
+        for pat, ok in zip(patterns, matched):
+            if not ok:
+                message = (f"`{field}` pattern {pat.pattern!r} matches no leaf ({where}); nearby paths: "
+                           f"{nearby(pat.pattern, list(paths))}. Fix the pattern, drop it, or pass allow_unmatched=True.")
+                self.unmatched[(field, pat.pattern)] = message
+                if not self.rules.allow_unmatched:
+                    self.problems.append(message)
         return firsts
 
     def run(self, leaves: list[tuple[str, Shape | None, Any]]) -> RulesPlan:
@@ -824,7 +827,7 @@ class _Planner:
         self.check()
         nodes = self.cast(self.transpose(nodes))
         self.check()
-        return RulesPlan(tuple(nodes), tuple(dropped))
+        return RulesPlan(tuple(nodes), tuple(dropped), tuple(self.unmatched.items()))
 
     def keep_drop(self, nodes: list[TargetLeaf]) -> tuple[list[TargetLeaf], list[str]]:
         paths = [n.path for n in nodes]

@@ -52,17 +52,27 @@ def regex(text: str) -> str:
 
 
 def step(text: str) -> int | str:
-    """A step number, ``latest`` or ``all``.
+    """A step number, ``latest`` (or -1, the same) or ``all``; any other negative number is a usage error.
 
-    >>> step("100"), step("latest")
-    (100, 'latest')
+    >>> step("100"), step("latest"), step("-1")
+    (100, 'latest', 'latest')
+    >>> step("-2")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: expected a step number >= 0, -1 or `latest` (the latest committed step) or `all`; got '-2'
     """
     if text in ("latest", "all"):
         return text
     try:
-        return int(text)
+        number = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a step number, `latest` or `all`; got {text!r}") from None
+        number = None
+    if number == -1:
+        return "latest"
+    if number is None or number < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a step number >= 0, -1 or `latest` (the latest committed step) or `all`; got {text!r}")
+    return number
 
 
 def chunk_mb(text: str) -> int:

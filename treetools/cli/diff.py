@@ -20,6 +20,11 @@ Shardings are compared by meaning (P() and P(None,) are both replicated).
 --include/--exclude pick leaves by path regex, --depth K groups the listing
 by path prefixes, --sort orders it.
 
+Rules (--rules FILE, --rename, --drop, --keep, --dtype, --cast, --transpose,
+--unstack, --stack; docs/rules.md) map A's leaves first, so a checkpoint
+compares with an export made from it under other names and layouts:
+  treetools diff RUN/checkpoints model.safetensors --rules to_hf.json --values
+
 --values streams both arrays in the same bounded blocks and reports, per
 leaf of equal shape, whether it is bit-identical, how many elements lie
 outside |a - b| <= atol + rtol * |b| (numpy's rule; NaN equals NaN and Inf
@@ -42,6 +47,7 @@ import argparse
 import sys
 
 from treetools.cli._args import nonneg_float
+from treetools.render import safe_text
 from treetools.cli.options import (
     add_depth,
     add_filters,
@@ -49,8 +55,10 @@ from treetools.cli.options import (
     add_output_format,
     add_reading,
     add_sort,
+    add_rules,
     add_step,
     options_from,
+    rules_from,
 )
 
 
@@ -66,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_depth(parser, help="group the listing by path prefixes of K parts")
     add_filters(parser, verb="compare only")
     add_sort(parser, help="order of the listing")
+    add_rules(parser)
     add_output_format(parser, ("table", "json", "markdown"))
 
 
@@ -76,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     from treetools.inspect.text import render_diff
 
     def usage(message: str) -> int:
-        print(f"treetools diff: error: {message}", file=sys.stderr)
+        print(f"treetools diff: error: {safe_text(message)}", file=sys.stderr)
         return 2
 
     steps = list(args.step)
@@ -86,8 +95,13 @@ def main(args: argparse.Namespace) -> int:
         return usage("--step all is for `inspect`; diff compares one step with another")
     if args.b is None and len(steps) != 2:
         return usage("with one checkpoint, give two steps: treetools diff RUN --step 100 --step 200")
+    try:
+        rules = rules_from(args)
+    except (ValueError, TypeError) as e:
+        return usage(str(e))  # a malformed rules flag or file
     options = options_from(args, DiffOptions, step=steps[0] if len(steps) == 1 else None,
-                           step_a=steps[0] if len(steps) == 2 else None, step_b=steps[1] if len(steps) == 2 else None)
+                           step_a=steps[0] if len(steps) == 2 else None, step_b=steps[1] if len(steps) == 2 else None,
+                           rules=rules)
     report = diff_paths(args.a, args.b if args.b is not None else args.a, options)
     for note in report.notes:
         print(f"treetools: note: {note}", file=sys.stderr)

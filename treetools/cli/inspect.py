@@ -27,6 +27,10 @@ grand total. --depth K chooses the level, --leaves shows every leaf. A JSON
 item (such as a data iterator's state) is shown as its values. Tensor names of
 flat-key files (safetensors, npz) are shown exactly as stored.
 
+--unstack RE shows a stacked (scanned) leaf of shape (L, ...) that RE
+matches as L leaves, layers/attn/q -> layers/0/attn/q ... (with --stats, one
+row of statistics per layer).
+
 Examples:
   treetools inspect runs/demo/checkpoints                 latest step, every item
   treetools inspect runs/demo/checkpoints --item params --depth 1
@@ -51,8 +55,10 @@ from treetools.cli.options import (
     add_output_format,
     add_reading,
     add_sort,
+    add_rules,
     add_step,
     options_from,
+    rules_from,
 )
 from treetools.errors import CheckpointError
 from treetools.render import DEFAULT_STAT_COLUMNS, STAT_COLUMNS, jsonable, safe_text
@@ -87,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="exit 3 when any leaf holds NaN or Inf (implies --stats)")
     parser.add_argument("--show", metavar="LEAF[SLICE]", default=None,
                         help="print the values of one leaf, or a slice like 'params/w[0:4, -1]', reading only that leaf")
+    add_rules(parser, ("unstack",))
     add_output_format(parser, FORMATS)
 
 
@@ -136,9 +143,14 @@ def main(args: argparse.Namespace) -> int:
     from treetools.inspect.report import inspect_path
     from treetools.inspect.text import render_report
 
+    try:
+        rules = rules_from(args)
+    except (ValueError, TypeError) as e:
+        print(f"treetools inspect: error: {safe_text(e)}", file=sys.stderr)  # a malformed flag: usage
+        return 2
     summary = args.format != "json" and args.depth is None and not args.leaves
     options = options_from(args, InspectOptions, stats=args.stats or args.fail_on_nonfinite,
-                           rows_per_item=ROWS_PER_ITEM if summary else None)
+                           rows_per_item=ROWS_PER_ITEM if summary else None, rules=rules)
     report = inspect_path(args.path, options)
     for note in report.notes:
         print(f"treetools: note: {note}", file=sys.stderr)

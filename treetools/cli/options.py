@@ -21,10 +21,11 @@ def add_step(parser: argparse.ArgumentParser, *, allow_all: bool = True, twice: 
     """``--step N|latest[|all]``; with ``twice``, once for both sides or twice for A then B."""
     if twice:
         parser.add_argument("--step", type=step, action="append", default=[], metavar="N|latest",
-                            help="step of a root (default latest); once for both sides, twice for A then B")
+                            help="step of a root (default latest; -1 is the latest too); once for both sides, "
+                                 "twice for A then B")
         return
     parser.add_argument("--step", type=step, default=None, metavar="N|latest|all" if allow_all else "N|latest",
-                        help="step of a checkpoint root (default latest)"
+                        help="step of a checkpoint root (default latest; -1 is the latest too)"
                              + ("; `all`: every committed step" if allow_all else ""))
 
 
@@ -76,6 +77,50 @@ def add_reading(parser: argparse.ArgumentParser) -> None:
 def add_output_format(parser: argparse.ArgumentParser, choices: Sequence[str]) -> None:
     """``--format`` with the renderings a command has."""
     parser.add_argument("--format", choices=tuple(choices), default="table", help="output format (default table)")
+
+
+RULE_FLAGS = ("rules", "rename", "drop", "keep", "dtype", "cast", "transpose", "unstack", "stack", "allow-unmatched")
+"""Every rules flag (docs/rules.md); a command takes all of them or the few that make sense for it."""
+
+
+def add_rules(parser: argparse.ArgumentParser, flags: Sequence[str] = RULE_FLAGS) -> None:
+    """The rules flags (``tt.Rules``: docs/rules.md), building one ``Rules`` with ``rules_from(args)``."""
+    group = parser.add_argument_group("rules (map the checkpoint's leaves first; docs/rules.md)")
+    many = {"action": "append", "default": []}
+    specs = {
+        "rules": dict(metavar="FILE", dest="rules_file", default=None, help="a JSON or TOML rules file; the flags below "
+                      "come after its rules"),
+        "rename": dict(metavar="'RE=>REPL'", help="re.sub on the paths (after unstack); first match wins", **many),
+        "drop": dict(metavar="RE", help="leave out the leaves RE matches", **many),
+        "keep": dict(metavar="RE", help="keep only the leaves some RE matches", **many),
+        "dtype": dict(metavar="DTYPE", default=None, help="cast every floating leaf (bfloat16, float16, float32...)"),
+        "cast": dict(metavar="'RE=DTYPE'", help="cast the leaves RE matches (after rename)", **many),
+        "transpose": dict(metavar="'RE=AXES'", help="transpose the leaves RE matches, axes comma-separated: "
+                          "'kernel$=1,0'", **many),
+        "unstack": dict(metavar="RE", help="split a stacked (scanned) leaf of shape (L, ...) into L leaves: "
+                        "layers/attn/q -> layers/0/attn/q ...", **many),
+        "stack": dict(metavar="RE", help="the inverse of --unstack", **many),
+        "allow-unmatched": dict(action="store_true", help="a rule that matches no leaf is ignored instead of an error"),
+    }
+    for flag in flags:
+        group.add_argument(f"--{flag}", **specs[flag])
+
+
+def rules_from(args: argparse.Namespace) -> Any:
+    """The ``tt.Rules`` the rules flags say (None when none is given).
+
+    Raises:
+      SystemExit(2) semantics are the caller's: a malformed flag raises ``ValueError``/``TypeError`` naming it.
+    """
+    given = {name: getattr(args, name) for name in ("rules_file", "rename", "drop", "keep", "dtype", "cast",
+                                                     "transpose", "unstack", "stack", "allow_unmatched")
+             if getattr(args, name, None)}
+    if not given:
+        return None
+    # Here, not at the top: rules.py imports numpy, which `treetools COMMAND --help` does not need.
+    from treetools.rules import Rules
+
+    return Rules.from_cli(**given)
 
 
 def options_from(args: argparse.Namespace, cls: type[_T], **fields: Any) -> _T:

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from treetools.ckpt.mapping import map_items
 from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, is_numeric, plan_blocks
 from treetools.ckpt.source import NO_VALUE, Leaf, Source, open_source, order_items
 from treetools.errors import CheckpointError
@@ -36,6 +37,7 @@ from treetools.inspect.options import DiffOptions, resolve
 from treetools.patterns import select
 from treetools.render import json_safe, jsonable
 from treetools.rows import Row, aggregate_rows, sort_rows
+from treetools.rules import Rules
 
 
 @dataclasses.dataclass
@@ -252,8 +254,9 @@ def _describe(source: Source, step: int | None, item: str | None) -> dict[str, A
     return {"path": source.path, "format": source.format, "step": step, "item": item}
 
 
-def _items(source: Source, step: Any, item: str | None) -> tuple[Any, dict[str, list[Leaf]]]:
-    """The snapshot of one side and its leaves per item; ``item`` reads only that item.
+def _items(source: Source, step: Any, item: str | None, rules: Rules | None = None
+           ) -> tuple[Any, dict[str, list[Leaf]]]:
+    """The snapshot of one side and its leaves per item (through ``rules``); ``item`` reads only that item.
 
     A side with a single item that lacks ``item`` (an .npz of params) uses its own.
     """
@@ -268,6 +271,8 @@ def _items(source: Source, step: Any, item: str | None) -> tuple[Any, dict[str, 
             if len(names) != 1:
                 raise
             snap = source.snapshot(step, names)
+    if rules is not None and not rules.empty:
+        snap.items = map_items(snap.items, rules)
     return snap, {name: snap.items[name].leaves for name in order_items(list(snap.items))}
 
 
@@ -307,7 +312,8 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     Items are paired by name; when each side has exactly one item (or
     ``item`` picks one) they are paired whatever their names, so an Orbax
     ``params`` item compares with an ``.npz`` of the same tree. With several
-    items, paths are shown as ``item/path``.
+    items, paths are shown as ``item/path``. ``rules`` map A's leaves first
+    (a checkpoint compared with the renamed, transposed export made from it).
 
     Args:
       a, b: checkpoint paths (B may equal A, with different steps).
@@ -331,7 +337,8 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     src_b = open_source(b, memory_budget=opts.memory_budget)
     if step is not None and step != "latest" and src_a.steps is None and src_b.steps is None:
         raise CheckpointError(f"step {step}: neither {src_a.path} nor {src_b.path} is a checkpoint root with steps.")
-    snap_a, items_a = _items(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item)
+    snap_a, items_a = _items(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item,
+                             opts.rules)
     snap_b, items_b = _items(src_b, step_b if step_b is not None else (step if src_b.steps is not None else None), item)
     single = len(items_a) == 1 and len(items_b) == 1
     notes = []

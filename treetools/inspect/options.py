@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any, Sequence, TypeVar
 
 from treetools.ckpt.readers import chunk_bytes_from_env
+from treetools.rules import Rules
 
 _O = TypeVar("_O", bound="ReadOptions")
 
@@ -54,6 +55,7 @@ class InspectOptions(ReadOptions):
       stats: stream every array and attach the statistics of ``treetools.inspect.stats.STATS``.
       rows_per_item: without ``depth`` or ``leaves``, group an item's rows at the deepest level that keeps
         it to this many rows (the CLI's one-screen summary); None shows every leaf.
+      rules: ``tt.Rules`` applied to every item first (``--unstack``: a scanned block shown per layer).
     """
 
     step: int | str | None = None
@@ -65,6 +67,7 @@ class InspectOptions(ReadOptions):
     sort: str | None = None
     stats: bool = False
     rows_per_item: int | None = None
+    rules: Rules | None = None
 
     def __post_init__(self) -> None:
         if self.depth is not None and self.depth < 1:
@@ -84,6 +87,7 @@ class DiffOptions(ReadOptions):
       include, exclude: path regexes selecting the leaves compared.
       depth: group the results by path prefixes of ``depth`` parts.
       sort: ``path``, ``params`` or ``bytes`` order of the listed leaves.
+      rules: ``tt.Rules`` applied to A's leaves first (compare a renamed export with its source).
     """
 
     step: int | str | None = None
@@ -97,6 +101,7 @@ class DiffOptions(ReadOptions):
     exclude: Sequence[str] = ()
     depth: int | None = None
     sort: str | None = None
+    rules: Rules | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

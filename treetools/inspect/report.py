@@ -12,6 +12,7 @@ import math
 import re
 from typing import Any, Sequence
 
+from treetools.ckpt.mapping import map_items
 from treetools.ckpt.readers import is_numeric
 from treetools.ckpt.source import NO_VALUE, Item, Leaf, Snapshot, open_source, order_items
 from treetools.ckpt.steps import parse_step
@@ -256,6 +257,8 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
     else:
         snaps = [source.snapshot(opts.step, wanted)]
     for s in snaps:
+        if opts.rules is not None and not opts.rules.empty:
+            s.items = map_items(s.items, opts.rules)
         s.items = {name: s.items[name] for name in order_items(list(s.items))}
     notes = list(dict.fromkeys(n for s in snaps for n in s.notes))
     kept = _filter(snaps, opts.include, opts.exclude)

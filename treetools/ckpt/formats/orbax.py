@@ -419,11 +419,13 @@ class OrbaxSource(Source):
 
 
 def _orbax_restore(item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any]:
-    """Read one Orbax pytree item through Orbax into ``{leaf name: array}``, each per its abstract target.
+    """Read the targeted leaves of one Orbax pytree item through Orbax, each per its abstract target.
 
     Orbax restores the tree as it is stored (its own structure, ``kernel/value``
     nodes of older saves included); each leaf's ``key`` (its stored param
-    name) maps the stored arrays to leaf names.
+    name) maps the stored arrays to leaf names. Every stored leaf no target
+    asks for is Orbax's ``PLACEHOLDER``: never read (a params-only target from
+    a whole train state reads no optimizer moment).
     """
     # jax and orbax only here: metadata reads of Orbax checkpoints import neither.
     import jax
@@ -451,6 +453,9 @@ def _orbax_restore(item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any
     def leaf_name(keypath: Any) -> str | None:
         return names.get(".".join(key_name(e) for e in keypath))
 
+    def wanted(keypath: Any) -> bool:
+        return leaf_name(keypath) in targets
+
     def restore_arg(keypath: Any, _meta: Any) -> Any:
         target = targets.get(leaf_name(keypath) or "")
         if target is not None and hasattr(target, "shape") and hasattr(target, "dtype"):
@@ -458,16 +463,17 @@ def _orbax_restore(item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any
                                         global_shape=tuple(target.shape), dtype=target.dtype)
         return ocp.RestoreArgs()
 
+    skeleton = jax.tree_util.tree_map_with_path(lambda kp, meta: meta if wanted(kp) else ocp.PLACEHOLDER, stored)
     restore_args = jax.tree_util.tree_map_with_path(restore_arg, stored)
     try:
         restored = handler.restore(epath.Path(item.folder),
-                                   args=base.BasePyTreeRestoreArgs(item=None, restore_args=restore_args))
+                                   args=base.BasePyTreeRestoreArgs(item=skeleton, restore_args=restore_args))
     finally:
         handler.close()
     out = {}
     for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
         name = leaf_name(keypath)
-        if name is not None:
+        if name is not None and name in targets:
             out[name] = value
     return out
 
