@@ -26,7 +26,7 @@ from treetools.partitioning import is_box, leaf_sharding, rebox, unbox
 from treetools.paths import flatten, unflatten_dict
 
 RTOL = 2e-6  # float32 accumulation vs float64
-L, D = 4, 16
+L, D = _models.SCAN_LAYERS, _models.SCAN_D
 
 
 def _sq64(x) -> float:
@@ -53,43 +53,7 @@ def _global(host: dict[str, np.ndarray]) -> float:
 # --------------------------------------------------------------------------- #
 
 # MaxText-style logical names: the layer axis replicated, or split over the `stage` mesh axis.
-RULES = {"replicated": (("layers", None), ("mlp", "fsdp"), ("vocab", "fsdp"), ("embed", None)),
-         "split": (("layers", "stage"), ("mlp", "fsdp"), ("vocab", "fsdp"), ("embed", None))}
-
-
-class _Block(nn.Module):
-    rules: tuple
-
-    @nn.compact
-    def __call__(self, x, _):
-        init = nn.initializers.normal(1.0)
-        # Kernels boxed with logical names; biases left unboxed (flax's default bias_init), stacked all the same.
-        h = nn.Dense(2 * D, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp"), rules=self.rules),
-                     name="up")(x)
-        h = nn.Dense(D, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed"), rules=self.rules),
-                     name="down")(nn.gelu(h))
-        return x + h, None
-
-
-class _Decoder(nn.Module):
-    rules: tuple
-
-    @nn.compact
-    def __call__(self, x):
-        scan = nn.scan(_Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=L,
-                       metadata_params={nn.PARTITION_NAME: "layers"})
-        x, _ = scan(self.rules, name="layers")(x, None)
-        return nn.LayerNorm(name="norm")(x)  # unboxed, not stacked
-
-
-class _LM(nn.Module):
-    rules: tuple
-
-    @nn.compact
-    def __call__(self, tokens):
-        x = nn.Embed(32, D, embedding_init=nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed"),
-                                                                        rules=self.rules), name="embed")(tokens)
-        return _Decoder(self.rules, name="decoder")(x)
+RULES = {"replicated": _models.scan_rules(None), "split": _models.scan_rules("stage")}
 
 
 def _randomized(tree, seed=0, dtype=np.float32):
@@ -100,7 +64,7 @@ def _randomized(tree, seed=0, dtype=np.float32):
 
 
 def _linen_params(rules="replicated", seed=0):
-    variables = _LM(RULES[rules]).init(jax.random.key(0), jnp.zeros((2, 3), jnp.int32))
+    variables = _models.ScannedLM(RULES[rules]).init(jax.random.key(0), jnp.zeros((2, 3), jnp.int32))
     return _randomized(variables["params"], seed)
 
 

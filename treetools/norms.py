@@ -34,6 +34,15 @@ Where the sum happens (the psum rule):
   axis left automatic by a partial ``shard_map(axis_names=...)`` is not summed:
   over those axes every device already holds the whole thing.
 
+Per layer (``stacked=``, see ``norm_metrics``): a stacked leaf ``(L, ...)`` is
+reduced over every axis but its layer axis, giving L partial sums in the same
+read; the leaf's sum is their sum. The L sums follow the rule above: psum-ed
+over the same axes as the leaf. Inside ``shard_map`` a layer axis split over
+manual mesh axes leaves each device some of the layers (``L / n`` of them, at
+its index over those axes): it places its sums at their layers in a zero
+vector of length L, and the leaf's psum, which runs over those axes too,
+assembles all L.
+
 So the same call is right in both places, and a box handed to plain ``jit`` is
 never psum-ed (its axis names are not bound there). Called eagerly, the whole
 tree is reduced by one compiled program (not one per leaf). Bare arrays inside
