@@ -57,6 +57,7 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/inspect.py", "_show"): "numpy",
     ("cli/diff.py", "main"): "numpy",
     ("cli/verify.py", "main"): "numpy",
+    ("cli/plot.py", "stats_report"): "numpy",
     # The reference trainer is jax, flax and optax.
     ("cli/train.py", "main"): "jax",
     # load_parameters(path) without a target returns numpy: the jax-side modules load only to place arrays.
