@@ -275,10 +275,10 @@ def _finish_panel(ax: Any, title: str, values: list[float], nonfinite: list, *, 
     mark_nonfinite(ax, nonfinite)
 
 
-def _grid(fig: Figure, n: int) -> tuple[list, int]:
-    ncols = 1 if n == 1 else 2 if n <= 4 else 3
+def _grid(fig: Figure, n: int, *, ncols: int | None = None, width: float = 5.2) -> tuple[list, int]:
+    ncols = ncols or (1 if n == 1 else 2 if n <= 4 else 3)
     nrows = math.ceil(n / ncols)
-    fig.set_size_inches(5.2 * ncols, 3.4 * nrows + 0.5)
+    fig.set_size_inches(width * ncols, 3.4 * nrows + 0.5)
     axes = list(fig.subplots(nrows, ncols, sharex=True, squeeze=False).flat)
     for ax in axes[n:]:
         fig.delaxes(ax)
@@ -554,6 +554,23 @@ def stats_report(path: str | os.PathLike, *, depth: int | None = None, item: str
     return report.to_json()
 
 
+def _shared_folder(paths: Sequence[str]) -> str:
+    """The leading path parts two or more paths share (a path's own last part never counts).
+
+    >>> _shared_folder(["opt/0/mu/w", "opt/0/nu/w"]), _shared_folder(["a/w"])
+    ('opt/0', '')
+    """
+    if len(paths) < 2:
+        return ""
+    split = [p.split("/")[:-1] for p in paths]
+    shared = []
+    for parts in zip(*split):
+        if len(set(parts)) > 1:
+            break
+        shared.append(parts[0])
+    return "/".join(shared)
+
+
 def _stat_series(report: Mapping[str, Any], stat: str) -> dict[str, dict[str, list]]:
     """``{item: {path: [(step, value, nonfinite elements), ...]}}`` in the report's order."""
     out: dict[str, dict[str, list]] = {}
@@ -619,23 +636,27 @@ def stats_figure(
         series = {item: paths for item, paths in series.items() if paths}
 
     fig = Figure(layout="constrained")
-    axes, ncols = _grid(fig, len(series))
+    axes, ncols = _grid(fig, len(series), ncols=1, width=9.0)  # one panel a row: the legend at its right
     for ax, (item, paths) in zip(axes, series.items()):
         ranked = sorted(paths, key=lambda p: -next((abs(v) for _, v, _ in reversed(paths[p]) if math.isfinite(v)),
                                                    -math.inf))
+        shown = ranked[:max_lines]
+        shared = _shared_folder(shown)  # said once in the title, not in every label
         title = f"{item}: {stat}"
         if len(ranked) > max_lines:
             title += f" (largest {max_lines} of {len(ranked)})"
+        if shared:
+            title += f", under {shared}/"
         values: list[float] = []
         nonfinite: list = []
-        for m, path in enumerate(ranked[:max_lines]):
+        for m, path in enumerate(shown):
             points = paths[path]
-            finite, bad = _curve(ax, [s for s, _, _ in points], [v for _, v, _ in points], color=_COLORS[m % len(_COLORS)],
-                                 linewidth=1.2, label=path)
+            finite, bad = _curve(ax, [s for s, _, _ in points], [v for _, v, _ in points],
+                                 color=_COLORS[m % len(_COLORS)], linewidth=1.2, label=path[len(shared):].lstrip("/"))
             values += finite
             nonfinite += bad + [s for s, _, n in points if n]
         _finish_panel(ax, title, values, nonfinite)
-        ax.legend(fontsize=7, ncols=2 if len(ranked[:max_lines]) > 5 else 1)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     _label_bottom(axes, ncols)
     fig.suptitle(f"{report.get('path', '')}: {stat} per {'leaf' if report.get('depth') is None else 'module'}"
                  .lstrip(": "), fontsize=10)
