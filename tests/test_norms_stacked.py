@@ -398,3 +398,17 @@ def test_per_layer_split_reads_each_array_once():
         cost = jax.jit(fn).lower(tree).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         assert nbytes <= cost["bytes accessed"] <= 1.01 * nbytes
+
+
+def test_accelerators_count_per_layer_beside_the_per_layer_squares():
+    # On GPU/TPU the non-finite count of a gradient is a sibling of its sum of squares (one fused read):
+    # for a stacked leaf both reduce over the same axes, all but the layer axis.
+    from tests.test_norms import _program
+
+    tree = {"layers": {"q": jax.ShapeDtypeStruct((6, 64, 64), jnp.float32)}, "embed": jax.ShapeDtypeStruct((64, 8), jnp.float32)}
+    for platform in ("cuda", "tpu"):
+        reductions, conditionals = _program(lambda t: norm_metrics(grads=t, depth=1, stacked={"layers": 0}), tree, platform)
+        assert conditionals == []
+        embed, q = reductions  # tree order: embed, layers/q
+        assert [(name, axes) for name, axes, _ in q] == [("reduce_sum", (1, 2)), ("reduce_sum", (1, 2))]
+        assert [(name, axes) for name, axes, _ in embed] == [("reduce_sum", (0, 1)), ("reduce_sum", (0, 1))]

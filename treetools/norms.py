@@ -173,6 +173,10 @@ _LeafStack = tuple[int, int, tuple[str, ...]]
 _EVERY_LAYER = "every"  # a group member asking for the leaf's per-layer norms as one vector
 
 
+def _other_axes(ndim: int, axis: int) -> tuple[int, ...]:
+    return tuple(a for a in range(ndim) if a != axis)
+
+
 def _layer_sq(value: Any, stack: _LeafStack | None) -> jax.Array:
     """A leaf's sum of squares: a scalar, or for a stacked leaf one partial sum per layer, shape (L,).
 
@@ -187,7 +191,7 @@ def _layer_sq(value: Any, stack: _LeafStack | None) -> jax.Array:
         return _local_sq(value)
     axis, length, split = stack
     sq = _abs_sq(value)
-    part = jnp.sum(sq, axis=tuple(a for a in range(sq.ndim) if a != axis))
+    part = jnp.sum(sq, axis=_other_axes(sq.ndim, axis))
     if split:
         start = jax.lax.axis_index(split) * part.shape[0]
         part = jax.lax.dynamic_update_slice(jnp.zeros((length,), _F32), part, (start,))
@@ -197,12 +201,23 @@ def _layer_sq(value: Any, stack: _LeafStack | None) -> jax.Array:
     return jax.lax.optimization_barrier(part)
 
 
-def _count_nonfinite(values: list[Any], axes: tuple[tuple[str, ...], ...]) -> jax.Array:
-    """The number of NaN/Inf elements of all ``values``, psum-ed like their squares (int32)."""
-    local = [
-        jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros((), jnp.int32)
-        for x in map(jnp.asarray, values)
-    ]
+def _count_nonfinite(values: list[Any], axes: tuple[tuple[str, ...], ...], stacks: tuple = ()) -> jax.Array:
+    """The number of NaN/Inf elements of all ``values``, psum-ed like their squares (int32).
+
+    A stacked leaf is counted over the same axes as its per-layer squares
+    (``_layer_sq``), so that the two stay sibling reductions XLA:GPU/TPU fuse
+    into one read; the barrier keeps XLA from folding the follow-up sum back
+    into a reduction of another shape.
+    """
+    local = []
+    for x, stack in zip(map(jnp.asarray, values), stacks or (None,) * len(values)):
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            local.append(jnp.zeros((), jnp.int32))
+        elif stack is None:
+            local.append(jnp.sum(~jnp.isfinite(x), dtype=jnp.int32))
+        else:
+            per_layer = jnp.sum(~jnp.isfinite(x), axis=_other_axes(x.ndim, stack[0]), dtype=jnp.int32)
+            local.append(jnp.sum(jax.lax.optimization_barrier(per_layer)))
     return _tree_total(_batched_psum(local, axes), dtype=jnp.int32)
 
 
@@ -428,7 +443,7 @@ def _norms_body(values, *, axes, stacks, groups, count_nonfinite):
     group_norms = _group_norms(sq, whole, groups)
     if not count_nonfinite:
         return jnp.sqrt(total), group_norms, None
-    count = functools.partial(_count_nonfinite, values, axes)
+    count = functools.partial(_count_nonfinite, values, axes, stacks)
 
     def lazy(total: jax.Array) -> jax.Array:
         # A finite total means every element is finite (a NaN or Inf anywhere
