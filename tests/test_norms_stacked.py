@@ -266,13 +266,14 @@ def test_nnx_vmap_stacked_layers(metadata, devices):
         for i, v in enumerate(_per_layer(host, "layers", L)):
             np.testing.assert_allclose(float(m[f"grad_norm/layers/{i}"]), v, rtol=RTOL)
         np.testing.assert_allclose(float(m["grad_norm"]), _global(host), rtol=RTOL)
-    if not metadata:
-        # Inside shard_map: the kernel's box names fsdp (psum over it), the vmapped layer axis is replicated.
+    # Inside shard_map: the kernel's box names fsdp (psum over it), the vmapped layer axis is replicated;
+    # `layers` is no mesh axis, so a rule says so (as MaxText's rules do), else the layout would be unknown.
+    with nn.logical_axis_rules((("layers", None),)):
         m = _in_shard_map(lambda t: norm_metrics(grads=t, per_param=True, stacked=stacked), mesh, placed)
-        for i in range(L):
-            np.testing.assert_allclose(float(m[f"grad_norm/layers/{i}/up/kernel"]),
-                                       np.sqrt(_sq64(host["layers/up/kernel"][i])), rtol=RTOL)
-        np.testing.assert_allclose(float(m["grad_norm"]), _global(host), rtol=RTOL)
+    for i in range(L):
+        np.testing.assert_allclose(float(m[f"grad_norm/layers/{i}/up/kernel"]),
+                                   np.sqrt(_sq64(host["layers/up/kernel"][i])), rtol=RTOL)
+    np.testing.assert_allclose(float(m["grad_norm"]), _global(host), rtol=RTOL)
 
 
 # --------------------------------------------------------------------------- #
