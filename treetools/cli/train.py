@@ -21,7 +21,7 @@ Examples:
   treetools inspect runs/demo/checkpoints
   treetools plot runs/demo/metrics.jsonl -o norms.png
   treetools train --workdir runs/scan --scan-layers --cpu-devices 4
-  treetools plot runs/scan --heatmap 'grad_norm/layers/(\d+)$' -o layers.png
+  treetools plot runs/scan --heatmap 'grad_norm/layers/(\\d+)$' -o layers.png
 """
 
 from __future__ import annotations
