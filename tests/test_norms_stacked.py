@@ -10,6 +10,8 @@ replicated or split over a mesh axis.
 
 from __future__ import annotations
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -24,6 +26,7 @@ from treetools.errors import PatternError
 from treetools.norms import get_grad_norms, get_param_norms, get_sharded_global_norm, norm_metrics
 from treetools.partitioning import is_box, leaf_sharding, rebox, unbox
 from treetools.paths import flatten, unflatten_dict
+from treetools.rules import insert_index
 
 RTOL = 2e-6  # float32 accumulation vs float64
 L, D = _models.SCAN_LAYERS, _models.SCAN_D
@@ -323,6 +326,8 @@ def test_pattern_places_the_index_where_the_match_ends():
             r"q$": "blocks/attn/q/{}", "^": "{}/blocks/attn/q", "att": "blocks/attn/{}/q"}
     for pattern, key in ends.items():
         m = norm_metrics(grads=tree, per_param=True, stacked={pattern: 0})
+        # The same place as Rules' unstack puts it: one rule for where a layer index goes.
+        assert insert_index("blocks/attn/q", re.search(pattern, "blocks/attn/q"), 3) == key.format(3)
         for i in range(L):
             np.testing.assert_allclose(float(m["grad_norm/" + key.format(i)]), np.sqrt(_sq64(host["blocks/attn/q"][i])),
                                        rtol=RTOL, err_msg=pattern)
