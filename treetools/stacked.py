@@ -170,6 +170,8 @@ def _from_boxes(pairs, shape_of) -> list[Stack | None]:
             says.append((axis, shape[axis]))
         else:
             says.append("other" if is_partitioned(x) else None)
+    if not any(isinstance(sig, tuple) for sig in says):
+        return [None] * len(pairs)  # no box names a layer axis: nothing is stacked
     under: dict[tuple[str, ...], list[int]] = {}
     for i, ps in enumerate(parts):
         for k in range(len(ps) + 1):
