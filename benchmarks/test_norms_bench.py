@@ -6,7 +6,9 @@ Anchors, measured in the same run with the same timer:
 * the floor: one fused sum of squares over a single flat float32 array of the
   same bytes (no tree, no per-leaf outputs): no norm of the tree can beat it;
 * for ``per_param=True``, the same dict written with optax (global norm,
-  per-leaf norms and the non-finite count as a trainer would write them).
+  per-leaf norms and the non-finite count as a trainer would write them);
+* for per-layer norms of a scanned tree (``stacked=``), the same
+  ``norm_metrics(depth=1)`` call without the split (``stacked=False``).
 
 Ours returns more (per-leaf norms; ``norm_metrics`` also counts non-finite
 gradients) from one read of every array. Each test prints ``ours``, the anchor
@@ -22,7 +24,7 @@ against itself): a ratio within the control's spread is parity.
 Buffers are XLA-allocated copies, as real gradients are (see ``_device_owned``).
 
 Sizes: ``TREETOOLS_BENCH_SCALE`` (float, default 1.0) scales the parameter
-count (the leaf count, 203, stays). The FSDP tests need 8 devices
+count (the leaf count, 203, stays; the scanned tree: 24 layers, 11 leaves). The FSDP tests need 8 devices
 (benchmarks/conftest.py forces 8 fake CPU devices before jax starts).
 """
 
@@ -248,6 +250,48 @@ def test_fixed_cost_per_call():
         f"returning {len(scalars)} scalars alone {med['outputs'] * 1e6:.0f} us",
         flush=True,
     )
+
+
+# --------------------------------------------------------------------------- #
+# Per-layer norms of a scanned tree: the split against the same call without it
+# --------------------------------------------------------------------------- #
+
+N_SCANNED = 24
+
+
+def _scanned_shapes() -> dict[str, tuple[int, ...]]:
+    """The blocks of ``_shapes`` as one scan of 24 layers: every block leaf stacked ``(24, ...)`` under ``layers/``."""
+    block = {f"attn/{n}": (D, D) for n in "qkvo"}
+    block |= {"mlp/wi": (D, 4 * D), "mlp/bi": (4 * D,), "mlp/wo": (4 * D, D), "mlp/bo": (D,)}
+    block |= {"ln1/scale": (D,), "ln2/scale": (D,)}
+    shapes = {"embed": (VOCAB, D), "final_ln/scale": (D,), "final_ln/bias": (D,)}
+    return shapes | {f"layers/{k}": (N_SCANNED, *s) for k, s in block.items()}
+
+
+# Issue target for the split: within 5% of the same call without it.
+_TARGETS["norm_metrics(depth=1, stacked=False)"] = "<= 1.05"
+
+
+def test_per_layer_split_vs_no_split():
+    """``norm_metrics(grads, depth=1)`` on a scanned tree: 24 ``layers/<i>`` keys from the same read.
+
+    Anchor: the same call with ``stacked=False`` (one ``layers`` key); both
+    read every array once (``tests/test_norms_stacked.py`` checks XLA's byte
+    count), so the ratio is the cost of reducing per layer and of the extra
+    outputs.
+    """
+    scanned = _build(_scanned_shapes())
+    n = sum(x.size for x in scanned.values())
+    print(f"\nscanned tree: {len(scanned)} leaves ({N_SCANNED} layers stacked), {n / 1e6:.1f}M float32 params")
+    split = jax.jit(lambda t: norm_metrics(grads=t, depth=1, stacked={"^layers/": 0}))
+    whole = jax.jit(lambda t: norm_metrics(grads=t, depth=1, stacked=False))
+    m, ref = split(scanned), whole(scanned)
+    assert {k for k in m if k.startswith("grad_norm/layers/")} == {f"grad_norm/layers/{i}" for i in range(N_SCANNED)}
+    np.testing.assert_allclose(float(m["grad_norm"]), float(ref["grad_norm"]), rtol=1e-5)
+    per_layer = np.array([float(m[f"grad_norm/layers/{i}"]) for i in range(N_SCANNED)])
+    np.testing.assert_allclose(np.sqrt(np.sum(per_layer**2)), float(ref["grad_norm/layers"]), rtol=1e-5)
+    _compare(f"norm_metrics(depth=1) per layer ({N_SCANNED} layers)", (split, scanned),
+             {"norm_metrics(depth=1, stacked=False)": (whole, scanned)})
 
 
 # --------------------------------------------------------------------------- #

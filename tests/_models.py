@@ -83,3 +83,52 @@ class NnxNet(nnx.Module):
 
     def __call__(self, x):
         return self.out(self.drop(self.bn(self.up(x))))
+
+
+# linen nn.scan with the `layers` partition name (MaxText-style logical names): embed + decoder(scanned
+# `layers` of up/down Dense with unboxed biases, then an unboxed LayerNorm `norm`).
+SCAN_LAYERS, SCAN_D, SCAN_VOCAB = 4, 16, 32
+# embed (VOCAB*D) + layers (L * (D*2D + 2D + 2D*D + D)) + norm (2*D)
+SCAN_PARAMS = SCAN_VOCAB * SCAN_D + SCAN_LAYERS * (4 * SCAN_D * SCAN_D + 3 * SCAN_D) + 2 * SCAN_D  # 4832
+
+
+def scan_rules(layers_axis=None):
+    """Logical -> mesh axis rules: `layers` replicated (None) or split over ``layers_axis``; FSDP on `mlp`/`vocab`."""
+    return (("layers", layers_axis), ("mlp", "fsdp"), ("vocab", "fsdp"), ("embed", None))
+
+
+class _ScanBlock(nn.Module):
+    rules: tuple
+
+    @nn.compact
+    def __call__(self, x, _):
+        init = nn.initializers.normal(1.0)
+        # Kernels boxed with logical names; biases left unboxed (flax's default bias_init), stacked all the same.
+        h = nn.Dense(2 * SCAN_D, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp"), rules=self.rules),
+                     name="up")(x)
+        h = nn.Dense(SCAN_D, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed"), rules=self.rules),
+                     name="down")(nn.gelu(h))
+        return x + h, None
+
+
+class _ScanDecoder(nn.Module):
+    rules: tuple
+
+    @nn.compact
+    def __call__(self, x):
+        scan = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=SCAN_LAYERS,
+                       metadata_params={nn.PARTITION_NAME: "layers"})
+        x, _ = scan(self.rules, name="layers")(x, None)
+        return nn.LayerNorm(name="norm")(x)  # unboxed, not stacked
+
+
+class ScannedLM(nn.Module):
+    """Embed + a decoder whose blocks are one ``nn.scan`` with ``metadata_params={nn.PARTITION_NAME: "layers"}``."""
+
+    rules: tuple = scan_rules()
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed_init = nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed"), rules=self.rules)
+        x = nn.Embed(SCAN_VOCAB, SCAN_D, embedding_init=embed_init, name="embed")(tokens)
+        return _ScanDecoder(self.rules, name="decoder")(x)

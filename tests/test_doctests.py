@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = [
-    "paths", "patterns", "rules", "partitioning", "counting", "masks", "abstract", "table", "norms", "manager", "restore",
+    "paths", "patterns", "rules", "partitioning", "stacked", "counting", "masks", "abstract", "table", "norms", "manager", "restore",
     "errors", "rows", "render", "ckpt.storage", "ckpt.steps", "ckpt.readers", "ckpt.source", "ckpt.mapping",
     "ckpt.formats.orbax", "ckpt.formats.safetensors", "ckpt.formats.npz", "ckpt.formats.hf_sharded", "ckpt.formats.t5x",
     "inspect.options", "inspect.diff", "inspect.report", "inspect.show", "inspect.stats", "inspect.verify",

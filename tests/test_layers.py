@@ -58,6 +58,7 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/diff.py", "main"): "numpy",
     ("cli/verify.py", "main"): "numpy",
     ("cli/options.py", "rules_from"): "numpy",
+    ("cli/plot.py", "stats_report"): "numpy",
     # The reference trainer is jax, flax and optax.
     ("cli/train.py", "main"): "jax",
     # load_parameters(path) without a target returns numpy: the jax-side modules load only to place arrays.

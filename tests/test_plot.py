@@ -12,6 +12,7 @@ import pytest
 
 matplotlib = pytest.importorskip("matplotlib")
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+import matplotlib.image  # noqa: E402
 
 import treetools as tt  # noqa: E402
 from treetools.cli import main as cli_main  # noqa: E402
@@ -73,8 +74,9 @@ def test_every_metric_when_none_is_a_default_one(tmp_path):
 def test_default_panels_for_the_trainers_metrics(tmp_path):
     f = _write(tmp_path / "demo" / "metrics.jsonl", _trainer_like(range(20, 201, 20)))
     fig = plot_files([f])
-    # nonfinite_grads is a count, not a curve: only with --keys.
-    assert [ax.get_title() for ax in fig.axes] == ["loss", "grad_norm", "param_norm", "update_norm", "update_ratio"]
+    # nonfinite_grads is a default panel when logged: where a run broke, it counts the NaN/Inf gradients.
+    assert [ax.get_title() for ax in fig.axes] == ["loss", "grad_norm", "param_norm", "update_norm", "update_ratio",
+                                                   "nonfinite_grads"]
     assert all(len(ax.lines) == 1 for ax in fig.axes)
     assert all(ax.get_xlabel() == "step" for ax in fig.axes[-3:])
 
@@ -203,12 +205,40 @@ def test_a_rerun_appended_to_the_file_plots_the_latest_run(tmp_path):
     assert list(steps) == [2, 4, 6, 8, 10]
 
 
-def test_non_finite_values_are_left_out(tmp_path):
+def _nonfinite_marks(ax):
+    return [c for c in ax.collections if c.get_gid() == "nonfinite"]
+
+
+def test_non_finite_values_break_the_curve_and_are_marked(tmp_path):
+    # The curve used to be drawn straight through a NaN step, as if nothing happened there.
     records = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": float("nan")}, {"step": 3, "loss": 1.0},
-               {"step": 1, "grad_norm": float("inf")}]
-    panels = _panels(metrics_figure({"run": records[:3] + [{"step": 4, "grad_norm": float("inf")}]}))
-    assert list(panels["loss"].lines[0].get_xdata()) == [1, 3]
-    assert "grad_norm (no finite values)" in panels and not panels["grad_norm (no finite values)"].lines
+               {"step": 4, "grad_norm": float("inf")}]
+    panels = _panels(metrics_figure({"run": records}))
+    line = panels["loss"].lines[0]
+    assert list(line.get_xdata()) == [1, 2, 3]
+    assert np.isnan(line.get_ydata()[1]) and list(line.get_ydata()[[0, 2]]) == [2.0, 1.0]  # a gap at step 2
+    (marks,) = _nonfinite_marks(panels["loss"])
+    assert marks.get_offsets().data[:, 0].tolist() == [2.0] and marks.get_label() == "NaN/Inf"
+    assert panels["loss"].get_legend() is not None
+    # A metric with no finite value at all: an empty panel, saying so, with its step marked.
+    ax = panels["grad_norm (no finite values)"]
+    assert [np.isnan(ln.get_ydata()).all() for ln in ax.lines] == [True]
+    assert _nonfinite_marks(ax)[0].get_offsets().data[:, 0].tolist() == [4.0]
+    # Finite curves get no marks.
+    assert not _nonfinite_marks(_panels(metrics_figure({"run": records[:1] + records[2:3]}))["loss"])
+
+
+def test_a_nan_step_changes_the_png(tmp_path):
+    finite = [{"step": s, "loss": 3.0 / s, "grad_norm": 1.0 + s} for s in range(1, 11)]
+    broken = [dict(r, grad_norm=float("nan")) if r["step"] == 6 else r for r in finite]
+    images = []
+    for name, records in (("finite", finite), ("nan", broken)):
+        out = tmp_path / f"{name}.png"
+        metrics_figure({"run": records}).savefig(out, dpi=60)
+        images.append(matplotlib.image.imread(str(out)))
+    assert images[0].shape == images[1].shape and images[0].shape[0] > 100 and images[0].shape[1] > 200
+    red = [np.sum((img[..., 0] > 0.9) & (img[..., 1] < 0.2) & (img[..., 2] < 0.2)) for img in images]
+    assert red[0] == 0 and red[1] > 10  # the red NaN marks are drawn, in the NaN picture only
 
 
 @pytest.mark.parametrize("name, content, expected", [
@@ -241,3 +271,187 @@ def test_several_files_default_output_in_the_current_folder(tmp_path, capsys, mo
     code, out, _ = _cli(capsys, "plot", a, b)
     assert code == 0 and out.strip() == "norms.png" and (tmp_path / "norms.png").read_bytes()[:8] == PNG
     assert not (tmp_path / "a" / "norms.png").exists()
+
+
+# --------------------------------------------------------------------------- #
+# --heatmap: layers x steps
+# --------------------------------------------------------------------------- #
+
+
+def _layer_records(n_layers, steps, *, nan_at=None, kind="grad_norm"):
+    out = []
+    for s in steps:
+        r = {"step": s, "loss": 1.0 / s, kind: 1.0}
+        for i in range(n_layers):
+            r[f"{kind}/layers/{i}"] = float("nan") if (s, i) == nan_at else (i + 1) * 10.0 ** (-s / 20)
+            r[f"{kind}/layers/{i}/attn/q"] = 0.5  # per-parameter entries beside: the `$` keeps them out
+        out.append(r)
+    return out
+
+
+def _mesh(ax, gid="values"):
+    (mesh,) = [c for c in ax.collections if c.get_gid() == gid]
+    return mesh
+
+
+@pytest.mark.parametrize("n_layers", [2, 48])
+def test_heatmap_rows_colours_and_labels(n_layers, tmp_path):
+    from matplotlib.colors import LogNorm
+    from treetools.cli.plot import heatmap_figure
+
+    records = _layer_records(n_layers, range(10, 201, 10))
+    fig = heatmap_figure({"run": records}, r"grad_norm/layers/(\d+)$")
+    ax, bar = fig.axes[0], fig.axes[-1]
+    mesh = _mesh(ax)
+    assert isinstance(mesh.norm, LogNorm) and bar.get_ylabel() == "grad_norm/layers/* (log scale)"
+    data = mesh.get_array().reshape(n_layers, 20)
+    # Row i, column j holds layer i at step 10 (j + 1), by hand: (i + 1) * 10 ** (-step / 20).
+    np.testing.assert_allclose(data, [[(i + 1) * 10.0 ** (-s / 20) for s in range(10, 201, 10)] for i in range(n_layers)])
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == [str(i) for i in range(0, n_layers, 1 if n_layers <= 24 else 2)]  # 48 rows: every other labelled
+    lo, hi = ax.get_ylim()
+    assert lo > hi  # layer 0 on top
+    width, height = fig.get_size_inches()
+    assert width == 10 and (2.5 <= height <= 3.5 if n_layers == 2 else 9 <= height <= 11)
+    assert not [c for c in ax.collections if c.get_gid() in ("nonfinite", "nonfinite-cells")]
+    out = tmp_path / "h.png"
+    fig.savefig(out, dpi=60)
+    img = matplotlib.image.imread(str(out))
+    assert img.shape[:2] == (round(height * 60), round(width * 60)) and img.std() > 0
+
+
+def test_heatmap_marks_nan_cells_and_steps(tmp_path, capsys):
+    from treetools.cli.plot import heatmap_figure
+
+    fine = _layer_records(4, range(1, 9))
+    broken = _layer_records(4, range(1, 9), nan_at=(5, 2))
+    fig = heatmap_figure({"run": broken}, r"grad_norm/layers/(\d+)$")
+    ax = fig.axes[0]
+    bad = ~np.ma.getmaskarray(_mesh(ax, "nonfinite-cells").get_array()).reshape(4, 8)
+    assert bad.sum() == 1 and bad[2, 4]  # layer 2, step 5 (the fifth column)
+    assert _nonfinite_marks(ax)[-1].get_offsets().data[:, 0].tolist() == [5.0]
+    assert np.ma.is_masked(_mesh(ax).get_array().reshape(4, 8)[2, 4])  # not coloured as a value
+    a, b = _write(tmp_path / "fine" / "metrics.jsonl", fine), _write(tmp_path / "broken" / "metrics.jsonl", broken)
+    images = []
+    for f in (a, b):
+        code, out, _ = _cli(capsys, "plot", f.parent, "--heatmap", r"grad_norm/layers/(\d+)$")
+        assert code == 0 and out.strip() == str(f.parent / "heatmap.png")
+        images.append(matplotlib.image.imread(out.strip()))
+    assert images[0].shape == images[1].shape and not np.array_equal(images[0], images[1])
+
+
+def test_heatmap_rows_in_numeric_order_and_runs_stacked(tmp_path):
+    from treetools.cli.plot import heatmap_figure
+
+    runs = {"a": _layer_records(12, [1, 2, 3]), "b": _layer_records(12, [2, 4])}
+    fig = heatmap_figure(runs, r"^grad_norm/layers/(\d+)$")
+    assert [ax.get_title() for ax in fig.axes[:2]] == ["a", "b"]
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == [str(i) for i in range(12)]  # 2 before 10
+    # One colour scale for both runs.
+    assert _mesh(fig.axes[0]).norm.vmin == _mesh(fig.axes[1]).norm.vmin
+
+
+def test_heatmap_errors(tmp_path, capsys):
+    from treetools.cli.plot import heatmap_figure
+
+    runs = {"run": _layer_records(3, [1, 2])}
+    with pytest.raises(ValueError, match="no capture group"):
+        heatmap_figure(runs, r"grad_norm/layers/\d+")
+    with pytest.raises(ValueError, match=r"matches none of the logged metrics \(loss, grad_norm"):
+        heatmap_figure(runs, r"update_norm/layers/(\d+)")
+    with pytest.raises(ValueError, match=r"gives row '0' to both 'grad_norm/layers/0' and 'grad_norm/layers/0/attn/q'.*`\$`"):
+        heatmap_figure(runs, r"grad_norm/layers/(\d+)")
+    f = _write(tmp_path / "r" / "metrics.jsonl", runs["run"])
+    code, _, err = _cli(capsys, "plot", f, "--heatmap", "(")
+    assert code == 1 and "not a valid regex" in _error_line(err)
+    code, _, err = _cli(capsys, "plot", f, "--heatmap", r"layers/(\d+)$", "--keys", "loss")
+    assert code == 2 and "--keys and --heatmap" in err
+
+
+# --------------------------------------------------------------------------- #
+# --stats: a checkpoint's statistics across its steps
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """An Orbax run with params at steps 1-3; step 3 has a NaN in layers_1/w."""
+    root = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    rng = np.random.default_rng(0)
+    manager = tt.get_checkpoint_manager(1, max_to_keep=5, checkpoint_dir=root)
+    hosts = {}
+    for step in (1, 2, 3):
+        params = {f"layers_{i}": {"w": rng.normal(size=(4, 8)).astype(np.float32) * step * (i + 1),
+                                  "b": np.full(8, float(step), np.float32)} for i in range(3)}
+        if step == 3:
+            params["layers_1"]["w"][0, 0] = np.nan
+        hosts[step] = params
+        tt.save_checkpoint(manager, step, {"params": jax.tree.map(jnp.asarray, params), "data_iter": {"index": step}},
+                           wait=True)
+    manager.close()
+    return root, hosts
+
+
+def _l2(x):
+    x = np.asarray(x, np.float64)
+    return float(np.sqrt(np.sum(x[np.isfinite(x)] ** 2)))
+
+
+def test_stats_per_leaf_across_steps(checkpoint, tmp_path, capsys):
+    from treetools.cli.plot import stats_figure, stats_report
+
+    root, hosts = checkpoint
+    report = stats_report(root, item="params")
+    assert [c["step"] for c in report["checkpoints"]] == [1, 2, 3]
+    fig = stats_figure(report)
+    (ax,) = fig.axes
+    assert ax.get_title() == "params: l2"
+    lines = {line.get_label(): line for line in ax.lines}
+    assert set(lines) == {f"layers_{i}/{p}" for i in range(3) for p in "wb"}
+    for path, line in lines.items():
+        module, leaf = path.split("/")
+        assert list(line.get_xdata()) == [1, 2, 3]
+        np.testing.assert_allclose(line.get_ydata(), [_l2(hosts[s][module][leaf]) for s in (1, 2, 3)], rtol=1e-6)
+    # The NaN in layers_1/w at step 3 (l2 is over finite elements): the step is marked.
+    assert _nonfinite_marks(ax)[0].get_offsets().data[:, 0].tolist() == [3.0]
+
+    out = tmp_path / "l2.png"
+    code, printed, err = _cli(capsys, "plot", root, "--stats", "--item", "params", "-o", out)
+    assert code == 0 and printed.strip() == str(out)
+    img = matplotlib.image.imread(str(out))
+    assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0
+
+
+def test_stats_per_module_other_stat_and_keys(checkpoint, tmp_path, capsys):
+    from treetools.cli.plot import stats_figure, stats_report
+
+    root, hosts = checkpoint
+    fig = stats_figure(stats_report(root, depth=1, item="params"), "abs_max", keys="^layers_[02]")
+    (ax,) = fig.axes
+    got = {line.get_label(): list(line.get_ydata()) for line in ax.lines}
+    want = {m: [max(float(np.nanmax(np.abs(hosts[s][m][p]))) for p in "wb") for s in (1, 2, 3)]
+            for m in ("layers_0", "layers_2")}
+    assert got.keys() == want.keys()
+    for m in want:
+        np.testing.assert_allclose(got[m], want[m], rtol=1e-6)
+    assert not _nonfinite_marks(ax)  # the NaN is in layers_1, not shown
+    # Every item by default: params and data_iter, one panel each.
+    code, _, _ = _cli(capsys, "plot", root, "--stats", "nan", "-o", tmp_path / "nan.png")
+    assert code == 0 and (tmp_path / "nan.png").read_bytes()[:8] == PNG
+
+
+def test_stats_errors(checkpoint, tmp_path, capsys):
+    root, _ = checkpoint
+    code, _, err = _cli(capsys, "plot", root, "--stats", "median", "-o", tmp_path / "x.png")
+    assert code == 2 and "unknown statistic 'median'" in err and "abs_max" in err
+    code, _, err = _cli(capsys, "plot", root, root, "--stats", "-o", tmp_path / "x.png")
+    assert code == 2 and "one checkpoint root" in err
+    code, _, err = _cli(capsys, "plot", root, "--depth", "1", "-o", tmp_path / "x.png")
+    assert code == 2 and "--stats" in err
+    code, _, err = _cli(capsys, "plot", root, "--stats", "-o", root / "inside.png")
+    assert code == 1 and "nothing is written under a path that is read" in _error_line(err)
+    assert not (root / "inside.png").exists()
+    code, _, err = _cli(capsys, "plot", root, "--stats", "--keys", "^nothing", "-o", tmp_path / "x.png")
+    assert code == 1 and "matches none of the checkpoint's paths" in _error_line(err)
+    code, _, err = _cli(capsys, "plot", tmp_path / "missing", "--stats", "-o", tmp_path / "x.png")
+    assert code == 1 and "missing" in _error_line(err)

@@ -9,6 +9,7 @@ import pytest
 
 import treetools as tt
 from treetools.cli import main as cli_main
+from treetools.reference.model import ModelConfig
 from treetools.reference.train import TrainConfig, train
 
 N = 8
@@ -120,3 +121,82 @@ def test_freeze_embeddings_keeps_them_exactly(tmp_path):
     # Everything else trained: the first block's kernel moved.
     start = jax.device_get(tt.unbox(build(cfg)[2]["params"]["layers_0"]["up"]["kernel"]))
     assert not np.array_equal(np.asarray(tt.unbox(params["layers_0"]["up"]["kernel"])), start)
+
+
+# --------------------------------------------------------------------------- #
+# --scan-layers: the blocks under nn.scan, norms logged per layer
+# --------------------------------------------------------------------------- #
+
+
+def _scan_cfg(workdir, steps):
+    return _cfg(workdir, steps, model=ModelConfig(scan_layers=True))
+
+
+@pytest.fixture(scope="module")
+def scanned(tmp_path_factory):
+    """2N steps of the scanned model in one run."""
+    return train(_scan_cfg(tmp_path_factory.mktemp("scanned"), 2 * N))
+
+
+def _records(result):
+    return [json.loads(line) for line in open(result["metrics_path"])]
+
+
+def test_scanned_blocks_are_stacked_leaves_with_the_layers_name(scanned):
+    n_layers, d = ModelConfig().n_layers, ModelConfig().d_model
+    params = scanned["state"]["params"]
+    assert not any(k.startswith("layers_") for k in params)
+    kernel = params["layers"]["qkv"]["kernel"]
+    # nn.scan put the partition name `layers` at the stacked axis; the rules keep it replicated.
+    assert kernel.names == ("layers", "fsdp", None) and tt.unbox(kernel).shape == (n_layers, d, 3 * d)
+    assert tt.unbox(kernel).sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None)
+    # The same parameters as the unscanned model, stacked: the same count.
+    from treetools.reference.train import build
+
+    assert tt.get_num_params(params) == tt.get_num_params(jax.eval_shape(lambda: build(_cfg("unused", 1))[2]["params"]))
+
+
+def test_per_layer_norms_are_logged_both_ways(straight, scanned):
+    n_layers = ModelConfig().n_layers
+    flat, stacked = _records(straight)[-1], _records(scanned)[-1]
+    for kind in ("grad_norm", "param_norm", "update_norm"):
+        assert {f"{kind}/layers_{i}" for i in range(n_layers)} <= set(flat)
+        assert not any(k.startswith(f"{kind}/layers/") for k in flat)
+        assert {f"{kind}/layers/{i}" for i in range(n_layers)} <= set(stacked)
+        assert not any(k.startswith(f"{kind}/layers_") for k in stacked)
+        # Per layer and per module add up to the global norm (sqrt of summed squares).
+        for record in (flat, stacked):
+            parts = [v for k, v in record.items() if k.startswith(f"{kind}/")]
+            np.testing.assert_allclose(np.sqrt(np.sum(np.square(parts))), record[kind], rtol=1e-5)
+    # The logged param norms of each layer are those of the live params' slices (float64 by hand).
+    params = tt.flatten(tt.unbox_tree(scanned["state"]["params"]))
+    for i in range(n_layers):
+        want = np.sqrt(sum(np.sum(np.asarray(v, np.float64)[i] ** 2) for k, v in params.items() if k.startswith("layers/")))
+        np.testing.assert_allclose(stacked[f"param_norm/layers/{i}"], want, rtol=1e-5)
+
+
+def test_per_layer_heatmap_of_the_scanned_run(scanned, tmp_path):
+    import matplotlib.image
+
+    out = tmp_path / "layers.png"
+    assert cli_main(["plot", scanned["metrics_path"], "--heatmap", r"grad_norm/layers/(\d+)$", "-o", str(out)]) == 0
+    img = matplotlib.image.imread(str(out))
+    assert img.shape[0] > 100 and img.shape[1] > 300 and img.std() > 0
+    assert cli_main(["plot", scanned["metrics_path"], "-o", str(tmp_path / "norms.png")]) == 0  # per-layer panels too
+
+
+def test_scanned_resume_is_bit_identical(scanned, tmp_path):
+    first = train(_scan_cfg(tmp_path, N))
+    resumed = train(_scan_cfg(tmp_path, 2 * N))
+    assert (first["start_step"], resumed["start_step"]) == (0, N)
+    for key in ("params", "params_ema", "opt_state"):
+        a, b = _host(scanned["state"][key]), _host(resumed["state"][key])
+        assert len(a) == len(b) > 0
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y, err_msg=key)
+    # The checkpoint holds the stacked leaves, read back without model code.
+    loaded = tt.flatten(tt.load_parameters(resumed["checkpoint_dir"]))
+    live = tt.flatten(tt.unbox_tree(resumed["state"]["params"]))
+    assert set(loaded) == set(live) and loaded["layers/up/kernel"].shape[0] == ModelConfig().n_layers
+    for path, value in live.items():
+        np.testing.assert_array_equal(np.asarray(loaded[path]), np.asarray(value), err_msg=path)

@@ -1,5 +1,7 @@
 import csv
+import dataclasses
 import io
+import json
 
 import flax.linen as nn
 import jax
@@ -171,3 +173,40 @@ def test_weight_decay_column_with_allow_unmatched_for_a_model_without_biases():
     want = tt.get_param_mask_fn(exclude=[r"bias$", r"scale$"], allow_unmatched=True)(params)
     assert want == {"proj": {"kernel": True}, "norm": {"scale": False}}
     assert rows["proj/kernel"].rstrip().endswith("True") and rows["norm/scale"].rstrip().endswith("False"), table
+
+
+def test_stacked_leaves_show_their_layer_count():
+    # nn.scan with the `layers` partition name: every leaf of the scanned module holds 4 layers, the unboxed biases too.
+    params = _models.ScannedLM().init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32))["params"]
+    rows = {r["path"]: r for r in _parse_tsv(tt.tabulate_params(params, tablefmt="tsv"))}
+    layers = {p: r["layers"] for p, r in rows.items()}
+    assert layers == {"decoder/layers/down/bias": "4", "decoder/layers/down/kernel": "4",
+                      "decoder/layers/up/bias": "4", "decoder/layers/up/kernel": "4",
+                      "decoder/norm/bias": "", "decoder/norm/scale": "", "embed/embedding": ""}
+    d, L = _models.SCAN_D, _models.SCAN_LAYERS
+    assert rows["decoder/layers/up/kernel"]["shape"] == f"({L}, {d}, {2 * d})"  # the shape keeps the layer axis
+    assert rows["decoder/layers/up/kernel"]["params"] == f"{L * d * 2 * d:,}"
+    header = tt.tabulate_params(params, tablefmt="tsv").splitlines()[0].split("\t")
+    assert [h.strip() for h in header][:4] == ["path", "shape", "layers", "dtype"]
+    # Per module: a module whose leaves all hold 4 layers says 4; a mixed one says nothing.
+    by_module = {r["path"]: r for r in _parse_tsv(tt.tabulate_params(params, depth=2, tablefmt="tsv"))}
+    assert by_module["decoder/layers"]["layers"] == "4" and by_module["decoder/norm"]["layers"] == ""
+    # At depth 1 no module holds only stacked leaves: no column.
+    assert "layers" not in tt.tabulate_params(params, depth=1).splitlines()[0]
+    assert f"Total: {_models.SCAN_PARAMS:,} params" in tt.tabulate_params(params)
+    # Unboxed trees by pattern; stacked=False or a tree without stacks: no column, the table as before.
+    by_pattern = _parse_tsv(tt.tabulate_params({"blocks": {"w": np.ones((3, 2), np.float32)}}, stacked={"blocks": 0},
+                                               tablefmt="tsv"))
+    assert by_pattern == [{"path": "blocks/w", "shape": "(3, 2)", "layers": "3", "dtype": "float32", "params": "6",
+                           "bytes": "24 B"}]  # (tsv drops the empty sharding cell)
+    assert "layers" not in tt.tabulate_params(params, stacked=False).splitlines()[0]
+    plain = tt.tabulate_params(_models.init_net())  # nn.scan without the partition name: no `layers` axis name
+    assert plain.splitlines()[0].split() == ["path", "shape", "dtype", "params", "bytes", "sharding"]
+
+
+def test_layer_count_in_json_rows():
+    from treetools.table import render_rows
+
+    rows = [dataclasses.replace(r, layers=4) if r.name == "w" else r for r in rows_from_tree({"w": np.ones((4, 2)), "b": np.ones(2)})]
+    data = {r["path"]: r for r in json.loads(render_rows(rows, fmt="json"))["leaves"]}
+    assert data["w"]["layers"] == 4 and "layers" not in data["b"]  # absent where there is none: the schema as before

@@ -34,6 +34,15 @@ Where the sum happens (the psum rule):
   axis left automatic by a partial ``shard_map(axis_names=...)`` is not summed:
   over those axes every device already holds the whole thing.
 
+Per layer (``stacked=``, see ``norm_metrics``): a stacked leaf ``(L, ...)`` is
+reduced over every axis but its layer axis, giving L partial sums in the same
+read; the leaf's sum is their sum. The L sums follow the rule above: psum-ed
+over the same axes as the leaf. Inside ``shard_map`` a layer axis split over
+manual mesh axes leaves each device some of the layers (``L / n`` of them, at
+its index over those axes): it places its sums at their layers in a zero
+vector of length L, and the leaf's psum, which runs over those axes too,
+assembles all L.
+
 So the same call is right in both places, and a box handed to plain ``jit`` is
 never psum-ed (its axis names are not bound there). Called eagerly, the whole
 tree is reduced by one compiled program (not one per leaf). Bare arrays inside
@@ -66,7 +75,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from treetools._typing import PathStr, PyTree
 from treetools.counting import is_array_like
 from treetools.partitioning import is_partitioned, leaf_sharding, mesh_axes_of, unbox, unmapped_logical_names
-from treetools.paths import is_leaf, leaves_with_paths, path_prefix, path_str
+from treetools.paths import SEP, is_leaf, leaves_with_paths, path_str
+from treetools.stacked import Stack, Stacked, find_stacks, layer_parts
 
 
 _F32 = jnp.float32
@@ -157,12 +167,57 @@ def _local_sq(value: Any) -> jax.Array:
     return jnp.sum(_abs_sq(value))
 
 
-def _count_nonfinite(values: list[Any], axes: tuple[tuple[str, ...], ...]) -> jax.Array:
-    """The number of NaN/Inf elements of all ``values``, psum-ed like their squares (int32)."""
-    local = [
-        jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.zeros((), jnp.int32)
-        for x in map(jnp.asarray, values)
-    ]
+# A stacked leaf as the reduction sees it: (layer axis, global layer count, the bound mesh axes that
+# split the layer axis: inside shard_map the local block holds only some of the layers).
+_LeafStack = tuple[int, int, tuple[str, ...]]
+_EVERY_LAYER = "every"  # a group member asking for the leaf's per-layer norms as one vector
+
+
+def _other_axes(ndim: int, axis: int) -> tuple[int, ...]:
+    return tuple(a for a in range(ndim) if a != axis)
+
+
+def _layer_sq(value: Any, stack: _LeafStack | None) -> jax.Array:
+    """A leaf's sum of squares: a scalar, or for a stacked leaf one partial sum per layer, shape (L,).
+
+    The per-layer sums reduce every axis but the layer axis, in the same read
+    as the scalar sum. Where the layer axis is split over bound mesh axes
+    (inside ``shard_map``), the local block holds layers ``[k * n, (k + 1) * n)``
+    (``k`` this device's index over those axes, row-major as jax splits): its
+    sums are placed there in a zero vector of all L layers, so the ``psum``
+    over the leaf's axes, which include those, assembles the whole vector.
+    """
+    if stack is None:
+        return _local_sq(value)
+    axis, length, split = stack
+    sq = _abs_sq(value)
+    part = jnp.sum(sq, axis=_other_axes(sq.ndim, axis))
+    if split:
+        start = jax.lax.axis_index(split) * part.shape[0]
+        part = jax.lax.dynamic_update_slice(jnp.zeros((length,), _F32), part, (start,))
+    # XLA folds a sum of these sums (the global norm) or a slice of them (one layer) back into
+    # reductions of the squared leaf, which it then writes out and reads again (measured on
+    # XLA:CPU: 4x the bytes). The barrier keeps the one read.
+    return jax.lax.optimization_barrier(part)
+
+
+def _count_nonfinite(values: list[Any], axes: tuple[tuple[str, ...], ...], stacks: tuple = ()) -> jax.Array:
+    """The number of NaN/Inf elements of all ``values``, psum-ed like their squares (int32).
+
+    A stacked leaf is counted over the same axes as its per-layer squares
+    (``_layer_sq``), so that the two stay sibling reductions XLA:GPU/TPU fuse
+    into one read; the barrier keeps XLA from folding the follow-up sum back
+    into a reduction of another shape.
+    """
+    local = []
+    for x, stack in zip(map(jnp.asarray, values), stacks or (None,) * len(values)):
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            local.append(jnp.zeros((), jnp.int32))
+        elif stack is None:
+            local.append(jnp.sum(~jnp.isfinite(x), dtype=jnp.int32))
+        else:
+            per_layer = jnp.sum(~jnp.isfinite(x), axis=_other_axes(x.ndim, stack[0]), dtype=jnp.int32)
+            local.append(jnp.sum(jax.lax.optimization_barrier(per_layer)))
     return _tree_total(_batched_psum(local, axes), dtype=jnp.int32)
 
 
@@ -218,37 +273,86 @@ def _check_leaf(path: PathStr, x: Any) -> Any:
 
 
 def _batched_psum(values: list[jax.Array], axes: tuple[tuple[str, ...], ...]) -> list[jax.Array]:
-    """psum each value over its axes, with one collective per distinct axis set."""
+    """psum each value (a scalar, or a stacked leaf's per-layer vector) over its axes, one collective per axis set."""
     out = list(values)
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, ax in enumerate(axes):
         if ax:
             groups.setdefault(tuple(sorted(ax)), []).append(i)
     for ax, idx in groups.items():
-        summed = jax.lax.psum(jnp.stack([values[i] for i in idx]), ax)
-        for j, i in enumerate(idx):
-            out[i] = summed[j]
+        summed = jax.lax.psum(jnp.concatenate([jnp.ravel(values[i]) for i in idx]), ax)
+        start = 0
+        for i in idx:
+            size = int(np.prod(jnp.shape(values[i])))
+            out[i] = summed[start : start + size].reshape(jnp.shape(values[i]))
+            start += size
     return out
 
 
+# A group is a tuple of members ``(leaf index, layer)``: layer None is the whole leaf, an int one layer
+# of a stacked leaf, _EVERY_LAYER (alone in its group) the leaf's per-layer norms as a vector.
+_Group = tuple[tuple[int, Any], ...]
+
+
 def _norms(
-    pairs: list[tuple[PathStr, Any]], *, groups: tuple[tuple[int, ...], ...] = (), count_nonfinite: bool = False
+    pairs: list[tuple[PathStr, Any]],
+    *,
+    groups: tuple[_Group, ...] = (),
+    count_nonfinite: bool = False,
+    stacks: list[Stack | None] | None = None,
 ) -> tuple[jax.Array, list[jax.Array], jax.Array | None]:
-    """``(global_norm, [norm of each group of leaves], nonfinite count or None)``."""
+    """``(global_norm, [norm of each group], nonfinite count or None)``; ``stacks``: the leaves read per layer."""
     values = [_check_leaf(p, x) for p, x in pairs]
     # Decided here, in the caller's trace: inside shard_map the axes are bound.
     _check_layouts(pairs)
     axes = tuple(_psum_axes(x) for _, x in pairs)
+    leaf_stacks = tuple(
+        None if s is None else (s.axis, s.length, _layer_split(path, x, s.axis))
+        for (path, x), s in zip(pairs, stacks or [None] * len(pairs))
+    )
     layout = None if any(axes) else _known_layout(values)
     # Eagerly, one compiled program (not one per leaf); when traced, the body
     # inline: a nested jit holding the (CPU) lax.cond fails under vmap with
     # unbatched constants beside batch-sharded leaves (a jax limitation).
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
-    options = {"groups": groups, "count_nonfinite": count_nonfinite}
+    options = {"groups": groups, "count_nonfinite": count_nonfinite, "stacks": leaf_stacks}
     if layout is not None:
         mesh, specs = layout
         return (_sharded_norms_body if traced else _sharded_norms_kernel)(values, mesh=mesh, specs=specs, **options)
     return (_norms_body if traced else _norms_kernel)(values, axes=axes, **options)
+
+
+def _entry_axes(spec: PartitionSpec, dim: int) -> tuple[str, ...]:
+    return mesh_axes_of(spec[dim]) if dim < len(spec) else ()
+
+
+def _layer_split(path: PathStr, x: Any, axis: int) -> tuple[str, ...]:
+    """The bound mesh axes (inside ``shard_map``) that split a stacked box's layer axis; () elsewhere."""
+    if not is_partitioned(x) or (info := leaf_sharding(x)) is None:
+        return ()
+    axes = _entry_axes(info.spec, axis)
+    bound = tuple(a for a in axes if _axis_is_bound(a))
+    if bound and len(bound) != len(axes):
+        raise ValueError(
+            f"leaf `{path}`: its layer axis {axis} is split over mesh axes {axes}, of which only {bound} are manual "
+            "in this shard_map; take per-layer norms with all of them manual, or outside shard_map."
+        )
+    return bound
+
+
+def _global_shape(x: Any) -> tuple[int, ...] | None:
+    """A leaf's global shape; inside ``shard_map`` a box's local shard is scaled up along its bound split axes."""
+    value = unbox(x)
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return () if isinstance(value, Number) else None
+    shape = [int(d) for d in shape]
+    if is_partitioned(x) and jax.sharding.get_abstract_mesh().manual_axes and (info := leaf_sharding(x)):
+        for dim in range(len(shape)):
+            for a in _entry_axes(info.spec, dim):
+                if _axis_is_bound(a):
+                    shape[dim] *= jax.lax.axis_size(a)
+    return tuple(shape)
 
 
 def _known_layout(values: list[Any]) -> tuple[Any, tuple[PartitionSpec, ...]] | None:
@@ -291,27 +395,55 @@ def _known_layout(values: list[Any]) -> tuple[Any, tuple[PartitionSpec, ...]] | 
     return mesh, tuple(specs)
 
 
-def _sharded_norms_body(values, *, mesh, specs, groups, count_nonfinite):
+def _sharded_norms_body(values, *, mesh, specs, stacks, groups, count_nonfinite):
     """``_norms_body`` on each device's blocks, psum-ed once per distinct set of mesh axes.
 
     Left to itself, the compiler emits one all-reduce per split leaf (optax's
     global norm does too); here the local sums of squares are stacked and
-    reduced together, as inside ``shard_map`` on boxes.
+    reduced together, as inside ``shard_map`` on boxes. A stacked leaf whose
+    layer axis is split holds some of the layers on each device (see ``_layer_sq``).
     """
     axes = tuple(_spec_axes(spec) for spec in specs)
-    body = functools.partial(_norms_body, axes=axes, groups=groups, count_nonfinite=count_nonfinite)
+    stacks = tuple(s if s is None else (s[0], s[1], _entry_axes(spec, s[0])) for s, spec in zip(stacks, specs))
+    body = functools.partial(_norms_body, axes=axes, stacks=stacks, groups=groups, count_nonfinite=count_nonfinite)
     return jax.shard_map(body, mesh=mesh, in_specs=(list(specs),), out_specs=PartitionSpec())(values)
 
 
-def _norms_body(values, *, axes, groups, count_nonfinite):
-    """Per-leaf sums of squares, psum-ed per axis set; the global and group norms; the non-finite count."""
-    sq = _batched_psum([_local_sq(v) for v in values], axes)
-    total = _tree_total(sq)
-    # Group norms are sqrt of summed squares, never a sum of norms.
-    group_norms = [jnp.sqrt(_tree_total([sq[i] for i in group])) for group in groups]
+def _group_norms(sq: list[jax.Array], whole: list[jax.Array], groups: tuple[_Group, ...]) -> list[jax.Array]:
+    """The norm of each group: sqrt of its summed squares, never a sum of norms.
+
+    Groups of one layer across the same stacked leaves (``decoder/layers/0`` ...
+    ``decoder/layers/23``) share one summed per-layer vector.
+    """
+    summed: dict[tuple[int, ...], jax.Array] = {}
+    out = []
+    for group in groups:
+        if len(group) == 1 and group[0][1] == _EVERY_LAYER:
+            out.append(jnp.sqrt(sq[group[0][0]]))
+            continue
+        terms = [whole[i] for i, layer in group if layer is None]
+        layered = [(i, layer) for i, layer in group if layer is not None]
+        leaves = tuple(sorted({i for i, _ in layered}))
+        if len({layer for _, layer in layered}) == 1 and len({sq[i].shape for i in leaves}) == 1:
+            if leaves not in summed:
+                summed[leaves] = functools.reduce(operator.add, [sq[i] for i in leaves])
+            terms.append(summed[leaves][layered[0][1]])
+        else:
+            terms += [sq[i][layer] for i, layer in layered]
+        out.append(jnp.sqrt(_tree_total(terms)))
+    return out
+
+
+def _norms_body(values, *, axes, stacks, groups, count_nonfinite):
+    """Per-leaf (per-layer) sums of squares, psum-ed per axis set; the global and group norms; the non-finite count."""
+    sq = _batched_psum([_layer_sq(v, s) for v, s in zip(values, stacks)], axes)
+    # A stacked leaf's L partial sums add up to its whole sum: the global norm needs no second read.
+    whole = [jnp.sum(s) if s.ndim else s for s in sq]
+    total = _tree_total(whole)
+    group_norms = _group_norms(sq, whole, groups)
     if not count_nonfinite:
         return jnp.sqrt(total), group_norms, None
-    count = functools.partial(_count_nonfinite, values, axes)
+    count = functools.partial(_count_nonfinite, values, axes, stacks)
 
     def lazy(total: jax.Array) -> jax.Array:
         # A finite total means every element is finite (a NaN or Inf anywhere
@@ -332,15 +464,25 @@ def _norms_body(values, *, axes, groups, count_nonfinite):
 
 
 # Eager calls: the whole tree in one compiled program (psum axes, mesh and specs are static).
-_norms_kernel = jax.jit(_norms_body, static_argnames=("axes", "groups", "count_nonfinite"))
-_sharded_norms_kernel = jax.jit(_sharded_norms_body, static_argnames=("mesh", "specs", "groups", "count_nonfinite"))
+_norms_kernel = jax.jit(_norms_body, static_argnames=("axes", "stacks", "groups", "count_nonfinite"))
+_sharded_norms_kernel = jax.jit(
+    _sharded_norms_body, static_argnames=("mesh", "specs", "stacks", "groups", "count_nonfinite")
+)
 
 
 def _tree_total(leaves: Any, dtype: Any = _F32) -> jax.Array:
     return jax.tree.reduce(operator.add, leaves, initializer=jnp.zeros((), dtype))
 
 
-def get_sharded_global_norm(tree: PyTree) -> tuple[jax.Array, PyTree]:
+def _find_stacks(pairs: list[tuple[PathStr, Any]], stacked: Stacked) -> list[Stack | None]:
+    # Inside shard_map a box is its local shard: layer counts come from global shapes, and a
+    # box whose layout cannot be known is reported first (as the norms would report it).
+    if stacked is not False:
+        _check_layouts(pairs)
+    return find_stacks(pairs, stacked, shape_of=_global_shape)
+
+
+def get_sharded_global_norm(tree: PyTree, *, stacked: Stacked = False) -> tuple[jax.Array, PyTree]:
     """Global L2 norm of a tree and the norm of each leaf, in float32.
 
     Correct under ``jit``/GSPMD on global arrays and inside ``shard_map`` on
@@ -350,16 +492,20 @@ def get_sharded_global_norm(tree: PyTree) -> tuple[jax.Array, PyTree]:
 
     Args:
       tree: any pytree of arrays or boxes; boxes are leaves.
+      stacked: which leaves are stacked layers, whose norm is then one per
+        layer (see ``norm_metrics``): False (default) none; None or True from
+        ``layers`` axis names in their boxes; ``{pattern: axis}``.
 
     Returns:
       ``(global_norm, per_leaf_norms)``: a float32 scalar (0.0 for an empty
       tree) and a tree of the same structure holding one float32 scalar per
-      leaf (boxes replaced by the scalar).
+      leaf (boxes replaced by the scalar); a stacked leaf holds a float32
+      vector of its L per-layer norms.
 
     Raises:
       TypeError: a leaf is not an array or a number.
       ValueError: inside ``shard_map``, a box whose layout cannot be known
-        (see the module doc).
+        (see the module doc); a ``stacked`` pattern that matches no leaf.
 
     >>> import jax.numpy as jnp
     >>> g, leaves = get_sharded_global_norm({"a": jnp.array([3.0]), "b": jnp.array([4.0])})
@@ -367,10 +513,15 @@ def get_sharded_global_norm(tree: PyTree) -> tuple[jax.Array, PyTree]:
     (5.0, 3.0)
     >>> float(get_sharded_global_norm({"z": jnp.array([3 + 4j])})[0])  # |3 + 4i|
     5.0
+    >>> g, leaves = get_sharded_global_norm({"w": jnp.array([[3.0, 4.0], [0.0, 12.0]])}, stacked={"w": 0})
+    >>> float(g), leaves["w"].tolist()  # two layers: |(3, 4)| and |(0, 12)|
+    (13.0, [5.0, 12.0])
     """
     pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
     named = [(path_str(p), x) for p, x in pairs]
-    norm, per_leaf, _ = _norms(named, groups=tuple((i,) for i in range(len(named))))
+    stacks = _find_stacks(named, stacked)
+    groups = tuple(((i, None if s is None else _EVERY_LAYER),) for i, s in enumerate(stacks))
+    norm, per_leaf, _ = _norms(named, groups=groups, stacks=stacks)
     return norm, jax.tree_util.tree_unflatten(treedef, per_leaf)
 
 
@@ -380,24 +531,47 @@ def get_sharded_global_norm(tree: PyTree) -> tuple[jax.Array, PyTree]:
 
 
 def _norm_entries(
-    tree: PyTree, kind: str, *, per_param: bool, depth: int | None, count_nonfinite: bool = False
+    tree: PyTree,
+    kind: str,
+    *,
+    per_param: bool,
+    depth: int | None,
+    stacked: Stacked = None,
+    count_nonfinite: bool = False,
 ) -> tuple[dict[str, jax.Array], jax.Array | None]:
-    """``({kind: norm, "<kind>/<path or prefix>": ...}, nonfinite)`` in tree order."""
+    """``({kind: norm, "<kind>/<path or prefix>": ...}, nonfinite)`` in tree order.
+
+    A stacked leaf whose layer index falls within ``depth`` (see ``norm_metrics``)
+    adds to one key per layer; it is then read per layer, in the same pass.
+    """
     pairs = leaves_with_paths(tree)
-    names: dict[str, list[int]] = {}
+    names: dict[str, list[tuple[int, int | None]]] = {}
+    split: list[Stack | None] = [None] * len(pairs)
     if per_param or depth is not None:
+        stacks = _find_stacks(pairs, stacked)
         for i, (path, _) in enumerate(pairs):
             # A bare array (empty path) has no per-parameter entry: it is the global norm.
-            if path:
-                names.setdefault(path_prefix(path, depth), []).append(i)
-    groups = tuple(tuple(idx) for idx in names.values())
-    norm, group_norms, nonfinite = _norms(pairs, groups=groups, count_nonfinite=count_nonfinite)
+            if not path:
+                continue
+            parts = tuple(path.split(SEP))
+            head = parts if depth is None else parts[:depth]
+            stack = stacks[i]
+            if stack is not None and stack.at <= len(head):
+                split[i] = stack
+                for layer in range(stack.length):
+                    names.setdefault(SEP.join(layer_parts(head, stack, layer)), []).append((i, layer))
+            else:
+                names.setdefault(SEP.join(head), []).append((i, None))
+    groups = tuple(tuple(members) for members in names.values())
+    norm, group_norms, nonfinite = _norms(pairs, groups=groups, count_nonfinite=count_nonfinite, stacks=split)
     out = {kind: norm}
     out.update({f"{kind}/{name}": g for name, g in zip(names, group_norms)})
     return out, nonfinite
 
 
-def get_grad_norms(grads: PyTree, return_per_param: bool = False, *, depth: int | None = None) -> dict[str, jax.Array]:
+def get_grad_norms(
+    grads: PyTree, return_per_param: bool = False, *, depth: int | None = None, stacked: Stacked = None
+) -> dict[str, jax.Array]:
     """``{"grad_norm": g}`` plus ``{"grad_norm/<path>": ...}`` per parameter.
 
     Args:
@@ -405,6 +579,7 @@ def get_grad_norms(grads: PyTree, return_per_param: bool = False, *, depth: int 
       return_per_param: add one entry per leaf.
       depth: add one entry per module instead: leaves grouped by the first
         ``depth`` parts of their path, norm = sqrt of the group's summed squares.
+      stacked: stacked (scanned) leaves, split per layer: as ``norm_metrics``.
 
     Returns:
       A dict of float32 scalars.
@@ -413,10 +588,12 @@ def get_grad_norms(grads: PyTree, return_per_param: bool = False, *, depth: int 
     >>> {k: float(v) for k, v in get_grad_norms({"w": jnp.array([3.0, 4.0])}, True).items()}
     {'grad_norm': 5.0, 'grad_norm/w': 5.0}
     """
-    return _norm_entries(grads, "grad_norm", per_param=return_per_param, depth=depth)[0]
+    return _norm_entries(grads, "grad_norm", per_param=return_per_param, depth=depth, stacked=stacked)[0]
 
 
-def get_param_norms(params: PyTree, return_per_param: bool = False, *, depth: int | None = None) -> dict[str, jax.Array]:
+def get_param_norms(
+    params: PyTree, return_per_param: bool = False, *, depth: int | None = None, stacked: Stacked = None
+) -> dict[str, jax.Array]:
     """``{"param_norm": p}`` plus ``{"param_norm/<path>": ...}`` per parameter.
 
     Same arguments as ``get_grad_norms``.
@@ -425,7 +602,7 @@ def get_param_norms(params: PyTree, return_per_param: bool = False, *, depth: in
     >>> {k: float(v) for k, v in get_param_norms({"w": jnp.array([6.0, 8.0])}).items()}
     {'param_norm': 10.0}
     """
-    return _norm_entries(params, "param_norm", per_param=return_per_param, depth=depth)[0]
+    return _norm_entries(params, "param_norm", per_param=return_per_param, depth=depth, stacked=stacked)[0]
 
 
 def norm_metrics(
@@ -435,6 +612,7 @@ def norm_metrics(
     updates: PyTree = None,
     per_param: bool = False,
     depth: int | None = None,
+    stacked: Stacked = None,
 ) -> dict[str, jax.Array]:
     """The norm dictionary a trainer logs, in one fused, jit-safe pass.
 
@@ -444,6 +622,17 @@ def norm_metrics(
     counted without a second read (see the module doc: on GPU/TPU in the
     same pass as the squares, with no branch; on CPU only on a non-finite step).
     Works under ``jit`` on global arrays and inside ``shard_map`` on boxes.
+
+    Stacked (scanned) leaves, which hold L layers on one axis, get one entry
+    per layer: the layer index goes into the path where the layer axis is in
+    the module path (``decoder/layers/attn/q`` of shape (L, ...) gives
+    ``grad_norm/decoder/layers/3/attn/q`` with ``per_param``, and
+    ``grad_norm/decoder/layers/3`` with ``depth=2``). ``depth`` counts the
+    parts of the module path, not the index: the index is added at every
+    depth that reaches the module it follows (``depth=1`` gives
+    ``grad_norm/decoder``, all layers together). Such a leaf is reduced over
+    every axis but the layer axis, in the same read; the global norm is the
+    sum of those per-layer squares.
 
     Args:
       grads: gradient tree; gives ``grad_norm`` and ``nonfinite_grads``
@@ -456,6 +645,16 @@ def norm_metrics(
       depth: add ``<kind>/<prefix>`` per module instead (leaves grouped by the
         first ``depth`` path parts; sqrt of summed squares). Overrides
         ``per_param``.
+      stacked: which leaves are stacked layers (only used with ``per_param``
+        or ``depth``). None (default) or True: those whose box names a
+        ``layers`` axis (flax ``nn.scan`` with ``metadata_params={nn.PARTITION_NAME:
+        "layers"}``, MaxText's ``layers`` logical axis, nnx Variables whose
+        sharding names hold ``layers``), with the unboxed leaves of the same
+        scanned module; ``{pattern: axis}``: the leaves whose path matches a
+        pattern (``re.search``), stacked on ``axis``, the index placed right
+        after the path part where the match ends (``{"layers": 0}`` for an
+        nnx model built with ``nnx.vmap``); False: none. The rules in full:
+        ``treetools.stacked``.
 
     Returns:
       ``{"grad_norm", "param_norm", "update_norm", "update_ratio",
@@ -464,13 +663,19 @@ def norm_metrics(
       plain division: inf or NaN when ``param_norm`` is 0.
 
     Raises:
-      ValueError: no tree was given, ``depth`` is not positive, or inside
-        ``shard_map`` a box's layout cannot be known (see the module doc).
+      ValueError: no tree was given, ``depth`` is not positive, inside
+        ``shard_map`` a box's layout cannot be known (see the module doc), a
+        ``stacked`` pattern matches no leaf (``PatternError``, naming it and
+        nearby paths) or a leaf without that axis.
 
     >>> import jax, jax.numpy as jnp
     >>> m = jax.jit(norm_metrics)(grads={"w": jnp.array([3.0, 4.0])}, params={"w": jnp.array([0.0, 10.0])})
     >>> sorted(m), float(m["grad_norm"]), int(m["nonfinite_grads"])
     (['grad_norm', 'nonfinite_grads', 'param_norm'], 5.0, 0)
+    >>> g = {"layers": {"q": jnp.array([[3.0, 4.0], [6.0, 8.0]])}}  # 2 layers of a stacked `q`
+    >>> m = norm_metrics(grads=g, depth=1, stacked={"layers": 0})
+    >>> {k: float(v) for k, v in m.items() if k.startswith("grad_norm/")}
+    {'grad_norm/layers/0': 5.0, 'grad_norm/layers/1': 10.0}
     """
     if grads is None and params is None and updates is None:
         raise ValueError("`norm_metrics` needs at least one of `grads=`, `params=`, `updates=`.")
@@ -483,7 +688,7 @@ def norm_metrics(
         if tree is None:
             continue
         entries, nonfinite = _norm_entries(
-            tree, kind, per_param=per_param, depth=depth, count_nonfinite=kind == "grad_norm"
+            tree, kind, per_param=per_param, depth=depth, stacked=stacked, count_nonfinite=kind == "grad_norm"
         )
         norms[kind] = out[kind] = entries.pop(kind)
         per.update(entries)

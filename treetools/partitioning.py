@@ -80,6 +80,35 @@ def is_partitioned(x: Any) -> bool:
     return False
 
 
+def layer_axis(x: Any, name: str = "layers") -> int | None:
+    """The array axis a box names ``name``: where a scanned (stacked) leaf keeps its layers.
+
+    flax inserts that name into a box's names at the scan axis: linen
+    ``nn.scan(..., metadata_params={nn.PARTITION_NAME: "layers"})`` (a
+    ``Partitioned`` or ``LogicallyPartitioned`` box, MaxText's ``layers``
+    logical axis) and nnx ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME:
+    "layers"})`` (the Variable's sharding names). A names entry that is a tuple
+    of mesh axes counts when it holds ``name``. None for anything else: a bare
+    array, a box without the name.
+
+    >>> import flax.linen as nn, numpy as np
+    >>> layer_axis(nn.Partitioned(np.ones((4, 2, 3)), names=("layers", None, "fsdp")))
+    0
+    >>> layer_axis(nn.Partitioned(np.ones((2, 3)), names=(None, "fsdp"))) is None
+    True
+    """
+    if _is_linen_box(x):
+        names = tuple(x.names or ())
+    elif _is_nnx_variable(x):
+        names = _nnx_names(x) or ()
+    else:
+        return None
+    for i, entry in enumerate(names):
+        if entry == name or (isinstance(entry, (tuple, list)) and name in entry):
+            return i
+    return None
+
+
 def unbox(x: Any) -> Any:
     """The array inside a box; anything else is returned as is.
 

@@ -94,7 +94,10 @@ def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int, stat_c
                 count_label: str) -> tuple[list[str], list[list[Any]]]:
     show_stats = bool(stat_columns) and any(r.stats is not None for r in rows)
     show_leaves = any(r.leaves != 1 for r in rows)
+    show_layers = any(r.layers is not None for r in rows)  # stacked (scanned) leaves: how many layers each holds
     headers = ["path", "shape", "dtype", count_label, "bytes", "sharding"]
+    if show_layers:
+        headers.insert(2, "layers")
     if show_leaves:
         headers.insert(1, "leaves")
     if show_weight_decay:
@@ -111,6 +114,8 @@ def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int, stat_c
             human(r.bytes, "B"),
             "" if r.sharding is None else str(r.sharding),
         ]
+        if show_layers:
+            line.insert(2, "" if r.layers is None else r.layers)
         if show_leaves:
             line.insert(1, r.leaves)
         if show_weight_decay:

@@ -86,7 +86,9 @@ class Row:
     ``sharding`` is a ``LeafSharding`` or None; ``shape`` is None for
     non-array leaves and for aggregated rows; ``weight_decay`` is None where
     it was not asked for or is mixed; ``stats`` holds the statistics of
-    ``STATS`` when they were computed; ``leaves`` counts the leaves a group sums.
+    ``STATS`` when they were computed; ``leaves`` counts the leaves a group sums;
+    ``layers`` is the layer count of a stacked (scanned) leaf, or of a group
+    whose leaves all hold that many layers (``tabulate_params``), else None.
     """
 
     path: tuple[str, ...]
@@ -99,6 +101,7 @@ class Row:
     stats: dict[str, Any] | None = None
     leaves: int = 1
     sep: str = "/"
+    layers: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.path, str):  # a joined name given: split it once, here
@@ -124,6 +127,8 @@ class Row:
             out["stats"] = self.stats
         if self.leaves != 1:
             out["num_leaves"] = self.leaves  # an aggregated (--depth) row: how many leaves it sums
+        if self.layers is not None:
+            out["layers"] = self.layers
         return out
 
 
@@ -234,6 +239,7 @@ def aggregate_rows(rows: Sequence[Row], depth: int | None, *, offset: int = 0) -
                 weight_decay=_merge(m.weight_decay for m in members),
                 leaves=sum(m.leaves for m in members),
                 sep=members[0].sep,
+                layers=_merge(m.layers for m in members),
             )
         )
     return out

@@ -6,6 +6,7 @@ the CLI; this module builds rows from a live tree (``rows_from_tree``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -17,6 +18,7 @@ from treetools.partitioning import leaf_sharding, params_of, unbox
 from treetools.paths import is_leaf, leaves_with_paths, path_parts
 from treetools.render import render_rows
 from treetools.rows import Row, aggregate_rows, dtype_name, sort_rows, totals
+from treetools.stacked import Stacked, find_stacks
 
 
 def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: Any = None) -> list[Row]:
@@ -69,12 +71,16 @@ def tabulate_params(
     sort: str | None = None,
     mesh: Any = None,
     allow_unmatched: bool = False,
+    stacked: Stacked = None,
 ) -> str:
     """A table of parameters: path, shape, dtype, params, bytes, sharding.
 
     The weight-decay column comes from ``get_param_mask_fn`` itself, the same
     function the optimizer uses, joined by path, so rows and flags cannot be
-    misaligned. Totals (params, bytes, per dtype) are at the bottom.
+    misaligned. Totals (params, bytes, per dtype) are at the bottom. A
+    ``layers`` column, shown when the tree has stacked (scanned) leaves, gives
+    each such leaf's layer count (a module's, at ``depth``, when all its leaves
+    hold that many layers); the shape keeps the layer axis.
 
     Args:
       state: a ``TrainState`` (its ``params``), an nnx Module or State, or a plain tree.
@@ -88,6 +94,10 @@ def tabulate_params(
       tablefmt: any ``tabulate`` format (``simple``, ``github``, ``simple_grid``...).
       sort: ``path``, ``params`` or ``bytes``; default tree order.
       mesh: sizes for boxes that name mesh axes but carry no mesh.
+      stacked: which leaves are stacked layers, as in ``norm_metrics``: None
+        (default) from ``layers`` axis names in their boxes (``nn.scan`` with
+        ``metadata_params={nn.PARTITION_NAME: "layers"}``), ``{pattern: axis}``,
+        or False.
 
     Returns:
       The rendered table as a string.
@@ -95,12 +105,21 @@ def tabulate_params(
     >>> import jax.numpy as jnp
     >>> print(tabulate_params({"w": jnp.zeros((2, 3))}).splitlines()[2])
     w       (2, 3)   float32  6         24 B
+    >>> print(tabulate_params({"layers": {"w": jnp.zeros((24, 2, 3))}}, stacked={"layers": 0}).splitlines()[2])
+    layers/w  (24, 2, 3)  24        float32  144       576 B
     """
     params = params_of(state)
     mask = None
     if show_weight_decay:
         mask = get_param_mask_fn(weight_decay_exclude or [], weight_decay_include,
                                  allow_unmatched=allow_unmatched)(params)
-    leaf_rows = rows_from_tree(params, weight_decay=mask, mesh=mesh)
+    leaf_rows = _with_layers(rows_from_tree(params, weight_decay=mask, mesh=mesh), params, stacked)
     rows = sort_rows(aggregate_rows(leaf_rows, depth), sort)
     return render_rows(rows, tablefmt=tablefmt, show_weight_decay=show_weight_decay, total=totals(leaf_rows))
+
+
+def _with_layers(rows: list[Row], params: PyTree, stacked: Stacked) -> list[Row]:
+    """Rows with the layer count of each stacked leaf (``treetools.stacked``), joined by path."""
+    pairs = leaves_with_paths(params)
+    counts = {path: stack.length for (path, _), stack in zip(pairs, find_stacks(pairs, stacked)) if stack}
+    return [dataclasses.replace(r, layers=counts[r.name]) if r.name in counts else r for r in rows]

@@ -1,4 +1,4 @@
-"""Plot metric curves against the step from metrics files; several runs are overlaid.
+"""Plot metric curves from metrics files (runs overlaid), per-layer heatmaps, or checkpoint statistics across steps.
 
 METRICS is a metrics.jsonl written by `treetools train` or tt.MetricsLogger
 (one JSON object per line, each with a `step`), or the folder holding one.
@@ -6,21 +6,41 @@ Each run is labelled by its folder name (more of the path where two runs
 share a name).
 
 Panels, one per metric: by default loss-like keys, grad/param/update norms,
-update_ratio and the learning rate (lr, learning_rate), whichever are logged
-(every metric when none of these is). --keys RE picks metrics by regex
-(re.search; repeat it to add more); --keys matching no metric is an error.
-Per-module entries such as grad_norm/layers_0 (norm_metrics(depth=K)) get one
-panel per kind, a line per module (the largest few). update_ratio, and curves
-spanning several decades, use a log axis. Non-finite values are left out.
+update_ratio, nonfinite_grads and the learning rate (lr, learning_rate),
+whichever are logged (every metric when none of these is). --keys RE picks
+metrics by regex (re.search; repeat it to add more); --keys matching no
+metric is an error. Per-module entries such as grad_norm/layers_0
+(norm_metrics(depth=K)) get one panel per kind, a line per module (the
+largest few). update_ratio, and curves spanning several decades, use a log
+axis. A step whose value is NaN or Inf breaks the curve there and is marked
+with a red triangle on the panel's top edge and a dashed red line.
+
+--heatmap RE draws a layers x steps heatmap instead: every metric matching RE
+(re.search) is a row, named by RE's capture group, e.g. 'grad_norm/layers/(\\d+)$'
+for the per-layer norms of a scanned model (norm_metrics with stacked
+layers, `treetools train --scan-layers`); numeric rows are ordered by
+number. Log colour scale with a colour bar; NaN/Inf cells are red, and their
+steps marked on the top edge; cells with no value (or <= 0) are grey.
+
+--stats [STAT] plots a statistic (default l2; also mean, std, min, max,
+abs_max, zeros, nan, posinf, neginf) of every leaf (or of every module with
+--depth K) of a checkpoint, across its saved steps: one panel per item
+(params, opt_state, ...; --item picks one), a line per leaf or module (the
+largest few; --keys RE picks paths). Steps where a shown leaf holds NaN or
+Inf are marked. CKPT_DIR is a checkpoint root that `treetools inspect` reads;
+the arrays are streamed as `treetools inspect --step all --stats` does.
 
 Needs matplotlib (pip install 'treetools[plot]'). The image format follows
-the extension of -o (png, svg, pdf, ...).
+the extension of -o (png, svg, pdf, ...). Nothing is written under CKPT_DIR.
 
 Examples:
   treetools plot runs/demo                        (writes runs/demo/norms.png)
   treetools plot runs/a runs/b -o ab.png          (two runs overlaid)
   treetools plot runs/demo --keys loss --keys '^lr$' -o loss.png
   treetools plot runs/demo --keys '^grad_norm/' -o grads.png
+  treetools plot runs/scan --heatmap 'grad_norm/layers/(\\d+)$' -o layers.png
+  treetools plot runs/demo/checkpoints --stats --item params -o l2.png
+  treetools plot runs/demo/checkpoints --stats abs_max --depth 1 --keys '^layers' -o absmax.png
 """
 
 from __future__ import annotations
@@ -29,31 +49,58 @@ import argparse
 import math
 import os
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from treetools.cli._args import positive_int
 from treetools.metrics import METRICS_FILE, read_metrics
+from treetools.rows import STATS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-DEFAULT_KEYS = r"loss|(^|/)(grad|param|update)_norm(/|$)|update_ratio|(^|/)(lr|learning_rate)$"
+DEFAULT_KEYS = (r"loss|(^|/)(grad|param|update)_norm(/|$)|update_ratio|(^|/)nonfinite_grads$"
+                r"|(^|/)(lr|learning_rate)$")
 MAX_PANELS = 12
 MAX_MODULES = 8
-# Panel order: loss first, then the norms, the ratio, the learning rate; other metrics after, as first logged.
-_ORDER = (r"loss", r"grad_norm", r"param_norm", r"update_norm", r"update_ratio", r"(^|/)(lr|learning_rate)$")
+# Panel order: loss first, then the norms, the ratio, the non-finite count, the learning rate; other metrics after,
+# as first logged.
+_ORDER = (r"loss", r"grad_norm", r"param_norm", r"update_norm", r"update_ratio", r"nonfinite_grads",
+          r"(^|/)(lr|learning_rate)$")
+NONFINITE_COLOR = "red"
+# Line colours: matplotlib's cycle without its red (C3), which would read as a NaN/Inf mark.
+_COLORS = tuple(f"C{i}" for i in (0, 1, 2, 4, 5, 6, 7, 8, 9))
+HEATMAP_LABELLED_ROWS = 24  # more rows than this: every k-th row labelled
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("metrics", nargs="+", metavar="METRICS",
-                        help="metrics.jsonl files (or the WORKDIRs holding them); several are overlaid")
+    parser.add_argument("metrics", nargs="+", metavar="RUN_OR_METRICS",
+                        help="metrics.jsonl files (or the WORKDIRs holding them; several are overlaid), or with "
+                             "--stats one checkpoint root")
     parser.add_argument("--keys", action="append", metavar="RE",
-                        help="plot the metrics whose name matches this regex (re.search); repeatable "
-                             "(default: loss, norms, update_ratio, learning rate)")
+                        help="plot the metrics (with --stats: the leaf or module paths) whose name matches this "
+                             "regex (re.search); repeatable (default: loss, norms, update_ratio, nonfinite_grads, "
+                             "learning rate)")
+    parser.add_argument("--heatmap", metavar="RE",
+                        help="a heatmap of the metrics matching RE, one row per value of its capture group, e.g. "
+                             "'grad_norm/layers/(\\d+)$' (layers x steps, log colour scale)")
+    parser.add_argument("--stats", nargs="?", const="l2", type=_stat_name, metavar="STAT",
+                        help="plot a statistic of a checkpoint's leaves across its steps (default l2; mean, std, "
+                             "min, max, abs_max, zeros, nan, posinf, neginf)")
+    parser.add_argument("--depth", type=positive_int, metavar="K",
+                        help="with --stats: one line per module of K path parts (default: one per leaf)")
+    parser.add_argument("--item", metavar="NAME", help="with --stats: only this item (e.g. params); reads only it")
     parser.add_argument("-o", "--output", default=None, metavar="IMAGE",
-                        help="image to write (default: norms.png beside METRICS; with several, in the "
-                             "current folder)")
+                        help="image to write (default: norms.png, or heatmap.png, beside METRICS; with several, "
+                             "and for --stats (stats_STAT.png), in the current folder)")
+
+
+def _stat_name(text: str) -> str:
+    if text not in STATS:
+        raise argparse.ArgumentTypeError(f"unknown statistic {text!r}; one of {', '.join(STATS)}")
+    return text
 
 
 def _is_number(value: Any) -> bool:
@@ -148,14 +195,15 @@ def _panels(names: list[str], pattern: re.Pattern | None) -> list[tuple[str, lis
     return select(re.compile(DEFAULT_KEYS)) or select(None)
 
 
-def _finite(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list, list]:
-    points = [(r["step"], r[key]) for r in records if _is_number(r.get(key)) and math.isfinite(r[key])]
+def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list, list]:
+    """``(steps, values)`` of every record holding a number for ``key``, NaN and Inf included."""
+    points = [(r["step"], float(r[key])) for r in records if _is_number(r.get(key))]
     return [s for s, _ in points], [v for _, v in points]
 
 
 def _last_value(runs: Mapping[str, Sequence[Mapping[str, Any]]], key: str) -> float:
     for records in runs.values():
-        _, values = _finite(records, key)
+        values = [v for v in _series(records, key)[1] if math.isfinite(v)]
         if values:
             return abs(values[-1])
     return -math.inf
@@ -181,6 +229,69 @@ def _log_axis(ax: Any, lo: float, hi: float) -> None:
     ax.yaxis.set_minor_formatter(ticker.NullFormatter())
 
 
+def _import_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ImportError("`treetools plot` needs matplotlib; install it: pip install 'treetools[plot]'") from None
+
+
+def _curve(ax: Any, steps: Sequence[float], values: Sequence[float], **style: Any) -> tuple[list[float], list]:
+    """Draw one curve, broken at its NaN/Inf points; ``(finite values, steps of the non-finite ones)``."""
+    ys = [v if math.isfinite(v) else math.nan for v in values]  # matplotlib breaks a line at NaN
+    ax.plot(steps, ys, marker="." if len(steps) < 30 else None, **style)
+    return [v for v in ys if not math.isnan(v)], [s for s, v in zip(steps, values) if not math.isfinite(v)]
+
+
+def mark_nonfinite(ax: Any, steps: Sequence[float]) -> None:
+    """Mark steps with NaN/Inf values: a red triangle on the panel's top edge and a dashed red line.
+
+    Both are collections (``gid="nonfinite"`` on the triangles), so ``ax.lines``
+    stays the curves; the triangles carry the legend label ``NaN/Inf``.
+    """
+    steps = sorted(set(steps))
+    if not steps:
+        return
+    at_top = ax.get_xaxis_transform()  # x in data, y in axes coordinates: the top edge whatever the y scale
+    ax.vlines(steps, 0, 1, transform=at_top, colors=NONFINITE_COLOR, linestyles="--", linewidth=0.8, alpha=0.5,
+              zorder=1)
+    ax.scatter(steps, [1.0] * len(steps), transform=at_top, marker="v", s=36, color=NONFINITE_COLOR, clip_on=False,
+               zorder=5, gid="nonfinite", label="NaN/Inf")
+
+
+def _finish_panel(ax: Any, title: str, values: list[float], nonfinite: list, *, log_ratio: bool = False) -> None:
+    """Title, grid, integer step ticks, a log axis for curves spanning decades, the NaN/Inf marks."""
+    from matplotlib import ticker
+
+    # The marks sit on the top edge: the title keeps clear of them.
+    ax.set_title(title if values else f"{title} (no finite values)", fontsize=10, pad=12 if nonfinite else None)
+    ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+    if values:
+        lo, hi = min(values), max(values)
+        wants_log = log_ratio or (hi / lo >= 100 if lo > 0 else False)
+        if lo > 0 and hi / lo >= 3 and wants_log:
+            _log_axis(ax, lo, hi)
+    mark_nonfinite(ax, nonfinite)
+
+
+def _grid(fig: Figure, n: int, *, ncols: int | None = None, width: float = 5.2) -> tuple[list, int]:
+    ncols = ncols or (1 if n == 1 else 2 if n <= 4 else 3)
+    nrows = math.ceil(n / ncols)
+    fig.set_size_inches(width * ncols, 3.4 * nrows + 0.5)
+    axes = list(fig.subplots(nrows, ncols, sharex=True, squeeze=False).flat)
+    for ax in axes[n:]:
+        fig.delaxes(ax)
+    return axes[:n], ncols
+
+
+def _label_bottom(axes: list, ncols: int) -> None:
+    for i, ax in enumerate(axes):
+        if i + ncols >= len(axes):  # bottom of its column
+            ax.set_xlabel("step")
+            ax.xaxis.set_tick_params(labelbottom=True)
+
+
 def metrics_figure(
     runs: Mapping[str, Sequence[Mapping[str, Any]]],
     *,
@@ -189,12 +300,14 @@ def metrics_figure(
 ) -> Figure:
     """A matplotlib Figure of metric curves against the step, one panel per metric, runs overlaid.
 
+    A NaN or Inf value breaks its curve and its step is marked (``mark_nonfinite``).
+
     Args:
       runs: run label -> its records (``tt.read_metrics``), in legend order.
       keys: regex (or regexes, any may match) picking metrics by name with
         ``re.search``; None: loss-like keys, grad/param/update norms,
-        update_ratio and the learning rate, or every metric when none of
-        those is logged.
+        update_ratio, nonfinite_grads and the learning rate, or every metric
+        when none of those is logged.
       max_modules: per-module panels show this many modules, those with the
         largest last value.
 
@@ -210,12 +323,9 @@ def metrics_figure(
     >>> [(ax.get_title(), len(ax.lines)) for ax in fig.axes]
     [('train/loss', 1), ('lr', 1)]
     """
-    try:
-        from matplotlib import ticker
-        from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
-    except ImportError:
-        raise ImportError("`treetools plot` needs matplotlib; install it: pip install 'treetools[plot]'") from None
+    _import_matplotlib()
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
 
     if not runs:
         raise ValueError("no runs to plot; pass at least one metrics file.")
@@ -231,17 +341,12 @@ def metrics_figure(
         raise ValueError(f"{len(panels)} metrics to plot ({', '.join(t for t, _, _ in panels[:6])}, ...): more than "
                          f"{MAX_PANELS} panels do not fit one figure; choose some with --keys RE.")
 
-    ncols = 1 if len(panels) == 1 else 2 if len(panels) <= 4 else 3
-    nrows = math.ceil(len(panels) / ncols)
-    fig = Figure(figsize=(5.2 * ncols, 3.4 * nrows + 0.5), layout="constrained")
-    grid = fig.subplots(nrows, ncols, sharex=True, squeeze=False)
-    axes = list(grid.flat)
-    for ax in axes[len(panels):]:
-        fig.delaxes(ax)
-    colors = [f"C{i % 10}" for i in range(max(len(runs), max_modules))]
+    fig = Figure(layout="constrained")
+    axes, ncols = _grid(fig, len(panels))
+    colors = [_COLORS[i % len(_COLORS)] for i in range(max(len(runs), max_modules))]
     styles = ["-", "--", ":", "-."]
 
-    for i, (ax, (title, panel_keys, parent)) in enumerate(zip(axes, panels)):
+    for ax, (title, panel_keys, parent) in zip(axes, panels):
         per_module = parent is not None
         if per_module:
             panel_keys = sorted(panel_keys, key=lambda k: -_last_value(runs, k))
@@ -249,39 +354,34 @@ def metrics_figure(
                 title = f"{title} (largest {max_modules} of {len(panel_keys)})"
                 panel_keys = panel_keys[:max_modules]
         values: list[float] = []
+        nonfinite: list = []
         labelled: set[str] = set()
         for r, (label, records) in enumerate(runs.items()):
             for m, key in enumerate(panel_keys):
-                steps, ys = _finite(records, key)
+                steps, ys = _series(records, key)
                 if not steps:
                     continue
-                values += ys
                 if per_module:
-                    ax.plot(steps, ys, color=colors[m], linestyle=styles[r % len(styles)], linewidth=1.2,
-                            marker="." if len(steps) < 30 else None,
-                            label=None if key in labelled else key[len(parent) + 1:])
+                    style = dict(color=colors[m], linestyle=styles[r % len(styles)], linewidth=1.2,
+                                 label=None if key in labelled else key[len(parent) + 1:])
                     labelled.add(key)
                 else:
-                    ax.plot(steps, ys, color=colors[r], linewidth=1.5,
-                            marker="." if len(steps) < 30 else None, label=label)
-        ax.set_title(title if values else f"{title} (no finite values)", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
-        if values:
-            lo, hi = min(values), max(values)
-            wants_log = "ratio" in title or (hi / lo >= 100 if lo > 0 else False)
-            if lo > 0 and hi / lo >= 3 and wants_log:
-                _log_axis(ax, lo, hi)
+                    style = dict(color=colors[r], linewidth=1.5, label=label)
+                finite, bad = _curve(ax, steps, ys, **style)
+                values += finite
+                nonfinite += bad
+                if key.endswith("nonfinite_grads"):  # a count: its steps above 0 are the NaN/Inf steps
+                    nonfinite += [s for s, v in zip(steps, ys) if v > 0]
+        _finish_panel(ax, title, values, nonfinite, log_ratio="ratio" in title)
         if per_module and values:
             handles, labels = ax.get_legend_handles_labels()
             if len(runs) > 1:
                 handles += [Line2D([], [], color="0.3", linestyle=styles[r % len(styles)]) for r in range(len(runs))]
                 labels += list(runs)
             ax.legend(handles, labels, fontsize=7, ncols=2 if len(labels) > 5 else 1)
-        below = i + ncols
-        if below >= len(panels):  # bottom of its column
-            ax.set_xlabel("step")
-            ax.xaxis.set_tick_params(labelbottom=True)
+        elif nonfinite:
+            ax.legend(handles=[c for c in ax.collections if c.get_gid() == "nonfinite"], fontsize=7, loc="best")
+    _label_bottom(axes, ncols)
 
     if len(runs) > 1:
         handles = [Line2D([], [], color=colors[r], linewidth=1.5) for r in range(len(runs))]
@@ -291,6 +391,287 @@ def metrics_figure(
     return fig
 
 
+# --------------------------------------------------------------------------- #
+# Heatmap: one row per layer (a capture group of the metric name), one column per step
+# --------------------------------------------------------------------------- #
+
+
+def _natural(label: str) -> tuple:
+    """Sort key: numbers by value (2 before 10), then text."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", label) if p)
+
+
+def _heatmap_rows(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: re.Pattern) -> tuple[dict[str, str], str]:
+    """``({metric name: row label}, colour bar label)``: the metrics ``pattern`` matches, each row named once."""
+    rows: dict[str, str] = {}
+    owner: dict[str, str] = {}
+    bar = ""
+    for name in _metric_names(runs):
+        m = pattern.search(name)
+        if not m:
+            continue
+        label = "/".join(g for g in m.groups() if g is not None)
+        if label in owner:
+            raise ValueError(f"--heatmap {pattern.pattern!r} gives row {label!r} to both {owner[label]!r} and "
+                             f"{name!r}; anchor it (e.g. end it with `$`) so that one metric names each row.")
+        owner[label] = name
+        rows[name] = label
+        bar = bar or name[: m.start(1)] + "*" + name[m.end(1):]
+    return rows, bar
+
+
+def _edges(steps: Sequence[float]) -> list[float]:
+    """Cell edges halfway between steps (uneven logging intervals keep their widths)."""
+    if len(steps) == 1:
+        return [steps[0] - 0.5, steps[0] + 0.5]
+    mids = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+    return [steps[0] - (mids[0] - steps[0]), *mids, steps[-1] + (steps[-1] - mids[-1])]
+
+
+def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str) -> Figure:
+    """A rows x steps heatmap of the metrics whose name matches ``pattern``, one panel per run.
+
+    Each matching metric is a row, labelled by the pattern's capture group(s)
+    (``grad_norm/layers/(\\d+)$`` gives rows ``0``, ``1``, ...), numeric labels
+    in numeric order, the first row at the top. Colours are on a log scale
+    shared by all panels, with a colour bar. A NaN/Inf value is a red cell
+    and its step is marked on the panel's top edge (``mark_nonfinite``); a
+    step where a row has no value, or a value <= 0, is grey. The figure's
+    height follows the number of rows; with more than 24 rows, every k-th is
+    labelled.
+
+    Args:
+      runs: run label -> its records (``tt.read_metrics``).
+      pattern: a regex with at least one capture group, ``re.search``-ed on metric names.
+
+    Returns:
+      The figure; in each panel the values are the mesh with ``gid="values"``,
+      the NaN/Inf cells the one with ``gid="nonfinite-cells"``.
+
+    Raises:
+      ImportError: matplotlib is not installed.
+      ValueError: the pattern is not a regex, has no capture group, matches
+        no metric, or gives two metrics the same row.
+
+    >>> records = [{"step": s, **{f"grad_norm/layers/{i}": (i + 1) / s for i in range(3)}} for s in range(1, 5)]
+    >>> fig = heatmap_figure({"run": records}, r"grad_norm/layers/(\\d+)$")
+    >>> [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    ['0', '1', '2']
+    """
+    _import_matplotlib()
+    import matplotlib
+    import numpy as np
+    from matplotlib import colors, ticker
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    try:
+        regex_ = re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"--heatmap {pattern!r}: not a valid regex ({e}).") from None
+    if regex_.groups < 1:
+        raise ValueError(f"--heatmap {pattern!r} has no capture group to name the rows; put the layer index in one, "
+                         r"e.g. 'grad_norm/layers/(\d+)$'.")
+    if not runs:
+        raise ValueError("no runs to plot; pass at least one metrics file.")
+    rows, bar_label = _heatmap_rows(runs, regex_)
+    if not rows:
+        names = _metric_names(runs)
+        shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+        raise ValueError(f"--heatmap {pattern!r} matches none of the logged metrics ({shown}); per-layer norms are "
+                         "logged by norm_metrics(depth=K) on stacked layers (`treetools train --scan-layers`).")
+    order = sorted(set(rows.values()), key=_natural)
+    index = {label: i for i, label in enumerate(order)}
+
+    grids = {}
+    for label, records in runs.items():
+        steps = sorted({r["step"] for r in records if any(_is_number(r.get(k)) for k in rows)})
+        col = {s: j for j, s in enumerate(steps)}
+        data = np.full((len(order), len(steps)), np.nan)
+        present = np.zeros(data.shape, bool)
+        for r in records:
+            for key, row in rows.items():
+                if r["step"] in col and _is_number(r.get(key)):
+                    data[index[row], col[r["step"]]] = r[key]
+                    present[index[row], col[r["step"]]] = True
+        grids[label] = (steps, data, present & ~np.isfinite(data))
+    positive = np.concatenate([d[np.isfinite(d) & (d > 0)] for _, d, _ in grids.values()])
+    if positive.size:
+        lo, hi = float(positive.min()), float(positive.max())
+        norm = colors.LogNorm(lo / 1.05, hi * 1.05) if hi / lo < 1.1 else colors.LogNorm(lo, hi)
+    else:
+        norm = colors.Normalize(0, 1)  # nothing positive and finite: every cell grey or red
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")  # no value (or <= 0): grey
+
+    panel_height = min(max(0.2 * len(order), 1.4), 9.0)
+    fig = Figure(figsize=(10, panel_height * len(grids) + 1.3), layout="constrained")
+    axes = list(fig.subplots(len(grids), 1, sharex=True, squeeze=False).flat)
+    stride = math.ceil(len(order) / HEATMAP_LABELLED_ROWS)
+    ylabel = next(iter(regex_.groupindex), "layer")
+    mesh = None
+    for ax, (label, (steps, data, bad)) in zip(axes, grids.items()):
+        xs, ys = _edges(steps), np.arange(len(order) + 1) - 0.5
+        shown = np.where(np.isfinite(data) & (data > 0), data, np.nan)
+        mesh = ax.pcolormesh(xs, ys, np.ma.masked_invalid(shown), cmap=cmap, norm=norm, shading="flat", gid="values")
+        if bad.any():
+            ax.pcolormesh(xs, ys, np.ma.masked_where(~bad, np.ones(data.shape)), cmap=colors.ListedColormap(
+                [NONFINITE_COLOR]), shading="flat", gid="nonfinite-cells")
+            mark_nonfinite(ax, [s for j, s in enumerate(steps) if bad[:, j].any()])
+        ax.set_yticks(range(0, len(order), stride), [order[i] for i in range(0, len(order), stride)],
+                      fontsize=8 if len(order) > 12 else 9)
+        ax.set_ylim(len(order) - 0.5, -0.5)  # the first row on top, as in a table
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
+        ax.set_title(label if len(grids) > 1 else f"{label}: {bar_label}", fontsize=10, pad=12 if bad.any() else None)
+    axes[-1].set_xlabel("step")
+    bar = fig.colorbar(mesh, ax=axes, label=bar_label + (" (log scale)" if isinstance(norm, colors.LogNorm) else ""),
+                       aspect=max(10.0, 4 * fig.get_figheight()))  # about a quarter inch wide at any height
+    bar.ax.tick_params(labelsize=8)
+    handles = [Patch(color=NONFINITE_COLOR, label="NaN/Inf"), Patch(color="0.85", label="no value / <= 0")]
+    fig.legend(handles=handles, loc="outside lower right", ncols=2, fontsize=8, frameon=False)
+    return fig
+
+
+# --------------------------------------------------------------------------- #
+# A checkpoint's statistics across its steps
+# --------------------------------------------------------------------------- #
+
+
+def stats_report(path: str | os.PathLike, *, depth: int | None = None, item: str | None = None) -> dict[str, Any]:
+    """The ``treetools inspect --step all --stats`` JSON object (schema 2) of a checkpoint root.
+
+    Every leaf (or every module of ``depth`` path parts) of every committed
+    step, with its statistics; arrays are streamed within the memory budget,
+    with a progress bar on a terminal.
+
+    Raises:
+      CheckpointNotFoundError, CheckpointError: as ``treetools inspect``.
+    """
+    # Here, not at the top: the reading modules import numpy, which `treetools plot --help` does not need.
+    from treetools.inspect.report import inspect_path
+
+    report = inspect_path(os.fspath(path), step="all", stats=True, item=item, depth=depth, leaves=depth is None)
+    return report.to_json()
+
+
+def _shared_folder(paths: Sequence[str]) -> str:
+    """The leading path parts two or more paths share (a path's own last part never counts).
+
+    >>> _shared_folder(["opt/0/mu/w", "opt/0/nu/w"]), _shared_folder(["a/w"])
+    ('opt/0', '')
+    """
+    if len(paths) < 2:
+        return ""
+    split = [p.split("/")[:-1] for p in paths]
+    shared = []
+    for parts in zip(*split):
+        if len(set(parts)) > 1:
+            break
+        shared.append(parts[0])
+    return "/".join(shared)
+
+
+def _stat_series(report: Mapping[str, Any], stat: str) -> dict[str, dict[str, list]]:
+    """``{item: {path: [(step, value, nonfinite elements), ...]}}`` in the report's order."""
+    out: dict[str, dict[str, list]] = {}
+    for checkpoint in report.get("checkpoints", []):
+        step = checkpoint.get("step")
+        for item, data in checkpoint.get("items", {}).items():
+            for leaf in data.get("leaves", []):
+                stats = leaf.get("stats")
+                if stats is None or step is None:
+                    continue
+                value = stats.get(stat)
+                value = float(value) if _is_number(value) else math.nan  # null: no finite element
+                bad = sum(int(stats.get(k) or 0) for k in ("nan", "posinf", "neginf"))
+                out.setdefault(item, {}).setdefault(leaf["path"], []).append((step, value, bad))
+    return out
+
+
+def stats_figure(
+    report: Mapping[str, Any],
+    stat: str = "l2",
+    *,
+    keys: str | Sequence[str] | None = None,
+    max_lines: int = MAX_MODULES,
+) -> Figure:
+    """A statistic of each leaf (or module) of a checkpoint against the step: one panel per item.
+
+    Args:
+      report: the ``--step all --stats`` JSON object (``stats_report``, or
+        ``inspect_path(..., step="all", stats=True).to_json()``).
+      stat: one statistic of each leaf's ``stats`` (``l2``, ``abs_max``, ``nan``, ...).
+      keys: regex (or regexes) picking leaf or module paths with ``re.search``.
+      max_lines: each panel shows this many paths, those with the largest last value.
+
+    Returns:
+      The figure. Steps where a shown path holds NaN/Inf elements (its
+      ``nan``/``posinf``/``neginf`` counts), or whose statistic is not finite,
+      are marked (``mark_nonfinite``).
+
+    Raises:
+      ImportError: matplotlib is not installed.
+      ValueError: the report holds no statistics or no saved steps, or ``keys`` matches no path.
+
+    >>> leaf = lambda v: {"path": "w", "stats": {"l2": v, "nan": 0, "posinf": 0, "neginf": 0}}
+    >>> report = {"checkpoints": [{"step": s, "items": {"params": {"leaves": [leaf(2.0 * s)]}}} for s in (10, 20)]}
+    >>> [(ax.get_title(), [float(v) for v in ax.lines[0].get_ydata()]) for ax in stats_figure(report).axes]
+    [('params: l2', [20.0, 40.0])]
+    """
+    _import_matplotlib()
+    from matplotlib.figure import Figure
+
+    series = _stat_series(report, stat)
+    if not series:
+        where = report.get("path", "the checkpoint")
+        raise ValueError(f"{where}: no saved step with statistics to plot (a checkpoint root with committed steps, "
+                         "read with stats).")
+    pattern, named = _compile(keys)
+    if pattern is not None:
+        series = {item: {p: v for p, v in paths.items() if pattern.search(p)} for item, paths in series.items()}
+        if not any(series.values()):
+            paths = list(dict.fromkeys(p for paths in _stat_series(report, stat).values() for p in paths))
+            raise ValueError(f"{named} matches none of the checkpoint's paths ({', '.join(paths[:8])}"
+                             f"{', ...' if len(paths) > 8 else ''}); pick from those.")
+        series = {item: paths for item, paths in series.items() if paths}
+
+    fig = Figure(layout="constrained")
+    axes, ncols = _grid(fig, len(series), ncols=1, width=9.0)  # one panel a row: the legend at its right
+    for ax, (item, paths) in zip(axes, series.items()):
+        ranked = sorted(paths, key=lambda p: -next((abs(v) for _, v, _ in reversed(paths[p]) if math.isfinite(v)),
+                                                   -math.inf))
+        shown = ranked[:max_lines]
+        shared = _shared_folder(shown)  # said once in the title, not in every label
+        title = f"{item}: {stat}"
+        if len(ranked) > max_lines:
+            title += f" (largest {max_lines} of {len(ranked)})"
+        if shared:
+            title += f", under {shared}/"
+        values: list[float] = []
+        nonfinite: list = []
+        for m, path in enumerate(shown):
+            points = paths[path]
+            finite, bad = _curve(ax, [s for s, _, _ in points], [v for _, v, _ in points],
+                                 color=_COLORS[m % len(_COLORS)], linewidth=1.2, label=path[len(shared):].lstrip("/"))
+            values += finite
+            nonfinite += bad + [s for s, _, n in points if n]
+        _finish_panel(ax, title, values, nonfinite)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    _label_bottom(axes, ncols)
+    fig.suptitle(f"{report.get('path', '')}: {stat} per {'leaf' if report.get('depth') is None else 'module'}"
+                 .lstrip(": "), fontsize=10)
+    return fig
+
+
+# --------------------------------------------------------------------------- #
+# Files and the command
+# --------------------------------------------------------------------------- #
+
+
+def _read_runs(paths: Sequence[str | os.PathLike]) -> dict[str, list[dict]]:
+    return {label: read_metrics(path) for label, path in zip(run_labels(paths), paths)}
+
+
 def plot_files(paths: Sequence[str | os.PathLike], *, keys: str | Sequence[str] | None = None) -> Figure:
     """``metrics_figure`` of metrics files (or folders holding ``metrics.jsonl``), labelled by ``run_labels``.
 
@@ -298,30 +679,63 @@ def plot_files(paths: Sequence[str | os.PathLike], *, keys: str | Sequence[str] 
       FileNotFoundError, ValueError: a file is missing or not a metrics file
         (``tt.read_metrics``), or as ``metrics_figure``.
     """
-    runs = {label: read_metrics(path) for label, path in zip(run_labels(paths), paths)}
-    return metrics_figure(runs, keys=keys)
+    return metrics_figure(_read_runs(paths), keys=keys)
 
 
-def _check_output(output: str, supported: Mapping[str, str]) -> None:
+def _check_output(output: str, supported: Mapping[str, str], reads: str | None = None) -> None:
     folder = os.path.dirname(os.path.abspath(output))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"-o {output}: folder {folder} does not exist; create it or pick another path.")
     ext = os.path.splitext(output)[1].lower().lstrip(".")
     if ext and ext not in supported:
         raise ValueError(f"-o {output}: matplotlib cannot write .{ext} images; use .png, .svg or .pdf.")
+    if reads is not None and "://" not in reads:
+        root = os.path.realpath(os.path.expanduser(reads))
+        if os.path.realpath(output) == root or os.path.realpath(output).startswith(root.rstrip(os.sep) + os.sep):
+            raise ValueError(f"-o {output} is inside the checkpoint {reads}, and nothing is written under a path "
+                             "that is read; pick a path outside it.")
 
 
-def _default_output(paths: Sequence[str]) -> str:
+def _default_output(paths: Sequence[str], name: str = "norms.png") -> str:
     if len(paths) > 1:
-        return "norms.png"
+        return name
     path = os.path.expanduser(paths[0])
-    return os.path.join(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), "norms.png")
+    return os.path.join(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), name)
+
+
+def _usage(message: str) -> int:
+    print(f"treetools plot: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(args: argparse.Namespace) -> int:
-    fig = plot_files(args.metrics, keys=args.keys)
-    output = os.path.expanduser(args.output) if args.output else _default_output(args.metrics)
-    _check_output(output, fig.canvas.get_supported_filetypes())
+    paths = args.metrics
+    if args.stats is None:
+        if args.depth is not None or args.item is not None:
+            return _usage("--depth and --item apply to --stats (a checkpoint's statistics)")
+        if args.heatmap is not None and args.keys:
+            return _usage("--keys and --heatmap pick metrics each their own way; give one of them")
+    elif args.heatmap is not None:
+        return _usage("--heatmap draws metrics files, --stats a checkpoint; give one of them")
+    elif len(paths) != 1:
+        return _usage(f"--stats reads one checkpoint root, got {len(paths)} paths")
+    if args.output:
+        output = os.path.expanduser(args.output)
+    elif args.stats is not None:
+        output = f"stats_{args.stats}.png"
+    else:
+        output = _default_output(paths, "heatmap.png" if args.heatmap is not None else "norms.png")
+    _import_matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    # Checked before anything is read: --stats streams a whole checkpoint.
+    _check_output(output, FigureCanvasBase.get_supported_filetypes(), reads=paths[0] if args.stats is not None else None)
+    if args.stats is not None:
+        fig = stats_figure(stats_report(paths[0], depth=args.depth, item=args.item), args.stats, keys=args.keys)
+    elif args.heatmap is not None:
+        fig = heatmap_figure(_read_runs(paths), args.heatmap)
+    else:
+        fig = plot_files(paths, keys=args.keys)
     fig.savefig(output, dpi=100)
     print(output)
     return 0

@@ -5,14 +5,23 @@ data x fsdp mesh of all devices (CPU by default).
 WORKDIR/checkpoints/ gets an Orbax checkpoint every --ckpt-every steps
 (params, params_ema, opt_state and the data iterator); WORKDIR/metrics.jsonl
 gets loss and norm metrics every --log-every steps (`treetools plot` draws
-them). --steps is the total: a WORKDIR with checkpoints resumes from its
-latest step and trains up to --steps, bit for bit as one straight run.
+them), per module at --norm-depth (default 1: one norm per block). --steps is
+the total: a WORKDIR with checkpoints resumes from its latest step and trains
+up to --steps, bit for bit as one straight run.
+
+--scan-layers puts the blocks under one nn.scan named `layers`
+(metadata_params={nn.PARTITION_NAME: "layers"}): each block parameter is one
+stacked leaf (layers/qkv/kernel of shape (n_layers, ...)), and the norms are
+logged per layer (grad_norm/layers/0, ...). A resumed run must keep the
+setting (the checkpoint's paths differ).
 
 Examples:
   treetools train --workdir runs/demo --cpu-devices 4
   treetools train --workdir runs/demo --steps 400        (continue to step 400)
   treetools inspect runs/demo/checkpoints
   treetools plot runs/demo/metrics.jsonl -o norms.png
+  treetools train --workdir runs/scan --scan-layers --cpu-devices 4
+  treetools plot runs/scan --heatmap 'grad_norm/layers/(\\d+)$' -o layers.png
 """
 
 from __future__ import annotations
@@ -37,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d("--log-every", type=positive_int, default=20, metavar="N", help="log norms to metrics.jsonl every N steps (default: 20)")
     d("--ckpt-every", type=positive_int, default=100, metavar="N", help="save a checkpoint every N steps (default: 100)")
     d("--freeze-embeddings", action="store_true", help="freeze embed/ with optax.multi_transform + get_param_label_fn")
+    d("--scan-layers", action="store_true",
+      help="the blocks as one nn.scan named `layers` (stacked leaves); norms logged per layer")
+    d("--norm-depth", type=positive_int, default=1, metavar="K",
+      help="log per-module norms of the first K path parts (default: 1, one per block or scanned layer)")
     d("--ema-decay", type=unit_float, default=0.99, metavar="D", help="decay of the EMA params (default: 0.99)")
     d("--cpu-devices", type=positive_int, default=None, metavar="N",
       help="simulate N CPU devices (sets XLA_FLAGS; only before jax starts)")
@@ -49,11 +62,12 @@ def main(args: argparse.Namespace) -> int:
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.cpu_devices}".strip()
     # The trainer is jax: imported after XLA_FLAGS is set, and never by `treetools train --help`.
+    from treetools.reference.model import ModelConfig
     from treetools.reference.train import TrainConfig, train
 
     cfg = TrainConfig(workdir=args.workdir, steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                       learning_rate=args.learning_rate, log_every=args.log_every, ckpt_every=args.ckpt_every,
                       freeze_embeddings=args.freeze_embeddings, ema_decay=args.ema_decay, resume=args.resume,
-                      quiet=args.quiet)
+                      quiet=args.quiet, norm_depth=args.norm_depth, model=ModelConfig(scan_layers=args.scan_layers))
     train(cfg)
     return 0

@@ -8,7 +8,9 @@ Everything treetools offers, used the way a trainer would:
   behind ``--freeze-embeddings``;
 * ``clip_by_global_norm`` on the sharded global norm;
 * ``update_ema`` for EMA params;
-* ``norm_metrics`` every step inside jit, logged every ``log_every`` steps by
+* ``norm_metrics`` every step inside jit, per module at ``norm_depth`` (per
+  layer with ``scan_layers``: ``grad_norm/layers/<i>``, the scanned blocks'
+  stacked leaves split in the same pass), logged every ``log_every`` steps by
   ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between;
   started afresh by a fresh run, continued after the restored step on resume);
 * ``get_checkpoint_manager`` saving params, params_ema, opt_state and the data
@@ -58,6 +60,7 @@ class TrainConfig:
     freeze_embeddings: bool = False
     resume: bool = True
     quiet: bool = False
+    norm_depth: int | None = 1  # per-module norms: grad_norm/layers_0 (scanned: grad_norm/layers/0); None: global only
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
 
 
@@ -114,7 +117,7 @@ def build(cfg: TrainConfig):
         loss, grads = jax.value_and_grad(lambda p: _loss_fn(model, p, batch))(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = tt.norm_metrics(grads=grads, params=params, updates=updates)
+        metrics = tt.norm_metrics(grads=grads, params=params, updates=updates, depth=cfg.norm_depth)
         metrics["loss"] = loss
         ema = tt.update_ema(state["params_ema"], params, cfg.ema_decay)
         return {"params": params, "params_ema": ema, "opt_state": opt_state}, metrics

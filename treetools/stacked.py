@@ -1,0 +1,212 @@
+"""Stacked (scanned) leaves: which leaves hold L layers on one axis, and where the layer index goes.
+
+A scanned model (flax.linen ``nn.scan``, nnx layers built under ``nnx.vmap``,
+MaxText with ``scan_layers``) keeps each parameter of its L layers in one leaf
+of shape ``(L, ...)``: ``decoder/layers/attn/q`` holds every layer's ``q``.
+``find_stacks`` says, per leaf, whether it is such a stack, on which axis, how
+many layers it holds, and where the layer index goes in a per-layer name.
+
+Found how (``stacked=``):
+
+* ``None`` or ``True``: from the boxes. A box whose names hold ``layers`` (flax
+  inserts the scan's ``nn.PARTITION_NAME`` there: ``nn.scan(...,
+  metadata_params={nn.PARTITION_NAME: "layers"})``, MaxText's ``layers``
+  logical axis, ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME:
+  "layers"})``) is stacked on that axis. Its scanned module is the outermost
+  subtree around it whose every leaf has the same layer axis and count (a box
+  naming ``layers`` at that axis, or a leaf without sharding names, e.g.
+  linen's unboxed default bias, with L along that axis); every leaf of that
+  subtree is stacked, so a scanned block's unboxed biases are split with its
+  kernels.
+* ``{pattern: axis}``: the leaves whose path ``re.search``-matches a pattern
+  (the first matching pattern wins) are stacked on ``axis``; for trees
+  without such boxes (an nnx model built with ``nnx.vmap`` and no metadata, a
+  dict of stacked arrays). A pattern that matches no leaf is an error naming
+  it and nearby paths.
+* ``False``: none.
+
+Where the index goes (``Stack.at``, the number of path parts before it): with
+a pattern, right after the path part in which the match ends (``layers``
+in ``decoder/layers/attn/q`` gives ``decoder/layers/3/attn/q``; ``q$`` gives
+``decoder/layers/attn/q/3``); found from boxes, after the longest path prefix
+that all leaves of the scanned subtree share (the scanned module:
+``decoder/layers``), or before the leaf's own name when the subtree is one
+leaf. That is where Rules' ``unstack`` puts it too.
+
+>>> import flax.linen as nn, numpy as np
+>>> tree = {"layers": {"w": nn.Partitioned(np.ones((4, 2)), names=("layers", None)), "b": np.zeros((4, 2))},
+...         "head": nn.Partitioned(np.ones((2, 3)), names=(None, "fsdp"))}
+>>> from treetools.paths import leaves_with_paths
+>>> [(path, stack) for (path, _), stack in zip(leaves_with_paths(tree), find_stacks(leaves_with_paths(tree)))]
+[('head', None), ('layers/b', Stack(axis=0, length=4, at=1)), ('layers/w', Stack(axis=0, length=4, at=1))]
+>>> find_stacks(leaves_with_paths({"w": np.ones((3, 2))}), {"w": 0})
+[Stack(axis=0, length=3, at=1)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from numbers import Number
+from typing import Any, Union
+
+from treetools._typing import PathStr
+from treetools.partitioning import is_partitioned, layer_axis, unbox
+from treetools.paths import SEP
+from treetools.patterns import compile_patterns, match_patterns
+
+LAYER_AXIS = "layers"
+"""The box axis name that marks a stacked leaf's layer axis (flax's ``nn.PARTITION_NAME`` value by convention)."""
+
+Stacked = Union[bool, Mapping[str, int], None]
+"""``stacked=`` values: None/True (found from boxes), False (none), ``{pattern: axis}``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """A stacked leaf: ``length`` layers along array ``axis``; the index goes after ``at`` path parts."""
+
+    axis: int
+    length: int
+    at: int
+
+
+def layer_parts(parts: Sequence[str], stack: Stack, layer: int) -> tuple[str, ...]:
+    """The path parts of one layer of a stacked leaf: the index inserted after ``stack.at`` parts.
+
+    >>> layer_parts(("decoder", "layers", "attn", "q"), Stack(axis=0, length=4, at=2), 3)
+    ('decoder', 'layers', '3', 'attn', 'q')
+    """
+    return (*parts[: stack.at], str(layer), *parts[stack.at :])
+
+
+def _shape(x: Any) -> tuple[int, ...] | None:
+    value = unbox(x)
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return () if isinstance(value, Number) else None
+    return tuple(int(d) for d in shape)
+
+
+def _parts(path: PathStr) -> tuple[str, ...]:
+    return tuple(path.split(SEP)) if path else ()
+
+
+def find_stacks(
+    pairs: Sequence[tuple[PathStr, Any]],
+    stacked: Stacked = None,
+    *,
+    shape_of: Callable[[Any], tuple[int, ...] | None] = _shape,
+) -> list[Stack | None]:
+    """Per leaf of ``[(path, leaf), ...]``, its ``Stack`` or None (see the module doc for the rules).
+
+    Args:
+      pairs: leaves with their path strings, in tree order (``leaves_with_paths``).
+      stacked: None/True (found from boxes), False (none), or ``{pattern: axis}``.
+      shape_of: a leaf's (global) shape; inside ``shard_map`` the caller scales
+        the local shard's split axes back up.
+
+    Raises:
+      PatternError: a pattern is not a regex or matches no leaf (named, with nearby paths).
+      ValueError: a matched leaf has no axis ``axis``.
+      TypeError: ``stacked`` is none of the above, or an axis is not an int.
+    """
+    if stacked is False:
+        return [None] * len(pairs)
+    if stacked is None or stacked is True:
+        return _from_boxes(pairs, shape_of)
+    if isinstance(stacked, Mapping):
+        return _from_patterns(pairs, stacked, shape_of)
+    raise TypeError(
+        f"`stacked` must be None or True (find stacked leaves from `{LAYER_AXIS}` axis names in their boxes), False, "
+        f"or a dict {{pattern: axis}}; got {type(stacked).__name__}."
+    )
+
+
+def _from_patterns(pairs, stacked: Mapping[str, int], shape_of) -> list[Stack | None]:
+    paths = [p for p, _ in pairs]
+    out: list[Stack | None] = [None] * len(pairs)
+    for pattern, axis in stacked.items():
+        try:
+            axis = operator.index(axis)
+        except TypeError:
+            raise TypeError(f"`stacked` pattern {pattern!r}: the axis must be an int, got {axis!r}.") from None
+        [regex] = compile_patterns(pattern, name="stacked")
+        hits = match_patterns(paths, [regex], name="stacked")
+        for i, hit in enumerate(hits):
+            if not hit or out[i] is not None:
+                continue
+            shape = shape_of(pairs[i][1])
+            ndim = len(shape) if shape is not None else 0
+            if not -ndim <= axis < ndim:
+                what = f"shape {shape}" if shape is not None else type(unbox(pairs[i][1])).__name__
+                raise ValueError(
+                    f"`stacked` pattern {pattern!r} matches leaf `{paths[i]}` ({what}), which has no axis {axis}; "
+                    "narrow the pattern to the stacked leaves or fix the axis."
+                )
+            out[i] = Stack(axis % ndim, shape[axis % ndim], _parts_through(paths[i], regex.search(paths[i]).end()))
+    return out
+
+
+def _parts_through(path: str, end: int) -> int:
+    """How many path parts the first ``end`` characters reach into (a part cut by the match counts whole)."""
+    if end == 0:
+        return 0
+    if path[end - 1] == SEP:
+        end -= 1
+    return path[:end].count(SEP) + 1
+
+
+def _from_boxes(pairs, shape_of) -> list[Stack | None]:
+    parts = [_parts(p) for p, _ in pairs]
+    shapes = [shape_of(x) for _, x in pairs]
+    # What each leaf says: (axis, L) for a box naming the layer axis; "other" for a box with other
+    # names; None for a leaf without sharding names (it joins a stack its shape fits).
+    says: list[Any] = []
+    for (_, x), shape in zip(pairs, shapes):
+        axis = layer_axis(x, LAYER_AXIS)
+        if axis is not None and shape is not None and axis < len(shape):
+            says.append((axis, shape[axis]))
+        else:
+            says.append("other" if is_partitioned(x) else None)
+    if not any(isinstance(sig, tuple) for sig in says):
+        return [None] * len(pairs)  # no box names a layer axis: nothing is stacked
+    under: dict[tuple[str, ...], list[int]] = {}
+    for i, ps in enumerate(parts):
+        for k in range(len(ps) + 1):
+            under.setdefault(ps[:k], []).append(i)
+
+    def fits(j: int, sig: tuple[int, int]) -> bool:
+        if says[j] is None:
+            shape = shapes[j]
+            return shape is not None and len(shape) > sig[0] and shape[sig[0]] == sig[1]
+        return says[j] == sig
+
+    uniform: dict[tuple[tuple[str, ...], tuple[int, int]], bool] = {}
+    out: list[Stack | None] = [None] * len(pairs)
+    for i, sig in enumerate(says):
+        if not isinstance(sig, tuple) or out[i] is not None:
+            continue
+        for k in range(len(parts[i]) + 1):
+            prefix = parts[i][:k]
+            if (prefix, sig) not in uniform:
+                uniform[prefix, sig] = all(fits(j, sig) for j in under[prefix])
+            if uniform[prefix, sig]:
+                break
+        group = under[prefix]
+        if len(group) > 1:
+            at = _common_length([parts[j] for j in group])
+        else:  # one leaf: the index goes before its own name, unless the leaf is the whole subtree found
+            at = max(len(prefix), len(parts[i]) - 1)
+        for j in group:
+            out[j] = Stack(sig[0], sig[1], at)
+    return out
+
+
+def _common_length(paths: list[tuple[str, ...]]) -> int:
+    n = min(len(p) for p in paths)
+    for k in range(n):
+        if len({p[k] for p in paths}) > 1:
+            return k
+    return n
