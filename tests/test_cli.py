@@ -234,10 +234,12 @@ def test_markdown_and_tree_views(npz, capsys):
     encoder = sum(x.size for p, x in tree.items() if p.startswith("encoder/"))
     layer_0 = sum(x.size for p, x in tree.items() if p.startswith("encoder/layer_0/"))
     kernel = tree["encoder/layer_0/kernel"]
-    # Every folder line carries its params subtotal; shapes print as tuples.
-    assert f"encoder/  {encoder:,} params" in lines and f"  layer_0/  {layer_0:,} params" in lines
-    assert f"    kernel (16, 8) float32  {kernel.size:,} params" in lines and kernel.shape == (16, 8)
-    assert f"    bias (8,) float32  {tree['encoder/layer_0/bias'].size} params" in lines
+    # Every folder line carries its params subtotal (and bytes: issue 24, point 22); shapes print as tuples.
+    encoder_bytes = sum(x.nbytes for p, x in tree.items() if p.startswith("encoder/"))
+    assert f"encoder/  {encoder:,} params, {encoder_bytes} B" in lines and encoder_bytes < 1024
+    assert any(line.startswith(f"  layer_0/  {layer_0:,} params, ") for line in lines)
+    assert f"    kernel (16, 8) float32  {kernel.size:,} params, {kernel.nbytes} B" in lines and kernel.shape == (16, 8)
+    assert any(line.startswith(f"    bias (8,) float32  {tree['encoder/layer_0/bias'].size} params, ") for line in lines)
 
 
 def test_depth_sums_per_prefix(npz, capsys):
@@ -294,16 +296,16 @@ def test_stats_table_columns_and_no_progress_when_not_a_tty(npz, capsys):
     rc, out, err = run(capsys, "inspect", npz, "--stats")
     assert rc == 0 and err == ""
     header = next(line for line in out.splitlines() if line.startswith("path"))
-    # A compact set by default; --stats-columns chooses (`all`: every statistic).
-    assert header.split() == ["path", "shape", "dtype", "params", "bytes", "sharding", "mean", "std", "min", "max",
-                              "nonfinite"]
-    rc, out, _ = run(capsys, "inspect", npz, "--stats", "--stats-columns", "all")
+    # A compact set by default; --stats-columns chooses (`all`: every statistic). With --stats the table shows
+    # the statistics in place of counts and sharding (the totals stay below it): issue 24, point 17.
+    assert header.split() == ["path", "shape", "dtype", "mean", "std", "min", "max", "nonfinite"]
+    rc, out, _ = run(capsys, "inspect", npz, "--stats", "--stats-columns", "all", "--leaves")
     header = next(line for line in out.splitlines() if line.startswith("path"))
-    assert header.split()[6:] == ["mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf", "neginf",
+    assert header.split()[3:] == ["mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf", "neginf",
                                   "nonfinite"]
     rc, out, _ = run(capsys, "inspect", npz, "--stats", "--stats-columns", "l2,zeros")
     header = next(line for line in out.splitlines() if line.startswith("path"))
-    assert header.split()[6:] == ["l2", "zeros"]
+    assert header.split()[3:] == ["l2", "zeros"]
 
 
 def test_progress_bar_draws_only_on_a_tty():
@@ -342,7 +344,13 @@ def test_root_table_lists_steps_and_incomplete(tmp_path, capsys):
     assert "steps: 1, 2 (showing 2)" in out and "incomplete (not read): 3.orbax-checkpoint-tmp-1700000000" in out
     assert "[params]" in out
     rc, out, _ = run(capsys, "inspect", root, "--step", "all", "--format", "markdown")
-    assert "## step 1" in out and "## step 2" in out
+    # Issue 24, point 14: --step all is one compact row per step (step, save time, metrics, size), not full tables.
+    rows = [line for line in out.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert len(rows) == 2 and "| path" not in out
+    rc, out, _ = run(capsys, "inspect", root, "--step", "all", "--stats", "--stats-columns", "mean")
+    # With --stats: one column per step of the chosen statistic, against numpy per step (w = 1 * step).
+    (row,) = [line.split() for line in out.splitlines() if line.startswith("w ")]
+    assert row == ["w", "1", "2"]
 
 
 # ----------------------------------------------------------------------------- review: help, train and plot errors

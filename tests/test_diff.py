@@ -236,3 +236,27 @@ def test_composite_against_a_single_tree_suggests_item(run_dir, tmp_path, capsys
     rc, out, err = run(capsys, "diff", run_dir / "ckpt_0100", tmp_path / "p.npz")
     assert rc == 1 and out.strip().splitlines()[-1].startswith("different (leaves): ")
     assert err.startswith("treetools: note: ") and "--item" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_dotted_safetensors_export_pairs_with_the_slashed_msgpack_it_came_from(tmp_path, capsys):
+    # Issue 24, point 28: the same Hugging Face Flax model as model.safetensors (dotted names) and
+    # flax_model.msgpack (nested dicts, slashed paths) read as 2 added and 2 removed.
+    from flax import serialization
+    from safetensors.numpy import save_file
+
+    from treetools.cli import main
+
+    rng = np.random.default_rng(0)
+    params = {"model": {"layers": {"0": {"q": rng.standard_normal((4, 4)).astype(np.float32)}},
+                        "embed": rng.standard_normal((8, 4)).astype(np.float32)}}
+    save_file({"model.layers.0.q": params["model"]["layers"]["0"]["q"], "model.embed": params["model"]["embed"]},
+              tmp_path / "model.safetensors")
+    (tmp_path / "flax_model.msgpack").write_bytes(serialization.to_bytes(params))
+    report = diff_paths(str(tmp_path / "model.safetensors"), str(tmp_path / "flax_model.msgpack"), values=True)
+    assert not report.added and not report.removed and report.identical
+    assert sorted(v.path for v in report.values) == ["model.embed", "model.layers.0.q"]  # shown as A stores them
+    # A pattern written either way selects the pair.
+    for pattern in (r"layers\.0", "layers/0"):
+        r = diff_paths(str(tmp_path / "model.safetensors"), str(tmp_path / "flax_model.msgpack"), include=[pattern])
+        assert r.unchanged == 1 and not r.added and not r.removed
+    assert main(["diff", str(tmp_path / "model.safetensors"), str(tmp_path / "flax_model.msgpack"), "--values"]) == 0

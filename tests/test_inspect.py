@@ -796,19 +796,26 @@ def test_msgpack_scalar_values_are_shown(files, capsys):
     assert rc == 0 and re.search(r"^step\s+3$", out, re.M), out
 
 
-def test_common_path_prefix_is_shown_once(tmp_path, capsys):
-    """optax.multi_transform states: every path starts with 1/inner_states/train/inner_state/."""
+def test_rows_name_their_whole_path_and_every_printed_path_can_be_pasted(tmp_path, capsys):
+    """optax.multi_transform states: every path starts with 1/inner_states/train/inner_state/. Issue 24, point 4:
+    rows were relative to a prefix in the section header and could not be pasted into --show or --include."""
     prefix = "1/inner_states/train/inner_state/"
-    leaves = {f"{prefix}0/mu/w": np.ones((2, 3), np.float32), f"{prefix}0/nu/w": np.ones((2, 3), np.float32),
+    leaves = {f"{prefix}0/mu/w": np.arange(6, dtype=np.float32).reshape(2, 3), f"{prefix}0/nu/w": np.ones((2, 3), np.float32),
               f"{prefix}2/count": np.zeros((), np.int32)}
     np.savez(tmp_path / "opt.npz", **leaves)
-    rc, out, _ = run(capsys, "inspect", tmp_path / "opt.npz")
+    rc, out, _ = run(capsys, "inspect", tmp_path / "opt.npz", "--leaves")
     lines = out.splitlines()
-    assert f"[default] {prefix}" in lines
-    rows = [line.split()[0] for line in lines if line.startswith(("0/", "2/"))]
-    assert rows == [p[len(prefix):] for p in leaves]
-    rc, md, _ = run(capsys, "inspect", tmp_path / "opt.npz", "--format", "markdown")
-    assert f"## default: `{prefix}`" in md and f"| 0/mu/w " in md
+    assert "[default]" in lines
+    rows = [line.split()[0] for line in lines if line.startswith(prefix)]
+    assert rows == list(leaves)  # the whole path, as JSON, --show and the patterns know it
+    for row in rows:  # each pasted into --show, alone and with its item, reads that leaf
+        for spec in (row, f"default/{row}"):
+            rc, shown, err = run(capsys, "inspect", tmp_path / "opt.npz", "--show", spec)
+            assert rc == 0 and shown.startswith(f"default/{row}"), (spec, err)
+    rc, out, _ = run(capsys, "inspect", tmp_path / "opt.npz", "--include", f"default/{prefix}0/mu", "--leaves")
+    assert [line.split()[0] for line in out.splitlines() if line.startswith(prefix)] == [f"{prefix}0/mu/w"]
+    rc, md, _ = run(capsys, "inspect", tmp_path / "opt.npz", "--format", "markdown", "--leaves")
+    assert "## default" in md and f"| {prefix}0/mu/w " in md
     item = items_of(inspect_json(capsys, tmp_path / "opt.npz"))["default"]
     assert [leaf["path"] for leaf in item["leaves"]] == list(leaves)  # JSON keeps whole paths
 
@@ -826,5 +833,5 @@ def test_markdown_tables_follow_a_blank_line(run_dir, capsys):
     rc, out, _ = run(capsys, "inspect", run_dir, "--format", "markdown")
     lines = out.splitlines()
     headers = [i for i, line in enumerate(lines) if line.startswith("| path")]
-    assert rc == 0 and len(headers) == 3 and any(line.startswith("mesh: ") for line in lines)
+    assert rc == 0 and len(headers) == 3 and any(line.startswith("## ") and "mesh: " in line for line in lines)
     assert all(lines[i - 1] == "" for i in headers), out

@@ -54,7 +54,8 @@ def test_leaves_lists_every_leaf(run, capsys):
 
 def test_depth_counts_from_the_items_shared_prefix(run, capsys):
     root, _, _ = run
-    # opt_state paths share `0/` (adamw's first state): depth 1 is mu / nu / count, not one useless `0` row.
+    # opt_state paths share `0/` (adamw's first state): depth 1 is mu / nu / count, not one useless `0` row;
+    # each row names its whole path (issue 24: pasteable into --show/--include/--item).
     assert main(["inspect", str(root), "--item", "opt_state", "--depth", "1"]) == 0
-    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line[:3] in ("cou", "mu ", "nu ")]
-    assert rows == ["count", "mu", "nu"]
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line[:3] in ("0/c", "0/m", "0/n")]
+    assert rows == ["0/count", "0/mu", "0/nu"]

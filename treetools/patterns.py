@@ -90,3 +90,26 @@ def select(paths: Sequence[str], include: Sequence[str] = (), exclude: Sequence[
         for path, dropped in zip(distinct, match_patterns(distinct, exc, name="exclude")):
             keep[path] = keep[path] and not dropped
     return [keep[p] for p in paths]
+
+
+def select_any(names: Sequence[Sequence[str]], include: Sequence[str] = (), exclude: Sequence[str] = ()) -> list[bool]:
+    """``select`` for leaves known by several names (``item/path`` and ``path``, a dotted name and its ``/`` form):
+    a pattern matches a leaf when it matches any of its names.
+
+    A pattern that matches no name of any leaf is a ``PatternError``.
+
+    >>> select_any([("params/w", "w"), ("opt/w", "w")], include=["^params/"])
+    [True, False]
+    """
+    flat = list(dict.fromkeys(n for group in names for n in group))
+    inc = compile_patterns(list(include), name="include")
+    exc = compile_patterns(list(exclude), name="exclude")
+    hit_inc = dict(zip(flat, match_patterns(flat, inc, name="include"))) if inc else None
+    hit_exc = dict(zip(flat, match_patterns(flat, exc, name="exclude"))) if exc else None
+    out = []
+    for group in names:
+        keep = hit_inc is None or any(hit_inc[n] for n in group)
+        if keep and hit_exc is not None:
+            keep = not any(hit_exc[n] for n in group)
+        out.append(keep)
+    return out

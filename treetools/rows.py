@@ -102,6 +102,8 @@ class Row:
     leaves: int = 1
     sep: str = "/"
     layers: int | None = None
+    leaf_shape: tuple[int, ...] | None = None
+    """For a group: the shape every one of its leaves has, when they all have one (a table shows ``24 x (8, 8)``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.path, str):  # a joined name given: split it once, here
@@ -202,7 +204,7 @@ def common_prefix(rows: Sequence[Row]) -> tuple[str, ...]:
     return tuple(first[:n])
 
 
-def aggregate_rows(rows: Sequence[Row], depth: int | None, *, offset: int = 0) -> list[Row]:
+def aggregate_rows(rows: Sequence[Row], depth: int | None, *, offset: int = 0, whole: bool = False) -> list[Row]:
     """Sum rows per path prefix of ``offset + depth`` parts, in first-seen order.
 
     ``offset`` is how many leading parts every row shares (a section header
@@ -214,9 +216,11 @@ def aggregate_rows(rows: Sequence[Row], depth: int | None, *, offset: int = 0) -
     >>> [(r.name, r.params, r.leaves) for r in aggregate_rows(rows, 1)]
     [('enc', 6, 2), ('head', 3, 1)]
     """
-    if depth is None:
+    if whole:  # one row for all of them
+        depth, offset = 0, 0
+    elif depth is None:
         return list(rows)
-    if depth < 1:
+    elif depth < 1:
         raise ValueError(f"`depth` must be a positive integer, got {depth}.")
     cut = offset + depth
     groups: dict[tuple[str, ...], list[Row]] = {}
@@ -224,10 +228,11 @@ def aggregate_rows(rows: Sequence[Row], depth: int | None, *, offset: int = 0) -
         groups.setdefault(row.path[:cut], []).append(row)
     out = []
     for prefix, members in groups.items():
-        if len(members) == 1 and members[0].path == prefix:
-            out.append(members[0])
+        if len(members) == 1 and (members[0].path == prefix or members[0].leaves == 1):
+            out.append(members[0] if members[0].path == prefix else dataclasses.replace(members[0], path=prefix))
             continue
         dtypes = {m.dtype for m in members if m.dtype is not None}
+        shapes = {m.shape if m.leaves == 1 else m.leaf_shape for m in members}
         out.append(
             Row(
                 path=prefix,
@@ -240,6 +245,7 @@ def aggregate_rows(rows: Sequence[Row], depth: int | None, *, offset: int = 0) -
                 leaves=sum(m.leaves for m in members),
                 sep=members[0].sep,
                 layers=_merge(m.layers for m in members),
+                leaf_shape=shapes.pop() if len(shapes) == 1 else None,
             )
         )
     return out

@@ -247,25 +247,41 @@ class Source:
 
     def _snapshot(self, resolved: int | None, items: Sequence[str] | None) -> Snapshot:
         present = self.item_names(resolved)
+        parts: dict[str, str] = {}  # a name asked for that is a top-level key of the item holding it
         if items is None:
             names = present
         else:
-            missing = [n for n in items if n not in present]
-            if missing:
-                raise self.missing_item(missing[0], present, resolved)
-            names = list(dict.fromkeys(items))
+            names = []
+            for name in dict.fromkeys(items):
+                holder = name if name in present else part_holder(present, name)
+                if holder is None:
+                    raise self.missing_item(name, present, resolved)
+                if holder != name:
+                    parts[name] = holder
+                if holder not in names:
+                    names.append(holder)
         snap = self.read_items(resolved, names)
         if items is not None:
             gone = [n for n in names if n not in snap.items]  # skipped by the reader: its folder went, or unreadable
             if gone:
                 raise self.missing_item(gone[0], list(snap.items), resolved)
+            for name, holder in parts.items():
+                below = part_of(snap.items[holder], name)
+                if below is None:
+                    keys = top_level_keys(snap.items[holder])
+                    shown = ", ".join(keys[:10]) + (", ..." if len(keys) > 10 else "")
+                    raise self.missing_item(name, present, resolved, note=f"`{holder}` holds: {shown or 'nothing'}")
+                snap.items[name] = below
+            snap.items = {n: snap.items[n] for n in dict.fromkeys(items)}
         snap.step = resolved
         snap.notes = self.notes + snap.notes
         return snap
 
-    def missing_item(self, name: str, present: Sequence[str], step: int | None) -> CheckpointNotFoundError:
+    def missing_item(self, name: str, present: Sequence[str], step: int | None, *,
+                     note: str | None = None) -> CheckpointNotFoundError:
         where = f"{self.path} (step {step})" if step is not None else self.path
-        return CheckpointNotFoundError(f"{where} has no item `{name}`; items: {', '.join(present) or 'none'}.")
+        extra = f" {note[0].upper()}{note[1:]}." if note else ""
+        return CheckpointNotFoundError(f"{where} has no item `{name}`; items: {', '.join(present) or 'none'}.{extra}")
 
     # -- hooks: a format's own way of doing something, with a generic default
 
@@ -556,28 +572,62 @@ class FileSource(Source):
     def item_names(self, step: int | None) -> list[str]:
         return [DEFAULT_ITEM]
 
-    def top_level_keys(self) -> list[str]:
-        return list(dict.fromkeys(leaf.path[0] for leaf in self._leaves if leaf.path))
-
-    def _snapshot(self, resolved: int | None, items: Sequence[str] | None) -> Snapshot:
-        out: dict[str, Item] = {}
-        for name in items if items is not None else [DEFAULT_ITEM]:
-            if name == DEFAULT_ITEM:
-                out[name] = Item(name, "pytree", list(self._leaves))
-                continue
-            below = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[1:]))
-                     for leaf in self._leaves if len(leaf.path) > 1 and leaf.path[0] == name]
-            if not below:
-                keys = self.top_level_keys()
-                shown = ", ".join(keys[:10]) + (", ..." if len(keys) > 10 else "")
-                raise CheckpointNotFoundError(
-                    f"{self.path} has no item `{name}`; items: {DEFAULT_ITEM} (top-level keys: {shown or 'none'})."
-                )
-            out[name] = Item(name, "pytree", below)
-        return Snapshot(None, out, record_sharding=self.record_sharding, notes=list(self.notes))
+    def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
+        return Snapshot(None, {name: Item(name, "pytree", list(self._leaves)) for name in names},
+                        record_sharding=self.record_sharding)
 
 
 # ---------------------------------------------------------------------------- which item holds the params
+
+
+def part_holder(present: Sequence[str], name: str) -> str | None:
+    """The item that may hold ``name`` as a top-level key: the one item holding a whole train state (Orbax's
+    ``default``/``state``/``train_state``), or the lone item of the step; None when there is no single one.
+
+    >>> part_holder(["default"], "params"), part_holder(["params", "opt_state"], "mu")
+    ('default', None)
+    """
+    holders = [n for n in present if n in STATE_ITEMS] or (list(present) if len(present) == 1 else [])
+    return holders[0] if len(holders) == 1 and name not in present else None
+
+
+def top_level_keys(item: Item) -> list[str]:
+    """The first path parts of an item's leaves, in stored order."""
+    return list(dict.fromkeys(leaf.path[0] for leaf in item.leaves if leaf.path))
+
+
+def part_of(item: Item, key: str) -> Item | None:
+    """The leaves below top-level key ``key`` of ``item`` as an item named ``key`` (paths below it); None if none.
+
+    >>> import numpy as np
+    >>> state = Item("default", "pytree", tree_leaves({"params": {"w": np.ones(2)}, "step": 3}, where="x"))
+    >>> [leaf.name for leaf in part_of(state, "params").leaves], part_of(state, "opt") is None
+    (['w'], True)
+    """
+    if any(leaf.row.sep != "/" for leaf in item.leaves):  # flat stored names (safetensors): no parts
+        return None
+    below = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[1:]))
+             for leaf in item.leaves if len(leaf.path) > 1 and leaf.path[0] == key]
+    return dataclasses.replace(item, name=key, leaves=below) if below else None
+
+
+def train_state_parts(name: str, item: Item, present: Sequence[str]) -> list[str] | None:
+    """The top-level keys of an item that holds a whole train state (``params`` or T5X's ``target`` beside
+    other keys: ``opt_state``, ``step``...), else None. Shown part by part, each counted for what it is.
+
+    >>> import numpy as np
+    >>> state = Item("default", "pytree", tree_leaves({"params": {"w": np.ones(2)}, "opt_state": {"mu": {"w": np.ones(2)}}, "step": 3}, where="x"))
+    >>> train_state_parts("default", state, ["default"])
+    ['params', 'opt_state', 'step']
+    """
+    if part_holder(present, "\0") != name or item.kind != "pytree":
+        return None
+    keys = top_level_keys(item)
+    if len(keys) < 2 or not set(keys) & set(PARAM_SUBTREES[False]):
+        return None
+    if any(leaf.row.sep != "/" for leaf in item.leaves):
+        return None
+    return keys
 
 
 def params_item(source: Source, step: int | None, *, item: str | None = None, use_ema: bool = False) -> str:

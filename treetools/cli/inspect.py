@@ -148,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"treetools inspect: error: {safe_text(e)}", file=sys.stderr)  # a malformed flag: usage
         return 2
-    summary = args.format != "json" and args.depth is None and not args.leaves
+    summary = args.format in ("table", "markdown") and args.depth is None and not args.leaves
     options = options_from(args, InspectOptions, stats=args.stats or args.fail_on_nonfinite,
                            rows_per_item=ROWS_PER_ITEM if summary else None, rules=rules)
     report = inspect_path(args.path, options)

@@ -34,7 +34,7 @@ from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, is_numeric, plan_blocks
 from treetools.ckpt.source import NO_VALUE, Leaf, Source, open_source, order_items
 from treetools.errors import CheckpointError
 from treetools.inspect.options import DiffOptions, resolve
-from treetools.patterns import select
+from treetools.patterns import select_any
 from treetools.render import json_safe, jsonable
 from treetools.rows import Row, aggregate_rows, sort_rows
 from treetools.rules import Rules
@@ -276,9 +276,16 @@ def _items(source: Source, step: Any, item: str | None, rules: Rules | None = No
     return snap, {name: snap.items[name].leaves for name in order_items(list(snap.items))}
 
 
-def _flat(items: dict[str, list[Leaf]], prefix_items: bool) -> dict[str, Leaf]:
-    return {(f"{name}/{leaf.name}" if prefix_items else leaf.name): leaf
-            for name, leaves in items.items() for leaf in leaves}
+def _flat(items: dict[str, list[Leaf]], prefix_items: bool) -> dict[str, tuple[str, Leaf]]:
+    """``{pairing key: (name shown, leaf)}``: leaves pair by their path parts joined with ``/``, so a dotted
+    stored name (``model.layers.0.weight``, safetensors) pairs with the same path written with ``/`` (msgpack);
+    each is shown as stored."""
+    out = {}
+    for name, leaves in items.items():
+        head = f"{name}/" if prefix_items else ""
+        for leaf in leaves:
+            out[head + "/".join(leaf.path)] = (head + leaf.name, leaf)
+    return out
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -294,8 +301,11 @@ def _renamed(row: Row, path: str) -> Row:
     return row if row.name == path else dataclasses.replace(row, path=tuple(path.split("/")), sep="/")
 
 
-def _keep(paths: Sequence[str], include: Sequence[str], exclude: Sequence[str]) -> set[str]:
-    return {p for p, kept in zip(paths, select(paths, include, exclude)) if kept}
+def _keep(names: dict[str, tuple[str, ...]], include: Sequence[str], exclude: Sequence[str]) -> set[str]:
+    """The pairing keys to keep: a pattern matches a leaf by any of its names (as stored on either side, the
+    ``/`` form, with and without its item)."""
+    keys = list(names)
+    return {k for k, kept in zip(keys, select_any([names[k] for k in keys], include, exclude)) if kept}
 
 
 def _group_values(values: list[ValueDiff], depth: int) -> list[ValueDiff]:
@@ -345,11 +355,18 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     if not single and 1 in (len(items_a), len(items_b)):
         notes.append(f"A has items {', '.join(items_a)} and B {', '.join(items_b)}: paths are joined as item/path; "
                      "pass --item NAME to compare one item with the other side's tree.")
-    flat_a, flat_b = _flat(items_a, not single), _flat(items_b, not single)
+    named_a, named_b = _flat(items_a, not single), _flat(items_b, not single)
     if include or exclude:
-        keep = _keep(list(dict.fromkeys([*flat_a, *flat_b])), include, exclude)
-        flat_a = {p: leaf for p, leaf in flat_a.items() if p in keep}
-        flat_b = {p: leaf for p, leaf in flat_b.items() if p in keep}
+        names: dict[str, tuple[str, ...]] = {}
+        for side in (named_a, named_b):
+            for key, (shown, leaf) in side.items():
+                names[key] = tuple(dict.fromkeys([*names.get(key, ()), shown, key, leaf.name]))
+        keep = _keep(names, include, exclude)
+        named_a = {k: v for k, v in named_a.items() if k in keep}
+        named_b = {k: v for k, v in named_b.items() if k in keep}
+    shown = {k: name for k, (name, _) in named_b.items()} | {k: name for k, (name, _) in named_a.items()}
+    flat_a = {shown[k]: leaf for k, (_, leaf) in named_a.items()}
+    flat_b = {shown[k]: leaf for k, (_, leaf) in named_b.items()}
     compare_sharding = snap_a.record_sharding and snap_b.record_sharding
     added = [_renamed(flat_b[p].row, p) for p in flat_b if p not in flat_a]
     removed = [_renamed(flat_a[p].row, p) for p in flat_a if p not in flat_b]

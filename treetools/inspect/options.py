@@ -46,8 +46,10 @@ class InspectOptions(ReadOptions):
 
     Attributes:
       step: a step number, ``"latest"`` (default) or ``"all"``; roots only.
-      item: show only this item (e.g. ``params``); only its metadata is read.
-      depth: one row per path prefix of ``depth`` parts below the item's shared prefix, summed.
+      item: show only this item (e.g. ``params``); only its metadata is read. Any path the view prints works:
+        a part of an item holding a whole train state (``params``), or ``item/path`` for a group or leaf.
+      depth: one row per path prefix of ``depth`` parts below the item's shared prefix, summed; 0: one row
+        per item.
       leaves: one row per leaf (no grouping).
       include: regexes (``re.search`` on path strings); keep leaves matching any.
       exclude: regexes; drop leaves matching any. A pattern that matches no leaf is an error.
@@ -70,8 +72,8 @@ class InspectOptions(ReadOptions):
     rules: Rules | None = None
 
     def __post_init__(self) -> None:
-        if self.depth is not None and self.depth < 1:
-            raise ValueError(f"`depth` must be a positive integer, got {self.depth}.")
+        if self.depth is not None and self.depth < 0:
+            raise ValueError(f"`depth` must be 0 (one row per item) or a positive integer, got {self.depth}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

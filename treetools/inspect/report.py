@@ -14,13 +14,24 @@ from typing import Any, Sequence
 
 from treetools.ckpt.mapping import map_items
 from treetools.ckpt.readers import is_numeric
-from treetools.ckpt.source import NO_VALUE, Item, Leaf, Snapshot, open_source, order_items
+from treetools.ckpt.source import (
+    NO_VALUE,
+    Item,
+    Leaf,
+    Snapshot,
+    Source,
+    counts_params,
+    open_source,
+    order_items,
+    part_holder,
+    train_state_parts,
+)
 from treetools.ckpt.steps import parse_step
-from treetools.errors import CheckpointError, StepDeletedError
+from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.inspect.options import InspectOptions, resolve
 from treetools.inspect.progress import Progress
 from treetools.inspect.stats import StatsAccumulator, compute_stats
-from treetools.patterns import select
+from treetools.patterns import nearby, select_any
 from treetools.render import json_safe, jsonable
 from treetools.rows import Row, Totals, aggregate_rows, common_prefix, sort_rows, totals
 
@@ -44,6 +55,10 @@ class ItemReport:
     meshes: list[dict[str, int]] = dataclasses.field(default_factory=list)
     kind: str = "pytree"
     value: Any = NO_VALUE
+    label: str = "elements"
+    """What the counts count: ``params`` for an item known to hold parameters, else ``elements``."""
+    parts: dict[str, "ItemReport"] = dataclasses.field(default_factory=dict)
+    """An item holding a whole train state, part by part (``params``, ``opt_state``...), for the text view."""
 
     @classmethod
     def of(cls, item: Item, leaves: Sequence[Leaf], rows: list[Row]) -> "ItemReport":
@@ -53,7 +68,8 @@ class ItemReport:
                                     if r.sharding is not None and r.sharding.mesh}]
         values = {leaf.name: leaf.value for leaf in leaves if leaf.row.shape is None and leaf.value is not NO_VALUE}
         value = item.value if item.kind == "json" else NO_VALUE
-        return cls(rows, totals(leaf_rows), values, meshes, item.kind, value)
+        label = "params" if counts_params(item.name) else "elements"
+        return cls(rows, totals(leaf_rows), values, meshes, item.kind, value, label)
 
     def to_json(self) -> dict[str, Any]:
         out = {**self.total.to_json(), "leaves": [r.to_json() for r in self.rows]}
@@ -128,12 +144,12 @@ def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence
     """
     if not include and not exclude:
         return [{name: item.leaves for name, item in s.items.items()} for s in snaps]
-    # Match each distinct path once: items and steps repeat the same paths.
-    paths = list(dict.fromkeys(leaf.name for s in snaps for item in s.items.values() for leaf in item.leaves))
-    keep = dict(zip(paths, select(paths, include, exclude)))
+    # A leaf is known by its path and by item/path (either may be pasted); match each pair once.
+    pairs = list(dict.fromkeys((name, leaf.name) for s in snaps for name, item in s.items.items() for leaf in item.leaves))
+    keep = dict(zip(pairs, select_any([(path, f"{name}/{path}") for name, path in pairs], include, exclude)))
     out: list[dict[str, list[Leaf]]] = []
     for s in snaps:
-        kept = {name: [leaf for leaf in item.leaves if keep[leaf.name]] for name, item in s.items.items()}
+        kept = {name: [leaf for leaf in item.leaves if keep[(name, leaf.name)]] for name, item in s.items.items()}
         out.append({name: leaves for name, leaves in kept.items() if leaves})
     return out
 
@@ -246,10 +262,43 @@ def inspect_path(path: str, options: InspectOptions | None = None, /, **fields: 
         return report
 
 
+def _item_argument(source: Source, step: Any, item: str) -> tuple[str, str | None]:
+    """``--item`` as ``(item to read, path prefix inside it or None)``: any path a command prints works.
+
+    An item name, a top-level key of an item holding a whole train state
+    (``params`` of Orbax's ``default``), or ``item/path`` (a group or leaf of an item).
+    """
+    resolved = source.resolve(step if step != "all" else None)
+    present = source.item_names(resolved)
+    if item in present or part_holder(present, item) is not None:
+        return item, None
+    head, _, rest = item.partition("/")
+    if rest and (head in present or part_holder(present, head) is not None):
+        return head, rest
+    return item, None  # the snapshot says what is missing, listing the items
+
+
+def _rows(leaf_rows: list[Row], opts: InspectOptions, accs: dict[tuple[str, ...], StatsAccumulator]
+          ) -> tuple[list[Row], int | None]:
+    """The rows one item (or part of one) shows, and the depth the summary chose (None: not grouped by it)."""
+    offset = len(common_prefix(leaf_rows))
+    group, chosen = (None if opts.leaves else opts.depth), None
+    if opts.depth == 0:
+        rows = aggregate_rows(leaf_rows, None, whole=True)
+    elif group is None and not opts.leaves and opts.rows_per_item is not None and len(leaf_rows) > opts.rows_per_item:
+        rows, chosen = summary_rows(leaf_rows, offset, opts.rows_per_item, collapse=not opts.stats)
+    else:
+        rows = aggregate_rows(leaf_rows, group, offset=offset)
+    if opts.stats:
+        rows = _with_stats(rows, accs)
+    return sort_rows(rows, opts.sort), chosen
+
+
 def _inspect(path: str, opts: InspectOptions) -> Report:
     source = open_source(path, memory_budget=opts.memory_budget)
     all_steps = opts.step == "all"
-    wanted = [opts.item] if opts.item is not None else None
+    wanted, under = (None, None) if opts.item is None else _item_argument(source, opts.step, opts.item)
+    wanted = [wanted] if wanted is not None else None
     if all_steps:
         if source.steps is None:
             raise CheckpointError(f"{source.path}: a single checkpoint, not a checkpoint root; `all` steps needs a root.")
@@ -260,6 +309,8 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
         if opts.rules is not None and not opts.rules.empty:
             s.items = map_items(s.items, opts.rules)
         s.items = {name: s.items[name] for name in order_items(list(s.items))}
+        if under is not None:
+            s.items = {name: _under(item, under, source.path) for name, item in s.items.items()}
     notes = list(dict.fromkeys(n for s in snaps for n in s.notes))
     kept = _filter(snaps, opts.include, opts.exclude)
     accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
@@ -278,18 +329,17 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
     for i, s in enumerate(snaps):
         items = {}
         for name, item_leaves in kept[i].items():
-            leaf_rows = [leaf.row for leaf in item_leaves]
-            offset = len(common_prefix(leaf_rows))
-            group = None if opts.leaves else opts.depth
-            rows_per_item = opts.rows_per_item
-            if group is None and not opts.leaves and rows_per_item is not None and len(leaf_rows) > rows_per_item:
-                rows, group = summary_rows(leaf_rows, offset, rows_per_item, collapse=not opts.stats)
-                grouped_at = max(grouped_at or 0, group)
-            else:
-                rows = aggregate_rows(leaf_rows, group, offset=offset)
-            if opts.stats:
-                rows = _with_stats(rows, accs[i].get(name, {}))
-            items[name] = ItemReport.of(s.items[name], item_leaves, sort_rows(rows, opts.sort))
+            item_accs = accs[i].get(name, {})
+            rows, chosen = _rows([leaf.row for leaf in item_leaves], opts, item_accs)
+            grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
+            items[name] = ItemReport.of(s.items[name], item_leaves, rows)
+            parts = train_state_parts(name, dataclasses.replace(s.items[name], leaves=item_leaves), list(s.items))
+            for key in parts or ():
+                part_leaves = [leaf for leaf in item_leaves if leaf.path[:1] == (key,)]
+                part_rows, chosen = _rows([leaf.row for leaf in part_leaves], opts, item_accs)
+                grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
+                part = ItemReport.of(dataclasses.replace(s.items[name], name=key), part_leaves, part_rows)
+                items[name].parts[key] = part
         by_step.append(StepReport(s.step, items, s.metadata))
     return Report(
         path=source.path,
@@ -306,6 +356,18 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
         leaves=opts.leaves,
         grouped_at=grouped_at,
     )
+
+
+def _under(item: Item, prefix: str, where: str) -> Item:
+    """The leaves of ``item`` at ``prefix`` or below it (``--item params/Dense_0``), paths kept whole."""
+    parts = tuple(prefix.split("/"))
+    below = [leaf for leaf in item.leaves if leaf.path[:len(parts)] == parts or leaf.name == prefix]
+    if not below:
+        close = nearby(prefix, [leaf.name for leaf in item.leaves])
+        raise CheckpointNotFoundError(
+            f"{where}: item `{item.name}` has no leaf or group `{prefix}`; close paths: "
+            f"{', '.join(f'{item.name}/{p}' for p in close) or 'none'}.")
+    return dataclasses.replace(item, leaves=below)
 
 
 def _compute_stats(kept, snaps, chunk_bytes, progress):

@@ -12,37 +12,50 @@ from typing import Any, Sequence
 
 from tabulate import tabulate
 
-from treetools.ckpt.source import counts_params
 from treetools.inspect.diff import DiffReport
 from treetools.inspect.report import ItemReport, Report
 from treetools.inspect.verify import VerifyReport
-from treetools.render import DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, render_rows, safe_text
-from treetools.rows import Row, common_prefix, format_count, format_shape
+from treetools.render import DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, safe_text, stat_value
+from treetools.rows import Row, Totals, format_count, format_shape, human
+
+
+WIDTH = 100
+"""The default view fits this many columns (and about 50 lines)."""
 
 
 def _header(report: Report) -> list[str]:
     lines = [f"{safe_text(report.path)} ({report.format})"]
     if report.steps is not None:
         shown = "all" if report.all_steps else report.step
-        lines.append(f"steps: {', '.join(map(str, report.steps)) or 'none'} (showing {shown})")
+        lines.append(f"steps: {_steps_text(report.steps)} (showing {shown})")
     if report.incomplete:
         lines.append(f"incomplete (not read): {', '.join(safe_text(n) for n in report.incomplete)}")
     return lines
 
 
+def _steps_text(steps: Sequence[int], most: int = 12) -> str:
+    """``100, 200, 300``; a long run as its first and last few steps."""
+    if not steps:
+        return "none"
+    if len(steps) <= most:
+        return ", ".join(map(str, steps))
+    return ", ".join(map(str, steps[:3])) + f", ... ({len(steps) - 6} more) ..., " + ", ".join(map(str, steps[-3:]))
+
+
 def _metadata_lines(metadata: dict[str, Any] | None) -> list[str]:
     if not metadata:
         return []
-    out = []
+    parts = []
     if metadata.get("saved_at"):
-        out.append(f"saved: {metadata['saved_at']}")
+        parts.append(f"saved: {safe_text(metadata['saved_at'])}")
     metrics = metadata.get("metrics")
     if metrics:
-        out.append("metrics: " + ", ".join(f"{safe_text(k)}={format_stat(v)}" for k, v in metrics.items()))
+        parts.append("metrics: " + ", ".join(f"{safe_text(k)}={safe_text(format_stat(v))}" for k, v in metrics.items()))
+    out = ["  ".join(parts)] if parts else []
     custom = metadata.get("custom")
     if custom:
         text = json.dumps(custom, default=str)
-        out.append("custom: " + safe_text(text if len(text) <= 100 else text[:97] + "..."))
+        out.append("custom: " + safe_text(text if len(text) <= 92 else text[:89] + "..."))
     return out
 
 
@@ -50,9 +63,12 @@ def render_report(report: Report, fmt: str = "table", *, tablefmt: str = "simple
                   stat_columns: Sequence[str] = DEFAULT_STAT_COLUMNS) -> str:
     """Render an inspect ``Report`` as ``table``, ``markdown``, ``tree`` or ``json``.
 
-    One section per step and item, each with its totals; a section's title
-    names the path prefix its rows share (optax states nest deep) and its
-    mesh; a JSON item is shown as its values.
+    One section per item (an item holding a whole train state, one per part),
+    titled with its name and mesh, its rows named by their whole path in the
+    item (what ``--show``, ``--include`` and ``--item`` take), then its totals;
+    an item with the same leaves as an earlier one is one line; a JSON item is
+    shown as its values. ``--step all`` is a list of steps, or with
+    ``--stats`` one column per step for each chosen statistic.
     """
     if fmt == "json":
         return json.dumps(report.to_json(), indent=2, allow_nan=False)
@@ -61,56 +77,204 @@ def render_report(report: Report, fmt: str = "table", *, tablefmt: str = "simple
     md = fmt == "markdown"
     head = _header(report)
     out = [f"# {head[0]}", *(f"- {line}" for line in head[1:])] if md else list(head)
+    if report.all_steps:
+        body = _steps_stats(report, md, stat_columns) if report.stats else _steps_list(report, md)
+        return "\n".join(out + [""] + body)
     for s in report.by_step:
-        if report.all_steps:
-            out += ["", f"## step {s.step}" if md else f"=== step {s.step} ==="]
         meta = _metadata_lines(s.metadata)
         out += [f"- {line}" for line in meta] if md else meta
         if not s.items:
             out += ["", "(no items)"]
+        if report.depth == 0:
+            out += ["", *_items_table(s.items, md)]
+            continue
+        shown: dict[tuple, str] = {}
         for name, item in s.items.items():
-            out += ["", *_item_section(name, item, fmt, tablefmt, level=3 if report.all_steps else 2,
-                                       stat_columns=stat_columns)]
+            sections = [(f"{name}: {key}" if name != key else name, part) for key, part in item.parts.items()] \
+                or [(name, item)]
+            for title, section in sections:
+                out += ["", *_item_section(title, section, fmt, tablefmt, report.stats, stat_columns, shown,
+                                           fit=report.depth is None and not report.leaves)]
         if len(s.items) > 1:
             t = s.total
             line = f"Grand total ({len(s.items)} items): {format_count(t.params)} elements, {bytes_text(t.bytes)}"
             out += ["", f"**{line}**" if md else line]
-    grouped = report.grouped_at
-    if grouped:
-        hint = f"rows grouped {grouped} level(s) below each item's shared prefix; --leaves shows every leaf, --depth K chooses."
+    if report.grouped_at:
+        hint = "rows grouped to fit a screen; --leaves shows every leaf, --depth K chooses."
         out += ["", f"_{hint}_" if md else hint]
     return "\n".join(out)
 
 
-def _item_section(name: str, item: ItemReport, fmt: str, tablefmt: str, *, level: int,
-                  stat_columns: Sequence[str]) -> list[str]:
+def _same_leaves(item: ItemReport) -> tuple:
+    return tuple((r.path, r.shape, r.dtype, r.params, r.leaves) for r in item.rows)
+
+
+def _item_section(title: str, item: ItemReport, fmt: str, tablefmt: str, stats: bool, stat_columns: Sequence[str],
+                  shown: dict[tuple, str], fit: bool) -> list[str]:
     md = fmt == "markdown"
-    prefix = common_prefix(item.rows) if fmt != "tree" else ()
-    sep = item.rows[0].sep if item.rows else "/"
-    shown_prefix = sep.join(prefix) + sep if prefix else ""
-    strip = len(prefix)
-    values = {safe_text(p[len(shown_prefix):] if p.startswith(shown_prefix) else p): v for p, v in item.values.items()}
-    title = safe_text(name)
-    if md:
-        head = [f"{'#' * level} {title}" + (f": `{safe_text(shown_prefix)}`" if shown_prefix else "")]
-    else:
-        head = [f"[{title}]" + (f" {safe_text(shown_prefix)}" if shown_prefix else "")]
-    head += [f"mesh: {', '.join(f'{safe_text(a)}={n}' for a, n in mesh.items())}" for mesh in item.meshes]
-    names = {safe_text(r.sep.join(r.path[strip:])) for r in item.rows}
+    safe_title = safe_text(title)
+    mesh = "  ".join(f"mesh: {', '.join(f'{safe_text(a)}={n}' for a, n in m.items())}" for m in item.meshes)
+    head = f"{'##'} {safe_title}" if md else f"[{safe_title}]"
+    head += ("  " + mesh) if mesh else ""
+    key = _same_leaves(item)
+    if item.rows and not stats and not item.values and key in shown:  # params_ema: the same leaves as params
+        total = f"{format_count(item.total.params)} {item.label}, {human(item.total.bytes, 'B')}"
+        return [f"[{safe_title}] the same leaves as [{shown[key]}]: {total}"]
+    shown.setdefault(key, safe_title)
+    values = {safe_text(p): v for p, v in item.values.items()}
+    names = {safe_text(r.name) for r in item.rows}
     if not item.rows:
         body = ["(no leaves)"]
     elif values and len(values) == len(item.rows) and names <= set(values):
-        body = [_render_values(values, md)]  # a JSON item: its values are what it holds
+        body = [_render_values(values, md)]  # a JSON item, or scalars: their values are what they hold
+    elif fmt == "tree":
+        body = [_render_tree(item.rows, item.label), _footer(item.total, item.label, md)]
     else:
-        # Optimizer moments and other state are elements, not parameters.
-        label = "params" if counts_params(name) else "elements"
-        body = [render_rows(item.rows, fmt=fmt, tablefmt=tablefmt, total=item.total, strip=strip,
-                            stat_columns=stat_columns, count_label=label)]
+        table, dropped = _table(item.rows, item.label, stats, stat_columns, md, tablefmt, fit=fit)
+        body = [table, _footer(item.total, item.label, md)]
+        if dropped:
+            body.append(f"({', '.join(dropped)} left out to fit {WIDTH} columns; --leaves shows every column)")
         if values:
-            body += ["", "values:", _render_values(values, md)]
+            body += ["values:", _render_values(values, md)]
     if md:  # markdown needs blank lines between a heading, a paragraph and a table
-        return [line for part in [*head, *body] if part for line in (part, "")][:-1]
-    return [*head, *body]
+        return [line for part in [head, *body] if part for line in (part, "")][:-1]
+    return [head, *body]
+
+
+def _shape_cell(r: Row) -> str:
+    """A leaf's shape; a group's leaf count, with the shape they all share: ``24 x (8, 8)``."""
+    if r.leaves == 1:
+        return format_shape(r.shape)
+    if r.leaf_shape is not None:
+        return f"{r.leaves} x {format_shape(r.leaf_shape)}"
+    return f"{r.leaves} leaves"
+
+
+DROPPED_TO_FIT = ("sharding", "bytes", "shape", "dtype")
+"""Columns the one-screen view leaves out, in this order, while a table is wider than ``WIDTH``."""
+
+
+def _table(rows: Sequence[Row], label: str, stats: bool, stat_columns: Sequence[str], md: bool, tablefmt: str,
+           fit: bool = False) -> tuple[str, list[str]]:
+    """Rows as a table: path, shape, dtype, then the counts and sharding, or with ``stats`` the statistics.
+
+    With ``fit`` (the one-screen view), columns of ``DROPPED_TO_FIT`` are left
+    out while the table is wider than ``WIDTH``; returns the table and the
+    columns left out.
+    """
+    headers = ["path", "shape", "dtype"]
+    headers += list(stat_columns) if stats else [label, "bytes", "sharding"]
+    data = []
+    for r in rows:
+        line = [safe_text(r.name), _shape_cell(r), r.dtype or ""]
+        if stats:
+            line += ["" if r.stats is None else format_stat(stat_value(r.stats, k)) for k in stat_columns]
+        else:
+            line += [f"{r.params:,}", human(r.bytes, "B"), "" if r.sharding is None else safe_text(r.sharding)]
+        data.append(line)
+    dropped: list[str] = []
+    while True:
+        keep = [i for i, h in enumerate(headers) if h not in dropped]
+        table = tabulate([[row[i] for i in keep] for row in data], headers=[headers[i] for i in keep],
+                         tablefmt="github" if md else tablefmt, disable_numparse=True)
+        too_wide = max(map(len, table.splitlines()), default=0) > WIDTH
+        left = [h for h in DROPPED_TO_FIT if h in headers and h not in dropped]
+        if not (fit and too_wide and left):
+            return table, dropped
+        dropped.append(left[0])
+
+
+def _footer(t: Totals, label: str, md: bool) -> str:
+    lines = [f"Total: {format_count(t.params)} {label}, {bytes_text(t.bytes)}"]
+    if len(t.by_dtype) > 1:
+        indent = "- " if md else "  "
+        lines += [f"{indent}{dtype}: {format_count(d['params'])} {label}, {human(d['bytes'], 'B')}"
+                  for dtype, d in t.by_dtype.items()]
+    if md and len(lines) > 1:
+        lines.insert(1, "")
+    return "\n".join(lines)
+
+
+def _render_tree(rows: Sequence[Row], label: str) -> str:
+    """An indented tree: a folder line per path prefix with its subtotal (count and bytes), a leaf with its shape."""
+    sub: dict[tuple[str, ...], list[int]] = {}
+    for r in rows:
+        for k in range(1, len(r.path)):
+            total = sub.setdefault(r.path[:k], [0, 0])
+            total[0] += r.params
+            total[1] += r.bytes
+    lines: list[str] = []
+    opened: tuple[str, ...] = ()
+    for r in rows:
+        common = 0
+        while common < min(len(opened), len(r.path) - 1) and opened[common] == r.path[common]:
+            common += 1
+        opened = opened[:common]
+        for depth in range(common, len(r.path) - 1):
+            folder = r.path[:depth + 1]
+            count, nbytes = sub[folder]
+            lines.append("  " * depth + f"{safe_text(r.path[depth])}{r.sep}  {format_count(count)} {label}, "
+                         f"{human(nbytes, 'B')}")
+            opened = opened + (r.path[depth],)
+        last = safe_text(r.path[-1]) if r.path else safe_text(r.name)
+        shape = f" {_shape_cell(r)}" if r.shape is not None or r.leaves != 1 else ""
+        dtype = f" {r.dtype}" if r.dtype else ""
+        spec = f" {safe_text(r.sharding)}" if r.sharding is not None else ""
+        lines.append("  " * max(len(r.path) - 1, 0) + f"{last}{shape}{dtype}  {format_count(r.params)} {label}, "
+                     f"{human(r.bytes, 'B')}{spec}")
+    return "\n".join(lines)
+
+
+def _items_table(items: dict[str, ItemReport], md: bool) -> list[str]:
+    """``--depth 0``: one row per item, then the grand total."""
+    data = [[safe_text(name), f"{item.total.leaves:,}", f"{format_count(item.total.params)} {item.label}",
+             human(item.total.bytes, "B")] for name, item in items.items()]
+    table = tabulate(data, headers=["item", "leaves", "count", "bytes"], tablefmt="github" if md else "simple",
+                     disable_numparse=True)
+    t = Totals(0, 0, {})
+    for item in items.values():
+        t = t + item.total
+    return [table, f"Grand total ({len(items)} items): {format_count(t.params)} elements, {bytes_text(t.bytes)}"]
+
+
+def _steps_list(report: Report, md: bool) -> list[str]:
+    """``--step all`` without statistics: one line per step (its save time, metrics and size)."""
+    metric_names = list(dict.fromkeys(k for s in report.by_step for k in (s.metadata.get("metrics") or {})))[:4]
+    headers = ["step", "saved", *(safe_text(m) for m in metric_names), "params", "size"]
+    data = []
+    for s in report.by_step:
+        metrics = s.metadata.get("metrics") or {}
+        # The model's parameters: the first item (or train-state part) known to hold them, not its EMA copy too.
+        counted = [x for item in s.items.values() for x in [item, *item.parts.values()] if x.label == "params"]
+        params = counted[0].total.params if counted else 0
+        data.append([str(s.step), safe_text(s.metadata.get("saved_at", "")),
+                     *(safe_text(format_stat(metrics[m])) if m in metrics else "" for m in metric_names),
+                     f"{params:,}" if params else "", human(s.total.bytes, "B")])
+    table = tabulate(data, headers=headers, tablefmt="github" if md else "simple", disable_numparse=True)
+    return [table, "", "--stats adds each statistic per leaf or module across these steps; --step N shows one step."]
+
+
+def _steps_stats(report: Report, md: bool, stat_columns: Sequence[str]) -> list[str]:
+    """``--step all --stats``: per item and statistic, one row per leaf or module and one column per step."""
+    out: list[str] = []
+    names = list(dict.fromkeys(name for s in report.by_step for name in s.items))
+    for name in names:
+        for stat in stat_columns:
+            rows: dict[str, dict[int | None, Any]] = {}
+            for s in report.by_step:
+                item = s.items.get(name)
+                for r in item.rows if item is not None else ():
+                    if r.stats is not None:
+                        rows.setdefault(r.name, {})[s.step] = stat_value(r.stats, stat)
+            if not rows:
+                continue
+            steps = [s.step for s in report.by_step]
+            data = [[safe_text(path), *(format_stat(v[st]) if st in v else "" for st in steps)] for path, v in rows.items()]
+            title = f"[{safe_text(name)}] {stat}"
+            table = tabulate(data, headers=["path", *map(str, steps)], tablefmt="github" if md else "simple",
+                             disable_numparse=True)
+            out += [f"## {title}" if md else title, *([""] if md else []), table, ""]
+    return out[:-1] if out else ["(no statistics: no numeric leaf)"]
 
 
 def _render_values(values: dict[str, Any], md: bool) -> str:

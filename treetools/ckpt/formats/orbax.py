@@ -564,7 +564,11 @@ def _open(location: str, display: str) -> OrbaxSource:
         raise CheckpointError(f"{display}: incomplete save (an Orbax tmp folder or no commit marker); it is never read.")
     if _is_item(location) or _item_without_metadata(location):
         source = OrbaxSource(location, display, "item")
-        if source._item_name() == "default" and not is_committed(location):
+        # A standalone save (its own step metadata) must be committed; an item folder of a manager's step
+        # (a single unnamed item is `<step>/default/`) is committed when its step folder is.
+        standalone = storage.lexists(os.path.join(location, STEP_METADATA_FILE))
+        committed = is_committed(location) if standalone else is_committed(os.path.dirname(location))
+        if (standalone or source._item_name() == "default") and not committed:
             raise CheckpointError(f"{display}: incomplete save (no commit marker); it is never read.")
         return source
     if _looks_like_step(location):

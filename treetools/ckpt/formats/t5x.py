@@ -55,7 +55,6 @@ from treetools.ckpt.formats.orbax import (  # a T5X root may hold later Orbax sa
 )
 from treetools.ckpt.source import (
     DEFAULT_ITEM,
-    FileSource,
     Format,
     Item,
     Leaf,
@@ -392,16 +391,6 @@ class T5XSource(Source):
                 if version is not None:
                     metadata["custom"] = {"t5x_checkpoint_version": version}
         return Snapshot(step, items, metadata=metadata)
-
-    def _snapshot(self, resolved: int | None, items: Sequence[str] | None) -> Snapshot:
-        """As ``Source``'s, and ``items`` may name a top-level key of the one state dict (``target``, ``state``)."""
-        present = self.item_names(resolved)
-        if items is None or present != [DEFAULT_ITEM] or all(n in present for n in items):
-            return super()._snapshot(resolved, items)
-        whole = self.read_items(resolved, present)
-        snap = FileSource(self.path, self.format, whole.items[DEFAULT_ITEM].leaves).snapshot(None, items)
-        snap.step, snap.metadata, snap.notes = resolved, whole.metadata, self.notes + whole.notes
-        return snap
 
 
 def _claims(path: str) -> bool:
