@@ -1,0 +1,122 @@
+"""Keras 3 ``.weights.h5`` and ``.keras`` files (issue 29), written by keras itself (the ``test-formats`` extra).
+
+Keras writes its variables into HDF5 (keras/src/saving/saving_lib.py at keras-team/keras commit
+3422977a5e38fb2f7709aaa9a08e47f0c43d0f60, ``H5IOStore``): one group per saveable, named by its attribute
+path (``layers/dense_1``; the layer's own name is the group's ``vars`` attribute ``name``), its variables as
+datasets ``vars/0``, ``vars/1``, ... in the order of ``layer.weights``; bfloat16 as 2-byte opaque data with
+the attribute ``dtype="bfloat16"``. ``model.save("m.keras")`` zips ``metadata.json``, ``config.json`` and
+that HDF5 file (``model.weights.h5``, stored uncompressed). treetools reads both through h5py (the ``keras``
+extra): one item, ``default``, whose leaf paths are the HDF5 dataset paths. Without h5py the file is refused
+with one line saying what it is and how to read it. The truth is the model's own variables.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
+                                  check_load_parameters, check_restore, check_show, check_stats, check_verify)
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+keras = pytest.importorskip("keras")
+h5py = pytest.importorskip("h5py")
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, name="dense"),
+                             keras.layers.LayerNormalization(name="norm"),
+                             keras.layers.Dense(2, name="head", dtype="bfloat16")])
+
+
+def _layer_truth(model, h5_file) -> dict[str, np.ndarray]:
+    """``{h5 path: variable}``: each layer's group is found by the ``name`` keras writes on its ``vars``."""
+    groups = {}
+
+    def visit(name, obj):  # returns None: h5py's visititems stops at the first other value
+        if isinstance(obj, h5py.Group) and name.endswith("/vars") and "name" in obj.attrs:
+            groups[obj.attrs["name"]] = name
+
+    with h5py.File(h5_file, "r") as f:
+        f.visititems(visit)
+    return {f"{groups[layer.name]}/{i}": np.asarray(keras.ops.convert_to_numpy(v.value))
+            for layer in model.layers for i, v in enumerate(layer.weights)}
+
+
+@pytest.fixture(scope="module")
+def weights_h5(tmp_path_factory):
+    path = tmp_path_factory.mktemp("keras") / "model.weights.h5"
+    model = _model()
+    model.save_weights(path)
+    return path, model, _layer_truth(model, path)
+
+
+@pytest.fixture(scope="module")
+def keras_file(tmp_path_factory):
+    """A compiled, trained model saved whole: the layers and the optimizer's variables."""
+    import zipfile
+
+    folder = tmp_path_factory.mktemp("keras")
+    model = _model()
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((4, 3), np.float32), np.ones((4, 2), np.float32), verbose=0, epochs=2)
+    model.save(folder / "model.keras")
+    with zipfile.ZipFile(folder / "model.keras") as z:
+        (folder / "inner.weights.h5").write_bytes(z.read("model.weights.h5"))
+    truth = _layer_truth(model, folder / "inner.weights.h5")
+    truth.update({f"optimizer/vars/{i}": np.asarray(keras.ops.convert_to_numpy(v.value))
+                  for i, v in enumerate(model.optimizer.variables)})
+    return folder / "model.keras", model, truth
+
+
+def test_weights_h5_every_command(weights_h5, tmp_path):
+    path, model, truth = weights_h5
+    assert any(str(v.dtype) == "bfloat16" for v in truth.values())
+    report = check_inspect(path, truth)
+    assert report["format"] == "keras" and report["steps"] is None
+    check_stats(path, truth)
+    check_show(path, truth)
+    check_verify(path)
+    check_load_parameters(path, truth)
+    check_restore(path, truth, item="default")
+    check_convert(path, truth, tmp_path)
+
+
+def test_keras_zip_every_command(keras_file, tmp_path):
+    path, model, truth = keras_file
+    assert int(truth["optimizer/vars/0"]) == 2  # iterations: one batch per epoch, two epochs
+    report = check_inspect(path, truth)
+    assert report["format"] == "keras"
+    check_stats(path, truth)
+    check_show(path, truth)
+    check_verify(path)
+    check_load_parameters(path, truth)
+    check_convert(path, truth, tmp_path)
+
+
+def test_diff_of_two_weight_files_names_the_changed_variable(weights_h5, tmp_path):
+    path, model, truth = weights_h5
+    other = tmp_path / "other.weights.h5"
+    changed = _model()
+    kernel = changed.get_layer("dense").kernel
+    kernel.assign(keras.ops.convert_to_numpy(kernel.value) + 0.5)
+    changed.save_weights(other)
+    name = next(k for k in _layer_truth(changed, other) if k.endswith("/0") and truth[k].shape == (3, 4))
+    check_diff_names_the_changed_leaf(path, other, name, 0.5)
+
+
+def test_without_h5py_the_file_is_named_and_the_fix_given(weights_h5):
+    path, _, _ = weights_h5
+    code = ("import sys; sys.modules['h5py'] = None; from treetools.cli import main; "
+            "sys.exit(main(['inspect', sys.argv[1]]))")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("treetools: error:"), done.stderr
+    assert "Keras" in lines[0] and "h5py" in lines[0] and path.name in lines[0], lines[0]
+    assert "msgpack" not in lines[0] and "npz" not in lines[0]
