@@ -12,6 +12,8 @@ import contextlib
 import io
 import json
 import os
+import subprocess
+import sys
 from typing import Any, Iterable
 
 import ml_dtypes
@@ -20,6 +22,17 @@ import pytest
 
 import treetools as tt
 from treetools.cli import main
+from treetools.paths import unflatten_dict
+
+
+def run_fresh(*argv: Any, blocked: Iterable[str] = (), forbid: Iterable[str] = ()) -> subprocess.CompletedProcess:
+    """``treetools ARGV`` in a fresh Python: the modules in ``blocked`` cannot be imported, and the run fails
+    (exit 99) if a module in ``forbid`` (``jax``) was imported by the end."""
+    code = ("import sys; [sys.modules.__setitem__(m, None) for m in sys.argv[1].split(',') if m]; "
+            "from treetools.cli import main; rc = main(sys.argv[3:]); "
+            "sys.exit(99 if [m for m in sys.argv[2].split(',') if m in sys.modules] else rc)")
+    return subprocess.run([sys.executable, "-c", code, ",".join(blocked), ",".join(forbid), *map(str, argv)],
+                          capture_output=True, text=True)
 
 
 def run(*argv: Any) -> tuple[int, str, str]:
@@ -52,18 +65,6 @@ def _is_bf16(x: Any) -> bool:
 
 def item_args(item: str | None) -> list[str]:
     return ["--item", item] if item else []
-
-
-def nest(flat: dict[str, Any]) -> dict[str, Any]:
-    """``{"a/b": x}`` -> ``{"a": {"b": x}}`` (every key a dict key: the path strings stay the same)."""
-    out: dict[str, Any] = {}
-    for path, value in flat.items():
-        *parents, last = path.split("/")
-        node = out
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[last] = value
-    return out
 
 
 def check_inspect(path: Any, truth: dict[str, np.ndarray], *, item: str | None = None, args: Iterable = ()) -> dict:
@@ -125,7 +126,7 @@ def check_restore(path: Any, truth: dict[str, np.ndarray], *, item: str, step: A
     import jax
 
     want = expect if expect is not None else truth
-    target = tt.make_abstract(nest({k: np.asarray(v) for k, v in want.items()}))
+    target = tt.make_abstract(unflatten_dict({k: np.asarray(v) for k, v in want.items()}))
     kwargs = {"rules": rules} if rules is not None else {}
     restored = tt.restore_checkpoint(os.fspath(path), step, {item: target}, **kwargs)[item]
     got = tt.flatten(restored)
@@ -166,6 +167,19 @@ def check_diff_names_the_changed_leaf(a: Any, b: Any, changed: str, delta: float
     assert [row["path"] for row in differing] == [changed], differing
     assert differing[0]["max_abs_diff"] == pytest.approx(delta)
     assert len(report["values"]) == report["unchanged"]  # every leaf compared by value
+
+
+def check_single_file(path: Any, truth: dict[str, np.ndarray], out_dir: Any, fmt: str) -> None:
+    """A one-checkpoint file of format ``fmt`` (no steps, one item ``default``) through every command."""
+    report = check_inspect(path, truth)
+    assert report["format"] == fmt and report["steps"] is None
+    assert list(report["checkpoints"][0]["items"]) == ["default"]
+    check_stats(path, truth)
+    check_show(path, truth)
+    check_verify(path)
+    check_load_parameters(path, truth)
+    check_restore(path, truth, item="default")
+    check_convert(path, truth, out_dir)
 
 
 def check_refused(path: Any, *words: str, argv: Iterable = ("inspect",)) -> str:

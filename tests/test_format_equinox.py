@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
-                                  check_load_parameters, check_refused, check_restore, check_show, check_stats,
-                                  check_verify, inspect_json)
+from tests._every_command import check_diff_names_the_changed_leaf, check_refused, check_single_file, run_fresh
 
 eqx = pytest.importorskip("equinox")
 jax = pytest.importorskip("jax")
@@ -53,13 +51,7 @@ def saved(tmp_path_factory):
 def test_leaves_by_index_with_shape_dtype_stats_and_values(saved, tmp_path):
     path, model, truth = saved
     assert len(truth) == 6 and str(truth["4"].dtype) == "bfloat16"  # 2 x (weight, bias), scale, count
-    report = check_inspect(path, truth)
-    assert report["format"] == "equinox" and report["steps"] is None
-    check_stats(path, truth)
-    check_show(path, truth)
-    check_verify(path)
-    check_load_parameters(path, truth)
-    check_convert(path, truth, tmp_path)
+    check_single_file(path, truth, tmp_path, "equinox")
 
 
 def test_load_parameters_with_the_model_names_the_leaves(saved):
@@ -88,12 +80,6 @@ def test_a_skeleton_that_does_not_match_is_refused(saved):
         tt.load_parameters(path, target=wrong)
 
 
-def test_restore_checkpoint_by_index(saved):
-    path, model, truth = saved
-    assert list(inspect_json(path)["checkpoints"][0]["items"]) == ["default"]  # one item, as any single file
-    check_restore(path, truth, item="default")
-
-
 def test_diff_names_the_leaf_that_changed(saved, tmp_path):
     path, model, truth = saved
     other = tmp_path / "other.eqx"
@@ -110,11 +96,6 @@ def test_a_truncated_file_is_one_error_naming_equinox(saved, tmp_path):
 
 
 def test_metadata_does_not_import_jax(saved):
-    import subprocess
-    import sys
-
     path, _, _ = saved
-    code = ("import sys; from treetools.cli import main; rc = main(['inspect', '--stats', sys.argv[1]]); "
-            "assert 'jax' not in sys.modules, 'jax imported'; sys.exit(rc)")
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    done = run_fresh("inspect", "--stats", path, forbid=["jax"])
     assert done.returncode == 0, done.stderr

@@ -13,14 +13,11 @@ with one line saying what it is and how to read it. The truth is the model's own
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
-                                  check_load_parameters, check_restore, check_show, check_stats, check_verify)
+from tests._every_command import check_diff_names_the_changed_leaf, check_single_file, run_fresh
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 keras = pytest.importorskip("keras")
@@ -77,26 +74,13 @@ def keras_file(tmp_path_factory):
 def test_weights_h5_every_command(weights_h5, tmp_path):
     path, model, truth = weights_h5
     assert any(str(v.dtype) == "bfloat16" for v in truth.values())
-    report = check_inspect(path, truth)
-    assert report["format"] == "keras" and report["steps"] is None
-    check_stats(path, truth)
-    check_show(path, truth)
-    check_verify(path)
-    check_load_parameters(path, truth)
-    check_restore(path, truth, item="default")
-    check_convert(path, truth, tmp_path)
+    check_single_file(path, truth, tmp_path, "keras")
 
 
 def test_keras_zip_every_command(keras_file, tmp_path):
     path, model, truth = keras_file
     assert int(truth["optimizer/vars/0"]) == 2  # iterations: one batch per epoch, two epochs
-    report = check_inspect(path, truth)
-    assert report["format"] == "keras"
-    check_stats(path, truth)
-    check_show(path, truth)
-    check_verify(path)
-    check_load_parameters(path, truth)
-    check_convert(path, truth, tmp_path)
+    check_single_file(path, truth, tmp_path, "keras")
 
 
 def test_diff_of_two_weight_files_names_the_changed_variable(weights_h5, tmp_path):
@@ -112,9 +96,7 @@ def test_diff_of_two_weight_files_names_the_changed_variable(weights_h5, tmp_pat
 
 def test_without_h5py_the_file_is_named_and_the_fix_given(weights_h5):
     path, _, _ = weights_h5
-    code = ("import sys; sys.modules['h5py'] = None; from treetools.cli import main; "
-            "sys.exit(main(['inspect', sys.argv[1]]))")
-    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    done = run_fresh("inspect", path, blocked=["h5py"])
     assert done.returncode == 1, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("treetools: error:"), done.stderr

@@ -20,7 +20,7 @@ import pytest
 import treetools as tt
 from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
                                   check_load_parameters, check_refused, check_restore, check_show, check_stats,
-                                  check_verify, inspect_json, run)
+                                  check_verify, inspect_json, run, run_fresh)
 from tests._writers.levanter import save_levanter, trainer_state
 
 ScaleByAdamState = namedtuple("ScaleByAdamState", ["count", "mu", "nu"])  # optax's field names
@@ -158,11 +158,6 @@ def test_a_step_folder_copied_without_one_array_is_refused_by_name(run_dir, tmp_
 
 
 def test_jax_is_not_imported_for_metadata(run_dir):
-    import subprocess
-    import sys
-
     base, _ = run_dir
-    code = ("import sys; from treetools.cli import main; rc = main(['inspect', sys.argv[1]]); "
-            "assert 'jax' not in sys.modules, 'jax imported'; sys.exit(rc)")
-    done = subprocess.run([sys.executable, "-c", code, str(base)], capture_output=True, text=True)
+    done = run_fresh("inspect", base, forbid=["jax"])
     assert done.returncode == 0, done.stderr

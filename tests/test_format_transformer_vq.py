@@ -16,18 +16,18 @@ item, ``default`` (the whole saved target), as for every Flax legacy folder; ``l
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from flax import config, serialization
+from flax import serialization
 from flax.training import checkpoints
 
 import treetools as tt
 from tests._every_command import (check_diff_names_the_changed_leaf, check_inspect, check_load_parameters,
                                   check_restore, check_show, check_stats, check_verify, inspect_json, run)
+from tests.test_format_flax_legacy import _orbax_backend
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EVAL = "validation_loss_lm_per_token_"
@@ -66,7 +66,7 @@ def write_run(folder: Path, *, orbax: bool, steps=(4, 6)) -> dict[str, dict[int,
     import jax.numpy as jnp
 
     truth: dict[str, dict[int, dict[str, np.ndarray]]] = {"checkpoint_": {}, EVAL: {}}
-    with _flax_backend(orbax):
+    with _orbax_backend(orbax):
         for step in steps:
             metrics = {"loss_lm_per_token": jnp.asarray(3.0 - step / 10, jnp.float32),
                        "total_tokens": jnp.asarray(4096.0 * step, jnp.float32)}
@@ -77,17 +77,6 @@ def write_run(folder: Path, *, orbax: bool, steps=(4, 6)) -> dict[str, dict[int,
                 flat = tt.flatten(serialization.to_state_dict(target))
                 truth[prefix][step] = {k: np.asarray(v) for k, v in flat.items()}
     return truth
-
-
-@contextlib.contextmanager
-def _flax_backend(orbax: bool):
-    """flax's checkpoint backend switch (``flax_use_orbax_checkpointing``), restored afterwards."""
-    old = config.flax_use_orbax_checkpointing
-    config.update("flax_use_orbax_checkpointing", orbax)
-    try:
-        yield
-    finally:
-        config.update("flax_use_orbax_checkpointing", old)
 
 
 @pytest.fixture(scope="module", params=["flax-0.6.11", "flax-0.12.8-orbax", "flax-0.12.8-msgpack"])
@@ -151,7 +140,7 @@ def test_diff_names_the_leaf_the_writer_changed(run_dir, tmp_path):
     other.mkdir()
     write_run(other, orbax=kind.endswith("orbax"), steps=(4,))  # the same writer, the same step 4 ...
     metrics = {"loss_lm_per_token": np.float32(3.0 - 4 / 10), "total_tokens": np.float32(4096.0 * 4 + 5)}
-    with _flax_backend(orbax=kind.endswith("orbax")):  # ... but for one eval value, 5 more tokens
+    with _orbax_backend(kind.endswith("orbax")):  # ... but for one eval value, 5 more tokens
         checkpoints.save_checkpoint_multiprocess(str(other), target=metrics, step=4, prefix=EVAL, overwrite=True)
     check_diff_names_the_changed_leaf(folder, other, "total_tokens", 5.0, args=("--step", 4, "--prefix", EVAL))
 
