@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
-                                  check_load_parameters, check_refused, check_restore, check_show, check_stats,
-                                  check_verify, inspect_json)
+from tests._every_command import (NEEDS_CONVERT, NEEDS_RULES, check_convert, check_diff_names_the_changed_leaf,
+                                  check_inspect, check_load_parameters, check_refused, check_restore, check_show,
+                                  check_stats, check_verify, inspect_json)
 from tests._writers.easydel import save_pretrained, save_run
 
 ScaleByAdamState = namedtuple("ScaleByAdamState", ["count", "mu", "nu"])
@@ -92,6 +92,11 @@ def test_save_pretrained_folder_every_command(pretrained, tmp_path):
     want = sum(v.nbytes for v in truth.values())
     assert f"{want} bytes read and decoded" in out, out
     check_restore(folder, truth, item="model")
+
+
+@NEEDS_CONVERT
+def test_save_pretrained_folder_convert(pretrained, tmp_path):
+    folder, truth = pretrained
     check_convert(folder, truth, tmp_path, item="model")
 
 
@@ -142,10 +147,20 @@ def test_trainer_run_every_command(trainer_dir, tmp_path):
     out = check_verify(folder, "--step", "all")
     assert out.count("ok:") == 2, out
     check_restore(folder, truth[5]["model"], item="model", step=5)
-    rules = tt.Rules(rename=[(r"^lm_head/", "head/")])
-    renamed = {k.replace("lm_head/", "head/", 1): v for k, v in truth[10]["model"].items()}
-    check_restore(folder, truth[10]["model"], item="model", rules=rules, expect=renamed)
-    check_convert(folder, truth[10]["model"], tmp_path, item="model")
     other = tmp_path / "other"
     write_trainer_run(other, delta=0.25, unfinished=None)
     check_diff_names_the_changed_leaf(folder, other, "model/layers/0/self_attn/q_proj/kernel", 0.25, item="model")
+
+
+@NEEDS_RULES
+def test_trainer_run_restore_with_rules(trainer_dir):
+    folder, truth = trainer_dir
+    rules = tt.Rules(rename=[(r"^lm_head/", "head/")])
+    renamed = {k.replace("lm_head/", "head/", 1): v for k, v in truth[10]["model"].items()}
+    check_restore(folder, truth[10]["model"], item="model", rules=rules, expect=renamed)
+
+
+@NEEDS_CONVERT
+def test_trainer_run_convert(trainer_dir, tmp_path):
+    folder, truth = trainer_dir
+    check_convert(folder, truth[10]["model"], tmp_path, item="model")

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from tests._every_command import check_diff_names_the_changed_leaf, check_refused, check_single_file, run_fresh
+from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf, check_refused,
+                                  check_single_file, run, run_fresh)
 
 eqx = pytest.importorskip("equinox")
 jax = pytest.importorskip("jax")
@@ -54,6 +55,12 @@ def test_leaves_by_index_with_shape_dtype_stats_and_values(saved, tmp_path):
     check_single_file(path, truth, tmp_path, "equinox")
 
 
+@NEEDS_CONVERT
+def test_convert(saved, tmp_path):
+    path, model, truth = saved
+    check_convert(path, truth, tmp_path)
+
+
 def test_load_parameters_with_the_model_names_the_leaves(saved):
     path, model, truth = saved
     like = Model(jax.random.PRNGKey(1))  # same structure, other values: the skeleton
@@ -91,8 +98,11 @@ def test_a_truncated_file_is_one_error_naming_equinox(saved, tmp_path):
     path, model, truth = saved
     cut = tmp_path / "cut.eqx"
     cut.write_bytes(path.read_bytes()[:-10])
-    line = check_refused(cut, "Equinox", argv=("verify",))
+    line = check_refused(cut, "Equinox")
     assert "msgpack" not in line
+    # verify reports the damage as its problem (stdout, exit 1), as for every format whose header is damaged
+    rc, out, err = run("verify", cut)
+    assert rc == 1 and "Equinox" in out and "truncated" in out and "msgpack" not in out, out + err
 
 
 def test_metadata_does_not_import_jax(saved):

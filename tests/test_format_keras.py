@@ -17,7 +17,8 @@ import os
 import numpy as np
 import pytest
 
-from tests._every_command import check_diff_names_the_changed_leaf, check_single_file, run_fresh
+from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf, check_single_file,
+                                  run_fresh)
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 keras = pytest.importorskip("keras")
@@ -81,6 +82,13 @@ def test_keras_zip_every_command(keras_file, tmp_path):
     path, model, truth = keras_file
     assert int(truth["optimizer/vars/0"]) == 2  # iterations: one batch per epoch, two epochs
     check_single_file(path, truth, tmp_path, "keras")
+
+
+@NEEDS_CONVERT
+@pytest.mark.parametrize("which", ["weights_h5", "keras_file"])
+def test_convert(which, request, tmp_path):
+    path, model, truth = request.getfixturevalue(which)
+    check_convert(path, truth, tmp_path)
 
 
 def test_diff_of_two_weight_files_names_the_changed_variable(weights_h5, tmp_path):

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
-                                  check_load_parameters, check_refused, check_restore, check_show, check_stats,
-                                  check_verify, inspect_json, run, run_fresh)
+from tests._every_command import (NEEDS_CONVERT, NEEDS_RULES, check_convert, check_diff_names_the_changed_leaf,
+                                  check_inspect, check_load_parameters, check_refused, check_restore, check_show,
+                                  check_stats, check_verify, inspect_json, run, run_fresh)
 from tests._writers.levanter import save_levanter, trainer_state
 
 ScaleByAdamState = namedtuple("ScaleByAdamState", ["count", "mu", "nu"])  # optax's field names
@@ -136,13 +136,24 @@ def test_diff_names_the_leaf_the_writer_changed(run_dir, tmp_path):
     assert rc == 1, out + err
 
 
-def test_restore_and_convert(run_dir, tmp_path):
+def test_restore(run_dir):
     base, truth = run_dir
     check_restore(base, truth[20]["model"], item="model")
     check_restore(base, truth[10]["model"], item="model", step=10)
+    check_restore(base, truth[20]["training_key"], item="training_key")
+
+
+@NEEDS_RULES
+def test_restore_with_rules(run_dir):
+    base, truth = run_dir
     rules = tt.Rules(rename=[(r"^transformer/", "decoder/")])
     renamed = {k.replace("transformer/", "decoder/", 1): v for k, v in truth[20]["model"].items()}
     check_restore(base, truth[20]["model"], item="model", rules=rules, expect=renamed)
+
+
+@NEEDS_CONVERT
+def test_convert(run_dir, tmp_path):
+    base, truth = run_dir
     check_convert(base, truth[20]["model"], tmp_path, item="model")
 
 

@@ -25,8 +25,9 @@ from flax import serialization
 from flax.training import checkpoints
 
 import treetools as tt
-from tests._every_command import (check_diff_names_the_changed_leaf, check_inspect, check_load_parameters,
-                                  check_restore, check_show, check_stats, check_verify, inspect_json, run)
+from tests._every_command import (NEEDS_CONVERT, NEEDS_RULES, check_convert, check_diff_names_the_changed_leaf,
+                                  check_inspect, check_load_parameters, check_restore, check_show, check_stats,
+                                  check_verify, inspect_json, run)
 from tests.test_format_flax_legacy import _orbax_backend
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -139,7 +140,11 @@ def test_diff_names_the_leaf_the_writer_changed(run_dir, tmp_path):
     other = tmp_path / "other"
     other.mkdir()
     write_run(other, orbax=kind.endswith("orbax"), steps=(4,))  # the same writer, the same step 4 ...
-    metrics = {"loss_lm_per_token": np.float32(3.0 - 4 / 10), "total_tokens": np.float32(4096.0 * 4 + 5)}
+    import jax.numpy as jnp
+
+    # the same types as write_run's (jax arrays: Orbax stores a numpy scalar as a Python scalar, not an array)
+    metrics = {"loss_lm_per_token": jnp.asarray(3.0 - 4 / 10, jnp.float32),
+               "total_tokens": jnp.asarray(4096.0 * 4 + 5, jnp.float32)}
     with _orbax_backend(kind.endswith("orbax")):  # ... but for one eval value, 5 more tokens
         checkpoints.save_checkpoint_multiprocess(str(other), target=metrics, step=4, prefix=EVAL, overwrite=True)
     check_diff_names_the_changed_leaf(folder, other, "total_tokens", 5.0, args=("--step", 4, "--prefix", EVAL))
@@ -164,10 +169,8 @@ def test_one_step_folder_of_either_series_is_read_directly(run_dir):
         check_show(one, truth[prefix][6], item="default")
 
 
-def test_restore_checkpoint_per_series_on_orbax_mode(run_dir):
+def test_restore_checkpoint_per_series(run_dir):
     folder, truth, kind = run_dir
-    if kind != "flax-0.12.8-orbax":
-        pytest.skip("restore_checkpoint reads Orbax (0.5 and later) saves; the others are load_parameters(target=)")
     check_restore(folder, truth["checkpoint_"][6], item="default", step=6)
     import jax
 
@@ -175,3 +178,18 @@ def test_restore_checkpoint_per_series_on_orbax_mode(run_dir):
     restored = tt.restore_checkpoint(str(folder), 4, {"default": target}, prefix=EVAL)["default"]
     assert isinstance(restored["total_tokens"], jax.Array)
     assert float(restored["total_tokens"]) == float(truth[EVAL][4]["total_tokens"])
+
+
+@NEEDS_CONVERT
+def test_convert_each_series(run_dir, tmp_path):
+    folder, truth, _ = run_dir
+    check_convert(folder, _params(truth["checkpoint_"][6]), tmp_path)
+    check_convert(folder, truth[EVAL][6], tmp_path / "eval", args=("--prefix", EVAL))
+
+
+@NEEDS_RULES
+def test_load_parameters_with_rules(run_dir):
+    folder, truth, _ = run_dir
+    rules = tt.Rules(rename=[(r"^token_embedder/", "embed/")])
+    want = {k.replace("token_embedder/", "embed/", 1): v for k, v in _params(truth["checkpoint_"][6]).items()}
+    check_load_parameters(folder, want, rules=rules)

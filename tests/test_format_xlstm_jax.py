@@ -26,9 +26,9 @@ import pytest
 import tensorstore as ts
 
 import treetools as tt
-from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
-                                  check_load_parameters, check_restore, check_show, check_stats, check_verify,
-                                  inspect_json, leaves_of, run)
+from tests._every_command import (NEEDS_CONVERT, NEEDS_RULES, check_convert, check_diff_names_the_changed_leaf,
+                                  check_inspect, check_load_parameters, check_restore, check_show, check_stats,
+                                  check_verify, inspect_json, leaves_of, run)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ROOT_0_6 = FIXTURES / "xlstm_jax_orbax_0_6"
@@ -137,7 +137,21 @@ def test_params_and_opt_state_every_command(run_dir, tmp_path):
     check_load_parameters(root, truth[100]["opt_state"], step=100, item="opt_state")
     check_stats(root, truth[200]["params"], item="params")
     check_show(root, truth[200]["params"], item="params")
+
+
+@NEEDS_CONVERT
+def test_convert_the_params(run_dir, tmp_path):
+    root, truth = run_dir
     check_convert(root, truth[200]["params"], tmp_path, item="params")
+    check_convert(root, truth[200]["rng"], tmp_path / "rng", item="rng")
+
+
+@NEEDS_RULES
+def test_restore_with_rules(run_dir):
+    root, truth = run_dir
+    rules = tt.Rules(rename=[(r"^xlstm_block_0/", "blocks/0/")])
+    renamed = {k.replace("xlstm_block_0/", "blocks/0/", 1): v for k, v in truth[200]["params"].items()}
+    check_restore(root, truth[200]["params"], item="params", rules=rules, expect=renamed)
 
 
 def test_an_array_item_folder_given_directly_is_read_not_called_old_orbax(run_dir):
@@ -179,7 +193,8 @@ def test_diff_sees_the_array_items(run_dir, tmp_path):
     changed[1] += 7
     zarr = copy / "checkpoint_200" / "rng" / "checkpoint"
     ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(zarr)}}).result().write(changed).result()
-    check_diff_names_the_changed_leaf(root, copy, "checkpoint", 7.0, item="rng")
+    # A key's words are ~2**31: diff's default rtol (1e-5) would call 7 apart close; compare the bits exactly.
+    check_diff_names_the_changed_leaf(root, copy, "checkpoint", 7.0, item="rng", args=("--rtol", "0"))
 
 
 def test_restore_checkpoint_of_the_array_items(run_dir):

@@ -53,6 +53,7 @@ from treetools.cli.options import (
     add_filters,
     add_item,
     add_output_format,
+    add_prefix,
     add_reading,
     add_sort,
     add_rules,
@@ -76,6 +77,7 @@ SHOW_THRESHOLD = 200
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH", help="checkpoint folder or file")
     add_step(parser)
+    add_prefix(parser)
     add_item(parser)
     add_reading(parser)
     group = parser.add_mutually_exclusive_group()
@@ -117,7 +119,7 @@ def _show(args: argparse.Namespace) -> int:
 
     try:
         name, value = show_leaf(args.path, args.show, step=args.step if args.step != "all" else None, item=args.item,
-                                memory_budget=args.memory_budget)
+                                memory_budget=args.memory_budget, prefix=args.prefix)
     except ValueError as e:
         if isinstance(e, CheckpointError):
             raise

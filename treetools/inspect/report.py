@@ -247,7 +247,7 @@ def inspect_path(path: str, options: InspectOptions | None = None, /, **fields: 
 
 
 def _inspect(path: str, opts: InspectOptions) -> Report:
-    source = open_source(path, memory_budget=opts.memory_budget)
+    source = open_source(path, memory_budget=opts.memory_budget, prefix=opts.prefix)
     all_steps = opts.step == "all"
     wanted = [opts.item] if opts.item is not None else None
     if all_steps:
