@@ -90,7 +90,7 @@ def test_save_pretrained_folder_every_command(pretrained, tmp_path):
     check_load_parameters(folder, truth)  # the bf16 embedding stays bf16
     out = check_verify(folder)
     want = sum(v.nbytes for v in truth.values())
-    assert f"{want} bytes read and decoded" in out, out
+    assert f"{want:,} bytes read and decoded" in out, out
     check_restore(folder, truth, item="model")
 
 

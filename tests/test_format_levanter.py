@@ -122,7 +122,7 @@ def test_verify_reads_every_array_of_every_committed_step(run_dir):
     for step in (10, 20):
         want = sum(v.nbytes for leaves in truth[step].values() for v in leaves.values())
         line = next(line for line in out.splitlines() if f"(step {step})" in line)
-        assert f"{want} bytes read and decoded" in line, line
+        assert f"{want:,} bytes read and decoded" in line, line
 
 
 def test_diff_names_the_leaf_the_writer_changed(run_dir, tmp_path):

@@ -175,7 +175,7 @@ def test_verify_reads_every_item_of_every_step(run_dir):
         # Every array byte the writer saved is read, the one-array items `step` (4 B) and `rng` (8 B) included.
         want = sum(v.nbytes for item in ARRAY_ITEMS for v in truth[step][item].values())
         line = next(line for line in out.splitlines() if f"(step {step})" in line)
-        assert f"{want} bytes read and decoded" in line, line
+        assert f"{want:,} bytes read and decoded" in line, line
 
 
 def test_diff_sees_the_array_items(run_dir, tmp_path):

@@ -38,7 +38,7 @@ import operator
 import os
 import re
 import stat
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from treetools.ckpt import storage
 from treetools.errors import CheckpointError, CheckpointNotFoundError
@@ -310,15 +310,16 @@ def describe_series(listings: dict[str, StepListing]) -> str:
     return "; ".join(one(n, s) for n, s in listings.items()) or "none"
 
 
-def choose_series(root: str, listings: dict[str, StepListing], skipped: list[str] | None = None) -> StepListing:
-    """The listing a root is read with: its one series, else ``DEFAULT_SERIES``'s first present, else a conflict.
+def choose_series(root: str, listings: dict[str, StepListing], skipped: list[str] | None = None, *,
+                  prefer: Sequence[str] = DEFAULT_SERIES) -> StepListing:
+    """The listing a root is read with: its one series, else ``prefer``'s first present, else a conflict.
 
     Every series gets the others in ``others``, so none is lost from view.
     """
     skipped = list(skipped or [])
     if not listings:
         return StepListing(root, {}, [], skipped=skipped)
-    chosen = next((listings[n] for n in (*DEFAULT_SERIES, *([next(iter(listings))] if len(listings) == 1 else []))
+    chosen = next((listings[n] for n in (*prefer, *([next(iter(listings))] if len(listings) == 1 else []))
                    if n in listings), None)
     if chosen is None:
         return StepListing(root, {}, [], skipped=skipped, others=dict(listings), conflict=(
@@ -329,7 +330,8 @@ def choose_series(root: str, listings: dict[str, StepListing], skipped: list[str
 
 
 def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
-               commit_rule: Callable[[str], bool] | None = None, names: re.Pattern[str] = _STEP_NAME) -> StepListing:
+               commit_rule: Callable[[str], bool] | None = None, names: re.Pattern[str] = _STEP_NAME,
+               prefer: Sequence[str] = DEFAULT_SERIES) -> StepListing:
     """Committed and incomplete step folders directly under ``root``.
 
     Reads names and marker files only (no array data), and never writes.
@@ -343,6 +345,7 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
       commit_rule: a format's own test of a step folder without a tmp suffix
         (default ``is_committed``, Orbax's commit evidence).
       names: a format's own step-folder names (a pattern with a ``step`` group; default Orbax's).
+      prefer: the series read when there are several and none is asked for (Levanter: ``step-``, not ``epoch-``).
 
     >>> import tempfile, pathlib
     >>> root = pathlib.Path(tempfile.mkdtemp())
@@ -397,7 +400,7 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
             {s: [os.path.basename(p) for p in paths] for s, paths in ordered.items() if len(paths) > 1},
             series=series,
         )
-    return choose_series(root, listings, skipped)
+    return choose_series(root, listings, skipped, prefer=prefer)
 
 
 def list_steps(checkpoint_dir: str | os.PathLike, *, step_prefix: str | None = None) -> list[int]:

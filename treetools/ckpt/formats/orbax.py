@@ -35,6 +35,8 @@ from treetools.ckpt.formats._tensorstore import (
     refuse_special_files,
     subdirs,
     ts_spec,
+    zarr_header,
+    zarr_leaves,
 )
 from treetools.ckpt.readers import MemoryBudgetError
 from treetools.ckpt.source import (
@@ -206,35 +208,21 @@ ARRAY_ITEM_NAME = "checkpoint"
 """The one array of an ``ArrayCheckpointHandler`` item is stored under the handler's checkpoint name, ``checkpoint``."""
 
 
-def _array_header(folder: str) -> str | None:
-    """The zarr header of an ``ArrayCheckpointHandler`` item's one array (``checkpoint/.zarray``), if any."""
-    for header in (".zarray", "zarr.json"):
-        if storage.isfile(os.path.join(folder, ARRAY_ITEM_NAME, header)):
-            return header
-    return None
-
-
 def is_array_item(folder: str) -> bool:
     """An ``ArrayCheckpointHandler`` save written without ``_METADATA`` (Orbax before 0.7, as xlstm-jax pins):
     ``_sharding`` and the zarr folder ``checkpoint/``; later Orbax adds ``_METADATA`` and it reads as a pytree."""
-    return not storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) and _array_header(folder) is not None
+    return (not storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE))
+            and zarr_header(os.path.join(folder, ARRAY_ITEM_NAME)) is not None)
 
 
 def read_array_item(item_dir: str, name: str, problems: list[str] | None = None) -> Item:
     """The one array of an ``ArrayCheckpointHandler`` item without ``_METADATA``: one leaf, ``checkpoint``."""
-    use_zarr3 = _array_header(item_dir) == "zarr.json"
-    refuse_special_files(item_dir, [ARRAY_ITEM_NAME], use_ocdbt=False, use_zarr3=use_zarr3)
-    spec = ts_spec(item_dir, ARRAY_ITEM_NAME, use_ocdbt=False, use_zarr3=use_zarr3)
-    where = f"{item_dir}: `{ARRAY_ITEM_NAME}`"
-    (store,) = open_all([spec], [where], problems)
-    if store is None:  # recorded in `problems`
+    header = zarr_header(os.path.join(item_dir, ARRAY_ITEM_NAME)) or ".zarray"
+    (leaf,) = zarr_leaves(item_dir, [((ARRAY_ITEM_NAME,), ARRAY_ITEM_NAME, header)], where=item_dir, problems=problems)
+    if leaf is None:  # recorded in `problems`
         return Item(name, "pytree", [])
-    dtype = np.dtype(store.dtype.numpy_dtype)
-    shape = tuple(int(d) for d in store.shape)
-    chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
-    reader = TensorStoreReader(spec, shape, dtype, chunk, where=where, context=reader_context(item_dir))
-    row = array_row((ARRAY_ITEM_NAME,), shape, dtype, sharding=_shardings(item_dir).get(ARRAY_ITEM_NAME))
-    return Item(name, "pytree", [Leaf(row, reader, key=ARRAY_ITEM_NAME)])
+    leaf.row = dataclasses.replace(leaf.row, sharding=_shardings(item_dir).get(ARRAY_ITEM_NAME))
+    return Item(name, "pytree", [leaf])
 
 
 def read_item(item_dir: str, name: str, problems: list[str] | None = None) -> Item:
