@@ -41,12 +41,16 @@ def _truth(model) -> dict[str, np.ndarray]:
     return {str(i): np.asarray(x) for i, x in enumerate(arrays)}
 
 
+def write_eqx(path):
+    """``eqx.tree_serialise_leaves(path, model)``; returns (path, model, truth)."""
+    model = Model(jax.random.PRNGKey(0))
+    eqx.tree_serialise_leaves(path, model)
+    return path, model, _truth(model)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("eqx")
-    model = Model(jax.random.PRNGKey(0))
-    eqx.tree_serialise_leaves(folder / "model.eqx", model)
-    return folder / "model.eqx", model, _truth(model)
+    return write_eqx(tmp_path_factory.mktemp("eqx") / "model.eqx")
 
 
 def test_leaves_by_index_with_shape_dtype_stats_and_values(saved, tmp_path):

@@ -46,20 +46,18 @@ def _layer_truth(model, h5_file) -> dict[str, np.ndarray]:
             for layer in model.layers for i, v in enumerate(layer.weights)}
 
 
-@pytest.fixture(scope="module")
-def weights_h5(tmp_path_factory):
-    path = tmp_path_factory.mktemp("keras") / "model.weights.h5"
+def write_weights_h5(path):
+    """``model.save_weights(path)``; returns (path, model, truth)."""
     model = _model()
     model.save_weights(path)
     return path, model, _layer_truth(model, path)
 
 
-@pytest.fixture(scope="module")
-def keras_file(tmp_path_factory):
-    """A compiled, trained model saved whole: the layers and the optimizer's variables."""
+def write_keras_file(folder):
+    """A compiled, trained model saved whole (``model.save``): the layers and the optimizer's variables;
+    returns (path, model, truth)."""
     import zipfile
 
-    folder = tmp_path_factory.mktemp("keras")
     model = _model()
     model.compile(optimizer="adam", loss="mse")
     model.fit(np.ones((4, 3), np.float32), np.ones((4, 2), np.float32), verbose=0, epochs=2)
@@ -70,6 +68,16 @@ def keras_file(tmp_path_factory):
     truth.update({f"optimizer/vars/{i}": np.asarray(keras.ops.convert_to_numpy(v.value))
                   for i, v in enumerate(model.optimizer.variables)})
     return folder / "model.keras", model, truth
+
+
+@pytest.fixture(scope="module")
+def weights_h5(tmp_path_factory):
+    return write_weights_h5(tmp_path_factory.mktemp("keras") / "model.weights.h5")
+
+
+@pytest.fixture(scope="module")
+def keras_file(tmp_path_factory):
+    return write_keras_file(tmp_path_factory.mktemp("keras"))
 
 
 def test_weights_h5_every_command(weights_h5, tmp_path):

@@ -19,77 +19,16 @@ never unpickled.
 
 from __future__ import annotations
 
-import ast
 import math
-import struct
-from typing import Any
-
-import numpy as np
 
 from treetools.ckpt import storage
-from treetools.ckpt.readers import FileReader, np_dtype
+from treetools.ckpt.formats.npz import npy_header
+from treetools.ckpt.readers import FileReader
 from treetools.ckpt.source import FileSource, Format, Leaf, array_row, file_head
 from treetools.errors import CheckpointError
 
 MAGIC = b"\x93NUMPY"
-_HEAD = 4096  # bytes read at each stream's start: the magic, the version, the header (numpy pads it to 64 bytes)
-_MAX_HEADER = 10**6  # numpy's own limit on a header's length (np.lib.format's max_header_size)
 _WHAT = "Equinox file (eqx.tree_serialise_leaves: .npy arrays back to back)"
-
-
-def _dtype(descr: Any, where: str) -> np.dtype:
-    """The dtype of a header's ``descr``; ``<V2`` is bfloat16 (``jnp.save``'s way of writing it)."""
-    try:
-        dtype = np.dtype(descr)
-    except (TypeError, ValueError):
-        raise CheckpointError(f"{where}: corrupt {_WHAT}: dtype {descr!r} is not a numpy dtype.") from None
-    if dtype.hasobject:
-        raise CheckpointError(f"{where}: holds an object array (a pickle); treetools never unpickles a checkpoint.")
-    if dtype.kind == "V" and dtype.itemsize == 2 and dtype.fields is None:
-        return np_dtype("bfloat16")
-    return dtype
-
-
-def _header(path: str, pos: int, size: int, index: int) -> tuple[tuple[int, ...], np.dtype, bool, int]:
-    """``(shape, dtype, fortran_order, data offset)`` of the ``.npy`` stream starting at byte ``pos``."""
-    where = f"{path}: leaf {index} (byte {pos:,})"
-    head = storage.read_range(path, pos, _HEAD)
-    if not head.startswith(MAGIC):
-        raise CheckpointError(f"{where}: corrupt {_WHAT}: no .npy stream starts here; the file is damaged.")
-    if len(head) < 10:
-        raise CheckpointError(f"{path}: truncated {_WHAT}: leaf {index}'s header is cut short.")
-    major = head[6]
-    if major == 1:
-        length, start = struct.unpack("<H", head[8:10])[0], 10
-    elif major in (2, 3) and len(head) >= 12:
-        length, start = struct.unpack("<I", head[8:12])[0], 12
-    else:
-        raise CheckpointError(f"{where}: corrupt {_WHAT}: unknown .npy version {major}.")
-    if length > _MAX_HEADER:
-        raise CheckpointError(f"{where}: corrupt {_WHAT}: a .npy header of {length:,} bytes.")
-    if start + length > len(head):
-        head = storage.read_range(path, pos, start + length)
-    if start + length > len(head):
-        raise CheckpointError(f"{path}: truncated {_WHAT}: leaf {index}'s header is cut short.")
-    text = head[start:start + length].decode("latin1")
-    try:  # numpy writes a Python dict literal: parsed as a literal, never evaluated
-        meta = ast.literal_eval(text)
-        shape = tuple(int(d) for d in meta["shape"])
-        fortran = bool(meta["fortran_order"])
-        descr = meta["descr"]
-        if any(d < 0 for d in shape):
-            raise ValueError("a negative dimension")
-    except (ValueError, SyntaxError, KeyError, TypeError, MemoryError, RecursionError) as e:
-        raise CheckpointError(f"{where}: corrupt {_WHAT}: unreadable .npy header ({type(e).__name__}).") from None
-    dtype = _dtype(descr, where)
-    offset = pos + start + length
-    end = offset + math.prod(shape) * dtype.itemsize
-    if end > size:
-        raise CheckpointError(
-            f"{path}: truncated {_WHAT}: leaf {index} ends at byte {end:,} but the file has {size:,} bytes; the save "
-            "did not finish or the copy was cut short."
-        )
-    return shape, dtype, fortran, offset
 
 
 def read_eqx(path: str) -> list[Leaf]:
@@ -108,11 +47,34 @@ def read_eqx(path: str) -> list[Leaf]:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
     leaves: list[Leaf] = []
     pos = 0
-    while pos < size:
-        index = len(leaves)
-        shape, dtype, fortran, offset = _header(path, pos, size, index)
-        leaves.append(Leaf(array_row((str(index),), shape, dtype), FileReader(path, offset, shape, dtype, fortran=fortran)))
-        pos = offset + math.prod(shape) * dtype.itemsize
+    with storage.open(path, block_size=4096) as f:
+        while pos < size:
+            index = len(leaves)
+            where = f"{path}: leaf {index} (byte {pos:,})"
+            f.seek(pos)
+            head = f.read(len(MAGIC))
+            if head != MAGIC:
+                if MAGIC.startswith(head):  # the file ends inside the next magic
+                    raise CheckpointError(f"{path}: truncated {_WHAT}: leaf {index}'s header is cut short.")
+                raise CheckpointError(f"{where}: corrupt {_WHAT}: no .npy array starts here.")
+            f.seek(pos)
+            try:
+                shape, fortran, dtype, offset = npy_header(f, f"{where}: corrupt {_WHAT}:")
+            except CheckpointError as e:
+                if f.tell() >= size:  # the header itself was cut short
+                    raise CheckpointError(f"{path}: truncated {_WHAT}: leaf {index}'s header is cut short.") from None
+                raise e from None
+            if dtype.hasobject:
+                raise CheckpointError(f"{where}: an object array (a pickle); treetools never unpickles a checkpoint.")
+            end = offset + math.prod(shape) * dtype.itemsize
+            if end > size:
+                raise CheckpointError(
+                    f"{path}: truncated {_WHAT}: leaf {index} ends at byte {end:,} but the file has {size:,} bytes; "
+                    "the save did not finish or the copy was cut short."
+                )
+            reader = FileReader(path, offset, shape, dtype, fortran=fortran)
+            leaves.append(Leaf(array_row((str(index),), shape, dtype), reader))
+            pos = end
     return leaves
 
 
