@@ -203,3 +203,14 @@ def test_restore_checkpoint_of_the_array_items(run_dir):
         check_restore(root, truth[200][item], item=item, step=200)
     restored = tt.restore_checkpoint(str(root), 100, {"step": tt.make_abstract({"checkpoint": jnp.zeros((), jnp.int32)})})
     assert isinstance(restored["step"]["checkpoint"], jax.Array) and int(restored["step"]["checkpoint"]) == 100
+
+
+def test_a_step_folder_no_reader_knows_is_named_not_dropped(tmp_path):
+    # The rule: never drop an item without a word. A folder of an Orbax 0.6 step (no item_handlers in
+    # _CHECKPOINT_METADATA) that is no item treetools reads is named in a note.
+    root = tmp_path / "run"
+    shutil.copytree(ROOT_0_6, root)
+    (root / "checkpoint_200" / "custom_state").mkdir()
+    rc, out, err = run("inspect", root)
+    assert rc == 0, err
+    assert "`custom_state`" in err and "skipped" in err, err

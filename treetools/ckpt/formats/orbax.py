@@ -370,6 +370,11 @@ class OrbaxSource(Source):
             items[name] = read_item(folder, name)
             return Snapshot(step, items, record_sharding=True, metadata=self._metadata(folder), notes=notes)
         handlers = self._handlers(step_dir) or {}
+        if not handlers and list(names) == self.item_names(step):  # no item is left out without a word
+            notes += [f"folder `{d}` of the step is no item treetools reads (no _METADATA, JSON file or "
+                      "array); skipped." for d in subdirs(step_dir)
+                      if d not in _ORBAX_FILES and not d.startswith("ocdbt.process_") and TMP_DIR_SUFFIX not in d
+                      and not _is_item(os.path.join(step_dir, d))]
         for name in names:
             check_name(name, where=os.path.join(step_dir, STEP_METADATA_FILE))
             item_dir = os.path.join(step_dir, name)
