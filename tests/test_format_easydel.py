@@ -23,7 +23,7 @@ import pytest
 import treetools as tt
 from tests._every_command import (NEEDS_CONVERT, NEEDS_RULES, check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_refused, check_restore, check_show,
-                                  check_stats, check_verify, inspect_json)
+                                  check_stats, check_verify, inspect_json, run_fresh)
 from tests._writers.easydel import save_pretrained, save_run
 
 ScaleByAdamState = namedtuple("ScaleByAdamState", ["count", "mu", "nu"])
@@ -164,3 +164,9 @@ def test_trainer_run_restore_with_rules(trainer_dir):
 def test_trainer_run_convert(trainer_dir, tmp_path):
     folder, truth = trainer_dir
     check_convert(folder, truth[10]["model"], tmp_path, item="model")
+
+
+def test_jax_is_not_imported_for_metadata(trainer_dir):
+    folder, _ = trainer_dir
+    done = run_fresh("inspect", "--stats", folder, forbid=["jax"])
+    assert done.returncode == 0, done.stderr

@@ -27,7 +27,7 @@ from flax.training import checkpoints
 import treetools as tt
 from tests._every_command import (NEEDS_CONVERT, NEEDS_RULES, check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_restore, check_show, check_stats,
-                                  check_verify, inspect_json, run)
+                                  check_verify, inspect_json, run, run_fresh)
 from tests.test_format_flax_legacy import _orbax_backend
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -193,3 +193,11 @@ def test_load_parameters_with_rules(run_dir):
     rules = tt.Rules(rename=[(r"^token_embedder/", "embed/")])
     want = {k.replace("token_embedder/", "embed/", 1): v for k, v in _params(truth["checkpoint_"][6]).items()}
     check_load_parameters(folder, want, rules=rules)
+
+
+def test_jax_is_not_imported_for_metadata(run_dir):
+    folder, _, kind = run_dir
+    if kind.endswith("msgpack"):
+        pytest.skip("Flax msgpack files are still parsed through flax (the msgpack format's TEMPORARY exception)")
+    done = run_fresh("inspect", folder, "--prefix", EVAL, forbid=["jax"])
+    assert done.returncode == 0, done.stderr
