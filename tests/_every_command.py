@@ -27,8 +27,6 @@ from treetools.paths import unflatten_dict
 
 NEEDS_CONVERT = pytest.mark.xfail(reason="needs convert (issue 30)", strict=False)
 """On the checks of ``treetools convert``, which another branch is building: they pass once it lands."""
-NEEDS_RULES = pytest.mark.xfail(reason="needs restore with rules (issue 23)", strict=False)
-"""On the checks of ``restore_checkpoint(rules=...)``/``load_parameters(rules=...)``, which another branch is building."""
 
 
 def run_fresh(*argv: Any, blocked: Iterable[str] = (), forbid: Iterable[str] = ()) -> subprocess.CompletedProcess:

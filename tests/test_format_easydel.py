@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from tests._every_command import (NEEDS_CONVERT, NEEDS_RULES, check_convert, check_diff_names_the_changed_leaf,
+from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_refused, check_restore, check_show,
                                   check_stats, check_verify, inspect_json, run_fresh)
 from tests._writers.easydel import save_pretrained, save_run
@@ -152,7 +152,6 @@ def test_trainer_run_every_command(trainer_dir, tmp_path):
     check_diff_names_the_changed_leaf(folder, other, "model/layers/0/self_attn/q_proj/kernel", 0.25, item="model")
 
 
-@NEEDS_RULES
 def test_trainer_run_restore_with_rules(trainer_dir):
     folder, truth = trainer_dir
     rules = tt.Rules(rename=[(r"^lm_head/", "head/")])

@@ -113,3 +113,15 @@ def test_metadata_does_not_import_jax(saved):
     path, _, _ = saved
     done = run_fresh("inspect", "--stats", path, forbid=["jax"])
     assert done.returncode == 0, done.stderr
+
+
+def test_restore_with_rules_by_the_models_names(saved):
+    # The positional leaves take the model's names first; the rules then speak of those names (`scale`).
+    path, model, truth = saved
+    like = eqx.filter_eval_shape(Model, jax.random.PRNGKey(3))
+    like = eqx.tree_at(lambda m: m.scale, like, jax.ShapeDtypeStruct((2, 3), jnp.float32))
+    loaded = tt.load_parameters(path, target=like, rules=tt.Rules(cast={r"^scale$": "float32"}))
+    assert loaded.scale.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(loaded.scale), truth["4"].astype(np.float32))
+    restored = tt.restore_checkpoint(path, None, {"default": like}, rules=tt.Rules(cast={r"^scale$": "float32"}))
+    np.testing.assert_array_equal(np.asarray(restored["default"].mlp.layers[1].bias), truth["3"])

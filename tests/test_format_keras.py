@@ -17,8 +17,8 @@ import os
 import numpy as np
 import pytest
 
-from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf, check_single_file,
-                                  run_fresh)
+from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf, check_restore,
+                                  check_single_file, run_fresh)
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 keras = pytest.importorskip("keras")
@@ -118,3 +118,14 @@ def test_without_h5py_the_file_is_named_and_the_fix_given(weights_h5):
     assert len(lines) == 1 and lines[0].startswith("treetools: error:"), done.stderr
     assert "Keras" in lines[0] and "h5py" in lines[0] and path.name in lines[0], lines[0]
     assert "msgpack" not in lines[0] and "npz" not in lines[0]
+
+
+def test_restore_with_rules(keras_file):
+    # Keras's attribute paths onto shorter names: layers/<name>/vars/<i> -> <name>/<i>; the optimizer left out.
+    path, model, truth = keras_file
+    import treetools as tt
+
+    rules = tt.Rules(rename=[(r"^layers/(\w+)/vars/", r"\1/")], drop=[r"^optimizer/"])
+    renamed = {k.replace("layers/", "", 1).replace("/vars/", "/"): v for k, v in truth.items()
+               if not k.startswith("optimizer/")}
+    check_restore(path, truth, item="default", rules=rules, expect=renamed)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from tests._every_command import (NEEDS_CONVERT, NEEDS_RULES, check_convert, check_diff_names_the_changed_leaf,
+from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_refused, check_restore, check_show,
                                   check_stats, check_verify, inspect_json, run, run_fresh)
 from tests._writers.levanter import save_levanter, trainer_state
@@ -143,7 +143,6 @@ def test_restore(run_dir):
     check_restore(base, truth[20]["training_key"], item="training_key")
 
 
-@NEEDS_RULES
 def test_restore_with_rules(run_dir):
     base, truth = run_dir
     rules = tt.Rules(rename=[(r"^transformer/", "decoder/")])

@@ -25,7 +25,7 @@ from flax import serialization
 from flax.training import checkpoints
 
 import treetools as tt
-from tests._every_command import (NEEDS_CONVERT, NEEDS_RULES, check_convert, check_diff_names_the_changed_leaf,
+from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_restore, check_show, check_stats,
                                   check_verify, inspect_json, run, run_fresh)
 from tests.test_format_flax_legacy import _orbax_backend
@@ -175,6 +175,7 @@ def test_restore_checkpoint_per_series(run_dir):
     import jax
 
     target = tt.make_abstract({k: np.asarray(v) for k, v in truth[EVAL][4].items()})
+    assert tt.plan_restore(str(folder), 4, {"default": target}, prefix=EVAL).ok
     restored = tt.restore_checkpoint(str(folder), 4, {"default": target}, prefix=EVAL)["default"]
     assert isinstance(restored["total_tokens"], jax.Array)
     assert float(restored["total_tokens"]) == float(truth[EVAL][4]["total_tokens"])
@@ -187,7 +188,6 @@ def test_convert_each_series(run_dir, tmp_path):
     check_convert(folder, truth[EVAL][6], tmp_path / "eval", args=("--prefix", EVAL))
 
 
-@NEEDS_RULES
 def test_load_parameters_with_rules(run_dir):
     folder, truth, _ = run_dir
     rules = tt.Rules(rename=[(r"^token_embedder/", "embed/")])

@@ -26,7 +26,7 @@ import pytest
 import tensorstore as ts
 
 import treetools as tt
-from tests._every_command import (NEEDS_CONVERT, NEEDS_RULES, check_convert, check_diff_names_the_changed_leaf,
+from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_restore, check_show, check_stats,
                                   check_verify, inspect_json, leaves_of, run)
 
@@ -146,7 +146,6 @@ def test_convert_the_params(run_dir, tmp_path):
     check_convert(root, truth[200]["rng"], tmp_path / "rng", item="rng")
 
 
-@NEEDS_RULES
 def test_restore_with_rules(run_dir):
     root, truth = run_dir
     rules = tt.Rules(rename=[(r"^xlstm_block_0/", "blocks/0/")])
