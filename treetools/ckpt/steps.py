@@ -319,8 +319,10 @@ def choose_series(root: str, listings: dict[str, StepListing], skipped: list[str
     skipped = list(skipped or [])
     if not listings:
         return StepListing(root, {}, [], skipped=skipped)
-    chosen = next((listings[n] for n in (*prefer, *([next(iter(listings))] if len(listings) == 1 else []))
-                   if n in listings), None)
+    if len(listings) == 1:
+        chosen: StepListing | None = next(iter(listings.values()))
+    else:
+        chosen = next((listings[n] for n in prefer if n in listings), None)
     if chosen is None:
         return StepListing(root, {}, [], skipped=skipped, others=dict(listings), conflict=(
             f"{root}: step folders of several series ({describe_series(listings)}); read one with --prefix NAME "
