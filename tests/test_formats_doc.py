@@ -6,7 +6,9 @@ fixtures those versions wrote), and each column's operation runs on it: a ✓
 must work and give the writer's own arrays, a ✗ must be refused with an
 error. A row without a writer here fails (add one to ``CASES``). T5X has no
 installable writer without TensorFlow: its rows use tests/_t5x_writer.py,
-which follows T5X's own save code.
+which follows T5X's own save code; Levanter's and EasyDeL's use
+tests/_writers/. The Equinox and Keras rows skip when the ``test-formats``
+extra is absent.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from tests.test_checkpoint_layer import write_orbax_manager_linen
 from tests.test_format_flax_legacy import write_flax_legacy
 from tests.test_format_hf_flax import write_hf_flax
 from tests.test_format_hf_sharded import _write as write_hf_sharded
+from tests.test_format_transformer_vq import fixture_truth as transformer_vq_truth
+from tests.test_format_xlstm_jax import fixture_truth as xlstm_jax_truth
 from tests._t5x_writer import save_t5x
 
 DOC = Path(__file__).parent.parent / "docs" / "formats.md"
@@ -146,6 +150,60 @@ def _safetensors(tmp):
     return Case(tmp / "model.safetensors", tensors)
 
 
+def _xlstm_jax(*below):
+    """xlstm-jax's run, written by the Orbax it pins (tests/fixtures/make_xlstm_jax.py); truth: step 200's `rng`."""
+    truth = xlstm_jax_truth()[200]["rng"]
+    root = FIXTURES / "xlstm_jax_orbax_0_6"
+    if below:
+        return Case(root.joinpath(*below), truth, restore_item="rng")
+    return Case(root, truth, item="rng", restore_item="rng")
+
+
+def _transformer_vq():
+    """transformer_vq's folder of two series, written by the flax it pins; truth: the `checkpoint_` series' step 6."""
+    return Case(FIXTURES / "transformer_vq_flax_0_6", transformer_vq_truth()["checkpoint_"][6], item="default")
+
+
+def _levanter(tmp, *below):
+    """A Levanter run (tests/_writers/levanter.py: steps 10, 20 and a preempted 30); truth: step 20's `model`."""
+    from tests.test_format_levanter import write_run
+
+    base = tmp / "checkpoints" / "run-1"
+    truth = write_run(base)[20]["model"]
+    return Case(base.joinpath(*below), truth, item=None if below[1:] else "model", restore_item="model")
+
+
+def _easydel(tmp, trainer):
+    """EasyDeL's save_pretrained folder, or a trainer's run-N folders (tests/_writers/easydel.py); truth: `model`."""
+    from tests.test_format_easydel import _flat, _params, write_trainer_run
+    from tests._writers.easydel import save_pretrained
+
+    if trainer:
+        return Case(tmp / "out", write_trainer_run(tmp / "out")[10]["model"], item="model", restore_item="model")
+    save_pretrained(tmp / "llama", _params(1))
+    return Case(tmp / "llama", _flat(_params(1)), item="model", restore_item="model")
+
+
+def _equinox(tmp):
+    pytest.importorskip("equinox")
+    from tests.test_format_equinox import write_eqx
+
+    path, _, truth = write_eqx(tmp / "model.eqx")
+    return Case(path, truth)
+
+
+def _keras(tmp, whole):
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    pytest.importorskip("keras")
+    pytest.importorskip("h5py")
+    from tests.test_format_keras import write_keras_file, write_weights_h5
+
+    path, _, truth = write_keras_file(tmp) if whole else write_weights_h5(tmp / "model.weights.h5")
+    return Case(path, truth)
+
+
 CASES: dict[str, Callable[[Path], Case]] = {
     "Orbax CheckpointManager root": _manager,
     "Orbax step folder": lambda t: _manager(t, "7"),
@@ -176,6 +234,19 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "Orbax before 0.5 CheckpointManager (`checkpoint` msgpack + zarr folders, no `_METADATA`)":
         lambda t: _orbax_fixture("0_3"),
     "Orbax 0.4.x CheckpointManager": lambda t: _orbax_fixture("0_4"),
+    "xlstm-jax run (Orbax 0.6 CheckpointManager; items `step`, `rng` by `ArrayCheckpointHandler`)":
+        lambda t: _xlstm_jax(),
+    "Orbax `ArrayCheckpointHandler` item folder": lambda t: _xlstm_jax("checkpoint_200", "rng"),
+    "transformer_vq run (flax `save_checkpoint_multiprocess`, prefixes `checkpoint_` and "
+    "`validation_loss_lm_per_token_`)": lambda t: _transformer_vq(),
+    "Levanter run folder": _levanter,
+    "Levanter step folder": lambda t: _levanter(t, "step-20"),
+    "Levanter item folder": lambda t: _levanter(t, "step-20", "model"),
+    "EasyDeL `save_pretrained` folder": lambda t: _easydel(t, trainer=False),
+    "EasyDeL trainer save folder": lambda t: _easydel(t, trainer=True),
+    "Equinox `eqx.tree_serialise_leaves` file": _equinox,
+    "Keras 3 weights file (`model.save_weights`)": lambda t: _keras(t, whole=False),
+    "Keras 3 model file (`model.save`)": lambda t: _keras(t, whole=True),
 }
 
 
@@ -219,7 +290,10 @@ def check_show(case, tmp):
 
 def check_diff(case, tmp):
     other = tmp / "truth.npz"
-    np.savez(other, **case.truth)
+    # The npz holds the truth as the item asked for (`--item` of a single-tree file is a top-level key): so a tree
+    # whose own top-level key is the item's name (EasyDeL's `model/...` params in the item `model`) pairs whole.
+    nest = case.item not in (None, "default")
+    np.savez(other, **{f"{case.item}/{k}" if nest else k: v for k, v in case.truth.items()})
     report = diff_paths(str(case.path), str(other), item=case.item, values=True)
     assert not report.added and not report.removed and report.identical
 

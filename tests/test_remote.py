@@ -168,6 +168,29 @@ def _write_format(kind: str, where) -> str:
         path = os.path.join(where, "w.npz")
         np.savez(path, **flat)
         return path
+    if kind == "levanter":  # issue 29's formats: a run with a preempted step, a trainer folder, single files
+        from tests.test_format_levanter import write_run
+
+        write_run(os.path.join(where, "run"))
+        return os.path.join(where, "run")
+    if kind == "easydel":
+        from tests.test_format_easydel import write_trainer_run
+
+        write_trainer_run(os.path.join(where, "out"))
+        return os.path.join(where, "out")
+    if kind == "equinox":
+        path = os.path.join(where, "model.eqx")
+        with open(path, "wb") as f:
+            for value in flat.values():
+                np.save(f, value)  # what eqx.tree_serialise_leaves writes, leaf after leaf
+        return path
+    if kind == "keras":
+        h5py = pytest.importorskip("h5py")
+        path = os.path.join(where, "model.weights.h5")
+        with h5py.File(path, "w") as f:  # Keras's layout: layers/<name>/vars/<i>
+            for i, value in enumerate(flat.values()):
+                f.create_dataset(f"layers/dense/vars/{i}", data=np.asarray(value, np.float32))
+        return path
     raise AssertionError(kind)
 
 
@@ -178,7 +201,8 @@ def _flatten(tree: dict, prefix: tuple = ()) -> dict:
     return out
 
 
-@pytest.mark.parametrize("kind", ["t5x", "safetensors", "hf-sharded", "flax-msgpack", "npz"])
+@pytest.mark.parametrize("kind", ["t5x", "safetensors", "hf-sharded", "flax-msgpack", "npz", "levanter", "easydel",
+                                  "equinox", "keras"])
 def test_every_format_reads_in_place(tmp_path, remote_store, capsys, kind):
     local = _write_format(kind, str(tmp_path / "ckpt"))
     rel = os.path.relpath(local, tmp_path)
@@ -194,6 +218,8 @@ def test_every_format_reads_in_place(tmp_path, remote_store, capsys, kind):
     jax.tree.map(np.testing.assert_array_equal, tt.load_parameters(url), tt.load_parameters(local))
     if kind == "t5x":
         assert got["incomplete"] == ["checkpoint_9.tmp-1700000000"]
+    if kind in ("levanter", "easydel"):
+        assert got["incomplete"] == {"levanter": ["step-30"], "easydel": ["run-15"]}[kind]
 
 
 def test_metadata_mode_moves_only_metadata(tmp_path, remote_store, capsys):

@@ -35,7 +35,7 @@ import numpy as np
 from treetools.ckpt import storage
 from treetools.ckpt.mapping import map_item
 from treetools.ckpt.readers import UNBOUNDED
-from treetools.ckpt.source import NO_VALUE, Item, Leaf, Source, open_source, params_of_step
+from treetools.ckpt.source import NO_VALUE, Item, Leaf, Source, open_source, params_of_step, value_row
 from treetools.errors import CheckpointMismatchError, Mismatch
 from treetools.render import safe_text
 from treetools.rows import Row, dtype_name, format_shape
@@ -238,6 +238,8 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
                allow_unused: bool, allow_dtype_cast: bool) -> tuple[_Work, ItemPlan, list[Mismatch]]:
     """Plan one pytree item against its target: nothing is read."""
     tgt = _target(target, sharding, fill)
+    if stored.positional:
+        stored = _by_position(stored, tgt)
     plan = None
     mapped = stored
     if rules is not None and not rules.empty:
@@ -282,6 +284,29 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
     return work, item_plan, sorted(problems, key=lambda p: (p.kind != "missing", p.path))
 
 
+def _stored_by_position(x: Any) -> bool:
+    """A target leaf that a positional file (Equinox's) stores: an array, or a Python number (saved as a 0-d array)."""
+    return _is_array(x) or isinstance(x, (bool, int, float, complex))
+
+
+def _by_position(item: Item, target: _Target) -> Item:
+    """A positional item's leaves (``0``, ``1``, ...: no stored names) named by the target's stored leaves, in order.
+
+    As ``eqx.tree_deserialise_leaves(path, like)`` does: the target's arrays and
+    Python numbers, in jax's flatten order, are the file's leaves in its order;
+    its other leaves (functions, strings) are not stored and keep the target's
+    value. Leaves left over on either side keep their names, so the plan
+    reports them as missing or unexpected.
+    """
+    names = [p for p, x in zip(target.paths, target.abstract) if _stored_by_position(x)]
+    leaves = list(item.leaves)
+    for i, name in enumerate(names[: len(leaves)]):
+        leaves[i] = dataclasses.replace(leaves[i], row=dataclasses.replace(leaves[i].row, path=tuple(name.split("/"))))
+    kept = [Leaf(value_row(tuple(p.split("/"))), value=x) for p, x in zip(target.paths, target.abstract)
+            if not _stored_by_position(x)]
+    return dataclasses.replace(item, leaves=leaves + kept, positional=False)
+
+
 def _ops(plan: RulesPlan | None, path: str, x: Any, dtype: Any) -> tuple[str, ...]:
     ops: list[str] = []
     if plan is not None:
@@ -319,7 +344,10 @@ def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any]) -> di
     for path, x in targets.items():
         leaf = leaves[path]
         if leaf.reader is None or not (hasattr(x, "sharding") and hasattr(x, "shape")):
-            values[path] = _host_value(leaf)
+            value = _host_value(leaf)
+            if isinstance(x, (bool, int, float, complex)) and np.ndim(value) == 0:  # a Python number stays one
+                value = type(x)(np.asarray(value).item())
+            values[path] = value
             continue
         if _is_key(x):  # stored as key data; whole, then wrapped
             data = np.asarray(leaf.reader.read_all())
@@ -394,12 +422,12 @@ def _read(source: Source, work: _Work) -> Any:
 # ---------------------------------------------------------------------------- restore
 
 
-def _open(manager: Any) -> tuple[Source, Any]:
+def _open(manager: Any, prefix: str | None = None) -> tuple[Source, Any]:
     """The source a manager (its pending save waited for) or a path names, and how to name it in errors."""
     if hasattr(manager, "directory") and hasattr(manager, "wait_until_finished"):
         manager.wait_until_finished()  # a pending async save may be the latest step
-        return open_source(storage.location(manager.directory, name="manager")), manager.directory
-    return open_source(storage.location(manager, name="manager")), manager
+        return open_source(storage.location(manager.directory, name="manager"), prefix=prefix), manager.directory
+    return open_source(storage.location(manager, name="manager"), prefix=prefix), manager
 
 
 def _per_item(value: Any, names: Sequence[str], what: str, *, is_one: Callable[[Any], bool]) -> dict[str, Any]:
@@ -422,7 +450,8 @@ def _per_item(value: Any, names: Sequence[str], what: str, *, is_one: Callable[[
 
 
 def _prepare(manager: Any, step: Any, items: Mapping[str, Any], *, sharding: Any, rules: Any, fill_missing: Any,
-             allow_unused: bool, allow_dtype_cast: bool) -> tuple[Source, int | None, Any, RestorePlan, dict, dict]:
+             allow_unused: bool, allow_dtype_cast: bool,
+             prefix: str | None = None) -> tuple[Source, int | None, Any, RestorePlan, dict, dict]:
     if not isinstance(items, Mapping) or not items:
         raise ValueError("`items` must be a non-empty dict of item name -> target tree (or None for JSON items).")
     names = list(items)
@@ -436,7 +465,7 @@ def _prepare(manager: Any, step: Any, items: Mapping[str, Any], *, sharding: Any
         )
     rules_by = _per_item(rules, names, "rules", is_one=lambda v: isinstance(v, Rules))
     fills = _per_item(fill_missing, pytree_names, "fill_missing", is_one=lambda v: len(pytree_names) == 1)
-    source, display = _open(manager)
+    source, display = _open(manager, prefix)
     resolved = source.resolve(step)
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
         present = source.item_names(resolved)
@@ -479,6 +508,7 @@ def plan_restore(
     fill_missing: Any = None,
     allow_unused: bool = False,
     allow_dtype_cast: bool = False,
+    prefix: str | None = None,
 ) -> RestorePlan:
     """What ``restore_checkpoint`` would do with the same arguments, from metadata alone.
 
@@ -503,7 +533,7 @@ def plan_restore(
     /... (step 1): 1/2 target leaves from the checkpoint, 1 from fill_missing (params/head), 0 checkpoint leaves unused, 0 problems
     """
     return _prepare(manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing,
-                    allow_unused=allow_unused, allow_dtype_cast=allow_dtype_cast)[3]
+                    allow_unused=allow_unused, allow_dtype_cast=allow_dtype_cast, prefix=prefix)[3]
 
 
 def restore_checkpoint(
@@ -516,6 +546,7 @@ def restore_checkpoint(
     fill_missing: Any = None,
     allow_unused: bool = False,
     allow_dtype_cast: bool = False,
+    prefix: str | None = None,
 ) -> dict[str, Any]:
     """Restore named items of a step into their targets' structure, dtypes and shardings, with rules.
 
@@ -556,6 +587,8 @@ def restore_checkpoint(
         whole train state); otherwise each is a problem.
       allow_dtype_cast: let a target dtype differ from the stored one (e.g. bf16
         params from an fp32 checkpoint); values are converted on read.
+      prefix: in a folder holding several series of steps (flax's
+        ``save_checkpoint(prefix=...)``), the series to read (default ``checkpoint_``).
 
     Returns:
       name -> restored tree (JSON items as dicts).
@@ -578,7 +611,7 @@ def restore_checkpoint(
     """
     source, resolved, display, plan, work, out = _prepare(
         manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing, allow_unused=allow_unused,
-        allow_dtype_cast=allow_dtype_cast)
+        allow_dtype_cast=allow_dtype_cast, prefix=prefix)
     if plan.problems:
         raise CheckpointMismatchError(resolved, display, plan.problems)
     with source.reading(resolved):
@@ -627,6 +660,7 @@ def load_parameters(
     fill_missing: Any = None,
     allow_unused: bool = False,
     allow_dtype_cast: bool = False,
+    prefix: str | None = None,
 ) -> Any:
     """The params (or EMA params) of one step, without a manager or model code.
 
@@ -655,6 +689,9 @@ def load_parameters(
       sharding: with ``target``: one ``Sharding`` for every array, or a tree.
       rules: a ``tt.Rules`` mapping the stored leaves onto the ones returned.
       fill_missing, allow_unused, allow_dtype_cast: with ``target``, as ``restore_checkpoint``.
+      prefix: in a folder holding several series of steps (flax's
+        ``save_checkpoint(prefix=...)``: ``checkpoint_6`` and ``eval_6``), the
+        series to read (default ``checkpoint_``, else the steps named by number alone).
 
     Raises:
       CheckpointNotFoundError: (a ``FileNotFoundError``) no such path, no
@@ -674,7 +711,8 @@ def load_parameters(
     >>> load_parameters(root, rules=Rules(rename=[("^w$", "dense/kernel")], dtype="float16"))["dense"]["kernel"]
     array([0., 1., 2.], dtype=float16)
     """
-    source = open_source(storage.location(checkpoint_dir, name="checkpoint_dir"), memory_budget=UNBOUNDED)
+    source = open_source(storage.location(checkpoint_dir, name="checkpoint_dir"), memory_budget=UNBOUNDED,
+                         prefix=prefix)
     if isinstance(checkpoint_dir, (str, os.PathLike)):
         source.path = os.fspath(checkpoint_dir)
     resolved = source.resolve(step)

@@ -41,7 +41,7 @@ import numpy as np
 
 from treetools.ckpt import storage
 from treetools.ckpt.readers import ArrayReader, InMemoryReader, MemoryBudgetError, opening
-from treetools.ckpt.steps import StepListing, file_kind, parse_step, resolve_step
+from treetools.ckpt.steps import StepListing, describe_series, file_kind, parse_step, resolve_step
 from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.rows import Row, dtype_name
 
@@ -54,10 +54,13 @@ NO_VALUE: Any = type("NoValue", (), {"__repr__": lambda self: "NO_VALUE"})()
 
 # ---------------------------------------------------------------------------- item names
 
-ITEM_ORDER = ("params", "params_ema", "ema_params", "target", "opt_state", "state")
+ITEM_ORDER = ("params", "params_ema", "ema_params", "target", "model", "opt_state", "state")
 """Items shown first, in this order (params, EMA params, optimizer state); the rest follow as stored."""
 
-PARAM_ITEMS = ("params", "params_ema", "ema_params", "target", "default")
+MODEL_ITEMS = ("target", "model")
+"""Items that hold the model's parameters where no ``params`` item is: T5X's ``target``, Levanter's and EasyDeL's ``model``."""
+
+PARAM_ITEMS = ("params", "params_ema", "ema_params", "target", "model", "default")
 """Items whose element counts are parameters; other items (optimizer moments, state) count "elements"."""
 
 STATE_ITEMS = ("state", "default", "train_state")
@@ -124,6 +127,9 @@ class Item:
     kind: str
     leaves: list[Leaf]
     value: Any = NO_VALUE
+    positional: bool = False
+    """True when the leaves have no stored names, only their order (an Equinox file: ``0``, ``1``, ...): a restore
+    target's array leaves are matched to them by position, as the writer's own reader does."""
 
 
 @dataclasses.dataclass
@@ -163,12 +169,20 @@ class Source:
 
     def __init__(self, path: str, *, listing: StepListing | None = None, step: int | None = None):
         self.path = path
+        self.step = step
+        self.use_listing(listing)
+
+    def use_listing(self, listing: StepListing | None) -> None:
+        """Read the steps of ``listing``: its steps, incomplete saves, and notes on what it leaves out."""
         self.listing = listing
         self.steps: list[int] | None = listing.steps if listing is not None else None
         self.incomplete: list[str] = list(listing.incomplete) if listing is not None else []
-        self.step = step
-        self.notes: list[str] = [f"skipped unreadable entry `{n}` under {path}" for n in
+        self.notes: list[str] = [f"skipped unreadable entry `{n}` under {self.path}" for n in
                                  (listing.skipped if listing is not None else [])]
+        if listing is not None and listing.others and listing.conflict is None:
+            self.notes.append(
+                f"{self.path} also holds the step series {describe_series(listing.others)}; showing the series "
+                f"{listing.series!r}: read another with --prefix NAME (prefix= in the library).")
 
     # -- what formats implement
 
@@ -285,6 +299,22 @@ class Source:
 
     # -- hooks: a format's own way of doing something, with a generic default
 
+    def select_series(self, prefix: str) -> None:
+        """Read the step series named ``prefix`` of a root holding several (``open_source(path, prefix=...)``).
+
+        The default picks it from the ``StepListing`` (``StepListing.select``);
+        a format whose listing holds every series needs nothing more.
+
+        Raises:
+          CheckpointError: no such series (the message lists them), or not a root with steps.
+        """
+        if self.listing is None:
+            raise CheckpointError(
+                f"{self.path}: a single checkpoint, not a folder of step series; `prefix` (--prefix) picks one "
+                "series of step folders or files in a folder that holds several: drop it, or point at that folder."
+            )
+        self.use_listing(self.listing.select(prefix, where=self.path))
+
     def restore_arrays(self, item: Item, targets: Mapping[str, Any]) -> dict[str, Any] | None:
         """Read arrays of ``item`` straight into their targets the format's own way; None: the generic way.
 
@@ -394,7 +424,7 @@ def _claims(fmt: Format, path: str) -> bool:
         return False
 
 
-def open_source(path: str | os.PathLike, *, memory_budget: float | None = None) -> Source:
+def open_source(path: str | os.PathLike, *, memory_budget: float | None = None, prefix: str | None = None) -> Source:
     """Open any checkpoint read-only through the format that claims it.
 
     Relative and ``~`` paths work; the path is shown as given.
@@ -404,6 +434,9 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None) 
       memory_budget: bytes one read may decode at once (a storage chunk, a
         metadata file parsed whole); every reader of the source is held to it.
         None: ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB; ``math.inf``: no budget.
+      prefix: in a folder holding several series of steps (flax's
+        ``save_checkpoint(prefix=...)``: ``checkpoint_6`` and ``eval_6``), read
+        this one (None: ``checkpoint_``, else the steps named by number alone).
 
     Raises:
       CheckpointNotFoundError: nothing at ``path``.
@@ -436,6 +469,8 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None) 
             try:
                 with opening(memory_budget):
                     source = fmt.open(location, display)
+                    if prefix is not None:
+                        source.select_series(prefix)
                 source.memory_budget = memory_budget
                 return source
             except (CheckpointError, CheckpointNotFoundError) as e:  # name the path as typed, not its absolute form
@@ -561,20 +596,23 @@ class FileSource(Source):
 
     ``--item NAME`` / ``items=[NAME]`` may also name a top-level key of the
     tree (a msgpack of a whole train state): its leaves keep the paths below it.
+    ``positional``: the leaves are named by their index only (``Item.positional``).
     """
 
-    def __init__(self, display: str, format: str, leaves: list[Leaf], *, record_sharding: bool = False):
+    def __init__(self, display: str, format: str, leaves: list[Leaf], *, record_sharding: bool = False,
+                 positional: bool = False):
         super().__init__(display)
         self.format = format
         self.record_sharding = record_sharding
+        self.positional = positional
         self._leaves = leaves
 
     def item_names(self, step: int | None) -> list[str]:
         return [DEFAULT_ITEM]
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
-        return Snapshot(None, {name: Item(name, "pytree", list(self._leaves)) for name in names},
-                        record_sharding=self.record_sharding)
+        return Snapshot(None, {name: Item(name, "pytree", list(self._leaves), positional=self.positional)
+                               for name in names}, record_sharding=self.record_sharding)
 
 
 # ---------------------------------------------------------------------------- which item holds the params
@@ -634,7 +672,7 @@ def params_item(source: Source, step: int | None, *, item: str | None = None, us
     """The item that holds the parameters of one step.
 
     ``item`` when given (it must exist); else ``params`` (``params_ema`` with
-    ``use_ema``; T5X: ``target``); else the one item of a single-item step;
+    ``use_ema``; T5X: ``target``; Levanter, EasyDeL: ``model``); else the one item of a single-item step;
     else the one item holding a whole train state beside others (a ``best_fn``
     manager's ``metrics`` item).
 
@@ -649,8 +687,9 @@ def params_item(source: Source, step: int | None, *, item: str | None = None, us
     wanted = "params_ema" if use_ema else "params"
     if wanted in names:
         return wanted
-    if not use_ema and "target" in names:  # T5X: the model parameters are the item `target`
-        return "target"
+    model = [n for n in MODEL_ITEMS if n in names]  # T5X: `target`; Levanter, EasyDeL: `model`
+    if not use_ema and model:
+        return model[0]
     if len(names) == 1:  # a single-tree file, or a standalone Orbax save (item `default`)
         return names[0]
     whole = [n for n in names if n in STATE_ITEMS]
@@ -667,7 +706,7 @@ def params_of_step(source: Source, step: int | None, *, item: str | None = None,
     when it holds a whole train state (an item asked for by name is returned whole)."""
     name = params_item(source, step, item=item, use_ema=use_ema)
     found = source.snapshot(step, [name]).items[name]
-    if item is None and name not in ("params", "params_ema"):
+    if item is None and name not in ("params", "params_ema", "model"):
         found = params_subtree(found, use_ema=use_ema)
     return found
 

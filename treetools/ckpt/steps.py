@@ -18,7 +18,14 @@ Step folders are named like Orbax names them: ``100``, zero padded
 
 Everything else is *incomplete*: listed, never read, never the latest. A
 format with its own commit evidence (T5X's ``checkpoint`` file) passes its
-rule to ``scan_steps(commit_rule=...)``; step names and tmp suffixes stay these.
+rule to ``scan_steps(commit_rule=...)``; a format with its own step names
+(Levanter's ``step-N``) passes their pattern (``names=``); tmp suffixes stay these.
+
+A root may hold several *series* of steps, told apart by the name before the
+number (flax's ``save_checkpoint(prefix=...)``: ``checkpoint_6`` and
+``validation_loss_6`` in one folder). One series is read at a time: the one
+asked for (``StepListing.select``, ``--prefix``), else ``checkpoint_``, else
+the one without a prefix; the others are listed, never mixed in.
 Metadata files are checked to be regular files and read with a size cap, so
 a FIFO or a huge file in a step folder cannot hang or exhaust a reader.
 """
@@ -31,7 +38,7 @@ import operator
 import os
 import re
 import stat
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from treetools.ckpt import storage
 from treetools.errors import CheckpointError, CheckpointNotFoundError
@@ -123,7 +130,21 @@ def file_kind(path: str) -> str:
     return next((name for test, name in kinds if test(mode)), "a regular file")
 
 
-def parse_step_name(name: str, *, step_prefix: str | None = None) -> int | None:
+def step_series(name: str, *, names: re.Pattern[str] = _STEP_NAME) -> tuple[str, int] | None:
+    """``(series, step)`` of a step-folder name: the series is the text before the number.
+
+    >>> step_series("checkpoint_6"), step_series("000100"), step_series("logs")
+    (('checkpoint_', 6), ('', 100), None)
+    """
+    if TMP_DIR_SUFFIX in name:
+        return None
+    m = names.match(name)
+    if m is None:
+        return None
+    return name[: m.start("step")], int(m.group("step"))
+
+
+def parse_step_name(name: str, *, step_prefix: str | None = None, names: re.Pattern[str] = _STEP_NAME) -> int | None:
     """The step number in a step-folder name, or None when it is not one.
 
     Accepts Orbax's names: ``"100"``, zero padded ``"000100"``, prefixed
@@ -132,19 +153,31 @@ def parse_step_name(name: str, *, step_prefix: str | None = None) -> int | None:
     Args:
       name: a folder name.
       step_prefix: only accept this prefix (None: any prefix or none).
+      names: a format's own step names (a pattern with a ``step`` group), instead of Orbax's.
 
     >>> parse_step_name("ckpt_000120"), parse_step_name("300.orbax-checkpoint-tmp-17"), parse_step_name("logs")
     (120, None, None)
     """
     if TMP_DIR_SUFFIX in name:
         return None
-    m = _STEP_NAME.match(name)
-    if m is None or (step_prefix is not None and m.group("prefix") != step_prefix):
+    m = names.match(name)
+    if m is None or (step_prefix is not None and m.groupdict().get("prefix") != step_prefix):
         return None
     return int(m.group("step"))
 
 
-def tmp_step(name: str, *, step_prefix: str | None = None) -> int | None:
+def _tmp_head(name: str) -> str | None:
+    """The step name a tmp folder was saving (``300`` of ``300.orbax-checkpoint-tmp-17``), else None."""
+    head, sep, _ = name.partition(TMP_DIR_SUFFIX)
+    if not sep:
+        m = _T5X_TMP_NAME.match(name)
+        if m is None:
+            return None
+        head = m.group("head")
+    return head
+
+
+def tmp_step(name: str, *, step_prefix: str | None = None, names: re.Pattern[str] = _STEP_NAME) -> int | None:
     """The step a tmp folder was saving, else None.
 
     Orbax's tmp folders are ``<step name>.orbax-checkpoint-tmp-<ts>``, T5X's ``<step name>.tmp-<ts>``.
@@ -152,13 +185,8 @@ def tmp_step(name: str, *, step_prefix: str | None = None) -> int | None:
     >>> tmp_step("ckpt_0300.orbax-checkpoint-tmp-1700000000"), tmp_step("checkpoint_300.tmp-1700000000"), tmp_step("300")
     (300, 300, None)
     """
-    head, sep, _ = name.partition(TMP_DIR_SUFFIX)
-    if not sep:
-        m = _T5X_TMP_NAME.match(name)
-        if m is None:
-            return None
-        head = m.group("head")
-    return parse_step_name(head, step_prefix=step_prefix)
+    head = _tmp_head(name)
+    return None if head is None else parse_step_name(head, step_prefix=step_prefix, names=names)
 
 
 def _is_regular(path: str) -> bool:
@@ -204,12 +232,20 @@ def is_committed(step_dir: str | os.PathLike) -> bool:
     return _finalized_item(step_dir)
 
 
+DEFAULT_SERIES = ("checkpoint_", "")
+"""The series read when a root holds several and none is asked for: flax's default prefix, then bare numbers."""
+
+
 @dataclasses.dataclass
 class StepListing:
     """The steps of a checkpoint root: ``committed`` step -> folder, ``incomplete`` folder names.
 
     ``duplicates`` maps a step to the names of every committed folder that
     claims it (``2`` and ``000002``); such a step cannot be read until one goes.
+    ``series`` is the name before the number of these steps (``checkpoint_``);
+    ``others`` the root's other series, listed but never mixed in (``select``
+    reads one of them). ``conflict`` says why no series was chosen (several,
+    none of them the default): resolving any step raises it.
     """
 
     root: str
@@ -218,6 +254,9 @@ class StepListing:
     duplicates: dict[int, list[str]] = dataclasses.field(default_factory=dict)
     skipped: list[str] = dataclasses.field(default_factory=list)
     """Entries that could not be examined (unreadable, looping symlinks): ignored, reported as notes."""
+    series: str = ""
+    others: dict[str, "StepListing"] = dataclasses.field(default_factory=dict)
+    conflict: str | None = None
 
     @property
     def steps(self) -> list[int]:
@@ -225,6 +264,8 @@ class StepListing:
 
     def folder(self, step: int) -> str:
         """The folder of one committed step; two folders for one step are an error naming both."""
+        if self.conflict is not None:
+            raise CheckpointError(self.conflict)
         if step in self.duplicates:
             names = " and ".join(self.duplicates[step])
             raise CheckpointError(
@@ -232,20 +273,81 @@ class StepListing:
             )
         return self.committed[step]
 
+    def every_series(self) -> dict[str, "StepListing"]:
+        """Every series of the root, this one included (when one was chosen), by name."""
+        mine = {} if self.conflict is not None else {self.series: self}
+        return dict(sorted({**self.others, **mine}.items()))
+
+    def select(self, prefix: str, *, where: str | None = None) -> "StepListing":
+        """The root's series named ``prefix`` (``checkpoint_``; the separator may be left out: ``checkpoint``).
+
+        Raises:
+          CheckpointError: no such series (the message lists the series there are).
+
+        >>> root = StepListing("run", {}, [], others={"eval_": StepListing("run", {4: "run/eval_4"}, [], series="eval_")})
+        >>> root.select("eval").steps
+        [4]
+        """
+        every = self.every_series()
+        for name in (prefix, prefix + "_", prefix + "-"):
+            if name in every:
+                chosen = every[name]
+                return dataclasses.replace(chosen, skipped=self.skipped,
+                                           others={n: s for n, s in every.items() if n != name})
+        raise CheckpointError(
+            f"{where or self.root}: no step series with the prefix {prefix!r}; series here: {describe_series(every)}."
+        )
+
+
+def describe_series(listings: dict[str, StepListing]) -> str:
+    """``checkpoint_ (steps 4, 6), eval_ (step 6)``: each series with its committed steps."""
+    def one(name: str, listing: StepListing) -> str:
+        steps = listing.steps
+        shown = ", ".join(map(str, steps[:5])) + (", ..." if len(steps) > 5 else "")
+        label = repr(name) if name else "no prefix ('')"
+        return f"{label} ({'steps' if len(steps) != 1 else 'step'} {shown or 'none committed'})"
+
+    return "; ".join(one(n, s) for n, s in listings.items()) or "none"
+
+
+def choose_series(root: str, listings: dict[str, StepListing], skipped: list[str] | None = None, *,
+                  prefer: Sequence[str] = DEFAULT_SERIES) -> StepListing:
+    """The listing a root is read with: its one series, else ``prefer``'s first present, else a conflict.
+
+    Every series gets the others in ``others``, so none is lost from view.
+    """
+    skipped = list(skipped or [])
+    if not listings:
+        return StepListing(root, {}, [], skipped=skipped)
+    if len(listings) == 1:
+        chosen: StepListing | None = next(iter(listings.values()))
+    else:
+        chosen = next((listings[n] for n in prefer if n in listings), None)
+    if chosen is None:
+        return StepListing(root, {}, [], skipped=skipped, others=dict(listings), conflict=(
+            f"{root}: step folders of several series ({describe_series(listings)}); read one with --prefix NAME "
+            "(prefix= in the library)."))
+    return dataclasses.replace(chosen, skipped=skipped,
+                               others={n: s for n, s in listings.items() if n != chosen.series})
+
 
 def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
-               commit_rule: Callable[[str], bool] | None = None) -> StepListing:
+               commit_rule: Callable[[str], bool] | None = None, names: re.Pattern[str] = _STEP_NAME,
+               prefer: Sequence[str] = DEFAULT_SERIES) -> StepListing:
     """Committed and incomplete step folders directly under ``root``.
 
     Reads names and marker files only (no array data), and never writes.
     Files and folders that are not step folders are ignored; a missing root
-    gives an empty listing.
+    gives an empty listing. Step folders of several series (names before the
+    number) are listed apart: see ``choose_series``.
 
     Args:
       root: the checkpoint root.
       step_prefix: only accept this step-name prefix (None: any prefix or none).
       commit_rule: a format's own test of a step folder without a tmp suffix
         (default ``is_committed``, Orbax's commit evidence).
+      names: a format's own step-folder names (a pattern with a ``step`` group; default Orbax's).
+      prefer: the series read when there are several and none is asked for (Levanter: ``step-``, not ``epoch-``).
 
     >>> import tempfile, pathlib
     >>> root = pathlib.Path(tempfile.mkdtemp())
@@ -257,8 +359,8 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
     ([100], ['ckpt_0200.orbax-checkpoint-tmp-17'])
     """
     root = os.fspath(root)
-    committed: dict[int, list[str]] = {}
-    incomplete: list[tuple[int, str]] = []
+    committed: dict[str, dict[int, list[str]]] = {}
+    incomplete: dict[str, list[tuple[int, str]]] = {}
     skipped: list[str] = []
     try:
         with storage.scandir(root) as it:
@@ -271,10 +373,12 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
         raise CheckpointError(f"{root}: cannot list folder ({e.strerror or e}).") from None
     for entry in entries:
         name = entry.name
-        tmp = tmp_step(name, step_prefix=step_prefix)
-        step = tmp if tmp is not None else parse_step_name(name, step_prefix=step_prefix)
-        if step is None:
+        head = _tmp_head(name)
+        found = step_series(head if head is not None else name, names=names)
+        if found is None or (step_prefix is not None and parse_step_name(
+                head if head is not None else name, step_prefix=step_prefix, names=names) is None):
             continue
+        series, step = found
         try:
             is_dir = entry.is_dir()
         except OSError:  # a symlink loop, an unreadable entry: junk, not a reason to fail the whole root
@@ -284,18 +388,21 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
             if entry.is_symlink() and not storage.exists(entry.path):
                 skipped.append(name)
             continue
-        if tmp is None and (commit_rule or is_committed)(entry.path):
-            committed.setdefault(step, []).append(entry.path)
+        if head is None and (commit_rule or is_committed)(entry.path):
+            committed.setdefault(series, {}).setdefault(step, []).append(entry.path)
         else:
-            incomplete.append((step, name))
-    ordered = dict(sorted(committed.items()))
-    return StepListing(
-        root,
-        {s: paths[0] for s, paths in ordered.items()},
-        [name for _, name in sorted(incomplete)],
-        {s: [os.path.basename(p) for p in paths] for s, paths in ordered.items() if len(paths) > 1},
-        skipped,
-    )
+            incomplete.setdefault(series, []).append((step, name))
+    listings = {}
+    for series in sorted({*committed, *incomplete}):
+        ordered = dict(sorted(committed.get(series, {}).items()))
+        listings[series] = StepListing(
+            root,
+            {s: paths[0] for s, paths in ordered.items()},
+            [name for _, name in sorted(incomplete.get(series, []))],
+            {s: [os.path.basename(p) for p in paths] for s, paths in ordered.items() if len(paths) > 1},
+            series=series,
+        )
+    return choose_series(root, listings, skipped, prefer=prefer)
 
 
 def list_steps(checkpoint_dir: str | os.PathLike, *, step_prefix: str | None = None) -> list[int]:
@@ -374,6 +481,12 @@ def _list(values: Iterable[Any]) -> str:
     return ", ".join(map(str, values)) if values else "none"
 
 
+def _number_of(name: str) -> int | None:
+    """The step an incomplete save's name carries (``300.orbax-checkpoint-tmp-17``, ``step-30``), if any."""
+    m = re.search(r"(\d+)$", _tmp_head(name) or name)
+    return int(m.group(1)) if m else None
+
+
 def resolve_step(listing: StepListing, step: Any, *, where: str | None = None) -> int:
     """The committed step that ``step`` names in ``listing`` (None/-1/"latest": the latest).
 
@@ -393,6 +506,8 @@ def resolve_step(listing: StepListing, step: Any, *, where: str | None = None) -
     """
     where = where or listing.root
     asked = parse_step(step)
+    if listing.conflict is not None:
+        raise CheckpointError(listing.conflict)
     if not listing.committed:
         if not storage.exists(listing.root):
             raise CheckpointNotFoundError(f"{where}: no such file or folder.")
@@ -401,7 +516,7 @@ def resolve_step(listing: StepListing, step: Any, *, where: str | None = None) -
     if asked is None:
         asked = max(listing.committed)
     elif asked not in listing.committed:
-        partial = [n for n in listing.incomplete if (tmp_step(n) if tmp_step(n) is not None else parse_step_name(n)) == asked]
+        partial = [n for n in listing.incomplete if _number_of(n) == asked]
         if partial:
             raise CheckpointNotFoundError(
                 f"{where}: step {asked} is an incomplete save ({', '.join(partial)}); it is never read. "

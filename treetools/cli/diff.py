@@ -53,6 +53,7 @@ from treetools.cli.options import (
     add_filters,
     add_item,
     add_output_format,
+    add_prefix,
     add_reading,
     add_sort,
     add_rules,
@@ -66,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("a", metavar="A", help="first checkpoint (the reference)")
     parser.add_argument("b", metavar="B", nargs="?", default=None, help="second checkpoint (default: A)")
     add_step(parser, twice=True)
+    add_prefix(parser)
     add_item(parser)
     add_reading(parser)
     parser.add_argument("--values", action="store_true", help="also compare values, streamed in blocks")

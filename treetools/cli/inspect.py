@@ -7,11 +7,16 @@ from before 0.5 on); a T5X model dir, checkpoint_<N> folder or its
 `checkpoint` file; a folder of Flax checkpoint_<N> msgpack files
 (flax.training.checkpoints); a Flax msgpack file (flax.serialization.to_bytes);
 a .safetensors file; a Hugging Face folder of sharded safetensors or sharded
-Flax msgpack with its index JSON; or an .npz. Any of these may be a gs:// or
-s3:// URL, read in place (formats: orbax, t5x, flax-legacy, msgpack,
-safetensors, safetensors-sharded, flax-sharded, npz). Without --step the
-latest committed step is shown and every step is listed; incomplete saves
-(Orbax tmp folders, a missing commit marker) are listed and never read.
+Flax msgpack with its index JSON; an .npz; a Levanter run, step-N or item
+folder; an EasyDeL save_pretrained folder or trainer folder of run-N; an
+Equinox .eqx file; a Keras .weights.h5 or .keras file (with h5py). Any of
+these may be a gs:// or s3:// URL, read in place (formats: orbax, t5x,
+flax-legacy, msgpack, safetensors, safetensors-sharded, flax-sharded, npz,
+levanter, easydel, equinox, keras). Without --step the latest committed step
+is shown and every step is listed; incomplete saves (Orbax tmp folders, a
+missing commit marker) are listed and never read. A folder holding several
+series of steps (checkpoint_<N> and eval_<N>) shows checkpoint_ and names
+the others: --prefix NAME reads one.
 
 Metadata mode reads no array data. --stats streams each array in bounded
 blocks (TREETOOLS_CHUNK_BYTES, default 8 MiB; a compressed storage chunk is
@@ -36,6 +41,7 @@ Examples:
   treetools inspect runs/demo/checkpoints --item params --depth 1
   treetools inspect runs/demo/checkpoints --step all --format json
   treetools inspect model.safetensors --include 'attn' --sort params --stats
+  treetools inspect ckpt_dir --prefix validation_loss_lm_per_token_   another series of steps
 
 Exit codes: 0 ok; 1 error (missing path, not a checkpoint, corrupt file, a
 pattern that matches nothing); 2 usage; 3 non-finite values found under
@@ -53,6 +59,7 @@ from treetools.cli.options import (
     add_filters,
     add_item,
     add_output_format,
+    add_prefix,
     add_reading,
     add_sort,
     add_rules,
@@ -76,6 +83,7 @@ SHOW_THRESHOLD = 200
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH", help="checkpoint folder or file")
     add_step(parser)
+    add_prefix(parser)
     add_item(parser)
     add_reading(parser)
     group = parser.add_mutually_exclusive_group()
@@ -117,7 +125,7 @@ def _show(args: argparse.Namespace) -> int:
 
     try:
         name, value = show_leaf(args.path, args.show, step=args.step if args.step != "all" else None, item=args.item,
-                                memory_budget=args.memory_budget)
+                                memory_budget=args.memory_budget, prefix=args.prefix)
     except ValueError as e:
         if isinstance(e, CheckpointError):
             raise

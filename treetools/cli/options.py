@@ -36,6 +36,14 @@ def add_item(parser: argparse.ArgumentParser) -> None:
                              "(msgpack of a whole state, npz, safetensors) a top-level key")
 
 
+def add_prefix(parser: argparse.ArgumentParser) -> None:
+    """``--prefix NAME``: one series of steps in a folder holding several."""
+    parser.add_argument("--prefix", metavar="NAME", default=None,
+                        help="in a folder holding several series of steps (flax save_checkpoint(prefix=...): "
+                             "checkpoint_6 and eval_6), read the series NAME (default checkpoint_); the others are "
+                             "named in a note")
+
+
 def add_filters(parser: argparse.ArgumentParser, *, verb: str = "keep") -> None:
     """``--include RE`` / ``--exclude RE``, repeatable."""
     parser.add_argument("--include", type=regex, action="append", default=[], metavar="RE",

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 
-from treetools.cli.options import add_output_format, add_reading, add_step, options_from
+from treetools.cli.options import add_output_format, add_prefix, add_reading, add_step, options_from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", metavar="PATH", help="checkpoint folder or file")
     add_step(parser)
+    add_prefix(parser)
     add_output_format(parser, ("table", "json"))
     add_reading(parser)
 
@@ -37,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
 
     steps = [args.step]
     if args.step == "all":
-        source = open_source(args.path, memory_budget=args.memory_budget)
+        source = open_source(args.path, memory_budget=args.memory_budget, prefix=args.prefix)
         steps = source.steps if source.steps is not None else [None]
     reports = [verify_path(args.path, options_from(args, VerifyOptions, step=s)) for s in steps]
     print(render_verify(reports, args.format, many=args.step == "all"))

@@ -343,8 +343,8 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     """
     opts = resolve(DiffOptions, options, fields)
     step, step_a, step_b, item, include, exclude = opts.step, opts.step_a, opts.step_b, opts.item, opts.include, opts.exclude
-    src_a = open_source(a, memory_budget=opts.memory_budget)
-    src_b = open_source(b, memory_budget=opts.memory_budget)
+    src_a = open_source(a, memory_budget=opts.memory_budget, prefix=opts.prefix)
+    src_b = open_source(b, memory_budget=opts.memory_budget, prefix=opts.prefix)
     if step is not None and step != "latest" and src_a.steps is None and src_b.steps is None:
         raise CheckpointError(f"step {step}: neither {src_a.path} nor {src_b.path} is a checkpoint root with steps.")
     snap_a, items_a = _items(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item,

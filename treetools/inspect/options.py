@@ -46,6 +46,7 @@ class InspectOptions(ReadOptions):
 
     Attributes:
       step: a step number, ``"latest"`` (default) or ``"all"``; roots only.
+      prefix: the series of steps to read in a folder holding several (``checkpoint_``, the default).
       item: show only this item (e.g. ``params``); only its metadata is read. Any path the view prints works:
         a part of an item holding a whole train state (``params``), or ``item/path`` for a group or leaf.
       depth: one row per path prefix of ``depth`` parts below the item's shared prefix, summed; 0: one row
@@ -61,6 +62,7 @@ class InspectOptions(ReadOptions):
     """
 
     step: int | str | None = None
+    prefix: str | None = None
     item: str | None = None
     depth: int | None = None
     leaves: bool = False
@@ -83,6 +85,7 @@ class DiffOptions(ReadOptions):
     Attributes:
       step: the step of each side that is a checkpoint root (None: latest).
       step_a, step_b: the step of A / of B, overriding ``step``.
+      prefix: the series of steps each side that is such a folder reads (``checkpoint_``, the default).
       item: compare only this item (a side with a single item uses that one).
       values: also compare values, streamed in blocks.
       atol, rtol: the tolerance ``|a - b| <= atol + rtol * |b|``.
@@ -95,6 +98,7 @@ class DiffOptions(ReadOptions):
     step: int | str | None = None
     step_a: int | str | None = None
     step_b: int | str | None = None
+    prefix: str | None = None
     item: str | None = None
     values: bool = False
     atol: float = 1e-8
@@ -108,9 +112,11 @@ class DiffOptions(ReadOptions):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerifyOptions(ReadOptions):
-    """What ``verify_path`` checks: one step of a checkpoint root (None: the latest committed one)."""
+    """What ``verify_path`` checks: one step of a checkpoint root (None: the latest committed one), of the
+    series ``prefix`` in a folder holding several."""
 
     step: int | str | None = None
+    prefix: str | None = None
 
 
 def resolve(cls: type[_O], options: _O | None, fields: dict[str, Any]) -> _O:

@@ -295,7 +295,7 @@ def _rows(leaf_rows: list[Row], opts: InspectOptions, accs: dict[tuple[str, ...]
 
 
 def _inspect(path: str, opts: InspectOptions) -> Report:
-    source = open_source(path, memory_budget=opts.memory_budget)
+    source = open_source(path, memory_budget=opts.memory_budget, prefix=opts.prefix)
     all_steps = opts.step == "all"
     wanted, under = (None, None) if opts.item is None else _item_argument(source, opts.step, opts.item)
     wanted = [wanted] if wanted is not None else None

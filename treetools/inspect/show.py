@@ -43,7 +43,7 @@ def parse_leaf_spec(spec: str) -> tuple[str, tuple[Any, ...] | None]:
 
 
 def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str | None = None,
-              memory_budget: float | None = None) -> tuple[str, Any]:
+              memory_budget: float | None = None, prefix: str | None = None) -> tuple[str, Any]:
     """The values of one leaf, or of a slice of it, reading only that leaf (only the chunks a slice needs).
 
     Args:
@@ -54,6 +54,7 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
       step: the step of a checkpoint root (default: latest).
       item: the item holding the leaf.
       memory_budget: the most the read may hold, in bytes (None: ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB).
+      prefix: the series of steps in a folder holding several (default ``checkpoint_``).
 
     Returns:
       ``(item/path, numpy array or value)``.
@@ -67,7 +68,7 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
     ('default/w', array([4, 6]))
     """
     name, index = parse_leaf_spec(spec)
-    source = open_source(path, memory_budget=memory_budget)
+    source = open_source(path, memory_budget=memory_budget, prefix=prefix)
     resolved = source.resolve(step)
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
         return _show_leaf(source, resolved, spec, name, index, item)

@@ -102,7 +102,7 @@ def verify_path(path: str, options: VerifyOptions | None = None, /, **fields: An
     """
     opts = resolve(VerifyOptions, options, fields)
     try:
-        source = open_source(path, memory_budget=opts.memory_budget)
+        source = open_source(path, memory_budget=opts.memory_budget, prefix=opts.prefix)
     except (CheckpointNotFoundError, MemoryBudgetError):
         raise
     except CheckpointError as e:  # a single-file format reads its header at open: damage there is a problem too

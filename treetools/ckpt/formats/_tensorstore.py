@@ -1,21 +1,27 @@
-"""TensorStore-backed arrays, shared by the formats that store zarr arrays (Orbax, T5X, Orbax before 0.5).
+"""TensorStore-backed arrays, shared by the formats that store zarr arrays (Orbax, T5X, Orbax before 0.5,
+Levanter, EasyDeL).
 
 Not a format (its name starts with ``_``): the reader of one zarr array
 (``TensorStoreReader``), the spec of one saved array as Orbax builds it
-(``ts_spec``), opening many arrays' headers at once (``open_all``), and the
-refusal of special files TensorStore would block on (``refuse_special_files``).
+(``ts_spec``), opening many arrays' headers at once (``open_all``), the
+refusal of special files TensorStore would block on (``refuse_special_files``),
+and, for the formats that keep one zarr folder per leaf (jax's
+``GlobalAsyncCheckpointManager``: Levanter, EasyDeL, Orbax's ``ArrayCheckpointHandler``),
+finding those folders (``array_folders``) and reading them as leaves (``zarr_leaves``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Sequence
 
 import numpy as np
 
 from treetools.ckpt import storage
 from treetools.ckpt.readers import ArrayReader, Index, check_budget, physical_memory
+from treetools.ckpt.source import Leaf, array_row
 from treetools.ckpt.steps import file_kind
 from treetools.errors import CheckpointError
 
@@ -200,3 +206,72 @@ def open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] 
             problems.append(message)
             stores.append(None)
     return stores
+
+
+ZARR_HEADERS = (".zarray", "zarr.json")
+"""The header of a zarr v2 / v3 array folder."""
+
+
+def zarr_header(folder: str) -> str | None:
+    """The zarr header file of an array folder (``.zarray`` or ``zarr.json``), None when it is not one."""
+    return next((h for h in ZARR_HEADERS if storage.isfile(os.path.join(folder, h))), None)
+
+
+def natural_key(parts: Sequence[str]) -> tuple[Any, ...]:
+    """Sort key of a path that orders ``layers/2`` before ``layers/10``.
+
+    >>> sorted([("l", "10"), ("l", "2"), ("a",)], key=natural_key)
+    [('a',), ('l', '2'), ('l', '10')]
+    """
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
+
+
+def array_folders(top: str) -> tuple[list[tuple[tuple[str, ...], str]], list[tuple[str, ...]]]:
+    """Every zarr array folder at or below ``top``, and every folder below it that ends without one.
+
+    Returns ``([(path parts, header name)], [path parts of empty end folders])``, relative to ``top``
+    (``()`` when ``top`` is itself an array), in natural order; nothing below an array folder is
+    looked at (its chunks). An end folder without a header is where an array was lost (a partial copy).
+    """
+    arrays: list[tuple[tuple[str, ...], str]] = []
+    empty: list[tuple[str, ...]] = []
+    base = storage.normalize(top)
+    for folder, dirs, files in storage.walk(top):
+        rel = storage.normalize(folder)[len(base):].strip("/")
+        parts = tuple(re.split(r"[/\\]", rel)) if rel else ()
+        header = next((h for h in ZARR_HEADERS if h in files), None)
+        if header is not None:
+            arrays.append((parts, header))
+            dirs[:] = []  # its chunks (and nested chunk folders of dimension_separator "/")
+        elif not dirs:
+            empty.append(parts)
+    return sorted(arrays, key=lambda a: natural_key(a[0])), sorted(empty, key=natural_key)
+
+
+def zarr_leaves(base: str, arrays: Sequence[tuple[tuple[str, ...], str, str]], *, where: str,
+                problems: list[str] | None = None) -> list[Leaf | None]:
+    """One leaf per zarr array folder ``base/<folder>``: ``(leaf path parts, folder, header name)``.
+
+    Shape, dtype and chunks come from the headers, opened all at once (no
+    array data); each leaf's data is read on request through a ``TensorStoreReader``.
+    With ``problems``, an array that cannot be opened is recorded there and its
+    leaf is None; without, it is an error.
+    """
+    for header in ZARR_HEADERS:
+        names = [folder for _, folder, h in arrays if h == header]
+        if names:
+            refuse_special_files(base, names, use_ocdbt=False, use_zarr3=header == "zarr.json")
+    specs = [ts_spec(base, folder, use_ocdbt=False, use_zarr3=header == "zarr.json") for _, folder, header in arrays]
+    wheres = [f"{where}: `{'/'.join(parts)}`" for parts, _, _ in arrays]
+    context = reader_context(base)
+    leaves: list[Leaf | None] = []
+    for (parts, folder, _), spec, w, store in zip(arrays, specs, wheres, open_all(specs, wheres, problems)):
+        if store is None:
+            leaves.append(None)
+            continue
+        dtype = np.dtype(store.dtype.numpy_dtype)
+        shape = tuple(int(d) for d in store.shape)
+        chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
+        reader = TensorStoreReader(spec, shape, dtype, chunk, where=w, context=context)
+        leaves.append(Leaf(array_row(parts, shape, dtype), reader, key=folder))
+    return leaves

@@ -28,7 +28,7 @@ from treetools.errors import CheckpointError, StepDeletedError
 from treetools.ckpt.formats.msgpack import is_msgpack_map, read_msgpack
 from treetools.ckpt.formats.orbax import read_pytree_item
 from treetools.ckpt.source import DEFAULT_ITEM, Format, Item, Snapshot, Source
-from treetools.ckpt.steps import PYTREE_METADATA_FILE, StepListing, is_committed
+from treetools.ckpt.steps import PYTREE_METADATA_FILE, StepListing, choose_series, is_committed
 
 
 # Flax joins prefix and step with nothing in between (``checkpoint_`` + ``100``); integer steps only.
@@ -58,36 +58,35 @@ def _step_files(folder: str) -> dict[str, dict[int, str]]:
 def scan_files(folder: str) -> tuple[str, StepListing]:
     """The prefix and the steps of a legacy Flax checkpoint folder.
 
+    Each prefix is a series of steps (``steps.choose_series``): ``checkpoint_``
+    is read unless another is selected; the others are listed.
+
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp()
-    >>> for name in ("checkpoint_10", "checkpoint_2"):
-    ...     _ = open(os.path.join(d, name), "wb").write(b"\\x80")
-    >>> _ = open(os.path.join(d, "checkpoint_tmp"), "wb").write(b"\\x80")
+    >>> for name in ("checkpoint_10", "checkpoint_2", "eval_2", "checkpoint_tmp"):
+    ...     _ = open(os.path.join(d, name), "wb").write(bytes([0x80]))
     >>> prefix, listing = scan_files(d)
-    >>> prefix, listing.steps, listing.incomplete
-    ('checkpoint_', [2, 10], ['checkpoint_tmp'])
+    >>> prefix, listing.steps, listing.incomplete, list(listing.others)
+    ('checkpoint_', [2, 10], ['checkpoint_tmp'], ['eval_'])
     """
     found = _step_files(folder)
-    if not found:
-        pending = _tmp_files(folder)
-        if pending:  # the first save is still being written: no step yet (resolve_step says so)
-            return pending[0][: -len(_TMP)], StepListing(folder, {}, pending)
+    pending = _tmp_files(folder)
+    if not found and not pending:
         raise CheckpointError(f"{folder}: no Flax checkpoint files (<prefix><step> msgpack files) in it.")
-    if len(found) > 1 and _DEFAULT_PREFIX not in found:
-        raise CheckpointError(
-            f"{folder}: Flax checkpoint files with several prefixes ({', '.join(sorted(map(repr, found)))}); "
-            "move each run's files into a folder of its own."
-        )
-    prefix = _DEFAULT_PREFIX if _DEFAULT_PREFIX in found else next(iter(found))
-    committed = dict(found[prefix])
-    duplicates: dict[int, list[str]] = {}
-    for step, path in _orbax_step_folders(folder, prefix).items():  # a run resumed with the other Flax backend
-        if step in committed:
-            duplicates[step] = [os.path.basename(committed[step]), os.path.basename(path) + "/"]
-        committed[step] = path
-    tmp = prefix + _TMP
-    incomplete = [tmp] if storage.lexists(os.path.join(folder, tmp)) else []
-    return prefix, StepListing(folder, dict(sorted(committed.items())), incomplete, duplicates=duplicates)
+    listings = {}
+    for prefix in sorted({*found, *(name[: -len(_TMP)] for name in pending)}):
+        committed = dict(found.get(prefix, {}))
+        duplicates: dict[int, list[str]] = {}
+        for step, path in _orbax_step_folders(folder, prefix).items():  # a run resumed with the other Flax backend
+            if step in committed:
+                duplicates[step] = [os.path.basename(committed[step]), os.path.basename(path) + "/"]
+            committed[step] = path
+        tmp = prefix + _TMP
+        incomplete = [tmp] if storage.lexists(os.path.join(folder, tmp)) else []
+        listings[prefix] = StepListing(folder, dict(sorted(committed.items())), incomplete, duplicates=duplicates,
+                                       series=prefix)
+    listing = choose_series(folder, listings)
+    return listing.series, listing
 
 
 def _orbax_step_folders(folder: str, prefix: str) -> dict[int, str]:
@@ -113,7 +112,7 @@ class FlaxLegacySource(Source):
 
     def __init__(self, location: str, display: str):
         self.location = location
-        self.prefix, listing = scan_files(location)
+        _, listing = scan_files(location)
         super().__init__(display, listing=listing)
 
     def item_names(self, step: int | None) -> list[str]:

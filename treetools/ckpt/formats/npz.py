@@ -2,6 +2,7 @@
 
 A stored (uncompressed) member is mapped a block at a time; a compressed one is
 streamed front to back. Member names are kept as stored (``Dense_0/kernel``).
+A member stored as 2-byte void (``<V2``: how numpy writes bfloat16) reads as bfloat16.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from treetools.ckpt import storage
 from treetools.errors import CheckpointError
-from treetools.ckpt.readers import ArrayReader, FileReader, block_span
+from treetools.ckpt.readers import ArrayReader, FileReader, block_span, np_dtype
 from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path, value_row
 
 
@@ -83,7 +84,21 @@ class ZipStreamReader(ArrayReader):
         return self._stream((min(per, total - a), (min(per, total - a),)) for a in range(0, total, per))
 
 
-def _npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+def npy_dtype(dtype: np.dtype) -> np.dtype:
+    """A ``.npy`` header's dtype; 2-byte void is bfloat16, as numpy writes an ``ml_dtypes.bfloat16`` array
+    (``np.save``, ``jnp.save``, ``np.savez``) and ``jnp.load`` reads it back.
+
+    >>> npy_dtype(np.dtype("V2")).name, npy_dtype(np.dtype("<f4")).name
+    ('bfloat16', 'float32')
+    """
+    if dtype.kind == "V" and dtype.itemsize == 2 and dtype.fields is None and dtype.subdtype is None:
+        return np_dtype("bfloat16")
+    return dtype
+
+
+def npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
+    """``(shape, fortran_order, dtype, data offset)`` of the ``.npy`` stream at ``f``'s position (parsed as numpy
+    parses it: a literal, never evaluated)."""
     fmt = np.lib.format
     try:
         version = fmt.read_magic(f)
@@ -95,7 +110,7 @@ def _npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype, in
             shape, fortran, dtype = fmt._read_array_header(f, version)  # 3.0 (utf-8 names): no public reader
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, SyntaxError) as e:
         raise CheckpointError(f"{where}: corrupt .npy header ({e}).") from None
-    return tuple(int(d) for d in shape), bool(fortran), np.dtype(dtype), f.tell()
+    return tuple(int(d) for d in shape), bool(fortran), npy_dtype(np.dtype(dtype)), f.tell()
 
 
 def _local_data_offset(fh: io.BufferedReader, info: zipfile.ZipInfo, where: str) -> int:
@@ -136,7 +151,7 @@ def read_npz(path: str) -> list[Leaf]:
             parts, sep = stored_path(name)
             try:
                 with zf.open(info) as f:
-                    shape, fortran, dtype, header_len = _npy_header(f, where)
+                    shape, fortran, dtype, header_len = npy_header(f, where)
             except (zipfile.BadZipFile, OSError, EOFError, RuntimeError, NotImplementedError) as e:
                 raise CheckpointError(f"{where}: cannot read this zip member ({e}).") from None
             if dtype.hasobject:

@@ -35,6 +35,8 @@ from treetools.ckpt.formats._tensorstore import (
     refuse_special_files,
     subdirs,
     ts_spec,
+    zarr_header,
+    zarr_leaves,
 )
 from treetools.ckpt.readers import MemoryBudgetError
 from treetools.ckpt.source import (
@@ -202,6 +204,36 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
     return OrbaxItem(name, "pytree", leaves, folder=item_dir, metadata=raw)
 
 
+ARRAY_ITEM_NAME = "checkpoint"
+"""The one array of an ``ArrayCheckpointHandler`` item is stored under the handler's checkpoint name, ``checkpoint``."""
+
+
+def is_array_item(folder: str) -> bool:
+    """An ``ArrayCheckpointHandler`` save written without ``_METADATA`` (Orbax before 0.7, as xlstm-jax pins):
+    ``_sharding`` and the zarr folder ``checkpoint/``; later Orbax adds ``_METADATA`` and it reads as a pytree."""
+    return (not storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE))
+            and zarr_header(os.path.join(folder, ARRAY_ITEM_NAME)) is not None)
+
+
+def read_array_item(item_dir: str, name: str, problems: list[str] | None = None) -> Item:
+    """The one array of an ``ArrayCheckpointHandler`` item without ``_METADATA``: one leaf, ``checkpoint``."""
+    header = zarr_header(os.path.join(item_dir, ARRAY_ITEM_NAME)) or ".zarray"
+    (leaf,) = zarr_leaves(item_dir, [((ARRAY_ITEM_NAME,), ARRAY_ITEM_NAME, header)], where=item_dir, problems=problems)
+    if leaf is None:  # recorded in `problems`
+        return Item(name, "pytree", [])
+    leaf.row = dataclasses.replace(leaf.row, sharding=_shardings(item_dir).get(ARRAY_ITEM_NAME))
+    return Item(name, "pytree", [leaf])
+
+
+def read_item(item_dir: str, name: str, problems: list[str] | None = None) -> Item:
+    """One item folder, whatever Orbax handler wrote it: JSON, pytree (``_METADATA``) or one array."""
+    if _is_json_item(item_dir):
+        return read_json_item(item_dir, name)
+    if is_array_item(item_dir):
+        return read_array_item(item_dir, name, problems)
+    return read_pytree_item(item_dir, name, problems)
+
+
 def _json_file(folder: str) -> str:
     """The file of a JSON item: ``metadata`` (JsonSave's default), else one named as its folder.
 
@@ -242,7 +274,7 @@ is_json_item = _is_json_item
 
 
 def _is_item(folder: str) -> bool:
-    return storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or _is_json_item(folder)
+    return storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or _is_json_item(folder) or is_array_item(folder)
 
 
 def _item_without_metadata(folder: str) -> bool:
@@ -270,8 +302,8 @@ def _kind_of(handler: Any) -> str:
     text = str(handler or "")
     if "Json" in text:
         return "json"
-    if not text or "PyTree" in text or "Standard" in text:
-        return "pytree"
+    if not text or "PyTree" in text or "Standard" in text or "ArrayCheckpointHandler" in text:
+        return "pytree"  # an ArrayCheckpointHandler item is one array: `_METADATA` lists it, or read_item finds it
     return "unsupported"
 
 
@@ -335,10 +367,14 @@ class OrbaxSource(Source):
         if self.mode == "item" or (self.mode == "root" and _step_is_item(step_dir)):
             folder = self.location if self.mode == "item" else step_dir
             (name,) = names
-            reader = read_json_item if _is_json_item(folder) else read_pytree_item
-            items[name] = reader(folder, name)
+            items[name] = read_item(folder, name)
             return Snapshot(step, items, record_sharding=True, metadata=self._metadata(folder), notes=notes)
         handlers = self._handlers(step_dir) or {}
+        if not handlers and list(names) == self.item_names(step):  # no item is left out without a word
+            notes += [f"folder `{d}` of the step is no item treetools reads (no _METADATA, JSON file or "
+                      "array); skipped." for d in subdirs(step_dir)
+                      if d not in _ORBAX_FILES and not d.startswith("ocdbt.process_") and TMP_DIR_SUFFIX not in d
+                      and not _is_item(os.path.join(step_dir, d))]
         for name in names:
             check_name(name, where=os.path.join(step_dir, STEP_METADATA_FILE))
             item_dir = os.path.join(step_dir, name)
@@ -350,7 +386,7 @@ class OrbaxSource(Source):
                 notes.append(f"item `{name}` was saved by {handlers[name].rsplit('.', 1)[-1]}, "
                              "which treetools does not read; skipped.")
                 continue
-            items[name] = (read_json_item if kind == "json" else read_pytree_item)(item_dir, name)
+            items[name] = read_json_item(item_dir, name) if kind == "json" else read_item(item_dir, name)
         return Snapshot(step, items, record_sharding=True, metadata=self._metadata(step_dir), notes=notes)
 
     def _metadata(self, step_dir: str) -> dict[str, Any]:
@@ -401,10 +437,7 @@ class OrbaxSource(Source):
         for name in names:
             item_dir = self.item_dir(step, name)
             try:
-                if _is_json_item(item_dir):
-                    item: Item = read_json_item(item_dir, name)
-                else:
-                    item = read_pytree_item(item_dir, name, problems=problems)
+                item = read_item(item_dir, name, problems)
             except (MemoryBudgetError, StepDeletedError):
                 raise
             except (CheckpointError, CheckpointNotFoundError) as e:

@@ -1,0 +1,221 @@
+"""Keras 3 ``.weights.h5`` and ``.keras`` files, read through h5py (the ``keras`` extra), without keras or jax.
+
+Keras writes its variables into HDF5 (keras/src/saving/saving_lib.py,
+``H5IOStore``): one group per saveable named by its attribute path
+(``layers/dense``; the layer's own name is the ``name`` attribute of its
+``vars`` group), the variables as datasets ``vars/0``, ``vars/1``, ... in the
+order of ``layer.weights``, the optimizer's under ``optimizer/vars/N``.
+bfloat16 (and other ml_dtypes) is stored as opaque bytes (``|V2``) with the
+attribute ``dtype="bfloat16"``. ``model.save("m.keras")`` zips
+``metadata.json``, ``config.json`` and that HDF5 file as ``model.weights.h5``,
+uncompressed: it is read in place, at its offset in the zip.
+
+One item, ``default``, whose leaf paths are the HDF5 dataset paths
+(``layers/dense/vars/0``), in natural order; shapes and dtypes come from the
+dataset headers, data is read on request, one block at a time. Any other
+HDF5 file reads the same way, as its datasets. Without h5py the file is
+refused with one line naming what it is and the extra to install.
+"""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from treetools.ckpt import storage
+from treetools.ckpt.formats._tensorstore import natural_key
+from treetools.ckpt.readers import ArrayReader, Index, check_budget, is_numeric, np_dtype
+from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, value_row
+from treetools.errors import CheckpointError
+
+HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+ZIP_MAGIC = b"PK\x03\x04"
+WEIGHTS_MEMBER = "model.weights.h5"
+"""The HDF5 file inside a ``.keras`` zip (saving_lib's ``_VARS_FNAME`` + ``.h5``)."""
+INSTALL = "pip install 'treetools[keras]'"
+
+
+class _Window(io.RawIOBase):
+    """``size`` bytes at ``start`` of a file (local or in a bucket), as a read-only seekable file: the HDF5 file
+    stored uncompressed inside a ``.keras`` zip, which h5py reads in place."""
+
+    def __init__(self, path: str, start: int, size: int):
+        self._file = storage.open(path, block_size=2**20)
+        self._start, self._size, self._pos = start, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._size - self._pos))
+        self._file.seek(self._start + self._pos)
+        data = self._file.read(n)
+        view[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _member(path: str) -> zipfile.ZipInfo | None:
+    """The ``model.weights.h5`` entry of a ``.keras`` zip, None when the zip has none."""
+    with storage.open(path) as f, zipfile.ZipFile(f) as z:
+        try:
+            return z.getinfo(WEIGHTS_MEMBER)
+        except KeyError:
+            return None
+
+
+def _opener(path: str) -> Callable[[], Any]:
+    """A function opening the file's HDF5 (the file itself, or the member of a ``.keras`` zip) with h5py."""
+    import h5py  # the `keras` extra: imported only to read a Keras file
+
+    if file_head(path, len(HDF5_MAGIC)) == HDF5_MAGIC:
+        if storage.is_remote(path):
+            return lambda: h5py.File(storage.open(path, block_size=2**20), "r")
+        return lambda: h5py.File(path, "r")
+    info = _member(path)
+    if info is None:
+        raise CheckpointError(f"{path}: a zip without {WEIGHTS_MEMBER}; not a Keras 3 .keras file.")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CheckpointError(f"{path}: {WEIGHTS_MEMBER} is compressed in the zip (Keras stores it uncompressed); "
+                              "unzip it and read the .h5 file.")
+    # The data follows the member's local header: 30 bytes, its name and its extra field.
+    local = storage.read_range(path, info.header_offset, 30)
+    if len(local) < 30 or local[:4] != ZIP_MAGIC:
+        raise CheckpointError(f"{path}: corrupt zip (no local header for {WEIGHTS_MEMBER}).")
+    start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+    return lambda: h5py.File(_Window(path, start, info.file_size), "r")
+
+
+def _dtype(dataset: Any) -> np.dtype:
+    """A dataset's dtype; opaque bytes with a ``dtype`` attribute are that ml_dtype (Keras's bfloat16)."""
+    dtype = np.dtype(dataset.dtype)
+    name = dataset.attrs.get("dtype")
+    if dtype.kind == "V" and name is not None:
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        try:
+            wanted = np_dtype(name)
+        except (TypeError, AttributeError):
+            return dtype
+        if wanted.itemsize == dtype.itemsize:
+            return wanted
+    return dtype
+
+
+class H5Reader(ArrayReader):
+    """One HDF5 dataset, read a block at a time (HDF5 reads only the chunks a block touches)."""
+
+    def __init__(self, opener: Callable[[], Any], name: str, shape: tuple[int, ...], dtype: np.dtype,
+                 stored: np.dtype, chunk_shape: tuple[int, ...] | None, *, where: str, remote: bool = False):
+        self._opener, self._name, self._stored, self._where = opener, name, stored, where
+        self.shape, self.dtype, self.chunk_shape = shape, dtype, chunk_shape
+        self.remote = remote
+
+    def _read(self, f: Any, index: Index) -> np.ndarray:
+        try:
+            block = np.asarray(f[self._name][index if index else ()])
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{self._where}: cannot read array data ({e}).") from None
+        return block.view(self.dtype) if self.dtype != self._stored else block
+
+    def _check(self) -> None:
+        if self.chunk_shape is not None:  # a compressed chunk is decoded whole
+            check_budget(int(np.prod(self.chunk_shape)) * self.dtype.itemsize, where=self._where,
+                         what=f"one HDF5 chunk ({list(self.chunk_shape)} {self.dtype})", budget=self.budget)
+
+    def read(self, index: Index) -> np.ndarray:
+        self._check()
+        with self._opener() as f:
+            return self._read(f, index)
+
+    def blocks(self, plan: Iterable[Index]) -> Iterator[np.ndarray]:
+        self._check()
+        with self._opener() as f:
+            for index in plan:
+                yield self._read(f, index)
+
+
+def read_h5(path: str, opener: Callable[[], Any]) -> list[Leaf]:
+    """Every dataset of the HDF5 file as a leaf at its path; no array data is read."""
+    import h5py  # the `keras` extra: imported only to read a Keras file
+
+    datasets: list[tuple[tuple[str, ...], tuple[int, ...], np.dtype, np.dtype, Any]] = []
+
+    def visit(name: str, obj: Any) -> None:  # returns None: h5py's visititems stops at the first other value
+        if isinstance(obj, h5py.Dataset):
+            check_name(name, where=path)
+            datasets.append((tuple(name.split("/")), tuple(int(d) for d in obj.shape or ()), _dtype(obj),
+                             np.dtype(obj.dtype), obj.chunks))
+
+    try:
+        with opener() as f:
+            f.visititems(visit)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: corrupt or truncated HDF5 (a Keras weights file?): {e}.") from None
+    leaves = []
+    for parts, shape, dtype, stored, chunks in sorted(datasets, key=lambda d: natural_key(d[0])):
+        name = "/".join(parts)
+        if not is_numeric(dtype) or dtype.hasobject:  # strings (a lookup layer's vocabulary): a value, not read
+            leaves.append(Leaf(value_row(parts)))
+            continue
+        reader = H5Reader(opener, name, shape, dtype, stored, tuple(chunks) if chunks else None,
+                          where=f"{path}: `{name}`", remote=storage.is_remote(path))
+        leaves.append(Leaf(array_row(parts, shape, dtype), reader))
+    return leaves
+
+
+def _what(path: str) -> str:
+    if file_head(path, len(HDF5_MAGIC)) == HDF5_MAGIC:
+        return "a Keras weights file (HDF5, model.save_weights)"
+    return "a Keras 3 model file (.keras: a zip holding model.weights.h5)"
+
+
+def _open(location: str, display: str) -> FileSource:
+    try:
+        opener = _opener(location)
+    except ImportError:
+        raise CheckpointError(f"{display}: {_what(location)}; reading it needs h5py: {INSTALL}.") from None
+    try:
+        leaves = read_h5(location, opener)
+    except CheckpointError as e:  # name the path as typed
+        raise CheckpointError(str(e).replace(location, display, 1)) from None
+    return FileSource(display, "keras", leaves)
+
+
+def _claims(path: str) -> bool:
+    head = file_head(path, len(HDF5_MAGIC))
+    if head == HDF5_MAGIC:
+        return True
+    if not head.startswith(ZIP_MAGIC):
+        return False
+    try:
+        return _member(path) is not None
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+        return False
+
+
+FORMAT = Format(
+    name="keras",
+    priority=32,  # before npz (30), which takes any zip
+    claims=_claims,
+    open=_open,
+    description="a Keras 3 .weights.h5 or .keras file (or any HDF5 file's datasets), through h5py",
+)

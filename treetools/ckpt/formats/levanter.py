@@ -1,0 +1,195 @@
+"""Levanter checkpoints (stanford-crfm/levanter, haliax's TensorStore serialization), read without jax.
+
+Levanter's ``Checkpointer`` saves step ``N`` of a run to ``<base_path>/step-N/``
+(``checkpoints/<run_id>/step-N``; ``EpochCheckpointer`` to ``epoch-N/``):
+
+* every array leaf of the trainer state is a zarr folder written by jax's
+  ``GlobalAsyncCheckpointManager``, at its key path (``leaf_key_paths``: dict
+  keys, indices, field names joined with ``.``) split into folders:
+  ``model/transformer/blocks/stacked/attn/c_attn/weight``, ``opt_state/0/mu/...``,
+  ``step``, ``training_key``; bfloat16 is stored as bfloat16;
+* ``metadata.json`` = ``{"step", "timestamp", "is_temporary"}`` is written in the
+  commit callback, after every array: it is the step's completion evidence. A
+  ``step-N`` folder without it (a preempted save) is listed as incomplete and
+  never read, as Levanter's own ``discover_latest_checkpoint`` skips it.
+
+PATH is the run folder (its ``step-N`` folders are the steps; ``epoch-N``
+folders are another series, read with ``--prefix epoch-``), one step folder,
+or one item folder (``step-N/model``). Each top-level entry of a step is an
+item: ``model`` (the parameters, what ``load_parameters`` returns),
+``opt_state``, ``step``, ``training_key``; an entry that is one array (``step``)
+is an item of one leaf named like the item. Shapes and dtypes come from the
+zarr headers; array data is read on request, one block at a time. Levanter
+keeps no index of its leaves: a folder that ends without an array (one lost in
+a partial copy) is a note in ``inspect`` and a problem in ``verify``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from typing import Any, Sequence
+
+from treetools.ckpt import storage
+from treetools.ckpt.formats._tensorstore import array_folders, subdirs, zarr_header, zarr_leaves
+from treetools.ckpt.readers import MemoryBudgetError
+from treetools.ckpt.source import Format, Item, Snapshot, Source, check_name
+from treetools.ckpt.steps import read_json_file, scan_steps, step_series
+from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
+
+METADATA_FILE = "metadata.json"
+"""Written last, in the commit callback: the step is complete (Levanter's ``_save_metadata``)."""
+
+STEP_NAMES = re.compile(r"^(?:step|epoch)-(?P<step>\d+)$")
+"""``Checkpointer`` saves ``step-N``; ``EpochCheckpointer`` saves ``epoch-N`` (another series)."""
+
+INDEX_FILES = ("tensorstore_index.json",)
+"""Files of other formats that write ``metadata.json`` too (EasyDeL): a folder holding one is not Levanter's."""
+
+
+def has_metadata(folder: str) -> bool:
+    """Whether the completion file ``metadata.json`` is there (a regular file)."""
+    return storage.isfile(os.path.join(folder, METADATA_FILE))
+
+
+def saved_metadata(folder: str, *, keys: Sequence[str] = ("is_temporary",)) -> dict[str, Any]:
+    """A step's ``saved_at`` (``metadata.json``'s ``timestamp``, in UTC) and the ``keys`` of it, as ``custom``."""
+    try:
+        meta = read_json_file(os.path.join(folder, METADATA_FILE), what=f"{METADATA_FILE}")
+    except (CheckpointError, CheckpointNotFoundError):
+        return {}
+    if not isinstance(meta, dict):
+        return {}
+    out: dict[str, Any] = {}
+    try:  # isoformat(), local time without a zone (Levanter) or with one (EasyDeL)
+        moment = datetime.datetime.fromisoformat(str(meta.get("timestamp")))
+        out["saved_at"] = moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (TypeError, ValueError, OverflowError, OSError):
+        pass
+    custom = {k: meta[k] for k in keys if k in meta}
+    if custom:
+        out["custom"] = custom
+    return out
+
+
+def _is_array(folder: str) -> bool:
+    return zarr_header(folder) is not None
+
+
+def _other_format(folder: str) -> bool:
+    return any(storage.lexists(os.path.join(folder, f)) for f in INDEX_FILES)
+
+
+def _is_step(folder: str) -> bool:
+    """A Levanter step folder: ``metadata.json`` beside array folders, or a ``step-N`` folder holding arrays
+    without it (a preempted save: claimed, to be refused as incomplete)."""
+    if not storage.isdir(folder) or _other_format(folder):
+        return False
+    try:
+        children = [os.path.join(folder, d) for d in subdirs(folder)]
+    except CheckpointError:
+        return False
+    if not any(_is_array(c) for c in children):  # Levanter always saves `step` (and `training_key`) as arrays
+        return False
+    return has_metadata(folder) or STEP_NAMES.match(os.path.basename(storage.normalize(folder))) is not None
+
+
+class LevanterSource(Source):
+    """A Levanter run folder (``mode="root"``), one step folder, or one item folder of a step."""
+
+    format = "levanter"
+
+    def __init__(self, location: str, display: str, mode: str):
+        self.location = location
+        self.mode = mode
+        listing = (scan_steps(location, commit_rule=has_metadata, names=STEP_NAMES, prefer=("step-",))
+                   if mode == "root" else None)
+        folder = os.path.dirname(storage.normalize(location)) if mode == "item" else location
+        found = step_series(os.path.basename(storage.normalize(folder)), names=STEP_NAMES)
+        super().__init__(display, listing=listing, step=found[1] if found and mode != "root" else None)
+
+    def _step_dir(self, step: int | None) -> str:
+        if self.listing is not None and step is not None:
+            return self.listing.folder(step)
+        return self.location
+
+    def item_names(self, step: int | None) -> list[str]:
+        if self.mode == "item":
+            return [os.path.basename(storage.normalize(self.location))]
+        return subdirs(self._step_dir(step))
+
+    def _read(self, step: int | None, name: str, notes: list[str], problems: list[str] | None = None) -> Item:
+        step_dir = os.path.dirname(storage.normalize(self.location)) if self.mode == "item" else self._step_dir(step)
+        check_name(name, where=step_dir)
+        folder = os.path.join(step_dir, name)
+        arrays, empty = array_folders(folder)
+        for parts in empty:
+            notes.append(f"{folder}: `{'/'.join(parts) or name}` is a folder without an array (no .zarray): "
+                         "an array lost in a partial copy? Copy the whole step folder.")
+        # Paths below the item; an item that is one array (`step`) is one leaf named like the item.
+        entries = [(parts or (name,), "/".join((name, *parts)), header) for parts, header in arrays]
+        leaves = zarr_leaves(step_dir, entries, where=folder, problems=problems)
+        return Item(name, "pytree", [leaf for leaf in leaves if leaf is not None])
+
+    def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
+        notes: list[str] = []
+        items = {name: self._read(step, name, notes) for name in names}
+        meta_dir = os.path.dirname(storage.normalize(self.location)) if self.mode == "item" else self._step_dir(step)
+        return Snapshot(step, items, metadata=saved_metadata(meta_dir), notes=notes)
+
+    def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
+        """Every item read leaf by leaf: an array that cannot be opened, or a folder that ends without an
+        array, is a problem; the other arrays are still checked."""
+        problems: list[str] = []
+        items = []
+        for name in self.item_names(step):
+            try:
+                item = self._read(step, name, problems, problems)
+            except (MemoryBudgetError, StepDeletedError):
+                raise
+            except (CheckpointError, CheckpointNotFoundError) as e:
+                problems.append(str(e))
+                continue
+            self.hold_to_budget([item])
+            items.append(item)
+        return items, problems
+
+
+def _claims(path: str) -> bool:
+    if not storage.isdir(path):
+        return False
+    if _is_step(path):
+        return True
+    parent = os.path.dirname(storage.normalize(path))
+    if parent != storage.normalize(path) and _is_step(parent):  # an item folder of a step
+        return True
+    try:
+        return any(STEP_NAMES.match(d) and _is_step(os.path.join(path, d)) for d in subdirs(path))
+    except CheckpointError:
+        return False
+
+
+def _open(location: str, display: str) -> LevanterSource:
+    if _is_step(location):
+        if not has_metadata(location):
+            raise CheckpointError(f"{display}: incomplete save (no {METADATA_FILE}, which Levanter writes after "
+                                  "every array); it is never read.")
+        return LevanterSource(location, display, "step")
+    parent = os.path.dirname(storage.normalize(location))
+    if _is_step(parent) and not any(STEP_NAMES.match(d) for d in subdirs(location)):
+        if not has_metadata(parent):
+            raise CheckpointError(f"{display}: part of an incomplete save (no {METADATA_FILE} in its step folder); "
+                                  "it is never read.")
+        return LevanterSource(location, display, "item")
+    return LevanterSource(location, display, "root")
+
+
+FORMAT = Format(
+    name="levanter",
+    priority=47,
+    claims=_claims,
+    open=_open,
+    description="a Levanter run folder of step-N/ folders (metadata.json, one zarr folder per leaf), a step "
+                "folder or one of its items",
+)
