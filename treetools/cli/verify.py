@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 
+from treetools.cli import _output
 from treetools.cli.options import add_output_format, add_reading, add_step, options_from
+from treetools.errors import CheckpointError, StepDeletedError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +41,15 @@ def main(args: argparse.Namespace) -> int:
     if args.step == "all":
         source = open_source(args.path, memory_budget=args.memory_budget)
         steps = source.steps if source.steps is not None else [None]
-    reports = [verify_path(args.path, options_from(args, VerifyOptions, step=s)) for s in steps]
-    print(render_verify(reports, args.format, many=args.step == "all"))
+    reports = []
+    for s in steps:
+        try:
+            reports.append(verify_path(args.path, options_from(args, VerifyOptions, step=s)))
+        except StepDeletedError as e:
+            if args.step != "all":
+                raise
+            _output.note(f"{e} Not verified.")  # pruned since the listing: not damage
+    if not reports:
+        raise CheckpointError(f"{args.path}: every listed step was deleted while it was being verified; run again.")
+    _output.out(render_verify(reports, args.format, many=args.step == "all"))
     return 0 if all(r.ok for r in reports) else 1

@@ -16,7 +16,7 @@ from treetools.ckpt.source import counts_params
 from treetools.inspect.diff import DiffReport
 from treetools.inspect.report import ItemReport, Report
 from treetools.inspect.verify import VerifyReport
-from treetools.render import DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, render_rows, safe_text
+from treetools.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, render_rows, safe_text
 from treetools.rows import Row, common_prefix, format_count, format_shape
 
 
@@ -118,11 +118,12 @@ def _render_values(values: dict[str, Any], md: bool) -> str:
         text = safe_text(json.dumps(jsonable(v), allow_nan=True))
         return text if len(text) <= 80 else text[:77] + "..."
 
+    cells = {safe_text(p, width=CELL_WIDTH): v for p, v in values.items()}  # no column padded to a huge name
     if md:
-        return tabulate([[p, shown(v)] for p, v in values.items()], headers=["path", "value"], tablefmt="github",
+        return tabulate([[p, shown(v)] for p, v in cells.items()], headers=["path", "value"], tablefmt="github",
                         disable_numparse=True)
-    width = max(len(p) for p in values)
-    return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in values.items())
+    width = max(len(p) for p in cells)
+    return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in cells.items())
 
 
 # ---------------------------------------------------------------------------- diffs
@@ -143,11 +144,11 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
 
     def shown(r: Row, field: str, value: Any) -> str:
         if field == "value":
-            return safe_text(json.dumps(jsonable(value)))
+            return safe_text(json.dumps(jsonable(value)), width=CELL_WIDTH)
         if field == "shape":
             return format_shape(r.shape)
         v = getattr(r, field)
-        return "-" if v is None else str(v)
+        return "-" if v is None else safe_text(v, width=CELL_WIDTH)
 
     def table(data: list[list[str]], headers: list[str]) -> str:
         return tabulate(data, headers=headers, tablefmt="github" if md else "simple", disable_numparse=True)
@@ -155,16 +156,17 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     sections: list[tuple[str, str | None]] = []
     for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
         if rows:
-            sections.append((f"{title}: {len(rows)}", table([[safe_text(r.name), format_shape(r.shape), r.dtype or "",
+            sections.append((f"{title}: {len(rows)}", table([[safe_text(r.name, width=CELL_WIDTH), format_shape(r.shape),
+                                                               safe_text(r.dtype or ""),
                                                                f"{r.params:,}"] for r in rows],
                                                              ["path", "shape", "dtype", "params"])))
     if report.changed:
-        data = [[safe_text(c.path), f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)]
+        data = [[safe_text(c.path, width=CELL_WIDTH), f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)]
                 for c in report.changed for f in c.fields]
         sections.append((f"changed metadata: {len(report.changed)}", table(data, ["path", "field", "A", "B"])))
     if report.values is not None:
         diffs = [v for v in report.values if not v.bit_identical]
-        body = table([[safe_text(v.path), f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", f"{v.mismatched:,}",
+        body = table([[safe_text(v.path, width=CELL_WIDTH), f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", f"{v.mismatched:,}",
                        _nonfinite_change(v), "yes" if v.allclose else "no"]
                       for v in diffs], ["path", "max_abs_diff", "rel_l2", "outside tol", "non-finite A->B", "allclose"]
                      ) if diffs else None
