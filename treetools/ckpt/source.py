@@ -160,6 +160,9 @@ class Source:
     record_sharding: bool = False
     memory_budget: float | None = None
     """Bytes one read may decode at once (set by ``open_source``); every reader handed out gets it."""
+    root: storage.Root | None = None
+    """The checkpoint root (set by ``open_source``: the PATH opened): every local file read under it resolves
+    inside it (``storage.confine``); None for a bucket."""
 
     def __init__(self, path: str, *, listing: StepListing | None = None, step: int | None = None):
         self.path = path
@@ -224,9 +227,11 @@ class Source:
 
     @contextlib.contextmanager
     def reading(self, step: int | None) -> Iterator[None]:
-        """Around any read of ``step``: an error because its folder went since the listing is a ``StepDeletedError``."""
+        """Around any read of ``step``: the metadata read under this source's memory budget; an error because
+        its folder went since the listing is a ``StepDeletedError``."""
         try:
-            yield
+            with opening(self.memory_budget):
+                yield
         except (CheckpointError, OSError):
             gone = self.step_deleted(step)
             if gone is not None:
@@ -234,11 +239,17 @@ class Source:
             raise
 
     def step_deleted(self, step: int | None) -> StepDeletedError | None:
-        """The error to raise when ``step``'s folder is gone since the steps were listed, else None."""
+        """The error to raise when ``step`` is gone since the steps were listed, else None.
+
+        Gone means its folder is gone, or is no longer a committed step (a
+        manager pruning it deletes its files, commit marker included, before the
+        folder), asked afresh (``StepListing.still_committed``): a step that is
+        still there and committed is never called deleted.
+        """
         if step is None or self.listing is None or step not in self.listing.committed:
             return None
         storage.forget(self.path)  # ask the bucket again, not what was listed
-        if storage.isdir(self.listing.committed[step]):
+        if self.listing.still_committed(step):
             return None
         return StepDeletedError(
             f"{self.path}: step {step} was deleted while it was being read (a manager pruning old steps?); "
@@ -406,6 +417,7 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None) 
         raise CheckpointNotFoundError("empty path: pass a checkpoint folder or file.")
     location = storage.normalize(display)
     storage.forget(location)  # a bucket is listed afresh each time a checkpoint is opened
+    root = storage.confine(location)  # from here on, every read under PATH must resolve inside it
     if not storage.exists(location):
         if storage.islink(location):
             raise CheckpointError(f"{display}: {file_kind(location)}; point at the checkpoint itself.")
@@ -420,7 +432,7 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None) 
             try:
                 with opening(memory_budget):
                     source = fmt.open(location, display)
-                source.memory_budget = memory_budget
+                source.memory_budget, source.root = memory_budget, root
                 return source
             except (CheckpointError, CheckpointNotFoundError) as e:  # name the path as typed, not its absolute form
                 if location == display or not str(e).startswith(location):
@@ -443,14 +455,17 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None) 
 def check_name(name: str, *, where: str) -> None:
     """Refuse a stored name that would point outside the checkpoint.
 
-    A name is refused when it is absolute or has a ``..`` part (``/`` or ``\\``
-    separated): such a key could make a reader open files outside PATH.
+    A name is refused when it is absolute, has a ``..`` part (``/`` or ``\\``
+    separated) or holds a NUL byte: such a key could make a reader open files
+    outside PATH, or name a file no system can open.
 
     >>> check_name("../etc/passwd", where="m.safetensors")
     Traceback (most recent call last):
     ...
     treetools.errors.CheckpointError: m.safetensors: key '../etc/passwd' tries to escape the checkpoint folder; refusing to read it.
     """
+    if "\0" in name:
+        raise CheckpointError(f"{where}: key {name[:200]!r} holds a NUL byte; refusing to read it.")
     parts = name.replace("\\", "/").split("/")
     if name.startswith(("/", "\\")) or ".." in parts:
         raise CheckpointError(f"{where}: key {name!r} tries to escape the checkpoint folder; refusing to read it.")

@@ -238,11 +238,13 @@ def inspect_path(path: str, options: InspectOptions | None = None, /, **fields: 
     try:
         return _inspect(path, opts)
     except StepDeletedError as e:
-        if parse_step(opts.step, allow_all=True) not in (None, -1):
+        if parse_step(opts.step, allow_all=True) not in (None, -1, "all"):
             raise
-        # The latest step went while it was read (a manager saved a newer one and pruned it): once more.
+        # The latest step (or, with "all", one of them) went while it was read (a manager saved a newer one
+        # and pruned it): once more, from a fresh listing.
         report = _inspect(path, opts)
-        report.notes.insert(0, f"{e} Read again: showing step {report.step}.")
+        shown = "every step present now" if opts.step == "all" else f"step {report.step}"
+        report.notes.insert(0, f"{e} Read again: showing {shown}.")
         return report
 
 
@@ -250,17 +252,25 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
     source = open_source(path, memory_budget=opts.memory_budget)
     all_steps = opts.step == "all"
     wanted = [opts.item] if opts.item is not None else None
+    notes: list[str] = []
     if all_steps:
         if source.steps is None:
             raise CheckpointError(f"{source.path}: a single checkpoint, not a checkpoint root; `all` steps needs a root.")
-        snaps = [source.snapshot(s, wanted) for s in source.steps]
+        snaps = []
+        for step in source.steps:
+            try:
+                snaps.append(source.snapshot(step, wanted))
+            except StepDeletedError as e:  # pruned since the listing: the others are still worth showing
+                notes.append(f"{e} Not shown.")
+        if not snaps:
+            raise CheckpointError(f"{source.path}: every listed step was deleted while it was being read; run again.")
     else:
         snaps = [source.snapshot(opts.step, wanted)]
     for s in snaps:
         if opts.rules is not None and not opts.rules.empty:
             s.items = map_items(s.items, opts.rules)
         s.items = {name: s.items[name] for name in order_items(list(s.items))}
-    notes = list(dict.fromkeys(n for s in snaps for n in s.notes))
+    notes = list(dict.fromkeys(notes + [n for s in snaps for n in s.notes]))
     kept = _filter(snaps, opts.include, opts.exclude)
     accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite: list[str] = []

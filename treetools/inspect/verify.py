@@ -111,7 +111,8 @@ def verify_path(path: str, options: VerifyOptions | None = None, /, **fields: An
         return report
     resolved = source.resolve(opts.step)
     report = VerifyReport(source.path, source.format, resolved)
-    items, problems = source.verify_metadata(resolved)
+    with source.reading(resolved):  # the metadata read under the source's budget; a pruned step named as such
+        items, problems = source.verify_metadata(resolved)
     report.problems += problems
     for item in items:
         report.items += 1
