@@ -143,7 +143,7 @@ def checked_shape(values: Any, *, where: str, itemsize: int = 1, what: str = "sh
     total = max(1, int(itemsize))
     for i, d in enumerate(values):
         if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
-            shown = repr(d) if isinstance(d, (float, str, bool, type(None))) else type(d).__name__
+            shown = repr(d) if isinstance(d, (int, float, str, bool, type(None), np.integer)) else type(d).__name__
             raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {shown[:40]}, not an integer >= 0); "
                                   "the metadata is damaged or hostile.")
         d = int(d)

@@ -35,6 +35,7 @@ import math
 import os
 import pkgutil
 import stat as stat_
+import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -44,6 +45,10 @@ from treetools.ckpt.readers import ArrayReader, InMemoryReader, MemoryBudgetErro
 from treetools.ckpt.steps import StepListing, file_kind, parse_step, resolve_step
 from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.rows import Row, dtype_name
+
+DELETION_CHECKS, DELETION_CHECK_PAUSE = 6, 0.05
+"""After a failed read of a listed step: how many times (and how far apart, in seconds) ``Source.step_deleted``
+asks whether the step is still committed before the failure counts as damage."""
 
 DEFAULT_ITEM = "default"
 """Item name of single-tree files (Orbax's name for an unnamed item)."""
@@ -232,6 +237,8 @@ class Source:
         try:
             with opening(self.memory_budget):
                 yield
+        except MemoryBudgetError:
+            raise  # the reader's own refusal, whatever the step's state
         except (CheckpointError, OSError):
             gone = self.step_deleted(step)
             if gone is not None:
@@ -248,9 +255,16 @@ class Source:
         """
         if step is None or self.listing is None or step not in self.listing.committed:
             return None
-        storage.forget(self.path)  # ask the bucket again, not what was listed
-        if self.listing.still_committed(step):
-            return None
+        # A manager deletes a step's files from several threads at once: its data may be gone a few
+        # milliseconds before its commit marker. Asked a few times over a quarter second before calling
+        # the read's failure damage.
+        for attempt in range(DELETION_CHECKS):
+            storage.forget(self.path)  # ask the bucket again, not what was listed
+            if not self.listing.still_committed(step):
+                break
+            if attempt == DELETION_CHECKS - 1:
+                return None
+            time.sleep(DELETION_CHECK_PAUSE)
         return StepDeletedError(
             f"{self.path}: step {step} was deleted while it was being read (a manager pruning old steps?); "
             "run again to read the steps present now."
@@ -426,6 +440,8 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None) 
         raise CheckpointNotFoundError(f"{display}: no such file or folder.")
     if not (storage.isdir(location) or storage.isfile(location)):
         raise CheckpointError(f"{display}: not a regular file ({file_kind(location)}); point at a checkpoint file or folder.")
+    if storage.isdir(location):
+        storage.prefetch_tree(location)  # in a bucket, one LIST answers the probes of every step and item below
     registered = registered_formats()
     for fmt in registered:
         if _claims(fmt, location):

@@ -309,27 +309,38 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
         return StepListing(root, {}, [])
     except OSError as e:
         raise CheckpointError(f"{root}: cannot list folder ({e.strerror or e}).") from None
+    candidates = []
     for entry in entries:
-        name = entry.name
-        tmp = tmp_step(name, step_prefix=step_prefix)
-        step = tmp if tmp is not None else parse_step_name(name, step_prefix=step_prefix)
-        if step is None:
-            continue
+        tmp = tmp_step(entry.name, step_prefix=step_prefix)
+        step = tmp if tmp is not None else parse_step_name(entry.name, step_prefix=step_prefix)
+        if step is not None:
+            candidates.append((entry, step, tmp))
+
+    def judge(candidate: tuple[Any, int, int | None]) -> tuple[str, str | None]:
+        """``(kind, commit evidence)`` of one step-named entry: kind ``skip``, ``other``, ``tmp`` or ``step``."""
+        entry, _, tmp = candidate
         try:
             is_dir = entry.is_dir()
         except OSError:  # a symlink loop, an unreadable entry: junk, not a reason to fail the whole root
-            skipped.append(name)
-            continue
+            return "skip", None
         if not is_dir:
-            if entry.is_symlink() and not storage.exists(entry.path):
-                skipped.append(name)
-            continue
-        if tmp is None and commit_rule is None:
-            evidence[entry.path] = commit_evidence(entry.path)
-        if tmp is None and (commit_rule(entry.path) if commit_rule is not None else evidence[entry.path]):
+            return ("skip" if entry.is_symlink() and not storage.exists(entry.path) else "other"), None
+        if tmp is not None:
+            return "tmp", None
+        storage.prefetch(entry.path)  # in a bucket, one listing answers every probe of the step's markers
+        if commit_rule is not None:
+            return "step", MARKER if commit_rule(entry.path) else None
+        return "step", commit_evidence(entry.path)
+
+    # In a bucket each step costs a round trip or two: the steps are judged concurrently.
+    for (entry, step, _), (kind, found) in zip(candidates, storage.map_io(judge, candidates, root)):
+        if kind == "skip":
+            skipped.append(entry.name)
+        elif kind == "step" and found is not None:
+            evidence[entry.path] = found
             committed.setdefault(step, []).append(entry.path)
-        else:
-            incomplete.append((step, name))
+        elif kind != "other":
+            incomplete.append((step, entry.name))
     if MARKER in evidence.values():
         # Steps here carry Orbax's commit marker: one that has only finalized items (a copy in progress, which
         # copied the items before the marker) is not finished either.

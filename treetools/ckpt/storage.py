@@ -518,6 +518,49 @@ class _Remote:
             self._infos[url] = found
         return found
 
+    def objects_under(self, url: str, limit: int) -> list[tuple[str, int]] | None:
+        """``(key relative to url, size)`` of every object below folder ``url``, in one paginated LIST without a
+        delimiter; None when there are more than ``limit`` (or the client cannot page a listing)."""
+        _, bucket, key = _split(url)
+        prefix = key + "/" if key else ""
+        fs = self.fs
+        try:
+            from fsspec.asyn import sync
+
+            with translate(url):
+                if self.scheme == "s3":
+                    async def collect() -> list[dict]:
+                        out = []
+                        async for o in fs._iterdir(bucket, max_items=limit + 1, delimiter="", prefix=prefix):
+                            out.append(o)
+                        return out
+
+                    found = sync(fs.loop, collect)
+                else:
+                    found, _ = sync(fs.loop, fs._do_list_objects, f"{bucket}/{key}" if key else bucket,
+                                    max_results=limit + 1, delimiter="")
+        except (AttributeError, TypeError):  # a client without these (private, paged) listings: list per folder
+            return None
+        skip = len(bucket) + 1 + len(prefix)  # both clients name an object "<bucket>/<key>"
+        objects = [(o["name"][skip:], int(o.get("size") or 0)) for o in found if o["name"].startswith(f"{bucket}/{prefix}")]
+        return None if len(objects) > limit else [(k, n) for k, n in objects if k and not k.endswith("/")]
+
+    def remember_tree(self, url: str, objects: list[tuple[str, int]]) -> None:
+        """Remember the listing of ``url`` and of every folder below it, from ``objects_under``."""
+        url = normalize(url)
+        listings: dict[str, dict[str, _Info]] = {}
+        for key, size in objects:
+            parts = key.split("/")
+            folder = url
+            for i, part in enumerate(parts):
+                entries = listings.setdefault(folder, {})
+                last = i == len(parts) - 1
+                if not last or part not in entries:
+                    entries[part] = _Info("file", size) if last else _Info("directory", 0)
+                folder = f"{folder}/{part}"
+        with self._lock:
+            self._listings.update(listings)
+
     def read(self, url: str, start: int = 0, end: int | None = None) -> bytes:
         with translate(url):
             return self.fs.cat_file(self._key(url), start=start, end=end)
@@ -704,6 +747,54 @@ def scandir(path: str) -> Iterator[Any]:
     url = normalize(path)
     entries = remote(url).listing(url)
     yield iter([_Entry(name, f"{url}/{name}", info) for name, info in sorted(entries.items())])
+
+
+REMOTE_IO_THREADS = 16
+"""Round trips one bucket read keeps in flight at once (listings and small files of many steps)."""
+
+
+def map_io(fn: Any, items: Any, path: str) -> list[Any]:
+    """``[fn(x) for x in items]``: for a ``path`` in a bucket, ``REMOTE_IO_THREADS`` at a time (each call waits
+    on the network, not on a core); locally in this thread, in order."""
+    items = list(items)
+    if not is_remote(path) or len(items) < 2:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(REMOTE_IO_THREADS, len(items)), thread_name_prefix="treetools-io") as pool:
+        return list(pool.map(fn, items))
+
+
+TREE_LISTING_LIMIT = 10_000
+"""The most objects ``prefetch_tree`` lists below a bucket folder (10 LIST pages on S3, 2 on GCS)."""
+
+
+def prefetch_tree(folder: str, *, limit: int = TREE_LISTING_LIMIT) -> bool:
+    """In a bucket, list every object below ``folder`` at once (one paginated LIST, not one per folder): the
+    listings and existence probes of every folder below are answered from it, a root of 500 steps included.
+
+    A folder holding more than ``limit`` objects (a root of steps that each keep thousands of chunk objects)
+    is not listed whole: each folder is then listed when first needed. Returns whether it was listed.
+    No-op locally.
+    """
+    if not is_remote(folder):
+        return False
+    r = remote(folder)
+    objects = r.objects_under(folder, limit)
+    if not objects:
+        return False
+    r.remember_tree(folder, objects)
+    return True
+
+
+def prefetch(folder: str) -> None:
+    """In a bucket, list ``folder`` now (one request): the existence probes of names in it that follow are
+    answered from that listing. No-op locally, and when the folder is empty or cannot be listed."""
+    if is_remote(folder):
+        try:
+            remote(folder).listing(folder)
+        except (FileNotFoundError, CheckpointError):
+            pass
 
 
 def listdir(path: str) -> list[str]:

@@ -262,8 +262,8 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
                 snaps.append(source.snapshot(step, wanted))
             except StepDeletedError as e:  # pruned since the listing: the others are still worth showing
                 notes.append(f"{e} Not shown.")
-        if not snaps:
-            raise CheckpointError(f"{source.path}: every listed step was deleted while it was being read; run again.")
+        if not snaps:  # inspect_path lists again
+            raise StepDeletedError(f"{source.path}: every listed step was deleted while it was being read.")
     else:
         snaps = [source.snapshot(opts.step, wanted)]
     for s in snaps:
