@@ -439,3 +439,278 @@ def test_a_huge_name_is_cut_in_tables_and_kept_whole_in_json(tmp_path, capsys):
     assert code == 0 and long_name in out
     code, mib, out = grown_mib("inspect", run, "--item", "data_iter")
     assert code == 0 and mib < 64, mib
+
+
+# ----------------------------------------------------------------------------- cost that grows with the input
+
+def test_a_bucket_root_of_many_steps_is_listed_in_few_round_trips(tmp_path, remote_store, capsys):
+    # 40 committed steps: claiming, listing and judging each step (its marker, its step metadata, its items)
+    # was several sequential requests a step (310 for 60 steps on S3, 9.5 s); one paginated LIST of the root
+    # now answers every existence probe below it.
+    root = tmp_path / "run"
+    _orbax(root, steps=(1,))
+    for step in range(2, 41):
+        shutil.copytree(root / "1", root / str(step))
+    url = remote_store.upload(root, "run")
+    remote_store.counter.reset()
+    code, out, err = _run(capsys, "inspect", url, "--format", "json")
+    requests, _ = remote_store.counter.snapshot()
+    assert code == 0 and json.loads(out)["steps"] == list(range(1, 41)), err
+    assert requests <= 12, requests  # the root's listing, the latest step's metadata and arrays
+
+
+def test_the_hugging_face_index_check_is_one_pass_over_the_index(tmp_path, monkeypatch):
+    # 200 shards of 5 tensors: the check scanned the whole index once per shard (and once per file beside it).
+    from treetools.ckpt.formats import _hf_index
+
+    tensors = {f"layer_{i:04d}.weight": np.full(2, i, np.float32) for i in range(1000)}
+    _hf_shards(tmp_path / "model", tensors, shards=200)
+    passes = []
+
+    class Counted(dict):
+        def items(self):
+            passes.append("items")
+            return super().items()
+
+        def values(self):
+            passes.append("values")
+            return super().values()
+
+        def __iter__(self):
+            passes.append("iter")
+            return super().__iter__()
+
+    real = _hf_index.read_metadata
+
+    def counted(path, **kwargs):
+        index = real(path, **kwargs)
+        index["weight_map"] = Counted(index["weight_map"])
+        return index
+
+    monkeypatch.setattr(_hf_index, "read_metadata", counted)
+    params = tt.load_parameters(tmp_path / "model")
+    assert len(params) == 1000 and float(params["layer_0999.weight"][0]) == 999.0
+    assert len(passes) <= 4, passes  # a few passes in all, not one (or more) per shard
+
+
+# ----------------------------------------------------------------------------- names stay text
+
+def _safetensors(path: Path, header: dict, data: bytes = b"") -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+    return path
+
+
+def test_hostile_names_never_reach_stderr_raw(tmp_path, capsys):
+    f = _safetensors(tmp_path / "evil.safetensors", {HOSTILE: {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},
+                     np.array([np.nan, 1.0], np.float32).tobytes())
+    # --fail-on-nonfinite's summary names the leaf
+    code, out, err = _run(capsys, "inspect", f, "--fail-on-nonfinite")
+    assert code == 3 and "non-finite values in 1 leaf(s)" in err
+    _clean(out, err)
+    # --show's error lists close paths
+    code, out, err = _run(capsys, "inspect", f, "--show", "x")
+    assert code == 1 and "close paths" in err and err.count("\n") == 1
+    _clean(out, err)
+    # an index whose shard holds a tensor it does not list: the error names the tensor
+    folder = tmp_path / "hf"
+    _hf_shards(folder, {"a": np.ones(2, np.float32), HOSTILE: np.ones(2, np.float32)}, shards=1)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    del index["weight_map"][HOSTILE]
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    err = _one_error(capsys, "inspect", folder)
+    assert "does not list" in err
+    _clean(err)
+
+
+def test_a_newline_in_an_item_name_cannot_forge_a_note(tmp_path, capsys):
+    run = _orbax(tmp_path / "run")
+    meta_path = run / "1" / "_CHECKPOINT_METADATA"
+    meta = json.loads(meta_path.read_text())
+    meta["item_handlers"]["gone\ntreetools: note: all clear" + HOSTILE] = "PyTreeCheckpointHandler"
+    meta_path.write_text(json.dumps(meta))
+    code, out, err = _run(capsys, "inspect", run)
+    assert code == 0 and len(err.splitlines()) == 1 and err.startswith("treetools: note: item `gone "), err
+    assert "has no folder; skipped" in err
+    _clean(out, err)
+
+
+def test_metric_values_are_escaped_in_every_view(tmp_path, capsys):
+    run = _orbax(tmp_path / "run")
+    meta_path = run / "1" / "_CHECKPOINT_METADATA"
+    meta = json.loads(meta_path.read_text())
+    meta["custom_metadata"] = {"metrics": {"loss" + HOSTILE: HOSTILE + "\nforged line"}}
+    meta_path.write_text(json.dumps(meta))
+    for fmt in ("table", "markdown", "tree"):
+        code, out, err = _run(capsys, "inspect", run, "--format", fmt)
+        assert code == 0, err
+        assert "\\x1b" in out and not any(line.startswith("forged line") for line in out.splitlines())
+        _clean(out, err)
+    code, out, _ = _run(capsys, "inspect", run, "--format", "json")
+    assert json.loads(out)["checkpoints"][0]["metadata"]["metrics"]["loss" + HOSTILE] == HOSTILE + "\nforged line"
+
+
+def test_a_t5x_dtype_error_is_escaped(tmp_path, capsys):
+    import msgpack
+
+    step, _ = _t5x_step(tmp_path)
+    tree = msgpack.unpackb((step / "checkpoint").read_bytes(), raw=False, strict_map_key=False)
+    tree["optimizer"]["target"]["encoder"]["kernel"]["dtype"] = HOSTILE
+    (step / "checkpoint").write_bytes(msgpack.packb(tree, use_bin_type=True))
+    err = _one_error(capsys, "inspect", step)
+    assert "mixes two saves" in err
+    _clean(err)
+
+
+# ----------------------------------------------------------------------------- numbers from metadata
+
+@pytest.mark.parametrize("shape, words", [
+    ("1e999", "entry 0 is inf, not an integer >= 0"),
+    (str(10**400), "more than 2**60 bytes"),
+    (json.dumps([2**62] * 20), "more than 2**60 bytes"),
+    (json.dumps([0, 2**62]), "more than 2**60 bytes"),
+    ('[4.0]', "entry 0 is 4.0, not an integer"),
+    ('[-1]', "entry 0 is -1"),
+])
+def test_hostile_shapes_are_one_checkpoint_error(tmp_path, capsys, shape, words):
+    shape_json = shape if shape.startswith("[") else f"[{shape}]"
+    # a safetensors header
+    raw = ('{"w": {"dtype": "F32", "shape": ' + shape_json + ', "data_offsets": [0, 4]}}').encode()
+    f = tmp_path / "w.safetensors"
+    f.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(4))
+    for argv in (("inspect", f), ("inspect", f, "--stats"), ("verify", f)):
+        code, out, err = _run(capsys, *argv)
+        assert code == 1 and "Traceback" not in err and words in out + err, (argv, out, err)
+    with pytest.raises(CheckpointError, match=words.split(",")[0].replace("*", r"\*")):
+        tt.load_parameters(f)
+    # a T5X zarr folder's .zarray
+    step, folder = _t5x_step(tmp_path / shape[:3].strip("[").replace(".", "_"))
+    text = (folder / ".zarray").read_text()
+    zarray = json.loads(text)
+    (folder / ".zarray").write_text(text.replace(json.dumps(zarray["shape"]).replace(" ", ""), shape_json)
+                                    .replace(json.dumps(zarray["shape"]), shape_json))
+    assert json.loads((folder / ".zarray").read_text())["shape"] != zarray["shape"]
+    assert words in _one_error(capsys, "inspect", step, "--stats")
+    with pytest.raises(CheckpointError, match=words.split(",")[0].replace("*", r"\*")):
+        tt.load_parameters(step)
+
+
+def test_a_non_integer_mesh_size_is_a_checkpoint_error(tmp_path, capsys):
+    import base64
+
+    run = _orbax(tmp_path / "run")
+    key = base64.b64encode(b"w").decode()
+    sharding = {key: json.dumps({"sharding_type": "NamedSharding", "shape": ["eight"], "axis_names": ["data"],
+                                 "partition_spec": [["data"]]})}
+    (run / "1" / "params" / "_sharding").write_text(json.dumps(sharding))
+    err = _one_error(capsys, "inspect", run)
+    assert "_sharding" in err and "not positive integers" in err
+    with pytest.raises(CheckpointError, match="not positive integers"):
+        tt.load_parameters(run)
+
+
+def test_nul_bytes_in_keys_and_spec_paths_are_refused(tmp_path, capsys):
+    run = _orbax(tmp_path / "run")
+    meta_path = run / "1" / "params" / "_METADATA"
+    meta_path.write_text(meta_path.read_text().replace('"w"', '"w\\u0000x"'))
+    assert "holds a NUL byte" in _one_error(capsys, "inspect", run)
+    with pytest.raises(CheckpointError, match="NUL byte"):
+        tt.load_parameters(run)
+    import msgpack
+
+    step, _ = _t5x_step(tmp_path / "t5x")
+    tree = msgpack.unpackb((step / "checkpoint").read_bytes(), raw=False, strict_map_key=False)
+    tree["optimizer"]["target"]["encoder"]["kernel"]["kvstore"]["path"] = "target.encoder\x00.kernel"
+    (step / "checkpoint").write_bytes(msgpack.packb(tree, use_bin_type=True))
+    assert "holds a NUL byte" in _one_error(capsys, "inspect", step)
+    with pytest.raises(CheckpointError, match="NUL byte"):
+        tt.load_parameters(step)
+
+
+def test_metadata_without_key_type_is_a_checkpoint_error_for_restore_too(tmp_path, capsys):
+    run = _orbax(tmp_path / "run")
+    meta_path = run / "1" / "params" / "_METADATA"
+    meta = json.loads(meta_path.read_text())
+    for entry in meta["tree_metadata"].values():
+        for key in entry["key_metadata"]:
+            del key["key_type"]
+    meta_path.write_text(json.dumps(meta))
+    for read in (lambda: tt.restore_checkpoint(run, 1, {"params": _abstract(8)}), lambda: tt.load_parameters(run)):
+        with pytest.raises(CheckpointError, match="key_type"):
+            read()
+    assert "key_type" in _one_error(capsys, "inspect", run)
+
+
+def test_a_step_time_beyond_any_calendar_is_left_out(tmp_path, capsys):
+    run = _orbax(tmp_path / "run")
+    meta_path = run / "1" / "_CHECKPOINT_METADATA"
+    meta_path.write_text(meta_path.read_text().replace('"commit_timestamp_nsecs": ', '"commit_timestamp_nsecs": 1' + "0" * 400 + ', "x": '))
+    code, out, err = _run(capsys, "inspect", run)
+    assert code == 0 and "saved:" not in out, err
+
+
+# ----------------------------------------------------------------------------- faults
+
+def test_a_copy_in_progress_is_never_the_latest_step(tmp_path, capsys):
+    # Steps 1 and 2 carry commit markers; step 3 is being copied in: its item is there, its markers not yet.
+    run = _orbax(tmp_path / "run", steps=(1, 2))
+    (run / "3").mkdir()
+    shutil.copytree(run / "2" / "params", run / "3" / "params")
+    (run / "3" / "params" / "_METADATA").write_text("{ half copied")
+    code, out, err = _run(capsys, "inspect", run, "--format", "json")
+    report = json.loads(out)
+    assert code == 0 and report["steps"] == [1, 2] and report["incomplete"] == ["3"], err
+    assert float(tt.load_parameters(run)["w"][0]) == 3.0  # step 2: 1.0 + 2
+    # A root where no step has a marker (Orbax before step metadata) still reads its finalized items.
+    old = tmp_path / "old"
+    shutil.copytree(run, old)
+    for step in (1, 2):
+        (old / str(step) / "_CHECKPOINT_METADATA").unlink()
+        (old / str(step) / "commit_success.txt").unlink(missing_ok=True)
+    shutil.rmtree(old / "3")
+    assert tt.list_steps(old) == [1, 2]
+
+
+_SAVER = (
+    "import sys, time, numpy as np, treetools as tt\n"
+    "mngr = tt.get_checkpoint_manager(1, max_to_keep=2, checkpoint_dir=sys.argv[1])\n"
+    "step, end = 0, time.time() + float(sys.argv[2])\n"
+    "while time.time() < end:\n"
+    "    step += 1\n"
+    "    tt.save_checkpoint(mngr, step, {'params': {'w': np.full(64, step, np.float32)}, 'opt': {'m': np.zeros(8)}},\n"
+    "                       wait=True)\n"
+    "    time.sleep(0.2)\n"
+    "mngr.close()\n"
+)
+
+
+def test_every_step_of_a_run_being_saved_and_pruned(tmp_path, capsys):
+    # A manager saves a step every few tenths of a second and keeps two: `--step all` and `verify --step all`
+    # show the steps still there and say which went; a step is called deleted only once it is no longer committed.
+    import re
+    import time
+
+    run = tmp_path / "run"
+    _orbax(run, steps=(0,))
+    saver = subprocess.Popen([sys.executable, "-c", _SAVER, str(run), "40"], env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        start = time.monotonic()
+        while max(tt.list_steps(run), default=0) < 3 and time.monotonic() - start < 60:
+            time.sleep(0.1)
+        runs, gone = 0, 0
+        end = time.monotonic() + 15
+        while saver.poll() is None and time.monotonic() < end:
+            for argv in (("inspect", run, "--step", "all", "--format", "json"), ("verify", run, "--step", "all")):
+                code, out, err = _run(capsys, *argv)
+                assert code == 0, (argv, out, err)
+                for step in re.findall(r"step (\d+) was deleted while it was being read", err):
+                    assert int(step) not in tt.list_steps(run), err
+                    gone += 1
+                assert len(err.splitlines()) == err.count("was deleted while it was being read"), err
+            runs += 1
+        assert runs >= 5 and max(tt.list_steps(run)) > 5, (runs, tt.list_steps(run))
+        print(f"{runs} rounds, {gone} steps pruned while read")
+    finally:
+        saver.kill()
+        saver.wait()
