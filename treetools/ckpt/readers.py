@@ -131,10 +131,10 @@ def checked_shape(values: Any, *, where: str, itemsize: int = 1, what: str = "sh
 
     >>> checked_shape([2, 3], where="w.zarray")
     (2, 3)
-    >>> checked_shape([1e999], where="w/.zarray")
+    >>> checked_shape([1e999], where="w/.zarray")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    treetools.errors.CheckpointError: w/.zarray: corrupt shape (entry 0 is inf, not an integer >= 0); the metadata is damaged or hostile.
+    treetools.errors.CheckpointError: w/.zarray: corrupt shape (entry 0 is inf, not an integer >= 0); ...
     """
     if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
         raise CheckpointError(f"{where}: corrupt {what} ({type(values).__name__}, not a list of integers); "
@@ -234,6 +234,9 @@ class ArrayReader:
     """False when a sequential reader streams Fortran-ordered data."""
     remote: bool = False
     """True when blocks come from a bucket: reads wait on the network more than on a core."""
+    root: Any = None
+    """The checkpoint root it was found under (``storage.Root``, set by the ``Source``): held, so the root's
+    containment stays in force for every read while the reader lives, the ``Source`` gone or not."""
 
     def read(self, index: Index) -> np.ndarray:
         raise NotImplementedError
@@ -347,7 +350,6 @@ class FileReader(ArrayReader):
         self.dtype = np.dtype(dtype)
         self._fortran = fortran
         self.remote = storage.is_remote(path)
-        self._roots = storage.roots_over(path)  # the checkpoint roots it is read under stay in force while it lives
 
     def _fill(self, view: memoryview, pos: int) -> int:
         """Read into ``view`` from byte ``pos``; the number of bytes read (short at the end of the file)."""

@@ -222,13 +222,13 @@ class Source:
         return snap
 
     def hold_to_budget(self, items: Iterable[Item]) -> None:
-        """Give every reader of ``items`` this source's memory budget (``snapshot`` does it for its items)."""
-        if self.memory_budget is None:
-            return
+        """Give every reader of ``items`` this source's memory budget and root (``snapshot`` does it for its items)."""
         for item in items:
             for leaf in item.leaves:
                 if leaf.reader is not None:
-                    leaf.reader.budget = self.memory_budget
+                    leaf.reader.root = self.root
+                    if self.memory_budget is not None:
+                        leaf.reader.budget = self.memory_budget
 
     @contextlib.contextmanager
     def reading(self, step: int | None) -> Iterator[None]:

@@ -182,7 +182,8 @@ def _finalized_item(step_dir: str) -> bool:
 
 
 MARKER = "marker"
-"""Commit evidence of a step folder: Orbax's commit marker (``commit_success.txt``, a committed ``_CHECKPOINT_METADATA``)."""
+"""Commit evidence of a step folder: Orbax's commit marker (``commit_success.txt``, a committed
+``_CHECKPOINT_METADATA``)."""
 FINALIZED_ITEM = "finalized item"
 """Commit evidence of a step folder without step metadata: an item Orbax finalized (saves before step metadata)."""
 

@@ -32,7 +32,8 @@ import os
 import stat as stat_
 import threading
 import weakref
-from typing import Any, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator
 
 from treetools.errors import CheckpointError, CheckpointNotFoundError
 
@@ -132,13 +133,15 @@ HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 
 
 class Root:
-    """A checkpoint root: the PATH a checkpoint was opened at, and where the reads under it may lead.
+    """A checkpoint root: the folder a checkpoint was opened at, and where the reads under it may lead.
 
-    Every local file read under ``path`` must resolve (symlinks followed) inside
-    the root's real path. One layout links out of its folder by design, the
-    Hugging Face hub cache (``models--org--name/snapshots/<rev>/model.safetensors
-    -> ../../blobs/<sha>``): a root inside a ``snapshots/`` folder of such a repo
-    may also read anything inside that same repo folder, nothing beyond it.
+    Every local file read under ``path`` must resolve (symlinks followed)
+    inside the folder's real path, or be one of the files a user named (a
+    checkpoint file given as PATH may itself be a link: the user chose it). One
+    layout links out of its folder by design, the Hugging Face hub cache
+    (``models--org--name/snapshots/<rev>/model.safetensors -> ../../blobs/<sha>``):
+    a root inside a ``snapshots/`` folder of such a repo may also read anything
+    inside that same repo folder, nothing beyond it.
 
     >>> import tempfile, os
     >>> repo = os.path.join(os.path.realpath(tempfile.mkdtemp()), "models--org--m")
@@ -150,8 +153,13 @@ class Root:
 
     def __init__(self, path: str):
         self.path = path
+        self.allowed: tuple[str, ...] = ()
+        self.allow(path)
+
+    def allow(self, path: str) -> None:
+        """Let reads under this root lead to ``path`` (its real path, and its Hugging Face repo folder if any)."""
         real = os.path.realpath(path)
-        allowed = [real]
+        allowed = [*self.allowed, real]
         for candidate in (path, real):  # a snapshot file given as PATH is itself a link into blobs/
             parts = candidate.split(os.sep)
             for i in range(1, len(parts) - 1):
@@ -172,36 +180,40 @@ _ROOTS_LOCK = threading.Lock()
 
 
 def confine(path: str) -> Root | None:
-    """Make ``path`` (a local checkpoint folder or file) a root: reads under it stay inside it while it lives.
+    """Make ``path`` a root: every local read under it stays inside it while the returned ``Root`` lives.
 
-    The root stays registered while the returned object is referenced (the
-    ``Source`` holds it, and each reader made under it); None for a URL
-    (a bucket has no symlinks).
+    A folder is its own root; a file's root is its folder (a T5X ``checkpoint``
+    file names the zarr folders beside it), which may also read the file itself
+    wherever it links. The root stays registered while the object returned is
+    referenced (the ``Source`` holds it, and each reader it hands out); None for
+    a URL (a bucket has no symlinks).
     """
     if is_remote(path):
         return None
     path = os.path.abspath(path)
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
     with _ROOTS_LOCK:
-        root = _ROOTS.get(path)
+        root = _ROOTS.get(folder)
         if root is None:
-            root = _ROOTS[path] = Root(path)
+            root = _ROOTS[folder] = Root(folder)
+        if folder != path:
+            root.allow(path)
         return root
 
 
-def roots_over(path: str) -> list[Root]:
-    """Every live root that ``path`` lies under (by name): the reads of ``path`` must stay inside each."""
+def root_over(path: str) -> Root | None:
+    """The innermost live root that ``path`` lies under (by name): the checkpoint whose reads must stay in it."""
     if is_remote(path) or not _ROOTS:
-        return []
+        return None
     path = os.path.abspath(path)
-    found = []
     with _ROOTS_LOCK:
         while True:
             root = _ROOTS.get(path)
             if root is not None:
-                found.append(root)
+                return root
             parent = os.path.dirname(path)
             if parent == path:
-                return found
+                return None
             path = parent
 
 
@@ -211,13 +223,10 @@ def _outside(path: str, root: Root) -> CheckpointError:
 
 
 def check_inside(path: str, real: str | None = None) -> None:
-    """Refuse ``path`` unless its real path (``real``, else ``os.path.realpath``) lies inside every root over it."""
-    roots = roots_over(path)
-    if roots:
-        real = real if real is not None else os.path.realpath(path)
-        for root in roots:
-            if not root.allows(real):
-                raise _outside(path, root)
+    """Refuse ``path`` unless its real path (``real``, else ``os.path.realpath``) lies inside the root over it."""
+    root = root_over(path)
+    if root is not None and not root.allows(real if real is not None else os.path.realpath(path)):
+        raise _outside(path, root)
 
 
 def _fd_path(fd: int) -> str | None:
@@ -237,7 +246,7 @@ def open_fd(path: str, flags: int = 0) -> int:
     the open cannot redirect the read.
 
     Raises:
-      CheckpointError: it resolves outside a root over ``path``, is not a regular file (a FIFO, a device),
+      CheckpointError: it resolves outside the root over ``path``, is not a regular file (a FIFO, a device),
         or ``path`` holds a NUL byte.
       OSError: it cannot be opened.
     """
@@ -249,17 +258,16 @@ def open_fd(path: str, flags: int = 0) -> int:
         mode = os.fstat(fd).st_mode
         if not (stat_.S_ISDIR(mode) if flags & getattr(os, "O_DIRECTORY", 0) else stat_.S_ISREG(mode)):
             raise CheckpointError(f"{path}: not a regular file; refusing to read it.")
-        roots = roots_over(path)
-        if roots:
+        root = root_over(path)
+        if root is not None:
             real = _fd_path(fd)
             if real is None:  # no /proc: the real path, proven to be the file opened
                 real = os.path.realpath(path)
                 st, opened = os.stat(real), os.fstat(fd)
                 if (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino):
                     raise CheckpointError(f"{path}: changed while it was opened; refusing to read it.")
-            for root in roots:
-                if not root.allows(real):
-                    raise _outside(path, root)
+            if not root.allows(real):
+                raise _outside(path, root)
     except BaseException:
         os.close(fd)
         raise
@@ -299,7 +307,7 @@ class Pinned:
         return os.path.realpath(os.path.join(self.path, name) if name else self.path)
 
     def check_file(self, name: str) -> None:
-        """Refuse ``name`` (relative) unless it resolves inside the roots and is a regular file or missing."""
+        """Refuse ``name`` (relative) unless it resolves inside the root over it and is a regular file or missing."""
         if self.fd is None:
             return
         real = self.real(name)
@@ -312,8 +320,8 @@ class Pinned:
             raise CheckpointError(f"{os.path.join(self.folder, name)}: not a regular file; refusing to read it.")
 
     def check_tree(self) -> None:
-        """Refuse the folder unless every entry below it resolves inside the roots (links followed) and is a
-        regular file or folder (no FIFO, socket or device).
+        """Refuse the folder unless every entry below it resolves inside the checkpoint root (links followed) and
+        is a regular file or folder (no FIFO, socket or device).
 
         A walk that found nothing wrong is remembered by the identity of every
         folder it went through (inode, modification and change times): while none
@@ -322,7 +330,8 @@ class Pinned:
         """
         if self.fd is None:
             return
-        key = (self.identity, tuple(r.allowed for r in roots_over(self.folder)))
+        root = root_over(self.folder)
+        key = (self.identity, root.allowed if root is not None else ())
         with _WALKS_LOCK:
             dirs = _WALKS.get(key)
         if dirs is not None and all(_identity(os.path.join(self.path, rel)) == ident for rel, ident in dirs):
@@ -386,10 +395,10 @@ class Pinned:
 
 
 def pin(folder: str) -> Pinned:
-    """``folder`` opened and checked (inside every root over it); a URL is handed on as it is.
+    """``folder`` opened and checked (inside the root over it); a URL is handed on as it is.
 
     Raises:
-      CheckpointError: the folder resolves outside a root over it.
+      CheckpointError: the folder resolves outside the root over it.
       OSError: it cannot be opened (missing, not a folder).
     """
     if is_remote(folder):
@@ -541,8 +550,8 @@ class _Remote:
                                     max_results=limit + 1, delimiter="")
         except (AttributeError, TypeError):  # a client without these (private, paged) listings: list per folder
             return None
-        skip = len(bucket) + 1 + len(prefix)  # both clients name an object "<bucket>/<key>"
-        objects = [(o["name"][skip:], int(o.get("size") or 0)) for o in found if o["name"].startswith(f"{bucket}/{prefix}")]
+        head = f"{bucket}/{prefix}"  # both clients name an object "<bucket>/<key>"
+        objects = [(o["name"][len(head):], int(o.get("size") or 0)) for o in found if o["name"].startswith(head)]
         return None if len(objects) > limit else [(k, n) for k, n in objects if k and not k.endswith("/")]
 
     def remember_tree(self, url: str, objects: list[tuple[str, int]]) -> None:
@@ -753,14 +762,12 @@ REMOTE_IO_THREADS = 16
 """Round trips one bucket read keeps in flight at once (listings and small files of many steps)."""
 
 
-def map_io(fn: Any, items: Any, path: str) -> list[Any]:
+def map_io(fn: Callable[[Any], Any], items: Iterable[Any], path: str) -> list[Any]:
     """``[fn(x) for x in items]``: for a ``path`` in a bucket, ``REMOTE_IO_THREADS`` at a time (each call waits
     on the network, not on a core); locally in this thread, in order."""
     items = list(items)
     if not is_remote(path) or len(items) < 2:
         return [fn(x) for x in items]
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(max_workers=min(REMOTE_IO_THREADS, len(items)), thread_name_prefix="treetools-io") as pool:
         return list(pool.map(fn, items))
 
@@ -825,7 +832,7 @@ def walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
 
 
 def open(path: str, mode: str = "rb", *, block_size: int = 64 * 2**10) -> Any:  # noqa: A001 - os-like on purpose
-    """A file opened for reading (binary; checked to lie inside the roots over it, ``open_fd``); in a bucket, a seekable file fetching ranges of ``block_size`` bytes
+    """A file opened for reading (binary; checked to lie inside its checkpoint root, ``open_fd``); in a bucket, a seekable file fetching ranges of ``block_size`` bytes
     ahead of what is read (small for headers, large for a stream read front to back)."""
     if mode != "rb":
         raise ValueError(f"treetools.storage.open reads only ('rb'), got mode {mode!r}.")

@@ -156,8 +156,8 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     sections: list[tuple[str, str | None]] = []
     for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
         if rows:
-            sections.append((f"{title}: {len(rows)}", table([[safe_text(r.name, width=CELL_WIDTH), format_shape(r.shape),
-                                                               safe_text(r.dtype or ""),
+            sections.append((f"{title}: {len(rows)}", table([[safe_text(r.name, width=CELL_WIDTH),
+                                                               format_shape(r.shape), safe_text(r.dtype or ""),
                                                                f"{r.params:,}"] for r in rows],
                                                              ["path", "shape", "dtype", "params"])))
     if report.changed:
@@ -166,7 +166,8 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
         sections.append((f"changed metadata: {len(report.changed)}", table(data, ["path", "field", "A", "B"])))
     if report.values is not None:
         diffs = [v for v in report.values if not v.bit_identical]
-        body = table([[safe_text(v.path, width=CELL_WIDTH), f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", f"{v.mismatched:,}",
+        body = table([[safe_text(v.path, width=CELL_WIDTH), f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}",
+                       f"{v.mismatched:,}",
                        _nonfinite_change(v), "yes" if v.allclose else "no"]
                       for v in diffs], ["path", "max_abs_diff", "rel_l2", "outside tol", "non-finite A->B", "allclose"]
                      ) if diffs else None

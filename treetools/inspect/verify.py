@@ -107,7 +107,8 @@ def verify_path(path: str, options: VerifyOptions | None = None, /, **fields: An
     return _verify(source, source.resolve(opts.step), opts)
 
 
-def verify_steps(path: str, options: VerifyOptions | None = None, /, **fields: Any) -> tuple[list[VerifyReport], list[str]]:
+def verify_steps(path: str, options: VerifyOptions | None = None, /,
+                 **fields: Any) -> tuple[list[VerifyReport], list[str]]:
     """Check every committed step of a checkpoint root, from one listing (``treetools verify --step all``).
 
     A step a manager prunes while it is checked is not damage: it is left out,

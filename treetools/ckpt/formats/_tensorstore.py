@@ -93,21 +93,6 @@ def max_chunks_per_read(budget: float | None) -> int:
 # ---------------------------------------------------------------------------- local folders, checked
 
 
-def _local_folders(spec: Any) -> list[str]:
-    """The local folders a TensorStore spec reads (its ``file`` key-value stores), in spec order."""
-    out = []
-    stack = [spec]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if node.get("driver") == "file" and isinstance(node.get("path"), str):
-                out.append(node["path"])
-            stack.extend(v for v in node.values() if isinstance(v, (dict, list)))
-        elif isinstance(node, list):
-            stack.extend(node)
-    return out
-
-
 _OCDBT_CHECKED: "collections.OrderedDict[tuple, int]" = collections.OrderedDict()
 _OCDBT_LOCK = threading.Lock()
 
@@ -379,8 +364,6 @@ class TensorStoreReader(ArrayReader):
         self._where = where
         self._context = context
         self.remote = context is not None
-        # The checkpoint roots its folders lie under stay in force while it lives.
-        self._roots = [r for folder in _local_folders(spec) for r in storage.roots_over(folder)]
 
     def _ts_context(self) -> Any:
         import tensorstore as ts

@@ -512,8 +512,10 @@ def _stored_arrays(item_dir: str, use_ocdbt: bool) -> set[str]:
     if use_ocdbt:
         import tensorstore as ts
 
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(item_dir)}).result()
-        keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
+        with Pins(data=False, where=item_dir) as pins:  # the database checked and pinned, as for any read of it
+            base = pins.folder(item_dir, ocdbt=True).path
+            kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(base)}).result()
+            keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
         return {key.rsplit("/", 1)[0] for key in keys if "/" in key and key.rsplit("/", 1)[1] in headers}
     names = set()
     for top in storage.listdir(item_dir):
