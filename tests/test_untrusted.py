@@ -146,6 +146,8 @@ def test_a_t5x_chunk_file_linked_outside_is_never_read(tmp_path, capsys):
     _one_error(capsys, "inspect", step, "--stats")
     with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):
         tt.load_parameters(step)
+    with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):  # PATH the `checkpoint` file
+        tt.load_parameters(step / "checkpoint")
     assert _run(capsys, "inspect", step)[0] == 0  # metadata alone opens no chunk
 
 
