@@ -146,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         rules = rules_from(args)
     except (ValueError, TypeError) as e:
-        print(f"treetools inspect: error: {safe_text(e)}", file=sys.stderr)  # a malformed flag: usage
+        _output.error(e, prog="treetools inspect")  # a malformed flag: usage
         return 2
     summary = args.format != "json" and args.depth is None and not args.leaves
     options = options_from(args, InspectOptions, stats=args.stats or args.fail_on_nonfinite,
