@@ -716,3 +716,10 @@ def test_every_step_of_a_run_being_saved_and_pruned(tmp_path, capsys):
     finally:
         saver.kill()
         saver.wait()
+
+
+def test_an_ocdbt_manifest_allowing_huge_nodes_is_refused_in_a_bucket_too(tmp_path, remote_store, capsys):
+    folder = _ocdbt_item(tmp_path / "params", 2, 16, config={"max_decoded_node_bytes": 2**32 - 1})
+    url = remote_store.upload(folder, "params")
+    err = _one_error(capsys, "inspect", url, "--memory-budget-mb", "16")
+    assert "allows b-tree nodes of 4,294,967,295 bytes" in err and url in err

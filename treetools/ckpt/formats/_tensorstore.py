@@ -97,41 +97,47 @@ _OCDBT_CHECKED: "collections.OrderedDict[tuple, int]" = collections.OrderedDict(
 _OCDBT_LOCK = threading.Lock()
 
 
-def check_ocdbt(pinned: storage.Pinned, budget: float | None, where: str) -> None:
+def check_ocdbt(base: str, budget: float | None, *, shown: str | None = None) -> None:
     """Refuse an OCDBT database whose manifests are too big, or that allows b-tree nodes over the budget.
 
     TensorStore reads a manifest whole, and decodes each b-tree node whole up to
     the manifest's ``max_decoded_node_bytes`` (8 MiB by default): a manifest
     that allows 4 GiB nodes lets a small zstd-compressed data file decode to
     hundreds of MiB before anything is checked. Held to the budget (the default
-    budget where none applies, as for ``load_parameters``).
+    budget where none applies, as for ``load_parameters``). ``base`` is the
+    database's folder (a pinned local folder or a URL); ``shown`` names it in errors.
     """
     import tensorstore as ts
 
     limit = min(resolve_budget(budget), DEFAULT_MEMORY_BUDGET)
-    folders = [""] + [os.path.join(p, "") for p in _names(pinned, "") if p.startswith("ocdbt.process_")]
+    shown = shown or base
+    try:
+        folders = [""] + [p for p in storage.listdir(base) if p.startswith("ocdbt.process_")]
+    except OSError:
+        folders = [""]
     for folder in folders:
-        manifest = os.path.join(pinned.path, folder, OCDBT_MANIFEST)
+        manifest = os.path.join(base, folder, OCDBT_MANIFEST)
         try:
-            st = os.stat(manifest)
+            st = storage.stat(manifest)
         except OSError:
             continue
-        shown = os.path.join(pinned.folder, folder, OCDBT_MANIFEST)
-        check_budget(min(st.st_size, MAX_METADATA_BYTES + 1), where=shown, what="the OCDBT manifest, read whole,",
+        where = os.path.join(shown, folder, OCDBT_MANIFEST)
+        check_budget(min(st.st_size, MAX_METADATA_BYTES + 1), where=where, what="the OCDBT manifest, read whole,",
                      budget=limit)
         if st.st_size > MAX_METADATA_BYTES:
-            raise CheckpointError(f"{shown}: {st.st_size:,} bytes, over the {MAX_METADATA_BYTES:,}-byte limit "
+            raise CheckpointError(f"{where}: {st.st_size:,} bytes, over the {MAX_METADATA_BYTES:,}-byte limit "
                                   "for metadata; the database is corrupt or hostile.")
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        key = ((manifest, st.st_size) if storage.is_remote(base) else
+               (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         with _OCDBT_LOCK:
             node = _OCDBT_CHECKED.get(key)
         if node is None:
             try:
-                base = ts.KvStore.open(storage.kvstore_spec(os.path.join(pinned.path, folder))).result()
-                config = ts.ocdbt.dump(base).result().get("config", {})
+                kv = ts.KvStore.open(storage.kvstore_spec(os.path.join(base, folder))).result()
+                config = ts.ocdbt.dump(kv).result().get("config", {})
                 node = int(config.get("max_decoded_node_bytes") or 0)
             except Exception as e:  # tensorstore: a corrupt manifest
-                raise CheckpointError(f"{shown}: corrupt OCDBT manifest ({first_line(e)}).") from None
+                raise CheckpointError(f"{where}: corrupt OCDBT manifest ({first_line(e)}).") from None
             with _OCDBT_LOCK:
                 _OCDBT_CHECKED[key] = node
                 while len(_OCDBT_CHECKED) > 4096:
@@ -139,17 +145,13 @@ def check_ocdbt(pinned: storage.Pinned, budget: float | None, where: str) -> Non
         if node <= 0 or node > limit:  # 0: no limit at all
             declared = f"{node:,} bytes" if node > 0 else "no limit"
             raise CheckpointError(
-                f"{shown}: the OCDBT manifest allows b-tree nodes of {declared} (max_decoded_node_bytes; TensorStore "
+                f"{where}: the OCDBT manifest allows b-tree nodes of {declared} (max_decoded_node_bytes; TensorStore "
                 f"writes 8 MiB), over the memory budget of {limit:,.0f} bytes; refusing to decode them "
                 "(raise --memory-budget-mb if this database is trusted)."
             )
 
 
-def _names(pinned: storage.Pinned, sub: str) -> list[str]:
-    try:
-        return sorted(os.listdir(os.path.join(pinned.path, sub)))
-    except OSError:
-        return []
+_REMOTE_SCHEMES = {"gcs": "gs", "s3": "s3"}  # TensorStore's key-value store drivers -> URL schemes
 
 
 class Pins:
@@ -165,6 +167,7 @@ class Pins:
     def __init__(self, *, data: bool, budget: float | None = None, where: str = ""):
         self._data, self._budget, self._where = data, budget, where
         self._pins: dict[tuple[str, bool], storage.Pinned] = {}
+        self._remote_checked: set[str] = set()
 
     def spec(self, spec: dict[str, Any], where: str | None = None) -> dict[str, Any]:
         """``spec`` with every local ``file`` store replaced by its checked, pinned folder; errors name ``where``."""
@@ -179,6 +182,12 @@ class Pins:
             return node
         if node.get("driver") == "file" and isinstance(node.get("path"), str) and not storage.is_remote(node["path"]):
             return {**node, "path": self.folder(node["path"], ocdbt=ocdbt).path + "/"}
+        if ocdbt and node.get("driver") in _REMOTE_SCHEMES and isinstance(node.get("bucket"), str):
+            url = f"{_REMOTE_SCHEMES[node['driver']]}://{node['bucket']}/{str(node.get('path') or '').strip('/')}"
+            if url not in self._remote_checked:  # a bucket has no links: the database's manifest only
+                check_ocdbt(storage.normalize(url), self._budget)
+                self._remote_checked.add(url)
+            return node
         inner = node.get("driver") == "ocdbt"
         return {k: self._rewrite(v, ocdbt=inner and k == "base") for k, v in node.items()}
 
@@ -203,7 +212,7 @@ class Pins:
         try:
             if ocdbt:
                 pinned.check_tree()
-                check_ocdbt(pinned, self._budget, self._where)
+                check_ocdbt(pinned.path, self._budget, shown=folder)
             elif self._data:
                 pinned.check_tree()
             else:
