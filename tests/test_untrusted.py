@@ -367,6 +367,8 @@ def test_an_ocdbt_manifest_allowing_huge_nodes_is_refused_before_any_node_is_dec
     assert mib < 24, f"metadata inspect grew by {mib} MiB"
     err = _one_error(capsys, "inspect", folder)  # over the default budget too
     assert "manifest.ocdbt" in err
+    code, out, _ = _run(capsys, "verify", folder)
+    assert code == 1 and out.count("allows b-tree nodes") == 1  # the database, said once
     with pytest.raises(CheckpointError, match="max_decoded_node_bytes"):
         tt.load_parameters(folder)
     # TensorStore's own default (8 MiB nodes) passes a 16 MiB budget.

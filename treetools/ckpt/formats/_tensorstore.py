@@ -168,6 +168,7 @@ class Pins:
         self._data, self._budget, self._where = data, budget, where
         self._pins: dict[tuple[str, bool], storage.Pinned] = {}
         self._remote_checked: set[str] = set()
+        self._refused: dict[tuple[str, bool], CheckpointError] = {}
 
     def spec(self, spec: dict[str, Any], where: str | None = None) -> dict[str, Any]:
         """``spec`` with every local ``file`` store replaced by its checked, pinned folder; errors name ``where``."""
@@ -199,6 +200,17 @@ class Pins:
         pinned = self._pins.get(key)
         if pinned is not None:
             return pinned
+        if key in self._refused:  # one OCDBT database refused is every array in it refused, once
+            raise self._refused[key]
+        try:
+            pinned = self._open(folder, ocdbt)
+        except CheckpointError as e:
+            self._refused[key] = e
+            raise
+        self._pins[key] = pinned
+        return pinned
+
+    def _open(self, folder: str, ocdbt: bool) -> storage.Pinned:
         what = "array data" if self._data else "array metadata"
         try:
             pinned = storage.pin(folder)
@@ -221,7 +233,6 @@ class Pins:
         except BaseException:
             pinned.close()
             raise
-        self._pins[key] = pinned
         return pinned
 
     def close(self) -> None:
@@ -546,10 +557,13 @@ def open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] 
     """
     import tensorstore as ts
 
-    context = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
     headers: list[ArrayHeader | None] = []
-    with Pins(data=False, budget=budget, where=where[0] if where else "") as pins:
-        for a in range(0, len(specs), OPEN_BATCH):
+    for a in range(0, len(specs), OPEN_BATCH):
+        # One descriptor per array folder, held until its header is read: a batch's worth at a time. The cache
+        # (b-tree nodes the arrays of one OCDBT item share) lives as long as the descriptors: a descriptor number
+        # reused by the next batch names another folder.
+        context = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
+        with Pins(data=False, budget=budget) as pins:
             batch = []
             for spec, w in zip(specs[a:a + OPEN_BATCH], where[a:a + OPEN_BATCH]):
                 try:
@@ -570,6 +584,7 @@ def open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] 
                     message = f"{w}: cannot open array metadata ({first_line(e)})."
                 if problems is None:
                     raise CheckpointError(message) from None
-                problems.append(message)
+                if message not in problems[-1:]:  # a database refused whole: said once, not once per array
+                    problems.append(message)
                 headers.append(None)
     return headers

@@ -421,7 +421,7 @@ class OrbaxSource(Source):
             self.hold_to_budget([item])
             items.append(item)
             if isinstance(item, OrbaxItem):
-                problems += _unlisted_arrays(item)
+                problems += [p for p in _unlisted_arrays(item) if p not in problems]
         return items, problems
 
 
@@ -532,6 +532,8 @@ def _unlisted_arrays(item: OrbaxItem) -> list[str]:
     use_ocdbt = bool(item.metadata.get("use_ocdbt", storage.exists(os.path.join(item.folder, "manifest.ocdbt"))))
     try:
         extra = sorted(_stored_arrays(item.folder, use_ocdbt) - {leaf.key for leaf in item.leaves} - _listed(item))
+    except CheckpointError as e:  # the database refused (outside the checkpoint, over the budget): said as such
+        return [str(e)]
     except Exception as e:  # tensorstore: a corrupt manifest
         return [f"{item.folder}: cannot list the stored arrays ({first_line(e)})."]
     if not extra:
