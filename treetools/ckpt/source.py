@@ -406,7 +406,9 @@ def _claims(fmt: Format, path: str) -> bool:
 def open_source(path: str | os.PathLike, *, memory_budget: float | None = None) -> Source:
     """Open any checkpoint read-only through the format that claims it.
 
-    Relative and ``~`` paths work; the path is shown as given.
+    Relative and ``~`` paths work; the path is shown as given. The path is the
+    checkpoint's root (``storage.confine``): every local file read under it, by
+    treetools or by TensorStore, must resolve inside it (docs/untrusted.md).
 
     Args:
       path: a checkpoint file or folder, local or ``gs://``/``s3://``.
