@@ -235,6 +235,12 @@ class Pins:
             raise
         return pinned
 
+    def shown(self, text: str) -> str:
+        """``text`` (TensorStore's error) naming each pinned folder as the checkpoint names it, not by descriptor."""
+        for pinned in sorted(self._pins.values(), key=lambda p: -len(p.path)):  # /proc/self/fd/31 before .../3
+            text = text.replace(pinned.path, pinned.folder)
+        return text
+
     def close(self) -> None:
         for pinned in self._pins.values():
             pinned.close()
@@ -312,7 +318,8 @@ class _Opened:
             try:
                 result = f.result()
             except Exception as e:
-                raise CheckpointError(f"{self.reader._where}: cannot read chunk {k!r} ({first_line(e)}).") from None
+                raise CheckpointError(f"{self.reader._where}: cannot read chunk {k!r} "
+                                      f"({self.pins.shown(first_line(e))}).") from None
             value = bytes(result.value) if result.state == "value" else b""
             if len(value) >= 8:
                 claimed = int.from_bytes(value[4:8], "little")
@@ -356,13 +363,20 @@ class _Opened:
             out = np.empty(sizes, self.reader.dtype)
             for piece, local in pieces:
                 self._check_blosc(piece)
-                out[local] = self.reader._result(self.store[piece].read())
+                out[local] = self.wait(self.store[piece].read())
             return out
 
         return piecewise
 
     def result(self, pending: Any) -> np.ndarray:
-        return pending() if callable(pending) else self.reader._result(pending)
+        return pending() if callable(pending) else self.wait(pending)
+
+    def wait(self, future: Any) -> np.ndarray:
+        try:
+            return np.asarray(future.result())
+        except Exception as e:
+            raise CheckpointError(f"{self.reader._where}: cannot read array data "
+                                  f"({self.pins.shown(first_line(e))}).") from None
 
 
 class TensorStoreReader(ArrayReader):
@@ -406,7 +420,7 @@ class TensorStoreReader(ArrayReader):
             try:
                 store = ts.open(spec, read=True, open=True, context=self._ts_context()).result()
             except Exception as e:  # tensorstore raises ValueError with a long status text
-                raise CheckpointError(f"{self._where}: cannot open array data ({first_line(e)}).") from None
+                raise CheckpointError(f"{self._where}: cannot open array data ({pins.shown(first_line(e))}).") from None
             try:
                 chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
                 shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)
@@ -431,12 +445,6 @@ class TensorStoreReader(ArrayReader):
         except BaseException:
             pins.close()
             raise
-
-    def _result(self, future: Any) -> np.ndarray:
-        try:
-            return np.asarray(future.result())
-        except Exception as e:
-            raise CheckpointError(f"{self._where}: cannot read array data ({first_line(e)}).") from None
 
     def read(self, index: Index) -> np.ndarray:
         opened = self._open()
@@ -581,7 +589,7 @@ def open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] 
                 except CheckpointError as e:
                     message = str(e)
                 except Exception as e:
-                    message = f"{w}: cannot open array metadata ({first_line(e)})."
+                    message = f"{w}: cannot open array metadata ({pins.shown(first_line(e))})."
                 if problems is None:
                     raise CheckpointError(message) from None
                 if message not in problems[-1:]:  # a database refused whole: said once, not once per array
