@@ -35,16 +35,52 @@ def stat_value(stats: Mapping[str, Any], name: str) -> Any:
     return stats.get(name)
 
 
-def safe_text(text: Any) -> str:
-    """``text`` with control characters escaped (``\\x1b`` shows as the four characters ``\\x1b``).
+CELL_WIDTH = 160
+"""The most characters a table cell shows of a name (a longer one is cut, and says so); JSON keeps names whole."""
 
-    >>> safe_text("a\\x1b[2Jb\\nc")
-    'a\\\\x1b[2Jb\\\\nc'
+
+def safe_text(text: Any, *, width: int | None = None, lines: bool = False) -> str:
+    """``text`` as it may be printed: every character a terminal would act on escaped.
+
+    Control characters (ESC, carriage return, newline...), bidirectional
+    overrides (U+202E) and every other non-printable character show as their
+    escape (``\\x1b`` as the four characters ``\\x1b``), so a name read from a
+    checkpoint cannot clear the screen, move the cursor, reorder a line or forge
+    one. Every string treetools prints, on stdout and stderr alike, passes here.
+
+    Args:
+      text: anything; ``str()`` of it is shown.
+      width: at most this many characters: a longer text is cut and ends with
+        ``…[+N chars]`` (a table cell never pads its column to a 100,000-character name).
+      lines: keep newlines (a rendered report's own line structure); everything else is escaped.
+
+    >>> safe_text("a\\x1b[2Jb\\nc\\u202e")
+    'a\\\\x1b[2Jb\\\\nc\\\\u202e'
+    >>> safe_text("x" * 30, width=20)
+    'xxxxxxxx…[+22 chars]'
     """
     text = str(text)
-    if text.isprintable():
-        return text
-    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
+    if not text.isprintable():
+        text = "".join(ch if ch.isprintable() or (lines and ch == "\n") else
+                       ch.encode("unicode_escape").decode("ascii") for ch in text)
+    if width is not None and len(text) > width:
+        cut = max(1, width - 12)
+        while len(text) > width and cut > 1:
+            shown = text[:cut] + f"…[+{len(text) - cut} chars]"
+            if len(shown) <= width:
+                return shown
+            cut -= 1
+        return text[:cut] + f"…[+{len(text) - cut} chars]"
+    return text
+
+
+def one_line(message: Any) -> str:
+    """A diagnostic as one printable line: whitespace runs (newlines included) as one space, the rest escaped.
+
+    >>> one_line("bad name 'a\\nforged'\\x1b[31m")
+    "bad name 'a forged'\\\\x1b[31m"
+    """
+    return safe_text(" ".join(str(message).split()))
 
 
 def json_safe(value: Any) -> Any:
@@ -86,8 +122,9 @@ def bytes_text(n: int) -> str:
 
 
 def format_stat(v: Any) -> str:
-    """A statistic as a table cell: floats to 4 significant digits."""
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+    """A statistic (or a metric value read from a checkpoint) as a table cell: floats to 4 significant digits,
+    anything else as safe text."""
+    return f"{v:.4g}" if isinstance(v, float) else safe_text(v, width=CELL_WIDTH)
 
 
 def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int, stat_columns: Sequence[str],
@@ -107,12 +144,12 @@ def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int, stat_c
     data = []
     for r in rows:
         line: list[Any] = [
-            safe_text(r.sep.join(r.path[strip:]) or r.name),
+            safe_text(r.sep.join(r.path[strip:]) or r.name, width=CELL_WIDTH),
             format_shape(r.shape),
-            r.dtype or "",
+            safe_text(r.dtype or ""),
             f"{r.params:,}",
             human(r.bytes, "B"),
-            "" if r.sharding is None else str(r.sharding),
+            "" if r.sharding is None else safe_text(r.sharding, width=CELL_WIDTH),
         ]
         if show_layers:
             line.insert(2, "" if r.layers is None else r.layers)
@@ -154,12 +191,13 @@ def _render_tree(rows: Sequence[Row], strip: int = 0) -> str:
         opened = opened[:common]
         for depth in range(common, len(parts) - 1):
             folder = r.path[: strip + depth + 1]
-            lines.append("  " * depth + safe_text(parts[depth]) + f"{r.sep}  {format_count(sub.get(folder, 0))} params")
+            lines.append("  " * depth + safe_text(parts[depth], width=CELL_WIDTH)
+                         + f"{r.sep}  {format_count(sub.get(folder, 0))} params")
             opened = opened + (parts[depth],)
         shape = f" {format_shape(r.shape)}" if r.shape is not None else ""
         dtype = f" {r.dtype}" if r.dtype else ""
-        spec = f" {r.sharding}" if r.sharding is not None else ""
-        last = safe_text(parts[-1]) if parts else safe_text(r.name)
+        spec = f" {safe_text(r.sharding, width=CELL_WIDTH)}" if r.sharding is not None else ""
+        last = safe_text(parts[-1] if parts else r.name, width=CELL_WIDTH)
         lines.append("  " * max(len(parts) - 1, 0) + f"{last}{shape}{dtype}  {r.params:,} params{spec}")
     return "\n".join(lines)
 

@@ -13,7 +13,14 @@ with ``array_row``/``value_row``/``tree_leaves`` and a reader such as
 ``FileReader``).
 """
 
-from treetools.ckpt.readers import ArrayReader, FileReader, InMemoryReader, MemoryBudgetError, plan_blocks
+from treetools.ckpt.readers import (
+    ArrayReader,
+    FileReader,
+    InMemoryReader,
+    MemoryBudgetError,
+    checked_shape,
+    plan_blocks,
+)
 from treetools.ckpt.source import (
     DEFAULT_ITEM,
     NO_VALUE,
@@ -50,6 +57,7 @@ __all__ = [
     "Source",
     "array_row",
     "check_name",
+    "checked_shape",
     "file_head",
     "open_source",
     "plan_blocks",

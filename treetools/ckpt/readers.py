@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import numpy as np
 
 from treetools.ckpt import storage
+from treetools.ckpt.steps import read_json_file
 from treetools.errors import CheckpointError
 from treetools.rows import human
 
@@ -112,6 +113,70 @@ def check_budget(nbytes: int, *, where: str, what: str, budget: float | None = N
         )
 
 
+MAX_ARRAY_BYTES = 2**60
+"""The largest array (in bytes, and along any one dimension) a checkpoint's metadata may declare: 1 EiB, beyond
+any real checkpoint, and far inside the int64 arithmetic numpy and TensorStore do on sizes."""
+
+
+def checked_shape(values: Any, *, where: str, itemsize: int = 1, what: str = "shape") -> tuple[int, ...]:
+    """A shape (or chunk shape) read from a checkpoint's metadata, validated where it is parsed.
+
+    Every entry must be an integer >= 0 (not a float such as ``1e999``, not a
+    bool), and no dimension nor the whole array (times ``itemsize``) may exceed
+    ``MAX_ARRAY_BYTES``: a hostile header then never reaches arithmetic that
+    overflows (a rank-20 array of 2^62 per dimension, ``10**400``).
+
+    Raises:
+      CheckpointError: naming ``where`` and what is wrong.
+
+    >>> checked_shape([2, 3], where="w.zarray")
+    (2, 3)
+    >>> checked_shape([1e999], where="w/.zarray")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    treetools.errors.CheckpointError: w/.zarray: corrupt shape (entry 0 is inf, not an integer >= 0); ...
+    """
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
+        raise CheckpointError(f"{where}: corrupt {what} ({type(values).__name__}, not a list of integers); "
+                              "the metadata is damaged or hostile.")
+    out = []
+    total = max(1, int(itemsize))
+    for i, d in enumerate(values):
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
+            shown = repr(d) if isinstance(d, (int, float, str, bool, type(None), np.integer)) else type(d).__name__
+            raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {shown[:40]}, not an integer >= 0); "
+                                  "the metadata is damaged or hostile.")
+        d = int(d)
+        total *= d if d else 1
+        if d > MAX_ARRAY_BYTES or total > MAX_ARRAY_BYTES:
+            raise CheckpointError(f"{where}: {what} declares more than 2**60 bytes (1 EiB, rank {len(values)}); "
+                                  "no checkpoint holds that: the metadata is damaged or hostile.")
+        out.append(d)
+    return tuple(out)
+
+
+JSON_EXPANSION = 8
+"""Bytes of Python objects one byte of JSON metadata becomes once parsed (measured: 7.3 for an Orbax _METADATA)."""
+
+
+def read_metadata(path: str, *, what: str, budget: float | None = None) -> Any:
+    """Parse a JSON metadata file (``steps.read_json_file``), held to the memory budget by what it will hold.
+
+    A metadata file is parsed whole: a 15 MB ``_METADATA`` of 100,000 leaves is
+    110 MiB of Python objects. Refused before reading when that is over the budget.
+
+    Raises:
+      MemoryBudgetError: over the budget (one line naming the file and the flag).
+      CheckpointError, CheckpointNotFoundError: as ``read_json_file``.
+    """
+    try:
+        size = storage.getsize(path)
+    except OSError:
+        size = 0  # read_json_file names what is wrong
+    check_budget(JSON_EXPANSION * size, where=path, what=f"{what} ({size:,} bytes), parsed whole,", budget=budget)
+    return read_json_file(path, what=what)
+
+
 def physical_memory() -> int | None:
     """This machine's physical memory in bytes, when the OS says."""
     try:
@@ -121,13 +186,28 @@ def physical_memory() -> int | None:
 
 
 def np_dtype(name: str) -> np.dtype:
-    """A numpy dtype by name, including ml_dtypes ones (``bfloat16``, ``float8_e4m3fn``)."""
+    """A numpy dtype by name, including ml_dtypes ones (``bfloat16``, ``float8_e4m3fn``).
+
+    A name read from a checkpoint is held to plain element types: a structured
+    or sub-array dtype (``"(1073741824,)f8"``: one element of 8 GiB) is refused.
+
+    Raises:
+      TypeError: not a name of a plain element type (the message shows at most 40 characters of it).
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"dtype {type(name).__name__}, not a type name")
     try:
-        return np.dtype(name)
+        dtype = np.dtype(name)
     except TypeError:
         import ml_dtypes
 
-        return np.dtype(getattr(ml_dtypes, name))
+        kind = getattr(ml_dtypes, name, None) if name.isidentifier() else None
+        if not isinstance(kind, type):
+            raise TypeError(f"data type {name[:40]!r} not understood") from None
+        dtype = np.dtype(kind)
+    if dtype.fields is not None or dtype.subdtype is not None:
+        raise TypeError(f"data type {name[:40]!r} is structured, not an element type")
+    return dtype
 
 
 def is_numeric(dtype: Any) -> bool:
@@ -154,6 +234,9 @@ class ArrayReader:
     """False when a sequential reader streams Fortran-ordered data."""
     remote: bool = False
     """True when blocks come from a bucket: reads wait on the network more than on a core."""
+    root: Any = None
+    """The checkpoint root it was found under (``storage.Root``, set by the ``Source``): held, so the root's
+    containment stays in force for every read while the reader lives, the ``Source`` gone or not."""
 
     def read(self, index: Index) -> np.ndarray:
         raise NotImplementedError
@@ -255,8 +338,9 @@ class FileReader(ArrayReader):
     Local blocks are read with ``os.preadv`` into a fresh buffer, not
     memory-mapped: a file truncated or rewritten under the reader gives a short
     read, which is a one-line ``CheckpointError``, where a mapping would kill the
-    process with SIGBUS. In a bucket each block is one ranged GET. Resident
-    memory stays one block.
+    process with SIGBUS. Each read opens the file through ``storage.open_fd``,
+    so it must resolve inside the checkpoint it was found in. In a bucket each
+    block is one ranged GET. Resident memory stays one block.
     """
 
     def __init__(self, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *, fortran: bool = False):
@@ -274,7 +358,7 @@ class FileReader(ArrayReader):
             view[: len(data)] = data
             return len(data)
         try:
-            fd = os.open(self._path, os.O_RDONLY)
+            fd = storage.open_fd(self._path)
         except OSError as e:
             raise CheckpointError(f"{self._path}: cannot read ({e.strerror or e}).") from None
         try:

@@ -35,6 +35,7 @@ import math
 import os
 import pkgutil
 import stat as stat_
+import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -44,6 +45,10 @@ from treetools.ckpt.readers import ArrayReader, InMemoryReader, MemoryBudgetErro
 from treetools.ckpt.steps import StepListing, describe_series, file_kind, parse_step, resolve_step
 from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.rows import Row, dtype_name
+
+DELETION_CHECKS, DELETION_CHECK_PAUSE = 6, 0.05
+"""After a failed read of a listed step: how many times (and how far apart, in seconds) ``Source.step_deleted``
+asks whether the step is still committed before the failure counts as damage."""
 
 DEFAULT_ITEM = "default"
 """Item name of single-tree files (Orbax's name for an unnamed item)."""
@@ -166,6 +171,9 @@ class Source:
     record_sharding: bool = False
     memory_budget: float | None = None
     """Bytes one read may decode at once (set by ``open_source``); every reader handed out gets it."""
+    root: storage.Root | None = None
+    """The checkpoint root (set by ``open_source``: the PATH opened): every local file read under it resolves
+    inside it (``storage.confine``); None for a bucket."""
 
     def __init__(self, path: str, *, listing: StepListing | None = None, step: int | None = None):
         self.path = path
@@ -228,19 +236,23 @@ class Source:
         return snap
 
     def hold_to_budget(self, items: Iterable[Item]) -> None:
-        """Give every reader of ``items`` this source's memory budget (``snapshot`` does it for its items)."""
-        if self.memory_budget is None:
-            return
+        """Give every reader of ``items`` this source's memory budget and root (``snapshot`` does it for its items)."""
         for item in items:
             for leaf in item.leaves:
                 if leaf.reader is not None:
-                    leaf.reader.budget = self.memory_budget
+                    leaf.reader.root = self.root
+                    if self.memory_budget is not None:
+                        leaf.reader.budget = self.memory_budget
 
     @contextlib.contextmanager
     def reading(self, step: int | None) -> Iterator[None]:
-        """Around any read of ``step``: an error because its folder went since the listing is a ``StepDeletedError``."""
+        """Around any read of ``step``: the metadata read under this source's memory budget; an error because
+        its folder went since the listing is a ``StepDeletedError``."""
         try:
-            yield
+            with opening(self.memory_budget):
+                yield
+        except MemoryBudgetError:
+            raise  # the reader's own refusal, whatever the step's state
         except (CheckpointError, OSError):
             gone = self.step_deleted(step)
             if gone is not None:
@@ -248,12 +260,25 @@ class Source:
             raise
 
     def step_deleted(self, step: int | None) -> StepDeletedError | None:
-        """The error to raise when ``step``'s folder is gone since the steps were listed, else None."""
+        """The error to raise when ``step`` is gone since the steps were listed, else None.
+
+        Gone means its folder is gone, or is no longer a committed step (a
+        manager pruning it deletes its files, commit marker included, before the
+        folder), asked afresh (``StepListing.still_committed``): a step that is
+        still there and committed is never called deleted.
+        """
         if step is None or self.listing is None or step not in self.listing.committed:
             return None
-        storage.forget(self.path)  # ask the bucket again, not what was listed
-        if storage.isdir(self.listing.committed[step]):
-            return None
+        # A manager deletes a step's files from several threads at once: its data may be gone a few
+        # milliseconds before its commit marker. Asked a few times over a quarter second before calling
+        # the read's failure damage.
+        for attempt in range(DELETION_CHECKS):
+            storage.forget(self.path)  # ask the bucket again, not what was listed
+            if not self.listing.still_committed(step):
+                break
+            if attempt == DELETION_CHECKS - 1:
+                return None
+            time.sleep(DELETION_CHECK_PAUSE)
         return StepDeletedError(
             f"{self.path}: step {step} was deleted while it was being read (a manager pruning old steps?); "
             "run again to read the steps present now."
@@ -427,7 +452,9 @@ def _claims(fmt: Format, path: str) -> bool:
 def open_source(path: str | os.PathLike, *, memory_budget: float | None = None, prefix: str | None = None) -> Source:
     """Open any checkpoint read-only through the format that claims it.
 
-    Relative and ``~`` paths work; the path is shown as given.
+    Relative and ``~`` paths work; the path is shown as given. The path is the
+    checkpoint's root (``storage.confine``): every local file read under it, by
+    treetools or by TensorStore, must resolve inside it (docs/untrusted.md).
 
     Args:
       path: a checkpoint file or folder, local or ``gs://``/``s3://``.
@@ -455,6 +482,7 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None, 
         raise CheckpointNotFoundError("empty path: pass a checkpoint folder or file.")
     location = storage.normalize(display)
     storage.forget(location)  # a bucket is listed afresh each time a checkpoint is opened
+    root = storage.confine(location)  # from here on, every read under PATH must resolve inside it
     if not storage.exists(location):
         if storage.islink(location):
             raise CheckpointError(f"{display}: {file_kind(location)}; point at the checkpoint itself.")
@@ -463,6 +491,8 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None, 
         raise CheckpointNotFoundError(f"{display}: no such file or folder.")
     if not (storage.isdir(location) or storage.isfile(location)):
         raise CheckpointError(f"{display}: not a regular file ({file_kind(location)}); point at a checkpoint file or folder.")
+    if storage.isdir(location):
+        storage.prefetch_tree(location)  # in a bucket, one LIST answers the probes of every step and item below
     registered = registered_formats()
     for fmt in registered:
         if _claims(fmt, location):
@@ -471,7 +501,7 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None, 
                     source = fmt.open(location, display)
                     if prefix is not None:
                         source.select_series(prefix)
-                source.memory_budget = memory_budget
+                source.memory_budget, source.root = memory_budget, root
                 return source
             except (CheckpointError, CheckpointNotFoundError) as e:  # name the path as typed, not its absolute form
                 if location == display or not str(e).startswith(location):
@@ -494,14 +524,17 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None, 
 def check_name(name: str, *, where: str) -> None:
     """Refuse a stored name that would point outside the checkpoint.
 
-    A name is refused when it is absolute or has a ``..`` part (``/`` or ``\\``
-    separated): such a key could make a reader open files outside PATH.
+    A name is refused when it is absolute, has a ``..`` part (``/`` or ``\\``
+    separated) or holds a NUL byte: such a key could make a reader open files
+    outside PATH, or name a file no system can open.
 
     >>> check_name("../etc/passwd", where="m.safetensors")
     Traceback (most recent call last):
     ...
     treetools.errors.CheckpointError: m.safetensors: key '../etc/passwd' tries to escape the checkpoint folder; refusing to read it.
     """
+    if "\0" in name:
+        raise CheckpointError(f"{where}: key {name[:200]!r} holds a NUL byte; refusing to read it.")
     parts = name.replace("\\", "/").split("/")
     if name.startswith(("/", "\\")) or ".." in parts:
         raise CheckpointError(f"{where}: key {name!r} tries to escape the checkpoint folder; refusing to read it.")

@@ -14,7 +14,9 @@ Step folders are named like Orbax names them: ``100``, zero padded
 * it holds Orbax's commit marker ``commit_success.txt``, or a
   ``_CHECKPOINT_METADATA`` whose ``commit_timestamp_nsecs`` is set, or (Orbax
   before step metadata existed) no ``_CHECKPOINT_METADATA`` at all but an
-  item folder that Orbax finalized (its ``_METADATA`` or JSON ``metadata``).
+  item folder that Orbax finalized (its ``_METADATA`` or JSON ``metadata``),
+  in a root where no step carries a commit marker: where the others do, a
+  step folder without one is a copy still in progress.
 
 Everything else is *incomplete*: listed, never read, never the latest. A
 format with its own commit evidence (T5X's ``checkpoint`` file) passes its
@@ -207,8 +209,44 @@ def _finalized_item(step_dir: str) -> bool:
                for d in subdirs)
 
 
+MARKER = "marker"
+"""Commit evidence of a step folder: Orbax's commit marker (``commit_success.txt``, a committed
+``_CHECKPOINT_METADATA``)."""
+FINALIZED_ITEM = "finalized item"
+"""Commit evidence of a step folder without step metadata: an item Orbax finalized (saves before step metadata)."""
+
+
+def commit_evidence(step_dir: str | os.PathLike) -> str | None:
+    """How Orbax shows it finished this step folder: ``MARKER``, ``FINALIZED_ITEM``, or None (unfinished).
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()) / "100"; d.mkdir()
+    >>> commit_evidence(d) is None
+    True
+    >>> _ = (d / "commit_success.txt").write_text("ok"); commit_evidence(d)
+    'marker'
+    """
+    step_dir = os.fspath(step_dir)
+    if TMP_DIR_SUFFIX in os.path.basename(storage.normalize(step_dir)) or not storage.isdir(step_dir):
+        return None
+    if _is_regular(os.path.join(step_dir, COMMIT_SUCCESS_FILE)):
+        return MARKER
+    meta = os.path.join(step_dir, STEP_METADATA_FILE)
+    if storage.lexists(meta):
+        try:
+            data = read_json_file(meta, what=f"Orbax {STEP_METADATA_FILE}")
+        except (CheckpointError, CheckpointNotFoundError):
+            return None  # half-written, hostile or unreadable: never taken as a finished save
+        return MARKER if isinstance(data, dict) and bool(data.get("commit_timestamp_nsecs")) else None
+    return FINALIZED_ITEM if _finalized_item(step_dir) else None
+
+
 def is_committed(step_dir: str | os.PathLike) -> bool:
     """True when Orbax finished writing this step folder (the rule in this module's docstring).
+
+    A folder alone cannot tell a save from before step metadata from a copy in
+    progress that has its items but not yet its marker; ``scan_steps`` tells
+    them apart by the root's other steps.
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp()) / "100"; d.mkdir()
@@ -217,19 +255,7 @@ def is_committed(step_dir: str | os.PathLike) -> bool:
     >>> _ = (d / "commit_success.txt").write_text("ok"); is_committed(d)
     True
     """
-    step_dir = os.fspath(step_dir)
-    if TMP_DIR_SUFFIX in os.path.basename(storage.normalize(step_dir)) or not storage.isdir(step_dir):
-        return False
-    if _is_regular(os.path.join(step_dir, COMMIT_SUCCESS_FILE)):
-        return True
-    meta = os.path.join(step_dir, STEP_METADATA_FILE)
-    if storage.lexists(meta):
-        try:
-            data = read_json_file(meta, what=f"Orbax {STEP_METADATA_FILE}")
-        except (CheckpointError, CheckpointNotFoundError):
-            return False  # half-written, hostile or unreadable: never taken as a finished save
-        return isinstance(data, dict) and bool(data.get("commit_timestamp_nsecs"))
-    return _finalized_item(step_dir)
+    return commit_evidence(step_dir) is not None
 
 
 DEFAULT_SERIES = ("checkpoint_", "")
@@ -257,6 +283,20 @@ class StepListing:
     series: str = ""
     others: dict[str, "StepListing"] = dataclasses.field(default_factory=dict)
     conflict: str | None = None
+    commit_rule: Callable[[str], bool] | None = None
+    """The rule the listing was made with (None: Orbax's ``is_committed``); ``still_committed`` asks it again."""
+
+    def still_committed(self, step: int) -> bool:
+        """Whether the folder of a listed step is still there and still committed, asked afresh.
+
+        A step a manager is pruning loses its files (its commit marker among
+        them) before its folder goes: from the first file it is no longer a
+        finished save, and reading it is reading a step being deleted.
+        """
+        folder = self.committed[step]
+        storage.forget(folder)
+        rule = self.commit_rule or is_committed
+        return storage.exists(folder) and (rule(folder) if storage.isdir(folder) else True)
 
     @property
     def steps(self) -> list[int]:
@@ -362,6 +402,7 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
     committed: dict[str, dict[int, list[str]]] = {}
     incomplete: dict[str, list[tuple[int, str]]] = {}
     skipped: list[str] = []
+    evidence: dict[str, str | None] = {}
     try:
         with storage.scandir(root) as it:
             entries = sorted(it, key=lambda e: e.name)
@@ -371,6 +412,7 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
         return StepListing(root, {}, [])
     except OSError as e:
         raise CheckpointError(f"{root}: cannot list folder ({e.strerror or e}).") from None
+    candidates = []
     for entry in entries:
         name = entry.name
         head = _tmp_head(name)
@@ -378,20 +420,44 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
         if found is None or (step_prefix is not None and parse_step_name(
                 head if head is not None else name, step_prefix=step_prefix, names=names) is None):
             continue
-        series, step = found
+        candidates.append((entry, found, head is not None))
+
+    def judge(candidate: tuple[Any, tuple[str, int], bool]) -> tuple[str, str | None]:
+        """``(kind, commit evidence)`` of one step-named entry: kind ``skip``, ``other``, ``tmp`` or ``step``."""
+        entry, _, tmp = candidate
         try:
             is_dir = entry.is_dir()
         except OSError:  # a symlink loop, an unreadable entry: junk, not a reason to fail the whole root
-            skipped.append(name)
-            continue
+            return "skip", None
         if not is_dir:
-            if entry.is_symlink() and not storage.exists(entry.path):
-                skipped.append(name)
-            continue
-        if head is None and (commit_rule or is_committed)(entry.path):
+            return ("skip" if entry.is_symlink() and not storage.exists(entry.path) else "other"), None
+        if tmp:
+            return "tmp", None
+        storage.prefetch(entry.path)  # in a bucket, one listing answers every probe of the step's markers
+        if commit_rule is not None:
+            return "step", MARKER if commit_rule(entry.path) else None
+        return "step", commit_evidence(entry.path)
+
+    # In a bucket each step costs a round trip or two: the steps are judged concurrently.
+    for (entry, (series, step), _), (kind, found) in zip(candidates, storage.map_io(judge, candidates, root)):
+        if kind == "skip":
+            skipped.append(entry.name)
+        elif kind == "step" and found is not None:
+            evidence[entry.path] = found
             committed.setdefault(series, {}).setdefault(step, []).append(entry.path)
-        else:
-            incomplete.setdefault(series, []).append((step, name))
+        elif kind != "other":
+            incomplete.setdefault(series, []).append((step, entry.name))
+    for series, steps in committed.items():
+        if MARKER not in (evidence[p] for paths in steps.values() for p in paths):
+            continue
+        # Steps of this series carry Orbax's commit marker: one that has only finalized items (a copy in
+        # progress, which copied the items before the marker) is not finished either.
+        for step, paths in list(steps.items()):
+            unmarked = [p for p in paths if evidence.get(p) == FINALIZED_ITEM]
+            incomplete.setdefault(series, []).extend((step, os.path.basename(p)) for p in unmarked)
+            steps[step] = [p for p in paths if p not in unmarked]
+            if not steps[step]:
+                del steps[step]
     listings = {}
     for series in sorted({*committed, *incomplete}):
         ordered = dict(sorted(committed.get(series, {}).items()))
@@ -401,6 +467,7 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
             [name for _, name in sorted(incomplete.get(series, []))],
             {s: [os.path.basename(p) for p in paths] for s, paths in ordered.items() if len(paths) > 1},
             series=series,
+            commit_rule=commit_rule,
         )
     return choose_series(root, listings, skipped, prefer=prefer)
 

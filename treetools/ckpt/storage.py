@@ -8,6 +8,13 @@ fsspec's ``gcsfs``/``s3fs`` for listings and small files, imported only when a
 remote path is given; arrays are read by TensorStore's own ``gcs``/``s3``
 key-value stores (``kvstore_spec``), in place, with byte ranges.
 
+Checkpoints are untrusted input: a symlink inside one (a chunk file, an item
+folder, a metadata file) may lead anywhere on the machine. ``confine(path)``
+makes a path a checkpoint *root* (``open_source`` does it for the PATH it
+opens): from then on every local read under it, by this module
+(``open``, ``open_fd``, ``read_range``, the listings) or by a library handed a
+``pin``-ned folder (TensorStore), resolves inside the root, or is refused.
+
 Credentials and endpoints are the ecosystem's: whatever the client libraries
 already read (``AWS_*`` variables and profiles, ``AWS_ENDPOINT_URL`` for
 MinIO or a local S3; Google default credentials, ``STORAGE_EMULATOR_HOST``
@@ -18,14 +25,15 @@ Standard library only at import time.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import dataclasses
 import logging
 import os
 import stat as stat_
 import threading
-from typing import Any, Iterator
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterable, Iterator
 
 from treetools.errors import CheckpointError, CheckpointNotFoundError
 
@@ -115,6 +123,289 @@ def kvstore_spec(folder: str) -> dict[str, Any]:
             # (profile files first) and logs every file it does not find.
             spec["context"] = {"aws_credentials": {"type": "environment"}}
     return spec
+
+
+# ---------------------------------------------------------------------------- the checkpoint root
+
+
+HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+"""Folder names of a Hugging Face hub cache repo, whose ``snapshots/<rev>/`` files link into its ``blobs/``."""
+
+
+class Root:
+    """A checkpoint root: the folder a checkpoint was opened at, and where the reads under it may lead.
+
+    Every local file read under ``path`` must resolve (symlinks followed)
+    inside the folder's real path, or be one of the files a user named (a
+    checkpoint file given as PATH may itself be a link: the user chose it). One
+    layout links out of its folder by design, the Hugging Face hub cache
+    (``models--org--name/snapshots/<rev>/model.safetensors -> ../../blobs/<sha>``):
+    a root inside a ``snapshots/`` folder of such a repo may also read anything
+    inside that same repo folder, nothing beyond it.
+
+    >>> import tempfile, os
+    >>> repo = os.path.join(os.path.realpath(tempfile.mkdtemp()), "models--org--m")
+    >>> Root(os.path.join(repo, "snapshots", "abc")).allows(os.path.join(repo, "blobs", "f00"))
+    True
+    >>> Root(os.path.join(repo, "snapshots", "abc")).allows(os.path.dirname(repo))
+    False
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self.allowed: tuple[str, ...] = ()
+        self.allow(path)
+
+    def allow(self, path: str) -> None:
+        """Let reads under this root lead to ``path`` (its real path, and its Hugging Face repo folder if any)."""
+        real = os.path.realpath(path)
+        allowed = [*self.allowed, real]
+        for candidate in (path, real):  # a snapshot file given as PATH is itself a link into blobs/
+            parts = candidate.split(os.sep)
+            for i in range(1, len(parts) - 1):
+                if parts[i + 1] == "snapshots" and parts[i].startswith(HF_REPO_PREFIXES):
+                    allowed.append(os.path.realpath(os.sep.join(parts[:i + 1])))
+        self.allowed = tuple(dict.fromkeys(allowed))
+
+    def allows(self, real: str) -> bool:
+        """Whether the real path ``real`` lies inside this root (or its Hugging Face repo folder)."""
+        return any(real == a or real.startswith(a.rstrip(os.sep) + os.sep) for a in self.allowed)
+
+    def __repr__(self) -> str:
+        return f"Root({self.path!r})"
+
+
+_ROOTS: "weakref.WeakValueDictionary[str, Root]" = weakref.WeakValueDictionary()
+_ROOTS_LOCK = threading.Lock()
+
+
+def confine(path: str) -> Root | None:
+    """Make ``path`` a root: every local read under it stays inside it while the returned ``Root`` lives.
+
+    A folder is its own root; a file's root is its folder (a T5X ``checkpoint``
+    file names the zarr folders beside it), which may also read the file itself
+    wherever it links. The root stays registered while the object returned is
+    referenced (the ``Source`` holds it, and each reader it hands out); None for
+    a URL (a bucket has no symlinks).
+    """
+    if is_remote(path):
+        return None
+    path = os.path.abspath(path)
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    with _ROOTS_LOCK:
+        root = _ROOTS.get(folder)
+        if root is None:
+            root = _ROOTS[folder] = Root(folder)
+        if folder != path:
+            root.allow(path)
+        return root
+
+
+def root_over(path: str) -> Root | None:
+    """The innermost live root that ``path`` lies under (by name): the checkpoint whose reads must stay in it."""
+    if is_remote(path) or not _ROOTS:
+        return None
+    path = os.path.abspath(path)
+    with _ROOTS_LOCK:
+        while True:
+            root = _ROOTS.get(path)
+            if root is not None:
+                return root
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+
+
+def _outside(path: str, root: Root) -> CheckpointError:
+    return CheckpointError(f"{path}: resolves outside the checkpoint {root.path} (a symlink leading out of it?); "
+                           "refusing to read it.")
+
+
+def check_inside(path: str, real: str | None = None) -> None:
+    """Refuse ``path`` unless its real path (``real``, else ``os.path.realpath``) lies inside the root over it."""
+    root = root_over(path)
+    if root is not None and not root.allows(real if real is not None else os.path.realpath(path)):
+        raise _outside(path, root)
+
+
+def _fd_path(fd: int) -> str | None:
+    """The real path of an open descriptor (Linux: its /proc link), None where the OS does not say."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return target[: -len(" (deleted)")] if target.endswith(" (deleted)") else target
+
+
+def open_fd(path: str, flags: int = 0) -> int:
+    """A local regular file (or, with ``os.O_DIRECTORY``, folder) opened read-only, after checking what was opened.
+
+    The check is of the descriptor itself (its real path through /proc, else
+    its inode against ``realpath``), so a link swapped in between a check and
+    the open cannot redirect the read.
+
+    Raises:
+      CheckpointError: it resolves outside the root over ``path``, is not a regular file (a FIFO, a device),
+        or ``path`` holds a NUL byte.
+      OSError: it cannot be opened.
+    """
+    if "\0" in path:
+        raise CheckpointError(f"{path!r}: a NUL byte in a path; the checkpoint names a file that cannot exist.")
+    # O_NONBLOCK: a FIFO swapped in for a file opens at once (and is refused below) instead of hanging the open.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0) | flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not (stat_.S_ISDIR(mode) if flags & getattr(os, "O_DIRECTORY", 0) else stat_.S_ISREG(mode)):
+            raise CheckpointError(f"{path}: not a regular file; refusing to read it.")
+        root = root_over(path)
+        if root is not None:
+            real = _fd_path(fd)
+            if real is None:  # no /proc: the real path, proven to be the file opened
+                real = os.path.realpath(path)
+                st, opened = os.stat(real), os.fstat(fd)
+                if (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino):
+                    raise CheckpointError(f"{path}: changed while it was opened; refusing to read it.")
+            if not root.allows(real):
+                raise _outside(path, root)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_WALKS: dict[tuple, list[tuple[str, tuple[int, ...]]]] = {}
+_WALKS_LOCK = threading.Lock()
+
+
+def _identity(path: str) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class Pinned:
+    """A local folder opened once and checked, for a library that opens the files in it by path (TensorStore).
+
+    ``path`` is what to hand the library: ``/proc/self/fd/N`` on Linux, so the
+    folder read is the one checked even if a link is swapped in for it later
+    (elsewhere its real path). ``identity`` changes when entries of the folder
+    are added, removed or renamed. Close it when the library is done.
+    """
+
+    def __init__(self, folder: str, fd: int | None, path: str):
+        self.folder, self.fd, self.path = folder, fd, path
+        self.identity: tuple[int, ...] = ()
+        if fd is not None:
+            st = os.fstat(fd)
+            self.identity = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+    def real(self, name: str = "") -> str:
+        """The real path of ``name`` inside the folder (symlinks resolved)."""
+        return os.path.realpath(os.path.join(self.path, name) if name else self.path)
+
+    def check_file(self, name: str) -> None:
+        """Refuse ``name`` (relative) unless it resolves inside the root over it and is a regular file or missing."""
+        if self.fd is None:
+            return
+        real = self.real(name)
+        check_inside(os.path.join(self.folder, name), real)
+        try:
+            mode = os.stat(real).st_mode
+        except OSError:
+            return  # missing: the library's own error names it
+        if not (stat_.S_ISREG(mode) or stat_.S_ISDIR(mode)):
+            raise CheckpointError(f"{os.path.join(self.folder, name)}: not a regular file; refusing to read it.")
+
+    def check_tree(self) -> None:
+        """Refuse the folder unless every entry below it resolves inside the checkpoint root (links followed) and
+        is a regular file or folder (no FIFO, socket or device).
+
+        A walk that found nothing wrong is remembered by the identity of every
+        folder it went through (inode, modification and change times): while none
+        of them has changed (an entry added, removed, renamed or relinked changes
+        its folder's times), the next check of the same folder is those stats only.
+        """
+        if self.fd is None:
+            return
+        root = root_over(self.folder)
+        key = (self.identity, root.allowed if root is not None else ())
+        with _WALKS_LOCK:
+            dirs = _WALKS.get(key)
+        if dirs is not None and all(_identity(os.path.join(self.path, rel)) == ident for rel, ident in dirs):
+            return
+        dirs = self._walk()
+        with _WALKS_LOCK:
+            _WALKS[key] = dirs
+            while len(_WALKS) > 4096:
+                _WALKS.pop(next(iter(_WALKS)))
+
+    def _walk(self) -> list[tuple[str, tuple[int, ...]]]:
+        """Every entry below the folder checked; ``(relative folder, identity)`` of each folder gone through."""
+        seen: set[tuple[int, int]] = set()
+        dirs: list[tuple[str, tuple[int, ...]]] = []
+        stack = [(os.dup(self.fd), self.real(), self.folder, "")]
+        nofollow = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        while stack:
+            fd, real, shown, rel = stack.pop()
+            try:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                dirs.append((rel, (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)))
+                with os.scandir(fd) as it:
+                    for e in it:
+                        name, sub = os.path.join(shown, e.name), os.path.join(rel, e.name)
+                        if e.is_symlink():
+                            target = os.path.realpath(os.path.join(real, e.name))
+                            check_inside(name, target)
+                            if os.path.isdir(target):
+                                stack.append((open_fd(target, os.O_DIRECTORY), target, name, sub))
+                            elif os.path.exists(target) and not os.path.isfile(target):
+                                raise CheckpointError(f"{name}: not a regular file; refusing to read it.")
+                        elif e.is_dir(follow_symlinks=False):
+                            stack.append((os.open(e.name, nofollow, dir_fd=fd), os.path.join(real, e.name), name, sub))
+                        elif not e.is_file(follow_symlinks=False):
+                            raise CheckpointError(
+                                f"{name}: not a regular file (a FIFO, socket or device); refusing to read it.")
+            except BaseException:
+                for other, *_ in stack:
+                    os.close(other)
+                raise
+            finally:
+                os.close(fd)
+        return dirs
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "Pinned":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def pin(folder: str) -> Pinned:
+    """``folder`` opened and checked (inside the root over it); a URL is handed on as it is.
+
+    Raises:
+      CheckpointError: the folder resolves outside the root over it.
+      OSError: it cannot be opened (missing, not a folder).
+    """
+    if is_remote(folder):
+        return Pinned(folder, None, folder)
+    fd = open_fd(folder, os.O_DIRECTORY)
+    path = f"/proc/self/fd/{fd}" if _fd_path(fd) is not None else os.path.realpath(folder)
+    return Pinned(folder, fd, path)
 
 
 # ---------------------------------------------------------------------------- remote file systems
@@ -235,6 +526,49 @@ class _Remote:
         with self._lock:
             self._infos[url] = found
         return found
+
+    def objects_under(self, url: str, limit: int) -> list[tuple[str, int]] | None:
+        """``(key relative to url, size)`` of every object below folder ``url``, in one paginated LIST without a
+        delimiter; None when there are more than ``limit`` (or the client cannot page a listing)."""
+        _, bucket, key = _split(url)
+        prefix = key + "/" if key else ""
+        fs = self.fs
+        try:
+            from fsspec.asyn import sync
+
+            with translate(url):
+                if self.scheme == "s3":
+                    async def collect() -> list[dict]:
+                        out = []
+                        async for o in fs._iterdir(bucket, max_items=limit + 1, delimiter="", prefix=prefix):
+                            out.append(o)
+                        return out
+
+                    found = sync(fs.loop, collect)
+                else:
+                    found, _ = sync(fs.loop, fs._do_list_objects, f"{bucket}/{key}" if key else bucket,
+                                    max_results=limit + 1, delimiter="")
+        except (AttributeError, TypeError):  # a client without these (private, paged) listings: list per folder
+            return None
+        head = f"{bucket}/{prefix}"  # both clients name an object "<bucket>/<key>"
+        objects = [(o["name"][len(head):], int(o.get("size") or 0)) for o in found if o["name"].startswith(head)]
+        return None if len(objects) > limit else [(k, n) for k, n in objects if k and not k.endswith("/")]
+
+    def remember_tree(self, url: str, objects: list[tuple[str, int]]) -> None:
+        """Remember the listing of ``url`` and of every folder below it, from ``objects_under``."""
+        url = normalize(url)
+        listings: dict[str, dict[str, _Info]] = {}
+        for key, size in objects:
+            parts = key.split("/")
+            folder = url
+            for i, part in enumerate(parts):
+                entries = listings.setdefault(folder, {})
+                last = i == len(parts) - 1
+                if not last or part not in entries:
+                    entries[part] = _Info("file", size) if last else _Info("directory", 0)
+                folder = f"{folder}/{part}"
+        with self._lock:
+            self._listings.update(listings)
 
     def read(self, url: str, start: int = 0, end: int | None = None) -> bytes:
         with translate(url):
@@ -415,6 +749,7 @@ class _Entry:
 def scandir(path: str) -> Iterator[Any]:
     """``os.scandir``; in a bucket, the folder's entries (FileNotFoundError when nothing is under it)."""
     if not is_remote(path):
+        check_inside(path)
         with os.scandir(path) as it:
             yield it
         return
@@ -423,8 +758,55 @@ def scandir(path: str) -> Iterator[Any]:
     yield iter([_Entry(name, f"{url}/{name}", info) for name, info in sorted(entries.items())])
 
 
+REMOTE_IO_THREADS = 16
+"""Round trips one bucket read keeps in flight at once (listings and small files of many steps)."""
+
+
+def map_io(fn: Callable[[Any], Any], items: Iterable[Any], path: str) -> list[Any]:
+    """``[fn(x) for x in items]``: for a ``path`` in a bucket, ``REMOTE_IO_THREADS`` at a time (each call waits
+    on the network, not on a core); locally in this thread, in order."""
+    items = list(items)
+    if not is_remote(path) or len(items) < 2:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(REMOTE_IO_THREADS, len(items)), thread_name_prefix="treetools-io") as pool:
+        return list(pool.map(fn, items))
+
+
+TREE_LISTING_LIMIT = 10_000
+"""The most objects ``prefetch_tree`` lists below a bucket folder (10 LIST pages on S3, 2 on GCS)."""
+
+
+def prefetch_tree(folder: str, *, limit: int = TREE_LISTING_LIMIT) -> bool:
+    """In a bucket, list every object below ``folder`` at once (one paginated LIST, not one per folder): the
+    listings and existence probes of every folder below are answered from it, a root of 500 steps included.
+
+    A folder holding more than ``limit`` objects (a root of steps that each keep thousands of chunk objects)
+    is not listed whole: each folder is then listed when first needed. Returns whether it was listed.
+    No-op locally.
+    """
+    if not is_remote(folder):
+        return False
+    r = remote(folder)
+    objects = r.objects_under(folder, limit)
+    if not objects:
+        return False
+    r.remember_tree(folder, objects)
+    return True
+
+
+def prefetch(folder: str) -> None:
+    """In a bucket, list ``folder`` now (one request): the existence probes of names in it that follow are
+    answered from that listing. No-op locally, and when the folder is empty or cannot be listed."""
+    if is_remote(folder):
+        try:
+            remote(folder).listing(folder)
+        except (FileNotFoundError, CheckpointError):
+            pass
+
+
 def listdir(path: str) -> list[str]:
     if not is_remote(path):
+        check_inside(path)
         return os.listdir(path)
     return sorted(remote(path).listing(path))
 
@@ -432,7 +814,10 @@ def listdir(path: str) -> list[str]:
 def walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
     """``os.walk`` (top down), for a local folder or a bucket folder."""
     if not is_remote(top):
-        yield from os.walk(top)
+        check_inside(top)
+        for folder, dirs, files in os.walk(top):
+            check_inside(folder)
+            yield folder, dirs, files
         return
     pending = [normalize(top)]
     while pending:
@@ -447,19 +832,28 @@ def walk(top: str) -> Iterator[tuple[str, list[str], list[str]]]:
 
 
 def open(path: str, mode: str = "rb", *, block_size: int = 64 * 2**10) -> Any:  # noqa: A001 - os-like on purpose
-    """A file opened for reading (binary); in a bucket, a seekable file fetching ranges of ``block_size`` bytes
+    """A file opened for reading (binary; checked to lie inside its checkpoint root, ``open_fd``); in a bucket, a seekable file fetching ranges of ``block_size`` bytes
     ahead of what is read (small for headers, large for a stream read front to back)."""
     if mode != "rb":
         raise ValueError(f"treetools.storage.open reads only ('rb'), got mode {mode!r}.")
     if not is_remote(path):
-        return builtins.open(path, "rb")
+        return os.fdopen(open_fd(path), "rb")
     return remote(path).open(path, block_size)
 
 
 def read_range(path: str, start: int, length: int) -> bytes:
     """``length`` bytes at ``start`` (fewer at the end of the file): one ranged GET in a bucket."""
     if not is_remote(path):
-        with builtins.open(path, "rb") as f:
-            f.seek(start)
-            return f.read(length)
+        fd = open_fd(path)
+        try:
+            parts = []
+            while length > 0:
+                data = os.pread(fd, length, start)
+                if not data:
+                    break
+                parts.append(data)
+                start, length = start + len(data), length - len(data)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
     return remote(path).read(path, start, start + length)

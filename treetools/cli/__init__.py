@@ -21,6 +21,7 @@ import os
 import sys
 from typing import Sequence
 
+from treetools.cli import _output
 from treetools.errors import CheckpointError, CheckpointNotFoundError, PatternError
 
 
@@ -84,7 +85,7 @@ KNOWN_ERRORS: tuple[type, ...] = (CheckpointError, CheckpointNotFoundError, Patt
 
 
 def _error(message: str) -> int:
-    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    _output.error(message)
     return 1
 
 

@@ -44,10 +44,9 @@ Exit codes (as GNU diff): 0 the checkpoints are the same (within tolerance);
 from __future__ import annotations
 
 import argparse
-import sys
 
+from treetools.cli import _output
 from treetools.cli._args import nonneg_float
-from treetools.render import safe_text
 from treetools.cli.options import (
     add_depth,
     add_filters,
@@ -87,7 +86,7 @@ def main(args: argparse.Namespace) -> int:
     from treetools.inspect.text import render_diff
 
     def usage(message: str) -> int:
-        print(f"treetools diff: error: {safe_text(message)}", file=sys.stderr)
+        _output.error(message, prog="treetools diff")
         return 2
 
     steps = list(args.step)
@@ -106,6 +105,6 @@ def main(args: argparse.Namespace) -> int:
                            rules=rules)
     report = diff_paths(args.a, args.b if args.b is not None else args.a, options)
     for note in report.notes:
-        print(f"treetools: note: {note}", file=sys.stderr)
-    print(render_diff(report, args.format))
+        _output.note(note)
+    _output.out(render_diff(report, args.format))
     return 0 if report.identical else 1

@@ -52,8 +52,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from treetools.cli import _output
 from treetools.cli.options import (
     add_depth,
     add_filters,
@@ -68,7 +68,7 @@ from treetools.cli.options import (
     rules_from,
 )
 from treetools.errors import CheckpointError
-from treetools.render import DEFAULT_STAT_COLUMNS, STAT_COLUMNS, jsonable, safe_text
+from treetools.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, STAT_COLUMNS, jsonable, safe_text
 from treetools.rows import STATS
 
 FORMATS = ("table", "json", "markdown", "tree")
@@ -129,17 +129,17 @@ def _show(args: argparse.Namespace) -> int:
     except ValueError as e:
         if isinstance(e, CheckpointError):
             raise
-        print(f"treetools inspect: error: --show: {e}", file=sys.stderr)  # a bad index: usage
+        _output.error(f"--show: {e}", prog="treetools inspect")  # a bad index: usage
         return 2
     if args.format == "json":
-        print(json.dumps({"path": name, "value": jsonable(value)}, default=str))
+        _output.out(json.dumps({"path": name, "value": jsonable(value)}, default=str))
         return 0
     if isinstance(value, np.ndarray):
-        print(f"{safe_text(name)}: shape {tuple(value.shape)}, {value.dtype}")
+        _output.out(f"{safe_text(name)}: shape {tuple(value.shape)}, {value.dtype}")
         with np.printoptions(threshold=SHOW_THRESHOLD, edgeitems=3, linewidth=100):
-            print(np.array2string(value))
+            _output.out(np.array2string(value))
     else:
-        print(f"{safe_text(name)}: {safe_text(repr(value))}")
+        _output.out(f"{safe_text(name)}: {safe_text(repr(value))}")
     return 0
 
 
@@ -154,17 +154,18 @@ def main(args: argparse.Namespace) -> int:
     try:
         rules = rules_from(args)
     except (ValueError, TypeError) as e:
-        print(f"treetools inspect: error: {safe_text(e)}", file=sys.stderr)  # a malformed flag: usage
+        _output.error(e, prog="treetools inspect")  # a malformed flag: usage
         return 2
     summary = args.format in ("table", "markdown") and args.depth is None and not args.leaves
     options = options_from(args, InspectOptions, stats=args.stats or args.fail_on_nonfinite,
                            rows_per_item=ROWS_PER_ITEM if summary else None, rules=rules)
     report = inspect_path(args.path, options)
     for note in report.notes:
-        print(f"treetools: note: {note}", file=sys.stderr)
-    print(render_report(report, args.format, stat_columns=args.stats_columns or DEFAULT_STAT_COLUMNS))
+        _output.note(note)
+    _output.out(render_report(report, args.format, stat_columns=args.stats_columns or DEFAULT_STAT_COLUMNS))
     if args.fail_on_nonfinite and report.nonfinite:
-        shown = ", ".join(report.nonfinite[:5]) + (" ..." if len(report.nonfinite) > 5 else "")
-        print(f"treetools: non-finite values in {len(report.nonfinite)} leaf(s): {shown}", file=sys.stderr)
+        shown = ", ".join(safe_text(n, width=CELL_WIDTH) for n in report.nonfinite[:5])
+        _output.warning(f"non-finite values in {len(report.nonfinite)} leaf(s): {shown}"
+                        + (" ..." if len(report.nonfinite) > 5 else ""))
         return 3
     return 0

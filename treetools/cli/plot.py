@@ -49,10 +49,10 @@ import argparse
 import math
 import os
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from treetools.cli import _output
 from treetools.cli._args import positive_int
 from treetools.metrics import METRICS_FILE, read_metrics
 from treetools.rows import STATS
@@ -704,7 +704,7 @@ def _default_output(paths: Sequence[str], name: str = "norms.png") -> str:
 
 
 def _usage(message: str) -> int:
-    print(f"treetools plot: error: {message}", file=sys.stderr)
+    _output.error(message, prog="treetools plot")
     return 2
 
 
@@ -737,5 +737,5 @@ def main(args: argparse.Namespace) -> int:
     else:
         fig = plot_files(paths, keys=args.keys)
     fig.savefig(output, dpi=100)
-    print(output)
+    _output.out(output)
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from treetools.cli import _output
 from treetools.cli.options import add_output_format, add_prefix, add_reading, add_step, options_from
 
 
@@ -31,15 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools verify --help` does not need.
-    from treetools.ckpt.source import open_source
     from treetools.inspect.options import VerifyOptions
     from treetools.inspect.text import render_verify
-    from treetools.inspect.verify import verify_path
+    from treetools.inspect.verify import verify_path, verify_steps
 
-    steps = [args.step]
     if args.step == "all":
-        source = open_source(args.path, memory_budget=args.memory_budget, prefix=args.prefix)
-        steps = source.steps if source.steps is not None else [None]
-    reports = [verify_path(args.path, options_from(args, VerifyOptions, step=s)) for s in steps]
-    print(render_verify(reports, args.format, many=args.step == "all"))
+        reports, notes = verify_steps(args.path, options_from(args, VerifyOptions, step=None))
+        for note in notes:
+            _output.note(note)  # a step pruned while it was checked: not damage
+    else:
+        reports = [verify_path(args.path, options_from(args, VerifyOptions))]
+    _output.out(render_verify(reports, args.format, many=args.step == "all"))
     return 0 if all(r.ok for r in reports) else 1

@@ -7,6 +7,8 @@ import threading
 import time
 from typing import TextIO
 
+from treetools.render import safe_text
+
 
 class Progress:
     """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
@@ -38,7 +40,8 @@ class Progress:
             return
         frac = min(self.done / self.total, 1.0)
         bar = "#" * int(frac * 30)
-        label = self.label if len(self.label) <= 40 else "..." + self.label[-37:]
+        label = safe_text(self.label)  # a leaf's name, read from the checkpoint
+        label = label if len(label) <= 40 else "..." + label[-37:]
         self.stream.write(f"\r[{bar:<30}] {frac:6.1%} {label:<40}")
         self.stream.flush()
 

@@ -254,11 +254,13 @@ def inspect_path(path: str, options: InspectOptions | None = None, /, **fields: 
     try:
         return _inspect(path, opts)
     except StepDeletedError as e:
-        if parse_step(opts.step, allow_all=True) not in (None, -1):
+        if parse_step(opts.step, allow_all=True) not in (None, -1, "all"):
             raise
-        # The latest step went while it was read (a manager saved a newer one and pruned it): once more.
+        # The latest step (or, with "all", one of them) went while it was read (a manager saved a newer one
+        # and pruned it): once more, from a fresh listing.
         report = _inspect(path, opts)
-        report.notes.insert(0, f"{e} Read again: showing step {report.step}.")
+        shown = "every step present now" if opts.step == "all" else f"step {report.step}"
+        report.notes.insert(0, f"{e} Read again: showing {shown}.")
         return report
 
 
@@ -299,10 +301,18 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
     all_steps = opts.step == "all"
     wanted, under = (None, None) if opts.item is None else _item_argument(source, opts.step, opts.item)
     wanted = [wanted] if wanted is not None else None
+    notes: list[str] = []
     if all_steps:
         if source.steps is None:
             raise CheckpointError(f"{source.path}: a single checkpoint, not a checkpoint root; `all` steps needs a root.")
-        snaps = [source.snapshot(s, wanted) for s in source.steps]
+        snaps = []
+        for step in source.steps:
+            try:
+                snaps.append(source.snapshot(step, wanted))
+            except StepDeletedError as e:  # pruned since the listing: the others are still worth showing
+                notes.append(f"{e} Not shown.")
+        if not snaps:  # inspect_path lists again
+            raise StepDeletedError(f"{source.path}: every listed step was deleted while it was being read.")
     else:
         snaps = [source.snapshot(opts.step, wanted)]
     for s in snaps:
@@ -311,7 +321,7 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
         s.items = {name: s.items[name] for name in order_items(list(s.items))}
         if under is not None:
             s.items = {name: _under(item, under, source.path) for name, item in s.items.items()}
-    notes = list(dict.fromkeys(n for s in snaps for n in s.notes))
+    notes = list(dict.fromkeys(notes + [n for s in snaps for n in s.notes]))
     kept = _filter(snaps, opts.include, opts.exclude)
     accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite: list[str] = []

@@ -15,7 +15,7 @@ from tabulate import tabulate
 from treetools.inspect.diff import DiffReport
 from treetools.inspect.report import ItemReport, Report
 from treetools.inspect.verify import VerifyReport
-from treetools.render import DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, safe_text, stat_value
+from treetools.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, safe_text, stat_value
 from treetools.rows import Row, Totals, format_count, format_shape, human
 
 
@@ -121,8 +121,8 @@ def _item_section(title: str, item: ItemReport, fmt: str, tablefmt: str, stats: 
         total = f"{format_count(item.total.params)} {item.label}, {human(item.total.bytes, 'B')}"
         return [f"[{safe_title}] the same leaves as [{shown[key]}]: {total}"]
     shown.setdefault(key, safe_title)
-    values = {safe_text(p): v for p, v in item.values.items()}
-    names = {safe_text(r.name) for r in item.rows}
+    values = {safe_text(p, width=CELL_WIDTH): v for p, v in item.values.items()}
+    names = {safe_text(r.name, width=CELL_WIDTH) for r in item.rows}
     if not item.rows:
         body = ["(no leaves)"]
     elif values and len(values) == len(item.rows) and names <= set(values):
@@ -166,7 +166,7 @@ def _table(rows: Sequence[Row], label: str, stats: bool, stat_columns: Sequence[
     headers += list(stat_columns) if stats else [label, "bytes", "sharding"]
     data = []
     for r in rows:
-        line = [safe_text(r.name), _shape_cell(r), r.dtype or ""]
+        line = [safe_text(r.name, width=CELL_WIDTH), _shape_cell(r), safe_text(r.dtype or "")]
         if stats:
             line += ["" if r.stats is None else format_stat(stat_value(r.stats, k)) for k in stat_columns]
         else:
@@ -213,10 +213,10 @@ def _render_tree(rows: Sequence[Row], label: str) -> str:
         for depth in range(common, len(r.path) - 1):
             folder = r.path[:depth + 1]
             count, nbytes = sub[folder]
-            lines.append("  " * depth + f"{safe_text(r.path[depth])}{r.sep}  {format_count(count)} {label}, "
+            lines.append("  " * depth + f"{safe_text(r.path[depth], width=CELL_WIDTH)}{r.sep}  {format_count(count)} {label}, "
                          f"{human(nbytes, 'B')}")
             opened = opened + (r.path[depth],)
-        last = safe_text(r.path[-1]) if r.path else safe_text(r.name)
+        last = safe_text(r.path[-1] if r.path else r.name, width=CELL_WIDTH)
         shape = f" {_shape_cell(r)}" if r.shape is not None or r.leaves != 1 else ""
         dtype = f" {r.dtype}" if r.dtype else ""
         spec = f" {safe_text(r.sharding)}" if r.sharding is not None else ""
@@ -227,7 +227,7 @@ def _render_tree(rows: Sequence[Row], label: str) -> str:
 
 def _items_table(items: dict[str, ItemReport], md: bool) -> list[str]:
     """``--depth 0``: one row per item, then the grand total."""
-    data = [[safe_text(name), f"{item.total.leaves:,}", f"{format_count(item.total.params)} {item.label}",
+    data = [[safe_text(name, width=CELL_WIDTH), f"{item.total.leaves:,}", f"{format_count(item.total.params)} {item.label}",
              human(item.total.bytes, "B")] for name, item in items.items()]
     table = tabulate(data, headers=["item", "leaves", "count", "bytes"], tablefmt="github" if md else "simple",
                      disable_numparse=True)
@@ -269,7 +269,7 @@ def _steps_stats(report: Report, md: bool, stat_columns: Sequence[str]) -> list[
             if not rows:
                 continue
             steps = [s.step for s in report.by_step]
-            data = [[safe_text(path), *(format_stat(v[st]) if st in v else "" for st in steps)] for path, v in rows.items()]
+            data = [[safe_text(path, width=CELL_WIDTH), *(format_stat(v[st]) if st in v else "" for st in steps)] for path, v in rows.items()]
             title = f"[{safe_text(name)}] {stat}"
             table = tabulate(data, headers=["path", *map(str, steps)], tablefmt="github" if md else "simple",
                              disable_numparse=True)
@@ -282,11 +282,12 @@ def _render_values(values: dict[str, Any], md: bool) -> str:
         text = safe_text(json.dumps(jsonable(v), allow_nan=True))
         return text if len(text) <= 80 else text[:77] + "..."
 
+    cells = {safe_text(p, width=CELL_WIDTH): v for p, v in values.items()}  # no column padded to a huge name
     if md:
-        return tabulate([[p, shown(v)] for p, v in values.items()], headers=["path", "value"], tablefmt="github",
+        return tabulate([[p, shown(v)] for p, v in cells.items()], headers=["path", "value"], tablefmt="github",
                         disable_numparse=True)
-    width = max(len(p) for p in values)
-    return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in values.items())
+    width = max(len(p) for p in cells)
+    return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in cells.items())
 
 
 # ---------------------------------------------------------------------------- diffs
@@ -307,11 +308,11 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
 
     def shown(r: Row, field: str, value: Any) -> str:
         if field == "value":
-            return safe_text(json.dumps(jsonable(value)))
+            return safe_text(json.dumps(jsonable(value)), width=CELL_WIDTH)
         if field == "shape":
             return format_shape(r.shape)
         v = getattr(r, field)
-        return "-" if v is None else str(v)
+        return "-" if v is None else safe_text(v, width=CELL_WIDTH)
 
     def table(data: list[list[str]], headers: list[str]) -> str:
         return tabulate(data, headers=headers, tablefmt="github" if md else "simple", disable_numparse=True)
@@ -319,16 +320,18 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     sections: list[tuple[str, str | None]] = []
     for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
         if rows:
-            sections.append((f"{title}: {len(rows)}", table([[safe_text(r.name), format_shape(r.shape), r.dtype or "",
+            sections.append((f"{title}: {len(rows)}", table([[safe_text(r.name, width=CELL_WIDTH),
+                                                               format_shape(r.shape), safe_text(r.dtype or ""),
                                                                f"{r.params:,}"] for r in rows],
                                                              ["path", "shape", "dtype", "params"])))
     if report.changed:
-        data = [[safe_text(c.path), f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)]
+        data = [[safe_text(c.path, width=CELL_WIDTH), f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)]
                 for c in report.changed for f in c.fields]
         sections.append((f"changed metadata: {len(report.changed)}", table(data, ["path", "field", "A", "B"])))
     if report.values is not None:
         diffs = [v for v in report.values if not v.bit_identical]
-        body = table([[safe_text(v.path), f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", f"{v.mismatched:,}",
+        body = table([[safe_text(v.path, width=CELL_WIDTH), f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}",
+                       f"{v.mismatched:,}",
                        _nonfinite_change(v), "yes" if v.allclose else "no"]
                       for v in diffs], ["path", "max_abs_diff", "rel_l2", "outside tol", "non-finite A->B", "allclose"]
                      ) if diffs else None

@@ -22,8 +22,8 @@ import math
 from typing import Any
 
 from treetools.ckpt.readers import MemoryBudgetError
-from treetools.ckpt.source import Item, open_source
-from treetools.errors import CheckpointError, CheckpointNotFoundError
+from treetools.ckpt.source import Item, Source, open_source
+from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.inspect.options import VerifyOptions, resolve
 
 
@@ -101,22 +101,65 @@ def verify_path(path: str, options: VerifyOptions | None = None, /, **fields: An
     True
     """
     opts = resolve(VerifyOptions, options, fields)
+    source = _open(path, opts)
+    if isinstance(source, VerifyReport):
+        return source
+    return _verify(source, source.resolve(opts.step), opts)
+
+
+def verify_steps(path: str, options: VerifyOptions | None = None, /,
+                 **fields: Any) -> tuple[list[VerifyReport], list[str]]:
+    """Check every committed step of a checkpoint root, from one listing (``treetools verify --step all``).
+
+    A step a manager prunes while it is checked is not damage: it is left out,
+    with a note naming it. A single checkpoint is checked as ``verify_path`` does.
+
+    Returns:
+      ``(one VerifyReport per step checked, notes)``.
+
+    Raises:
+      CheckpointError: every listed step went while it was checked, or not a checkpoint at all.
+    """
+    opts = resolve(VerifyOptions, options, fields)
+    notes: list[str] = []
+    for _ in range(3):  # every listed step pruned while checked (a fast manager): list again, a few times
+        source = _open(path, opts)
+        if isinstance(source, VerifyReport):
+            return [source], notes
+        if source.steps is None:
+            return [_verify(source, source.resolve(None), opts)], notes
+        reports = []
+        for step in source.steps:
+            try:
+                reports.append(_verify(source, step, opts))
+            except StepDeletedError as e:
+                notes.append(f"{e} Not verified.")
+        if reports:
+            return reports, notes
+    raise CheckpointError(f"{source.path}: every listed step was deleted while it was being verified; run again.")
+
+
+def _open(path: str, opts: VerifyOptions) -> Source | VerifyReport:
+    """The source at ``path``, or a failed report when a single-file format finds damage in its header."""
     try:
-        source = open_source(path, memory_budget=opts.memory_budget, prefix=opts.prefix)
+        return open_source(path, memory_budget=opts.memory_budget, prefix=opts.prefix)
     except (CheckpointNotFoundError, MemoryBudgetError):
         raise
     except CheckpointError as e:  # a single-file format reads its header at open: damage there is a problem too
         report = VerifyReport(path, "?", None)
         report.problems.append(str(e))
         return report
-    resolved = source.resolve(opts.step)
-    report = VerifyReport(source.path, source.format, resolved)
-    items, problems = source.verify_metadata(resolved)
+
+
+def _verify(source: Source, step: int | None, opts: VerifyOptions) -> VerifyReport:
+    report = VerifyReport(source.path, source.format, step)
+    with source.reading(step):  # the metadata read under the source's budget; a pruned step named as such
+        items, problems = source.verify_metadata(step)
     report.problems += problems
     for item in items:
         report.items += 1
         _read_leaves(item, report, opts.block_bytes)
-    gone = source.step_deleted(resolved) if report.problems else None
+    gone = source.step_deleted(step) if report.problems else None
     if gone is not None:  # pruned while it was checked: not damage
         raise gone
     return report

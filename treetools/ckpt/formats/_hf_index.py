@@ -14,7 +14,7 @@ from typing import Callable
 from treetools.ckpt import storage
 from treetools.errors import CheckpointError
 from treetools.ckpt.source import FileSource, Format, Leaf, check_name
-from treetools.ckpt.steps import read_json_file
+from treetools.ckpt.readers import read_metadata
 
 
 def find_index(path: str, suffix: str, preferred: str) -> str | None:
@@ -51,19 +51,22 @@ def read_indexed_shards(index_path: str, *, read_shard: Callable[[str], list[Lea
       what: the index's kind, for messages (``Flax msgpack index``).
       shard_ext: the shard files' ending (``.msgpack``).
     """
-    index = read_json_file(index_path, what=what)
+    index = read_metadata(index_path, what=what)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: not a {what} (no `weight_map` of tensor name -> shard file).")
     folder = os.path.dirname(index_path)
+    by_shard: dict[str, set[str]] = {}  # one pass over the index: the check is linear in its size
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, set()).add(name)
     leaves: list[Leaf] = []
-    for shard in dict.fromkeys(sorted(weight_map.values())):  # shard files sort in their -0000k-of- order
+    for shard in sorted(by_shard):  # shard files sort in their -0000k-of- order
         check_name(shard, where=index_path)
         shard_path = os.path.join(folder, shard)
         if not storage.isfile(shard_path):
             raise CheckpointError(f"{index_path}: shard {shard!r} named by the index is missing from {folder or '.'}.")
         held = read_shard(shard_path)
-        listed = {name for name, s in weight_map.items() if s == shard}
+        listed = by_shard[shard]
         names = {leaf.name for leaf in held}
         unlisted, absent = sorted(names - listed), sorted(listed - names)
         if unlisted:
@@ -76,7 +79,7 @@ def read_indexed_shards(index_path: str, *, read_shard: Callable[[str], list[Lea
     stem = os.path.basename(index_path).split(".")[0]
     family = re.compile(re.escape(stem) + r"-\d+-of-\d+" + re.escape(shard_ext) + "$")
     try:
-        stray = sorted(n for n in storage.listdir(folder or ".") if family.match(n) and n not in weight_map.values())
+        stray = sorted(n for n in storage.listdir(folder or ".") if family.match(n) and n not in by_shard)
     except OSError:
         stray = []
     if stray:

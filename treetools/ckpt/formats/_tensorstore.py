@@ -3,27 +3,72 @@ Levanter, EasyDeL).
 
 Not a format (its name starts with ``_``): the reader of one zarr array
 (``TensorStoreReader``), the spec of one saved array as Orbax builds it
-(``ts_spec``), opening many arrays' headers at once (``open_all``), the
-refusal of special files TensorStore would block on (``refuse_special_files``),
-and, for the formats that keep one zarr folder per leaf (jax's
+(``ts_spec``), opening many arrays' headers in bounded batches (``open_all``),
+and the refusal of special files TensorStore would block on
+(``refuse_special_files``), and, for the formats that keep one zarr folder per leaf (jax's
 ``GlobalAsyncCheckpointManager``: Levanter, EasyDeL, Orbax's ``ArrayCheckpointHandler``),
 finding those folders (``array_folders``) and reading them as leaves (``zarr_leaves``).
+
+TensorStore opens the files of a store itself, by path: the zarr header, each
+chunk file, an OCDBT manifest and its data files. So before any store is
+opened, every local folder its spec names is opened once and checked
+(``storage.pin``): the folder itself, and (for array data, and for an OCDBT
+database always) every entry below it, must resolve inside the checkpoint
+root; TensorStore is then handed the folder through that open descriptor
+(``/proc/self/fd/N``), so a folder swapped after the check is not the one read.
+
+What a read holds is bounded before TensorStore allocates it: one stored
+chunk (and a zarr3 shard's index) by the memory budget; the chunks one read
+spans by ``max_chunks_per_read`` (TensorStore keeps about a kilobyte per chunk
+in flight: a read over 2^20 one-byte chunks held 1.2 GB), by splitting the
+read; a blosc chunk by the size its header claims (blosc allocates that before
+decoding: a 29 KB chunk may claim 512 MiB); an OCDBT database by the largest
+b-tree node its manifest allows.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import re
-from typing import Any, Sequence
+import threading
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from treetools.ckpt import storage
-from treetools.ckpt.readers import ArrayReader, Index, check_budget, physical_memory
+from treetools.ckpt.readers import (
+    DEFAULT_MEMORY_BUDGET,
+    ArrayReader,
+    Index,
+    block_extent,
+    check_budget,
+    checked_shape,
+    physical_memory,
+    plan_blocks,
+    resolve_budget,
+)
 from treetools.ckpt.source import Leaf, array_row
-from treetools.ckpt.steps import file_kind
+from treetools.ckpt.steps import MAX_METADATA_BYTES, file_kind
 from treetools.errors import CheckpointError
+
+
+CHUNK_OVERHEAD = 2 * 2**10
+"""What TensorStore holds per chunk of a read in flight, in bytes, beside the chunk's data (measured: 1.1 KiB)."""
+
+CHUNK_OVERHEAD_CAP = 64 * 2**20
+"""The most per-chunk overhead one read may hold, whatever the budget (``load_parameters`` has none)."""
+
+OPEN_BATCH = 256
+"""Array headers opened at once by ``open_all`` (each open in flight holds buffers and a store)."""
+
+ZARR_HEADERS = (".zarray", "zarr.json", ".zattrs")
+"""The files TensorStore reads to open a zarr array (the data are the chunk files beside them)."""
+
+OCDBT_MANIFEST = "manifest.ocdbt"
+
+_BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes (uint32 LE), blocksize, cbytes
 
 
 def subdirs(folder: str) -> list[str]:
@@ -41,13 +86,312 @@ def first_line(e: BaseException) -> str:
     return text[0].split(" [tensorstore_spec=", 1)[0] if text else type(e).__name__
 
 
+def max_chunks_per_read(budget: float | None) -> int:
+    """How many stored chunks one read may span: the chunks' in-flight overhead held to the budget (and a cap).
+
+    >>> max_chunks_per_read(16 * 2**20), max_chunks_per_read(float("inf"))
+    (8192, 32768)
+    """
+    return max(1, int(min(resolve_budget(budget), CHUNK_OVERHEAD_CAP) // CHUNK_OVERHEAD))
+
+
+# ---------------------------------------------------------------------------- local folders, checked
+
+
+_OCDBT_CHECKED: "collections.OrderedDict[tuple, int]" = collections.OrderedDict()
+_OCDBT_LOCK = threading.Lock()
+
+
+def check_ocdbt(base: str, budget: float | None, *, shown: str | None = None) -> None:
+    """Refuse an OCDBT database whose manifests are too big, or that allows b-tree nodes over the budget.
+
+    TensorStore reads a manifest whole, and decodes each b-tree node whole up to
+    the manifest's ``max_decoded_node_bytes`` (8 MiB by default): a manifest
+    that allows 4 GiB nodes lets a small zstd-compressed data file decode to
+    hundreds of MiB before anything is checked. Held to the budget (the default
+    budget where none applies, as for ``load_parameters``). ``base`` is the
+    database's folder (a pinned local folder or a URL); ``shown`` names it in errors.
+    """
+    import tensorstore as ts
+
+    limit = min(resolve_budget(budget), DEFAULT_MEMORY_BUDGET)
+    shown = shown or base
+    try:
+        folders = [""] + [p for p in storage.listdir(base) if p.startswith("ocdbt.process_")]
+    except OSError:
+        folders = [""]
+    for folder in folders:
+        manifest = os.path.join(base, folder, OCDBT_MANIFEST)
+        try:
+            st = storage.stat(manifest)
+        except OSError:
+            continue
+        where = os.path.join(shown, folder, OCDBT_MANIFEST)
+        check_budget(min(st.st_size, MAX_METADATA_BYTES + 1), where=where, what="the OCDBT manifest, read whole,",
+                     budget=limit)
+        if st.st_size > MAX_METADATA_BYTES:
+            raise CheckpointError(f"{where}: {st.st_size:,} bytes, over the {MAX_METADATA_BYTES:,}-byte limit "
+                                  "for metadata; the database is corrupt or hostile.")
+        key = ((manifest, st.st_size) if storage.is_remote(base) else
+               (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+        with _OCDBT_LOCK:
+            node = _OCDBT_CHECKED.get(key)
+        if node is None:
+            try:
+                kv = ts.KvStore.open(storage.kvstore_spec(os.path.join(base, folder))).result()
+                config = ts.ocdbt.dump(kv).result().get("config", {})
+                node = int(config.get("max_decoded_node_bytes") or 0)
+            except Exception as e:  # tensorstore: a corrupt manifest
+                raise CheckpointError(f"{where}: corrupt OCDBT manifest ({first_line(e)}).") from None
+            with _OCDBT_LOCK:
+                _OCDBT_CHECKED[key] = node
+                while len(_OCDBT_CHECKED) > 4096:
+                    _OCDBT_CHECKED.popitem(last=False)
+        if node <= 0 or node > limit:  # 0: no limit at all
+            declared = f"{node:,} bytes" if node > 0 else "no limit"
+            raise CheckpointError(
+                f"{where}: the OCDBT manifest allows b-tree nodes of {declared} (max_decoded_node_bytes; TensorStore "
+                f"writes 8 MiB), over the memory budget of {limit:,.0f} bytes; refusing to decode them "
+                "(raise --memory-budget-mb if this database is trusted)."
+            )
+
+
+_REMOTE_SCHEMES = {"gcs": "gs", "s3": "s3"}  # TensorStore's key-value store drivers -> URL schemes
+
+
+class Pins:
+    """The local folders of TensorStore specs, opened once and checked, and the specs rewritten to read
+    through them. Close it when TensorStore is done with the stores opened from its specs.
+
+    ``data``: the stores will read array data, so every file below each array
+    folder is checked; else (opening headers) only the zarr header files. An
+    OCDBT database's folder is always checked whole (its manifest and data
+    files are what opening a header reads) and its manifest held to ``budget``.
+    """
+
+    def __init__(self, *, data: bool, budget: float | None = None, where: str = ""):
+        self._data, self._budget, self._where = data, budget, where
+        self._pins: dict[tuple[str, bool], storage.Pinned] = {}
+        self._remote_checked: set[str] = set()
+        self._refused: dict[tuple[str, bool], CheckpointError] = {}
+
+    def spec(self, spec: dict[str, Any], where: str | None = None) -> dict[str, Any]:
+        """``spec`` with every local ``file`` store replaced by its checked, pinned folder; errors name ``where``."""
+        if where is not None:
+            self._where = where
+        return self._rewrite(spec, ocdbt=False)
+
+    def _rewrite(self, node: Any, *, ocdbt: bool) -> Any:
+        if isinstance(node, list):
+            return [self._rewrite(v, ocdbt=ocdbt) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("driver") == "file" and isinstance(node.get("path"), str) and not storage.is_remote(node["path"]):
+            return {**node, "path": self.folder(node["path"], ocdbt=ocdbt).path + "/"}
+        if ocdbt and node.get("driver") in _REMOTE_SCHEMES and isinstance(node.get("bucket"), str):
+            url = f"{_REMOTE_SCHEMES[node['driver']]}://{node['bucket']}/{str(node.get('path') or '').strip('/')}"
+            if url not in self._remote_checked:  # a bucket has no links: the database's manifest only
+                check_ocdbt(storage.normalize(url), self._budget)
+                self._remote_checked.add(url)
+            return node
+        inner = node.get("driver") == "ocdbt"
+        return {k: self._rewrite(v, ocdbt=inner and k == "base") for k, v in node.items()}
+
+    def folder(self, folder: str, *, ocdbt: bool = False) -> storage.Pinned:
+        """``folder`` opened and checked (``ocdbt``: an OCDBT database, checked whole, its manifests held to the
+        budget); opened once per ``Pins``."""
+        folder = folder.rstrip("/") or "/"
+        key = (folder, ocdbt)
+        pinned = self._pins.get(key)
+        if pinned is not None:
+            return pinned
+        if key in self._refused:  # one OCDBT database refused is every array in it refused, once
+            raise self._refused[key]
+        try:
+            pinned = self._open(folder, ocdbt)
+        except CheckpointError as e:
+            self._refused[key] = e
+            raise
+        self._pins[key] = pinned
+        return pinned
+
+    def _open(self, folder: str, ocdbt: bool) -> storage.Pinned:
+        what = "array data" if self._data else "array metadata"
+        try:
+            pinned = storage.pin(folder)
+        except NotADirectoryError:
+            raise CheckpointError(f"{self._where}: cannot open {what} ({folder} is {file_kind(folder)}, "
+                                  "not a folder).") from None
+        except FileNotFoundError:
+            raise CheckpointError(f"{self._where}: cannot open {what} (its folder {folder} is missing).") from None
+        except OSError as e:
+            raise CheckpointError(f"{self._where}: cannot open {what} ({folder}: {e.strerror or e}).") from None
+        try:
+            if ocdbt:
+                pinned.check_tree()
+                check_ocdbt(pinned.path, self._budget, shown=folder)
+            elif self._data:
+                pinned.check_tree()
+            else:
+                for header in ZARR_HEADERS:
+                    pinned.check_file(header)
+        except BaseException:
+            pinned.close()
+            raise
+        return pinned
+
+    def shown(self, text: str) -> str:
+        """``text`` (TensorStore's error) naming each pinned folder as the checkpoint names it, not by descriptor."""
+        for pinned in sorted(self._pins.values(), key=lambda p: -len(p.path)):  # /proc/self/fd/31 before .../3
+            text = text.replace(pinned.path, pinned.folder)
+        return text
+
+    def close(self) -> None:
+        for pinned in self._pins.values():
+            pinned.close()
+        self._pins.clear()
+
+    def __enter__(self) -> "Pins":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------- reading one array
+
+
+def _codec_info(spec: dict[str, Any]) -> tuple[bool, bool, Any]:
+    """``(blosc, blosc inside shards, chunk key of a chunk index)`` from an open store's spec."""
+    meta = spec.get("metadata") or {}
+    if spec.get("driver") == "zarr3":
+        codecs = [c for c in meta.get("codecs") or [] if isinstance(c, dict)]
+        names = [c.get("name") for c in codecs]
+        inner = [i.get("name") for c in codecs if c.get("name") == "sharding_indexed"
+                 for i in (c.get("configuration") or {}).get("codecs") or [] if isinstance(i, dict)]
+        encoding = meta.get("chunk_key_encoding") or {}
+        default = encoding.get("name", "default") != "v2"
+        sep = (encoding.get("configuration") or {}).get("separator") or ("/" if default else ".")
+
+        def key(ix: Sequence[int]) -> str:
+            body = sep.join(map(str, ix))
+            return ("c" + sep + body if body else "c") if default else (body or "0")
+
+        return "blosc" in names, "blosc" in inner, key
+    compressor = meta.get("compressor") or {}
+    filters = meta.get("filters") or []
+    blosc = (isinstance(compressor, dict) and compressor.get("id") == "blosc") or any(
+        isinstance(f, dict) and f.get("id") == "blosc" for f in filters)
+    sep = meta.get("dimension_separator") or "."
+    return blosc, False, lambda ix: sep.join(map(str, ix)) or "0"
+
+
+class _Opened:
+    """One open store of a ``TensorStoreReader`` and what its reads are held to."""
+
+    def __init__(self, reader: "TensorStoreReader", store: Any, pins: Pins, chunk: tuple[int, ...]):
+        self.reader, self.store, self.pins, self.chunk = reader, store, pins, chunk
+        self.max_chunks = max_chunks_per_read(reader.budget)
+        self.blosc = None
+        blosc, inner, key = _codec_info(store.spec().to_json())
+        if inner:
+            raise CheckpointError(
+                f"{reader._where}: blosc-compressed chunks inside zarr3 shards; a blosc header may claim any decoded "
+                "size, and inside a shard it cannot be checked before decoding; refusing to read it."
+            )
+        if blosc:
+            self.blosc = key
+
+    def close(self) -> None:
+        self.pins.close()
+
+    def _check_blosc(self, index: Index) -> None:
+        """Refuse a blosc chunk whose header claims more bytes than the chunk holds, before TensorStore decodes it."""
+        if self.blosc is None or not self.chunk:
+            return
+        starts, sizes = block_extent(index, self.reader.shape)
+        if 0 in sizes:
+            return
+        ranges = [range(s // c, -(-(s + n) // c)) for s, n, c in zip(starts, sizes, self.chunk)]
+        import itertools
+
+        keys = [self.blosc(ix) for ix in itertools.product(*ranges)]
+        chunk_bytes = math.prod(self.chunk) * self.reader.dtype.itemsize
+        kv = self.store.kvstore
+        futures = [kv.read(k, byte_range=slice(0, _BLOSC_HEADER)) for k in keys]
+        for k, f in zip(keys, futures):
+            try:
+                result = f.result()
+            except Exception as e:
+                raise CheckpointError(f"{self.reader._where}: cannot read chunk {k!r} "
+                                      f"({self.pins.shown(first_line(e))}).") from None
+            value = bytes(result.value) if result.state == "value" else b""
+            if len(value) >= 8:
+                claimed = int.from_bytes(value[4:8], "little")
+                if claimed > chunk_bytes:
+                    raise CheckpointError(
+                        f"{self.reader._where}: blosc chunk {k!r} claims to decode to {claimed:,} bytes, but a chunk "
+                        f"holds {chunk_bytes:,}; the chunk is corrupt or hostile: refusing to decode it."
+                    )
+
+    def pieces(self, index: Index) -> Iterator[tuple[Index, Index]] | None:
+        """None when ``index`` spans at most ``max_chunks`` stored chunks; else ``(piece, where in the block)``
+        for pieces of whole chunks that tile it, each spanning at most that many."""
+        starts, sizes = block_extent(index, self.reader.shape)
+        chunk = self.chunk or tuple(max(1, n) for n in self.reader.shape)
+        lo = [s // c for s, c in zip(starts, chunk)]
+        counts = [(-(-(s + n) // c) - l) if n else 0 for s, n, c, l in zip(starts, sizes, chunk, lo)]
+        if 0 in sizes or math.prod(counts) <= self.max_chunks:
+            return None
+
+        def tiles() -> Iterator[tuple[Index, Index]]:
+            for grid in plan_blocks(counts, self.max_chunks):
+                piece, local = [], []
+                for g, n_chunks, l, c, s, n in zip(grid, counts, lo, chunk, starts, sizes):
+                    a, b, _ = g.indices(n_chunks)
+                    e0, e1 = max(s, (l + a) * c), min(s + n, (l + b) * c)
+                    piece.append(slice(e0, e1))
+                    local.append(slice(e0 - s, e1 - s))
+                yield tuple(piece), tuple(local)
+
+        return tiles()
+
+    def start(self, index: Index) -> Any:
+        """A read of ``index`` under way: a TensorStore future, or (a read split in pieces) a callable."""
+        pieces = self.pieces(index)
+        if pieces is None:
+            self._check_blosc(index)
+            return self.store[index].read()
+        starts, sizes = block_extent(index, self.reader.shape)
+
+        def piecewise() -> np.ndarray:
+            out = np.empty(sizes, self.reader.dtype)
+            for piece, local in pieces:
+                self._check_blosc(piece)
+                out[local] = self.wait(self.store[piece].read())
+            return out
+
+        return piecewise
+
+    def result(self, pending: Any) -> np.ndarray:
+        return pending() if callable(pending) else self.wait(pending)
+
+    def wait(self, future: Any) -> np.ndarray:
+        try:
+            return np.asarray(future.result())
+        except Exception as e:
+            raise CheckpointError(f"{self.reader._where}: cannot read array data "
+                                  f"({self.pins.shown(first_line(e))}).") from None
+
+
 class TensorStoreReader(ArrayReader):
-    """One Orbax array, read through TensorStore a block at a time.
+    """One zarr array, read through TensorStore a block at a time.
 
     The store is opened read-only with TensorStore's cache disabled, so a
     block's memory is freed once the block is consumed. A storage chunk is
     decompressed whole: the peak per block is the larger of the block and the
-    chunks it touches.
+    chunks it touches. Each open checks and pins the local folders it reads
+    (``Pins``); reads are split so none spans more than ``max_chunks_per_read``.
     """
 
     def __init__(self, spec: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype,
@@ -57,7 +401,6 @@ class TensorStoreReader(ArrayReader):
         self.dtype = np.dtype(dtype)
         self.chunk_shape = chunk_shape
         self._where = where
-        self._store: Any = None
         self._context = context
         self.remote = context is not None
 
@@ -66,8 +409,9 @@ class TensorStoreReader(ArrayReader):
 
         return self._context if self._context is not None else ts.Context()
 
-    def _open(self, *, whole: bool = False) -> Any:
-        """Open the store; refuse before decoding anything when one stored chunk is too big to hold.
+    def _open(self, *, whole: bool = False) -> _Opened:
+        """Pin and check the folders, open the store; refuse before decoding anything when one stored chunk
+        (or a zarr3 shard's index) is too big to hold.
 
         The chunk shape is the store's own (``.zarray`` / ``zarr.json``), which a
         hostile file may declare at 2^40 elements: block reads are held to the
@@ -75,54 +419,66 @@ class TensorStoreReader(ArrayReader):
         """
         import tensorstore as ts
 
+        pins = Pins(data=True, budget=self.budget, where=self._where)
         try:
-            store = ts.open(self.spec, read=True, open=True, context=self._ts_context()).result()
-        except Exception as e:  # tensorstore raises ValueError with a long status text
-            raise CheckpointError(f"{self._where}: cannot open array data ({first_line(e)}).") from None
-        try:
-            chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
-        except Exception:  # a driver without a chunk layout: fall back to the metadata's
-            chunk = tuple(self.chunk_shape or self.shape)
-        piece = math.prod(chunk) * self.dtype.itemsize
-        if whole:
-            memory = physical_memory()
-            if memory is not None and max(piece, math.prod(self.shape) * self.dtype.itemsize) > memory:
-                raise CheckpointError(
-                    f"{self._where}: the array (or one stored chunk, {list(chunk)}) is larger than this machine's "
-                    "memory; read it in slices (treetools inspect --show LEAF[SLICE]) instead."
-                )
-        else:
-            check_budget(piece, where=self._where, what=f"one storage chunk ({list(chunk)} {self.dtype})",
-                         budget=self.budget)
-        return store
-
-    def _result(self, future: Any) -> np.ndarray:
-        try:
-            return np.asarray(future.result())
-        except Exception as e:
-            raise CheckpointError(f"{self._where}: cannot read array data ({first_line(e)}).") from None
+            spec = pins.spec(self.spec)
+            try:
+                store = ts.open(spec, read=True, open=True, context=self._ts_context()).result()
+            except Exception as e:  # tensorstore raises ValueError with a long status text
+                raise CheckpointError(f"{self._where}: cannot open array data ({pins.shown(first_line(e))}).") from None
+            try:
+                chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
+                shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)
+            except Exception:  # a driver without a chunk layout: fall back to the metadata's
+                chunk = shard = tuple(self.chunk_shape or self.shape)
+            piece = math.prod(chunk) * self.dtype.itemsize
+            if whole:
+                memory = physical_memory()
+                if memory is not None and max(piece, math.prod(self.shape) * self.dtype.itemsize) > memory:
+                    raise CheckpointError(
+                        f"{self._where}: the array (or one stored chunk, {list(chunk)}) is larger than this machine's "
+                        "memory; read it in slices (treetools inspect --show LEAF[SLICE]) instead."
+                    )
+            else:
+                check_budget(piece, where=self._where, what=f"one storage chunk ({list(chunk)} {self.dtype})",
+                             budget=self.budget)
+            if shard != chunk and len(shard) == len(chunk):  # zarr3 sharding: 16 bytes of index per inner chunk
+                entries = math.prod(-(-s // max(1, c)) for s, c in zip(shard, chunk))
+                check_budget(16 * entries, where=self._where, what=f"one shard's index ({entries:,} inner chunks)",
+                             budget=min(resolve_budget(self.budget), DEFAULT_MEMORY_BUDGET))
+            return _Opened(self, store, pins, chunk)
+        except BaseException:
+            pins.close()
+            raise
 
     def read(self, index: Index) -> np.ndarray:
-        store = self._store if self._store is not None else self._open()
-        return self._result(store[index].read())
+        opened = self._open()
+        try:
+            return opened.result(opened.start(index))
+        finally:
+            opened.close()
 
     def read_all(self) -> np.ndarray:
-        return self._result(self._open(whole=True).read())
+        opened = self._open(whole=True)
+        try:
+            return opened.result(opened.start(tuple(slice(None) for _ in self.shape)))
+        finally:
+            opened.close()
 
     def blocks(self, plan):
         """Blocks in plan order; the next block's read is in flight while the caller uses this one."""
-        self._store = store = self._open()
+        opened = self._open()
         try:
             pending = None
             for index in plan:
-                nxt = store[index].read()
+                nxt = opened.start(index)
                 if pending is not None:
-                    yield self._result(pending)
+                    yield opened.result(pending)
                 pending = nxt
             if pending is not None:
-                yield self._result(pending)
+                yield opened.result(pending)
         finally:
-            self._store = None
+            opened.close()
 
 
 def reader_context(folder: str) -> Any:
@@ -156,10 +512,12 @@ def ts_spec(item_dir: str, name: str, *, use_ocdbt: bool, use_zarr3: bool) -> di
     }
 
 
-
-
 def refuse_special_files(item_dir: str, names: Sequence[str], *, use_ocdbt: bool, use_zarr3: bool) -> None:
-    """TensorStore blocks forever opening a FIFO: refuse special files among those it reads for array metadata."""
+    """TensorStore blocks forever opening a FIFO: refuse special files among those it reads for array metadata.
+
+    ``open_all`` checks the files of every spec it opens (``Pins``); this is the
+    same check for a caller that names the files itself.
+    """
     import stat
 
     if storage.is_remote(item_dir):
@@ -185,27 +543,64 @@ def refuse_special_files(item_dir: str, names: Sequence[str], *, use_ocdbt: bool
             raise CheckpointError(f"{path}: not a regular file ({file_kind(path)}); cannot read it as Orbax array data.")
 
 
-def open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] | None = None) -> list[Any]:
-    """Open many arrays' zarr headers at once (TensorStore reads them in parallel); no array data.
+class ArrayHeader:
+    """What opening one zarr array's header told: its shape, dtype and chunk layout, without the store.
 
-    With ``problems``, a leaf that cannot be opened is recorded there (and its
-    store is None) instead of failing the whole item: ``verify`` lists them all.
+    The attributes are the store's own (``shape``, ``dtype.numpy_dtype``,
+    ``chunk_layout.read_chunk.shape``), so code written against an open store
+    reads it alike; holding 400k of these costs a fraction of 400k stores.
+    """
+
+    __slots__ = ("shape", "dtype", "chunk_layout")
+
+    def __init__(self, store: Any, where: str):
+        self.dtype = store.dtype
+        self.shape = checked_shape(list(store.shape), where=where, itemsize=np.dtype(store.dtype.numpy_dtype).itemsize)
+        self.chunk_layout = store.chunk_layout
+
+
+def open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] | None = None,
+             *, budget: float | None = None) -> list[ArrayHeader | None]:
+    """Open many arrays' zarr headers (TensorStore reads ``OPEN_BATCH`` of them in parallel); no array data.
+
+    Each spec's local folders are checked first (``Pins``: the headers, and an
+    OCDBT database whole, must resolve inside the checkpoint). With
+    ``problems``, a leaf that cannot be opened is recorded there (and its
+    header is None) instead of failing the whole item: ``verify`` lists them all.
     """
     import tensorstore as ts
 
-    context = ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}})
-    futures = [ts.open(spec, read=True, open=True, context=context) for spec in specs]
-    stores = []
-    for future, w in zip(futures, where):
-        try:
-            stores.append(future.result())
-        except Exception as e:
-            message = f"{w}: cannot open array metadata ({first_line(e)})."
-            if problems is None:
-                raise CheckpointError(message) from None
-            problems.append(message)
-            stores.append(None)
-    return stores
+    headers: list[ArrayHeader | None] = []
+    for a in range(0, len(specs), OPEN_BATCH):
+        # One descriptor per array folder, held until its header is read: a batch's worth at a time. The cache
+        # (b-tree nodes the arrays of one OCDBT item share) lives as long as the descriptors: a descriptor number
+        # reused by the next batch names another folder.
+        context = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
+        with Pins(data=False, budget=budget) as pins:
+            batch = []
+            for spec, w in zip(specs[a:a + OPEN_BATCH], where[a:a + OPEN_BATCH]):
+                try:
+                    batch.append(ts.open(pins.spec(spec, w), read=True, open=True, context=context))
+                except CheckpointError as e:
+                    if problems is None:
+                        raise
+                    batch.append(e)
+            for future, w in zip(batch, where[a:a + OPEN_BATCH]):
+                try:
+                    if isinstance(future, CheckpointError):
+                        raise future
+                    headers.append(ArrayHeader(future.result(), w))
+                    continue
+                except CheckpointError as e:
+                    message = str(e)
+                except Exception as e:
+                    message = f"{w}: cannot open array metadata ({pins.shown(first_line(e))})."
+                if problems is None:
+                    raise CheckpointError(message) from None
+                if message not in problems[-1:]:  # a database refused whole: said once, not once per array
+                    problems.append(message)
+                headers.append(None)
+    return headers
 
 
 ZARR_HEADERS = (".zarray", "zarr.json")

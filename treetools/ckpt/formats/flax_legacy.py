@@ -24,7 +24,7 @@ import re
 from typing import Sequence
 
 from treetools.ckpt import storage
-from treetools.errors import CheckpointError, StepDeletedError
+from treetools.errors import CheckpointError
 from treetools.ckpt.formats.msgpack import is_msgpack_map, read_msgpack
 from treetools.ckpt.formats.orbax import read_pytree_item
 from treetools.ckpt.source import DEFAULT_ITEM, Format, Item, Snapshot, Source
@@ -124,12 +124,6 @@ class FlaxLegacySource(Source):
             return Snapshot(step, {name: read_pytree_item(path, name) for name in names})
         leaves = read_msgpack(path)
         return Snapshot(step, {name: Item(name, "pytree", list(leaves)) for name in names})
-
-    def step_deleted(self, step: int | None) -> StepDeletedError | None:
-        # A step here is a file (or an Orbax-mode folder): while it is there it was not deleted.
-        if step is not None and self.listing is not None and storage.exists(self.listing.committed.get(step, "")):
-            return None
-        return super().step_deleted(step)
 
 
 def _is_tmp_file(path: str) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 
 from treetools.ckpt import storage
 from treetools.errors import CheckpointError
-from treetools.ckpt.readers import ArrayReader, FileReader, block_span, np_dtype
+from treetools.ckpt.readers import ArrayReader, FileReader, block_span, checked_shape, np_dtype
 from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path, value_row
 
 
@@ -157,6 +157,7 @@ def read_npz(path: str) -> list[Leaf]:
             if dtype.hasobject:
                 leaves.append(Leaf(value_row(parts, sep=sep), key=name))
                 continue
+            shape = checked_shape(list(shape), where=where, itemsize=dtype.itemsize)
             size = math.prod(shape)
             if info.file_size != header_len + size * dtype.itemsize:
                 raise CheckpointError(f"{where}: corrupt member ({info.file_size} bytes for shape {list(shape)} {dtype}).")

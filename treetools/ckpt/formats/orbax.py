@@ -28,17 +28,17 @@ import numpy as np
 
 from treetools.ckpt import storage
 from treetools.ckpt.formats._tensorstore import (
+    Pins,
     TensorStoreReader,
     first_line,
     open_all,
     reader_context,
-    refuse_special_files,
     subdirs,
     ts_spec,
     zarr_header,
     zarr_leaves,
 )
-from treetools.ckpt.readers import MemoryBudgetError
+from treetools.ckpt.readers import MemoryBudgetError, read_metadata
 from treetools.ckpt.source import (
     DEFAULT_ITEM,
     Format,
@@ -59,7 +59,6 @@ from treetools.ckpt.steps import (
     TMP_DIR_SUFFIX,
     is_committed,
     parse_step_name,
-    read_json_file,
     scan_steps,
     tmp_step,
 )
@@ -97,11 +96,14 @@ def _entries(raw: Any, path: str) -> list[tuple[tuple[str, ...], str, bool]]:
     for key, entry in tree.items():
         try:
             keys = tuple(str(k["key"]) for k in entry["key_metadata"])
+            if not all(type(k["key_type"]) is int for k in entry["key_metadata"]):
+                raise TypeError("key_type")  # Orbax's own restore reads it: an int (1 a sequence index, 2 a dict key)
             value = entry["value_metadata"]
             value_type = str(value["value_type"])
             skip = bool(value.get("skip_deserialize", False))
         except (KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{path}: corrupt Orbax _METADATA (entry {key!r} lacks key or value metadata).") from None
+            raise CheckpointError(f"{path}: corrupt Orbax _METADATA (entry {str(key)[:200]!r} lacks key, key_type or "
+                                  "value metadata).") from None
         for k in keys:
             check_name(k, where=path)
         check_name(".".join(keys), where=path)
@@ -135,7 +137,7 @@ def _shardings(item_dir: str) -> dict[str, LeafSharding]:
     path = os.path.join(item_dir, SHARDING_FILE)
     if not storage.lexists(path):
         return {}
-    raw = read_json_file(path, what="Orbax _sharding")
+    raw = read_metadata(path, what="Orbax _sharding")
     out: dict[str, LeafSharding] = {}
     if not isinstance(raw, dict):
         return out
@@ -150,8 +152,11 @@ def _shardings(item_dir: str) -> dict[str, LeafSharding]:
         names, sizes, spec = info.get("axis_names"), info.get("shape"), info.get("partition_spec")
         if not (isinstance(names, list) and isinstance(sizes, list) and isinstance(spec, list)):
             continue
+        if not all(type(size) is int and size > 0 for size in sizes):
+            raise CheckpointError(f"{path}: corrupt Orbax _sharding (the mesh of {name[:200]!r} has axis sizes "
+                                  f"{str(sizes)[:80]}, not positive integers).")
         entries = tuple(tuple(e) if isinstance(e, list) else e for e in spec)
-        out[name] = LeafSharding(entries, {str(a): int(s) for a, s in zip(names, sizes)})
+        out[name] = LeafSharding(entries, {str(a): size for a, size in zip(names, sizes)})
     return out
 
 
@@ -167,7 +172,7 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
             f"{item_dir}: no {PYTREE_METADATA_FILE} file (saved by an Orbax older than 0.5, or copied without it); "
             "treetools cannot tell its leaves."
         )
-    raw = read_json_file(meta_path, what=f"Orbax {PYTREE_METADATA_FILE}")
+    raw = read_metadata(meta_path, what=f"Orbax {PYTREE_METADATA_FILE}")
     entries = [e for e in _entries(raw, meta_path) if not e[2] and e[1] not in _NOT_STORED]
     custom = raw.get("custom_metadata") if isinstance(raw, dict) else None
     boxes = custom.get(_BOXES_KEY) if isinstance(custom, dict) else None
@@ -178,7 +183,6 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
     shardings = _shardings(item_dir)
 
     stored = [(keys, vt, path) for (keys, vt, _), path in zip(entries, paths) if vt != "string"]
-    refuse_special_files(item_dir, [".".join(keys) for keys, _, _ in stored], use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
     specs = [ts_spec(item_dir, ".".join(keys), use_ocdbt=use_ocdbt, use_zarr3=use_zarr3) for keys, _, _ in stored]
     wheres = [f"{item_dir}: `{'/'.join(path)}`" for _, _, path in stored]
     stores = iter(zip(specs, open_all(specs, wheres, problems)))
@@ -247,7 +251,7 @@ def _json_file(folder: str) -> str:
 
 def read_json_item(item_dir: str, name: str) -> Item:
     path = _json_file(item_dir)
-    value = read_json_file(path, what="Orbax JSON item")
+    value = read_metadata(path, what="Orbax JSON item")
     return Item(name, "json", tree_leaves(value, where=path), value=value)
 
 
@@ -335,7 +339,7 @@ class OrbaxSource(Source):
         """The parsed ``_CHECKPOINT_METADATA`` of a step folder (read once per source), {} when absent."""
         if step_dir not in self._step_meta:
             path = os.path.join(step_dir, STEP_METADATA_FILE)
-            meta = read_json_file(path, what=f"Orbax {STEP_METADATA_FILE}") if storage.lexists(path) else {}
+            meta = read_metadata(path, what=f"Orbax {STEP_METADATA_FILE}") if storage.lexists(path) else {}
             self._step_meta[step_dir] = meta if isinstance(meta, dict) else {}
         return self._step_meta[step_dir]
 
@@ -379,6 +383,9 @@ class OrbaxSource(Source):
             check_name(name, where=os.path.join(step_dir, STEP_METADATA_FILE))
             item_dir = os.path.join(step_dir, name)
             if not storage.isdir(item_dir):
+                gone = self.step_deleted(step)  # a manager pruning the step removes its item folders first
+                if gone is not None:
+                    raise gone
                 notes.append(f"item `{name}` is listed in {STEP_METADATA_FILE} but has no folder; skipped.")
                 continue
             kind = _kind_of(handlers.get(name)) if name in handlers else ("json" if _is_json_item(item_dir) else "pytree")
@@ -393,7 +400,7 @@ class OrbaxSource(Source):
         meta = self.step_metadata(step_dir)
         out: dict[str, Any] = {}
         ns = meta.get("commit_timestamp_nsecs") or meta.get("init_timestamp_nsecs")
-        if isinstance(ns, (int, float)) and ns > 0:
+        if isinstance(ns, (int, float)) and 0 < ns < 2**62:  # a time of year 2116 at most: no overflow below
             moment = datetime.datetime.fromtimestamp(ns / 1e9, tz=datetime.timezone.utc)
             out["saved_at"] = moment.strftime("%Y-%m-%dT%H:%M:%SZ")
         custom = meta.get("custom_metadata") if isinstance(meta.get("custom_metadata"), dict) else {}
@@ -447,7 +454,7 @@ class OrbaxSource(Source):
             self.hold_to_budget([item])
             items.append(item)
             if isinstance(item, OrbaxItem):
-                problems += _unlisted_arrays(item)
+                problems += [p for p in _unlisted_arrays(item) if p not in problems]
         return items, problems
 
 
@@ -476,9 +483,14 @@ def _orbax_restore(item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any
             )
 
     handler = _ParsedMetadata()
-    stored = tree_metadata.InternalTreeMetadata.from_json(
-        item.metadata, pytree_metadata_options=handler._pytree_metadata_options
-    ).as_nested_tree()
+    try:  # what _entries checked is what Orbax needs; anything else Orbax's parser trips on is the file's fault too
+        stored = tree_metadata.InternalTreeMetadata.from_json(
+            item.metadata, pytree_metadata_options=handler._pytree_metadata_options
+        ).as_nested_tree()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        handler.close()
+        raise CheckpointError(f"{os.path.join(item.folder, PYTREE_METADATA_FILE)}: corrupt Orbax _METADATA "
+                              f"(Orbax cannot parse it: {type(e).__name__}: {str(e)[:200]}).") from None
 
     def key_name(entry: Any) -> str:  # Orbax's stored trees are dicts and lists
         return str(entry.key if hasattr(entry, "key") else entry.idx)
@@ -498,11 +510,15 @@ def _orbax_restore(item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any
 
     skeleton = jax.tree_util.tree_map_with_path(lambda kp, meta: meta if wanted(kp) else ocp.PLACEHOLDER, stored)
     restore_args = jax.tree_util.tree_map_with_path(restore_arg, stored)
-    try:
-        restored = handler.restore(epath.Path(item.folder),
-                                   args=base.BasePyTreeRestoreArgs(item=skeleton, restore_args=restore_args))
-    finally:
-        handler.close()
+    # Orbax opens the item's files by path: it is handed the item folder pinned and checked whole (every file
+    # inside the checkpoint, the OCDBT manifest held to the budget), as TensorStore is for any other read.
+    with Pins(data=True, where=item.folder) as pins:
+        folder = pins.folder(item.folder, ocdbt=storage.isfile(os.path.join(item.folder, "manifest.ocdbt"))).path
+        try:
+            restored = handler.restore(epath.Path(folder),
+                                       args=base.BasePyTreeRestoreArgs(item=skeleton, restore_args=restore_args))
+        finally:
+            handler.close()
     out = {}
     for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
         name = leaf_name(keypath)
@@ -529,8 +545,10 @@ def _stored_arrays(item_dir: str, use_ocdbt: bool) -> set[str]:
     if use_ocdbt:
         import tensorstore as ts
 
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(item_dir)}).result()
-        keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
+        with Pins(data=False, where=item_dir) as pins:  # the database checked and pinned, as for any read of it
+            base = pins.folder(item_dir, ocdbt=True).path
+            kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(base)}).result()
+            keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
         return {key.rsplit("/", 1)[0] for key in keys if "/" in key and key.rsplit("/", 1)[1] in headers}
     names = set()
     for top in storage.listdir(item_dir):
@@ -547,6 +565,8 @@ def _unlisted_arrays(item: OrbaxItem) -> list[str]:
     use_ocdbt = bool(item.metadata.get("use_ocdbt", storage.exists(os.path.join(item.folder, "manifest.ocdbt"))))
     try:
         extra = sorted(_stored_arrays(item.folder, use_ocdbt) - {leaf.key for leaf in item.leaves} - _listed(item))
+    except CheckpointError as e:  # the database refused (outside the checkpoint, over the budget): said as such
+        return [str(e)]
     except Exception as e:  # tensorstore: a corrupt manifest
         return [f"{item.folder}: cannot list the stored arrays ({first_line(e)})."]
     if not extra:

@@ -13,7 +13,7 @@ from typing import Any
 
 from treetools.ckpt import storage
 from treetools.errors import CheckpointError
-from treetools.ckpt.readers import FileReader, np_dtype
+from treetools.ckpt.readers import JSON_EXPANSION, FileReader, check_budget, checked_shape, np_dtype
 from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path
 from treetools.rows import dtype_name
 
@@ -48,6 +48,8 @@ def _st_header(path: str) -> tuple[dict[str, Any], int, int]:
             raise CheckpointError(
                 f"{path}: corrupt or truncated safetensors header (says {n} bytes, file has {size - 8} after the length)."
             )
+        # The header is parsed whole: held to the memory budget by what the parse will hold, before it is read.
+        check_budget(JSON_EXPANSION * n, where=path, what=f"the safetensors header ({n:,} bytes), parsed whole,")
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
@@ -78,12 +80,16 @@ def read_safetensors(path: str) -> list[Leaf]:
         parts, sep = stored_path(name)
         try:
             dtype = np_dtype(_ST_DTYPES[entry["dtype"]])
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
+            shape_json, offsets = entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError, AttributeError):
-            raise CheckpointError(f"{where}: corrupt safetensors header entry {entry!r}.") from None
+            raise CheckpointError(f"{where}: corrupt safetensors header entry {repr(entry)[:200]}.") from None
+        shape = checked_shape(shape_json, where=where, itemsize=dtype.itemsize)
+        offsets = checked_shape(offsets, where=where, what="data_offsets")
+        if len(offsets) != 2:
+            raise CheckpointError(f"{where}: corrupt safetensors header (data_offsets is not [begin, end]).")
+        begin, end = offsets
         size = math.prod(shape)
-        if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_len or end - begin != size * dtype.itemsize:
+        if not 0 <= begin <= end <= data_len or end - begin != size * dtype.itemsize:
             raise CheckpointError(
                 f"{where}: corrupt safetensors header (offsets {begin}..{end} do not hold shape {list(shape)} "
                 f"{dtype_name(dtype)} inside {data_len} data bytes)."

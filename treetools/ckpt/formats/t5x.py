@@ -38,13 +38,12 @@ import numpy as np
 
 from treetools.ckpt import storage
 from treetools.errors import CheckpointError
-from treetools.ckpt.readers import check_budget, np_dtype
+from treetools.ckpt.readers import check_budget, checked_shape, np_dtype, read_metadata
 from treetools.ckpt.formats.msgpack import is_msgpack_map
 from treetools.ckpt.formats._tensorstore import (
     TensorStoreReader,
     open_all,
     reader_context,
-    refuse_special_files,
     ts_spec,
 )
 from treetools.ckpt.formats.orbax import (  # a T5X root may hold later Orbax saves; boxes as nodes are Orbax's rule
@@ -70,7 +69,6 @@ from treetools.ckpt.steps import (
     is_committed,
     parse_step_name,
     read_file,
-    read_json_file,
     scan_steps,
     tmp_step,
 )
@@ -163,17 +161,21 @@ def _state_dict(tree: dict[str, Any]) -> tuple[Any, int | None]:
 
 def _zarray(path: str) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
     """``(shape, dtype, chunks)`` from a zarr v2 ``.zarray`` (no array data)."""
-    meta = read_json_file(path, what="zarr .zarray")
+    meta = read_metadata(path, what="zarr .zarray")
     try:
         if meta.get("zarr_format") != 2:
             raise ValueError(f"zarr_format {meta.get('zarr_format')!r}, not 2")
-        shape = tuple(int(d) for d in meta["shape"])
-        chunks = tuple(int(c) for c in meta["chunks"])
         dtype = np_dtype(meta["dtype"])
-        if any(d < 0 for d in shape) or len(chunks) != len(shape) or any(c < 1 for c in chunks) or dtype.hasobject:
-            raise ValueError("negative shape, chunks not matching the shape, or an object dtype")
+        shape_json, chunks_json = meta["shape"], meta["chunks"]
+        if dtype.hasobject:
+            raise ValueError("an object dtype")
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: corrupt zarr .zarray ({e}); the array folder is damaged.") from None
+    shape = checked_shape(shape_json, where=path, itemsize=dtype.itemsize)
+    chunks = checked_shape(chunks_json, where=path, itemsize=dtype.itemsize, what="chunk shape")
+    if len(chunks) != len(shape) or 0 in chunks:
+        raise CheckpointError(f"{path}: corrupt zarr .zarray (chunks {list(chunks)} do not fit the shape "
+                              f"{list(shape)}); the array folder is damaged.")
     return shape, dtype, chunks
 
 
@@ -198,9 +200,6 @@ def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, A
     leaf = "/".join(parts)
     check_name(name, where=where)
     folder = os.path.join(base, name)
-    root = storage.realpath(base)
-    if not storage.is_remote(base) and os.path.commonpath([storage.realpath(folder), root]) != root:
-        raise CheckpointError(f"{where}: key {name!r} resolves outside {base} (a symlink?); refusing to read it.")
     if not storage.isdir(folder):
         raise CheckpointError(
             f"{where}: `{leaf}` is stored in the zarr folder {name!r}, which is missing from {base}; "
@@ -218,13 +217,14 @@ def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, A
         said_shape = meta.get("shape")
         said_dtype = spec.get("dtype", meta.get("dtype"))
         try:
-            same = (said_shape is None or tuple(int(d) for d in said_shape) == shape) and (
+            same = (said_shape is None or checked_shape(said_shape, where=where) == shape) and (
                 said_dtype is None or np_dtype(said_dtype) == dtype)
-        except (TypeError, ValueError, AttributeError):
+        except (CheckpointError, TypeError, ValueError, AttributeError):
             same = False
         if not same:
+            said = f"{str(said_dtype)[:40]}{str(list(said_shape) if isinstance(said_shape, list) else [])[:80]}"
             raise CheckpointError(
-                f"{where}: `{leaf}` is {said_dtype}{list(said_shape or [])} in the `checkpoint` file but "
+                f"{where}: `{leaf}` is {said} in the `checkpoint` file but "
                 f"{dtype}{list(shape)} in {zarray}; the step folder mixes two saves."
             )
     spec_open = ts_spec(base, name, use_ocdbt=False, use_zarr3=False)
@@ -271,7 +271,6 @@ def read_tree(path: str, name: str = DEFAULT_ITEM, *, budget: float | None = Non
         else:
             out.append(_stored_leaf(parts, stored, base, spec, where=path, context=context))
     if in_ocdbt:
-        refuse_special_files(base, [], use_ocdbt=True, use_zarr3=False)
         specs = [ts_spec(base, stored, use_ocdbt=True, use_zarr3=False) for _, _, stored in in_ocdbt]
         wheres = [f"{base}: `{'/'.join(parts)}`" for _, parts, _ in in_ocdbt]
         for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, open_all(specs, wheres)):
