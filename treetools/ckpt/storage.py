@@ -473,8 +473,11 @@ class _Remote:
         url = normalize(url)
         with self._lock:
             cached = self._listings.get(url)
+            gone = cached is None and self._known_missing(url)
         if cached is not None:
             return cached
+        if gone:
+            raise FileNotFoundError(url)
         with translate(url):
             entries = self.fs.ls(self._key(url), detail=True)
         out: dict[str, _Info] = {}
@@ -496,6 +499,19 @@ class _Remote:
             self._listings[url] = out
         return out
 
+    def _known_missing(self, url: str) -> bool:
+        """Whether a listing already made shows there is no folder ``url`` (an ancestor's listing lacks the way
+        down to it): a probe below it needs no request. Called with the lock held."""
+        child = url
+        parent = url.rpartition("/")[0]
+        while parent and "/" in parent.partition("://")[2]:
+            entries = self._listings.get(parent)
+            if entries is not None:
+                found = entries.get(child.rpartition("/")[2])
+                return found is None or found.kind != "directory"
+            child, parent = parent, parent.rpartition("/")[0]
+        return False
+
     def info(self, url: str) -> _Info | None:
         url = normalize(url)
         _, bucket, key = _split(url)
@@ -505,6 +521,8 @@ class _Remote:
         with self._lock:
             if parent in self._listings:
                 return self._listings[parent].get(name)
+            if self._known_missing(parent):
+                return None
             if url in self._infos:
                 return self._infos[url]
             probes = self._probes[parent] = self._probes.get(parent, 0) + 1

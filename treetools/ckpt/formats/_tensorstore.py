@@ -63,7 +63,7 @@ CHUNK_OVERHEAD_CAP = 64 * 2**20
 OPEN_BATCH = 256
 """Array headers opened at once by ``open_all`` (each open in flight holds buffers and a store)."""
 
-ZARR_HEADERS = (".zarray", "zarr.json", ".zattrs")
+OPEN_FILES = (".zarray", "zarr.json", ".zattrs")
 """The files TensorStore reads to open a zarr array (the data are the chunk files beside them)."""
 
 OCDBT_MANIFEST = "manifest.ocdbt"
@@ -233,7 +233,7 @@ class Pins:
             elif self._data:
                 pinned.check_tree()
             else:
-                for header in ZARR_HEADERS:
+                for header in OPEN_FILES:
                     pinned.check_file(header)
         except BaseException:
             pinned.close()
