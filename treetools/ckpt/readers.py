@@ -281,6 +281,11 @@ class FileReader(ArrayReader):
             self._segments.append((first, int(pos), int(count)))
             first += int(count)
 
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """Where the flat data lies: ``(file offset, elements)`` pairs, in order."""
+        return [(offset, n) for _, offset, n in self._segments]
+
     def _fill(self, view: memoryview, pos: int) -> int:
         """Read into ``view`` from byte ``pos``; the number of bytes read (short at the end of the file)."""
         if storage.is_remote(self._path):
