@@ -20,7 +20,7 @@ import contextvars
 import itertools
 import math
 import os
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -162,6 +162,17 @@ class ArrayReader:
     def read(self, index: Index) -> np.ndarray:
         raise NotImplementedError
 
+    reads_async: bool = False
+    """True when the reads ``reading`` begins run in the background (TensorStore decodes on its own threads)."""
+
+    def reading(self) -> "Callable[[Index], Pending]":
+        """A function that begins reading one block (``start(index).result()`` waits for it), for a series
+        of blocks: a reader that reads asynchronously (``reads_async``) returns at once for each, so the
+        blocks of several readers can be in flight together (both sides of a diff); by default each block
+        is read when asked.
+        """
+        return lambda index: Ready(self.read(index))
+
     def blocks(self, plan: Iterable[Index]) -> Iterator[np.ndarray]:
         """The blocks of ``plan`` (index tuples of slices), in plan order."""
         for index in plan:
@@ -183,6 +194,22 @@ class ArrayReader:
         Fortran-ordered; statistics do not care.
         """
         return self.blocks(plan_blocks(self.shape, max(1, max_bytes // self.dtype.itemsize), self.chunk_shape))
+
+
+class Pending(Protocol):
+    """A block being read: ``result()`` waits for it (a ``concurrent.futures.Future`` is one)."""
+
+    def result(self) -> np.ndarray: ...
+
+
+class Ready:
+    """A block already read."""
+
+    def __init__(self, block: np.ndarray):
+        self._block = block
+
+    def result(self) -> np.ndarray:
+        return self._block
 
 
 def plan_blocks(shape: Sequence[int], max_elems: int, granule: Sequence[int] | None = None) -> Iterator[Index]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -189,17 +190,23 @@ def plan_tasks(jobs: Sequence[Sequence[ArrayReader]], chunk_bytes: int, *,
     return tasks
 
 
-def task_blocks(readers: Sequence[ArrayReader], task: Task, chunk_bytes: int
+def task_blocks(readers: Sequence[ArrayReader], task: Task, chunk_bytes: int, io: ThreadPoolExecutor | None = None
                 ) -> Iterator[tuple[Index | None, tuple[np.ndarray, ...]]]:
     """``(index, blocks)`` of one task: the block ``index`` of each reader, read side by side.
 
-    Every reader's ``blocks`` generator is started before the first block is
-    used, so readers that read ahead (TensorStore) have the blocks of all sides
-    in flight at once. ``index`` is None in a reader's own storage order.
+    With several readers (the two sides of a diff) every side's read of a
+    block is in flight before any is waited for: TensorStore's own reads
+    return at once (``ArrayReader.reading``; the next block's are issued too),
+    other readers read the first side in this thread and the others on
+    ``io``'s threads. One reader reads ahead by itself (TensorStore) or not at
+    all. ``index`` is None in a reader's own storage order.
     """
     if task.plan is None:
         for block in readers[0].storage_blocks(chunk_bytes):
             yield None, (block,)
+        return
+    if len(readers) > 1 and not any(r.sequential for r in readers):
+        yield from _side_by_side(readers, task.plan, io)
         return
     streams = [r.blocks(task.plan) for r in readers]
     try:
@@ -210,6 +217,24 @@ def task_blocks(readers: Sequence[ArrayReader], task: Task, chunk_bytes: int
             close = getattr(s, "close", None)
             if close is not None:
                 close()
+
+
+def _side_by_side(readers: Sequence[ArrayReader], plan: Sequence[Index], io: ThreadPoolExecutor | None
+                  ) -> Iterator[tuple[Index, tuple[np.ndarray, ...]]]:
+    if all(r.reads_async for r in readers) or io is None:  # TensorStore: this block and the next in flight
+        starts = [r.reading() for r in readers]
+        pending = [start(plan[0]) for start in starts]
+        for i, index in enumerate(plan):
+            ahead = [start(plan[i + 1]) for start in starts] if i + 1 < len(plan) else []
+            yield index, tuple(p.result() for p in pending)
+            pending = ahead
+        return
+    # Readers that read when asked (files): the first side here, the others on helper threads, at once.
+    starts = [r.reading() if r.reads_async else functools.partial(io.submit, r.read) for r in readers[1:]]
+    for index in plan:
+        others = [start(index) for start in starts]
+        first = readers[0].read(index)
+        yield index, (first, *(p.result() for p in others))
 
 
 # ---------------------------------------------------------------------------- the three ways in
@@ -253,6 +278,9 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
     if workers is None:
         workers = default_workers(r for readers in jobs for r in readers)
     tasks = plan_tasks(jobs, chunk_bytes)
+    # Helper threads read the sides of a job side by side where a reader cannot read in the background.
+    sides = any(len(readers) > 1 and not all(r.reads_async for r in readers) for readers in jobs)
+    io = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="treetools-io") if sides else None
     failed: set[int] = set()
     started: set[int] = set()
     lock = threading.Lock()
@@ -268,7 +296,7 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
                     progress.start(labels[task.job])
         partial = start(task.job)
         try:
-            for index, blocks in task_blocks(readers, task, chunk_bytes):
+            for index, blocks in task_blocks(readers, task, chunk_bytes, io):
                 fold(partial, index, blocks)
                 if progress is not None:
                     progress.advance(sum(b.size * b.dtype.itemsize for b in blocks))
@@ -281,13 +309,17 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
         return partial
 
     out: list[Any] = [[] for _ in jobs]
-    for task, part in zip(tasks, ordered_map(run, tasks, workers=min(workers, max(1, len(tasks))))):
-        if isinstance(out[task.job], Failed):
-            continue
-        if isinstance(part, Failed):
-            out[task.job] = part
-        elif part is not None:
-            out[task.job].append(part)
+    try:
+        for task, part in zip(tasks, ordered_map(run, tasks, workers=min(workers, max(1, len(tasks))))):
+            if isinstance(out[task.job], Failed):
+                continue
+            if isinstance(part, Failed):
+                out[task.job] = part
+            elif part is not None:
+                out[task.job].append(part)
+    finally:
+        if io is not None:
+            io.shutdown(wait=True, cancel_futures=True)
     # Tasks ran largest job first; within a job they ran (and were collected) in block order.
     return out
 

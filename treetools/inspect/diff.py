@@ -315,16 +315,20 @@ def _fold(acc: _Compared, xa: np.ndarray, xb: np.ndarray) -> None:
     """Compare one pair of blocks, a cache-sized piece at a time."""
     rule = acc.rule
     fa, fb = np.ravel(xa), np.ravel(xb)
-    for s in range(0, fa.size, _PIECE_ELEMS):
-        pa, pb = fa[s:s + _PIECE_ELEMS], fb[s:s + _PIECE_ELEMS]
-        identical = False
-        if acc.same_bits:
-            acc.same_bits = identical = rule.same_dtype and bool(np.array_equal(_bits(pa), _bits(pb)))
-        if rule.work is None:
-            acc.add(*_block_compare(_as_compared(pa, rule.kind), _as_compared(pb, rule.kind), rule.kind,
-                                    rule.atol, rule.rtol))
-        else:
-            _fold_float(acc, pa, pb, rule, identical)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow and NaN are detected from the sums, not warned
+        for s in range(0, fa.size, _PIECE_ELEMS):
+            _fold_piece(acc, fa[s:s + _PIECE_ELEMS], fb[s:s + _PIECE_ELEMS], rule)
+
+
+def _fold_piece(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule) -> None:
+    identical = False
+    if acc.same_bits:  # until one piece differs; then no more bit comparisons for this leaf
+        acc.same_bits = identical = rule.same_dtype and bool(np.array_equal(_bits(pa), _bits(pb)))
+    if rule.work is None:
+        acc.add(*_block_compare(_as_compared(pa, rule.kind), _as_compared(pb, rule.kind), rule.kind,
+                                rule.atol, rule.rtol))
+    else:
+        _fold_float(acc, pa, pb, rule, identical)
 
 
 def _fold_float(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule, identical: bool) -> None:

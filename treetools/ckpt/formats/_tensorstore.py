@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -100,6 +100,13 @@ class TensorStoreReader(ArrayReader):
         store = self._store if self._store is not None else self._open()
         return self._result(store[index].read())
 
+    reads_async = True
+
+    def reading(self) -> Callable[[Index], Any]:
+        """Open the store once; each call issues one block's read and returns at once (``.result()`` waits)."""
+        store = self._open()
+        return lambda index: _Reading(self, store[index].read())
+
     def read_all(self) -> np.ndarray:
         return self._result(self._open(whole=True).read())
 
@@ -117,6 +124,16 @@ class TensorStoreReader(ArrayReader):
                 yield self._result(pending)
         finally:
             self._store = None
+
+
+class _Reading:
+    """A TensorStore read in flight: ``result()`` waits for it (errors as one-line ``CheckpointError``s)."""
+
+    def __init__(self, reader: TensorStoreReader, future: Any):
+        self._reader, self._future = reader, future
+
+    def result(self) -> np.ndarray:
+        return self._reader._result(self._future)
 
 
 def reader_context(folder: str) -> Any:
