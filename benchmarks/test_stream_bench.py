@@ -74,6 +74,15 @@ def ckpts(tmp_path_factory):
         (root / f"step{step}.msgpack").write_bytes(serialization.to_bytes({"params": tensors}))
         out["safetensors"][step] = str(root / f"step{step}.safetensors")
         out["msgpack"][step] = str(root / f"step{step}.msgpack")
+        if step == 2:  # the same tensors as a Hugging Face folder of 4 shards with its index
+            folder = root / "hf"
+            folder.mkdir()
+            names = list(tensors)
+            shard_of = {k: f"model-{i * 4 // len(names) + 1:05d}-of-00004.safetensors" for i, k in enumerate(names)}
+            for shard in sorted(set(shard_of.values())):
+                save_file({k: tensors[k] for k in names if shard_of[k] == shard}, str(folder / shard))
+            (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shard_of}))
+            out["hf"] = str(folder)
     mngr.close()
     out["bytes"] = LEAVES * ROWS * COLS * 4
     out["root"] = root
@@ -281,7 +290,8 @@ def test_load_parameters_vs_library_loaders(ckpts):
     from etils import epath
     from safetensors.numpy import load_file
 
-    st, root = ckpts["safetensors"][2], ckpts["orbax"]["path"]
+    st, root, hf = ckpts["safetensors"][2], ckpts["orbax"]["path"], ckpts["hf"]
+    shards = sorted(os.path.join(hf, f) for f in os.listdir(hf) if f.endswith(".safetensors"))
     item = os.path.join(root, "2", "params")
 
     def orbax_numpy():
@@ -294,6 +304,8 @@ def test_load_parameters_vs_library_loaders(ckpts):
     pairs = {
         "safetensors file": (lambda: tt.load_parameters(st), lambda: load_file(st), "safetensors.numpy.load_file",
                              "<= 1.1"),
+        "safetensors folder (4 shards + index)": (lambda: tt.load_parameters(hf), lambda: {
+            k: v for f in shards for k, v in load_file(f).items()}, "load_file of each shard", "<= 1.1"),
         "Orbax step (zstd)": (lambda: tt.load_parameters(root, step=2), orbax_numpy, "Orbax restore to numpy",
                               "<= 1.05"),
     }

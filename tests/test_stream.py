@@ -297,3 +297,30 @@ def test_json_of_a_diff_is_the_same_with_one_thread_or_many(two_steps, monkeypat
         main(["diff", str(root), "--step", "100", "--step", "200", "--values", "--format", "json", "--chunk-mb", "0.004"])
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[0] == outs[1]
+
+
+def test_every_streaming_command_reads_through_the_engine(two_steps, tmp_path, monkeypatch):
+    import treetools.ckpt.stream as stream
+    import treetools.inspect.diff as diff_module
+    import treetools.inspect.stats as stats_module
+    import treetools.inspect.verify as verify_module
+    import treetools.restore as restore_module
+
+    calls = collections.Counter()
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for module in (diff_module, stats_module, verify_module):
+        monkeypatch.setattr(module, "reduce_blocks", counted(module.__name__, stream.reduce_blocks))
+    monkeypatch.setattr(restore_module, "read_arrays", counted("load_parameters", stream.read_arrays))
+    root = str(two_steps)
+    inspect_path(root, step=200, stats=True)
+    verify_path(root, step=200)
+    diff_paths(root, root, step_a=100, step_b=200, values=True)
+    tt.load_parameters(root, step=200)
+    assert calls == {"treetools.inspect.stats": 1, "treetools.inspect.verify": 1, "treetools.inspect.diff": 1,
+                     "load_parameters": 1}  # once per command: every leaf in one engine call, not one per leaf

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from treetools.ckpt import storage
-from treetools.ckpt.readers import FileReader, check_budget, np_dtype
+from treetools.ckpt.readers import FileReader, check_budget, np_dtype, resolve_budget
 from treetools.errors import CheckpointError
 
 MAX_DEPTH = 1024
@@ -122,17 +122,23 @@ class _Walker:
                  object_hook: Callable[[dict], Any] | None):
         self.cur, self.path, self.budget, self.object_hook = cur, path, budget, object_hook
         self.held = 0  # bytes of Python objects and values decoded so far (estimated), held to the budget
+        self.limit = resolve_budget(budget)
 
     def hold(self, nbytes: int, what: str) -> None:
         self.held += nbytes
-        check_budget(self.held, where=self.cur.where, what=what, budget=self.budget)
+        if self.held > self.limit:  # the budget resolved once: this runs for every map and list
+            check_budget(self.held, where=self.cur.where, what=what, budget=self.budget)
 
     def header(self) -> tuple[str, Any]:
         """One msgpack header: ``("value", v)`` for a scalar or string, ``("map"|"array", n)``,
         ``("bin", n)`` (payload not read) or ``("ext", (code, n))`` (payload not read)."""
         cur = self.cur
-        at = cur.pos()
-        b = cur.byte()
+        i = cur.i
+        if i < len(cur.buf):  # the common case, inline: the header's first byte is in the window
+            b = cur.buf[i]
+            cur.i = i + 1
+        else:
+            b = cur.byte()
         if b <= 0x7F:
             return "value", b
         if b >= 0xE0:
@@ -167,7 +173,7 @@ class _Walker:
             return "array", cur.unpack(_LENGTH[2 << (b - 0xDC)], 2 << (b - 0xDC))
         if b in (0xDE, 0xDF):
             return "map", cur.unpack(_LENGTH[2 << (b - 0xDE)], 2 << (b - 0xDE))
-        raise cur.corrupt("byte 0xc1, which msgpack never uses", at)
+        raise cur.corrupt("byte 0xc1, which msgpack never uses", cur.pos() - 1)
 
     def past_end(self, n: int) -> None:
         """Refuse a length that runs past the end of the file before anything is held for it."""
@@ -175,6 +181,14 @@ class _Walker:
             raise self.cur.corrupt(f"{n:,} bytes needed, the file ends at byte {self.cur.size:,}")
 
     def text(self, n: int) -> str:
+        cur = self.cur
+        i = cur.i
+        if i + n <= len(cur.buf):  # the common case, inline: a short key within the window
+            cur.i = i + n
+            try:
+                return cur.buf[i:i + n].decode("utf-8")
+            except UnicodeDecodeError:
+                raise cur.corrupt("a string that is not UTF-8") from None
         self.past_end(n)
         if n > _READ:
             self.hold(n, "a string in this Flax msgpack")
