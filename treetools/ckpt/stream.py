@@ -74,12 +74,27 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+ASYNC_EXTRA_WORKERS = 2
+"""Threads beyond the cores when readers decode on threads of their own (TensorStore): while a worker waits for
+its block, another block is being decoded (measured on 2 cores: 4 workers read Orbax zstd 1.2-1.3x faster than 2)."""
+
+
+SMALL_BYTES = 16 * 2**20
+"""Below this much data in all, one thread reads it: starting threads would cost more than they save."""
+
+
+def _nbytes(readers: Iterable[ArrayReader]) -> int:
+    return sum(math.prod(r.shape) * r.dtype.itemsize for r in readers)
+
+
 def default_workers(readers: Iterable[ArrayReader] = ()) -> int:
-    """Threads for reading ``readers``: ``TREETOOLS_WORKERS`` or the cores; at least ``REMOTE_WORKERS`` for a bucket.
+    """Threads for reading ``readers``: ``TREETOOLS_WORKERS``, else the cores (``ASYNC_EXTRA_WORKERS`` more when
+    a reader decodes in the background); at least ``REMOTE_WORKERS`` for a bucket.
 
     Raises:
       CheckpointError: ``TREETOOLS_WORKERS`` is not a positive integer.
     """
+    readers = list(readers)
     raw = os.environ.get("TREETOOLS_WORKERS")
     if raw:
         try:
@@ -89,7 +104,7 @@ def default_workers(readers: Iterable[ArrayReader] = ()) -> int:
         if n < 1:
             raise CheckpointError(f"`TREETOOLS_WORKERS` must be a positive number of threads, got {raw!r}.")
     else:
-        n = cores()
+        n = cores() + (ASYNC_EXTRA_WORKERS if any(r.reads_async for r in readers) else 0)
     if any(r.remote for r in readers):
         n = max(n, REMOTE_WORKERS)
     return n
@@ -260,7 +275,7 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
       fold: ``fold(partial, index, blocks)`` adds one block of each reader of the job (``index`` is None
         in a reader's own storage order).
       chunk_bytes: bytes of stored data per block and reader.
-      workers: threads (default ``default_workers``); 1 runs in this thread.
+      workers: threads (default ``default_workers``, or 1 below ``SMALL_BYTES`` of data); 1 runs in this thread.
       progress: advanced by each block's stored bytes (every reader's), started with ``labels[job]``.
       errors: exceptions that fail one job, not the call: that job's result is ``Failed`` and its
         remaining tasks are skipped. Others propagate (the first in task order), and so does a
@@ -276,7 +291,8 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
     [45.0]
     """
     if workers is None:
-        workers = default_workers(r for readers in jobs for r in readers)
+        every = [r for readers in jobs for r in readers]
+        workers = default_workers(every) if _nbytes(every) >= SMALL_BYTES or any(r.remote for r in every) else 1
     tasks = plan_tasks(jobs, chunk_bytes)
     # Helper threads read the sides of a job side by side where a reader cannot read in the background.
     sides = any(len(readers) > 1 and not all(r.reads_async for r in readers) for readers in jobs)
@@ -377,6 +393,7 @@ def read_arrays(readers: Sequence[ArrayReader], *, workers: int | None = None) -
     At most ``2 * workers`` arrays are read ahead of the one yielded.
     """
     if workers is None:
-        workers = default_workers(readers)
+        small = _nbytes(readers) < SMALL_BYTES and not any(r.remote for r in readers)
+        workers = 1 if small else default_workers(readers)
     return ordered_map(lambda r: r.read_all(), readers, workers=min(workers, max(1, len(readers))),
                        window=2 * workers)
