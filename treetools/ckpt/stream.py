@@ -147,7 +147,7 @@ def ordered_map(fn: Callable[[Any], _R], items: Iterable[Any], *, workers: int, 
 
 def own_order(reader: ArrayReader) -> bool:
     """Whether ``reader`` is fastest read in its own storage order (``storage_blocks``) rather than by a plan."""
-    return reader.sequential or getattr(reader, "storage_order", False)
+    return reader.sequential or reader.storage_order
 
 
 def job_plan(readers: Sequence[ArrayReader], chunk_bytes: int, *, contiguous: bool = False) -> list[Index]:
