@@ -218,3 +218,20 @@ def test_peak_memory_of_a_64_mb_msgpack_grows_by_blocks_not_by_the_file(tmp_path
     sides = 2 if command[0] == "diff" else 1
     assert growth < 2 * sides * workers * chunk + 8 * 2**20, f"{command[0]}: +{growth / 2**20:.1f} MiB"
     assert growth < big.stat().st_size / 4
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_truncated_file_given_by_a_relative_path_is_one_line(tmp_path, monkeypatch, capsys, command):
+    from treetools.cli import main
+
+    data = serialization.to_bytes({"params": {"w": np.ones((64, 64), np.float32)}})
+    (tmp_path / "cut.msgpack").write_bytes(data[: len(data) // 2])
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "cut.msgpack"]) == 1
+    captured = capsys.readouterr()
+    line = "cut.msgpack: corrupt or truncated Flax msgpack at byte"
+    if command == "verify":  # damage is a problem of the checkpoint, listed on stdout
+        assert f"problem: {line}" in captured.out and not captured.err
+    else:
+        err = captured.err.strip()
+        assert err.count("\n") == 0 and err.startswith(f"treetools: error: {line}")

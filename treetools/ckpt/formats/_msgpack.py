@@ -55,11 +55,19 @@ _LENGTH = {1: ">B", 2: ">H", 4: ">I"}
 
 
 class MsgpackError(CheckpointError):
-    """A file that is not well-formed Flax msgpack; ``reason`` says what was found at byte ``offset``."""
+    """A file that is not well-formed Flax msgpack; ``reason`` says what was found at byte ``offset``.
 
-    def __init__(self, where: str, offset: int, reason: str):
-        super().__init__(f"{where}: corrupt or truncated Flax msgpack at byte {offset:,} ({reason}).")
+    Constructed from its one-line message alone too (``open_source`` re-raises errors with the path as typed).
+    """
+
+    def __init__(self, message: str, *, offset: int = -1, reason: str = ""):
+        super().__init__(message)
         self.offset, self.reason = offset, reason
+
+    @classmethod
+    def at(cls, where: str, offset: int, reason: str) -> "MsgpackError":
+        return cls(f"{where}: corrupt or truncated Flax msgpack at byte {offset:,} ({reason}).", offset=offset,
+                   reason=reason)
 
 
 class _Cursor:
@@ -73,7 +81,7 @@ class _Cursor:
         return self.base + self.i
 
     def corrupt(self, what: str, at: int | None = None) -> MsgpackError:
-        return MsgpackError(self.where, self.pos() if at is None else at, what)
+        return MsgpackError.at(self.where, self.pos() if at is None else at, what)
 
     def need(self, n: int) -> int:
         """Make ``n`` bytes from here readable; their index in ``self.buf``; the position moves past them."""
