@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -260,3 +261,68 @@ def test_a_dotted_safetensors_export_pairs_with_the_slashed_msgpack_it_came_from
         r = diff_paths(str(tmp_path / "model.safetensors"), str(tmp_path / "flax_model.msgpack"), include=[pattern])
         assert r.unchanged == 1 and not r.added and not r.removed
     assert main(["diff", str(tmp_path / "model.safetensors"), str(tmp_path / "flax_model.msgpack"), "--values"]) == 0
+
+
+def _fast_path_case(case: str) -> tuple[np.ndarray, np.ndarray, float, float]:
+    import ml_dtypes
+
+    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+    n = 200_003  # several blocks of several cache-sized pieces, and a ragged end
+    b = rng.standard_normal(n).astype(np.float32)
+    atol, rtol = 1e-8, 1e-5
+    if case == "near_line":  # |a - b| within a few float32 ulps of atol + rtol * |b|: decided again in float64
+        atol, rtol = 1e-3, 1e-2
+        t = atol + rtol * np.abs(b.astype(np.float64))
+        a = (b + t * (1 + rng.uniform(-4e-7, 4e-7, n))).astype(np.float32)
+    elif case == "bf16":
+        a, b = b.astype(ml_dtypes.bfloat16), (b + 0.01).astype(ml_dtypes.bfloat16)
+    elif case == "f16_vs_f32":
+        a = (b + rng.standard_normal(n).astype(np.float32) * 1e-4).astype(np.float16)
+    elif case == "f32_vs_f64":
+        a = b.astype(np.float64) + rng.standard_normal(n) * 1e-6
+    elif case == "nonfinite":
+        a = b + np.float32(1e-6)
+        a[::1000], b[5::2000], a[7::3000], b[7::3000] = np.nan, np.inf, -np.inf, -np.inf
+    elif case == "huge":  # squares beyond float32
+        b = b * np.float32(1e30)
+        a = b * np.float32(1 + 1e-6)
+    elif case == "tiny":  # squares below float32's normal range
+        b = b * np.float32(1e-30)
+        a = b * np.float32(1 + 1e-3)
+    elif case == "zero_tolerance":
+        atol = rtol = 0.0
+        a = b.copy()
+        a[::7] = np.nextafter(a[::7], np.float32(np.inf))
+    elif case == "identical_with_nan":
+        b[::5000] = np.nan
+        a = b.copy()
+    elif case == "sparse":  # mostly zeros on both sides: no element near the line by accident
+        b[rng.random(n) < 0.9] = 0
+        a = b.copy()
+        a[::3] += np.float32(1e-3)
+    else:
+        raise AssertionError(case)
+    return a, b, atol, rtol
+
+
+@pytest.mark.parametrize("case", ["near_line", "bf16", "f16_vs_f32", "f32_vs_f64", "nonfinite", "huge", "tiny",
+                                  "zero_tolerance", "identical_with_nan", "sparse"])
+def test_fast_float_comparison_is_numpys_float64_rule(case):
+    from treetools.ckpt.readers import InMemoryReader
+    from treetools.ckpt.source import Leaf, array_row
+    from treetools.inspect.diff import value_diffs
+
+    a, b, atol, rtol = _fast_path_case(case)
+    leaf = lambda x: Leaf(array_row(("w",), x.shape, x.dtype), InMemoryReader(x))  # noqa: E731
+    (got,) = value_diffs([(leaf(a), leaf(b), "w")], atol=atol, rtol=rtol, chunk_bytes=300_000, workers=2)
+    x, y = a.astype(np.float64), b.astype(np.float64)
+    close = np.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
+    both = np.isfinite(x) & np.isfinite(y)
+    assert got.mismatched == int((~close).sum()) and got.allclose == bool(close.all()), case
+    want_max = math.inf if (np.isfinite(x) != np.isfinite(y)).any() else float(np.max(np.abs(x[both] - y[both])))
+    np.testing.assert_allclose(got.max_abs_diff, want_max, rtol=1e-6, err_msg=case)
+    diff_sq, ref_sq = float(np.sum((x[both] - y[both]) ** 2)), float(np.sum(x[np.isfinite(x)] ** 2))
+    want_rel = math.sqrt(diff_sq) / math.sqrt(ref_sq) if ref_sq else 0.0
+    np.testing.assert_allclose(got.rel_l2, want_rel, rtol=1e-6, atol=1e-300, err_msg=case)
+    assert (got.nonfinite_a, got.nonfinite_b) == (int((~np.isfinite(x)).sum()), int((~np.isfinite(y)).sum()))
+    assert got.bit_identical == (a.dtype == b.dtype and a.tobytes() == b.tobytes())

@@ -7,8 +7,9 @@ import pytest
 
 MODULES = [
     "paths", "patterns", "rules", "partitioning", "stacked", "counting", "masks", "abstract", "table", "norms", "manager", "restore",
-    "errors", "rows", "render", "ckpt.storage", "ckpt.steps", "ckpt.readers", "ckpt.source", "ckpt.mapping",
+    "errors", "rows", "render", "ckpt.storage", "ckpt.steps", "ckpt.readers", "ckpt.stream", "ckpt.source", "ckpt.mapping",
     "ckpt.formats.orbax", "ckpt.formats.safetensors", "ckpt.formats.npz", "ckpt.formats.hf_sharded", "ckpt.formats.t5x",
+    "ckpt.formats._msgpack", "ckpt.formats.msgpack",
     "inspect.options", "inspect.diff", "inspect.report", "inspect.show", "inspect.stats", "inspect.verify",
     "cli", "cli._args", "cli.options", "cli.plot",
 ]

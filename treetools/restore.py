@@ -36,6 +36,7 @@ from treetools.ckpt import storage
 from treetools.ckpt.mapping import map_item
 from treetools.ckpt.readers import UNBOUNDED
 from treetools.ckpt.source import NO_VALUE, Item, Leaf, Source, open_source, params_of_step, value_row
+from treetools.ckpt.stream import read_arrays
 from treetools.errors import CheckpointMismatchError, Mismatch
 from treetools.render import safe_text
 from treetools.rows import Row, dtype_name, format_shape
@@ -322,12 +323,19 @@ def _ops(plan: RulesPlan | None, path: str, x: Any, dtype: Any) -> tuple[str, ..
 # ---------------------------------------------------------------------------- reading
 
 
-def _host_value(leaf: Leaf) -> Any:
-    """A leaf as host data: an array read whole, a scalar as a Python number, a value as stored."""
+def _host_value(leaf: Leaf, array: Any = None) -> Any:
+    """A leaf as host data: an array read whole (or ``array``, already read), a scalar as a Python number,
+    a value as stored."""
     if leaf.reader is not None:
-        value = leaf.reader.read_all()
+        value = leaf.reader.read_all() if array is None else array
         return value.item() if leaf.row.shape is None and np.ndim(value) == 0 else value
     return None if leaf.value is NO_VALUE else leaf.value
+
+
+def _host_values(leaves: Sequence[Leaf]) -> list[Any]:
+    """``_host_value`` of every leaf; the arrays read whole by the block engine, several at once (all cores)."""
+    arrays = read_arrays([leaf.reader for leaf in leaves if leaf.reader is not None])
+    return [_host_value(leaf, next(arrays)) if leaf.reader is not None else _host_value(leaf) for leaf in leaves]
 
 
 def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any]) -> dict[str, Any]:
@@ -721,7 +729,7 @@ def load_parameters(
         if target is None:
             if rules is not None and not rules.empty:
                 found = map_item(found, rules)[0]
-            return _nest([(leaf.row, _host_value(leaf)) for leaf in found.leaves])
+            return _nest(list(zip((leaf.row for leaf in found.leaves), _host_values(found.leaves))))
         work, plan, problems = _plan_item(found.name, found, target, sharding, rules, fill_missing, allow_unused,
                                           allow_dtype_cast)
         if problems:

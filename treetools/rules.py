@@ -99,10 +99,8 @@ import functools
 import json
 import os
 import re
-import tomllib
 from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Sequence
 
-import ml_dtypes  # noqa: F401  (registers bfloat16, float8_* ... as numpy dtype names)
 import numpy as np
 
 from treetools.errors import RulesError
@@ -149,6 +147,8 @@ def resolve_dtype(dtype: Any, *, name: str = "dtype") -> np.dtype:
     >>> resolve_dtype("bfloat16").name, resolve_dtype(np.float16).name
     ('bfloat16', 'float16')
     """
+    import ml_dtypes  # noqa: F401  (registers bfloat16, float8_* ... as numpy dtype names; here, not at import: 4 ms)
+
     try:
         out = np.dtype(dtype)
     except TypeError:
@@ -360,6 +360,8 @@ class Rules:
             raise ValueError(f"rules file {path}: unknown suffix {suffix!r}; write the rules as .json or .toml.")
         with open(path, "rb") as f:
             raw = f.read()
+        import tomllib  # here, not at import: only a .toml rules file needs it
+
         try:
             data = json.loads(raw) if suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as e:

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import itertools
 import math
 import os
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -230,6 +231,9 @@ class ArrayReader:
     chunk_shape: tuple[int, ...] | None = None
     sequential: bool = False
     """True when blocks must come in C order, front to back (a compressed zip member)."""
+    storage_order: bool = False
+    """True when ``storage_blocks`` reads faster than a block plan (Fortran-ordered data): statistics and
+    verify read such a leaf in its own order, in one task."""
     c_order: bool = True
     """False when a sequential reader streams Fortran-ordered data."""
     remote: bool = False
@@ -240,6 +244,17 @@ class ArrayReader:
 
     def read(self, index: Index) -> np.ndarray:
         raise NotImplementedError
+
+    reads_async: bool = False
+    """True when the reads ``reading`` begins run in the background (TensorStore decodes on its own threads)."""
+
+    def reading(self) -> "Callable[[Index], Pending]":
+        """A function that begins reading one block (``start(index).result()`` waits for it), for a series
+        of blocks: a reader that reads asynchronously (``reads_async``) returns at once for each, so the
+        blocks of several readers can be in flight together (both sides of a diff); by default each block
+        is read when asked.
+        """
+        return lambda index: Ready(self.read(index))
 
     def blocks(self, plan: Iterable[Index]) -> Iterator[np.ndarray]:
         """The blocks of ``plan`` (index tuples of slices), in plan order."""
@@ -264,6 +279,22 @@ class ArrayReader:
         return self.blocks(plan_blocks(self.shape, max(1, max_bytes // self.dtype.itemsize), self.chunk_shape))
 
 
+class Pending(Protocol):
+    """A block being read: ``result()`` waits for it (a ``concurrent.futures.Future`` is one)."""
+
+    def result(self) -> np.ndarray: ...
+
+
+class Ready:
+    """A block already read."""
+
+    def __init__(self, block: np.ndarray):
+        self._block = block
+
+    def result(self) -> np.ndarray:
+        return self._block
+
+
 def plan_blocks(shape: Sequence[int], max_elems: int, granule: Sequence[int] | None = None) -> Iterator[Index]:
     """Index tuples that tile ``shape`` in C order, each of at most ``max_elems`` elements.
 
@@ -286,8 +317,6 @@ def plan_blocks(shape: Sequence[int], max_elems: int, granule: Sequence[int] | N
         if unit <= max_elems:
             break
     step = max(1, max_elems // unit) * g[k]
-    import itertools
-
     prefixes = itertools.product(*(range(0, shape[i], g[i]) for i in range(k)))
     rest = (slice(None),) * (nd - k - 1)
     for prefix in prefixes:
@@ -341,15 +370,32 @@ class FileReader(ArrayReader):
     process with SIGBUS. Each read opens the file through ``storage.open_fd``,
     so it must resolve inside the checkpoint it was found in. In a bucket each
     block is one ranged GET. Resident memory stays one block.
+
+    ``segments`` stores the flat data in pieces at several places of the file
+    (a Flax msgpack array over 1 GiB is saved as flat chunks): ``(file offset,
+    elements)`` pairs, in order; by default one piece of all elements at ``offset``.
     """
 
-    def __init__(self, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *, fortran: bool = False):
+    def __init__(self, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *, fortran: bool = False,
+                 segments: Sequence[tuple[int, int]] | None = None):
         self._path = path
         self._offset = int(offset)
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self._fortran = fortran
+        self.storage_order = fortran  # statistics read Fortran data in its own (transposed) order
         self.remote = storage.is_remote(path)
+        pieces = segments if segments is not None else [(self._offset, math.prod(self.shape))]
+        self._segments: list[tuple[int, int, int]] = []  # (first flat element, file offset, elements)
+        first = 0
+        for pos, count in pieces:
+            self._segments.append((first, int(pos), int(count)))
+            first += int(count)
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """Where the flat data lies: ``(file offset, elements)`` pairs, in order."""
+        return [(offset, n) for _, offset, n in self._segments]
 
     def _fill(self, view: memoryview, pos: int) -> int:
         """Read into ``view`` from byte ``pos``; the number of bytes read (short at the end of the file)."""
@@ -378,13 +424,19 @@ class FileReader(ArrayReader):
             return np.zeros(shape, self.dtype)
         out = np.empty(count, self.dtype)
         view = memoryview(out.view(np.uint8))  # not memoryview(out): ml_dtypes (bfloat16...) have no buffer format
-        pos = self._offset + start * self.dtype.itemsize
-        got = self._fill(view, pos)
-        if got < len(view):
-            raise CheckpointError(
-                f"{self._path}: the file ended at byte {pos + got:,}, before the data its header promises; "
-                "it is truncated, or changed while being read."
-            )
+        item = self.dtype.itemsize
+        for first, offset, n in self._segments:
+            lo, hi = max(start, first), min(start + count, first + n)
+            if lo >= hi:
+                continue
+            part = view[(lo - start) * item:(hi - start) * item]
+            pos = offset + (lo - first) * item
+            got = self._fill(part, pos)
+            if got < len(part):
+                raise CheckpointError(
+                    f"{self._path}: the file ended at byte {pos + got:,}, before the data its header promises; "
+                    "it is truncated, or changed while being read."
+                )
         return out.reshape(shape)
 
     def _region(self, starts: tuple[int, ...], sizes: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:

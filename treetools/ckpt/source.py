@@ -581,10 +581,11 @@ def _tree_pairs(tree: Any, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str
 
 
 def tree_leaves(tree: Any, *, where: str) -> list[Leaf]:
-    """Leaves of a tree already in memory (a Flax msgpack, an Orbax JSON item), after refusing escaping keys.
+    """Leaves of a decoded tree (a Flax msgpack, an Orbax JSON item), after refusing escaping keys.
 
-    Arrays (anything with shape and dtype) get an ``InMemoryReader``; other
-    leaves keep their value. No jax is imported.
+    An ``ArrayReader`` (an array left in its file) is an array leaf read
+    through it; other arrays (anything with shape and dtype) get an
+    ``InMemoryReader``; other leaves keep their value. No jax is imported.
 
     >>> import numpy as np
     >>> [(l.name, l.row.shape, l.value) for l in tree_leaves({"w": np.ones(2), "epoch": 3}, where="x")]
@@ -594,7 +595,9 @@ def tree_leaves(tree: Any, *, where: str) -> list[Leaf]:
     for parts, value in _tree_pairs(tree):
         for p in parts:
             check_name(p, where=where)
-        if hasattr(value, "shape") and hasattr(value, "dtype") and not np.dtype(value.dtype).hasobject:
+        if isinstance(value, ArrayReader):
+            leaves.append(Leaf(array_row(parts, value.shape, value.dtype), value))
+        elif hasattr(value, "shape") and hasattr(value, "dtype") and not np.dtype(value.dtype).hasobject:
             arr = np.asarray(value)
             leaves.append(Leaf(array_row(parts, arr.shape, arr.dtype), InMemoryReader(arr)))
         else:

@@ -24,16 +24,20 @@ CLI's exit code follows (GNU diff: 0 same, 1 different).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import threading
 from typing import Any, Sequence
 
 import numpy as np
 
 from treetools.ckpt.mapping import map_items
-from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, is_numeric, plan_blocks
+from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, is_numeric
 from treetools.ckpt.source import NO_VALUE, Leaf, Source, open_source, order_items
+from treetools.ckpt.stream import reduce_blocks
 from treetools.errors import CheckpointError
 from treetools.inspect.options import DiffOptions, resolve
+from treetools.inspect.progress import Progress
 from treetools.patterns import select_any
 from treetools.render import json_safe, jsonable
 from treetools.rows import Row, aggregate_rows, sort_rows
@@ -176,7 +180,12 @@ def _as_compared(x: np.ndarray, kind: str) -> np.ndarray:
 
 
 def _block_compare(xa: np.ndarray, xb: np.ndarray, kind: str, atol: float, rtol: float) -> tuple[int, float, float, float, int, int]:
-    """``(mismatched, max_abs, diff_sq, ref_sq, nonfinite_a, nonfinite_b)`` of one pair of blocks."""
+    """``(mismatched, max_abs, diff_sq, ref_sq, nonfinite_a, nonfinite_b)`` of one pair of blocks, exactly.
+
+    The reference rule, in float64 (complex128, exact integers); the float fast
+    path (``_fold_float``) falls back to it for pieces holding non-finite or
+    extreme values.
+    """
     if kind == "int":
         fa, fb = xa, xb
         diff = fa != fb
@@ -207,12 +216,233 @@ def _block_compare(xa: np.ndarray, xb: np.ndarray, kind: str, atol: float, rtol:
     return (mismatched, max_abs, float(np.vdot(d, d).real), float(np.vdot(ref, ref).real), nf_a, nf_b)
 
 
+# ---------------------------------------------------------------------------- the fast path of float leaves
+
+_PIECE_ELEMS = 1 << 16
+"""Elements per piece of a block (256 KiB of float32): each piece's dozen passes stay in the core's L2 cache
+(measured on 2 cores: 1 << 16 compares at 6 GB/s per core, 1 << 18 at 2.5, the whole 8 MiB block at 0.2)."""
+_ROW = 4096  # sums of squares in rows of this many float32 (accurate to ~1e-8), rows summed in float64
+_MARGIN = 1e-6  # float32 tolerance tests this far from the line are decided; nearer ones are redone in float64
+
+_local = threading.local()
+
+
+def _scratch(dtype: np.dtype) -> Any:
+    """This thread's buffers for one piece of ``dtype`` (no allocation, and no fresh pages, per piece)."""
+    key = "diff" + np.dtype(dtype).char
+    bufs = getattr(_local, key, None)
+    if bufs is None:
+        bufs = type("Scratch", (), {})()
+        bufs.a, bufs.b, bufs.d = (np.empty(_PIECE_ELEMS, dtype) for _ in range(3))
+        bufs.t, bufs.u = np.empty(_PIECE_ELEMS, dtype), np.empty(_PIECE_ELEMS, dtype)
+        bufs.hi, bufs.lo = np.empty(_PIECE_ELEMS, bool), np.empty(_PIECE_ELEMS, bool)
+        setattr(_local, key, bufs)
+    return bufs
+
+
+def _sumsq(x: np.ndarray) -> float:
+    """``sum(x * x)`` in one pass: float32 dot products over rows of ``_ROW``, summed in float64."""
+    rows = x.size // _ROW
+    total = 0.0
+    if rows:
+        head = x[:rows * _ROW].reshape(rows, _ROW)
+        total = float(np.einsum("ij,ij->i", head, head).sum(dtype=np.float64))
+    tail = x[rows * _ROW:]
+    if tail.size:
+        total += float(np.dot(tail, tail))
+    return total
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    """``x``'s bytes as unsigned integers of its item size, to compare bit patterns (NaN payloads, -0.0)."""
+    size = x.dtype.itemsize
+    return x.view(f"u{size}") if size in (1, 2, 4, 8) else x.view(np.uint8)
+
+
+@dataclasses.dataclass
+class _Compared:
+    """The running comparison of one leaf's blocks (a task's share, merged in block order)."""
+
+    mismatched: int = 0
+    max_abs: float = 0.0
+    diff_sq: float = 0.0
+    ref_sq: float = 0.0
+    nonfinite_a: int = 0
+    nonfinite_b: int = 0
+    same_bits: bool = True
+    rule: "_Rule | None" = dataclasses.field(default=None, repr=False)
+
+    def add(self, m: int, mx: float, dsq: float, rsq: float, na: int, nb: int) -> None:
+        self.mismatched += m
+        self.max_abs = max(self.max_abs, mx)
+        self.diff_sq += dsq
+        self.ref_sq += rsq
+        self.nonfinite_a += na
+        self.nonfinite_b += nb
+
+    def merge(self, other: "_Compared") -> "_Compared":
+        out = dataclasses.replace(self, same_bits=self.same_bits and other.same_bits)
+        out.add(other.mismatched, other.max_abs, other.diff_sq, other.ref_sq, other.nonfinite_a, other.nonfinite_b)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """How one pair of leaves is compared: the kind, the dtype pieces are reduced in, the tolerance."""
+
+    kind: str
+    work: np.dtype | None  # float32 or float64 for the fast float path; None: the exact reference code per piece
+    same_dtype: bool
+    atol: float
+    rtol: float
+
+    @staticmethod
+    def of(da: np.dtype, db: np.dtype, atol: float, rtol: float) -> "_Rule":
+        kinds = {_kind(da), _kind(db)}
+        kind = "complex" if "complex" in kinds else ("int" if kinds == {"int"} else "float")
+        if kind == "int" and da != db:
+            kind = "float" if max(da.itemsize, db.itemsize) < 8 else "int"
+        work = None
+        if kind == "float":
+            narrow = all(d.kind in "fV" and d.itemsize <= 4 for d in (da, db))  # float32, float16, bfloat16, float8
+            # The float32 margins assume a normal, finite tolerance; otherwise float64 decides every element.
+            plain = 1e-30 <= atol <= 1e30 and rtol <= 1e30
+            work = np.dtype(np.float32) if narrow and plain else np.dtype(np.float64)
+        return _Rule(kind, work, da == db, float(atol), float(rtol))
+
+
+def _fold(acc: _Compared, xa: np.ndarray, xb: np.ndarray) -> None:
+    """Compare one pair of blocks, a cache-sized piece at a time."""
+    rule = acc.rule
+    fa, fb = np.ravel(xa), np.ravel(xb)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow and NaN are detected from the sums, not warned
+        for s in range(0, fa.size, _PIECE_ELEMS):
+            _fold_piece(acc, fa[s:s + _PIECE_ELEMS], fb[s:s + _PIECE_ELEMS], rule)
+
+
+def _fold_piece(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule) -> None:
+    identical = False
+    if acc.same_bits:  # until one piece differs; then no more bit comparisons for this leaf
+        acc.same_bits = identical = rule.same_dtype and bool(np.array_equal(_bits(pa), _bits(pb)))
+    if rule.work is None:
+        acc.add(*_block_compare(_as_compared(pa, rule.kind), _as_compared(pb, rule.kind), rule.kind,
+                                rule.atol, rule.rtol))
+    else:
+        _fold_float(acc, pa, pb, rule, identical)
+
+
+def _fold_float(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule, identical: bool) -> None:
+    """One piece of float data in ``rule.work`` (float32 for float32 and narrower): a dozen passes in cache.
+
+    The sums of squares come first: both finite means no NaN or Inf on either
+    side and no overflow, so the non-finite bookkeeping is skipped. float32
+    tolerance tests are exact: elements within ``_MARGIN`` of the line
+    ``|a - b| = atol + rtol * |b|`` are decided again in float64, numpy's rule
+    on the float64 values. Anything unusual (non-finite values, sums that
+    overflow or underflow float32) takes the exact float64 reference code.
+    """
+    n = pa.size
+    bufs = _scratch(rule.work)
+    a = pa if pa.dtype == rule.work else _cast(pa, bufs.a[:n])
+    if identical:  # same bits: no difference; only |a|^2 and the non-finite counts
+        rsq = _sumsq(a)
+        if math.isfinite(rsq) and not (rule.work == np.float32 and 0 < rsq < n * 1e-28):
+            acc.add(0, 0.0, 0.0, rsq, 0, 0)
+            return
+        acc.add(*_block_compare(_as_compared(pa, "float"), _as_compared(pb, "float"), "float", rule.atol, rule.rtol))
+        return
+    b = pb if pb.dtype == rule.work else _cast(pb, bufs.b[:n])
+    d = bufs.d[:n]
+    np.subtract(a, b, out=d)
+    dsq, rsq = _sumsq(d), _sumsq(a)
+    if not (math.isfinite(dsq) and math.isfinite(rsq)):  # NaN/Inf on a side, or squares beyond float32
+        acc.add(*_block_compare(_as_compared(pa, "float"), _as_compared(pb, "float"), "float", rule.atol, rule.rtol))
+        return
+    np.abs(d, out=d)
+    mx = float(np.maximum.reduce(d))
+    if rule.work == np.float32 and (0 < mx < 1e-15 or 0 < rsq < n * 1e-28):  # squares lost in float32 subnormals
+        acc.add(*_block_compare(_as_compared(pa, "float"), _as_compared(pb, "float"), "float", rule.atol, rule.rtol))
+        return
+    acc.add(_mismatched(a, b, d, mx, rule, bufs), mx, dsq, rsq, 0, 0)
+
+
+def _cast(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    np.copyto(out, x, casting="unsafe")
+    return out
+
+
+def _mismatched(a: np.ndarray, b: np.ndarray, d: np.ndarray, mx: float, rule: _Rule, bufs: Any) -> int:
+    """How many of the finite elements lie outside ``|a - b| <= atol + rtol * |b|`` (``d`` holds ``|a - b|``)."""
+    n = d.size
+    u, t, hi = bufs.u[:n], bufs.t[:n], bufs.hi[:n]
+    if rule.work == np.float64:  # numpy's own float64 expression, operation for operation: exact
+        if mx <= rule.atol:
+            return 0
+        np.abs(b, out=u)
+        np.multiply(u, rule.rtol, out=t)
+        np.add(t, rule.atol, out=t)
+        np.greater(d, t, out=hi)
+        return int(np.count_nonzero(hi))
+    f32 = np.float32
+    if mx <= f32(rule.atol * (1 - _MARGIN)):
+        return 0
+    np.abs(b, out=u)
+    np.multiply(u, f32(rule.rtol * (1 + _MARGIN)), out=t)
+    np.add(t, f32(rule.atol * (1 + _MARGIN)), out=t)
+    np.greater(d, t, out=hi)
+    surely = int(np.count_nonzero(hi))  # outside even a slightly wider tolerance
+    if surely == n:
+        return n
+    lo = bufs.lo[:n]
+    np.multiply(u, f32(rule.rtol * (1 - _MARGIN)), out=t)
+    np.add(t, f32(rule.atol * (1 - _MARGIN)), out=t)
+    np.greater(d, t, out=lo)
+    maybe = int(np.count_nonzero(lo))  # outside a slightly narrower one
+    if maybe == surely:
+        return surely
+    near = np.flatnonzero(lo & ~hi)  # within the margin of the line: numpy's rule on the float64 values
+    xa, xb = a[near].astype(np.float64), b[near].astype(np.float64)
+    return surely + int(np.count_nonzero(np.abs(xa - xb) > rule.atol + rule.rtol * np.abs(xb)))
+
+
+def _result(acc: _Compared, path: str, size: int) -> ValueDiff:
+    return ValueDiff(path, acc.max_abs, _rel(acc.diff_sq, acc.ref_sq), acc.mismatched == 0, acc.mismatched, size,
+                     acc.same_bits, acc.nonfinite_a, acc.nonfinite_b, acc.diff_sq, acc.ref_sq)
+
+
+def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = 1e-8, rtol: float = 1e-5,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
+                progress: Progress | None = None) -> list[ValueDiff]:
+    """Compare many pairs of stored arrays of one shape each, on all cores: one ``ValueDiff`` per pair.
+
+    Through the block engine (``treetools.ckpt.stream.reduce_blocks``): each
+    pair is one job, both sides read with one block plan (aligned to A's
+    storage chunks unless a side streams front to back), each block of each
+    side read once and the two sides' reads in flight together; pieces of a
+    block are compared in cache (float32 math for float32 and narrower floats,
+    with exact tolerance tests). Results merge in block order, so they do not
+    depend on timing or on ``workers``.
+
+    Raises:
+      ValueError: a pair whose arrays differ in shape.
+    """
+    rules = []
+    for a, b, _ in pairs:
+        ra, rb = a.reader, b.reader
+        if ra is None or rb is None or tuple(ra.shape) != tuple(rb.shape):
+            raise ValueError(f"`value_diff` needs two array leaves of one shape; got {a.row.shape} and {b.row.shape}.")
+        rules.append(_Rule.of(ra.dtype, rb.dtype, atol, rtol))
+    parts = reduce_blocks([(a.reader, b.reader) for a, b, _ in pairs], lambda j: _Compared(rule=rules[j]),
+                          lambda acc, index, blocks: _fold(acc, blocks[0], blocks[1]),
+                          chunk_bytes=chunk_bytes, workers=workers, progress=progress,
+                          labels=[p for _, _, p in pairs])
+    return [_result(functools.reduce(_Compared.merge, p, _Compared()), path, math.prod(a.reader.shape))
+            for (a, _, path), p in zip(pairs, parts)]
+
+
 def value_diff(a: Leaf, b: Leaf, *, atol: float = 1e-8, rtol: float = 1e-5,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, path: str | None = None) -> ValueDiff:
-    """Compare two stored arrays of one shape, streaming both in the same blocks.
-
-    Both readers follow one block plan (aligned to A's storage chunks unless a
-    side can only stream front to back), so the peak memory is two blocks.
+    """Compare two stored arrays of one shape, streaming both in the same blocks (``value_diffs`` of one pair).
 
     >>> import numpy as np
     >>> from treetools.ckpt.readers import InMemoryReader
@@ -222,32 +452,7 @@ def value_diff(a: Leaf, b: Leaf, *, atol: float = 1e-8, rtol: float = 1e-5,
     >>> d = value_diff(a, b); (d.allclose, d.mismatched, d.nonfinite_b, d.max_abs_diff)
     (False, 1, 1, inf)
     """
-    ra, rb = a.reader, b.reader
-    if ra is None or rb is None or tuple(ra.shape) != tuple(rb.shape):
-        raise ValueError(f"`value_diff` needs two array leaves of one shape; got {a.row.shape} and {b.row.shape}.")
-    shape = tuple(ra.shape)
-    kinds = {_kind(ra.dtype), _kind(rb.dtype)}
-    kind = "complex" if "complex" in kinds else ("int" if kinds == {"int"} else "float")
-    if kind == "int" and ra.dtype != rb.dtype:
-        kind = "float" if max(ra.dtype.itemsize, rb.dtype.itemsize) < 8 else "int"
-    itemsize = max(ra.dtype.itemsize, rb.dtype.itemsize, 16 if kind == "complex" else 8)
-    granule = None if (ra.sequential or rb.sequential) else ra.chunk_shape
-    plan = list(plan_blocks(shape, max(1, chunk_bytes // itemsize), granule))
-    same_bits = ra.dtype == rb.dtype
-    mismatched = nf_a = nf_b = 0
-    max_abs = diff_sq = ref_sq = 0.0
-    for xa, xb in zip(ra.blocks(plan), rb.blocks(plan)):
-        if same_bits:
-            same_bits = np.ascontiguousarray(xa).tobytes() == np.ascontiguousarray(xb).tobytes()
-        m, mx, dsq, rsq, na, nb = _block_compare(_as_compared(xa, kind), _as_compared(xb, kind), kind, atol, rtol)
-        mismatched += m
-        max_abs = max(max_abs, mx)
-        diff_sq += dsq
-        ref_sq += rsq
-        nf_a += na
-        nf_b += nb
-    return ValueDiff(path or a.name, max_abs, _rel(diff_sq, ref_sq), mismatched == 0, mismatched,
-                     int(np.prod(shape)), same_bits, nf_a, nf_b, diff_sq, ref_sq)
+    return value_diffs([(a, b, path or a.name)], atol=atol, rtol=rtol, chunk_bytes=chunk_bytes, workers=1)[0]
 
 
 def _describe(source: Source, step: int | None, item: str | None) -> dict[str, Any]:
@@ -398,8 +603,13 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
         notes=notes,
     )
     if opts.values:
-        diffs = [value_diff(flat_a[p], flat_b[p], atol=opts.atol, rtol=opts.rtol, chunk_bytes=opts.block_bytes, path=p)
-                 for p in same_shape]
+        pairs = [(flat_a[p], flat_b[p], p) for p in same_shape]
+        bar = Progress(sum(leaf.row.bytes for a_leaf, b_leaf, _ in pairs for leaf in (a_leaf, b_leaf)),
+                       enabled=opts.progress)
+        try:
+            diffs = value_diffs(pairs, atol=opts.atol, rtol=opts.rtol, chunk_bytes=opts.block_bytes, progress=bar)
+        finally:
+            bar.close()
         if opts.depth is not None:
             diffs = _group_values(diffs, opts.depth)
         if opts.sort in ("params", "bytes"):

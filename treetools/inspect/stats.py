@@ -10,15 +10,15 @@ float statistics (``null`` in JSON).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import numpy as np
 
-from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, ArrayReader, plan_blocks
+from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, ArrayReader
+from treetools.ckpt.stream import reduce_blocks
 from treetools.inspect.progress import Progress
 from treetools.rows import STAT_COUNTS, STATS
 
@@ -217,39 +217,13 @@ def leaf_stats(reader: ArrayReader, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     return acc
 
 
-_GROUP_BLOCKS = 4
-"""Blocks of one leaf per task: enough to amortize opening a store, few enough to spread a big leaf."""
-
-
-def _splittable(reader: ArrayReader) -> bool:
-    """Random access through the base block plan: blocks of one leaf may be read by several threads."""
-    return not reader.sequential and type(reader).storage_blocks is ArrayReader.storage_blocks
-
-
-def _tasks(readers: Sequence[ArrayReader], chunk_bytes: int) -> list[tuple[int, Any]]:
-    """(reader number, block plan or None for the reader's own storage order), largest leaves first."""
-    order = sorted(range(len(readers)), key=lambda i: -math.prod(readers[i].shape) * readers[i].dtype.itemsize)
-    tasks: list[tuple[int, Any]] = []
-    for i in order:
-        r = readers[i]
-        if not _splittable(r):
-            tasks.append((i, None))
-            continue
-        plan = list(plan_blocks(r.shape, max(1, chunk_bytes // r.dtype.itemsize), r.chunk_shape))
-        tasks.extend((i, plan[a:a + _GROUP_BLOCKS]) for a in range(0, len(plan), _GROUP_BLOCKS))
-    return tasks
-
-
-REMOTE_WORKERS = 16
-"""Threads for ``--stats`` of a checkpoint in a bucket: round trips overlap (memory ~ 2 * 16 * chunk_bytes)."""
-
-
 def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                   progress: "Progress | None" = None, workers: int | None = None,
                   labels: Sequence[str] | None = None) -> list[StatsAccumulator]:
     """The statistics of many stored arrays, on all cores: one ``StatsAccumulator`` per reader, same order.
 
-    Threads take tasks of a few blocks each (a leaf with random access is
+    Read by the block engine (``treetools.ckpt.stream.reduce_blocks``):
+    threads take tasks of a few blocks each (a leaf with random access is
     split across threads; a sequential one, such as a compressed npz member,
     is one task); numpy's reductions and the readers' I/O release the GIL.
     Each thread holds at most its current blocks (a TensorStore reader reads
@@ -261,8 +235,8 @@ def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_
       readers: the arrays, each an ``ArrayReader``.
       chunk_bytes: the block budget (bytes of stored data per block).
       progress: advanced by each block's stored bytes (thread-safe).
-      workers: threads; default ``os.cpu_count()``, and at least ``REMOTE_WORKERS`` when a reader reads
-        from a bucket (each read waits on a round trip, not on a core). 1 runs in this thread.
+      workers: threads; default ``treetools.ckpt.stream.default_workers`` (the cores, at least
+        ``REMOTE_WORKERS`` when a reader reads from a bucket). 1 runs in this thread.
       labels: shown by ``progress`` as each leaf starts (default none).
 
     Returns:
@@ -274,39 +248,8 @@ def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_
     >>> [a.result()["mean"] for a in accs]
     [2.0, 1.0]
     """
-    if workers is None:
-        workers = os.cpu_count() or 1
-        if any(r.remote for r in readers):
-            workers = max(workers, REMOTE_WORKERS)
-    workers = max(1, int(workers))
     piece = max(1, chunk_bytes // 8)
-    tasks = _tasks(readers, chunk_bytes)
-    started: set[int] = set()
-    lock = threading.Lock()
-
-    def run(task: tuple[int, Any]) -> StatsAccumulator:
-        i, plan = task
-        reader = readers[i]
-        if progress is not None and labels is not None:
-            with lock:
-                if i not in started:
-                    started.add(i)
-                    progress.start(labels[i])
-        acc = StatsAccumulator(piece_elems=piece)
-        blocks = reader.storage_blocks(chunk_bytes) if plan is None else reader.blocks(plan)
-        for block in blocks:
-            acc.update(block)
-            if progress is not None:
-                progress.advance(block.size * reader.dtype.itemsize)
-            del block
-        return acc
-
-    if workers == 1 or len(tasks) <= 1:
-        parts = [run(t) for t in tasks]
-    else:
-        with ThreadPoolExecutor(max_workers=min(workers, len(tasks)), thread_name_prefix="treetools-stats") as pool:
-            parts = list(pool.map(run, tasks))  # pool.map keeps task order; tasks hold indices, not data
-    out = [StatsAccumulator(piece_elems=piece) for _ in readers]
-    for (i, _), part in zip(tasks, parts):
-        out[i] = out[i].merge(part)
-    return out
+    parts = reduce_blocks([(r,) for r in readers], lambda i: StatsAccumulator(piece_elems=piece),
+                          lambda acc, index, blocks: acc.update(blocks[0]), chunk_bytes=chunk_bytes,
+                          workers=workers, progress=progress, labels=labels)
+    return [functools.reduce(StatsAccumulator.merge, p, StatsAccumulator(piece_elems=piece)) for p in parts]

@@ -23,8 +23,10 @@ from typing import Any
 
 from treetools.ckpt.readers import MemoryBudgetError
 from treetools.ckpt.source import Item, Source, open_source
+from treetools.ckpt.stream import Failed, reduce_blocks
 from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.inspect.options import VerifyOptions, resolve
+from treetools.inspect.progress import Progress
 
 
 @dataclasses.dataclass
@@ -55,25 +57,33 @@ class VerifyReport:
                 "leaves": self.leaves, "bytes": self.bytes, "problems": self.problems}
 
 
-def _read_leaves(item: Item, report: VerifyReport, chunk_bytes: int) -> None:
-    for leaf in item.leaves:
-        report.leaves += 1
-        reader = leaf.reader
-        if reader is None:
+def _read_leaves(items: list[Item], report: VerifyReport, chunk_bytes: int, progress: bool | None) -> None:
+    """Decode every block of every leaf of ``items`` once, on all cores (the block engine); count what came back."""
+    todo = []
+    for item in items:
+        for leaf in item.leaves:
+            report.leaves += 1
+            if leaf.reader is not None:
+                todo.append((item, leaf))
+    bar = Progress(sum(leaf.row.bytes for _, leaf in todo), enabled=progress)
+    try:
+        counts = reduce_blocks([(leaf.reader,) for _, leaf in todo], lambda j: [0], _count, chunk_bytes=chunk_bytes,
+                               progress=bar, labels=[f"{item.name}/{leaf.name}" for item, leaf in todo],
+                               errors=(CheckpointError, OSError, ValueError))
+    finally:
+        bar.close()
+    for (item, leaf), parts in zip(todo, counts):
+        if isinstance(parts, Failed):
+            report.problems.append(f"{item.name}/{leaf.name}: stored data cannot be read ({parts.error}).")
             continue
-        want = math.prod(reader.shape)
-        got = 0
-        try:
-            for block in reader.storage_blocks(chunk_bytes):
-                got += block.size
-        except MemoryBudgetError:
-            raise  # not damage: the one-line error names the flag that raises the budget
-        except (CheckpointError, OSError, ValueError) as e:
-            report.problems.append(f"{item.name}/{leaf.name}: stored data cannot be read ({e}).")
-            continue
+        got, want = sum(p[0] for p in parts), math.prod(leaf.reader.shape)
         if got != want:
             report.problems.append(f"{item.name}/{leaf.name}: stored data holds {got:,} elements, metadata says {want:,}.")
-        report.bytes += got * reader.dtype.itemsize
+        report.bytes += got * leaf.reader.dtype.itemsize
+
+
+def _count(count: list[int], index: Any, blocks: tuple[Any, ...]) -> None:
+    count[0] += blocks[0].size
 
 
 def verify_path(path: str, options: VerifyOptions | None = None, /, **fields: Any) -> VerifyReport:
@@ -81,7 +91,8 @@ def verify_path(path: str, options: VerifyOptions | None = None, /, **fields: An
 
     The format checks its metadata (``Source.verify_metadata``: Orbax adds
     commit evidence and arrays its ``_METADATA`` does not list); then every
-    leaf's stored data is read in bounded blocks.
+    leaf's stored data is decoded in bounded blocks, each block once, on all
+    cores (``treetools.ckpt.stream.reduce_blocks``).
 
     Args:
       path: anything ``treetools inspect`` reads.
@@ -156,9 +167,8 @@ def _verify(source: Source, step: int | None, opts: VerifyOptions) -> VerifyRepo
     with source.reading(step):  # the metadata read under the source's budget; a pruned step named as such
         items, problems = source.verify_metadata(step)
     report.problems += problems
-    for item in items:
-        report.items += 1
-        _read_leaves(item, report, opts.block_bytes)
+    report.items += len(items)
+    _read_leaves(items, report, opts.block_bytes, opts.progress)
     gone = source.step_deleted(step) if report.problems else None
     if gone is not None:  # pruned while it was checked: not damage
         raise gone

@@ -33,7 +33,7 @@ import math
 import os
 import re
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -458,6 +458,13 @@ class TensorStoreReader(ArrayReader):
         finally:
             opened.close()
 
+    reads_async = True
+
+    def reading(self) -> Callable[[Index], Any]:
+        """Open the store once; each call issues one block's read and returns at once (``.result()`` waits).
+        ``close()`` on the function returned lets go of the store (and the folders pinned for it)."""
+        return _Starter(self._open())
+
     def read_all(self) -> np.ndarray:
         opened = self._open(whole=True)
         try:
@@ -479,6 +486,29 @@ class TensorStoreReader(ArrayReader):
                 yield opened.result(pending)
         finally:
             opened.close()
+
+
+class _Starter:
+    """``TensorStoreReader.reading``'s function: each call begins one block's read on the open store."""
+
+    def __init__(self, opened: _Opened):
+        self._opened = opened
+
+    def __call__(self, index: Index) -> "_Reading":
+        return _Reading(self._opened, self._opened.start(index))
+
+    def close(self) -> None:
+        self._opened.close()
+
+
+class _Reading:
+    """A TensorStore read in flight: ``result()`` waits for it (errors as one-line ``CheckpointError``s)."""
+
+    def __init__(self, opened: _Opened, pending: Any):
+        self._opened, self._pending = opened, pending
+
+    def result(self) -> np.ndarray:
+        return self._opened.result(self._pending)
 
 
 def reader_context(folder: str) -> Any:

@@ -12,8 +12,9 @@ The index and the shards are checked against each other, like sharded
 safetensors (``hf_sharded.py``): a missing shard, a name the index places in a
 shard that does not hold it, or a tensor a shard holds that the index does not
 list, is one clear error. msgpack has no index of its own, so each shard is
-parsed whole (held to the memory budget at twice its size, as a Flax msgpack
-file is). A single unsharded ``flax_model.msgpack`` is a ``msgpack`` file.
+walked once for its structure (as a Flax msgpack file is) and its arrays are
+read from their offsets. A single unsharded ``flax_model.msgpack`` is a
+``msgpack`` file.
 """
 
 from __future__ import annotations

@@ -1,41 +1,34 @@
 """Flax msgpack files (``flax.serialization.to_bytes`` of a state dict).
 
-msgpack has no index: the file is parsed whole (its arrays materialized) to
-list its leaves. Paths follow the state dict's keys.
+msgpack has no index: the file is walked once (``_msgpack.walk``),
+decoding its structure and keeping each array's offset, so arrays are read in
+blocks from the file on request, like safetensors tensors; nothing is parsed
+whole. Paths follow the state dict's keys.
 """
 
 from __future__ import annotations
 
 import os
 
-from treetools.ckpt import storage
-from treetools.errors import CheckpointError
-from treetools.ckpt.readers import check_budget
+from treetools.ckpt.formats._msgpack import walk
 from treetools.ckpt.source import FileSource, Format, Leaf, file_head, tree_leaves
+from treetools.errors import CheckpointError
 
 
 _GDA_PLACEHOLDER = "//GDAPlaceholder:"  # flax.training.checkpoints.MP_ARRAY_PH
 
 
 def read_msgpack(path: str) -> list[Leaf]:
-    """Leaves of a ``flax.serialization.to_bytes`` file (its arrays are materialized: msgpack has no index)."""
-    from flax import serialization
+    """Leaves of a ``flax.serialization.to_bytes`` file; arrays are read from their offsets on request.
 
-    try:
-        size = storage.getsize(path)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
-    # No index: the bytes and the arrays parsed from them are held at once.
-    check_budget(2 * size, where=path, what="this Flax msgpack file, parsed whole (it has no index),")
-    try:
-        with storage.open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
-    try:
-        tree = serialization.msgpack_restore(data)
-    except Exception as e:  # msgpack raises ValueError, ExtraData, FormatError, TypeError...
-        raise CheckpointError(f"{path}: corrupt or truncated Flax msgpack ({type(e).__name__}: {e}).") from None
+    >>> import numpy as np, tempfile
+    >>> from flax.serialization import to_bytes
+    >>> f = os.path.join(tempfile.mkdtemp(), "state.msgpack")
+    >>> _ = open(f, "wb").write(to_bytes({"params": {"w": np.ones((2, 3), np.float32)}, "step": 3}))
+    >>> [(leaf.name, leaf.row.shape, leaf.value) for leaf in read_msgpack(f)]
+    [('params/w', (2, 3), NO_VALUE), ('step', None, 3)]
+    """
+    tree = walk(path)
     if not isinstance(tree, dict):
         raise CheckpointError(f"{path}: not a Flax msgpack checkpoint (top level is {type(tree).__name__}, not a dict).")
     leaves = tree_leaves(tree, where=path)

@@ -32,13 +32,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from typing import Any, Sequence
 
 import numpy as np
 
 from treetools.ckpt import storage
 from treetools.errors import CheckpointError
-from treetools.ckpt.readers import check_budget, checked_shape, np_dtype, read_metadata
+from treetools.ckpt.readers import checked_shape, np_dtype, read_metadata
+from treetools.ckpt.formats._msgpack import MsgpackError, walk
 from treetools.ckpt.formats.msgpack import is_msgpack_map
 from treetools.ckpt.formats._tensorstore import (
     TensorStoreReader,
@@ -82,7 +84,6 @@ OCDBT_MANIFEST = "manifest.ocdbt"
 _PLACEHOLDER_PREFIXES = ("PLACEHOLDER://", "AGGREGATED://")  # Orbax's names for "stored in its own folder"
 _TS_DRIVERS = ("zarr",)
 _KVSTORE_DRIVERS = ("file", "gfile", "gcs")  # T5X's spec is relative whatever the store: only the path is used
-_CHUNKED = "__msgpack_chunked_array__"  # flax splits an inline array over 1 GiB into flat chunks
 
 
 # ---------------------------------------------------------------------------- the `checkpoint` msgpack
@@ -95,52 +96,27 @@ class _StoredSpec:
         self.spec = spec
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    """Flax's msgpack ext types: 1 an ndarray, 2 a complex, 3 a numpy scalar (arrays as ``(shape, dtype, bytes)``)."""
-    import msgpack
-
-    if code == 2:
-        real, imag = msgpack.unpackb(data)
-        return complex(real, imag)
-    if code not in (1, 3):
-        return msgpack.ExtType(code, data)
-    shape, name, buffer = msgpack.unpackb(data, raw=True)
-    dtype = np_dtype(name.decode("ascii"))
-    if dtype.hasobject:
-        raise ValueError(f"array of dtype {dtype} (objects cannot be stored inline)")
-    array = np.frombuffer(buffer, dtype=dtype).reshape(shape)
-    return array[()] if code == 3 else array
-
-
-def _object_hook(node: dict[Any, Any]) -> Any:
-    """Each map as it is decoded: a TensorStore spec becomes one leaf, a chunked big array one array."""
+def _spec_hook(node: dict[Any, Any]) -> Any:
+    """Each map as it is decoded: a TensorStore spec becomes one leaf."""
     if "driver" in node and "kvstore" in node:
         return _StoredSpec(node)
-    if node.get(_CHUNKED) is True:
-        shape = node["shape"]
-        chunks = node["chunks"]
-        flat = np.concatenate([chunks[str(i)] for i in range(len(chunks))])
-        return flat.reshape(tuple(shape[str(i)] for i in range(len(shape))))
     return node
 
 
 def _load_msgpack(path: str, budget: float | None = None) -> dict[str, Any]:
-    """The state dict in a ``checkpoint`` file (parsed whole: msgpack has no index), after the size budget."""
-    import msgpack
-
+    """The state dict in a ``checkpoint`` file, walked once (Flax's encoding): inline arrays stay in the file,
+    read from their offsets on request."""
     try:
-        size = storage.stat(path).st_size
+        mode = storage.stat(path).st_mode
     except OSError:
-        size = 0  # read_file names what is wrong
-    # No index: the bytes and the inline arrays parsed from them are held at once (as for a Flax msgpack file).
-    check_budget(2 * size, where=path, what="the `checkpoint` msgpack, parsed whole (it has no index),", budget=budget)
-    # The cap is the size just checked (read_file reads up to cap + 1 bytes, to notice a file still growing).
-    data = read_file(path, what="T5X `checkpoint` msgpack", max_bytes=max(size, 1))
+        mode = None
+    if mode is None or not stat.S_ISREG(mode):
+        read_file(path, what="T5X `checkpoint` msgpack")  # says what is there instead (nothing, a FIFO, a folder)
     try:
-        tree = msgpack.unpackb(data, ext_hook=_ext_hook, object_hook=_object_hook, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises ValueError, ExtraData, FormatError, StackError; the hooks ValueError, KeyError...
+        tree = walk(path, object_hook=_spec_hook, budget=budget)
+    except MsgpackError as e:
         raise CheckpointError(
-            f"{path}: corrupt or truncated `checkpoint` msgpack ({type(e).__name__}: {e}); "
+            f"{path}: corrupt or truncated `checkpoint` msgpack (at byte {e.offset:,}: {e.reason}); "
             "the save did not finish or the file was cut short: copy the step folder again."
         ) from None
     if not isinstance(tree, dict):
