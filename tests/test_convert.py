@@ -386,13 +386,17 @@ def test_sigkill_part_way_leaves_no_destination_that_reads_as_complete(tmp_path,
 # ---------------------------------------------------------------------------------------------- memory
 
 
+# VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so a child of pytest would start at pytest's peak.
 _MEMORY_CHILD = """
-import resource, sys
+import sys
 import treetools as tt
+def peak_kib():
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
 tt.convert(sys.argv[1], sys.argv[3])
-tiny = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tiny = peak_kib()
 tt.convert(sys.argv[2], sys.argv[4], verify=True)
-print(tiny, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print(tiny, peak_kib())
 """
 
 
@@ -416,6 +420,7 @@ def test_peak_memory_does_not_grow_with_the_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     tiny_kib, big_kib = map(int, proc.stdout.split())
     grown_mib = (big_kib - tiny_kib) / 1024
+    print(f"peak RSS: tiny convert {tiny_kib // 1024} MiB, 512 MiB convert + verify {big_kib // 1024} MiB")
     assert grown_mib < 96, f"converting 512 MiB grew the peak RSS by {grown_mib:.0f} MiB over a tiny conversion"
     assert (tmp_path / "out" / "model.safetensors").stat().st_size > 2**29
 
@@ -476,3 +481,82 @@ def test_writers_import_no_jax():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"
+
+
+# ---------------------------------------------------------------------------------------------- docs/convert.md
+
+
+DOC = Path(__file__).parent.parent / "docs" / "convert.md"
+
+
+def _doc_blocks() -> list[str]:
+    import re
+
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def test_docs_convert_md_examples_run(tmp_path, monkeypatch):
+    blocks = _doc_blocks()
+    assert len(blocks) == 3
+    monkeypatch.chdir(tmp_path)
+    namespace = {"workdir": str(tmp_path)}
+    for block in blocks:
+        exec(compile(block, str(DOC), "exec"), namespace)  # noqa: S102 - the documentation's own examples
+    # the shell lines of the page are the same conversion: its dry run lists the mapping, its write verifies
+    rules = str(tmp_path / "gpt2_to_pt.toml")
+    assert main(["convert", "flax_model.msgpack", "gpt2-cli/", "--rules", rules, "--dry-run"]) == 0
+    assert main(["convert", "flax_model.msgpack", "gpt2-cli/", "--rules", rules, "--verify"]) == 0
+    a = safetensors.numpy.load_file(tmp_path / "gpt2-cli" / "model.safetensors")
+    _assert_tree_equal(a, safetensors.numpy.load_file(tmp_path / "gpt2-hf" / "model.safetensors"))
+
+
+def test_gpt2_names_and_values_match_transformers_flax_to_pytorch_rule(tmp_path):
+    # transformers' load_flax_weights_in_pytorch_model (src/transformers/modeling_flax_pytorch_utils.py, v4.x):
+    # a "kernel" becomes "weight" transposed (.T), "scale"/"embedding" become "weight", names join with ".".
+    namespace = {"workdir": str(tmp_path)}
+    exec(compile(_doc_blocks()[0] + _doc_blocks()[1], str(DOC), "exec"), namespace)  # noqa: S102
+    expected = {}
+    for keys, value in flax.traverse_util.flatten_dict(namespace["flax_params"]).items():
+        if keys[-1] == "kernel":
+            keys, value = keys[:-1] + ("weight",), value.T
+        elif keys[-1] in ("scale", "embedding"):
+            keys = keys[:-1] + ("weight",)
+        expected[".".join(keys)] = np.ascontiguousarray(value)
+    got = safetensors.numpy.load_file(tmp_path / "gpt2-hf" / "model.safetensors")
+    _assert_tree_equal(got, expected)
+    # and the PyTorch GPT-2 state dict's names and shapes (GPT2LMHeadModel without the tied lm_head)
+    D, L = namespace["D"], namespace["L"]
+    per_layer = {"ln_1.weight": (D,), "ln_1.bias": (D,), "attn.c_attn.weight": (D, 3 * D), "attn.c_attn.bias": (3 * D,),
+                 "attn.c_proj.weight": (D, D), "attn.c_proj.bias": (D,), "ln_2.weight": (D,), "ln_2.bias": (D,),
+                 "mlp.c_fc.weight": (D, 4 * D), "mlp.c_fc.bias": (4 * D,), "mlp.c_proj.weight": (4 * D, D),
+                 "mlp.c_proj.bias": (D,)}
+    shapes = {"transformer.wte.weight": (50, D), "transformer.wpe.weight": (16, D), "transformer.ln_f.weight": (D,),
+              "transformer.ln_f.bias": (D,)}
+    shapes.update({f"transformer.h.{i}.{k}": s for i in range(L) for k, s in per_layer.items()})
+    assert {k: v.shape for k, v in got.items()} == shapes
+
+
+def test_gpt2_against_transformers_own_conversion(tmp_path):
+    # Only where transformers still has Flax (before v5) and PyTorch is installed; neither is a test dependency.
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "FlaxGPT2LMHeadModel"):
+        pytest.skip(f"transformers {transformers.__version__} has no Flax models (removed in v5)")
+    from transformers.modeling_flax_pytorch_utils import load_flax_weights_in_pytorch_model
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=8)
+    flax_model = transformers.FlaxGPT2LMHeadModel(config, seed=0)
+    flax_model.save_pretrained(tmp_path / "flax")  # flax_model.msgpack, as the Hub holds them
+    import re
+
+    (tmp_path / "gpt2_to_pt.toml").write_text(re.search(r'rules_toml = r"""(.*?)"""', DOC.read_text(), re.S).group(1))
+    rules = tt.Rules.from_file(tmp_path / "gpt2_to_pt.toml")
+    assert tt.convert(tmp_path / "flax" / "flax_model.msgpack", tmp_path / "pt", rules=rules, verify=True).ok
+    ours = safetensors.numpy.load_file(tmp_path / "pt" / "model.safetensors")
+    reference = load_flax_weights_in_pytorch_model(transformers.GPT2LMHeadModel(config), flax_model.params).state_dict()
+    for name, value in ours.items():
+        assert np.array_equal(value, reference[name].detach().numpy()), name
+    missing = set(reference) - set(ours)
+    assert missing <= {"lm_head.weight"} | {k for k in reference if k.endswith((".attn.bias", ".attn.masked_bias"))}
+    model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "pt")  # transformers loads the folder itself
+    assert torch.equal(model.transformer.h[1].mlp.c_fc.weight, reference["transformer.h.1.mlp.c_fc.weight"])
