@@ -581,6 +581,15 @@ def replace(src: str, dst: str) -> None:
     fsync_dir(os.path.dirname(dst) or ".")
 
 
+def fsync_file(path: str) -> None:
+    """Flush a local file's data to disk (durable before a rename makes it visible)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     """Make a rename in folder ``path`` durable (no-op where folders cannot be opened)."""
     try:

@@ -366,16 +366,23 @@ def write_safetensors(
     storage.makedirs(os.path.dirname(dst) or ".")
     tmp = _tmp_name(dst, "tmp")
     try:
+        # Files are fsynced once all are written, not one by one: the kernel writes the first back meanwhile.
         if not layout.folder:
-            _write_file(tmp, layout.files[0], meta, block_bytes, on_block, fsync)
+            _write_file(tmp, layout.files[0], meta, block_bytes, on_block, fsync=False)
+            written = [tmp]
         else:
             os.mkdir(tmp)
-            for f in layout.files:
-                _write_file(os.path.join(tmp, f.name), f, meta, block_bytes, on_block, fsync)
+            written = [os.path.join(tmp, f.name) for f in layout.files]
+            for path, f in zip(written, layout.files):
+                _write_file(path, f, meta, block_bytes, on_block, fsync=False)
             if layout.index:  # last: a folder of shards is a checkpoint only with its index
-                with storage.create(os.path.join(tmp, INDEX_NAME), fsync=fsync) as out:
+                written.append(os.path.join(tmp, INDEX_NAME))
+                with storage.create(written[-1], fsync=False) as out:
                     out.write(index_json(layout))
-            if fsync:
+        if fsync:
+            for path in written:
+                storage.fsync_file(path)
+            if layout.folder:
                 storage.fsync_dir(tmp)
         swap_in(tmp, dst)
     except BaseException:
