@@ -485,7 +485,7 @@ def upload_block(size: int | None) -> int:
     A multiple of 256 KiB (GCS's chunk granule) and at least 5 MiB (S3's smallest part).
 
     >>> upload_block(10 * 2**30) // 2**20, upload_block(2**40) // 2**20
-    (32, 117)
+    (32, 116)
     """
     need = -(-int(size or 0) // _MAX_PARTS)
     block = max(UPLOAD_BLOCK, need)
