@@ -158,11 +158,12 @@ def dtype_code(dtype: Any, *, name: str) -> str:
 
 
 def shard_groups(tensors: Sequence[Tensor], shard_size: int) -> list[list[Tensor]]:
-    """Tensors in shards, greedily in order, as ``huggingface_hub.split_state_dict_into_shards_factory`` does.
+    """Tensors in shards, greedily in order, as ``huggingface_hub.split_state_dict_into_shards_factory`` does:
+    a tensor over ``shard_size`` becomes a shard of its own at once, while the current shard goes on filling.
 
     >>> sizes = [Tensor(str(n), np.zeros(n, np.uint8)) for n in (4, 4, 9, 3)]
     >>> [[t.name for t in g] for g in shard_groups(sizes, 8)]
-    [['4', '4'], ['9'], ['3']]
+    [['9'], ['4', '4'], ['3']]
     """
     groups: list[list[Tensor]] = []
     current: list[Tensor] = []
