@@ -9,8 +9,8 @@ MODULES = [
     "paths", "patterns", "rules", "partitioning", "stacked", "counting", "masks", "abstract", "table", "norms", "manager", "restore",
     "errors", "rows", "render", "ckpt.storage", "ckpt.steps", "ckpt.readers", "ckpt.stream", "ckpt.source", "ckpt.mapping",
     "ckpt.formats.orbax", "ckpt.formats.safetensors", "ckpt.formats.npz", "ckpt.formats.hf_sharded", "ckpt.formats.t5x",
-    "ckpt.formats._msgpack", "ckpt.formats.msgpack",
-    "inspect.options", "inspect.diff", "inspect.report", "inspect.show", "inspect.stats", "inspect.verify",
+    "ckpt.formats._msgpack", "ckpt.formats.msgpack", "ckpt.writers.safetensors", "ckpt.writers.orbax",
+    "inspect.options", "inspect.diff", "inspect.report", "inspect.show", "inspect.stats", "inspect.verify", "inspect.convert",
     "cli", "cli._args", "cli.options", "cli.plot",
 ]
 

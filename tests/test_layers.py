@@ -57,6 +57,7 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/inspect.py", "_show"): "numpy",
     ("cli/diff.py", "main"): "numpy",
     ("cli/verify.py", "main"): "numpy",
+    ("cli/convert.py", "main"): "numpy",
     ("cli/options.py", "rules_from"): "numpy",
     ("cli/plot.py", "stats_report"): "numpy",
     # The reference trainer is jax, flax and optax.

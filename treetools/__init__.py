@@ -56,6 +56,7 @@ Inspect any checkpoint from the shell (no jax import for metadata):
 
     treetools inspect CKPT_DIR [--stats] [--format json]
     treetools diff CKPT_A CKPT_B --values
+    treetools convert CKPT_DIR hf_model/ --dtype bfloat16 --verify    # safetensors (Hugging Face), streamed
     treetools plot run/metrics.jsonl other/metrics.jsonl -o curves.png
 
 Every leaf is named by one path string, ``Dense_0/kernel`` (``tt.flatten``);
@@ -129,6 +130,7 @@ _EXPORTS = {  # public name -> module under treetools
     # commands over checkpoints
     "inspect_path": "inspect.report",
     "diff_paths": "inspect.diff",
+    "convert": "inspect.convert",
     # errors
     "CheckpointError": "errors",
     "CheckpointMismatchError": "errors",
@@ -169,6 +171,7 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         RulesError,
         StepDeletedError,
     )
+    from treetools.inspect.convert import convert
     from treetools.inspect.diff import diff_paths
     from treetools.inspect.report import inspect_path
     from treetools.manager import get_checkpoint_manager, save_checkpoint

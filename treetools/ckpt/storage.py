@@ -20,15 +20,22 @@ already read (``AWS_*`` variables and profiles, ``AWS_ENDPOINT_URL`` for
 MinIO or a local S3; Google default credentials, ``STORAGE_EMULATOR_HOST``
 and ``TENSORSTORE_GCS_HTTP_URL`` for a GCS emulator).
 
+Writes (``create``, ``replace``, ``remove``, ``makedirs``) serve ``treetools convert``, the one
+command that writes: a local file is written under its name and fsynced; a bucket object is
+uploaded in blocks (S3 multipart, GCS resumable), and appears only when its upload completes,
+so an upload that fails or is killed leaves no object (``Upload.abort`` cancels it).
+
 Standard library only at import time.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import logging
 import os
+import shutil
 import stat as stat_
 import threading
 import weakref
@@ -875,3 +882,154 @@ def read_range(path: str, start: int, length: int) -> bytes:
         finally:
             os.close(fd)
     return remote(path).read(path, start, start + length)
+
+
+# ---------------------------------------------------------------------------- writes
+
+
+UPLOAD_BLOCK = 32 * 2**20
+"""Bytes per uploaded part (S3 multipart part, GCS resumable chunk) unless the object's size asks for more."""
+_MAX_PARTS = 9_000  # S3 allows 10,000 parts per upload
+
+
+def upload_block(size: int | None) -> int:
+    """The part size for an object of ``size`` bytes: ``UPLOAD_BLOCK``, larger when 9,000 parts would not hold it.
+
+    A multiple of 256 KiB (GCS's chunk granule) and at least 5 MiB (S3's smallest part).
+
+    >>> upload_block(10 * 2**30) // 2**20, upload_block(2**40) // 2**20
+    (32, 116)
+    """
+    need = -(-int(size or 0) // _MAX_PARTS)
+    block = max(UPLOAD_BLOCK, need)
+    return -(-block // 2**18) * 2**18
+
+
+class Upload:
+    """One file being written: ``write`` bytes, then ``commit`` (the file exists, whole) or ``abort`` (it does not).
+
+    Local: a file opened for writing at ``path`` (the caller picks a temporary
+    name and renames it); ``commit`` flushes and fsyncs it, ``abort`` removes it.
+    In a bucket: fsspec's block upload to ``path`` itself; the object appears
+    only at ``commit`` (S3 completes the multipart upload, GCS the resumable
+    one), and ``abort`` cancels the upload, so nothing partial is ever visible.
+    Used as a context manager, an exception aborts.
+    """
+
+    def __init__(self, path: str, *, size: int | None = None, fsync: bool = True):
+        self.path = path
+        self._fsync = fsync
+        self.written = 0
+        if is_remote(path):
+            r = remote(path)
+            with translate(path):
+                self._file = r.fs.open(r._key(path), "wb", block_size=upload_block(size))
+        else:
+            self._file = builtins.open(path, "wb")
+
+    def write(self, data: Any) -> None:
+        """Append ``data`` (any bytes-like object, a contiguous ``uint8`` array included)."""
+        if is_remote(self.path):
+            with translate(self.path):
+                self._file.write(data)
+        else:
+            self._file.write(data)
+        self.written += memoryview(data).nbytes
+
+    def commit(self) -> None:
+        """Finish the file: flushed and fsynced locally, the upload completed in a bucket."""
+        if is_remote(self.path):
+            with translate(self.path):
+                self._file.close()
+            forget(self.path)
+            return
+        self._file.flush()
+        if self._fsync:
+            os.fsync(self._file.fileno())
+        self._file.close()
+
+    def abort(self) -> None:
+        """Give up: the local file is removed; the bucket upload is cancelled (no object appears)."""
+        if is_remote(self.path):
+            try:
+                self._file.discard()  # S3: abort the multipart upload; GCS: cancel the resumable session
+            except Exception:  # noqa: BLE001 - best effort: an unfinished upload is never visible anyway
+                pass
+            self._file.closed = True  # so close() (and garbage collection) can never complete it
+            return
+        self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def __enter__(self) -> "Upload":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def create(path: str, *, size: int | None = None, fsync: bool = True) -> Upload:
+    """A file opened for writing, local or in a bucket (see ``Upload``); ``size`` sizes the upload's parts."""
+    return Upload(path, size=size, fsync=fsync)
+
+
+def makedirs(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)``; nothing in a bucket (folders are key prefixes)."""
+    if not is_remote(path):
+        os.makedirs(path, exist_ok=True)
+
+
+def replace(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` (local paths, one file system), replacing a file at ``dst``; fsyncs the folder.
+
+    Raises:
+      ValueError: a URL (object stores have no rename: writers upload to the final key instead).
+    """
+    if is_remote(src) or is_remote(dst):
+        raise ValueError("storage.replace renames local paths only; object stores have no rename.")
+    os.replace(src, dst)
+    fsync_dir(os.path.dirname(dst) or ".")
+
+
+def fsync_file(path: str) -> None:
+    """Flush a local file's data to disk (durable before a rename makes it visible)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in folder ``path`` durable (no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove(path: str) -> None:
+    """Remove a file or a whole folder, local or in a bucket; nothing there is no error."""
+    if is_remote(path):
+        r = remote(path)
+        with translate(path):
+            try:
+                r.fs.rm(r._key(path), recursive=True)
+            except FileNotFoundError:
+                pass
+        forget(path)
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)

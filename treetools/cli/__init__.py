@@ -1,4 +1,4 @@
-"""``treetools`` command line: inspect, diff, train, plot.
+"""``treetools`` command line: inspect, diff, verify, convert, train, plot.
 
 A thin argparse layer over the library. Only the chosen subcommand's module
 is imported, and only when it runs, so ``treetools --help`` imports neither
@@ -32,6 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inspect": ("treetools.cli.inspect", "show what is inside a checkpoint, without loading it"),
     "diff": ("treetools.cli.diff", "compare two checkpoints (or two steps of one run)"),
     "verify": ("treetools.cli.verify", "check that a checkpoint is whole: markers, metadata, every chunk readable"),
+    "convert": ("treetools.cli.convert", "convert any checkpoint to safetensors (Hugging Face) or Orbax, streamed"),
     "train": ("treetools.cli.train", "run the reference trainer"),
     "plot": ("treetools.cli.plot", "plot metric curves from metrics.jsonl files, runs overlaid"),
 }

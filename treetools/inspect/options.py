@@ -11,7 +11,7 @@ one field here, its use in the command, and its flag.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 from treetools.ckpt.readers import chunk_bytes_from_env
 from treetools.rules import Rules
@@ -130,3 +130,34 @@ def resolve(cls: type[_O], options: _O | None, fields: dict[str, Any]) -> _O:
     if not isinstance(options, cls):
         raise TypeError(f"`options` must be a {cls.__name__}, got {type(options).__name__}.")
     return dataclasses.replace(options, **fields) if fields else options
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConvertOptions(ReadOptions):
+    """What ``convert`` writes, and how.
+
+    Attributes:
+      step: the source step (None, -1 or ``"latest"``: the latest committed one).
+      item: the source item (None: the one ``load_parameters`` reads, the params).
+      rules: a ``tt.Rules`` applied to the item's leaves (rename, drop, cast, transpose, unstack...).
+      to: ``"safetensors"`` (default) or ``"orbax"``.
+      shard_size: the most bytes per shard of a safetensors folder (``5GB``, ``500MB``, ``2GiB`` or an int).
+      metadata: extra ``__metadata__`` of every safetensors header (``format`` defaults to ``pt``).
+      verify: re-read the destination and compare it with the source after the rules, bit for bit.
+      overwrite: replace an existing destination.
+      dry_run: plan only: the mapping and the files, nothing read or written.
+      dst_step: with ``to="orbax"``, write this step of a CheckpointManager root at the destination.
+      fsync: flush written files to disk before renaming them into place.
+    """
+
+    step: int | str | None = None
+    item: str | None = None
+    rules: Any = None
+    to: str | None = None
+    shard_size: int | str = "5GB"
+    metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    verify: bool = False
+    overwrite: bool = False
+    dry_run: bool = False
+    dst_step: int | None = None
+    fsync: bool = True

@@ -1,6 +1,6 @@
 """Every command's report as text: inspect reports, diffs and verify results as a table, markdown, a tree or JSON.
 
-The reports are data (``Report``, ``DiffReport``, ``VerifyReport``); this
+The reports are data (``Report``, ``DiffReport``, ``VerifyReport``, ``ConvertReport``); this
 module only turns them into text, with ``treetools.render``'s row tables and
 ``safe_text`` for every name read from a checkpoint.
 """
@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from tabulate import tabulate
 
+from treetools.inspect.convert import ConvertReport
 from treetools.inspect.diff import DiffReport
 from treetools.inspect.report import ItemReport, Report
 from treetools.inspect.verify import VerifyReport
@@ -365,4 +366,38 @@ def render_verify(reports: Sequence[VerifyReport], fmt: str = "table", *, many: 
     for r in reports:
         lines += [f"problem: {safe_text(problem)}" for problem in r.problems]
         lines.append(safe_text(r.verdict()))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- convert
+
+
+def render_convert(report: ConvertReport, fmt: str = "table") -> str:
+    """Render a ``ConvertReport``: with ``dry_run`` the mapping (source -> name, shape, dtype, file), one
+    ``problem:`` line per difference ``verify`` found, the dropped leaves' count, then the verdict; or JSON."""
+    if fmt == "json":
+        return json.dumps(report.to_json(), indent=2)
+    if fmt != "table":
+        raise ValueError(f"`fmt` must be one of table, json; got {fmt!r}.")
+
+    def change(a: Any, b: Any) -> str:
+        return str(a) if a == b else f"{a} -> {b}"
+
+    lines = []
+    if report.dry_run:
+        table = [["source", "-> name", "shape", "dtype", "file" if report.to == "safetensors" else ""]]
+        for r in report.rows:
+            table.append([safe_text(r.source), "-> " + safe_text(r.name), change(r.source_shape, r.shape),
+                          change(r.source_dtype, r.dtype), safe_text(r.file)])
+        table += [[safe_text(p), "(dropped)", "", "", ""] for p in report.dropped]
+        widths = [max(len(row[i]) for row in table) for i in range(5)]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+        lines.append("")
+    elif report.dropped:
+        lines.append(f"dropped by the rules: {len(report.dropped)} leaves ({', '.join(safe_text(p) for p in report.dropped[:3])}"
+                     + (", ..." if len(report.dropped) > 3 else "") + ")")
+    lines += [f"problem: {safe_text(p)}" for p in report.problems]
+    lines.append(safe_text(report.verdict()))
+    if report.verify_verdict() is not None:
+        lines.append(safe_text(report.verify_verdict()))
     return "\n".join(lines)

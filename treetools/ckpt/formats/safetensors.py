@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from typing import Any
 
@@ -18,7 +19,7 @@ from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_nam
 from treetools.rows import dtype_name
 
 
-_ST_DTYPES = {
+DTYPE_NAMES = {  # safetensors dtype code -> numpy (ml_dtypes) name; the writer (ckpt/writers) inverts it
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
     "U64": "uint64", "U32": "uint32", "U16": "uint16", "U8": "uint8", "BOOL": "bool",
@@ -79,7 +80,7 @@ def read_safetensors(path: str) -> list[Leaf]:
         check_name(name, where=path)
         parts, sep = stored_path(name)
         try:
-            dtype = np_dtype(_ST_DTYPES[entry["dtype"]])
+            dtype = np_dtype(DTYPE_NAMES[entry["dtype"]])
             shape_json, offsets = entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError, AttributeError):
             raise CheckpointError(f"{where}: corrupt safetensors header entry {repr(entry)[:200]}.") from None
@@ -109,7 +110,18 @@ def _check_overlaps(path: str, header: dict[str, Any]) -> None:
             raise CheckpointError(f"{path}: corrupt safetensors header (tensors {a!r} and {b!r} share data bytes).")
 
 
+HF_SINGLE = "model.safetensors"
+"""The one file of a Hugging Face model folder that fits one shard (``save_pretrained`` writes no index then)."""
+
+
+def _file_of(path: str) -> str:
+    """The file to read: ``path``, or the ``model.safetensors`` of a Hugging Face model folder."""
+    return os.path.join(path, HF_SINGLE) if storage.isdir(path) else path
+
+
 def _claims(path: str) -> bool:
+    if storage.isdir(path):  # a sharded folder's index is asked first (safetensors-sharded, higher priority)
+        return storage.isfile(os.path.join(path, HF_SINGLE))
     head = file_head(path, 9)
     if len(head) == 9 and head[8:9] == b"{":
         try:
@@ -124,6 +136,6 @@ FORMAT = Format(
     name="safetensors",
     priority=40,
     claims=_claims,
-    open=lambda location, display: FileSource(display, "safetensors", read_safetensors(location)),
-    description="a .safetensors file",
+    open=lambda location, display: FileSource(display, "safetensors", read_safetensors(_file_of(location))),
+    description="a .safetensors file, or a Hugging Face model folder holding one model.safetensors",
 )

@@ -1,0 +1,426 @@
+"""Safetensors output: one ``.safetensors`` file, or a Hugging Face folder of shards and its index, streamed.
+
+A file is written front to back: the 8-byte header length, the JSON header
+(every size is known from metadata before any data is read), then each
+tensor's bytes in C order, one block at a time. Tensors are laid out by
+descending item size, so every tensor starts aligned to its item size (the
+header is padded with spaces to a multiple of 8, as the ``safetensors``
+library pads it) and the data has no holes, which its reader requires.
+
+A folder is what ``transformers``' ``save_pretrained`` writes
+(``huggingface_hub.split_state_dict_into_shards_factory``): tensors go to
+shards greedily in order, a new shard starting when the next tensor would
+take the current one over ``shard_size``, a tensor larger than
+``shard_size`` alone in its own shard; shards are
+``model-0000K-of-0000N.safetensors`` with ``model.safetensors.index.json``
+(``{"metadata": {"total_size": N}, "weight_map": {name: shard}}``, keys
+sorted, two-space indent); a single shard is ``model.safetensors`` and no
+index. Every header carries ``__metadata__`` with ``format`` (``pt`` unless
+given: ``transformers`` loads only pt/tf/flax/mlx).
+
+Atomic: locally, a file or folder is written under a hidden temporary name
+beside the destination (``.NAME.treetools-tmp-...``), fsynced, and renamed
+onto it at the end; an existing destination is moved aside first and removed
+after. In a bucket, where there is no rename, every object is uploaded to its
+final key and appears only when its upload completes (an interrupted upload
+leaves no object), and the index, which is what makes a folder of shards a
+checkpoint, is uploaded last. Either way an interrupted write leaves nothing
+under the destination's name that reads as a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import queue
+import re
+import struct
+import threading
+import uuid
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from treetools.ckpt import storage
+from treetools.ckpt.formats.safetensors import DTYPE_NAMES
+from treetools.ckpt.readers import np_dtype, plan_blocks
+from treetools.errors import CheckpointError
+
+CODES: dict[np.dtype, str] = {np_dtype(name): code for code, name in DTYPE_NAMES.items()}
+"""numpy dtype -> safetensors dtype code (``F32``, ``BF16``...): the reader's table, inverted."""
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DEFAULT_SHARD_SIZE = "5GB"
+
+OnBlock = Callable[[str, int], None]
+"""``on_block(tensor_name, nbytes)``: called after each block is written (a progress bar)."""
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5GB`` (decimal, as ``huggingface_hub`` reads ``max_shard_size``), ``500MiB`` (binary) or an int.
+
+    Raises:
+      ValueError: not a positive size (the message shows the forms accepted).
+
+    >>> parse_size("5GB"), parse_size("1.5MiB"), parse_size(1024)
+    (5000000000, 1572864, 1024)
+    """
+    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
+        value = int(size)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(size))
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(f"`shard_size` {size!r} is not a size; write bytes or a number with a unit "
+                             "such as 5GB, 500MB (decimal) or 2GiB (binary).")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"`shard_size` must be positive, got {size!r}.")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One tensor to write: its name in the file and a reader (``shape``, ``dtype``, ``read(index)``)."""
+
+    name: str
+    reader: Any
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.reader.dtype).newbyteorder("<") if np.dtype(self.reader.dtype).byteorder == ">" \
+            else np.dtype(self.reader.dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.reader.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardFile:
+    """One file of the output: its name (relative to a folder destination) and its tensors, in header order."""
+
+    name: str
+    tensors: tuple[Tensor, ...]
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where every tensor goes: the files (one, or the shards) and whether an index is written.
+
+    ``folder`` is False for a single ``.safetensors`` destination (the one file is the destination itself).
+    """
+
+    dst: str
+    files: tuple[ShardFile, ...]
+    folder: bool
+    index: bool
+
+    @property
+    def total_size(self) -> int:
+        return sum(f.data_bytes for f in self.files)
+
+    def file_of(self) -> dict[str, str]:
+        """tensor name -> the file holding it (the index's ``weight_map``)."""
+        return {t.name: f.name for f in self.files for t in f.tensors}
+
+
+def dtype_code(dtype: Any, *, name: str) -> str:
+    """The safetensors code of a dtype; a ``CheckpointError`` naming the tensor when safetensors has none."""
+    d = np.dtype(dtype)
+    code = CODES.get(d.newbyteorder("<") if d.byteorder == ">" else d)
+    if code is None:
+        known = ", ".join(sorted(DTYPE_NAMES.values()))
+        raise CheckpointError(f"`{name}` has dtype {d.name}, which safetensors cannot hold ({known}); "
+                              f"cast it (--cast '{re.escape(name)}$=float32') or drop it.")
+    return code
+
+
+def shard_groups(tensors: Sequence[Tensor], shard_size: int) -> list[list[Tensor]]:
+    """Tensors in shards, greedily in order, as ``huggingface_hub.split_state_dict_into_shards_factory`` does:
+    a tensor over ``shard_size`` becomes a shard of its own at once, while the current shard goes on filling.
+
+    >>> sizes = [Tensor(str(n), np.zeros(n, np.uint8)) for n in (4, 4, 9, 3)]
+    >>> [[t.name for t in g] for g in shard_groups(sizes, 8)]
+    [['9'], ['4', '4'], ['3']]
+    """
+    groups: list[list[Tensor]] = []
+    current: list[Tensor] = []
+    current_size = 0
+    for t in tensors:
+        if t.nbytes > shard_size:  # larger than a shard: alone in its own
+            groups.append([t])
+            continue
+        if current and current_size + t.nbytes > shard_size:
+            groups.append(current)
+            current, current_size = [], 0
+        current.append(t)
+        current_size += t.nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _data_order(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
+    # Largest item size first: each tensor then starts aligned to its item size, with no padding between tensors.
+    return tuple(sorted(tensors, key=lambda t: -t.dtype.itemsize))
+
+
+def plan_layout(dst: str, tensors: Sequence[Tensor], *, shard_size: int | str = DEFAULT_SHARD_SIZE) -> Layout:
+    """The files a write of ``tensors`` to ``dst`` makes; reads no data (``--dry-run`` shows it).
+
+    ``dst`` ending in ``.safetensors`` is one file; anything else a folder of
+    shards of at most ``shard_size`` bytes each (a larger tensor alone in its
+    own), ``model.safetensors`` when one shard holds everything.
+
+    Raises:
+      CheckpointError: two tensors share a name, or a dtype safetensors cannot hold.
+    """
+    seen: set[str] = set()
+    for t in tensors:
+        if t.name in seen:
+            raise CheckpointError(f"two tensors are both named `{t.name}`; rename one of them.")
+        seen.add(t.name)
+        dtype_code(t.dtype, name=t.name)
+    if dst.lower().endswith(".safetensors"):
+        return Layout(dst, (ShardFile(os.path.basename(dst), _data_order(tensors)),), folder=False, index=False)
+    groups = shard_groups(tensors, parse_size(shard_size)) or [[]]
+    if len(groups) == 1:
+        return Layout(dst, (ShardFile(SINGLE_NAME, _data_order(groups[0])),), folder=True, index=False)
+    n = len(groups)
+    files = tuple(ShardFile(f"model-{k + 1:05d}-of-{n:05d}.safetensors", _data_order(g)) for k, g in enumerate(groups))
+    return Layout(dst, files, folder=True, index=True)
+
+
+def header(tensors: Sequence[Tensor], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length and the JSON header of a file holding ``tensors`` in this order, padded to 8 bytes.
+
+    >>> h = header([Tensor("w", np.zeros((2, 3), np.float32))], {"format": "pt"})
+    >>> struct.unpack("<Q", h[:8])[0] % 8, json.loads(h[8:])["w"]
+    (0, {'dtype': 'F32', 'shape': [2, 3], 'data_offsets': [0, 24]})
+    """
+    entries: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for t in tensors:
+        entries[t.name] = {"dtype": dtype_code(t.dtype, name=t.name), "shape": list(t.shape),
+                           "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def index_json(layout: Layout) -> bytes:
+    """``model.safetensors.index.json`` as ``transformers`` writes it: sorted keys, two-space indent."""
+    index = {"metadata": {"total_size": layout.total_size}, "weight_map": layout.file_of()}
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------- reading blocks
+
+
+def blocks(tensor: Tensor, block_bytes: int) -> Iterator[np.ndarray]:
+    """The tensor's blocks in C order (whole rows along the leading axes), each at most ``block_bytes``, as
+    contiguous little-endian arrays of its dtype.
+
+    The one read path of every writer: a faster block engine replaces this function alone.
+    """
+    shape, dtype = tensor.shape, tensor.dtype
+    for index in plan_blocks(shape, max(1, block_bytes // max(1, dtype.itemsize))):
+        block = np.asarray(tensor.reader.read(index))
+        want = tuple(len(range(n)[s]) for n, s in zip(shape, index))
+        if block.shape != want:
+            raise CheckpointError(f"`{tensor.name}`: a block read as shape {block.shape}, expected {want}.")
+        if block.dtype != dtype:
+            if block.dtype.newbyteorder("=") != dtype.newbyteorder("="):
+                raise CheckpointError(f"`{tensor.name}`: a block read as {block.dtype.name}, expected {dtype.name}.")
+            block = block.astype(dtype)  # byte order only: exact
+        yield np.ascontiguousarray(block)
+
+
+_DONE = object()
+
+
+def prefetched(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
+    """``items`` produced by a background thread up to ``depth`` ahead: reading overlaps writing.
+
+    An exception in the producer is raised here, in order; stopping early stops the producer.
+    """
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((_DONE, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((_DONE, e))
+
+    thread = threading.Thread(target=produce, name="treetools-convert-read", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = q.get()
+            if item is _DONE:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                pass
+            thread.join(timeout=0.05)
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+
+def _tmp_name(dst: str, what: str) -> str:
+    head, name = os.path.split(dst)
+    return os.path.join(head, f".{name}.treetools-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _write_file(path: str, file: ShardFile, metadata: dict[str, str], block_bytes: int,
+                on_block: OnBlock | None, fsync: bool) -> None:
+    head = header(file.tensors, metadata)
+
+    def all_blocks() -> Iterator[tuple[str, np.ndarray]]:
+        for t in file.tensors:
+            for block in blocks(t, block_bytes):
+                yield t.name, block
+
+    with storage.create(path, size=len(head) + file.data_bytes, fsync=fsync) as out:
+        out.write(head)
+        for name, block in prefetched(all_blocks()):
+            data = block.reshape(-1).view(np.uint8)
+            out.write(data)
+            if on_block is not None:
+                on_block(name, data.nbytes)
+        want = len(head) + file.data_bytes
+        if out.written != want:  # the blocks did not cover the tensors: never commit such a file
+            raise CheckpointError(f"{path}: wrote {out.written:,} bytes, the header promises {want:,}.")
+
+
+def write_safetensors(
+    layout: Layout,
+    *,
+    metadata: dict[str, str] | None = None,
+    block_bytes: int = 16 * 2**20,
+    overwrite: bool = False,
+    on_block: OnBlock | None = None,
+    fsync: bool = True,
+) -> None:
+    """Write ``layout`` (``plan_layout``'s) to its destination, streamed and atomic (see the module docstring).
+
+    Args:
+      layout: the files and their tensors.
+      metadata: the header's ``__metadata__`` (string -> string); ``format`` defaults to ``pt``.
+      block_bytes: the most source data read at once per block.
+      overwrite: replace an existing destination (else it is an error).
+      on_block: called with (tensor name, bytes) after each block is written.
+      fsync: flush local files to disk before the rename (durable across a crash).
+
+    Raises:
+      CheckpointError: the destination exists (without ``overwrite``), or a read fails.
+    """
+    meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+    dst = layout.dst
+    exists = storage.exists(dst)
+    if exists and not overwrite:
+        raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it.")
+    if storage.is_remote(dst):
+        _write_remote(layout, meta, block_bytes, exists, on_block)
+        return
+    storage.makedirs(os.path.dirname(dst) or ".")
+    tmp = _tmp_name(dst, "tmp")
+    try:
+        # Files are fsynced once all are written, not one by one: the kernel writes the first back meanwhile.
+        if not layout.folder:
+            _write_file(tmp, layout.files[0], meta, block_bytes, on_block, fsync=False)
+            written = [tmp]
+        else:
+            os.mkdir(tmp)
+            written = [os.path.join(tmp, f.name) for f in layout.files]
+            for path, f in zip(written, layout.files):
+                _write_file(path, f, meta, block_bytes, on_block, fsync=False)
+            if layout.index:  # last: a folder of shards is a checkpoint only with its index
+                written.append(os.path.join(tmp, INDEX_NAME))
+                with storage.create(written[-1], fsync=False) as out:
+                    out.write(index_json(layout))
+        if fsync:
+            for path in written:
+                storage.fsync_file(path)
+            if layout.folder:
+                storage.fsync_dir(tmp)
+        swap_in(tmp, dst)
+    except BaseException:
+        storage.remove(tmp)
+        raise
+
+
+def swap_in(tmp: str, dst: str) -> None:
+    """Rename the finished ``tmp`` onto ``dst`` (local); an existing ``dst`` is moved aside first, then removed.
+
+    A file replaces a file in one rename. Otherwise ``dst`` is absent for the
+    moment between two renames, never partial.
+    """
+    if not os.path.lexists(dst) or (os.path.isfile(tmp) and os.path.isfile(dst) and not os.path.islink(dst)):
+        storage.replace(tmp, dst)
+        return
+    aside = _tmp_name(dst, "old")
+    os.rename(dst, aside)
+    try:
+        storage.replace(tmp, dst)
+    except BaseException:
+        os.rename(aside, dst)
+        raise
+    storage.remove(aside)
+
+
+def _write_remote(layout: Layout, meta: dict[str, str], block_bytes: int, exists: bool,
+                  on_block: OnBlock | None) -> None:
+    dst = layout.dst
+    if not layout.folder:  # one object: it appears, whole, when its upload completes (replacing the old one)
+        _write_file(dst, layout.files[0], meta, block_bytes, on_block, fsync=False)
+        return
+    if exists:  # old shards must never read as a checkpoint beside new ones: the old folder goes first
+        storage.remove(dst)
+    for f in layout.files:
+        _write_file(f"{dst}/{f.name}", f, meta, block_bytes, on_block, fsync=False)
+    if layout.index:
+        with storage.create(f"{dst}/{INDEX_NAME}") as out:
+            out.write(index_json(layout))
+    storage.forget(dst)

@@ -1,0 +1,411 @@
+"""``convert``: any checkpoint treetools reads to Hugging Face safetensors or to Orbax, without model code.
+
+One item of one step (the params unless ``item`` says otherwise) goes
+through ``tt.Rules`` (rename, drop/keep, cast, transpose, unstack/stack) and
+out through a writer of the checkpoint layer (``treetools.ckpt.writers``):
+
+* safetensors, streamed: each target leaf is read block by block (a rules
+  ``TargetReader`` reads exactly the source blocks a target block needs) and
+  written in C order, so memory holds a few blocks whatever the model's size;
+* Orbax, through Orbax's own writer, which saves a tree held in host memory:
+  an item over the memory budget is refused before anything is read.
+
+Names: safetensors tensor names are the target paths with ``/`` turned into
+``.`` (``params/Dense_0/kernel`` -> ``params.Dense_0.kernel``; write the names
+you want with ``rename`` rules); Orbax trees nest on ``/`` (on ``.`` for a flat
+name such as ``model.layers.0.weight``). Non-array leaves (a step counter kept
+as a plain value) are left out, each named in a note.
+
+Writes are atomic (see ``treetools.ckpt.writers``), an existing destination
+is refused without ``overwrite``, and nothing is ever written under the
+source. ``verify`` reads the destination back through treetools' own readers
+and compares every tensor, bit for bit, with the source after the rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from treetools.ckpt import storage
+from treetools.ckpt.readers import is_numeric, np_dtype, plan_blocks, resolve_budget
+from treetools.ckpt.source import Item, Leaf, Source, open_source, params_of_step
+from treetools.ckpt.writers.orbax import check_orbax, write_orbax
+from treetools.ckpt.writers.safetensors import (
+    Tensor,
+    blocks,
+    parse_size,
+    plan_layout,
+    write_safetensors,
+)
+from treetools.errors import CheckpointError
+from treetools.inspect.options import ConvertOptions, resolve
+from treetools.inspect.progress import Progress
+from treetools.rows import human
+from treetools.rules import Rules, TargetLeaf, TargetReader
+
+TARGETS = ("safetensors", "orbax")
+SCHEMA = 1
+"""Version of ``ConvertReport.to_json``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertRow:
+    """One tensor written: where it comes from (``path``, ``path[3]`` for a layer, a stack's range), its name,
+    shapes and dtypes before and after the rules, the file holding it, and what the rules do to it."""
+
+    source: str
+    name: str
+    source_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    source_dtype: str
+    dtype: str
+    file: str
+    ops: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np_dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass
+class ConvertReport:
+    """What ``convert`` did (or, with ``dry_run``, would do).
+
+    ``rows``: every tensor written; ``dropped``: source leaves the rules left
+    out; ``skipped``: ``(path, why)`` of leaves that cannot be written (not
+    arrays); ``files``: the files written, relative to ``dst`` for a folder;
+    ``problems``: what ``verify`` found (empty when it found nothing, or did
+    not run: see ``verified``).
+    """
+
+    src: str
+    dst: str
+    format: str
+    step: int | None
+    item: str
+    to: str
+    layout: str
+    rows: list[ConvertRow]
+    dropped: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    files: list[str] = dataclasses.field(default_factory=list)
+    dry_run: bool = False
+    verified: bool | None = None
+    problems: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.nbytes for r in self.rows)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def verdict(self) -> str:
+        """One line: what was written (or, in a dry run, would be), from where, how fast."""
+        where = f"{self.src} ({self.format}" + (f", step {self.step}" if self.step is not None else "") + \
+            f", item {self.item})"
+        what = f"{len(self.rows)} tensors, {human(self.total_bytes, 'B')}"
+        if self.dry_run:
+            return f"dry run: {where} -> {self.dst} ({self.to}, {self.layout}): {what}; nothing written."
+        rate = f" in {self.seconds:.2f} s ({human(self.total_bytes / self.seconds, 'B')}/s)" if self.seconds > 0 else ""
+        return f"wrote {self.dst} ({self.to}, {self.layout}): {what} from {where}{rate}."
+
+    def verify_verdict(self) -> str | None:
+        """One line: what ``verify`` found; None when it did not run."""
+        if self.verified is None:
+            return None
+        if self.ok:
+            return f"verify: ok: {len(self.rows)} tensors read back equal, bit for bit."
+        n = len(self.problems)
+        return f"verify: FAILED: {n} problem{'s' * (n != 1)}."
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA, "src": self.src, "dst": self.dst, "format": self.format, "step": self.step,
+            "item": self.item, "to": self.to, "layout": self.layout, "dry_run": self.dry_run,
+            "total_bytes": self.total_bytes, "files": self.files,
+            "tensors": [{"source": r.source, "name": r.name, "source_shape": list(r.source_shape),
+                         "shape": list(r.shape), "source_dtype": r.source_dtype, "dtype": r.dtype, "file": r.file,
+                         "ops": list(r.ops)} for r in self.rows],
+            "dropped": self.dropped, "skipped": [{"path": p, "why": w} for p, w in self.skipped],
+            "verified": self.verified, "ok": self.ok, "problems": self.problems, "seconds": self.seconds,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- planning
+
+
+def safetensors_name(path: str) -> str:
+    """A target path as a safetensors tensor name: ``/`` becomes ``.`` (the Hugging Face convention).
+
+    >>> safetensors_name("params/Dense_0/kernel"), safetensors_name("model.layers.0.weight")
+    ('params.Dense_0.kernel', 'model.layers.0.weight')
+    """
+    return path.replace("/", ".")
+
+
+def orbax_parts(path: str) -> tuple[str, ...]:
+    """A target path as the keys of a nested tree: split on ``/``, or on ``.`` for a flat name.
+
+    >>> orbax_parts("Dense_0/kernel"), orbax_parts("model.layers.0.weight")
+    (('Dense_0', 'kernel'), ('model', 'layers', '0', 'weight'))
+    """
+    return tuple(path.split("/" if "/" in path or "." not in path else "."))
+
+
+def _check_places(src: str, dst: str) -> tuple[str, str]:
+    """Absolute source and destination; the destination never inside, equal to, or holding the source."""
+    a, b = storage.location(src, name="src"), storage.location(dst, name="dst")
+    ra, rb = storage.realpath(a), storage.realpath(b)
+    if ra == rb or ra.startswith(rb.rstrip("/") + "/") or rb.startswith(ra.rstrip("/") + "/"):
+        raise CheckpointError(
+            f"{dst}: the destination is, holds, or lies inside the source {src}; nothing is ever written under "
+            "the checkpoint read. Choose a destination beside it."
+        )
+    return a, b
+
+
+def _readable(t: TargetLeaf) -> str | None:
+    """Why a target leaf cannot be written (None when it can)."""
+    if t.shape is None:
+        return "not an array"
+    if not isinstance(t.dtype, np.dtype) or not is_numeric(t.dtype):
+        return f"dtype {t.dtype} is not a numeric array dtype"
+    return None
+
+
+@dataclasses.dataclass
+class _Plan:
+    source: Source
+    step: int | None
+    item: Item
+    targets: list[TargetLeaf]
+    readers: list[TargetReader]
+    dropped: list[str]
+    skipped: list[tuple[str, str]]
+
+
+def _plan(src: str, opts: ConvertOptions) -> _Plan:
+    source = open_source(src, memory_budget=opts.memory_budget)
+    step = source.resolve(opts.step)
+    item = params_of_step(source, step, item=opts.item)
+    by_name: dict[str, Leaf] = {leaf.name: leaf for leaf in item.leaves}
+    rules = opts.rules if opts.rules is not None else Rules()
+    plan = rules.plan([(leaf.name, leaf.row.shape, leaf.row.dtype) for leaf in item.leaves])
+
+    def read_source(path: str, index: Any) -> Any:
+        return by_name[path].reader.read(index)
+
+    targets, readers, skipped = [], [], []
+    for t in plan:
+        why = _readable(t)
+        if why is None and any(by_name[p.path].reader is None for p in t.pieces):
+            why = "not an array"
+        if why is not None:
+            skipped.append((t.path, why))
+            continue
+        targets.append(t)
+        readers.append(TargetReader(t, read_source))
+    return _Plan(source, step, item, targets, readers, list(plan.dropped), skipped)
+
+
+# ---------------------------------------------------------------------------------------------- the command
+
+
+def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fields: Any) -> ConvertReport:
+    """Convert one item of one step of any checkpoint to safetensors or Orbax, streamed and atomic.
+
+    Args:
+      src: anything ``treetools inspect`` reads (every format, local, ``gs://`` or ``s3://``).
+      dst: ``*.safetensors`` (one file), a folder (Hugging Face shards with their index, or ``to="orbax"``:
+        an Orbax checkpoint), local or in a bucket (safetensors).
+      options: a ``ConvertOptions``.
+      **fields: the same fields as keywords (``step=-1, item=None, rules=None, to=None, shard_size="5GB",
+        verify=False, metadata=..., overwrite=..., dry_run=..., memory_budget=..., progress=...``).
+
+    Returns:
+      A ``ConvertReport``; with ``verify``, ``.ok`` says whether the destination reads back equal.
+
+    Raises:
+      CheckpointError: the destination exists (without ``overwrite``) or is under the source; a dtype the
+        destination cannot hold; an Orbax item over the memory budget; the errors of reading the source.
+      RulesError: the rules do not fit the checkpoint (every problem, before anything is read).
+      ValueError: an unknown ``to``, a bad ``shard_size`` or ``metadata``.
+
+    >>> import numpy as np, tempfile, os, safetensors.numpy
+    >>> d = tempfile.mkdtemp(); np.savez(os.path.join(d, "w.npz"), **{"dense/kernel": np.ones((2, 3), np.float32)})
+    >>> report = convert(os.path.join(d, "w.npz"), os.path.join(d, "w.safetensors"), verify=True)
+    >>> report.ok, list(safetensors.numpy.load_file(os.path.join(d, "w.safetensors")))
+    (True, ['dense.kernel'])
+    """
+    opts = resolve(ConvertOptions, options, fields)
+    to = opts.to or "safetensors"
+    if to not in TARGETS:
+        raise ValueError(f"`to` must be one of {', '.join(TARGETS)}; got {opts.to!r}.")
+    if to == "orbax" and str(dst).lower().endswith(".safetensors"):
+        raise ValueError(f"{dst}: a .safetensors destination is safetensors; drop --to orbax or name a folder.")
+    if opts.dst_step is not None and to != "orbax":
+        raise ValueError("`dst_step` writes a step of an Orbax manager root; it needs to='orbax'.")
+    parse_size(opts.shard_size)
+    metadata = {str(k): str(v) for k, v in dict(opts.metadata).items()}
+    src_loc, dst_loc = _check_places(src, dst)
+    exists = storage.exists(dst_loc)
+    if exists and not opts.overwrite and not opts.dry_run and opts.dst_step is None:
+        raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it.")
+    plan = _plan(src, opts)
+    report = ConvertReport(str(src), str(dst), plan.source.format, plan.step, plan.item.name, to, "", [],
+                           dropped=plan.dropped, skipped=plan.skipped, dry_run=opts.dry_run)
+    report.notes += [f"left out `{p}`: {why}" for p, why in plan.skipped]
+    if opts.dry_run and exists and opts.dst_step is None:
+        report.notes.append(f"{dst} exists: the write would need --overwrite")
+    started = time.perf_counter()
+    if to == "safetensors":
+        tensors = [Tensor(safetensors_name(t.path), r) for t, r in zip(plan.targets, plan.readers)]
+        layout = plan_layout(dst_loc, tensors, shard_size=opts.shard_size)
+        file_of = layout.file_of()
+        report.layout = "folder" if layout.folder else "file"
+        report.files = [f.name for f in layout.files] + (["model.safetensors.index.json"] if layout.index else [])
+        report.rows = _rows(plan.targets, [t.name for t in tensors], [file_of[t.name] for t in tensors])
+        if not opts.dry_run:
+            with _progress(report, opts) as on_block:
+                write_safetensors(layout, metadata=metadata, block_bytes=opts.block_bytes,
+                                  overwrite=opts.overwrite, on_block=on_block, fsync=opts.fsync)
+    else:
+        parts = [orbax_parts(t.path) for t in plan.targets]
+        report.layout = "step" if opts.dst_step is not None else "checkpoint"
+        report.rows = _rows(plan.targets, ["/".join(p) for p in parts], [""] * len(parts))
+        check_orbax(list(zip(parts, plan.readers)))
+        budget = resolve_budget(opts.memory_budget)
+        if report.total_bytes > budget:
+            raise CheckpointError(
+                f"{src}: --to orbax holds the whole item in memory ({human(report.total_bytes, 'B')}), over the "
+                f"memory budget of {human(budget, 'B')}; raise --memory-budget-mb if the machine has the memory, "
+                "or convert to safetensors, which streams."
+            )
+        if not opts.dry_run:
+            with _progress(report, opts) as on_block:
+                write_orbax(dst_loc, list(zip(parts, plan.readers)), step=opts.dst_step,
+                            item=plan.item.name if opts.item is not None else "params", overwrite=opts.overwrite,
+                            read_leaf=lambda reader: _read_whole(reader, opts.block_bytes, on_block))
+    if opts.dry_run:
+        return report
+    report.seconds = time.perf_counter() - started
+    if opts.verify:
+        started = time.perf_counter()
+        report.problems = verify_written(dst_loc, report, plan, opts)
+        report.verified = True
+        report.verify_seconds = time.perf_counter() - started
+    return report
+
+
+def _rows(targets: Sequence[TargetLeaf], names: Sequence[str], files: Sequence[str]) -> list[ConvertRow]:
+    out = []
+    for t, name, file in zip(targets, names, files):
+        r = t.row()
+        out.append(ConvertRow(r.source, name, tuple(r.source_shape or ()), tuple(t.shape or ()),
+                              str(r.source_dtype), str(r.dtype), file, r.ops))
+    return out
+
+
+class _progress:
+    """A progress bar over the bytes written, advanced per block (drawn when stderr is a terminal)."""
+
+    def __init__(self, report: ConvertReport, opts: ConvertOptions):
+        self.bar = Progress(report.total_bytes, enabled=opts.progress)
+        self.name = ""
+
+    def __enter__(self) -> Any:
+        def on_block(name: str, nbytes: int) -> None:
+            if name != self.name:
+                self.name = name
+                self.bar.start(name)
+            self.bar.advance(nbytes)
+
+        return on_block
+
+    def __exit__(self, *exc: Any) -> None:
+        self.bar.close()
+
+
+def _read_whole(reader: Any, block_bytes: int, on_block: Any) -> np.ndarray:
+    """One leaf read whole, block by block (the writers' one read path), into its own array."""
+    tensor = Tensor("", reader)
+    out = np.empty(tensor.shape, tensor.dtype)
+    flat = out.reshape(-1)
+    pos = 0
+    for block in blocks(tensor, block_bytes):
+        flat[pos:pos + block.size] = block.reshape(-1)
+        pos += block.size
+        on_block(reader.leaf.path, block.nbytes)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- verify
+
+
+def verify_written(dst: str, report: ConvertReport, plan: _Plan, opts: ConvertOptions) -> list[str]:
+    """Read ``dst`` back through treetools' readers and compare every tensor with the source after the rules.
+
+    Bit for bit: the source's bytes, or for a cast leaf the bytes of the same
+    cast; NaNs compare by their bits. Returns every problem, one sentence each.
+    """
+    problems: list[str] = []
+    written = open_source(dst, memory_budget=opts.memory_budget)
+    if report.to == "orbax" and opts.dst_step is not None:
+        snap = written.snapshot(opts.dst_step)
+    else:
+        snap = written.snapshot()
+    leaves = {leaf.name: leaf for item in snap.items.values() for leaf in item.leaves}
+    expected = {row.name: reader for row, reader in zip(report.rows, plan.readers)}
+    for name in sorted(set(leaves) - set(expected)):
+        problems.append(f"`{name}`: in {report.dst} but not among the tensors converted.")
+    bar = Progress(report.total_bytes, enabled=opts.progress)
+    try:
+        for name, reader in expected.items():
+            leaf = leaves.get(name)
+            if leaf is None or leaf.reader is None:
+                problems.append(f"`{name}`: missing from {report.dst}.")
+                continue
+            got = leaf.reader
+            if tuple(got.shape) != tuple(reader.shape) or np.dtype(got.dtype) != np.dtype(reader.dtype):
+                problems.append(f"`{name}`: {report.dst} holds {np.dtype(got.dtype).name}{list(got.shape)}, "
+                                f"expected {np.dtype(reader.dtype).name}{list(reader.shape)}.")
+                continue
+            bar.start(name)
+            problem = _compare(name, got, reader, opts.block_bytes, bar)
+            if problem:
+                problems.append(problem)
+    finally:
+        bar.close()
+    return problems
+
+
+def _compare(name: str, got: Any, want: Any, block_bytes: int, bar: Progress) -> str | None:
+    shape, dtype = tuple(want.shape), np.dtype(want.dtype)
+    differ = 0
+    first = None
+    for index in plan_blocks(shape, max(1, block_bytes // max(1, dtype.itemsize))):
+        a = np.ascontiguousarray(got.read(index)).reshape(-1).view(np.uint8).reshape(-1, dtype.itemsize)
+        b = np.ascontiguousarray(want.read(index)).astype(dtype, copy=False)
+        b = np.ascontiguousarray(b).reshape(-1).view(np.uint8).reshape(-1, dtype.itemsize)
+        bad = np.any(a != b, axis=1)
+        n = int(np.count_nonzero(bad))
+        if n and first is None:
+            start = int(np.ravel_multi_index(tuple(s.indices(d)[0] for s, d in zip(index, shape)), shape)) \
+                if shape else 0
+            first = np.unravel_index(start + int(np.argmax(bad)), shape) if shape else ()
+        differ += n
+        bar.advance(a.size)
+    if differ:
+        at = tuple(int(i) for i in first) if first is not None else ()
+        return f"`{name}`: {differ:,} of {math.prod(shape):,} elements differ from the source (first at {at})."
+    return None
