@@ -25,10 +25,6 @@ from treetools.cli import main
 from treetools.paths import unflatten_dict
 
 
-NEEDS_CONVERT = pytest.mark.xfail(reason="needs convert (issue 30)", strict=False)
-"""On the checks of ``treetools convert``, which another branch is building: they pass once it lands."""
-
-
 def run_fresh(*argv: Any, blocked: Iterable[str] = (), forbid: Iterable[str] = ()) -> subprocess.CompletedProcess:
     """``treetools ARGV`` in a fresh Python: the modules in ``blocked`` cannot be imported, and the run fails
     (exit 99) if a module in ``forbid`` (``jax``) was imported by the end."""
@@ -175,7 +171,7 @@ def check_diff_names_the_changed_leaf(a: Any, b: Any, changed: str, delta: float
 
 def check_single_file(path: Any, truth: dict[str, np.ndarray], out_dir: Any, fmt: str) -> None:
     """A one-checkpoint file of format ``fmt`` (no steps, one item ``default``) through every command but
-    ``convert`` (``check_convert``, its own test while ``convert`` is being built)."""
+    ``convert`` (``check_convert``)."""
     report = check_inspect(path, truth)
     assert report["format"] == fmt and report["steps"] is None
     assert list(report["checkpoints"][0]["items"]) == ["default"]

@@ -274,13 +274,13 @@ def test_dry_run_prints_the_mapping_and_writes_nothing(tmp_path, capsys):
 
 def test_verify_finds_a_difference_and_the_cli_exits_1(tmp_path, capsys, monkeypatch):
     np.savez(tmp_path / "w.npz", a=np.arange(10, dtype=np.float32), b=np.ones(3, np.float32))
-    real = st_writer.blocks
+    real = st_writer.tensor_blocks
 
-    def damaged(tensor, block_bytes):
-        for block in real(tensor, block_bytes):
-            yield block + 1 if tensor.name == "a" else block
+    def damaged(tensors, block_bytes):
+        for tensor, block in real(tensors, block_bytes):
+            yield tensor, (block + 1 if tensor.name == "a" else block)
 
-    monkeypatch.setattr(st_writer, "blocks", damaged)
+    monkeypatch.setattr(st_writer, "tensor_blocks", damaged)
     code = main(["convert", str(tmp_path / "w.npz"), str(tmp_path / "o.safetensors"), "--verify"])
     out = capsys.readouterr().out
     assert code == 1
@@ -335,12 +335,12 @@ _SLOW_CHILD = """
 import sys, time
 import treetools as tt
 from treetools.ckpt.writers import safetensors as w
-real = w.blocks
-def slow(tensor, block_bytes):
-    for block in real(tensor, block_bytes):
+real = w.tensor_blocks
+def slow(tensors, block_bytes):
+    for tensor, block in real(tensors, block_bytes):
         time.sleep(0.02)
-        yield block
-w.blocks = slow
+        yield tensor, block
+w.tensor_blocks = slow
 print("started", flush=True)
 tt.convert(sys.argv[1], sys.argv[2], chunk_bytes=1 << 16, overwrite=len(sys.argv) > 3)
 print("finished", flush=True)
@@ -457,15 +457,15 @@ def test_a_failed_bucket_upload_leaves_no_object(tmp_path, remote_store, monkeyp
 
     monkeypatch.setattr(storage, "UPLOAD_BLOCK", 5 * 2**20)  # S3's smallest part: a multipart upload starts
     np.savez(tmp_path / "w.npz", a=rng.standard_normal(2**22, dtype=np.float32), b=np.ones(3, np.float32))
-    real = st_writer.blocks
+    real = st_writer.tensor_blocks
 
-    def failing(tensor, block_bytes):
-        for i, block in enumerate(real(tensor, block_bytes)):
+    def failing(tensors, block_bytes):
+        for i, (tensor, block) in enumerate(real(tensors, block_bytes)):
             if i == 2:
                 raise OSError("disk gone")
-            yield block
+            yield tensor, block
 
-    monkeypatch.setattr(st_writer, "blocks", failing)
+    monkeypatch.setattr(st_writer, "tensor_blocks", failing)
     for dst in (remote_store.url("x.safetensors"), remote_store.url("hf")):
         with pytest.raises(OSError, match="disk gone"):
             tt.convert(tmp_path / "w.npz", dst, chunk_bytes=4 * 2**20)

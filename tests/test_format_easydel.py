@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf,
+from tests._every_command import (check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_refused, check_restore, check_show,
                                   check_stats, check_verify, inspect_json, run_fresh)
 from tests._writers.easydel import save_pretrained, save_run
@@ -94,7 +94,6 @@ def test_save_pretrained_folder_every_command(pretrained, tmp_path):
     check_restore(folder, truth, item="model")
 
 
-@NEEDS_CONVERT
 def test_save_pretrained_folder_convert(pretrained, tmp_path):
     folder, truth = pretrained
     check_convert(folder, truth, tmp_path, item="model")
@@ -159,7 +158,6 @@ def test_trainer_run_restore_with_rules(trainer_dir):
     check_restore(folder, truth[10]["model"], item="model", rules=rules, expect=renamed)
 
 
-@NEEDS_CONVERT
 def test_trainer_run_convert(trainer_dir, tmp_path):
     folder, truth = trainer_dir
     check_convert(folder, truth[10]["model"], tmp_path, item="model")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf, check_refused,
+from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_refused,
                                   check_single_file, run, run_fresh)
 
 eqx = pytest.importorskip("equinox")
@@ -59,7 +59,6 @@ def test_leaves_by_index_with_shape_dtype_stats_and_values(saved, tmp_path):
     check_single_file(path, truth, tmp_path, "equinox")
 
 
-@NEEDS_CONVERT
 def test_convert(saved, tmp_path):
     path, model, truth = saved
     check_convert(path, truth, tmp_path)

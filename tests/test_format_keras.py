@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 
-from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf, check_restore,
+from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_restore,
                                   check_single_file, run_fresh)
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -92,7 +92,6 @@ def test_keras_zip_every_command(keras_file, tmp_path):
     check_single_file(path, truth, tmp_path, "keras")
 
 
-@NEEDS_CONVERT
 @pytest.mark.parametrize("which", ["weights_h5", "keras_file"])
 def test_convert(which, request, tmp_path):
     path, model, truth = request.getfixturevalue(which)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf,
+from tests._every_command import (check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_refused, check_restore, check_show,
                                   check_stats, check_verify, inspect_json, run, run_fresh)
 from tests._writers.levanter import save_levanter, trainer_state
@@ -150,7 +150,6 @@ def test_restore_with_rules(run_dir):
     check_restore(base, truth[20]["model"], item="model", rules=rules, expect=renamed)
 
 
-@NEEDS_CONVERT
 def test_convert(run_dir, tmp_path):
     base, truth = run_dir
     check_convert(base, truth[20]["model"], tmp_path, item="model")

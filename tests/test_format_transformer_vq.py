@@ -25,7 +25,7 @@ from flax import serialization
 from flax.training import checkpoints
 
 import treetools as tt
-from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf,
+from tests._every_command import (check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_restore, check_show, check_stats,
                                   check_verify, inspect_json, run, run_fresh)
 from tests.test_format_flax_legacy import _orbax_backend
@@ -181,7 +181,6 @@ def test_restore_checkpoint_per_series(run_dir):
     assert float(restored["total_tokens"]) == float(truth[EVAL][4]["total_tokens"])
 
 
-@NEEDS_CONVERT
 def test_convert_each_series(run_dir, tmp_path):
     folder, truth, _ = run_dir
     check_convert(folder, _params(truth["checkpoint_"][6]), tmp_path)

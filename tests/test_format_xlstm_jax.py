@@ -26,7 +26,7 @@ import pytest
 import tensorstore as ts
 
 import treetools as tt
-from tests._every_command import (NEEDS_CONVERT, check_convert, check_diff_names_the_changed_leaf,
+from tests._every_command import (check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_restore, check_show, check_stats,
                                   check_verify, inspect_json, leaves_of, run)
 
@@ -139,7 +139,6 @@ def test_params_and_opt_state_every_command(run_dir, tmp_path):
     check_show(root, truth[200]["params"], item="params")
 
 
-@NEEDS_CONVERT
 def test_convert_the_params(run_dir, tmp_path):
     root, truth = run_dir
     check_convert(root, truth[200]["params"], tmp_path, item="params")

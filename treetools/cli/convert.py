@@ -37,9 +37,18 @@ differences; 2 usage.
 from __future__ import annotations
 
 import argparse
-import sys
 
-from treetools.cli.options import add_item, add_output_format, add_reading, add_rules, add_step, options_from, rules_from
+from treetools.cli import _output
+from treetools.cli.options import (
+    add_item,
+    add_output_format,
+    add_prefix,
+    add_reading,
+    add_rules,
+    add_step,
+    options_from,
+    rules_from,
+)
 
 
 def _metadata(text: str) -> tuple[str, str]:
@@ -53,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="SRC", help="the checkpoint to read (any format treetools reads)")
     parser.add_argument("dst", metavar="DST", help="a .safetensors file, or a folder (Hugging Face shards, or Orbax)")
     add_step(parser, allow_all=False)
+    add_prefix(parser)
     add_item(parser)
     add_rules(parser)
     parser.add_argument("--to", choices=("safetensors", "orbax"), default=None,
@@ -82,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
     from treetools.inspect.text import render_convert
 
     def usage(message: str) -> int:
-        print(f"treetools convert: error: {message}", file=sys.stderr)
+        _output.error(message, prog="treetools convert")
         return 2
 
     if args.step is not None and args.step != "latest" and args.step < 0 and args.step != -1:
@@ -105,7 +115,7 @@ def main(args: argparse.Namespace) -> int:
     options = options_from(args, ConvertOptions, rules=rules, metadata=dict(args.metadata))
     report = convert(args.src, args.dst, options)
     for note in report.notes:
-        print(f"treetools: note: {note}", file=sys.stderr)
-    print(render_convert(report, args.format))
+        _output.note(note)
+    _output.out(render_convert(report, args.format))
     return 0 if report.ok else 1
 

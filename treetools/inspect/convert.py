@@ -4,9 +4,11 @@ One item of one step (the params unless ``item`` says otherwise) goes
 through ``tt.Rules`` (rename, drop/keep, cast, transpose, unstack/stack) and
 out through a writer of the checkpoint layer (``treetools.ckpt.writers``):
 
-* safetensors, streamed: each target leaf is read block by block (a rules
-  ``TargetReader`` reads exactly the source blocks a target block needs) and
-  written in C order, so memory holds a few blocks whatever the model's size;
+* safetensors, streamed: each target leaf is read block by block through the
+  block engine (``treetools.ckpt.stream``), a leaf the rules transform through
+  ``treetools.ckpt.mapping.RuledReader`` (exactly the source blocks a target
+  block needs, as ``restore_checkpoint`` with rules reads them), and written in
+  C order, so memory holds a few blocks whatever the model's size;
 * Orbax, through Orbax's own writer, which saves a tree held in host memory:
   an item over the memory budget is refused before anything is read.
 
@@ -32,7 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from treetools.ckpt import storage
-from treetools.ckpt.readers import is_numeric, np_dtype, plan_blocks, resolve_budget
+from treetools.ckpt.readers import ArrayReader, is_numeric, np_dtype, plan_blocks, resolve_budget
+from treetools.ckpt.mapping import RuledReader
 from treetools.ckpt.source import Item, Leaf, Source, open_source, params_of_step
 from treetools.ckpt.writers.orbax import check_orbax, write_orbax
 from treetools.ckpt.writers.safetensors import (
@@ -46,7 +49,7 @@ from treetools.errors import CheckpointError
 from treetools.inspect.options import ConvertOptions, resolve
 from treetools.inspect.progress import Progress
 from treetools.rows import human
-from treetools.rules import Rules, TargetLeaf, TargetReader
+from treetools.rules import Rules, TargetLeaf
 
 TARGETS = ("safetensors", "orbax")
 SCHEMA = 1
@@ -189,21 +192,20 @@ class _Plan:
     step: int | None
     item: Item
     targets: list[TargetLeaf]
-    readers: list[TargetReader]
+    readers: list[ArrayReader]
     dropped: list[str]
     skipped: list[tuple[str, str]]
 
 
 def _plan(src: str, opts: ConvertOptions) -> _Plan:
-    source = open_source(src, memory_budget=opts.memory_budget)
+    source = open_source(src, memory_budget=opts.memory_budget, prefix=opts.prefix)
     step = source.resolve(opts.step)
     item = params_of_step(source, step, item=opts.item)
     by_name: dict[str, Leaf] = {leaf.name: leaf for leaf in item.leaves}
     rules = opts.rules if opts.rules is not None else Rules()
     plan = rules.plan([(leaf.name, leaf.row.shape, leaf.row.dtype) for leaf in item.leaves])
 
-    def read_source(path: str, index: Any) -> Any:
-        return by_name[path].reader.read(index)
+    sources = {name: leaf.reader for name, leaf in by_name.items() if leaf.reader is not None}
 
     targets, readers, skipped = [], [], []
     for t in plan:
@@ -214,7 +216,7 @@ def _plan(src: str, opts: ConvertOptions) -> _Plan:
             skipped.append((t.path, why))
             continue
         targets.append(t)
-        readers.append(TargetReader(t, read_source))
+        readers.append(sources[t.source] if t.identity else RuledReader(t, sources))  # as map_item reads it
     return _Plan(source, step, item, targets, readers, list(plan.dropped), skipped)
 
 
@@ -284,6 +286,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
         report.layout = "step" if opts.dst_step is not None else "checkpoint"
         report.rows = _rows(plan.targets, ["/".join(p) for p in parts], [""] * len(parts))
         check_orbax(list(zip(parts, plan.readers)))
+        names = {id(r): "/".join(p) for p, r in zip(parts, plan.readers)}  # the progress bar's labels
         budget = resolve_budget(opts.memory_budget)
         if report.total_bytes > budget:
             raise CheckpointError(
@@ -295,7 +298,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
             with _progress(report, opts) as on_block:
                 write_orbax(dst_loc, list(zip(parts, plan.readers)), step=opts.dst_step,
                             item=plan.item.name if opts.item is not None else "params", overwrite=opts.overwrite,
-                            read_leaf=lambda reader: _read_whole(reader, opts.block_bytes, on_block))
+                            read_leaf=lambda reader: _read_whole(reader, opts.block_bytes, on_block, names[id(reader)]))
     if opts.dry_run:
         return report
     report.seconds = time.perf_counter() - started
@@ -336,7 +339,7 @@ class _progress:
         self.bar.close()
 
 
-def _read_whole(reader: Any, block_bytes: int, on_block: Any) -> np.ndarray:
+def _read_whole(reader: Any, block_bytes: int, on_block: Any, name: str) -> np.ndarray:
     """One leaf read whole, block by block (the writers' one read path), into its own array."""
     tensor = Tensor("", reader)
     out = np.empty(tensor.shape, tensor.dtype)
@@ -345,7 +348,7 @@ def _read_whole(reader: Any, block_bytes: int, on_block: Any) -> np.ndarray:
     for block in blocks(tensor, block_bytes):
         flat[pos:pos + block.size] = block.reshape(-1)
         pos += block.size
-        on_block(reader.leaf.path, block.nbytes)
+        on_block(name, block.nbytes)
     return out
 
 

@@ -138,6 +138,7 @@ class ConvertOptions(ReadOptions):
 
     Attributes:
       step: the source step (None, -1 or ``"latest"``: the latest committed one).
+      prefix: the series of steps to read in a folder holding several (``checkpoint_``, the default).
       item: the source item (None: the one ``load_parameters`` reads, the params).
       rules: a ``tt.Rules`` applied to the item's leaves (rename, drop, cast, transpose, unstack...).
       to: ``"safetensors"`` (default) or ``"orbax"``.
@@ -151,6 +152,7 @@ class ConvertOptions(ReadOptions):
     """
 
     step: int | str | None = None
+    prefix: str | None = None
     item: str | None = None
     rules: Any = None
     to: str | None = None

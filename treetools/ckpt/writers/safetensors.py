@@ -34,10 +34,8 @@ import dataclasses
 import json
 import math
 import os
-import queue
 import re
 import struct
-import threading
 import uuid
 from typing import Any, Callable, Iterator, Sequence
 
@@ -45,7 +43,8 @@ import numpy as np
 
 from treetools.ckpt import storage
 from treetools.ckpt.formats.safetensors import DTYPE_NAMES
-from treetools.ckpt.readers import np_dtype, plan_blocks
+from treetools.ckpt.readers import ArrayReader, InMemoryReader, np_dtype
+from treetools.ckpt.stream import stream_blocks
 from treetools.errors import CheckpointError
 
 CODES: dict[np.dtype, str] = {np_dtype(name): code for code, name in DTYPE_NAMES.items()}
@@ -240,69 +239,33 @@ def index_json(layout: Layout) -> bytes:
 # ---------------------------------------------------------------------------------------------- reading blocks
 
 
-def blocks(tensor: Tensor, block_bytes: int) -> Iterator[np.ndarray]:
-    """The tensor's blocks in C order (whole rows along the leading axes), each at most ``block_bytes``, as
-    contiguous little-endian arrays of its dtype.
+def tensor_blocks(tensors: Sequence[Tensor], block_bytes: int) -> Iterator[tuple[Tensor, np.ndarray]]:
+    """Every tensor's blocks, tensors in order and each in C order (whole rows along the leading axes), each
+    at most ``block_bytes``, as contiguous little-endian arrays of its dtype.
 
-    The one read path of every writer: a faster block engine replaces this function alone.
+    The one read path of every writer: the block engine (``treetools.ckpt.stream.stream_blocks``) reads
+    ahead on every core, a bounded window of blocks, while the caller writes.
     """
-    shape, dtype = tensor.shape, tensor.dtype
-    for index in plan_blocks(shape, max(1, block_bytes // max(1, dtype.itemsize))):
-        block = np.asarray(tensor.reader.read(index))
-        want = tuple(len(range(n)[s]) for n, s in zip(shape, index))
+    readers = [t.reader if isinstance(t.reader, ArrayReader) else InMemoryReader(np.asarray(t.reader))
+               for t in tensors]
+    for i, index, block in stream_blocks(readers, chunk_bytes=max(1, block_bytes), contiguous=True):
+        tensor = tensors[i]
+        block = np.asarray(block)
+        want = tuple(len(range(n)[s]) for n, s in zip(tensor.shape, index))
         if block.shape != want:
             raise CheckpointError(f"`{tensor.name}`: a block read as shape {block.shape}, expected {want}.")
-        if block.dtype != dtype:
-            if block.dtype.newbyteorder("=") != dtype.newbyteorder("="):
-                raise CheckpointError(f"`{tensor.name}`: a block read as {block.dtype.name}, expected {dtype.name}.")
-            block = block.astype(dtype)  # byte order only: exact
-        yield np.ascontiguousarray(block)
+        if block.dtype != tensor.dtype:
+            if block.dtype.newbyteorder("=") != tensor.dtype.newbyteorder("="):
+                raise CheckpointError(f"`{tensor.name}`: a block read as {block.dtype.name}, expected "
+                                      f"{tensor.dtype.name}.")
+            block = block.astype(tensor.dtype)  # byte order only: exact
+        yield tensor, np.ascontiguousarray(block)
 
 
-_DONE = object()
-
-
-def prefetched(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
-    """``items`` produced by a background thread up to ``depth`` ahead: reading overlaps writing.
-
-    An exception in the producer is raised here, in order; stopping early stops the producer.
-    """
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in items:
-                while not stop.is_set():
-                    try:
-                        q.put((item, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            q.put((_DONE, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            q.put((_DONE, e))
-
-    thread = threading.Thread(target=produce, name="treetools-convert-read", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item, error = q.get()
-            if item is _DONE:
-                if error is not None:
-                    raise error
-                return
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                pass
-            thread.join(timeout=0.05)
+def blocks(tensor: Tensor, block_bytes: int) -> Iterator[np.ndarray]:
+    """One tensor's blocks (``tensor_blocks`` of it alone)."""
+    for _, block in tensor_blocks([tensor], block_bytes):
+        yield block
 
 
 # ---------------------------------------------------------------------------------------------- writing
@@ -317,18 +280,13 @@ def _write_file(path: str, file: ShardFile, metadata: dict[str, str], block_byte
                 on_block: OnBlock | None, fsync: bool) -> None:
     head = header(file.tensors, metadata)
 
-    def all_blocks() -> Iterator[tuple[str, np.ndarray]]:
-        for t in file.tensors:
-            for block in blocks(t, block_bytes):
-                yield t.name, block
-
     with storage.create(path, size=len(head) + file.data_bytes, fsync=fsync) as out:
         out.write(head)
-        for name, block in prefetched(all_blocks()):
+        for tensor, block in tensor_blocks(file.tensors, block_bytes):
             data = block.reshape(-1).view(np.uint8)
             out.write(data)
             if on_block is not None:
-                on_block(name, data.nbytes)
+                on_block(tensor.name, data.nbytes)
         want = len(head) + file.data_bytes
         if out.written != want:  # the blocks did not cover the tensors: never commit such a file
             raise CheckpointError(f"{path}: wrote {out.written:,} bytes, the header promises {want:,}.")
