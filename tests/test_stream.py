@@ -324,3 +324,41 @@ def test_every_streaming_command_reads_through_the_engine(two_steps, tmp_path, m
     tt.load_parameters(root, step=200)
     assert calls == {"treetools.inspect.stats": 1, "treetools.inspect.verify": 1, "treetools.inspect.diff": 1,
                      "load_parameters": 1}  # once per command: every leaf in one engine call, not one per leaf
+
+
+# ----------------------------------------------------------------------------- issue 24, point 7: progress per block
+
+
+@pytest.mark.parametrize("command", ["stats", "verify", "diff"])
+def test_every_long_command_advances_its_progress_bar_block_by_block(tmp_path, monkeypatch, command):
+    # One 16 MiB leaf read in 1 MiB blocks: the bar moves at least 16 times (it jumped 0% -> 100% per leaf),
+    # and ends at the bytes it announced.
+    from safetensors.numpy import save_file
+
+    from treetools.inspect import progress as progress_module
+    from treetools.inspect.diff import diff_paths
+    from treetools.inspect.report import inspect_path
+    from treetools.inspect.verify import verify_path
+
+    calls: list[tuple[int, int]] = []
+
+    class Recording(progress_module.Progress):
+        def advance(self, nbytes):
+            super().advance(nbytes)
+            calls.append((self.done, self.total))
+
+    for module in ("treetools.inspect.report", "treetools.inspect.diff", "treetools.inspect.verify"):
+        monkeypatch.setattr(f"{module}.Progress", Recording)
+    w = np.arange(4 * 2**20, dtype=np.float32).reshape(1024, 4096)  # 16 MiB
+    save_file({"w": w}, str(tmp_path / "a.safetensors"))
+    save_file({"w": w + 1}, str(tmp_path / "b.safetensors"))
+    a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    if command == "stats":
+        inspect_path(a, stats=True, chunk_bytes=2**20)
+    elif command == "verify":
+        assert verify_path(a, chunk_bytes=2**20).ok
+    else:
+        assert not diff_paths(a, b, values=True, chunk_bytes=2**20).identical
+    sides = 2 if command == "diff" else 1
+    assert len(calls) >= 16, len(calls)  # a diff advances once per block pair, by both sides
+    assert calls[-1][0] == calls[-1][1] == sides * w.nbytes

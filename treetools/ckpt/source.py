@@ -665,6 +665,24 @@ def part_holder(present: Sequence[str], name: str) -> str | None:
     return holders[0] if len(holders) == 1 and name not in present else None
 
 
+def item_argument(present: Sequence[str], item: str) -> tuple[str, str | None]:
+    """``--item`` as ``(item to read, path prefix inside it or None)``: any path a command prints works.
+
+    An item name, a top-level key of an item holding a whole train state
+    (``params`` of Orbax's ``default``), or ``item/path`` (a group or leaf of an item).
+    An unknown name comes back as it is: the snapshot says what is missing, listing the items.
+
+    >>> item_argument(["params", "opt_state"], "params/Dense_0"), item_argument(["default"], "params")
+    (('params', 'Dense_0'), ('params', None))
+    """
+    if item in present or ("/" not in item and part_holder(present, item) is not None):
+        return item, None
+    head, _, rest = item.partition("/")
+    if rest and (head in present or part_holder(present, head) is not None):
+        return head, rest
+    return item, None
+
+
 def top_level_keys(item: Item) -> list[str]:
     """The first path parts of an item's leaves, in stored order."""
     return list(dict.fromkeys(leaf.path[0] for leaf in item.leaves if leaf.path))
@@ -690,8 +708,8 @@ def train_state_parts(name: str, item: Item, present: Sequence[str]) -> list[str
     other keys: ``opt_state``, ``step``...), else None. Shown part by part, each counted for what it is.
 
     >>> import numpy as np
-    >>> state = Item("default", "pytree", tree_leaves({"params": {"w": np.ones(2)}, "opt_state": {"mu": {"w": np.ones(2)}}, "step": 3}, where="x"))
-    >>> train_state_parts("default", state, ["default"])
+    >>> tree = {"step": 3, "opt_state": {"mu": {"w": np.ones(2)}}, "params": {"w": np.ones(2)}}
+    >>> train_state_parts("default", Item("default", "pytree", tree_leaves(tree, where="x")), ["default"])
     ['params', 'opt_state', 'step']
     """
     if part_holder(present, "\0") != name or item.kind != "pytree":
@@ -701,7 +719,7 @@ def train_state_parts(name: str, item: Item, present: Sequence[str]) -> list[str
         return None
     if any(leaf.row.sep != "/" for leaf in item.leaves):
         return None
-    return keys
+    return order_items(keys)
 
 
 def params_item(source: Source, step: int | None, *, item: str | None = None, use_ema: bool = False) -> str:

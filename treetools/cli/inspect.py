@@ -100,7 +100,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail-on-nonfinite", action="store_true",
                         help="exit 3 when any leaf holds NaN or Inf (implies --stats)")
     parser.add_argument("--show", metavar="LEAF[SLICE]", default=None,
-                        help="print the values of one leaf, or a slice like 'params/w[0:4, -1]', reading only that leaf")
+                        help="print the values of one leaf, or a slice like 'params/w[0:4, -1]', reading only that "
+                             "leaf; LEAF is any path a table or hint prints (below --item, or whole); with --step "
+                             "all at every step; with --stats its statistics too")
     add_rules(parser, ("unstack",))
     add_output_format(parser, FORMATS)
 
@@ -121,25 +123,47 @@ def _show(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools inspect --help` does not need.
     import numpy as np
 
-    from treetools.inspect.show import show_leaf
+    from treetools.ckpt.readers import is_numeric
+    from treetools.inspect.show import show_values
+    from treetools.inspect.stats import array_stats
+    from treetools.render import format_stat
 
     try:
-        name, value = show_leaf(args.path, args.show, step=args.step if args.step != "all" else None, item=args.item,
-                                memory_budget=args.memory_budget, prefix=args.prefix)
-    except ValueError as e:
+        rules = rules_from(args)
+        shown = show_values(args.path, args.show, step=args.step, item=args.item, memory_budget=args.memory_budget,
+                            prefix=args.prefix, rules=rules)
+    except (ValueError, TypeError) as e:
         if isinstance(e, CheckpointError):
             raise
-        _output.error(f"--show: {e}", prog="treetools inspect")  # a bad index: usage
+        _output.error(f"--show: {e}", prog="treetools inspect")  # a bad index or rules flag: usage
         return 2
+    stats = args.stats or args.fail_on_nonfinite or args.stats_columns is not None
+    columns = args.stats_columns or DEFAULT_STAT_COLUMNS
+    entries, lines, nonfinite = [], [], []
+    for s in shown:
+        numeric = s.is_array and is_numeric(s.value.dtype)
+        values = array_stats(s.value) if stats and s.is_array and s.value.size and numeric else None
+        if values is not None and values["nan"] + values["posinf"] + values["neginf"]:
+            nonfinite.append(s.path if s.step is None else f"step {s.step}: {s.path}")
+        entry = {"step": s.step, "path": s.path, "value": jsonable(s.value)}
+        entries.append(entry if values is None else {**entry, "stats": jsonable(values)})
+        where = safe_text(s.path) + ("" if s.step is None else f" (step {s.step})")
+        if s.is_array:
+            lines.append(f"{where}: shape {tuple(s.value.shape)}, {s.value.dtype}")
+            with np.printoptions(threshold=SHOW_THRESHOLD, edgeitems=3, linewidth=100):
+                lines.append(safe_text(np.array2string(s.value), lines=True))
+        else:
+            lines.append(f"{where}: {safe_text(json.dumps(jsonable(s.value), default=str))}")
+        if values is not None:
+            lines.append("stats: " + "  ".join(f"{c}={format_stat(values[c])}" for c in columns if c in values))
     if args.format == "json":
-        _output.out(json.dumps({"path": name, "value": jsonable(value)}, default=str))
-        return 0
-    if isinstance(value, np.ndarray):
-        _output.out(f"{safe_text(name)}: shape {tuple(value.shape)}, {value.dtype}")
-        with np.printoptions(threshold=SHOW_THRESHOLD, edgeitems=3, linewidth=100):
-            _output.out(np.array2string(value))
+        body = entries[0] if args.step != "all" else {"steps": entries}
+        _output.out(json.dumps({"schema": 1, **body}, default=str))
     else:
-        _output.out(f"{safe_text(name)}: {safe_text(repr(value))}")
+        _output.out("\n".join(lines))
+    if args.fail_on_nonfinite and nonfinite:
+        _output.warning(f"non-finite values in {', '.join(safe_text(n, width=CELL_WIDTH) for n in nonfinite[:5])}")
+        return 3
     return 0
 
 

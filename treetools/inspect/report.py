@@ -19,11 +19,10 @@ from treetools.ckpt.source import (
     Item,
     Leaf,
     Snapshot,
-    Source,
     counts_params,
     open_source,
     order_items,
-    part_holder,
+    item_argument,
     train_state_parts,
 )
 from treetools.ckpt.steps import parse_step
@@ -264,22 +263,6 @@ def inspect_path(path: str, options: InspectOptions | None = None, /, **fields: 
         return report
 
 
-def _item_argument(source: Source, step: Any, item: str) -> tuple[str, str | None]:
-    """``--item`` as ``(item to read, path prefix inside it or None)``: any path a command prints works.
-
-    An item name, a top-level key of an item holding a whole train state
-    (``params`` of Orbax's ``default``), or ``item/path`` (a group or leaf of an item).
-    """
-    resolved = source.resolve(step if step != "all" else None)
-    present = source.item_names(resolved)
-    if item in present or part_holder(present, item) is not None:
-        return item, None
-    head, _, rest = item.partition("/")
-    if rest and (head in present or part_holder(present, head) is not None):
-        return head, rest
-    return item, None  # the snapshot says what is missing, listing the items
-
-
 def _rows(leaf_rows: list[Row], opts: InspectOptions, accs: dict[tuple[str, ...], StatsAccumulator]
           ) -> tuple[list[Row], int | None]:
     """The rows one item (or part of one) shows, and the depth the summary chose (None: not grouped by it)."""
@@ -299,7 +282,10 @@ def _rows(leaf_rows: list[Row], opts: InspectOptions, accs: dict[tuple[str, ...]
 def _inspect(path: str, opts: InspectOptions) -> Report:
     source = open_source(path, memory_budget=opts.memory_budget, prefix=opts.prefix)
     all_steps = opts.step == "all"
-    wanted, under = (None, None) if opts.item is None else _item_argument(source, opts.step, opts.item)
+    if opts.item is None:
+        wanted, under = None, None
+    else:
+        wanted, under = item_argument(source.item_names(source.resolve(None if all_steps else opts.step)), opts.item)
     wanted = [wanted] if wanted is not None else None
     notes: list[str] = []
     if all_steps:

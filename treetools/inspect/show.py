@@ -1,17 +1,28 @@
-"""``--show``: the values of one leaf, or of a slice of it, reading only the chunks the slice needs."""
+"""``--show``: the values of one leaf, or of a slice of it, reading only the chunks the slice needs.
+
+A leaf is named by any path a command prints: ``item/path`` (``params/Dense_0/kernel``,
+``opt_state/0/mu/Dense_0/kernel``), a part of an item holding a whole train state
+(``params/...`` of Orbax's ``default``), the path alone when one item has it, and,
+with ``item``, the path below it (``--item params --show Dense_0/kernel``) or
+pasted whole (``--item params --show params/Dense_0/kernel``). A stored dotted
+name (safetensors) may be written with ``/``.
+"""
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import math
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
+from treetools.ckpt.mapping import map_items
 from treetools.ckpt.readers import MemoryBudgetError, block_extent, resolve_budget
-from treetools.ckpt.source import open_source
+from treetools.ckpt.source import Item, Leaf, Source, item_argument, open_source, part_holder
 from treetools.errors import CheckpointNotFoundError
+from treetools.patterns import nearby
 from treetools.rows import human
+from treetools.rules import Rules
 
 
 def parse_leaf_spec(spec: str) -> tuple[str, tuple[Any, ...] | None]:
@@ -42,59 +53,155 @@ def parse_leaf_spec(spec: str) -> tuple[str, tuple[Any, ...] | None]:
     return name, tuple(index)
 
 
+@dataclasses.dataclass
+class Shown:
+    """What ``--show`` read: the step, the leaf as ``item/path``, the index asked for, and the values."""
+
+    step: int | None
+    path: str
+    index: tuple[Any, ...] | None
+    value: Any
+
+    @property
+    def is_array(self) -> bool:
+        return isinstance(self.value, np.ndarray)
+
+
 def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str | None = None,
-              memory_budget: float | None = None, prefix: str | None = None) -> tuple[str, Any]:
+              memory_budget: float | None = None, prefix: str | None = None,
+              rules: Rules | None = None) -> tuple[str, Any]:
     """The values of one leaf, or of a slice of it, reading only that leaf (only the chunks a slice needs).
 
     Args:
       path: any checkpoint ``inspect_path`` reads.
-      spec: the leaf's path (``params/Dense_0/kernel``, or without the item
-        name when ``item`` is given or the path is unique), optionally with a
-        numpy-style index of integers and slices: ``params/w[0:4, -1]``.
+      spec: the leaf, as any command prints it (``params/Dense_0/kernel``; without the item name
+        when ``item`` is given or one item has it), optionally with a numpy-style index of
+        integers and slices: ``params/w[0:4, -1]``.
       step: the step of a checkpoint root (default: latest).
-      item: the item holding the leaf.
+      item: the item holding the leaf (an item, a part of a train state, or ``item/path`` of a group).
       memory_budget: the most the read may hold, in bytes (None: ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB).
       prefix: the series of steps in a folder holding several (default ``checkpoint_``).
+      rules: read through these rules (``inspect --unstack``): the leaf is a target leaf.
 
     Returns:
-      ``(item/path, numpy array or value)``.
+      ``(item/path, numpy array or value)``; a stored scalar value is a plain Python value.
 
     Raises:
-      CheckpointNotFoundError: no such leaf (the message names close paths).
+      CheckpointNotFoundError: no such leaf (the message names close paths), or a group of leaves.
 
     >>> import numpy as np, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "w.npz"); np.savez(f, w=np.arange(12).reshape(3, 4))
     >>> show_leaf(f, "w[1, ::2]")
     ('default/w', array([4, 6]))
     """
+    (shown,) = show_values(path, spec, step=step, item=item, memory_budget=memory_budget, prefix=prefix, rules=rules)
+    return shown.path, shown.value
+
+
+def show_values(path: str, spec: str, *, step: int | str | None = None, item: str | None = None,
+                memory_budget: float | None = None, prefix: str | None = None,
+                rules: Rules | None = None) -> list[Shown]:
+    """``show_leaf`` of one step, or of every committed step (``step="all"``), each a ``Shown`` naming its step."""
     name, index = parse_leaf_spec(spec)
     source = open_source(path, memory_budget=memory_budget, prefix=prefix)
-    resolved = source.resolve(step)
-    with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
-        return _show_leaf(source, resolved, spec, name, index, item)
+    if step == "all":
+        steps = source.steps if source.steps is not None else [source.resolve(None)]
+    else:
+        steps = [source.resolve(step)]
+    out = []
+    for s in steps:
+        with source.reading(s):  # a step pruned while it is read: StepDeletedError naming it
+            item_name, leaf = find_leaf(source, s, name, item, rules)
+            out.append(Shown(s, f"{item_name}/{leaf.name}", index, _read(source, spec, item_name, leaf, index)))
+    return out
 
 
-def _show_leaf(source: Any, resolved: int | None, spec: str, name: str, index: tuple[Any, ...] | None,
-               item: str | None) -> tuple[str, Any]:
-    names = [item] if item is not None else source.item_names(resolved)
+# ---------------------------------------------------------------------------- finding the leaf
+
+
+def _candidates(source: Source, step: int | None, name: str, item: str | None) -> Iterator[tuple[str, str]]:
+    """``(item to read, leaf path in it)`` for every reading of ``name``, the likeliest first."""
+    present = source.item_names(step)
+    if item is not None:
+        holder, under = item_argument(present, item)
+        within = f"{under}/" if under else ""
+        whole = f"{item}/"
+        if name.startswith(whole):  # pasted whole: `--item params --show params/Dense_0/kernel`
+            yield holder, within + name[len(whole):]
+        if name.startswith(f"{holder}/"):
+            yield holder, name[len(holder) + 1:]
+        yield holder, within + name
+        if within and name.startswith(within):
+            yield holder, name
+        return
     head, _, rest = name.partition("/")
-    if item is None and head in names and rest:
-        names, name = [head], rest
-    found = []
-    for item_name in names:
-        snap = source.snapshot(resolved, [item_name])
-        found += [(item_name, leaf) for leaf in snap.items[item_name].leaves if leaf.name == name]
-        if found:
-            break
-    if not found:
-        every = [f"{n}/{leaf.name}" for n in names for leaf in source.snapshot(resolved, [n]).items[n].leaves]
-        close = difflib.get_close_matches(name, every, n=5, cutoff=0.3) or every[:5]
-        raise CheckpointNotFoundError(f"{source.path}: no leaf `{name}`; close paths: {', '.join(close) or 'none'}.")
-    item_name, leaf = found[0]
+    if rest and head in present:
+        yield head, rest
+    for n in present:
+        yield n, name
+    if rest and part_holder(present, head) is not None:  # `params/...` of an item holding a whole train state
+        yield head, rest
+
+
+def _matches(leaf: Leaf, name: str) -> bool:
+    return leaf.name == name or "/".join(leaf.path) == name
+
+
+def find_leaf(source: Source, step: int | None, name: str, item: str | None = None,
+              rules: Rules | None = None) -> tuple[str, Leaf]:
+    """The leaf ``name`` names in one step: ``(the item holding it, the leaf)``.
+
+    Raises:
+      CheckpointNotFoundError: no such leaf (close paths named), or ``name`` is a group of leaves.
+    """
+    read: dict[str, Item | None] = {}
+
+    def items_of(item_name: str) -> Item | None:
+        if item_name not in read:
+            try:
+                snap = source.snapshot(step, [item_name])
+            except CheckpointNotFoundError:
+                read[item_name] = None
+                return None
+            items = snap.items
+            if rules is not None and not rules.empty:
+                items = map_items(items, dataclasses.replace(rules, allow_unmatched=True))
+            read[item_name] = items[item_name]
+        return read[item_name]
+
+    tried = list(dict.fromkeys(_candidates(source, step, name, item)))
+    for item_name, leaf_name in tried:
+        found = items_of(item_name)
+        if found is None:
+            continue
+        leaf = next((leaf for leaf in found.leaves if _matches(leaf, leaf_name)), None)
+        if leaf is not None:
+            return item_name, leaf
+    for item_name, leaf_name in tried:  # a group: say so, with a few of its leaves
+        found = items_of(item_name)
+        parts = tuple(leaf_name.split("/"))
+        below = [leaf for leaf in found.leaves if leaf.path[:len(parts)] == parts] if found is not None else []
+        if below:
+            shown = ", ".join(f"{item_name}/{leaf.name}" for leaf in below[:3]) + (", ..." if len(below) > 3 else "")
+            raise CheckpointNotFoundError(
+                f"{source.path}: `{name}` is a group of {len(below):,} leaves ({shown}); --show takes one leaf: "
+                "name one of them (inspect --item GROUP --leaves lists them).")
+    every = [f"{n}/{leaf.name}" for n in dict.fromkeys(n for n, _ in tried) if items_of(n) is not None
+             for leaf in items_of(n).leaves]
+    close = [p for p in nearby(name, every) if p != name] or [p for p in every[:5] if p != name]
+    where = f"{source.path}" + (f" (step {step})" if step is not None else "")
+    raise CheckpointNotFoundError(f"{where}: no leaf `{name}`; close paths: {', '.join(close) or 'none'}.")
+
+
+# ---------------------------------------------------------------------------- reading it
+
+
+def _read(source: Source, spec: str, item_name: str, leaf: Leaf, index: tuple[Any, ...] | None) -> Any:
     if leaf.reader is None:
         if index is not None:
             raise ValueError(f"`{item_name}/{leaf.name}` is a value, not an array; drop the index.")
-        return f"{item_name}/{leaf.name}", leaf.value
+        value = leaf.value
+        return value.item() if isinstance(value, np.generic) else value
     shape = tuple(leaf.reader.shape)
     index = index if index is not None else ()
     if len(index) > len(shape):
@@ -126,4 +233,4 @@ def _show_leaf(source: Any, resolved: int | None, spec: str, name: str, index: t
     # Apply integer indices (drop their axes) and strided slices on the block that was read.
     post = tuple(0 if isinstance(ix, int) else (slice(None) if ix.step in (None, 1) else ix)
                  for ix in index + (slice(None),) * (len(shape) - len(index)))
-    return f"{item_name}/{leaf.name}", block[post]
+    return block[post]
