@@ -835,3 +835,35 @@ def test_markdown_tables_follow_a_blank_line(run_dir, capsys):
     headers = [i for i, line in enumerate(lines) if line.startswith("| path")]
     assert rc == 0 and len(headers) == 3 and any(line.startswith("## ") and "mesh: " in line for line in lines)
     assert all(lines[i - 1] == "" for i in headers), out
+
+
+def test_an_nnx_state_counts_its_params_apart_from_rng_state_and_batch_statistics(tmp_path, capsys):
+    # Issue 24, point 19: a whole nnx State (one Orbax item) called BatchNorm statistics and RNG counters params.
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+            self.out = nnx.Linear(4, 2, rngs=rngs)
+
+    model = Model(nnx.Rngs(0, dropout=1))
+    size = lambda *filters: sum(x.size for x in jax.tree.leaves(nnx.state(model, *filters)))  # noqa: E731
+    with ocp.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, args=ocp.args.StandardSave(nnx.state(model)))
+        mgr.wait_until_finished()
+    assert main(["inspect", str(tmp_path / "run"), "--format", "json"]) == 0
+    item = json.loads(capsys.readouterr().out)["checkpoints"][0]["items"]["default"]
+    # The RNG key is stored as its uint32 data (2 elements for one key): counted as stored, apart from the params.
+    assert item["total_params"] - sum(item["not_params"].values()) == size(nnx.Param)  # 34
+    assert item["not_params"]["batch statistics"] == size(nnx.BatchStat) and set(item["not_params"]) == {
+        "batch statistics", "RNG state"}
+    assert main(["inspect", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert f"Total: {item['total_params']} elements ({size(nnx.Param)} params, " in out  # 34 params of 45 elements
+    for fmt in ("table", "tree"):
+        assert main(["inspect", str(tmp_path / "run"), "--format", fmt]) == 0
+        assert " params " not in capsys.readouterr().out.replace(f"({size(nnx.Param)} params,", "")

@@ -85,6 +85,37 @@ def order_items(names: Sequence[str]) -> list[str]:
     return first + [n for n in names if n not in first]
 
 
+def non_param_leaves(leaves: Sequence["Leaf"]) -> dict[tuple[str, ...], str]:
+    """The leaves of a parameter item that are no parameters, by path: what they are.
+
+    A whole nnx ``State`` saved as one item holds more than ``nnx.Param``s:
+    the RNG streams of ``nnx.Rngs`` (``rngs/<stream>/count`` and ``key``, or
+    any leaf of a PRNG key dtype) and BatchNorm's running statistics (``mean``
+    and ``var`` beside the module's ``scale`` or ``bias``; linen keeps them in
+    ``batch_stats``, apart). The checkpoint does not store the variable types:
+    these are told by their names, as flax writes them.
+
+    >>> import numpy as np
+    >>> tree = {"bn": {"scale": np.ones(2), "bias": np.ones(2), "mean": np.ones(2), "var": np.ones(2)},
+    ...         "drop": {"rngs": {"count": np.uint32(0), "key": np.zeros(2, np.uint32)}}, "mean": np.ones(2)}
+    >>> sorted(non_param_leaves(tree_leaves(tree, where="x")).items())
+    [(('bn', 'mean'), 'batch statistics'), (('bn', 'var'), 'batch statistics'), (('drop', 'rngs', 'count'), 'RNG state'), (('drop', 'rngs', 'key'), 'RNG state')]
+    """
+    names = {leaf.path for leaf in leaves}
+    out: dict[tuple[str, ...], str] = {}
+    for leaf in leaves:
+        path = leaf.path
+        if not path:
+            continue
+        dtype = str(leaf.row.dtype or "")
+        if ("rngs" in path[:-1] and path[-1] in ("count", "key")) or dtype.startswith("key<"):
+            out[path] = "RNG state"
+        elif path[-1] in ("mean", "var") and len(path) > 1 and (
+                (*path[:-1], "scale") in names or (*path[:-1], "bias") in names):
+            out[path] = "batch statistics"
+    return out
+
+
 def counts_params(item: str) -> bool:
     """Whether an item's element count is its parameter count (else its table says "elements").
 

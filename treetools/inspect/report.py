@@ -23,6 +23,7 @@ from treetools.ckpt.source import (
     open_source,
     order_items,
     item_argument,
+    non_param_leaves,
     train_state_parts,
 )
 from treetools.ckpt.steps import parse_step
@@ -58,6 +59,16 @@ class ItemReport:
     """What the counts count: ``params`` for an item known to hold parameters, else ``elements``."""
     parts: dict[str, "ItemReport"] = dataclasses.field(default_factory=dict)
     """An item holding a whole train state, part by part (``params``, ``opt_state``...), for the text view."""
+    not_params: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Elements of a parameter item that are no parameters, by kind (an nnx state's ``RNG state`` and
+    BatchNorm ``batch statistics``: ``ckpt.source.non_param_leaves``); its counts then say ``elements``."""
+
+    @property
+    def param_count(self) -> int | None:
+        """The parameters this item holds, None when it is no parameter item."""
+        if self.label != "params" and not self.not_params:
+            return None
+        return self.total.params - sum(self.not_params.values())
 
     @classmethod
     def of(cls, item: Item, leaves: Sequence[Leaf], rows: list[Row]) -> "ItemReport":
@@ -68,10 +79,19 @@ class ItemReport:
         values = {leaf.name: leaf.value for leaf in leaves if leaf.row.shape is None and leaf.value is not NO_VALUE}
         value = item.value if item.kind == "json" else NO_VALUE
         label = "params" if counts_params(item.name) else "elements"
-        return cls(rows, totals(leaf_rows), values, meshes, item.kind, value, label)
+        others: dict[str, int] = {}
+        if label == "params":
+            kinds = non_param_leaves(leaves)
+            for leaf in leaves:
+                if leaf.path in kinds:
+                    others[kinds[leaf.path]] = others.get(kinds[leaf.path], 0) + leaf.row.params
+            label = "elements" if others else label
+        return cls(rows, totals(leaf_rows), values, meshes, item.kind, value, label, not_params=others)
 
     def to_json(self) -> dict[str, Any]:
         out = {**self.total.to_json(), "leaves": [r.to_json() for r in self.rows]}
+        if self.not_params:
+            out["not_params"] = dict(self.not_params)
         if self.kind == "json":
             out["value"] = jsonable(self.value)
         return out

@@ -129,10 +129,10 @@ def _item_section(title: str, item: ItemReport, fmt: str, tablefmt: str, stats: 
     elif values and len(values) == len(item.rows) and names <= set(values):
         body = [_render_values(values, md)]  # a JSON item, or scalars: their values are what they hold
     elif fmt == "tree":
-        body = [_render_tree(item.rows, item.label), _footer(item.total, item.label, md)]
+        body = [_render_tree(item.rows, item.label), _footer(item.total, item.label, md, item.not_params)]
     else:
         table, dropped = _table(item.rows, item.label, stats, stat_columns, md, tablefmt, fit=fit)
-        body = [table, _footer(item.total, item.label, md)]
+        body = [table, _footer(item.total, item.label, md, item.not_params)]
         if dropped:
             body.append(f"({', '.join(dropped)} left out to fit {WIDTH} columns; --leaves shows every column)")
         if values:
@@ -185,8 +185,12 @@ def _table(rows: Sequence[Row], label: str, stats: bool, stat_columns: Sequence[
         dropped.append(left[0])
 
 
-def _footer(t: Totals, label: str, md: bool) -> str:
-    lines = [f"Total: {format_count(t.params)} {label}, {bytes_text(t.bytes)}"]
+def _footer(t: Totals, label: str, md: bool, not_params: dict[str, int] | None = None) -> str:
+    counted = f"{format_count(t.params)} {label}"
+    if not_params:  # an nnx state: its parameters apart from its RNG state and batch statistics
+        others = ", ".join(f"{format_count(n)} {kind}" for kind, n in not_params.items())
+        counted += f" ({format_count(t.params - sum(not_params.values()))} params, {others})"
+    lines = [f"Total: {counted}, {bytes_text(t.bytes)}"]
     if len(t.by_dtype) > 1:
         indent = "- " if md else "  "
         lines += [f"{indent}{dtype}: {format_count(d['params'])} {label}, {human(d['bytes'], 'B')}"
@@ -246,8 +250,8 @@ def _steps_list(report: Report, md: bool) -> list[str]:
     for s in report.by_step:
         metrics = s.metadata.get("metrics") or {}
         # The model's parameters: the first item (or train-state part) known to hold them, not its EMA copy too.
-        counted = [x for item in s.items.values() for x in [item, *item.parts.values()] if x.label == "params"]
-        params = counted[0].total.params if counted else 0
+        counted = [x for item in s.items.values() for x in [item, *item.parts.values()] if x.param_count is not None]
+        params = counted[0].param_count if counted else 0
         data.append([str(s.step), safe_text(s.metadata.get("saved_at", "")),
                      *(safe_text(format_stat(metrics[m])) if m in metrics else "" for m in metric_names),
                      f"{params:,}" if params else "", human(s.total.bytes, "B")])
