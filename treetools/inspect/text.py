@@ -8,14 +8,16 @@ module only turns them into text, with ``treetools.render``'s row tables and
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tabulate import tabulate
 
-from treetools.inspect.convert import ConvertReport
-from treetools.inspect.diff import DiffReport
 from treetools.inspect.report import ItemReport, Report
-from treetools.inspect.verify import VerifyReport
+
+if TYPE_CHECKING:  # annotations only: `inspect` does not load the diff, verify and convert commands
+    from treetools.inspect.convert import ConvertReport
+    from treetools.inspect.diff import DiffReport
+    from treetools.inspect.verify import VerifyReport
 from treetools.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, safe_text, stat_value
 from treetools.rows import Row, Totals, format_count, format_shape, human
 
