@@ -460,3 +460,28 @@ def test_a_negative_step_other_than_minus_1_is_usage_and_minus_1_is_the_latest(c
     assert "-1 is the latest too" in " ".join(err.split()) or rc == 0
     rc, out, _ = run(capsys, "inspect", "--help")
     assert "-1 is the latest too" in " ".join(out.split())
+
+
+def test_step_all_stats_columns_equal_numpy_per_step(tmp_path, capsys):
+    # Issue 25: statistics across steps, one column per step, against numpy float64 of each step's leaf.
+    rng = np.random.default_rng(3)
+    root, truth = tmp_path / "run", {}
+    with ocp.CheckpointManager(str(root)) as mgr:
+        for step in (10, 20, 30):
+            truth[step] = {"a": rng.standard_normal((8, 5)).astype(np.float32) * step,
+                           "b": rng.uniform(-1, 1, 7).astype(np.float32)}
+            mgr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(truth[step])))
+        mgr.wait_until_finished()
+    rc, out, _ = run(capsys, "inspect", root, "--step", "all", "--stats", "--stats-columns", "std,abs_max")
+    assert rc == 0
+    sections = out.split("[params] ")[1:]
+    assert [s.split()[0] for s in sections] == ["std", "abs_max"]
+    for section in sections:
+        stat = section.split()[0]
+        header = next(line.split() for line in section.splitlines() if line.startswith("path"))
+        assert header == ["path", "10", "20", "30"]
+        for leaf in ("a", "b"):
+            (row,) = [line.split() for line in section.splitlines() if line.startswith(f"{leaf} ")]
+            want = [np.std(truth[s][leaf].astype(np.float64)) if stat == "std"
+                    else np.abs(truth[s][leaf].astype(np.float64)).max() for s in (10, 20, 30)]
+            assert row[1:] == [f"{w:.4g}" for w in want], (stat, leaf)
