@@ -98,6 +98,16 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def json_object(schema: int, fields: dict[str, Any]) -> dict[str, Any]:
+    """A command's ``--format json`` object: ``"schema"`` (the version of that command's JSON) first, then
+    ``fields``, with non-finite floats as ``null`` (``docs/json-schema.md``). Every command builds its object here.
+
+    >>> json_object(1, {"ok": True, "rel_l2": float("inf")})
+    {'schema': 1, 'ok': True, 'rel_l2': None}
+    """
+    return json_safe({"schema": schema, **fields})
+
+
 def jsonable(value: Any) -> Any:
     """A value read from a checkpoint as JSON can hold it (numpy scalars as Python numbers, others as text).
 

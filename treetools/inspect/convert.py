@@ -48,6 +48,7 @@ from treetools.ckpt.writers.safetensors import (
 from treetools.errors import CheckpointError
 from treetools.inspect.options import ConvertOptions, resolve
 from treetools.inspect.progress import Progress
+from treetools.render import json_object
 from treetools.rows import human
 from treetools.rules import Rules, TargetLeaf
 
@@ -132,8 +133,8 @@ class ConvertReport:
         return f"verify: FAILED: {n} problem{'s' * (n != 1)}."
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": SCHEMA, "src": self.src, "dst": self.dst, "format": self.format, "step": self.step,
+        return json_object(SCHEMA, {
+            "src": self.src, "dst": self.dst, "format": self.format, "step": self.step,
             "item": self.item, "to": self.to, "layout": self.layout, "dry_run": self.dry_run,
             "total_bytes": self.total_bytes, "files": self.files,
             "tensors": [{"source": r.source, "name": r.name, "source_shape": list(r.source_shape),
@@ -141,7 +142,7 @@ class ConvertReport:
                          "ops": list(r.ops)} for r in self.rows],
             "dropped": self.dropped, "skipped": [{"path": p, "why": w} for p, w in self.skipped],
             "verified": self.verified, "ok": self.ok, "problems": self.problems, "seconds": self.seconds,
-        }
+        })
 
 
 # ---------------------------------------------------------------------------------------------- planning

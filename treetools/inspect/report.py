@@ -32,7 +32,7 @@ from treetools.inspect.options import InspectOptions, resolve
 from treetools.inspect.progress import Progress
 from treetools.inspect.stats import StatsAccumulator, compute_stats
 from treetools.patterns import nearby, select_any
-from treetools.render import json_safe, jsonable
+from treetools.render import json_object, jsonable
 from treetools.rows import Row, Totals, aggregate_rows, common_prefix, sort_rows, totals
 
 SCHEMA = 2
@@ -144,8 +144,7 @@ class Report:
 
     def to_json(self) -> dict[str, Any]:
         """The versioned object of ``docs/json-schema.md``; non-finite floats become ``null``."""
-        return json_safe({
-            "schema": SCHEMA,
+        return json_object(SCHEMA, {
             "path": self.path,
             "format": self.format,
             "steps": self.steps,
