@@ -29,7 +29,7 @@ def diff_json(capsys, *argv, rc: int | None = None) -> dict:
     return data
 
 
-def expected_values(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, atol=1e-8, rtol=1e-5) -> dict[str, dict]:
+def expected_values(a: dict[str, np.ndarray], b: dict[str, np.ndarray], *, atol=0.0, rtol=1e-5) -> dict[str, dict]:
     """max |a-b|, ||a-b|| / ||a||, allclose and mismatch count per common leaf, in numpy float64."""
     out = {}
     for p in a.keys() & b.keys():
@@ -165,7 +165,7 @@ def test_sharding_change_between_orbax_saves(tmp_path, capsys, devices):
     same = diff_json(capsys, tmp_path / "a", tmp_path / "c", "--values", rc=0)
     assert same["changed"] == [] and same["counts"]["bit_identical"] == 2
     rc, text, _ = run(capsys, "diff", tmp_path / "a", tmp_path / "b")
-    assert rc == 1 and "changed metadata: 1" in text.splitlines()
+    assert rc == 1 and "changed metadata: 1 leaf" in text.splitlines()
     assert re.search(r"^w\s+sharding\s+P\('fsdp'\)\s+P\(None, 'fsdp'\)$", text, re.M), text
 
 
@@ -300,13 +300,30 @@ def _fast_path_case(case: str) -> tuple[np.ndarray, np.ndarray, float, float]:
         b[rng.random(n) < 0.9] = 0
         a = b.copy()
         a[::3] += np.float32(1e-3)
+    elif case == "atol0_near_line":  # the default tolerance (atol 0): relative only, decided in float32
+        atol = 0.0
+        t = rtol * np.abs(b.astype(np.float64))
+        a = (b + t * (1 + rng.uniform(-4e-7, 4e-7, n)) * rng.choice([-1, 1], n)).astype(np.float32)
+    elif case == "atol0_subnormal_tolerance":  # rtol * |b| among float32 subnormals: too few bits for the margin
+        atol = 0.0
+        b = (b * 10.0 ** rng.uniform(-44, 2, n)).astype(np.float32)
+        a = b.copy()
+        for _ in range(3):
+            moved = rng.random(n) < 0.5
+            a[moved] = np.nextafter(a[moved], np.float32(np.inf))
+        b[::97] = 0
+    elif case == "atol0_tiny_adam_nu":  # Adam's nu, ~1e-9, moved by 0 to 2e-5 relative
+        atol = 0.0
+        b = (np.abs(b) * np.float32(1e-9)).astype(np.float32)
+        a = (b * (1 + rng.uniform(0, 2e-5, n))).astype(np.float32)
     else:
         raise AssertionError(case)
     return a, b, atol, rtol
 
 
 @pytest.mark.parametrize("case", ["near_line", "bf16", "f16_vs_f32", "f32_vs_f64", "nonfinite", "huge", "tiny",
-                                  "zero_tolerance", "identical_with_nan", "sparse"])
+                                  "zero_tolerance", "identical_with_nan", "sparse", "atol0_near_line",
+                                  "atol0_subnormal_tolerance", "atol0_tiny_adam_nu"])
 def test_fast_float_comparison_is_numpys_float64_rule(case):
     from treetools.ckpt.readers import InMemoryReader
     from treetools.ckpt.source import Leaf, array_row
@@ -326,3 +343,176 @@ def test_fast_float_comparison_is_numpys_float64_rule(case):
     np.testing.assert_allclose(got.rel_l2, want_rel, rtol=1e-6, atol=1e-300, err_msg=case)
     assert (got.nonfinite_a, got.nonfinite_b) == (int((~np.isfinite(x)).sum()), int((~np.isfinite(y)).sum()))
     assert got.bit_identical == (a.dtype == b.dtype and a.tobytes() == b.tobytes())
+
+
+# ---------------------------------------------------------------------------- issue 24, round 2
+
+
+def _numpy_values(a: np.ndarray, b: np.ndarray, atol: float = 0.0, rtol: float = 1e-5) -> dict:
+    """What ``diff --values`` must report for one leaf, in numpy float64."""
+    x, y = a.astype(np.float64), b.astype(np.float64)
+    outside = int((~np.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)).sum())
+    return {"max_abs_diff": float(np.max(np.abs(x - y))), "rel_l2": float(np.linalg.norm(x - y) / np.linalg.norm(x)),
+            "mismatched": outside, "size": x.size, "bit_identical": a.tobytes() == b.tobytes()}
+
+
+def _changed_pair(tmp_path) -> tuple[Path, Path, dict, dict]:
+    """Leaves that each come first under one --sort key: `many` (every element moved a little), `spike` (one
+    element moved a lot), `small` (tiny values, some changed by half), `same` (untouched)."""
+    rng = np.random.default_rng(1)
+    a = {"many": rng.standard_normal(1000).astype(np.float32), "spike": rng.standard_normal(40).astype(np.float32),
+         "small": (rng.standard_normal(100) * 1e-3).astype(np.float32), "same": np.ones(7, np.float32)}
+    b = {k: v.copy() for k, v in a.items()}
+    b["many"] = (a["many"] * np.float32(1 + 1e-3)).astype(np.float32)
+    b["spike"][3] += np.float32(5.0)
+    b["small"][:10] *= np.float32(1.5)
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    return tmp_path / "a.npz", tmp_path / "b.npz", a, b
+
+
+def test_values_sort_most_changed_first_and_outside_share(tmp_path, capsys):
+    # Issue 24, point 9: `--sort rel_l2` was refused; the outside count had no size or share.
+    fa, fb, a, b = _changed_pair(tmp_path)
+    want = {p: _numpy_values(a[p], b[p]) for p in a}
+    keys = {"max_abs_diff": lambda p: -want[p]["max_abs_diff"], "rel_l2": lambda p: -want[p]["rel_l2"],
+            "outside": lambda p: -want[p]["mismatched"]}
+    orders = set()
+    for by, key in keys.items():
+        expected = sorted(a, key=lambda p: (key(p), p))
+        orders.add(tuple(expected[:3]))
+        out = diff_json(capsys, fa, fb, "--values", "--sort", by, rc=1)
+        assert [v["path"] for v in out["values"]] == expected, by
+        for v in out["values"]:
+            w = want[v["path"]]
+            assert (v["mismatched"], v["size"]) == (w["mismatched"], w["size"])
+            assert v["outside_fraction"] == pytest.approx(w["mismatched"] / w["size"], rel=1e-12)
+            np.testing.assert_allclose(v["rel_l2"], w["rel_l2"], rtol=1e-6, atol=1e-12)
+        rc, text, _ = run(capsys, "diff", fa, fb, "--values", "--sort", by)
+        rows = [line.split()[0] for line in text.splitlines() if line.split() and line.split()[0] in a]
+        assert rc == 1 and rows == [p for p in expected if not want[p]["bit_identical"]], (by, text)
+    assert len(orders) == 3  # each key puts another leaf first: the sort is really by that key
+    # The table's "outside tol" cell: the count with its share of the leaf's elements.
+    for p in ("many", "spike", "small"):
+        w = want[p]
+        m = re.search(rf"^{p}\s.*?\s({w['mismatched']:,}) \(([\d.]+)%\)", text, re.M)
+        assert m, (p, text)
+        assert float(m.group(2)) == pytest.approx(100 * w["mismatched"] / w["size"], abs=0.05)
+    # A value sort without --values is a usage error naming the fix.
+    rc, out, err = run(capsys, "diff", fa, fb, "--sort", "rel_l2")
+    assert rc == 2 and out == "" and err.startswith("treetools diff: error: --sort rel_l2") and "add --values" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_values_table_fits_100_columns(tmp_path, capsys):
+    # Issue 24, point 17: `diff --values` printed up to 159 columns.
+    rng = np.random.default_rng(2)
+    stem = "model.encoder.layers.17.self_attention.query_key_value_projection.kernel_of_a_very_long_name"
+    a = {f"{stem}.{i}": rng.standard_normal((30, 40)).astype(np.float32) for i in range(3)}
+    b = {k: v.copy() for k, v in a.items()}
+    b[f"{stem}.0"][0, :4] = np.nan  # a non-finite change: the widest row
+    b[f"{stem}.1"] *= np.float32(1.01)
+    b[f"{stem}.new"] = np.zeros(3, np.float32)
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
+    lines = text.splitlines()
+    assert rc == 1 and lines[-1].startswith("different (leaves): ")
+    assert max(len(line) for line in lines[:-1]) <= 100, "\n".join(line for line in lines if len(line) > 100)
+    header = next(line for line in lines if line.startswith("path") and "rel_l2" in line)
+    assert "nonfinite A->B" in header
+    # Each listed row starts with a cut of its real path, and its numbers are numpy's.
+    rows = [line for line in lines if line.startswith(stem[:20]) and "(" in line and "%" in line]
+    assert len(rows) == 2
+    for line, p in zip(rows, (f"{stem}.0", f"{stem}.1")):
+        w = _numpy_values(a[p], b[p])
+        cells = re.split(r"\s{2,}", line)
+        assert p.startswith(cells[0].split("…")[0]) and len(cells[0]) < len(p)
+        if p.endswith(".1"):
+            assert float(cells[1]) == pytest.approx(w["max_abs_diff"], rel=1e-3)
+            assert float(cells[2]) == pytest.approx(w["rel_l2"], rel=1e-3)
+    if "allclose" not in header:  # left out to fit: said so
+        assert any("allclose left out to fit 100 columns" in line for line in lines)
+    # JSON keeps the paths whole.
+    out = diff_json(capsys, tmp_path / "a.npz", tmp_path / "b.npz", "--values", rc=1)
+    assert {v["path"] for v in out["values"]} == set(a)
+
+
+def test_depth_counts_leaves_in_titles_and_verdict_alike(tmp_path, capsys):
+    # Issue 24, point 21: `--depth` counted groups in the section titles and leaves in the verdict, and a group
+    # holding one changed leaf counted all its leaves as outside the tolerance.
+    rng = np.random.default_rng(3)
+    a = {f"model.layers.{i}.w": rng.standard_normal((8, 8)).astype(np.float32) for i in range(3)}
+    a["model.embed"] = rng.standard_normal((5, 8)).astype(np.float32)
+    b = {k: v.copy() for k, v in a.items()}
+    b["model.layers.1.w"] += np.float32(0.5)
+    b["model.extra.x"], b["model.extra.y"] = np.zeros(2, np.float32), np.zeros(3, np.float32)
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    fa, fb = tmp_path / "a.npz", tmp_path / "b.npz"
+    flat_out = diff_json(capsys, fa, fb, "--values", rc=1)
+    grouped = diff_json(capsys, fa, fb, "--values", "--depth", "2", rc=1)
+    same = sum(a[p].tobytes() == b[p].tobytes() for p in a)  # 3: layers 0 and 2, embed
+    assert grouped["counts"] == flat_out["counts"]
+    assert (grouped["counts"]["bit_identical"], grouped["counts"]["outside_tolerance"]) == (same, len(a) - same)
+    # Groups are named by the stored names' parts (split on "."), as the added group is.
+    groups = {v["path"]: v for v in grouped["values"]}
+    assert set(groups) == {"model.layers", "model.embed"} and groups["model.layers"]["num_leaves"] == 3
+    assert (groups["model.layers"]["bit_identical_leaves"], groups["model.layers"]["outside_leaves"]) == (2, 1)
+    assert [(r["path"], r["num_leaves"]) for r in grouped["added"]] == [("model.extra", 2)]
+    rc, text, _ = run(capsys, "diff", fa, fb, "--values", "--depth", "2")
+    lines = text.splitlines()
+    assert "added (only in B): 2 leaves (in 1 group, --depth 2)" in lines
+    assert (f"values (atol=0, rtol=1e-05): {len(a)} leaves compared, 1 leaf (in 1 group, --depth 2) "
+            "not bit-identical") in lines
+    verdict = lines[-1]
+    assert verdict.endswith(f"values: {same} bit-identical, 0 within tolerance, {len(a) - same} outside tolerance")
+    assert verdict.startswith("different (leaves): 2 added, 0 removed, 0 with changed metadata, 4 with the same")
+
+
+def test_tiny_adam_nu_that_changed_60_percent_is_outside_the_default_tolerance(tmp_path, capsys):
+    # Issue 24, point 29: between two steps of a run, Adam's `nu` (~1e-9) changed by 60% and read as "within
+    # tolerance": the old default atol=1e-8 swallowed every small tensor.
+    import optax
+
+    rng = np.random.default_rng(4)
+    params = {"dense": {"kernel": rng.standard_normal((16, 8)).astype(np.float32)}}
+    state = optax.adam(1e-3).init(params)
+    nu1 = (rng.uniform(0.5, 1.5, (16, 8)) * 1e-9).astype(np.float32)
+    nu2 = (nu1 * np.float32(1.6)).astype(np.float32)
+    mu = (rng.standard_normal((16, 8)) * 1e-4).astype(np.float32)
+    trees = {}
+    with ocp.CheckpointManager(str(tmp_path / "run")) as mngr:
+        for step, nu in ((1, nu1), (2, nu2)):
+            opt = (state[0]._replace(count=np.int32(step), mu={"dense": {"kernel": mu}}, nu={"dense": {"kernel": nu}}),
+                   state[1])
+            trees[step] = opt
+            mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                    opt_state=ocp.args.StandardSave(opt)))
+        mngr.wait_until_finished()
+    out = diff_json(capsys, tmp_path / "run", "--step", "1", "--step", "2", "--values", "--item", "opt_state", rc=1)
+    got = {v["path"]: v for v in out["values"]}
+    (nu_path,) = [p for p in got if "nu" in p.split("/")]
+    v, w = got[nu_path], _numpy_values(nu1, nu2)
+    assert v["allclose"] is False and not v["bit_identical"]
+    assert (v["mismatched"], v["size"]) == (w["mismatched"], w["size"]) == (nu1.size, nu1.size)
+    np.testing.assert_allclose(v["rel_l2"], w["rel_l2"], rtol=1e-6)
+    assert w["rel_l2"] == pytest.approx(0.6, rel=1e-3)
+    np.testing.assert_allclose(v["max_abs_diff"], w["max_abs_diff"], rtol=1e-6)
+    (mu_path,) = [p for p in got if "mu" in p.split("/")]
+    assert got[mu_path]["bit_identical"] is True
+    assert out["atol"] == 0.0 and out["rtol"] == 1e-5
+    # The defaults are said where users look.
+    rc, help_text, _ = run(capsys, "diff", "--help")
+    assert rc == 0 and re.search(r"--atol ATOL\s+absolute tolerance .*\(default\s+0", help_text, re.S)
+    assert "Defaults atol 0, rtol 1e-5" in help_text
+
+
+def test_default_tolerance_takes_the_float32_fast_path():
+    # atol 0 (the default) must not send every float32 leaf down the float64 reference code.
+    from treetools.inspect.diff import _Rule
+    from treetools.inspect.options import DiffOptions
+
+    f32 = np.dtype(np.float32)
+    rule = _Rule.of(f32, f32, DiffOptions().atol, DiffOptions().rtol)
+    assert DiffOptions().atol == 0.0 and rule.work == f32

@@ -277,6 +277,11 @@ _SORT_KEYS: dict[str, Callable[[Row], Any]] = {
 }
 
 
+VALUE_SORTS = ("max_abs_diff", "rel_l2", "outside")
+"""The sort keys of value comparisons (``diff --values --sort``), most changed first; ``outside``: elements
+outside the tolerance."""
+
+
 def sort_rows(rows: Sequence[Row], by: str | None) -> list[Row]:
     """Rows sorted by ``path`` (ascending) or ``params``/``bytes`` (largest first).
 

@@ -31,11 +31,24 @@ outside |a - b| <= atol + rtol * |b| (numpy's rule; NaN equals NaN and Inf
 the same Inf, but a value that becomes NaN or Inf is always outside, and the
 non-finite counts of both sides are shown), the max absolute difference over
 elements finite on both sides, and the relative L2 difference ||a - b|| / ||a||.
-Integers and complex numbers are compared exactly. Defaults atol 1e-8, rtol 1e-5.
+Integers and complex numbers are compared exactly. Defaults atol 0, rtol 1e-5:
+a relative tolerance, so a tensor of tiny values (Adam's nu, around 1e-9) that
+changed by 60% is outside it; an element that is 0 on one side and not on the
+other is outside unless --atol allows it. The table lists the leaves that are
+not bit-identical ("outside tol" as a count and a share of the leaf's
+elements); --sort max_abs_diff|rel_l2|outside puts the most changed first.
+The table fits 100 columns: long paths are cut (JSON keeps them whole) and,
+where needed, the allclose column is left out, with a note.
+
+--depth K groups leaves by path prefixes of K parts (a dotted stored name
+splits on "."): the section titles count leaves and say how many groups
+they form; the verdict counts leaves.
 
 The last line is the verdict, with every count named: leaves added, removed,
 with changed metadata, with the same metadata and, with --values,
 bit-identical, within tolerance and outside tolerance.
+
+--format json prints one object, "schema": 1 (docs/json-schema.md).
 
 Exit codes (as GNU diff): 0 the checkpoints are the same (within tolerance);
 1 they differ; 2 trouble (usage, a missing or unreadable checkpoint).
@@ -60,6 +73,7 @@ from treetools.cli.options import (
     options_from,
     rules_from,
 )
+from treetools.rows import VALUE_SORTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,11 +84,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_item(parser)
     add_reading(parser)
     parser.add_argument("--values", action="store_true", help="also compare values, streamed in blocks")
-    parser.add_argument("--atol", type=nonneg_float, default=1e-8, help="absolute tolerance (default 1e-8)")
+    parser.add_argument("--atol", type=nonneg_float, default=0.0,
+                        help="absolute tolerance of |a - b| <= atol + rtol * |b| (default 0: relative only, so "
+                             "tensors of tiny values are compared to their own size)")
     parser.add_argument("--rtol", type=nonneg_float, default=1e-5, help="relative tolerance (default 1e-5)")
-    add_depth(parser, help="group the listing by path prefixes of K parts")
+    add_depth(parser, help="group the listing by path prefixes of K parts (titles count leaves and groups)")
     add_filters(parser, verb="compare only")
-    add_sort(parser, help="order of the listing")
+    add_sort(parser, help="order of the listing: path; params/bytes largest first; with --values, "
+                          f"{'/'.join(VALUE_SORTS)} most changed first", more=VALUE_SORTS)
     add_rules(parser)
     add_output_format(parser, ("table", "json", "markdown"))
 
@@ -96,6 +113,8 @@ def main(args: argparse.Namespace) -> int:
         return usage("--step all is for `inspect`; diff compares one step with another")
     if args.b is None and len(steps) != 2:
         return usage("with one checkpoint, give two steps: treetools diff RUN --step 100 --step 200")
+    if args.sort in VALUE_SORTS and not args.values:
+        return usage(f"--sort {args.sort} orders the value comparisons; add --values")
     try:
         rules = rules_from(args)
     except (ValueError, TypeError) as e:

@@ -54,9 +54,9 @@ def add_filters(parser: argparse.ArgumentParser, *, verb: str = "keep") -> None:
 
 
 def add_sort(parser: argparse.ArgumentParser, *, help: str = "row order (default: stored order; params/bytes: "
-             "largest first)") -> None:
-    """``--sort path|params|bytes``."""
-    parser.add_argument("--sort", choices=("path", "params", "bytes"), default=None, help=help)
+             "largest first)", more: Sequence[str] = ()) -> None:
+    """``--sort path|params|bytes``, and the command's own keys ``more`` (``diff``'s ``max_abs_diff`` ...)."""
+    parser.add_argument("--sort", choices=("path", "params", "bytes", *more), default=None, help=help)
 
 
 def add_depth(parser: argparse.ArgumentParser | Any, *, help: str) -> None:

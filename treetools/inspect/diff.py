@@ -8,7 +8,8 @@ both with the same shape is streamed block by block from both sides at once:
 
 * ``bit_identical``: the stored values are the same bits (NaN payloads included);
 * ``mismatched``: elements outside ``|a - b| <= atol + rtol * |b|`` (numpy's
-  rule), where NaN equals NaN and an infinity equals the same infinity, but a
+  rule; by default ``atol = 0`` and ``rtol = 1e-5``, so a tensor of tiny values, such
+  as Adam's ``nu`` around 1e-9, is compared relative to its own size), where NaN equals NaN and an infinity equals the same infinity, but a
   value that becomes NaN or Inf is always outside; integers and complex
   numbers are compared exactly (no float64 rounding of int64 beyond 2**53, no
   dropped imaginary part);
@@ -18,7 +19,8 @@ both with the same shape is streamed block by block from both sides at once:
 
 The verdict counts leaves as bit-identical, within tolerance, outside
 tolerance, added, removed and changed metadata; ``identical`` is what the
-CLI's exit code follows (GNU diff: 0 same, 1 different).
+CLI's exit code follows (GNU diff: 0 same, 1 different). ``to_json`` is the
+versioned object of ``docs/json-schema.md`` (schema ``SCHEMA``).
 """
 
 from __future__ import annotations
@@ -36,12 +38,15 @@ from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, is_numeric
 from treetools.ckpt.source import NO_VALUE, Leaf, Source, open_source, order_items
 from treetools.ckpt.stream import reduce_blocks
 from treetools.errors import CheckpointError
-from treetools.inspect.options import DiffOptions, resolve
+from treetools.inspect.options import DEFAULT_ATOL, DEFAULT_RTOL, DiffOptions, resolve
 from treetools.inspect.progress import Progress
 from treetools.patterns import select_any
-from treetools.render import json_safe, jsonable
-from treetools.rows import Row, aggregate_rows, sort_rows
+from treetools.render import json_object, jsonable
+from treetools.rows import VALUE_SORTS, Row, aggregate_rows, sort_rows
 from treetools.rules import Rules
+
+SCHEMA = 1
+"""Version of ``DiffReport.to_json`` (``docs/json-schema.md``)."""
 
 
 @dataclasses.dataclass
@@ -83,11 +88,30 @@ class ValueDiff:
     diff_sq: float = 0.0
     ref_sq: float = 0.0
     leaves: int = 1
+    same_leaves: int = -1
+    """Of ``leaves``, how many are bit-identical (a group's verdict counts leaves, not groups); -1: from
+    ``bit_identical`` (one leaf)."""
+    outside_leaves: int = -1
+    """Of ``leaves``, how many have elements outside the tolerance; -1: from ``allclose`` (one leaf)."""
+
+    def __post_init__(self) -> None:
+        if self.same_leaves < 0:
+            self.same_leaves = self.leaves if self.bit_identical else 0
+        if self.outside_leaves < 0:
+            self.outside_leaves = 0 if self.allclose else self.leaves
+
+    @property
+    def outside_fraction(self) -> float:
+        """The share of the ``size`` elements outside the tolerance (0 for an empty leaf)."""
+        return self.mismatched / self.size if self.size else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("diff_sq", "ref_sq", "leaves")}
+        hidden = ("diff_sq", "ref_sq", "leaves", "same_leaves", "outside_leaves")
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in hidden}
+        out["outside_fraction"] = self.outside_fraction
         if self.leaves != 1:
             out["num_leaves"] = self.leaves
+            out["bit_identical_leaves"], out["outside_leaves"] = self.same_leaves, self.outside_leaves
         return out
 
     def merge(self, other: "ValueDiff", path: str) -> "ValueDiff":
@@ -95,7 +119,8 @@ class ValueDiff:
         return ValueDiff(path, max(self.max_abs_diff, other.max_abs_diff), _rel(diff_sq, ref_sq),
                          self.allclose and other.allclose, self.mismatched + other.mismatched, self.size + other.size,
                          self.bit_identical and other.bit_identical, self.nonfinite_a + other.nonfinite_a,
-                         self.nonfinite_b + other.nonfinite_b, diff_sq, ref_sq, self.leaves + other.leaves)
+                         self.nonfinite_b + other.nonfinite_b, diff_sq, ref_sq, self.leaves + other.leaves,
+                         self.same_leaves + other.same_leaves, self.outside_leaves + other.outside_leaves)
 
 
 def _rel(diff_sq: float, ref_sq: float) -> float:
@@ -114,10 +139,12 @@ class DiffReport:
     changed: list[LeafChange]
     unchanged: int
     values: list[ValueDiff] | None = None
-    atol: float = 1e-8
-    rtol: float = 1e-5
+    atol: float = DEFAULT_ATOL
+    rtol: float = DEFAULT_RTOL
     notes: list[str] = dataclasses.field(default_factory=list)
     """Diagnostics for stderr (e.g. a hint to pass ``item``); not part of the JSON object."""
+    depth: int | None = None
+    """With ``depth``, ``added``, ``removed`` and ``values`` hold groups of leaves (each says how many)."""
 
     @property
     def identical(self) -> bool:
@@ -130,9 +157,10 @@ class DiffReport:
         out = {"added": sum(r.leaves for r in self.added), "removed": sum(r.leaves for r in self.removed),
                "changed_metadata": len(self.changed), "same_metadata": self.unchanged}
         if self.values is not None:
-            out["bit_identical"] = sum(v.leaves for v in self.values if v.bit_identical)
-            out["within_tolerance"] = sum(v.leaves for v in self.values if v.allclose and not v.bit_identical)
-            out["outside_tolerance"] = sum(v.leaves for v in self.values if not v.allclose)
+            same, outside = sum(v.same_leaves for v in self.values), sum(v.outside_leaves for v in self.values)
+            out["bit_identical"] = same
+            out["within_tolerance"] = sum(v.leaves for v in self.values) - same - outside
+            out["outside_tolerance"] = outside
         return out
 
     def verdict(self) -> str:
@@ -159,7 +187,7 @@ class DiffReport:
         if self.values is not None:
             out["atol"], out["rtol"] = self.atol, self.rtol
             out["values"] = [v.to_json() for v in self.values]
-        return json_safe(out)
+        return json_object(SCHEMA, out)
 
 
 def _kind(dtype: np.dtype) -> str:
@@ -223,6 +251,8 @@ _PIECE_ELEMS = 1 << 16
 (measured on 2 cores: 1 << 16 compares at 6 GB/s per core, 1 << 18 at 2.5, the whole 8 MiB block at 0.2)."""
 _ROW = 4096  # sums of squares in rows of this many float32 (accurate to ~1e-8), rows summed in float64
 _MARGIN = 1e-6  # float32 tolerance tests this far from the line are decided; nearer ones are redone in float64
+
+_F32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 
 _local = threading.local()
 
@@ -305,8 +335,9 @@ class _Rule:
         work = None
         if kind == "float":
             narrow = all(d.kind in "fV" and d.itemsize <= 4 for d in (da, db))  # float32, float16, bfloat16, float8
-            # The float32 margins assume a normal, finite tolerance; otherwise float64 decides every element.
-            plain = 1e-30 <= atol <= 1e30 and rtol <= 1e30
+            # The float32 margins assume a normal, finite tolerance (atol 0 too: tolerances that fall among
+            # float32's subnormals are then decided in float64, see `_mismatched`); otherwise float64 decides.
+            plain = (1e-30 <= atol <= 1e30 or (atol == 0 and rtol >= 1e-30)) and rtol <= 1e30
             work = np.dtype(np.float32) if narrow and plain else np.dtype(np.float64)
         return _Rule(kind, work, da == db, float(atol), float(rtol))
 
@@ -394,13 +425,20 @@ def _mismatched(a: np.ndarray, b: np.ndarray, d: np.ndarray, mx: float, rule: _R
     if surely == n:
         return n
     lo = bufs.lo[:n]
-    np.multiply(u, f32(rule.rtol * (1 - _MARGIN)), out=t)
+    low = f32(rule.rtol * (1 - _MARGIN))
+    np.multiply(u, low, out=t)
     np.add(t, f32(rule.atol * (1 - _MARGIN)), out=t)
     np.greater(d, t, out=lo)
     maybe = int(np.count_nonzero(lo))  # outside a slightly narrower one
-    if maybe == surely:
+    # With atol 0, a tolerance rtol * |b| among float32's subnormals has too few bits for the margin: an element
+    # of 0 < |b| < tiny / rtol that differs and is not surely outside is decided in float64 too (|b| = 0 is exact).
+    tiny = rule.atol * (1 - _MARGIN) < _F32_TINY and float(np.minimum.reduce(u)) < _F32_TINY / low
+    if maybe == surely and not tiny:
         return surely
-    near = np.flatnonzero(lo & ~hi)  # within the margin of the line: numpy's rule on the float64 values
+    doubt = lo & ~hi  # within the margin of the line: numpy's rule on the float64 values
+    if tiny:
+        doubt |= (u < f32(_F32_TINY / low)) & (d > 0) & ~hi
+    near = np.flatnonzero(doubt)
     xa, xb = a[near].astype(np.float64), b[near].astype(np.float64)
     return surely + int(np.count_nonzero(np.abs(xa - xb) > rule.atol + rule.rtol * np.abs(xb)))
 
@@ -410,7 +448,7 @@ def _result(acc: _Compared, path: str, size: int) -> ValueDiff:
                      acc.same_bits, acc.nonfinite_a, acc.nonfinite_b, acc.diff_sq, acc.ref_sq)
 
 
-def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = 1e-8, rtol: float = 1e-5,
+def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
                 progress: Progress | None = None) -> list[ValueDiff]:
     """Compare many pairs of stored arrays of one shape each, on all cores: one ``ValueDiff`` per pair.
@@ -440,7 +478,7 @@ def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = 1e-8, 
             for (a, _, path), p in zip(pairs, parts)]
 
 
-def value_diff(a: Leaf, b: Leaf, *, atol: float = 1e-8, rtol: float = 1e-5,
+def value_diff(a: Leaf, b: Leaf, *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES, path: str | None = None) -> ValueDiff:
     """Compare two stored arrays of one shape, streaming both in the same blocks (``value_diffs`` of one pair).
 
@@ -513,12 +551,33 @@ def _keep(names: dict[str, tuple[str, ...]], include: Sequence[str], exclude: Se
     return {k for k, kept in zip(keys, select_any([names[k] for k in keys], include, exclude)) if kept}
 
 
-def _group_values(values: list[ValueDiff], depth: int) -> list[ValueDiff]:
+def _group_values(values: list[ValueDiff], rows: dict[str, Row], depth: int) -> list[ValueDiff]:
+    """One ``ValueDiff`` per path prefix of ``depth`` parts, the parts ``aggregate_rows`` groups by (a dotted
+    stored name splits on ``.``), so value groups are named as the added and removed groups are."""
     groups: dict[str, ValueDiff] = {}
     for v in values:
-        key = "/".join(v.path.split("/")[:depth])
+        row = rows[v.path]
+        key = row.sep.join(row.path[:depth])
         groups[key] = groups[key].merge(v, key) if key in groups else dataclasses.replace(v, path=key)
     return list(groups.values())
+
+
+def sort_values(values: list[ValueDiff], by: str | None) -> list[ValueDiff]:
+    """``values`` in ``by`` order: ``path``; ``params``/``bytes`` (the largest first); ``max_abs_diff``,
+    ``rel_l2`` or ``outside`` (elements outside the tolerance): the most changed first, ties by path.
+
+    >>> v = [ValueDiff("a", 0.1, 0.5, False, 3, 10), ValueDiff("b", 0.2, 0.1, False, 1, 10)]
+    >>> [x.path for x in sort_values(v, "rel_l2")], [x.path for x in sort_values(v, "max_abs_diff")]
+    (['a', 'b'], ['b', 'a'])
+    """
+    keys = {"path": lambda v: v.path, "params": lambda v: (-v.size, v.path), "bytes": lambda v: (-v.size, v.path),
+            "max_abs_diff": lambda v: (-v.max_abs_diff, v.path), "rel_l2": lambda v: (-v.rel_l2, v.path),
+            "outside": lambda v: (-v.mismatched, -v.outside_fraction, v.path)}
+    if by is None:
+        return list(values)
+    if by not in keys:
+        raise ValueError(f"`sort` must be one of {', '.join(keys)}; got {by!r}.")
+    return sorted(values, key=keys[by])
 
 
 def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: Any) -> DiffReport:
@@ -547,6 +606,9 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     (['v'], [['shape']], False)
     """
     opts = resolve(DiffOptions, options, fields)
+    if opts.sort in VALUE_SORTS and not opts.values:
+        raise ValueError(f"`sort={opts.sort!r}` orders the value comparisons; pass `values=True`.")
+    row_sort = None if opts.sort in VALUE_SORTS else opts.sort  # added/removed leaves have no values
     step, step_a, step_b, item, include, exclude = opts.step, opts.step_a, opts.step_b, opts.item, opts.include, opts.exclude
     src_a = open_source(a, memory_budget=opts.memory_budget, prefix=opts.prefix)
     src_b = open_source(b, memory_budget=opts.memory_budget, prefix=opts.prefix)
@@ -594,13 +656,14 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     report = DiffReport(
         a=_describe(src_a, snap_a.step, next(iter(items_a)) if len(items_a) == 1 else item),
         b=_describe(src_b, snap_b.step, next(iter(items_b)) if len(items_b) == 1 else item),
-        added=sort_rows(aggregate_rows(added, opts.depth), opts.sort),
-        removed=sort_rows(aggregate_rows(removed, opts.depth), opts.sort),
+        added=sort_rows(aggregate_rows(added, opts.depth), row_sort),
+        removed=sort_rows(aggregate_rows(removed, opts.depth), row_sort),
         changed=changed,
         unchanged=sum(1 for p in flat_a if p in flat_b) - len(changed),
         atol=opts.atol,
         rtol=opts.rtol,
         notes=notes,
+        depth=opts.depth,
     )
     if opts.values:
         pairs = [(flat_a[p], flat_b[p], p) for p in same_shape]
@@ -611,12 +674,8 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
         finally:
             bar.close()
         if opts.depth is not None:
-            diffs = _group_values(diffs, opts.depth)
-        if opts.sort in ("params", "bytes"):
-            diffs.sort(key=lambda v: (-v.size, v.path))
-        elif opts.sort == "path":
-            diffs.sort(key=lambda v: v.path)
-        report.values = diffs
+            diffs = _group_values(diffs, {p: _renamed(flat_a[p].row, p) for p in same_shape}, opts.depth)
+        report.values = sort_values(diffs, opts.sort)
     return report
 
 

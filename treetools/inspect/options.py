@@ -18,6 +18,10 @@ from treetools.rules import Rules
 
 _O = TypeVar("_O", bound="ReadOptions")
 
+DEFAULT_ATOL, DEFAULT_RTOL = 0.0, 1e-5
+"""``diff``'s default tolerance ``|a - b| <= atol + rtol * |b|``: relative only, so that a tensor of small values
+(Adam's ``nu`` around 1e-9) is not "within tolerance" of anything else small."""
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReadOptions:
@@ -88,10 +92,12 @@ class DiffOptions(ReadOptions):
       prefix: the series of steps each side that is such a folder reads (``checkpoint_``, the default).
       item: compare only this item (a side with a single item uses that one).
       values: also compare values, streamed in blocks.
-      atol, rtol: the tolerance ``|a - b| <= atol + rtol * |b|``.
+      atol, rtol: the tolerance ``|a - b| <= atol + rtol * |b|`` (numpy's rule); default ``atol=0``,
+        ``rtol=1e-5``: relative, so a tensor of tiny values (Adam's ``nu``) is held to its own size.
       include, exclude: path regexes selecting the leaves compared.
       depth: group the results by path prefixes of ``depth`` parts.
-      sort: ``path``, ``params`` or ``bytes`` order of the listed leaves.
+      sort: ``path``, ``params`` or ``bytes`` order of the listed leaves; with ``values``, also
+        ``max_abs_diff``, ``rel_l2`` or ``outside`` (elements outside the tolerance): most changed first.
       rules: ``tt.Rules`` applied to A's leaves first (compare a renamed export with its source).
     """
 
@@ -101,8 +107,8 @@ class DiffOptions(ReadOptions):
     prefix: str | None = None
     item: str | None = None
     values: bool = False
-    atol: float = 1e-8
-    rtol: float = 1e-5
+    atol: float = DEFAULT_ATOL
+    rtol: float = DEFAULT_RTOL
     include: Sequence[str] = ()
     exclude: Sequence[str] = ()
     depth: int | None = None

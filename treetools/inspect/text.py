@@ -301,7 +301,12 @@ def _render_values(values: dict[str, Any], md: bool) -> str:
 
 
 def render_diff(report: DiffReport, fmt: str = "table") -> str:
-    """Render a ``DiffReport`` as ``table``, ``markdown`` or ``json``; the last line of a table is the verdict."""
+    """Render a ``DiffReport`` as ``table``, ``markdown`` or ``json``; the last line of a table is the verdict.
+
+    Section titles count leaves (with ``depth``, also the groups they form), as the verdict does. A table
+    fits ``WIDTH`` columns: path cells are cut to what is left, and the values table leaves out its
+    ``allclose`` column (saying so) where the paths would get too little room; markdown keeps paths whole.
+    """
     if fmt == "json":
         return json.dumps(report.to_json(), indent=2, allow_nan=False)
     if fmt not in ("table", "markdown"):
@@ -321,35 +326,103 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
         v = getattr(r, field)
         return "-" if v is None else safe_text(v, width=CELL_WIDTH)
 
-    def table(data: list[list[str]], headers: list[str]) -> str:
-        return tabulate(data, headers=headers, tablefmt="github" if md else "simple", disable_numparse=True)
+    def counted(leaves: int, groups: int | None = None) -> str:
+        text = f"{leaves:,} lea{'f' if leaves == 1 else 'ves'}"
+        if report.depth is not None and groups is not None:
+            text += f" (in {groups:,} group{'s' * (groups != 1)}, --depth {report.depth})"
+        return text
 
     sections: list[tuple[str, str | None]] = []
     for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
         if rows:
-            sections.append((f"{title}: {len(rows)}", table([[safe_text(r.name, width=CELL_WIDTH),
-                                                               format_shape(r.shape), safe_text(r.dtype or ""),
-                                                               f"{r.params:,}"] for r in rows],
-                                                             ["path", "shape", "dtype", "params"])))
+            data = [[r.name, _shape_cell(r), safe_text(r.dtype or ""), f"{r.params:,}"] for r in rows]
+            body, _ = _diff_table(data, ["path", "shape", "dtype", "params"], md)
+            sections.append((f"{title}: {counted(sum(r.leaves for r in rows), len(rows))}", body))
     if report.changed:
-        data = [[safe_text(c.path, width=CELL_WIDTH), f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)]
+        data = [[c.path, f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)]
                 for c in report.changed for f in c.fields]
-        sections.append((f"changed metadata: {len(report.changed)}", table(data, ["path", "field", "A", "B"])))
+        body, _ = _diff_table(data, ["path", "field", "A", "B"], md)
+        sections.append((f"changed metadata: {counted(len(report.changed))}", body))
     if report.values is not None:
         diffs = [v for v in report.values if not v.bit_identical]
-        body = table([[safe_text(v.path, width=CELL_WIDTH), f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}",
-                       f"{v.mismatched:,}",
-                       _nonfinite_change(v), "yes" if v.allclose else "no"]
-                      for v in diffs], ["path", "max_abs_diff", "rel_l2", "outside tol", "non-finite A->B", "allclose"]
-                     ) if diffs else None
-        sections.append((f"values (atol={report.atol:g}, rtol={report.rtol:g}): {len(report.values)} leaves compared",
-                         body))
+        compared = sum(v.leaves for v in report.values)
+        title = f"values (atol={report.atol:g}, rtol={report.rtol:g}): {counted(compared)} compared"
+        body = None
+        if diffs:
+            title += f", {counted(compared - sum(v.same_leaves for v in report.values), len(diffs))} not bit-identical"
+            headers = ["path", "max_abs", "rel_l2", "outside tol"]
+            data = [[v.path, f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", outside_text(v.mismatched, v.size)]
+                    for v in diffs]
+            if any(v.nonfinite_a or v.nonfinite_b for v in diffs):  # else a column of "-" only
+                headers.append("nonfinite A->B")
+                for line, v in zip(data, diffs):
+                    line.append(_nonfinite_change(v))
+            headers.append("allclose")
+            for line, v in zip(data, diffs):
+                line.append("yes" if v.allclose else "no")
+            body, dropped = _diff_table(data, headers, md, droppable=("allclose",))
+            if dropped:
+                body += f"\n(allclose left out to fit {WIDTH} columns: it is yes where outside tol is 0)"
+        sections.append((title, body))
     out = [f"- A: {side(report.a)}", f"- B: {side(report.b)}"] if md else [f"A: {side(report.a)}", f"B: {side(report.b)}"]
     for title, body in sections:
         # Markdown needs a blank line between a paragraph and a table.
         out += ["", title, *([""] if md and body else []), *([body] if body else [])]
     out += ["", report.verdict()]
     return "\n".join(out)
+
+
+def outside_text(count: int, size: int) -> str:
+    """Elements outside the tolerance, with their share of the leaf: ``1,234 (3.1%)``, ``0``.
+
+    >>> outside_text(1234, 40000), outside_text(1, 10**7), outside_text(5, 5), outside_text(0, 9)
+    ('1,234 (3.1%)', '1 (<0.1%)', '5 (100%)', '0')
+    """
+    if not count:
+        return "0"
+    pct = 100 * count / size if size else 100.0
+    if count == size:
+        share = "100%"
+    elif pct < 0.1:
+        share = "<0.1%"
+    elif pct > 99.9:
+        share = ">99.9%"
+    else:
+        share = f"{pct:.1f}%"
+    return f"{count:,} ({share})"
+
+
+DIFF_PATH_MIN = 40
+"""A diff table's path column keeps at least this many characters; below it, droppable columns go first."""
+
+
+def _diff_table(data: list[list[str]], headers: list[str], md: bool, droppable: Sequence[str] = ()
+                ) -> tuple[str, list[str]]:
+    """A diff section's table, path first (raw names, escaped here); returns it and the columns left out.
+
+    A terminal table fits ``WIDTH``: the path column gets what the other columns leave, cut with
+    ``safe_text(width=...)``; while that is under ``DIFF_PATH_MIN``, ``droppable`` columns are left out in
+    order. Markdown keeps every column and paths up to ``CELL_WIDTH``.
+    """
+    def render(keep: list[int], room: int, stand_in: str | None = None) -> str:
+        cells = [[stand_in or safe_text(row[0], width=room), *(row[i] for i in keep[1:])] for row in data]
+        return tabulate(cells, headers=[headers[i] for i in keep], tablefmt="github" if md else "simple",
+                        disable_numparse=True)
+
+    dropped: list[str] = []
+    keep = list(range(len(headers)))
+    if md:
+        return render(keep, CELL_WIDTH), dropped
+    while True:
+        keep = [i for i, h in enumerate(headers) if h not in dropped]
+        # What the other columns take: measured on a table whose path cells are 8 characters (wider than the
+        # header "path" with its padding, so the column is exactly 8 wide).
+        others = max(map(len, render(keep, 0, "x" * 8).splitlines())) - 8
+        room = max(WIDTH - others, 12)
+        left = [h for h in droppable if h in headers and h not in dropped]
+        if room >= DIFF_PATH_MIN or not left:
+            return render(keep, room), dropped
+        dropped.append(left[0])
 
 
 def _nonfinite_change(v: Any) -> str:
