@@ -131,3 +131,84 @@ def test_verify_lists_damage_of_any_format_and_goes_on_to_the_next_step(tmp_path
     assert main(["verify", str(shards / "model.safetensors")]) == 1
     out = capsys.readouterr().out
     assert "problem:" in out and "FAILED" in out
+
+
+# ---------------------------------------------------------------------------- issue 24, round 2
+
+
+def _root(path, steps=(1, 2)):
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=path, async_save=False)
+    for step in steps:
+        tt.save_checkpoint(mngr, step, {"params": _tree()})
+    mngr.close()
+    return path
+
+
+def test_verify_takes_several_paths(tmp_path, capsys):
+    # Issue 24, point 15: `treetools verify runs/a/checkpoints runs/b/checkpoints` was refused.
+    a, b = _root(tmp_path / "a" / "checkpoints"), _root(tmp_path / "b" / "checkpoints", steps=(5,))
+    tree_bytes = sum(x.nbytes for x in _tree().values())
+    assert main(["verify", str(a), str(b), "--step", "all"]) == 0
+    out = capsys.readouterr().out
+    sections = out.strip().split("\n\n")
+    assert len(sections) == 3  # one per PATH, then the summary
+    assert [line.split(":")[0] for line in sections[0].splitlines()] == ["ok", "ok"] and str(a) in sections[0]
+    assert sections[1].startswith(f"ok: {b} (step 5): ") and f"{tree_bytes:,} bytes" in sections[1]
+    assert sections[2] == "2 paths: 2 ok, 0 FAILED"
+    # One damaged PATH among good ones: exit 1, its problems in its own section, the others still checked.
+    folder = _plain(tmp_path)
+    _chunks(folder)[0].unlink()
+    assert main(["verify", str(a), str(folder), str(b)]) == 1
+    sections = capsys.readouterr().out.strip().split("\n\n")
+    assert sections[0].startswith(f"ok: {a} (step 2)")
+    assert sections[1].startswith("problem: ") and sections[1].splitlines()[-1].startswith(f"FAILED: {folder}")
+    assert sections[2].startswith(f"ok: {b} (step 5)")
+    assert sections[3] == f"3 paths: 2 ok, 1 FAILED ({folder})"
+    # A PATH that is not there: one error line naming it, the others checked, exit 1.
+    assert main(["verify", str(a), str(tmp_path / "nothing"), str(b)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [f"treetools: error: {tmp_path / 'nothing'}: no such file or folder."]
+    assert captured.out.count("ok: ") == 2 and "1 not verified" in captured.out
+    # JSON: one object, one entry per PATH, each with a list of steps.
+    assert main(["verify", str(a), str(folder), "--step", "all", "--format", "json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["schema"] == 1 and data["ok"] is False
+    assert [(p["path"], p["ok"], [c["step"] for c in p["checkpoints"]]) for p in data["paths"]] == [
+        (str(a), True, [1, 2]), (str(folder), False, [None])]
+    assert data["paths"][0]["checkpoints"][0]["bytes"] == tree_bytes
+
+
+def test_verify_step_all_names_unfinished_saves(tmp_path, capsys):
+    # Issue 24, point 26: `verify --step all` said ok without a word on the unfinished saves `inspect` lists.
+    root = _root(tmp_path / "run", steps=(1, 2, 3))
+    os.rename(root / "3", root / "3.orbax-checkpoint-tmp-1700000000")  # a save that died before its rename
+    shutil.copytree(root / "2", root / "4")  # a step folder without its commit marker
+    (root / "4" / "commit_success.txt").unlink()
+    meta = json.loads((root / "4" / "_CHECKPOINT_METADATA").read_text())
+    meta["commit_timestamp_nsecs"] = None
+    (root / "4" / "_CHECKPOINT_METADATA").write_text(json.dumps(meta))
+    inspect_rc = main(["inspect", str(root), "--format", "json"])
+    listed = json.loads(capsys.readouterr().out)["incomplete"]
+    assert inspect_rc == 0 and sorted(listed) == ["3.orbax-checkpoint-tmp-1700000000", "4"]
+    for argv in ([], ["--step", "all"]):
+        assert main(["verify", str(root), *argv]) == 0  # not damage: every committed step is whole
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert [line.split(" (step ")[1].split(")")[0] for line in lines if line.startswith("ok: ")] == (
+            ["1", "2"] if argv else ["2"])
+        assert lines[-1] == ("incomplete: 2 unfinished saves, not read (not damage): "
+                             f"{', '.join(listed)}"), lines
+    assert main(["verify", str(root), "--step", "all", "--format", "json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["paths"]
+    assert entry["incomplete"] == listed and entry["ok"] is True and entry["steps"] == [1, 2]
+
+
+def test_verify_an_npz_holding_a_float0_leaf(tmp_path, capsys):
+    # jax's float0 (the gradient of an integer leaf) has no bytes: verify raised ZeroDivisionError.
+    import jax
+
+    w = np.arange(5, dtype=np.float32)
+    np.savez(tmp_path / "grads.npz", grads=np.zeros((3,), dtype=jax.dtypes.float0), w=w)
+    report = verify_path(str(tmp_path / "grads.npz"))
+    assert report.ok and report.leaves == 2 and report.bytes == w.nbytes
+    assert main(["verify", str(tmp_path / "grads.npz")]) == 0
+    assert capsys.readouterr().out == f"ok: {tmp_path / 'grads.npz'}: 1 item(s), 2 leaves, {w.nbytes:,} bytes read and decoded.\n"

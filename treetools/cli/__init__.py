@@ -113,10 +113,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Known problems with what the user gave: one line, exit 1 (diff: 2, GNU diff's "trouble").
         if os.environ.get("TREETOOLS_DEBUG"):
             raise
-        code = 2 if command == "diff" else 1
-        if isinstance(e, OSError) and e.filename is not None and e.strerror:
-            _error(f"{e.filename}: {e.strerror}.")
-        else:
-            _error(str(e) or type(e).__name__)
-        return code
+        _error(error_text(e))
+        return 2 if command == "diff" else 1
     return int(code or 0)
+
+
+def error_text(e: BaseException) -> str:
+    """A known error as its one line: ``PATH: reason.`` for an OS error, else its message."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.filename}: {e.strerror}."
+    return str(e) or type(e).__name__

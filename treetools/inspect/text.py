@@ -17,7 +17,7 @@ from treetools.inspect.report import ItemReport, Report
 if TYPE_CHECKING:  # annotations only: `inspect` does not load the diff, verify and convert commands
     from treetools.inspect.convert import ConvertReport
     from treetools.inspect.diff import DiffReport
-    from treetools.inspect.verify import VerifyReport
+from treetools.inspect.verify import VerifyResult, results_json
 from treetools.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, safe_text, stat_value
 from treetools.rows import Row, Totals, format_count, format_shape, human
 
@@ -434,18 +434,35 @@ def _nonfinite_change(v: Any) -> str:
 # ---------------------------------------------------------------------------- verify
 
 
-def render_verify(reports: Sequence[VerifyReport], fmt: str = "table", *, many: bool = False) -> str:
-    """Render verify results: one ``problem:`` line per problem then the verdict, per step; or JSON.
-
-    ``many``: JSON is a list (``--step all``), else the one report's object.
+def render_verify(results: Sequence[VerifyResult], fmt: str = "table") -> str:
+    """Render what ``verify`` found at each PATH: per PATH a section of one ``problem:`` line per problem and
+    a verdict per step, then the unfinished saves of a root named on an ``incomplete:`` line (not damage);
+    with several PATHs, a blank line between sections and a last line summing them up. Or JSON: one object
+    (``results_json``). A PATH that could not be read at all (its ``error``, said on stderr) has no section.
     """
     if fmt == "json":
-        return json.dumps([r.to_json() for r in reports] if many else reports[0].to_json(), indent=2)
-    lines = []
-    for r in reports:
-        lines += [f"problem: {safe_text(problem)}" for problem in r.problems]
-        lines.append(safe_text(r.verdict()))
-    return "\n".join(lines)
+        return json.dumps(results_json(results), indent=2, allow_nan=False)
+    if fmt != "table":
+        raise ValueError(f"`fmt` must be one of table, json; got {fmt!r}.")
+    sections = []
+    for result in results:
+        if result.error is not None:
+            continue
+        lines = []
+        for r in result.reports:
+            lines += [f"problem: {safe_text(problem)}" for problem in r.problems]
+            lines.append(safe_text(r.verdict()))
+        if result.incomplete_line() is not None:
+            lines.append(safe_text(result.incomplete_line()))
+        sections.append("\n".join(lines))
+    if len(results) > 1:
+        failed = [r.path for r in results if not r.ok and r.error is None]
+        unread = [r.path for r in results if r.error is not None]
+        line = f"{len(results)} paths: {len(results) - len(failed) - len(unread)} ok, {len(failed)} FAILED"
+        line += f" ({', '.join(failed)})" if failed else ""
+        line += f", {len(unread)} not verified ({', '.join(unread)}: see the errors above)" if unread else ""
+        sections.append(safe_text(line))
+    return "\n\n".join(sections)
 
 
 # ---------------------------------------------------------------------------- convert

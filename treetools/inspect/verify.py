@@ -12,14 +12,17 @@ checkpoint layer every other reader uses:
 * safetensors and npz offsets and sizes are consistent (checked when the header is read).
 
 Problems are collected, not raised one at a time: ``VerifyReport.problems``
-lists every one, each a sentence naming the file or leaf.
+lists every one, each a sentence naming the file or leaf. ``verify_checkpoint``
+checks one PATH (one step, or every committed step) and returns a
+``VerifyResult``: its step reports, and the unfinished saves a root holds
+(named, never read, and not damage).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Sequence
 
 from treetools.ckpt.readers import MemoryBudgetError
 from treetools.ckpt.source import Item, Source, open_source
@@ -27,6 +30,10 @@ from treetools.ckpt.stream import Failed, reduce_blocks
 from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.inspect.options import VerifyOptions, resolve
 from treetools.inspect.progress import Progress
+from treetools.render import json_object
+
+SCHEMA = 1
+"""Version of ``verify``'s JSON object (``VerifyResult.to_json``, ``results_json``; ``docs/json-schema.md``)."""
 
 
 @dataclasses.dataclass
@@ -57,13 +64,68 @@ class VerifyReport:
                 "leaves": self.leaves, "bytes": self.bytes, "problems": self.problems}
 
 
+@dataclasses.dataclass
+class VerifyResult:
+    """What ``treetools verify`` found at one PATH: a report per step checked, and the unfinished saves there.
+
+    Attributes:
+      path: the PATH as given.
+      format: the format that read it (``?`` when its header could not be read at all).
+      steps: the committed steps of a root, ascending; None for a single checkpoint.
+      incomplete: unfinished saves of a root (tmp folders, no commit marker): named, never read, not damage.
+      reports: one ``VerifyReport`` per step checked (the step asked, or every committed one).
+      notes: diagnostics for stderr (a step pruned while it was checked).
+      error: why nothing could be verified at this PATH (missing, not a checkpoint); None when it was read.
+    """
+
+    path: str
+    format: str
+    steps: list[int] | None = None
+    incomplete: list[str] = dataclasses.field(default_factory=list)
+    reports: list[VerifyReport] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Every step checked is whole (unfinished saves do not count: they are not checkpoints yet)."""
+        return self.error is None and all(r.ok for r in self.reports)
+
+    def incomplete_line(self) -> str | None:
+        """One line naming the unfinished saves, or None when there are none."""
+        if not self.incomplete:
+            return None
+        n = len(self.incomplete)
+        return f"incomplete: {n} unfinished save{'s' * (n != 1)}, not read (not damage): {', '.join(self.incomplete)}"
+
+    def to_json(self) -> dict[str, Any]:
+        """This PATH's entry of the JSON object: the path, its steps and unfinished saves, one entry per step
+        (``error`` only where nothing could be verified)."""
+        out = {"path": self.path, "format": self.format, "steps": self.steps, "incomplete": self.incomplete,
+               "ok": self.ok, "checkpoints": [{k: v for k, v in r.to_json().items() if k not in ("path", "format")}
+                                              for r in self.reports]}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def results_json(results: Sequence[VerifyResult]) -> dict[str, Any]:
+    """``verify --format json``: one object for any number of PATHs and steps, ``"schema": SCHEMA``.
+
+    >>> results_json([VerifyResult("w.npz", "npz", reports=[VerifyReport("w.npz", "npz", None)])])["ok"]
+    True
+    """
+    return json_object(SCHEMA, {"ok": all(r.ok for r in results), "paths": [r.to_json() for r in results]})
+
+
 def _read_leaves(items: list[Item], report: VerifyReport, chunk_bytes: int, progress: bool | None) -> None:
     """Decode every block of every leaf of ``items`` once, on all cores (the block engine); count what came back."""
     todo = []
     for item in items:
         for leaf in item.leaves:
             report.leaves += 1
-            if leaf.reader is not None:
+            # A dtype of no bytes (jax's float0: the "gradient" of an integer leaf) stores nothing to read.
+            if leaf.reader is not None and leaf.reader.dtype.itemsize > 0:
                 todo.append((item, leaf))
     bar = Progress(sum(leaf.row.bytes for _, leaf in todo), enabled=progress)
     try:
@@ -131,14 +193,19 @@ def verify_steps(path: str, options: VerifyOptions | None = None, /,
     Raises:
       CheckpointError: every listed step went while it was checked, or not a checkpoint at all.
     """
-    opts = resolve(VerifyOptions, options, fields)
+    reports, notes, _ = _verify_steps(path, resolve(VerifyOptions, options, fields))
+    return reports, notes
+
+
+def _verify_steps(path: str, opts: VerifyOptions) -> tuple[list[VerifyReport], list[str], Source | VerifyReport]:
+    """``verify_steps``, and the source it listed last (or the failed report of a damaged single file)."""
     notes: list[str] = []
     for _ in range(3):  # every listed step pruned while checked (a fast manager): list again, a few times
         source = _open(path, opts)
         if isinstance(source, VerifyReport):
-            return [source], notes
+            return [source], notes, source
         if source.steps is None:
-            return [_verify(source, source.resolve(None), opts)], notes
+            return [_verify(source, source.resolve(None), opts)], notes, source
         reports = []
         for step in source.steps:
             try:
@@ -146,8 +213,36 @@ def verify_steps(path: str, options: VerifyOptions | None = None, /,
             except StepDeletedError as e:
                 notes.append(f"{e} Not verified.")
         if reports:
-            return reports, notes
+            return reports, notes, source
     raise CheckpointError(f"{source.path}: every listed step was deleted while it was being verified; run again.")
+
+
+def verify_checkpoint(path: str, options: VerifyOptions | None = None, /, **fields: Any) -> VerifyResult:
+    """Check one PATH: the step ``options.step`` names (None: the latest committed one; ``"all"``: every
+    committed one, as ``verify_steps``), and name the unfinished saves of a root; nothing is written.
+
+    Returns:
+      A ``VerifyResult``; ``.ok`` is True when every step checked is whole.
+
+    Raises:
+      CheckpointNotFoundError: no such path or step.
+      CheckpointError: not a checkpoint at all.
+
+    >>> import numpy as np, tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "w.npz"); np.savez(f, w=np.ones(3))
+    >>> r = verify_checkpoint(f); (r.ok, r.steps, r.incomplete, len(r.reports))
+    (True, None, [], 1)
+    """
+    opts = resolve(VerifyOptions, options, fields)
+    if opts.step == "all":
+        reports, notes, source = _verify_steps(path, dataclasses.replace(opts, step=None))
+    else:
+        source = _open(path, opts)
+        notes = []
+        reports = [source if isinstance(source, VerifyReport) else _verify(source, source.resolve(opts.step), opts)]
+    if isinstance(source, VerifyReport):  # a single file whose header is damaged
+        return VerifyResult(path, source.format, None, [], reports, notes)
+    return VerifyResult(path, source.format, source.steps, list(source.incomplete), reports, notes)
 
 
 def _open(path: str, opts: VerifyOptions) -> Source | VerifyReport:
