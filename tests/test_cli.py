@@ -485,3 +485,25 @@ def test_step_all_stats_columns_equal_numpy_per_step(tmp_path, capsys):
             want = [np.std(truth[s][leaf].astype(np.float64)) if stat == "std"
                     else np.abs(truth[s][leaf].astype(np.float64)).max() for s in (10, 20, 30)]
             assert row[1:] == [f"{w:.4g}" for w in want], (stat, leaf)
+
+
+def test_stats_columns_implies_stats(tmp_path, capsys):
+    # Issue 24, point 8: `--stats-columns` without `--stats` was silently ignored (metadata only, no column).
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((6, 5)).astype(np.float32)
+    w[0, :3] = 0
+    np.savez(tmp_path / "w.npz", w=w)
+    rc, text, err = run(capsys, "inspect", tmp_path / "w.npz", "--stats-columns", "l2,zeros")
+    assert rc == 0, err
+    header = next(line for line in text.splitlines() if line.startswith("path"))
+    assert header.split()[-2:] == ["l2", "zeros"]
+    row = next(line for line in text.splitlines() if line.split()[:1] == ["w"]).split()
+    assert float(row[-2]) == pytest.approx(float(np.linalg.norm(w.astype(np.float64))), rel=1e-3)  # 4 digits shown
+    assert int(row[-1]) == int((w == 0).sum()) == 3
+    # In JSON too: every statistic, as with --stats.
+    data = inspect_json(capsys, tmp_path / "w.npz", "--stats-columns", "l2")
+    stats = data["checkpoints"][0]["items"]["default"]["leaves"][0]["stats"]
+    assert stats["l2"] == pytest.approx(float(np.linalg.norm(w.astype(np.float64))), rel=1e-6)
+    assert stats == pytest.approx(numpy_stats(w), rel=1e-5, abs=1e-6)
+    rc, help_text, _ = run(capsys, "inspect", "--help")
+    assert "implies --stats" in " ".join(help_text.split())

@@ -23,6 +23,7 @@ blocks (TREETOOLS_CHUNK_BYTES, default 8 MiB; a compressed storage chunk is
 always decoded whole) and reports the statistics listed under --stats: the
 floats over the finite elements (std is the population one), the counts over
 all. In JSON a float that is NaN or infinite is written as null.
+--stats-columns COLS picks the statistics the table shows, and implies --stats.
 
 The default view fits a screen: the step's saved time and metrics, then one
 section per item (params first, then EMA params, optimizer state, the rest),
@@ -94,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_sort(parser)
     parser.add_argument("--stats", action="store_true", help=f"stream every array: {' '.join(STATS)}")
     parser.add_argument("--stats-columns", type=stat_columns, default=None, metavar="COLS",
-                        help="comma-separated statistics to show with --stats (default "
+                        help="comma-separated statistics to show (implies --stats; default "
                              f"{','.join(DEFAULT_STAT_COLUMNS)}; any of {','.join(STAT_COLUMNS)} or `all`); "
                              "JSON always has every statistic")
     parser.add_argument("--fail-on-nonfinite", action="store_true",
@@ -181,7 +182,8 @@ def main(args: argparse.Namespace) -> int:
         _output.error(e, prog="treetools inspect")  # a malformed flag: usage
         return 2
     summary = args.format in ("table", "markdown") and args.depth is None and not args.leaves
-    options = options_from(args, InspectOptions, stats=args.stats or args.fail_on_nonfinite,
+    stats = args.stats or args.fail_on_nonfinite or args.stats_columns is not None  # both imply --stats
+    options = options_from(args, InspectOptions, stats=stats,
                            rows_per_item=ROWS_PER_ITEM if summary else None, rules=rules)
     report = inspect_path(args.path, options)
     for note in report.notes:
