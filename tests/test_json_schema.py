@@ -1,4 +1,4 @@
-"""docs/json-schema.md is the contract of `inspect --format json`: real output validates against it."""
+"""docs/json-schema.md is the contract of every command's `--format json`: real output validates against it."""
 
 from __future__ import annotations
 
@@ -17,9 +17,25 @@ from treetools.cli import main
 DOC = Path(__file__).parent.parent / "docs" / "json-schema.md"
 
 
-def _schema() -> dict:
-    blocks = re.findall(r"```json\n(.*?)```", DOC.read_text(), flags=re.S)
-    return json.loads(blocks[-1])  # the JSON Schema is the last block; the first is the example
+def _schema(command: str = "inspect") -> dict:
+    """The JSON Schema of ``command``: the JSON block under the heading ``### JSON Schema: COMMAND``."""
+    text = DOC.read_text()
+    section = text.split(f"### JSON Schema: {command}\n", 1)[1]
+    return json.loads(re.search(r"```json\n(.*?)```", section, flags=re.S).group(1))
+
+
+def _example(command: str) -> dict:
+    """The example object of ``command``'s section (its first JSON block)."""
+    section = re.split(r"^## ", DOC.read_text(), flags=re.M)
+    (body,) = [s for s in section if s.startswith(f"`treetools {command} --format json`")]
+    return json.loads(re.search(r"```json\n(.*?)```", body, flags=re.S).group(1))
+
+
+def _json(capsys, *argv, rc: int = 0) -> dict:
+    got = main([str(a) for a in argv] + ["--format", "json"])
+    out = capsys.readouterr().out
+    assert got == rc, out
+    return json.loads(out)
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +63,9 @@ def test_real_output_validates(root, capsys, extra):
         assert last["items"]["data_iter"]["value"] == {"index": 2}
 
 
-def test_example_in_the_doc_validates_too():
-    example = json.loads(re.findall(r"```json\n(.*?)```", DOC.read_text(), flags=re.S)[0])
-    jsonschema.validate(example, _schema())
+@pytest.mark.parametrize("command", ["inspect", "diff", "verify"])
+def test_example_in_the_doc_validates_too(command):
+    jsonschema.validate(_example(command), _schema(command))
 
 
 def test_single_file_has_null_steps(tmp_path, capsys):
@@ -58,3 +74,45 @@ def test_single_file_has_null_steps(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     jsonschema.validate(out, _schema())
     assert out["steps"] is None and out["checkpoints"][0]["step"] is None
+
+
+# Issue 24, point 13: `diff` and `verify` JSON had no `schema` key, and `verify --step all` printed an array.
+
+
+@pytest.mark.parametrize("extra", [[], ["--values"], ["--values", "--depth", "1"], ["--values", "--sort", "rel_l2"]])
+def test_diff_output_validates(root, capsys, extra):
+    out = _json(capsys, "diff", root, "--step", "1", "--step", "2", *extra, rc=1)
+    jsonschema.validate(out, _schema("diff"))
+    assert list(out)[0] == "schema" and out["schema"] == 1
+    assert (out["a"]["step"], out["b"]["step"]) == (1, 2)
+    if "--values" in extra:
+        # Leaves: params/Dense_0/{kernel,bias} (kernel changed 1 -> 2 everywhere, bias the same) and data_iter/index.
+        assert out["counts"]["bit_identical"] + out["counts"]["within_tolerance"] + \
+            out["counts"]["outside_tolerance"] == sum(v.get("num_leaves", 1) for v in out["values"])
+        assert out["counts"]["outside_tolerance"] == 1
+
+
+@pytest.mark.parametrize("extra", [[], ["--step", "all"], ["--step", "1"]])
+def test_verify_output_is_one_object_for_one_step_or_many(root, capsys, extra):
+    out = _json(capsys, "verify", root, *extra)
+    jsonschema.validate(out, _schema("verify"))
+    assert list(out)[0] == "schema" and out["schema"] == 1 and out["ok"] is True
+    (entry,) = out["paths"]
+    assert entry["path"] == str(root) and entry["steps"] == [1, 2] and entry["incomplete"] == []
+    want = {"--step all": [1, 2], "--step 1": [1]}.get(" ".join(extra), [2])
+    assert [c["step"] for c in entry["checkpoints"]] == want
+    assert all(c["ok"] and c["problems"] == [] for c in entry["checkpoints"])
+
+
+def test_verify_output_of_several_paths_and_a_missing_one_validates(root, tmp_path, capsys):
+    np.savez(tmp_path / "w.npz", w=np.ones(3, np.float32))
+    out = _json(capsys, "verify", root, tmp_path / "w.npz", tmp_path / "missing.npz", rc=1)
+    jsonschema.validate(out, _schema("verify"))
+    assert [p["path"] for p in out["paths"]] == [str(root), str(tmp_path / "w.npz"), str(tmp_path / "missing.npz")]
+    assert [p["ok"] for p in out["paths"]] == [True, True, False] and out["ok"] is False
+    assert "missing.npz" in out["paths"][2]["error"] and out["paths"][1]["checkpoints"][0]["bytes"] == 12
+
+
+def test_convert_output_has_its_schema_first(root, tmp_path, capsys):
+    out = _json(capsys, "convert", root, tmp_path / "m.safetensors")
+    assert list(out)[0] == "schema" and out["schema"] == 1 and out["ok"] is True
