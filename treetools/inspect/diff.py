@@ -265,7 +265,7 @@ def _scratch(dtype: np.dtype) -> Any:
         bufs = type("Scratch", (), {})()
         bufs.a, bufs.b, bufs.d = (np.empty(_PIECE_ELEMS, dtype) for _ in range(3))
         bufs.t, bufs.u = np.empty(_PIECE_ELEMS, dtype), np.empty(_PIECE_ELEMS, dtype)
-        bufs.hi, bufs.lo = np.empty(_PIECE_ELEMS, bool), np.empty(_PIECE_ELEMS, bool)
+        bufs.hi, bufs.lo, bufs.small = (np.empty(_PIECE_ELEMS, bool) for _ in range(3))
         setattr(_local, key, bufs)
     return bufs
 
@@ -432,12 +432,22 @@ def _mismatched(a: np.ndarray, b: np.ndarray, d: np.ndarray, mx: float, rule: _R
     maybe = int(np.count_nonzero(lo))  # outside a slightly narrower one
     # With atol 0, a tolerance rtol * |b| among float32's subnormals has too few bits for the margin: an element
     # of 0 < |b| < tiny / rtol that differs and is not surely outside is decided in float64 too (|b| = 0 is exact).
-    tiny = rule.atol * (1 - _MARGIN) < _F32_TINY and float(np.minimum.reduce(u)) < _F32_TINY / low
+    tiny = False
+    if rule.atol * (1 - _MARGIN) < _F32_TINY and float(np.minimum.reduce(u)) < _F32_TINY / low:
+        # |b|'s bits less one, as unsigned integers (ordered as the floats, with 0 wrapping to the top): their
+        # minimum is the smallest nonzero |b|, so the exact zeros of a sparse piece are told apart in two passes.
+        below = np.uint32(np.float32(_F32_TINY / low).view(np.uint32) - 1)
+        w = t.view(np.uint32)  # t is free now
+        np.subtract(u.view(np.uint32), np.uint32(1), out=w)
+        if np.minimum.reduce(w) < below:
+            small = bufs.small[:n]
+            np.less(w, below, out=small)  # 0 < |b| < tiny / rtol
+            tiny = True
     if maybe == surely and not tiny:
         return surely
     doubt = lo & ~hi  # within the margin of the line: numpy's rule on the float64 values
     if tiny:
-        doubt |= (u < f32(_F32_TINY / low)) & (d > 0) & ~hi
+        doubt |= small & (d > 0) & ~hi
     near = np.flatnonzero(doubt)
     xa, xb = a[near].astype(np.float64), b[near].astype(np.float64)
     return surely + int(np.count_nonzero(np.abs(xa - xb) > rule.atol + rule.rtol * np.abs(xb)))
