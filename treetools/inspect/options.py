@@ -118,8 +118,8 @@ class DiffOptions(ReadOptions):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerifyOptions(ReadOptions):
-    """What ``verify_path`` checks: one step of a checkpoint root (None: the latest committed one), of the
-    series ``prefix`` in a folder holding several."""
+    """What ``verify_path`` checks: one step of a checkpoint root (None: the latest committed one; with
+    ``verify_checkpoint``, ``"all"``: every committed one), of the series ``prefix`` in a folder holding several."""
 
     step: int | str | None = None
     prefix: str | None = None
