@@ -182,7 +182,8 @@ def main(args: argparse.Namespace) -> int:
         _output.error(e, prog="treetools inspect")  # a malformed flag: usage
         return 2
     summary = args.format in ("table", "markdown") and args.depth is None and not args.leaves
-    stats = args.stats or args.fail_on_nonfinite or args.stats_columns is not None  # both imply --stats
+    # --fail-on-nonfinite and --stats-columns imply --stats
+    stats = args.stats or args.fail_on_nonfinite or args.stats_columns is not None
     options = options_from(args, InspectOptions, stats=stats,
                            rows_per_item=ROWS_PER_ITEM if summary else None, rules=rules)
     report = inspect_path(args.path, options)

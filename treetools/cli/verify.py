@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools verify --help` does not need.
     from treetools.inspect.options import VerifyOptions
     from treetools.inspect.text import render_verify
-    from treetools.inspect.verify import VerifyResult, verify_checkpoint
+    from treetools.inspect.verify import VerifyResult, VerifyRun, verify_checkpoint
 
     options = options_from(args, VerifyOptions)
     results = []
@@ -64,5 +64,6 @@ def main(args: argparse.Namespace) -> int:
         for note in result.notes:
             _output.note(note)  # a step pruned while it was checked: not damage
         results.append(result)
-    _output.out(render_verify(results, args.format))
-    return 0 if all(r.ok for r in results) else 1
+    run = VerifyRun(results)
+    _output.out(render_verify(run, args.format))
+    return 0 if run.ok else 1

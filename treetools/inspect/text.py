@@ -17,7 +17,7 @@ from treetools.inspect.report import ItemReport, Report
 if TYPE_CHECKING:  # annotations only: `inspect` does not load the diff, verify and convert commands
     from treetools.inspect.convert import ConvertReport
     from treetools.inspect.diff import DiffReport
-from treetools.inspect.verify import VerifyResult, results_json
+    from treetools.inspect.verify import VerifyRun
 from treetools.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, safe_text, stat_value
 from treetools.rows import Row, Totals, format_count, format_shape, human
 
@@ -434,14 +434,15 @@ def _nonfinite_change(v: Any) -> str:
 # ---------------------------------------------------------------------------- verify
 
 
-def render_verify(results: Sequence[VerifyResult], fmt: str = "table") -> str:
+def render_verify(run: VerifyRun, fmt: str = "table") -> str:
     """Render what ``verify`` found at each PATH: per PATH a section of one ``problem:`` line per problem and
     a verdict per step, then the unfinished saves of a root named on an ``incomplete:`` line (not damage);
     with several PATHs, a blank line between sections and a last line summing them up. Or JSON: one object
-    (``results_json``). A PATH that could not be read at all (its ``error``, said on stderr) has no section.
+    (``VerifyRun.to_json``). A PATH that could not be read at all (its ``error``, said on stderr) has no section.
     """
+    results = run.results
     if fmt == "json":
-        return json.dumps(results_json(results), indent=2, allow_nan=False)
+        return json.dumps(run.to_json(), indent=2, allow_nan=False)
     if fmt != "table":
         raise ValueError(f"`fmt` must be one of table, json; got {fmt!r}.")
     sections = []

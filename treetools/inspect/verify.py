@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any
 
 from treetools.ckpt.readers import MemoryBudgetError
 from treetools.ckpt.source import Item, Source, open_source
@@ -33,7 +33,7 @@ from treetools.inspect.progress import Progress
 from treetools.render import json_object
 
 SCHEMA = 1
-"""Version of ``verify``'s JSON object (``VerifyResult.to_json``, ``results_json``; ``docs/json-schema.md``)."""
+"""Version of ``verify``'s JSON object (``VerifyRun.to_json``; ``docs/json-schema.md``)."""
 
 
 @dataclasses.dataclass
@@ -109,13 +109,24 @@ class VerifyResult:
         return out
 
 
-def results_json(results: Sequence[VerifyResult]) -> dict[str, Any]:
-    """``verify --format json``: one object for any number of PATHs and steps, ``"schema": SCHEMA``.
+@dataclasses.dataclass
+class VerifyRun:
+    """What ``treetools verify PATH...`` found: one ``VerifyResult`` per PATH, in the order given."""
 
-    >>> results_json([VerifyResult("w.npz", "npz", reports=[VerifyReport("w.npz", "npz", None)])])["ok"]
-    True
-    """
-    return json_object(SCHEMA, {"ok": all(r.ok for r in results), "paths": [r.to_json() for r in results]})
+    results: list[VerifyResult]
+
+    @property
+    def ok(self) -> bool:
+        """Every PATH was read and every step checked is whole: the CLI's exit code 0."""
+        return all(r.ok for r in self.results)
+
+    def to_json(self) -> dict[str, Any]:
+        """``verify --format json``: one object for any number of PATHs and steps, ``"schema": SCHEMA``.
+
+        >>> VerifyRun([VerifyResult("w.npz", "npz", reports=[VerifyReport("w.npz", "npz", None)])]).to_json()["ok"]
+        True
+        """
+        return json_object(SCHEMA, {"ok": self.ok, "paths": [r.to_json() for r in self.results]})
 
 
 def _read_leaves(items: list[Item], report: VerifyReport, chunk_bytes: int, progress: bool | None) -> None:
