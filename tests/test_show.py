@@ -204,3 +204,10 @@ def test_show_with_stats_prints_the_statistics_of_what_it_shows(train_state_root
     assert main(["inspect", str(root), "--show", "params/layers_0/qkv/kernel[1:]", "--stats-columns", "min,max"]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.startswith("stats: min=") and f"max={want.max():.4g}" in line and "mean" not in line
+
+
+def test_show_json_writes_nan_and_inf_as_null(tmp_path, capsys):
+    np.savez(tmp_path / "w.npz", w=np.array([1.0, np.nan, np.inf], np.float32))
+    assert main(["inspect", str(tmp_path / "w.npz"), "--show", "w", "--format", "json"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out, parse_constant=lambda c: pytest.fail(f"invalid JSON constant {c}"))["value"] == [1.0, None, None]

@@ -69,7 +69,7 @@ from treetools.cli.options import (
     rules_from,
 )
 from treetools.errors import CheckpointError
-from treetools.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, STAT_COLUMNS, jsonable, safe_text
+from treetools.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, STAT_COLUMNS, json_object, jsonable, safe_text
 from treetools.rows import STATS
 
 FORMATS = ("table", "json", "markdown", "tree")
@@ -159,7 +159,7 @@ def _show(args: argparse.Namespace) -> int:
             lines.append("stats: " + "  ".join(f"{c}={format_stat(values[c])}" for c in columns if c in values))
     if args.format == "json":
         body = entries[0] if args.step != "all" else {"steps": entries}
-        _output.out(json.dumps({"schema": 1, **body}, default=str))
+        _output.out(json.dumps(json_object(1, body), default=str))  # NaN/Inf as null, as every command's JSON
     else:
         _output.out("\n".join(lines))
     if args.fail_on_nonfinite and nonfinite:
