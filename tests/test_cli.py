@@ -169,6 +169,30 @@ def test_usage_errors_exit_2(argv, capsys, tmp_path):
     assert rc == 2 and out == "" and ("usage" in err or "error" in err)
 
 
+def test_a_mistyped_option_is_named_with_the_option_it_is_close_to(capsys, tmp_path):
+    # Issue 24.23: `--itme` got the top-level usage and no hint; now the subcommand's usage and the fix.
+    f = tmp_path / "w.npz"
+    np.savez(f, w=np.ones(2))
+    rc, out, err = run(capsys, "inspect", f, "--itme", "params")
+    assert rc == 2 and out == ""
+    assert err.startswith("usage: treetools inspect ")
+    assert err.splitlines()[-1] == ("treetools inspect: error: unrecognized arguments: --itme params; "
+                                    "did you mean --item?")
+    rc, _, err = run(capsys, "diff", f, f, "--atoll=1e-3")
+    assert rc == 2 and err.startswith("usage: treetools diff ") and "did you mean --atol?" in err
+    rc, _, err = run(capsys, "inspct", f)
+    assert rc == 2 and err.splitlines()[-1].endswith("; did you mean inspect?")
+
+
+def test_bare_treetools_prints_the_help_and_exits_2(capsys):
+    # Issue 24.23: no command printed an error; now the whole help (on stderr: a missing command is usage, exit 2).
+    rc, out, err = run(capsys)
+    _, help_out, _ = run(capsys, "--help")
+    assert rc == 2 and out == ""
+    assert err == help_out and "error" not in err.split("Exit codes")[0]
+    assert all(name in err for name in cli.COMMANDS)
+
+
 def test_version_and_help_return_0(capsys):
     assert run(capsys, "--version")[0] == 0
     rc, out, _ = run(capsys, "inspect", "--help")

@@ -22,7 +22,7 @@ import sys
 from typing import Sequence
 
 import treetools
-from treetools.cli import _output
+from treetools.cli import _args, _output
 from treetools.errors import CheckpointError, CheckpointNotFoundError, PatternError
 
 
@@ -59,8 +59,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="PyTree toolkit for JAX/Flax/Optax/Orbax trainers.",
-        epilog="Run `treetools COMMAND --help` for a command's options. Exit codes: 0 ok, 1 error "
-               "(missing/corrupt/not a checkpoint), 2 usage, 3 non-finite values (--fail-on-nonfinite).",
+        epilog="Run `treetools COMMAND --help` for a command's options (`treetools` alone prints this help, exit "
+               "2). Exit codes: 0 ok, 1 error (missing/corrupt/not a checkpoint), 2 usage, 3 non-finite values "
+               "(--fail-on-nonfinite).",
     )
     # treetools.__version__, not importlib.metadata (which costs every command 5-8 ms of imports).
     parser.add_argument("--version", action="version", version=f"%(prog)s {treetools.__version__}")
@@ -71,7 +72,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             module = importlib.import_module(module_name)
             module.add_arguments(sp)
             sp.description = module.__doc__
-            sp.set_defaults(_main=module.main)
+            sp.set_defaults(_main=module.main, _parser=sp)
     return parser
 
 
@@ -86,16 +87,39 @@ def _error(message: str) -> int:
     return 1
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with the fix in its usage errors: a mistyped command or option is named with
+    the one it is close to ("did you mean --item?"), by the subcommand whose option it is (its usage line).
+
+    Raises:
+      SystemExit: 2 on a usage error (argparse's own exit), 0 after ``--help``.
+    """
+    word = next((w for w in argv if not w.startswith("-")), None)
+    if command is None and word is not None:
+        close = _args.closest(word, COMMANDS)
+        parser.error(f"argument COMMAND: invalid choice: {word!r} (choose from {', '.join(COMMANDS)})"
+                     + (f"; did you mean {close}?" if close else ""))
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        sub = getattr(args, "_parser", parser)
+        sub.error(_args.unrecognized(sub, extras))
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``treetools`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
 
-    Never raises ``SystemExit``: ``--help`` returns 0, a usage error 2.
+    Never raises ``SystemExit``: ``--help`` returns 0, a usage error 2. ``treetools`` alone prints the help (on
+    stderr: no command is a usage error, exit 2).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
     try:
         parser = build_parser(command)
-        args = parser.parse_args(argv)
+        if not argv:
+            parser.print_help(sys.stderr)
+            return 2
+        args = _parse(parser, argv, command)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:

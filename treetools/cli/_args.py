@@ -13,8 +13,9 @@ argparse.ArgumentTypeError: expected a positive integer, got '0'
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 
 def _number(kind: type, check: Callable[[float], bool], expected: str) -> Callable[[str], Any]:
@@ -82,3 +83,41 @@ def chunk_mb(text: str) -> int:
     524288
     """
     return max(1024, int(positive_float(text) * 2**20))
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The one of ``choices`` closest to ``word`` (difflib), or None when none is close.
+
+    >>> closest("--itme", ["--item", "--include", "--step"]), closest("--frobnicate", ["--item"])
+    ('--item', None)
+    """
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def unrecognized(parser: argparse.ArgumentParser, extras: Sequence[str]) -> str:
+    """The usage error for words ``parser`` does not know, each unknown option with the option it is close to.
+
+    What argparse says ("unrecognized arguments: --itme params"), with the subcommand's own options as the
+    suggestions, so the error comes from the subcommand (its usage line) and names the fix.
+
+    >>> p = argparse.ArgumentParser(prog="treetools inspect")
+    >>> _ = p.add_argument("--item"), p.add_argument("--stats")
+    >>> unrecognized(p, ["--itme", "params"])
+    'unrecognized arguments: --itme params; did you mean --item?'
+    >>> unrecognized(p, ["--itme=params", "--stast"])
+    'unrecognized arguments: --itme=params --stast; did you mean --item (for --itme), --stats (for --stast)?'
+    """
+    options = [s for action in parser._actions for s in action.option_strings]  # argparse has no public list
+    close = {}
+    for word in extras:
+        name = word.split("=", 1)[0]
+        match = closest(name, options) if name.startswith("-") else None
+        if match is not None:
+            close[name] = match
+    text = f"unrecognized arguments: {' '.join(extras)}"
+    if len(close) == 1:
+        return f"{text}; did you mean {next(iter(close.values()))}?"
+    if close:
+        return f"{text}; did you mean {', '.join(f'{m} (for {w})' for w, m in close.items())}?"
+    return text
