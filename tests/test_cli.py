@@ -129,6 +129,34 @@ def test_console_script_and_python_dash_m(tmp_path):
         assert only_item(json.loads(proc.stdout))["total_params"] == 6
 
 
+def _read_one_line_then_close(argv: list[str]) -> tuple[int, str, str]:
+    """``treetools ARGV | head -1`` without a shell: read one line of stdout, close it, wait for the exit code."""
+    proc = subprocess.Popen([sys.executable, "-m", "treetools", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    return proc.wait(timeout=120), first, err
+
+
+def test_a_reader_that_closes_stdout_early_changes_no_exit_code(tmp_path):
+    # Issue 24.10: `diff ... --values | head -1` exited 0 (BrokenPipe) in 2 runs of 3, reading as "same".
+    # 3000 leaves: the JSON (~400 KB) is far more than a pipe holds, so the writer meets the closed pipe every time.
+    a = {f"layers_{i}/kernel": np.full(4, i, np.float32) for i in range(3000)}
+    b = {**a, "layers_7/kernel": np.full(4, -1, np.float32)}
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    for _ in range(3):
+        rc, first, err = _read_one_line_then_close(["diff", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"),
+                                                    "--values", "--format", "json"])
+        assert (rc, first.strip(), err) == (1, "{", "")  # different: 1, as without the pipe; no traceback
+        rc, first, err = _read_one_line_then_close(["diff", str(tmp_path / "a.npz"), str(tmp_path / "a.npz"),
+                                                    "--values", "--format", "json"])
+        assert (rc, first.strip(), err) == (0, "{", "")
+    rc, _, err = _read_one_line_then_close(["inspect", str(tmp_path / "b.npz"), "--leaves"])
+    assert (rc, err) == (0, "")
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 

@@ -10,7 +10,8 @@ stderr, no traceback); 2 usage; 3 non-finite values under
 ``--fail-on-nonfinite``. ``diff`` follows GNU diff: 0 same, 1 different, 2
 trouble. Known errors are mapped by type (``treetools.errors``, missing files,
 a missing optional dependency); any other exception is a bug and keeps its
-traceback.
+traceback. A reader that closes stdout early (``| head``) changes no exit code:
+the command runs to its end, its later output dropped.
 """
 
 from __future__ import annotations
@@ -123,14 +124,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:
-        code = args._main(args)
+        with _output.readers_may_leave():  # `| head`: the command still ends with its own exit code
+            code = args._main(args)
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # stdout closed early (e.g. `| head`): quietly stop, as Unix tools do.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except KNOWN_ERRORS + ((ValueError,) if command in ("plot", "train") else ()) as e:

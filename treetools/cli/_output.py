@@ -6,13 +6,20 @@ only through here: data lines with their own line structure kept
 ``warning``), so a hostile file can neither move the cursor, clear the
 screen, reorder a line (U+202E) nor forge a second ``treetools: note:`` line.
 
+A reader that goes away (``treetools diff ... | head -1``) never changes a
+command's exit code: ``readers_may_leave`` makes a write to a closed stdout
+or stderr a no-op, so the command finishes and returns what it found (diff:
+1 when different), with no traceback and no "Exception ignored" at exit.
+
 Standard library and ``treetools.render`` only: parsers are built before any heavy import.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
-from typing import Any
+from typing import Any, Iterator, TextIO
 
 from treetools.render import one_line, safe_text
 
@@ -37,3 +44,59 @@ def note(message: Any) -> None:
 def warning(message: Any) -> None:
     """``treetools: <message>`` on stderr, one escaped line (a summary such as the non-finite leaves)."""
     print(f"{PROG}: {one_line(message)}", file=sys.stderr)
+
+
+class _LeavingReader:
+    """A text stream whose reader may close it: the first write that finds it closed (``BrokenPipeError``) turns
+    this and every later write into a no-op, and the stream's descriptor into ``/dev/null`` (what the stream still
+    buffers, and Python's flush at exit, go nowhere instead of raising). Everything else is the stream's own."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+        self.closed_by_reader = False
+
+    def write(self, text: str) -> int:
+        if not self.closed_by_reader:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._reader_left()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.closed_by_reader:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._reader_left()
+
+    def _reader_left(self) -> None:
+        self.closed_by_reader = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self._stream.fileno())
+            finally:
+                os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no descriptor of its own (a test's capture)
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def readers_may_leave() -> Iterator[None]:
+    """Around a command: writes to stdout and stderr after their reader closed them (``| head``) are dropped.
+
+    The command runs to its end and its exit code is the one it returns, whoever stopped reading; everything
+    written is flushed before leaving, under the same rule.
+    """
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _LeavingReader(sys.stdout), _LeavingReader(sys.stderr)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        sys.stdout, sys.stderr = saved
