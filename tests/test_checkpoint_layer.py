@@ -345,6 +345,63 @@ def test_not_a_checkpoint_lists_the_registered_formats(tmp_path, capsys, tiny_fo
         assert name in err
 
 
+def write_train_workdir(workdir: Path) -> Path:
+    """A `treetools train` workdir as the trainer lays it out: `checkpoints/` (an Orbax manager: items `params` and
+    `data_iter` at step 3) and `metrics.jsonl` beside it. Returns the checkpoints folder."""
+    params = {"Dense_0": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)}}
+    with ocp.CheckpointManager(workdir / "checkpoints") as mngr:
+        mngr.save(3, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                             data_iter=ocp.args.JsonSave({"index": 3})))
+        mngr.wait_until_finished()
+    (workdir / "metrics.jsonl").write_text('{"step": 3, "loss": 1.0}\n')
+    return workdir / "checkpoints"
+
+
+def test_near_misses_name_the_checkpoint_that_works(tmp_path, capsys, monkeypatch):
+    # Issue 24.5: the run folder and files inside a step got one 818-character line listing every format. Now one
+    # short line naming the path to pass, which works.
+    monkeypatch.chdir(tmp_path)
+    write_train_workdir(tmp_path / "runs" / "demo")  # Orbax writes to absolute paths only
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "notes.txt").write_text("hello")
+    cases = {
+        "runs/demo": "runs/demo: not a checkpoint but a folder holding checkpoints; did you mean "
+                     "runs/demo/checkpoints (orbax)?",
+        "runs/demo/metrics.jsonl": "runs/demo/metrics.jsonl: not a checkpoint but a file beside checkpoints; did "
+                                   "you mean runs/demo/checkpoints (orbax)?",
+    }
+    inside = {"runs/demo/checkpoints/3/_CHECKPOINT_METADATA": "runs/demo/checkpoints/3",
+              "runs/demo/checkpoints/3/params/manifest.ocdbt": "runs/demo/checkpoints/3/params",
+              "runs/demo/checkpoints/3/params/_METADATA": "runs/demo/checkpoints/3/params",
+              "runs/demo/checkpoints/3/params/ocdbt.process_0": "runs/demo/checkpoints/3/params",
+              "runs/demo/checkpoints/3/data_iter/metadata": "runs/demo/checkpoints/3/data_iter"}
+    chunk = next(p for p in sorted(Path("runs/demo/checkpoints/3/params").rglob("*"))
+                 if p.is_file() and p.parent.name == "d")
+    inside[str(chunk)] = "runs/demo/checkpoints/3/params"
+    if Path("runs/demo/checkpoints/3/commit_success.txt").exists():
+        inside["runs/demo/checkpoints/3/commit_success.txt"] = "runs/demo/checkpoints/3"
+    for path, checkpoint in inside.items():
+        kind = "folder" if Path(path).is_dir() else "file"
+        cases[path] = f"{path}: not a checkpoint but a {kind} inside the checkpoint {checkpoint} (orbax); pass that instead."
+    for path, want in cases.items():
+        assert main(["inspect", path]) == 1
+        err = capsys.readouterr().err
+        assert err == f"treetools: error: {want}\n", path
+        fix = want.split(" the checkpoint ")[-1].split(" (")[0] if "inside" in want else "runs/demo/checkpoints"
+        assert main(["inspect", fix]) == 0, fix  # the path named works
+        capsys.readouterr()
+    # A stranger: the format names only (not their descriptions); a folder beside a root's steps is no part of it.
+    (tmp_path / "runs" / "demo" / "checkpoints" / "notes").mkdir()
+    (tmp_path / "runs" / "demo" / "checkpoints" / "notes" / "a.txt").write_text("x")
+    for path in ("logs/notes.txt", "runs/demo/checkpoints/notes/a.txt"):
+        assert main(["inspect", path]) == 1
+        err = capsys.readouterr().err.strip()
+        names = ", ".join(f.name for f in tt.ckpt.registered_formats())
+        assert err.startswith(f"treetools: error: {path}: not a checkpoint that treetools can read. Readable "
+                              f"formats: {names} ("), err
+        assert len(err) < 300  # was 818
+
+
 def test_t5x_style_folder_is_not_claimed_as_orbax(tmp_path, capsys):
     # `checkpoint_100/checkpoint` (T5X) has no Orbax evidence: the T5X format reads it, Orbax never claims it.
     step = tmp_path / "model" / "checkpoint_100"

@@ -613,7 +613,7 @@ def test_library_raises_checkpoint_error(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(CheckpointError, match="not a checkpoint that treetools can read. Readable formats: ") as e:
         inspect_path(str(tmp_path / "notes.txt"))
-    assert isinstance(e.value, ValueError) and "orbax (" in str(e.value) and "safetensors (" in str(e.value)
+    assert isinstance(e.value, ValueError) and "orbax, " in str(e.value) and "safetensors, " in str(e.value)
 
 
 # ----------------------------------------------------------------------------- blocks and docstrings

@@ -34,6 +34,7 @@ import importlib
 import math
 import os
 import pkgutil
+import re
 import stat as stat_
 import time
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -498,7 +499,8 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None, 
 
     Raises:
       CheckpointNotFoundError: nothing at ``path``.
-      CheckpointError: no format claims it (the message lists the readable
+      CheckpointError: no format claims it (the message names the checkpoint
+        the path lies inside, or those a folder holds, else the readable
         formats), or the format finds it corrupt or unreadable.
 
     >>> import numpy as np, tempfile, os
@@ -538,15 +540,157 @@ def open_source(path: str | os.PathLike, *, memory_budget: float | None = None, 
                 if location == display or not str(e).startswith(location):
                     raise
                 raise type(e)(display + str(e)[len(location):]) from None
-    if storage.isdir(location):
+    raise CheckpointError(_not_a_checkpoint(location, display, registered))
+
+
+# ---------------------------------------------------------------------------- near misses
+
+NEAR_LEVELS = {False: 8, True: 4}
+"""How many folders up (local, bucket) a path no format claims is looked for inside a checkpoint: an Orbax chunk
+file sits four folders below its step (``100/params/ocdbt.process_0/d/<chunk>``)."""
+
+NEAR_ENTRIES = {False: 24, True: 8}
+"""How many entries of a folder (or of a file's folder) are asked whether they are a checkpoint, for the
+"did you mean": those named like one (``checkpoints``, ``ckpt``, ``model``) first."""
+
+_LIKELY = ("checkpoint", "ckpt", "model", "step", "params", "weights", ".safetensors", ".msgpack")
+
+
+def claiming_format(location: str, formats: Sequence[Format] | None = None) -> Format | None:
+    """The format that would open ``location`` (the first, in priority order, that claims it), or None."""
+    return next((f for f in (formats if formats is not None else registered_formats()) if _claims(f, location)), None)
+
+
+def _parent(location: str) -> str | None:
+    """The folder holding ``location``; None above a bucket or at the file system's root."""
+    if storage.is_remote(location):
+        scheme, rest = location.split("://", 1)
+        return f"{scheme}://{rest.rpartition('/')[0]}" if "/" in rest else None
+    parent = os.path.dirname(location)
+    return parent if parent != location else None
+
+
+def enclosing_checkpoints(path: str, *, include_self: bool = False,
+                          levels: int | None = None) -> list[tuple[str, Format]]:
+    """The checkpoints ``path`` lies inside: every folder above it (and itself, with ``include_self``) that a
+    format claims, nearest first, as ``(location, format)``; ``path`` need not exist.
+
+    ``treetools train`` refuses a workdir that has any (a run written into a step would read as part of it), and
+    ``open_source`` names the nearest for a path no format claims (a file inside a step folder).
+
+    Args:
+      path: a local path or URL.
+      include_self: ask ``path`` itself too.
+      levels: how many folders up to look (default ``NEAR_LEVELS``: 8 locally, 4 in a bucket).
+    """
+    location = storage.normalize(os.fspath(path))
+    remote = storage.is_remote(location)
+    formats = registered_formats()
+    found = []
+    below: str | None = None  # the name, in `current`, of the folder on the way down to `path`
+    current: str | None = location
+    if not include_self:
+        below, current = os.path.basename(location), _parent(location)
+    for _ in range(levels if levels is not None else NEAR_LEVELS[remote]):
+        if current is None:
+            break
+        try:
+            fmt = claiming_format(current, formats) if storage.isdir(current) else None
+            if fmt is not None and _holds(current, fmt, below):
+                found.append((current, fmt))
+        except (OSError, CheckpointError):  # an unreadable folder above: no evidence either way
+            pass
+        below, current = os.path.basename(current), _parent(current)
+    return found
+
+
+def _holds(location: str, fmt: Format, name: str | None) -> bool:
+    """Whether the entry ``name`` of ``location`` (a folder ``fmt`` claims; None: ``location`` itself) is part of
+    that checkpoint: a step folder of a root (listed, unfinished, or named as its steps are), an item folder or
+    a file of a step, anything in an item folder or a single-file checkpoint's folder; not a stranger beside a
+    root's steps or a step's items (a run folder in a ``/tmp`` that holds steps).
+    """
+    if name is None:
+        return True
+    try:
+        with opening(None):
+            source = fmt.open(location, location)
+            listing = source.listing
+            items = source.item_names(source.step) if listing is None else []
+    except (CheckpointError, CheckpointNotFoundError, OSError):
+        return True  # claimed by its own files, and unreadable (an unfinished step): a checkpoint all the same
+    if listing is None:  # a step's items are folders in it: another folder there is no part of it
+        entry = f"{location}/{name}" if storage.is_remote(location) else os.path.join(location, name)
+        folders = [n for n in items if storage.isdir(f"{location}/{n}" if storage.is_remote(location)
+                                                     else os.path.join(location, n))]
+        return name in items or not folders or not storage.isdir(entry)
+    names = set()
+    for series in [listing, *listing.every_series().values()]:
+        names |= {os.path.basename(folder) for folder in series.committed.values()} | set(series.incomplete)
+    series_step = re.escape(listing.series) + r"\d+" if listing.series else r"\d+"
+    return name in names or re.fullmatch(series_step, name) is not None
+
+
+def shown_path(location: str, display: str) -> str:
+    """``location`` (a folder above or below the path the user typed as ``display``) written the way they wrote
+    theirs: relative when theirs was, ``~/`` when theirs was, else absolute; a URL as it is."""
+    if storage.is_remote(location) or os.path.isabs(display):
+        return location
+    if display.startswith("~"):
+        return os.path.join("~", os.path.relpath(location, os.path.expanduser("~")))
+    return os.path.relpath(location)
+
+
+def _checkpoints_beside(folder: str, formats: Sequence[Format], *, skip: str | None = None) -> list[tuple[str, Format]]:
+    """Entries of ``folder`` that a format claims (a few, those named like checkpoints asked first)."""
+    remote = storage.is_remote(folder)
+    try:
+        names = [n for n in storage.listdir(folder) if n != skip]
+    except (OSError, CheckpointError):
+        return []
+    names.sort(key=lambda n: (not any(w in n.lower() for w in _LIKELY), n))
+    found = []
+    for name in names[:NEAR_ENTRIES[remote]]:
+        entry = f"{folder}/{name}" if remote else os.path.join(folder, name)
+        try:
+            fmt = claiming_format(entry, formats)
+        except (OSError, CheckpointError):
+            fmt = None
+        if fmt is not None:
+            found.append((entry, fmt))
+    return found
+
+
+def _not_a_checkpoint(location: str, display: str, formats: Sequence[Format]) -> str:
+    """The one-line error for a path no format claims, with the path that would work where there is one.
+
+    A file or folder inside a checkpoint (``100/_CHECKPOINT_METADATA``, an item's ``manifest.ocdbt``) names that
+    checkpoint; a folder holding checkpoints (a ``treetools train`` workdir and its ``checkpoints/``), or a file
+    beside them, asks "did you mean ...?". Else the readable formats, by name (``--help`` describes them).
+    """
+    folder = storage.isdir(location)
+    inside = enclosing_checkpoints(location)
+    if inside:
+        outer, fmt = inside[0]
+        what = "folder" if folder else "file"
+        return (f"{display}: not a checkpoint but a {what} inside the checkpoint {shown_path(outer, display)} "
+                f"({fmt.name}); pass that instead.")
+    if folder:
         try:
             empty = not storage.listdir(location)
         except OSError as e:
             raise CheckpointError(f"{display}: cannot list folder ({e.strerror or e}).") from None
         if empty:
-            raise CheckpointError(f"{display}: empty folder, not a checkpoint.")
-    readable = "; ".join(f"{f.name} ({f.description})" if f.description else f.name for f in registered)
-    raise CheckpointError(f"{display}: not a checkpoint that treetools can read. Readable formats: {readable}.")
+            return f"{display}: empty folder, not a checkpoint."
+    parent = _parent(location)
+    near = (_checkpoints_beside(location, formats) if folder else
+            _checkpoints_beside(parent, formats, skip=os.path.basename(location)) if parent is not None else [])
+    if near:
+        options = " or ".join(f"{shown_path(p, display)} ({f.name})" for p, f in near[:3])
+        where = "a folder holding checkpoints" if folder else "a file beside checkpoints"
+        return f"{display}: not a checkpoint but {where}; did you mean {options}?"
+    return (f"{display}: not a checkpoint that treetools can read. Readable formats: "
+            f"{', '.join(f.name for f in formats)} (`treetools inspect --help` says what each reads).")
 
 
 # ---------------------------------------------------------------------------- helpers for formats

@@ -67,6 +67,7 @@ from treetools.rows import LeafSharding
 
 
 SHARDING_FILE = "_sharding"
+OCDBT_PROCESS_PREFIX = "ocdbt.process_"  # each process's OCDBT database inside an item folder
 BOX_SUFFIXES = ("value", "raw_value")
 _BOXES_KEY = "treetools_boxes"  # recorded by treetools 0.1 saves, which wrote boxes as nodes
 _NOT_STORED = ("None",)  # value types Orbax records without data (None leaves, empty nodes)
@@ -377,7 +378,7 @@ class OrbaxSource(Source):
         if not handlers and list(names) == self.item_names(step):  # no item is left out without a word
             notes += [f"folder `{d}` of the step is no item treetools reads (no _METADATA, JSON file or "
                       "array); skipped." for d in subdirs(step_dir)
-                      if d not in _ORBAX_FILES and not d.startswith("ocdbt.process_") and TMP_DIR_SUFFIX not in d
+                      if d not in _ORBAX_FILES and not d.startswith(OCDBT_PROCESS_PREFIX) and TMP_DIR_SUFFIX not in d
                       and not _is_item(os.path.join(step_dir, d))]
         for name in names:
             check_name(name, where=os.path.join(step_dir, STEP_METADATA_FILE))
@@ -595,6 +596,8 @@ def _claims(path: str) -> bool:
     name = os.path.basename(path)
     if TMP_DIR_SUFFIX in name:
         return True
+    if name.startswith(OCDBT_PROCESS_PREFIX) and _is_item(os.path.dirname(path)):
+        return False  # one process's part of an item's OCDBT database, no checkpoint of its own (its item is)
     if any(storage.lexists(os.path.join(path, f)) for f in (PYTREE_METADATA_FILE, STEP_METADATA_FILE)):
         return True
     if _is_json_item(path) or _looks_like_step(path) or _item_without_metadata(path):
