@@ -457,6 +457,32 @@ def test_train_no_resume_refuses_existing_checkpoints(capsys, tmp_path):
     assert rc == 1 and str(tmp_path / "checkpoints") in line and "--workdir" in line
 
 
+def test_train_refuses_a_workdir_inside_a_checkpoint(capsys, tmp_path, monkeypatch):
+    # Issue 24.11: `--workdir runs/demo/checkpoints/200` wrote a run inside a committed step.
+    from tests.test_checkpoint_layer import write_train_workdir
+
+    write_train_workdir(tmp_path / "runs" / "demo")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+    cases = {"runs/demo/checkpoints/3": "is a checkpoint (orbax)",                       # a committed step
+             "runs/demo/checkpoints": "is a checkpoint (orbax)",                         # the root
+             "runs/demo/checkpoints/3/params": "is a checkpoint (orbax)",                # an item folder
+             "runs/demo/checkpoints/3/params/run": "is inside the checkpoint runs/demo/checkpoints/3/params (orbax)",
+             "runs/demo/checkpoints/3/run": "is inside the checkpoint runs/demo/checkpoints/3 (orbax)",
+             "runs/demo/checkpoints/400": "is inside the checkpoint runs/demo/checkpoints (orbax)"}  # a root's step
+    for workdir, where in cases.items():
+        rc, out, err = run(capsys, "train", "--workdir", workdir, "--steps", "1")
+        assert rc == 1 and out == ""
+        assert one_error_line(err) == (f"treetools: error: --workdir {workdir} {where}: a run written there would "
+                                       "read as part of it; pick a folder outside it (to continue the run it "
+                                       "belongs to: --workdir runs/demo).")
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before  # nothing written
+    from treetools.cli.train import check_workdir
+
+    for fine in ("runs/demo", "runs/other", "runs/demo/checkpoints-old", "runs/demo/checkpoints/notes"):
+        check_workdir(fine)  # the run folder itself, a fresh one, a stranger beside the steps: no error
+
+
 METRICS = [{"step": s, "loss": 3.0 / s, "grad_norm": 1.0, "param_norm": 10.0 + s, "update_ratio": 1e-3} for s in (1, 2, 3)]
 
 

@@ -62,6 +62,7 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/plot.py", "stats_report"): "numpy",
     # The reference trainer is jax, flax and optax.
     ("cli/train.py", "main"): "jax",
+    ("cli/train.py", "check_workdir"): "numpy",
     # load_parameters(path) without a target returns numpy: the jax-side modules load only to place arrays.
     ("restore.py", "_target"): "jax",
 }

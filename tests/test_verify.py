@@ -112,6 +112,38 @@ def test_ocdbt_data_file_damage_is_found(tmp_path):
     assert not report.ok
 
 
+def test_what_else_was_written_into_a_committed_step_is_a_problem_naming_it(tmp_path, capsys):
+    # Issue 24.11: a training run written inside a committed step (`--workdir runs/demo/checkpoints/200`) was "ok".
+    root = tmp_path / "checkpoints"
+    with ocp.CheckpointManager(root) as mngr:
+        mngr.save(200, args=ocp.args.Composite(params=ocp.args.StandardSave(_tree()),
+                                               data_iter=ocp.args.JsonSave({"index": 7})))
+        mngr.wait_until_finished()
+    assert main(["verify", str(root)]) == 0
+    capsys.readouterr()
+    step = root / "200"
+    (step / "checkpoints" / "100").mkdir(parents=True)
+    (step / "metrics.jsonl").write_text('{"step": 1}\n')
+    (step / "params" / "notes.txt").write_text("x")
+    for path in (root, step):
+        assert main(["verify", str(path)]) == 1
+        out = capsys.readouterr().out
+        problems = [line for line in out.splitlines() if line.startswith("problem: ")]
+        shown = f"{root}/200"
+        assert problems == [
+            f"problem: {shown}/params: holds `notes.txt`, which is no item of this save and no file Orbax writes; "
+            "something else wrote into the committed save (a run's --workdir inside it?): move it out.",
+            f"problem: {shown}: holds `checkpoints`, `metrics.jsonl`, which are no item of this save and no file "
+            "Orbax writes; something else wrote into the committed save (a run's --workdir inside it?): move them "
+            "out."], out
+    assert not verify_path(str(step / "params")).ok
+    # Gone again: ok (Orbax's own files, ocdbt.process_N folders among them, are never strangers).
+    shutil.rmtree(step / "checkpoints")
+    (step / "metrics.jsonl").unlink()
+    (step / "params" / "notes.txt").unlink()
+    assert verify_path(str(root)).ok
+
+
 def test_verify_lists_damage_of_any_format_and_goes_on_to_the_next_step(tmp_path, capsys):
     # A truncated msgpack step of a Flax legacy folder: a problem line and FAILED for that step, the others checked.
     d = tmp_path / "legacy"

@@ -7,7 +7,8 @@ WORKDIR/checkpoints/ gets an Orbax checkpoint every --ckpt-every steps
 gets loss and norm metrics every --log-every steps (`treetools plot` draws
 them), per module at --norm-depth (default 1: one norm per block). --steps is
 the total: a WORKDIR with checkpoints resumes from its latest step and trains
-up to --steps, bit for bit as one straight run.
+up to --steps, bit for bit as one straight run. A WORKDIR inside a checkpoint
+(runs/demo/checkpoints/200, an item folder, a root's step) is refused.
 
 --scan-layers puts the blocks under one nn.scan named `layers`
 (metadata_params={nn.PARTITION_NAME: "layers"}): each block parameter is one
@@ -56,7 +57,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d("--quiet", action="store_true", help="print nothing but errors")
 
 
+def check_workdir(workdir: str) -> None:
+    """Refuse a workdir inside (or equal to) a checkpoint: a step folder, an item folder, a step of a root.
+
+    The run's ``checkpoints/`` and ``metrics.jsonl`` would be written into it and read as part of it
+    (``treetools verify`` names such strangers in a committed Orbax step).
+
+    Raises:
+      ValueError: naming the checkpoint, and the run folder to use where it is a trainer's ``checkpoints/``.
+    """
+    # The checkpoint layer imports numpy, which `treetools train --help` does not need.
+    from treetools.ckpt.source import enclosing_checkpoints, shown_path
+
+    inside = enclosing_checkpoints(workdir, include_self=True)
+    if not inside:
+        return
+    nearest, fmt = inside[0]
+    outer = inside[-1][0]
+    same = os.path.abspath(os.path.expanduser(workdir)) == nearest
+    where = f"is a checkpoint ({fmt.name})" if same else \
+        f"is inside the checkpoint {shown_path(nearest, workdir)} ({fmt.name})"
+    fix = "pick a folder outside it"
+    if os.path.basename(outer) == "checkpoints":  # a trainer's layout: WORKDIR/checkpoints
+        fix += f" (to continue the run it belongs to: --workdir {shown_path(os.path.dirname(outer), workdir)})"
+    raise ValueError(f"--workdir {workdir} {where}: a run written there would read as part of it; {fix}.")
+
+
 def main(args: argparse.Namespace) -> int:
+    check_workdir(args.workdir)
     if args.cpu_devices:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:

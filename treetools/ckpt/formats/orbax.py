@@ -456,7 +456,62 @@ class OrbaxSource(Source):
             items.append(item)
             if isinstance(item, OrbaxItem):
                 problems += [p for p in _unlisted_arrays(item) if p not in problems]
+                problems += _strangers(item.folder, self._shown(step, name), expected=_item_entries(item))
+        if self.mode != "item" and not (self.mode == "root" and _step_is_item(self._step_dir(step))):
+            problems += self._strangers_in_step(step, names)
         return items, problems
+
+    def _shown(self, step: int | None, item: str | None = None) -> str:
+        """The folder of a step (or of one of its items) as the user would write it: below the path they gave."""
+        parts = [self.path]
+        if self.mode == "root" and step is not None:
+            parts.append(os.path.basename(self._step_dir(step)))
+        if item is not None and self.mode != "item" and not _step_is_item(self._step_dir(step)):
+            parts.append(item)
+        return "/".join(p.rstrip("/") for p in parts)
+
+    def _strangers_in_step(self, step: int | None, items: Sequence[str]) -> list[str]:
+        """A problem naming what a committed step folder holds beside its items and Orbax's own files."""
+        step_dir = self._step_dir(step)
+        if self._handlers(step_dir) is not None:
+            expected = set(items)
+        else:  # no list of the step's items (Orbax before 0.6): any folder holding an item's files is one
+            expected = {d for d in subdirs(step_dir) if _is_item(os.path.join(step_dir, d))
+                        or _item_without_metadata(os.path.join(step_dir, d))
+                        or storage.lexists(os.path.join(step_dir, d, COMMIT_SUCCESS_FILE))}
+        return _strangers(step_dir, self._shown(step), expected=expected | _STEP_FILES)
+
+
+_STEP_FILES = {STEP_METADATA_FILE, COMMIT_SUCCESS_FILE, "descriptor", "_ROOT_METADATA"}
+"""What Orbax writes in a step folder beside the items (``descriptor``: the CompositeCheckpointHandler's)."""
+
+
+def _item_entries(item: OrbaxItem) -> set[str] | None:
+    """What an OCDBT item folder may hold (None: not OCDBT, whose arrays are folders of their own names)."""
+    if not item.metadata.get("use_ocdbt", storage.exists(os.path.join(item.folder, "manifest.ocdbt"))):
+        return None
+    return _ORBAX_FILES | {"checkpoint"}  # `checkpoint`: the aggregate msgpack of Orbax before 0.5
+
+
+def _strangers(folder: str, shown: str, *, expected: set[str] | None) -> list[str]:
+    """A problem when ``folder`` holds entries that are none of ``expected`` (nor an OCDBT process folder or an
+    Orbax tmp name): files or folders something else wrote into a committed save (a run's --workdir inside it).
+    ``expected`` None: nothing to check."""
+    if expected is None:
+        return []
+    try:
+        names = storage.listdir(folder)
+    except OSError as e:
+        return [f"{shown}: cannot list it ({e.strerror or e})."]
+    extra = sorted(n for n in names if n not in expected and not n.startswith(OCDBT_PROCESS_PREFIX)
+                   and TMP_DIR_SUFFIX not in n)
+    if not extra:
+        return []
+    listed = ", ".join(f"`{n}`" for n in extra[:10]) + (", ..." if len(extra) > 10 else "")
+    one = len(extra) == 1
+    return [f"{shown}: holds {listed}, {'which is' if one else 'which are'} no item of this save and no file "
+            f"Orbax writes; something else wrote into the committed save (a run's --workdir inside it?): move "
+            f"{'it' if one else 'them'} out."]
 
 
 def _orbax_restore(item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any]:
