@@ -150,6 +150,14 @@ def _safetensors(tmp):
     return Case(tmp / "model.safetensors", tensors)
 
 
+def _hf_model_folder(tmp, *, flax):
+    """A `save_pretrained` folder that fits one shard (tests/test_format_hf_folder.py writes it)."""
+    from tests.test_format_hf_folder import write_model_folder
+
+    truth = write_model_folder(tmp / "model", flax=flax)
+    return Case(tmp / "model", truth)
+
+
 def _xlstm_jax(*below):
     """xlstm-jax's run, written by the Orbax it pins (tests/fixtures/make_xlstm_jax.py); truth: step 200's `rng`."""
     truth = xlstm_jax_truth()[200]["rng"]
@@ -223,6 +231,10 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "Flax legacy `checkpoint_<N>` msgpack files": lambda t: _flax_legacy(t, orbax=False),
     "Flax legacy Orbax mode `checkpoint_<N>/`": lambda t: _flax_legacy(t, orbax=True),
     "Hugging Face safetensors file": _safetensors,
+    "Hugging Face model folder, one `model.safetensors` (`save_pretrained`, fits one shard)":
+        lambda t: _hf_model_folder(t, flax=False),
+    "Hugging Face Flax model folder, one `flax_model.msgpack` (`FlaxPreTrainedModel.save_pretrained`)":
+        lambda t: _hf_model_folder(t, flax=True),
     "Hugging Face sharded safetensors": lambda t: Case(t, write_hf_sharded(t, [
         {"model.embed.weight": np.arange(12, dtype=np.float32).reshape(3, 4)},
         {"model.layers.0.q.weight": np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)}])),

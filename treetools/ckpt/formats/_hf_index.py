@@ -1,8 +1,14 @@
-"""The Hugging Face sharded-checkpoint index, shared by sharded safetensors and sharded Flax msgpack.
+"""Hugging Face model folders: the sharded-checkpoint index, and the one weights file of an unsharded folder.
 
 Not a format (its name starts with ``_``): ``hf_sharded.py`` and
 ``hf_flax_sharded.py`` are each ``indexed_format`` with their shard reader,
-so both find, open and check an index against its shards the same way.
+so both find, open and check an index against its shards the same way; the
+``safetensors`` and ``msgpack`` formats read a folder holding one
+``model.safetensors`` / ``flax_model.msgpack`` (what ``save_pretrained``
+writes when the model fits one shard, beside ``config.json``,
+``generation_config.json`` and the tokenizer files) through
+``weights_file``, and say which file they read where the folder holds
+several (``weights_note``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,40 @@ def find_index(path: str, suffix: str, preferred: str) -> str | None:
         if names:
             return os.path.join(path, preferred if preferred in names else names[0])
     return None
+
+
+WEIGHTS_FILES = ("model.safetensors", "flax_model.msgpack", "pytorch_model.bin", "tf_model.h5")
+"""The one weights file ``save_pretrained`` writes into an unsharded model folder (PyTorch with safetensors, Flax,
+PyTorch pickle, TensorFlow), in the order treetools prefers them: safetensors first (what transformers'
+PyTorch ``from_pretrained`` loads first too); the last two are never read (a pickle, a Keras 2 file)."""
+
+
+def weights_file(path: str, name: str) -> str | None:
+    """The file ``name`` (one of ``WEIGHTS_FILES``) of the model folder ``path``; None when ``path`` is no folder
+    holding it. A format's ``claims`` and ``open`` of a model folder.
+
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> _ = open(os.path.join(d, "flax_model.msgpack"), "wb").write(b"\\x80")
+    >>> weights_file(d, "flax_model.msgpack") == os.path.join(d, "flax_model.msgpack"), weights_file(d, "model.safetensors")
+    (True, None)
+    """
+    if not storage.isdir(path):
+        return None
+    file = os.path.join(path, name)
+    return file if storage.isfile(file) else None
+
+
+def weights_note(folder: str, display: str, read: str) -> list[str]:
+    """A note when the model folder ``folder`` holds weights files besides ``read`` (the one opened): which one
+    is read, and how to read another that treetools reads."""
+    others = [n for n in WEIGHTS_FILES if n != read and storage.isfile(os.path.join(folder, n))]
+    if not others:
+        return []
+    readable = [n for n in others if n in WEIGHTS_FILES[:2]]
+    hint = "".join(f"; pass {display.rstrip('/')}/{n} to read that one" for n in readable)
+    return [f"{display} holds several weights files ({', '.join([read, *others])}); reading {read} (safetensors "
+            f"first, then Flax msgpack; never a PyTorch pickle or a TensorFlow .h5){hint}."]
 
 
 def _listed(names: list[str], limit: int = 5) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+from treetools.ckpt import storage
+from treetools.ckpt.formats._hf_index import weights_file, weights_note
 from treetools.ckpt.formats._msgpack import walk
 from treetools.ckpt.source import FileSource, Format, Leaf, file_head, tree_leaves
 from treetools.errors import CheckpointError
@@ -48,7 +50,22 @@ def is_msgpack_map(path: str) -> bool:
     return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
 
 
+HF_FLAX_SINGLE = "flax_model.msgpack"
+"""The one file of a Hugging Face Flax model folder that fits one shard (``FlaxPreTrainedModel.save_pretrained``)."""
+
+
+def _open(location: str, display: str) -> FileSource:
+    """A Flax msgpack file, or the ``flax_model.msgpack`` of a Hugging Face model folder."""
+    file = weights_file(location, HF_FLAX_SINGLE)
+    source = FileSource(display, "msgpack", read_msgpack(file or location))
+    if file is not None:
+        source.notes += weights_note(location, display, HF_FLAX_SINGLE)
+    return source
+
+
 def _claims(path: str) -> bool:
+    if storage.isdir(path):  # a model folder also holding model.safetensors is the safetensors format's (asked first)
+        return weights_file(path, HF_FLAX_SINGLE) is not None
     return is_msgpack_map(path) or (bool(file_head(path, 1))
                                     and os.path.splitext(path)[1].lower() in (".msgpack", ".flax", ".mpk"))
 
@@ -57,6 +74,7 @@ FORMAT = Format(
     name="msgpack",
     priority=10,
     claims=_claims,
-    open=lambda location, display: FileSource(display, "msgpack", read_msgpack(location)),
-    description="a Flax msgpack file from flax.serialization.to_bytes",
+    open=_open,
+    description="a Flax msgpack file from flax.serialization.to_bytes, or a Hugging Face Flax model folder holding "
+                "one flax_model.msgpack",
 )

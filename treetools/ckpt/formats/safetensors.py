@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from typing import Any
 
 from treetools.ckpt import storage
+from treetools.ckpt.formats._hf_index import weights_file, weights_note
 from treetools.errors import CheckpointError
 from treetools.ckpt.readers import JSON_EXPANSION, FileReader, check_budget, checked_shape, np_dtype
 from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path
@@ -114,14 +114,18 @@ HF_SINGLE = "model.safetensors"
 """The one file of a Hugging Face model folder that fits one shard (``save_pretrained`` writes no index then)."""
 
 
-def _file_of(path: str) -> str:
-    """The file to read: ``path``, or the ``model.safetensors`` of a Hugging Face model folder."""
-    return os.path.join(path, HF_SINGLE) if storage.isdir(path) else path
+def _open(location: str, display: str) -> FileSource:
+    """A ``.safetensors`` file, or the ``model.safetensors`` of a Hugging Face model folder."""
+    file = weights_file(location, HF_SINGLE)
+    source = FileSource(display, "safetensors", read_safetensors(file or location))
+    if file is not None:
+        source.notes += weights_note(location, display, HF_SINGLE)
+    return source
 
 
 def _claims(path: str) -> bool:
     if storage.isdir(path):  # a sharded folder's index is asked first (safetensors-sharded, higher priority)
-        return storage.isfile(os.path.join(path, HF_SINGLE))
+        return weights_file(path, HF_SINGLE) is not None
     head = file_head(path, 9)
     if len(head) == 9 and head[8:9] == b"{":
         try:
@@ -136,6 +140,7 @@ FORMAT = Format(
     name="safetensors",
     priority=40,
     claims=_claims,
-    open=lambda location, display: FileSource(display, "safetensors", read_safetensors(_file_of(location))),
-    description="a .safetensors file, or a Hugging Face model folder holding one model.safetensors",
+    open=_open,
+    description="a .safetensors file, or a Hugging Face model folder holding one model.safetensors (beside "
+                "config.json and the tokenizer files)",
 )
