@@ -71,6 +71,16 @@ def weights_note(folder: str, display: str, read: str) -> list[str]:
             f"first, then Flax msgpack; never a PyTorch pickle or a TensorFlow .h5){hint}."]
 
 
+def open_weights(location: str, display: str, *, name: str, format: str,
+                 read: Callable[[str], list[Leaf]]) -> FileSource:
+    """A weights file, or the file ``name`` of the model folder ``location`` (with ``weights_note``)."""
+    file = weights_file(location, name)
+    source = FileSource(display, format, read(file or location))
+    if file is not None:
+        source.notes += weights_note(location, display, name)
+    return source
+
+
 def _listed(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 
 from treetools.ckpt import storage
-from treetools.ckpt.formats._hf_index import weights_file, weights_note
+from treetools.ckpt.formats._hf_index import open_weights, weights_file
 from treetools.ckpt.formats._msgpack import walk
-from treetools.ckpt.source import FileSource, Format, Leaf, file_head, tree_leaves
+from treetools.ckpt.source import Format, Leaf, file_head, tree_leaves
 from treetools.errors import CheckpointError
 
 
@@ -54,15 +54,6 @@ HF_FLAX_SINGLE = "flax_model.msgpack"
 """The one file of a Hugging Face Flax model folder that fits one shard (``FlaxPreTrainedModel.save_pretrained``)."""
 
 
-def _open(location: str, display: str) -> FileSource:
-    """A Flax msgpack file, or the ``flax_model.msgpack`` of a Hugging Face model folder."""
-    file = weights_file(location, HF_FLAX_SINGLE)
-    source = FileSource(display, "msgpack", read_msgpack(file or location))
-    if file is not None:
-        source.notes += weights_note(location, display, HF_FLAX_SINGLE)
-    return source
-
-
 def _claims(path: str) -> bool:
     if storage.isdir(path):  # a model folder also holding model.safetensors is the safetensors format's (asked first)
         return weights_file(path, HF_FLAX_SINGLE) is not None
@@ -74,7 +65,8 @@ FORMAT = Format(
     name="msgpack",
     priority=10,
     claims=_claims,
-    open=_open,
+    open=lambda location, display: open_weights(location, display, name=HF_FLAX_SINGLE, format="msgpack",
+                                                read=read_msgpack),
     description="a Flax msgpack file from flax.serialization.to_bytes, or a Hugging Face Flax model folder holding "
                 "one flax_model.msgpack",
 )

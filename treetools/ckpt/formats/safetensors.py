@@ -12,10 +12,10 @@ import struct
 from typing import Any
 
 from treetools.ckpt import storage
-from treetools.ckpt.formats._hf_index import weights_file, weights_note
+from treetools.ckpt.formats._hf_index import open_weights, weights_file
 from treetools.errors import CheckpointError
 from treetools.ckpt.readers import JSON_EXPANSION, FileReader, check_budget, checked_shape, np_dtype
-from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path
+from treetools.ckpt.source import Format, Leaf, array_row, check_name, file_head, stored_path
 from treetools.rows import dtype_name
 
 
@@ -114,15 +114,6 @@ HF_SINGLE = "model.safetensors"
 """The one file of a Hugging Face model folder that fits one shard (``save_pretrained`` writes no index then)."""
 
 
-def _open(location: str, display: str) -> FileSource:
-    """A ``.safetensors`` file, or the ``model.safetensors`` of a Hugging Face model folder."""
-    file = weights_file(location, HF_SINGLE)
-    source = FileSource(display, "safetensors", read_safetensors(file or location))
-    if file is not None:
-        source.notes += weights_note(location, display, HF_SINGLE)
-    return source
-
-
 def _claims(path: str) -> bool:
     if storage.isdir(path):  # a sharded folder's index is asked first (safetensors-sharded, higher priority)
         return weights_file(path, HF_SINGLE) is not None
@@ -140,7 +131,8 @@ FORMAT = Format(
     name="safetensors",
     priority=40,
     claims=_claims,
-    open=_open,
+    open=lambda location, display: open_weights(location, display, name=HF_SINGLE, format="safetensors",
+                                                read=read_safetensors),
     description="a .safetensors file, or a Hugging Face model folder holding one model.safetensors (beside "
                 "config.json and the tokenizer files)",
 )
