@@ -239,6 +239,22 @@ def test_inspect_help_names_every_built_in_format_and_statistic(capsys):
     assert " ".join(STATS) in text  # the --stats help lists every statistic, from the one tuple
 
 
+def test_every_registered_format_is_described_in_inspect_help_and_named_in_the_readme(capsys):
+    # Issue 24.24: `inspect --help` listed fewer formats than the README. Both now name every registered format;
+    # --help takes them (and their descriptions) from the registry, read without importing numpy.
+    from treetools.ckpt.formats import catalog
+    from treetools.ckpt.source import registered_formats
+
+    formats = [(f.name, f.description) for f in registered_formats()]
+    assert catalog() == formats
+    rc, out, _ = run(capsys, "inspect", "--help")
+    listed = out.split("formats (asked in this order; the first that claims PATH reads it):\n", 1)[1]
+    entries = re.findall(r"^  (\S+) +(.*(?:\n {4,}.*)*)", listed, re.M)
+    assert [(name, " ".join(text.split())) for name, text in entries] == formats
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert [name for name, _ in formats if f"`{name}`" not in readme] == []
+
+
 # ----------------------------------------------------------------------------- views and options
 
 

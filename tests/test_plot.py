@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +151,26 @@ def test_update_ratio_is_a_log_axis_with_several_labelled_ticks(span, tmp_path):
     assert len(ticks) >= 3, [t.label1.get_text() for t in ticks]
     assert len(ticks) <= 12
     assert all("10^" not in t.label1.get_text() and "$" not in t.label1.get_text() for t in ticks)
+
+
+def test_plot_help_says_which_panels_have_a_log_axis_as_the_code_draws_them(capsys):
+    # Issue 24.24: `plot --help` said update_ratio is on a log axis; the code draws it linear unless max/min >= 3.
+    out = _cli(capsys, "plot", "--help")[1]
+    text = " ".join(out.split())
+    found = re.search(r"logarithmic when a panel's values are all positive and span a factor of (\d+) or more for a "
+                      r"ratio \(update_ratio, any metric named \*ratio\*\), of (\d+) or more for any other", text)
+    assert found and "The y axis is linear" in text, text
+    ratio_span, other_span = int(found.group(1)), int(found.group(2))
+    for key, span in (("update_ratio", ratio_span), ("loss", other_span)):
+        for factor, scale in ((span * 0.99, "linear"), (span, "log")):
+            records = [{"step": 1, key: 1e-3}, {"step": 2, key: 1e-3 * factor}]
+            (ax,) = metrics_figure({"run": records}).axes
+            assert ax.get_yscale() == scale, (key, factor)
+    # Per-module panels: "the largest 8", as drawn.
+    records = [{"step": s, "grad_norm": 1.0, **{f"grad_norm/layers_{i}": float(i + 1) for i in range(10)}}
+               for s in (1, 2)]
+    assert "largest 8 by their last value" in text
+    assert _panels(metrics_figure({"run": records}))["grad_norm per module (largest 8 of 10)"]
 
 
 def test_flat_or_linear_curves_keep_a_linear_axis(tmp_path):

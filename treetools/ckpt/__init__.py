@@ -13,58 +13,61 @@ with ``array_row``/``value_row``/``tree_leaves`` and a reader such as
 ``FileReader``).
 """
 
-from treetools.ckpt.readers import (
-    ArrayReader,
-    FileReader,
-    InMemoryReader,
-    MemoryBudgetError,
-    checked_shape,
-    plan_blocks,
-)
-from treetools.ckpt.source import (
-    DEFAULT_ITEM,
-    NO_VALUE,
-    FileSource,
-    Format,
-    Item,
-    Leaf,
-    Snapshot,
-    Source,
-    array_row,
-    check_name,
-    file_head,
-    open_source,
-    register_format,
-    registered_formats,
-    stored_path,
-    tree_leaves,
-    unregister_format,
-    value_row,
-)
+# Names are re-exported lazily (PEP 562, as treetools/__init__.py does): importing a module of this package
+# (`treetools.ckpt.formats` for `treetools inspect --help`'s list of formats) imports no numpy.
+import importlib as _importlib
+import typing as _typing
 
-__all__ = [
-    "ArrayReader",
-    "DEFAULT_ITEM",
-    "FileReader",
-    "FileSource",
-    "Format",
-    "InMemoryReader",
-    "Item",
-    "Leaf",
-    "MemoryBudgetError",
-    "NO_VALUE",
-    "Snapshot",
-    "Source",
-    "array_row",
-    "check_name",
-    "checked_shape",
-    "file_head",
-    "open_source",
-    "plan_blocks",
-    "register_format",
-    "registered_formats",
-    "stored_path",
-    "tree_leaves",
-    "unregister_format",
-    "value_row",
-]
+_EXPORTS = {  # public name -> module under treetools.ckpt
+    **dict.fromkeys(("ArrayReader", "FileReader", "InMemoryReader", "MemoryBudgetError", "checked_shape",
+                     "plan_blocks"), "readers"),
+    **dict.fromkeys(("DEFAULT_ITEM", "NO_VALUE", "FileSource", "Format", "Item", "Leaf", "Snapshot", "Source",
+                     "array_row", "check_name", "file_head", "open_source", "register_format", "registered_formats",
+                     "stored_path", "tree_leaves", "unregister_format", "value_row"), "source"),
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'treetools.ckpt' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f"treetools.ckpt.{module}"), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
+
+
+if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ordinary imports
+    from treetools.ckpt.readers import (
+        ArrayReader,
+        FileReader,
+        InMemoryReader,
+        MemoryBudgetError,
+        checked_shape,
+        plan_blocks,
+    )
+    from treetools.ckpt.source import (
+        DEFAULT_ITEM,
+        NO_VALUE,
+        FileSource,
+        Format,
+        Item,
+        Leaf,
+        Snapshot,
+        Source,
+        array_row,
+        check_name,
+        file_head,
+        open_source,
+        register_format,
+        registered_formats,
+        stored_path,
+        tree_leaves,
+        unregister_format,
+        value_row,
+    )

@@ -35,7 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("treetools.cli.verify", "check that a checkpoint is whole: markers, metadata, every chunk readable"),
     "convert": ("treetools.cli.convert", "convert any checkpoint to safetensors (Hugging Face) or Orbax, streamed"),
     "train": ("treetools.cli.train", "run the reference trainer"),
-    "plot": ("treetools.cli.plot", "plot metric curves from metrics.jsonl files, runs overlaid"),
+    "plot": ("treetools.cli.plot", "plot metric curves (runs overlaid), per-layer heatmaps, or a checkpoint's "
+                                   "statistics across its steps"),
 }
 
 

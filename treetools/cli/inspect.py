@@ -1,22 +1,16 @@
 """Show what is inside a checkpoint, without the model code, the original
 devices, or loading it.
 
-PATH may be an Orbax CheckpointManager root (step folders N or prefix_N, any
-zero padding), one step folder or one item folder (Orbax of every version,
-from before 0.5 on); a T5X model dir, checkpoint_<N> folder or its
-`checkpoint` file; a folder of Flax checkpoint_<N> msgpack files
-(flax.training.checkpoints); a Flax msgpack file (flax.serialization.to_bytes);
-a .safetensors file; a Hugging Face folder of sharded safetensors or sharded
-Flax msgpack with its index JSON; an .npz; a Levanter run, step-N or item
-folder; an EasyDeL save_pretrained folder or trainer folder of run-N; an
-Equinox .eqx file; a Keras .weights.h5 or .keras file (with h5py). Any of
-these may be a gs:// or s3:// URL, read in place (formats: orbax, t5x,
-flax-legacy, msgpack, safetensors, safetensors-sharded, flax-sharded, npz,
-levanter, easydel, equinox, keras). Without --step the latest committed step
-is shown and every step is listed; incomplete saves (Orbax tmp folders, a
-missing commit marker) are listed and never read. A folder holding several
-series of steps (checkpoint_<N> and eval_<N>) shows checkpoint_ and names
-the others: --prefix NAME reads one.
+PATH may be any checkpoint of the formats listed at the end (an Orbax
+CheckpointManager root, step or item folder of any version; T5X; Flax; a
+Hugging Face model folder or file; Levanter, EasyDeL, Equinox, Keras; an
+.npz), or any of these as a gs:// or s3:// URL, read in place. Without
+--step the latest committed step is shown and every step is listed;
+incomplete saves (Orbax tmp folders, a missing commit marker) are listed and
+never read. A folder holding several series of steps (checkpoint_<N> and
+eval_<N>) shows checkpoint_ and names the others: --prefix NAME reads one. A
+path that is not a checkpoint but lies inside one, or holds one, is an error
+naming the path to pass.
 
 Metadata mode reads no array data. --stats streams each array in bounded
 blocks (TREETOOLS_CHUNK_BYTES, default 8 MiB; a compressed storage chunk is
@@ -53,7 +47,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
+from treetools.ckpt.formats import catalog
 from treetools.cli import _output
 from treetools.cli.options import (
     add_depth,
@@ -81,7 +77,19 @@ SHOW_THRESHOLD = 200
 """``--show`` prints at most about this many elements (numpy's summarization with ``...`` beyond)."""
 
 
+def formats_help(width: int = 79) -> str:
+    """The formats PATH may be, one paragraph each, from the format registry (``treetools.ckpt.formats.catalog``,
+    read without importing numpy): the end of ``treetools inspect --help``."""
+    names = catalog()
+    pad = max(len(name) for name, _ in names) + 4
+    lines = ["formats (asked in this order; the first that claims PATH reads it):"]
+    for name, description in names:
+        lines += textwrap.wrap(description, width, initial_indent=f"  {name:<{pad - 2}}", subsequent_indent=" " * pad)
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = formats_help()
     parser.add_argument("path", metavar="PATH", help="checkpoint folder or file")
     add_step(parser)
     add_prefix(parser)

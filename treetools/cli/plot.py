@@ -9,11 +9,14 @@ Panels, one per metric: by default loss-like keys, grad/param/update norms,
 update_ratio, nonfinite_grads and the learning rate (lr, learning_rate),
 whichever are logged (every metric when none of these is). --keys RE picks
 metrics by regex (re.search; repeat it to add more); --keys matching no
-metric is an error. Per-module entries such as grad_norm/layers_0
+metric, or more than 12 panels, is an error. Per-module entries such as grad_norm/layers_0
 (norm_metrics(depth=K)) get one panel per kind, a line per module (the
-largest few). update_ratio, and curves spanning several decades, use a log
-axis. A step whose value is NaN or Inf breaks the curve there and is marked
-with a red triangle on the panel's top edge and a dashed red line.
+largest 8 by their last value). The y axis is linear, and logarithmic when a
+panel's values are all positive and span a factor of 3 or more for a ratio
+(update_ratio, any metric named *ratio*), of 100 or more for any other (so a
+flat update_ratio stays linear). A step whose value is NaN or Inf breaks the
+curve there and is marked with a red triangle on the panel's top edge and a
+dashed red line; nonfinite_grads marks every step where it is above 0.
 
 --heatmap RE draws a layers x steps heatmap instead: every metric matching RE
 (re.search) is a row, named by RE's capture group, e.g. 'grad_norm/layers/(\\d+)$'
@@ -26,8 +29,8 @@ steps marked on the top edge; cells with no value (or <= 0) are grey.
 abs_max, zeros, nan, posinf, neginf) of every leaf (or of every module with
 --depth K) of a checkpoint, across its saved steps: one panel per item
 (params, opt_state, ...; --item picks one), a line per leaf or module (the
-largest few; --keys RE picks paths). Steps where a shown leaf holds NaN or
-Inf are marked. CKPT_DIR is a checkpoint root that `treetools inspect` reads;
+largest 8 by their last value; --keys RE picks paths), the y axis as above.
+Steps where a shown leaf holds NaN or Inf are marked. CKPT_DIR is a checkpoint root that `treetools inspect` reads;
 the arrays are streamed as `treetools inspect --step all --stats` does.
 
 Needs matplotlib (pip install 'treetools[plot]'). The image format follows
@@ -65,6 +68,10 @@ DEFAULT_KEYS = (r"loss|(^|/)(grad|param|update)_norm(/|$)|update_ratio|(^|/)nonf
                 r"|(^|/)(lr|learning_rate)$")
 MAX_PANELS = 12
 MAX_MODULES = 8
+RATIO_LOG_SPAN = 3
+"""A ratio's panel (update_ratio) is drawn on a log axis when its positive values span this factor or more."""
+LOG_SPAN = 100
+"""Any other panel is drawn on a log axis when its positive values span this factor (two decades) or more."""
 # Panel order: loss first, then the norms, the ratio, the non-finite count, the learning rate; other metrics after,
 # as first logged.
 _ORDER = (r"loss", r"grad_norm", r"param_norm", r"update_norm", r"update_ratio", r"nonfinite_grads",
@@ -260,7 +267,8 @@ def mark_nonfinite(ax: Any, steps: Sequence[float]) -> None:
 
 
 def _finish_panel(ax: Any, title: str, values: list[float], nonfinite: list, *, log_ratio: bool = False) -> None:
-    """Title, grid, integer step ticks, a log axis for curves spanning decades, the NaN/Inf marks."""
+    """Title, grid, integer step ticks, a log axis for values spanning ``LOG_SPAN`` (a ratio: ``RATIO_LOG_SPAN``)
+    or more, the NaN/Inf marks."""
     from matplotlib import ticker
 
     # The marks sit on the top edge: the title keeps clear of them.
@@ -269,8 +277,7 @@ def _finish_panel(ax: Any, title: str, values: list[float], nonfinite: list, *, 
     ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
     if values:
         lo, hi = min(values), max(values)
-        wants_log = log_ratio or (hi / lo >= 100 if lo > 0 else False)
-        if lo > 0 and hi / lo >= 3 and wants_log:
+        if lo > 0 and hi / lo >= (RATIO_LOG_SPAN if log_ratio else LOG_SPAN):
             _log_axis(ax, lo, hi)
     mark_nonfinite(ax, nonfinite)
 

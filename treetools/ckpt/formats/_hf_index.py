@@ -139,12 +139,13 @@ def read_indexed_shards(index_path: str, *, read_shard: Callable[[str], list[Lea
     return sorted(leaves, key=lambda leaf: order.get(leaf.name, len(order)))
 
 
-def indexed_format(name: str, *, index_suffix: str, preferred: str, read: Callable[[str], list[Leaf]],
-                   description: str) -> Format:
+def indexed_format(name: str, *, priority: int, index_suffix: str, preferred: str,
+                   read: Callable[[str], list[Leaf]], description: str) -> Format:
     """The ``Format`` of a folder of shards with its index (or the index itself): every shard one item.
 
     Args:
       name: the format's name.
+      priority: as ``Format.priority``.
       index_suffix: how an index file's name ends (``.safetensors.index.json``).
       preferred: the index chosen when a folder holds several (``model.safetensors.index.json``).
       read: the index file -> every leaf (``read_indexed_shards`` with the shard reader).
@@ -156,5 +157,5 @@ def indexed_format(name: str, *, index_suffix: str, preferred: str, read: Callab
             raise CheckpointError(f"{display}: no *{index_suffix} index in it.")
         return FileSource(display, name, read(index))
 
-    return Format(name=name, priority=45, claims=lambda path: find_index(path, index_suffix, preferred) is not None,
+    return Format(name=name, priority=priority, claims=lambda path: find_index(path, index_suffix, preferred) is not None,
                   open=_open, description=description)

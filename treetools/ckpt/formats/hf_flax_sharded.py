@@ -47,6 +47,7 @@ def read_flax_sharded(index_path: str) -> list[Leaf]:
 
 FORMAT = indexed_format(
     "flax-sharded",
+    priority=45,  # before safetensors (40) and msgpack (10), which claim a model folder's one weights file
     index_suffix=INDEX_SUFFIX,
     preferred=_PREFERRED,
     read=read_flax_sharded,

@@ -39,6 +39,7 @@ def read_sharded(index_path: str) -> list[Leaf]:
 
 FORMAT = indexed_format(
     "safetensors-sharded",
+    priority=45,  # before safetensors (40) and msgpack (10), which claim a model folder's one weights file
     index_suffix=INDEX_SUFFIX,
     preferred="model" + INDEX_SUFFIX,
     read=read_sharded,

@@ -217,5 +217,6 @@ FORMAT = Format(
     priority=32,  # before npz (30), which takes any zip
     claims=_claims,
     open=_open,
-    description="a Keras 3 .weights.h5 or .keras file (or any HDF5 file's datasets), through h5py",
+    description="a Keras 3 .weights.h5 or .keras file (or any HDF5 file's datasets), through h5py (pip install "
+                "'treetools[keras]')",
 )

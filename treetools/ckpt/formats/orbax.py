@@ -692,5 +692,6 @@ FORMAT = Format(
     priority=50,
     claims=_claims,
     open=_open,
-    description="an Orbax CheckpointManager root, step folder or item folder",
+    description="an Orbax CheckpointManager root (step folders N, 000N, prefix_N), one step folder or item folder, "
+                "a StandardCheckpointer or PyTreeCheckpointer save; Orbax 0.5 onward, OCDBT or not, zarr2 or zarr3",
 )
