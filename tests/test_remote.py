@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -389,3 +390,67 @@ def test_gcs_refusals_are_one_line(tmp_path, status, message, words):
     lines = [l for l in proc.stderr.splitlines() if l.startswith("treetools:")]
     assert proc.returncode == 1 and len(lines) == 1 and words in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and "hint" not in lines[0]
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_unreachable_gcs_endpoint_fails_within_seconds_with_one_line(tmp_path):
+    # Issue 24.16: offline, `inspect gs://...` waited ~50 s in silence (gcsfs's retries) before its error.
+    pytest.importorskip("gcsfs")
+    url = f"http://127.0.0.1:{_closed_port()}"  # nothing listens there: as unreachable as the cloud offline
+    env = {**os.environ, "STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url}
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    for argv in (["inspect", "gs://bucket/run/checkpoints"], ["diff", "gs://bucket/a", "gs://bucket/b"]):
+        t = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "treetools", *argv], env=env, capture_output=True, text=True,
+                              timeout=180)
+        took = time.perf_counter() - t
+        assert took < 8, f"{took:.1f} s"  # interpreter and imports included; the wait itself is bounded by 3 s
+        assert proc.returncode == (2 if argv[0] == "diff" else 1) and proc.stdout == ""
+        assert proc.stderr == (f"treetools: error: {argv[1]}: cannot reach {url} ({url[7:]} refused the connection): "
+                               "is the GCS emulator that STORAGE_EMULATOR_HOST names running? Start it, or unset the "
+                               "variable.\n")
+
+
+def test_gcs_credentials_are_decided_without_waiting_for_a_metadata_server(tmp_path, monkeypatch):
+    # Issue 24.16: without credentials, gcsfs asked a metadata server that is not there for ~15 s; now "anon" at
+    # once (a public bucket still reads; a private one says "no credentials"), Google's own search where a
+    # credentials file or a metadata server is there.
+    import socket
+    import threading
+
+    from treetools.ckpt import storage
+
+    for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GCE_METADATA_IP"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{_closed_port()}")
+    t = time.perf_counter()
+    assert storage.gcs_token() == "anon"
+    assert time.perf_counter() - t < 2
+    adc = tmp_path / ".config" / "gcloud" / "application_default_credentials.json"
+    adc.parent.mkdir(parents=True)
+    adc.write_text("{}")
+    assert storage.gcs_token() is None  # gcsfs's own search finds that file first
+    adc.unlink()
+    with socket.socket() as server:  # a metadata server, answering as Google's does
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def answer():
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.0 200 OK\r\nMetadata-Flavor: Google\r\n\r\ncomputeMetadata/\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{server.getsockname()[1]}")
+        assert storage.gcs_token() is None
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:1")
+    assert storage.gcs_token() == "anon"
