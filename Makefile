@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# An existing run in WORKDIR is kept: the trainer resumes it up to its default --steps (200), or leaves it as it
+# is when it is there already (a run extended with --steps 400). A fresh demo: make demo WORKDIR=runs/demo2.
 demo: $(STAMP)
-	rm -rf $(WORKDIR)
+	@if [ -d $(WORKDIR)/checkpoints ]; then \
+	  echo "make demo: $(WORKDIR) holds a run already; keeping it (continued up to step 200 if it is short of it)." \
+	       "For a fresh run: make demo WORKDIR=runs/demo2, or delete $(WORKDIR) first."; \
+	fi
 	$(VENV)/bin/treetools train --workdir $(WORKDIR) --cpu-devices 4
 	$(VENV)/bin/treetools inspect $(WORKDIR)/checkpoints
 

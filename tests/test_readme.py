@@ -80,3 +80,40 @@ def test_readme_block_runs(index, devices):
         pytest.skip(f"README block {BLOCKS[index][0]} (line {BLOCKS[index][1]}) is marked {NOTEST}")
     _ran.append(index)
     _run(index)
+
+
+def test_make_demo_keeps_a_run_the_user_extended(tmp_path):
+    # Issue 24.25: `make demo` deleted runs/demo, a run extended with `treetools train --workdir runs/demo --steps
+    # 400` (the example of `treetools train --help`) included. Now it keeps it and says so.
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    venv = Path(sys.executable).parent.parent
+    if shutil.which("make") is None or not (venv / "bin" / "treetools").exists():
+        pytest.skip("needs make and the treetools script beside this Python")
+    workdir = tmp_path / "runs" / "demo"
+    with ocp.CheckpointManager(workdir / "checkpoints") as mngr:  # the run, as extended to step 400
+        for step in (300, 400):
+            mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave({"w": np.full(3, step, np.float32)}),
+                                                    data_iter=ocp.args.JsonSave({"index": step})))
+        mngr.wait_until_finished()
+    metrics = "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in range(20, 401, 20))
+    (workdir / "metrics.jsonl").write_text(metrics)
+    (workdir / "notes.txt").write_text("my run")
+    before = sorted(p.relative_to(workdir) for p in workdir.rglob("*"))
+    # The venv is there already (-o: its stamp is not remade); the demo's two commands run as written.
+    proc = subprocess.run(["make", "-s", "-C", str(README.parent), "-o", f"{venv}/.installed", "demo",
+                           f"VENV={venv}", f"WORKDIR={workdir}"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MAKEFLAGS": ""})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"make demo: {workdir} holds a run already; keeping it"), proc.stdout
+    assert "steps: 300, 400 (showing 400)" in proc.stdout  # then inspected, as the README says
+    assert "is already at step 400 >= --steps 200; nothing to train" in proc.stderr
+    assert sorted(p.relative_to(workdir) for p in workdir.rglob("*")) == before
+    assert (workdir / "metrics.jsonl").read_text() == metrics and (workdir / "notes.txt").read_text() == "my run"
