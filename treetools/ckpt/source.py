@@ -561,6 +561,11 @@ def claiming_format(location: str, formats: Sequence[Format] | None = None) -> F
     return next((f for f in (formats if formats is not None else registered_formats()) if _claims(f, location)), None)
 
 
+def _child(folder: str, name: str) -> str:
+    """``folder/name``, for a local folder or a bucket's."""
+    return f"{folder}/{name}" if storage.is_remote(folder) else os.path.join(folder, name)
+
+
 def _parent(location: str) -> str | None:
     """The folder holding ``location``; None above a bucket or at the file system's root."""
     if storage.is_remote(location):
@@ -620,12 +625,10 @@ def _holds(location: str, fmt: Format, name: str | None) -> bool:
     except (CheckpointError, CheckpointNotFoundError, OSError):
         return True  # claimed by its own files, and unreadable (an unfinished step): a checkpoint all the same
     if listing is None:  # a step's items are folders in it: another folder there is no part of it
-        entry = f"{location}/{name}" if storage.is_remote(location) else os.path.join(location, name)
-        folders = [n for n in items if storage.isdir(f"{location}/{n}" if storage.is_remote(location)
-                                                     else os.path.join(location, n))]
-        return name in items or not folders or not storage.isdir(entry)
-    names = set()
-    for series in [listing, *listing.every_series().values()]:
+        folders = [n for n in items if storage.isdir(_child(location, n))]
+        return name in items or not folders or not storage.isdir(_child(location, name))
+    names = set(listing.incomplete)
+    for series in listing.every_series().values():
         names |= {os.path.basename(folder) for folder in series.committed.values()} | set(series.incomplete)
     series_step = re.escape(listing.series) + r"\d+" if listing.series else r"\d+"
     return name in names or re.fullmatch(series_step, name) is not None
@@ -651,7 +654,7 @@ def _checkpoints_beside(folder: str, formats: Sequence[Format], *, skip: str | N
     names.sort(key=lambda n: (not any(w in n.lower() for w in _LIKELY), n))
     found = []
     for name in names[:NEAR_ENTRIES[remote]]:
-        entry = f"{folder}/{name}" if remote else os.path.join(folder, name)
+        entry = _child(folder, name)
         try:
             fmt = claiming_format(entry, formats)
         except (OSError, CheckpointError):
