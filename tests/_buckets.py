@@ -131,7 +131,13 @@ class CountingProxy:
 
             do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = do_PATCH = do_OPTIONS = _forward
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            # socketserver's default listen backlog is 5: gcsfs' and s3fs' batched uploads open dozens of connections
+            # at once, and a connection dropped from a full backlog waits for TCP's SYN retries (1, 3, 7, 15, 31,
+            # 63 s), which stalled one upload of a test for 30-110 s.
+            request_queue_size = 256
+
+        self._server = Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"

@@ -560,3 +560,35 @@ def test_gpt2_against_transformers_own_conversion(tmp_path):
     assert missing <= {"lm_head.weight"} | {k for k in reference if k.endswith((".attn.bias", ".attn.masked_bias"))}
     model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "pt")  # transformers loads the folder itself
     assert torch.equal(model.transformer.h[1].mlp.c_fc.weight, reference["transformer.h.1.mlp.c_fc.weight"])
+
+
+def test_verify_counts_every_difference_across_blocks_and_names_the_first_in_c_order(tmp_path, monkeypatch):
+    """Damage in several blocks of a 2-D tensor read back in 1 KiB blocks: the count and the first position
+    equal numpy's, from the written file read by safetensors' own reader against the source."""
+    from safetensors.numpy import load_file
+
+    src = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    np.savez(tmp_path / "w.npz", a=src, b=np.ones(3, np.float32))
+    damage = {40 * 32 + 7, 10 * 32 + 3, 12 * 32}  # flat positions in three different 1 KiB blocks
+    real = st_writer.tensor_blocks
+
+    def damaged(tensors, block_bytes):
+        at: dict[str, int] = {}
+        for tensor, block in real(tensors, block_bytes):
+            start = at.get(tensor.name, 0)
+            at[tensor.name] = start + block.size
+            if tensor.name == "a":
+                block = block.copy()
+                flat = block.reshape(-1)
+                for pos in damage:
+                    if start <= pos < start + flat.size:
+                        flat[pos - start] = -1.0
+            yield tensor, block
+
+    monkeypatch.setattr(st_writer, "tensor_blocks", damaged)
+    report = tt.convert(tmp_path / "w.npz", tmp_path / "o.safetensors", chunk_bytes=1024, verify=True)
+    bad = np.argwhere(load_file(str(tmp_path / "o.safetensors"))["a"] != src)
+    assert len(bad) == len(damage)
+    first = tuple(int(i) for i in bad[0])  # argwhere lists positions in C order
+    assert report.problems == [f"`a`: {len(bad)} of {src.size:,} elements differ from the source (first at {first})."]
+    assert not report.ok

@@ -34,7 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from treetools.ckpt import storage
-from treetools.ckpt.readers import ArrayReader, is_numeric, np_dtype, plan_blocks, resolve_budget
+from treetools.ckpt.readers import ArrayReader, is_numeric, np_dtype, resolve_budget
+from treetools.ckpt.stream import Failed, reduce_blocks
 from treetools.ckpt.mapping import RuledReader
 from treetools.ckpt.source import Item, Leaf, Source, open_source, params_of_step
 from treetools.ckpt.writers.orbax import check_orbax, write_orbax
@@ -372,44 +373,73 @@ def verify_written(dst: str, report: ConvertReport, plan: _Plan, opts: ConvertOp
     expected = {row.name: reader for row, reader in zip(report.rows, plan.readers)}
     for name in sorted(set(leaves) - set(expected)):
         problems.append(f"`{name}`: in {report.dst} but not among the tensors converted.")
-    bar = Progress(report.total_bytes, enabled=opts.progress)
+    jobs: list[tuple[ArrayReader, ArrayReader]] = []
+    names: list[str] = []
+    for name, reader in expected.items():
+        leaf = leaves.get(name)
+        if leaf is None or leaf.reader is None:
+            problems.append(f"`{name}`: missing from {report.dst}.")
+            continue
+        got = leaf.reader
+        if tuple(got.shape) != tuple(reader.shape) or np.dtype(got.dtype) != np.dtype(reader.dtype):
+            problems.append(f"`{name}`: {report.dst} holds {np.dtype(got.dtype).name}{list(got.shape)}, "
+                            f"expected {np.dtype(reader.dtype).name}{list(reader.shape)}.")
+            continue
+        jobs.append((got, reader))
+        names.append(name)
+    # The block engine, as ``verify`` and ``diff --values`` read: both sides of each tensor in one block plan.
+    bar = Progress(sum(r.dtype.itemsize * math.prod(r.shape) for job in jobs for r in job), enabled=opts.progress)
     try:
-        for name, reader in expected.items():
-            leaf = leaves.get(name)
-            if leaf is None or leaf.reader is None:
-                problems.append(f"`{name}`: missing from {report.dst}.")
-                continue
-            got = leaf.reader
-            if tuple(got.shape) != tuple(reader.shape) or np.dtype(got.dtype) != np.dtype(reader.dtype):
-                problems.append(f"`{name}`: {report.dst} holds {np.dtype(got.dtype).name}{list(got.shape)}, "
-                                f"expected {np.dtype(reader.dtype).name}{list(reader.shape)}.")
-                continue
-            bar.start(name)
-            problem = _compare(name, got, reader, opts.block_bytes, bar)
-            if problem:
-                problems.append(problem)
+        parts = reduce_blocks(jobs, lambda j: _BitDiff(), _fold_bits, chunk_bytes=opts.block_bytes, progress=bar,
+                              labels=names, errors=(CheckpointError, OSError, ValueError))
     finally:
         bar.close()
+    for name, (got, _), part in zip(names, jobs, parts):
+        if isinstance(part, Failed):
+            problems.append(f"`{name}`: cannot be read back from {report.dst} ({part.error}).")
+            continue
+        problem = _BitDiff.merged(part).problem(name, tuple(got.shape))
+        if problem:
+            problems.append(problem)
     return problems
 
 
-def _compare(name: str, got: Any, want: Any, block_bytes: int, bar: Progress) -> str | None:
-    shape, dtype = tuple(want.shape), np.dtype(want.dtype)
-    differ = 0
-    first = None
-    for index in plan_blocks(shape, max(1, block_bytes // max(1, dtype.itemsize))):
-        a = np.ascontiguousarray(got.read(index)).reshape(-1).view(np.uint8).reshape(-1, dtype.itemsize)
-        b = np.ascontiguousarray(want.read(index)).astype(dtype, copy=False)
-        b = np.ascontiguousarray(b).reshape(-1).view(np.uint8).reshape(-1, dtype.itemsize)
-        bad = np.any(a != b, axis=1)
-        n = int(np.count_nonzero(bad))
-        if n and first is None:
-            start = int(np.ravel_multi_index(tuple(s.indices(d)[0] for s, d in zip(index, shape)), shape)) \
-                if shape else 0
-            first = np.unravel_index(start + int(np.argmax(bad)), shape) if shape else ()
-        differ += n
-        bar.advance(a.size)
-    if differ:
-        at = tuple(int(i) for i in first) if first is not None else ()
-        return f"`{name}`: {differ:,} of {math.prod(shape):,} elements differ from the source (first at {at})."
-    return None
+@dataclasses.dataclass
+class _BitDiff:
+    """Elements of one tensor whose bytes differ, and the first of them in C order (an index tuple)."""
+
+    differ: int = 0
+    first: tuple[int, ...] | None = None
+
+    @staticmethod
+    def merged(parts: list[_BitDiff]) -> _BitDiff:
+        """The parts of one tensor as one."""
+        firsts = [p.first for p in parts if p.first is not None]
+        return _BitDiff(sum(p.differ for p in parts), min(firsts) if firsts else None)
+
+    def problem(self, name: str, shape: tuple[int, ...]) -> str | None:
+        """One sentence when some element differs, else None."""
+        if not self.differ:
+            return None
+        return (f"`{name}`: {self.differ:,} of {math.prod(shape):,} elements differ from the source "
+                f"(first at {self.first}).")
+
+
+def _fold_bits(acc: _BitDiff, index: Any, blocks: tuple[np.ndarray, ...]) -> None:
+    """Compare one block of the written tensor with the same block of the source after the rules, bit for bit
+    (NaNs by their bits; a cast leaf against the bytes of the same cast)."""
+    got, want = blocks
+    dtype = np.dtype(got.dtype)
+    a = np.ascontiguousarray(got).reshape(-1).view(np.uint8).reshape(-1, dtype.itemsize)
+    b = np.ascontiguousarray(np.asarray(want).astype(dtype, copy=False)).reshape(-1)
+    bad = np.any(a != b.view(np.uint8).reshape(-1, dtype.itemsize), axis=1)
+    n = int(np.count_nonzero(bad))
+    if not n:
+        return
+    acc.differ += n
+    # A block is a box of the tensor, so its own C order is the tensor's: its first bad element, offset by the
+    # box's corner, is the first in the tensor among the box's elements; the earliest box wins in ``merged``.
+    within = np.unravel_index(int(np.argmax(bad)), got.shape) if got.ndim else ()
+    corner = tuple(s.start or 0 for s in index) if index is not None else (0,) * got.ndim
+    first = tuple(int(c + w) for c, w in zip(corner, within))
+    acc.first = first if acc.first is None else min(acc.first, first)
