@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import flax.linen as nn
@@ -30,7 +32,9 @@ import treetools as tt
 from treetools.cli import main
 from treetools.inspect.diff import diff_paths
 from treetools.inspect.report import inspect_path
-from treetools.ckpt.source import Format, FileSource, register_format, tree_leaves, unregister_format
+from treetools.ckpt.source import (
+    Format, FileSource, claiming_format, register_format, registered_formats, tree_leaves, unregister_format,
+)
 from treetools.paths import flatten
 
 FIXTURE = Path(__file__).parent / "fixtures" / "treetools_v0_1"
@@ -400,6 +404,71 @@ def test_near_misses_name_the_checkpoint_that_works(tmp_path, capsys, monkeypatc
         assert err.startswith(f"treetools: error: {path}: not a checkpoint that treetools can read. Readable "
                               f"formats: {names} ("), err
         assert len(err) < 300  # was 818
+
+
+class _OpensAFileWhenUnpickled:
+    """A hostile pickle's payload: unpickling it creates ``path`` (as a pickle can run any code)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _torch_zip(path: Path, payload: bytes) -> None:
+    """What ``torch.save`` writes since PyTorch 1.6 (torch is not installed here): a stored zip holding
+    ``archive/data.pkl`` (the pickled state dict), ``archive/data/0`` (a storage) and ``archive/version``."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", payload)
+        z.writestr("archive/data/0", np.ones(4, np.float32).tobytes())
+        z.writestr("archive/version", "3\n")
+
+
+def test_pytorch_pickles_are_named_and_never_unpickled(tmp_path, capsys):
+    # A Hugging Face folder saved by PyTorch (`pytorch_model.bin`, a torch.save zip) and a pre-1.6 torch.save file
+    # (a bare pickle) got "not a checkpoint" (or an npz error); now one line that names the pickle and the fix.
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps({"w": _OpensAFileWhenUnpickled(marker)}, protocol=2)
+    hf = tmp_path / "gpt2"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "gpt2"}')
+    _torch_zip(hf / "pytorch_model.bin", payload)
+    (tmp_path / "old.pt").write_bytes(payload)
+    assert payload[:2] == b"\x80\x02"  # a pickle opens like an empty msgpack map: no longer claimed as msgpack
+    fix = ("treetools reads no pickles (loading one can run code). Save the weights as safetensors "
+           "(`save_pretrained(DIR, safe_serialization=True)`, or `safetensors.torch.save_file(model.state_dict(), "
+           "PATH)`) and pass that.")
+    cases = {hf: f"{hf}: holds pytorch_model.bin, a PyTorch pickle; {fix}",
+             hf / "pytorch_model.bin": f"{hf / 'pytorch_model.bin'}: a PyTorch pickle (torch.save); {fix}",
+             tmp_path / "old.pt": f"{tmp_path / 'old.pt'}: a PyTorch pickle (torch.save); {fix}"}
+    for path, want in cases.items():
+        assert main(["inspect", str(path)]) == 1
+        assert capsys.readouterr().err == f"treetools: error: {want}\n"
+        with pytest.raises(tt.CheckpointError, match="reads no pickles"):
+            tt.load_parameters(str(path))
+    assert not marker.exists()
+    # Beside safetensors the pickle is ignored: the folder is the safetensors format's.
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones(2, np.float32)}, str(hf / "model.safetensors"))
+    assert main(["inspect", str(hf), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "safetensors"
+
+
+def test_files_that_merely_start_like_a_msgpack_map_are_not_claimed(tmp_path):
+    # The msgpack format sniffs a map of string keys (flax's state dicts), not any byte 0x80-0x8f: a PNG (0x89 'P':
+    # a map whose first key would be the integer 80) was claimed as msgpack, and offered as "did you mean".
+    (tmp_path / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    (tmp_path / "int_keys.bin").write_bytes(b"\x81\x01\xc0")  # {1: None}
+    (tmp_path / "state").write_bytes(serialization.to_bytes({"params": {"w": np.ones(2, np.float32)}}))
+    (tmp_path / "empty").write_bytes(serialization.to_bytes({}))
+    big = {f"k{i}": np.float32(i) for i in range(20)}  # more than 15 keys: a map16 header
+    (tmp_path / "map16").write_bytes(serialization.to_bytes(big))
+    claimed = {name: claiming_format(str(tmp_path / name), registered_formats())
+               for name in ("plot.png", "int_keys.bin", "state", "empty", "map16")}
+    assert {k: (f.name if f else None) for k, f in claimed.items()} == {
+        "plot.png": None, "int_keys.bin": None, "state": "msgpack", "empty": "msgpack", "map16": "msgpack"}
 
 
 def test_t5x_style_folder_is_not_claimed_as_orbax(tmp_path, capsys):

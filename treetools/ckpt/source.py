@@ -664,6 +664,32 @@ def _checkpoints_beside(folder: str, formats: Sequence[Format], *, skip: str | N
     return found
 
 
+_TORCH_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "training_args.bin", "optimizer.pt")
+TORCH_SUFFIXES = (".bin", ".pt", ".pth")
+"""Names of files ``torch.save`` writes (a zip holding a pickle since PyTorch 1.6): no format claims them."""
+
+
+def _torch_pickle(location: str, folder: bool) -> str | None:
+    """What names ``location`` as PyTorch's ``torch.save`` output (a zip holding ``data.pkl``, or a bare pickle),
+    or None: a folder holding ``pytorch_model.bin`` (or its index), or a ``.bin``/``.pt``/``.pth`` file that
+    starts like one."""
+    if folder:
+        try:
+            names = set(storage.listdir(location))
+        except (OSError, CheckpointError):
+            return None
+        hit = sorted(names.intersection(_TORCH_NAMES[:2])) or sorted(n for n in names if n.endswith((".pt", ".pth")))
+        return f"holds {hit[0]}, a PyTorch pickle" if hit else None
+    if not os.path.basename(location).lower().endswith(TORCH_SUFFIXES):
+        return None
+    try:
+        head = storage.read_range(location, 0, 2)
+    except (OSError, CheckpointError):
+        return None
+    # torch.save writes a zip since PyTorch 1.6 ("PK"), a pickle before (protocol 2+ starts with 0x80).
+    return "a PyTorch pickle (torch.save)" if head[:2] == b"PK" or head[:1] == b"\x80" else None
+
+
 def _not_a_checkpoint(location: str, display: str, formats: Sequence[Format]) -> str:
     """The one-line error for a path no format claims, with the path that would work where there is one.
 
@@ -685,6 +711,11 @@ def _not_a_checkpoint(location: str, display: str, formats: Sequence[Format]) ->
             raise CheckpointError(f"{display}: cannot list folder ({e.strerror or e}).") from None
         if empty:
             return f"{display}: empty folder, not a checkpoint."
+    pickle = _torch_pickle(location, folder)
+    if pickle is not None:
+        return (f"{display}: {pickle}; treetools reads no pickles (loading one can run code). "
+                "Save the weights as safetensors (`save_pretrained(DIR, safe_serialization=True)`, or "
+                "`safetensors.torch.save_file(model.state_dict(), PATH)`) and pass that.")
     parent = _parent(location)
     near = (_checkpoints_beside(location, formats) if folder else
             _checkpoints_beside(parent, formats, skip=os.path.basename(location)) if parent is not None else [])

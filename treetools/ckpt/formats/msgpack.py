@@ -45,9 +45,25 @@ def read_msgpack(path: str) -> list[Leaf]:
 
 
 def is_msgpack_map(path: str) -> bool:
-    """A file whose first byte opens a msgpack map: what ``flax.serialization.to_bytes`` writes for a state dict."""
-    head = file_head(path, 1)
-    return bool(head) and (0x80 <= head[0] <= 0x8F or head[0] in (0xDE, 0xDF))
+    """A file that opens a msgpack map keyed by strings: what ``flax.serialization.to_bytes`` writes for a state
+    dict (whose keys are always strings), or the one byte of an empty map.
+
+    The key's type is checked too, so files that merely start with a map's byte are not claimed: a PNG
+    (``\\x89PNG``: a map whose first key would be the integer 80) or a pickle (``\\x80\\x02``: an empty map
+    followed by more bytes), such as PyTorch's ``pytorch_model.bin``.
+    """
+    head = file_head(path, 6)
+    if not head:
+        return False
+    if 0x80 <= head[0] <= 0x8F:
+        key = 1 if head[0] > 0x80 else None
+        if key is None:
+            return len(head) == 1  # an empty map is the whole file
+    elif head[0] in (0xDE, 0xDF):
+        key = 3 if head[0] == 0xDE else 5
+    else:
+        return False
+    return len(head) > key and (0xA0 <= head[key] <= 0xBF or head[key] in (0xD9, 0xDA, 0xDB))
 
 
 HF_FLAX_SINGLE = "flax_model.msgpack"

@@ -18,7 +18,9 @@ import numpy as np
 from treetools.ckpt import storage
 from treetools.errors import CheckpointError
 from treetools.ckpt.readers import ArrayReader, FileReader, block_span, checked_shape, np_dtype
-from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, stored_path, value_row
+from treetools.ckpt.source import (
+    TORCH_SUFFIXES, FileSource, Format, Leaf, array_row, check_name, file_head, stored_path, value_row,
+)
 
 
 class ZipStreamReader(ArrayReader):
@@ -173,6 +175,8 @@ def read_npz(path: str) -> list[Leaf]:
 
 def _claims(path: str) -> bool:
     head = file_head(path, 4)
+    if path.lower().endswith(TORCH_SUFFIXES):  # torch.save's zip (pytorch_model.bin, *.pt), refused by name
+        return False
     return head in (b"PK\x03\x04", b"PK\x05\x06") or (path.lower().endswith(".npz") and bool(head))
 
 
