@@ -244,3 +244,29 @@ def test_verify_an_npz_holding_a_float0_leaf(tmp_path, capsys):
     assert report.ok and report.leaves == 2 and report.bytes == w.nbytes
     assert main(["verify", str(tmp_path / "grads.npz")]) == 0
     assert capsys.readouterr().out == f"ok: {tmp_path / 'grads.npz'}: 1 item(s), 2 leaves, {w.nbytes:,} bytes read and decoded.\n"
+
+
+def test_verify_prints_what_the_source_leaves_out_as_inspect_does(tmp_path, capsys):
+    # A model folder with two weights files reads one; a root with two step series reads one. verify said nothing
+    # of what it did not check; now it prints the same notes as inspect, on stderr (stdout and exit unchanged).
+    hf = tmp_path / "model"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    save_file({"w": np.ones(3, np.float32)}, str(hf / "model.safetensors"))
+    (hf / "flax_model.msgpack").write_bytes(serialization.to_bytes({"w": np.ones(3, np.float32)}))
+    root = tmp_path / "run"
+    root.mkdir()
+    from flax.training import checkpoints  # flax legacy, msgpack mode: a series per prefix
+
+    for step in (1, 2):
+        checkpoints.save_checkpoint(str(root), {"w": np.full(2, step, np.float32)}, step, prefix="checkpoint_",
+                                    keep=5)
+        checkpoints.save_checkpoint(str(root), {"w": np.full(2, -step, np.float32)}, step, prefix="best_", keep=5)
+    for path, names in ((hf, "flax_model.msgpack"), (root, "best_")):
+        assert main(["inspect", str(path)]) == 0
+        inspect_notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("treetools: note:")]
+        assert inspect_notes and any(names in line for line in inspect_notes), inspect_notes
+        assert main(["verify", str(path)]) == 0
+        out, err = capsys.readouterr()
+        assert [line for line in err.splitlines() if line.startswith("treetools: note:")] == inspect_notes
+        assert "treetools: note:" not in out

@@ -74,7 +74,8 @@ class VerifyResult:
       steps: the committed steps of a root, ascending; None for a single checkpoint.
       incomplete: unfinished saves of a root (tmp folders, no commit marker): named, never read, not damage.
       reports: one ``VerifyReport`` per step checked (the step asked, or every committed one).
-      notes: diagnostics for stderr (a step pruned while it was checked).
+      notes: diagnostics for stderr: what the source leaves out (another step series, a weights file beside
+        the one read, an unreadable entry) and a step pruned while it was checked.
       error: why nothing could be verified at this PATH (missing, not a checkpoint); None when it was read.
     """
 
@@ -253,6 +254,8 @@ def verify_checkpoint(path: str, options: VerifyOptions | None = None, /, **fiel
         reports = [source if isinstance(source, VerifyReport) else _verify(source, source.resolve(opts.step), opts)]
     if isinstance(source, VerifyReport):  # a single file whose header is damaged
         return VerifyResult(path, source.format, None, [], reports, notes)
+    # What the source leaves out, as inspect says it: another step series, a weights file beside the one read.
+    notes = list(dict.fromkeys([*source.notes, *notes]))
     return VerifyResult(path, source.format, source.steps, list(source.incomplete), reports, notes)
 
 
