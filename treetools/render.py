@@ -51,26 +51,27 @@ def safe_text(text: Any, *, width: int | None = None, lines: bool = False) -> st
     Args:
       text: anything; ``str()`` of it is shown.
       width: at most this many characters: a longer text is cut and ends with
-        ``…[+N chars]`` (a table cell never pads its column to a 100,000-character name).
+        ``…[+N chars]…`` in its middle, both ends kept (a table cell never pads its column to a 100,000-character
+        name).
       lines: keep newlines (a rendered report's own line structure); everything else is escaped.
 
     >>> safe_text("a\\x1b[2Jb\\nc\\u202e")
     'a\\\\x1b[2Jb\\\\nc\\\\u202e'
-    >>> safe_text("x" * 30, width=20)
-    'xxxxxxxx…[+22 chars]'
+    >>> safe_text("params/layers_11/attention/query/kernel", width=32)
+    'params/lay…[+20 chars]…ry/kernel'
     """
     text = str(text)
     if not text.isprintable():
         text = "".join(ch if ch.isprintable() or (lines and ch == "\n") else
                        ch.encode("unicode_escape").decode("ascii") for ch in text)
     if width is not None and len(text) > width:
-        cut = max(1, width - 12)
-        while len(text) > width and cut > 1:
-            shown = text[:cut] + f"…[+{len(text) - cut} chars]"
-            if len(shown) <= width:
-                return shown
-            cut -= 1
-        return text[:cut] + f"…[+{len(text) - cut} chars]"
+        # Both ends kept: a path's head says where it is, its tail which leaf, so two long paths that differ at
+        # either end stay apart once cut.
+        keep = width
+        while keep > 2 and keep + len(f"…[+{len(text) - keep} chars]…") > width:
+            keep -= 1
+        head = (keep + 1) // 2
+        return text[:head] + f"…[+{len(text) - keep} chars]…" + text[len(text) - (keep - head):]
     return text
 
 
