@@ -426,6 +426,8 @@ def _torch_zip(path: Path, payload: bytes) -> None:
 
 
 def test_pytorch_pickles_are_named_and_never_unpickled(tmp_path, capsys):
+    from safetensors.numpy import save_file
+
     # A Hugging Face folder saved by PyTorch (`pytorch_model.bin`, a torch.save zip) and a pre-1.6 torch.save file
     # (a bare pickle) got "not a checkpoint" (or an npz error); now one line that names the pickle and the fix.
     marker = tmp_path / "pwned"
@@ -448,9 +450,32 @@ def test_pytorch_pickles_are_named_and_never_unpickled(tmp_path, capsys):
         with pytest.raises(tt.CheckpointError, match="reads no pickles"):
             tt.load_parameters(str(path))
     assert not marker.exists()
+    # An index of torch shards is named as such; shards without their index are named too.
+    shards = tmp_path / "sharded"
+    shards.mkdir()
+    (shards / "pytorch_model.bin.index.json").write_text('{"weight_map": {}}')
+    _torch_zip(shards / "pytorch_model-00001-of-00002.bin", payload)
+    assert main(["inspect", str(shards)]) == 1
+    assert capsys.readouterr().err == (f"treetools: error: {shards}: holds pytorch_model.bin.index.json, an index of "
+                                       f"PyTorch pickles; {fix}\n")
+    (shards / "pytorch_model.bin.index.json").unlink()
+    assert main(["inspect", str(shards)]) == 1
+    assert "holds pytorch_model-00001-of-00002.bin, a PyTorch pickle;" in capsys.readouterr().err
+    # A Hugging Face Trainer's output_dir: a stray pickle beside a checkpoint folder points at the checkpoint.
+    trainer = tmp_path / "trainer"
+    (trainer / "checkpoint-500").mkdir(parents=True)
+    _torch_zip(trainer / "pytorch_model.bin", payload)
+    save_file({"w": np.ones(2, np.float32)}, str(trainer / "checkpoint-500" / "model.safetensors"))
+    assert main(["inspect", str(trainer)]) == 1
+    assert capsys.readouterr().err == (f"treetools: error: {trainer}: not a checkpoint but a folder holding "
+                                       f"checkpoints; did you mean {trainer / 'checkpoint-500'} (safetensors)?\n")
+    # An npz saved under a torch-like name (np.savez to a file object adds no suffix) is still an npz.
+    for name in ("weights.bin", "weights.pt"):
+        with open(tmp_path / name, "wb") as fh:
+            np.savez(fh, w=np.arange(3, dtype=np.float32))
+        np.testing.assert_array_equal(tt.load_parameters(str(tmp_path / name))["w"], np.arange(3, dtype=np.float32))
+    assert not marker.exists()
     # Beside safetensors the pickle is ignored: the folder is the safetensors format's.
-    from safetensors.numpy import save_file
-
     save_file({"w": np.ones(2, np.float32)}, str(hf / "model.safetensors"))
     assert main(["inspect", str(hf), "--format", "json"]) == 0
     assert json.loads(capsys.readouterr().out)["format"] == "safetensors"

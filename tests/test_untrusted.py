@@ -445,6 +445,28 @@ def test_a_huge_name_is_cut_in_tables_and_kept_whole_in_json(tmp_path, capsys):
     assert code == 0 and mib < 64, mib
 
 
+def test_a_cut_name_fits_its_width_keeps_both_ends_and_is_never_longer_than_the_name():
+    from treetools.render import safe_text
+
+    for n in (5, 11, 15, 40, 1000, 10**5, 10**6):
+        name = "".join(chr(ord("a") + i % 26) for i in range(n))
+        hidden_at_most = len(f"…[+{n - 1} chars]")  # the shortest cut form: one character and the count
+        for width in range(-3, 200):
+            shown = safe_text(name, width=width)
+            assert len(shown) <= n, (n, width, shown)
+            if n <= width:
+                assert shown == name
+            elif width > hidden_at_most:
+                assert len(shown) <= width, (n, width, shown)
+                head, _, rest = shown.partition("…[+")
+                count, _, tail = rest.partition(" chars]")
+                tail = tail.removeprefix("…")
+                # What is kept is the name's own head and tail, and the count says how much is hidden.
+                assert name.startswith(head) and name.endswith(tail) and len(head) + int(count) + len(tail) == n
+    # Escapes are made before the cut, so what is shown stays printable however it is cut.
+    assert all(safe_text("\x1b[2J" * 50, width=w).isprintable() for w in range(0, 80))
+
+
 # ----------------------------------------------------------------------------- cost that grows with the input
 
 def test_a_bucket_root_of_many_steps_is_listed_in_few_round_trips(tmp_path, remote_store, capsys):

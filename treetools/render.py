@@ -50,9 +50,9 @@ def safe_text(text: Any, *, width: int | None = None, lines: bool = False) -> st
 
     Args:
       text: anything; ``str()`` of it is shown.
-      width: at most this many characters: a longer text is cut and ends with
-        ``…[+N chars]…`` in its middle, both ends kept (a table cell never pads its column to a 100,000-character
-        name).
+      width: at most this many characters: a longer text is cut, ``…[+N chars]…`` in its middle and both ends
+        kept (a table cell never pads its column to a 100,000-character name); where ``width`` is too small
+        for that, its head alone, and never longer than the text itself.
       lines: keep newlines (a rendered report's own line structure); everything else is escaped.
 
     >>> safe_text("a\\x1b[2Jb\\nc\\u202e")
@@ -65,14 +65,26 @@ def safe_text(text: Any, *, width: int | None = None, lines: bool = False) -> st
         text = "".join(ch if ch.isprintable() or (lines and ch == "\n") else
                        ch.encode("unicode_escape").decode("ascii") for ch in text)
     if width is not None and len(text) > width:
-        # Both ends kept: a path's head says where it is, its tail which leaf, so two long paths that differ at
-        # either end stay apart once cut.
-        keep = width
-        while keep > 2 and keep + len(f"…[+{len(text) - keep} chars]…") > width:
-            keep -= 1
-        head = (keep + 1) // 2
-        return text[:head] + f"…[+{len(text) - keep} chars]…" + text[len(text) - (keep - head):]
+        return _cut(text, max(width, 0))
     return text
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, saying how many it hides: both ends kept (a path's head says where it
+    is, its tail which leaf, so two long paths differing at either end stay apart), else the head alone where
+    ``width`` leaves no room for both; never longer than ``text`` itself."""
+    n = len(text)
+    keep = width
+    while keep > 2 and keep + len(f"…[+{n - keep} chars]…") > width:
+        keep -= 1
+    head = (keep + 1) // 2
+    both = text[:head] + f"…[+{n - keep} chars]…" + text[n - (keep - head):]
+    if len(both) <= width:
+        return both
+    cut = width
+    while cut > 1 and cut + len(f"…[+{n - cut} chars]") > width:
+        cut -= 1
+    return min((both, text[:cut] + f"…[+{n - cut} chars]", text), key=len)
 
 
 def one_line(message: Any) -> str:

@@ -37,6 +37,7 @@ import pkgutil
 import re
 import stat as stat_
 import time
+import zipfile
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -664,30 +665,53 @@ def _checkpoints_beside(folder: str, formats: Sequence[Format], *, skip: str | N
     return found
 
 
-_TORCH_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "training_args.bin", "optimizer.pt")
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
-"""Names of files ``torch.save`` writes (a zip holding a pickle since PyTorch 1.6): no format claims them."""
+"""Names of the files ``torch.save`` writes (``pytorch_model.bin``, ``*.pt``): a zip holding ``data.pkl`` (PyTorch
+1.6 and later) or a bare pickle. ``is_torch_zip`` tells such a zip from an npz saved under the same name."""
+
+_TORCH_FOLDER_FILE = re.compile(r"pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?$|.+\.pth?$", re.IGNORECASE)
+
+
+def is_torch_zip(location: str) -> bool:
+    """Whether ``location`` is a zip that ``torch.save`` wrote: one whose members hold ``data.pkl``."""
+    try:
+        with storage.open(location) as fh, zipfile.ZipFile(fh) as z:
+            return any(n == "data.pkl" or n.endswith("/data.pkl") for n in z.namelist())
+    except (OSError, CheckpointError, zipfile.BadZipFile, ValueError):
+        return False
 
 
 def _torch_pickle(location: str, folder: bool) -> str | None:
-    """What names ``location`` as PyTorch's ``torch.save`` output (a zip holding ``data.pkl``, or a bare pickle),
-    or None: a folder holding ``pytorch_model.bin`` (or its index), or a ``.bin``/``.pt``/``.pth`` file that
-    starts like one."""
+    """What names ``location`` as PyTorch's ``torch.save`` output, or None: a folder holding
+    ``pytorch_model.bin`` (its shards, its index, a ``.pt`` file), or a ``.bin``/``.pt``/``.pth`` file that is a
+    torch zip or a bare pickle."""
     if folder:
         try:
-            names = set(storage.listdir(location))
+            names = sorted((n for n in storage.listdir(location) if _TORCH_FOLDER_FILE.match(n)),
+                           key=lambda n: (not n.endswith(".json"), n))  # an index names the whole model
         except (OSError, CheckpointError):
             return None
-        hit = sorted(names.intersection(_TORCH_NAMES[:2])) or sorted(n for n in names if n.endswith((".pt", ".pth")))
-        return f"holds {hit[0]}, a PyTorch pickle" if hit else None
+        if not names:
+            return None
+        what = "an index of PyTorch pickles" if names[0].endswith(".json") else "a PyTorch pickle"
+        return f"holds {names[0]}, {what}"
     if not os.path.basename(location).lower().endswith(TORCH_SUFFIXES):
         return None
     try:
         head = storage.read_range(location, 0, 2)
     except (OSError, CheckpointError):
         return None
-    # torch.save writes a zip since PyTorch 1.6 ("PK"), a pickle before (protocol 2+ starts with 0x80).
-    return "a PyTorch pickle (torch.save)" if head[:2] == b"PK" or head[:1] == b"\x80" else None
+    # A pickle of protocol 2 to 5 starts with 0x80 and its protocol; torch.save wrote one before PyTorch 1.6.
+    if (head[:2] == b"PK" and is_torch_zip(location)) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03",
+                                                                                            b"\x04", b"\x05")):
+        return "a PyTorch pickle (torch.save)"
+    return None
+
+
+def _refuse_pickle(display: str, what: str) -> str:
+    return (f"{display}: {what}; treetools reads no pickles (loading one can run code). Save the weights as "
+            "safetensors (`save_pretrained(DIR, safe_serialization=True)`, or "
+            "`safetensors.torch.save_file(model.state_dict(), PATH)`) and pass that.")
 
 
 def _not_a_checkpoint(location: str, display: str, formats: Sequence[Format]) -> str:
@@ -711,14 +735,16 @@ def _not_a_checkpoint(location: str, display: str, formats: Sequence[Format]) ->
             raise CheckpointError(f"{display}: cannot list folder ({e.strerror or e}).") from None
         if empty:
             return f"{display}: empty folder, not a checkpoint."
+    # A file that is a pickle is named as one; a folder holding checkpoints beside a stray pickle (a Hugging Face
+    # Trainer's output_dir) points at the checkpoints first.
     pickle = _torch_pickle(location, folder)
-    if pickle is not None:
-        return (f"{display}: {pickle}; treetools reads no pickles (loading one can run code). "
-                "Save the weights as safetensors (`save_pretrained(DIR, safe_serialization=True)`, or "
-                "`safetensors.torch.save_file(model.state_dict(), PATH)`) and pass that.")
+    if pickle is not None and not folder:
+        return _refuse_pickle(display, pickle)
     parent = _parent(location)
     near = (_checkpoints_beside(location, formats) if folder else
             _checkpoints_beside(parent, formats, skip=os.path.basename(location)) if parent is not None else [])
+    if pickle is not None and not near:
+        return _refuse_pickle(display, pickle)
     if near:
         options = " or ".join(f"{shown_path(p, display)} ({f.name})" for p, f in near[:3])
         where = "a folder holding checkpoints" if folder else "a file beside checkpoints"

@@ -19,7 +19,7 @@ from treetools.ckpt import storage
 from treetools.errors import CheckpointError
 from treetools.ckpt.readers import ArrayReader, FileReader, block_span, checked_shape, np_dtype
 from treetools.ckpt.source import (
-    TORCH_SUFFIXES, FileSource, Format, Leaf, array_row, check_name, file_head, stored_path, value_row,
+    TORCH_SUFFIXES, FileSource, Format, is_torch_zip, Leaf, array_row, check_name, file_head, stored_path, value_row,
 )
 
 
@@ -175,9 +175,10 @@ def read_npz(path: str) -> list[Leaf]:
 
 def _claims(path: str) -> bool:
     head = file_head(path, 4)
-    if path.lower().endswith(TORCH_SUFFIXES):  # torch.save's zip (pytorch_model.bin, *.pt), refused by name
-        return False
-    return head in (b"PK\x03\x04", b"PK\x05\x06") or (path.lower().endswith(".npz") and bool(head))
+    if head in (b"PK\x03\x04", b"PK\x05\x06"):
+        # A zip named like torch.save's output (pytorch_model.bin, *.pt) is torch's when it holds data.pkl.
+        return not (path.lower().endswith(TORCH_SUFFIXES) and is_torch_zip(path))
+    return path.lower().endswith(".npz") and bool(head)
 
 
 FORMAT = Format(
