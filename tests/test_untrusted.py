@@ -445,6 +445,19 @@ def test_a_huge_name_is_cut_in_tables_and_kept_whole_in_json(tmp_path, capsys):
     assert code == 0 and mib < 64, mib
 
 
+def test_two_long_names_that_cut_alike_stay_two_rows(tmp_path, capsys):
+    # Two 300-character keys of a JSON item differing only in their middle cut to the same cell; the values
+    # listing was keyed by the cut name, so one row (and its value) vanished.
+    run = _orbax(tmp_path / "run", data_iter={"index": 7})
+    a, b = "a" * 150 + "X" + "z" * 149, "a" * 150 + "Y" + "z" * 149
+    (run / "1" / "data_iter" / "metadata").write_text(json.dumps({a: 1, b: 2}))
+    for fmt in ("table", "markdown"):
+        code, out, err = _run(capsys, "inspect", run, "--item", "data_iter", "--format", fmt)
+        assert code == 0, err
+        rows = [line for line in out.splitlines() if "…[+" in line]
+        assert len(rows) == 2 and rows[0].rstrip(" |").endswith("1") and rows[1].rstrip(" |").endswith("2"), out
+
+
 def test_a_cut_name_fits_its_width_keeps_both_ends_and_is_never_longer_than_the_name():
     from treetools.render import safe_text
 

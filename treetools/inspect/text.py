@@ -124,11 +124,10 @@ def _item_section(title: str, item: ItemReport, fmt: str, tablefmt: str, stats: 
         total = f"{format_count(item.total.params)} {item.label}, {human(item.total.bytes, 'B')}"
         return [f"[{safe_title}] the same leaves as [{shown[key]}]: {total}"]
     shown.setdefault(key, safe_title)
-    values = {safe_text(p, width=CELL_WIDTH): v for p, v in item.values.items()}
-    names = {safe_text(r.name, width=CELL_WIDTH) for r in item.rows}
+    values = item.values
     if not item.rows:
         body = ["(no leaves)"]
-    elif values and len(values) == len(item.rows) and names <= set(values):
+    elif values and len(values) == len(item.rows) and {r.name for r in item.rows} <= set(values):
         body = [_render_values(values, md)]  # a JSON item, or scalars: their values are what they hold
     elif fmt == "tree":
         body = [_render_tree(item.rows, item.label), _footer(item.total, item.label, md, item.not_params)]
@@ -289,12 +288,13 @@ def _render_values(values: dict[str, Any], md: bool) -> str:
         text = safe_text(json.dumps(jsonable(v), allow_nan=True))
         return text if len(text) <= 80 else text[:77] + "..."
 
-    cells = {safe_text(p, width=CELL_WIDTH): v for p, v in values.items()}  # no column padded to a huge name
+    # No column padded to a huge name; a list, not a dict, so two names that cut alike stay two rows.
+    cells = [(safe_text(p, width=CELL_WIDTH), v) for p, v in values.items()]
     if md:
-        return tabulate([[p, shown(v)] for p, v in cells.items()], headers=["path", "value"], tablefmt="github",
+        return tabulate([[p, shown(v)] for p, v in cells], headers=["path", "value"], tablefmt="github",
                         disable_numparse=True)
-    width = max(len(p) for p in cells)
-    return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in cells.items())
+    width = max(len(p) for p, _ in cells)
+    return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in cells)
 
 
 # ---------------------------------------------------------------------------- diffs
