@@ -262,7 +262,8 @@ def _wall(argv: list[str], env: dict | None = None) -> float:
 @pytest.mark.skipif(shutil.which("taskset") is None, reason="taskset pins a process to cores")
 def test_scaling_with_cores(ckpts):
     root, n = ckpts["orbax"]["path"], ckpts["bytes"]
-    sets = {"1 core": "0", f"{cores()} cores": f"0-{cores() - 1}"} if cores() > 1 else {"1 core": "0"}
+    counts = sorted({1, cores(), *(c for c in (2, 4, 8, 16, 32, 64) if c < cores())})  # 1, 2, 4, ... all
+    sets = {f"{c} core{'s' * (c > 1)}": "0" if c == 1 else f"0-{c - 1}" for c in counts}
     load = ("-c", f"import treetools as tt; tt.load_parameters({root!r}, step=2)")
     cmds = {
         "inspect --stats": (("inspect", root, "--step", "2", "--stats"), n),
