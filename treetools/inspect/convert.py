@@ -390,8 +390,10 @@ def verify_written(dst: str, report: ConvertReport, plan: _Plan, opts: ConvertOp
     # The block engine, as ``verify`` and ``diff --values`` read: both sides of each tensor in one block plan.
     bar = Progress(sum(r.dtype.itemsize * math.prod(r.shape) for job in jobs for r in job), enabled=opts.progress)
     try:
-        parts = reduce_blocks(jobs, lambda j: _BitDiff(), _fold_bits, chunk_bytes=opts.block_bytes, progress=bar,
-                              labels=names, errors=(CheckpointError, OSError, ValueError))
+        # Half blocks: each of the engine's threads holds both sides of one, so verify's blocks in flight take
+        # about what the write's read-ahead took, and the peak stays that of the write.
+        parts = reduce_blocks(jobs, lambda j: _BitDiff(), _fold_bits, chunk_bytes=max(1, opts.block_bytes // 2),
+                              progress=bar, labels=names, errors=(CheckpointError, OSError, ValueError))
     finally:
         bar.close()
     for name, (got, _), part in zip(names, jobs, parts):
@@ -430,9 +432,12 @@ def _fold_bits(acc: _BitDiff, index: Any, blocks: tuple[np.ndarray, ...]) -> Non
     (NaNs by their bits; a cast leaf against the bytes of the same cast)."""
     got, want = blocks
     dtype = np.dtype(got.dtype)
-    a = np.ascontiguousarray(got).reshape(-1).view(np.uint8).reshape(-1, dtype.itemsize)
-    b = np.ascontiguousarray(np.asarray(want).astype(dtype, copy=False)).reshape(-1)
-    bad = np.any(a != b.view(np.uint8).reshape(-1, dtype.itemsize), axis=1)
+    a, b = np.ravel(got), np.ravel(np.asarray(want).astype(dtype, copy=False))
+    size = dtype.itemsize
+    if size in (1, 2, 4, 8):  # one unsigned integer per element: a bool per element, not per byte
+        bad = np.not_equal(a.view(f"u{size}"), b.view(f"u{size}"))
+    else:
+        bad = np.any(a.view(np.uint8).reshape(-1, size) != b.view(np.uint8).reshape(-1, size), axis=1)
     n = int(np.count_nonzero(bad))
     if not n:
         return
