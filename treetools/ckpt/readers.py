@@ -217,6 +217,18 @@ def is_numeric(dtype: Any) -> bool:
     return dtype.kind in "biufc" or (dtype.kind == "V" and dtype.type.__module__.startswith("ml_dtypes"))
 
 
+def bit_view(x: np.ndarray) -> np.ndarray:
+    """``x``'s bit patterns, to compare exactly (NaN payloads, -0.0): one unsigned integer per element where
+    one is as wide as an element, else its bytes (``size`` times as many entries as ``x``).
+
+    >>> a, b = np.array([0.0, np.nan]), np.array([-0.0, np.nan])
+    >>> (a == b).tolist(), (bit_view(a) == bit_view(b)).tolist()
+    ([True, False], [False, True])
+    """
+    size = x.dtype.itemsize
+    return x.view(f"u{size}") if size in (1, 2, 4, 8) else x.view(np.uint8)
+
+
 class ArrayReader:
     """Hands out one stored array in blocks; never the whole array at once.
 

@@ -697,10 +697,7 @@ def _torch_pickle(location: str, folder: bool) -> str | None:
         return f"holds {names[0]}, {what}"
     if not os.path.basename(location).lower().endswith(TORCH_SUFFIXES):
         return None
-    try:
-        head = storage.read_range(location, 0, 2)
-    except (OSError, CheckpointError):
-        return None
+    head = file_head(location, 2)
     # A pickle of protocol 2 to 5 starts with 0x80 and its protocol; torch.save wrote one before PyTorch 1.6.
     if (head[:2] == b"PK" and is_torch_zip(location)) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03",
                                                                                             b"\x04", b"\x05")):

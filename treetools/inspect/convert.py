@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from treetools.ckpt import storage
-from treetools.ckpt.readers import ArrayReader, is_numeric, np_dtype, resolve_budget
+from treetools.ckpt.readers import ArrayReader, bit_view, is_numeric, np_dtype, resolve_budget
 from treetools.ckpt.stream import Failed, reduce_blocks
 from treetools.ckpt.mapping import RuledReader
 from treetools.ckpt.source import Item, Leaf, Source, open_source, params_of_step
@@ -433,11 +433,9 @@ def _fold_bits(acc: _BitDiff, index: Any, blocks: tuple[np.ndarray, ...]) -> Non
     got, want = blocks
     dtype = np.dtype(got.dtype)
     a, b = np.ravel(got), np.ravel(np.asarray(want).astype(dtype, copy=False))
-    size = dtype.itemsize
-    if size in (1, 2, 4, 8):  # one unsigned integer per element: a bool per element, not per byte
-        bad = np.not_equal(a.view(f"u{size}"), b.view(f"u{size}"))
-    else:
-        bad = np.any(a.view(np.uint8).reshape(-1, size) != b.view(np.uint8).reshape(-1, size), axis=1)
+    bad = bit_view(a) != bit_view(b)  # a bool per element where an unsigned integer is as wide as one
+    if bad.size != a.size:  # else per byte: an element differs where any of its bytes does
+        bad = np.any(bad.reshape(-1, dtype.itemsize), axis=1)
     n = int(np.count_nonzero(bad))
     if not n:
         return

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from treetools.ckpt.mapping import map_items
-from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, is_numeric
+from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, bit_view, is_numeric
 from treetools.ckpt.source import NO_VALUE, Leaf, Source, open_source, order_items
 from treetools.ckpt.stream import reduce_blocks
 from treetools.errors import CheckpointError
@@ -283,12 +283,6 @@ def _sumsq(x: np.ndarray) -> float:
     return total
 
 
-def _bits(x: np.ndarray) -> np.ndarray:
-    """``x``'s bytes as unsigned integers of its item size, to compare bit patterns (NaN payloads, -0.0)."""
-    size = x.dtype.itemsize
-    return x.view(f"u{size}") if size in (1, 2, 4, 8) else x.view(np.uint8)
-
-
 @dataclasses.dataclass
 class _Compared:
     """The running comparison of one leaf's blocks (a task's share, merged in block order)."""
@@ -354,7 +348,7 @@ def _fold(acc: _Compared, xa: np.ndarray, xb: np.ndarray) -> None:
 def _fold_piece(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule) -> None:
     identical = False
     if acc.same_bits:  # until one piece differs; then no more bit comparisons for this leaf
-        acc.same_bits = identical = rule.same_dtype and bool(np.array_equal(_bits(pa), _bits(pb)))
+        acc.same_bits = identical = rule.same_dtype and bool(np.array_equal(bit_view(pa), bit_view(pb)))
     if rule.work is None:
         acc.add(*_block_compare(_as_compared(pa, rule.kind), _as_compared(pb, rule.kind), rule.kind,
                                 rule.atol, rule.rtol))
