@@ -157,6 +157,72 @@ def test_a_reader_that_closes_stdout_early_changes_no_exit_code(tmp_path):
     assert (rc, err) == (0, "")
 
 
+# A child that runs the `treetools` program as the console script does (`run()`), after leaving three witnesses:
+# an atexit handler (run by Python's exit, and by the read-only commands' own), a `__del__` of a `__main__` global
+# (run only by the teardown of modules, which the read-only commands skip), and, where asked, a thread Python
+# would wait for (a non-daemon one, still alive when the command ends).
+_PROGRAM = """
+import atexit, sys, threading, time
+atexit.register(lambda: sys.stderr.write("WITNESS atexit ran\\n"))
+class Witness:
+    def __del__(self):
+        sys.stderr.write("WITNESS teardown ran\\n")
+witness = Witness()
+if sys.argv[1] == "with-thread":
+    threading.Thread(target=time.sleep, args=(1.0,)).start()
+sys.argv = ["treetools", *sys.argv[2:]]
+from treetools.cli import run
+run()
+"""
+
+
+def _program(*argv: str, thread: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _PROGRAM, "with-thread" if thread else "-", *argv],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_read_only_commands_end_without_the_module_teardown_and_keep_output_code_and_exit_handlers(tmp_path, capsys):
+    a = {f"layers_{i}/kernel": np.full(4, i, np.float32) for i in range(3000)}  # far more output than a pipe holds
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **{**a, "layers_7/kernel": np.full(4, -1, np.float32)})
+    a_, b_ = str(tmp_path / "a.npz"), str(tmp_path / "b.npz")
+    for argv, code in ((["inspect", a_, "--leaves", "--format", "json"], 0), (["diff", a_, b_, "--values"], 1),
+                       (["verify", a_], 0), (["inspect", str(tmp_path / "missing")], 1)):
+        proc = _program(*argv)
+        assert proc.returncode == code, proc.stderr
+        assert "WITNESS atexit ran" in proc.stderr and "WITNESS teardown ran" not in proc.stderr, (argv, proc.stderr)
+        expected = run(capsys, *argv)  # the same command in this process, through main(): every byte of stdout arrived
+        assert (proc.returncode, proc.stdout) == expected[:2], argv
+    assert len(json.loads(_program("inspect", a_, "--leaves", "--format", "json").stdout)["checkpoints"][0]
+               ["items"]["default"]["leaves"]) == 3000
+
+
+def test_a_thread_python_would_wait_for_and_other_commands_get_the_ordinary_exit(tmp_path):
+    np.savez(tmp_path / "a.npz", w=np.ones(4, np.float32))
+    proc = _program("inspect", str(tmp_path / "a.npz"), thread=True)
+    assert proc.returncode == 0 and "WITNESS atexit ran" in proc.stderr and "WITNESS teardown ran" in proc.stderr
+    proc = _program("convert", str(tmp_path / "a.npz"), str(tmp_path / "a.safetensors"))  # it writes: ordinary exit
+    assert proc.returncode == 0, proc.stderr
+    assert "WITNESS atexit ran" in proc.stderr and "WITNESS teardown ran" in proc.stderr
+    assert (tmp_path / "a.safetensors").stat().st_size > 16
+
+
+def test_metadata_inspect_loads_neither_the_rules_nor_the_block_engine_nor_the_statistics(tmp_path):
+    # What keeps whole-process metadata inspect near 0.3x `import jax` (benchmarks/test_stream_bench.py): these load
+    # only for --stats, rules and the other commands.
+    np.savez(tmp_path / "a.npz", w=np.ones((2, 4), np.float32))
+    later = ["treetools.rules", "treetools.ckpt.mapping", "treetools.ckpt.stream", "treetools.inspect.stats",
+             "treetools.inspect.progress"]
+    code = ("import io, contextlib, sys\nfrom treetools.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n    assert main(sys.argv[1:]) == 0\n"
+            f"print([m for m in {later!r} if m in sys.modules])\n")
+    loaded = lambda *argv: subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,  # noqa: E731
+                                          timeout=120, check=True).stdout.strip()
+    assert loaded("inspect", str(tmp_path / "a.npz")) == "[]"
+    assert loaded("inspect", str(tmp_path / "a.npz"), "--stats") == str(later[2:])
+    assert loaded("inspect", str(tmp_path / "a.npz"), "--unstack", "w") == str(later[:2])
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 

@@ -60,6 +60,10 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/convert.py", "main"): "numpy",
     ("cli/options.py", "rules_from"): "numpy",
     ("cli/plot.py", "stats_report"): "numpy",
+    # Metadata mode (inspect without --stats or rules) starts without the rules engine, the block engine and the
+    # statistics: whole-process inspect is measured against `import jax` (benchmarks/test_stream_bench.py).
+    ("inspect/report.py", "_inspect"): "startup",
+    ("inspect/report.py", "_compute_stats"): "startup",
     # The reference trainer is jax, flax and optax.
     ("cli/train.py", "main"): "jax",
     ("cli/train.py", "check_workdir"): "numpy",

@@ -1,5 +1,5 @@
 """``python -m treetools``: the same as the ``treetools`` command."""
 
-from treetools.cli import main
+from treetools.cli import run
 
-raise SystemExit(main())
+run()

@@ -89,7 +89,7 @@ def formats_help(width: int = 79) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = formats_help()
+    parser.epilog = formats_help  # called by the parser when the help is printed
     parser.add_argument("path", metavar="PATH", help="checkpoint folder or file")
     add_step(parser)
     add_prefix(parser)

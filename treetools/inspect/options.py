@@ -11,10 +11,12 @@ one field here, its use in the command, and its flag.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 
 from treetools.ckpt.readers import chunk_bytes_from_env
-from treetools.rules import Rules
+
+if TYPE_CHECKING:  # an annotation only: the rules engine loads with the first rules (inspect/diff/convert)
+    from treetools.rules import Rules
 
 _O = TypeVar("_O", bound="ReadOptions")
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
-from treetools.ckpt.mapping import map_items
 from treetools.ckpt.readers import is_numeric
 from treetools.ckpt.source import (
     NO_VALUE,
@@ -29,11 +28,12 @@ from treetools.ckpt.source import (
 from treetools.ckpt.steps import parse_step
 from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.inspect.options import InspectOptions, resolve
-from treetools.inspect.progress import Progress
-from treetools.inspect.stats import StatsAccumulator, compute_stats
 from treetools.patterns import nearby, select_any
 from treetools.render import json_object, jsonable
 from treetools.rows import Row, Totals, aggregate_rows, common_prefix, sort_rows, totals
+
+if TYPE_CHECKING:
+    from treetools.inspect.stats import StatsAccumulator
 
 SCHEMA = 2
 """Version of the ``--format json`` object; bumped on any incompatible change."""
@@ -320,9 +320,13 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
             raise StepDeletedError(f"{source.path}: every listed step was deleted while it was being read.")
     else:
         snaps = [source.snapshot(opts.step, wanted)]
-    for s in snaps:
-        if opts.rules is not None and not opts.rules.empty:
+    if opts.rules is not None and not opts.rules.empty:
+        # Here, not at the top: metadata mode without rules starts without the rules engine (its startup).
+        from treetools.ckpt.mapping import map_items
+
+        for s in snaps:
             s.items = map_items(s.items, opts.rules)
+    for s in snaps:
         s.items = {name: s.items[name] for name in order_items(list(s.items))}
         if under is not None:
             s.items = {name: _under(item, under, source.path) for name, item in s.items.items()}
@@ -386,6 +390,10 @@ def _under(item: Item, prefix: str, where: str) -> Item:
 
 
 def _compute_stats(kept, snaps, chunk_bytes, progress):
+    # Here, not at the top: metadata mode starts without the block engine and the statistics (its startup).
+    from treetools.inspect.progress import Progress
+    from treetools.inspect.stats import compute_stats
+
     todo = [(i, name, leaf) for i, items in enumerate(kept) for name, leaves in items.items()
             for leaf in leaves if leaf.reader is not None and is_numeric(leaf.reader.dtype)]
     bar = Progress(sum(leaf.reader.dtype.itemsize * math.prod(leaf.reader.shape) for _, _, leaf in todo), enabled=progress)
