@@ -24,6 +24,7 @@ import pytest
 
 import treetools as tt
 import treetools.inspect.report as report_module
+import treetools.inspect.stats as stats_module
 from treetools.cli import main
 from treetools.errors import CheckpointError, StepDeletedError
 from treetools.inspect.report import inspect_path
@@ -178,7 +179,7 @@ def test_inspect_reads_again_when_the_latest_step_went(tmp_path, capsys, monkeyp
 
 def test_stats_of_a_step_deleted_mid_read_is_retried_for_the_latest(tmp_path, capsys, monkeypatch):
     root = _two_steps(tmp_path)
-    real = report_module.compute_stats
+    real = stats_module.compute_stats  # imported by inspect when it computes statistics: patched at its source
     deleted = []
 
     def pruned_first(*args, **kwargs):
@@ -188,7 +189,7 @@ def test_stats_of_a_step_deleted_mid_read_is_retried_for_the_latest(tmp_path, ca
             deleted.append(True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(report_module, "compute_stats", pruned_first)
+    monkeypatch.setattr(stats_module, "compute_stats", pruned_first)
     code, out, err = _run(capsys, "inspect", root, "--stats", "--format", "json")
     assert code == 0, err
     data = json.loads(out)

@@ -382,7 +382,8 @@ def test_every_long_command_advances_its_progress_bar_block_by_block(tmp_path, m
             super().advance(nbytes)
             calls.append((self.done, self.total))
 
-    for module in ("treetools.inspect.report", "treetools.inspect.diff", "treetools.inspect.verify"):
+    # inspect imports Progress when it computes statistics (metadata mode starts without it): patched at its source.
+    for module in ("treetools.inspect.progress", "treetools.inspect.diff", "treetools.inspect.verify"):
         monkeypatch.setattr(f"{module}.Progress", Recording)
     w = np.arange(4 * 2**20, dtype=np.float32).reshape(1024, 4096)  # 16 MiB
     save_file({"w": w}, str(tmp_path / "a.safetensors"))

@@ -142,7 +142,8 @@ def test_a_t5x_chunk_file_linked_outside_is_never_read(tmp_path, capsys):
     err = _one_error(capsys, "inspect", step, "--show", f"target/{KERNEL}")
     assert "resolves outside the checkpoint" in err and "0.0" in err
     code, out, err = _run(capsys, "verify", step)
-    assert code == 1 and "resolves outside the checkpoint" in out and "42" not in out
+    # The paths named are left out of the check: pytest's folder may be pytest-42N.
+    assert code == 1 and "resolves outside the checkpoint" in out and "42" not in out.replace(str(tmp_path), "")
     _one_error(capsys, "inspect", step, "--stats")
     with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):
         tt.load_parameters(step)
@@ -159,7 +160,7 @@ def test_an_orbax_item_or_its_ocdbt_data_linked_to_another_run_is_never_read(tmp
     shutil.copy(other / "1" / "params" / "manifest.ocdbt", params / "manifest.ocdbt")
     for argv in (("inspect", run), ("inspect", run, "--stats"), ("inspect", run, "--show", "params/w")):
         err = _one_error(capsys, *argv)
-        assert "resolves outside the checkpoint" in err and "42" not in err
+        assert "resolves outside the checkpoint" in err and "42" not in err.replace(str(tmp_path), "")
     for read in (lambda: tt.load_parameters(run), lambda: tt.restore_checkpoint(run, 1, {"params": _abstract(8)})):
         with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):
             read()
