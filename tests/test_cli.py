@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -205,6 +206,45 @@ def test_a_thread_python_would_wait_for_and_other_commands_get_the_ordinary_exit
     assert proc.returncode == 0, proc.stderr
     assert "WITNESS atexit ran" in proc.stderr and "WITNESS teardown ran" in proc.stderr
     assert (tmp_path / "a.safetensors").stat().st_size > 16
+
+
+_ORDINARY = "import sys; from treetools.cli import main; sys.exit(main())"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full: a file whose every write fails (ENOSPC)")
+@pytest.mark.parametrize("argv, redirect", [
+    (argv, redirect) for argv in (["inspect", "{a}"], ["inspect", "--help"], ["inspect", "--bogus"], ["verify", "{a}"])
+    for redirect in (">&-", "2>&-", "2>/dev/full")] + [(["inspect", "--help"], ">/dev/full")])
+def test_closed_or_failing_stdout_and_stderr_end_as_pythons_own_exit_does(tmp_path, argv, redirect):
+    # The fast end and Python's ordinary exit give the same code and output: a stream closed when the process
+    # started is skipped (exit 0, no traceback), a flush that fails at the end is reported and exits 120. (Only
+    # --help reaches the end with stdout unwritten: a command's own output is flushed, and fails, inside it.)
+    np.savez(tmp_path / "a.npz", w=np.ones(4, np.float32))
+    argv = [a.format(a=tmp_path / "a.npz") for a in argv]
+
+    def end(*program):
+        proc = subprocess.run(["sh", "-c", f'exec "$@" {redirect}', "sh", *program, *argv], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": ""})
+        return proc.returncode, proc.stdout, proc.stderr
+
+    fast, ordinary = end(sys.executable, "-m", "treetools"), end(sys.executable, "-c", _ORDINARY)
+    assert fast == ordinary
+    assert "Traceback" not in fast[2]
+    if redirect == ">/dev/full":
+        assert fast[0] == 120 and "Exception ignored in" in fast[2]
+
+
+def test_a_profiler_or_a_calling_program_gets_the_process_back(tmp_path):
+    np.savez(tmp_path / "a.npz", w=np.ones(4, np.float32))
+    a = str(tmp_path / "a.npz")
+    proc = subprocess.run([sys.executable, "-m", "cProfile", "-m", "treetools", "inspect", a], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "function calls" in proc.stdout, proc.stderr  # the profile printed at the end
+    program = ("import runpy, sys\nsys.argv = ['treetools', 'inspect', sys.argv[1]]\n"
+               "try:\n    runpy.run_module('treetools', run_name='__main__')\n"
+               "except SystemExit as e:\n    print('exit', e.code)\nprint('alive')\n")
+    proc = subprocess.run([sys.executable, "-c", program, a], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines()[-2:] == ["exit 0", "alive"], proc.stderr
 
 
 def test_metadata_inspect_loads_neither_the_rules_nor_the_block_engine_nor_the_statistics(tmp_path):

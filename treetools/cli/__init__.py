@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import importlib
 import os
 import sys
 import threading
+import traceback
 from typing import NoReturn, Sequence
 
 import treetools
@@ -172,29 +174,45 @@ def run() -> NoReturn:
     A command that writes nothing (``READ_ONLY``) ends without Python's
     teardown of every module it loaded, which takes longer than reading a
     small checkpoint's metadata: 20-30 ms once numpy and TensorStore are
-    loaded. What Python's own exit does that could matter is done first
-    (the atexit handlers run, stdout and stderr are flushed), and only when
-    no thread but daemons is left. Every other command, and ``main()``
-    called from Python, ends the ordinary way.
+    loaded. Only when treetools is the whole program (``_alone``); what
+    Python's exit does that anyone can see is done as it does it
+    (``_end_now``). Every other command, and ``main()`` called from Python,
+    ends the ordinary way.
     """
     argv = sys.argv[1:]
     code = main(argv)
-    if _command_of(argv) in READ_ONLY:
+    if _command_of(argv) in READ_ONLY and _alone():
         _end_now(code)
     raise SystemExit(code)
 
 
+def _alone() -> bool:
+    """Whether the treetools program is this process's main program with nothing watching it: the ``__main__``
+    module is the script (or ``treetools/__main__.py``) that called ``run``, and there is no ``python -i``, no
+    debugger, profiler or tracer (``python -m cProfile|pdb -m treetools ...``), and no ``runpy`` call from another
+    program, each of which expects the process to go on after the command."""
+    return (getattr(sys.modules.get("__main__"), "run", None) is run and not sys.flags.interactive
+            and sys.gettrace() is None and sys.getprofile() is None and "bdb" not in sys.modules)
+
+
 def _end_now(code: int) -> None:
-    """End the process with ``code`` at once, as Python's exit would but for tearing the modules down; returns
-    (and the caller exits the ordinary way) while a thread that Python would wait for is alive."""
+    """End the process as Python's exit would, less tearing the modules down: the atexit handlers run, stdout and
+    stderr are flushed, and a flush that fails is reported and makes the exit code 120, all as ``Py_FinalizeEx``
+    does. Returns (and the caller exits the ordinary way) while a thread Python's exit would wait for is alive."""
     main_thread = threading.main_thread()
     run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
     if run_exit_handlers is None or any(t is not main_thread and not t.daemon for t in threading.enumerate()):
         return
     run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # closed when the process started
+            continue
         try:
             stream.flush()
-        except (OSError, ValueError):  # a reader that left, or a closed stream: what Python's exit would ignore
-            pass
+        except Exception as e:  # noqa: BLE001 -- reported in Python's own words, and the exit code is its 120
+            if stream is sys.stdout and sys.stderr is not None:
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(f"Exception ignored in: {stream!r}\n{traceback.format_exception_only(e)[-1]}")
+                    sys.stderr.flush()
+            code = 120
     os._exit(code)

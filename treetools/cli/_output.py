@@ -93,10 +93,13 @@ def readers_may_leave() -> Iterator[None]:
     written is flushed before leaving, under the same rule.
     """
     saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _LeavingReader(sys.stdout), _LeavingReader(sys.stderr)  # type: ignore[assignment]
+    # None: the descriptor was closed when the process started (`>&-`); print() then writes nowhere, as after a
+    # reader left.
+    sys.stdout, sys.stderr = (None if s is None else _LeavingReader(s) for s in saved)  # type: ignore[assignment]
     try:
         yield
     finally:
         for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         sys.stdout, sys.stderr = saved
