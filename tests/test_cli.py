@@ -214,11 +214,12 @@ _ORDINARY = "import sys; from treetools.cli import main; sys.exit(main())"
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full: a file whose every write fails (ENOSPC)")
 @pytest.mark.parametrize("argv, redirect", [
     (argv, redirect) for argv in (["inspect", "{a}"], ["inspect", "--help"], ["inspect", "--bogus"], ["verify", "{a}"])
-    for redirect in (">&-", "2>&-", "2>/dev/full")] + [(["inspect", "--help"], ">/dev/full")])
+    for redirect in (">&-", "2>&-", "2>/dev/full", ">/dev/full")])
 def test_closed_or_failing_stdout_and_stderr_end_as_pythons_own_exit_does(tmp_path, argv, redirect):
     # The fast end and Python's ordinary exit give the same code and output: a stream closed when the process
     # started is skipped (exit 0, no traceback), a flush that fails at the end is reported and exits 120. (Only
-    # --help reaches the end with stdout unwritten: a command's own output is flushed, and fails, inside it.)
+    # --help reaches the end with stdout unwritten: a command's own output that cannot be written stops the
+    # command with one line, exit 1.)
     np.savez(tmp_path / "a.npz", w=np.ones(4, np.float32))
     argv = [a.format(a=tmp_path / "a.npz") for a in argv]
 
@@ -230,8 +231,19 @@ def test_closed_or_failing_stdout_and_stderr_end_as_pythons_own_exit_does(tmp_pa
     fast, ordinary = end(sys.executable, "-m", "treetools"), end(sys.executable, "-c", _ORDINARY)
     assert fast == ordinary
     assert "Traceback" not in fast[2]
-    if redirect == ">/dev/full":
+    if redirect == ">/dev/full" and argv[1] == "--help":
         assert fast[0] == 120 and "Exception ignored in" in fast[2]
+    elif redirect == ">/dev/full" and argv[1] != "--bogus":
+        assert fast[0] == 1 and fast[2] == "treetools: error: cannot write to stdout (No space left on device).\n"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full: a file whose every write fails (ENOSPC)")
+def test_diff_whose_output_cannot_be_written_is_trouble_not_same(tmp_path):
+    np.savez(tmp_path / "a.npz", w=np.ones(4, np.float32))
+    a = str(tmp_path / "a.npz")
+    proc = subprocess.run(["sh", "-c", 'exec "$@" >/dev/full', "sh", sys.executable, "-m", "treetools", "diff", a, a],
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (2, "treetools: error: cannot write to stdout (No space left on device).\n")
 
 
 def test_a_profiler_or_a_calling_program_gets_the_process_back(tmp_path):

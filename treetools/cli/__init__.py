@@ -152,6 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except _output.OutputError as e:  # stdout or stderr cannot be written: said on stderr if it still can be
+        with contextlib.suppress(OSError):
+            _error(str(e))
+            sys.stderr.flush()
+        return 2 if command == "diff" else 1
     except KNOWN_ERRORS + ((ValueError,) if command in ("plot", "train") else ()) as e:
         # Known problems with what the user gave: one line, exit 1 (diff: 2, GNU diff's "trouble").
         if os.environ.get("TREETOOLS_DEBUG"):

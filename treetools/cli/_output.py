@@ -9,7 +9,9 @@ screen, reorder a line (U+202E) nor forge a second ``treetools: note:`` line.
 A reader that goes away (``treetools diff ... | head -1``) never changes a
 command's exit code: ``readers_may_leave`` makes a write to a closed stdout
 or stderr a no-op, so the command finishes and returns what it found (diff:
-1 when different), with no traceback and no "Exception ignored" at exit.
+1 when different), with no traceback and no "Exception ignored" at exit. A
+write that fails otherwise (a full disk) stops the command with one line,
+``OutputError``.
 
 Standard library and ``treetools.render`` only: parsers are built before any heavy import.
 """
@@ -46,13 +48,19 @@ def warning(message: Any) -> None:
     print(f"{PROG}: {one_line(message)}", file=sys.stderr)
 
 
+class OutputError(Exception):
+    """stdout or stderr cannot be written (a full disk, an I/O error): the command stops with this one line."""
+
+
 class _LeavingReader:
     """A text stream whose reader may close it: the first write that finds it closed (``BrokenPipeError``) turns
     this and every later write into a no-op, and the stream's descriptor into ``/dev/null`` (what the stream still
-    buffers, and Python's flush at exit, go nowhere instead of raising). Everything else is the stream's own."""
+    buffers, and Python's flush at exit, go nowhere instead of raising). Any other failed write (``> /dev/full``)
+    does the same and raises ``OutputError``: the command stops there, with one line. Everything else is the
+    stream's own."""
 
-    def __init__(self, stream: TextIO):
-        self._stream = stream
+    def __init__(self, stream: TextIO, name: str):
+        self._stream, self._name = stream, name
         self.closed_by_reader = False
 
     def write(self, text: str) -> int:
@@ -61,6 +69,8 @@ class _LeavingReader:
                 return self._stream.write(text)
             except BrokenPipeError:
                 self._reader_left()
+            except OSError as e:
+                self._failed(e)
         return len(text)
 
     def flush(self) -> None:
@@ -69,6 +79,12 @@ class _LeavingReader:
                 self._stream.flush()
             except BrokenPipeError:
                 self._reader_left()
+            except OSError as e:
+                self._failed(e)
+
+    def _failed(self, e: OSError) -> None:
+        self._reader_left()
+        raise OutputError(f"cannot write to {self._name} ({e.strerror or e}).") from None
 
     def _reader_left(self) -> None:
         self.closed_by_reader = True
@@ -95,11 +111,14 @@ def readers_may_leave() -> Iterator[None]:
     saved = sys.stdout, sys.stderr
     # None: the descriptor was closed when the process started (`>&-`); print() then writes nowhere, as after a
     # reader left.
-    sys.stdout, sys.stderr = (None if s is None else _LeavingReader(s) for s in saved)  # type: ignore[assignment]
+    sys.stdout, sys.stderr = (None if s is None else _LeavingReader(s, name)  # type: ignore[assignment]
+                              for s, name in zip(saved, ("stdout", "stderr")))
     try:
         yield
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            if stream is not None:
-                stream.flush()
-        sys.stdout, sys.stderr = saved
+        try:
+            for stream in (sys.stdout, sys.stderr):
+                if stream is not None:
+                    stream.flush()
+        finally:
+            sys.stdout, sys.stderr = saved
