@@ -152,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except _output.OutputError as e:  # stdout or stderr cannot be written: said on stderr if it still can be
+    except _output.OutputError as e:  # stdout cannot be written: said on stderr if it can be
         with contextlib.suppress(OSError):
             _error(str(e))
             sys.stderr.flush()

@@ -49,15 +49,15 @@ def warning(message: Any) -> None:
 
 
 class OutputError(Exception):
-    """stdout or stderr cannot be written (a full disk, an I/O error): the command stops with this one line."""
+    """stdout cannot be written (a full disk, an I/O error): the command stops with this one line."""
 
 
 class _LeavingReader:
     """A text stream whose reader may close it: the first write that finds it closed (``BrokenPipeError``) turns
     this and every later write into a no-op, and the stream's descriptor into ``/dev/null`` (what the stream still
     buffers, and Python's flush at exit, go nowhere instead of raising). Any other failed write (``> /dev/full``)
-    does the same and raises ``OutputError``: the command stops there, with one line. Everything else is the
-    stream's own."""
+    does the same, and on stdout raises ``OutputError``: the command stops there, with one line (on stderr,
+    diagnostics are dropped and the command's output and exit code kept). Everything else is the stream's own."""
 
     def __init__(self, stream: TextIO, name: str):
         self._stream, self._name = stream, name
@@ -84,7 +84,8 @@ class _LeavingReader:
 
     def _failed(self, e: OSError) -> None:
         self._reader_left()
-        raise OutputError(f"cannot write to {self._name} ({e.strerror or e}).") from None
+        if self._name == "stdout":
+            raise OutputError(f"cannot write to stdout ({e.strerror or e}).") from None
 
     def _reader_left(self) -> None:
         self.closed_by_reader = True
