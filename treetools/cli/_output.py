@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from typing import Any, Iterator, TextIO
+from typing import Any, Callable, Iterator, TextIO
 
 from treetools.render import one_line, safe_text
 
@@ -64,28 +64,24 @@ class _LeavingReader:
         self.closed_by_reader = False
 
     def write(self, text: str) -> int:
-        if not self.closed_by_reader:
-            try:
-                return self._stream.write(text)
-            except BrokenPipeError:
-                self._reader_left()
-            except OSError as e:
-                self._failed(e)
+        self._unless_left(self._stream.write, text)
         return len(text)
 
     def flush(self) -> None:
-        if not self.closed_by_reader:
-            try:
-                self._stream.flush()
-            except BrokenPipeError:
-                self._reader_left()
-            except OSError as e:
-                self._failed(e)
+        self._unless_left(self._stream.flush)
 
-    def _failed(self, e: OSError) -> None:
-        self._reader_left()
-        if self._name == "stdout":
-            raise OutputError(f"cannot write to stdout ({e.strerror or e}).") from None
+    def _unless_left(self, op: Callable[..., Any], *args: Any) -> None:
+        """``op(*args)`` on the stream while its reader is there; a write that fails makes the reader gone."""
+        if self.closed_by_reader:
+            return
+        try:
+            op(*args)
+        except BrokenPipeError:
+            self._reader_left()
+        except OSError as e:
+            self._reader_left()
+            if self._name == "stdout":
+                raise OutputError(f"cannot write to stdout ({e.strerror or e}).") from None
 
     def _reader_left(self) -> None:
         self.closed_by_reader = True
