@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 import treetools as tt
-from treetools.paths import leaves_with_paths
+from treetools.pytree.paths import leaves_with_paths
 
 LAYERS, HEADS = int(os.environ.get("LAYERS", "24")), 16  # LAYERS only to smoke-test the script (387 leaves at 24)
 ROUNDS = int(os.environ.get("ROUNDS", "6"))

@@ -97,7 +97,7 @@ def programs() -> None:
 
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    from treetools.norms import get_sharded_global_norm, norm_metrics
+    from treetools.pytree.norms import get_sharded_global_norm, norm_metrics
 
     def ops(fn, tree) -> dict[str, int]:
         text = jax.jit(fn).lower(tree).compile().as_text()

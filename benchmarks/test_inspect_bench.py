@@ -30,7 +30,7 @@ from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from treetools.inspect.report import inspect_path
+from treetools.commands.report import inspect_path
 
 LAYERS = 32
 FULL_SMALL = 2 * 2**20
@@ -96,7 +96,7 @@ def _numpy_stats(x: np.ndarray) -> dict:
 
 
 def _anchor_stats(path: str) -> dict:
-    from treetools.paths import flatten
+    from treetools.pytree.paths import flatten
 
     return {p: _numpy_stats(x) for p, x in flatten(_orbax_restore_numpy(path)).items()}
 

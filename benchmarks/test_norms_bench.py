@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import SCALE, report
 
-from treetools.norms import get_sharded_global_norm, norm_metrics
+from treetools.pytree.norms import get_sharded_global_norm, norm_metrics
 
 ROUNDS = int(os.environ.get("TREETOOLS_BENCH_ROUNDS", "30"))
 N_LAYERS = 20

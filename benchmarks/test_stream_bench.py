@@ -43,10 +43,10 @@ from conftest import SCALE
 import treetools as tt
 from treetools.ckpt.source import open_source
 from treetools.ckpt.stream import cores, reduce_blocks, stream_blocks
-from treetools.inspect.diff import diff_paths, value_diffs
-from treetools.inspect.report import inspect_path
-from treetools.inspect.stats import compute_stats
-from treetools.inspect.verify import verify_path
+from treetools.commands.diff import diff_paths, value_diffs
+from treetools.commands.report import inspect_path
+from treetools.commands.stats import compute_stats
+from treetools.commands.verify import verify_path
 
 LEAVES, COLS = 64, 2048
 ROWS = max(8, int(round(1024 * SCALE)))
@@ -314,7 +314,7 @@ def test_load_parameters_vs_library_loaders(ckpts):
     st, root, hf = ckpts["safetensors"][2], ckpts["orbax"]["path"], ckpts["hf"]
     shards = sorted(os.path.join(hf, f) for f in os.listdir(hf) if f.endswith(".safetensors"))
     # The library imported as far as a call needs (its format plugins too: the first open_source registers them).
-    ours = ("import treetools as tt, treetools.restore, treetools.ckpt\ntreetools.ckpt.registered_formats()\n"
+    ours = ("import treetools as tt, treetools.checkpointing.restore, treetools.ckpt\ntreetools.ckpt.registered_formats()\n"
             "f = lambda: tt.load_parameters({!r}{})\n")
     orbax_numpy = (
         "import numpy as np, jax, orbax.checkpoint as ocp\nfrom etils import epath\n"

@@ -22,7 +22,7 @@ import pytest
 
 import treetools as tt
 from treetools.cli import main
-from treetools.paths import unflatten_dict
+from treetools.pytree.paths import unflatten_dict
 
 
 def run_fresh(*argv: Any, blocked: Iterable[str] = (), forbid: Iterable[str] = ()) -> subprocess.CompletedProcess:

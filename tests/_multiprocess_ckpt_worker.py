@@ -60,9 +60,9 @@ def main(process_id: int, port: int, ckpt_dir: str) -> None:
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from treetools.abstract import make_abstract
+    from treetools.pytree.abstract import make_abstract
     from treetools import get_checkpoint_manager, list_steps, restore_checkpoint, save_checkpoint
-    from treetools.partitioning import unbox
+    from treetools.pytree.partitioning import unbox
 
     host = global_arrays()
     n = jax.device_count()

@@ -43,8 +43,8 @@ def main(process_id: int, port: int, metrics_path: str) -> None:
     import flax.linen as nn
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from treetools.metrics import JsonlWriter, MetricsLogger
-    from treetools.norms import get_sharded_global_norm, norm_metrics
+    from treetools.pytree.metrics import JsonlWriter, MetricsLogger
+    from treetools.pytree.norms import get_sharded_global_norm, norm_metrics
 
     n = jax.device_count()
     mesh = jax.make_mesh((2, n // 2), MESH_AXES)

@@ -1,11 +1,4 @@
-"""Every test runs on 8 fake CPU devices; the flag must be set before jax starts."""
-
-import os
-
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+"""Every test runs on 8 fake CPU devices: the repository's conftest.py sets the flag before jax starts."""
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

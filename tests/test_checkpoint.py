@@ -1,4 +1,4 @@
-"""treetools.manager and treetools.restore on 8 fake CPU devices: save, restore on other meshes, mismatches, load_parameters."""
+"""treetools.checkpointing.manager and treetools.checkpointing.restore on 8 fake CPU devices: save, restore on other meshes, mismatches, load_parameters."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import treetools as ckpt
 from treetools.ckpt import steps
-from treetools.abstract import make_abstract
-from treetools.partitioning import unbox
-from treetools.paths import flatten, is_leaf
+from treetools.pytree.abstract import make_abstract
+from treetools.pytree.partitioning import unbox
+from treetools.pytree.paths import flatten, is_leaf
 
 N_LAYERS = 12
 STEPS = (10, 20)

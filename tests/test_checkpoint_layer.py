@@ -30,12 +30,12 @@ from flax import nnx, serialization
 
 import treetools as tt
 from treetools.cli import main
-from treetools.inspect.diff import diff_paths
-from treetools.inspect.report import inspect_path
+from treetools.commands.diff import diff_paths
+from treetools.commands.report import inspect_path
 from treetools.ckpt.source import (
     Format, FileSource, claiming_format, register_format, registered_formats, tree_leaves, unregister_format,
 )
-from treetools.paths import flatten
+from treetools.pytree.paths import flatten
 
 FIXTURE = Path(__file__).parent / "fixtures" / "treetools_v0_1"
 FIXTURE_TRUTH = Path(__file__).parent / "fixtures" / "treetools_v0_1_truth.npz"
@@ -510,7 +510,7 @@ def test_t5x_style_folder_is_not_claimed_as_orbax(tmp_path, capsys):
 def test_unexpected_exception_keeps_its_traceback(tmp_path, monkeypatch):
     # A bug is not a known error: the CLI lets it through instead of a one-line "internal error".
     path, _, _ = write_npz(tmp_path)
-    import treetools.inspect.report as report
+    import treetools.commands.report as report
 
     def boom(*args, **kwargs):
         raise RuntimeError("a bug")

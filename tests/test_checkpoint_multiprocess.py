@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests._multiprocess import load_module, run_two_processes
 import treetools as ckpt
-from treetools.partitioning import unbox
+from treetools.pytree.partitioning import unbox
 
 WORKER = Path(__file__).with_name("_multiprocess_ckpt_worker.py")
 DEVICES_PER_PROCESS = 2

@@ -17,7 +17,7 @@ import pytest
 
 from treetools import cli
 from treetools.cli import main
-from treetools.inspect.progress import Progress
+from treetools.commands.progress import Progress
 from tests.test_inspect import inspect_json, numpy_stats, one_error_line, run
 
 def only_item(data: dict, name: str = "default") -> dict:
@@ -263,8 +263,8 @@ def test_metadata_inspect_loads_neither_the_rules_nor_the_block_engine_nor_the_s
     # What keeps whole-process metadata inspect near 0.3x `import jax` (benchmarks/test_stream_bench.py): these load
     # only for --stats, rules and the other commands.
     np.savez(tmp_path / "a.npz", w=np.ones((2, 4), np.float32))
-    later = ["treetools.rules", "treetools.ckpt.mapping", "treetools.ckpt.stream", "treetools.inspect.stats",
-             "treetools.inspect.progress"]
+    later = ["treetools.rules.engine", "treetools.ckpt.mapping", "treetools.ckpt.stream", "treetools.commands.stats",
+             "treetools.commands.progress"]
     code = ("import io, contextlib, sys\nfrom treetools.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n    assert main(sys.argv[1:]) == 0\n"
             f"print([m for m in {later!r} if m in sys.modules])\n")
@@ -347,7 +347,7 @@ def test_version_and_help_return_0(capsys):
 
 def test_inspect_help_names_every_built_in_format_and_statistic(capsys):
     from treetools.ckpt.source import registered_formats
-    from treetools.rows import STATS
+    from treetools.shared.rows import STATS
 
     rc, out, _ = run(capsys, "inspect", "--help")
     text = " ".join(out.split())

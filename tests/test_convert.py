@@ -24,7 +24,7 @@ import treetools as tt
 from treetools.ckpt import writers  # noqa: F401  (the package imports without jax)
 from treetools.ckpt.writers import safetensors as st_writer
 from treetools.cli import main
-from treetools.inspect import convert as convert_mod
+from treetools.commands import convert as convert_mod
 
 from tests._t5x_writer import save_t5x
 
@@ -476,7 +476,7 @@ def test_a_failed_bucket_upload_leaves_no_object(tmp_path, remote_store, monkeyp
 
 
 def test_writers_import_no_jax():
-    code = ("import sys, treetools.ckpt.writers.safetensors, treetools.ckpt.writers.orbax, treetools.inspect.convert\n"
+    code = ("import sys, treetools.ckpt.writers.safetensors, treetools.ckpt.writers.orbax, treetools.commands.convert\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'orbax')))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -15,9 +15,9 @@ from flax.training import checkpoints
 
 import treetools as tt
 from treetools.cli import main
-from treetools.errors import StepDeletedError
+from treetools.shared.errors import StepDeletedError
 from treetools.ckpt.source import open_source
-from treetools.inspect.report import inspect_path
+from treetools.commands.report import inspect_path
 
 
 def _state(step):

@@ -18,8 +18,8 @@ from safetensors.numpy import save_file
 
 import treetools as tt
 from treetools.cli import main
-from treetools.inspect.report import inspect_path
-from treetools.paths import flatten
+from treetools.commands.report import inspect_path
+from treetools.pytree.paths import flatten
 
 SIDE_FILES = {
     "config.json": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 8, "n_layer": 2},

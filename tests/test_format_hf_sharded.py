@@ -10,8 +10,8 @@ from safetensors.numpy import save_file
 
 import treetools as tt
 from treetools.cli import main
-from treetools.inspect.diff import diff_paths
-from treetools.inspect.report import inspect_path
+from treetools.commands.diff import diff_paths
+from treetools.commands.report import inspect_path
 
 
 def _write(folder, tensors_per_shard):

@@ -17,12 +17,12 @@ from flax import traverse_util
 
 import treetools as tt
 from treetools.cli import main
-from treetools.errors import CheckpointError, CheckpointNotFoundError
-from treetools.inspect.diff import diff_paths
-from treetools.inspect.report import inspect_path
-from treetools.inspect.show import show_leaf
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
+from treetools.commands.diff import diff_paths
+from treetools.commands.report import inspect_path
+from treetools.commands.show import show_leaf
 from treetools.ckpt.source import open_source
-from treetools.inspect.verify import verify_path
+from treetools.commands.verify import verify_path
 
 from tests._t5x_writer import save_orbax_legacy_item, save_orbax_legacy_step, save_t5x
 

@@ -26,10 +26,10 @@ from safetensors.numpy import save_file as save_safetensors
 import treetools as tt
 from treetools.cli import main
 from treetools.ckpt.source import open_source
-from treetools.inspect.diff import diff_paths
-from treetools.inspect.report import inspect_path
-from treetools.inspect.show import show_leaf
-from treetools.paths import flatten
+from treetools.commands.diff import diff_paths
+from treetools.commands.report import inspect_path
+from treetools.commands.show import show_leaf
+from treetools.pytree.paths import flatten
 from tests.test_checkpoint_layer import write_orbax_manager_linen
 from tests.test_format_flax_legacy import write_flax_legacy
 from tests.test_format_hf_flax import write_hf_flax

@@ -13,7 +13,7 @@ import pytest
 from flax import serialization
 
 from treetools.cli import main
-from treetools.inspect.diff import diff_paths
+from treetools.commands.diff import diff_paths
 
 
 def _safetensors(path, header: dict, data: bytes) -> None:

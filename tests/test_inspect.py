@@ -1,4 +1,4 @@
-"""treetools.inspect and `treetools inspect` on checkpoints written by Orbax, Flax, safetensors and numpy.
+"""treetools.commands and `treetools inspect` on checkpoints written by Orbax, Flax, safetensors and numpy.
 
 Every expected shape, dtype, count, byte total, sharding and statistic is
 derived here from the writer's own arrays (numpy float64 for statistics),
@@ -30,8 +30,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from treetools.cli import main
 from treetools.ckpt.readers import plan_blocks
-from treetools.errors import CheckpointError
-from treetools.inspect.report import inspect_path
+from treetools.shared.errors import CheckpointError
+from treetools.commands.report import inspect_path
 
 STEPS = (100, 200)
 TMP_STEP = "ckpt_0300.orbax-checkpoint-tmp-1700000000"
@@ -605,7 +605,7 @@ def test_unknown_and_incomplete_steps_and_items(run_dir, capsys):
 
 
 def test_library_raises_checkpoint_error(tmp_path):
-    from treetools.errors import CheckpointNotFoundError
+    from treetools.shared.errors import CheckpointNotFoundError
 
     with pytest.raises(CheckpointNotFoundError, match="missing: no such file or folder") as e:
         inspect_path(str(tmp_path / "missing"))

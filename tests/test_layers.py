@@ -19,7 +19,7 @@ def test_import_contracts_are_kept():
     lint = pathlib.Path(sys.executable).with_name("lint-imports")
     proc = subprocess.run([str(lint), "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "Contracts: 5 kept, 0 broken." in proc.stdout
+    assert "Contracts: 8 kept, 0 broken." in proc.stdout
 
 
 def test_a_broken_layer_is_caught(tmp_path):
@@ -30,18 +30,18 @@ def test_a_broken_layer_is_caught(tmp_path):
     shutil.copytree(PACKAGE, copy / "treetools", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
     source = copy / "treetools" / "ckpt" / "source.py"
-    source.write_text(source.read_text() + "\n\ndef _up():\n    from treetools.inspect import report  # noqa\n")
+    source.write_text(source.read_text() + "\n\ndef _up():\n    from treetools.commands import report  # noqa\n")
     lint = pathlib.Path(sys.executable).with_name("lint-imports")
     env = {"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([str(lint), "--no-cache"], cwd=copy, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert "treetools.ckpt.source -> treetools.inspect.report" in proc.stdout
+    assert "treetools.ckpt.source -> treetools.commands.report" in proc.stdout
 
 
 def test_the_checkpoint_layer_imports_no_command_no_cli_and_no_jax():
     code = ("import sys, treetools.ckpt as c\n"
             "c.registered_formats()\n"  # every built-in format module imported too
-            "bad = sorted(m for m in sys.modules if m.startswith(('treetools.inspect', 'treetools.cli'))\n"
+            "bad = sorted(m for m in sys.modules if m.startswith(('treetools.commands', 'treetools.cli'))\n"
             "             or m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'optax', 'orbax'))\n"
             "print(bad)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -62,15 +62,15 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/plot.py", "stats_report"): "numpy",
     # Metadata mode (inspect without --stats or rules) starts without the rules engine, the block engine and the
     # statistics: whole-process inspect is measured against `import jax` (benchmarks/test_stream_bench.py).
-    ("inspect/report.py", "_inspect"): "startup",
-    ("inspect/report.py", "_compute_stats"): "startup",
+    ("commands/report.py", "_inspect"): "startup",
+    ("commands/report.py", "_compute_stats"): "startup",
     # The reference trainer is jax, flax and optax.
     ("cli/train.py", "main"): "jax",
     ("cli/train.py", "check_workdir"): "numpy",
     # `treetools inspect --help` lists the formats from their source; only a bytecode-only install imports them.
     ("ckpt/formats/__init__.py", "catalog"): "numpy",
     # load_parameters(path) without a target returns numpy: the jax-side modules load only to place arrays.
-    ("restore.py", "_target"): "jax",
+    ("checkpointing/restore.py", "_target"): "jax",
 }
 
 
@@ -102,7 +102,7 @@ def test_function_level_imports_of_treetools_modules_are_only_the_listed_ones():
         assert reason in comments, f"{file}:{function} imports treetools modules without saying it keeps {reason} out"
 
 
-@pytest.mark.parametrize("module", ["rows", "patterns", "render", "errors"])
+@pytest.mark.parametrize("module", ["shared.rows", "shared.patterns", "shared.render", "shared.errors", "shared.aliases"])
 def test_shared_and_low_modules_import_only_the_standard_library_and_below(module):
     code = (f"import sys; import treetools.{module}\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'numpy', 'flax', 'orbax', 'tensorstore')))\n")

@@ -1,4 +1,4 @@
-"""treetools.metrics: writing metrics files (fresh or resumed) and reading them back."""
+"""treetools.pytree.metrics: writing metrics files (fresh or resumed) and reading them back."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from treetools import metrics
-from treetools.metrics import JsonlWriter, MetricsLogger, read_metrics
+from treetools.pytree import metrics
+from treetools.pytree.metrics import JsonlWriter, MetricsLogger, read_metrics
 
 
 def _lines(path) -> list[dict]:
@@ -151,7 +151,7 @@ def test_read_metrics_missing(tmp_path):
 def test_reading_does_not_import_jax(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n')
-    code = (f"import sys; from treetools.metrics import read_metrics; read_metrics({str(path)!r}); "
+    code = (f"import sys; from treetools.pytree.metrics import read_metrics; read_metrics({str(path)!r}); "
             "print('jax' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 

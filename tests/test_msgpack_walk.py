@@ -23,7 +23,7 @@ from treetools.ckpt import storage
 from treetools.ckpt.formats import _msgpack
 from treetools.ckpt.formats._msgpack import MAX_DEPTH, MsgpackError, walk
 from treetools.ckpt.readers import FileReader, MemoryBudgetError
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 
 def same(got, want, where="") -> None:

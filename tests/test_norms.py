@@ -1,4 +1,4 @@
-"""treetools.norms on 8 fake CPU devices, checked against numpy float64 on the gathered arrays."""
+"""treetools.pytree.norms on 8 fake CPU devices, checked against numpy float64 on the gathered arrays."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from flax import nnx
 from hypothesis import given, settings
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from treetools.metrics import JsonlWriter, MetricsLogger
-from treetools.norms import (
+from treetools.pytree.metrics import JsonlWriter, MetricsLogger
+from treetools.pytree.norms import (
     clip_by_global_norm,
     get_grad_norms,
     get_param_norms,
@@ -28,8 +28,8 @@ from treetools.norms import (
     get_sharded_norm_logits,
     norm_metrics,
 )
-from treetools.partitioning import is_box, leaf_sharding, unbox
-from treetools.paths import flatten, unflatten_dict
+from treetools.pytree.partitioning import is_box, leaf_sharding, unbox
+from treetools.pytree.paths import flatten, unflatten_dict
 
 RTOL = 2e-6  # float32 accumulation vs float64
 

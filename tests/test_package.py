@@ -29,7 +29,7 @@ def test_dir_is_exactly_the_public_api():
 
 
 def test_metrics_names_are_exported_from_their_module():
-    from treetools import metrics
+    from treetools.pytree import metrics
 
     assert tt.MetricsLogger is metrics.MetricsLogger and tt.JsonlWriter is metrics.JsonlWriter
     assert tt.read_metrics is metrics.read_metrics

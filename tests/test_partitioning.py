@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treetools as tt
-from treetools import partitioning as pt
+from treetools.pytree import partitioning as pt
 
 
 def test_is_partitioned_kinds():

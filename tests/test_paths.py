@@ -12,7 +12,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treetools import paths
+from treetools.pytree import paths
 
 Pair = collections.namedtuple("Pair", ["left", "right"])
 

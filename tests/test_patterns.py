@@ -1,8 +1,8 @@
-"""Path patterns (treetools.patterns): compiled once, matched with re.search, an unmatched pattern an error."""
+"""Path patterns (treetools.shared.patterns): compiled once, matched with re.search, an unmatched pattern an error."""
 
 import pytest
 
-from treetools import patterns
+from treetools.shared import patterns
 
 
 def test_match_patterns_rejects_unmatched_pattern():

@@ -1,4 +1,4 @@
-"""treetools.rules: the Rules engine, checked against numpy doing the same mapping by hand."""
+"""treetools.rules.engine: the Rules engine, checked against numpy doing the same mapping by hand."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treetools.errors import PatternError, RulesError
-from treetools.rules import (
+from treetools.shared.errors import PatternError, RulesError
+from treetools.rules.engine import (
     Piece,
     Rules,
     TargetReader,
@@ -775,6 +775,6 @@ def test_rename_and_its_inverse_give_the_original_paths(paths):
 
 
 def test_importing_rules_imports_no_jax():
-    code = "import sys, treetools.rules; print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))"
+    code = "import sys, treetools.rules.engine; print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

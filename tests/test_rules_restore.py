@@ -230,8 +230,8 @@ def test_plan_lists_sources_fill_and_unused_and_reads_nothing(tmp_path, devices,
     def no_reads(*args, **kwargs):
         raise AssertionError("plan_restore read array data")
 
-    monkeypatch.setattr("treetools.restore._read", no_reads)
-    monkeypatch.setattr("treetools.restore._reader_values", no_reads)
+    monkeypatch.setattr("treetools.checkpointing.restore._read", no_reads)
+    monkeypatch.setattr("treetools.checkpointing.restore._reader_values", no_reads)
     plan = tt.plan_restore(ckpt, None, {"params": target}, fill_missing={"head": np.zeros(5, np.float32)},
                            allow_unused=True)
     assert plan.ok
@@ -253,7 +253,7 @@ def no_data_reads(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("array data was read before the error")
 
-    monkeypatch.setattr("treetools.restore._read", fail)
+    monkeypatch.setattr("treetools.checkpointing.restore._read", fail)
 
 
 def test_a_rule_matching_nothing_names_the_rule_and_nearby_paths(tmp_path, devices, no_data_reads):

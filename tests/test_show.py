@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from treetools.cli import main
-from treetools.inspect.show import parse_leaf_spec, show_leaf
+from treetools.commands.show import parse_leaf_spec, show_leaf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "treetools_v0_1"
 TRUTH = dict(np.load(Path(__file__).parent / "fixtures" / "treetools_v0_1_truth.npz"))

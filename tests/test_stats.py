@@ -1,4 +1,4 @@
-"""treetools.inspect.stats: every statistic against numpy float64 over the whole array.
+"""treetools.commands.stats: every statistic against numpy float64 over the whole array.
 
 Tolerances: float statistics of float32 (and narrower) data are reduced in
 float32 per cache-sized piece and merged in float64; they match float64 numpy
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from treetools.ckpt.readers import FileReader, InMemoryReader
-from treetools.inspect.progress import Progress
-from treetools.inspect.stats import StatsAccumulator, array_stats, compute_stats, leaf_stats
+from treetools.commands.progress import Progress
+from treetools.commands.stats import StatsAccumulator, array_stats, compute_stats, leaf_stats
 
 
 def _expected(x: np.ndarray) -> dict:
@@ -148,7 +148,7 @@ def test_merge_equals_one_stream():
 _CHILD = (
     "import sys, numpy as np, resource\n"
     "from treetools.ckpt.readers import FileReader\n"
-    "from treetools.inspect.stats import compute_stats\n"
+    "from treetools.commands.stats import compute_stats\n"
     "n = int(sys.argv[2])\n"
     "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
     "acc = compute_stats([FileReader(sys.argv[1], 0, (n,), np.float32)], chunk_bytes=1 << 20, workers=2)[0]\n"

@@ -19,10 +19,10 @@ import treetools as tt
 from treetools.ckpt.formats._tensorstore import TensorStoreReader
 from treetools.ckpt.readers import FileReader, InMemoryReader, plan_blocks
 from treetools.ckpt.stream import Failed, job_plan, ordered_map, read_arrays, reduce_blocks, stream_blocks
-from treetools.errors import CheckpointError
-from treetools.inspect.diff import diff_paths, value_diffs
-from treetools.inspect.report import inspect_path
-from treetools.inspect.verify import verify_path
+from treetools.shared.errors import CheckpointError
+from treetools.commands.diff import diff_paths, value_diffs
+from treetools.commands.report import inspect_path
+from treetools.commands.verify import verify_path
 from tests.test_inspect import write_run
 
 
@@ -336,10 +336,10 @@ def test_json_of_a_diff_is_the_same_with_one_thread_or_many(two_steps, monkeypat
 
 def test_every_streaming_command_reads_through_the_engine(two_steps, tmp_path, monkeypatch):
     import treetools.ckpt.stream as stream
-    import treetools.inspect.diff as diff_module
-    import treetools.inspect.stats as stats_module
-    import treetools.inspect.verify as verify_module
-    import treetools.restore as restore_module
+    import treetools.commands.diff as diff_module
+    import treetools.commands.stats as stats_module
+    import treetools.commands.verify as verify_module
+    import treetools.checkpointing.restore as restore_module
 
     calls = collections.Counter()
 
@@ -357,7 +357,7 @@ def test_every_streaming_command_reads_through_the_engine(two_steps, tmp_path, m
     verify_path(root, step=200)
     diff_paths(root, root, step_a=100, step_b=200, values=True)
     tt.load_parameters(root, step=200)
-    assert calls == {"treetools.inspect.stats": 1, "treetools.inspect.verify": 1, "treetools.inspect.diff": 1,
+    assert calls == {"treetools.commands.stats": 1, "treetools.commands.verify": 1, "treetools.commands.diff": 1,
                      "load_parameters": 1}  # once per command: every leaf in one engine call, not one per leaf
 
 
@@ -370,10 +370,10 @@ def test_every_long_command_advances_its_progress_bar_block_by_block(tmp_path, m
     # and ends at the bytes it announced.
     from safetensors.numpy import save_file
 
-    from treetools.inspect import progress as progress_module
-    from treetools.inspect.diff import diff_paths
-    from treetools.inspect.report import inspect_path
-    from treetools.inspect.verify import verify_path
+    from treetools.commands import progress as progress_module
+    from treetools.commands.diff import diff_paths
+    from treetools.commands.report import inspect_path
+    from treetools.commands.verify import verify_path
 
     calls: list[tuple[int, int]] = []
 
@@ -383,7 +383,7 @@ def test_every_long_command_advances_its_progress_bar_block_by_block(tmp_path, m
             calls.append((self.done, self.total))
 
     # inspect imports Progress when it computes statistics (metadata mode starts without it): patched at its source.
-    for module in ("treetools.inspect.progress", "treetools.inspect.diff", "treetools.inspect.verify"):
+    for module in ("treetools.commands.progress", "treetools.commands.diff", "treetools.commands.verify"):
         monkeypatch.setattr(f"{module}.Progress", Recording)
     w = np.arange(4 * 2**20, dtype=np.float32).reshape(1024, 4096)  # 16 MiB
     save_file({"w": w}, str(tmp_path / "a.safetensors"))

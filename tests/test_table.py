@@ -14,7 +14,7 @@ from flax.training import train_state
 
 import treetools as tt
 from tests import _models
-from treetools.table import rows_from_tree
+from treetools.pytree.table import rows_from_tree
 
 
 def _parse_tsv(text):
@@ -111,8 +111,8 @@ def test_empty_tree():
 
 
 def test_json_and_tree_renderers_share_rows():
-    from treetools.render import render_rows
-    from treetools.table import rows_from_tree
+    from treetools.shared.render import render_rows
+    from treetools.pytree.table import rows_from_tree
 
     rows = rows_from_tree({"a": {"b": np.ones((2, 3), np.float32)}, "c": np.zeros(4, np.int8)})
     import json
@@ -126,8 +126,8 @@ def test_json_and_tree_renderers_share_rows():
 
 
 def test_markdown_footer_lists_dtypes():
-    from treetools.render import render_rows
-    from treetools.table import rows_from_tree
+    from treetools.shared.render import render_rows
+    from treetools.pytree.table import rows_from_tree
 
     text = render_rows(rows_from_tree({"a": np.ones(2, np.float32), "b": np.ones(3, np.int8)}), fmt="markdown")
     footer = text.split("\n\n", 1)[1].splitlines()
@@ -205,7 +205,7 @@ def test_stacked_leaves_show_their_layer_count():
 
 
 def test_layer_count_in_json_rows():
-    from treetools.table import render_rows
+    from treetools.pytree.table import render_rows
 
     rows = [dataclasses.replace(r, layers=4) if r.name == "w" else r for r in rows_from_tree({"w": np.ones((4, 2)), "b": np.ones(2)})]
     data = {r["path"]: r for r in json.loads(render_rows(rows, fmt="json"))["leaves"]}

@@ -35,7 +35,7 @@ import tensorstore as ts
 
 import treetools as tt
 from treetools.cli import main
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 from tests._t5x_writer import save_t5x
 
@@ -92,7 +92,7 @@ def _zarray(shape, chunks, dtype="|u1", compressor=None) -> dict:
 _GROWN = (
     "import resource, sys\n"
     "import numpy, tensorstore\n"
-    "import treetools.inspect.report, treetools.inspect.verify, treetools.restore\n"
+    "import treetools.commands.report, treetools.commands.verify, treetools.checkpointing.restore\n"
     "from treetools.cli import main\n"
     "from treetools.ckpt import source\n"
     "source.registered_formats()\n"
@@ -460,7 +460,7 @@ def test_two_long_names_that_cut_alike_stay_two_rows(tmp_path, capsys):
 
 
 def test_a_cut_name_fits_its_width_keeps_both_ends_and_is_never_longer_than_the_name():
-    from treetools.render import safe_text
+    from treetools.shared.render import safe_text
 
     for n in (5, 11, 15, 40, 1000, 10**5, 10**6):
         name = "".join(chr(ord("a") + i % 26) for i in range(n))

@@ -74,52 +74,52 @@ __version__ = "0.1.0"
 
 _EXPORTS = {  # public name -> module under treetools
     # partitioning
-    "is_partitioned": "partitioning",
-    "is_box": "partitioning",
-    "unbox": "partitioning",
-    "unbox_tree": "partitioning",
-    "leaf_sharding": "partitioning",
-    "LeafSharding": "rows",
-    "params_of": "partitioning",
+    "is_partitioned": "pytree.partitioning",
+    "is_box": "pytree.partitioning",
+    "unbox": "pytree.partitioning",
+    "unbox_tree": "pytree.partitioning",
+    "leaf_sharding": "pytree.partitioning",
+    "LeafSharding": "shared.rows",
+    "params_of": "pytree.partitioning",
     # paths
-    "flatten": "paths",
-    "unflatten": "paths",
-    "leaves_with_paths": "paths",
-    "map_with_path": "paths",
-    "path_str": "paths",
+    "flatten": "pytree.paths",
+    "unflatten": "pytree.paths",
+    "leaves_with_paths": "pytree.paths",
+    "map_with_path": "pytree.paths",
+    "path_str": "pytree.paths",
     # counting
-    "get_num_params": "counting",
-    "get_num_bytes": "counting",
+    "get_num_params": "pytree.counting",
+    "get_num_bytes": "pytree.counting",
     # table
-    "tabulate_params": "table",
-    "Row": "rows",
-    "rows_from_tree": "table",
+    "tabulate_params": "pytree.table",
+    "Row": "shared.rows",
+    "rows_from_tree": "pytree.table",
     # norms
-    "get_sharded_norm_logits": "norms",
-    "get_sharded_global_norm": "norms",
-    "get_grad_norms": "norms",
-    "get_param_norms": "norms",
-    "norm_metrics": "norms",
-    "clip_by_global_norm": "norms",
+    "get_sharded_norm_logits": "pytree.norms",
+    "get_sharded_global_norm": "pytree.norms",
+    "get_grad_norms": "pytree.norms",
+    "get_param_norms": "pytree.norms",
+    "norm_metrics": "pytree.norms",
+    "clip_by_global_norm": "pytree.norms",
     # metrics
-    "MetricsLogger": "metrics",
-    "JsonlWriter": "metrics",
-    "read_metrics": "metrics",
+    "MetricsLogger": "pytree.metrics",
+    "JsonlWriter": "pytree.metrics",
+    "read_metrics": "pytree.metrics",
     # masks
-    "get_param_mask_fn": "masks",
-    "get_param_label_fn": "masks",
-    "flattened_traversal": "masks",
+    "get_param_mask_fn": "pytree.masks",
+    "get_param_label_fn": "pytree.masks",
+    "flattened_traversal": "pytree.masks",
     # abstract
-    "make_abstract": "abstract",
-    "replicate": "abstract",
-    "update_ema": "abstract",
+    "make_abstract": "pytree.abstract",
+    "replicate": "pytree.abstract",
+    "update_ema": "pytree.abstract",
     # checkpointing: a manager and saving; restore and load from any checkpoint
-    "get_checkpoint_manager": "manager",
-    "save_checkpoint": "manager",
-    "restore_checkpoint": "restore",
-    "plan_restore": "restore",
-    "RestorePlan": "restore",
-    "load_parameters": "restore",
+    "get_checkpoint_manager": "checkpointing.manager",
+    "save_checkpoint": "checkpointing.manager",
+    "restore_checkpoint": "checkpointing.restore",
+    "plan_restore": "checkpointing.restore",
+    "RestorePlan": "checkpointing.restore",
+    "load_parameters": "checkpointing.restore",
     # the checkpoint layer (treetools.ckpt has the rest, for format authors)
     "list_steps": "ckpt.steps",
     "list_incomplete": "ckpt.steps",
@@ -128,18 +128,18 @@ _EXPORTS = {  # public name -> module under treetools
     "register_format": "ckpt.source",
     "Format": "ckpt.source",
     # commands over checkpoints
-    "inspect_path": "inspect.report",
-    "diff_paths": "inspect.diff",
-    "convert": "inspect.convert",
+    "inspect_path": "commands.report",
+    "diff_paths": "commands.diff",
+    "convert": "commands.convert",
     # errors
-    "CheckpointError": "errors",
-    "CheckpointMismatchError": "errors",
-    "CheckpointNotFoundError": "errors",
-    "StepDeletedError": "errors",
-    "PatternError": "errors",
-    "RulesError": "errors",
+    "CheckpointError": "shared.errors",
+    "CheckpointMismatchError": "shared.errors",
+    "CheckpointNotFoundError": "shared.errors",
+    "StepDeletedError": "shared.errors",
+    "PatternError": "shared.errors",
+    "RulesError": "shared.errors",
     # rules: rename, drop, cast, transpose, stack/unstack a checkpoint's leaves
-    "Rules": "rules",
+    "Rules": "rules.engine",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -159,11 +159,11 @@ def __dir__() -> list[str]:
 
 
 if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
-    from treetools.abstract import make_abstract, replicate, update_ema
+    from treetools.pytree.abstract import make_abstract, replicate, update_ema
     from treetools.ckpt.source import Format, open_source, register_format
     from treetools.ckpt.steps import latest_step, list_incomplete, list_steps
-    from treetools.counting import get_num_bytes, get_num_params
-    from treetools.errors import (
+    from treetools.pytree.counting import get_num_bytes, get_num_params
+    from treetools.shared.errors import (
         CheckpointError,
         CheckpointMismatchError,
         CheckpointNotFoundError,
@@ -171,13 +171,13 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         RulesError,
         StepDeletedError,
     )
-    from treetools.inspect.convert import convert
-    from treetools.inspect.diff import diff_paths
-    from treetools.inspect.report import inspect_path
-    from treetools.manager import get_checkpoint_manager, save_checkpoint
-    from treetools.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
-    from treetools.metrics import JsonlWriter, MetricsLogger, read_metrics
-    from treetools.norms import (
+    from treetools.commands.convert import convert
+    from treetools.commands.diff import diff_paths
+    from treetools.commands.report import inspect_path
+    from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
+    from treetools.pytree.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
+    from treetools.pytree.metrics import JsonlWriter, MetricsLogger, read_metrics
+    from treetools.pytree.norms import (
         clip_by_global_norm,
         get_grad_norms,
         get_param_norms,
@@ -185,9 +185,9 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         get_sharded_norm_logits,
         norm_metrics,
     )
-    from treetools.partitioning import is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
-    from treetools.paths import flatten, leaves_with_paths, map_with_path, path_str, unflatten
-    from treetools.restore import RestorePlan, load_parameters, plan_restore, restore_checkpoint
-    from treetools.rows import LeafSharding, Row
-    from treetools.table import rows_from_tree, tabulate_params
-    from treetools.rules import Rules
+    from treetools.pytree.partitioning import is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
+    from treetools.pytree.paths import flatten, leaves_with_paths, map_with_path, path_str, unflatten
+    from treetools.checkpointing.restore import RestorePlan, load_parameters, plan_restore, restore_checkpoint
+    from treetools.shared.rows import LeafSharding, Row
+    from treetools.pytree.table import rows_from_tree, tabulate_params
+    from treetools.rules.engine import Rules

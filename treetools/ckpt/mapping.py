@@ -20,8 +20,8 @@ import numpy as np
 
 from treetools.ckpt.readers import ArrayReader, Index, check_budget
 from treetools.ckpt.source import Item, Leaf, array_row, stored_path
-from treetools.errors import RulesError
-from treetools.rules import Rules, RulesPlan, TargetLeaf, TargetReader
+from treetools.shared.errors import RulesError
+from treetools.rules.engine import Rules, RulesPlan, TargetLeaf, TargetReader
 
 
 class RuledReader(ArrayReader):
@@ -136,7 +136,7 @@ def map_items(items: Mapping[str, Item], rules: Rules) -> dict[str, Item]:
     >>> map_items(items, Rules(unstack=["blocks"]))
     Traceback (most recent call last):
     ...
-    treetools.errors.RulesError: `unstack` pattern 'blocks' matches no leaf (checkpoint paths after keep/drop); nearby paths: ['layers/w']. Fix the pattern, drop it, or pass allow_unmatched=True.
+    treetools.shared.errors.RulesError: `unstack` pattern 'blocks' matches no leaf (checkpoint paths after keep/drop); nearby paths: ['layers/w']. Fix the pattern, drop it, or pass allow_unmatched=True.
     """
     lenient = Rules(**{**rules.to_dict(), "allow_unmatched": True})
     out, unmatched = {}, None

@@ -26,8 +26,8 @@ import numpy as np
 
 from treetools.ckpt import storage
 from treetools.ckpt.steps import read_json_file
-from treetools.errors import CheckpointError
-from treetools.rows import human
+from treetools.shared.errors import CheckpointError
+from treetools.shared.rows import human
 
 Index = tuple[slice, ...]
 
@@ -135,7 +135,7 @@ def checked_shape(values: Any, *, where: str, itemsize: int = 1, what: str = "sh
     >>> checked_shape([1e999], where="w/.zarray")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    treetools.errors.CheckpointError: w/.zarray: corrupt shape (entry 0 is inf, not an integer >= 0); ...
+    treetools.shared.errors.CheckpointError: w/.zarray: corrupt shape (entry 0 is inf, not an integer >= 0); ...
     """
     if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)):
         raise CheckpointError(f"{where}: corrupt {what} ({type(values).__name__}, not a list of integers); "

@@ -45,8 +45,8 @@ import numpy as np
 from treetools.ckpt import storage
 from treetools.ckpt.readers import ArrayReader, InMemoryReader, MemoryBudgetError, opening
 from treetools.ckpt.steps import StepListing, describe_series, file_kind, parse_step, resolve_step
-from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
-from treetools.rows import Row, dtype_name
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
+from treetools.shared.rows import Row, dtype_name
 
 DELETION_CHECKS, DELETION_CHECK_PAUSE = 6, 0.05
 """After a failed read of a listed step: how many times (and how far apart, in seconds) ``Source.step_deleted``
@@ -763,7 +763,7 @@ def check_name(name: str, *, where: str) -> None:
     >>> check_name("../etc/passwd", where="m.safetensors")
     Traceback (most recent call last):
     ...
-    treetools.errors.CheckpointError: m.safetensors: key '../etc/passwd' tries to escape the checkpoint folder; refusing to read it.
+    treetools.shared.errors.CheckpointError: m.safetensors: key '../etc/passwd' tries to escape the checkpoint folder; refusing to read it.
     """
     if "\0" in name:
         raise CheckpointError(f"{where}: key {name[:200]!r} holds a NUL byte; refusing to read it.")

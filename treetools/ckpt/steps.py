@@ -43,7 +43,7 @@ import stat
 from typing import Any, Callable, Iterable, Sequence
 
 from treetools.ckpt import storage
-from treetools.errors import CheckpointError, CheckpointNotFoundError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 
 # Orbax's on-disk names (orbax.checkpoint._src.path.atomicity_types and
@@ -77,7 +77,7 @@ def read_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> b
     >>> read_file("/", what="Orbax _METADATA")
     Traceback (most recent call last):
     ...
-    treetools.errors.CheckpointError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
+    treetools.shared.errors.CheckpointError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
     """
     try:
         st = storage.stat(path)
@@ -569,7 +569,7 @@ def resolve_step(listing: StepListing, step: Any, *, where: str | None = None) -
     >>> resolve_step(listing, 300)
     Traceback (most recent call last):
     ...
-    treetools.errors.CheckpointNotFoundError: run: step 300 is an incomplete save (300.orbax-checkpoint-tmp-1); it is never read. Committed steps: 100, 200.
+    treetools.shared.errors.CheckpointNotFoundError: run: step 300 is an incomplete save (300.orbax-checkpoint-tmp-1); it is never read. Committed steps: 100, 200.
     """
     where = where or listing.root
     asked = parse_step(step)

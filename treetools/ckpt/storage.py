@@ -47,7 +47,7 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
-from treetools.errors import CheckpointError, CheckpointNotFoundError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 
 REMOTE_SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}

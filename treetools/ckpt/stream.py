@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVa
 import numpy as np
 
 from treetools.ckpt.readers import ArrayReader, Index, MemoryBudgetError, plan_blocks
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 GROUP_BLOCKS = 4
 """Blocks of one job per task: enough to amortize opening a store, few enough to spread a big leaf over threads."""
@@ -59,7 +59,7 @@ _R = TypeVar("_R")
 
 
 class Progress(Protocol):
-    """What the engine reports to: ``treetools.inspect.progress.Progress`` or anything with these two methods."""
+    """What the engine reports to: ``treetools.commands.progress.Progress`` or anything with these two methods."""
 
     def start(self, label: str) -> None: ...
 

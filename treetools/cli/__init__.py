@@ -8,7 +8,7 @@ jax nor numpy. Each subcommand module provides ``add_arguments(parser)`` and
 Exit codes: 0 ok; 1 a known error (one ``treetools: error: ...`` line on
 stderr, no traceback); 2 usage; 3 non-finite values under
 ``--fail-on-nonfinite``. ``diff`` follows GNU diff: 0 same, 1 different, 2
-trouble. Known errors are mapped by type (``treetools.errors``, missing files,
+trouble. Known errors are mapped by type (``treetools.shared.errors``, missing files,
 a missing optional dependency); any other exception is a bug and keeps its
 traceback. A reader that closes stdout early (``| head``) changes no exit code:
 the command runs to its end, its later output dropped.
@@ -31,7 +31,7 @@ from typing import NoReturn, Sequence
 
 import treetools
 from treetools.cli import _args, _output
-from treetools.errors import CheckpointError, CheckpointNotFoundError, PatternError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError
 
 
 PROG = "treetools"

@@ -13,7 +13,7 @@ or stderr a no-op, so the command finishes and returns what it found (diff:
 write that fails otherwise (a full disk) stops the command with one line,
 ``OutputError``.
 
-Standard library and ``treetools.render`` only: parsers are built before any heavy import.
+Standard library and ``treetools.shared.render`` only: parsers are built before any heavy import.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Any, Callable, Iterator, TextIO
 
-from treetools.render import one_line, safe_text
+from treetools.shared.render import one_line, safe_text
 
 PROG = "treetools"
 

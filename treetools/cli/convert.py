@@ -87,9 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools convert --help` does not need.
     from treetools.ckpt.writers.safetensors import parse_size
-    from treetools.inspect.convert import convert
-    from treetools.inspect.options import ConvertOptions
-    from treetools.inspect.text import render_convert
+    from treetools.commands.convert import convert
+    from treetools.commands.options import ConvertOptions
+    from treetools.commands.text import render_convert
 
     def usage(message: str) -> int:
         _output.error(message, prog="treetools convert")

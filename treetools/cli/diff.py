@@ -73,7 +73,7 @@ from treetools.cli.options import (
     options_from,
     rules_from,
 )
-from treetools.rows import VALUE_SORTS
+from treetools.shared.rows import VALUE_SORTS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,9 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools diff --help` does not need.
-    from treetools.inspect.diff import diff_paths
-    from treetools.inspect.options import DiffOptions
-    from treetools.inspect.text import render_diff
+    from treetools.commands.diff import diff_paths
+    from treetools.commands.options import DiffOptions
+    from treetools.commands.text import render_diff
 
     def usage(message: str) -> int:
         _output.error(message, prog="treetools diff")

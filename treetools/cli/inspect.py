@@ -64,9 +64,9 @@ from treetools.cli.options import (
     options_from,
     rules_from,
 )
-from treetools.errors import CheckpointError
-from treetools.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, STAT_COLUMNS, json_object, jsonable, safe_text
-from treetools.rows import STATS
+from treetools.shared.errors import CheckpointError
+from treetools.shared.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, STAT_COLUMNS, json_object, jsonable, safe_text
+from treetools.shared.rows import STATS
 
 FORMATS = ("table", "json", "markdown", "tree")
 
@@ -133,9 +133,9 @@ def _show(args: argparse.Namespace) -> int:
     import numpy as np
 
     from treetools.ckpt.readers import is_numeric
-    from treetools.inspect.show import show_values
-    from treetools.inspect.stats import array_stats
-    from treetools.render import format_stat
+    from treetools.commands.show import show_values
+    from treetools.commands.stats import array_stats
+    from treetools.shared.render import format_stat
 
     try:
         rules = rules_from(args)
@@ -180,9 +180,9 @@ def main(args: argparse.Namespace) -> int:
     if args.show is not None:
         return _show(args)
     # Here, not at the top: the reading modules import numpy, which `treetools inspect --help` does not need.
-    from treetools.inspect.options import InspectOptions
-    from treetools.inspect.report import inspect_path
-    from treetools.inspect.text import render_report
+    from treetools.commands.options import InspectOptions
+    from treetools.commands.report import inspect_path
+    from treetools.commands.text import render_report
 
     try:
         rules = rules_from(args)

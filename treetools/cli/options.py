@@ -126,7 +126,7 @@ def rules_from(args: argparse.Namespace) -> Any:
     if not given:
         return None
     # Here, not at the top: rules.py imports numpy, which `treetools COMMAND --help` does not need.
-    from treetools.rules import Rules
+    from treetools.rules.engine import Rules
 
     return Rules.from_cli(**given)
 

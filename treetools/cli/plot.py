@@ -57,8 +57,8 @@ from typing import TYPE_CHECKING, Any
 
 from treetools.cli import _output
 from treetools.cli._args import positive_int
-from treetools.metrics import METRICS_FILE, read_metrics
-from treetools.rows import STATS
+from treetools.pytree.metrics import METRICS_FILE, read_metrics
+from treetools.shared.rows import STATS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -555,7 +555,7 @@ def stats_report(path: str | os.PathLike, *, depth: int | None = None, item: str
       CheckpointNotFoundError, CheckpointError: as ``treetools inspect``.
     """
     # Here, not at the top: the reading modules import numpy, which `treetools plot --help` does not need.
-    from treetools.inspect.report import inspect_path
+    from treetools.commands.report import inspect_path
 
     report = inspect_path(os.fspath(path), step="all", stats=True, item=item, depth=depth, leaves=depth is None)
     return report.to_json()

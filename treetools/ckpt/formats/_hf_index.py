@@ -18,7 +18,7 @@ import re
 from typing import Callable
 
 from treetools.ckpt import storage
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 from treetools.ckpt.source import FileSource, Format, Leaf, check_name
 from treetools.ckpt.readers import read_metadata
 

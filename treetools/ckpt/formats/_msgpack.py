@@ -36,7 +36,7 @@ import numpy as np
 
 from treetools.ckpt import storage
 from treetools.ckpt.readers import FileReader, check_budget, np_dtype, resolve_budget
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 MAX_DEPTH = 1024
 """Nesting deeper than this is refused (msgpack's own C unpacker refuses it too)."""

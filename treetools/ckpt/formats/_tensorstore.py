@@ -51,7 +51,7 @@ from treetools.ckpt.readers import (
 )
 from treetools.ckpt.source import Leaf, array_row
 from treetools.ckpt.steps import MAX_METADATA_BYTES, file_kind
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 
 CHUNK_OVERHEAD = 2 * 2**10

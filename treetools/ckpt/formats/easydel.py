@@ -37,7 +37,7 @@ from treetools.ckpt.formats.levanter import METADATA_FILE, has_metadata, saved_m
 from treetools.ckpt.readers import np_dtype
 from treetools.ckpt.source import DEFAULT_ITEM, Format, Item, Snapshot, Source, check_name
 from treetools.ckpt.steps import read_json_file, scan_steps, step_series
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 INDEX_FILE = "tensorstore_index.json"
 RUN_NAMES = re.compile(r"^run-(?P<step>\d+)$")

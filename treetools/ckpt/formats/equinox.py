@@ -25,7 +25,7 @@ from treetools.ckpt import storage
 from treetools.ckpt.formats.npz import npy_header
 from treetools.ckpt.readers import FileReader
 from treetools.ckpt.source import FileSource, Format, Leaf, array_row, file_head
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 MAGIC = b"\x93NUMPY"
 _WHAT = "Equinox file (eqx.tree_serialise_leaves: .npy arrays back to back)"

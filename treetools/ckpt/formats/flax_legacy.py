@@ -24,7 +24,7 @@ import re
 from typing import Sequence
 
 from treetools.ckpt import storage
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 from treetools.ckpt.formats.msgpack import is_msgpack_map, read_msgpack
 from treetools.ckpt.formats.orbax import read_pytree_item
 from treetools.ckpt.source import DEFAULT_ITEM, Format, Item, Snapshot, Source

@@ -29,7 +29,7 @@ from treetools.ckpt import storage
 from treetools.ckpt.formats._tensorstore import natural_key
 from treetools.ckpt.readers import ArrayReader, Index, check_budget, is_numeric, np_dtype
 from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, value_row
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 ZIP_MAGIC = b"PK\x03\x04"

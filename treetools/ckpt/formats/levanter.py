@@ -36,7 +36,7 @@ from treetools.ckpt.formats._tensorstore import array_folders, subdirs, zarr_hea
 from treetools.ckpt.readers import MemoryBudgetError
 from treetools.ckpt.source import Format, Item, Snapshot, Source, check_name
 from treetools.ckpt.steps import read_json_file, scan_steps, step_series
-from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 
 METADATA_FILE = "metadata.json"
 """Written last, in the commit callback: the step is complete (Levanter's ``_save_metadata``)."""

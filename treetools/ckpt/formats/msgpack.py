@@ -14,7 +14,7 @@ from treetools.ckpt import storage
 from treetools.ckpt.formats._hf_index import open_weights, weights_file
 from treetools.ckpt.formats._msgpack import walk
 from treetools.ckpt.source import Format, Leaf, file_head, tree_leaves
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 
 _GDA_PLACEHOLDER = "//GDAPlaceholder:"  # flax.training.checkpoints.MP_ARRAY_PH

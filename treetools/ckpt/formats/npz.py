@@ -16,7 +16,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from treetools.ckpt import storage
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 from treetools.ckpt.readers import ArrayReader, FileReader, block_span, checked_shape, np_dtype
 from treetools.ckpt.source import (
     TORCH_SUFFIXES, FileSource, Format, is_torch_zip, Leaf, array_row, check_name, file_head, stored_path, value_row,

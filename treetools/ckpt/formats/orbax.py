@@ -62,8 +62,8 @@ from treetools.ckpt.steps import (
     scan_steps,
     tmp_step,
 )
-from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
-from treetools.rows import LeafSharding
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
+from treetools.shared.rows import LeafSharding
 
 
 SHARDING_FILE = "_sharding"

@@ -13,10 +13,10 @@ from typing import Any
 
 from treetools.ckpt import storage
 from treetools.ckpt.formats._hf_index import open_weights, weights_file
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 from treetools.ckpt.readers import JSON_EXPANSION, FileReader, check_budget, checked_shape, np_dtype
 from treetools.ckpt.source import Format, Leaf, array_row, check_name, file_head, stored_path
-from treetools.rows import dtype_name
+from treetools.shared.rows import dtype_name
 
 
 DTYPE_NAMES = {  # safetensors dtype code -> numpy (ml_dtypes) name; the writer (ckpt/writers) inverts it

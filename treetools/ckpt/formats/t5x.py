@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from treetools.ckpt import storage
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 from treetools.ckpt.readers import checked_shape, np_dtype, read_metadata
 from treetools.ckpt.formats._msgpack import MsgpackError, walk
 from treetools.ckpt.formats.msgpack import is_msgpack_map

@@ -28,7 +28,7 @@ import numpy as np
 
 from treetools.ckpt import storage
 from treetools.ckpt.writers.safetensors import _tmp_name, swap_in
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 
 def nest(leaves: Sequence[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from treetools.ckpt import storage
 from treetools.ckpt.formats.safetensors import DTYPE_NAMES
 from treetools.ckpt.readers import ArrayReader, InMemoryReader, np_dtype
 from treetools.ckpt.stream import stream_blocks
-from treetools.errors import CheckpointError
+from treetools.shared.errors import CheckpointError
 
 CODES: dict[np.dtype, str] = {np_dtype(name): code for code, name in DTYPE_NAMES.items()}
 """numpy dtype -> safetensors dtype code (``F32``, ``BF16``...): the reader's table, inverted."""

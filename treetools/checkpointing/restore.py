@@ -37,10 +37,10 @@ from treetools.ckpt.mapping import map_item
 from treetools.ckpt.readers import UNBOUNDED
 from treetools.ckpt.source import NO_VALUE, Item, Leaf, Source, open_source, params_of_step, value_row
 from treetools.ckpt.stream import read_arrays
-from treetools.errors import CheckpointMismatchError, Mismatch
-from treetools.render import safe_text
-from treetools.rows import Row, dtype_name, format_shape
-from treetools.rules import Rules, RulesPlan
+from treetools.shared.errors import CheckpointMismatchError, Mismatch
+from treetools.shared.render import safe_text
+from treetools.shared.rows import Row, dtype_name, format_shape
+from treetools.rules.engine import Rules, RulesPlan
 
 if TYPE_CHECKING:  # type hints only
     import orbax.checkpoint as ocp
@@ -179,10 +179,10 @@ def _target(target: Any, sharding: Any, fill: Any) -> _Target:
     # The jax side, imported here only: load_parameters(path) without a target stays numpy-only.
     import jax
 
-    from treetools.abstract import make_abstract
-    from treetools.counting import is_array_like
-    from treetools.partitioning import rebox, unbox
-    from treetools.paths import is_leaf, leaves_with_paths, path_str
+    from treetools.pytree.abstract import make_abstract
+    from treetools.pytree.counting import is_array_like
+    from treetools.pytree.partitioning import rebox, unbox
+    from treetools.pytree.paths import is_leaf, leaves_with_paths, path_str
 
     pairs, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_leaf)
     leaves = [x for _, x in pairs]
@@ -532,7 +532,7 @@ def plan_restore(
       a ``RestorePlan``; ``print(plan)`` gives the summary, ``plan.describe()`` every leaf.
 
     >>> import tempfile, jax, numpy as np
-    >>> from treetools.manager import get_checkpoint_manager, save_checkpoint
+    >>> from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
     >>> root = tempfile.mkdtemp()
     >>> mngr = get_checkpoint_manager(1, checkpoint_dir=root)
     >>> _ = save_checkpoint(mngr, 1, {"params": {"body": np.ones(3, np.float32)}}, wait=True); mngr.close()
@@ -609,7 +609,7 @@ def restore_checkpoint(
       ValueError: ``sharding`` is a dict whose keys are not item names, or a pytree target is None.
 
     >>> import tempfile, jax
-    >>> from treetools.manager import get_checkpoint_manager, save_checkpoint
+    >>> from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
     >>> mngr = get_checkpoint_manager(1, checkpoint_dir=tempfile.mkdtemp())
     >>> _ = save_checkpoint(mngr, 1, {"params": {"w": jax.numpy.arange(4.0)}, "data_iter": {"epoch": 2}})
     >>> out = restore_checkpoint(mngr, "latest", {"params": {"w": jax.numpy.zeros(4)}, "data_iter": None})
@@ -710,7 +710,7 @@ def load_parameters(
       RulesError: the rules do not fit the checkpoint.
 
     >>> import tempfile, numpy as np
-    >>> from treetools.manager import get_checkpoint_manager, save_checkpoint
+    >>> from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
     >>> root = tempfile.mkdtemp()
     >>> mngr = get_checkpoint_manager(1, checkpoint_dir=root)
     >>> _ = save_checkpoint(mngr, 5, {"params": {"w": np.arange(3.0)}}, wait=True); mngr.close()

@@ -21,11 +21,11 @@ from typing import Any, Callable, Hashable, Sequence
 
 import jax
 
-from treetools._typing import KeyPath, Params, PyTree
-from treetools.partitioning import rebox, unbox
-from treetools.errors import PatternError
-from treetools.paths import is_leaf, leaves_with_paths, path_parts
-from treetools.patterns import compile_patterns, match_patterns
+from treetools.shared.aliases import KeyPath, Params, PyTree
+from treetools.pytree.partitioning import rebox, unbox
+from treetools.shared.errors import PatternError
+from treetools.pytree.paths import is_leaf, leaves_with_paths, path_parts
+from treetools.shared.patterns import compile_patterns, match_patterns
 
 
 def _visible_and_hidden_paths(params: Params, *, name: str, patterns: Sequence[Any]) -> tuple[list[str], list[str]]:

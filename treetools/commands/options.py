@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 from treetools.ckpt.readers import chunk_bytes_from_env
 
 if TYPE_CHECKING:  # an annotation only: the rules engine loads with the first rules (inspect/diff/convert)
-    from treetools.rules import Rules
+    from treetools.rules.engine import Rules
 
 _O = TypeVar("_O", bound="ReadOptions")
 
@@ -61,7 +61,7 @@ class InspectOptions(ReadOptions):
       include: regexes (``re.search`` on path strings); keep leaves matching any.
       exclude: regexes; drop leaves matching any. A pattern that matches no leaf is an error.
       sort: ``path``, ``params`` or ``bytes``; default stored order.
-      stats: stream every array and attach the statistics of ``treetools.inspect.stats.STATS``.
+      stats: stream every array and attach the statistics of ``treetools.commands.stats.STATS``.
       rows_per_item: without ``depth`` or ``leaves``, group an item's rows at the deepest level that keeps
         it to this many rows (the CLI's one-screen summary); None shows every leaf.
       rules: ``tt.Rules`` applied to every item first (``--unstack``: a scanned block shown per layer).

@@ -1,4 +1,4 @@
-"""Per-leaf statistics (``treetools.rows.STATS``), streamed in bounded blocks with float64 accumulation.
+"""Per-leaf statistics (``treetools.shared.rows.STATS``), streamed in bounded blocks with float64 accumulation.
 
 The float statistics (``std`` is the population one, ddof=0) are taken over
 the *finite* elements; the counts (``rows.STAT_COUNTS``) over all. Blocks are merged with Chan et al.'s
@@ -19,8 +19,8 @@ import numpy as np
 
 from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, ArrayReader
 from treetools.ckpt.stream import reduce_blocks
-from treetools.inspect.progress import Progress
-from treetools.rows import STAT_COUNTS, STATS
+from treetools.commands.progress import Progress
+from treetools.shared.rows import STAT_COUNTS, STATS
 
 
 _PIECE_ELEMS = 1 << 19

@@ -4,12 +4,12 @@ A ``Row`` is one leaf (or, after ``aggregate_rows``, one group of leaves).
 Its path is kept as a tuple of parts and joined only when it is shown or
 matched: ``Row.name`` is the one path string (``"/"``-joined for trees; a
 flat-key format such as safetensors keeps its stored name, split on ``"."``
-for grouping and joined back with ``"."``). ``treetools.render`` turns rows
+for grouping and joined back with ``"."``). ``treetools.shared.render`` turns rows
 into the terminal table, markdown, an indented tree or JSON.
 
 Standard library only (``dtype_name`` imports numpy when it runs): the
 checkpoint readers and the jax-free commands build rows from metadata,
-``treetools.table.rows_from_tree`` from a live tree.
+``treetools.pytree.table.rows_from_tree`` from a live tree.
 """
 
 from __future__ import annotations

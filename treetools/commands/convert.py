@@ -46,12 +46,12 @@ from treetools.ckpt.writers.safetensors import (
     plan_layout,
     write_safetensors,
 )
-from treetools.errors import CheckpointError
-from treetools.inspect.options import ConvertOptions, resolve
-from treetools.inspect.progress import Progress
-from treetools.render import json_object
-from treetools.rows import human
-from treetools.rules import Rules, TargetLeaf
+from treetools.shared.errors import CheckpointError
+from treetools.commands.options import ConvertOptions, resolve
+from treetools.commands.progress import Progress
+from treetools.shared.render import json_object
+from treetools.shared.rows import human
+from treetools.rules.engine import Rules, TargetLeaf
 
 TARGETS = ("safetensors", "orbax")
 SCHEMA = 1

@@ -25,9 +25,9 @@ import numpy as np
 
 from treetools.ckpt import storage
 from treetools.ckpt.steps import scan_steps
-from treetools.counting import is_array_like
-from treetools.partitioning import unbox, unbox_tree
-from treetools.paths import leaves_with_paths
+from treetools.pytree.counting import is_array_like
+from treetools.pytree.partitioning import unbox, unbox_tree
+from treetools.pytree.paths import leaves_with_paths
 
 if TYPE_CHECKING:  # type hints only; orbax is imported inside functions
     import orbax.checkpoint as ocp

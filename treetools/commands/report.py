@@ -1,6 +1,6 @@
 """``inspect_path``: a checkpoint's rows per step and item, filtered, summed, with stats.
 
-The report is data; ``treetools.inspect.text.render_report`` turns it into the
+The report is data; ``treetools.commands.text.render_report`` turns it into the
 terminal table, markdown, an indented tree, or the versioned JSON object
 (``Report.to_json``, schema 2, documented in ``docs/json-schema.md``).
 """
@@ -26,14 +26,14 @@ from treetools.ckpt.source import (
     train_state_parts,
 )
 from treetools.ckpt.steps import parse_step
-from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
-from treetools.inspect.options import InspectOptions, resolve
-from treetools.patterns import nearby, select_any
-from treetools.render import json_object, jsonable
-from treetools.rows import Row, Totals, aggregate_rows, common_prefix, sort_rows, totals
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
+from treetools.commands.options import InspectOptions, resolve
+from treetools.shared.patterns import nearby, select_any
+from treetools.shared.render import json_object, jsonable
+from treetools.shared.rows import Row, Totals, aggregate_rows, common_prefix, sort_rows, totals
 
 if TYPE_CHECKING:
-    from treetools.inspect.stats import StatsAccumulator
+    from treetools.commands.stats import StatsAccumulator
 
 SCHEMA = 2
 """Version of the ``--format json`` object; bumped on any incompatible change."""
@@ -391,8 +391,8 @@ def _under(item: Item, prefix: str, where: str) -> Item:
 
 def _compute_stats(kept, snaps, chunk_bytes, progress):
     # Here, not at the top: metadata mode starts without the block engine and the statistics (its startup).
-    from treetools.inspect.progress import Progress
-    from treetools.inspect.stats import compute_stats
+    from treetools.commands.progress import Progress
+    from treetools.commands.stats import compute_stats
 
     todo = [(i, name, leaf) for i, items in enumerate(kept) for name, leaves in items.items()
             for leaf in leaves if leaf.reader is not None and is_numeric(leaf.reader.dtype)]

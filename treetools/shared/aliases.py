@@ -14,4 +14,4 @@ KeyPath: TypeAlias = tuple[Any, ...]
 """A ``jax.tree_util`` key path: a tuple of ``DictKey``/``SequenceKey``/``GetAttrKey``/... entries."""
 
 PathStr: TypeAlias = str
-"""The one printable path form, key path entries joined with ``/`` (see ``treetools.paths``)."""
+"""The one printable path form, key path entries joined with ``/`` (see ``treetools.pytree.paths``)."""

@@ -1,8 +1,8 @@
 """Rows as text: a table, markdown, an indented tree or JSON; and text made safe to print.
 
-Data is built elsewhere (``treetools.rows``); this module only turns it into
+Data is built elsewhere (``treetools.shared.rows``); this module only turns it into
 text, for ``tabulate_params`` and the checkpoint commands alike (their reports
-are rendered by ``treetools.inspect.text`` with these pieces). It imports no
+are rendered by ``treetools.commands.text`` with these pieces). It imports no
 jax. Names read from a checkpoint are made safe for a terminal here
 (``safe_text``: control characters escaped), so a file cannot clear the
 screen or forge rows.
@@ -14,7 +14,7 @@ import json
 import math
 from typing import Any, Mapping, Sequence
 
-from treetools.rows import MIXED, STATS, Row, Totals, format_count, format_shape, human, totals
+from treetools.shared.rows import MIXED, STATS, Row, Totals, format_count, format_shape, human, totals
 
 DERIVED_STATS = {"nonfinite": ("nan", "posinf", "neginf")}
 """Statistic columns a table can show beside ``rows.STATS``: each the sum of those counts."""

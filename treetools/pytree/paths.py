@@ -4,7 +4,7 @@ Inside treetools a path is a ``jax.tree_util`` key path (a tuple of key
 entries); it becomes a string only at the edge: dict keys as-is, sequence
 indices as integers, attributes by name, joined with ``/``. A flax box or nnx
 ``Variable`` is a leaf, so no path ends in ``/value``. Patterns over these
-strings are ``treetools.patterns`` (no jax).
+strings are ``treetools.shared.patterns`` (no jax).
 
 >>> import jax.numpy as jnp
 >>> flatten({"params": {"Dense_0": {"kernel": jnp.ones((2, 3))}}}).keys()
@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import jax
 
-from treetools._typing import KeyPath, PathStr, PyTree
-from treetools.partitioning import is_box
+from treetools.shared.aliases import KeyPath, PathStr, PyTree
+from treetools.pytree.partitioning import is_box
 
 SEP = "/"
 

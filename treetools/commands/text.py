@@ -1,7 +1,7 @@
 """Every command's report as text: inspect reports, diffs and verify results as a table, markdown, a tree or JSON.
 
 The reports are data (``Report``, ``DiffReport``, ``VerifyReport``, ``ConvertReport``); this
-module only turns them into text, with ``treetools.render``'s row tables and
+module only turns them into text, with ``treetools.shared.render``'s row tables and
 ``safe_text`` for every name read from a checkpoint.
 """
 
@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from tabulate import tabulate
 
-from treetools.inspect.report import ItemReport, Report
+from treetools.commands.report import ItemReport, Report
 
 if TYPE_CHECKING:  # annotations only: `inspect` does not load the diff, verify and convert commands
-    from treetools.inspect.convert import ConvertReport
-    from treetools.inspect.diff import DiffReport
-    from treetools.inspect.verify import VerifyRun
-from treetools.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, safe_text, stat_value
-from treetools.rows import Row, Totals, format_count, format_shape, human
+    from treetools.commands.convert import ConvertReport
+    from treetools.commands.diff import DiffReport
+    from treetools.commands.verify import VerifyRun
+from treetools.shared.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, safe_text, stat_value
+from treetools.shared.rows import Row, Totals, format_count, format_shape, human
 
 
 WIDTH = 100

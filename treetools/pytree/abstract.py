@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
-from treetools._typing import PyTree
-from treetools.counting import is_array_like
-from treetools.partitioning import (
+from treetools.shared.aliases import PyTree
+from treetools.pytree.counting import is_array_like
+from treetools.pytree.partitioning import (
     active_mesh,
     box_spec,
     is_box,
@@ -21,7 +21,7 @@ from treetools.partitioning import (
     resolve_sharding,
     unbox,
 )
-from treetools.paths import is_leaf, map_with_path, path_str
+from treetools.pytree.paths import is_leaf, map_with_path, path_str
 
 
 def _spec_fits(spec: PartitionSpec, mesh: Mesh) -> bool:

@@ -103,8 +103,8 @@ from typing import Any, Callable, Collection, Iterable, Iterator, Mapping, Seque
 
 import numpy as np
 
-from treetools.errors import RulesError
-from treetools.patterns import compile_patterns, nearby
+from treetools.shared.errors import RulesError
+from treetools.shared.patterns import compile_patterns, nearby
 
 __all__ = [
     "Piece",

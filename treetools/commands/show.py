@@ -19,10 +19,10 @@ import numpy as np
 from treetools.ckpt.mapping import map_items
 from treetools.ckpt.readers import MemoryBudgetError, block_extent, resolve_budget
 from treetools.ckpt.source import Item, Leaf, Source, item_argument, open_source, part_holder
-from treetools.errors import CheckpointNotFoundError
-from treetools.patterns import nearby
-from treetools.rows import human
-from treetools.rules import Rules
+from treetools.shared.errors import CheckpointNotFoundError
+from treetools.shared.patterns import nearby
+from treetools.shared.rows import human
+from treetools.rules.engine import Rules
 
 
 def parse_leaf_spec(spec: str) -> tuple[str, tuple[Any, ...] | None]:

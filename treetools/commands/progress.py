@@ -7,7 +7,7 @@ import threading
 import time
 from typing import TextIO
 
-from treetools.render import safe_text
+from treetools.shared.render import safe_text
 
 
 class Progress:

@@ -1,4 +1,4 @@
-"""``tabulate_params``: a tree -> rows (``treetools.rows``) -> a rendered table (``treetools.render``).
+"""``tabulate_params``: a tree -> rows (``treetools.shared.rows``) -> a rendered table (``treetools.shared.render``).
 
 The row type and the renderers are shared with the checkpoint inspector and
 the CLI; this module builds rows from a live tree (``rows_from_tree``).
@@ -11,14 +11,14 @@ from typing import Any, Sequence
 
 import jax
 
-from treetools._typing import PyTree
-from treetools.counting import is_array_like, leaf_nbytes, leaf_size
-from treetools.masks import get_param_mask_fn
-from treetools.partitioning import leaf_sharding, params_of, unbox
-from treetools.paths import is_leaf, leaves_with_paths, path_parts
-from treetools.render import render_rows
-from treetools.rows import Row, aggregate_rows, dtype_name, sort_rows, totals
-from treetools.stacked import Stacked, find_stacks
+from treetools.shared.aliases import PyTree
+from treetools.pytree.counting import is_array_like, leaf_nbytes, leaf_size
+from treetools.pytree.masks import get_param_mask_fn
+from treetools.pytree.partitioning import leaf_sharding, params_of, unbox
+from treetools.pytree.paths import is_leaf, leaves_with_paths, path_parts
+from treetools.shared.render import render_rows
+from treetools.shared.rows import Row, aggregate_rows, dtype_name, sort_rows, totals
+from treetools.pytree.stacked import Stacked, find_stacks
 
 
 def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: Any = None) -> list[Row]:
@@ -119,7 +119,7 @@ def tabulate_params(
 
 
 def _with_layers(rows: list[Row], params: PyTree, stacked: Stacked) -> list[Row]:
-    """Rows with the layer count of each stacked leaf (``treetools.stacked``), joined by path."""
+    """Rows with the layer count of each stacked leaf (``treetools.pytree.stacked``), joined by path."""
     pairs = leaves_with_paths(params)
     counts = {path: stack.length for (path, _), stack in zip(pairs, find_stacks(pairs, stacked)) if stack}
     return [dataclasses.replace(r, layers=counts[r.name]) if r.name in counts else r for r in rows]

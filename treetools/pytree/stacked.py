@@ -36,7 +36,7 @@ leaf. That is where Rules' ``unstack`` puts it too.
 >>> import flax.linen as nn, numpy as np
 >>> tree = {"layers": {"w": nn.Partitioned(np.ones((4, 2)), names=("layers", None)), "b": np.zeros((4, 2))},
 ...         "head": nn.Partitioned(np.ones((2, 3)), names=(None, "fsdp"))}
->>> from treetools.paths import leaves_with_paths
+>>> from treetools.pytree.paths import leaves_with_paths
 >>> [(path, stack) for (path, _), stack in zip(leaves_with_paths(tree), find_stacks(leaves_with_paths(tree)))]
 [('head', None), ('layers/b', Stack(axis=0, length=4, at=1)), ('layers/w', Stack(axis=0, length=4, at=1))]
 >>> find_stacks(leaves_with_paths({"w": np.ones((3, 2))}), {"w": 0})
@@ -51,10 +51,10 @@ from collections.abc import Callable, Mapping, Sequence
 from numbers import Number
 from typing import Any, Union
 
-from treetools._typing import PathStr
-from treetools.partitioning import is_partitioned, layer_axis, unbox
-from treetools.paths import SEP
-from treetools.patterns import compile_patterns, match_patterns
+from treetools.shared.aliases import PathStr
+from treetools.pytree.partitioning import is_partitioned, layer_axis, unbox
+from treetools.pytree.paths import SEP
+from treetools.shared.patterns import compile_patterns, match_patterns
 
 LAYER_AXIS = "layers"
 """The box axis name that marks a stacked leaf's layer axis (flax's ``nn.PARTITION_NAME`` value by convention)."""

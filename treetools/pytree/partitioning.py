@@ -16,8 +16,8 @@ from typing import Any, Mapping
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from treetools._typing import PyTree
-from treetools.rows import LeafSharding  # "how a leaf is laid out", shared with the jax-free checkpoint readers
+from treetools.shared.aliases import PyTree
+from treetools.shared.rows import LeafSharding  # "how a leaf is laid out", shared with the jax-free checkpoint readers
 
 def _is_nnx_variable(x: Any) -> bool:
     # Duck-typed so that nnx is never imported here: nnx Variables carry their

@@ -37,13 +37,13 @@ from treetools.ckpt.mapping import map_items
 from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, bit_view, is_numeric
 from treetools.ckpt.source import NO_VALUE, Leaf, Source, open_source, order_items
 from treetools.ckpt.stream import reduce_blocks
-from treetools.errors import CheckpointError
-from treetools.inspect.options import DEFAULT_ATOL, DEFAULT_RTOL, DiffOptions, resolve
-from treetools.inspect.progress import Progress
-from treetools.patterns import select_any
-from treetools.render import json_object, jsonable
-from treetools.rows import VALUE_SORTS, Row, aggregate_rows, sort_rows
-from treetools.rules import Rules
+from treetools.shared.errors import CheckpointError
+from treetools.commands.options import DEFAULT_ATOL, DEFAULT_RTOL, DiffOptions, resolve
+from treetools.commands.progress import Progress
+from treetools.shared.patterns import select_any
+from treetools.shared.render import json_object, jsonable
+from treetools.shared.rows import VALUE_SORTS, Row, aggregate_rows, sort_rows
+from treetools.rules.engine import Rules
 
 SCHEMA = 1
 """Version of ``DiffReport.to_json`` (``docs/json-schema.md``)."""

@@ -27,10 +27,10 @@ from typing import Any
 from treetools.ckpt.readers import MemoryBudgetError
 from treetools.ckpt.source import Item, Source, open_source
 from treetools.ckpt.stream import Failed, reduce_blocks
-from treetools.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
-from treetools.inspect.options import VerifyOptions, resolve
-from treetools.inspect.progress import Progress
-from treetools.render import json_object
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
+from treetools.commands.options import VerifyOptions, resolve
+from treetools.commands.progress import Progress
+from treetools.shared.render import json_object
 
 SCHEMA = 1
 """Version of ``verify``'s JSON object (``VerifyRun.to_json``; ``docs/json-schema.md``)."""

@@ -1,6 +1,6 @@
 """Parameter and byte counts, global and per device, without allocating.
 
-What a state counts: ``params_of`` (``treetools.partitioning``) decides, for
+What a state counts: ``params_of`` (``treetools.pytree.partitioning``) decides, for
 ``get_num_params``, ``get_num_bytes`` and ``tabulate_params`` alike: a
 TrainState counts its ``params``, an nnx Module its ``nnx.Param`` variables,
 any other tree every array leaf.
@@ -33,8 +33,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from treetools._typing import PyTree
-from treetools.partitioning import is_box, own_sharding, params_of, shard_shape, unbox
+from treetools.shared.aliases import PyTree
+from treetools.pytree.partitioning import is_box, own_sharding, params_of, shard_shape, unbox
 
 
 def is_array_like(x: Any) -> bool:

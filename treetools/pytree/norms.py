@@ -27,7 +27,7 @@ Where the sum happens (the psum rule):
 * Inside ``shard_map`` a leaf is the local shard. A flax ``Partitioned`` /
   ``LogicallyPartitioned`` box or an nnx ``Variable`` carrying sharding names
   says which mesh axes it is split over (logical names mapped to mesh axes by
-  ``treetools.partitioning.leaf_sharding``); its local sum of squares is
+  ``treetools.pytree.partitioning.leaf_sharding``); its local sum of squares is
   ``psum``-ed over exactly those of its mesh axes that are *bound in the
   current trace* (that is, the manual axes of the enclosing ``shard_map``;
   checked with ``jax.lax.axis_size``). A replicated leaf, a bare array, or an
@@ -72,11 +72,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from treetools._typing import PathStr, PyTree
-from treetools.counting import is_array_like
-from treetools.partitioning import is_partitioned, leaf_sharding, mesh_axes_of, unbox, unmapped_logical_names
-from treetools.paths import SEP, is_leaf, leaves_with_paths, path_str
-from treetools.stacked import Stack, Stacked, find_stacks, layer_parts
+from treetools.shared.aliases import PathStr, PyTree
+from treetools.pytree.counting import is_array_like
+from treetools.pytree.partitioning import is_partitioned, leaf_sharding, mesh_axes_of, unbox, unmapped_logical_names
+from treetools.pytree.paths import SEP, is_leaf, leaves_with_paths, path_str
+from treetools.pytree.stacked import Stack, Stacked, find_stacks, layer_parts
 
 
 _F32 = jnp.float32
@@ -654,7 +654,7 @@ def norm_metrics(
         pattern (``re.search``), stacked on ``axis``, the index placed right
         after the path part where the match ends (``{"layers": 0}`` for an
         nnx model built with ``nnx.vmap``); False: none. The rules in full:
-        ``treetools.stacked``.
+        ``treetools.pytree.stacked``.
 
     Returns:
       ``{"grad_norm", "param_norm", "update_norm", "update_ratio",

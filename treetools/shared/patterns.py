@@ -16,7 +16,7 @@ import difflib
 import re
 from typing import Iterable, Sequence
 
-from treetools.errors import PatternError
+from treetools.shared.errors import PatternError
 
 
 def compile_patterns(patterns: str | Iterable[str] | None, *, name: str) -> list[re.Pattern]:
@@ -58,7 +58,7 @@ def match_patterns(paths: Sequence[str], patterns: Sequence[re.Pattern], *, name
     >>> match_patterns(["a/bias"], compile_patterns(["kernel"], name="include"), name="include")
     Traceback (most recent call last):
     ...
-    treetools.errors.PatternError: `include` pattern 'kernel' matches no leaf; nearby paths: ['a/bias']. Fix the pattern or drop it.
+    treetools.shared.errors.PatternError: `include` pattern 'kernel' matches no leaf; nearby paths: ['a/bias']. Fix the pattern or drop it.
     """
     hits = [False] * len(paths)
     for pat in patterns:
