@@ -41,7 +41,7 @@ import pytest
 from conftest import SCALE
 
 import treetools as tt
-from treetools.ckpt.source import open_source
+from treetools.ckpt.opening import open_source
 from treetools.ckpt.stream import cores, reduce_blocks, stream_blocks
 from treetools.commands.diff import diff_paths, value_diffs
 from treetools.commands.report import inspect_path
@@ -225,7 +225,7 @@ def test_what_limits_each_command(ckpts):
     readers = {s: [leaf.reader for leaf in source.snapshot(s).items["params"].leaves] for s in (1, 2)}
     mem_a = [tt.ckpt.readers.InMemoryReader(r.read_all()) for r in readers[1]]
     mem_b = [tt.ckpt.readers.InMemoryReader(r.read_all()) for r in readers[2]]
-    rows = lambda rs: [tt.ckpt.Leaf(tt.ckpt.source.array_row(("w",), r.shape, r.dtype), r) for r in rs]  # noqa: E731
+    rows = lambda rs: [tt.ckpt.Leaf(tt.ckpt.array_row(("w",), r.shape, r.dtype), r) for r in rs]  # noqa: E731
     pairs = [(a, b, "w") for a, b in zip(rows(mem_a), rows(mem_b))]
     n = ckpts["bytes"]
     parts = {

@@ -316,9 +316,8 @@ class Store:
             if module in sys.modules:
                 getattr(sys.modules[module], cls).clear_instance_cache()
         storage = sys.modules.get("treetools.ckpt.storage")
-        if storage is not None and hasattr(storage, "_REMOTES"):
-            with storage._REMOTES_LOCK:
-                storage._REMOTES.clear()
+        if storage is not None:
+            storage.forget_clients()
 
 
 @dataclasses.dataclass

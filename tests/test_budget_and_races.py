@@ -157,8 +157,8 @@ def test_inspect_reads_again_when_the_latest_step_went(tmp_path, capsys, monkeyp
     real = report_module.open_source
     calls = []
 
-    def racing_open(path, **kwargs):
-        src = real(path, **kwargs)
+    def racing_open(path, *args, **kwargs):
+        src = real(path, *args, **kwargs)
         if not calls:  # the first listing sees steps 1, 2; then a manager saves 3 and prunes 2
             shutil.copytree(root / "2", root / "3")
             shutil.rmtree(root / "2")
@@ -250,8 +250,8 @@ def prune_after_open(monkeypatch):
     def patch(module, root: Path):
         real = tt.open_source
 
-        def racing_open(path, **kwargs):
-            src = real(path, **kwargs)
+        def racing_open(path, *args, **kwargs):
+            src = real(path, *args, **kwargs)
             shutil.rmtree(root / "2", ignore_errors=True)
             return src
 

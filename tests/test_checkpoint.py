@@ -307,7 +307,7 @@ def test_load_parameters_unknown_step_lists_available(saved):
 
 def test_load_parameters_names_what_is_wrong_with_the_folder(saved, tmp_path):
     # Not a checkpoint: one error that lists the formats treetools reads (from the registry).
-    from treetools.ckpt.source import registered_formats as formats
+    from treetools.ckpt.registry import registered_formats as formats
 
     (tmp_path / "logs").mkdir()
     with pytest.raises(ckpt.CheckpointError, match=r"not a checkpoint that treetools can read\. Readable formats: ") as info:

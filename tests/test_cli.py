@@ -346,7 +346,7 @@ def test_version_and_help_return_0(capsys):
 
 
 def test_inspect_help_names_every_built_in_format_and_statistic(capsys):
-    from treetools.ckpt.source import registered_formats
+    from treetools.ckpt.registry import registered_formats
     from treetools.shared.rows import STATS
 
     rc, out, _ = run(capsys, "inspect", "--help")
@@ -361,7 +361,7 @@ def test_every_registered_format_is_described_in_inspect_help_and_named_in_the_r
     # Issue 24.24: `inspect --help` listed fewer formats than the README. Both now name every registered format;
     # --help takes them (and their descriptions) from the registry, read without importing numpy.
     from treetools.ckpt.formats import catalog
-    from treetools.ckpt.source import registered_formats
+    from treetools.ckpt.registry import registered_formats
 
     formats = [(f.name, f.description) for f in registered_formats()]
     assert catalog() == formats

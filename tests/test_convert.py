@@ -453,9 +453,9 @@ def test_bucket_destinations_stream_their_uploads(tmp_path, remote_store, monkey
 
 
 def test_a_failed_bucket_upload_leaves_no_object(tmp_path, remote_store, monkeypatch):
-    from treetools.ckpt import storage
+    from treetools.ckpt.storage import bucket
 
-    monkeypatch.setattr(storage, "UPLOAD_BLOCK", 5 * 2**20)  # S3's smallest part: a multipart upload starts
+    monkeypatch.setattr(bucket, "UPLOAD_BLOCK", 5 * 2**20)  # S3's smallest part: a multipart upload starts
     np.savez(tmp_path / "w.npz", a=rng.standard_normal(2**22, dtype=np.float32), b=np.ones(3, np.float32))
     real = st_writer.tensor_blocks
 

@@ -326,7 +326,7 @@ def _fast_path_case(case: str) -> tuple[np.ndarray, np.ndarray, float, float]:
                                   "atol0_subnormal_tolerance", "atol0_tiny_adam_nu"])
 def test_fast_float_comparison_is_numpys_float64_rule(case):
     from treetools.ckpt.readers import InMemoryReader
-    from treetools.ckpt.source import Leaf, array_row
+    from treetools.ckpt.leaves import array_row, Leaf
     from treetools.commands.diff import value_diffs
 
     a, b, atol, rtol = _fast_path_case(case)

@@ -16,7 +16,7 @@ from flax.training import checkpoints
 import treetools as tt
 from treetools.cli import main
 from treetools.shared.errors import StepDeletedError
-from treetools.ckpt.source import open_source
+from treetools.ckpt.opening import open_source
 from treetools.commands.report import inspect_path
 
 

@@ -16,12 +16,13 @@ import pytest
 from flax import traverse_util
 
 import treetools as tt
+from treetools.ckpt.context import ReadContext
 from treetools.cli import main
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 from treetools.commands.diff import diff_paths
 from treetools.commands.report import inspect_path
 from treetools.commands.show import show_leaf
-from treetools.ckpt.source import open_source
+from treetools.ckpt.opening import open_source
 from treetools.commands.verify import verify_path
 
 from tests._t5x_writer import save_orbax_legacy_item, save_orbax_legacy_step, save_t5x
@@ -364,10 +365,10 @@ def test_claims_need_positive_evidence(tmp_path):
     from treetools.ckpt.formats.t5x import FORMAT
 
     (tmp_path / "checkpoint").write_text("model_checkpoint_path: \"model.ckpt-100\"\n")  # TensorFlow's index file
-    assert not FORMAT.claims(str(tmp_path / "checkpoint"))
-    assert not FORMAT.claims(str(tmp_path))
+    assert not FORMAT.claims(str(tmp_path / "checkpoint"), ReadContext().confined_to(str(tmp_path)))
+    assert not FORMAT.claims(str(tmp_path), ReadContext().confined_to(str(tmp_path)))
     (tmp_path / "checkpoint_5").mkdir()  # a step-like name with nothing in it
-    assert not FORMAT.claims(str(tmp_path))
+    assert not FORMAT.claims(str(tmp_path), ReadContext().confined_to(str(tmp_path)))
     with pytest.raises(CheckpointError, match="not a checkpoint that treetools can read"):
         open_source(str(tmp_path))
 

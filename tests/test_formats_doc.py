@@ -25,7 +25,7 @@ from safetensors.numpy import save_file as save_safetensors
 
 import treetools as tt
 from treetools.cli import main
-from treetools.ckpt.source import open_source
+from treetools.ckpt.opening import open_source
 from treetools.commands.diff import diff_paths
 from treetools.commands.report import inspect_path
 from treetools.commands.show import show_leaf

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treetools as tt
-from treetools.ckpt import storage
+from treetools.ckpt.context import ReadContext
+from treetools.ckpt.storage import LocalStorage
 from treetools.ckpt.formats import _msgpack
 from treetools.ckpt.formats._msgpack import MAX_DEPTH, MsgpackError, walk
 from treetools.ckpt.readers import FileReader, MemoryBudgetError
@@ -52,7 +53,7 @@ def same(got, want, where="") -> None:
 def walked(tmp_path, data: bytes, name="t.msgpack"):
     path = tmp_path / name
     path.write_bytes(data)
-    return walk(str(path))
+    return walk(ReadContext().confined_to(str(path)), str(path))
 
 
 def odd_tree():
@@ -99,15 +100,15 @@ def test_arrays_are_left_in_the_file_and_metadata_reads_only_headers(tmp_path, m
     path = tmp_path / "big.msgpack"
     path.write_bytes(serialization.to_bytes({f"l{i}": {"w": w[i]} for i in range(4)}))
     read = []
-    real_open = storage.open
+    real_open = LocalStorage.open
 
-    def counting_open(p, mode="rb", **kw):
-        f = real_open(p, mode, **kw)
+    def counting_open(self, p, **kw):
+        f = real_open(self, p, **kw)
         real_read = f.read
         f.read = lambda n=-1: read.append(len(data := real_read(n))) or data  # noqa: B023
         return f
 
-    monkeypatch.setattr(storage, "open", counting_open)
+    monkeypatch.setattr(LocalStorage, "open", counting_open)
     source = tt.ckpt.open_source(str(path))
     leaves = source.snapshot().items["default"].leaves
     assert [leaf.row.shape for leaf in leaves] == [(2**20,)] * 4
@@ -134,7 +135,7 @@ def test_every_truncation_is_one_line_error(tmp_path):
     for cut in range(len(data)):
         path.write_bytes(data[:cut])
         with pytest.raises(CheckpointError) as e:
-            walk(str(path))
+            walk(ReadContext().confined_to(str(path)), str(path))
         assert "\n" not in str(e.value) and "cut.msgpack" in str(e.value), cut
 
 
@@ -148,7 +149,7 @@ def test_random_damage_is_a_checkpoint_error_or_a_tree_never_a_crash(tmp_path):
             hit[pos] = int(rng.integers(0, 256))
         path.write_bytes(bytes(hit))
         try:
-            walk(str(path))
+            walk(ReadContext().confined_to(str(path)), str(path))
         except CheckpointError as e:
             assert "\n" not in str(e)
 
@@ -185,8 +186,8 @@ def test_structure_is_held_to_the_memory_budget(tmp_path):
     path = tmp_path / "m.msgpack"
     path.write_bytes(msgpack.packb({"many": list(range(20_000))}))  # 60 KB that decode to about 1.3 MB
     with pytest.raises(MemoryBudgetError, match="structure of this Flax msgpack"):
-        walk(str(path), budget=2**16)
-    assert len(walk(str(path))["many"]) == 20_000
+        walk(ReadContext(memory_budget=2**16).confined_to(str(path)), str(path))
+    assert len(walk(ReadContext().confined_to(str(path)), str(path))["many"]) == 20_000
 
 
 _PEAK = (

@@ -82,5 +82,5 @@ def test_py_typed_ships_with_the_built_package(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import setuptools; setuptools.setup()", "-q", "build_py",
                            "--build-lib", str(build)], cwd=src, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (build / "treetools" / "metrics.py").is_file()
+    assert (build / "treetools" / "pytree" / "metrics.py").is_file()
     assert (build / "treetools" / "py.typed").is_file()

@@ -425,7 +425,7 @@ def test_gcs_credentials_are_decided_without_waiting_for_a_metadata_server(tmp_p
     import socket
     import threading
 
-    from treetools.ckpt import storage
+    from treetools.ckpt.storage import reach as storage
 
     for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GCE_METADATA_IP"):
         monkeypatch.delenv(name, raising=False)

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.readers import FileReader, InMemoryReader
 from treetools.commands.progress import Progress
 from treetools.commands.stats import StatsAccumulator, array_stats, compute_stats, leaf_stats
@@ -112,7 +113,7 @@ def test_compute_stats_parallel_equals_sequential_and_numpy(tmp_path):
     path = tmp_path / "raw.bin"
     big = rng.standard_normal((513, 1000)).astype(np.float32)
     big.tofile(path)
-    readers.append(FileReader(str(path), 0, big.shape, big.dtype))
+    readers.append(FileReader(ReadContext().confined_to(str(path)), str(path), 0, big.shape, big.dtype))
     arrays.append(big)
     names.append("big")
     seq = [leaf_stats(r, chunk_bytes=5000).result() for r in readers]
@@ -148,10 +149,12 @@ def test_merge_equals_one_stream():
 _CHILD = (
     "import sys, numpy as np, resource\n"
     "from treetools.ckpt.readers import FileReader\n"
+    "from treetools.ckpt.context import ReadContext\n"
     "from treetools.commands.stats import compute_stats\n"
     "n = int(sys.argv[2])\n"
     "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-    "acc = compute_stats([FileReader(sys.argv[1], 0, (n,), np.float32)], chunk_bytes=1 << 20, workers=2)[0]\n"
+    "acc = compute_stats([FileReader(ReadContext().confined_to(sys.argv[1]), sys.argv[1], 0, (n,), np.float32)],"
+    " chunk_bytes=1 << 20, workers=2)[0]\n"
     "print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, acc.count)\n"
 )
 

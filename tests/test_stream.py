@@ -135,7 +135,7 @@ def test_the_two_sides_of_a_diff_are_read_side_by_side():
             assert started[("b", key)].wait(30), "side B was not being read while side A was"
 
     a = np.linspace(0, 1, 5000, dtype=np.float32)
-    row = tt.ckpt.Leaf(tt.ckpt.source.array_row(("w",), a.shape, a.dtype), None)
+    row = tt.ckpt.Leaf(tt.ckpt.array_row(("w",), a.shape, a.dtype), None)
     pairs = [(tt.ckpt.Leaf(row.row, Counting(a, log, "a", gate=gate)),
               tt.ckpt.Leaf(row.row, Counting(a + 1, log, "b", gate=gate)), "w")]
     (d,) = value_diffs(pairs, chunk_bytes=4000, workers=1)

@@ -124,8 +124,8 @@ _EXPORTS = {  # public name -> module under treetools
     "list_steps": "ckpt.steps",
     "list_incomplete": "ckpt.steps",
     "latest_step": "ckpt.steps",
-    "open_source": "ckpt.source",
-    "register_format": "ckpt.source",
+    "open_source": "ckpt.opening",
+    "register_format": "ckpt.registry",
     "Format": "ckpt.source",
     # commands over checkpoints
     "inspect_path": "commands.report",
@@ -160,7 +160,9 @@ def __dir__() -> list[str]:
 
 if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.pytree.abstract import make_abstract, replicate, update_ema
-    from treetools.ckpt.source import Format, open_source, register_format
+    from treetools.ckpt.opening import open_source
+    from treetools.ckpt.registry import register_format
+    from treetools.ckpt.source import Format
     from treetools.ckpt.steps import latest_step, list_incomplete, list_steps
     from treetools.pytree.counting import get_num_bytes, get_num_params
     from treetools.shared.errors import (

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 import jax
 import numpy as np
 
-from treetools.ckpt import storage
+from treetools.ckpt.storage import location
 from treetools.ckpt.steps import scan_steps
 from treetools.pytree.counting import is_array_like
 from treetools.pytree.partitioning import unbox, unbox_tree
@@ -192,7 +192,7 @@ def get_checkpoint_manager(
         read_only=read_only,
         **options,
     )
-    directory = storage.location(checkpoint_dir, name="checkpoint_dir")
+    directory = location(checkpoint_dir, name="checkpoint_dir")
     manager = ocp.CheckpointManager(directory, options=manager_options, handler_registry=registry)
     _MANAGER_ITEMS[manager] = (frozenset(item_names), json_items)
     return manager

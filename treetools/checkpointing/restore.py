@@ -32,10 +32,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from treetools.ckpt import storage
 from treetools.ckpt.mapping import map_item
-from treetools.ckpt.readers import UNBOUNDED
-from treetools.ckpt.source import NO_VALUE, Item, Leaf, Source, open_source, params_of_step, value_row
+from treetools.ckpt.context import UNBOUNDED
+from treetools.ckpt.items import params_of_step
+from treetools.ckpt.leaves import Item, Leaf, NO_VALUE, value_row
+from treetools.ckpt.opening import open_source
+from treetools.ckpt.storage import location
+from treetools.ckpt.source import Source
 from treetools.ckpt.stream import read_arrays
 from treetools.shared.errors import CheckpointMismatchError, Mismatch
 from treetools.shared.render import safe_text
@@ -434,8 +437,8 @@ def _open(manager: Any, prefix: str | None = None) -> tuple[Source, Any]:
     """The source a manager (its pending save waited for) or a path names, and how to name it in errors."""
     if hasattr(manager, "directory") and hasattr(manager, "wait_until_finished"):
         manager.wait_until_finished()  # a pending async save may be the latest step
-        return open_source(storage.location(manager.directory, name="manager"), prefix=prefix), manager.directory
-    return open_source(storage.location(manager, name="manager"), prefix=prefix), manager
+        return open_source(location(manager.directory, name="manager"), prefix=prefix), manager.directory
+    return open_source(location(manager, name="manager"), prefix=prefix), manager
 
 
 def _per_item(value: Any, names: Sequence[str], what: str, *, is_one: Callable[[Any], bool]) -> dict[str, Any]:
@@ -719,10 +722,10 @@ def load_parameters(
     >>> load_parameters(root, rules=Rules(rename=[("^w$", "dense/kernel")], dtype="float16"))["dense"]["kernel"]
     array([0., 1., 2.], dtype=float16)
     """
-    source = open_source(storage.location(checkpoint_dir, name="checkpoint_dir"), memory_budget=UNBOUNDED,
-                         prefix=prefix)
-    if isinstance(checkpoint_dir, (str, os.PathLike)):
-        source.path = os.fspath(checkpoint_dir)
+    # A path is shown as the user typed it (relative, `~`); anything else path-like (etils.epath) as its location.
+    shown = (os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, (str, os.PathLike))
+             else location(checkpoint_dir, name="checkpoint_dir"))
+    source = open_source(shown, memory_budget=UNBOUNDED, prefix=prefix)
     resolved = source.resolve(step)
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
         found = params_of_step(source, resolved, item=item, use_ema=use_ema_params)

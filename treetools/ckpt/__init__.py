@@ -8,9 +8,19 @@ bounded blocks). Importing this package imports no jax.
 
 For format authors (see docs/formats.md, "Writing a format"): a format is a
 ``Format(name, priority, claims, open)`` given to ``register_format``; its
-``open`` returns a ``Source`` subclass (or a ``FileSource`` of leaves built
-with ``array_row``/``value_row``/``tree_leaves`` and a reader such as
-``FileReader``).
+``claims(location, context)`` and ``open(location, display, context)`` read
+only through ``context.storage`` (a ``Storage``: the local disk confined to
+the checkpoint, or a bucket); ``open`` returns a ``Source`` subclass (or a
+``FileSource`` of leaves built with ``array_row``/``value_row``/``tree_leaves``
+and a reader such as ``FileReader``) built with that ``ReadContext``.
+
+Modules, bottom to top: ``storage`` (where files live: one interface, a class
+per scheme), ``context`` (the read settings), ``steps`` (the one step rule),
+``readers`` (block readers, the memory budget), ``stream`` (the block engine),
+``leaves`` (Leaf/Item/Snapshot), ``items`` (which item holds the params),
+``source`` (Format, Source), ``registry``, ``diagnose`` ("did you mean"),
+``opening`` (``open_source``), ``formats/`` and ``mapping`` (rules over
+leaves), ``writers/``.
 """
 
 # Names are re-exported lazily (PEP 562, as treetools/__init__.py does): importing a module of this package
@@ -21,9 +31,13 @@ import typing as _typing
 _EXPORTS = {  # public name -> module under treetools.ckpt
     **dict.fromkeys(("ArrayReader", "FileReader", "InMemoryReader", "MemoryBudgetError", "checked_shape",
                      "plan_blocks"), "readers"),
-    **dict.fromkeys(("DEFAULT_ITEM", "NO_VALUE", "FileSource", "Format", "Item", "Leaf", "Snapshot", "Source",
-                     "array_row", "check_name", "file_head", "open_source", "register_format", "registered_formats",
-                     "stored_path", "tree_leaves", "unregister_format", "value_row"), "source"),
+    **dict.fromkeys(("DEFAULT_ITEM", "NO_VALUE", "Item", "Leaf", "Snapshot", "array_row", "check_name", "stored_path",
+                     "tree_leaves", "value_row"), "leaves"),
+    **dict.fromkeys(("FileSource", "Format", "Source", "file_head"), "source"),
+    **dict.fromkeys(("register_format", "registered_formats", "unregister_format"), "registry"),
+    "open_source": "opening",
+    "ReadContext": "context",
+    **dict.fromkeys(("Storage", "backend", "register_scheme"), "storage"),
 }
 
 __all__ = sorted(_EXPORTS)
@@ -43,6 +57,20 @@ def __dir__() -> list[str]:
 
 
 if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ordinary imports
+    from treetools.ckpt.context import ReadContext
+    from treetools.ckpt.leaves import (
+        DEFAULT_ITEM,
+        NO_VALUE,
+        Item,
+        Leaf,
+        Snapshot,
+        array_row,
+        check_name,
+        stored_path,
+        tree_leaves,
+        value_row,
+    )
+    from treetools.ckpt.opening import open_source
     from treetools.ckpt.readers import (
         ArrayReader,
         FileReader,
@@ -51,23 +79,6 @@ if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ord
         checked_shape,
         plan_blocks,
     )
-    from treetools.ckpt.source import (
-        DEFAULT_ITEM,
-        NO_VALUE,
-        FileSource,
-        Format,
-        Item,
-        Leaf,
-        Snapshot,
-        Source,
-        array_row,
-        check_name,
-        file_head,
-        open_source,
-        register_format,
-        registered_formats,
-        stored_path,
-        tree_leaves,
-        unregister_format,
-        value_row,
-    )
+    from treetools.ckpt.registry import register_format, registered_formats, unregister_format
+    from treetools.ckpt.source import file_head, FileSource, Format, Source
+    from treetools.ckpt.storage import Storage, backend, register_scheme

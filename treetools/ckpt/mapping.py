@@ -19,7 +19,7 @@ from typing import Collection, Mapping
 import numpy as np
 
 from treetools.ckpt.readers import ArrayReader, Index, check_budget
-from treetools.ckpt.source import Item, Leaf, array_row, stored_path
+from treetools.ckpt.leaves import Item, Leaf, array_row, stored_path
 from treetools.shared.errors import RulesError
 from treetools.rules.engine import Rules, RulesPlan, TargetLeaf, TargetReader
 
@@ -38,7 +38,7 @@ class RuledReader(ArrayReader):
         self._target = target
         self._sources = {p.path: sources[p.path] for p in target.pieces}
         first = self._sources[target.source]
-        self.budget = first.budget
+        self.context = first.context
         self.remote = any(r.remote for r in self._sources.values())
         self.chunk_shape = _granule(target, first.chunk_shape)
         self._whole: dict[str, np.ndarray] = {}
@@ -96,7 +96,7 @@ def map_item(item: Item, rules: Rules, *, targets: Collection[str] | None = None
     Raises:
       RulesError: every problem of the rules, before any data is read.
 
-    >>> from treetools.ckpt.source import tree_leaves
+    >>> from treetools.ckpt.leaves import tree_leaves
     >>> stored = Item("params", "pytree", tree_leaves({"layers": {"w": np.arange(12.0).reshape(2, 3, 2)}}, where="x"))
     >>> mapped, plan = map_item(stored, Rules(unstack=["layers"], transpose=[("w$", (1, 0))]))
     >>> [(leaf.name, leaf.row.shape) for leaf in mapped.leaves]
@@ -128,7 +128,7 @@ def map_items(items: Mapping[str, Item], rules: Rules) -> dict[str, Item]:
     unmatched patterns allowed, then a pattern that matched in no item is the
     usual error naming it and nearby paths (unless the rules say ``allow_unmatched``).
 
-    >>> from treetools.ckpt.source import tree_leaves
+    >>> from treetools.ckpt.leaves import tree_leaves
     >>> items = {"params": Item("params", "pytree", tree_leaves({"layers": {"w": np.zeros((2, 3))}}, where="x")),
     ...          "meta": Item("meta", "json", tree_leaves({"epoch": 1}, where="y"))}
     >>> [leaf.name for leaf in map_items(items, Rules(unstack=["layers"]))["params"].leaves]

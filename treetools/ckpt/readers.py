@@ -6,17 +6,14 @@ through it. ``plan_blocks`` tiles an array into blocks aligned to its storage
 chunks, so no chunk is decoded twice.
 
 The memory budget is the most stored data one read may decode at once (one
-storage chunk, one ``--show`` slice). It travels explicitly:
-``open_source(path, memory_budget=...)`` sets it on the ``Source``, which sets
-it on every reader it hands out (``ArrayReader.budget``), so worker threads
-read it from the reader they hold. ``TREETOOLS_MEMORY_BUDGET_MB`` is only the
-default when none is given (``default_budget``).
+storage chunk, one ``--show`` slice). It travels explicitly, in the
+``ReadContext`` a format gives every reader it makes (``ArrayReader.context``):
+a worker thread reads the budget, and the storage it reads through, from the
+reader it holds.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import itertools
 import math
 import os
@@ -24,92 +21,28 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from treetools.ckpt import storage
+from treetools.ckpt.context import DEFAULT_BLOCK_BYTES, DEFAULT_MEMORY_BUDGET, ReadContext
 from treetools.ckpt.steps import read_json_file
 from treetools.shared.errors import CheckpointError
 from treetools.shared.rows import human
 
 Index = tuple[slice, ...]
 
-DEFAULT_CHUNK_BYTES = 8 * 2**20
-"""Default block budget for ``--stats`` and ``diff --values`` (bytes of source data)."""
-
-
-def chunk_bytes_from_env(default: int = DEFAULT_CHUNK_BYTES) -> int:
-    """The block budget: ``TREETOOLS_CHUNK_BYTES`` when set, else ``default``."""
-    raw = os.environ.get("TREETOOLS_CHUNK_BYTES")
-    if not raw:
-        return default
-    try:
-        value = int(float(raw))
-    except ValueError:
-        raise CheckpointError(f"`TREETOOLS_CHUNK_BYTES` must be a number of bytes, got {raw!r}.") from None
-    if value < 1024:
-        raise CheckpointError(f"`TREETOOLS_CHUNK_BYTES` must be at least 1024, got {value}.")
-    return value
-
-
-DEFAULT_MEMORY_BUDGET = 2 * 2**30
-"""The memory budget when neither the caller nor ``TREETOOLS_MEMORY_BUDGET_MB`` gives one."""
-
-UNBOUNDED = math.inf
-"""No budget: whole arrays are what ``load_parameters`` returns, held to the machine's memory instead."""
-
-_OPENING: contextvars.ContextVar[float | None] = contextvars.ContextVar("treetools_opening_budget", default=None)
-
-
-def default_budget() -> float:
-    """The memory budget in bytes when the caller gives none: ``TREETOOLS_MEMORY_BUDGET_MB`` or 2 GiB.
-
-    Raises:
-      CheckpointError: the variable is not a positive number (``inf`` means no budget).
-    """
-    raw = os.environ.get("TREETOOLS_MEMORY_BUDGET_MB")
-    if not raw:
-        return DEFAULT_MEMORY_BUDGET
-    try:
-        value = float(raw)
-    except ValueError:
-        raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be a number of MB, got {raw!r}.") from None
-    if not value > 0:
-        raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be positive, got {raw!r}.")
-    return value * 2**20
-
-
-@contextlib.contextmanager
-def opening(budget: float | None) -> Iterator[None]:
-    """The budget of the checks a format makes while ``open_source`` opens it (before a ``Source`` exists)."""
-    token = _OPENING.set(budget)
-    try:
-        yield
-    finally:
-        _OPENING.reset(token)
-
-
-def resolve_budget(budget: float | None) -> float:
-    """``budget`` in bytes; None: the budget of the ``open_source`` in progress, else ``default_budget()``."""
-    if budget is not None:
-        return budget
-    opening_budget = _OPENING.get()
-    return opening_budget if opening_budget is not None else default_budget()
-
-
 class MemoryBudgetError(CheckpointError):
     """A read that would decode more than the memory budget at once (not damage: raise the budget)."""
 
 
-def check_budget(nbytes: int, *, where: str, what: str, budget: float | None = None) -> None:
+def check_budget(nbytes: int, *, where: str, what: str, budget: float) -> None:
     """Refuse to decode ``nbytes`` at once when that is over ``budget`` (one line naming the flag).
 
-    >>> check_budget(10, where="w", what="one storage chunk")
+    >>> check_budget(10, where="w", what="one storage chunk", budget=2**31)
     >>> check_budget(2**50, where="ckpt/params: `w`", what="one storage chunk", budget=2**31)
     Traceback (most recent call last):
     treetools.ckpt.readers.MemoryBudgetError: ckpt/params: `w`: one storage chunk decodes to 1024.00 TiB, over the memory budget of 2.00 GiB; raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
     """
-    limit = resolve_budget(budget)
-    if nbytes > limit:
+    if nbytes > budget:
         raise MemoryBudgetError(
-            f"{where}: {what} decodes to {human(nbytes, 'B')}, over the memory budget of {human(limit, 'B')}; "
+            f"{where}: {what} decodes to {human(nbytes, 'B')}, over the memory budget of {human(budget, 'B')}; "
             "raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory."
         )
 
@@ -160,7 +93,7 @@ JSON_EXPANSION = 8
 """Bytes of Python objects one byte of JSON metadata becomes once parsed (measured: 7.3 for an Orbax _METADATA)."""
 
 
-def read_metadata(path: str, *, what: str, budget: float | None = None) -> Any:
+def read_metadata(context: ReadContext, path: str, *, what: str) -> Any:
     """Parse a JSON metadata file (``steps.read_json_file``), held to the memory budget by what it will hold.
 
     A metadata file is parsed whole: a 15 MB ``_METADATA`` of 100,000 leaves is
@@ -170,12 +103,14 @@ def read_metadata(path: str, *, what: str, budget: float | None = None) -> Any:
       MemoryBudgetError: over the budget (one line naming the file and the flag).
       CheckpointError, CheckpointNotFoundError: as ``read_json_file``.
     """
+    storage = context.storage
     try:
         size = storage.getsize(path)
     except OSError:
         size = 0  # read_json_file names what is wrong
-    check_budget(JSON_EXPANSION * size, where=path, what=f"{what} ({size:,} bytes), parsed whole,", budget=budget)
-    return read_json_file(path, what=what)
+    check_budget(JSON_EXPANSION * size, where=path, what=f"{what} ({size:,} bytes), parsed whole,",
+                 budget=context.memory_budget)
+    return read_json_file(storage, path, what=what)
 
 
 def physical_memory() -> int | None:
@@ -238,8 +173,9 @@ class ArrayReader:
 
     shape: tuple[int, ...]
     dtype: np.dtype
-    budget: float | None = None
-    """The most this reader decodes at once, in bytes; None: ``resolve_budget``'s default. Set by the ``Source``."""
+    context: ReadContext | None = None
+    """How it reads (the memory budget, the block size) and through what storage: given by the format that
+    makes it. None for an array already in memory."""
     chunk_shape: tuple[int, ...] | None = None
     sequential: bool = False
     """True when blocks must come in C order, front to back (a compressed zip member)."""
@@ -250,9 +186,16 @@ class ArrayReader:
     """False when a sequential reader streams Fortran-ordered data."""
     remote: bool = False
     """True when blocks come from a bucket: reads wait on the network more than on a core."""
-    root: Any = None
-    """The checkpoint root it was found under (``storage.Root``, set by the ``Source``): held, so the root's
-    containment stays in force for every read while the reader lives, the ``Source`` gone or not."""
+
+    @property
+    def budget(self) -> float:
+        """The most this reader decodes at once, in bytes (its context's memory budget)."""
+        return self.context.memory_budget if self.context is not None else DEFAULT_MEMORY_BUDGET
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of stored data per block when it streams a whole array (its context's block size)."""
+        return self.context.block_bytes if self.context is not None else DEFAULT_BLOCK_BYTES
 
     def read(self, index: Index) -> np.ndarray:
         raise NotImplementedError
@@ -279,7 +222,7 @@ class ArrayReader:
             return np.asarray(self.read(tuple(slice(None) for _ in self.shape)))
         if not math.prod(self.shape):
             return np.zeros(self.shape, self.dtype)
-        flat = np.concatenate([np.ravel(b) for b in self.storage_blocks(DEFAULT_CHUNK_BYTES)])
+        flat = np.concatenate([np.ravel(b) for b in self.storage_blocks(self.block_bytes)])
         return flat.reshape(self.shape, order="C" if self.c_order else "F")
 
     def storage_blocks(self, max_bytes: int) -> Iterator[np.ndarray]:
@@ -379,24 +322,27 @@ class FileReader(ArrayReader):
     Local blocks are read with ``os.preadv`` into a fresh buffer, not
     memory-mapped: a file truncated or rewritten under the reader gives a short
     read, which is a one-line ``CheckpointError``, where a mapping would kill the
-    process with SIGBUS. Each read opens the file through ``storage.open_fd``,
-    so it must resolve inside the checkpoint it was found in. In a bucket each
-    block is one ranged GET. Resident memory stays one block.
+    process with SIGBUS. Each read opens the file through the context's storage
+    (``Storage.read_into``), so it must resolve inside the checkpoint it was
+    found in. In a bucket each block is one ranged GET. Resident memory stays
+    one block.
 
     ``segments`` stores the flat data in pieces at several places of the file
     (a Flax msgpack array over 1 GiB is saved as flat chunks): ``(file offset,
     elements)`` pairs, in order; by default one piece of all elements at ``offset``.
     """
 
-    def __init__(self, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *, fortran: bool = False,
-                 segments: Sequence[tuple[int, int]] | None = None):
+    def __init__(self, context: ReadContext, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *,
+                 fortran: bool = False, segments: Sequence[tuple[int, int]] | None = None):
+        self.context = context
+        self._storage = context.storage
         self._path = path
         self._offset = int(offset)
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self._fortran = fortran
         self.storage_order = fortran  # statistics read Fortran data in its own (transposed) order
-        self.remote = storage.is_remote(path)
+        self.remote = self._storage.remote
         pieces = segments if segments is not None else [(self._offset, math.prod(self.shape))]
         self._segments: list[tuple[int, int, int]] = []  # (first flat element, file offset, elements)
         first = 0
@@ -411,24 +357,7 @@ class FileReader(ArrayReader):
 
     def _fill(self, view: memoryview, pos: int) -> int:
         """Read into ``view`` from byte ``pos``; the number of bytes read (short at the end of the file)."""
-        if storage.is_remote(self._path):
-            data = storage.read_range(self._path, pos, len(view))
-            view[: len(data)] = data
-            return len(data)
-        try:
-            fd = storage.open_fd(self._path)
-        except OSError as e:
-            raise CheckpointError(f"{self._path}: cannot read ({e.strerror or e}).") from None
-        try:
-            got = 0
-            while got < len(view):
-                n = os.preadv(fd, [view[got:]], pos + got)
-                if n <= 0:
-                    break
-                got += n
-            return got
-        finally:
-            os.close(fd)
+        return self._storage.read_into(self._path, view, pos)
 
     def _window(self, start: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
         """``count`` elements from flat element ``start``, as ``shape``."""

@@ -42,7 +42,7 @@ import re
 import stat
 from typing import Any, Callable, Iterable, Sequence
 
-from treetools.ckpt import storage
+from treetools.ckpt.storage import Storage, backend, normalize
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 
@@ -64,7 +64,7 @@ _STEP_NAME = re.compile(r"^(?:(?P<prefix>.+)_)?(?P<step>\d+)$")
 _T5X_TMP_NAME = re.compile(r"^(?P<head>.+)\.tmp-\d+$")
 
 
-def read_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> bytes:
+def read_file(storage: Storage, path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> bytes:
     """The bytes of a small file, refusing what is not a regular file or is larger than ``max_bytes``.
 
     A FIFO would block ``open`` forever and ``/dev/zero`` never ends: both are
@@ -74,7 +74,7 @@ def read_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> b
       CheckpointNotFoundError: nothing at ``path``.
       CheckpointError: not a regular file, too large, or unreadable.
 
-    >>> read_file("/", what="Orbax _METADATA")
+    >>> read_file(backend("/"), "/", what="Orbax _METADATA")
     Traceback (most recent call last):
     ...
     treetools.shared.errors.CheckpointError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
@@ -83,12 +83,12 @@ def read_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> b
         st = storage.stat(path)
     except FileNotFoundError:
         if storage.islink(path):
-            raise CheckpointError(f"{path}: {file_kind(path)}; cannot read it as {what}.") from None
+            raise CheckpointError(f"{path}: {file_kind(storage, path)}; cannot read it as {what}.") from None
         raise CheckpointNotFoundError(f"{path}: {what} is missing.") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e}).") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: not a regular file ({file_kind(path)}); cannot read it as {what}.")
+        raise CheckpointError(f"{path}: not a regular file ({file_kind(storage, path)}); cannot read it as {what}.")
     if st.st_size > max_bytes:
         raise CheckpointError(
             f"{path}: {what} is {st.st_size:,} bytes, over the {max_bytes:,}-byte limit for metadata; "
@@ -103,15 +103,15 @@ def read_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> b
     return data
 
 
-def read_json_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> Any:
+def read_json_file(storage: Storage, path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES) -> Any:
     """Parse a small JSON metadata file (see ``read_file``); a broken one is a ``CheckpointError``.
 
     >>> import tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "m.json"); _ = open(f, "w").write('{"a": 1}')
-    >>> read_json_file(f, what="test metadata")
+    >>> read_json_file(backend(f), f, what="test metadata")
     {'a': 1}
     """
-    data = read_file(path, what=what, max_bytes=max_bytes)
+    data = read_file(storage, path, what=what, max_bytes=max_bytes)
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -119,7 +119,7 @@ def read_json_file(path: str, *, what: str, max_bytes: int = MAX_METADATA_BYTES)
         raise CheckpointError(f"{path}: corrupt or truncated {what} ({reason}).") from None
 
 
-def file_kind(path: str) -> str:
+def file_kind(storage: Storage, path: str) -> str:
     """``a folder``, ``a FIFO``, ``a broken symlink``...: what stands at ``path`` instead of a file."""
     if storage.islink(path) and not storage.exists(path):
         return f"a broken or looping symlink to {os.readlink(path)!r}"
@@ -191,22 +191,22 @@ def tmp_step(name: str, *, step_prefix: str | None = None, names: re.Pattern[str
     return None if head is None else parse_step_name(head, step_prefix=step_prefix, names=names)
 
 
-def _is_regular(path: str) -> bool:
+def _is_regular(storage: Storage, path: str) -> bool:
     try:
         return stat.S_ISREG(storage.stat(path).st_mode)
     except OSError:
         return False
 
 
-def _finalized_item(step_dir: str) -> bool:
+def _finalized_item(storage: Storage, step_dir: str) -> bool:
     """Whether a step folder without step metadata holds an item Orbax finalized (pre-0.5 Orbax saves)."""
     try:
         with storage.scandir(step_dir) as it:
             subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
     except OSError:
         return False
-    return any(_is_regular(os.path.join(d, PYTREE_METADATA_FILE)) or _is_regular(os.path.join(d, JSON_ITEM_FILE))
-               for d in subdirs)
+    return any(_is_regular(storage, os.path.join(d, PYTREE_METADATA_FILE))
+               or _is_regular(storage, os.path.join(d, JSON_ITEM_FILE)) for d in subdirs)
 
 
 MARKER = "marker"
@@ -216,8 +216,10 @@ FINALIZED_ITEM = "finalized item"
 """Commit evidence of a step folder without step metadata: an item Orbax finalized (saves before step metadata)."""
 
 
-def commit_evidence(step_dir: str | os.PathLike) -> str | None:
+def commit_evidence(step_dir: str | os.PathLike, storage: Storage | None = None) -> str | None:
     """How Orbax shows it finished this step folder: ``MARKER``, ``FINALIZED_ITEM``, or None (unfinished).
+
+    ``storage``: the storage to read it through (None: the one of its scheme, unconfined).
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp()) / "100"; d.mkdir()
@@ -227,21 +229,22 @@ def commit_evidence(step_dir: str | os.PathLike) -> str | None:
     'marker'
     """
     step_dir = os.fspath(step_dir)
-    if TMP_DIR_SUFFIX in os.path.basename(storage.normalize(step_dir)) or not storage.isdir(step_dir):
+    storage = storage or backend(step_dir)
+    if TMP_DIR_SUFFIX in os.path.basename(normalize(step_dir)) or not storage.isdir(step_dir):
         return None
-    if _is_regular(os.path.join(step_dir, COMMIT_SUCCESS_FILE)):
+    if _is_regular(storage, os.path.join(step_dir, COMMIT_SUCCESS_FILE)):
         return MARKER
     meta = os.path.join(step_dir, STEP_METADATA_FILE)
     if storage.lexists(meta):
         try:
-            data = read_json_file(meta, what=f"Orbax {STEP_METADATA_FILE}")
+            data = read_json_file(storage, meta, what=f"Orbax {STEP_METADATA_FILE}")
         except (CheckpointError, CheckpointNotFoundError):
             return None  # half-written, hostile or unreadable: never taken as a finished save
         return MARKER if isinstance(data, dict) and bool(data.get("commit_timestamp_nsecs")) else None
-    return FINALIZED_ITEM if _finalized_item(step_dir) else None
+    return FINALIZED_ITEM if _finalized_item(storage, step_dir) else None
 
 
-def is_committed(step_dir: str | os.PathLike) -> bool:
+def is_committed(step_dir: str | os.PathLike, storage: Storage | None = None) -> bool:
     """True when Orbax finished writing this step folder (the rule in this module's docstring).
 
     A folder alone cannot tell a save from before step metadata from a copy in
@@ -255,7 +258,7 @@ def is_committed(step_dir: str | os.PathLike) -> bool:
     >>> _ = (d / "commit_success.txt").write_text("ok"); is_committed(d)
     True
     """
-    return commit_evidence(step_dir) is not None
+    return commit_evidence(step_dir, storage) is not None
 
 
 DEFAULT_SERIES = ("checkpoint_", "")
@@ -283,8 +286,14 @@ class StepListing:
     series: str = ""
     others: dict[str, "StepListing"] = dataclasses.field(default_factory=dict)
     conflict: str | None = None
-    commit_rule: Callable[[str], bool] | None = None
+    commit_rule: Callable[[str, Storage], bool] | None = None
     """The rule the listing was made with (None: Orbax's ``is_committed``); ``still_committed`` asks it again."""
+    storage: Storage | None = dataclasses.field(default=None, compare=False, repr=False)
+    """What the root was listed through (None: the unconfined storage of its scheme)."""
+
+    @property
+    def store(self) -> Storage:
+        return self.storage if self.storage is not None else backend(self.root)
 
     def still_committed(self, step: int) -> bool:
         """Whether the folder of a listed step is still there and still committed, asked afresh.
@@ -293,10 +302,10 @@ class StepListing:
         them) before its folder goes: from the first file it is no longer a
         finished save, and reading it is reading a step being deleted.
         """
-        folder = self.committed[step]
+        folder, storage = self.committed[step], self.store
         storage.forget(folder)
         rule = self.commit_rule or is_committed
-        return storage.exists(folder) and (rule(folder) if storage.isdir(folder) else True)
+        return storage.exists(folder) and (rule(folder, storage) if storage.isdir(folder) else True)
 
     @property
     def steps(self) -> list[int]:
@@ -351,20 +360,20 @@ def describe_series(listings: dict[str, StepListing]) -> str:
 
 
 def choose_series(root: str, listings: dict[str, StepListing], skipped: list[str] | None = None, *,
-                  prefer: Sequence[str] = DEFAULT_SERIES) -> StepListing:
+                  prefer: Sequence[str] = DEFAULT_SERIES, storage: Storage | None = None) -> StepListing:
     """The listing a root is read with: its one series, else ``prefer``'s first present, else a conflict.
 
     Every series gets the others in ``others``, so none is lost from view.
     """
     skipped = list(skipped or [])
     if not listings:
-        return StepListing(root, {}, [], skipped=skipped)
+        return StepListing(root, {}, [], skipped=skipped, storage=storage)
     if len(listings) == 1:
         chosen: StepListing | None = next(iter(listings.values()))
     else:
         chosen = next((listings[n] for n in prefer if n in listings), None)
     if chosen is None:
-        return StepListing(root, {}, [], skipped=skipped, others=dict(listings), conflict=(
+        return StepListing(root, {}, [], skipped=skipped, others=dict(listings), storage=storage, conflict=(
             f"{root}: step folders of several series ({describe_series(listings)}); read one with --prefix NAME "
             "(prefix= in the library)."))
     return dataclasses.replace(chosen, skipped=skipped,
@@ -372,8 +381,8 @@ def choose_series(root: str, listings: dict[str, StepListing], skipped: list[str
 
 
 def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
-               commit_rule: Callable[[str], bool] | None = None, names: re.Pattern[str] = _STEP_NAME,
-               prefer: Sequence[str] = DEFAULT_SERIES) -> StepListing:
+               commit_rule: Callable[[str, Storage], bool] | None = None, names: re.Pattern[str] = _STEP_NAME,
+               prefer: Sequence[str] = DEFAULT_SERIES, storage: Storage | None = None) -> StepListing:
     """Committed and incomplete step folders directly under ``root``.
 
     Reads names and marker files only (no array data), and never writes.
@@ -384,10 +393,12 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
     Args:
       root: the checkpoint root.
       step_prefix: only accept this step-name prefix (None: any prefix or none).
-      commit_rule: a format's own test of a step folder without a tmp suffix
+      commit_rule: a format's own test ``rule(folder, storage)`` of a step folder without a tmp suffix
         (default ``is_committed``, Orbax's commit evidence).
       names: a format's own step-folder names (a pattern with a ``step`` group; default Orbax's).
       prefer: the series read when there are several and none is asked for (Levanter: ``step-``, not ``epoch-``).
+      storage: what to list and read through (the checkpoint's confined storage; None: the unconfined one of
+        ``root``'s scheme).
 
     >>> import tempfile, pathlib
     >>> root = pathlib.Path(tempfile.mkdtemp())
@@ -399,6 +410,7 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
     ([100], ['ckpt_0200.orbax-checkpoint-tmp-17'])
     """
     root = os.fspath(root)
+    storage = storage or backend(root)
     committed: dict[str, dict[int, list[str]]] = {}
     incomplete: dict[str, list[tuple[int, str]]] = {}
     skipped: list[str] = []
@@ -406,10 +418,8 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
     try:
         with storage.scandir(root) as it:
             entries = sorted(it, key=lambda e: e.name)
-    except FileNotFoundError:
-        return StepListing(root, {}, [])
-    except NotADirectoryError:
-        return StepListing(root, {}, [])
+    except (FileNotFoundError, NotADirectoryError):
+        return StepListing(root, {}, [], storage=storage)
     except OSError as e:
         raise CheckpointError(f"{root}: cannot list folder ({e.strerror or e}).") from None
     candidates = []
@@ -435,11 +445,11 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
             return "tmp", None
         storage.prefetch(entry.path)  # in a bucket, one listing answers every probe of the step's markers
         if commit_rule is not None:
-            return "step", MARKER if commit_rule(entry.path) else None
-        return "step", commit_evidence(entry.path)
+            return "step", MARKER if commit_rule(entry.path, storage) else None
+        return "step", commit_evidence(entry.path, storage)
 
     # In a bucket each step costs a round trip or two: the steps are judged concurrently.
-    for (entry, (series, step), _), (kind, found) in zip(candidates, storage.map_io(judge, candidates, root)):
+    for (entry, (series, step), _), (kind, found) in zip(candidates, storage.map_io(judge, candidates)):
         if kind == "skip":
             skipped.append(entry.name)
         elif kind == "step" and found is not None:
@@ -468,8 +478,9 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
             {s: [os.path.basename(p) for p in paths] for s, paths in ordered.items() if len(paths) > 1},
             series=series,
             commit_rule=commit_rule,
+            storage=storage,
         )
-    return choose_series(root, listings, skipped, prefer=prefer)
+    return choose_series(root, listings, skipped, prefer=prefer, storage=storage)
 
 
 def list_steps(checkpoint_dir: str | os.PathLike, *, step_prefix: str | None = None) -> list[int]:
@@ -576,7 +587,7 @@ def resolve_step(listing: StepListing, step: Any, *, where: str | None = None) -
     if listing.conflict is not None:
         raise CheckpointError(listing.conflict)
     if not listing.committed:
-        if not storage.exists(listing.root):
+        if not listing.store.exists(listing.root):
             raise CheckpointNotFoundError(f"{where}: no such file or folder.")
         note = f" (incomplete, never read: {_list(listing.incomplete)})" if listing.incomplete else ""
         raise CheckpointNotFoundError(f"{where}: no committed checkpoint step{note}.")

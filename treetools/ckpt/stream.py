@@ -46,7 +46,6 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVa
 import numpy as np
 
 from treetools.ckpt.readers import ArrayReader, Index, MemoryBudgetError, plan_blocks
-from treetools.shared.errors import CheckpointError
 
 GROUP_BLOCKS = 4
 """Blocks of one job per task: enough to amortize opening a store, few enough to spread a big leaf over threads."""
@@ -82,27 +81,21 @@ def _nbytes(readers: Iterable[ArrayReader]) -> int:
     return sum(math.prod(r.shape) * r.dtype.itemsize for r in readers)
 
 
+def given_workers(readers: Iterable[ArrayReader]) -> int | None:
+    """The threads the readers' context asks for (``ReadContext.workers``, ``TREETOOLS_WORKERS``), None if none."""
+    return next((r.context.workers for r in readers if r.context is not None and r.context.workers), None)
+
+
 def default_workers(readers: Iterable[ArrayReader] = ()) -> int:
-    """Threads for reading ``readers``: ``TREETOOLS_WORKERS`` or the cores; at least ``REMOTE_WORKERS`` for a bucket.
+    """Threads for reading ``readers``: their context's ``workers`` or the cores; at least ``REMOTE_WORKERS`` for
+    a bucket.
 
     (More threads than cores for TensorStore, which decodes on threads of its own, measured 3-5% faster on
     2 cores and 20 MiB more peak memory for blocks: not taken; ``read_arrays``, whose arrays are the result,
     takes it.)
-
-    Raises:
-      CheckpointError: ``TREETOOLS_WORKERS`` is not a positive integer.
     """
     readers = list(readers)
-    raw = os.environ.get("TREETOOLS_WORKERS")
-    if raw:
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise CheckpointError(f"`TREETOOLS_WORKERS` must be a positive number of threads, got {raw!r}.")
-    else:
-        n = cores()
+    n = given_workers(readers) or cores()
     if any(r.remote for r in readers):
         n = max(n, REMOTE_WORKERS)
     return n
@@ -401,10 +394,11 @@ def read_arrays(readers: Sequence[ArrayReader], *, workers: int | None = None) -
     if workers is None:
         small = _nbytes(readers) < SMALL_BYTES and not any(r.remote for r in readers)
         workers = 1 if small else default_workers(readers)
-        if not small and readers and all(r.reads_async for r in readers) and not os.environ.get("TREETOOLS_WORKERS"):
+        if not small and readers and all(r.reads_async for r in readers):
             # TensorStore decodes on threads of its own and ours only wait: two whole-array reads in flight per
-            # core keep its threads busy between arrays (measured 0.58 -> 0.50 s for 512 MiB of zstd Orbax on 2
-            # cores). Whole arrays are the result, so no block is held beyond it.
+            # reading thread keep its threads busy between arrays (measured 0.58 -> 0.50 s for 512 MiB of zstd
+            # Orbax on 2 cores). Whole arrays are the result, so no block is held beyond it. The same whether the
+            # threads are the cores or given (TREETOOLS_WORKERS): setting it to the cores changes nothing.
             workers *= 2
     return ordered_map(lambda r: r.read_all(), readers, workers=min(workers, max(1, len(readers))),
                        window=2 * workers)

@@ -33,11 +33,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from treetools.ckpt import storage
-from treetools.ckpt.readers import ArrayReader, bit_view, is_numeric, np_dtype, resolve_budget
+from treetools.ckpt.context import ReadContext
+from treetools.ckpt.readers import ArrayReader, bit_view, is_numeric, np_dtype
+from treetools.ckpt.storage import backend, location
 from treetools.ckpt.stream import Failed, reduce_blocks
 from treetools.ckpt.mapping import RuledReader
-from treetools.ckpt.source import Item, Leaf, Source, open_source, params_of_step
+from treetools.ckpt.items import params_of_step
+from treetools.ckpt.leaves import Item, Leaf
+from treetools.ckpt.opening import open_source
+from treetools.ckpt.source import Source
 from treetools.ckpt.writers.orbax import check_orbax, write_orbax
 from treetools.ckpt.writers.safetensors import (
     Tensor,
@@ -169,8 +173,8 @@ def orbax_parts(path: str) -> tuple[str, ...]:
 
 def _check_places(src: str, dst: str) -> tuple[str, str]:
     """Absolute source and destination; the destination never inside, equal to, or holding the source."""
-    a, b = storage.location(src, name="src"), storage.location(dst, name="dst")
-    ra, rb = storage.realpath(a), storage.realpath(b)
+    a, b = location(src, name="src"), location(dst, name="dst")
+    ra, rb = backend(a).realpath(a), backend(b).realpath(b)
     if ra == rb or ra.startswith(rb.rstrip("/") + "/") or rb.startswith(ra.rstrip("/") + "/"):
         raise CheckpointError(
             f"{dst}: the destination is, holds, or lies inside the source {src}; nothing is ever written under "
@@ -199,8 +203,8 @@ class _Plan:
     skipped: list[tuple[str, str]]
 
 
-def _plan(src: str, opts: ConvertOptions) -> _Plan:
-    source = open_source(src, memory_budget=opts.memory_budget, prefix=opts.prefix)
+def _plan(src: str, opts: ConvertOptions, context: ReadContext) -> _Plan:
+    source = open_source(src, context)
     step = source.resolve(opts.step)
     item = params_of_step(source, step, item=opts.item)
     by_name: dict[str, Leaf] = {leaf.name: leaf for leaf in item.leaves}
@@ -262,10 +266,11 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
     parse_size(opts.shard_size)
     metadata = {str(k): str(v) for k, v in dict(opts.metadata).items()}
     src_loc, dst_loc = _check_places(src, dst)
-    exists = storage.exists(dst_loc)
+    context = opts.read_context()
+    exists = backend(dst_loc).exists(dst_loc)
     if exists and not opts.overwrite and not opts.dry_run and opts.dst_step is None:
         raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it.")
-    plan = _plan(src, opts)
+    plan = _plan(src, opts, context)
     report = ConvertReport(str(src), str(dst), plan.source.format, plan.step, plan.item.name, to, "", [],
                            dropped=plan.dropped, skipped=plan.skipped, dry_run=opts.dry_run)
     report.notes += [f"left out `{p}`: {why}" for p, why in plan.skipped]
@@ -281,7 +286,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
         report.rows = _rows(plan.targets, [t.name for t in tensors], [file_of[t.name] for t in tensors])
         if not opts.dry_run:
             with _progress(report, opts) as on_block:
-                write_safetensors(layout, metadata=metadata, block_bytes=opts.block_bytes,
+                write_safetensors(layout, metadata=metadata, block_bytes=context.block_bytes,
                                   overwrite=opts.overwrite, on_block=on_block, fsync=opts.fsync)
     else:
         parts = [orbax_parts(t.path) for t in plan.targets]
@@ -289,7 +294,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
         report.rows = _rows(plan.targets, ["/".join(p) for p in parts], [""] * len(parts))
         check_orbax(list(zip(parts, plan.readers)))
         names = {id(r): "/".join(p) for p, r in zip(parts, plan.readers)}  # the progress bar's labels
-        budget = resolve_budget(opts.memory_budget)
+        budget = context.memory_budget
         if report.total_bytes > budget:
             raise CheckpointError(
                 f"{src}: --to orbax holds the whole item in memory ({human(report.total_bytes, 'B')}), over the "
@@ -300,13 +305,14 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
             with _progress(report, opts) as on_block:
                 write_orbax(dst_loc, list(zip(parts, plan.readers)), step=opts.dst_step,
                             item=plan.item.name if opts.item is not None else "params", overwrite=opts.overwrite,
-                            read_leaf=lambda reader: _read_whole(reader, opts.block_bytes, on_block, names[id(reader)]))
+                            read_leaf=lambda reader: _read_whole(reader, context.block_bytes, on_block,
+                                                                 names[id(reader)]))
     if opts.dry_run:
         return report
     report.seconds = time.perf_counter() - started
     if opts.verify:
         started = time.perf_counter()
-        report.problems = verify_written(dst_loc, report, plan, opts)
+        report.problems = verify_written(dst_loc, report, plan, opts, context)
         report.verified = True
         report.verify_seconds = time.perf_counter() - started
     return report
@@ -357,14 +363,15 @@ def _read_whole(reader: Any, block_bytes: int, on_block: Any, name: str) -> np.n
 # ---------------------------------------------------------------------------------------------- verify
 
 
-def verify_written(dst: str, report: ConvertReport, plan: _Plan, opts: ConvertOptions) -> list[str]:
+def verify_written(dst: str, report: ConvertReport, plan: _Plan, opts: ConvertOptions,
+                   context: ReadContext) -> list[str]:
     """Read ``dst`` back through treetools' readers and compare every tensor with the source after the rules.
 
     Bit for bit: the source's bytes, or for a cast leaf the bytes of the same
     cast; NaNs compare by their bits. Returns every problem, one sentence each.
     """
     problems: list[str] = []
-    written = open_source(dst, memory_budget=opts.memory_budget)
+    written = open_source(dst, context.replace(prefix=None))
     if report.to == "orbax" and opts.dst_step is not None:
         snap = written.snapshot(opts.dst_step)
     else:
@@ -392,7 +399,7 @@ def verify_written(dst: str, report: ConvertReport, plan: _Plan, opts: ConvertOp
     try:
         # Half blocks: each of the engine's threads holds both sides of one, so verify's blocks in flight take
         # about what the write's read-ahead took, and the peak stays that of the write.
-        parts = reduce_blocks(jobs, lambda j: _BitDiff(), _fold_bits, chunk_bytes=max(1, opts.block_bytes // 2),
+        parts = reduce_blocks(jobs, lambda j: _BitDiff(), _fold_bits, chunk_bytes=max(1, context.block_bytes // 2),
                               progress=bar, labels=names, errors=(CheckpointError, OSError, ValueError))
     finally:
         bar.close()

@@ -34,8 +34,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from treetools.ckpt.mapping import map_items
-from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, bit_view, is_numeric
-from treetools.ckpt.source import NO_VALUE, Leaf, Source, open_source, order_items
+from treetools.ckpt.context import DEFAULT_BLOCK_BYTES
+from treetools.ckpt.readers import bit_view, is_numeric
+from treetools.ckpt.items import order_items
+from treetools.ckpt.leaves import Leaf, NO_VALUE
+from treetools.ckpt.opening import open_source
+from treetools.ckpt.source import Source
 from treetools.ckpt.stream import reduce_blocks
 from treetools.shared.errors import CheckpointError
 from treetools.commands.options import DEFAULT_ATOL, DEFAULT_RTOL, DiffOptions, resolve
@@ -453,7 +457,7 @@ def _result(acc: _Compared, path: str, size: int) -> ValueDiff:
 
 
 def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
-                chunk_bytes: int = DEFAULT_CHUNK_BYTES, workers: int | None = None,
+                chunk_bytes: int = DEFAULT_BLOCK_BYTES, workers: int | None = None,
                 progress: Progress | None = None) -> list[ValueDiff]:
     """Compare many pairs of stored arrays of one shape each, on all cores: one ``ValueDiff`` per pair.
 
@@ -483,7 +487,7 @@ def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = DEFAUL
 
 
 def value_diff(a: Leaf, b: Leaf, *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, path: str | None = None) -> ValueDiff:
+               chunk_bytes: int = DEFAULT_BLOCK_BYTES, path: str | None = None) -> ValueDiff:
     """Compare two stored arrays of one shape, streaming both in the same blocks (``value_diffs`` of one pair).
 
     >>> import numpy as np
@@ -614,8 +618,8 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
         raise ValueError(f"`sort={opts.sort!r}` orders the value comparisons; pass `values=True`.")
     row_sort = None if opts.sort in VALUE_SORTS else opts.sort  # added/removed leaves have no values
     step, step_a, step_b, item, include, exclude = opts.step, opts.step_a, opts.step_b, opts.item, opts.include, opts.exclude
-    src_a = open_source(a, memory_budget=opts.memory_budget, prefix=opts.prefix)
-    src_b = open_source(b, memory_budget=opts.memory_budget, prefix=opts.prefix)
+    context = opts.read_context()
+    src_a, src_b = open_source(a, context), open_source(b, context)
     if step is not None and step != "latest" and src_a.steps is None and src_b.steps is None:
         raise CheckpointError(f"step {step}: neither {src_a.path} nor {src_b.path} is a checkpoint root with steps.")
     snap_a, items_a = _items(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item,
@@ -674,7 +678,7 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
         bar = Progress(sum(leaf.row.bytes for a_leaf, b_leaf, _ in pairs for leaf in (a_leaf, b_leaf)),
                        enabled=opts.progress)
         try:
-            diffs = value_diffs(pairs, atol=opts.atol, rtol=opts.rtol, chunk_bytes=opts.block_bytes, progress=bar)
+            diffs = value_diffs(pairs, atol=opts.atol, rtol=opts.rtol, chunk_bytes=context.block_bytes, progress=bar)
         finally:
             bar.close()
         if opts.depth is not None:

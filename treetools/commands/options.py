@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 
-from treetools.ckpt.readers import chunk_bytes_from_env
+from treetools.ckpt.context import ReadContext
 
 if TYPE_CHECKING:  # an annotation only: the rules engine loads with the first rules (inspect/diff/convert)
     from treetools.rules.engine import Rules
@@ -40,10 +40,15 @@ class ReadOptions:
     memory_budget: float | None = None
     progress: bool | None = None
 
-    @property
-    def block_bytes(self) -> int:
-        """``chunk_bytes``, or its default."""
-        return self.chunk_bytes if self.chunk_bytes is not None else chunk_bytes_from_env()
+    def read_context(self) -> ReadContext:
+        """The ``ReadContext`` a command reads with: these fields, the environment variables for those not given
+        (``ReadContext.from_env``), and the options' ``prefix`` where it has one. Built once per command.
+
+        >>> InspectOptions(memory_budget=2**20, prefix="eval_").read_context().prefix
+        'eval_'
+        """
+        return ReadContext.from_env(memory_budget=self.memory_budget, block_bytes=self.chunk_bytes,
+                                    prefix=getattr(self, "prefix", None))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

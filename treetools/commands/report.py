@@ -13,18 +13,9 @@ import re
 from typing import TYPE_CHECKING, Any, Sequence
 
 from treetools.ckpt.readers import is_numeric
-from treetools.ckpt.source import (
-    NO_VALUE,
-    Item,
-    Leaf,
-    Snapshot,
-    counts_params,
-    open_source,
-    order_items,
-    item_argument,
-    non_param_leaves,
-    train_state_parts,
-)
+from treetools.ckpt.items import counts_params, item_argument, non_param_leaves, order_items, train_state_parts
+from treetools.ckpt.leaves import Item, Leaf, NO_VALUE, Snapshot
+from treetools.ckpt.opening import open_source
 from treetools.ckpt.steps import parse_step
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.commands.options import InspectOptions, resolve
@@ -299,7 +290,8 @@ def _rows(leaf_rows: list[Row], opts: InspectOptions, accs: dict[tuple[str, ...]
 
 
 def _inspect(path: str, opts: InspectOptions) -> Report:
-    source = open_source(path, memory_budget=opts.memory_budget, prefix=opts.prefix)
+    context = opts.read_context()
+    source = open_source(path, context)
     all_steps = opts.step == "all"
     if opts.item is None:
         wanted, under = None, None
@@ -324,19 +316,17 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
         # Here, not at the top: metadata mode without rules starts without the rules engine (its startup).
         from treetools.ckpt.mapping import map_items
 
-        for s in snaps:
-            s.items = map_items(s.items, opts.rules)
-    for s in snaps:
-        s.items = {name: s.items[name] for name in order_items(list(s.items))}
-        if under is not None:
-            s.items = {name: _under(item, under, source.path) for name, item in s.items.items()}
+        snaps = [dataclasses.replace(s, items=map_items(s.items, opts.rules)) for s in snaps]
+    snaps = [dataclasses.replace(s, items={name: s.items[name] if under is None else _under(s.items[name], under,
+                                                                                              source.path)
+                                           for name in order_items(list(s.items))}) for s in snaps]
     notes = list(dict.fromkeys(notes + [n for s in snaps for n in s.notes]))
     kept = _filter(snaps, opts.include, opts.exclude)
     accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite: list[str] = []
     if opts.stats:
         try:
-            accs, nonfinite = _compute_stats(kept, snaps, opts.block_bytes, opts.progress)
+            accs, nonfinite = _compute_stats(kept, snaps, context.block_bytes, opts.progress)
         except (CheckpointError, OSError):
             for s in snaps:  # a step deleted while its arrays were read: say so, not "cannot read chunk"
                 gone = source.step_deleted(s.step)

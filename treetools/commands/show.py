@@ -17,8 +17,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from treetools.ckpt.mapping import map_items
-from treetools.ckpt.readers import MemoryBudgetError, block_extent, resolve_budget
-from treetools.ckpt.source import Item, Leaf, Source, item_argument, open_source, part_holder
+from treetools.ckpt.context import ReadContext
+from treetools.ckpt.readers import MemoryBudgetError, block_extent
+from treetools.ckpt.items import item_argument, part_holder
+from treetools.ckpt.leaves import Item, Leaf
+from treetools.ckpt.opening import open_source
+from treetools.ckpt.source import Source
 from treetools.shared.errors import CheckpointNotFoundError
 from treetools.shared.patterns import nearby
 from treetools.shared.rows import human
@@ -69,7 +73,7 @@ class Shown:
 
 def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str | None = None,
               memory_budget: float | None = None, prefix: str | None = None,
-              rules: Rules | None = None) -> tuple[str, Any]:
+              rules: Rules | None = None, context: ReadContext | None = None) -> tuple[str, Any]:
     """The values of one leaf, or of a slice of it, reading only that leaf (only the chunks a slice needs).
 
     Args:
@@ -82,6 +86,7 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
       memory_budget: the most the read may hold, in bytes (None: ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB).
       prefix: the series of steps in a folder holding several (default ``checkpoint_``).
       rules: read through these rules (``inspect --unstack``): the leaf is a target leaf.
+      context: how to read (``ReadContext``; None: from the environment), under ``memory_budget`` and ``prefix``.
 
     Returns:
       ``(item/path, numpy array or value)``; a stored scalar value is a plain Python value.
@@ -94,16 +99,17 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
     >>> show_leaf(f, "w[1, ::2]")
     ('default/w', array([4, 6]))
     """
-    (shown,) = show_values(path, spec, step=step, item=item, memory_budget=memory_budget, prefix=prefix, rules=rules)
+    (shown,) = show_values(path, spec, step=step, item=item, memory_budget=memory_budget, prefix=prefix, rules=rules,
+                           context=context)
     return shown.path, shown.value
 
 
 def show_values(path: str, spec: str, *, step: int | str | None = None, item: str | None = None,
                 memory_budget: float | None = None, prefix: str | None = None,
-                rules: Rules | None = None) -> list[Shown]:
+                rules: Rules | None = None, context: ReadContext | None = None) -> list[Shown]:
     """``show_leaf`` of one step, or of every committed step (``step="all"``), each a ``Shown`` naming its step."""
     name, index = parse_leaf_spec(spec)
-    source = open_source(path, memory_budget=memory_budget, prefix=prefix)
+    source = open_source(path, context, memory_budget=memory_budget, prefix=prefix)
     if step == "all":
         steps = source.steps if source.steps is not None else [source.resolve(None)]
     else:
@@ -218,7 +224,7 @@ def _read(source: Source, spec: str, item_name: str, leaf: Leaf, index: tuple[An
     # leaf where the storage streams front to back (a compressed npz member). Held to the memory budget.
     region = shape if leaf.reader.sequential else block_extent(tuple(full), shape)[1]
     nbytes = math.prod(region) * leaf.reader.dtype.itemsize
-    budget = resolve_budget(source.memory_budget)
+    budget = source.context.memory_budget
     if nbytes > budget:
         reads = "the whole leaf" if tuple(region) == shape else f"a {list(region)} region"
         raise MemoryBudgetError(

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, ArrayReader
+from treetools.ckpt.context import DEFAULT_BLOCK_BYTES
+from treetools.ckpt.readers import ArrayReader
 from treetools.ckpt.stream import reduce_blocks
 from treetools.commands.progress import Progress
 from treetools.shared.rows import STAT_COUNTS, STATS
@@ -75,7 +76,7 @@ class StatsAccumulator:
     nan: int = 0
     posinf: int = 0
     neginf: int = 0
-    piece_elems: int = DEFAULT_CHUNK_BYTES // 8
+    piece_elems: int = DEFAULT_BLOCK_BYTES // 8
 
     def update(self, block: np.ndarray) -> None:
         """Fold one block in, a cache-sized piece at a time (float32 math for float32 and narrower).
@@ -189,7 +190,7 @@ class StatsAccumulator:
         return self.nan + self.posinf + self.neginf
 
 
-def array_stats(array: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, Any]:
+def array_stats(array: Any, *, chunk_bytes: int = DEFAULT_BLOCK_BYTES) -> dict[str, Any]:
     """The statistics of one in-memory array (same definitions as ``--stats``).
 
     >>> array_stats(np.array([3.0, -4.0]))["l2"]
@@ -200,7 +201,7 @@ def array_stats(array: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[s
     return acc.result()
 
 
-def leaf_stats(reader: ArrayReader, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+def leaf_stats(reader: ArrayReader, *, chunk_bytes: int = DEFAULT_BLOCK_BYTES,
                progress: "Progress | None" = None) -> StatsAccumulator:
     """Stream one stored array through a ``StatsAccumulator`` in blocks of about ``chunk_bytes``.
 
@@ -217,7 +218,7 @@ def leaf_stats(reader: ArrayReader, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     return acc
 
 
-def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_BLOCK_BYTES,
                   progress: "Progress | None" = None, workers: int | None = None,
                   labels: Sequence[str] | None = None) -> list[StatsAccumulator]:
     """The statistics of many stored arrays, on all cores: one ``StatsAccumulator`` per reader, same order.

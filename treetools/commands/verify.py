@@ -24,8 +24,11 @@ import dataclasses
 import math
 from typing import Any
 
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.readers import MemoryBudgetError
-from treetools.ckpt.source import Item, Source, open_source
+from treetools.ckpt.leaves import Item
+from treetools.ckpt.opening import open_source
+from treetools.ckpt.source import Source
 from treetools.ckpt.stream import Failed, reduce_blocks
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 from treetools.commands.options import VerifyOptions, resolve
@@ -186,7 +189,7 @@ def verify_path(path: str, options: VerifyOptions | None = None, /, **fields: An
     True
     """
     opts = resolve(VerifyOptions, options, fields)
-    source = _open(path, opts)
+    source = _open(path, opts.read_context())
     if isinstance(source, VerifyReport):
         return source
     return _verify(source, source.resolve(opts.step), opts)
@@ -212,8 +215,9 @@ def verify_steps(path: str, options: VerifyOptions | None = None, /,
 def _verify_steps(path: str, opts: VerifyOptions) -> tuple[list[VerifyReport], list[str], Source | VerifyReport]:
     """``verify_steps``, and the source it listed last (or the failed report of a damaged single file)."""
     notes: list[str] = []
+    context = opts.read_context()
     for _ in range(3):  # every listed step pruned while checked (a fast manager): list again, a few times
-        source = _open(path, opts)
+        source = _open(path, context)
         if isinstance(source, VerifyReport):
             return [source], notes, source
         if source.steps is None:
@@ -249,7 +253,7 @@ def verify_checkpoint(path: str, options: VerifyOptions | None = None, /, **fiel
     if opts.step == "all":
         reports, notes, source = _verify_steps(path, dataclasses.replace(opts, step=None))
     else:
-        source = _open(path, opts)
+        source = _open(path, opts.read_context())
         notes = []
         reports = [source if isinstance(source, VerifyReport) else _verify(source, source.resolve(opts.step), opts)]
     if isinstance(source, VerifyReport):  # a single file whose header is damaged
@@ -259,10 +263,10 @@ def verify_checkpoint(path: str, options: VerifyOptions | None = None, /, **fiel
     return VerifyResult(path, source.format, source.steps, list(source.incomplete), reports, notes)
 
 
-def _open(path: str, opts: VerifyOptions) -> Source | VerifyReport:
+def _open(path: str, context: ReadContext) -> Source | VerifyReport:
     """The source at ``path``, or a failed report when a single-file format finds damage in its header."""
     try:
-        return open_source(path, memory_budget=opts.memory_budget, prefix=opts.prefix)
+        return open_source(path, context)
     except (CheckpointNotFoundError, MemoryBudgetError):
         raise
     except CheckpointError as e:  # a single-file format reads its header at open: damage there is a problem too
@@ -273,11 +277,11 @@ def _open(path: str, opts: VerifyOptions) -> Source | VerifyReport:
 
 def _verify(source: Source, step: int | None, opts: VerifyOptions) -> VerifyReport:
     report = VerifyReport(source.path, source.format, step)
-    with source.reading(step):  # the metadata read under the source's budget; a pruned step named as such
+    with source.reading(step):  # a step pruned while it is read: named as such
         items, problems = source.verify_metadata(step)
     report.problems += problems
     report.items += len(items)
-    _read_leaves(items, report, opts.block_bytes, opts.progress)
+    _read_leaves(items, report, source.context.block_bytes, opts.progress)
     gone = source.step_deleted(step) if report.problems else None
     if gone is not None:  # pruned while it was checked: not damage
         raise gone

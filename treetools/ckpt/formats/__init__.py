@@ -32,7 +32,7 @@ def catalog() -> list[tuple[str, str]]:
             continue
         declared = _declared(os.path.join(folder, f"{info.name}.py"))
         if declared is None:  # no source to read (a bytecode-only install): ask the modules themselves
-            from treetools.ckpt.source import registered_formats  # imports numpy: only where there is no source
+            from treetools.ckpt.registry import registered_formats  # imports numpy: only where there is no source
 
             return [(f.name, f.description) for f in registered_formats()]
         found.append(declared)

@@ -17,13 +17,18 @@ import os
 import re
 from typing import Callable
 
-from treetools.ckpt import storage
-from treetools.shared.errors import CheckpointError
-from treetools.ckpt.source import FileSource, Format, Leaf, check_name
+from treetools.ckpt.context import ReadContext
+from treetools.ckpt.leaves import Leaf, check_name
 from treetools.ckpt.readers import read_metadata
+from treetools.ckpt.source import FileSource, Format
+from treetools.ckpt.storage import Storage
+from treetools.shared.errors import CheckpointError
+
+Reader = Callable[[ReadContext, str], list[Leaf]]
+"""A file (or index) -> its leaves, read through the context."""
 
 
-def find_index(path: str, suffix: str, preferred: str) -> str | None:
+def find_index(storage: Storage, path: str, suffix: str, preferred: str) -> str | None:
     """The index at ``path``: itself when it ends in ``suffix``, else the folder's ``preferred`` or first such file."""
     if storage.isfile(path) and path.endswith(suffix):
         return path
@@ -43,15 +48,18 @@ PyTorch pickle, TensorFlow), in the order treetools prefers them: safetensors fi
 PyTorch ``from_pretrained`` loads first too); the last two are never read (a pickle, a Keras 2 file)."""
 
 
-def weights_file(path: str, name: str) -> str | None:
+def weights_file(storage: Storage, path: str, name: str) -> str | None:
     """The file ``name`` (one of ``WEIGHTS_FILES``) of the model folder ``path``; None when ``path`` is no folder
     holding it. A format's ``claims`` and ``open`` of a model folder.
 
     >>> import tempfile, os
+    >>> from treetools.ckpt.storage import LOCAL
     >>> d = tempfile.mkdtemp()
     >>> _ = open(os.path.join(d, "flax_model.msgpack"), "wb").write(b"\\x80")
-    >>> weights_file(d, "flax_model.msgpack") == os.path.join(d, "flax_model.msgpack"), weights_file(d, "model.safetensors")
-    (True, None)
+    >>> weights_file(LOCAL, d, "flax_model.msgpack") == os.path.join(d, "flax_model.msgpack")
+    True
+    >>> weights_file(LOCAL, d, "model.safetensors") is None
+    True
     """
     if not storage.isdir(path):
         return None
@@ -59,7 +67,7 @@ def weights_file(path: str, name: str) -> str | None:
     return file if storage.isfile(file) else None
 
 
-def weights_note(folder: str, display: str, read: str) -> list[str]:
+def weights_note(storage: Storage, folder: str, display: str, read: str) -> list[str]:
     """A note when the model folder ``folder`` holds weights files besides ``read`` (the one opened): which one
     is read, and how to read another that treetools reads."""
     others = [n for n in WEIGHTS_FILES if n != read and storage.isfile(os.path.join(folder, n))]
@@ -71,21 +79,20 @@ def weights_note(folder: str, display: str, read: str) -> list[str]:
             f"first, then Flax msgpack; never a PyTorch pickle or a TensorFlow .h5){hint}."]
 
 
-def open_weights(location: str, display: str, *, name: str, format: str,
-                 read: Callable[[str], list[Leaf]]) -> FileSource:
+def open_weights(location: str, display: str, context: ReadContext, *, name: str, format: str,
+                 read: Reader) -> FileSource:
     """A weights file, or the file ``name`` of the model folder ``location`` (with ``weights_note``)."""
-    file = weights_file(location, name)
-    source = FileSource(display, format, read(file or location))
-    if file is not None:
-        source.notes += weights_note(location, display, name)
-    return source
+    storage = context.storage
+    file = weights_file(storage, location, name)
+    notes = weights_note(storage, location, display, name) if file is not None else []
+    return FileSource(display, context, format, read(context, file or location), notes=notes)
 
 
 def _listed(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
-def read_indexed_shards(index_path: str, *, read_shard: Callable[[str], list[Leaf]], what: str,
+def read_indexed_shards(context: ReadContext, index_path: str, *, read_shard: Reader, what: str,
                         shard_ext: str) -> list[Leaf]:
     """Every leaf of every shard a Hugging Face index names, in the index's order, checked against the shards.
 
@@ -96,12 +103,14 @@ def read_indexed_shards(index_path: str, *, read_shard: Callable[[str], list[Lea
     that the index never names is one ``CheckpointError``.
 
     Args:
+      context: how to read them (through ``context.storage``).
       index_path: the index JSON.
-      read_shard: one shard file -> its leaves (named as the index names them).
+      read_shard: ``(context, shard file)`` -> its leaves (named as the index names them).
       what: the index's kind, for messages (``Flax msgpack index``).
       shard_ext: the shard files' ending (``.msgpack``).
     """
-    index = read_metadata(index_path, what=what)
+    storage = context.storage
+    index = read_metadata(context, index_path, what=what)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: not a {what} (no `weight_map` of tensor name -> shard file).")
@@ -115,7 +124,7 @@ def read_indexed_shards(index_path: str, *, read_shard: Callable[[str], list[Lea
         shard_path = os.path.join(folder, shard)
         if not storage.isfile(shard_path):
             raise CheckpointError(f"{index_path}: shard {shard!r} named by the index is missing from {folder or '.'}.")
-        held = read_shard(shard_path)
+        held = read_shard(context, shard_path)
         listed = by_shard[shard]
         names = {leaf.name for leaf in held}
         unlisted, absent = sorted(names - listed), sorted(listed - names)
@@ -140,7 +149,7 @@ def read_indexed_shards(index_path: str, *, read_shard: Callable[[str], list[Lea
 
 
 def indexed_format(name: str, *, priority: int, index_suffix: str, preferred: str,
-                   read: Callable[[str], list[Leaf]], description: str) -> Format:
+                   read: Reader, description: str) -> Format:
     """The ``Format`` of a folder of shards with its index (or the index itself): every shard one item.
 
     Args:
@@ -148,14 +157,16 @@ def indexed_format(name: str, *, priority: int, index_suffix: str, preferred: st
       priority: as ``Format.priority``.
       index_suffix: how an index file's name ends (``.safetensors.index.json``).
       preferred: the index chosen when a folder holds several (``model.safetensors.index.json``).
-      read: the index file -> every leaf (``read_indexed_shards`` with the shard reader).
+      read: ``(context, index file)`` -> every leaf (``read_indexed_shards`` with the shard reader).
       description: for the "not a checkpoint" error.
     """
-    def _open(location: str, display: str) -> FileSource:
-        index = find_index(location, index_suffix, preferred)
+    def _open(location: str, display: str, context: ReadContext) -> FileSource:
+        index = find_index(context.storage, location, index_suffix, preferred)
         if index is None:  # claims() said so; the folder changed since
             raise CheckpointError(f"{display}: no *{index_suffix} index in it.")
-        return FileSource(display, name, read(index))
+        return FileSource(display, context, name, read(context, index))
 
-    return Format(name=name, priority=priority, claims=lambda path: find_index(path, index_suffix, preferred) is not None,
-                  open=_open, description=description)
+    def _claims(location: str, context: ReadContext) -> bool:
+        return find_index(context.storage, location, index_suffix, preferred) is not None
+
+    return Format(name=name, priority=priority, claims=_claims, open=_open, description=description)

@@ -34,8 +34,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from treetools.ckpt import storage
-from treetools.ckpt.readers import FileReader, check_budget, np_dtype, resolve_budget
+from treetools.ckpt.context import DEFAULT_MEMORY_BUDGET, ReadContext
+from treetools.ckpt.readers import FileReader, check_budget, np_dtype
 from treetools.shared.errors import CheckpointError
 
 MAX_DEPTH = 1024
@@ -126,16 +126,21 @@ class _Cursor:
 class _Walker:
     """Decodes one msgpack object front to back; arrays become ``FileReader``s at their offsets."""
 
-    def __init__(self, cur: _Cursor, path: str, budget: float | None,
+    def __init__(self, cur: _Cursor, path: str, context: ReadContext | None,
                  object_hook: Callable[[dict], Any] | None):
-        self.cur, self.path, self.budget, self.object_hook = cur, path, budget, object_hook
+        self.cur, self.path, self.context, self.object_hook = cur, path, context, object_hook
         self.held = 0  # bytes of Python objects and values decoded so far (estimated), held to the budget
-        self.limit = resolve_budget(budget)
+        self.limit = context.memory_budget if context is not None else DEFAULT_MEMORY_BUDGET
 
     def hold(self, nbytes: int, what: str) -> None:
         self.held += nbytes
-        if self.held > self.limit:  # the budget resolved once: this runs for every map and list
-            check_budget(self.held, where=self.cur.where, what=what, budget=self.budget)
+        if self.held > self.limit:  # compared here first: this runs for every map and list
+            check_budget(self.held, where=self.cur.where, what=what, budget=self.limit)
+
+    def _context(self) -> ReadContext:
+        if self.context is None:  # walk_bytes: bytes in memory name no file to read an array from
+            raise self.cur.corrupt("an array in msgpack data held in memory")
+        return self.context
 
     def header(self) -> tuple[str, Any]:
         """One msgpack header: ``("value", v)`` for a scalar or string, ``("map"|"array", n)``,
@@ -276,7 +281,7 @@ class _Walker:
                 c.shape[0] for c in chunks) != math.prod(shape):
             raise self.cur.corrupt(f"a chunked array whose chunks do not make its shape {list(shape)}")
         segments = [s for c in chunks for s in c.segments]
-        return FileReader(self.path, segments[0][0], shape, dtype, segments=segments)
+        return FileReader(self._context(), self.path, segments[0][0], shape, dtype, segments=segments)
 
     def ext(self, code: int, n: int) -> Any:
         cur = self.cur
@@ -295,7 +300,7 @@ class _Walker:
         offset, shape, dtype = self.ndarray(end)
         if code == 1:
             self.cur.skip(end - offset)
-            return FileReader(self.path, offset, shape, dtype)
+            return FileReader(self._context(), self.path, offset, shape, dtype)
         # A numpy scalar (flax packs np.generic as a 0-d array): small, decoded here as flax does.
         data = self.blob(end - offset, "a numpy scalar in this Flax msgpack")
         return np.frombuffer(data, dtype=dtype).reshape(shape)[()]
@@ -336,13 +341,14 @@ class _Walker:
         return offset, tuple(shape), dtype
 
 
-def walk(path: str, *, object_hook: Callable[[dict], Any] | None = None, budget: float | None = None) -> Any:
+def walk(context: ReadContext, path: str, *, object_hook: Callable[[dict], Any] | None = None) -> Any:
     """The object in a Flax msgpack file, walked once: arrays as ``FileReader``s at their offsets, never read.
 
     Args:
+      context: read through ``context.storage``; the decoded structure and values are held to its memory budget,
+        and every array reader gets it.
       path: a local path or a ``gs://``/``s3://`` URL.
       object_hook: called on each decoded map (after chunked arrays are joined), as msgpack's ``object_hook``.
-      budget: the memory budget the decoded structure and values are held to (None: the default).
 
     Raises:
       MsgpackError: (a ``CheckpointError``) the file is not well-formed msgpack (one line, with the byte offset).
@@ -352,17 +358,17 @@ def walk(path: str, *, object_hook: Callable[[dict], Any] | None = None, budget:
     >>> from flax.serialization import to_bytes
     >>> f = os.path.join(tempfile.mkdtemp(), "s.msgpack")
     >>> _ = open(f, "wb").write(to_bytes({"w": np.arange(3.0), "step": 7}))
-    >>> tree = walk(f)
+    >>> tree = walk(ReadContext().confined_to(f), f)
     >>> tree["step"], tree["w"].shape, tree["w"].read_all().tolist()
     (7, (3,), [0.0, 1.0, 2.0])
     """
     try:
-        size = storage.getsize(path)
-        f = storage.open(path, "rb")
+        size = context.storage.getsize(path)
+        f = context.storage.open(path)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
     with f:
-        return _Walker(_Cursor(f, size, path), path, budget, object_hook).walk()
+        return _Walker(_Cursor(f, size, path), path, context, object_hook).walk()
 
 
 def walk_bytes(data: bytes, *, where: str = "msgpack") -> Any:

@@ -12,7 +12,7 @@ finding those folders (``array_folders``) and reading them as leaves (``zarr_lea
 TensorStore opens the files of a store itself, by path: the zarr header, each
 chunk file, an OCDBT manifest and its data files. So before any store is
 opened, every local folder its spec names is opened once and checked
-(``storage.pin``): the folder itself, and (for array data, and for an OCDBT
+(``Storage.pin``): the folder itself, and (for array data, and for an OCDBT
 database always) every entry below it, must resolve inside the checkpoint
 root; TensorStore is then handed the folder through that open descriptor
 (``/proc/self/fd/N``), so a folder swapped after the check is not the one read.
@@ -37,9 +37,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from treetools.ckpt import storage
+from treetools.ckpt.context import DEFAULT_MEMORY_BUDGET, ReadContext
+from treetools.ckpt.leaves import Leaf, array_row
 from treetools.ckpt.readers import (
-    DEFAULT_MEMORY_BUDGET,
     ArrayReader,
     Index,
     block_extent,
@@ -47,10 +47,9 @@ from treetools.ckpt.readers import (
     checked_shape,
     physical_memory,
     plan_blocks,
-    resolve_budget,
 )
-from treetools.ckpt.source import Leaf, array_row
 from treetools.ckpt.steps import MAX_METADATA_BYTES, file_kind
+from treetools.ckpt.storage import Pinned, Storage, normalize
 from treetools.shared.errors import CheckpointError
 
 
@@ -71,7 +70,7 @@ OCDBT_MANIFEST = "manifest.ocdbt"
 _BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes (uint32 LE), blocksize, cbytes
 
 
-def subdirs(folder: str) -> list[str]:
+def subdirs(storage: Storage, folder: str) -> list[str]:
     """Names of the folders directly under ``folder`` (symlinks not followed), sorted."""
     try:
         with storage.scandir(folder) as it:
@@ -86,13 +85,13 @@ def first_line(e: BaseException) -> str:
     return text[0].split(" [tensorstore_spec=", 1)[0] if text else type(e).__name__
 
 
-def max_chunks_per_read(budget: float | None) -> int:
+def max_chunks_per_read(budget: float) -> int:
     """How many stored chunks one read may span: the chunks' in-flight overhead held to the budget (and a cap).
 
     >>> max_chunks_per_read(16 * 2**20), max_chunks_per_read(float("inf"))
     (8192, 32768)
     """
-    return max(1, int(min(resolve_budget(budget), CHUNK_OVERHEAD_CAP) // CHUNK_OVERHEAD))
+    return max(1, int(min(budget, CHUNK_OVERHEAD_CAP) // CHUNK_OVERHEAD))
 
 
 # ---------------------------------------------------------------------------- local folders, checked
@@ -102,7 +101,7 @@ _OCDBT_CHECKED: "collections.OrderedDict[tuple, int]" = collections.OrderedDict(
 _OCDBT_LOCK = threading.Lock()
 
 
-def check_ocdbt(base: str, budget: float | None, *, shown: str | None = None) -> None:
+def check_ocdbt(storage: Storage, base: str, budget: float, *, shown: str | None = None) -> None:
     """Refuse an OCDBT database whose manifests are too big, or that allows b-tree nodes over the budget.
 
     TensorStore reads a manifest whole, and decodes each b-tree node whole up to
@@ -114,7 +113,7 @@ def check_ocdbt(base: str, budget: float | None, *, shown: str | None = None) ->
     """
     import tensorstore as ts
 
-    limit = min(resolve_budget(budget), DEFAULT_MEMORY_BUDGET)
+    limit = min(budget, DEFAULT_MEMORY_BUDGET)
     shown = shown or base
     try:
         folders = [""] + [p for p in storage.listdir(base) if p.startswith("ocdbt.process_")]
@@ -132,7 +131,7 @@ def check_ocdbt(base: str, budget: float | None, *, shown: str | None = None) ->
         if st.st_size > MAX_METADATA_BYTES:
             raise CheckpointError(f"{where}: {st.st_size:,} bytes, over the {MAX_METADATA_BYTES:,}-byte limit "
                                   "for metadata; the database is corrupt or hostile.")
-        key = ((manifest, st.st_size) if storage.is_remote(base) else
+        key = ((manifest, st.st_size) if storage.remote else
                (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
         with _OCDBT_LOCK:
             node = _OCDBT_CHECKED.get(key)
@@ -169,9 +168,9 @@ class Pins:
     files are what opening a header reads) and its manifest held to ``budget``.
     """
 
-    def __init__(self, *, data: bool, budget: float | None = None, where: str = ""):
-        self._data, self._budget, self._where = data, budget, where
-        self._pins: dict[tuple[str, bool], storage.Pinned] = {}
+    def __init__(self, storage: Storage, *, data: bool, budget: float, where: str = ""):
+        self._storage, self._data, self._budget, self._where = storage, data, budget, where
+        self._pins: dict[tuple[str, bool], Pinned] = {}
         self._remote_checked: set[str] = set()
         self._refused: dict[tuple[str, bool], CheckpointError] = {}
 
@@ -186,18 +185,18 @@ class Pins:
             return [self._rewrite(v, ocdbt=ocdbt) for v in node]
         if not isinstance(node, dict):
             return node
-        if node.get("driver") == "file" and isinstance(node.get("path"), str) and not storage.is_remote(node["path"]):
+        if node.get("driver") == "file" and isinstance(node.get("path"), str):
             return {**node, "path": self.folder(node["path"], ocdbt=ocdbt).path + "/"}
         if ocdbt and node.get("driver") in _REMOTE_SCHEMES and isinstance(node.get("bucket"), str):
             url = f"{_REMOTE_SCHEMES[node['driver']]}://{node['bucket']}/{str(node.get('path') or '').strip('/')}"
             if url not in self._remote_checked:  # a bucket has no links: the database's manifest only
-                check_ocdbt(storage.normalize(url), self._budget)
+                check_ocdbt(self._storage, normalize(url), self._budget)
                 self._remote_checked.add(url)
             return node
         inner = node.get("driver") == "ocdbt"
         return {k: self._rewrite(v, ocdbt=inner and k == "base") for k, v in node.items()}
 
-    def folder(self, folder: str, *, ocdbt: bool = False) -> storage.Pinned:
+    def folder(self, folder: str, *, ocdbt: bool = False) -> Pinned:
         """``folder`` opened and checked (``ocdbt``: an OCDBT database, checked whole, its manifests held to the
         budget); opened once per ``Pins``."""
         folder = folder.rstrip("/") or "/"
@@ -215,12 +214,12 @@ class Pins:
         self._pins[key] = pinned
         return pinned
 
-    def _open(self, folder: str, ocdbt: bool) -> storage.Pinned:
+    def _open(self, folder: str, ocdbt: bool) -> Pinned:
         what = "array data" if self._data else "array metadata"
         try:
-            pinned = storage.pin(folder)
+            pinned = self._storage.pin(folder)
         except NotADirectoryError:
-            raise CheckpointError(f"{self._where}: cannot open {what} ({folder} is {file_kind(folder)}, "
+            raise CheckpointError(f"{self._where}: cannot open {what} ({folder} is {file_kind(self._storage, folder)}, "
                                   "not a folder).") from None
         except FileNotFoundError:
             raise CheckpointError(f"{self._where}: cannot open {what} (its folder {folder} is missing).") from None
@@ -229,7 +228,7 @@ class Pins:
         try:
             if ocdbt:
                 pinned.check_tree()
-                check_ocdbt(pinned.path, self._budget, shown=folder)
+                check_ocdbt(self._storage, pinned.path, self._budget, shown=folder)
             elif self._data:
                 pinned.check_tree()
             else:
@@ -394,20 +393,21 @@ class TensorStoreReader(ArrayReader):
     (``Pins``); reads are split so none spans more than ``max_chunks_per_read``.
     """
 
-    def __init__(self, spec: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype,
-                 chunk_shape: tuple[int, ...] | None, *, where: str, context: Any = None):
+    def __init__(self, context: ReadContext, spec: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype,
+                 chunk_shape: tuple[int, ...] | None, *, where: str, shared: Any = None):
+        self.context = context
         self.spec = spec
         self.shape = shape
         self.dtype = np.dtype(dtype)
         self.chunk_shape = chunk_shape
         self._where = where
-        self._context = context
-        self.remote = context is not None
+        self._shared = shared
+        self.remote = context.storage.remote
 
     def _ts_context(self) -> Any:
         import tensorstore as ts
 
-        return self._context if self._context is not None else ts.Context()
+        return self._shared if self._shared is not None else ts.Context()
 
     def _open(self, *, whole: bool = False) -> _Opened:
         """Pin and check the folders, open the store; refuse before decoding anything when one stored chunk
@@ -419,7 +419,7 @@ class TensorStoreReader(ArrayReader):
         """
         import tensorstore as ts
 
-        pins = Pins(data=True, budget=self.budget, where=self._where)
+        pins = Pins(self.context.storage, data=True, budget=self.budget, where=self._where)
         try:
             spec = pins.spec(self.spec)
             try:
@@ -445,7 +445,7 @@ class TensorStoreReader(ArrayReader):
             if shard != chunk and len(shard) == len(chunk):  # zarr3 sharding: 16 bytes of index per inner chunk
                 entries = math.prod(-(-s // max(1, c)) for s, c in zip(shard, chunk))
                 check_budget(16 * entries, where=self._where, what=f"one shard's index ({entries:,} inner chunks)",
-                             budget=min(resolve_budget(self.budget), DEFAULT_MEMORY_BUDGET))
+                             budget=min(self.budget, DEFAULT_MEMORY_BUDGET))
             return _Opened(self, store, pins, chunk)
         except BaseException:
             pins.close()
@@ -511,23 +511,19 @@ class _Reading:
         return self._opened.result(self._pending)
 
 
-def reader_context(folder: str) -> Any:
-    """The TensorStore context the readers of one item share: None locally (each array opens with a fresh,
-    cache-less context), one shared context in a bucket.
-
-    In a bucket every open costs round trips (an OCDBT manifest and b-tree
-    nodes, the credentials): sharing the context shares those and the
-    connections, and its small cache keeps the b-tree nodes that every array
-    of the item looks up.
-    """
-    if not storage.is_remote(folder):
+def shared_ts_context(storage: Storage) -> Any:
+    """The TensorStore context the readers of one item share (``Storage.tensorstore_context``): None locally
+    (each array opens with a fresh, cache-less context), one shared context in a bucket, where every open costs
+    round trips that sharing saves."""
+    spec = storage.tensorstore_context()
+    if spec is None:
         return None
     import tensorstore as ts
 
-    return ts.Context({"cache_pool": {"total_bytes_limit": 64 * 2**20}})
+    return ts.Context(spec)
 
 
-def ts_spec(item_dir: str, name: str, *, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
+def ts_spec(storage: Storage, item_dir: str, name: str, *, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
     """The TensorStore spec of one saved array, as Orbax's ``ArrayReadSpec`` builds it."""
     if use_ocdbt:
         kvstore: dict[str, Any] = {"driver": "ocdbt", "base": storage.kvstore_spec(item_dir), "path": name}
@@ -542,7 +538,8 @@ def ts_spec(item_dir: str, name: str, *, use_ocdbt: bool, use_zarr3: bool) -> di
     }
 
 
-def refuse_special_files(item_dir: str, names: Sequence[str], *, use_ocdbt: bool, use_zarr3: bool) -> None:
+def refuse_special_files(storage: Storage, item_dir: str, names: Sequence[str], *, use_ocdbt: bool,
+                         use_zarr3: bool) -> None:
     """TensorStore blocks forever opening a FIFO: refuse special files among those it reads for array metadata.
 
     ``open_all`` checks the files of every spec it opens (``Pins``); this is the
@@ -550,12 +547,12 @@ def refuse_special_files(item_dir: str, names: Sequence[str], *, use_ocdbt: bool
     """
     import stat
 
-    if storage.is_remote(item_dir):
+    if storage.remote:
         return  # a bucket holds objects only
 
     if use_ocdbt:  # the manifests and the b-tree/data files of the item and of each process
         folders = [item_dir, os.path.join(item_dir, "d")]
-        folders += [os.path.join(item_dir, p, sub) for p in subdirs(item_dir) if p.startswith("ocdbt.process_")
+        folders += [os.path.join(item_dir, p, sub) for p in subdirs(storage, item_dir) if p.startswith("ocdbt.process_")
                     for sub in ("", "d")]
         paths = []
         for folder in folders:
@@ -570,7 +567,8 @@ def refuse_special_files(item_dir: str, names: Sequence[str], *, use_ocdbt: bool
         except OSError:
             continue  # missing: TensorStore's own error names it
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise CheckpointError(f"{path}: not a regular file ({file_kind(path)}); cannot read it as Orbax array data.")
+            raise CheckpointError(f"{path}: not a regular file ({file_kind(storage, path)}); cannot read it as Orbax "
+                                  "array data.")
 
 
 class ArrayHeader:
@@ -589,8 +587,8 @@ class ArrayHeader:
         self.chunk_layout = store.chunk_layout
 
 
-def open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] | None = None,
-             *, budget: float | None = None) -> list[ArrayHeader | None]:
+def open_all(context: ReadContext, specs: list[dict[str, Any]], where: list[str],
+             problems: list[str] | None = None) -> list[ArrayHeader | None]:
     """Open many arrays' zarr headers (TensorStore reads ``OPEN_BATCH`` of them in parallel); no array data.
 
     Each spec's local folders are checked first (``Pins``: the headers, and an
@@ -605,12 +603,12 @@ def open_all(specs: list[dict[str, Any]], where: list[str], problems: list[str] 
         # One descriptor per array folder, held until its header is read: a batch's worth at a time. The cache
         # (b-tree nodes the arrays of one OCDBT item share) lives as long as the descriptors: a descriptor number
         # reused by the next batch names another folder.
-        context = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
-        with Pins(data=False, budget=budget) as pins:
+        cache = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
+        with Pins(context.storage, data=False, budget=context.memory_budget) as pins:
             batch = []
             for spec, w in zip(specs[a:a + OPEN_BATCH], where[a:a + OPEN_BATCH]):
                 try:
-                    batch.append(ts.open(pins.spec(spec, w), read=True, open=True, context=context))
+                    batch.append(ts.open(pins.spec(spec, w), read=True, open=True, context=cache))
                 except CheckpointError as e:
                     if problems is None:
                         raise
@@ -637,7 +635,7 @@ ZARR_HEADERS = (".zarray", "zarr.json")
 """The header of a zarr v2 / v3 array folder."""
 
 
-def zarr_header(folder: str) -> str | None:
+def zarr_header(storage: Storage, folder: str) -> str | None:
     """The zarr header file of an array folder (``.zarray`` or ``zarr.json``), None when it is not one."""
     return next((h for h in ZARR_HEADERS if storage.isfile(os.path.join(folder, h))), None)
 
@@ -651,7 +649,7 @@ def natural_key(parts: Sequence[str]) -> tuple[Any, ...]:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
 
 
-def array_folders(top: str) -> tuple[list[tuple[tuple[str, ...], str]], list[tuple[str, ...]]]:
+def array_folders(storage: Storage, top: str) -> tuple[list[tuple[tuple[str, ...], str]], list[tuple[str, ...]]]:
     """Every zarr array folder at or below ``top``, and every folder below it that ends without one.
 
     Returns ``([(path parts, header name)], [path parts of empty end folders])``, relative to ``top``
@@ -660,9 +658,9 @@ def array_folders(top: str) -> tuple[list[tuple[tuple[str, ...], str]], list[tup
     """
     arrays: list[tuple[tuple[str, ...], str]] = []
     empty: list[tuple[str, ...]] = []
-    base = storage.normalize(top)
+    base = normalize(top)
     for folder, dirs, files in storage.walk(top):
-        rel = storage.normalize(folder)[len(base):].strip("/")
+        rel = normalize(folder)[len(base):].strip("/")
         parts = tuple(re.split(r"[/\\]", rel)) if rel else ()
         header = next((h for h in ZARR_HEADERS if h in files), None)
         if header is not None:
@@ -673,7 +671,7 @@ def array_folders(top: str) -> tuple[list[tuple[tuple[str, ...], str]], list[tup
     return sorted(arrays, key=lambda a: natural_key(a[0])), sorted(empty, key=natural_key)
 
 
-def zarr_leaves(base: str, arrays: Sequence[tuple[tuple[str, ...], str, str]], *, where: str,
+def zarr_leaves(context: ReadContext, base: str, arrays: Sequence[tuple[tuple[str, ...], str, str]], *, where: str,
                 problems: list[str] | None = None) -> list[Leaf | None]:
     """One leaf per zarr array folder ``base/<folder>``: ``(leaf path parts, folder, header name)``.
 
@@ -682,21 +680,23 @@ def zarr_leaves(base: str, arrays: Sequence[tuple[tuple[str, ...], str, str]], *
     With ``problems``, an array that cannot be opened is recorded there and its
     leaf is None; without, it is an error.
     """
+    storage = context.storage
     for header in ZARR_HEADERS:
         names = [folder for _, folder, h in arrays if h == header]
         if names:
-            refuse_special_files(base, names, use_ocdbt=False, use_zarr3=header == "zarr.json")
-    specs = [ts_spec(base, folder, use_ocdbt=False, use_zarr3=header == "zarr.json") for _, folder, header in arrays]
+            refuse_special_files(storage, base, names, use_ocdbt=False, use_zarr3=header == "zarr.json")
+    specs = [ts_spec(storage, base, folder, use_ocdbt=False, use_zarr3=header == "zarr.json")
+             for _, folder, header in arrays]
     wheres = [f"{where}: `{'/'.join(parts)}`" for parts, _, _ in arrays]
-    context = reader_context(base)
+    shared = shared_ts_context(storage)
     leaves: list[Leaf | None] = []
-    for (parts, folder, _), spec, w, store in zip(arrays, specs, wheres, open_all(specs, wheres, problems)):
+    for (parts, folder, _), spec, w, store in zip(arrays, specs, wheres, open_all(context, specs, wheres, problems)):
         if store is None:
             leaves.append(None)
             continue
         dtype = np.dtype(store.dtype.numpy_dtype)
         shape = tuple(int(d) for d in store.shape)
         chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
-        reader = TensorStoreReader(spec, shape, dtype, chunk, where=w, context=context)
+        reader = TensorStoreReader(context, spec, shape, dtype, chunk, where=w, shared=shared)
         leaves.append(Leaf(array_row(parts, shape, dtype), reader, key=folder))
     return leaves

@@ -31,12 +31,14 @@ import os
 import re
 from typing import Any, Sequence
 
-from treetools.ckpt import storage
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._tensorstore import subdirs, zarr_header, zarr_leaves
 from treetools.ckpt.formats.levanter import METADATA_FILE, has_metadata, saved_metadata
+from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Snapshot, check_name
 from treetools.ckpt.readers import np_dtype
-from treetools.ckpt.source import DEFAULT_ITEM, Format, Item, Snapshot, Source, check_name
+from treetools.ckpt.source import Format, Source
 from treetools.ckpt.steps import read_json_file, scan_steps, step_series
+from treetools.ckpt.storage import Storage, normalize
 from treetools.shared.errors import CheckpointError
 
 INDEX_FILE = "tensorstore_index.json"
@@ -46,13 +48,13 @@ TRAINER_FILE = "easydel-training-arguments.json"
 """Written first by a trainer save: a folder holding it is a step, complete only with ``metadata.json``."""
 
 
-def _index(folder: str) -> dict[str, Any] | None:
+def _index(storage: Storage, folder: str) -> dict[str, Any] | None:
     """The parsed ``tensorstore_index.json`` of a folder, None when it is not eformer's."""
     path = os.path.join(folder, INDEX_FILE)
     if not storage.isfile(path):
         return None
     try:
-        index = read_json_file(path, what=f"EasyDeL {INDEX_FILE}")
+        index = read_json_file(storage, path, what=f"EasyDeL {INDEX_FILE}")
     except CheckpointError:
         return None
     return index if isinstance(index, dict) and index.get("format") == "tensorstore" else None
@@ -69,8 +71,8 @@ def _entries(index: dict[str, Any], where: str) -> dict[str, list[dict[str, Any]
     return {str(k): v for k, v in out.items()}
 
 
-def _is_trainer_save(folder: str) -> bool:
-    name = os.path.basename(storage.normalize(folder))
+def _is_trainer_save(storage: Storage, folder: str) -> bool:
+    name = os.path.basename(normalize(folder))
     return RUN_NAMES.match(name) is not None or storage.lexists(os.path.join(folder, TRAINER_FILE))
 
 
@@ -79,14 +81,14 @@ class EasyDeLSource(Source):
 
     format = "easydel"
 
-    def __init__(self, location: str, display: str, mode: str):
+    def __init__(self, location: str, display: str, context: ReadContext, mode: str):
         self.location = location
         self.mode = mode
         self._indexes: dict[str, dict[str, list[dict[str, Any]]]] = {}
-        listing = (scan_steps(location, commit_rule=has_metadata, names=RUN_NAMES, prefer=("run-",))
-                   if mode == "root" else None)
-        found = step_series(os.path.basename(storage.normalize(location)), names=RUN_NAMES) if mode != "root" else None
-        super().__init__(display, listing=listing, step=found[1] if found else None)
+        listing = (scan_steps(location, commit_rule=has_metadata, names=RUN_NAMES, prefer=("run-",),
+                              storage=context.storage) if mode == "root" else None)
+        found = step_series(os.path.basename(normalize(location)), names=RUN_NAMES) if mode != "root" else None
+        super().__init__(display, context, listing=listing, step=found[1] if found else None)
 
     def _folder(self, step: int | None) -> str:
         if self.listing is not None and step is not None:
@@ -98,7 +100,7 @@ class EasyDeLSource(Source):
         folder = self._folder(step)
         if folder not in self._indexes:
             path = os.path.join(folder, INDEX_FILE)
-            index = read_json_file(path, what=f"EasyDeL {INDEX_FILE}")
+            index = read_json_file(self.storage, path, what=f"EasyDeL {INDEX_FILE}")
             if not isinstance(index, dict):
                 raise CheckpointError(f"{path}: corrupt EasyDeL {INDEX_FILE} (not an object).")
             self._indexes[folder] = _entries(index, path)
@@ -116,7 +118,7 @@ class EasyDeLSource(Source):
             parts = tuple(rel.split("/"))
             if name != DEFAULT_ITEM and parts[0] == name and len(parts) > 1:
                 parts = parts[1:]
-            header = zarr_header(os.path.join(folder, rel))
+            header = zarr_header(self.storage, os.path.join(folder, rel))
             if not rel or header is None:
                 message = (f"{where}: `{'/'.join(parts)}` is listed at {rel!r}, which holds no zarr array; the "
                            "folder was copied in part: copy it whole.")
@@ -125,7 +127,8 @@ class EasyDeLSource(Source):
                 problems.append(message)
                 continue
             arrays.append((parts, rel, header, entry))
-        leaves = zarr_leaves(folder, [(p, rel, h) for p, rel, h, _ in arrays], where=folder, problems=problems)
+        leaves = zarr_leaves(self.context, folder, [(p, rel, h) for p, rel, h, _ in arrays], where=folder,
+                             problems=problems)
         out = []
         for (parts, rel, _, entry), leaf in zip(arrays, leaves):
             if leaf is None:  # recorded in `problems`
@@ -149,7 +152,8 @@ class EasyDeLSource(Source):
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         folder = self._folder(step)
         items = {name: self._read(folder, name, self._items(step)[name], None) for name in names}
-        metadata = saved_metadata(folder, keys=("is_temporary", "has_optimizer_state")) if has_metadata(folder) else {}
+        metadata = (saved_metadata(self.storage, folder, keys=("is_temporary", "has_optimizer_state"))
+                    if has_metadata(folder, self.storage) else {})
         return Snapshot(step, items, metadata=metadata)
 
     def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
@@ -157,35 +161,36 @@ class EasyDeLSource(Source):
         other arrays are still read; a trainer save given directly needs its ``metadata.json``."""
         problems: list[str] = []
         folder = self._folder(step)
-        if self.mode == "folder" and _is_trainer_save(folder) and not has_metadata(folder):
+        if self.mode == "folder" and _is_trainer_save(self.storage, folder) and not has_metadata(folder, self.storage):
             problems.append(f"{self.path}: no {METADATA_FILE} (EasyDeL writes it last); the save may be unfinished.")
         try:
             index = self._items(step)
         except CheckpointError as e:
             return [], problems + [str(e)]
         items = [self._read(folder, name, entries, problems) for name, entries in index.items()]
-        self.hold_to_budget(items)
         return items, problems
 
 
-def _claims(path: str) -> bool:
+def _claims(path: str, context: ReadContext) -> bool:
+    storage = context.storage
     if not storage.isdir(path):
         return False
-    if _index(path) is not None:
+    if _index(storage, path) is not None:
         return True
     try:
-        return any(RUN_NAMES.match(d) and _index(os.path.join(path, d)) is not None for d in subdirs(path))
+        return any(RUN_NAMES.match(d) and _index(storage, os.path.join(path, d)) is not None for d in subdirs(storage, path))
     except CheckpointError:
         return False
 
 
-def _open(location: str, display: str) -> EasyDeLSource:
-    if _index(location) is None:
-        return EasyDeLSource(location, display, "root")
-    if _is_trainer_save(location) and not has_metadata(location):
+def _open(location: str, display: str, context: ReadContext) -> EasyDeLSource:
+    storage = context.storage
+    if _index(storage, location) is None:
+        return EasyDeLSource(location, display, context, "root")
+    if _is_trainer_save(storage, location) and not has_metadata(location, storage):
         raise CheckpointError(f"{display}: incomplete save (an EasyDeL trainer save without {METADATA_FILE}, which "
                               "it writes last); it is never read.")
-    return EasyDeLSource(location, display, "folder")
+    return EasyDeLSource(location, display, context, "folder")
 
 
 FORMAT = Format(

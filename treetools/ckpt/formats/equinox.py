@@ -21,26 +21,28 @@ from __future__ import annotations
 
 import math
 
-from treetools.ckpt import storage
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats.npz import npy_header
+from treetools.ckpt.leaves import Leaf, array_row
 from treetools.ckpt.readers import FileReader
-from treetools.ckpt.source import FileSource, Format, Leaf, array_row, file_head
+from treetools.ckpt.source import file_head, FileSource, Format
 from treetools.shared.errors import CheckpointError
 
 MAGIC = b"\x93NUMPY"
 _WHAT = "Equinox file (eqx.tree_serialise_leaves: .npy arrays back to back)"
 
 
-def read_eqx(path: str) -> list[Leaf]:
+def read_eqx(context: ReadContext, path: str) -> list[Leaf]:
     """The leaves of an Equinox file, ``0``, ``1``, ... from each ``.npy`` header; no array data is read.
 
     >>> import numpy as np, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "m.eqx")
     >>> with open(f, "wb") as out:
     ...     np.save(out, np.ones((2, 3), np.float32)); np.save(out, np.int32(7))
-    >>> [(leaf.name, leaf.row.shape, leaf.row.dtype) for leaf in read_eqx(f)]
+    >>> [(leaf.name, leaf.row.shape, leaf.row.dtype) for leaf in read_eqx(ReadContext().confined_to(f), f)]
     [('0', (2, 3), 'float32'), ('1', (), 'int32')]
     """
+    storage = context.storage
     try:
         size = storage.getsize(path)
     except OSError as e:
@@ -72,28 +74,28 @@ def read_eqx(path: str) -> list[Leaf]:
                     f"{path}: truncated {_WHAT}: leaf {index} ends at byte {end:,} but the file has {size:,} bytes; "
                     "the save did not finish or the copy was cut short."
                 )
-            reader = FileReader(path, offset, shape, dtype, fortran=fortran)
+            reader = FileReader(context, path, offset, shape, dtype, fortran=fortran)
             leaves.append(Leaf(array_row((str(index),), shape, dtype), reader))
             pos = end
     return leaves
 
 
-def _open(location: str, display: str) -> FileSource:
+def _open(location: str, display: str, context: ReadContext) -> FileSource:
     try:
-        leaves = read_eqx(location)
+        leaves = read_eqx(context, location)
     except CheckpointError as e:  # name the path as typed
         raise CheckpointError(str(e).replace(location, display, 1)) from None
-    source = FileSource(display, "equinox", leaves, positional=True)
+    notes = []
     if len(leaves) > 1 or not display.endswith(".npy"):
-        source.notes.append(f"{display}: Equinox stores no leaf names (they live in the model): its leaves are "
-                            "numbered in the order written; load_parameters(path, target=model) names them.")
-    return source
+        notes.append(f"{display}: Equinox stores no leaf names (they live in the model): its leaves are "
+                     "numbered in the order written; load_parameters(path, target=model) names them.")
+    return FileSource(display, context, "equinox", leaves, positional=True, notes=notes)
 
 
 FORMAT = Format(
     name="equinox",
     priority=36,
-    claims=lambda path: file_head(path, len(MAGIC)) == MAGIC,
+    claims=lambda path, context: file_head(context.storage, path, len(MAGIC)) == MAGIC,
     open=_open,
     description="an Equinox file from eqx.tree_serialise_leaves (.eqx: .npy arrays back to back; a .npy is one)",
 )

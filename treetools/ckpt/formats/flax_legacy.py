@@ -23,12 +23,13 @@ import os
 import re
 from typing import Sequence
 
-from treetools.ckpt import storage
-from treetools.shared.errors import CheckpointError
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats.msgpack import is_msgpack_map, read_msgpack
 from treetools.ckpt.formats.orbax import read_pytree_item
-from treetools.ckpt.source import DEFAULT_ITEM, Format, Item, Snapshot, Source
+from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Snapshot
+from treetools.ckpt.source import Format, Source
 from treetools.ckpt.steps import PYTREE_METADATA_FILE, StepListing, choose_series, is_committed
+from treetools.shared.errors import CheckpointError
 
 
 # Flax joins prefix and step with nothing in between (``checkpoint_`` + ``100``); integer steps only.
@@ -37,17 +38,17 @@ _DEFAULT_PREFIX = "checkpoint_"
 _TMP = "tmp"  # flax.training.checkpoints._get_checkpoint_paths: ``<prefix>tmp``
 
 
-def _step_files(folder: str) -> dict[str, dict[int, str]]:
+def _step_files(context: ReadContext, folder: str) -> dict[str, dict[int, str]]:
     """prefix -> {step: file path} of the msgpack step files directly under ``folder``."""
     try:
-        with storage.scandir(folder) as it:
+        with context.storage.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
     except OSError:
         return {}
     found: dict[str, dict[int, str]] = {}
     for entry in entries:
         m = _STEP_FILE.match(entry.name)
-        if m is None or not entry.is_file(follow_symlinks=False) or not is_msgpack_map(entry.path):
+        if m is None or not entry.is_file(follow_symlinks=False) or not is_msgpack_map(context.storage, entry.path):
             continue
         if re.search(r"\d\.$", m.group("prefix") or ""):  # a float step (``checkpoint_1.5``): not read
             continue
@@ -55,7 +56,7 @@ def _step_files(folder: str) -> dict[str, dict[int, str]]:
     return found
 
 
-def scan_files(folder: str) -> tuple[str, StepListing]:
+def scan_files(context: ReadContext, folder: str) -> tuple[str, StepListing]:
     """The prefix and the steps of a legacy Flax checkpoint folder.
 
     Each prefix is a series of steps (``steps.choose_series``): ``checkpoint_``
@@ -65,32 +66,34 @@ def scan_files(folder: str) -> tuple[str, StepListing]:
     >>> d = tempfile.mkdtemp()
     >>> for name in ("checkpoint_10", "checkpoint_2", "eval_2", "checkpoint_tmp"):
     ...     _ = open(os.path.join(d, name), "wb").write(bytes([0x80]))
-    >>> prefix, listing = scan_files(d)
+    >>> prefix, listing = scan_files(ReadContext().confined_to(d), d)
     >>> prefix, listing.steps, listing.incomplete, list(listing.others)
     ('checkpoint_', [2, 10], ['checkpoint_tmp'], ['eval_'])
     """
-    found = _step_files(folder)
-    pending = _tmp_files(folder)
+    storage = context.storage
+    found = _step_files(context, folder)
+    pending = _tmp_files(context, folder)
     if not found and not pending:
         raise CheckpointError(f"{folder}: no Flax checkpoint files (<prefix><step> msgpack files) in it.")
     listings = {}
     for prefix in sorted({*found, *(name[: -len(_TMP)] for name in pending)}):
         committed = dict(found.get(prefix, {}))
         duplicates: dict[int, list[str]] = {}
-        for step, path in _orbax_step_folders(folder, prefix).items():  # a run resumed with the other Flax backend
+        for step, path in _orbax_step_folders(context, folder, prefix).items():  # a run resumed with the other Flax backend
             if step in committed:
                 duplicates[step] = [os.path.basename(committed[step]), os.path.basename(path) + "/"]
             committed[step] = path
         tmp = prefix + _TMP
         incomplete = [tmp] if storage.lexists(os.path.join(folder, tmp)) else []
         listings[prefix] = StepListing(folder, dict(sorted(committed.items())), incomplete, duplicates=duplicates,
-                                       series=prefix)
-    listing = choose_series(folder, listings)
+                                       series=prefix, storage=storage)
+    listing = choose_series(folder, listings, storage=storage)
     return listing.series, listing
 
 
-def _orbax_step_folders(folder: str, prefix: str) -> dict[int, str]:
+def _orbax_step_folders(context: ReadContext, folder: str, prefix: str) -> dict[int, str]:
     """Committed ``<prefix><N>/`` Orbax-mode folders (each one Orbax item) beside the msgpack files."""
+    storage = context.storage
     out: dict[int, str] = {}
     try:
         with storage.scandir(folder) as it:
@@ -99,7 +102,7 @@ def _orbax_step_folders(folder: str, prefix: str) -> dict[int, str]:
         return out
     for entry in entries:
         rest = entry.name[len(prefix):] if entry.name.startswith(prefix) else ""
-        if rest.isdigit() and entry.is_dir(follow_symlinks=False) and is_committed(entry.path) and storage.lexists(
+        if rest.isdigit() and entry.is_dir(follow_symlinks=False) and is_committed(entry.path, storage) and storage.lexists(
                 os.path.join(entry.path, PYTREE_METADATA_FILE)):
             out[int(rest)] = entry.path
     return out
@@ -110,54 +113,59 @@ class FlaxLegacySource(Source):
 
     format = "flax-legacy"
 
-    def __init__(self, location: str, display: str):
+    def __init__(self, location: str, display: str, context: ReadContext):
         self.location = location
-        _, listing = scan_files(location)
-        super().__init__(display, listing=listing)
+        _, listing = scan_files(context, location)
+        super().__init__(display, context, listing=listing)
 
     def item_names(self, step: int | None) -> list[str]:
         return [DEFAULT_ITEM]
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         path = self.listing.folder(step)
-        if storage.isdir(path):  # an Orbax-mode step folder: one Orbax item
-            return Snapshot(step, {name: read_pytree_item(path, name) for name in names})
-        leaves = read_msgpack(path)
+        if self.storage.isdir(path):  # an Orbax-mode step folder: one Orbax item
+            return Snapshot(step, {name: read_pytree_item(self.context, path, name) for name in names})
+        leaves = read_msgpack(self.context, path)
         return Snapshot(step, {name: Item(name, "pytree", list(leaves)) for name in names})
 
 
-def _is_tmp_file(path: str) -> bool:
+def _is_tmp_file(context: ReadContext, path: str) -> bool:
     """``<prefix>tmp``, a save flax has not renamed yet: ``checkpoint_tmp``, any ``<prefix>tmp`` beside that
     prefix's step files, or a msgpack map named ``..._tmp`` / ``...-tmp`` / ``....tmp`` (a first save)."""
     name = os.path.basename(path)
-    if not name.endswith(_TMP) or not storage.isfile(path):
+    if not name.endswith(_TMP) or not context.storage.isfile(path):
         return False
     prefix = name[: -len(_TMP)]
-    if prefix == _DEFAULT_PREFIX or prefix in _step_files(os.path.dirname(path)):
+    if prefix == _DEFAULT_PREFIX or prefix in _step_files(context, os.path.dirname(path)):
         return True
-    return prefix[-1:] in ("_", "-", ".") and is_msgpack_map(path)
+    return prefix[-1:] in ("_", "-", ".") and is_msgpack_map(context.storage, path)
 
 
-def _tmp_files(folder: str) -> list[str]:
+def _tmp_files(context: ReadContext, folder: str) -> list[str]:
     """Names of the unfinished saves (``<prefix>tmp``) directly under ``folder``."""
     try:
-        names = sorted(storage.listdir(folder))
+        names = sorted(context.storage.listdir(folder))
     except OSError:
         return []
-    return [n for n in names if _is_tmp_file(os.path.join(folder, n))]
+    return [n for n in names if _is_tmp_file(context, os.path.join(folder, n))]
 
 
-def _open(location: str, display: str) -> FlaxLegacySource:
-    if storage.isfile(location):  # claimed as an unfinished save
+def _claims(path: str, context: ReadContext) -> bool:
+    return ((context.storage.isdir(path) and bool(_step_files(context, path) or _tmp_files(context, path)))
+            or _is_tmp_file(context, path))
+
+
+def _open(location: str, display: str, context: ReadContext) -> FlaxLegacySource:
+    if context.storage.isfile(location):  # claimed as an unfinished save
         raise CheckpointError(f"{display}: an unfinished Flax save (save_checkpoint renames it to <prefix><step> "
                               "when done); it is never read.")
-    return FlaxLegacySource(location, display)
+    return FlaxLegacySource(location, display, context)
 
 
 FORMAT = Format(
     name="flax-legacy",
     priority=52,  # before orbax (50): a folder with msgpack step files may also hold Orbax-mode step folders
-    claims=lambda path: (storage.isdir(path) and bool(_step_files(path) or _tmp_files(path))) or _is_tmp_file(path),
+    claims=_claims,
     open=_open,
     description="a folder of checkpoint_<step> msgpack files from flax.training.checkpoints.save_checkpoint",
 )

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 from treetools.ckpt.formats._hf_index import indexed_format, read_indexed_shards
 from treetools.ckpt.formats.msgpack import read_msgpack
-from treetools.ckpt.source import Leaf
+from treetools.ckpt.context import ReadContext
+from treetools.ckpt.leaves import Leaf
 
 
 INDEX_SUFFIX = ".msgpack.index.json"
 _PREFERRED = "flax_model" + INDEX_SUFFIX  # transformers' FLAX_WEIGHTS_INDEX_NAME
 
 
-def read_flax_sharded(index_path: str) -> list[Leaf]:
+def read_flax_sharded(context: ReadContext, index_path: str) -> list[Leaf]:
     """Every leaf of every shard a Flax msgpack index names, checked against the index; paths are the index's names.
 
     >>> import numpy as np, tempfile, os, json
@@ -39,10 +40,11 @@ def read_flax_sharded(index_path: str) -> list[Leaf]:
     >>> idx = {"metadata": {}, "weight_map": {"a/w": "flax_model-00001-of-00002.msgpack",
     ...                                       "b/w": "flax_model-00002-of-00002.msgpack"}}
     >>> _ = open(os.path.join(d, "flax_model.msgpack.index.json"), "w").write(json.dumps(idx))
-    >>> [(l.name, l.row.params) for l in read_flax_sharded(os.path.join(d, "flax_model.msgpack.index.json"))]
+    >>> [(l.name, l.row.params) for l in read_flax_sharded(ReadContext().confined_to(d),
+    ...                                                           os.path.join(d, "flax_model.msgpack.index.json"))]
     [('a/w', 2), ('b/w', 3)]
     """
-    return read_indexed_shards(index_path, read_shard=read_msgpack, what="Flax msgpack index", shard_ext=".msgpack")
+    return read_indexed_shards(context, index_path, read_shard=read_msgpack, what="Flax msgpack index", shard_ext=".msgpack")
 
 
 FORMAT = indexed_format(

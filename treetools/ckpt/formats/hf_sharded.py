@@ -15,13 +15,14 @@ from __future__ import annotations
 
 from treetools.ckpt.formats._hf_index import indexed_format, read_indexed_shards
 from treetools.ckpt.formats.safetensors import read_safetensors
-from treetools.ckpt.source import Leaf
+from treetools.ckpt.context import ReadContext
+from treetools.ckpt.leaves import Leaf
 
 
 INDEX_SUFFIX = ".safetensors.index.json"
 
 
-def read_sharded(index_path: str) -> list[Leaf]:
+def read_sharded(context: ReadContext, index_path: str) -> list[Leaf]:
     """Every tensor of every shard an index names, checked against the index.
 
     >>> import numpy as np, safetensors.numpy, tempfile, os, json
@@ -30,10 +31,11 @@ def read_sharded(index_path: str) -> list[Leaf]:
     >>> safetensors.numpy.save_file({"b.w": np.ones(3, np.float32)}, os.path.join(d, "model-00002-of-00002.safetensors"))
     >>> idx = {"metadata": {}, "weight_map": {"a.w": "model-00001-of-00002.safetensors", "b.w": "model-00002-of-00002.safetensors"}}
     >>> _ = open(os.path.join(d, "model.safetensors.index.json"), "w").write(json.dumps(idx))
-    >>> [(l.name, l.row.params) for l in read_sharded(os.path.join(d, "model.safetensors.index.json"))]
+    >>> [(l.name, l.row.params) for l in read_sharded(ReadContext().confined_to(d),
+    ...                                                      os.path.join(d, "model.safetensors.index.json"))]
     [('a.w', 2), ('b.w', 3)]
     """
-    return read_indexed_shards(index_path, read_shard=read_safetensors, what="safetensors index",
+    return read_indexed_shards(context, index_path, read_shard=read_safetensors, what="safetensors index",
                                shard_ext=".safetensors")
 
 

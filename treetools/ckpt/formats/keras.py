@@ -25,10 +25,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from treetools.ckpt import storage
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._tensorstore import natural_key
+from treetools.ckpt.leaves import Leaf, array_row, check_name, value_row
 from treetools.ckpt.readers import ArrayReader, Index, check_budget, is_numeric, np_dtype
-from treetools.ckpt.source import FileSource, Format, Leaf, array_row, check_name, file_head, value_row
+from treetools.ckpt.source import file_head, FileSource, Format
+from treetools.ckpt.storage import Storage
 from treetools.shared.errors import CheckpointError
 
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
@@ -42,7 +44,7 @@ class _Window(io.RawIOBase):
     """``size`` bytes at ``start`` of a file (local or in a bucket), as a read-only seekable file: the HDF5 file
     stored uncompressed inside a ``.keras`` zip, which h5py reads in place."""
 
-    def __init__(self, path: str, start: int, size: int):
+    def __init__(self, storage: Storage, path: str, start: int, size: int):
         self._file = storage.open(path, block_size=2**20)
         self._start, self._size, self._pos = start, size, 0
 
@@ -74,7 +76,7 @@ class _Window(io.RawIOBase):
         super().close()
 
 
-def _member(path: str) -> zipfile.ZipInfo | None:
+def _member(storage: Storage, path: str) -> zipfile.ZipInfo | None:
     """The ``model.weights.h5`` entry of a ``.keras`` zip, None when the zip has none."""
     with storage.open(path) as f, zipfile.ZipFile(f) as z:
         try:
@@ -83,15 +85,14 @@ def _member(path: str) -> zipfile.ZipInfo | None:
             return None
 
 
-def _opener(path: str) -> Callable[[], Any]:
-    """A function opening the file's HDF5 (the file itself, or the member of a ``.keras`` zip) with h5py."""
+def _opener(storage: Storage, path: str) -> Callable[[], Any]:
+    """A function opening the file's HDF5 (the file itself, or the member of a ``.keras`` zip) with h5py, through
+    ``storage`` (a local file opened inside the checkpoint, or ranged reads in a bucket)."""
     import h5py  # the `keras` extra: imported only to read a Keras file
 
-    if file_head(path, len(HDF5_MAGIC)) == HDF5_MAGIC:
-        if storage.is_remote(path):
-            return lambda: h5py.File(storage.open(path, block_size=2**20), "r")
-        return lambda: h5py.File(path, "r")
-    info = _member(path)
+    if file_head(storage, path, len(HDF5_MAGIC)) == HDF5_MAGIC:
+        return lambda: h5py.File(storage.open(path, block_size=2**20), "r")
+    info = _member(storage, path)
     if info is None:
         raise CheckpointError(f"{path}: a zip without {WEIGHTS_MEMBER}; not a Keras 3 .keras file.")
     if info.compress_type != zipfile.ZIP_STORED:
@@ -102,7 +103,7 @@ def _opener(path: str) -> Callable[[], Any]:
     if len(local) < 30 or local[:4] != ZIP_MAGIC:
         raise CheckpointError(f"{path}: corrupt zip (no local header for {WEIGHTS_MEMBER}).")
     start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
-    return lambda: h5py.File(_Window(path, start, info.file_size), "r")
+    return lambda: h5py.File(_Window(storage, path, start, info.file_size), "r")
 
 
 def _dtype(dataset: Any) -> np.dtype:
@@ -123,11 +124,12 @@ def _dtype(dataset: Any) -> np.dtype:
 class H5Reader(ArrayReader):
     """One HDF5 dataset, read a block at a time (HDF5 reads only the chunks a block touches)."""
 
-    def __init__(self, opener: Callable[[], Any], name: str, shape: tuple[int, ...], dtype: np.dtype,
-                 stored: np.dtype, chunk_shape: tuple[int, ...] | None, *, where: str, remote: bool = False):
+    def __init__(self, context: ReadContext, opener: Callable[[], Any], name: str, shape: tuple[int, ...],
+                 dtype: np.dtype, stored: np.dtype, chunk_shape: tuple[int, ...] | None, *, where: str):
+        self.context = context
         self._opener, self._name, self._stored, self._where = opener, name, stored, where
         self.shape, self.dtype, self.chunk_shape = shape, dtype, chunk_shape
-        self.remote = remote
+        self.remote = context.storage.remote
 
     def _read(self, f: Any, index: Index) -> np.ndarray:
         try:
@@ -153,7 +155,7 @@ class H5Reader(ArrayReader):
                 yield self._read(f, index)
 
 
-def read_h5(path: str, opener: Callable[[], Any]) -> list[Leaf]:
+def read_h5(context: ReadContext, path: str, opener: Callable[[], Any]) -> list[Leaf]:
     """Every dataset of the HDF5 file as a leaf at its path; no array data is read."""
     import h5py  # the `keras` extra: imported only to read a Keras file
 
@@ -176,38 +178,40 @@ def read_h5(path: str, opener: Callable[[], Any]) -> list[Leaf]:
         if not is_numeric(dtype) or dtype.hasobject:  # strings (a lookup layer's vocabulary): a value, not read
             leaves.append(Leaf(value_row(parts)))
             continue
-        reader = H5Reader(opener, name, shape, dtype, stored, tuple(chunks) if chunks else None,
-                          where=f"{path}: `{name}`", remote=storage.is_remote(path))
+        reader = H5Reader(context, opener, name, shape, dtype, stored, tuple(chunks) if chunks else None,
+                          where=f"{path}: `{name}`")
         leaves.append(Leaf(array_row(parts, shape, dtype), reader))
     return leaves
 
 
-def _what(path: str) -> str:
-    if file_head(path, len(HDF5_MAGIC)) == HDF5_MAGIC:
+def _what(storage: Storage, path: str) -> str:
+    if file_head(storage, path, len(HDF5_MAGIC)) == HDF5_MAGIC:
         return "a Keras weights file (HDF5, model.save_weights)"
     return "a Keras 3 model file (.keras: a zip holding model.weights.h5)"
 
 
-def _open(location: str, display: str) -> FileSource:
+def _open(location: str, display: str, context: ReadContext) -> FileSource:
+    storage = context.storage
     try:
-        opener = _opener(location)
+        opener = _opener(storage, location)
     except ImportError:
-        raise CheckpointError(f"{display}: {_what(location)}; reading it needs h5py: {INSTALL}.") from None
+        raise CheckpointError(f"{display}: {_what(storage, location)}; reading it needs h5py: {INSTALL}.") from None
     try:
-        leaves = read_h5(location, opener)
+        leaves = read_h5(context, location, opener)
     except CheckpointError as e:  # name the path as typed
         raise CheckpointError(str(e).replace(location, display, 1)) from None
-    return FileSource(display, "keras", leaves)
+    return FileSource(display, context, "keras", leaves)
 
 
-def _claims(path: str) -> bool:
-    head = file_head(path, len(HDF5_MAGIC))
+def _claims(path: str, context: ReadContext) -> bool:
+    storage = context.storage
+    head = file_head(storage, path, len(HDF5_MAGIC))
     if head == HDF5_MAGIC:
         return True
     if not head.startswith(ZIP_MAGIC):
         return False
     try:
-        return _member(path) is not None
+        return _member(storage, path) is not None
     except (OSError, zipfile.BadZipFile, ValueError, EOFError):
         return False
 

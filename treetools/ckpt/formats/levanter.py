@@ -31,11 +31,13 @@ import os
 import re
 from typing import Any, Sequence
 
-from treetools.ckpt import storage
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._tensorstore import array_folders, subdirs, zarr_header, zarr_leaves
+from treetools.ckpt.leaves import Item, Snapshot, check_name
 from treetools.ckpt.readers import MemoryBudgetError
-from treetools.ckpt.source import Format, Item, Snapshot, Source, check_name
+from treetools.ckpt.source import Format, Source
 from treetools.ckpt.steps import read_json_file, scan_steps, step_series
+from treetools.ckpt.storage import Storage, normalize
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 
 METADATA_FILE = "metadata.json"
@@ -48,15 +50,15 @@ INDEX_FILES = ("tensorstore_index.json",)
 """Files of other formats that write ``metadata.json`` too (EasyDeL): a folder holding one is not Levanter's."""
 
 
-def has_metadata(folder: str) -> bool:
+def has_metadata(folder: str, storage: Storage) -> bool:
     """Whether the completion file ``metadata.json`` is there (a regular file)."""
     return storage.isfile(os.path.join(folder, METADATA_FILE))
 
 
-def saved_metadata(folder: str, *, keys: Sequence[str] = ("is_temporary",)) -> dict[str, Any]:
+def saved_metadata(storage: Storage, folder: str, *, keys: Sequence[str] = ("is_temporary",)) -> dict[str, Any]:
     """A step's ``saved_at`` (``metadata.json``'s ``timestamp``, in UTC) and the ``keys`` of it, as ``custom``."""
     try:
-        meta = read_json_file(os.path.join(folder, METADATA_FILE), what=f"{METADATA_FILE}")
+        meta = read_json_file(storage, os.path.join(folder, METADATA_FILE), what=f"{METADATA_FILE}")
     except (CheckpointError, CheckpointNotFoundError):
         return {}
     if not isinstance(meta, dict):
@@ -73,26 +75,26 @@ def saved_metadata(folder: str, *, keys: Sequence[str] = ("is_temporary",)) -> d
     return out
 
 
-def _is_array(folder: str) -> bool:
-    return zarr_header(folder) is not None
+def _is_array(storage: Storage, folder: str) -> bool:
+    return zarr_header(storage, folder) is not None
 
 
-def _other_format(folder: str) -> bool:
+def _other_format(storage: Storage, folder: str) -> bool:
     return any(storage.lexists(os.path.join(folder, f)) for f in INDEX_FILES)
 
 
-def _is_step(folder: str) -> bool:
+def _is_step(storage: Storage, folder: str) -> bool:
     """A Levanter step folder: ``metadata.json`` beside array folders, or a ``step-N`` folder holding arrays
     without it (a preempted save: claimed, to be refused as incomplete)."""
-    if not storage.isdir(folder) or _other_format(folder):
+    if not storage.isdir(folder) or _other_format(storage, folder):
         return False
     try:
-        children = [os.path.join(folder, d) for d in subdirs(folder)]
+        children = [os.path.join(folder, d) for d in subdirs(storage, folder)]
     except CheckpointError:
         return False
-    if not any(_is_array(c) for c in children):  # Levanter always saves `step` (and `training_key`) as arrays
+    if not any(_is_array(storage, c) for c in children):  # Levanter always saves `step` (and `training_key`) as arrays
         return False
-    return has_metadata(folder) or STEP_NAMES.match(os.path.basename(storage.normalize(folder))) is not None
+    return has_metadata(folder, storage) or STEP_NAMES.match(os.path.basename(normalize(folder))) is not None
 
 
 class LevanterSource(Source):
@@ -100,14 +102,14 @@ class LevanterSource(Source):
 
     format = "levanter"
 
-    def __init__(self, location: str, display: str, mode: str):
+    def __init__(self, location: str, display: str, context: ReadContext, mode: str):
         self.location = location
         self.mode = mode
-        listing = (scan_steps(location, commit_rule=has_metadata, names=STEP_NAMES, prefer=("step-",))
-                   if mode == "root" else None)
-        folder = os.path.dirname(storage.normalize(location)) if mode == "item" else location
-        found = step_series(os.path.basename(storage.normalize(folder)), names=STEP_NAMES)
-        super().__init__(display, listing=listing, step=found[1] if found and mode != "root" else None)
+        listing = (scan_steps(location, commit_rule=has_metadata, names=STEP_NAMES, prefer=("step-",),
+                              storage=context.storage) if mode == "root" else None)
+        folder = os.path.dirname(normalize(location)) if mode == "item" else location
+        found = step_series(os.path.basename(normalize(folder)), names=STEP_NAMES)
+        super().__init__(display, context, listing=listing, step=found[1] if found and mode != "root" else None)
 
     def _step_dir(self, step: int | None) -> str:
         if self.listing is not None and step is not None:
@@ -116,27 +118,27 @@ class LevanterSource(Source):
 
     def item_names(self, step: int | None) -> list[str]:
         if self.mode == "item":
-            return [os.path.basename(storage.normalize(self.location))]
-        return subdirs(self._step_dir(step))
+            return [os.path.basename(normalize(self.location))]
+        return subdirs(self.storage, self._step_dir(step))
 
     def _read(self, step: int | None, name: str, notes: list[str], problems: list[str] | None = None) -> Item:
-        step_dir = os.path.dirname(storage.normalize(self.location)) if self.mode == "item" else self._step_dir(step)
+        step_dir = os.path.dirname(normalize(self.location)) if self.mode == "item" else self._step_dir(step)
         check_name(name, where=step_dir)
         folder = os.path.join(step_dir, name)
-        arrays, empty = array_folders(folder)
+        arrays, empty = array_folders(self.storage, folder)
         for parts in empty:
             notes.append(f"{folder}: `{'/'.join(parts) or name}` is a folder without an array (no .zarray): "
                          "an array lost in a partial copy? Copy the whole step folder.")
         # Paths below the item; an item that is one array (`step`) is one leaf named like the item.
         entries = [(parts or (name,), "/".join((name, *parts)), header) for parts, header in arrays]
-        leaves = zarr_leaves(step_dir, entries, where=folder, problems=problems)
+        leaves = zarr_leaves(self.context, step_dir, entries, where=folder, problems=problems)
         return Item(name, "pytree", [leaf for leaf in leaves if leaf is not None])
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         notes: list[str] = []
         items = {name: self._read(step, name, notes) for name in names}
-        meta_dir = os.path.dirname(storage.normalize(self.location)) if self.mode == "item" else self._step_dir(step)
-        return Snapshot(step, items, metadata=saved_metadata(meta_dir), notes=notes)
+        meta_dir = os.path.dirname(normalize(self.location)) if self.mode == "item" else self._step_dir(step)
+        return Snapshot(step, items, metadata=saved_metadata(self.storage, meta_dir), notes=notes)
 
     def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
         """Every item read leaf by leaf: an array that cannot be opened, or a folder that ends without an
@@ -151,38 +153,39 @@ class LevanterSource(Source):
             except (CheckpointError, CheckpointNotFoundError) as e:
                 problems.append(str(e))
                 continue
-            self.hold_to_budget([item])
             items.append(item)
         return items, problems
 
 
-def _claims(path: str) -> bool:
+def _claims(path: str, context: ReadContext) -> bool:
+    storage = context.storage
     if not storage.isdir(path):
         return False
-    if _is_step(path):
+    if _is_step(storage, path):
         return True
-    parent = os.path.dirname(storage.normalize(path))
-    if parent != storage.normalize(path) and _is_step(parent):  # an item folder of a step
+    parent = os.path.dirname(normalize(path))
+    if parent != normalize(path) and _is_step(storage, parent):  # an item folder of a step
         return True
     try:
-        return any(STEP_NAMES.match(d) and _is_step(os.path.join(path, d)) for d in subdirs(path))
+        return any(STEP_NAMES.match(d) and _is_step(storage, os.path.join(path, d)) for d in subdirs(storage, path))
     except CheckpointError:
         return False
 
 
-def _open(location: str, display: str) -> LevanterSource:
-    if _is_step(location):
-        if not has_metadata(location):
+def _open(location: str, display: str, context: ReadContext) -> LevanterSource:
+    storage = context.storage
+    if _is_step(storage, location):
+        if not has_metadata(location, storage):
             raise CheckpointError(f"{display}: incomplete save (no {METADATA_FILE}, which Levanter writes after "
                                   "every array); it is never read.")
-        return LevanterSource(location, display, "step")
-    parent = os.path.dirname(storage.normalize(location))
-    if _is_step(parent) and not any(STEP_NAMES.match(d) for d in subdirs(location)):
-        if not has_metadata(parent):
+        return LevanterSource(location, display, context, "step")
+    parent = os.path.dirname(normalize(location))
+    if _is_step(storage, parent) and not any(STEP_NAMES.match(d) for d in subdirs(storage, location)):
+        if not has_metadata(parent, storage):
             raise CheckpointError(f"{display}: part of an incomplete save (no {METADATA_FILE} in its step folder); "
                                   "it is never read.")
-        return LevanterSource(location, display, "item")
-    return LevanterSource(location, display, "root")
+        return LevanterSource(location, display, context, "item")
+    return LevanterSource(location, display, context, "root")
 
 
 FORMAT = Format(

@@ -10,27 +10,29 @@ from __future__ import annotations
 
 import os
 
-from treetools.ckpt import storage
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._hf_index import open_weights, weights_file
 from treetools.ckpt.formats._msgpack import walk
-from treetools.ckpt.source import Format, Leaf, file_head, tree_leaves
+from treetools.ckpt.leaves import Leaf, tree_leaves
+from treetools.ckpt.source import file_head, Format
+from treetools.ckpt.storage import Storage
 from treetools.shared.errors import CheckpointError
 
 
 _GDA_PLACEHOLDER = "//GDAPlaceholder:"  # flax.training.checkpoints.MP_ARRAY_PH
 
 
-def read_msgpack(path: str) -> list[Leaf]:
+def read_msgpack(context: ReadContext, path: str) -> list[Leaf]:
     """Leaves of a ``flax.serialization.to_bytes`` file; arrays are read from their offsets on request.
 
     >>> import numpy as np, tempfile
     >>> from flax.serialization import to_bytes
     >>> f = os.path.join(tempfile.mkdtemp(), "state.msgpack")
     >>> _ = open(f, "wb").write(to_bytes({"params": {"w": np.ones((2, 3), np.float32)}, "step": 3}))
-    >>> [(leaf.name, leaf.row.shape, leaf.value) for leaf in read_msgpack(f)]
+    >>> [(leaf.name, leaf.row.shape, leaf.value) for leaf in read_msgpack(ReadContext().confined_to(f), f)]
     [('params/w', (2, 3), NO_VALUE), ('step', None, 3)]
     """
-    tree = walk(path)
+    tree = walk(context, path)
     if not isinstance(tree, dict):
         raise CheckpointError(f"{path}: not a Flax msgpack checkpoint (top level is {type(tree).__name__}, not a dict).")
     leaves = tree_leaves(tree, where=path)
@@ -44,7 +46,7 @@ def read_msgpack(path: str) -> list[Leaf]:
     return leaves
 
 
-def is_msgpack_map(path: str) -> bool:
+def is_msgpack_map(storage: Storage, path: str) -> bool:
     """A file that opens a msgpack map keyed by strings: what ``flax.serialization.to_bytes`` writes for a state
     dict (whose keys are always strings), or the one byte of an empty map.
 
@@ -52,7 +54,7 @@ def is_msgpack_map(path: str) -> bool:
     (``\\x89PNG``: a map whose first key would be the integer 80) or a pickle (``\\x80\\x02``: an empty map
     followed by more bytes), such as PyTorch's ``pytorch_model.bin``.
     """
-    head = file_head(path, 6)
+    head = file_head(storage, path, 6)
     if not head:
         return False
     if 0x80 <= head[0] <= 0x8F:
@@ -70,10 +72,10 @@ HF_FLAX_SINGLE = "flax_model.msgpack"
 """The one file of a Hugging Face Flax model folder that fits one shard (``FlaxPreTrainedModel.save_pretrained``)."""
 
 
-def _claims(path: str) -> bool:
-    if storage.isdir(path):  # a model folder also holding model.safetensors is the safetensors format's (asked first)
-        return weights_file(path, HF_FLAX_SINGLE) is not None
-    return is_msgpack_map(path) or (bool(file_head(path, 1))
+def _claims(path: str, context: ReadContext) -> bool:
+    if context.storage.isdir(path):  # a folder also holding model.safetensors is the safetensors format's (asked first)
+        return weights_file(context.storage, path, HF_FLAX_SINGLE) is not None
+    return is_msgpack_map(context.storage, path) or (bool(file_head(context.storage, path, 1))
                                     and os.path.splitext(path)[1].lower() in (".msgpack", ".flax", ".mpk"))
 
 
@@ -81,8 +83,8 @@ FORMAT = Format(
     name="msgpack",
     priority=10,
     claims=_claims,
-    open=lambda location, display: open_weights(location, display, name=HF_FLAX_SINGLE, format="msgpack",
-                                                read=read_msgpack),
+    open=lambda location, display, context: open_weights(location, display, context, name=HF_FLAX_SINGLE,
+                                                         format="msgpack", read=read_msgpack),
     description="a Flax msgpack file from flax.serialization.to_bytes, or a Hugging Face Flax model folder holding "
                 "one flax_model.msgpack",
 )

@@ -15,12 +15,12 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from treetools.ckpt import storage
-from treetools.shared.errors import CheckpointError
+from treetools.ckpt.context import ReadContext
+from treetools.ckpt.diagnose import TORCH_SUFFIXES, is_torch_zip
+from treetools.ckpt.leaves import Leaf, array_row, check_name, stored_path, value_row
 from treetools.ckpt.readers import ArrayReader, FileReader, block_span, checked_shape, np_dtype
-from treetools.ckpt.source import (
-    TORCH_SUFFIXES, FileSource, Format, is_torch_zip, Leaf, array_row, check_name, file_head, stored_path, value_row,
-)
+from treetools.ckpt.source import file_head, FileSource, Format
+from treetools.shared.errors import CheckpointError
 
 
 class ZipStreamReader(ArrayReader):
@@ -28,7 +28,9 @@ class ZipStreamReader(ArrayReader):
 
     sequential = True
 
-    def __init__(self, path: str, member: str, skip: int, shape: tuple[int, ...], dtype: np.dtype, fortran: bool):
+    def __init__(self, context: ReadContext, path: str, member: str, skip: int, shape: tuple[int, ...],
+                 dtype: np.dtype, fortran: bool):
+        self.context = context
         self._path, self._member, self._skip = path, member, skip
         self.shape = shape
         self.dtype = dtype
@@ -47,6 +49,7 @@ class ZipStreamReader(ArrayReader):
             raise CheckpointError(f"{self._path}: npz member {self._member!r} uses an unsupported compression ({e}).") from None
 
     def _stream_unchecked(self, counts: Iterator[tuple[int, tuple[int, ...]]]) -> Iterator[np.ndarray]:
+        storage = self.context.storage
         with storage.open(self._path, block_size=8 * 2**20) as raw, zipfile.ZipFile(raw) as zf, zf.open(self._member) as f:
             f.read(self._skip)
             for count, shape in counts:
@@ -125,16 +128,16 @@ def _local_data_offset(fh: io.BufferedReader, info: zipfile.ZipInfo, where: str)
     return info.header_offset + 30 + name_len + extra_len
 
 
-def read_npz(path: str) -> list[Leaf]:
+def read_npz(context: ReadContext, path: str) -> list[Leaf]:
     """Leaves of an ``.npz`` from each member's .npy header; array bytes are never read here.
 
     >>> import numpy as np, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "a.npz")
     >>> np.savez(f, **{"Dense_0/kernel": np.zeros((2, 3), np.float32)})
-    >>> [(l.name, l.row.shape, l.row.params) for l in read_npz(f)]
+    >>> [(l.name, l.row.shape, l.row.params) for l in read_npz(ReadContext().confined_to(f), f)]
     [('Dense_0/kernel', (2, 3), 6)]
     """
-    fh = storage.open(path)
+    fh = context.storage.open(path)
     try:
         zf = zipfile.ZipFile(fh)
     except (zipfile.BadZipFile, OSError, EOFError) as e:
@@ -166,18 +169,18 @@ def read_npz(path: str) -> list[Leaf]:
             row = array_row(parts, shape, dtype, sep=sep)
             if info.compress_type == zipfile.ZIP_STORED and not info.flag_bits & 0x1:
                 offset = _local_data_offset(fh, info, where) + header_len
-                reader: ArrayReader = FileReader(path, offset, shape, dtype, fortran=fortran)
+                reader: ArrayReader = FileReader(context, path, offset, shape, dtype, fortran=fortran)
             else:
-                reader = ZipStreamReader(path, info.filename, header_len, shape, dtype, fortran)
+                reader = ZipStreamReader(context, path, info.filename, header_len, shape, dtype, fortran)
             leaves.append(Leaf(row, reader, key=name))
     return leaves
 
 
-def _claims(path: str) -> bool:
-    head = file_head(path, 4)
+def _claims(path: str, context: ReadContext) -> bool:
+    head = file_head(context.storage, path, 4)
     if head in (b"PK\x03\x04", b"PK\x05\x06"):
         # A zip named like torch.save's output (pytorch_model.bin, *.pt) is torch's when it holds data.pkl.
-        return not (path.lower().endswith(TORCH_SUFFIXES) and is_torch_zip(path))
+        return not (path.lower().endswith(TORCH_SUFFIXES) and is_torch_zip(path, context.storage))
     return path.lower().endswith(".npz") and bool(head)
 
 
@@ -185,6 +188,6 @@ FORMAT = Format(
     name="npz",
     priority=30,
     claims=_claims,
-    open=lambda location, display: FileSource(display, "npz", read_npz(location)),
+    open=lambda location, display, context: FileSource(display, context, "npz", read_npz(context, location)),
     description="an .npz file from numpy.savez",
 )

@@ -26,31 +26,22 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from treetools.ckpt import storage
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._tensorstore import (
     Pins,
     TensorStoreReader,
     first_line,
     open_all,
-    reader_context,
+    shared_ts_context,
     subdirs,
     ts_spec,
     zarr_header,
     zarr_leaves,
 )
+from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name, tree_leaves, value_row
 from treetools.ckpt.readers import MemoryBudgetError, read_metadata
-from treetools.ckpt.source import (
-    DEFAULT_ITEM,
-    Format,
-    Item,
-    Leaf,
-    Snapshot,
-    Source,
-    array_row,
-    check_name,
-    tree_leaves,
-    value_row,
-)
+from treetools.ckpt.source import Format, Source
+from treetools.ckpt.storage import Storage, normalize
 from treetools.ckpt.steps import (
     COMMIT_SUCCESS_FILE,
     JSON_ITEM_FILE,
@@ -133,12 +124,13 @@ def logical_paths(keys: Sequence[tuple[str, ...]], boxes: dict[str, str] | None 
     return out
 
 
-def _shardings(item_dir: str) -> dict[str, LeafSharding]:
+def _shardings(context: ReadContext, item_dir: str) -> dict[str, LeafSharding]:
     """Param name -> ``LeafSharding`` from Orbax's ``_sharding`` file (NamedShardings only)."""
+    storage = context.storage
     path = os.path.join(item_dir, SHARDING_FILE)
     if not storage.lexists(path):
         return {}
-    raw = read_metadata(path, what="Orbax _sharding")
+    raw = read_metadata(context, path, what="Orbax _sharding")
     out: dict[str, LeafSharding] = {}
     if not isinstance(raw, dict):
         return out
@@ -161,19 +153,20 @@ def _shardings(item_dir: str) -> dict[str, LeafSharding]:
     return out
 
 
-def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None) -> Item:
+def read_pytree_item(context: ReadContext, item_dir: str, name: str, problems: list[str] | None = None) -> Item:
     """The leaves of one Orbax pytree item from ``_METADATA``, ``_sharding`` and the zarr headers.
 
     With ``problems``, leaves whose stored array cannot be opened are recorded
     there and left out, instead of failing the item (``verify``).
     """
+    storage = context.storage
     meta_path = os.path.join(item_dir, PYTREE_METADATA_FILE)
     if not storage.lexists(meta_path):
         raise CheckpointError(
             f"{item_dir}: no {PYTREE_METADATA_FILE} file (saved by an Orbax older than 0.5, or copied without it); "
             "treetools cannot tell its leaves."
         )
-    raw = read_metadata(meta_path, what=f"Orbax {PYTREE_METADATA_FILE}")
+    raw = read_metadata(context, meta_path, what=f"Orbax {PYTREE_METADATA_FILE}")
     entries = [e for e in _entries(raw, meta_path) if not e[2] and e[1] not in _NOT_STORED]
     custom = raw.get("custom_metadata") if isinstance(raw, dict) else None
     boxes = custom.get(_BOXES_KEY) if isinstance(custom, dict) else None
@@ -181,13 +174,14 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
     paths = logical_paths([keys for keys, _, _ in entries], boxes)
     use_zarr3 = bool(raw.get("use_zarr3", False))
     use_ocdbt = bool(raw.get("use_ocdbt", storage.exists(os.path.join(item_dir, "manifest.ocdbt"))))
-    shardings = _shardings(item_dir)
+    shardings = _shardings(context, item_dir)
 
     stored = [(keys, vt, path) for (keys, vt, _), path in zip(entries, paths) if vt != "string"]
-    specs = [ts_spec(item_dir, ".".join(keys), use_ocdbt=use_ocdbt, use_zarr3=use_zarr3) for keys, _, _ in stored]
+    specs = [ts_spec(storage, item_dir, ".".join(keys), use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
+             for keys, _, _ in stored]
     wheres = [f"{item_dir}: `{'/'.join(path)}`" for _, _, path in stored]
-    stores = iter(zip(specs, open_all(specs, wheres, problems)))
-    context = reader_context(item_dir)
+    stores = iter(zip(specs, open_all(context, specs, wheres, problems)))
+    shared = shared_ts_context(storage)
     leaves: list[Leaf] = []
     for (keys, value_type, _), path in zip(entries, paths):
         param = ".".join(keys)
@@ -200,7 +194,8 @@ def read_pytree_item(item_dir: str, name: str, problems: list[str] | None = None
         dtype = np.dtype(store.dtype.numpy_dtype)
         shape = tuple(int(d) for d in store.shape)
         chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
-        reader = TensorStoreReader(spec, shape, dtype, chunk, where=f"{item_dir}: `{'/'.join(path)}`", context=context)
+        reader = TensorStoreReader(context, spec, shape, dtype, chunk, where=f"{item_dir}: `{'/'.join(path)}`",
+                                   shared=shared)
         if value_type in _VALUE_TYPES:  # a Python scalar: a value, counted as no parameter
             leaves.append(Leaf(value_row(path), reader, key=param))
         else:
@@ -213,62 +208,65 @@ ARRAY_ITEM_NAME = "checkpoint"
 """The one array of an ``ArrayCheckpointHandler`` item is stored under the handler's checkpoint name, ``checkpoint``."""
 
 
-def is_array_item(folder: str) -> bool:
+def is_array_item(storage: Storage, folder: str) -> bool:
     """An ``ArrayCheckpointHandler`` save written without ``_METADATA`` (Orbax before 0.7, as xlstm-jax pins):
     ``_sharding`` and the zarr folder ``checkpoint/``; later Orbax adds ``_METADATA`` and it reads as a pytree."""
     return (not storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE))
-            and zarr_header(os.path.join(folder, ARRAY_ITEM_NAME)) is not None)
+            and zarr_header(storage, os.path.join(folder, ARRAY_ITEM_NAME)) is not None)
 
 
-def read_array_item(item_dir: str, name: str, problems: list[str] | None = None) -> Item:
+def read_array_item(context: ReadContext, item_dir: str, name: str, problems: list[str] | None = None) -> Item:
     """The one array of an ``ArrayCheckpointHandler`` item without ``_METADATA``: one leaf, ``checkpoint``."""
-    header = zarr_header(os.path.join(item_dir, ARRAY_ITEM_NAME)) or ".zarray"
-    (leaf,) = zarr_leaves(item_dir, [((ARRAY_ITEM_NAME,), ARRAY_ITEM_NAME, header)], where=item_dir, problems=problems)
+    storage = context.storage
+    header = zarr_header(storage, os.path.join(item_dir, ARRAY_ITEM_NAME)) or ".zarray"
+    (leaf,) = zarr_leaves(context, item_dir, [((ARRAY_ITEM_NAME,), ARRAY_ITEM_NAME, header)], where=item_dir, problems=problems)
     if leaf is None:  # recorded in `problems`
         return Item(name, "pytree", [])
-    leaf.row = dataclasses.replace(leaf.row, sharding=_shardings(item_dir).get(ARRAY_ITEM_NAME))
+    leaf.row = dataclasses.replace(leaf.row, sharding=_shardings(context, item_dir).get(ARRAY_ITEM_NAME))
     return Item(name, "pytree", [leaf])
 
 
-def read_item(item_dir: str, name: str, problems: list[str] | None = None) -> Item:
+def read_item(context: ReadContext, item_dir: str, name: str, problems: list[str] | None = None) -> Item:
     """One item folder, whatever Orbax handler wrote it: JSON, pytree (``_METADATA``) or one array."""
-    if _is_json_item(item_dir):
-        return read_json_item(item_dir, name)
-    if is_array_item(item_dir):
-        return read_array_item(item_dir, name, problems)
-    return read_pytree_item(item_dir, name, problems)
+    storage = context.storage
+    if _is_json_item(storage, item_dir):
+        return read_json_item(context, item_dir, name)
+    if is_array_item(storage, item_dir):
+        return read_array_item(context, item_dir, name, problems)
+    return read_pytree_item(context, item_dir, name, problems)
 
 
-def _json_file(folder: str) -> str:
+def _json_file(storage: Storage, folder: str) -> str:
     """The file of a JSON item: ``metadata`` (JsonSave's default), else one named as its folder.
 
     A manager with ``best_fn`` stores the step's metrics as the item ``metrics``
     in the file ``metrics/metrics``.
     """
-    own = os.path.join(folder, os.path.basename(storage.normalize(folder)))
+    own = os.path.join(folder, os.path.basename(normalize(folder)))
     default = os.path.join(folder, JSON_ITEM_FILE)
-    return own if not _is_file(default) and _is_file(own) else default
+    return own if not _is_file(storage, default) and _is_file(storage, own) else default
 
 
-def read_json_item(item_dir: str, name: str) -> Item:
-    path = _json_file(item_dir)
-    value = read_metadata(path, what="Orbax JSON item")
+def read_json_item(context: ReadContext, item_dir: str, name: str) -> Item:
+    storage = context.storage
+    path = _json_file(storage, item_dir)
+    value = read_metadata(context, path, what="Orbax JSON item")
     return Item(name, "json", tree_leaves(value, where=path), value=value)
 
 
 # ---------------------------------------------------------------------------- folders
 
 
-def _is_file(path: str) -> bool:
+def _is_file(storage: Storage, path: str) -> bool:
     return storage.isfile(path)
 
 
-def _is_json_item(folder: str) -> bool:
-    path = _json_file(folder)
-    if not _is_file(path) or storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
+def _is_json_item(storage: Storage, folder: str) -> bool:
+    path = _json_file(storage, folder)
+    if not _is_file(storage, path) or storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
         return False
     try:
-        with storage.open(path, "rb") as f:
+        with storage.open(path) as f:
             head = f.read(64).lstrip()
     except OSError:
         return False
@@ -278,27 +276,27 @@ def _is_json_item(folder: str) -> bool:
 is_json_item = _is_json_item
 
 
-def _is_item(folder: str) -> bool:
-    return storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or _is_json_item(folder) or is_array_item(folder)
+def _is_item(storage: Storage, folder: str) -> bool:
+    return storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or _is_json_item(storage, folder) or is_array_item(storage, folder)
 
 
-def _item_without_metadata(folder: str) -> bool:
+def _item_without_metadata(storage: Storage, folder: str) -> bool:
     """Orbax's own item files (OCDBT manifest, ``_sharding``) without ``_METADATA``: read_pytree_item names what is missing."""
     return any(storage.isfile(os.path.join(folder, f)) for f in ("manifest.ocdbt", SHARDING_FILE))
 
 
-def _step_is_item(folder: str) -> bool:
+def _step_is_item(storage: Storage, folder: str) -> bool:
     """A step folder that is itself the item: a Checkpointer's save per step (Flax's ``checkpoint_<N>`` Orbax mode)."""
     return (parse_step_name(os.path.basename(folder)) is not None
-            and storage.lexists(os.path.join(folder, STEP_METADATA_FILE)) and _is_item(folder))
+            and storage.lexists(os.path.join(folder, STEP_METADATA_FILE)) and _is_item(storage, folder))
 
 
-def _looks_like_step(folder: str) -> bool:
+def _looks_like_step(storage: Storage, folder: str) -> bool:
     if storage.lexists(os.path.join(folder, STEP_METADATA_FILE)):
         return True
     try:  # a folder of step folders that are items (or their tmp folders) is a root, not a step holding items
-        return any(_is_item(os.path.join(folder, d)) and not (_step_is_item(os.path.join(folder, d))
-                                                               or tmp_step(d) is not None) for d in subdirs(folder))
+        return any(_is_item(storage, os.path.join(folder, d)) and not (_step_is_item(storage, os.path.join(folder, d))
+                                                               or tmp_step(d) is not None) for d in subdirs(storage, folder))
     except CheckpointError:
         return False
 
@@ -318,12 +316,12 @@ class OrbaxSource(Source):
     format = "orbax"
     record_sharding = True
 
-    def __init__(self, location: str, display: str, mode: str):
+    def __init__(self, location: str, display: str, context: ReadContext, mode: str):
         self.location = location
         self.mode = mode
-        listing = scan_steps(location) if mode == "root" else None
+        listing = scan_steps(location, storage=context.storage) if mode == "root" else None
         step = parse_step_name(os.path.basename(location)) if mode == "step" else None
-        super().__init__(display, listing=listing, step=step)
+        super().__init__(display, context, listing=listing, step=step)
         self._step_meta: dict[str, Any] = {}
 
     def item_dir(self, step: int | None, name: str) -> str:
@@ -331,7 +329,7 @@ class OrbaxSource(Source):
         if self.mode == "item":
             return self.location
         step_dir = self._step_dir(step)
-        return step_dir if self.mode == "root" and _step_is_item(step_dir) else os.path.join(step_dir, name)
+        return step_dir if self.mode == "root" and _step_is_item(self.storage, step_dir) else os.path.join(step_dir, name)
 
     def _step_dir(self, step: int | None) -> str:
         return self.listing.folder(step) if self.listing is not None and step is not None else self.location
@@ -340,7 +338,7 @@ class OrbaxSource(Source):
         """The parsed ``_CHECKPOINT_METADATA`` of a step folder (read once per source), {} when absent."""
         if step_dir not in self._step_meta:
             path = os.path.join(step_dir, STEP_METADATA_FILE)
-            meta = read_metadata(path, what=f"Orbax {STEP_METADATA_FILE}") if storage.lexists(path) else {}
+            meta = read_metadata(self.context, path, what=f"Orbax {STEP_METADATA_FILE}") if self.storage.lexists(path) else {}
             self._step_meta[step_dir] = meta if isinstance(meta, dict) else {}
         return self._step_meta[step_dir]
 
@@ -352,16 +350,16 @@ class OrbaxSource(Source):
         if self.mode == "item":
             return [self._item_name()]
         step_dir = self._step_dir(step)
-        if self.mode == "root" and _step_is_item(step_dir):
+        if self.mode == "root" and _step_is_item(self.storage, step_dir):
             return [DEFAULT_ITEM]
         handlers = self._handlers(step_dir)
         if handlers is not None:
             return sorted(handlers)
-        return [d for d in subdirs(step_dir) if TMP_DIR_SUFFIX not in d and _is_item(os.path.join(step_dir, d))]
+        return [d for d in subdirs(self.storage, step_dir) if TMP_DIR_SUFFIX not in d and _is_item(self.storage, os.path.join(step_dir, d))]
 
     def _item_name(self) -> str:
         """``default`` for a standalone Checkpointer save (the folder is the item), else the folder's name."""
-        if storage.lexists(os.path.join(self.location, STEP_METADATA_FILE)):
+        if self.storage.lexists(os.path.join(self.location, STEP_METADATA_FILE)):
             return "default"
         return os.path.basename(self.location) or "default"
 
@@ -369,32 +367,32 @@ class OrbaxSource(Source):
         notes: list[str] = []
         items: dict[str, Item] = {}
         step_dir = self._step_dir(step)
-        if self.mode == "item" or (self.mode == "root" and _step_is_item(step_dir)):
+        if self.mode == "item" or (self.mode == "root" and _step_is_item(self.storage, step_dir)):
             folder = self.location if self.mode == "item" else step_dir
             (name,) = names
-            items[name] = read_item(folder, name)
+            items[name] = read_item(self.context, folder, name)
             return Snapshot(step, items, record_sharding=True, metadata=self._metadata(folder), notes=notes)
         handlers = self._handlers(step_dir) or {}
         if not handlers and list(names) == self.item_names(step):  # no item is left out without a word
             notes += [f"folder `{d}` of the step is no item treetools reads (no _METADATA, JSON file or "
-                      "array); skipped." for d in subdirs(step_dir)
+                      "array); skipped." for d in subdirs(self.storage, step_dir)
                       if d not in _ORBAX_FILES and not d.startswith(OCDBT_PROCESS_PREFIX) and TMP_DIR_SUFFIX not in d
-                      and not _is_item(os.path.join(step_dir, d))]
+                      and not _is_item(self.storage, os.path.join(step_dir, d))]
         for name in names:
             check_name(name, where=os.path.join(step_dir, STEP_METADATA_FILE))
             item_dir = os.path.join(step_dir, name)
-            if not storage.isdir(item_dir):
+            if not self.storage.isdir(item_dir):
                 gone = self.step_deleted(step)  # a manager pruning the step removes its item folders first
                 if gone is not None:
                     raise gone
                 notes.append(f"item `{name}` is listed in {STEP_METADATA_FILE} but has no folder; skipped.")
                 continue
-            kind = _kind_of(handlers.get(name)) if name in handlers else ("json" if _is_json_item(item_dir) else "pytree")
+            kind = _kind_of(handlers.get(name)) if name in handlers else ("json" if _is_json_item(self.storage, item_dir) else "pytree")
             if kind == "unsupported":
                 notes.append(f"item `{name}` was saved by {handlers[name].rsplit('.', 1)[-1]}, "
                              "which treetools does not read; skipped.")
                 continue
-            items[name] = read_json_item(item_dir, name) if kind == "json" else read_item(item_dir, name)
+            items[name] = read_json_item(self.context, item_dir, name) if kind == "json" else read_item(self.context, item_dir, name)
         return Snapshot(step, items, record_sharding=True, metadata=self._metadata(step_dir), notes=notes)
 
     def _metadata(self, step_dir: str) -> dict[str, Any]:
@@ -426,15 +424,15 @@ class OrbaxSource(Source):
         block alone) reads instead. The ``_METADATA`` parsed for the metadata
         view is handed to Orbax, so the file is read once.
         """
-        if not isinstance(item, OrbaxItem) or storage.is_remote(item.folder):
+        if not isinstance(item, OrbaxItem) or self.storage.remote:
             return None
-        return _orbax_restore(item, targets)
+        return _orbax_restore(self.context, item, targets)
 
     def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
         """Commit evidence of a step folder given directly; each item read leaf by leaf (a leaf whose array
         cannot be opened is a problem, the others are still checked); arrays ``_METADATA`` does not list."""
         problems: list[str] = []
-        if self.mode == "step" and not is_committed(self.location):
+        if self.mode == "step" and not is_committed(self.location, self.storage):
             problems.append(f"{self.path}: no commit evidence (commit_success.txt or a committed "
                             "_CHECKPOINT_METADATA); the save may be unfinished.")
         try:
@@ -445,19 +443,18 @@ class OrbaxSource(Source):
         for name in names:
             item_dir = self.item_dir(step, name)
             try:
-                item = read_item(item_dir, name, problems)
+                item = read_item(self.context, item_dir, name, problems)
             except (MemoryBudgetError, StepDeletedError):
                 raise
             except (CheckpointError, CheckpointNotFoundError) as e:
                 problems.append(str(e))
                 items.append(Item(name, "pytree", []))  # counted as checked, nothing to read
                 continue
-            self.hold_to_budget([item])
             items.append(item)
             if isinstance(item, OrbaxItem):
-                problems += [p for p in _unlisted_arrays(item) if p not in problems]
-                problems += _strangers(item.folder, self._shown(step, name), expected=_item_entries(item))
-        if self.mode != "item" and not (self.mode == "root" and _step_is_item(self._step_dir(step))):
+                problems += [p for p in _unlisted_arrays(self.context, item) if p not in problems]
+                problems += _strangers(self.storage, item.folder, self._shown(step, name), expected=_item_entries(self.storage, item))
+        if self.mode != "item" and not (self.mode == "root" and _step_is_item(self.storage, self._step_dir(step))):
             problems += self._strangers_in_step(step, names)
         return items, problems
 
@@ -466,7 +463,7 @@ class OrbaxSource(Source):
         parts = [self.path]
         if self.mode == "root" and step is not None:
             parts.append(os.path.basename(self._step_dir(step)))
-        if item is not None and self.mode != "item" and not _step_is_item(self._step_dir(step)):
+        if item is not None and self.mode != "item" and not _step_is_item(self.storage, self._step_dir(step)):
             parts.append(item)
         return "/".join(p.rstrip("/") for p in parts)
 
@@ -476,24 +473,24 @@ class OrbaxSource(Source):
         if self._handlers(step_dir) is not None:
             expected = set(items)
         else:  # no list of the step's items (Orbax before 0.6): any folder holding an item's files is one
-            expected = {d for d in subdirs(step_dir) if _is_item(os.path.join(step_dir, d))
-                        or _item_without_metadata(os.path.join(step_dir, d))
-                        or storage.lexists(os.path.join(step_dir, d, COMMIT_SUCCESS_FILE))}
-        return _strangers(step_dir, self._shown(step), expected=expected | _STEP_FILES)
+            expected = {d for d in subdirs(self.storage, step_dir) if _is_item(self.storage, os.path.join(step_dir, d))
+                        or _item_without_metadata(self.storage, os.path.join(step_dir, d))
+                        or self.storage.lexists(os.path.join(step_dir, d, COMMIT_SUCCESS_FILE))}
+        return _strangers(self.storage, step_dir, self._shown(step), expected=expected | _STEP_FILES)
 
 
 _STEP_FILES = {STEP_METADATA_FILE, COMMIT_SUCCESS_FILE, "descriptor", "_ROOT_METADATA"}
 """What Orbax writes in a step folder beside the items (``descriptor``: the CompositeCheckpointHandler's)."""
 
 
-def _item_entries(item: OrbaxItem) -> set[str] | None:
+def _item_entries(storage: Storage, item: OrbaxItem) -> set[str] | None:
     """What an OCDBT item folder may hold (None: not OCDBT, whose arrays are folders of their own names)."""
     if not item.metadata.get("use_ocdbt", storage.exists(os.path.join(item.folder, "manifest.ocdbt"))):
         return None
     return _ORBAX_FILES | {"checkpoint"}  # `checkpoint`: the aggregate msgpack of Orbax before 0.5
 
 
-def _strangers(folder: str, shown: str, *, expected: set[str] | None) -> list[str]:
+def _strangers(storage: Storage, folder: str, shown: str, *, expected: set[str] | None) -> list[str]:
     """A problem when ``folder`` holds entries that are none of ``expected`` (nor an OCDBT process folder or an
     Orbax tmp name): files or folders something else wrote into a committed save (a run's --workdir inside it).
     ``expected`` None: nothing to check."""
@@ -514,7 +511,7 @@ def _strangers(folder: str, shown: str, *, expected: set[str] | None) -> list[st
             f"{'it' if one else 'them'} out."]
 
 
-def _orbax_restore(item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any]:
+def _orbax_restore(context: ReadContext, item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any]:
     """Read the targeted leaves of one Orbax pytree item through Orbax, each per its abstract target.
 
     Orbax restores the tree as it is stored (its own structure, ``kernel/value``
@@ -523,6 +520,7 @@ def _orbax_restore(item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any
     asks for is Orbax's ``PLACEHOLDER``: never read (a params-only target from
     a whole train state reads no optimizer moment).
     """
+    storage = context.storage
     # jax and orbax only here: metadata reads of Orbax checkpoints import neither.
     import jax
     import orbax.checkpoint as ocp
@@ -568,7 +566,7 @@ def _orbax_restore(item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any
     restore_args = jax.tree_util.tree_map_with_path(restore_arg, stored)
     # Orbax opens the item's files by path: it is handed the item folder pinned and checked whole (every file
     # inside the checkpoint, the OCDBT manifest held to the budget), as TensorStore is for any other read.
-    with Pins(data=True, where=item.folder) as pins:
+    with Pins(storage, data=True, budget=context.memory_budget, where=item.folder) as pins:
         folder = pins.folder(item.folder, ocdbt=storage.isfile(os.path.join(item.folder, "manifest.ocdbt"))).path
         try:
             restored = handler.restore(epath.Path(folder),
@@ -588,20 +586,20 @@ _ORBAX_FILES = {"_METADATA", "_sharding", "_CHECKPOINT_METADATA", "commit_succes
 
 
 def _relative(folder: str, base: str) -> str:
-    """``folder`` relative to ``base``, ``/``-separated (location or bucket paths)."""
-    if storage.is_remote(folder):
-        return storage.normalize(folder)[len(storage.normalize(base)) + 1:]
-    return os.path.relpath(folder, base).replace(os.sep, "/")
+    """``folder`` (below ``base``) relative to ``base``, ``/``-separated (local or bucket paths)."""
+    return normalize(folder)[len(normalize(base)) + 1:].replace(os.sep, "/")
 
 
-def _stored_arrays(item_dir: str, use_ocdbt: bool) -> set[str]:
+def _stored_arrays(context: ReadContext, item_dir: str, use_ocdbt: bool) -> set[str]:
     """The arrays stored in an Orbax item folder: every zarr header (``<name>/.zarray``, ``<name>/zarr.json``)
     in the OCDBT store or the folder; a name may itself hold ``/`` (a dict key with a slash)."""
+    storage = context.storage
     headers = (".zarray", "zarr.json")
     if use_ocdbt:
         import tensorstore as ts
 
-        with Pins(data=False, where=item_dir) as pins:  # the database checked and pinned, as for any read of it
+        # the database checked and pinned, as for any read of it
+        with Pins(storage, data=False, budget=context.memory_budget, where=item_dir) as pins:
             base = pins.folder(item_dir, ocdbt=True).path
             kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(base)}).result()
             keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
@@ -616,11 +614,12 @@ def _stored_arrays(item_dir: str, use_ocdbt: bool) -> set[str]:
     return names
 
 
-def _unlisted_arrays(item: OrbaxItem) -> list[str]:
+def _unlisted_arrays(context: ReadContext, item: OrbaxItem) -> list[str]:
     """A problem when the item folder stores arrays its ``_METADATA`` does not list."""
+    storage = context.storage
     use_ocdbt = bool(item.metadata.get("use_ocdbt", storage.exists(os.path.join(item.folder, "manifest.ocdbt"))))
     try:
-        extra = sorted(_stored_arrays(item.folder, use_ocdbt) - {leaf.key for leaf in item.leaves} - _listed(item))
+        extra = sorted(_stored_arrays(context, item.folder, use_ocdbt) - {leaf.key for leaf in item.leaves} - _listed(item))
     except CheckpointError as e:  # the database refused (outside the checkpoint, over the budget): said as such
         return [str(e)]
     except Exception as e:  # tensorstore: a corrupt manifest
@@ -645,46 +644,49 @@ def _listed(item: OrbaxItem) -> set[str]:
     return out
 
 
-def _claims(path: str) -> bool:
+def _claims(path: str, context: ReadContext) -> bool:
+    storage = context.storage
     if not storage.isdir(path):
         return False
     name = os.path.basename(path)
     if TMP_DIR_SUFFIX in name:
         return True
-    if name.startswith(OCDBT_PROCESS_PREFIX) and _is_item(os.path.dirname(path)):
+    if name.startswith(OCDBT_PROCESS_PREFIX) and _is_item(storage, os.path.dirname(path)):
         return False  # one process's part of an item's OCDBT database, no checkpoint of its own (its item is)
     if any(storage.lexists(os.path.join(path, f)) for f in (PYTREE_METADATA_FILE, STEP_METADATA_FILE)):
         return True
-    if _is_json_item(path) or _looks_like_step(path) or _item_without_metadata(path):
+    if _is_json_item(storage, path) or _looks_like_step(storage, path) or _item_without_metadata(storage, path):
         return True
     # A root: some step folder (or Orbax tmp folder) with Orbax's own evidence in it.
-    for child in subdirs(path):
+    for child in subdirs(storage, path):
         if TMP_DIR_SUFFIX in child and tmp_step(child) is not None:
             return True
         if parse_step_name(child) is not None:
             folder = os.path.join(path, child)
-            if storage.lexists(os.path.join(folder, COMMIT_SUCCESS_FILE)) or _looks_like_step(folder):
+            if storage.lexists(os.path.join(folder, COMMIT_SUCCESS_FILE)) or _looks_like_step(storage, folder):
                 return True
     return False
 
 
-def _open(location: str, display: str) -> OrbaxSource:
+def _open(location: str, display: str, context: ReadContext) -> OrbaxSource:
+    storage = context.storage
     name = os.path.basename(location)
-    if TMP_DIR_SUFFIX in name or (parse_step_name(name) is not None and _looks_like_step(location)
-                                  and not _is_item(location) and not is_committed(location)):
+    if TMP_DIR_SUFFIX in name or (parse_step_name(name) is not None and _looks_like_step(storage, location)
+                                  and not _is_item(storage, location) and not is_committed(location, storage)):
         raise CheckpointError(f"{display}: incomplete save (an Orbax tmp folder or no commit marker); it is never read.")
-    if _is_item(location) or _item_without_metadata(location):
-        source = OrbaxSource(location, display, "item")
+    if _is_item(storage, location) or _item_without_metadata(storage, location):
+        source = OrbaxSource(location, display, context, "item")
         # A standalone save (its own step metadata) must be committed; an item folder of a manager's step
         # (a single unnamed item is `<step>/default/`) is committed when its step folder is.
         standalone = storage.lexists(os.path.join(location, STEP_METADATA_FILE))
-        committed = is_committed(location) if standalone else is_committed(os.path.dirname(location))
+        committed = (is_committed(location, storage) if standalone
+                     else is_committed(os.path.dirname(location), storage))
         if (standalone or source._item_name() == "default") and not committed:
             raise CheckpointError(f"{display}: incomplete save (no commit marker); it is never read.")
         return source
-    if _looks_like_step(location):
-        return OrbaxSource(location, display, "step")
-    return OrbaxSource(location, display, "root")
+    if _looks_like_step(storage, location):
+        return OrbaxSource(location, display, context, "step")
+    return OrbaxSource(location, display, context, "root")
 
 
 FORMAT = Format(

@@ -11,11 +11,12 @@ import math
 import struct
 from typing import Any
 
-from treetools.ckpt import storage
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._hf_index import open_weights, weights_file
-from treetools.shared.errors import CheckpointError
+from treetools.ckpt.leaves import Leaf, array_row, check_name, stored_path
 from treetools.ckpt.readers import JSON_EXPANSION, FileReader, check_budget, checked_shape, np_dtype
-from treetools.ckpt.source import Format, Leaf, array_row, check_name, file_head, stored_path
+from treetools.ckpt.source import file_head, Format
+from treetools.shared.errors import CheckpointError
 from treetools.shared.rows import dtype_name
 
 
@@ -38,9 +39,10 @@ def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _st_header(path: str) -> tuple[dict[str, Any], int, int]:
+def _st_header(context: ReadContext, path: str) -> tuple[dict[str, Any], int, int]:
+    storage = context.storage
     size = storage.getsize(path)
-    with storage.open(path, "rb") as f:
+    with storage.open(path) as f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header length).")
@@ -50,7 +52,8 @@ def _st_header(path: str) -> tuple[dict[str, Any], int, int]:
                 f"{path}: corrupt or truncated safetensors header (says {n} bytes, file has {size - 8} after the length)."
             )
         # The header is parsed whole: held to the memory budget by what the parse will hold, before it is read.
-        check_budget(JSON_EXPANSION * n, where=path, what=f"the safetensors header ({n:,} bytes), parsed whole,")
+        check_budget(JSON_EXPANSION * n, where=path, what=f"the safetensors header ({n:,} bytes), parsed whole,",
+                     budget=context.memory_budget)
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
@@ -62,16 +65,16 @@ def _st_header(path: str) -> tuple[dict[str, Any], int, int]:
     return header, 8 + n, size - 8 - n
 
 
-def read_safetensors(path: str) -> list[Leaf]:
+def read_safetensors(context: ReadContext, path: str) -> list[Leaf]:
     """Leaves of a ``.safetensors`` file from its JSON header; tensor bytes are never read here.
 
     >>> import numpy as np, safetensors.numpy, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "m.safetensors")
     >>> safetensors.numpy.save_file({"dense.kernel": np.zeros((2, 3), np.float32)}, f)
-    >>> [(l.name, l.row.shape, l.row.dtype, l.row.bytes) for l in read_safetensors(f)]
+    >>> [(l.name, l.row.shape, l.row.dtype, l.row.bytes) for l in read_safetensors(ReadContext().confined_to(f), f)]
     [('dense.kernel', (2, 3), 'float32', 24)]
     """
-    header, data_start, data_len = _st_header(path)
+    header, data_start, data_len = _st_header(context, path)
     leaves = []
     for name, entry in header.items():
         if name == "__metadata__":
@@ -95,7 +98,7 @@ def read_safetensors(path: str) -> list[Leaf]:
                 f"{where}: corrupt safetensors header (offsets {begin}..{end} do not hold shape {list(shape)} "
                 f"{dtype_name(dtype)} inside {data_len} data bytes)."
             )
-        leaves.append(Leaf(array_row(parts, shape, dtype, sep=sep), FileReader(path, data_start + begin, shape, dtype),
+        leaves.append(Leaf(array_row(parts, shape, dtype, sep=sep), FileReader(context, path, data_start + begin, shape, dtype),
                            key=name))
     _check_overlaps(path, header)
     return leaves
@@ -114,10 +117,11 @@ HF_SINGLE = "model.safetensors"
 """The one file of a Hugging Face model folder that fits one shard (``save_pretrained`` writes no index then)."""
 
 
-def _claims(path: str) -> bool:
+def _claims(path: str, context: ReadContext) -> bool:
+    storage = context.storage
     if storage.isdir(path):  # a sharded folder's index is asked first (safetensors-sharded, higher priority)
-        return weights_file(path, HF_SINGLE) is not None
-    head = file_head(path, 9)
+        return weights_file(storage, path, HF_SINGLE) is not None
+    head = file_head(storage, path, 9)
     if len(head) == 9 and head[8:9] == b"{":
         try:
             if 2 <= struct.unpack("<Q", head[:8])[0] <= storage.getsize(path) - 8:
@@ -131,8 +135,8 @@ FORMAT = Format(
     name="safetensors",
     priority=40,
     claims=_claims,
-    open=lambda location, display: open_weights(location, display, name=HF_SINGLE, format="safetensors",
-                                                read=read_safetensors),
+    open=lambda location, display, context: open_weights(location, display, context, name=HF_SINGLE,
+                                                         format="safetensors", read=read_safetensors),
     description="a .safetensors file, or a Hugging Face model folder holding one model.safetensors (beside "
                 "config.json and the tokenizer files)",
 )

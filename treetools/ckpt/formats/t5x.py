@@ -37,34 +37,21 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from treetools.ckpt import storage
-from treetools.shared.errors import CheckpointError
-from treetools.ckpt.readers import checked_shape, np_dtype, read_metadata
+from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._msgpack import MsgpackError, walk
+from treetools.ckpt.formats._tensorstore import TensorStoreReader, open_all, shared_ts_context, ts_spec
 from treetools.ckpt.formats.msgpack import is_msgpack_map
-from treetools.ckpt.formats._tensorstore import (
-    TensorStoreReader,
-    open_all,
-    reader_context,
-    ts_spec,
-)
+from treetools.ckpt.readers import checked_shape, np_dtype, read_metadata
+from treetools.ckpt.storage import Storage
+from treetools.shared.errors import CheckpointError
 from treetools.ckpt.formats.orbax import (  # a T5X root may hold later Orbax saves; boxes as nodes are Orbax's rule
     is_json_item,
     logical_paths,
     read_json_item,
     read_pytree_item,
 )
-from treetools.ckpt.source import (
-    DEFAULT_ITEM,
-    Format,
-    Item,
-    Leaf,
-    Snapshot,
-    Source,
-    array_row,
-    check_name,
-    tree_leaves,
-)
+from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name, tree_leaves
+from treetools.ckpt.source import Format, Source
 from treetools.ckpt.steps import (
     PYTREE_METADATA_FILE,
     TMP_DIR_SUFFIX,
@@ -103,17 +90,18 @@ def _spec_hook(node: dict[Any, Any]) -> Any:
     return node
 
 
-def _load_msgpack(path: str, budget: float | None = None) -> dict[str, Any]:
+def _load_msgpack(context: ReadContext, path: str) -> dict[str, Any]:
     """The state dict in a ``checkpoint`` file, walked once (Flax's encoding): inline arrays stay in the file,
     read from their offsets on request."""
     try:
-        mode = storage.stat(path).st_mode
+        mode = context.storage.stat(path).st_mode
     except OSError:
         mode = None
     if mode is None or not stat.S_ISREG(mode):
-        read_file(path, what="T5X `checkpoint` msgpack")  # says what is there instead (nothing, a FIFO, a folder)
+        # says what is there instead (nothing, a FIFO, a folder)
+        read_file(context.storage, path, what="T5X `checkpoint` msgpack")
     try:
-        tree = walk(path, object_hook=_spec_hook, budget=budget)
+        tree = walk(context, path, object_hook=_spec_hook)
     except MsgpackError as e:
         raise CheckpointError(
             f"{path}: corrupt or truncated `checkpoint` msgpack (at byte {e.offset:,}: {e.reason}); "
@@ -135,9 +123,9 @@ def _state_dict(tree: dict[str, Any]) -> tuple[Any, int | None]:
 # ---------------------------------------------------------------------------- arrays in zarr folders
 
 
-def _zarray(path: str) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
+def _zarray(context: ReadContext, path: str) -> tuple[tuple[int, ...], np.dtype, tuple[int, ...]]:
     """``(shape, dtype, chunks)`` from a zarr v2 ``.zarray`` (no array data)."""
-    meta = read_metadata(path, what="zarr .zarray")
+    meta = read_metadata(context, path, what="zarr .zarray")
     try:
         if meta.get("zarr_format") != 2:
             raise ValueError(f"zarr_format {meta.get('zarr_format')!r}, not 2")
@@ -170,11 +158,12 @@ def _spec_name(spec: dict[str, Any], *, where: str, leaf: str) -> str:
     return name.rstrip("/")
 
 
-def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, Any] | None, *, where: str,
-                 context: Any = None) -> Leaf:
+def _stored_leaf(context: ReadContext, parts: tuple[str, ...], name: str, base: str, spec: dict[str, Any] | None, *,
+                 where: str, shared: Any = None) -> Leaf:
     """One array in its zarr folder ``base/name``: shape and dtype from ``.zarray``, data through TensorStore."""
     leaf = "/".join(parts)
     check_name(name, where=where)
+    storage = context.storage
     folder = os.path.join(base, name)
     if not storage.isdir(folder):
         raise CheckpointError(
@@ -187,7 +176,7 @@ def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, A
             f"{folder}: zarr folder without .zarray (`{leaf}`); the array was never finished or was copied in part: "
             "copy the whole step folder."
         )
-    shape, dtype, chunks = _zarray(zarray)
+    shape, dtype, chunks = _zarray(context, zarray)
     if spec is not None:
         meta = spec.get("metadata") if isinstance(spec.get("metadata"), dict) else {}
         said_shape = meta.get("shape")
@@ -203,12 +192,12 @@ def _stored_leaf(parts: tuple[str, ...], name: str, base: str, spec: dict[str, A
                 f"{where}: `{leaf}` is {said} in the `checkpoint` file but "
                 f"{dtype}{list(shape)} in {zarray}; the step folder mixes two saves."
             )
-    spec_open = ts_spec(base, name, use_ocdbt=False, use_zarr3=False)
-    reader = TensorStoreReader(spec_open, shape, dtype, chunks, where=f"{base}: `{leaf}`", context=context)
+    spec_open = ts_spec(storage, base, name, use_ocdbt=False, use_zarr3=False)
+    reader = TensorStoreReader(context, spec_open, shape, dtype, chunks, where=f"{base}: `{leaf}`", shared=shared)
     return Leaf(array_row(parts, shape, dtype), reader, key=name)
 
 
-def read_tree(path: str, name: str = DEFAULT_ITEM, *, budget: float | None = None) -> tuple[Item, int | None]:
+def read_tree(context: ReadContext, path: str, name: str = DEFAULT_ITEM) -> tuple[Item, int | None]:
     """The leaves of one ``checkpoint`` msgpack and the zarr folders beside it; no array data is read.
 
     Returns the item and T5X's checkpoint version (None for an Orbax item file).
@@ -216,18 +205,19 @@ def read_tree(path: str, name: str = DEFAULT_ITEM, *, budget: float | None = Non
     >>> import msgpack, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "checkpoint")
     >>> _ = open(f, "wb").write(msgpack.packb({"version": 3, "optimizer": {"state": {"step": 7}}}))
-    >>> item, version = read_tree(f)
+    >>> item, version = read_tree(ReadContext().confined_to(f), f)
     >>> [(leaf.name, leaf.value) for leaf in item.leaves], version
     ([('state/step', 7)], 3)
     """
+    storage = context.storage
     base = os.path.dirname(path)
-    tree, version = _state_dict(_load_msgpack(path, budget))
+    tree, version = _state_dict(_load_msgpack(context, path))
     leaves = tree_leaves(tree, where=path)
     paths = logical_paths([leaf.path for leaf in leaves])
     ocdbt = storage.isfile(os.path.join(base, OCDBT_MANIFEST))
     out: list[Leaf] = []
     in_ocdbt: list[tuple[int, tuple[str, ...], str]] = []
-    context = reader_context(base)
+    shared = shared_ts_context(storage)
     for leaf, parts in zip(leaves, paths):
         value = leaf.value
         if value is None and leaf.reader is None:  # an empty node (an optax EmptyState), as Orbax >= 0.5 skips it
@@ -245,15 +235,15 @@ def read_tree(path: str, name: str = DEFAULT_ITEM, *, budget: float | None = Non
             in_ocdbt.append((len(out), parts, stored))
             out.append(leaf)  # replaced below
         else:
-            out.append(_stored_leaf(parts, stored, base, spec, where=path, context=context))
+            out.append(_stored_leaf(context, parts, stored, base, spec, where=path, shared=shared))
     if in_ocdbt:
-        specs = [ts_spec(base, stored, use_ocdbt=True, use_zarr3=False) for _, _, stored in in_ocdbt]
+        specs = [ts_spec(storage, base, stored, use_ocdbt=True, use_zarr3=False) for _, _, stored in in_ocdbt]
         wheres = [f"{base}: `{'/'.join(parts)}`" for _, parts, _ in in_ocdbt]
-        for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, open_all(specs, wheres)):
+        for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, open_all(context, specs, wheres)):
             shape = tuple(int(d) for d in store.shape)
             dtype = np.dtype(store.dtype.numpy_dtype)
             chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
-            reader = TensorStoreReader(spec, shape, dtype, chunks, where=where, context=context)
+            reader = TensorStoreReader(context, spec, shape, dtype, chunks, where=where, shared=shared)
             out[i] = Leaf(array_row(parts, shape, dtype), reader, key=stored)
     return Item(name, "pytree", out), version
 
@@ -261,13 +251,13 @@ def read_tree(path: str, name: str = DEFAULT_ITEM, *, budget: float | None = Non
 # ---------------------------------------------------------------------------- folders
 
 
-def _has_tree(folder: str) -> bool:
+def _has_tree(storage: Storage, folder: str) -> bool:
     """A T5X step folder or an Orbax (< 0.5) item folder: a ``checkpoint`` msgpack and no ``_METADATA``."""
-    return is_msgpack_map(os.path.join(folder, CHECKPOINT_FILE)) and not storage.lexists(
+    return is_msgpack_map(storage, os.path.join(folder, CHECKPOINT_FILE)) and not storage.lexists(
         os.path.join(folder, PYTREE_METADATA_FILE))
 
 
-def _subdirs(folder: str) -> list[str]:
+def _subdirs(storage: Storage, folder: str) -> list[str]:
     try:
         with storage.scandir(folder) as it:
             return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
@@ -279,19 +269,20 @@ def _is_t5x_tmp(name: str) -> bool:
     return TMP_DIR_SUFFIX not in name and tmp_step(name) is not None
 
 
-def _orbax_step(folder: str) -> bool:
+def _orbax_step(storage: Storage, folder: str) -> bool:
     """An Orbax (< 0.5) step folder: an item subfolder (not itself a step) with a ``checkpoint`` msgpack."""
-    return any(_has_tree(os.path.join(folder, d)) for d in _subdirs(folder)
+    return any(_has_tree(storage, os.path.join(folder, d)) for d in _subdirs(storage, folder)
                if parse_step_name(d) is None and tmp_step(d) is None)
 
 
-def _committed(step_dir: str) -> bool:
+def _committed(step_dir: str, storage: Storage) -> bool:
     """T5X writes ``checkpoint`` last, then renames the tmp folder; Orbax before 0.5 renamed a folder of such items."""
-    return _has_tree(step_dir) or _orbax_step(step_dir) or is_committed(step_dir)
+    return _has_tree(storage, step_dir) or _orbax_step(storage, step_dir) or is_committed(step_dir, storage)
 
 
-def _is_item(folder: str) -> bool:
-    return _has_tree(folder) or storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)) or is_json_item(folder)
+def _is_item(storage: Storage, folder: str) -> bool:
+    return (_has_tree(storage, folder) or storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE))
+            or is_json_item(storage, folder))
 
 
 class T5XSource(Source):
@@ -299,13 +290,14 @@ class T5XSource(Source):
 
     format = "t5x"
 
-    def __init__(self, location: str, display: str, mode: str):
+    def __init__(self, location: str, display: str, context: ReadContext, mode: str):
         self.location = location
         self.mode = mode
         self._trees: dict[int | None, tuple[Item, int | None]] = {}
-        listing = scan_steps(location, commit_rule=_committed) if mode == "root" else None
+        listing = scan_steps(location, commit_rule=_committed, storage=context.storage) if mode == "root" else None
         folder = os.path.dirname(location) if mode == "file" else location
-        super().__init__(display, listing=listing, step=None if mode == "root" else parse_step_name(os.path.basename(folder)))
+        super().__init__(display, context, listing=listing,
+                         step=None if mode == "root" else parse_step_name(os.path.basename(folder)))
 
     def _step_dir(self, step: int | None) -> str:
         if self.listing is not None and step is not None:
@@ -316,13 +308,13 @@ class T5XSource(Source):
         """The step's ``checkpoint`` msgpack, parsed once per step."""
         if step not in self._trees:
             path = self.location if self.mode == "file" else os.path.join(self._step_dir(step), CHECKPOINT_FILE)
-            self._trees[step] = read_tree(path, DEFAULT_ITEM, budget=self.memory_budget)
+            self._trees[step] = read_tree(self.context, path, DEFAULT_ITEM)
         return self._trees[step]
 
     def _split(self, step: int | None) -> dict[str, Item] | None:
         """A T5X state dict as its top-level items (``target``: the model parameters, ``state``: the
         optimizer's), or None for an Orbax (< 0.5) item file, which is one tree."""
-        if not (self.mode == "file" or _has_tree(self._step_dir(step))):
+        if not (self.mode == "file" or _has_tree(self.storage, self._step_dir(step))):
             return None
         whole, version = self._tree(step)
         if version is None or not whole.leaves or any(len(leaf.path) < 2 for leaf in whole.leaves):
@@ -336,11 +328,11 @@ class T5XSource(Source):
     def _items(self, step: int | None) -> dict[str, str]:
         """Item name -> the folder holding it (its ``checkpoint``, or Orbax's ``_METADATA``)."""
         folder = self._step_dir(step)
-        if self.mode == "file" or _has_tree(folder):
+        if self.mode == "file" or _has_tree(self.storage, folder):
             split = self._split(step)
             return dict.fromkeys(split, folder) if split is not None else {DEFAULT_ITEM: folder}
-        return {d: os.path.join(folder, d) for d in _subdirs(folder)
-                if TMP_DIR_SUFFIX not in d and _is_item(os.path.join(folder, d))}
+        return {d: os.path.join(folder, d) for d in _subdirs(self.storage, folder)
+                if TMP_DIR_SUFFIX not in d and _is_item(self.storage, os.path.join(folder, d))}
 
     def item_names(self, step: int | None) -> list[str]:
         return list(self._items(step))
@@ -356,48 +348,52 @@ class T5XSource(Source):
         metadata: dict[str, Any] = {}
         for name in names:
             folder = folders[name]
-            if self.mode != "file" and storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
-                items[name] = read_pytree_item(folder, name)  # a later Orbax save in the same root
-            elif self.mode != "file" and is_json_item(folder):
-                items[name] = read_json_item(folder, name)
-            elif self.mode == "file" or _has_tree(folder) and folder == self._step_dir(step):
+            if self.mode != "file" and self.storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
+                items[name] = read_pytree_item(self.context, folder, name)  # a later Orbax save in the same root
+            elif self.mode != "file" and is_json_item(self.storage, folder):
+                items[name] = read_json_item(self.context, folder, name)
+            elif self.mode == "file" or _has_tree(self.storage, folder) and folder == self._step_dir(step):
                 whole, version = self._tree(step)
                 items[name] = dataclasses.replace(whole, name=name)
             else:
-                items[name], version = read_tree(os.path.join(folder, CHECKPOINT_FILE), name, budget=self.memory_budget)
+                items[name], version = read_tree(self.context, os.path.join(folder, CHECKPOINT_FILE), name)
                 if version is not None:
                     metadata["custom"] = {"t5x_checkpoint_version": version}
         return Snapshot(step, items, metadata=metadata)
 
 
-def _claims(path: str) -> bool:
+def _claims(path: str, context: ReadContext) -> bool:
+    storage = context.storage
     if storage.isfile(path):
-        return os.path.basename(path) == CHECKPOINT_FILE and is_msgpack_map(path)
+        return os.path.basename(path) == CHECKPOINT_FILE and is_msgpack_map(storage, path)
     if not storage.isdir(path):
         return False
-    if _is_t5x_tmp(os.path.basename(path)) or _has_tree(path) or _orbax_step(path):
+    if _is_t5x_tmp(os.path.basename(path)) or _has_tree(storage, path) or _orbax_step(storage, path):
         return True
     # A root: a step folder with a `checkpoint` (its own or an item's), or T5X's tmp folder of an unfinished save.
-    for d in _subdirs(path):
+    for d in _subdirs(storage, path):
         child = os.path.join(path, d)
-        if _is_t5x_tmp(d) or (parse_step_name(d) is not None and (_has_tree(child) or _orbax_step(child))):
+        if _is_t5x_tmp(d) or (parse_step_name(d) is not None
+                              and (_has_tree(storage, child) or _orbax_step(storage, child))):
             return True
     return False
 
 
-def _open(location: str, display: str) -> T5XSource:
+def _open(location: str, display: str, context: ReadContext) -> T5XSource:
+    storage = context.storage
     folder = os.path.dirname(location) if storage.isfile(location) else location
     if tmp_step(os.path.basename(folder)) is not None:
         raise CheckpointError(f"{display}: incomplete save (a tmp folder, renamed only when the save finishes); "
                               "it is never read.")
     if storage.isfile(location):
-        return T5XSource(location, display, "file")
-    if _has_tree(location):
-        return T5XSource(location, display, "step")
-    root = any(parse_step_name(d) is not None and _committed(os.path.join(location, d)) for d in _subdirs(location))
-    if not root and _orbax_step(location):
-        return T5XSource(location, display, "step")
-    return T5XSource(location, display, "root")
+        return T5XSource(location, display, context, "file")
+    if _has_tree(storage, location):
+        return T5XSource(location, display, context, "step")
+    root = any(parse_step_name(d) is not None and _committed(os.path.join(location, d), storage)
+               for d in _subdirs(storage, location))
+    if not root and _orbax_step(storage, location):
+        return T5XSource(location, display, context, "step")
+    return T5XSource(location, display, context, "root")
 
 
 FORMAT = Format(

@@ -26,8 +26,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from treetools.ckpt import storage
-from treetools.ckpt.writers.safetensors import _tmp_name, swap_in
+from treetools.ckpt.storage import backend
+from treetools.ckpt.storage.local import LocalStorage, swap_in, tmp_name
 from treetools.shared.errors import CheckpointError
 
 
@@ -90,7 +90,7 @@ def write_orbax(
     Raises:
       CheckpointError: ``dst`` (or the step) exists without ``overwrite``; a bucket ``dst``.
     """
-    if storage.is_remote(dst):
+    if backend(dst).remote:
         raise CheckpointError(f"{dst}: --to orbax writes local folders; write it locally and upload the folder, "
                               "or convert to safetensors, which streams to buckets.")
     check_orbax(leaves)
@@ -105,7 +105,8 @@ def write_orbax(
     import orbax.checkpoint as ocp
 
     if step is None:
-        tmp = _tmp_name(dst, "tmp")
+        tmp = tmp_name(dst, "tmp")
+        local = LocalStorage()
         try:
             checkpointer = ocp.StandardCheckpointer()
             checkpointer.save(tmp, tree)
@@ -113,10 +114,10 @@ def write_orbax(
             checkpointer.close()
             swap_in(tmp, dst)
         except BaseException:
-            storage.remove(tmp)
+            local.remove(tmp)
             for name in os.listdir(os.path.dirname(tmp)):  # Orbax's own tmp folder beside ours
                 if name.startswith(os.path.basename(tmp)):
-                    storage.remove(os.path.join(os.path.dirname(tmp), name))
+                    local.remove(os.path.join(os.path.dirname(tmp), name))
             raise
         return
     options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)

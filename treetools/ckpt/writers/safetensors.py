@@ -36,12 +36,11 @@ import math
 import os
 import re
 import struct
-import uuid
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from treetools.ckpt import storage
+from treetools.ckpt.storage import Storage, backend
 from treetools.ckpt.formats.safetensors import DTYPE_NAMES
 from treetools.ckpt.readers import ArrayReader, InMemoryReader, np_dtype
 from treetools.ckpt.stream import stream_blocks
@@ -271,16 +270,11 @@ def blocks(tensor: Tensor, block_bytes: int) -> Iterator[np.ndarray]:
 # ---------------------------------------------------------------------------------------------- writing
 
 
-def _tmp_name(dst: str, what: str) -> str:
-    head, name = os.path.split(dst)
-    return os.path.join(head, f".{name}.treetools-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def _write_file(path: str, file: ShardFile, metadata: dict[str, str], block_bytes: int,
-                on_block: OnBlock | None, fsync: bool) -> None:
+def _write_file(storage: Storage, path: str, file: ShardFile, metadata: dict[str, str], block_bytes: int,
+                on_block: OnBlock | None) -> None:
     head = header(file.tensors, metadata)
 
-    with storage.create(path, size=len(head) + file.data_bytes, fsync=fsync) as out:
+    with storage.create(path, size=len(head) + file.data_bytes, fsync=False) as out:
         out.write(head)
         for tensor, block in tensor_blocks(file.tensors, block_bytes):
             data = block.reshape(-1).view(np.uint8)
@@ -316,69 +310,22 @@ def write_safetensors(
     """
     meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
     dst = layout.dst
-    exists = storage.exists(dst)
-    if exists and not overwrite:
+    storage = backend(dst)
+    if storage.exists(dst) and not overwrite:
         raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it.")
-    if storage.is_remote(dst):
-        _write_remote(layout, meta, block_bytes, exists, on_block)
-        return
-    storage.makedirs(os.path.dirname(dst) or ".")
-    tmp = _tmp_name(dst, "tmp")
-    try:
-        # Files are fsynced once all are written, not one by one: the kernel writes the first back meanwhile.
+
+    def write(path: str) -> list[str]:
         if not layout.folder:
-            _write_file(tmp, layout.files[0], meta, block_bytes, on_block, fsync=False)
-            written = [tmp]
-        else:
-            os.mkdir(tmp)
-            written = [os.path.join(tmp, f.name) for f in layout.files]
-            for path, f in zip(written, layout.files):
-                _write_file(path, f, meta, block_bytes, on_block, fsync=False)
-            if layout.index:  # last: a folder of shards is a checkpoint only with its index
-                written.append(os.path.join(tmp, INDEX_NAME))
-                with storage.create(written[-1], fsync=False) as out:
-                    out.write(index_json(layout))
-        if fsync:
-            for path in written:
-                storage.fsync_file(path)
-            if layout.folder:
-                storage.fsync_dir(tmp)
-        swap_in(tmp, dst)
-    except BaseException:
-        storage.remove(tmp)
-        raise
+            _write_file(storage, path, layout.files[0], meta, block_bytes, on_block)
+            return [path]
+        storage.makedirs(path)
+        written = [storage.join(path, f.name) for f in layout.files]
+        for file_path, f in zip(written, layout.files):
+            _write_file(storage, file_path, f, meta, block_bytes, on_block)
+        if layout.index:  # last: a folder of shards is a checkpoint only with its index
+            written.append(storage.join(path, INDEX_NAME))
+            with storage.create(written[-1], fsync=False) as out:
+                out.write(index_json(layout))
+        return written
 
-
-def swap_in(tmp: str, dst: str) -> None:
-    """Rename the finished ``tmp`` onto ``dst`` (local); an existing ``dst`` is moved aside first, then removed.
-
-    A file replaces a file in one rename. Otherwise ``dst`` is absent for the
-    moment between two renames, never partial.
-    """
-    if not os.path.lexists(dst) or (os.path.isfile(tmp) and os.path.isfile(dst) and not os.path.islink(dst)):
-        storage.replace(tmp, dst)
-        return
-    aside = _tmp_name(dst, "old")
-    os.rename(dst, aside)
-    try:
-        storage.replace(tmp, dst)
-    except BaseException:
-        os.rename(aside, dst)
-        raise
-    storage.remove(aside)
-
-
-def _write_remote(layout: Layout, meta: dict[str, str], block_bytes: int, exists: bool,
-                  on_block: OnBlock | None) -> None:
-    dst = layout.dst
-    if not layout.folder:  # one object: it appears, whole, when its upload completes (replacing the old one)
-        _write_file(dst, layout.files[0], meta, block_bytes, on_block, fsync=False)
-        return
-    if exists:  # old shards must never read as a checkpoint beside new ones: the old folder goes first
-        storage.remove(dst)
-    for f in layout.files:
-        _write_file(f"{dst}/{f.name}", f, meta, block_bytes, on_block, fsync=False)
-    if layout.index:
-        with storage.create(f"{dst}/{INDEX_NAME}") as out:
-            out.write(index_json(layout))
-    storage.forget(dst)
+    storage.write_atomically(dst, write, folder=layout.folder, fsync=fsync)

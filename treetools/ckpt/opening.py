@@ -1,0 +1,84 @@
+"""``open_source``: any checkpoint opened read-only, through the format that claims it, confined to itself."""
+
+from __future__ import annotations
+
+import os
+
+from treetools.ckpt.context import ReadContext
+from treetools.ckpt.diagnose import not_a_checkpoint
+from treetools.ckpt.registry import claims, registered_formats
+from treetools.ckpt.source import Source
+from treetools.ckpt.steps import file_kind
+from treetools.ckpt.storage import backend, normalize
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
+
+
+def open_source(path: str | os.PathLike, context: ReadContext | None = None, *, memory_budget: float | None = None,
+                prefix: str | None = None) -> Source:
+    """Open any checkpoint read-only through the format that claims it.
+
+    Relative and ``~`` paths work; the path is shown as given. The path is the
+    checkpoint's root: the storage it is read through is confined to it
+    (``Storage.confine``: an open descriptor of its folder), so every local
+    file read under it, by treetools or by TensorStore, must resolve inside it
+    (docs/untrusted.md). The source, and every reader it hands out, holds that
+    storage in its ``context``.
+
+    Args:
+      path: a checkpoint file or folder, local or ``gs://``/``s3://``.
+      context: how to read it (``ReadContext``); None: ``ReadContext.from_env()`` (the documented
+        environment variables, else the defaults).
+      memory_budget: bytes one read may decode at once (a storage chunk, a
+        metadata file parsed whole), over the context's; ``math.inf``: no budget.
+      prefix: in a folder holding several series of steps (flax's
+        ``save_checkpoint(prefix=...)``: ``checkpoint_6`` and ``eval_6``), read
+        this one (None: the context's, else ``checkpoint_``, else the steps named by number alone).
+
+    Raises:
+      CheckpointNotFoundError: nothing at ``path``.
+      CheckpointError: no format claims it (the message names the checkpoint
+        the path lies inside, or those a folder holds, else the readable
+        formats), or the format finds it corrupt or unreadable.
+
+    >>> import numpy as np, tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "w.npz")
+    >>> np.savez(f, w=np.ones(3, np.float32))
+    >>> src = open_source(f)
+    >>> src.format, src.steps, [l.row.params for l in src.snapshot().items["default"].leaves]
+    ('npz', None, [3])
+    """
+    display = os.fspath(path)
+    if not display:
+        raise CheckpointNotFoundError("empty path: pass a checkpoint folder or file.")
+    context = context if context is not None else ReadContext.from_env()
+    context = context.replace(**{k: v for k, v in (("memory_budget", memory_budget), ("prefix", prefix))
+                                 if v is not None})
+    location = normalize(display)
+    storage = backend(location)
+    storage.forget(location)  # a bucket is listed afresh each time a checkpoint is opened
+    if not storage.exists(location):
+        if storage.islink(location):
+            raise CheckpointError(f"{display}: {file_kind(storage, location)}; point at the checkpoint itself.")
+        raise _as_typed(storage.missing(location), location, display)
+    if not (storage.isdir(location) or storage.isfile(location)):
+        raise CheckpointError(f"{display}: not a regular file ({file_kind(storage, location)}); point at a "
+                              "checkpoint file or folder.")
+    confined = context.confined_to(location)  # from here on, every read must resolve inside PATH
+    if storage.isdir(location):
+        storage.prefetch_tree(location)  # in a bucket, one LIST answers the probes of every step and item below
+    registered = registered_formats()
+    for fmt in registered:
+        if claims(fmt, location, confined):
+            try:
+                return fmt.open(location, display, confined)
+            except (CheckpointError, CheckpointNotFoundError) as e:
+                raise _as_typed(e, location, display) from None
+    raise CheckpointError(not_a_checkpoint(location, display, registered, context))
+
+
+def _as_typed(error: Exception, location: str, display: str) -> Exception:
+    """``error`` naming the path as the user typed it, not its absolute form."""
+    text = str(error)
+    if location == display or not text.startswith(location):
+        return error
+    return type(error)(display + text[len(location):])

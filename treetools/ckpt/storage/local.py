@@ -1,0 +1,505 @@
+"""The local disk, and confinement: the reads of a checkpoint stay inside the folder it was opened at.
+
+Checkpoints are untrusted input: a symlink inside one (a chunk file, an item
+folder, a metadata file) may lead anywhere on the machine. ``confine(path)``
+opens the checkpoint's folder once (a ``Root``, holding an open descriptor of
+it) and returns a ``LocalStorage`` bound to it: every read through that
+storage (``open``, ``read_range``, ``read_into``, the listings, and a folder
+``pin``-ned for TensorStore) resolves inside the root, or is refused. The
+storage holds the root; the readers a checkpoint hands out hold the storage;
+nothing is registered by path, and nothing depends on which thread reads.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import shutil
+import stat as stat_
+import threading
+import uuid
+import weakref
+from typing import Any, Callable, Iterator
+
+from treetools.ckpt.storage.base import Pinned as _BasePinned
+from treetools.ckpt.storage.base import Storage, Upload
+from treetools.shared.errors import CheckpointError
+
+HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
+"""Folder names of a Hugging Face hub cache repo, whose ``snapshots/<rev>/`` files link into its ``blobs/``."""
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def fd_path(fd: int) -> str | None:
+    """The real path of an open descriptor (Linux: its /proc link), None where the OS does not say."""
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return target[: -len(" (deleted)")] if target.endswith(" (deleted)") else target
+
+
+class Root:
+    """A checkpoint root: the folder a checkpoint was opened at, held open, and where reads under it may lead.
+
+    Every local file read under ``path`` must resolve (symlinks followed)
+    inside the real path of the folder that was opened, or be one of the files
+    a user named (a checkpoint file given as PATH may itself be a link: the
+    user chose it). One layout links out of its folder by design, the Hugging
+    Face hub cache (``models--org--name/snapshots/<rev>/model.safetensors ->
+    ../../blobs/<sha>``): a root inside a ``snapshots/`` folder of such a repo
+    may also read anything inside that same repo folder, nothing beyond it.
+
+    The folder's descriptor is opened once, here: the real path it is known by
+    is the one of the folder opened, whatever is renamed or relinked at its
+    name later. It is closed by ``close`` or when the root is collected.
+
+    >>> import tempfile, os
+    >>> repo = os.path.join(os.path.realpath(tempfile.mkdtemp()), "models--org--m")
+    >>> os.makedirs(os.path.join(repo, "snapshots", "abc"))
+    >>> root = Root(os.path.join(repo, "snapshots", "abc"))
+    >>> root.allows(os.path.join(repo, "blobs", "f00")), root.allows(os.path.dirname(repo))
+    (True, False)
+    >>> root.close()
+    """
+
+    def __init__(self, path: str, *, named: str | None = None):
+        self.path = path
+        self.fd: int | None = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
+        real = fd_path(self.fd) or os.path.realpath(path)
+        self.allowed: tuple[str, ...] = ()
+        self._allow(path, real)
+        if named is not None:
+            self._allow(named, os.path.realpath(named))
+
+    def _allow(self, path: str, real: str) -> None:
+        allowed = [*self.allowed, real]
+        for candidate in (path, real):  # a snapshot file given as PATH is itself a link into blobs/
+            parts = candidate.split(os.sep)
+            for i in range(1, len(parts) - 1):
+                if parts[i + 1] == "snapshots" and parts[i].startswith(HF_REPO_PREFIXES):
+                    allowed.append(os.path.realpath(os.sep.join(parts[:i + 1])))
+        self.allowed = tuple(dict.fromkeys(allowed))
+
+    def allows(self, real: str) -> bool:
+        """Whether the real path ``real`` lies inside this root (the folder opened, wherever it is now; or its
+        Hugging Face repo folder, or the file the user named)."""
+        here = fd_path(self.fd) if self.fd is not None else None
+        allowed = (*self.allowed, here) if here else self.allowed
+        return any(real == a or real.startswith(a.rstrip(os.sep) + os.sep) for a in allowed)
+
+    def relative(self, path: str) -> str | None:
+        """``path`` relative to the root folder, when it lies under it by name; else None."""
+        if path == self.path:
+            return "."
+        head = self.path.rstrip(os.sep) + os.sep
+        return path[len(head):] if path.startswith(head) else None
+
+    def outside(self, path: str) -> CheckpointError:
+        return CheckpointError(f"{path}: resolves outside the checkpoint {self.path} (a symlink leading out of "
+                               "it?); refusing to read it.")
+
+    def check(self, path: str, real: str | None = None) -> None:
+        """Refuse ``path``, when it lies under the root by name, unless its real path (``real``, else
+        ``os.path.realpath``) lies inside the root too. A path outside the root by name is one a format asks for
+        knowingly (the step folder above an item folder given as PATH), not one the checkpoint named."""
+        if self.relative(path) is not None and not self.allows(real if real is not None else os.path.realpath(path)):
+            raise self.outside(path)
+
+    def close(self) -> None:
+        self._finalizer()
+        self.fd = None
+
+    def __repr__(self) -> str:
+        return f"Root({self.path!r})"
+
+
+_WALKS: dict[tuple, list[tuple[str, tuple[int, ...]]]] = {}
+"""Folders already walked and found clean, by the identity of every folder gone through (a memo, not a registry
+of roots: a changed folder changes its identity)."""
+_WALKS_LOCK = threading.Lock()
+
+
+def _identity(path: str) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class LocalPinned(_BasePinned):
+    """A local folder opened once and checked, for a library that opens the files in it by path (TensorStore).
+
+    ``path`` is what to hand the library: ``/proc/self/fd/N`` on Linux, so the
+    folder read is the one checked even if a link is swapped in for it later
+    (elsewhere its real path). ``identity`` changes when entries of the folder
+    are added, removed or renamed. Close it when the library is done.
+    """
+
+    def __init__(self, storage: "LocalStorage", folder: str, fd: int):
+        self._storage, self.folder, self.fd = storage, folder, fd
+        self.path = f"/proc/self/fd/{fd}" if fd_path(fd) is not None else os.path.realpath(folder)
+        st = os.fstat(fd)
+        self.identity = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+        self._finalizer = weakref.finalize(self, os.close, fd)
+
+    def real(self, name: str = "") -> str:
+        """The real path of ``name`` inside the folder (symlinks resolved)."""
+        return os.path.realpath(os.path.join(self.path, name) if name else self.path)
+
+    def check_file(self, name: str) -> None:
+        root = self._storage.root
+        if root is None:
+            return
+        real = self.real(name)
+        root.check(os.path.join(self.folder, name), real)
+        try:
+            mode = os.stat(real).st_mode
+        except OSError:
+            return  # missing: the library's own error names it
+        if not (stat_.S_ISREG(mode) or stat_.S_ISDIR(mode)):
+            raise CheckpointError(f"{os.path.join(self.folder, name)}: not a regular file; refusing to read it.")
+
+    def check_tree(self) -> None:
+        """Refuse the folder unless every entry below it resolves inside the checkpoint root (links followed) and
+        is a regular file or folder (no FIFO, socket or device).
+
+        A walk that found nothing wrong is remembered by the identity of every
+        folder it went through (inode, modification and change times): while none
+        of them has changed (an entry added, removed, renamed or relinked changes
+        its folder's times), the next check of the same folder is those stats only.
+        """
+        root = self._storage.root
+        if root is None:
+            return
+        key = (self.identity, root.allowed)
+        with _WALKS_LOCK:
+            dirs = _WALKS.get(key)
+        if dirs is not None and all(_identity(os.path.join(self.path, rel)) == ident for rel, ident in dirs):
+            return
+        dirs = self._walk(root)
+        with _WALKS_LOCK:
+            _WALKS[key] = dirs
+            while len(_WALKS) > 4096:
+                _WALKS.pop(next(iter(_WALKS)))
+
+    def _walk(self, root: Root) -> list[tuple[str, tuple[int, ...]]]:
+        """Every entry below the folder checked; ``(relative folder, identity)`` of each folder gone through."""
+        seen: set[tuple[int, int]] = set()
+        dirs: list[tuple[str, tuple[int, ...]]] = []
+        stack = [(os.dup(self.fd), self.real(), self.folder, "")]
+        nofollow = os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC
+        while stack:
+            fd, real, shown, rel = stack.pop()
+            try:
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                dirs.append((rel, (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)))
+                with os.scandir(fd) as it:
+                    for e in it:
+                        name, sub = os.path.join(shown, e.name), os.path.join(rel, e.name)
+                        if e.is_symlink():
+                            target = os.path.realpath(os.path.join(real, e.name))
+                            root.check(name, target)
+                            if os.path.isdir(target):
+                                stack.append((self._storage.open_fd(target, _DIRECTORY), target, name, sub))
+                            elif os.path.exists(target) and not os.path.isfile(target):
+                                raise CheckpointError(f"{name}: not a regular file; refusing to read it.")
+                        elif e.is_dir(follow_symlinks=False):
+                            stack.append((os.open(e.name, nofollow, dir_fd=fd), os.path.join(real, e.name), name, sub))
+                        elif not e.is_file(follow_symlinks=False):
+                            raise CheckpointError(
+                                f"{name}: not a regular file (a FIFO, socket or device); refusing to read it.")
+            except BaseException:
+                for other, *_ in stack:
+                    os.close(other)
+                raise
+            finally:
+                os.close(fd)
+        return dirs
+
+    def close(self) -> None:
+        self._finalizer()
+        self.fd = None
+
+
+class LocalUpload(Upload):
+    """A local file written at ``path`` (the caller picks a temporary name and renames it); ``commit`` flushes
+    and fsyncs it, ``abort`` removes it."""
+
+    def __init__(self, path: str, *, fsync: bool = True):
+        self.path, self._fsync, self.written = path, fsync, 0
+        self._file = builtins.open(path, "wb")
+
+    def write(self, data: Any) -> None:
+        self._file.write(data)
+        self.written += memoryview(data).nbytes
+
+    def commit(self) -> None:
+        self._file.flush()
+        if self._fsync:
+            os.fsync(self._file.fileno())
+        self._file.close()
+
+    def abort(self) -> None:
+        self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+class LocalStorage(Storage):
+    """The local file system through ``os``: same semantics (symlinks and FIFOs included), no import cost.
+
+    ``root``: the checkpoint root reads are confined to (``confine``); None reads anything.
+    """
+
+    scheme = "file"
+
+    def __init__(self, root: Root | None = None):
+        self.root = root
+
+    def confine(self, path: str) -> "LocalStorage":
+        """A storage whose reads stay inside ``path``: a folder is its own root; a file's root is its folder (a
+        T5X ``checkpoint`` file names the zarr folders beside it), which may also read the file itself wherever
+        it links."""
+        path = os.path.abspath(path)
+        if os.path.isdir(path):
+            return LocalStorage(Root(path))
+        return LocalStorage(Root(os.path.dirname(path), named=path))
+
+    def close(self) -> None:
+        if self.root is not None:
+            self.root.close()
+
+    def realpath(self, path: str) -> str:
+        return os.path.realpath(path)
+
+    def _check(self, path: str) -> None:
+        if self.root is not None:
+            self.root.check(path)
+
+    # -- probes
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def lexists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def isfile(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def islink(self, path: str) -> bool:
+        return os.path.islink(path)
+
+    def getsize(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def stat(self, path: str) -> Any:
+        return os.stat(path)
+
+    @contextlib.contextmanager
+    def scandir(self, path: str) -> Iterator[Any]:
+        self._check(path)
+        with os.scandir(path) as it:
+            yield it
+
+    def listdir(self, path: str) -> list[str]:
+        self._check(path)
+        return os.listdir(path)
+
+    def walk(self, top: str) -> Iterator[tuple[str, list[str], list[str]]]:
+        self._check(top)
+        for folder, dirs, files in os.walk(top):
+            self._check(folder)
+            yield folder, dirs, files
+
+    # -- reads
+
+    def open_fd(self, path: str, flags: int = 0) -> int:
+        """A regular file (or, with ``os.O_DIRECTORY``, folder) opened read-only, after checking what was opened.
+
+        Under the root, the path is opened relative to the root's own
+        descriptor; the check is of the descriptor itself (its real path
+        through /proc, else its inode against ``realpath``), so a link swapped
+        in between a check and the open cannot redirect the read.
+
+        Raises:
+          CheckpointError: it resolves outside the root, is not a regular file (a FIFO, a device), or ``path``
+            holds a NUL byte.
+          OSError: it cannot be opened.
+        """
+        if "\0" in path:
+            raise CheckpointError(f"{path!r}: a NUL byte in a path; the checkpoint names a file that cannot exist.")
+        # O_NONBLOCK: a FIFO swapped in for a file opens at once (and is refused below) instead of hanging the open.
+        flags |= os.O_RDONLY | _CLOEXEC | getattr(os, "O_NONBLOCK", 0)
+        root = self.root
+        rel = root.relative(path) if root is not None and root.fd is not None else None
+        fd = os.open(rel, flags, dir_fd=root.fd) if rel is not None else os.open(path, flags)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not (stat_.S_ISDIR(mode) if flags & _DIRECTORY else stat_.S_ISREG(mode)):
+                raise CheckpointError(f"{path}: not a regular file; refusing to read it.")
+            if root is not None:
+                real = fd_path(fd)
+                if real is None:  # no /proc: the real path, proven to be the file opened
+                    real = os.path.realpath(path)
+                    st, opened = os.stat(real), os.fstat(fd)
+                    if (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino):
+                        raise CheckpointError(f"{path}: changed while it was opened; refusing to read it.")
+                root.check(path, real)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def open(self, path: str, *, block_size: int = 64 * 2**10) -> Any:
+        return os.fdopen(self.open_fd(path), "rb")
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        fd = self.open_fd(path)
+        try:
+            parts = []
+            while length > 0:
+                data = os.pread(fd, length, start)
+                if not data:
+                    break
+                parts.append(data)
+                start, length = start + len(data), length - len(data)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: str, view: memoryview, pos: int) -> int:
+        try:
+            fd = self.open_fd(path)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
+        try:
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], pos + got)
+                if n <= 0:
+                    break
+                got += n
+            return got
+        finally:
+            os.close(fd)
+
+    def kvstore_spec(self, folder: str) -> dict[str, Any]:
+        """TensorStore's ``file`` driver at ``folder``.
+
+        >>> LocalStorage().kvstore_spec("/data/run/7/params")
+        {'driver': 'file', 'path': '/data/run/7/params/'}
+        """
+        return {"driver": "file", "path": os.path.abspath(folder) + "/"}
+
+    def pin(self, folder: str) -> LocalPinned:
+        """``folder`` opened and checked (inside the root).
+
+        Raises:
+          CheckpointError: the folder resolves outside the root.
+          OSError: it cannot be opened (missing, not a folder).
+        """
+        return LocalPinned(self, folder, self.open_fd(folder, _DIRECTORY))
+
+    # -- writes
+
+    def create(self, path: str, *, size: int | None = None, fsync: bool = True) -> LocalUpload:
+        return LocalUpload(path, fsync=fsync)
+
+    def write_atomically(self, dst: str, write: Callable[[str], list[str]], *, folder: bool,
+                         fsync: bool = True) -> None:
+        """Written under a temporary name beside ``dst`` (files fsynced once all are written: the kernel writes
+        the first back meanwhile), then renamed onto it (``swap_in``); removed on any failure."""
+        os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
+        tmp = tmp_name(dst, "tmp")
+        try:
+            written = write(tmp)
+            if fsync:
+                for path in written:
+                    fsync_file(path)
+                if folder:
+                    self.fsync_dir(tmp)
+            swap_in(tmp, dst)
+        except BaseException:
+            self.remove(tmp)
+            raise
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+        self.fsync_dir(os.path.dirname(dst) or ".")
+
+    def remove(self, path: str) -> None:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def fsync_dir(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def tmp_name(dst: str, what: str) -> str:
+    """A hidden name beside ``dst`` for a file or folder being written (``what``: ``tmp``, ``old``)."""
+    head, name = os.path.split(dst)
+    return os.path.join(head, f".{name}.treetools-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def swap_in(tmp: str, dst: str) -> None:
+    """Rename the finished ``tmp`` onto ``dst``; an existing ``dst`` is moved aside first, then removed.
+
+    A file replaces a file in one rename. Otherwise ``dst`` is absent for the
+    moment between two renames, never partial.
+    """
+    if not os.path.lexists(dst) or (os.path.isfile(tmp) and os.path.isfile(dst) and not os.path.islink(dst)):
+        _replace(tmp, dst)
+        return
+    aside = tmp_name(dst, "old")
+    os.rename(dst, aside)
+    try:
+        _replace(tmp, dst)
+    except BaseException:
+        os.rename(aside, dst)
+        raise
+    LocalStorage().remove(aside)
+
+
+def _replace(src: str, dst: str) -> None:
+    os.replace(src, dst)
+    LocalStorage().fsync_dir(os.path.dirname(dst) or ".")
+
+
+def fsync_file(path: str) -> None:
+    """Flush a local file's data to disk (durable before a rename makes it visible)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
