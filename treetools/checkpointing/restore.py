@@ -40,7 +40,8 @@ from treetools.ckpt.stream import read_arrays
 from treetools.shared.errors import CheckpointMismatchError, Mismatch
 from treetools.shared.render import safe_text
 from treetools.shared.rows import Row, dtype_name, format_shape
-from treetools.rules.engine import Rules, RulesPlan
+from treetools.rules.plan import RulesPlan
+from treetools.rules.spec import Rules
 
 if TYPE_CHECKING:  # type hints only
     import orbax.checkpoint as ocp
