@@ -695,6 +695,48 @@ def test_describe_rows_and_text():
     assert str(rules.plan(leaves)) == format_rows(rows)
 
 
+def test_describe_takes_path_strings_shapes_and_dtypes_optional():
+    # DESIGN.md: `rules.describe(paths)` shows the mapping before anything is read; paths alone are arrays whose
+    # shape and dtype are not known (blank in the rows), mixed freely with (path, shape, dtype) triples.
+    rules = Rules(rename=[(r"^params/(\w+)/kernel$", r"\1.weight")], drop=["^opt"], transpose={"weight$": (1, 0)},
+                  cast={"^step$": "float32"}, dtype="bfloat16")
+    paths = ["params/dense/kernel", "opt_state/mu", "step"]
+    rows = rules.describe(paths)
+    assert [(r.source, r.target, r.shape, r.ops) for r in rows] == [
+        ("params/dense/kernel", "dense.weight", None, ("transpose (1, 0)", "cast bfloat16")),
+        ("step", "step", None, ("cast float32",)),
+        ("opt_state/mu", None, None, ("drop",)),
+    ]
+    assert format_rows(rows).splitlines() == [
+        "source               -> target        shape  dtype",
+        "params/dense/kernel  -> dense.weight         ? -> bfloat16",
+        "step                 -> step                 ? -> float32",
+        "opt_state/mu         (dropped)",
+    ]
+    # known metadata where given: the triples' rows are what describe(triples) gives
+    mixed = rules.describe(["params/dense/kernel", ("step", (), "int32"), "opt_state/mu"])
+    known = rules.describe([("params/dense/kernel", (2, 3), "float32"), ("step", (), "int32"), ("opt_state/mu", (1,), "f4")])
+    assert mixed[1] == known[1] and mixed[1].dtype == "float32" and mixed[0].shape is None and known[0].shape == (3, 2)
+    # a generator of paths, and the errors of paths: a pattern that matches none of them names them
+    assert [r.target for r in Rules(rename={"^a": "b"}).describe(p for p in ["a/x", "c"])] == ["b/x", "c"]
+    with pytest.raises(RulesError, match=r"`drop` pattern 'nope' matches no leaf \(checkpoint paths\); nearby"):
+        Rules(drop=["nope"]).describe(["a", "b"])
+    # unstack needs the layer count: from the shape, or num_layers when only paths are given
+    with pytest.raises(RulesError, match=r"`unstack` pattern 'layers' matches `layers/w`, whose shape is not given; "
+                                         r"pass its shape \(a \(path, shape, dtype\) triple\) or num_layers="):
+        Rules(unstack=["layers"]).describe(["layers/w"])
+    rows = Rules(unstack=["layers"], rename={r"^layers/(\d+)/w$": r"h.\1.w"}, stack=[r"^h\."]).describe(
+        ["layers/w"], num_layers=3)
+    assert [(r.source, r.target, r.ops) for r in rows] == [("layers/w[0..2]", "h.w", ("stack 3",))]
+    rows = Rules(unstack=["layers"]).describe(["layers/w", "emb"], num_layers=2)
+    assert [(r.source, r.target) for r in rows] == [("layers/w[0]", "layers/0/w"), ("layers/w[1]", "layers/1/w"),
+                                                    ("emb", "emb")]
+    # a transpose of an unknown shape is checked against its own axes: a permutation of 0 .. len(axes)-1
+    assert Rules(transpose={"w": (-1, -2)}).plan(["w"])["w"].axes == (1, 0)
+    with pytest.raises(RulesError, match=r"does not fit `w` \(shape not given\)"):
+        Rules(transpose={"w": (0, 0)}).describe(["w"])
+
+
 def test_docs_rules_md_fields_table_is_the_field_table():
     # docs/rules.md shows the one field table of Rules; regenerate it with
     # python -c "from treetools.rules.spec import fields_markdown; print(fields_markdown())"

@@ -57,7 +57,9 @@ class TargetLeaf:
     along a new axis 0 when ``stacked``; ``numpy.transpose`` by ``axes``;
     ``astype(cast)``. ``shape``/``dtype`` are the result's (None for a
     non-array value, passed through as it is); ``source_shape``/``source_dtype``
-    are those of the source leaf of ``pieces[0]`` as stored.
+    are those of the source leaf of ``pieces[0]`` as stored. ``known`` is
+    False for an array named by its path alone (``Rules.describe(paths)``):
+    its shapes are None, as is a dtype not given; it is planned, never read.
     """
 
     path: str
@@ -69,6 +71,7 @@ class TargetLeaf:
     stacked: bool = False
     axes: tuple[int, ...] | None = None
     cast: np.dtype | None = None
+    known: bool = True
 
     @property
     def source(self) -> str:
@@ -82,7 +85,8 @@ class TargetLeaf:
 
     @property
     def is_array(self) -> bool:
-        return self.shape is not None
+        """An array (of a known shape, or named by its path alone), not a value passed through."""
+        return self.shape is not None or not self.known
 
     @property
     def identity(self) -> bool:
@@ -140,7 +144,7 @@ def format_rows(rows: Sequence[RuleRow]) -> str:
     """
 
     def change(a: Any, b: Any) -> str:
-        a, b = ("" if a is None else str(a)), ("" if b is None else str(b))
+        a, b = ("?" if a is None and b is not None else "" if a is None else str(a)), ("" if b is None else str(b))
         return a if a == b or not b else f"{a} -> {b}"
 
     table = [("source", "-> target", "shape", "dtype")]
@@ -217,22 +221,29 @@ def plan_rules(
     return _Planner(rules, num_layers, targets).run(_as_leaves(leaves))
 
 
-def _as_leaves(leaves: Any) -> list[tuple[str, Shape | None, Any]]:
+_UNKNOWN = object()
+"""A shape not given: the leaf is an array (its shape and dtype unknown) named by its path alone."""
+
+
+def _as_leaves(leaves: Any) -> list[tuple[str, Shape | None, Any, bool]]:
+    """``(path, shape, dtype, known)`` of every source leaf: ``known`` is False for a path given alone."""
     if isinstance(leaves, Mapping):
-        triples = []
+        given = []
         for path, leaf in leaves.items():
             array = hasattr(leaf, "shape") and hasattr(leaf, "dtype")
-            triples.append((path, leaf.shape if array else None, leaf.dtype if array else None))
+            given.append((path, leaf.shape if array else None, leaf.dtype if array else None))
     else:
-        triples = [tuple(t) for t in leaves]
+        given = [(t, _UNKNOWN, None) if isinstance(t, str) else (*t, *(_UNKNOWN, None)[len(t) - 1:]) for t in leaves]
     out, seen = [], set()
-    for path, shape, dtype in triples:
+    for path, shape, dtype in given:
         if not isinstance(path, str):
             raise TypeError(f"leaf paths must be path strings such as 'params/w', got {path!r}.")
         if path in seen:
             raise ValueError(f"two source leaves share the path {path!r}.")
         seen.add(path)
-        out.append((path, None if shape is None else tuple(int(d) for d in shape), source_dtype(dtype)))
+        known = shape is not _UNKNOWN
+        shape = None if shape is None or not known else tuple(int(d) for d in shape)
+        out.append((path, shape, source_dtype(dtype), known))
     return out
 
 
@@ -315,8 +326,8 @@ class _Planner:
                     self.problems.append(message)
         return firsts
 
-    def run(self, leaves: list[tuple[str, Shape | None, Any]]) -> RulesPlan:
-        nodes = [TargetLeaf(p, s, d, (Piece(p),), s, d) for p, s, d in leaves]
+    def run(self, leaves: list[tuple[str, Shape | None, Any, bool]]) -> RulesPlan:
+        nodes = [TargetLeaf(p, s, d, (Piece(p),), s, d, known=known) for p, s, d, known in leaves]
         nodes, dropped = self.keep_drop(nodes)
         self.check()
         nodes = self.unstack(nodes)
@@ -346,21 +357,30 @@ class _Planner:
             pat = self.rules.compiled("unstack")[k]
             shape = node.shape
             fix = "narrow the pattern so that it matches only stacked (scanned) leaves"
-            if shape is None or not shape or shape[0] == 0:
+            if not node.known:  # a path alone: the layer count is num_layers, or unknown
+                if self.num_layers is None:
+                    self.problems.append(
+                        f"`unstack` pattern {pat.pattern!r} matches `{node.path}`, whose shape is not given; pass "
+                        "its shape (a (path, shape, dtype) triple) or num_layers=."
+                    )
+                    continue
+            elif shape is None or not shape or shape[0] == 0:
                 what = "is not an array" if shape is None else f"has shape {shape}, no leading layer axis"
                 self.problems.append(f"`unstack` pattern {pat.pattern!r} matches `{node.path}`, which {what}; {fix}.")
                 continue
-            if self.num_layers is not None and shape[0] != self.num_layers:
+            elif self.num_layers is not None and shape[0] != self.num_layers:
                 self.problems.append(
                     f"`unstack` pattern {pat.pattern!r}: `{node.path}` has shape {shape}, whose leading axis is "
                     f"not the {self.num_layers} layers expected; {fix}, or fix num_layers."
                 )
                 continue
             match = pat.search(node.path)
-            self.check_target_layers(node, match, shape)
-            for i in range(shape[0]):
+            if shape is not None:
+                self.check_target_layers(node, match, shape)
+            for i in range(self.num_layers if shape is None else shape[0]):
                 out.append(dataclasses.replace(
-                    node, path=insert_index(node.path, match, i), pieces=(Piece(node.path, i),), shape=shape[1:]
+                    node, path=insert_index(node.path, match, i), pieces=(Piece(node.path, i),),
+                    shape=None if shape is None else shape[1:],
                 ))
         return out
 
@@ -438,7 +458,7 @@ class _Planner:
                     "where a layer index belongs; end the pattern just before the layer index (e.g. 'layers/')."
                 )
                 continue
-            if node.shape is None:
+            if not node.is_array:
                 self.problems.append(f"`stack` pattern {pat.pattern!r} matches `{node.path}`, which is not an array.")
                 continue
             if taken[0] not in groups:
@@ -464,7 +484,7 @@ class _Planner:
                 f"`stack` into `{path}`: layers {indices} from {names} are not 0 .. {len(indices) - 1} ({what}); "
                 "every layer from 0 up must be present once."
             )
-        odd = [n for _, n in members if (n.shape, str(n.dtype)) != (first.shape, str(first.dtype))]
+        odd = [n for _, n in members if (n.shape, str(n.dtype), n.known) != (first.shape, str(first.dtype), first.known)]
         if odd:
             each = "; ".join(f"`{n.path}` {n.shape} {dtype_text(n.dtype)}" for n in [first, *odd])
             self.problems.append(
@@ -474,8 +494,9 @@ class _Planner:
             self.problems.append(
                 f"`stack` into `{path}`: {len(members)} layers ({names}), not the {self.num_layers} expected."
             )
-        return TargetLeaf(path, (len(members), *first.shape), first.dtype, tuple(n.pieces[0] for _, n in members),
-                          first.source_shape, first.source_dtype, stacked=True)
+        shape = None if first.shape is None else (len(members), *first.shape)
+        return TargetLeaf(path, shape, first.dtype, tuple(n.pieces[0] for _, n in members), first.source_shape,
+                          first.source_dtype, stacked=True, known=first.known)
 
     def transpose(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
         firsts = self.first_match("transpose", [n.path for n in nodes], "target paths, after rename and stack")
@@ -485,11 +506,13 @@ class _Planner:
             if k is None:
                 continue
             pattern, axes = self.rules.transpose[k]
-            rank = None if node.shape is None else len(node.shape)
+            # a path alone: its rank is not known, so the axes are checked against themselves
+            rank = len(node.shape) if node.shape is not None else len(axes) if node.is_array else None
             if rank is None or not (
                 len(axes) == rank and all(-rank <= a < rank for a in axes) and len({a % rank for a in axes}) == rank
             ):
-                what = "not an array" if rank is None else f"shape {node.shape}, rank {rank}"
+                what = ("not an array" if rank is None else "shape not given" if node.shape is None else
+                        f"shape {node.shape}, rank {rank}")
                 self.problems.append(
                     f"`transpose` rule ({pattern!r}, {axes}) does not fit `{node.path}` ({what}); give a "
                     "permutation of 0 .. rank-1, or narrow the pattern."
@@ -497,7 +520,8 @@ class _Planner:
                 continue
             axes = tuple(a % rank for a in axes)
             if axes != tuple(range(rank)):
-                out[-1] = dataclasses.replace(node, axes=axes, shape=tuple(node.shape[a] for a in axes))
+                shape = None if node.shape is None else tuple(node.shape[a] for a in axes)
+                out[-1] = dataclasses.replace(node, axes=axes, shape=shape)
         return out
 
     def cast(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
@@ -505,21 +529,28 @@ class _Planner:
         # The kinds each cast rule applies to: a kind change is only for a rule written for that kind.
         kinds_of: dict[int, dict[str | None, str]] = {}
         for node, k in zip(nodes, firsts):
-            if k is not None and node.shape is not None:
+            if k is not None and node.is_array and node.dtype is not None:
                 kinds_of.setdefault(k, {}).setdefault(_node_kind(node), node.path)
         out = []
         for node, k in zip(nodes, firsts):
-            target = None if node.shape is None else self.cast_to(node, k, kinds_of.get(k, {}))
+            target = None if not node.is_array else self.cast_to(node, k, kinds_of.get(k, {}))
             out.append(node if target is None or target == node.dtype else
                        dataclasses.replace(node, dtype=target, cast=target))
         return out
 
     def cast_to(self, node: TargetLeaf, k: int | None, kinds: dict[str | None, str]) -> np.dtype | None:
-        """The dtype cast rule ``k`` (or ``dtype=``, for None) gives an array leaf; None for none."""
+        """The dtype cast rule ``k`` (or ``dtype=``, for None) gives an array leaf; None for none.
+
+        An array whose dtype is not given (``describe(paths)``) shows the cast it would get: ``dtype=``'s
+        (which casts it only if it is floating) or its rule's.
+        """
         node_kind = _node_kind(node)
         if k is None:
-            return resolve_dtype(self.rules.dtype) if self.rules.dtype and node_kind == "floating" else None
+            wanted = self.rules.dtype and (node_kind == "floating" or node.dtype is None)
+            return resolve_dtype(self.rules.dtype) if wanted else None
         pattern, target = self.rules.cast[k][0], resolve_dtype(self.rules.cast[k][1])
+        if node.dtype is None:
+            return target
         if node_kind is None:
             self.problems.append(
                 f"`cast` rule {pattern!r} -> {target.name} matches `{node.path}` of dtype "
