@@ -484,7 +484,8 @@ class _Planner:
                 f"`stack` into `{path}`: layers {indices} from {names} are not 0 .. {len(indices) - 1} ({what}); "
                 "every layer from 0 up must be present once."
             )
-        odd = [n for _, n in members if (n.shape, str(n.dtype), n.known) != (first.shape, str(first.dtype), first.known)]
+        like = (first.shape, str(first.dtype), first.known)
+        odd = [n for _, n in members if (n.shape, str(n.dtype), n.known) != like]
         if odd:
             each = "; ".join(f"`{n.path}` {n.shape} {dtype_text(n.dtype)}" for n in [first, *odd])
             self.problems.append(

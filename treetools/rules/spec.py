@@ -150,7 +150,7 @@ def parse_transpose(text: str) -> tuple[str, tuple[int, ...]]:
 
 
 class Patterns:
-    """A list of regexes (``[pattern, ...]``, or one pattern); ``merge`` puts the later ones after; a repeatable flag."""
+    """A list of regexes (``[pattern, ...]``, or one pattern); ``merge`` puts the later ones after them."""
 
     flag = "repeat"
     changes = True
@@ -558,8 +558,8 @@ FIELDS: dict[str, RuleField] = {f.name: f.metadata["rule"] for f in dataclasses.
 def fields_markdown() -> str:
     """The field table as docs/rules.md shows it (``tests/test_rules.py`` checks the page against it).
 
-    >>> print(fields_markdown().splitlines()[2])
-    | `rename=[(pattern, replacement), ...]` | `re.sub(pattern, replacement, path)`; ... | paths after unstack | `--rename 'RE=>REPL'`, repeatable: exactly one `=>` (...) |
+    >>> print(fields_markdown().splitlines()[3])
+    | `drop=[pattern, ...]` | leave out the source leaves a pattern matches | checkpoint paths | `--drop RE`, repeatable |
     """
     lines = ["| field | meaning | matched against | flag |", "|---|---|---|---|"]
     for name, field in FIELDS.items():
