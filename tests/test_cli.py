@@ -261,7 +261,8 @@ def test_a_profiler_or_a_calling_program_gets_the_process_back(tmp_path):
 
 def test_metadata_inspect_loads_neither_the_rules_nor_the_block_engine_nor_the_statistics(tmp_path):
     # What keeps whole-process metadata inspect near 0.3x `import jax` (benchmarks/test_stream_bench.py): these load
-    # only for --stats, rules and the other commands.
+    # only for --stats, rules and the other commands. (The rules spec, standard library only, loads with the parser:
+    # its field table gives the rules flags.)
     np.savez(tmp_path / "a.npz", w=np.ones((2, 4), np.float32))
     later = ["treetools.rules.plan", "treetools.ckpt.mapping", "treetools.ckpt.stream", "treetools.commands.stats",
              "treetools.commands.progress"]
