@@ -261,9 +261,10 @@ def test_a_profiler_or_a_calling_program_gets_the_process_back(tmp_path):
 
 def test_metadata_inspect_loads_neither_the_rules_nor_the_block_engine_nor_the_statistics(tmp_path):
     # What keeps whole-process metadata inspect near 0.3x `import jax` (benchmarks/test_stream_bench.py): these load
-    # only for --stats, rules and the other commands.
+    # only for --stats, rules and the other commands. (The rules spec, standard library only, loads with the parser:
+    # its field table gives the rules flags.)
     np.savez(tmp_path / "a.npz", w=np.ones((2, 4), np.float32))
-    later = ["treetools.rules.engine", "treetools.ckpt.mapping", "treetools.ckpt.stream", "treetools.commands.stats",
+    later = ["treetools.rules.plan", "treetools.ckpt.mapping", "treetools.ckpt.stream", "treetools.commands.stats",
              "treetools.commands.progress"]
     code = ("import io, contextlib, sys\nfrom treetools.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n    assert main(sys.argv[1:]) == 0\n"
@@ -302,6 +303,39 @@ def test_train_and_plot_options_reach_their_commands():
             a.ema_decay) == (4, "w", False, 1, 8, 2, 3, True, 0.9)
     p = cli.build_parser("plot").parse_args(["plot", "m.jsonl", "-o", "out.png"])
     assert (p.metrics, p.output) == (["m.jsonl"], "out.png")
+
+
+def test_the_rules_flags_are_the_rules_field_table(tmp_path):
+    # One table (treetools.rules.spec.FIELDS) gives every rules flag: each field is a flag of convert and diff with
+    # its metavar and help, inspect takes --unstack alone, and the flags parse into the Rules the library builds.
+    from treetools.cli.options import rules_from
+    from treetools.rules.spec import FIELDS, Rules
+
+    values = {"rename": ["^a/(.*)$=>b.\\1"], "drop": ["^opt/"], "keep": ["^(a|opt)/"], "cast": ["(?=x)=float16"],
+              "dtype": "bfloat16", "transpose": ["w$=1,0"], "unstack": ["^a/"], "stack": ["^c/"],
+              "allow_unmatched": True}
+    assert set(values) == set(FIELDS)  # a new field needs a value here
+    (tmp_path / "r.json").write_text(json.dumps({"drop": ["^first$"], "cast": {"(?=x)": "float32"}}))
+    for command in ("convert", "diff"):
+        parser = cli.build_parser(command)
+        sub = parser._subparsers._group_actions[0].choices[command]  # noqa: SLF001  (the subcommand's own parser)
+        text = sub.format_help()
+        for name, field in FIELDS.items():
+            assert f"{field.flag(name)}" + (f" {field.metavar}" if field.metavar else "") in text, (command, name)
+        argv = [command, "A", "B", "--rules", str(tmp_path / "r.json")]
+        for name, value in values.items():
+            flag = FIELDS[name].flag(name)
+            argv += [flag] if value is True else [flag, value] if isinstance(value, str) else [flag, *value]
+        args = parser.parse_args(argv)
+        rules = rules_from(args)
+        assert rules == Rules.from_cli(rules_file=tmp_path / "r.json", **values)
+        assert rules == Rules(rename=[(r"^a/(.*)$", r"b.\1")], drop=["^first$", "^opt/"], keep=["^(a|opt)/"],
+                              cast={"(?=x)": "float16"}, dtype="bfloat16", transpose={"w$": (1, 0)},
+                              unstack=["^a/"], stack=["^c/"], allow_unmatched=True)
+        assert rules_from(parser.parse_args([command, "A", "B"])) is None
+    inspect = cli.build_parser("inspect")._subparsers._group_actions[0].choices["inspect"]  # noqa: SLF001
+    flags = {o for a in inspect._actions for o in a.option_strings}  # noqa: SLF001
+    assert {FIELDS[n].flag(n) for n in FIELDS} & flags == {"--unstack"} and "--rules" not in flags
 
 
 @pytest.mark.parametrize("argv", [[], ["inspect"], ["inspect", "x", "--format", "yaml"], ["inspect", "x", "--depth", "0"],

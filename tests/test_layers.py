@@ -58,12 +58,15 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/diff.py", "main"): "numpy",
     ("cli/verify.py", "main"): "numpy",
     ("cli/convert.py", "main"): "numpy",
-    ("cli/options.py", "rules_from"): "numpy",
     ("cli/plot.py", "stats_report"): "numpy",
     # Metadata mode (inspect without --stats or rules) starts without the rules engine, the block engine and the
     # statistics: whole-process inspect is measured against `import jax` (benchmarks/test_stream_bench.py).
     ("commands/report.py", "_inspect"): "startup",
     ("commands/report.py", "_compute_stats"): "startup",
+    # The rules spec is standard library only, so the CLI builds the rules flags from its field table: numpy (dtype
+    # names, the planner) loads when rules are made or planned.
+    ("rules/spec.py", "_dtype_name"): "numpy",
+    ("rules/spec.py", "plan"): "numpy",
     # The reference trainer is jax, flax and optax.
     ("cli/train.py", "main"): "jax",
     ("cli/train.py", "check_workdir"): "numpy",

@@ -26,7 +26,7 @@ from treetools.shared.errors import PatternError
 from treetools.pytree.norms import get_grad_norms, get_param_norms, get_sharded_global_norm, norm_metrics
 from treetools.pytree.partitioning import is_box, leaf_sharding, rebox, unbox
 from treetools.pytree.paths import flatten, unflatten_dict
-from treetools.rules.engine import insert_index
+from treetools.rules.plan import insert_index
 
 RTOL = 2e-6  # float32 accumulation vs float64
 L, D = _models.SCAN_LAYERS, _models.SCAN_D

@@ -1,4 +1,5 @@
-"""treetools.rules.engine: the Rules engine, checked against numpy doing the same mapping by hand."""
+"""treetools.rules (spec, plan, dtypes) and the block reader over it (treetools.ckpt.mapping.RuledReader): the Rules
+engine, checked against numpy doing the same mapping by hand."""
 
 from __future__ import annotations
 
@@ -17,17 +18,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from treetools.ckpt.mapping import RuledReader
+from treetools.ckpt.readers import InMemoryReader
+from treetools.rules.dtypes import resolve_dtype
+from treetools.rules.plan import Piece, format_rows
+from treetools.rules.spec import FIELDS, Rules, fields_markdown, parse_cast, parse_rename, parse_transpose
 from treetools.shared.errors import PatternError, RulesError
-from treetools.rules.engine import (
-    Piece,
-    Rules,
-    TargetReader,
-    format_rows,
-    parse_cast,
-    parse_rename,
-    parse_transpose,
-    resolve_dtype,
-)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 Spec = namedtuple("Spec", "shape dtype")  # what a ShapeDtypeStruct looks like to the planner: no data
@@ -37,20 +33,37 @@ def plan_paths(rules, leaves, **kw):
     return [t.path for t in rules.plan(leaves, **kw)]
 
 
+class Recording(InMemoryReader):
+    """An in-memory source leaf that records every block asked of it, as ``(name, index)``."""
+
+    def __init__(self, name, array, calls):
+        super().__init__(array)
+        self.name, self.calls = name, calls
+
+    def read(self, index):
+        self.calls.append((self.name, index))
+        return super().read(index)
+
+
+def reader(target, arrays):
+    """The block reader of one target leaf over in-memory sources."""
+    return RuledReader(target, {p.path: InMemoryReader(np.asarray(arrays[p.path])) for p in target.pieces})
+
+
 def materialize(plan, arrays, *, block=None):
-    """Every target leaf read through TargetReader, whole or tiled in blocks of shape ``block``."""
+    """Every target leaf read through RuledReader, whole or tiled in blocks of shape ``block``."""
     out = {}
     for t in plan:
         if not t.is_array:
             out[t.path] = arrays[t.source]
             continue
-        reader = TargetReader(t, lambda path, index: arrays[path][index])
+        r = reader(t, arrays)
         if block is None:
-            out[t.path] = reader.read()
+            out[t.path] = r.read()
             continue
-        result = np.empty(reader.shape, reader.dtype)
-        for index in tiles(reader.shape, block):
-            result[index] = reader.read(index)
+        result = np.empty(r.shape, r.dtype)
+        for index in tiles(r.shape, block):
+            result[index] = r.read(index)
         out[t.path] = result
     return out
 
@@ -167,6 +180,7 @@ FULL_FLAGS = dict(
 
 
 def test_json_toml_python_and_cli_strings_give_the_same_rules(tmp_path):
+    assert all(getattr(FULL, name) for name in FIELDS)  # every field of the one table, so a new one is checked too
     (tmp_path / "r.json").write_text(json.dumps(FULL.to_dict()))
     (tmp_path / "r.toml").write_text(FULL_TOML)
     assert Rules.from_file(tmp_path / "r.json") == FULL
@@ -340,7 +354,7 @@ def test_non_array_leaves_pass_through_rename_cast_and_dtype():
         [("meta/name", None, None), ("w", (2,), "float32")])
     assert [(t.path, t.shape, t.dtype) for t in plan] == [("info/name", None, None), ("w", (2,), np.float16)]
     with pytest.raises(TypeError, match="not an array"):
-        TargetReader(plan["info/name"], lambda p, i: None)
+        RuledReader(plan["info/name"], {})
 
 
 def test_leaves_may_be_a_mapping_of_arrays_or_shape_dtype_structs():
@@ -536,31 +550,26 @@ def test_stack_and_transpose_read_in_blocks_is_numpy_bit_exact():
     assert plan["model.layers.w"].shape == truth.shape == (6, 5, 4)
     for block in [None, (1, 1, 1), (2, 2, 3), (6, 1, 4), (4, 3, 2)]:
         assert bits_equal(materialize(plan, arrays, block=block)["model.layers.w"], truth)
-    reader = TargetReader(plan["model.layers.w"], lambda p, i: arrays[p][i])
+    stacked = reader(plan["model.layers.w"], arrays)
     # stepped and empty slices, and a short index (missing trailing axes are whole)
     for index in [(slice(None, None, 2), slice(4, 0, -2)), (slice(1, 1),), (slice(0, 6), slice(5, 9)), ()]:
-        assert bits_equal(reader.read(index), truth[index]), index
+        assert bits_equal(stacked.read(index), truth[index]), index
     with pytest.raises(TypeError, match="tuple of at most 3 slices"):
-        reader.read((0,))
+        stacked.read((0,))
 
 
 def test_reads_take_only_the_blocks_asked_for():
     src = np.arange(4 * 6 * 8, dtype=np.float32).reshape(4, 6, 8)
     calls = []
-
-    def read_source(path, index):
-        calls.append((path, index))
-        return src[index]
-
     plan = Rules(unstack=["^w$"], transpose={r"w/\d": (1, 0)}).plan({"w": src})
-    block = TargetReader(plan["w/2"], read_source).read((slice(1, 3), slice(4, 6)))
+    block = RuledReader(plan["w/2"], {"w": Recording("w", src, calls)}).read((slice(1, 3), slice(4, 6)))
     assert calls == [("w", (slice(2, 3), slice(4, 6), slice(1, 3)))]  # layer 2, the permuted block only
     assert bits_equal(block, src[2].T[1:3, 4:6])
 
     layers = {f"l/{i}/w": src[i] for i in range(4)}
     calls.clear()
     plan = Rules(stack=["l/"]).plan(layers)
-    block = TargetReader(plan["l/w"], lambda p, i: calls.append((p, i)) or layers[p][i]).read(
+    block = RuledReader(plan["l/w"], {p: Recording(p, x, calls) for p, x in layers.items()}).read(
         (slice(1, 3), slice(0, 2)))
     assert calls == [("l/1/w", (slice(0, 2), slice(None))), ("l/2/w", (slice(0, 2), slice(None)))]
     assert bits_equal(block, src[1:3, 0:2])
@@ -571,14 +580,14 @@ def test_narrowing_casts_round_as_numpy_and_ml_dtypes_do():
     for name in ["bfloat16", "float16", "float8_e4m3fn"]:
         plan = Rules(dtype=name).plan({"x": x})
         with np.errstate(over="ignore"):  # 70000 overflows float16: numpy warns, as it would for astype
-            got = TargetReader(plan["x"], lambda p, i: x[i]).read()
+            got = reader(plan["x"], {"x": x}).read()
             assert bits_equal(got, x.astype(resolve_dtype(name))), name
     # widening is exact: bf16 -> f32 -> bf16 gives the same bits
     h = x.astype(BF16)
-    wide = TargetReader(Rules(dtype="float32").plan({"h": h})["h"], lambda p, i: h[i]).read()
+    wide = reader(Rules(dtype="float32").plan({"h": h})["h"], {"h": h}).read()
     assert bits_equal(wide.astype(BF16), h) and wide.dtype == np.float32
     c = np.array([1 + 2j], np.complex64)
-    real = TargetReader(Rules(cast={"c": "float32"}).plan({"c": c})["c"], lambda p, i: c[i]).read()
+    real = reader(Rules(cast={"c": "float32"}).plan({"c": c})["c"], {"c": c}).read()
     assert bits_equal(real, np.array([1.0], np.float32))
 
 
@@ -686,6 +695,60 @@ def test_describe_rows_and_text():
     assert str(rules.plan(leaves)) == format_rows(rows)
 
 
+def test_describe_takes_path_strings_shapes_and_dtypes_optional():
+    # DESIGN.md: `rules.describe(paths)` shows the mapping before anything is read; paths alone are arrays whose
+    # shape and dtype are not known (blank in the rows), mixed freely with (path, shape, dtype) triples.
+    rules = Rules(rename=[(r"^params/(\w+)/kernel$", r"\1.weight")], drop=["^opt"], transpose={"weight$": (1, 0)},
+                  cast={"^step$": "float32"}, dtype="bfloat16")
+    paths = ["params/dense/kernel", "opt_state/mu", "step"]
+    rows = rules.describe(paths)
+    assert [(r.source, r.target, r.shape, r.ops) for r in rows] == [
+        ("params/dense/kernel", "dense.weight", None, ("transpose (1, 0)", "cast bfloat16")),
+        ("step", "step", None, ("cast float32",)),
+        ("opt_state/mu", None, None, ("drop",)),
+    ]
+    assert format_rows(rows).splitlines() == [
+        "source               -> target        shape  dtype",
+        "params/dense/kernel  -> dense.weight         ? -> bfloat16",
+        "step                 -> step                 ? -> float32",
+        "opt_state/mu         (dropped)",
+    ]
+    # known metadata where given: the triples' rows are what describe(triples) gives
+    mixed = rules.describe(["params/dense/kernel", ("step", (), "int32"), "opt_state/mu"])
+    known = rules.describe([("params/dense/kernel", (2, 3), "float32"), ("step", (), "int32"), ("opt_state/mu", (1,), "f4")])
+    assert mixed[1] == known[1] and mixed[1].dtype == "float32" and mixed[0].shape is None and known[0].shape == (3, 2)
+    # a generator of paths, and the errors of paths: a pattern that matches none of them names them
+    assert [r.target for r in Rules(rename={"^a": "b"}).describe(p for p in ["a/x", "c"])] == ["b/x", "c"]
+    with pytest.raises(RulesError, match=r"`drop` pattern 'nope' matches no leaf \(checkpoint paths\); nearby"):
+        Rules(drop=["nope"]).describe(["a", "b"])
+    # unstack needs the layer count: from the shape, or num_layers when only paths are given
+    with pytest.raises(RulesError, match=r"`unstack` pattern 'layers' matches `layers/w`, whose shape is not given; "
+                                         r"pass its shape \(a \(path, shape, dtype\) triple\) or num_layers="):
+        Rules(unstack=["layers"]).describe(["layers/w"])
+    rows = Rules(unstack=["layers"], rename={r"^layers/(\d+)/w$": r"h.\1.w"}, stack=[r"^h\."]).describe(
+        ["layers/w"], num_layers=3)
+    assert [(r.source, r.target, r.ops) for r in rows] == [("layers/w[0..2]", "h.w", ("stack 3",))]
+    rows = Rules(unstack=["layers"]).describe(["layers/w", "emb"], num_layers=2)
+    assert [(r.source, r.target) for r in rows] == [("layers/w[0]", "layers/0/w"), ("layers/w[1]", "layers/1/w"),
+                                                    ("emb", "emb")]
+    # a transpose of an unknown shape is checked against its own axes: a permutation of 0 .. len(axes)-1
+    assert Rules(transpose={"w": (-1, -2)}).plan(["w"])["w"].axes == (1, 0)
+    with pytest.raises(RulesError, match=r"does not fit `w` \(shape not given\)"):
+        Rules(transpose={"w": (0, 0)}).describe(["w"])
+
+
+def test_docs_rules_md_fields_table_is_the_field_table():
+    # docs/rules.md shows the one field table of Rules; regenerate it with
+    # python -c "from treetools.rules.spec import fields_markdown; print(fields_markdown())"
+    doc = (Path(__file__).parent.parent / "docs" / "rules.md").read_text()
+    table = fields_markdown()
+    assert table in doc
+    rows = table.splitlines()[2:]
+    assert [row.split("`")[1].split("=")[0] for row in rows] == list(FIELDS)
+    assert "`--rename 'RE=>REPL'`, repeatable" in table and "| `dtype=DTYPE` |" in table
+    assert "`--allow-unmatched` |" in table and "`cast={pattern: dtype}`" in table
+
+
 def test_docs_rules_md_python_toml_json_and_flags_are_the_same_rules(tmp_path):
     import treetools as tt
 
@@ -775,6 +838,7 @@ def test_rename_and_its_inverse_give_the_original_paths(paths):
 
 
 def test_importing_rules_imports_no_jax():
-    code = "import sys, treetools.rules.engine; print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))"
+    code = ("import sys, treetools.rules.spec, treetools.rules.plan; "
+            "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

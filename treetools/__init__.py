@@ -139,7 +139,7 @@ _EXPORTS = {  # public name -> module under treetools
     "PatternError": "shared.errors",
     "RulesError": "shared.errors",
     # rules: rename, drop, cast, transpose, stack/unstack a checkpoint's leaves
-    "Rules": "rules.engine",
+    "Rules": "rules.spec",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -192,4 +192,4 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.checkpointing.restore import RestorePlan, load_parameters, plan_restore, restore_checkpoint
     from treetools.shared.rows import LeafSharding, Row
     from treetools.pytree.table import rows_from_tree, tabulate_params
-    from treetools.rules.engine import Rules
+    from treetools.rules.spec import Rules

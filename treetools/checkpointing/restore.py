@@ -7,9 +7,10 @@ every leaf, for every format the layer reads:
 
 * ``plan_restore`` reads metadata only and says, for every target leaf, where
   its value comes from (a checkpoint leaf after ``Rules``, or ``fill_missing``),
-  which checkpoint leaves go unused, and every problem;
-  ``restore_checkpoint`` builds the same plan and raises one
-  ``CheckpointMismatchError`` listing every problem before any array is read;
+  which checkpoint leaves go unused, and every problem (rules that do not fit
+  the checkpoint among them); ``restore_checkpoint`` builds the same plan and
+  raises one ``CheckpointMismatchError`` listing every problem before any
+  array is read;
 * boxes (flax ``Partitioned``, nnx ``Variable``) are never written to disk:
   the stored arrays are put back in the target's boxes; leaves saved as
   ``.../value`` nodes are read with that suffix dropped, everywhere;
@@ -40,10 +41,11 @@ from treetools.ckpt.opening import open_source
 from treetools.ckpt.storage import location
 from treetools.ckpt.source import Source
 from treetools.ckpt.stream import read_arrays
-from treetools.shared.errors import CheckpointMismatchError, Mismatch
+from treetools.shared.errors import CheckpointMismatchError, Mismatch, RulesError
 from treetools.shared.render import safe_text
 from treetools.shared.rows import Row, dtype_name, format_shape
-from treetools.rules.engine import Rules, RulesPlan
+from treetools.rules.plan import RulesPlan
+from treetools.rules.spec import Rules
 
 if TYPE_CHECKING:  # type hints only
     import orbax.checkpoint as ocp
@@ -74,8 +76,11 @@ class LeafPlan:
 
     ``origin`` is ``"checkpoint"`` (``source`` names the checkpoint leaf, or
     ``path[3]`` for one layer of a stacked leaf, after the rules),
-    ``"fill_missing"`` or ``"missing"``; ``ops`` says what happens on the way
-    (``unstack [3]``, ``transpose (1, 0)``, ``cast bfloat16``, ``renamed``).
+    ``"fill_missing"``, ``"missing"``, or ``"unresolved"`` (the item's rules
+    do not fit the checkpoint, a problem of the plan: no source is known);
+    ``ops`` says what happens on the way (``unstack [3]``, ``transpose (1, 0)``,
+    ``cast bfloat16``, ``renamed``). ``shape``/``dtype`` are the source's, or
+    the target's for a missing or unresolved leaf.
     """
 
     path: str
@@ -142,7 +147,8 @@ class RestorePlan:
         rows = [("target", "<- source", "shape", "dtype", "")]
         for item in self.items.values():
             for leaf in item.leaves:
-                source = {"checkpoint": leaf.source, "fill_missing": "fill_missing", "missing": "MISSING"}[leaf.origin]
+                source = {"checkpoint": leaf.source, "fill_missing": "fill_missing", "missing": "MISSING",
+                          "unresolved": "? (the rules do not fit)"}[leaf.origin]
                 rows.append((f"{item.name}/{leaf.path}", f"<- {source}", format_shape(leaf.shape), leaf.dtype or "",
                              ", ".join(leaf.ops)))
             rows += [(f"({item.name}/{p} unused)", "", "", "", "") for p in item.unused]
@@ -247,7 +253,10 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
     plan = None
     mapped = stored
     if rules is not None and not rules.empty:
-        mapped, plan = map_item(stored, rules, targets=tgt.paths)
+        try:
+            mapped, plan = map_item(stored, rules, targets=tgt.paths)
+        except RulesError as e:  # rules that do not fit this checkpoint: problems of the plan, not an exception
+            return _unresolved(name, stored, tgt, e.problems)
     found = {leaf.name: leaf for leaf in mapped.leaves}
     problems: list[Mismatch] = []
     item_plan = ItemPlan(name, "pytree", dropped=list(plan.dropped) if plan is not None else [])
@@ -274,8 +283,7 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
             from_fill.append(path)
         else:
             problems.append(Mismatch(f"{name}/{path}", "missing", _describe(x), "nothing"))
-            item_plan.leaves.append(LeafPlan(path, "missing", None, getattr(x, "shape", None) and tuple(x.shape),
-                                             dtype_name(np.dtype(x.dtype)) if _is_array(x) else None))
+            item_plan.leaves.append(_target_leaf(path, "missing", x))
     wanted = set(tgt.paths)
     for path, leaf in found.items():
         if path in wanted:
@@ -286,6 +294,22 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
             problems.append(Mismatch(f"{name}/{path}", "unexpected", "nothing", shown))
     work = _Work(stored, mapped, plan, tgt, from_ckpt, from_fill)
     return work, item_plan, sorted(problems, key=lambda p: (p.kind != "missing", p.path))
+
+
+def _target_leaf(path: str, origin: str, x: Any) -> LeafPlan:
+    """A target leaf no checkpoint leaf fills, with the target's shape and dtype."""
+    return LeafPlan(path, origin, None, getattr(x, "shape", None) and tuple(x.shape),
+                    dtype_name(np.dtype(x.dtype)) if _is_array(x) else None)
+
+
+def _unresolved(name: str, stored: Item, tgt: _Target,
+                problems: Sequence[str]) -> tuple[_Work, ItemPlan, list[Mismatch]]:
+    """The plan of an item whose rules do not fit the checkpoint: the rules' problems, one each, and every target
+    leaf unresolved (which checkpoint leaf would fill it is not known, so none is called missing or unused)."""
+    leaves = [_target_leaf(path, "unresolved", x) for path, x in zip(tgt.paths, tgt.abstract)]
+    item_plan = ItemPlan(name, "pytree", leaves)
+    found = [Mismatch(name, "rules", "rules that fit the checkpoint", problem) for problem in problems]
+    return _Work(stored, stored, None, tgt, [], []), item_plan, found
 
 
 def _stored_by_position(x: Any) -> bool:
@@ -525,14 +549,24 @@ def plan_restore(
 
     For every target leaf: the checkpoint leaf it comes from (after ``rules``)
     or ``fill_missing``, its shape and dtype; every checkpoint leaf left
-    unused; every problem (missing, unexpected, shape, dtype). Nothing is read
-    but metadata; nothing is raised for a mismatch (``plan.problems`` lists
-    them), only for bad arguments and bad rules (``RulesError``).
+    unused; every problem (missing, unexpected, shape, dtype, and ``rules``:
+    an item's rules that do not fit the checkpoint, one problem per line of
+    the ``RulesError`` they would raise, that item's leaves then
+    ``unresolved``). Nothing is read but metadata; nothing is raised for a
+    mismatch: ``plan.problems`` lists them.
 
     Args: as ``restore_checkpoint``.
 
     Returns:
       a ``RestorePlan``; ``print(plan)`` gives the summary, ``plan.describe()`` every leaf.
+
+    Raises:
+      What is usage, not a mismatch, still raises at once: a malformed rule is
+      refused when the ``Rules`` is made (a bad regex is a ``PatternError``, an
+      unknown dtype a ``ValueError``), ``rules``/``sharding``/``fill_missing``
+      keyed by names that are not items is a ``ValueError``, a pytree target
+      None a ``ValueError``; and a checkpoint that cannot be read raises its
+      ``CheckpointError``/``CheckpointNotFoundError``.
 
     >>> import tempfile, jax, numpy as np
     >>> from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
@@ -606,10 +640,11 @@ def restore_checkpoint(
 
     Raises:
       CheckpointNotFoundError: (a ``FileNotFoundError``) no such committed step (the message lists them).
-      CheckpointMismatchError: (a ``ValueError``) targets do not match; every problem is listed.
-      RulesError: the rules do not fit the checkpoint (a pattern that matches nothing, two leaves renamed
-        onto one path, an unstack whose leading axis is not the layer count).
-      ValueError: ``sharding`` is a dict whose keys are not item names, or a pytree target is None.
+      CheckpointMismatchError: (a ``ValueError``) targets do not match; every problem is listed, the rules'
+        among them (a pattern that matches nothing, two leaves renamed onto one path, an unstack whose
+        leading axis is not the layer count: ``Mismatch`` of kind ``"rules"``).
+      ValueError: ``sharding`` is a dict whose keys are not item names, or a pytree target is None; a
+        malformed rule when the ``Rules`` is made (``PatternError`` for a bad regex).
 
     >>> import tempfile, jax
     >>> from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
@@ -709,8 +744,8 @@ def load_parameters(
         committed step, an unknown step (the message lists the available
         steps), or the step has no such item (the message lists the items).
       CheckpointError: not a checkpoint, corrupt, or a single step folder with another ``step`` asked.
-      CheckpointMismatchError: ``target`` does not match the checkpoint.
-      RulesError: the rules do not fit the checkpoint.
+      CheckpointMismatchError: ``target`` does not match the checkpoint (the rules' problems among them).
+      RulesError: without a ``target``, the rules do not fit the checkpoint (there is no plan to report them in).
 
     >>> import tempfile, numpy as np
     >>> from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint

@@ -8,31 +8,56 @@ any other array leaf gets a ``RuledReader``, which reads each block it is
 asked for from the matching blocks of its source(s): an unstacked layer reads
 its slice of the stacked leaf, a transpose reads the permuted block, a stack
 reads the same block of every layer it covers, a cast converts the block.
+The rules engine below (``treetools.rules``) plans from metadata only; all
+reading of data through rules is here, in the checkpoint layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Collection, Mapping
+from typing import Any, Collection, Mapping
 
 import numpy as np
 
 from treetools.ckpt.readers import ArrayReader, Index, check_budget
 from treetools.ckpt.leaves import Item, Leaf, array_row, stored_path
 from treetools.shared.errors import RulesError
-from treetools.rules.engine import Rules, RulesPlan, TargetLeaf, TargetReader
+from treetools.rules.plan import Piece, RulesPlan, TargetLeaf
+from treetools.rules.spec import Rules
 
 
 class RuledReader(ArrayReader):
     """One target leaf of ``Rules``, read block by block from its source leaves' readers.
 
-    A source that can only stream front to back (a compressed npz member) is
-    read whole once, held to the memory budget, when a transform needs random
-    blocks of it.
+    ``read(index)`` reads exactly the source blocks the target block needs:
+    an unstacked layer ``i`` reads ``(slice(i, i + 1), *index)`` of its
+    source; a transpose reads the permuted index and transposes; a stack
+    reads the same block of each layer the leading slice covers. The cast is
+    ``astype`` (bit-exact for a widening cast, numpy's (ml_dtypes')
+    round-to-nearest-even for a narrowing one; a complex -> real cast keeps
+    the real part). A source that can only stream front to back (a compressed
+    npz member) is read whole once, held to the memory budget, when a
+    transform needs random blocks of it.
+
+    Args:
+      target: a ``TargetLeaf`` of an array (``Rules.plan``).
+      sources: the source leaves' readers by source path (at least those of ``target.pieces``).
+
+    Raises:
+      TypeError: ``target`` is not an array (a value passes through as it is).
+
+    >>> from treetools.ckpt.readers import InMemoryReader
+    >>> src = {"layers/w": np.arange(24.0).reshape(2, 3, 4)}
+    >>> plan = Rules(unstack=["layers"], transpose=[("w$", (1, 0))]).plan(src)
+    >>> reader = RuledReader(plan["layers/1/w"], {"layers/w": InMemoryReader(src["layers/w"])})
+    >>> reader.shape, np.array_equal(reader.read((slice(1, 3),)), src["layers/w"][1].T[1:3])
+    ((4, 3), True)
     """
 
     def __init__(self, target: TargetLeaf, sources: Mapping[str, ArrayReader]):
+        if target.shape is None:
+            raise TypeError(f"`{target.path}` is not an array (from `{target.source}`); its value passes through as is.")
         self.shape = tuple(target.shape)
         self.dtype = np.dtype(target.dtype)
         self._target = target
@@ -42,7 +67,9 @@ class RuledReader(ArrayReader):
         self.remote = any(r.remote for r in self._sources.values())
         self.chunk_shape = _granule(target, first.chunk_shape)
         self._whole: dict[str, np.ndarray] = {}
-        self._reader = TargetReader(target, self._read_source)
+        inverse = None if target.axes is None else tuple(np.argsort(target.axes))
+        # The leaf before the transpose: target axis j is its axis axes[j].
+        self._pre_shape = self.shape if inverse is None else tuple(self.shape[i] for i in inverse)
 
     def _read_source(self, path: str, index: Index) -> np.ndarray:
         reader = self._sources[path]
@@ -54,8 +81,51 @@ class RuledReader(ArrayReader):
             self._whole[path] = np.asarray(reader.read_all())
         return self._whole[path][index]
 
-    def read(self, index: Index) -> np.ndarray:
-        return self._reader.read(tuple(index))
+    def read(self, index: Index | None = None) -> np.ndarray:
+        """The block ``index`` (a tuple of slices; missing trailing axes are whole) of the target leaf."""
+        leaf = self._target
+        index = _full_index(index, self.shape)
+        pre = index
+        if leaf.axes is not None:
+            listed: list[slice] = [slice(None)] * len(index)
+            for j, a in enumerate(leaf.axes):
+                listed[a] = index[j]
+            pre = tuple(listed)
+        if leaf.stacked:
+            layers = range(len(leaf.pieces))[pre[0]]
+            blocks = [self._piece(leaf.pieces[i], pre[1:]) for i in layers]
+            if blocks:
+                block = np.stack(blocks)
+            else:
+                inner = tuple(len(range(n)[s]) for n, s in zip(self._pre_shape[1:], pre[1:]))
+                block = np.empty((0, *inner), leaf.source_dtype)
+        else:
+            block = self._piece(leaf.pieces[0], pre)
+        if leaf.axes is not None:
+            block = block.transpose(leaf.axes)
+        if leaf.cast is not None:
+            if block.dtype.kind == "c" and leaf.cast.kind != "c":
+                block = block.real
+            block = block.astype(leaf.cast)
+        return block
+
+    def _piece(self, piece: Piece, index: Index) -> np.ndarray:
+        if piece.layer is None:
+            return np.asarray(self._read_source(piece.path, index))
+        return np.asarray(self._read_source(piece.path, (slice(piece.layer, piece.layer + 1), *index)))[0]
+
+    def __repr__(self) -> str:
+        return f"RuledReader({self._target.path!r}, shape={self.shape}, dtype={self.dtype})"
+
+
+def _full_index(index: Any, shape: tuple[int, ...]) -> Index:
+    if index is None:
+        index = ()
+    elif not isinstance(index, tuple):
+        index = (index,)
+    if len(index) > len(shape) or not all(isinstance(s, slice) for s in index):
+        raise TypeError(f"a block index is a tuple of at most {len(shape)} slices, got {index!r}.")
+    return tuple(index) + (slice(None),) * (len(shape) - len(index))
 
 
 def _granule(target: TargetLeaf, chunk: tuple[int, ...] | None) -> tuple[int, ...] | None:

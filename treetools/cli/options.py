@@ -3,7 +3,8 @@
 Each ``add_*`` function adds one group of flags to a subcommand's parser;
 ``options_from(args, InspectOptions)`` builds the command's options object
 from the parsed flags by field name. Standard library only: parsers are built
-before any heavy import.
+before any heavy import (the rules spec, whose field table gives the rules
+flags, is standard library only at import too).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 from typing import Any, Sequence, TypeVar
 
 from treetools.cli._args import chunk_mb, positive_float, positive_int, regex, step
+from treetools.rules.spec import FIELDS, Rules
 
 _T = TypeVar("_T")
 
@@ -87,48 +89,33 @@ def add_output_format(parser: argparse.ArgumentParser, choices: Sequence[str]) -
     parser.add_argument("--format", choices=tuple(choices), default="table", help="output format (default table)")
 
 
-RULE_FLAGS = ("rules", "rename", "drop", "keep", "dtype", "cast", "transpose", "unstack", "stack", "allow-unmatched")
-"""Every rules flag (docs/rules.md); a command takes all of them or the few that make sense for it."""
+def add_rules(parser: argparse.ArgumentParser, fields: Sequence[str] | None = None) -> None:
+    """The rules flags (``tt.Rules``: docs/rules.md), building one ``Rules`` with ``rules_from(args)``.
 
-
-def add_rules(parser: argparse.ArgumentParser, flags: Sequence[str] = RULE_FLAGS) -> None:
-    """The rules flags (``tt.Rules``: docs/rules.md), building one ``Rules`` with ``rules_from(args)``."""
+    ``--rules FILE`` and one flag per field of the rules' field table (``treetools.rules.spec.FIELDS``:
+    its metavar and help); ``fields`` names the few that make sense for a command (``inspect``: unstack;
+    ``rules`` for ``--rules``).
+    """
     group = parser.add_argument_group("rules (map the checkpoint's leaves first; docs/rules.md)")
-    many = {"action": "append", "default": []}
-    specs = {
-        "rules": dict(metavar="FILE", dest="rules_file", default=None, help="a JSON or TOML rules file; the flags below "
-                      "come after its rules"),
-        "rename": dict(metavar="'RE=>REPL'", help="re.sub on the paths (after unstack); first match wins", **many),
-        "drop": dict(metavar="RE", help="leave out the leaves RE matches", **many),
-        "keep": dict(metavar="RE", help="keep only the leaves some RE matches", **many),
-        "dtype": dict(metavar="DTYPE", default=None, help="cast every floating leaf (bfloat16, float16, float32...)"),
-        "cast": dict(metavar="'RE=DTYPE'", help="cast the leaves RE matches (after rename)", **many),
-        "transpose": dict(metavar="'RE=AXES'", help="transpose the leaves RE matches, axes comma-separated: "
-                          "'kernel$=1,0'", **many),
-        "unstack": dict(metavar="RE", help="split a stacked (scanned) leaf of shape (L, ...) into L leaves: "
-                        "layers/attn/q -> layers/0/attn/q ...", **many),
-        "stack": dict(metavar="RE", help="the inverse of --unstack", **many),
-        "allow-unmatched": dict(action="store_true", help="a rule that matches no leaf is ignored instead of an error"),
-    }
-    for flag in flags:
-        group.add_argument(f"--{flag}", **specs[flag])
+    if fields is None or "rules" in fields:
+        group.add_argument("--rules", metavar="FILE", dest="rules_file", default=None,
+                           help="a JSON or TOML rules file; the flags below come after its rules")
+    for name, field in FIELDS.items():
+        if fields is not None and name not in fields:
+            continue
+        how: dict[str, Any] = {"switch": {"action": "store_true"}, "one": {"default": None, "metavar": field.metavar},
+                               "repeat": {"action": "append", "default": [], "metavar": field.metavar}}[field.kind.flag]
+        group.add_argument(field.flag(name), dest=name, help=field.help, **how)
 
 
-def rules_from(args: argparse.Namespace) -> Any:
+def rules_from(args: argparse.Namespace) -> Rules | None:
     """The ``tt.Rules`` the rules flags say (None when none is given).
 
     Raises:
       SystemExit(2) semantics are the caller's: a malformed flag raises ``ValueError``/``TypeError`` naming it.
     """
-    given = {name: getattr(args, name) for name in ("rules_file", "rename", "drop", "keep", "dtype", "cast",
-                                                     "transpose", "unstack", "stack", "allow_unmatched")
-             if getattr(args, name, None)}
-    if not given:
-        return None
-    # Here, not at the top: rules.py imports numpy, which `treetools COMMAND --help` does not need.
-    from treetools.rules.engine import Rules
-
-    return Rules.from_cli(**given)
+    given = {name: getattr(args, name) for name in ("rules_file", *FIELDS) if getattr(args, name, None)}
+    return Rules.from_cli(**given) if given else None
 
 
 def options_from(args: argparse.Namespace, cls: type[_T], **fields: Any) -> _T:

@@ -55,7 +55,8 @@ from treetools.commands.options import ConvertOptions, resolve
 from treetools.commands.progress import Progress
 from treetools.shared.render import json_object
 from treetools.shared.rows import human
-from treetools.rules.engine import Rules, TargetLeaf
+from treetools.rules.plan import TargetLeaf
+from treetools.rules.spec import Rules
 
 TARGETS = ("safetensors", "orbax")
 SCHEMA = 1

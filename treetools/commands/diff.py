@@ -47,7 +47,7 @@ from treetools.commands.progress import Progress
 from treetools.shared.patterns import select_any
 from treetools.shared.render import json_object, jsonable
 from treetools.shared.rows import VALUE_SORTS, Row, aggregate_rows, sort_rows
-from treetools.rules.engine import Rules
+from treetools.rules.spec import Rules
 
 SCHEMA = 1
 """Version of ``DiffReport.to_json`` (``docs/json-schema.md``)."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 from treetools.ckpt.context import ReadContext
 
 if TYPE_CHECKING:  # an annotation only: the rules engine loads with the first rules (inspect/diff/convert)
-    from treetools.rules.engine import Rules
+    from treetools.rules.spec import Rules
 
 _O = TypeVar("_O", bound="ReadOptions")
 

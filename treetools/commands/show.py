@@ -26,7 +26,7 @@ from treetools.ckpt.source import Source
 from treetools.shared.errors import CheckpointNotFoundError
 from treetools.shared.patterns import nearby
 from treetools.shared.rows import human
-from treetools.rules.engine import Rules
+from treetools.rules.spec import Rules
 
 
 def parse_leaf_spec(spec: str) -> tuple[str, tuple[Any, ...] | None]:

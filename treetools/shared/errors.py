@@ -16,7 +16,8 @@ heavy (no jax, no numpy).
 * ``RulesError``: a ``PatternError``: ``tt.Rules`` that do not fit a
   checkpoint's leaves (a pattern matching nothing, two leaves renamed onto one
   path, an unstack of a leaf without the layer axis...); ``problems`` lists
-  one line per rule or leaf.
+  one line per rule or leaf. A restore does not raise it: its plan lists the
+  rules' problems, and ``CheckpointMismatchError`` carries them.
 """
 
 from __future__ import annotations
@@ -68,8 +69,12 @@ class PatternError(ValueError):
 class RulesError(PatternError):
     """``tt.Rules`` that do not fit the leaves they are applied to; ``problems`` has one line each.
 
-    Raised while planning, before any array data is read. A single problem is
-    the whole message; several are listed one per line under a header.
+    Raised while planning (``Rules.plan``, ``convert``, ``diff``, ``inspect
+    --unstack``, ``load_parameters`` without a target), before any array data
+    is read. A restore reports the same lines as problems of its plan
+    (``Mismatch`` of kind ``"rules"``) in one ``CheckpointMismatchError``. A
+    single problem is the whole message; several are listed one per line
+    under a header.
 
     >>> e = RulesError(["`drop` pattern 'opt' matches no leaf; nearby paths: ['params/w']."])
     >>> isinstance(e, PatternError), str(e).startswith("`drop` pattern")
@@ -94,7 +99,12 @@ class Mismatch:
     ``"unexpected"`` (the checkpoint has it, the target does not), ``"shape"``
     or ``"dtype"``; ``path`` is the leaf's path in ``items`` (``params/layers/3/w``).
     A ``found`` that starts with ``fill_missing`` is the value ``fill_missing``
-    offered for a leaf the checkpoint lacks.
+    offered for a leaf the checkpoint lacks. ``"rules"``: the item's ``Rules``
+    do not fit the checkpoint; ``path`` is the item and ``found`` the rules'
+    line (``RulesError``'s) naming the rule, the leaf and the fix.
+
+    >>> str(Mismatch("params", "rules", "rules that fit the checkpoint", "`drop` pattern 'x' matches no leaf"))
+    "params: `drop` pattern 'x' matches no leaf"
     """
 
     path: str
@@ -103,6 +113,8 @@ class Mismatch:
     found: str
 
     def __str__(self) -> str:
+        if self.kind == "rules":
+            return f"{self.path}: {self.found}"
         if self.kind == "missing":
             has = "" if self.found == "nothing" else f"; checkpoint has {self.found}"
             return f"{self.path}: missing in checkpoint (target expects {self.expected}{has})"
@@ -132,6 +144,8 @@ class CheckpointMismatchError(CheckpointError):
             hint += "; pass allow_dtype_cast=True (or a cast rule) for a deliberate dtype change"
         if kinds & {"missing", "unexpected"}:
             hint += "; Rules(rename=...) maps checkpoint names onto the target's"
+        if "rules" in kinds:
+            hint += "; fix the rules (tt.Rules: docs/rules.md)"
         lines = "\n".join(f"  {p}" for p in problems)
         where = f"checkpoint step {step} under {root}" if step is not None else f"checkpoint {root}"
         n = len(problems)
