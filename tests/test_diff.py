@@ -340,6 +340,9 @@ def test_fast_float_comparison_is_numpys_float64_rule(case):
     np.testing.assert_allclose(got.max_abs_diff, want_max, rtol=1e-6, err_msg=case)
     diff_sq, ref_sq = float(np.sum((x[both] - y[both]) ** 2)), float(np.sum(x[np.isfinite(x)] ** 2))
     want_rel = math.sqrt(diff_sq) / math.sqrt(ref_sq) if ref_sq else 0.0
+    if math.isinf(want_max):  # issue 39, point 6: a value that became non-finite is the most changed; the
+        want_rel = math.inf   # finite elements' sums are still exact
+        np.testing.assert_allclose(got.diff_sq / got.ref_sq, diff_sq / ref_sq, rtol=1e-6, err_msg=case)
     np.testing.assert_allclose(got.rel_l2, want_rel, rtol=1e-6, atol=1e-300, err_msg=case)
     assert (got.nonfinite_a, got.nonfinite_b) == (int((~np.isfinite(x)).sum()), int((~np.isfinite(y)).sum()))
     assert got.bit_identical == (a.dtype == b.dtype and a.tobytes() == b.tobytes())
@@ -518,3 +521,40 @@ def test_default_tolerance_takes_the_float32_fast_path():
     f32 = np.dtype(np.float32)
     rule = _Rule.of(f32, f32, DiffOptions().atol, DiffOptions().rtol)
     assert DiffOptions().atol == 0.0 and rule.work == f32
+
+
+# ----------------------------------------------------------------------------- issue 39 (points 5, 6, 11, 12, 22)
+
+
+def test_a_leaf_that_became_non_finite_is_the_most_changed_by_rel_l2(tmp_path, capsys):
+    # Issue 39, point 6: a leaf that became all NaN had rel_l2 0 (its finite part did not move) and sorted last
+    # under --sort rel_l2. A finite value that became NaN/Inf (or back) makes rel_l2 infinite, as max_abs_diff.
+    rng = np.random.default_rng(7)
+    a = {"nan": rng.standard_normal(16).astype(np.float32), "inf": rng.standard_normal(16).astype(np.float32),
+         "big": rng.standard_normal(16).astype(np.float32), "small": rng.standard_normal(16).astype(np.float32),
+         "back": np.full(4, np.nan, np.float32)}
+    b = {"nan": np.full(16, np.nan, np.float32), "inf": a["inf"].copy(), "big": a["big"] * np.float32(3),
+         "small": a["small"] * np.float32(1.001), "back": np.ones(4, np.float32)}
+    b["inf"][5] = np.inf
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    finite = {p: _numpy_values(a[p], b[p])["rel_l2"] for p in ("big", "small")}  # numpy float64, by hand
+    assert finite["big"] > finite["small"] > 0
+    out = diff_json(capsys, tmp_path / "a.npz", tmp_path / "b.npz", "--values", "--sort", "rel_l2", rc=1)
+    order = [v["path"] for v in out["values"]]
+    assert order == ["back", "inf", "nan", "big", "small"], order  # the non-finite changes first (ties by path)
+    got = {v["path"]: v for v in out["values"]}
+    assert all(got[p]["rel_l2"] is None for p in ("back", "inf", "nan"))  # infinite: null in JSON
+    for p, want in finite.items():
+        np.testing.assert_allclose(got[p]["rel_l2"], want, rtol=1e-6)
+    r = diff_paths(str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), values=True, sort="rel_l2")
+    assert [v.rel_l2 for v in r.values][:3] == [math.inf] * 3
+    # A group holding such a leaf is infinite too (--depth sums squares; the infinity is not summed away).
+    np.savez(tmp_path / "c.npz", **{f"g/{k}": v for k, v in a.items() if k in ("nan", "big")})
+    np.savez(tmp_path / "d.npz", **{f"g/{k}": v for k, v in b.items() if k in ("nan", "big")})
+    grouped = diff_paths(str(tmp_path / "c.npz"), str(tmp_path / "d.npz"), values=True, depth=1)
+    assert [(v.path, v.rel_l2) for v in grouped.values] == [("g", math.inf)]
+    # The table shows it first, as inf.
+    rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values", "--sort", "rel_l2")
+    rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0] in a]
+    assert [r[0] for r in rows] == order and all(r[2] == "inf" for r in rows[:3])

@@ -30,7 +30,8 @@ leaf of equal shape, whether it is bit-identical, how many elements lie
 outside |a - b| <= atol + rtol * |b| (numpy's rule; NaN equals NaN and Inf
 the same Inf, but a value that becomes NaN or Inf is always outside, and the
 non-finite counts of both sides are shown), the max absolute difference over
-elements finite on both sides, and the relative L2 difference ||a - b|| / ||a||.
+elements finite on both sides, and the relative L2 difference ||a - b|| / ||a||
+(both inf when a finite value became NaN or Inf: the most changed).
 Integers and complex numbers are compared exactly. Defaults atol 0, rtol 1e-5:
 a relative tolerance, so a tensor of tiny values (Adam's nu, around 1e-9) that
 changed by 60% is outside it; an element that is 0 on one side and not on the

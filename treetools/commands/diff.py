@@ -14,7 +14,8 @@ both with the same shape is streamed block by block from both sides at once:
   numbers are compared exactly (no float64 rounding of int64 beyond 2**53, no
   dropped imaginary part);
 * ``max_abs_diff`` over elements finite on both sides (``inf`` when a finite
-  value became non-finite or back), ``rel_l2 = ||a - b|| / ||a||``, and the
+  value became non-finite or back), ``rel_l2 = ||a - b|| / ||a||`` (``inf``
+  too in that case, so such a leaf sorts as the most changed), and the
   non-finite counts of each side.
 
 The verdict counts leaves as bit-identical, within tolerance, outside
@@ -116,14 +117,19 @@ class ValueDiff:
 
     def merge(self, other: "ValueDiff", path: str) -> "ValueDiff":
         diff_sq, ref_sq = self.diff_sq + other.diff_sq, self.ref_sq + other.ref_sq
-        return ValueDiff(path, max(self.max_abs_diff, other.max_abs_diff), _rel(diff_sq, ref_sq),
+        max_abs = max(self.max_abs_diff, other.max_abs_diff)
+        return ValueDiff(path, max_abs, _rel(diff_sq, ref_sq, max_abs),
                          self.allclose and other.allclose, self.mismatched + other.mismatched, self.size + other.size,
                          self.bit_identical and other.bit_identical, self.nonfinite_a + other.nonfinite_a,
                          self.nonfinite_b + other.nonfinite_b, diff_sq, ref_sq, self.leaves + other.leaves,
                          self.same_leaves + other.same_leaves, self.outside_leaves + other.outside_leaves)
 
 
-def _rel(diff_sq: float, ref_sq: float) -> float:
+def _rel(diff_sq: float, ref_sq: float, max_abs: float) -> float:
+    """``||a - b|| / ||a||`` over the elements finite on both sides; infinite where ``max_abs`` is (a finite value
+    that became NaN or Inf, or back: the most changed a leaf can be, whatever its finite part did)."""
+    if math.isinf(max_abs):
+        return math.inf
     diff_l2, ref_l2 = math.sqrt(diff_sq), math.sqrt(ref_sq)
     return diff_l2 / ref_l2 if ref_l2 > 0 else (0.0 if diff_l2 == 0 else math.inf)
 
@@ -448,8 +454,8 @@ def _mismatched(a: np.ndarray, b: np.ndarray, d: np.ndarray, mx: float, rule: _R
 
 
 def _result(acc: _Compared, path: str, size: int) -> ValueDiff:
-    return ValueDiff(path, acc.max_abs, _rel(acc.diff_sq, acc.ref_sq), acc.mismatched == 0, acc.mismatched, size,
-                     acc.same_bits, acc.nonfinite_a, acc.nonfinite_b, acc.diff_sq, acc.ref_sq)
+    return ValueDiff(path, acc.max_abs, _rel(acc.diff_sq, acc.ref_sq, acc.max_abs), acc.mismatched == 0,
+                     acc.mismatched, size, acc.same_bits, acc.nonfinite_a, acc.nonfinite_b, acc.diff_sq, acc.ref_sq)
 
 
 def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
@@ -568,7 +574,8 @@ def _group_values(values: list[ValueDiff], rows: dict[str, Row], depth: int) -> 
 
 def sort_values(values: list[ValueDiff], by: str | None) -> list[ValueDiff]:
     """``values`` in ``by`` order: ``path``; ``params``/``bytes`` (the largest first); ``max_abs_diff``,
-    ``rel_l2`` or ``outside`` (elements outside the tolerance): the most changed first, ties by path.
+    ``rel_l2`` or ``outside`` (elements outside the tolerance): the most changed first, ties by path (a leaf where
+    a finite value became NaN or Inf has both ``max_abs_diff`` and ``rel_l2`` infinite: it comes first).
 
     >>> v = [ValueDiff("a", 0.1, 0.5, False, 3, 10), ValueDiff("b", 0.2, 0.1, False, 1, 10)]
     >>> [x.path for x in sort_values(v, "rel_l2")], [x.path for x in sort_values(v, "max_abs_diff")]
