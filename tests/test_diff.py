@@ -109,9 +109,9 @@ def test_nan_equals_nan_and_table_view(tmp_path, capsys):
     assert out["values"][0]["bit_identical"] is True
     assert (out["values"][0]["nonfinite_a"], out["values"][0]["nonfinite_b"]) == (1, 1)
     rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
-    assert rc == 0 and text.strip().splitlines()[-1] == (
-        "same (leaves): 0 added, 0 removed, 0 with changed metadata, 1 with the same metadata, "
-        "values: 1 bit-identical, 0 within tolerance, 0 outside tolerance")
+    assert rc == 0 and text.strip().splitlines()[-2:] == [
+        "same (leaves): 0 added, 0 removed, 0 with changed metadata, 1 with the same metadata,",
+        "  values: 1 bit-identical, 0 within tolerance, 0 outside tolerance"]
     # A value that becomes NaN is outside any tolerance.
     y = x.copy()
     y[0] = np.nan
@@ -218,10 +218,10 @@ def test_verdict_line_counts_value_differences(tmp_path, capsys):
     common = a.keys() & b.keys()
     meta_changed = sum(a[p].dtype != b[p].dtype or a[p].shape != b[p].shape for p in common)
     assert rc == 1 and differ > 0 and bit_same > 0 and within > 0  # ids: int32 -> int64, equal values
-    last = text.strip().splitlines()[-1]
-    assert last == (f"different (leaves): {len(b.keys() - a.keys())} added, {len(a.keys() - b.keys())} removed, "
-                    f"{meta_changed} with changed metadata, {len(common) - meta_changed} with the same metadata, "
-                    f"values: {bit_same} bit-identical, {within} within tolerance, {differ} outside tolerance"), last
+    last = text.strip().splitlines()[-2:]
+    assert last == [f"different (leaves): {len(b.keys() - a.keys())} added, {len(a.keys() - b.keys())} removed, "
+                    f"{meta_changed} with changed metadata, {len(common) - meta_changed} with the same metadata,",
+                    f"  values: {bit_same} bit-identical, {within} within tolerance, {differ} outside tolerance"], last
 
 
 def test_markdown_is_a_list_and_tables_follow_blank_lines(run_dir, capsys):
@@ -235,7 +235,7 @@ def test_markdown_is_a_list_and_tables_follow_blank_lines(run_dir, capsys):
 def test_composite_against_a_single_tree_suggests_item(run_dir, tmp_path, capsys):
     np.savez(tmp_path / "p.npz", **{p: x for p, x in flat(host_tree(1)).items() if x.dtype.kind != "V"})
     rc, out, err = run(capsys, "diff", run_dir / "ckpt_0100", tmp_path / "p.npz")
-    assert rc == 1 and out.strip().splitlines()[-1].startswith("different (leaves): ")
+    assert rc == 1 and out.strip().splitlines()[-2].startswith("different (leaves): ")
     assert err.startswith("treetools: note: ") and "--item" in err and len(err.strip().splitlines()) == 1
 
 
@@ -420,8 +420,8 @@ def test_values_table_fits_100_columns(tmp_path, capsys):
     np.savez(tmp_path / "b.npz", **b)
     rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
     lines = text.splitlines()
-    assert rc == 1 and lines[-1].startswith("different (leaves): ")
-    assert max(len(line) for line in lines[:-1]) <= 100, "\n".join(line for line in lines if len(line) > 100)
+    assert rc == 1 and lines[-2].startswith("different (leaves): ")
+    assert max(len(line) for line in lines) <= 100, "\n".join(line for line in lines if len(line) > 100)
     header = next(line for line in lines if line.startswith("path") and "rel_l2" in line)
     assert "nonfinite A->B" in header
     # Each listed row starts with a cut of its real path, and its numbers are numpy's.
@@ -470,9 +470,9 @@ def test_depth_counts_leaves_in_titles_and_verdict_alike(tmp_path, capsys):
     assert "added (only in B): 2 leaves (in 1 group, --depth 2)" in lines
     assert (f"values (atol=0, rtol=1e-05): {len(a)} leaves compared, 1 leaf (in 1 group, --depth 2) "
             "not bit-identical") in lines
-    verdict = lines[-1]
-    assert verdict.endswith(f"values: {same} bit-identical, 0 within tolerance, {len(a) - same} outside tolerance")
-    assert verdict.startswith("different (leaves): 2 added, 0 removed, 0 with changed metadata, 4 with the same")
+    verdict = lines[-2:]
+    assert verdict[1] == f"  values: {same} bit-identical, 0 within tolerance, {len(a) - same} outside tolerance"
+    assert verdict[0].startswith("different (leaves): 2 added, 0 removed, 0 with changed metadata, 4 with the same")
 
 
 def test_tiny_adam_nu_that_changed_60_percent_is_outside_the_default_tolerance(tmp_path, capsys):
@@ -558,3 +558,53 @@ def test_a_leaf_that_became_non_finite_is_the_most_changed_by_rel_l2(tmp_path, c
     rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values", "--sort", "rel_l2")
     rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0] in a]
     assert [r[0] for r in rows] == order and all(r[2] == "inf" for r in rows[:3])
+
+
+def test_a_diff_without_values_says_the_values_were_not_compared(run_dir, capsys):
+    # Issue 39, point 5: without --values, two steps whose values all differ read "same (leaves): ... with the same
+    # metadata", exit 0, as if "same" had been said of the values.
+    a, b = flat(host_tree(1)), flat(host_tree(2))
+    moved = [p for p in a if a[p].tobytes() != b[p].tobytes()]
+    assert len(moved) == len(a) - 2  # every leaf but layers/1/w and scale (the same constants in both steps)
+    argv = [run_dir, "--step", "100", "--step", "200", "--item", "params"]
+    rc, text, _ = run(capsys, "diff", *argv)
+    verdict = text.splitlines()[-2:]
+    assert rc == 0, text  # the same leaves and metadata: exit 0, which now says what it means
+    assert verdict[0].startswith("same metadata (leaves): 0 added, 0 removed, 0 with changed metadata, "
+                                 f"{len(a)} with the same metadata"), verdict
+    assert verdict[1].strip().startswith("values: not compared") and "--values" in verdict[1], verdict
+    assert max(map(len, text.splitlines())) <= 100
+    out = diff_json(capsys, *argv, rc=0)
+    assert out["values_compared"] is False and "values" not in out and out["identical"] is True
+    # With --values the same two steps differ, and the JSON says the values were compared.
+    out = diff_json(capsys, *argv, "--values", rc=1)
+    assert out["values_compared"] is True and out["counts"]["outside_tolerance"] == len(moved)
+    rc, text, _ = run(capsys, "diff", *argv, "--values")
+    verdict = text.splitlines()[-2:]
+    assert rc == 1 and verdict[0].startswith("different (leaves): ") and "not compared" not in text
+    assert verdict[1].strip() == f"values: 2 bit-identical, 0 within tolerance, {len(moved)} outside tolerance"
+    # A metadata difference without --values: different, and still no word about values being the same.
+    rc, text, _ = run(capsys, "diff", run_dir, "--step", "100", "--step", "200")
+    assert rc == 1 and text.splitlines()[-2].startswith("different (leaves): ")
+    assert text.splitlines()[-1].strip().startswith("values: not compared")
+
+
+def test_the_values_verdict_fits_100_columns(tmp_path, capsys):
+    # Issue 39, point 22: the verdict of `diff --values` was one line of 161 columns (default views keep to 100).
+    n = 1200  # four-digit counts in every field
+    a = {f"l{i:04d}": np.full(2, i, np.float32) for i in range(n)}
+    b = {k: (v + np.float32(1) if i % 3 == 0 else v * np.float32(1 + 2**-20) if i % 3 == 1 else v)
+         for i, (k, v) in enumerate(a.items())}
+    a.update({f"gone{i:04d}": np.ones(1, np.float32) for i in range(1000)})
+    b.update({f"new{i:04d}": np.ones(1, np.float32) for i in range(1000)})
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
+    lines = text.splitlines()
+    assert rc == 1 and max(map(len, lines)) <= 100, [line for line in lines if len(line) > 100]
+    tail = lines[lines.index(next(x for x in lines if x.startswith("different (leaves): "))):]
+    words = " ".join(tail)
+    for count, what in ((1000, "added"), (1000, "removed"), (0, "with changed metadata"),
+                        (n, "with the same metadata"), (400, "bit-identical"), (400, "within tolerance"),
+                        (400, "outside tolerance")):
+        assert f" {count} {what}" in f" {words}", (count, what, tail)  # every count, named, in the verdict

@@ -45,14 +45,17 @@ where needed, the allclose column is left out, with a note.
 splits on "."): the section titles count leaves and say how many groups
 they form; the verdict counts leaves.
 
-The last line is the verdict, with every count named: leaves added, removed,
-with changed metadata, with the same metadata and, with --values,
-bit-identical, within tolerance and outside tolerance.
+The last two lines are the verdict, with every count named: leaves added,
+removed, with changed metadata, with the same metadata; then, with --values,
+bit-identical, within tolerance and outside tolerance, or "values: not
+compared".
 
 --format json prints one object, "schema": 1 (docs/json-schema.md).
 
-Exit codes (as GNU diff): 0 the checkpoints are the same (within tolerance);
-1 they differ; 2 trouble (usage, a missing or unreadable checkpoint).
+Exit codes (as GNU diff): 0 the checkpoints are the same (with --values:
+every value within tolerance; without, values are not compared and 0 says
+only that the leaves and their metadata match); 1 they differ; 2 trouble
+(usage, a missing or unreadable checkpoint).
 """
 
 from __future__ import annotations

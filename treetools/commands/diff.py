@@ -20,7 +20,9 @@ both with the same shape is streamed block by block from both sides at once:
 
 The verdict counts leaves as bit-identical, within tolerance, outside
 tolerance, added, removed and changed metadata; ``identical`` is what the
-CLI's exit code follows (GNU diff: 0 same, 1 different). ``to_json`` is the
+CLI's exit code follows (GNU diff: 0 same, 1 different). Without values it
+says only that the leaves and their metadata match, and the verdict and
+``values_compared`` say that the values were not compared. ``to_json`` is the
 versioned object of ``docs/json-schema.md`` (schema ``SCHEMA``).
 """
 
@@ -154,9 +156,17 @@ class DiffReport:
 
     @property
     def identical(self) -> bool:
-        """No leaf added, removed or changed, and (with values) every compared leaf within tolerance."""
+        """No leaf added, removed or changed, and (with values) every compared leaf within tolerance.
+
+        Without values (``values_compared`` False) it says only that the leaves and their metadata match.
+        """
         same_values = self.values is None or all(v.allclose for v in self.values)
         return not (self.added or self.removed or self.changed) and same_values
+
+    @property
+    def values_compared(self) -> bool:
+        """Whether the values were compared (``values=True``); without, ``identical`` speaks of metadata only."""
+        return self.values is not None
 
     def counts(self) -> dict[str, int]:
         """Leaves per verdict; the value counts appear only when values were compared."""
@@ -170,14 +180,17 @@ class DiffReport:
         return out
 
     def verdict(self) -> str:
-        """One line: same/different and every count, each named."""
+        """Two lines: same/different with the leaf counts, then the value counts, or that values were not compared
+        (then "same" is "same metadata": nothing was said of the values); every count named."""
         c = self.counts()
-        parts = [f"{c['added']} added", f"{c['removed']} removed", f"{c['changed_metadata']} with changed metadata",
-                 f"{c['same_metadata']} with the same metadata"]
-        if self.values is not None:
-            parts += [f"values: {c['bit_identical']} bit-identical, {c['within_tolerance']} within tolerance, "
-                      f"{c['outside_tolerance']} outside tolerance"]
-        return ("same" if self.identical else "different") + " (leaves): " + ", ".join(parts)
+        word = "different" if not self.identical else "same" if self.values_compared else "same metadata"
+        leaves = (f"{word} (leaves): {c['added']} added, {c['removed']} removed, {c['changed_metadata']} with changed "
+                  f"metadata, {c['same_metadata']} with the same metadata,")
+        if not self.values_compared:
+            why = "; exit 0 says only the leaves and metadata match" if self.identical else ""
+            return f"{leaves}\n  values: not compared (--values compares them{why})"
+        return (f"{leaves}\n  values: {c['bit_identical']} bit-identical, {c['within_tolerance']} within tolerance, "
+                f"{c['outside_tolerance']} outside tolerance")
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -189,6 +202,7 @@ class DiffReport:
             "removed": [r.to_json() for r in self.removed],
             "changed": [c.to_json() for c in self.changed],
             "unchanged": self.unchanged,
+            "values_compared": self.values_compared,
         }
         if self.values is not None:
             out["atol"], out["rtol"] = self.atol, self.rtol

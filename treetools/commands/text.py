@@ -368,8 +368,26 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     for title, body in sections:
         # Markdown needs a blank line between a paragraph and a table.
         out += ["", title, *([""] if md and body else []), *([body] if body else [])]
-    out += ["", report.verdict()]
+    out += ["", *(piece for line in report.verdict().splitlines() for piece in _wrap_list(line))]
     return "\n".join(out)
+
+
+def _wrap_list(line: str, width: int = WIDTH, indent: str = "  ") -> list[str]:
+    """A line of ``a, b, c`` items as lines of at most ``width`` columns, broken after a comma (an item longer
+    than that stays whole), continuations indented.
+
+    >>> _wrap_list("counts: 10 added, 20 removed, 30 moved", width=20)
+    ['counts: 10 added,', '  20 removed,', '  30 moved']
+    """
+    parts = line.split(", ")
+    out, current = [], parts[0]
+    for part in parts[1:]:
+        if len(current) + 2 + len(part) + (part is not parts[-1]) <= width:
+            current += ", " + part
+        else:
+            out.append(current + ",")
+            current = indent + part
+    return [*out, current]
 
 
 def outside_text(count: int, size: int) -> str:
