@@ -232,11 +232,47 @@ def test_markdown_is_a_list_and_tables_follow_blank_lines(run_dir, capsys):
     assert len(headers) == 2 and all(lines[i - 1] == "" for i in headers), out  # changed (meta/step) and values
 
 
-def test_composite_against_a_single_tree_suggests_item(run_dir, tmp_path, capsys):
-    np.savez(tmp_path / "p.npz", **{p: x for p, x in flat(host_tree(1)).items() if x.dtype.kind != "V"})
+def test_composite_against_a_single_tree_compares_its_params(run_dir, tmp_path, capsys):
+    # Issue 39, point 11: a step of params, opt_state and meta against an .npz of params paired the params
+    # item (params/Dense_0/kernel) with nothing; now its params item is compared, and the note says so.
+    arrays = {p: x for p, x in flat(host_tree(1)).items() if x.dtype.kind != "V"}  # no bfloat16 in the npz
+    np.savez(tmp_path / "p.npz", **arrays)
     rc, out, err = run(capsys, "diff", run_dir / "ckpt_0100", tmp_path / "p.npz")
-    assert rc == 1 and out.strip().splitlines()[-2].startswith("different (leaves): ")
-    assert err.startswith("treetools: note: ") and "--item" in err and len(err.strip().splitlines()) == 1
+    lines = out.strip().splitlines()
+    assert rc == 1 and lines[0].endswith("(orbax, step 100, item params)") and lines[-2].startswith("different (leaves): ")
+    assert lines[-2].startswith(f"different (leaves): 0 added, 1 removed, 0 with changed metadata, {len(arrays)} ")
+    assert err.startswith("treetools: note: ") and "params" in err and "--item" in err
+    assert len(err.strip().splitlines()) == 1
+    # --item still picks another item; a side that is no params item (opt_state) gets no such pairing.
+    rc, out, err = run(capsys, "diff", run_dir / "ckpt_0100", tmp_path / "p.npz", "--item", "opt_state")
+    assert rc == 1 and "item opt_state" in out.splitlines()[0] and "params" not in err
+
+
+def test_a_run_against_its_own_params_export_compares_the_params(run_dir, tmp_path, capsys):
+    # Issue 39, point 11: `diff RUN model.safetensors --values` (a run against the export `convert` made from it)
+    # read 29 added, 89 removed, exit 1, with the --item hint only on stderr.
+    from safetensors.numpy import save_file
+
+    from treetools.cli import main
+
+    assert main(["convert", str(run_dir), str(tmp_path / "model.safetensors")]) == 0
+    capsys.readouterr()
+    truth = flat(host_tree(2))  # step 200's params, as written
+    for a, b, side in ((run_dir, tmp_path / "model.safetensors", "a"), (tmp_path / "model.safetensors", run_dir, "b")):
+        out = diff_json(capsys, a, b, "--values", rc=0)
+        assert out["added"] == out["removed"] == out["changed"] == [], out
+        assert len(out["values"]) == len(truth) and all(v["bit_identical"] for v in out["values"])
+        assert out[side]["item"] == "params" and out[side]["step"] == 200
+        rc, text, err = run(capsys, "diff", a, b, "--values")
+        assert rc == 0 and "item params" in text.splitlines()[0 if side == "a" else 1]
+        assert "params" in err and "--item" in err  # said on stderr too
+    # An export that was changed is still compared leaf by leaf: the one changed leaf, by name.
+    changed = {p.replace("/", "."): x for p, x in truth.items() if x.dtype.kind != "V"}
+    changed["embed"] = changed["embed"] + np.float32(0.5)
+    save_file(changed, str(tmp_path / "changed.safetensors"))
+    out = diff_json(capsys, run_dir, tmp_path / "changed.safetensors", "--values", rc=1)
+    assert [r["path"] for r in out["removed"]] == ["half"] and out["added"] == []
+    assert [v["path"] for v in out["values"] if not v["bit_identical"]] == ["embed"]
 
 
 def test_a_dotted_safetensors_export_pairs_with_the_slashed_msgpack_it_came_from(tmp_path, capsys):

@@ -14,7 +14,10 @@ Two steps of one run:
 given twice, the first is A's step and the second B's. --item NAME picks that
 item on each side; in a single-tree file (a Flax msgpack of a whole train
 state) it is a top-level key, and a side with one item (an .npz of params)
-uses its own.
+uses its own. Without --item, a side holding only params (an export:
+model.safetensors, an .npz) compares with the params of a side holding more
+(a run's step), picked as convert picks them, and a note says so:
+  treetools diff RUN/checkpoints model.safetensors --values
 
 Shardings are compared by meaning (P() and P(None,) are both replicated).
 --include/--exclude pick leaves by path regex, --depth K groups the listing

@@ -38,9 +38,10 @@ import numpy as np
 
 from treetools.ckpt.mapping import map_items
 from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, bit_view, is_numeric
-from treetools.ckpt.source import NO_VALUE, Leaf, Source, open_source, order_items
+from treetools.ckpt.source import (NO_VALUE, Leaf, Snapshot, Source, counts_params, open_source, order_items,
+                                   params_item, params_within, train_state_parts)
 from treetools.ckpt.stream import reduce_blocks
-from treetools.shared.errors import CheckpointError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 from treetools.commands.options import DEFAULT_ATOL, DEFAULT_RTOL, DiffOptions, resolve
 from treetools.commands.progress import Progress
 from treetools.shared.patterns import select_any
@@ -521,26 +522,64 @@ def _describe(source: Source, step: int | None, item: str | None) -> dict[str, A
     return {"path": source.path, "format": source.format, "step": step, "item": item}
 
 
-def _items(source: Source, step: Any, item: str | None, rules: Rules | None = None
-           ) -> tuple[Any, dict[str, list[Leaf]]]:
-    """The snapshot of one side and its leaves per item (through ``rules``); ``item`` reads only that item.
+def _snapshot(source: Source, step: Any, item: str | None) -> Snapshot:
+    """The snapshot of one side; ``item`` reads only that item.
 
     A side with a single item that lacks ``item`` (an .npz of params) uses its own.
     """
     if item is None:
-        snap = source.snapshot(step)
-    else:
-        try:
-            snap = source.snapshot(step, [item])
-        except FileNotFoundError:
-            resolved = source.resolve(step)
-            names = source.item_names(resolved)
-            if len(names) != 1:
-                raise
-            snap = source.snapshot(step, names)
+        return source.snapshot(step)
+    try:
+        return source.snapshot(step, [item])
+    except FileNotFoundError:
+        resolved = source.resolve(step)
+        names = source.item_names(resolved)
+        if len(names) != 1:
+            raise
+        return source.snapshot(step, names)
+
+
+def _items(snap: Snapshot, rules: Rules | None = None) -> dict[str, list[Leaf]]:
+    """The leaves of a side per item (through ``rules``), params first."""
     if rules is not None and not rules.empty:
         snap.items = map_items(snap.items, rules)
-    return snap, {name: snap.items[name].leaves for name in order_items(list(snap.items))}
+    return {name: snap.items[name].leaves for name in order_items(list(snap.items))}
+
+
+def _params_only(snap: Snapshot) -> bool:
+    """One item that counts parameters and holds no whole train state (an export: .safetensors, an .npz)."""
+    if len(snap.items) != 1:
+        return False
+    (name, item), = snap.items.items()
+    return counts_params(name) and train_state_parts(name, item, [name]) is None
+
+
+def _holds_more(snap: Snapshot) -> bool:
+    """Several items (params, opt_state...), or one holding a whole train state."""
+    if len(snap.items) != 1:
+        return len(snap.items) > 1
+    (name, item), = snap.items.items()
+    return train_state_parts(name, item, [name]) is not None
+
+
+def _pair_params(src_a: Source, snap_a: Snapshot, src_b: Source, snap_b: Snapshot) -> list[str]:
+    """Without ``item``: where one side holds only params and the other more, the other is narrowed to its params
+    as ``convert`` and ``load_parameters`` pick them (``params_item``, ``params_within``); returns the note
+    saying so (none where no params item is known)."""
+    for source, snap, other, (side, only) in ((src_a, snap_a, snap_b, "AB"), (src_b, snap_b, snap_a, "BA")):
+        if not (_holds_more(snap) and _params_only(other)):
+            continue
+        try:
+            name = params_item(source, snap.step)
+        except CheckpointNotFoundError:
+            return []
+        if name not in snap.items:
+            return []
+        held = ", ".join(snap.items)
+        snap.items = {name: params_within(snap.items[name])}
+        return [f"{only} holds only params and {side} more ({held}): comparing {side}'s params (item {name}); "
+                "pass --item NAME to compare another item."]
+    return []
 
 
 def _flat(items: dict[str, list[Leaf]], prefix_items: bool) -> dict[str, tuple[str, Leaf]]:
@@ -610,8 +649,11 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
 
     Items are paired by name; when each side has exactly one item (or
     ``item`` picks one) they are paired whatever their names, so an Orbax
-    ``params`` item compares with an ``.npz`` of the same tree. With several
-    items, paths are shown as ``item/path``. ``rules`` map A's leaves first
+    ``params`` item compares with an ``.npz`` of the same tree. Without
+    ``item``, where one side holds only params (an export) and the other
+    more (a run's step: params, opt_state...), the other side's params are
+    compared, picked as ``convert`` picks them, and a note says so. With
+    several items, paths are shown as ``item/path``. ``rules`` map A's leaves first
     (a checkpoint compared with the renamed, transposed export made from it).
 
     Args:
@@ -639,11 +681,11 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     src_b = open_source(b, memory_budget=opts.memory_budget, prefix=opts.prefix)
     if step is not None and step != "latest" and src_a.steps is None and src_b.steps is None:
         raise CheckpointError(f"step {step}: neither {src_a.path} nor {src_b.path} is a checkpoint root with steps.")
-    snap_a, items_a = _items(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item,
-                             opts.rules)
-    snap_b, items_b = _items(src_b, step_b if step_b is not None else (step if src_b.steps is not None else None), item)
+    snap_a = _snapshot(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item)
+    snap_b = _snapshot(src_b, step_b if step_b is not None else (step if src_b.steps is not None else None), item)
+    notes = _pair_params(src_a, snap_a, src_b, snap_b) if item is None else []
+    items_a, items_b = _items(snap_a, opts.rules), _items(snap_b)
     single = len(items_a) == 1 and len(items_b) == 1
-    notes = []
     if not single and 1 in (len(items_a), len(items_b)):
         notes.append(f"A has items {', '.join(items_a)} and B {', '.join(items_b)}: paths are joined as item/path; "
                      "pass --item NAME to compare one item with the other side's tree.")
