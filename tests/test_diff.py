@@ -461,14 +461,18 @@ def test_values_table_fits_100_columns(tmp_path, capsys):
     header = next(line for line in lines if line.startswith("path") and "rel_l2" in line)
     assert "nonfinite A->B" in header
     # Each listed row starts with a cut of its real path, and its numbers are numpy's.
-    rows = [line for line in lines if line.startswith(stem[:12]) and "(" in line and "%" in line]
+    rows = [line for line in lines if "(" in line and "%" in line and not line.startswith("values")]
     assert len(rows) == 2
     for line, p in zip(rows, (f"{stem}.0", f"{stem}.1")):
         w = _numpy_values(a[p], b[p])
         cells = re.split(r"\s{2,}", line)
-        # Cut in the middle, both ends kept: the two paths, which differ only in their last character, stay apart.
-        head, _, tail = cells[0].split("…")
-        assert p.startswith(head) and p.endswith(tail) and p[-1] == tail[-1] and len(cells[0]) < len(p)
+        # Cut: what is left are pieces of the path, in order, its last part kept: the two paths, which differ only
+        # in their last character, stay apart (issue 39, point 12: the parts both rows share go first).
+        pieces = cells[0].split("…")
+        assert len(pieces) > 1 and len(cells[0]) < len(p) and p.endswith(pieces[-1]) and pieces[-1].endswith(p[-2:])
+        at = 0
+        for piece in pieces:
+            at = p.index(piece, at) + len(piece)
         if p.endswith(".1"):
             assert float(cells[1]) == pytest.approx(w["max_abs_diff"], rel=1e-3)
             assert float(cells[2]) == pytest.approx(w["rel_l2"], rel=1e-3)
@@ -644,3 +648,36 @@ def test_the_values_verdict_fits_100_columns(tmp_path, capsys):
                         (n, "with the same metadata"), (400, "bit-identical"), (400, "within tolerance"),
                         (400, "outside tolerance")):
         assert f" {count} {what}" in f" {words}", (count, what, tail)  # every count, named, in the verdict
+
+
+def test_cut_paths_keep_the_parts_that_tell_rows_apart(tmp_path, capsys):
+    # Issue 39, point 12: paths cut in the middle hid `mu` vs `nu` (`opt_state/1/inner_s…[+32 chars]…ers_0/ln_attn/
+    # bias`). The parts the rows share go first (their common prefix first); what tells them apart stays.
+    stem = "opt_state/1/inner_state/0/{m}/params/decoder/layers_{i}/self_attention_norm/{leaf}"
+    paths = [stem.format(m=m, i=i, leaf=leaf) for m in ("mu", "nu") for i in range(3) for leaf in ("bias", "scale")]
+    a = {p: np.ones(4, np.float32) for p in paths}
+    b = {p: a[p] + np.float32((k + 1) / 64) for k, p in enumerate(paths)}  # row k moved by (k + 1) / 64, exactly
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
+    lines = text.splitlines()
+    assert rc == 1 and max(map(len, lines)) <= 100
+    rows = [re.split(r"\s{2,}", line) for line in lines if "(100%)" in line]
+    assert len(rows) == len(paths)
+    cells = set()
+    for cell, max_abs, *_ in rows:
+        path = paths[round(float(max_abs) * 64) - 1]  # the row's own path, told by its number
+        parts = path.split("/")
+        assert len(cell) < len(path) and "…" in cell, cell  # cut...
+        shown = re.split(r"[/.]", cell)
+        assert parts[4] in shown and parts[7] in shown and parts[-1] in shown, (cell, path)  # ...keeping mu/nu
+        cells.add(cell)
+    assert len(cells) == len(paths)  # no two rows alike
+    # The same cut in the library, with paths of other depths beside them, and a single long path.
+    from treetools.shared.render import cut_paths
+
+    cut = cut_paths(paths + ["params/w"], 40)
+    assert cut[-1] == "params/w" and all(len(c) <= 40 for c in cut) and len(set(cut)) == len(cut)
+    assert all(p.split("/")[4] in re.split(r"[/.…]", c) for p, c in zip(paths, cut)), cut
+    (one,) = cut_paths([paths[0]], 30)
+    assert len(one) <= 30 and one.endswith("bias")
