@@ -415,6 +415,8 @@ class Format:
       claims: ``claims(location) -> bool``: cheap, total, positive evidence only.
       open: ``open(location, display) -> Source``: ``display`` is the path as the user gave it, for messages.
       description: what paths it reads, for the "not a checkpoint" error.
+      suggest: ``suggest(location) -> bool``: whether a path it claims is named in a "did you mean" for a path
+        beside it (None: always). A format that reads plain data files too (a lone ``.npy`` array) says no for them.
 
     ``location`` is an absolute local path or a ``gs://`` / ``s3://`` URL: a
     format that lists and reads through ``treetools.ckpt.storage`` (``isdir``,
@@ -427,6 +429,7 @@ class Format:
     claims: Callable[[str], bool]
     open: Callable[[str, str], Source]
     description: str = ""
+    suggest: Callable[[str], bool] | None = None
 
 
 _REGISTERED: dict[str, Format] = {}
@@ -658,6 +661,10 @@ def _checkpoints_beside(folder: str, formats: Sequence[Format], *, skip: str | N
         entry = _child(folder, name)
         try:
             fmt = claiming_format(entry, formats)
+            # An empty file is no checkpoint to offer, whatever its name (opened directly, it is "truncated").
+            if fmt is not None and ((fmt.suggest is not None and not fmt.suggest(entry))
+                                    or (not storage.isdir(entry) and storage.getsize(entry) == 0)):
+                fmt = None
         except (OSError, CheckpointError):
             fmt = None
         if fmt is not None:
