@@ -498,6 +498,45 @@ def test_files_that_merely_start_like_a_msgpack_map_are_not_claimed(tmp_path):
         "plot.png": None, "int_keys.bin": None, "state": "msgpack", "empty": "msgpack", "map16": "msgpack"}
 
 
+def test_a_plain_npy_reads_as_npy_and_is_never_a_did_you_mean(tmp_path, capsys, monkeypatch):
+    # Issue 39, point 15: a plain .npy showed as "(equinox)", and "did you mean" named an unrelated .npy array or a
+    # 0-byte file as the checkpoint the user meant.
+    import shutil
+
+    from treetools.ckpt.opening import open_source
+
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.save(tmp_path / "x.npy", x)
+    assert main(["inspect", str(tmp_path / "x.npy")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == f"{tmp_path / 'x.npy'} (npy)"
+    assert open_source(str(tmp_path / "x.npy")).format == "npy"
+    np.testing.assert_array_equal(flatten(tt.load_parameters(str(tmp_path / "x.npy")))["0"], x)
+    with open(tmp_path / "m.eqx", "wb") as f:  # arrays back to back: an Equinox file, under any name
+        np.save(f, x)
+        np.save(f, np.int32(7))
+    shutil.copy(tmp_path / "m.eqx", tmp_path / "two.npy")
+    assert [open_source(str(tmp_path / n)).format for n in ("m.eqx", "two.npy")] == ["equinox", "equinox"]
+    # Beside a stray array and an empty file, no "did you mean"; beside a real checkpoint, that one alone.
+    # (Looked for one folder up only: other tests' folders in pytest's base folder can read as a run of steps.)
+    import treetools.ckpt.diagnose as source_module
+
+    monkeypatch.setattr(source_module, "NEAR_LEVELS", {False: 1, True: 1})
+    folder = tmp_path / "f"
+    folder.mkdir()
+    np.save(folder / "embeddings.npy", x)
+    (folder / "empty.safetensors").write_bytes(b"")
+    (folder / "notes.md").write_text("notes")
+    for path in (folder, folder / "notes.md"):
+        assert main(["inspect", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert "did you mean" not in err and "Readable formats:" in err, err
+    np.savez(folder / "weights.npz", w=x)
+    assert main(["inspect", str(folder / "notes.md")]) == 1
+    assert capsys.readouterr().err == (f"treetools: error: {folder / 'notes.md'}: not a checkpoint but a file beside "
+                                       f"checkpoints; did you mean {folder / 'weights.npz'} (npz)?\n")
+
+
 def test_t5x_style_folder_is_not_claimed_as_orbax(tmp_path, capsys):
     # `checkpoint_100/checkpoint` (T5X) has no Orbax evidence: the T5X format reads it, Orbax never claims it.
     step = tmp_path / "model" / "checkpoint_100"

@@ -109,9 +109,9 @@ def test_nan_equals_nan_and_table_view(tmp_path, capsys):
     assert out["values"][0]["bit_identical"] is True
     assert (out["values"][0]["nonfinite_a"], out["values"][0]["nonfinite_b"]) == (1, 1)
     rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
-    assert rc == 0 and text.strip().splitlines()[-1] == (
-        "same (leaves): 0 added, 0 removed, 0 with changed metadata, 1 with the same metadata, "
-        "values: 1 bit-identical, 0 within tolerance, 0 outside tolerance")
+    assert rc == 0 and text.strip().splitlines()[-2:] == [
+        "same (leaves): 0 added, 0 removed, 0 with changed metadata, 1 with the same metadata,",
+        "  values: 1 bit-identical, 0 within tolerance, 0 outside tolerance"]
     # A value that becomes NaN is outside any tolerance.
     y = x.copy()
     y[0] = np.nan
@@ -218,10 +218,10 @@ def test_verdict_line_counts_value_differences(tmp_path, capsys):
     common = a.keys() & b.keys()
     meta_changed = sum(a[p].dtype != b[p].dtype or a[p].shape != b[p].shape for p in common)
     assert rc == 1 and differ > 0 and bit_same > 0 and within > 0  # ids: int32 -> int64, equal values
-    last = text.strip().splitlines()[-1]
-    assert last == (f"different (leaves): {len(b.keys() - a.keys())} added, {len(a.keys() - b.keys())} removed, "
-                    f"{meta_changed} with changed metadata, {len(common) - meta_changed} with the same metadata, "
-                    f"values: {bit_same} bit-identical, {within} within tolerance, {differ} outside tolerance"), last
+    last = text.strip().splitlines()[-2:]
+    assert last == [f"different (leaves): {len(b.keys() - a.keys())} added, {len(a.keys() - b.keys())} removed, "
+                    f"{meta_changed} with changed metadata, {len(common) - meta_changed} with the same metadata,",
+                    f"  values: {bit_same} bit-identical, {within} within tolerance, {differ} outside tolerance"], last
 
 
 def test_markdown_is_a_list_and_tables_follow_blank_lines(run_dir, capsys):
@@ -232,11 +232,47 @@ def test_markdown_is_a_list_and_tables_follow_blank_lines(run_dir, capsys):
     assert len(headers) == 2 and all(lines[i - 1] == "" for i in headers), out  # changed (meta/step) and values
 
 
-def test_composite_against_a_single_tree_suggests_item(run_dir, tmp_path, capsys):
-    np.savez(tmp_path / "p.npz", **{p: x for p, x in flat(host_tree(1)).items() if x.dtype.kind != "V"})
+def test_composite_against_a_single_tree_compares_its_params(run_dir, tmp_path, capsys):
+    # Issue 39, point 11: a step of params, opt_state and meta against an .npz of params paired the params
+    # item (params/Dense_0/kernel) with nothing; now its params item is compared, and the note says so.
+    arrays = {p: x for p, x in flat(host_tree(1)).items() if x.dtype.kind != "V"}  # no bfloat16 in the npz
+    np.savez(tmp_path / "p.npz", **arrays)
     rc, out, err = run(capsys, "diff", run_dir / "ckpt_0100", tmp_path / "p.npz")
-    assert rc == 1 and out.strip().splitlines()[-1].startswith("different (leaves): ")
-    assert err.startswith("treetools: note: ") and "--item" in err and len(err.strip().splitlines()) == 1
+    lines = out.strip().splitlines()
+    assert rc == 1 and lines[0].endswith("(orbax, step 100, item params)") and lines[-2].startswith("different (leaves): ")
+    assert lines[-2].startswith(f"different (leaves): 0 added, 1 removed, 0 with changed metadata, {len(arrays)} ")
+    assert err.startswith("treetools: note: ") and "params" in err and "--item" in err
+    assert len(err.strip().splitlines()) == 1
+    # --item still picks another item; a side that is no params item (opt_state) gets no such pairing.
+    rc, out, err = run(capsys, "diff", run_dir / "ckpt_0100", tmp_path / "p.npz", "--item", "opt_state")
+    assert rc == 1 and "item opt_state" in out.splitlines()[0] and "params" not in err
+
+
+def test_a_run_against_its_own_params_export_compares_the_params(run_dir, tmp_path, capsys):
+    # Issue 39, point 11: `diff RUN model.safetensors --values` (a run against the export `convert` made from it)
+    # read 29 added, 89 removed, exit 1, with the --item hint only on stderr.
+    from safetensors.numpy import save_file
+
+    from treetools.cli import main
+
+    assert main(["convert", str(run_dir), str(tmp_path / "model.safetensors")]) == 0
+    capsys.readouterr()
+    truth = flat(host_tree(2))  # step 200's params, as written
+    for a, b, side in ((run_dir, tmp_path / "model.safetensors", "a"), (tmp_path / "model.safetensors", run_dir, "b")):
+        out = diff_json(capsys, a, b, "--values", rc=0)
+        assert out["added"] == out["removed"] == out["changed"] == [], out
+        assert len(out["values"]) == len(truth) and all(v["bit_identical"] for v in out["values"])
+        assert out[side]["item"] == "params" and out[side]["step"] == 200
+        rc, text, err = run(capsys, "diff", a, b, "--values")
+        assert rc == 0 and "item params" in text.splitlines()[0 if side == "a" else 1]
+        assert "params" in err and "--item" in err  # said on stderr too
+    # An export that was changed is still compared leaf by leaf: the one changed leaf, by name.
+    changed = {p.replace("/", "."): x for p, x in truth.items() if x.dtype.kind != "V"}
+    changed["embed"] = changed["embed"] + np.float32(0.5)
+    save_file(changed, str(tmp_path / "changed.safetensors"))
+    out = diff_json(capsys, run_dir, tmp_path / "changed.safetensors", "--values", rc=1)
+    assert [r["path"] for r in out["removed"]] == ["half"] and out["added"] == []
+    assert [v["path"] for v in out["values"] if not v["bit_identical"]] == ["embed"]
 
 
 def test_a_dotted_safetensors_export_pairs_with_the_slashed_msgpack_it_came_from(tmp_path, capsys):
@@ -340,6 +376,9 @@ def test_fast_float_comparison_is_numpys_float64_rule(case):
     np.testing.assert_allclose(got.max_abs_diff, want_max, rtol=1e-6, err_msg=case)
     diff_sq, ref_sq = float(np.sum((x[both] - y[both]) ** 2)), float(np.sum(x[np.isfinite(x)] ** 2))
     want_rel = math.sqrt(diff_sq) / math.sqrt(ref_sq) if ref_sq else 0.0
+    if math.isinf(want_max):  # issue 39, point 6: a value that became non-finite is the most changed; the
+        want_rel = math.inf   # finite elements' sums are still exact
+        np.testing.assert_allclose(got.diff_sq / got.ref_sq, diff_sq / ref_sq, rtol=1e-6, err_msg=case)
     np.testing.assert_allclose(got.rel_l2, want_rel, rtol=1e-6, atol=1e-300, err_msg=case)
     assert (got.nonfinite_a, got.nonfinite_b) == (int((~np.isfinite(x)).sum()), int((~np.isfinite(y)).sum()))
     assert got.bit_identical == (a.dtype == b.dtype and a.tobytes() == b.tobytes())
@@ -417,19 +456,23 @@ def test_values_table_fits_100_columns(tmp_path, capsys):
     np.savez(tmp_path / "b.npz", **b)
     rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
     lines = text.splitlines()
-    assert rc == 1 and lines[-1].startswith("different (leaves): ")
-    assert max(len(line) for line in lines[:-1]) <= 100, "\n".join(line for line in lines if len(line) > 100)
+    assert rc == 1 and lines[-2].startswith("different (leaves): ")
+    assert max(len(line) for line in lines) <= 100, "\n".join(line for line in lines if len(line) > 100)
     header = next(line for line in lines if line.startswith("path") and "rel_l2" in line)
     assert "nonfinite A->B" in header
     # Each listed row starts with a cut of its real path, and its numbers are numpy's.
-    rows = [line for line in lines if line.startswith(stem[:12]) and "(" in line and "%" in line]
+    rows = [line for line in lines if "(" in line and "%" in line and not line.startswith("values")]
     assert len(rows) == 2
     for line, p in zip(rows, (f"{stem}.0", f"{stem}.1")):
         w = _numpy_values(a[p], b[p])
         cells = re.split(r"\s{2,}", line)
-        # Cut in the middle, both ends kept: the two paths, which differ only in their last character, stay apart.
-        head, _, tail = cells[0].split("…")
-        assert p.startswith(head) and p.endswith(tail) and p[-1] == tail[-1] and len(cells[0]) < len(p)
+        # Cut: what is left are pieces of the path, in order, its last part kept: the two paths, which differ only
+        # in their last character, stay apart (issue 39, point 12: the parts both rows share go first).
+        pieces = cells[0].split("…")
+        assert len(pieces) > 1 and len(cells[0]) < len(p) and p.endswith(pieces[-1]) and pieces[-1].endswith(p[-2:])
+        at = 0
+        for piece in pieces:
+            at = p.index(piece, at) + len(piece)
         if p.endswith(".1"):
             assert float(cells[1]) == pytest.approx(w["max_abs_diff"], rel=1e-3)
             assert float(cells[2]) == pytest.approx(w["rel_l2"], rel=1e-3)
@@ -467,9 +510,9 @@ def test_depth_counts_leaves_in_titles_and_verdict_alike(tmp_path, capsys):
     assert "added (only in B): 2 leaves (in 1 group, --depth 2)" in lines
     assert (f"values (atol=0, rtol=1e-05): {len(a)} leaves compared, 1 leaf (in 1 group, --depth 2) "
             "not bit-identical") in lines
-    verdict = lines[-1]
-    assert verdict.endswith(f"values: {same} bit-identical, 0 within tolerance, {len(a) - same} outside tolerance")
-    assert verdict.startswith("different (leaves): 2 added, 0 removed, 0 with changed metadata, 4 with the same")
+    verdict = lines[-2:]
+    assert verdict[1] == f"  values: {same} bit-identical, 0 within tolerance, {len(a) - same} outside tolerance"
+    assert verdict[0].startswith("different (leaves): 2 added, 0 removed, 0 with changed metadata, 4 with the same")
 
 
 def test_tiny_adam_nu_that_changed_60_percent_is_outside_the_default_tolerance(tmp_path, capsys):
@@ -518,3 +561,123 @@ def test_default_tolerance_takes_the_float32_fast_path():
     f32 = np.dtype(np.float32)
     rule = _Rule.of(f32, f32, DiffOptions().atol, DiffOptions().rtol)
     assert DiffOptions().atol == 0.0 and rule.work == f32
+
+
+# ----------------------------------------------------------------------------- issue 39 (points 5, 6, 11, 12, 22)
+
+
+def test_a_leaf_that_became_non_finite_is_the_most_changed_by_rel_l2(tmp_path, capsys):
+    # Issue 39, point 6: a leaf that became all NaN had rel_l2 0 (its finite part did not move) and sorted last
+    # under --sort rel_l2. A finite value that became NaN/Inf (or back) makes rel_l2 infinite, as max_abs_diff.
+    rng = np.random.default_rng(7)
+    a = {"nan": rng.standard_normal(16).astype(np.float32), "inf": rng.standard_normal(16).astype(np.float32),
+         "big": rng.standard_normal(16).astype(np.float32), "small": rng.standard_normal(16).astype(np.float32),
+         "back": np.full(4, np.nan, np.float32)}
+    b = {"nan": np.full(16, np.nan, np.float32), "inf": a["inf"].copy(), "big": a["big"] * np.float32(3),
+         "small": a["small"] * np.float32(1.001), "back": np.ones(4, np.float32)}
+    b["inf"][5] = np.inf
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    finite = {p: _numpy_values(a[p], b[p])["rel_l2"] for p in ("big", "small")}  # numpy float64, by hand
+    assert finite["big"] > finite["small"] > 0
+    out = diff_json(capsys, tmp_path / "a.npz", tmp_path / "b.npz", "--values", "--sort", "rel_l2", rc=1)
+    order = [v["path"] for v in out["values"]]
+    assert order == ["back", "inf", "nan", "big", "small"], order  # the non-finite changes first (ties by path)
+    got = {v["path"]: v for v in out["values"]}
+    assert all(got[p]["rel_l2"] is None for p in ("back", "inf", "nan"))  # infinite: null in JSON
+    for p, want in finite.items():
+        np.testing.assert_allclose(got[p]["rel_l2"], want, rtol=1e-6)
+    r = diff_paths(str(tmp_path / "a.npz"), str(tmp_path / "b.npz"), values=True, sort="rel_l2")
+    assert [v.rel_l2 for v in r.values][:3] == [math.inf] * 3
+    # A group holding such a leaf is infinite too (--depth sums squares; the infinity is not summed away).
+    np.savez(tmp_path / "c.npz", **{f"g/{k}": v for k, v in a.items() if k in ("nan", "big")})
+    np.savez(tmp_path / "d.npz", **{f"g/{k}": v for k, v in b.items() if k in ("nan", "big")})
+    grouped = diff_paths(str(tmp_path / "c.npz"), str(tmp_path / "d.npz"), values=True, depth=1)
+    assert [(v.path, v.rel_l2) for v in grouped.values] == [("g", math.inf)]
+    # The table shows it first, as inf.
+    rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values", "--sort", "rel_l2")
+    rows = [line.split() for line in text.splitlines() if line.split() and line.split()[0] in a]
+    assert [r[0] for r in rows] == order and all(r[2] == "inf" for r in rows[:3])
+
+
+def test_a_diff_without_values_says_the_values_were_not_compared(run_dir, capsys):
+    # Issue 39, point 5: without --values, two steps whose values all differ read "same (leaves): ... with the same
+    # metadata", exit 0, as if "same" had been said of the values.
+    a, b = flat(host_tree(1)), flat(host_tree(2))
+    moved = [p for p in a if a[p].tobytes() != b[p].tobytes()]
+    assert len(moved) == len(a) - 2  # every leaf but layers/1/w and scale (the same constants in both steps)
+    argv = [run_dir, "--step", "100", "--step", "200", "--item", "params"]
+    rc, text, _ = run(capsys, "diff", *argv)
+    verdict = text.splitlines()[-2:]
+    assert rc == 0, text  # the same leaves and metadata: exit 0, which now says what it means
+    assert verdict[0].startswith("same metadata (leaves): 0 added, 0 removed, 0 with changed metadata, "
+                                 f"{len(a)} with the same metadata"), verdict
+    assert verdict[1].strip().startswith("values: not compared") and "--values" in verdict[1], verdict
+    assert max(map(len, text.splitlines())) <= 100
+    out = diff_json(capsys, *argv, rc=0)
+    assert out["values_compared"] is False and "values" not in out and out["identical"] is True
+    # With --values the same two steps differ, and the JSON says the values were compared.
+    out = diff_json(capsys, *argv, "--values", rc=1)
+    assert out["values_compared"] is True and out["counts"]["outside_tolerance"] == len(moved)
+    rc, text, _ = run(capsys, "diff", *argv, "--values")
+    verdict = text.splitlines()[-2:]
+    assert rc == 1 and verdict[0].startswith("different (leaves): ") and "not compared" not in text
+    assert verdict[1].strip() == f"values: 2 bit-identical, 0 within tolerance, {len(moved)} outside tolerance"
+    # A metadata difference without --values: different, and still no word about values being the same.
+    rc, text, _ = run(capsys, "diff", run_dir, "--step", "100", "--step", "200")
+    assert rc == 1 and text.splitlines()[-2].startswith("different (leaves): ")
+    assert text.splitlines()[-1].strip().startswith("values: not compared")
+
+
+def test_the_values_verdict_fits_100_columns(tmp_path, capsys):
+    # Issue 39, point 22: the verdict of `diff --values` was one line of 161 columns (default views keep to 100).
+    n = 1200  # four-digit counts in every field
+    a = {f"l{i:04d}": np.full(2, i, np.float32) for i in range(n)}
+    b = {k: (v + np.float32(1) if i % 3 == 0 else v * np.float32(1 + 2**-20) if i % 3 == 1 else v)
+         for i, (k, v) in enumerate(a.items())}
+    a.update({f"gone{i:04d}": np.ones(1, np.float32) for i in range(1000)})
+    b.update({f"new{i:04d}": np.ones(1, np.float32) for i in range(1000)})
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
+    lines = text.splitlines()
+    assert rc == 1 and max(map(len, lines)) <= 100, [line for line in lines if len(line) > 100]
+    tail = lines[lines.index(next(x for x in lines if x.startswith("different (leaves): "))):]
+    words = " ".join(tail)
+    for count, what in ((1000, "added"), (1000, "removed"), (0, "with changed metadata"),
+                        (n, "with the same metadata"), (400, "bit-identical"), (400, "within tolerance"),
+                        (400, "outside tolerance")):
+        assert f" {count} {what}" in f" {words}", (count, what, tail)  # every count, named, in the verdict
+
+
+def test_cut_paths_keep_the_parts_that_tell_rows_apart(tmp_path, capsys):
+    # Issue 39, point 12: paths cut in the middle hid `mu` vs `nu` (`opt_state/1/inner_s…[+32 chars]…ers_0/ln_attn/
+    # bias`). The parts the rows share go first (their common prefix first); what tells them apart stays.
+    stem = "opt_state/1/inner_state/0/{m}/params/decoder/layers_{i}/self_attention_norm/{leaf}"
+    paths = [stem.format(m=m, i=i, leaf=leaf) for m in ("mu", "nu") for i in range(3) for leaf in ("bias", "scale")]
+    a = {p: np.ones(4, np.float32) for p in paths}
+    b = {p: a[p] + np.float32((k + 1) / 64) for k, p in enumerate(paths)}  # row k moved by (k + 1) / 64, exactly
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
+    lines = text.splitlines()
+    assert rc == 1 and max(map(len, lines)) <= 100
+    rows = [re.split(r"\s{2,}", line) for line in lines if "(100%)" in line]
+    assert len(rows) == len(paths)
+    cells = set()
+    for cell, max_abs, *_ in rows:
+        path = paths[round(float(max_abs) * 64) - 1]  # the row's own path, told by its number
+        parts = path.split("/")
+        assert len(cell) < len(path) and "…" in cell, cell  # cut...
+        shown = re.split(r"[/.]", cell)
+        assert parts[4] in shown and parts[7] in shown and parts[-1] in shown, (cell, path)  # ...keeping mu/nu
+        cells.add(cell)
+    assert len(cells) == len(paths)  # no two rows alike
+    # The same cut in the library, with paths of other depths beside them, and a single long path.
+    from treetools.shared.render import cut_paths
+
+    cut = cut_paths(paths + ["params/w"], 40)
+    assert cut[-1] == "params/w" and all(len(c) <= 40 for c in cut) and len(set(cut)) == len(cut)
+    assert all(p.split("/")[4] in re.split(r"[/.…]", c) for p, c in zip(paths, cut)), cut
+    (one,) = cut_paths([paths[0]], 30)
+    assert len(one) <= 30 and one.endswith("bias")

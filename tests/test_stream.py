@@ -398,3 +398,55 @@ def test_every_long_command_advances_its_progress_bar_block_by_block(tmp_path, m
     sides = 2 if command == "diff" else 1
     assert len(calls) >= 16, len(calls)  # a diff advances once per block pair, by both sides
     assert calls[-1][0] == calls[-1][1] == sides * w.nbytes
+
+
+# ----------------------------------------------------------------------------- issue 39, point 22: drawn per block
+
+
+@pytest.mark.parametrize("command", ["verify", "diff"])
+def test_the_bar_of_a_few_blocks_is_drawn_at_each_block(tmp_path, capsys, command):
+    # A 4 MiB leaf read in 1 MiB blocks: the bar jumped from 0 % to the end (draws were skipped when they came
+    # within 0.1 s of the last one); each block that moves the bar is drawn: 25, 50, 75, 100 %.
+    import re
+
+    from safetensors.numpy import save_file
+
+    from treetools.commands.diff import diff_paths
+    from treetools.commands.verify import verify_path
+
+    w = np.arange(2**20, dtype=np.float32)  # 4 MiB
+    save_file({"w": w}, str(tmp_path / "a.safetensors"))
+    save_file({"w": w + 1}, str(tmp_path / "b.safetensors"))
+    a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    if command == "verify":
+        assert verify_path(a, chunk_bytes=2**20, progress=True).ok
+    else:
+        assert not diff_paths(a, b, values=True, chunk_bytes=2**20, progress=True).identical
+    drawn = [float(x) for x in re.findall(r"\] +([\d.]+)%", capsys.readouterr().err)]
+    assert [x for x in drawn if x] == [25.0, 50.0, 75.0, 100.0], drawn
+
+
+def test_the_bar_is_rate_limited_without_skipping_a_step_it_shows(monkeypatch):
+    # 100,000 tiny advances with the clock standing still: drawn once per cell of the bar it moves (30), not
+    # 100,000 times; with the clock moving, the finer percentage is drawn too, at most every 0.1 s.
+    import io
+
+    from treetools.commands import progress as progress_module
+
+    now = [1000.0]
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])
+    stream = io.StringIO()
+    bar = progress_module.Progress(100_000, stream=stream, enabled=True)
+    for _ in range(100_000):
+        bar.advance(1)
+    frames = stream.getvalue().split("\r")[1:]
+    cells = [f.split("]")[0].count("#") for f in frames]
+    assert len(frames) <= 31 and sorted(set(cells) - {0}) == list(range(1, 31)), cells  # (and 0.1 % once)
+    assert frames[-1].startswith("[" + "#" * 30 + "] 100.0%"), frames[-1]
+    stream = io.StringIO()
+    bar = progress_module.Progress(1000, stream=stream, enabled=True)
+    for _ in range(10):  # 0.1 % each, 0.06 s apart: the first drawn, then one every 0.12 s
+        now[0] += 0.06
+        bar.advance(1)
+    frames = stream.getvalue().split("\r")[1:]
+    assert [f.split("]")[1].split()[0] for f in frames] == ["0.1%", "0.3%", "0.5%", "0.7%", "0.9%"], frames

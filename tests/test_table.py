@@ -77,7 +77,8 @@ def test_depth_sums_per_module_and_keeps_totals():
 
 
 def test_per_dtype_breakdown_and_sharding_column():
-    tree = {"emb": nn.Partitioned(jnp.ones((8, 4), jnp.bfloat16), names=("fsdp", None)),
+    # numpy: an unplaced box shows its names (a jnp array sits whole on device 0 and says so: issue 39, point 7)
+    tree = {"emb": nn.Partitioned(np.ones((8, 4), jnp.bfloat16), names=("fsdp", None)),
             "w": jnp.ones((3,), jnp.float32), "step": 7}
     text = tt.tabulate_params(tree, tablefmt="tsv")
     rows = {r["path"]: r for r in _parse_tsv(text)}
@@ -210,3 +211,36 @@ def test_layer_count_in_json_rows():
     rows = [dataclasses.replace(r, layers=4) if r.name == "w" else r for r in rows_from_tree({"w": np.ones((4, 2)), "b": np.ones(2)})]
     data = {r["path"]: r for r in json.loads(render_rows(rows, fmt="json"))["leaves"]}
     assert data["w"]["layers"] == 4 and "layers" not in data["b"]  # absent where there is none: the schema as before
+
+
+def test_a_box_placed_on_one_device_shows_where_it_is_not_its_names(devices):
+    # Issue 39, point 7: params initialized without out_shardings sit whole on device 0, but the sharding column
+    # showed their boxes' P('data', 'model') while get_num_params(per_device=True) counted them whole. A placed
+    # array shows where it is (as the count has it); the box's spec is shown only for unplaced leaves.
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from treetools.pytree.partitioning import unbox
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    names = ("data", "model")
+    tree = {
+        "on_0": nn.Partitioned(jnp.ones((8, 4), jnp.float32), names=names),  # no out_shardings: device 0
+        "on_3": nnx.Param(jax.device_put(np.ones((8, 4), np.float32), devices[3]), out_sharding=names,
+                          eager_sharding=False),
+        "placed": nn.Partitioned(jax.device_put(np.ones((8, 4), np.float32), NamedSharding(mesh, P(*names))),
+                                 names=names),
+        "unplaced": nn.Partitioned(np.ones((8, 4), np.float32), names=names),  # numpy: the plan, from the names
+    }
+    rows = {r["path"]: r["sharding"] for r in _parse_tsv(tt.tabulate_params(tree, mesh=mesh, tablefmt="tsv"))}
+    (dev0,) = unbox(tree["on_0"]).devices()
+    assert rows == {"on_0": f"whole on {dev0}", "on_3": f"whole on {devices[3]}", "placed": "P('data', 'model')",
+                    "unplaced": "P('data', 'model')"}
+    assert tt.leaf_sharding(tree["on_0"]).to_json() == {"mesh": None, "spec": [], "device": str(dev0)}
+    # One truth with the count: devices 0 and 3 each hold a whole (8, 4) leaf (32) and a quarter-by-half shard of
+    # `placed` (4); the unplaced box counts its largest shard (4) on top: 36 + 4.
+    held = {d.id: 0 for d in devices}
+    for x in (unbox(tree["on_0"]), unbox(tree["on_3"]), unbox(tree["placed"])):
+        for shard in x.addressable_shards:
+            held[shard.device.id] += shard.data.size
+    assert max(held.values()) == 36
+    assert tt.get_num_params(tree, per_device=True, mesh=mesh) == 36 + 4

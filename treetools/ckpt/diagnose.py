@@ -121,6 +121,10 @@ def _checkpoints_beside(folder: str, formats: Sequence[Format], looking: ReadCon
         entry = storage.join(folder, name)
         try:
             fmt = claiming_format(entry, formats, context=looking)
+            # An empty file is no checkpoint to offer, whatever its name (opened directly, it is "truncated").
+            if fmt is not None and ((fmt.suggest is not None and not fmt.suggest(entry))
+                                    or (not storage.isdir(entry) and storage.getsize(entry) == 0)):
+                fmt = None
         except (OSError, CheckpointError):
             fmt = None
         if fmt is not None:

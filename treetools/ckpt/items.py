@@ -201,9 +201,15 @@ def params_of_step(source: _Steps, step: int | None, *, item: str | None = None,
     when it holds a whole train state (an item asked for by name is returned whole)."""
     name = params_item(source, step, item=item, use_ema=use_ema)
     found = source.snapshot(step, [name]).items[name]
-    if item is None and name not in ("params", "params_ema", "model"):
-        found = params_subtree(found, use_ema=use_ema)
-    return found
+    return found if item is not None else params_within(found, use_ema=use_ema)
+
+
+def params_within(found: Item, *, use_ema: bool = False) -> Item:
+    """The parameters in the item ``params_item`` picked: the item itself when it is a params (or model) item,
+    else its ``params_subtree`` (an item holding a whole train state)."""
+    if found.name in ("params", "params_ema", "model"):
+        return found
+    return params_subtree(found, use_ema=use_ema)
 
 
 def params_subtree(item: Item, *, use_ema: bool = False) -> Item:

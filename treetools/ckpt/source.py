@@ -268,6 +268,8 @@ class Format:
       open: ``open(location, display, context) -> Source``: ``display`` is the path as the user gave it, for
         messages; the source is built with ``context`` and hands it to every reader it makes.
       description: what paths it reads, for the "not a checkpoint" error.
+      suggest: ``suggest(location) -> bool``: whether a path it claims is named in a "did you mean" for a path
+        beside it (None: always). A format that reads plain data files too (a lone ``.npy`` array) says no for them.
 
     ``location`` is an absolute local path or a ``gs://`` / ``s3://`` URL. A
     format lists and reads only through ``context.storage`` (``isdir``,
@@ -281,6 +283,7 @@ class Format:
     claims: Callable[[str, ReadContext], bool]
     open: Callable[[str, str, ReadContext], Source]
     description: str = ""
+    suggest: Callable[[str], bool] | None = None
 
 
 class FileSource(Source):

@@ -14,7 +14,10 @@ Two steps of one run:
 given twice, the first is A's step and the second B's. --item NAME picks that
 item on each side; in a single-tree file (a Flax msgpack of a whole train
 state) it is a top-level key, and a side with one item (an .npz of params)
-uses its own.
+uses its own. Without --item, a side holding only params (an export:
+model.safetensors, an .npz) compares with the params of a side holding more
+(a run's step), picked as convert picks them, and a note says so:
+  treetools diff RUN/checkpoints model.safetensors --values
 
 Shardings are compared by meaning (P() and P(None,) are both replicated).
 --include/--exclude pick leaves by path regex, --depth K groups the listing
@@ -30,7 +33,8 @@ leaf of equal shape, whether it is bit-identical, how many elements lie
 outside |a - b| <= atol + rtol * |b| (numpy's rule; NaN equals NaN and Inf
 the same Inf, but a value that becomes NaN or Inf is always outside, and the
 non-finite counts of both sides are shown), the max absolute difference over
-elements finite on both sides, and the relative L2 difference ||a - b|| / ||a||.
+elements finite on both sides, and the relative L2 difference ||a - b|| / ||a||
+(both inf when a finite value became NaN or Inf: the most changed).
 Integers and complex numbers are compared exactly. Defaults atol 0, rtol 1e-5:
 a relative tolerance, so a tensor of tiny values (Adam's nu, around 1e-9) that
 changed by 60% is outside it; an element that is 0 on one side and not on the
@@ -44,14 +48,17 @@ where needed, the allclose column is left out, with a note.
 splits on "."): the section titles count leaves and say how many groups
 they form; the verdict counts leaves.
 
-The last line is the verdict, with every count named: leaves added, removed,
-with changed metadata, with the same metadata and, with --values,
-bit-identical, within tolerance and outside tolerance.
+The last two lines are the verdict, with every count named: leaves added,
+removed, with changed metadata, with the same metadata; then, with --values,
+bit-identical, within tolerance and outside tolerance, or "values: not
+compared".
 
 --format json prints one object, "schema": 1 (docs/json-schema.md).
 
-Exit codes (as GNU diff): 0 the checkpoints are the same (within tolerance);
-1 they differ; 2 trouble (usage, a missing or unreadable checkpoint).
+Exit codes (as GNU diff): 0 the checkpoints are the same (with --values:
+every value within tolerance; without, values are not compared and 0 says
+only that the leaves and their metadata match); 1 they differ; 2 trouble
+(usage, a missing or unreadable checkpoint).
 """
 
 from __future__ import annotations

@@ -14,12 +14,15 @@ both with the same shape is streamed block by block from both sides at once:
   numbers are compared exactly (no float64 rounding of int64 beyond 2**53, no
   dropped imaginary part);
 * ``max_abs_diff`` over elements finite on both sides (``inf`` when a finite
-  value became non-finite or back), ``rel_l2 = ||a - b|| / ||a||``, and the
+  value became non-finite or back), ``rel_l2 = ||a - b|| / ||a||`` (``inf``
+  too in that case, so such a leaf sorts as the most changed), and the
   non-finite counts of each side.
 
 The verdict counts leaves as bit-identical, within tolerance, outside
 tolerance, added, removed and changed metadata; ``identical`` is what the
-CLI's exit code follows (GNU diff: 0 same, 1 different). ``to_json`` is the
+CLI's exit code follows (GNU diff: 0 same, 1 different). Without values it
+says only that the leaves and their metadata match, and the verdict and
+``values_compared`` say that the values were not compared. ``to_json`` is the
 versioned object of ``docs/json-schema.md`` (schema ``SCHEMA``).
 """
 
@@ -35,13 +38,13 @@ import numpy as np
 
 from treetools.ckpt.mapping import map_items
 from treetools.ckpt.context import DEFAULT_BLOCK_BYTES
-from treetools.ckpt.readers import bit_view, is_numeric
-from treetools.ckpt.items import order_items
-from treetools.ckpt.leaves import Leaf, NO_VALUE
+from treetools.ckpt.items import counts_params, order_items, params_item, params_within, train_state_parts
+from treetools.ckpt.leaves import NO_VALUE, Leaf, Snapshot
 from treetools.ckpt.opening import open_source
+from treetools.ckpt.readers import bit_view, is_numeric
 from treetools.ckpt.source import Source
 from treetools.ckpt.stream import reduce_blocks
-from treetools.shared.errors import CheckpointError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 from treetools.commands.options import DEFAULT_ATOL, DEFAULT_RTOL, DiffOptions, resolve
 from treetools.commands.progress import Progress
 from treetools.shared.patterns import select_any
@@ -120,14 +123,19 @@ class ValueDiff:
 
     def merge(self, other: "ValueDiff", path: str) -> "ValueDiff":
         diff_sq, ref_sq = self.diff_sq + other.diff_sq, self.ref_sq + other.ref_sq
-        return ValueDiff(path, max(self.max_abs_diff, other.max_abs_diff), _rel(diff_sq, ref_sq),
+        max_abs = max(self.max_abs_diff, other.max_abs_diff)
+        return ValueDiff(path, max_abs, _rel(diff_sq, ref_sq, max_abs),
                          self.allclose and other.allclose, self.mismatched + other.mismatched, self.size + other.size,
                          self.bit_identical and other.bit_identical, self.nonfinite_a + other.nonfinite_a,
                          self.nonfinite_b + other.nonfinite_b, diff_sq, ref_sq, self.leaves + other.leaves,
                          self.same_leaves + other.same_leaves, self.outside_leaves + other.outside_leaves)
 
 
-def _rel(diff_sq: float, ref_sq: float) -> float:
+def _rel(diff_sq: float, ref_sq: float, max_abs: float) -> float:
+    """``||a - b|| / ||a||`` over the elements finite on both sides; infinite where ``max_abs`` is (a finite value
+    that became NaN or Inf, or back: the most changed a leaf can be, whatever its finite part did)."""
+    if math.isinf(max_abs):
+        return math.inf
     diff_l2, ref_l2 = math.sqrt(diff_sq), math.sqrt(ref_sq)
     return diff_l2 / ref_l2 if ref_l2 > 0 else (0.0 if diff_l2 == 0 else math.inf)
 
@@ -152,9 +160,17 @@ class DiffReport:
 
     @property
     def identical(self) -> bool:
-        """No leaf added, removed or changed, and (with values) every compared leaf within tolerance."""
+        """No leaf added, removed or changed, and (with values) every compared leaf within tolerance.
+
+        Without values (``values_compared`` False) it says only that the leaves and their metadata match.
+        """
         same_values = self.values is None or all(v.allclose for v in self.values)
         return not (self.added or self.removed or self.changed) and same_values
+
+    @property
+    def values_compared(self) -> bool:
+        """Whether the values were compared (``values=True``); without, ``identical`` speaks of metadata only."""
+        return self.values is not None
 
     def counts(self) -> dict[str, int]:
         """Leaves per verdict; the value counts appear only when values were compared."""
@@ -168,14 +184,17 @@ class DiffReport:
         return out
 
     def verdict(self) -> str:
-        """One line: same/different and every count, each named."""
+        """Two lines: same/different with the leaf counts, then the value counts, or that values were not compared
+        (then "same" is "same metadata": nothing was said of the values); every count named."""
         c = self.counts()
-        parts = [f"{c['added']} added", f"{c['removed']} removed", f"{c['changed_metadata']} with changed metadata",
-                 f"{c['same_metadata']} with the same metadata"]
-        if self.values is not None:
-            parts += [f"values: {c['bit_identical']} bit-identical, {c['within_tolerance']} within tolerance, "
-                      f"{c['outside_tolerance']} outside tolerance"]
-        return ("same" if self.identical else "different") + " (leaves): " + ", ".join(parts)
+        word = "different" if not self.identical else "same" if self.values_compared else "same metadata"
+        leaves = (f"{word} (leaves): {c['added']} added, {c['removed']} removed, {c['changed_metadata']} with changed "
+                  f"metadata, {c['same_metadata']} with the same metadata,")
+        if not self.values_compared:
+            why = "; exit 0 says only the leaves and metadata match" if self.identical else ""
+            return f"{leaves}\n  values: not compared (--values compares them{why})"
+        return (f"{leaves}\n  values: {c['bit_identical']} bit-identical, {c['within_tolerance']} within tolerance, "
+                f"{c['outside_tolerance']} outside tolerance")
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -187,6 +206,7 @@ class DiffReport:
             "removed": [r.to_json() for r in self.removed],
             "changed": [c.to_json() for c in self.changed],
             "unchanged": self.unchanged,
+            "values_compared": self.values_compared,
         }
         if self.values is not None:
             out["atol"], out["rtol"] = self.atol, self.rtol
@@ -452,8 +472,8 @@ def _mismatched(a: np.ndarray, b: np.ndarray, d: np.ndarray, mx: float, rule: _R
 
 
 def _result(acc: _Compared, path: str, size: int) -> ValueDiff:
-    return ValueDiff(path, acc.max_abs, _rel(acc.diff_sq, acc.ref_sq), acc.mismatched == 0, acc.mismatched, size,
-                     acc.same_bits, acc.nonfinite_a, acc.nonfinite_b, acc.diff_sq, acc.ref_sq)
+    return ValueDiff(path, acc.max_abs, _rel(acc.diff_sq, acc.ref_sq, acc.max_abs), acc.mismatched == 0,
+                     acc.mismatched, size, acc.same_bits, acc.nonfinite_a, acc.nonfinite_b, acc.diff_sq, acc.ref_sq)
 
 
 def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
@@ -505,26 +525,64 @@ def _describe(source: Source, step: int | None, item: str | None) -> dict[str, A
     return {"path": source.path, "format": source.format, "step": step, "item": item}
 
 
-def _items(source: Source, step: Any, item: str | None, rules: Rules | None = None
-           ) -> tuple[Any, dict[str, list[Leaf]]]:
-    """The snapshot of one side and its leaves per item (through ``rules``); ``item`` reads only that item.
+def _snapshot(source: Source, step: Any, item: str | None) -> Snapshot:
+    """The snapshot of one side; ``item`` reads only that item.
 
     A side with a single item that lacks ``item`` (an .npz of params) uses its own.
     """
     if item is None:
-        snap = source.snapshot(step)
-    else:
-        try:
-            snap = source.snapshot(step, [item])
-        except FileNotFoundError:
-            resolved = source.resolve(step)
-            names = source.item_names(resolved)
-            if len(names) != 1:
-                raise
-            snap = source.snapshot(step, names)
+        return source.snapshot(step)
+    try:
+        return source.snapshot(step, [item])
+    except FileNotFoundError:
+        resolved = source.resolve(step)
+        names = source.item_names(resolved)
+        if len(names) != 1:
+            raise
+        return source.snapshot(step, names)
+
+
+def _items(snap: Snapshot, rules: Rules | None = None) -> dict[str, list[Leaf]]:
+    """The leaves of a side per item (through ``rules``), params first."""
     if rules is not None and not rules.empty:
         snap.items = map_items(snap.items, rules)
-    return snap, {name: snap.items[name].leaves for name in order_items(list(snap.items))}
+    return {name: snap.items[name].leaves for name in order_items(list(snap.items))}
+
+
+def _params_only(snap: Snapshot) -> bool:
+    """One item that counts parameters and holds no whole train state (an export: .safetensors, an .npz)."""
+    if len(snap.items) != 1:
+        return False
+    (name, item), = snap.items.items()
+    return counts_params(name) and train_state_parts(name, item, [name]) is None
+
+
+def _holds_more(snap: Snapshot) -> bool:
+    """Several items (params, opt_state...), or one holding a whole train state."""
+    if len(snap.items) != 1:
+        return len(snap.items) > 1
+    (name, item), = snap.items.items()
+    return train_state_parts(name, item, [name]) is not None
+
+
+def _pair_params(src_a: Source, snap_a: Snapshot, src_b: Source, snap_b: Snapshot) -> list[str]:
+    """Without ``item``: where one side holds only params and the other more, the other is narrowed to its params
+    as ``convert`` and ``load_parameters`` pick them (``params_item``, ``params_within``); returns the note
+    saying so (none where no params item is known)."""
+    for source, snap, other, (side, only) in ((src_a, snap_a, snap_b, "AB"), (src_b, snap_b, snap_a, "BA")):
+        if not (_holds_more(snap) and _params_only(other)):
+            continue
+        try:
+            name = params_item(source, snap.step)
+        except CheckpointNotFoundError:
+            return []
+        if name not in snap.items:
+            return []
+        held = ", ".join(snap.items)
+        snap.items = {name: params_within(snap.items[name])}
+        return [f"{only} holds only params and {side} more ({held}): comparing {side}'s params (item {name}); "
+                "pass --item NAME to compare another item."]
+    return []
 
 
 def _flat(items: dict[str, list[Leaf]], prefix_items: bool) -> dict[str, tuple[str, Leaf]]:
@@ -572,7 +630,8 @@ def _group_values(values: list[ValueDiff], rows: dict[str, Row], depth: int) -> 
 
 def sort_values(values: list[ValueDiff], by: str | None) -> list[ValueDiff]:
     """``values`` in ``by`` order: ``path``; ``params``/``bytes`` (the largest first); ``max_abs_diff``,
-    ``rel_l2`` or ``outside`` (elements outside the tolerance): the most changed first, ties by path.
+    ``rel_l2`` or ``outside`` (elements outside the tolerance): the most changed first, ties by path (a leaf where
+    a finite value became NaN or Inf has both ``max_abs_diff`` and ``rel_l2`` infinite: it comes first).
 
     >>> v = [ValueDiff("a", 0.1, 0.5, False, 3, 10), ValueDiff("b", 0.2, 0.1, False, 1, 10)]
     >>> [x.path for x in sort_values(v, "rel_l2")], [x.path for x in sort_values(v, "max_abs_diff")]
@@ -593,8 +652,11 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
 
     Items are paired by name; when each side has exactly one item (or
     ``item`` picks one) they are paired whatever their names, so an Orbax
-    ``params`` item compares with an ``.npz`` of the same tree. With several
-    items, paths are shown as ``item/path``. ``rules`` map A's leaves first
+    ``params`` item compares with an ``.npz`` of the same tree. Without
+    ``item``, where one side holds only params (an export) and the other
+    more (a run's step: params, opt_state...), the other side's params are
+    compared, picked as ``convert`` picks them, and a note says so. With
+    several items, paths are shown as ``item/path``. ``rules`` map A's leaves first
     (a checkpoint compared with the renamed, transposed export made from it).
 
     Args:
@@ -622,11 +684,11 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     src_a, src_b = open_source(a, context), open_source(b, context)
     if step is not None and step != "latest" and src_a.steps is None and src_b.steps is None:
         raise CheckpointError(f"step {step}: neither {src_a.path} nor {src_b.path} is a checkpoint root with steps.")
-    snap_a, items_a = _items(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item,
-                             opts.rules)
-    snap_b, items_b = _items(src_b, step_b if step_b is not None else (step if src_b.steps is not None else None), item)
+    snap_a = _snapshot(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item)
+    snap_b = _snapshot(src_b, step_b if step_b is not None else (step if src_b.steps is not None else None), item)
+    notes = _pair_params(src_a, snap_a, src_b, snap_b) if item is None else []
+    items_a, items_b = _items(snap_a, opts.rules), _items(snap_b)
     single = len(items_a) == 1 and len(items_b) == 1
-    notes = []
     if not single and 1 in (len(items_a), len(items_b)):
         notes.append(f"A has items {', '.join(items_a)} and B {', '.join(items_b)}: paths are joined as item/path; "
                      "pass --item NAME to compare one item with the other side's tree.")

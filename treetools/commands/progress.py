@@ -9,9 +9,20 @@ from typing import TextIO
 
 from treetools.shared.render import safe_text
 
+CELLS = 30
+"""Width of the bar: every block that moves it by a cell is drawn, however soon after the last draw."""
+PAUSE = 0.1
+"""Seconds between two draws that move only the percentage (tenths of a percent): millions of small blocks
+cost a few draws a second, and a checkpoint of a few blocks still shows each one."""
+
 
 class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal.
+
+    ``advance`` is called per block (from several threads): the bar is drawn
+    whenever it moves by a cell, and the percentage, which moves by tenths,
+    at most every ``PAUSE`` seconds. Rate-limited, but no step of the bar is skipped.
+    """
 
     def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool | None = None):
         self.stream = stream if stream is not None else sys.stderr
@@ -19,7 +30,8 @@ class Progress:
         self.total = max(int(total), 1)
         self.done = 0
         self.label = ""
-        self._last = 0.0
+        self._last = -float("inf")
+        self._drawn = (0, 0)  # (cells, tenths of a percent) last drawn
         self._lock = threading.Lock()  # compute_stats advances from several threads
 
     def start(self, label: str) -> None:
@@ -30,19 +42,22 @@ class Progress:
     def advance(self, nbytes: int) -> None:
         with self._lock:
             self.done += int(nbytes)
-            now = time.monotonic()
-            if now - self._last > 0.1:
+            cells, tenths = self._shown()
+            if cells != self._drawn[0] or (tenths != self._drawn[1] and time.monotonic() - self._last >= PAUSE):
                 self._draw()
-                self._last = now
+
+    def _shown(self) -> tuple[int, int]:
+        frac = min(self.done / self.total, 1.0)
+        return int(frac * CELLS), int(frac * 1000)
 
     def _draw(self) -> None:
         if not self.enabled:
             return
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(frac * 30)
+        cells, tenths = self._drawn = self._shown()
+        self._last = time.monotonic()
         label = safe_text(self.label)  # a leaf's name, read from the checkpoint
         label = label if len(label) <= 40 else "..." + label[-37:]
-        self.stream.write(f"\r[{bar:<30}] {frac:6.1%} {label:<40}")
+        self.stream.write(f"\r[{'#' * cells:<{CELLS}}] {tenths / 10:5.1f}% {label:<40}")
         self.stream.flush()
 
     def close(self) -> None:

@@ -18,7 +18,8 @@ if TYPE_CHECKING:  # annotations only: `inspect` does not load the diff, verify 
     from treetools.commands.convert import ConvertReport
     from treetools.commands.diff import DiffReport
     from treetools.commands.verify import VerifyRun
-from treetools.shared.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, safe_text, stat_value
+from treetools.shared.render import (CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, cut_paths, format_stat, jsonable,
+                                     safe_text, stat_value)
 from treetools.shared.rows import Row, Totals, format_count, format_shape, human
 
 
@@ -368,8 +369,26 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     for title, body in sections:
         # Markdown needs a blank line between a paragraph and a table.
         out += ["", title, *([""] if md and body else []), *([body] if body else [])]
-    out += ["", report.verdict()]
+    out += ["", *(piece for line in report.verdict().splitlines() for piece in _wrap_list(line))]
     return "\n".join(out)
+
+
+def _wrap_list(line: str, width: int = WIDTH, indent: str = "  ") -> list[str]:
+    """A line of ``a, b, c`` items as lines of at most ``width`` columns, broken after a comma (an item longer
+    than that stays whole), continuations indented.
+
+    >>> _wrap_list("counts: 10 added, 20 removed, 30 moved", width=20)
+    ['counts: 10 added,', '  20 removed,', '  30 moved']
+    """
+    parts = line.split(", ")
+    out, current = [], parts[0]
+    for part in parts[1:]:
+        if len(current) + 2 + len(part) + (part is not parts[-1]) <= width:
+            current += ", " + part
+        else:
+            out.append(current + ",")
+            current = indent + part
+    return [*out, current]
 
 
 def outside_text(count: int, size: int) -> str:
@@ -401,11 +420,13 @@ def _diff_table(data: list[list[str]], headers: list[str], md: bool, droppable: 
     """A diff section's table, path first (raw names, escaped here); returns it and the columns left out.
 
     A terminal table fits ``WIDTH``: the path column gets what the other columns leave, cut with
-    ``safe_text(width=...)``; while that is under ``DIFF_PATH_MIN``, ``droppable`` columns are left out in
-    order. Markdown keeps every column and paths up to ``CELL_WIDTH``.
+    ``cut_paths`` (the parts the rows share go first, what tells them apart stays); while that is under
+    ``DIFF_PATH_MIN``, ``droppable`` columns are left out in order. Markdown keeps every column and paths up
+    to ``CELL_WIDTH``.
     """
     def render(keep: list[int], room: int, stand_in: str | None = None) -> str:
-        cells = [[stand_in or safe_text(row[0], width=room), *(row[i] for i in keep[1:])] for row in data]
+        paths = [stand_in] * len(data) if stand_in else cut_paths([row[0] for row in data], room)
+        cells = [[path, *(row[i] for i in keep[1:])] for path, row in zip(paths, data)]
         return tabulate(cells, headers=[headers[i] for i in keep], tablefmt="github" if md else "simple",
                         disable_numparse=True)
 

@@ -298,11 +298,15 @@ def leaf_sharding(x: Any, *, mesh: Any = None) -> LeafSharding | None:
     """The PartitionSpec (over mesh axes) and mesh-axis sizes of one leaf.
 
     A leaf whose array (or struct) carries a ``NamedSharding`` answers with
-    it: that is where the array is, whatever names its box carries. Otherwise
-    (numpy, single-device arrays, ``jax.eval_shape`` structs, tracers) a box
-    answers with its names, mapped to mesh axes by flax's own rules
-    (``box_spec``), the mesh sizes from the box's mesh, else ``mesh``, else the
-    ambient mesh.
+    it: that is where the array is, whatever names its box carries. A box
+    whose array is placed otherwise answers with that placement too, as
+    ``get_num_params(per_device=True)`` counts it: on one device (initialized
+    without ``out_shardings``), ``LeafSharding((), device="cpu:0")``; on
+    every device of its sharding whole, replicated. Only an unplaced box
+    (numpy, ``jax.eval_shape`` structs, tracers) answers with its names, mapped
+    to mesh axes by flax's own rules (``box_spec``), the mesh sizes from the
+    box's mesh, else ``mesh``, else the ambient mesh. A bare array on one
+    device claims no layout: None, as for numpy.
 
     Args:
       x: a box, a ``jax.Array``, or a ``ShapeDtypeStruct``.
@@ -313,14 +317,22 @@ def leaf_sharding(x: Any, *, mesh: Any = None) -> LeafSharding | None:
       ``LeafSharding`` or None when the leaf has no named sharding
       (numpy arrays, single-device arrays, scalars).
 
-    >>> import flax.linen as nn, jax.numpy as jnp
-    >>> leaf_sharding(nn.Partitioned(jnp.ones((4, 4)), names=("fsdp", None)), mesh={"fsdp": 2}).spec
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, numpy as np
+    >>> leaf_sharding(nn.Partitioned(np.ones((4, 4)), names=("fsdp", None)), mesh={"fsdp": 2}).spec
     P('fsdp', None)
+    >>> placed = leaf_sharding(nn.Partitioned(jnp.ones((4, 4)), names=("fsdp", None)))  # on the default device
+    >>> placed.spec, placed.device == str(jax.devices()[0])
+    ((), True)
     """
     own = own_sharding(x)
     if isinstance(own, NamedSharding):
         return LeafSharding(own.spec, _mesh_sizes(own.mesh))
     spec = box_spec(x)
+    if spec is not None and own is not None:  # placed, but not by names: where it is, not what the box says
+        if len(own.device_set) == 1:
+            return LeafSharding((), device=str(next(iter(own.device_set))))
+        if own.is_fully_replicated:
+            return LeafSharding(())
     if spec is not None:
         fallback = mesh if isinstance(mesh, Mapping) else _mesh_sizes(mesh)
         return LeafSharding(spec, _mesh_sizes(_box_mesh(x)) or fallback or _context_mesh())

@@ -80,7 +80,11 @@ def tabulate_params(
     misaligned. Totals (params, bytes, per dtype) are at the bottom. A
     ``layers`` column, shown when the tree has stacked (scanned) leaves, gives
     each such leaf's layer count (a module's, at ``depth``, when all its leaves
-    hold that many layers); the shape keeps the layer axis.
+    hold that many layers); the shape keeps the layer axis. The sharding
+    column is ``leaf_sharding``'s: where a live array is (a box whose array
+    sits whole on one device says ``whole on cuda:0``, as
+    ``get_num_params(per_device=True)`` counts it), its box's spec only for
+    unplaced leaves.
 
     Args:
       state: a ``TrainState`` (its ``params``), an nnx Module or State, or a plain tree.

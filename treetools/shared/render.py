@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from collections import Counter
 from typing import Any, Mapping, Sequence
 
 from treetools.shared.rows import MIXED, STATS, Row, Totals, format_count, format_shape, human, totals
@@ -85,6 +87,55 @@ def _cut(text: str, width: int) -> str:
     while cut > 1 and cut + len(f"…[+{n - cut} chars]") > width:
         cut -= 1
     return min((both, text[:cut] + f"…[+{n - cut} chars]", text), key=len)
+
+
+_PARTS = re.compile(r"([/.])")
+"""Where a path splits into parts: ``/`` (tree paths) and ``.`` (flat stored names, ``model.layers.0.q``)."""
+
+
+def cut_paths(paths: Sequence[str], width: int) -> list[str]:
+    """The paths of a table's rows, each made safe (``safe_text``) and at most ``width`` characters, keeping what
+    tells the rows apart.
+
+    A path longer than ``width`` loses whole parts that other rows share at the same place, the most shared first
+    and, among those, the first first (the rows' common prefix goes first), each run shown as ``…``; its last part
+    stays. Where that is not enough, what is left is cut in its middle (``safe_text(width=...)``); a row that would
+    read like another is cut in its middle alone.
+
+    >>> cut_paths(["opt_state/0/mu/params/layers_0/ln/bias", "opt_state/0/nu/params/layers_0/ln/bias"], 28)
+    ['…/mu/params/layers_0/ln/bias', '…/nu/params/layers_0/ln/bias']
+    """
+    texts = [safe_text(p) for p in paths]
+    pieces = [_PARTS.split(t) for t in texts]  # parts at even places, separators between them
+    shared = Counter((i, part) for ps in pieces for i, part in enumerate(ps[0::2]))
+    out = []
+    for text, ps in zip(texts, pieces):
+        parts = ps[0::2]
+        shown, dropped = text, set()
+        # The last part always stays; a part no other row has at its place tells this row apart: it stays too.
+        for i in sorted((i for i in range(len(parts) - 1) if shared[(i, parts[i])] > 1),
+                        key=lambda i: (-shared[(i, parts[i])], i)):
+            if len(shown) <= width:
+                break
+            dropped.add(i)
+            shown = _without(ps, dropped)
+        out.append(shown if len(shown) <= width else _cut(shown, max(width, 0)))
+    alike = Counter(out)
+    return [shown if alike[shown] == 1 or shown == text else safe_text(text, width=width)
+            for shown, text in zip(out, texts)]
+
+
+def _without(pieces: Sequence[str], dropped: set[int]) -> str:
+    """A path split by ``_PARTS`` with its ``dropped`` parts (numbered from 0) left out, each run as ``…``."""
+    out = []
+    for i, part in enumerate(pieces[0::2]):
+        if i and not (i in dropped and i - 1 in dropped):
+            out.append(pieces[2 * i - 1])
+        if i not in dropped:
+            out.append(part)
+        elif i - 1 not in dropped:
+            out.append("…")
+    return "".join(out)
 
 
 def one_line(message: Any) -> str:

@@ -34,17 +34,20 @@ class LeafSharding:
     ``spec`` holds one entry per array dimension (a mesh axis name, a tuple
     of them, or None); a ``jax.sharding.PartitionSpec`` is such a tuple.
     ``mesh`` maps axis name to size and is None when the leaf does not say.
+    ``device`` names the one device that holds the whole array (a live array
+    placed on one device, e.g. initialized without ``out_shardings``), else None.
     Two shardings are the same when they split the same dimensions over the
     same axes (``P()`` and ``P(None,)`` are both replicated): compare with
     ``same_layout``.
 
     >>> s = LeafSharding(("fsdp", None), {"fsdp": 4})
-    >>> str(s), s.to_json(), str(LeafSharding((None,), {"fsdp": 4}))
-    ("P('fsdp')", {'mesh': {'fsdp': 4}, 'spec': ['fsdp', None]}, 'replicated')
+    >>> str(s), s.to_json(), str(LeafSharding((None,), {"fsdp": 4})), str(LeafSharding((), device="cpu:0"))
+    ("P('fsdp')", {'mesh': {'fsdp': 4}, 'spec': ['fsdp', None]}, 'replicated', 'whole on cpu:0')
     """
 
     spec: Any
     mesh: Mapping[str, int] | None = None
+    device: str | None = None
 
     @property
     def entries(self) -> tuple:
@@ -67,12 +70,17 @@ class LeafSharding:
         return self.entries == other.entries and (self.mesh is None or other.mesh is None or dict(self.mesh) == dict(other.mesh))
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "mesh": dict(self.mesh) if self.mesh is not None else None,
             "spec": [list(e) if isinstance(e, (tuple, list)) else e for e in tuple(self.spec)],
         }
+        if self.device is not None:
+            out["device"] = self.device
+        return out
 
     def __str__(self) -> str:
+        if self.device is not None:
+            return f"whole on {self.device}"
         if self.replicated:
             return "replicated"
         return "P(" + ", ".join(repr(e) for e in self.entries) + ")"

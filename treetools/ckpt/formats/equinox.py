@@ -13,8 +13,9 @@ in flatten order, are the file's leaves in its order (``Item.positional``).
 
 bfloat16 is stored as 2-byte void (``<V2``), as ``jnp.save`` writes it; it is
 read back as bfloat16, as ``jnp.load`` does. A single ``.npy`` file is one
-such stream: it reads as a one-leaf file. Object arrays (pickles) are refused,
-never unpickled.
+such stream: it reads as a one-leaf file, shown as format ``npy`` (not
+``equinox``), and is never offered as the checkpoint a path beside it meant.
+Object arrays (pickles) are refused, never unpickled.
 """
 
 from __future__ import annotations
@@ -80,16 +81,19 @@ def read_eqx(context: ReadContext, path: str) -> list[Leaf]:
     return leaves
 
 
+def _is_npy(location: str) -> bool:
+    return location.lower().endswith(".npy")
+
+
 def _open(location: str, display: str, context: ReadContext) -> FileSource:
     try:
         leaves = read_eqx(context, location)
     except CheckpointError as e:  # name the path as typed
         raise CheckpointError(str(e).replace(location, display, 1)) from None
-    notes = []
-    if len(leaves) > 1 or not display.endswith(".npy"):
-        notes.append(f"{display}: Equinox stores no leaf names (they live in the model): its leaves are "
-                     "numbered in the order written; load_parameters(path, target=model) names them.")
-    return FileSource(display, context, "equinox", leaves, positional=True, notes=notes)
+    plain = len(leaves) == 1 and _is_npy(location)  # np.save's own file: an array, shown as what it is
+    notes = [] if plain else [f"{display}: Equinox stores no leaf names (they live in the model): its leaves are "
+                              "numbered in the order written; load_parameters(path, target=model) names them."]
+    return FileSource(display, context, "npy" if plain else "equinox", leaves, positional=True, notes=notes)
 
 
 FORMAT = Format(
@@ -97,5 +101,7 @@ FORMAT = Format(
     priority=36,
     claims=lambda path, context: file_head(context.storage, path, len(MAGIC)) == MAGIC,
     open=_open,
-    description="an Equinox file from eqx.tree_serialise_leaves (.eqx: .npy arrays back to back; a .npy is one)",
+    description="an Equinox file from eqx.tree_serialise_leaves (.eqx: .npy arrays back to back); a lone .npy array "
+                "reads as format npy",
+    suggest=lambda location: not _is_npy(location),  # a .npy beside a path is data, not the checkpoint meant
 )
