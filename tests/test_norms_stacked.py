@@ -10,6 +10,7 @@ replicated or split over a mesh axis.
 
 from __future__ import annotations
 
+import ast
 import re
 
 import flax.linen as nn
@@ -141,11 +142,14 @@ def test_stacked_false_and_unstacked_models_keep_their_keys():
     off = norm_metrics(grads=params, depth=2, stacked=False)
     assert [k for k in off if k.startswith("grad_norm/")] == ["grad_norm/decoder/layers", "grad_norm/decoder/norm",
                                                               "grad_norm/embed/embedding"]
-    # A scan without the partition name (tests/_models.Net) has no `layers` axis name: nothing is split.
+    # A scan without the partition name (tests/_models.Net) has no `layers` axis name: nothing is split,
+    # and a warning says so, with the pattern that would split it (issue 39, point 8).
     net = _models.init_net()
     for kw in ({"per_param": True}, {"depth": 2}):
-        assert list(norm_metrics(grads=net, **kw)) == list(norm_metrics(grads=net, stacked=False, **kw))
-    assert "grad_norm/params/blocks/up/kernel" in norm_metrics(grads=net, per_param=True)
+        with pytest.warns(UserWarning, match=r"lump the layers of `params/blocks`.*stacked=\{'\^params/blocks/': 0\}"):
+            default = norm_metrics(grads=net, **kw)
+        assert list(default) == list(norm_metrics(grads=net, stacked=False, **kw))
+    assert "grad_norm/params/blocks/up/kernel" in norm_metrics(grads=net, per_param=True, stacked=False)
 
 
 MESHES = {
@@ -277,6 +281,69 @@ def test_nnx_vmap_stacked_layers(metadata, devices):
         np.testing.assert_allclose(float(m[f"grad_norm/layers/{i}/up/kernel"]),
                                    np.sqrt(_sq64(host["layers/up/kernel"][i])), rtol=RTOL)
     np.testing.assert_allclose(float(m["grad_norm"]), _global(host), rtol=RTOL)
+
+
+class _PlainBlock(nnx.Module):
+    """A block whose Variables carry no sharding names (plain nnx.Linear / nnx.LayerNorm)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.norm = nnx.LayerNorm(2 * D, rngs=rngs)
+
+
+class _PlainVmapModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(32, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def layers(rngs):
+            return _PlainBlock(rngs)
+
+        self.layers = layers(rngs)
+
+
+def test_nnx_vmap_without_sharding_names_warns_once_with_the_fix():
+    # Issue 39, point 8: flax records the vmap's `layers` axis only in sharding names; with none, per-layer norms
+    # silently lumped every layer. Now one warning names the stacked module and the `stacked=` that splits it.
+    state = _randomized(nnx.state(_PlainVmapModel(nnx.Rngs(0)), nnx.Param), seed=5)
+    kernel = state["layers"]["lin"]["kernel"]
+    assert kernel.get_value().shape == (L, D, 2 * D) and "out_sharding" not in kernel.get_metadata()
+    host = _host(state)
+    fn = jax.jit(lambda t: norm_metrics(grads=t, per_param=True))
+    with pytest.warns(UserWarning) as caught:
+        lumped = fn(state)
+        fn(state)  # traced once: warned once
+    (warning,) = caught
+    message = str(warning.message)
+    assert warning.filename == __file__  # the user's line, through jit and treetools' own frames
+    assert message.startswith(f"per-layer results lump the layers of `layers` (`layers/lin/bias` ({L}, {2 * D}), ")
+    assert "`embed" not in message  # (32, D): not stacked
+    assert "grad_norm/layers/lin/kernel" in lumped and "grad_norm/layers/0/lin/kernel" not in lumped
+    # The fix it names, as written, splits them: per layer, against float64 numpy.
+    fix = ast.literal_eval(re.search(r"stacked=(\{.*?\})", message).group(1))
+    assert fix == {"^layers/": 0}
+    split = jax.jit(lambda t: norm_metrics(grads=t, per_param=True, stacked=fix))(state)
+    for leaf in ("lin/kernel", "lin/bias", "norm/scale", "norm/bias"):
+        for i in range(L):
+            np.testing.assert_allclose(float(split[f"grad_norm/layers/{i}/{leaf}"]),
+                                       np.sqrt(_sq64(host[f"layers/{leaf}"][i])), rtol=RTOL)
+    np.testing.assert_allclose(float(split["grad_norm"]), _global(host), rtol=RTOL)
+    # stacked=False says "no layers here": no warning (filterwarnings=error would raise).
+    norm_metrics(grads=state, per_param=True, stacked=False)
+
+
+def test_unstacked_look_alikes_do_not_warn():
+    # Ordinary modules that share a leading size are not taken for stacks (filterwarnings=error raises on a warning).
+    trees = {
+        "attn without bias: (d, d) kernels": {"attn": {n: {"kernel": np.ones((8, 8))} for n in "qkvo"}},
+        "gate and up: no stacked vector": {"mlp": {"gate": np.ones((8, 32)), "up": np.ones((8, 32))}},
+        "experts: no stacked vector": {"moe": {"w_in": np.ones((4, 8, 16)), "w_out": np.ones((4, 16, 8))}},
+        "a dense layer: 1-D bias": {"dense": {"kernel": np.ones((8, 16)), "bias": np.ones(16)}},
+        "the leading size on another axis": {"blk": {"w": np.ones((4, 4, 8)), "b": np.ones((4, 8))}},
+    }
+    for name, tree in trees.items():
+        assert "grad_norm" in norm_metrics(grads=tree, per_param=True), name
 
 
 # --------------------------------------------------------------------------- #

@@ -479,7 +479,7 @@ def _find_stacks(pairs: list[tuple[PathStr, Any]], stacked: Stacked) -> list[Sta
     # box whose layout cannot be known is reported first (as the norms would report it).
     if stacked is not False:
         _check_layouts(pairs)
-    return find_stacks(pairs, stacked, shape_of=_global_shape)
+    return find_stacks(pairs, stacked, shape_of=_global_shape, warn_unmarked=True)
 
 
 def get_sharded_global_norm(tree: PyTree, *, stacked: Stacked = False) -> tuple[jax.Array, PyTree]:
