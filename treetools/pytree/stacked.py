@@ -44,6 +44,12 @@ that all leaves of the scanned subtree share (the scanned module:
 ``decoder/layers``), or before the leaf's own name when the subtree is one
 leaf. That is where Rules' ``unstack`` puts it too.
 
+How ``depth`` counts (``split_within``): the index is a path part, as in
+every path printed. For ``decoder/layers/attn/q`` of shape (L, ...):
+``depth=2`` gives ``decoder/layers`` (all layers together), ``depth=3``
+``decoder/layers/3``, ``depth=4`` ``decoder/layers/3/attn``: the keys
+``inspect --unstack RE --depth K`` shows for the same checkpoint.
+
 >>> import flax.linen as nn, numpy as np
 >>> tree = {"layers": {"w": nn.Partitioned(np.ones((4, 2)), names=("layers", None)), "b": np.zeros((4, 2))},
 ...         "head": nn.Partitioned(np.ones((2, 3)), names=(None, "fsdp"))}
@@ -93,6 +99,26 @@ def layer_parts(parts: Sequence[str], stack: Stack, layer: int) -> tuple[str, ..
     ('decoder', 'layers', '3', 'attn', 'q')
     """
     return (*parts[: stack.at], str(layer), *parts[stack.at :])
+
+
+def split_within(stack: Stack | None, depth: int | None) -> bool:
+    """Whether a stacked leaf's layers get keys of their own at ``depth``: the depth rule of per-layer results.
+
+    ``depth`` counts the parts of a layer's path, the layer index being one
+    of them, as it is in every path treetools prints (``layers/3/attn/q``,
+    what ``inspect --unstack`` lists and ``per_param`` keys show) and as it is
+    in an unscanned model's path (an nnx list of layers: ``layers/3/attn/q``).
+    So ``depth`` K groups by the first K parts of that path: the layers are
+    apart from the depth that reaches the index (``stack.at + 1``); below it
+    they are one group. ``depth=None`` (per leaf) always splits.
+
+    >>> stack = Stack(axis=0, length=4, at=2)  # decoder/layers/<i>/attn/q
+    >>> [split_within(stack, d) for d in (1, 2, 3, None)]
+    [False, False, True, True]
+    >>> [SEP.join(layer_parts(("decoder", "layers", "attn", "q"), stack, 3)[:d]) for d in (3, 4)]
+    ['decoder/layers/3', 'decoder/layers/3/attn']
+    """
+    return stack is not None and (depth is None or stack.at < depth)
 
 
 def _shape(x: Any) -> tuple[int, ...] | None:

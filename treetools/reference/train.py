@@ -8,9 +8,10 @@ Everything treetools offers, used the way a trainer would:
   behind ``--freeze-embeddings``;
 * ``clip_by_global_norm`` on the sharded global norm;
 * ``update_ema`` for EMA params;
-* ``norm_metrics`` every step inside jit, per module at ``norm_depth`` (per
-  layer with ``scan_layers``: ``grad_norm/layers/<i>``, the scanned blocks'
-  stacked leaves split in the same pass), logged every ``log_every`` steps by
+* ``norm_metrics`` every step inside jit, per module at ``norm_depth`` (by
+  default one norm per block: ``grad_norm/layers_<i>`` at depth 1, and with
+  ``scan_layers`` ``grad_norm/layers/<i>`` at depth 2, the layer index being a
+  path part; the scanned blocks' stacked leaves split in the same pass), logged every ``log_every`` steps by
   ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between;
   started afresh by a fresh run, continued after the restored step on resume);
 * ``get_checkpoint_manager`` saving params, params_ema, opt_state and the data
@@ -60,8 +61,19 @@ class TrainConfig:
     freeze_embeddings: bool = False
     resume: bool = True
     quiet: bool = False
-    norm_depth: int | None = 1  # per-module norms: grad_norm/layers_0 (scanned: grad_norm/layers/0); None: global only
+    norm_depth: int | None = None  # per-module norms of the first K path parts; None: one per block (see block_depth)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+
+
+def block_depth(cfg: TrainConfig) -> int:
+    """The norm depth the trainer logs: ``cfg.norm_depth``, else one norm per block.
+
+    A block is ``layers_<i>`` (1 path part) unscanned and ``layers/<i>`` (2 parts: the layer index is a path
+    part, as ``norm_metrics`` and ``inspect --unstack --depth`` count it) with ``scan_layers``.
+    """
+    if cfg.norm_depth is not None:
+        return cfg.norm_depth
+    return 2 if cfg.model.scan_layers else 1
 
 
 def make_mesh() -> jax.sharding.Mesh:
@@ -117,7 +129,7 @@ def build(cfg: TrainConfig):
         loss, grads = jax.value_and_grad(lambda p: _loss_fn(model, p, batch))(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = tt.norm_metrics(grads=grads, params=params, updates=updates, depth=cfg.norm_depth)
+        metrics = tt.norm_metrics(grads=grads, params=params, updates=updates, depth=block_depth(cfg))
         metrics["loss"] = loss
         ema = tt.update_ema(state["params_ema"], params, cfg.ema_decay)
         return {"params": params, "params_ema": ema, "opt_state": opt_state}, metrics
