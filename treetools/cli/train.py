@@ -14,8 +14,9 @@ up to --steps, bit for bit as one straight run. A WORKDIR inside a checkpoint
 (metadata_params={nn.PARTITION_NAME: "layers"}): each block parameter is one
 stacked leaf (layers/qkv/kernel of shape (n_layers, ...)), and the norms are
 logged per layer (grad_norm/layers/0, ...: the layer index is a path part,
-so a block is 2 parts deep where unscanned it is 1, layers_0). A resumed run must keep the
-setting (the checkpoint's paths differ).
+so a block is 2 parts deep where unscanned it is 1, layers_0). A resumed run
+keeps the setting it was saved with, whatever the flag says, and a note says
+so (the checkpoint's paths differ: layers/qkv/kernel against layers_0/qkv/kernel).
 
 Examples:
   treetools train --workdir runs/demo --cpu-devices 4
@@ -49,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d("--ckpt-every", type=positive_int, default=100, metavar="N", help="save a checkpoint every N steps (default: 100)")
     d("--freeze-embeddings", action="store_true", help="freeze embed/ with optax.multi_transform + get_param_label_fn")
     d("--scan-layers", action="store_true",
-      help="the blocks as one nn.scan named `layers` (stacked leaves); norms logged per layer")
+      help="the blocks as one nn.scan named `layers` (stacked leaves); norms logged per layer. A resumed run "
+           "keeps the setting it was saved with")
     d("--norm-depth", type=positive_int, default=None, metavar="K",
       help="log per-module norms of the first K path parts, a scanned layer's index being one (default: one per "
            "block: 1, or 2 with --scan-layers)")

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import treetools as tt
 from treetools.reference.data import MarkovTask
-from treetools.reference.model import ModelConfig, Transformer
+from treetools.reference.model import LAYERS, ModelConfig, Transformer
 
 WEIGHT_DECAY_EXCLUDE = (r"bias$", r"scale$", r"pos_embed$")
 
@@ -161,6 +161,24 @@ def _check_run(cfg: TrainConfig, ckpt_dir: str) -> int | None:
     return latest
 
 
+def _saved_layout(cfg: TrainConfig, ckpt_dir: str, step: int) -> TrainConfig:
+    """``cfg`` with the saved run's ``scan_layers``: a resumed run keeps its setting, whatever the flag says.
+
+    The checkpoint's params metadata says which it is (no array is read): the scanned blocks are one
+    ``layers`` module (``layers/qkv/kernel``), the unscanned ones ``layers_0`` ... (``layers_0/qkv/kernel``).
+    A change is said on stderr.
+    """
+    params = tt.open_source(ckpt_dir).snapshot(step, ["params"]).items["params"]
+    tops = {leaf.path[0] for leaf in params.leaves if leaf.path}
+    scanned, unscanned = LAYERS in tops, f"{LAYERS}_0" in tops
+    if scanned == unscanned or scanned == cfg.model.scan_layers:
+        return cfg  # as asked, or neither layout: the restore names what differs
+    how, paths = ("with", f"{LAYERS}/...") if scanned else ("without", f"{LAYERS}_0/...")
+    print(f"treetools: note: {ckpt_dir} was saved {how} --scan-layers (its params are {paths}); resuming it {how} "
+          "--scan-layers (a run keeps its setting; use a new --workdir to train the other way).", file=sys.stderr)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=scanned))
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) for ``cfg.steps`` total steps; returns a summary dict."""
     ckpt_dir = os.path.abspath(os.path.join(cfg.workdir, "checkpoints"))
@@ -171,6 +189,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
               "(raise --steps to continue).", file=sys.stderr)
         return {"state": None, "first_loss": None, "last_loss": None, "checkpoint_dir": ckpt_dir,
                 "metrics_path": metrics_path, "optimal_loss": None, "start_step": latest}
+    if latest is not None:
+        cfg = _saved_layout(cfg, ckpt_dir, latest)
     mesh, model, state, state_shardings, batch_sharding, step_fn = build(cfg)
     data = MarkovTask(cfg.model.vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     manager = tt.get_checkpoint_manager(cfg.ckpt_every, max_to_keep=cfg.max_to_keep, checkpoint_dir=ckpt_dir)
