@@ -213,16 +213,13 @@ def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | No
             says.append((axis, shape[axis]))
         else:
             says.append("other" if is_partitioned(x) else None)
-    under: dict[tuple[str, ...], list[int]] = {}
-    for i, ps in enumerate(parts):
-        for k in range(len(ps) + 1):
-            under.setdefault(ps[:k], []).append(i)
     if not any(isinstance(sig, tuple) for sig in says):
         # No box names a layer axis: nothing is stacked, but say so where the shapes look stacked.
-        unmarked = _unmarked_stacks(under, shapes, says) if warn_unmarked else []
+        unmarked = _unmarked_stacks(_subtrees(parts), shapes, says) if warn_unmarked else []
         if unmarked:
             warnings.warn(_unmarked_message(unmarked, parts, shapes), stacklevel=_caller_level())
         return [None] * len(pairs)
+    under = _subtrees(parts)
 
     def fits(j: int, sig: tuple[int, int]) -> bool:
         if says[j] is None:
@@ -249,6 +246,15 @@ def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | No
         for j in group:
             out[j] = Stack(sig[0], sig[1], at)
     return out
+
+
+def _subtrees(parts: list[tuple[str, ...]]) -> dict[tuple[str, ...], list[int]]:
+    """Every path prefix (a subtree, the root ``()`` included) -> the indices of the leaves under it."""
+    under: dict[tuple[str, ...], list[int]] = {}
+    for i, ps in enumerate(parts):
+        for k in range(len(ps) + 1):
+            under.setdefault(ps[:k], []).append(i)
+    return under
 
 
 def _common_length(paths: list[tuple[str, ...]]) -> int:
