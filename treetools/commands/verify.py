@@ -119,8 +119,9 @@ class VerifyResult:
         """This PATH's entry of the JSON object: the path, its steps and unfinished saves, one entry per step
         (``error`` only where nothing could be verified)."""
         out = {"path": self.path, "format": self.format, "steps": self.steps, "incomplete": self.incomplete,
-               "deleting": self.deleting, "ok": self.ok, "checkpoints": [{k: v for k, v in r.to_json().items() if k not in ("path", "format")}
-                                              for r in self.reports]}
+               "deleting": self.deleting, "ok": self.ok,
+               "checkpoints": [{k: v for k, v in r.to_json().items() if k not in ("path", "format")}
+                               for r in self.reports]}
         if self.error is not None:
             out["error"] = self.error
         return out

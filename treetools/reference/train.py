@@ -11,8 +11,8 @@ Everything treetools offers, used the way a trainer would:
 * ``norm_metrics`` every step inside jit, per module at ``norm_depth`` (by
   default one norm per block: ``grad_norm/layers_<i>`` at depth 1, and with
   ``scan_layers`` ``grad_norm/layers/<i>`` at depth 2, the layer index being a
-  path part; the scanned blocks' stacked leaves split in the same pass), logged every ``log_every`` steps by
-  ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between;
+  path part; the scanned blocks' stacked leaves split in the same pass),
+  logged every ``log_every`` steps by ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between;
   started afresh by a fresh run, continued after the restored step on resume);
 * ``get_checkpoint_manager`` saving params, params_ema, opt_state and the data
   iterator state; ``restore_checkpoint`` into ``make_abstract`` targets to resume.
