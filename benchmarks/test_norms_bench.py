@@ -7,8 +7,8 @@ Anchors, measured in the same run with the same timer:
   same bytes (no tree, no per-leaf outputs): no norm of the tree can beat it;
 * for ``per_param=True``, the same dict written with optax (global norm,
   per-leaf norms and the non-finite count as a trainer would write them);
-* for per-layer norms of a scanned tree (``stacked=``), the same
-  ``norm_metrics(depth=1)`` call without the split (``stacked=False``).
+* for per-layer norms of a scanned tree (``stacked=``), ``norm_metrics``
+  without the split (``depth=1, stacked=False``: all layers in one key).
 
 Ours returns more (per-leaf norms; ``norm_metrics`` also counts non-finite
 gradients) from one read of every array. Each test prints ``ours``, the anchor
@@ -273,9 +273,9 @@ _TARGETS["norm_metrics(depth=1, stacked=False)"] = "<= 1.05"
 
 
 def test_per_layer_split_vs_no_split():
-    """``norm_metrics(grads, depth=1)`` on a scanned tree: 24 ``layers/<i>`` keys from the same read.
+    """``norm_metrics(grads, depth=2)`` on a scanned tree: 24 ``layers/<i>`` keys from the same read.
 
-    Anchor: the same call with ``stacked=False`` (one ``layers`` key); both
+    Anchor: the call without the split (``depth=1, stacked=False``: one ``layers`` key); both
     read every array once (``tests/test_norms_stacked.py`` checks XLA's byte
     count), so the ratio is the cost of reducing per layer and of the extra
     outputs.
@@ -283,14 +283,14 @@ def test_per_layer_split_vs_no_split():
     scanned = _build(_scanned_shapes())
     n = sum(x.size for x in scanned.values())
     print(f"\nscanned tree: {len(scanned)} leaves ({N_SCANNED} layers stacked), {n / 1e6:.1f}M float32 params")
-    split = jax.jit(lambda t: norm_metrics(grads=t, depth=1, stacked={"^layers/": 0}))
+    split = jax.jit(lambda t: norm_metrics(grads=t, depth=2, stacked={"^layers/": 0}))  # the index is part 2
     whole = jax.jit(lambda t: norm_metrics(grads=t, depth=1, stacked=False))
     m, ref = split(scanned), whole(scanned)
     assert {k for k in m if k.startswith("grad_norm/layers/")} == {f"grad_norm/layers/{i}" for i in range(N_SCANNED)}
     np.testing.assert_allclose(float(m["grad_norm"]), float(ref["grad_norm"]), rtol=1e-5)
     per_layer = np.array([float(m[f"grad_norm/layers/{i}"]) for i in range(N_SCANNED)])
     np.testing.assert_allclose(np.sqrt(np.sum(per_layer**2)), float(ref["grad_norm/layers"]), rtol=1e-5)
-    _compare(f"norm_metrics(depth=1) per layer ({N_SCANNED} layers)", (split, scanned),
+    _compare(f"norm_metrics(depth=2) per layer ({N_SCANNED} layers)", (split, scanned),
              {"norm_metrics(depth=1, stacked=False)": (whole, scanned)})
 
 

@@ -131,8 +131,47 @@ def test_make_abstract_mesh_keeps_specs_of_arrays_from_another_mesh(devices):
     ab = tt.make_abstract(tree, mesh=new)
     assert ab["w"].sharding == NamedSharding(new, P("fsdp")) and ab["n"].sharding == NamedSharding(new, P())
     other = jax.make_mesh((8,), ("data",))
-    with pytest.raises(ValueError, match=r"leaf `w`.*no such axes"):
-        tt.make_abstract(tree, mesh=other)
+    with pytest.warns(UserWarning, match=r"`w` P\('fsdp',\) -> P\(None,\) \(replicated\)"):
+        assert tt.make_abstract(tree, mesh=other)["w"].sharding == NamedSharding(other, P(None))
+
+
+def test_make_abstract_carries_a_trained_layout_onto_another_mesh(devices):
+    # Issue 39, point 19: params trained on a (data, fsdp) mesh, where XLA laid out an unboxed bias as P('data',),
+    # refused on a mesh without `data` ("has no such axes"). Each dimension keeps the axes the new mesh has (where
+    # they still divide it); the rest is replicated, and one warning names the leaves.
+    train_mesh = jax.make_mesh((2, 4), ("data", "fsdp"))
+    host = {"block_0": {"down": {"bias": np.arange(8.0, dtype=np.float32),            # XLA: P('data',)
+                                 "kernel": np.arange(64.0, dtype=np.float32).reshape(8, 8)},  # P(None, 'fsdp')
+                        "both": np.arange(16.0, dtype=np.float32),                       # P(('data', 'fsdp'),)
+                        "odd": np.arange(12.0, dtype=np.float32).reshape(4, 3)},        # P('fsdp', None)
+            "step": np.int32(7)}
+    specs = {"block_0": {"down": {"bias": P("data"), "kernel": P(None, "fsdp")}, "both": P(("data", "fsdp")),
+                         "odd": P("fsdp", None)}, "step": P()}
+    trained = jax.jit(lambda t: t, out_shardings=jax.tree.map(lambda p: NamedSharding(train_mesh, p), specs))(host)
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    with pytest.warns(UserWarning) as caught:
+        target = tt.make_abstract(trained, mesh=mesh)
+    (warning,) = caught
+    assert warning.filename == __file__  # stacklevel=2: the caller's line
+    assert str(warning.message).splitlines() == [
+        "make_abstract: 3 leaves laid out on another mesh do not fit the mesh {'fsdp': 8} as they were "
+        "(2 now replicated); their layout here:",
+        "  `block_0/both` P(('data', 'fsdp'),) -> P('fsdp',)",
+        "  `block_0/down/bias` P('data',) -> P(None,) (replicated)",
+        "  `block_0/odd` P('fsdp', None) -> P(None, None) (replicated)",  # 4 rows do not split 8 ways
+        "Pass `sharding=` (a tree or prefix of shardings) to lay them out otherwise.",
+    ]
+    want = {"block_0/down/bias": P(None), "block_0/down/kernel": P(None, "fsdp"), "block_0/both": P(("fsdp",)),
+            "block_0/odd": P(None, None), "step": P()}
+    assert {k: v.sharding for k, v in tt.flatten(target).items()} == {k: NamedSharding(mesh, p) for k, p in want.items()}
+    # The target places the trained values: every leaf on all 8 devices of the new mesh, values unchanged.
+    placed = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), trained, target)
+    for path, x in tt.flatten(placed).items():
+        assert x.sharding.mesh == mesh, path
+        np.testing.assert_array_equal(np.asarray(x), tt.flatten(host)[path])
+    # A layout that carries over whole warns nothing (filterwarnings=error would raise).
+    same_names = jax.make_mesh((2, 4), ("data", "fsdp"), devices=jax.devices()[::-1])
+    tt.make_abstract(trained, mesh=same_names)
 
 
 def test_make_abstract_accepts_a_tree_prefix_of_shardings_as_jit_does(devices):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import stat
@@ -125,7 +126,7 @@ def _host_params_values(saved, step: int, item: str = "params") -> dict:
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(ckpt_frequency=10, save_frequency=25), r"`save_frequency` \(25\).*`ckpt_frequency` \(10\)"),
+        (dict(ckpt_frequency=10, keep_period=25), r"`keep_period` \(25\).*`ckpt_frequency` \(10\)"),
         (dict(ckpt_frequency=0), "ckpt_frequency"),
         (dict(ckpt_frequency=10, max_to_keep=0), "max_to_keep"),
         (dict(ckpt_frequency=10, json_items=("trainer",)), "json_items"),
@@ -137,18 +138,66 @@ def test_manager_rejects_bad_arguments(tmp_path, kwargs, match):
 
 
 def test_manager_requires_a_directory():
-    with pytest.raises(ValueError, match="checkpoint_dir"):
+    # Issue 39, point 18: the required folder was the 4th positional argument, with a default of None.
+    with pytest.raises(TypeError, match="checkpoint_dir"):
         ckpt.get_checkpoint_manager(10)
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        ckpt.get_checkpoint_manager(10, checkpoint_dir=None)
+    # No positional slot is left for it: ckpt_frequency and max_to_keep are the only positional arguments.
+    with pytest.raises(TypeError, match="positional"):
+        ckpt.get_checkpoint_manager(10, 3, None, "/tmp/run")
 
 
-def test_interval_max_to_keep_and_save_frequency(tmp_path):
-    mngr = ckpt.get_checkpoint_manager(2, max_to_keep=2, save_frequency=6, checkpoint_dir=tmp_path)
+def test_save_frequency_is_the_deprecated_name_of_keep_period(tmp_path):
+    # Issue 39, point 18: `save_frequency` said "how often to save"; it is "keep every multiple for good".
+    with pytest.warns(DeprecationWarning, match="`save_frequency` is renamed `keep_period`") as caught:
+        old = ckpt.get_checkpoint_manager(2, max_to_keep=1, save_frequency=4, checkpoint_dir=tmp_path / "old",
+                                          async_save=False)
+    assert caught[0].filename == __file__  # stacklevel=2: the caller's line
+    new = ckpt.get_checkpoint_manager(2, max_to_keep=1, keep_period=4, checkpoint_dir=tmp_path / "new",
+                                      async_save=False)
+    for mngr in (old, new):
+        for step in range(1, 11):
+            ckpt.save_checkpoint(mngr, step, {"params": {"w": np.full(2, step, np.float32)}})
+        mngr.close()
+    # Orbax's own listing: the newest save (10) plus every multiple of 4 that was saved (4, 8).
+    assert ckpt.list_steps(tmp_path / "old") == ckpt.list_steps(tmp_path / "new") == [4, 8, 10]
+    with pytest.raises(TypeError, match="keep_period"):
+        ckpt.get_checkpoint_manager(2, keep_period=4, save_frequency=4, checkpoint_dir=tmp_path / "both")
+
+
+def test_read_only_manager_logs_no_notices_and_hides_no_other_warning(tmp_path, caplog):
+    # Issue 39, point 18: read_only=True printed two absl warnings (save_interval_steps=0, "directory is read only").
+    from absl import logging as absl_logging
+
+    from treetools.checkpointing.manager import _quiet_read_only_notice
+
+    mngr = ckpt.get_checkpoint_manager(1, checkpoint_dir=tmp_path, async_save=False)
+    ckpt.save_checkpoint(mngr, 1, {"params": {"w": np.ones(2, np.float32)}})
+    mngr.close()
+    with caplog.at_level(logging.INFO, logger="absl"):
+        reader = ckpt.get_checkpoint_manager(1, checkpoint_dir=tmp_path, read_only=True)
+        assert reader.all_steps() == [1]
+        reader.close()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    # Only that one notice is dropped, and only while the manager is built: other absl warnings still show.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="absl"):
+        with _quiet_read_only_notice(True):
+            absl_logging.warning("Given directory is read only=%s", "x")
+            absl_logging.warning("something else, %s", "kept")
+        absl_logging.warning("Given directory is read only=%s", "after")
+    assert [r.getMessage() for r in caplog.records] == ["something else, kept", "Given directory is read only=after"]
+
+
+def test_interval_max_to_keep_and_keep_period(tmp_path):
+    mngr = ckpt.get_checkpoint_manager(2, max_to_keep=2, keep_period=6, checkpoint_dir=tmp_path)
     saved_steps = [
         step for step in range(1, 15) if ckpt.save_checkpoint(mngr, step, {"params": {"w": np.full(3, step, np.float32)}})
     ]
     mngr.wait_until_finished()
     assert saved_steps == [s for s in range(1, 15) if s % 2 == 0]
-    # The newest max_to_keep=2 saves (12, 14) plus every multiple of save_frequency=6 (6, 12).
+    # The newest max_to_keep=2 saves (12, 14) plus every multiple of keep_period=6 (6, 12).
     expected = sorted(set(saved_steps[-2:]) | {s for s in saved_steps if s % 6 == 0})
     assert ckpt.list_steps(tmp_path) == expected == [6, 12, 14]
     assert sorted(mngr.all_steps()) == expected

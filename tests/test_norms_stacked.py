@@ -10,6 +10,8 @@ replicated or split over a mesh axis.
 
 from __future__ import annotations
 
+import ast
+import json
 import re
 
 import flax.linen as nn
@@ -88,11 +90,11 @@ def _in_shard_map(fn, mesh, tree):
 
 
 def _check_linen(m, host, kind="grad_norm"):
-    """Keys and values of norm_metrics(depth=3) on the linen LM: per layer under params... decoder/layers."""
+    """Keys and values of norm_metrics(depth=3) on the linen LM: per layer (the index is the 3rd part), per leaf else."""
     layers = {k: v for k, v in host.items() if k.startswith("decoder/layers/")}
     want = {f"{kind}/decoder/layers/{i}": v for i, v in enumerate(_per_layer(layers, "decoder/layers", L))}
-    want[f"{kind}/decoder/norm"] = np.sqrt(sum(_sq64(v) for k, v in host.items() if k.startswith("decoder/norm/")))
-    want[f"{kind}/embed/embedding"] = np.sqrt(_sq64(host["embed/embedding"]))
+    for leaf in ("decoder/norm/bias", "decoder/norm/scale", "embed/embedding"):
+        want[f"{kind}/{leaf}"] = np.sqrt(_sq64(host[leaf]))
     got = {k: v for k, v in m.items() if k.startswith(f"{kind}/")}
     assert list(got) == list(want)  # tree order: the layers in order, the norm, then embed
     for k, v in want.items():
@@ -106,7 +108,7 @@ def test_linen_scan_layers_are_found_from_the_boxes():
     # flax put the scan's partition name at the scan axis; the bias stayed an unboxed (L, 2D) array.
     assert up["kernel"].names == ("layers", "embed", "mlp") and up["bias"].shape == (L, 2 * D)
     host = _host(params)
-    m = jax.jit(lambda t: norm_metrics(grads=t, depth=3))({"params": params})
+    m = jax.jit(lambda t: norm_metrics(grads=t, depth=4))({"params": params})
     _check_linen({k.replace("grad_norm/params/", "grad_norm/"): v for k, v in m.items()}, host)
     # Per parameter: the index sits after the scanned module `layers`; the unboxed bias is split too.
     per = norm_metrics(grads=params, per_param=True)
@@ -117,23 +119,47 @@ def test_linen_scan_layers_are_found_from_the_boxes():
     assert "grad_norm/decoder/layers/up/kernel" not in per and "grad_norm/decoder/norm/scale" in per
 
 
-def test_depth_counts_module_parts_not_the_index():
+def test_depth_counts_the_layer_index_as_a_path_part():
+    # Issue 39, point 17: one meaning of `depth` (the first K parts of the path as printed, the index one of them),
+    # as `inspect --unstack --depth` (tests/test_inspect.py pins that they agree on a saved checkpoint).
     params = _linen_params()
     host = _host(params)
-    # depth 1: `decoder`, every layer together; depth 2 reaches `layers`: the index joins; depth 3: per sub-module.
+    # depth 1: `decoder`; depth 2: `decoder/layers`, every layer together; depth 3 reaches the index: per layer;
+    # depth 4: per sub-module of each layer.
     assert sorted(norm_metrics(grads=params, depth=1)) == ["grad_norm", "grad_norm/decoder", "grad_norm/embed",
                                                            "nonfinite_grads"]
     m2 = norm_metrics(grads=params, depth=2)
-    assert [k for k in m2 if k.startswith("grad_norm/decoder/")] == [
-        *(f"grad_norm/decoder/layers/{i}" for i in range(L)), "grad_norm/decoder/norm"]
+    assert [k for k in m2 if k.startswith("grad_norm/decoder/")] == ["grad_norm/decoder/layers", "grad_norm/decoder/norm"]
     m3 = norm_metrics(grads=params, depth=3)
+    assert [k for k in m3 if k.startswith("grad_norm/decoder/")] == [
+        *(f"grad_norm/decoder/layers/{i}" for i in range(L)), "grad_norm/decoder/norm/bias", "grad_norm/decoder/norm/scale"]
+    m4 = norm_metrics(grads=params, depth=4)
     for i in range(L):
         for sub in ("up", "down"):
             want = np.sqrt(sum(_sq64(host[f"decoder/layers/{sub}/{p}"][i]) for p in ("kernel", "bias")))
-            np.testing.assert_allclose(float(m3[f"grad_norm/decoder/layers/{i}/{sub}"]), want, rtol=RTOL)
+            np.testing.assert_allclose(float(m4[f"grad_norm/decoder/layers/{i}/{sub}"]), want, rtol=RTOL)
     # Whatever the split, the global norm is the same number.
-    for m in (m2, m3, norm_metrics(grads=params, depth=2, stacked=False)):
+    for m in (m2, m3, m4, norm_metrics(grads=params, depth=2, stacked=False)):
         np.testing.assert_allclose(float(m["grad_norm"]), _global(host), rtol=RTOL)
+
+
+def test_depth_means_the_same_in_norm_metrics_and_inspect_unstack(tmp_path, capsys):
+    # Issue 39, point 17: `norm_metrics(depth=2)` gave `decoder/layers/0/...`-deep keys where `inspect --unstack
+    # --depth 2` gave `decoder/layers`: the same checkpoint now groups the same way at every depth.
+    from treetools.cli import main
+
+    params = _linen_params()
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=tmp_path, async_save=False)
+    tt.save_checkpoint(mngr, 1, {"params": params})
+    mngr.close()
+    for depth in (1, 2, 3, 4):
+        argv = ["inspect", str(tmp_path), "--item", "params", "--unstack", "^decoder/layers/", "--depth", str(depth)]
+        assert main([*argv, "--format", "json"]) == 0
+        (checkpoint,) = json.loads(capsys.readouterr().out)["checkpoints"]
+        shown = [leaf["path"] for leaf in checkpoint["items"]["params"]["leaves"]]
+        keys = [k.removeprefix("grad_norm/") for k in norm_metrics(grads=params, depth=depth) if k.startswith("grad_norm/")]
+        assert sorted(shown) == sorted(keys), depth
+        assert all(len(k.split("/")) <= depth for k in keys) and any(len(k.split("/")) == depth for k in keys)
 
 
 def test_stacked_false_and_unstacked_models_keep_their_keys():
@@ -141,11 +167,14 @@ def test_stacked_false_and_unstacked_models_keep_their_keys():
     off = norm_metrics(grads=params, depth=2, stacked=False)
     assert [k for k in off if k.startswith("grad_norm/")] == ["grad_norm/decoder/layers", "grad_norm/decoder/norm",
                                                               "grad_norm/embed/embedding"]
-    # A scan without the partition name (tests/_models.Net) has no `layers` axis name: nothing is split.
+    # A scan without the partition name (tests/_models.Net) has no `layers` axis name: nothing is split,
+    # and a warning says so, with the pattern that would split it (issue 39, point 8).
     net = _models.init_net()
     for kw in ({"per_param": True}, {"depth": 2}):
-        assert list(norm_metrics(grads=net, **kw)) == list(norm_metrics(grads=net, stacked=False, **kw))
-    assert "grad_norm/params/blocks/up/kernel" in norm_metrics(grads=net, per_param=True)
+        with pytest.warns(UserWarning, match=r"lump the layers of `params/blocks`.*stacked=\{'\^params/blocks/': 0\}"):
+            default = norm_metrics(grads=net, **kw)
+        assert list(default) == list(norm_metrics(grads=net, stacked=False, **kw))
+    assert "grad_norm/params/blocks/up/kernel" in norm_metrics(grads=net, per_param=True, stacked=False)
 
 
 MESHES = {
@@ -172,10 +201,10 @@ def linen_sharded(request, devices):
 
 def test_linen_sharded_under_jit_and_eagerly(linen_sharded):
     mesh, placed, host, _ = linen_sharded
-    _check_linen(_call(jax.jit(lambda t: norm_metrics(grads=t, depth=2)), placed), host)
-    _check_linen(_call(lambda t: norm_metrics(grads=t, depth=2), placed), host)
+    _check_linen(_call(jax.jit(lambda t: norm_metrics(grads=t, depth=3)), placed), host)
+    _check_linen(_call(lambda t: norm_metrics(grads=t, depth=3), placed), host)
     bare = jax.tree.map(unbox, placed, is_leaf=is_box)  # the same arrays without their boxes: by pattern
-    _check_linen(_call(jax.jit(lambda t: norm_metrics(grads=t, depth=2, stacked={"^decoder/layers/": 0})), bare), host)
+    _check_linen(_call(jax.jit(lambda t: norm_metrics(grads=t, depth=3, stacked={"^decoder/layers/": 0})), bare), host)
 
 
 def test_linen_sharded_inside_shard_map(linen_sharded):
@@ -184,7 +213,7 @@ def test_linen_sharded_inside_shard_map(linen_sharded):
     def inside(t):
         # The local shard: with the layer axis split over `stage`, each device holds L / 2 layers.
         assert t["decoder"]["layers"]["up"]["kernel"].value.shape == (L // 2 if split else L, D, 2 * D // 4 if split else 2 * D // 8)
-        return norm_metrics(grads=t, params=t, depth=2)
+        return norm_metrics(grads=t, params=t, depth=3)
 
     m = _in_shard_map(inside, mesh, placed)
     _check_linen(m, host)
@@ -262,10 +291,11 @@ def test_nnx_vmap_stacked_layers(metadata, devices):
     spec = {"layers/up/kernel": P(None, None, "fsdp")}
     placed = tt.map_with_path(
         lambda p, v: v.replace(jax.device_put(np.asarray(v.get_value()), NamedSharding(mesh, spec.get(p, P())))), state)
-    for fn in (jax.jit(lambda t: norm_metrics(grads=t, depth=1, stacked=stacked)),
-               lambda t: norm_metrics(grads=t, depth=1, stacked=stacked)):
+    for fn in (jax.jit(lambda t: norm_metrics(grads=t, depth=2, stacked=stacked)),
+               lambda t: norm_metrics(grads=t, depth=2, stacked=stacked)):
         m = _call(fn, placed)
-        assert [k for k in m if k.startswith("grad_norm/")] == ["grad_norm/embed", *(f"grad_norm/layers/{i}" for i in range(L))]
+        assert [k for k in m if k.startswith("grad_norm/")] == ["grad_norm/embed/embedding",
+                                                               *(f"grad_norm/layers/{i}" for i in range(L))]
         for i, v in enumerate(_per_layer(host, "layers", L)):
             np.testing.assert_allclose(float(m[f"grad_norm/layers/{i}"]), v, rtol=RTOL)
         np.testing.assert_allclose(float(m["grad_norm"]), _global(host), rtol=RTOL)
@@ -277,6 +307,69 @@ def test_nnx_vmap_stacked_layers(metadata, devices):
         np.testing.assert_allclose(float(m[f"grad_norm/layers/{i}/up/kernel"]),
                                    np.sqrt(_sq64(host["layers/up/kernel"][i])), rtol=RTOL)
     np.testing.assert_allclose(float(m["grad_norm"]), _global(host), rtol=RTOL)
+
+
+class _PlainBlock(nnx.Module):
+    """A block whose Variables carry no sharding names (plain nnx.Linear / nnx.LayerNorm)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(D, 2 * D, rngs=rngs)
+        self.norm = nnx.LayerNorm(2 * D, rngs=rngs)
+
+
+class _PlainVmapModel(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(32, D, rngs=rngs)
+
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def layers(rngs):
+            return _PlainBlock(rngs)
+
+        self.layers = layers(rngs)
+
+
+def test_nnx_vmap_without_sharding_names_warns_once_with_the_fix():
+    # Issue 39, point 8: flax records the vmap's `layers` axis only in sharding names; with none, per-layer norms
+    # silently lumped every layer. Now one warning names the stacked module and the `stacked=` that splits it.
+    state = _randomized(nnx.state(_PlainVmapModel(nnx.Rngs(0)), nnx.Param), seed=5)
+    kernel = state["layers"]["lin"]["kernel"]
+    assert kernel.get_value().shape == (L, D, 2 * D) and "out_sharding" not in kernel.get_metadata()
+    host = _host(state)
+    fn = jax.jit(lambda t: norm_metrics(grads=t, per_param=True))
+    with pytest.warns(UserWarning) as caught:
+        lumped = fn(state)
+        fn(state)  # traced once: warned once
+    (warning,) = caught
+    message = str(warning.message)
+    assert warning.filename == __file__  # the user's line, through jit and treetools' own frames
+    assert message.startswith(f"per-layer results lump the layers of `layers` (`layers/lin/bias` ({L}, {2 * D}), ")
+    assert "`embed" not in message  # (32, D): not stacked
+    assert "grad_norm/layers/lin/kernel" in lumped and "grad_norm/layers/0/lin/kernel" not in lumped
+    # The fix it names, as written, splits them: per layer, against float64 numpy.
+    fix = ast.literal_eval(re.search(r"stacked=(\{.*?\})", message).group(1))
+    assert fix == {"^layers/": 0}
+    split = jax.jit(lambda t: norm_metrics(grads=t, per_param=True, stacked=fix))(state)
+    for leaf in ("lin/kernel", "lin/bias", "norm/scale", "norm/bias"):
+        for i in range(L):
+            np.testing.assert_allclose(float(split[f"grad_norm/layers/{i}/{leaf}"]),
+                                       np.sqrt(_sq64(host[f"layers/{leaf}"][i])), rtol=RTOL)
+    np.testing.assert_allclose(float(split["grad_norm"]), _global(host), rtol=RTOL)
+    # stacked=False says "no layers here": no warning (filterwarnings=error would raise).
+    norm_metrics(grads=state, per_param=True, stacked=False)
+
+
+def test_unstacked_look_alikes_do_not_warn():
+    # Ordinary modules that share a leading size are not taken for stacks (filterwarnings=error raises on a warning).
+    trees = {
+        "attn without bias: (d, d) kernels": {"attn": {n: {"kernel": np.ones((8, 8))} for n in "qkvo"}},
+        "gate and up: no stacked vector": {"mlp": {"gate": np.ones((8, 32)), "up": np.ones((8, 32))}},
+        "experts: no stacked vector": {"moe": {"w_in": np.ones((4, 8, 16)), "w_out": np.ones((4, 16, 8))}},
+        "a dense layer: 1-D bias": {"dense": {"kernel": np.ones((8, 16)), "bias": np.ones(16)}},
+        "the leading size on another axis": {"blk": {"w": np.ones((4, 4, 8)), "b": np.ones((4, 8))}},
+    }
+    for name, tree in trees.items():
+        assert "grad_norm" in norm_metrics(grads=tree, per_param=True), name
 
 
 # --------------------------------------------------------------------------- #
@@ -303,8 +396,8 @@ def test_plain_stacked_dict_on_eight_devices(devices, layer_spec, kind):
     placed = unflatten_dict({k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()})
     stacked = {"^blocks": 0}
     want = _per_layer({k: v for k, v in host.items() if k.startswith("blocks/")}, "blocks", 8)
-    for fn in (jax.jit(lambda t: norm_metrics(grads=t, depth=1, stacked=stacked)),
-               lambda t: norm_metrics(grads=t, depth=1, stacked=stacked)):
+    for fn in (jax.jit(lambda t: norm_metrics(grads=t, depth=2, stacked=stacked)),
+               lambda t: norm_metrics(grads=t, depth=2, stacked=stacked)):
         m = _call(fn, placed)
         for i, v in enumerate(want):
             np.testing.assert_allclose(float(m[f"grad_norm/blocks/{i}"]), v, rtol=RTOL)
@@ -342,7 +435,7 @@ def test_bf16_stacked_grads_accumulate_in_float32():
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.normal(size=(6, 256, 64)) * 3, jnp.bfloat16)
     host = np.asarray(x.astype(jnp.float32), np.float64)  # the bf16 values, exactly
-    m = jax.jit(lambda t: norm_metrics(grads=t, params=t, depth=1, stacked={"w": 0}))({"w": x})
+    m = jax.jit(lambda t: norm_metrics(grads=t, params=t, depth=2, stacked={"w": 0}))({"w": x})
     for i in range(6):
         assert m[f"grad_norm/w/{i}"].dtype == jnp.float32
         np.testing.assert_allclose(float(m[f"grad_norm/w/{i}"]), np.sqrt(np.sum(host[i] ** 2)), rtol=RTOL)
@@ -351,7 +444,7 @@ def test_bf16_stacked_grads_accumulate_in_float32():
 
 def test_one_layer_stack():
     tree = {"layers": {"w": jnp.array([[3.0, 4.0]]), "b": jnp.array([[12.0]])}}
-    m = norm_metrics(grads=tree, depth=1, stacked={"layers": 0})
+    m = norm_metrics(grads=tree, depth=2, stacked={"layers": 0})
     assert {k: float(v) for k, v in m.items()} == {"grad_norm": 13.0, "nonfinite_grads": 0, "grad_norm/layers/0": 13.0}
     assert get_param_norms(tree, True, stacked={"layers": 0}).keys() == {"param_norm", "param_norm/layers/0/b",
                                                                           "param_norm/layers/0/w"}
@@ -360,7 +453,7 @@ def test_one_layer_stack():
 def test_nonfinite_layer_shows_in_its_own_key_and_the_count():
     host = _stacked_dict()
     host["blocks/attn/q"][2, 0, 0] = np.nan
-    m = norm_metrics(grads=unflatten_dict(host), depth=1, stacked={"blocks": 0})
+    m = norm_metrics(grads=unflatten_dict(host), depth=2, stacked={"blocks": 0})
     assert np.isnan(float(m["grad_norm/blocks/2"])) and np.isnan(float(m["grad_norm"]))
     assert all(np.isfinite(float(m[f"grad_norm/blocks/{i}"])) for i in (0, 1, 3)) and int(m["nonfinite_grads"]) == 1
 
@@ -373,7 +466,7 @@ def test_two_stacks_of_different_lengths():
 
     tree = {"decoder": {"dense_layers": {"w": box((2, 4, 4))}, "moe_layers": {"w": box((3, 4, 4)), "g": box((3, 4))}},
             "final": nn.Partitioned(np.ones(4, np.float32), names=(None,))}
-    m = norm_metrics(grads=tree, depth=2)
+    m = norm_metrics(grads=tree, depth=3)
     assert [k for k in m if "/" in k] == ["grad_norm/decoder/dense_layers/0", "grad_norm/decoder/dense_layers/1",
                                          *(f"grad_norm/decoder/moe_layers/{i}" for i in range(3)), "grad_norm/final"]
     host = _host(tree)
@@ -398,7 +491,7 @@ def test_per_layer_split_reads_each_array_once():
     # XLA's own accounting of the compiled program: the per-layer sums are the same read as the global one.
     tree = {"blocks": {f"w{i}": jax.ShapeDtypeStruct((24, 64, 64 * (i + 1)), jnp.float32) for i in range(3)}}
     nbytes = sum(x.size * 4 for x in tree["blocks"].values())
-    for fn in (lambda t: norm_metrics(params=t, depth=1, stacked={"blocks": 0}),
+    for fn in (lambda t: norm_metrics(params=t, depth=2, stacked={"blocks": 0}),
                lambda t: norm_metrics(params=t, per_param=True, stacked={"blocks": 0}),
                lambda t: get_sharded_global_norm(t, stacked={"blocks": 0})):
         cost = jax.jit(fn).lower(tree).compile().cost_analysis()
@@ -413,7 +506,7 @@ def test_accelerators_count_per_layer_beside_the_per_layer_squares():
 
     tree = {"layers": {"q": jax.ShapeDtypeStruct((6, 64, 64), jnp.float32)}, "embed": jax.ShapeDtypeStruct((64, 8), jnp.float32)}
     for platform in ("cuda", "tpu"):
-        reductions, conditionals = _program(lambda t: norm_metrics(grads=t, depth=1, stacked={"layers": 0}), tree, platform)
+        reductions, conditionals = _program(lambda t: norm_metrics(grads=t, depth=2, stacked={"layers": 0}), tree, platform)
         assert conditionals == []
         embed, q = reductions  # tree order: embed, layers/q
         assert [(name, axes) for name, axes, _ in q] == [("reduce_sum", (1, 2)), ("reduce_sum", (1, 2))]

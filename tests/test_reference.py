@@ -200,3 +200,25 @@ def test_scanned_resume_is_bit_identical(scanned, tmp_path):
     assert set(loaded) == set(live) and loaded["layers/up/kernel"].shape[0] == ModelConfig().n_layers
     for path, value in live.items():
         np.testing.assert_array_equal(np.asarray(loaded[path]), np.asarray(value), err_msg=path)
+
+
+def test_a_resumed_run_keeps_its_scan_setting_whatever_the_flag(straight, tmp_path, capsys):
+    # Issue 39, point 10: `train --workdir RUN --scan-layers` on a run saved without it failed with a
+    # 144-problem, 15k-character line. The run keeps the layout its checkpoint has, and a note says so.
+    train(_cfg(tmp_path, N))
+    capsys.readouterr()
+    argv = ["train", "--workdir", str(tmp_path), "--steps", str(2 * N), "--ckpt-every", str(N), "--log-every", "2",
+            "--quiet"]
+    assert cli_main([*argv, "--scan-layers"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"treetools: note: {tmp_path / 'checkpoints'} was saved without --scan-layers (its params are "
+                   "layers_0/...); resuming it without --scan-layers (a run keeps its setting; use a new --workdir "
+                   "to train the other way)."]
+    # Unscanned to the end: step 2N is the straight run's step 2N, bit for bit; the logs are per block.
+    loaded = tt.flatten(tt.load_parameters(tmp_path / "checkpoints", 2 * N))
+    live = tt.flatten(tt.unbox_tree(straight["state"]["params"]))
+    assert set(loaded) == set(live) and "layers_0/up/kernel" in loaded
+    for path, value in live.items():
+        np.testing.assert_array_equal(np.asarray(loaded[path]), np.asarray(value), err_msg=path)
+    last = json.loads(open(tmp_path / "metrics.jsonl").read().splitlines()[-1])
+    assert last["step"] == 2 * N and "grad_norm/layers_0" in last

@@ -99,3 +99,28 @@ def test_step_rule_imports_neither_jax_nor_orbax(tmp_path):
             f"s.scan_steps({str(tmp_path)!r})\n"
             "assert 'jax' not in sys.modules and 'orbax' not in sys.modules, sorted(sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_step_that_lost_its_markers_is_being_deleted_not_saved(tmp_path):
+    # Issue 39, point 20: Orbax's deleter removes a pruned step's files (its markers among them) before its folder;
+    # a save in progress keeps its _CHECKPOINT_METADATA (no commit time yet) from the start, or a tmp name.
+    _save(tmp_path, 1, 2, 3, 4).close()
+    os.rename(tmp_path / "4", tmp_path / "4.orbax-checkpoint-tmp-1700000000")  # a local save before its rename
+    meta = json.loads((tmp_path / "3" / steps.STEP_METADATA_FILE).read_text())
+    meta["commit_timestamp_nsecs"] = None  # a bucket save in place, before its commit
+    (tmp_path / "3" / steps.STEP_METADATA_FILE).write_text(json.dumps(meta))
+    (tmp_path / "3" / steps.COMMIT_SUCCESS_FILE).unlink()
+    for name in (steps.COMMIT_SUCCESS_FILE, steps.STEP_METADATA_FILE):  # step 1 mid-deletion: its items are left
+        (tmp_path / "1" / name).unlink()
+    listing = steps.scan_steps(tmp_path)
+    assert listing.steps == [2]
+    assert listing.incomplete == ["1", "3", "4.orbax-checkpoint-tmp-1700000000"]
+    assert listing.deleting == ["1"]
+    assert tt.open_source(tmp_path).deleting == ["1"]
+    # Where no step carries a marker (Orbax before step metadata), nothing is said to be deleted.
+    old = tmp_path / "old"
+    (old / "5" / "params").mkdir(parents=True)
+    (old / "6").mkdir()
+    (old / "5" / "params" / steps.PYTREE_METADATA_FILE).write_text("{}")
+    listing = steps.scan_steps(old)
+    assert listing.steps == [5] and listing.incomplete == ["6"] and listing.deleting == []

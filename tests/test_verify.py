@@ -270,3 +270,35 @@ def test_verify_prints_what_the_source_leaves_out_as_inspect_does(tmp_path, caps
         out, err = capsys.readouterr()
         assert [line for line in err.splitlines() if line.startswith("treetools: note:")] == inspect_notes
         assert "treetools: note:" not in out
+
+
+def test_verify_says_a_step_a_manager_is_pruning_is_being_deleted(tmp_path, capsys, monkeypatch):
+    # Issue 39, point 20: verify while a manager prunes called the step being deleted "1 unfinished save".
+    from orbax.checkpoint._src.path import deleter
+
+    root = tmp_path / "run"
+    # Orbax's parallel deleter (num_deletion_threads=2) unlinks every file of the pruned step, then removes its
+    # folders: verify runs between the two, on the state Orbax's own deleter leaves.
+    mngr = tt.get_checkpoint_manager(1, max_to_keep=1, checkpoint_dir=root, async_save=False, num_deletion_threads=2)
+    tt.save_checkpoint(mngr, 1, {"params": _tree()})
+    seen = []
+    unlink_all = deleter._ParallelDirectoryDeleter._run_scheduler
+
+    def unlink_then_verify(self):
+        unlink_all(self)
+        assert sorted(os.listdir(root / "1")) == ["params"]  # the markers are gone, a folder is left
+        seen.append((main(["verify", str(root)]), capsys.readouterr().out))
+        seen.append((main(["verify", str(root), "--format", "json"]), capsys.readouterr().out))
+
+    monkeypatch.setattr(deleter._ParallelDirectoryDeleter, "_run_scheduler", unlink_then_verify)
+    tt.save_checkpoint(mngr, 2, {"params": _tree()})
+    mngr.close()
+    assert not (root / "1").exists() and tt.list_steps(root) == [2]
+    (code, text), (json_code, out) = seen
+    assert code == json_code == 0  # not damage: the committed step is whole
+    lines = text.strip().splitlines()
+    assert lines[0].startswith(f"ok: {root} (step 2): ")
+    assert lines[-1] == ("incomplete: 1 step being deleted (its commit markers are gone: a manager pruning it), "
+                         "not read (not damage): 1")
+    (entry,) = json.loads(out)["paths"]
+    assert entry["incomplete"] == entry["deleting"] == ["1"] and entry["steps"] == [2] and entry["ok"] is True

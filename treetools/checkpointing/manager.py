@@ -13,12 +13,14 @@ Orbax is imported when a manager is built or a save made, not at import time.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import operator
 import os
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -98,34 +100,66 @@ def _positive_int(value: Any, name: str, *, optional: bool = False) -> int | Non
     return number
 
 
+class _DropMessage(logging.Filter):
+    """Drops the absl records whose unformatted message is ``message``; lets every other record through."""
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self.message
+
+
+# Logged by Orbax's CheckpointManager.__init__ whenever read_only=True: a notice, not a problem, for a manager
+# asked to be read-only. Only this exact record is dropped, and only while such a manager is built.
+_READ_ONLY_NOTICE = "Given directory is read only=%s"
+
+
+@contextlib.contextmanager
+def _quiet_read_only_notice(read_only: bool) -> Iterator[None]:
+    if not read_only:
+        yield
+        return
+    absl_logger, drop = logging.getLogger("absl"), _DropMessage(_READ_ONLY_NOTICE)
+    absl_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        absl_logger.removeFilter(drop)
+
+
 def get_checkpoint_manager(
     ckpt_frequency: int,
     max_to_keep: int | None = None,
-    save_frequency: int | None = None,
-    checkpoint_dir: Any = None,
     *,
+    checkpoint_dir: Any,
+    keep_period: int | None = None,
     item_names: Iterable[str] = DEFAULT_ITEMS,
     json_items: Iterable[str] = DEFAULT_JSON_ITEMS,
     async_save: bool = True,
     step_prefix: str | None = None,
     step_format_fixed_length: int | None = None,
     read_only: bool = False,
+    save_frequency: int | None = None,
     **options: Any,
 ) -> "ocp.CheckpointManager":
     """An Orbax ``CheckpointManager`` for params, EMA params, optimizer state and JSON state.
 
     Saves happen at every multiple of ``ckpt_frequency`` (``manager.save`` on
     other steps is a no-op unless forced); the newest ``max_to_keep`` steps are
-    kept, and, with ``save_frequency``, every multiple of it is kept for good
+    kept, and, with ``keep_period``, every multiple of it is kept for good
     (Orbax's ``LatestN`` + ``EveryNSteps`` preservation).
 
     Args:
       ckpt_frequency: save every this many steps.
       max_to_keep: keep this many of the newest steps (None: keep all).
-      save_frequency: also keep every step that is a multiple of this, forever;
-        must be a multiple of ``ckpt_frequency`` so that such steps get saved.
-      checkpoint_dir: the root folder; required (a run's own folder, e.g.
-        ``workdir / "checkpoints"``; no shared default that runs could clobber).
+      checkpoint_dir: the root folder, required, by keyword (a run's own
+        folder, e.g. ``workdir / "checkpoints"``; no shared default that runs
+        could clobber).
+      keep_period: also keep every step that is a multiple of this, forever
+        (Orbax's name for it: ``CheckpointManagerOptions.keep_period``); must
+        be a multiple of ``ckpt_frequency`` so that such steps get saved.
       item_names: items the manager saves and restores.
       json_items: those of ``item_names`` stored as JSON (``ocp.args.JsonSave``);
         the others are pytrees (``ocp.args.StandardSave``).
@@ -133,29 +167,39 @@ def get_checkpoint_manager(
         ``manager.wait_until_finished()`` blocks until the save is committed.
       step_prefix: step folders named ``<prefix>_<step>``.
       step_format_fixed_length: zero-pad step numbers to this many digits.
-      read_only: never save or delete (for readers of someone else's run).
+      read_only: never save or delete (for readers of someone else's run); quiet:
+        Orbax's two notices that it switched saving off are not logged.
+      save_frequency: the old name of ``keep_period`` (it never set how often
+        a save happens); still accepted, with a ``DeprecationWarning``.
       **options: further ``ocp.CheckpointManagerOptions`` fields.
 
     Returns:
       the manager; use it with ``save_checkpoint`` and ``restore_checkpoint``.
 
     Raises:
-      ValueError: a bad frequency, a ``save_frequency`` that is not a multiple of
-        ``ckpt_frequency``, no ``checkpoint_dir``, or a JSON item not in ``item_names``.
+      ValueError: a bad frequency, a ``keep_period`` that is not a multiple of
+        ``ckpt_frequency``, ``checkpoint_dir=None``, or a JSON item not in ``item_names``.
+      TypeError: no ``checkpoint_dir``, or both ``keep_period`` and ``save_frequency``.
 
     >>> import tempfile
-    >>> mngr = get_checkpoint_manager(100, max_to_keep=3, save_frequency=1000, checkpoint_dir=tempfile.mkdtemp())
+    >>> mngr = get_checkpoint_manager(100, max_to_keep=3, keep_period=1000, checkpoint_dir=tempfile.mkdtemp())
     >>> mngr.should_save(200), mngr.should_save(250)
     (True, False)
     >>> mngr.close()
     """
+    if save_frequency is not None:
+        if keep_period is not None:
+            raise TypeError("pass `keep_period` alone: `save_frequency` is its old name.")
+        warnings.warn("`save_frequency` is renamed `keep_period` (every multiple of it is kept for good; it does "
+                      "not set how often a save happens): pass keep_period=.", DeprecationWarning, stacklevel=2)
+        keep_period = save_frequency
     ckpt_frequency = _positive_int(ckpt_frequency, "ckpt_frequency")
     max_to_keep = _positive_int(max_to_keep, "max_to_keep", optional=True)
-    save_frequency = _positive_int(save_frequency, "save_frequency", optional=True)
-    if save_frequency is not None and save_frequency % ckpt_frequency:
+    keep_period = _positive_int(keep_period, "keep_period", optional=True)
+    if keep_period is not None and keep_period % ckpt_frequency:
         raise ValueError(
-            f"`save_frequency` ({save_frequency}) must be a multiple of `ckpt_frequency` ({ckpt_frequency}); "
-            f"steps kept for good must be steps that get saved, e.g. save_frequency={ckpt_frequency * max(1, round(save_frequency / ckpt_frequency))}."
+            f"`keep_period` ({keep_period}) must be a multiple of `ckpt_frequency` ({ckpt_frequency}); "
+            f"steps kept for good must be steps that get saved, e.g. keep_period={ckpt_frequency * max(1, round(keep_period / ckpt_frequency))}."
         )
     if checkpoint_dir is None:
         raise ValueError("`checkpoint_dir` is required; pass the run's checkpoint folder, e.g. workdir / 'checkpoints'.")
@@ -176,8 +220,8 @@ def get_checkpoint_manager(
         registry.add(name, restore, handler)
 
     keep = [cm.LatestN(n=max_to_keep)]
-    if save_frequency is not None:
-        keep.append(cm.EveryNSteps(interval_steps=save_frequency))
+    if keep_period is not None:
+        keep.append(cm.EveryNSteps(interval_steps=keep_period))
     options.setdefault(
         # Orbax's default also saves the first step it sees; a trainer expects multiples only.
         "save_decision_policy",
@@ -186,14 +230,16 @@ def get_checkpoint_manager(
     options.setdefault("preservation_policy", cm.AnyPreservationPolicy(keep))
     options.setdefault("step_name_format", _StepNameFormat(step_prefix, step_format_fixed_length))
     manager_options = ocp.CheckpointManagerOptions(
-        save_interval_steps=ckpt_frequency,
+        # read_only: the values Orbax would otherwise switch (and log that it did).
+        save_interval_steps=0 if read_only else ckpt_frequency,
         enable_async_checkpointing=async_save,
         create=not read_only,
         read_only=read_only,
         **options,
     )
     directory = location(checkpoint_dir, name="checkpoint_dir")
-    manager = ocp.CheckpointManager(directory, options=manager_options, handler_registry=registry)
+    with _quiet_read_only_notice(read_only):
+        manager = ocp.CheckpointManager(directory, options=manager_options, handler_registry=registry)
     _MANAGER_ITEMS[manager] = (frozenset(item_names), json_items)
     return manager
 

@@ -62,6 +62,7 @@ class Source:
       format: the format's name (``orbax``, ``safetensors``...).
       steps: committed steps of a checkpoint root, ascending; None for a single checkpoint.
       incomplete: names of unfinished saves (never read).
+      deleting: those of ``incomplete`` being deleted (a manager pruning them; ``StepListing.deleting``).
       step: the step number of a single step folder, when its name says it.
     """
 
@@ -83,6 +84,7 @@ class Source:
         self.listing = listing
         self.steps: list[int] | None = listing.steps if listing is not None else None
         self.incomplete: list[str] = list(listing.incomplete) if listing is not None else []
+        self.deleting: list[str] = list(listing.deleting) if listing is not None else []
         self.notes: list[str] = [f"skipped unreadable entry `{n}` under {self.path}" for n in
                                  (listing.skipped if listing is not None else [])]
         if listing is not None and listing.others and listing.conflict is None:

@@ -18,7 +18,15 @@ Step folders are named like Orbax names them: ``100``, zero padded
   in a root where no step carries a commit marker: where the others do, a
   step folder without one is a copy still in progress.
 
-Everything else is *incomplete*: listed, never read, never the latest. A
+Everything else is *incomplete*: listed, never read, never the latest. An
+incomplete step folder under its final name that holds neither marker file
+(no ``commit_success.txt``, no ``_CHECKPOINT_METADATA``) in a series whose
+steps carry markers is *being deleted* (``StepListing.deleting``): Orbax's
+deleter removes a pruned step's files, its markers among them, before the
+folder goes, while a save in progress has its ``_CHECKPOINT_METADATA`` from
+the moment Orbax creates its folder (under a tmp name on local disks; in
+place, without a commit time, in buckets). A copy into the root that has not
+reached the markers yet looks the same. A
 format with its own commit evidence (T5X's ``checkpoint`` file) passes its
 rule to ``scan_steps(commit_rule=...)``; a format with its own step names
 (Levanter's ``step-N``) passes their pattern (``names=``); tmp suffixes stay these.
@@ -244,6 +252,13 @@ def commit_evidence(step_dir: str | os.PathLike, storage: Storage | None = None)
     return FINALIZED_ITEM if _finalized_item(storage, step_dir) else None
 
 
+def _lost_markers(storage: Storage, step_dir: str) -> bool:
+    """A step folder under its final name with neither marker file: what Orbax's deleter leaves mid-way."""
+    if _tmp_head(os.path.basename(step_dir)) is not None or not storage.isdir(step_dir):
+        return False
+    return not any(storage.lexists(os.path.join(step_dir, name)) for name in (COMMIT_SUCCESS_FILE, STEP_METADATA_FILE))
+
+
 def is_committed(step_dir: str | os.PathLike, storage: Storage | None = None) -> bool:
     """True when Orbax finished writing this step folder (the rule in this module's docstring).
 
@@ -294,6 +309,8 @@ class StepListing:
     @property
     def store(self) -> Storage:
         return self.storage if self.storage is not None else backend(self.root)
+    deleting: list[str] = dataclasses.field(default_factory=list)
+    """Those of ``incomplete`` that are being deleted (a manager pruning them), not saves in progress."""
 
     def still_committed(self, step: int) -> bool:
         """Whether the folder of a listed step is still there and still committed, asked afresh.
@@ -471,14 +488,18 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
     listings = {}
     for series in sorted({*committed, *incomplete}):
         ordered = dict(sorted(committed.get(series, {}).items()))
+        names = [name for _, name in sorted(incomplete.get(series, []))]
+        marked = commit_rule is None and MARKER in (evidence[p] for paths in committed.get(series, {}).values()
+                                                     for p in paths)
         listings[series] = StepListing(
             root,
             {s: paths[0] for s, paths in ordered.items()},
-            [name for _, name in sorted(incomplete.get(series, []))],
+            names,
             {s: [os.path.basename(p) for p in paths] for s, paths in ordered.items() if len(paths) > 1},
             series=series,
             commit_rule=commit_rule,
             storage=storage,
+            deleting=[n for n in names if marked and _lost_markers(storage, os.path.join(root, n))],
         )
     return choose_series(root, listings, skipped, prefer=prefer, storage=storage)
 

@@ -29,7 +29,8 @@ flat-key files (safetensors, npz) are shown exactly as stored.
 
 --unstack RE shows a stacked (scanned) leaf of shape (L, ...) that RE
 matches as L leaves, layers/attn/q -> layers/0/attn/q ... (with --stats, one
-row of statistics per layer).
+row of statistics per layer). The layer index is a path part for --depth, as
+for norm_metrics(depth=K): --depth 2 gives layers/0 ...
 
 Examples:
   treetools inspect runs/demo/checkpoints                 latest step, every item

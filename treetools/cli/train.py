@@ -5,7 +5,7 @@ data x fsdp mesh of all devices (CPU by default).
 WORKDIR/checkpoints/ gets an Orbax checkpoint every --ckpt-every steps
 (params, params_ema, opt_state and the data iterator); WORKDIR/metrics.jsonl
 gets loss and norm metrics every --log-every steps (`treetools plot` draws
-them), per module at --norm-depth (default 1: one norm per block). --steps is
+them), per module at --norm-depth (default: one norm per block). --steps is
 the total: a WORKDIR with checkpoints resumes from its latest step and trains
 up to --steps, bit for bit as one straight run. A WORKDIR inside a checkpoint
 (runs/demo/checkpoints/200, an item folder, a root's step) is refused.
@@ -13,8 +13,10 @@ up to --steps, bit for bit as one straight run. A WORKDIR inside a checkpoint
 --scan-layers puts the blocks under one nn.scan named `layers`
 (metadata_params={nn.PARTITION_NAME: "layers"}): each block parameter is one
 stacked leaf (layers/qkv/kernel of shape (n_layers, ...)), and the norms are
-logged per layer (grad_norm/layers/0, ...). A resumed run must keep the
-setting (the checkpoint's paths differ).
+logged per layer (grad_norm/layers/0, ...: the layer index is a path part,
+so a block is 2 parts deep where unscanned it is 1, layers_0). A resumed run
+keeps the setting it was saved with, whatever the flag says, and a note says
+so (the checkpoint's paths differ: layers/qkv/kernel against layers_0/qkv/kernel).
 
 Examples:
   treetools train --workdir runs/demo --cpu-devices 4
@@ -48,9 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d("--ckpt-every", type=positive_int, default=100, metavar="N", help="save a checkpoint every N steps (default: 100)")
     d("--freeze-embeddings", action="store_true", help="freeze embed/ with optax.multi_transform + get_param_label_fn")
     d("--scan-layers", action="store_true",
-      help="the blocks as one nn.scan named `layers` (stacked leaves); norms logged per layer")
-    d("--norm-depth", type=positive_int, default=1, metavar="K",
-      help="log per-module norms of the first K path parts (default: 1, one per block or scanned layer)")
+      help="the blocks as one nn.scan named `layers` (stacked leaves); norms logged per layer. A resumed run "
+           "keeps the setting it was saved with")
+    d("--norm-depth", type=positive_int, default=None, metavar="K",
+      help="log per-module norms of the first K path parts, a scanned layer's index being one (default: one per "
+           "block: 1, or 2 with --scan-layers)")
     d("--ema-decay", type=unit_float, default=0.99, metavar="D", help="decay of the EMA params (default: 0.99)")
     d("--cpu-devices", type=positive_int, default=None, metavar="N",
       help="simulate N CPU devices (sets XLA_FLAGS; only before jax starts)")

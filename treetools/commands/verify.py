@@ -76,6 +76,7 @@ class VerifyResult:
       format: the format that read it (``?`` when its header could not be read at all).
       steps: the committed steps of a root, ascending; None for a single checkpoint.
       incomplete: unfinished saves of a root (tmp folders, no commit marker): named, never read, not damage.
+      deleting: those of ``incomplete`` being deleted (their commit markers gone: a manager pruning them).
       reports: one ``VerifyReport`` per step checked (the step asked, or every committed one).
       notes: diagnostics for stderr: what the source leaves out (another step series, a weights file beside
         the one read, an unreadable entry) and a step pruned while it was checked.
@@ -89,6 +90,7 @@ class VerifyResult:
     reports: list[VerifyReport] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
     error: str | None = None
+    deleting: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -96,18 +98,33 @@ class VerifyResult:
         return self.error is None and all(r.ok for r in self.reports)
 
     def incomplete_line(self) -> str | None:
-        """One line naming the unfinished saves, or None when there are none."""
-        if not self.incomplete:
+        """One line naming the unfinished saves and the steps being deleted, or None when there are none.
+
+        >>> VerifyResult("run", "orbax", [2], ["1", "3.orbax-checkpoint-tmp-17"], deleting=["1"]).incomplete_line()
+        'incomplete: 1 unfinished save, not read (not damage): 3.orbax-checkpoint-tmp-17; 1 step being deleted (its commit markers are gone: a manager pruning it): 1'
+        """
+        saving = [n for n in self.incomplete if n not in self.deleting]
+        deleting = [n for n in self.incomplete if n in self.deleting]
+        groups = []
+        if saving:
+            groups.append(f"{len(saving)} unfinished save{'s' * (len(saving) != 1)}")
+        if deleting:
+            one = len(deleting) == 1
+            groups.append(f"{len(deleting)} step{'' if one else 's'} being deleted ({'its' if one else 'their'} commit "
+                          f"markers are gone: a manager pruning {'it' if one else 'them'})")
+        if not groups:
             return None
-        n = len(self.incomplete)
-        return f"incomplete: {n} unfinished save{'s' * (n != 1)}, not read (not damage): {', '.join(self.incomplete)}"
+        names = [", ".join(n) for n in (saving, deleting) if n]
+        first = f"incomplete: {groups[0]}, not read (not damage): {names[0]}"
+        return first if len(groups) == 1 else f"{first}; {groups[1]}: {names[1]}"
 
     def to_json(self) -> dict[str, Any]:
         """This PATH's entry of the JSON object: the path, its steps and unfinished saves, one entry per step
         (``error`` only where nothing could be verified)."""
         out = {"path": self.path, "format": self.format, "steps": self.steps, "incomplete": self.incomplete,
-               "ok": self.ok, "checkpoints": [{k: v for k, v in r.to_json().items() if k not in ("path", "format")}
-                                              for r in self.reports]}
+               "deleting": self.deleting, "ok": self.ok,
+               "checkpoints": [{k: v for k, v in r.to_json().items() if k not in ("path", "format")}
+                               for r in self.reports]}
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -260,7 +277,8 @@ def verify_checkpoint(path: str, options: VerifyOptions | None = None, /, **fiel
         return VerifyResult(path, source.format, None, [], reports, notes)
     # What the source leaves out, as inspect says it: another step series, a weights file beside the one read.
     notes = list(dict.fromkeys([*source.notes, *notes]))
-    return VerifyResult(path, source.format, source.steps, list(source.incomplete), reports, notes)
+    return VerifyResult(path, source.format, source.steps, list(source.incomplete), reports, notes,
+                        deleting=list(source.deleting))
 
 
 def _open(path: str, context: ReadContext) -> Source | VerifyReport:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import warnings
 from typing import Any
 
 import jax
@@ -24,35 +27,71 @@ from treetools.pytree.partitioning import (
 from treetools.pytree.paths import is_leaf, map_with_path, path_str
 
 
-def _spec_fits(spec: PartitionSpec, mesh: Mesh) -> bool:
-    return all(a in mesh.axis_names for e in spec for a in mesh_axes_of(e))
+@dataclasses.dataclass(frozen=True)
+class Remapped:
+    """A placed leaf whose layout on another mesh did not carry over to ``make_abstract``'s ``mesh`` as it was.
+
+    ``was`` is its spec on the old mesh, ``now`` the spec it got: the old one
+    without the mesh axes the new mesh lacks, or that no longer divide the
+    dimension (those dimensions replicated).
+    """
+
+    path: str
+    was: PartitionSpec
+    now: PartitionSpec
+
+    @property
+    def replicated(self) -> bool:
+        """Whether nothing of the old layout was kept: the leaf is whole on every device."""
+        return all(entry is None for entry in self.now)
+
+    def __str__(self) -> str:
+        return f"`{self.path}` {self.was} -> {self.now}{' (replicated)' if self.replicated else ''}"
 
 
-def _on_mesh(leaf: Any, mesh: Mesh) -> Sharding:
-    """Where ``make_abstract(mesh=mesh)`` puts a leaf: box names, else its own spec, else replicated."""
+def _carried_over(spec: PartitionSpec, mesh: Mesh, shape: tuple[int, ...]) -> PartitionSpec:
+    """``spec`` (from another mesh) on ``mesh``: per dimension, the axes ``mesh`` has, if they still divide it."""
+    entries = []
+    for i, entry in enumerate(spec):
+        kept = tuple(a for a in mesh_axes_of(entry) if a in mesh.axis_names)
+        parts = math.prod(mesh.shape[a] for a in kept)
+        if not kept or i >= len(shape) or shape[i] % parts:
+            entries.append(None)
+        else:
+            entries.append(kept if isinstance(entry, (tuple, list)) else kept[0])
+    return PartitionSpec(*entries)
+
+
+def _on_mesh(leaf: Any, mesh: Mesh) -> tuple[Sharding, PartitionSpec | None]:
+    """Where ``make_abstract(mesh=mesh)`` puts a leaf: box names, else its own spec, else replicated.
+
+    Also, for an array laid out on another mesh whose spec does not carry over
+    whole (an axis ``mesh`` lacks, a split that no longer divides), the old spec.
+    """
     spec = box_spec(leaf)
     if spec is not None:
-        return NamedSharding(mesh, spec)
+        return NamedSharding(mesh, spec), None
     own = own_sharding(leaf)
     if isinstance(own, NamedSharding):
         if own.mesh == mesh:
-            return own
-        if _spec_fits(own.spec, mesh):
-            return NamedSharding(mesh, own.spec)
-        raise ValueError(
-            f"it is laid out as {own.spec} on a mesh with axes {tuple(own.mesh.axis_names)}, and the mesh "
-            f"(axes {tuple(mesh.axis_names)}) has no such axes; pass a sharding for it."
-        )
-    return NamedSharding(mesh, PartitionSpec())  # unboxed, unnamed: replicated on the mesh
+            return own, None
+        # XLA chose this layout for another mesh (the user did not name it): keep what fits on this one.
+        carried = _carried_over(own.spec, mesh, tuple(unbox(leaf).shape))
+        return NamedSharding(mesh, carried), (None if carried == own.spec else own.spec)
+    return NamedSharding(mesh, PartitionSpec()), None  # unboxed, unnamed: replicated on the mesh
 
 
-def _abstract_leaf(path: str, leaf: Any, sharding: Any, mesh: Mesh | None) -> Any:
+def _abstract_leaf(path: str, leaf: Any, sharding: Any, mesh: Mesh | None, remapped: list[Remapped]) -> Any:
     if not is_array_like(leaf):
         return leaf
     value = unbox(leaf)
     try:
-        if sharding is None:
-            sharding = _on_mesh(leaf, mesh) if mesh is not None else own_sharding(leaf)
+        if sharding is None and mesh is not None:
+            sharding, was = _on_mesh(leaf, mesh)
+            if was is not None:
+                remapped.append(Remapped(path, was, sharding.spec))
+        elif sharding is None:
+            sharding = own_sharding(leaf)
         if isinstance(sharding, PartitionSpec):
             spec_mesh = mesh if mesh is not None else active_mesh()
             if spec_mesh is None:
@@ -110,9 +149,16 @@ def make_abstract(tree: PyTree, sharding: Any = None, *, mesh: Mesh | None = Non
         entry: those leaves as with ``sharding=None``); or None.
       mesh: with ``sharding=None``, puts every leaf on ``mesh``: a box per its
         names (through flax's rules), an array laid out by name on another
-        mesh with the same spec, and every other leaf (unboxed biases on one
-        device, numpy arrays) replicated. Without ``mesh``, each leaf keeps its
-        own sharding (none for numpy arrays and ``jax.eval_shape`` structs).
+        mesh with the same spec where it fits, and every other leaf (unboxed
+        biases on one device, numpy arrays) replicated. Without ``mesh``, each
+        leaf keeps its own sharding (none for numpy arrays and
+        ``jax.eval_shape`` structs).
+
+    An unboxed array laid out on another mesh (XLA chose its layout in
+    training: ``P('data',)``) keeps, per dimension, the mesh axes ``mesh``
+    has, where they still divide it; the rest is replicated. One warning
+    names every such leaf with its old and new spec (``(replicated)`` where
+    nothing was kept); pass ``sharding=`` for those leaves to choose instead.
 
     Shardings on an ``AbstractMesh`` (structs from ``nnx.eval_shape`` under
     ``jax.set_mesh``) are laid on ``mesh``, else on the active ``jax.set_mesh``
@@ -135,8 +181,26 @@ def make_abstract(tree: PyTree, sharding: Any = None, *, mesh: Mesh | None = Non
         shardings = [sharding] * len(pairs)
     else:
         shardings = _broadcast_shardings(tree, sharding, len(pairs))
-    leaves = [_abstract_leaf(path_str(p), x, s, mesh) for (p, x), s in zip(pairs, shardings)]
+    remapped: list[Remapped] = []
+    leaves = [_abstract_leaf(path_str(p), x, s, mesh, remapped) for (p, x), s in zip(pairs, shardings)]
+    if remapped:
+        warnings.warn(_remapped_message(remapped, mesh), stacklevel=2)
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+_SHOWN = 8
+"""How many remapped leaves the warning names before it counts the rest."""
+
+
+def _remapped_message(remapped: list[Remapped], mesh: Mesh) -> str:
+    replicated = sum(r.replicated for r in remapped)
+    lines = [f"make_abstract: {len(remapped)} leaves laid out on another mesh do not fit the mesh "
+             f"{dict(mesh.shape)} as they were ({replicated} now replicated); their layout here:"]
+    lines += [f"  {r}" for r in remapped[:_SHOWN]]
+    if len(remapped) > _SHOWN:
+        lines.append(f"  ... and {len(remapped) - _SHOWN} more")
+    lines.append("Pass `sharding=` (a tree or prefix of shardings) to lay them out otherwise.")
+    return "\n".join(lines)
 
 
 def replicate(tree: PyTree, sharding: Sharding | Mesh) -> PyTree:

@@ -76,7 +76,7 @@ from treetools.shared.aliases import PathStr, PyTree
 from treetools.pytree.counting import is_array_like
 from treetools.pytree.partitioning import is_partitioned, leaf_sharding, mesh_axes_of, unbox, unmapped_logical_names
 from treetools.pytree.paths import SEP, is_leaf, leaves_with_paths, path_str
-from treetools.pytree.stacked import Stack, Stacked, find_stacks, layer_parts
+from treetools.pytree.stacked import Stack, Stacked, find_stacks, layer_parts, split_within
 
 
 _F32 = jnp.float32
@@ -479,7 +479,7 @@ def _find_stacks(pairs: list[tuple[PathStr, Any]], stacked: Stacked) -> list[Sta
     # box whose layout cannot be known is reported first (as the norms would report it).
     if stacked is not False:
         _check_layouts(pairs)
-    return find_stacks(pairs, stacked, shape_of=_global_shape)
+    return find_stacks(pairs, stacked, shape_of=_global_shape, warn_unmarked=True)
 
 
 def get_sharded_global_norm(tree: PyTree, *, stacked: Stacked = False) -> tuple[jax.Array, PyTree]:
@@ -554,14 +554,13 @@ def _norm_entries(
             if not path:
                 continue
             parts = tuple(path.split(SEP))
-            head = parts if depth is None else parts[:depth]
             stack = stacks[i]
-            if stack is not None and stack.at <= len(head):
+            if split_within(stack, depth):  # depth counts the layer index as a path part
                 split[i] = stack
                 for layer in range(stack.length):
-                    names.setdefault(SEP.join(layer_parts(head, stack, layer)), []).append((i, layer))
+                    names.setdefault(SEP.join(layer_parts(parts, stack, layer)[:depth]), []).append((i, layer))
             else:
-                names.setdefault(SEP.join(head), []).append((i, None))
+                names.setdefault(SEP.join(parts[:depth]), []).append((i, None))
     groups = tuple(tuple(members) for members in names.values())
     norm, group_norms, nonfinite = _norms(pairs, groups=groups, count_nonfinite=count_nonfinite, stacks=split)
     out = {kind: norm}
@@ -627,10 +626,10 @@ def norm_metrics(
     per layer: the layer index goes into the path where the layer axis is in
     the module path (``decoder/layers/attn/q`` of shape (L, ...) gives
     ``grad_norm/decoder/layers/3/attn/q`` with ``per_param``, and
-    ``grad_norm/decoder/layers/3`` with ``depth=2``). ``depth`` counts the
-    parts of the module path, not the index: the index is added at every
-    depth that reaches the module it follows (``depth=1`` gives
-    ``grad_norm/decoder``, all layers together). Such a leaf is reduced over
+    ``grad_norm/decoder/layers/3`` with ``depth=3``). ``depth`` counts the
+    parts of that path, the layer index being one, as ``inspect --unstack
+    --depth`` does (``depth=2`` gives ``grad_norm/decoder/layers``, all layers
+    together; ``treetools.pytree.stacked.split_within``). Such a leaf is reduced over
     every axis but the layer axis, in the same read; the global norm is the
     sum of those per-layer squares.
 
@@ -673,7 +672,7 @@ def norm_metrics(
     >>> sorted(m), float(m["grad_norm"]), int(m["nonfinite_grads"])
     (['grad_norm', 'nonfinite_grads', 'param_norm'], 5.0, 0)
     >>> g = {"layers": {"q": jnp.array([[3.0, 4.0], [6.0, 8.0]])}}  # 2 layers of a stacked `q`
-    >>> m = norm_metrics(grads=g, depth=1, stacked={"layers": 0})
+    >>> m = norm_metrics(grads=g, depth=2, stacked={"layers": 0})  # depth 2: `layers/<i>`
     >>> {k: float(v) for k, v in m.items() if k.startswith("grad_norm/")}
     {'grad_norm/layers/0': 5.0, 'grad_norm/layers/1': 10.0}
     """

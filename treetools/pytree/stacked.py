@@ -25,6 +25,17 @@ Found how (``stacked=``):
   it and nearby paths.
 * ``False``: none.
 
+A tree in which no box names a layer axis may still hold stacked layers:
+``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: "layers"})`` over
+modules whose Variables carry no sharding names records the axis nowhere,
+nor does linen ``nn.scan`` without ``metadata_params``.
+Found from boxes for per-layer norms, such a subtree is reported, not
+split: one warning names it and the ``stacked={pattern: 0}`` that splits it. It is the outermost
+subtree of two or more unboxed leaves (no sharding names) that all have at
+least two axes and the same leading size L >= 2, with L on no other axis of
+them, and both a stacked matrix (three or more axes) and a stacked vector
+(two axes, a bias or a scale), as a vmapped block has.
+
 Where the index goes (``Stack.at``, the number of path parts before it): with
 a pattern, right after the path part in which the match ends (``layers``
 in ``decoder/layers/attn/q`` gives ``decoder/layers/3/attn/q``; ``q$`` gives
@@ -32,6 +43,12 @@ in ``decoder/layers/attn/q`` gives ``decoder/layers/3/attn/q``; ``q$`` gives
 that all leaves of the scanned subtree share (the scanned module:
 ``decoder/layers``), or before the leaf's own name when the subtree is one
 leaf. That is where Rules' ``unstack`` puts it too.
+
+How ``depth`` counts (``split_within``): the index is a path part, as in
+every path printed. For ``decoder/layers/attn/q`` of shape (L, ...):
+``depth=2`` gives ``decoder/layers`` (all layers together), ``depth=3``
+``decoder/layers/3``, ``depth=4`` ``decoder/layers/3/attn``: the keys
+``inspect --unstack RE --depth K`` shows for the same checkpoint.
 
 >>> import flax.linen as nn, numpy as np
 >>> tree = {"layers": {"w": nn.Partitioned(np.ones((4, 2)), names=("layers", None)), "b": np.zeros((4, 2))},
@@ -47,6 +64,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
+import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Number
 from typing import Any, Union
@@ -81,6 +101,26 @@ def layer_parts(parts: Sequence[str], stack: Stack, layer: int) -> tuple[str, ..
     return (*parts[: stack.at], str(layer), *parts[stack.at :])
 
 
+def split_within(stack: Stack | None, depth: int | None) -> bool:
+    """Whether a stacked leaf's layers get keys of their own at ``depth``: the depth rule of per-layer results.
+
+    ``depth`` counts the parts of a layer's path, the layer index being one
+    of them, as it is in every path treetools prints (``layers/3/attn/q``,
+    what ``inspect --unstack`` lists and ``per_param`` keys show) and as it is
+    in an unscanned model's path (an nnx list of layers: ``layers/3/attn/q``).
+    So ``depth`` K groups by the first K parts of that path: the layers are
+    apart from the depth that reaches the index (``stack.at + 1``); below it
+    they are one group. ``depth=None`` (per leaf) always splits.
+
+    >>> stack = Stack(axis=0, length=4, at=2)  # decoder/layers/<i>/attn/q
+    >>> [split_within(stack, d) for d in (1, 2, 3, None)]
+    [False, False, True, True]
+    >>> [SEP.join(layer_parts(("decoder", "layers", "attn", "q"), stack, 3)[:d]) for d in (3, 4)]
+    ['decoder/layers/3', 'decoder/layers/3/attn']
+    """
+    return stack is not None and (depth is None or stack.at < depth)
+
+
 def _shape(x: Any) -> tuple[int, ...] | None:
     value = unbox(x)
     shape = getattr(value, "shape", None)
@@ -98,6 +138,7 @@ def find_stacks(
     stacked: Stacked = None,
     *,
     shape_of: Callable[[Any], tuple[int, ...] | None] = _shape,
+    warn_unmarked: bool = False,
 ) -> list[Stack | None]:
     """Per leaf of ``[(path, leaf), ...]``, its ``Stack`` or None (see the module doc for the rules).
 
@@ -106,6 +147,8 @@ def find_stacks(
       stacked: None/True (found from boxes), False (none), or ``{pattern: axis}``.
       shape_of: a leaf's (global) shape; inside ``shard_map`` the caller scales
         the local shard's split axes back up.
+      warn_unmarked: found from boxes, warn when a subtree looks stacked but no
+        box says so (see the module doc); for per-layer results, which lump it.
 
     Raises:
       PatternError: a pattern is not a regex or matches no leaf (named, with nearby paths).
@@ -115,7 +158,7 @@ def find_stacks(
     if stacked is False:
         return [None] * len(pairs)
     if stacked is None or stacked is True:
-        return _from_boxes(pairs, shape_of)
+        return _from_boxes(pairs, shape_of, warn_unmarked)
     if isinstance(stacked, Mapping):
         return _from_patterns(pairs, stacked, shape_of)
     raise TypeError(
@@ -158,7 +201,7 @@ def _parts_through(path: str, end: int) -> int:
     return path[:end].count(SEP) + 1
 
 
-def _from_boxes(pairs, shape_of) -> list[Stack | None]:
+def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | None]:
     parts = [_parts(p) for p, _ in pairs]
     shapes = [shape_of(x) for _, x in pairs]
     # What each leaf says: (axis, L) for a box naming the layer axis; "other" for a box with other
@@ -171,11 +214,12 @@ def _from_boxes(pairs, shape_of) -> list[Stack | None]:
         else:
             says.append("other" if is_partitioned(x) else None)
     if not any(isinstance(sig, tuple) for sig in says):
-        return [None] * len(pairs)  # no box names a layer axis: nothing is stacked
-    under: dict[tuple[str, ...], list[int]] = {}
-    for i, ps in enumerate(parts):
-        for k in range(len(ps) + 1):
-            under.setdefault(ps[:k], []).append(i)
+        # No box names a layer axis: nothing is stacked, but say so where the shapes look stacked.
+        unmarked = _unmarked_stacks(_subtrees(parts), shapes, says) if warn_unmarked else []
+        if unmarked:
+            warnings.warn(_unmarked_message(unmarked, parts, shapes), stacklevel=_caller_level())
+        return [None] * len(pairs)
+    under = _subtrees(parts)
 
     def fits(j: int, sig: tuple[int, int]) -> bool:
         if says[j] is None:
@@ -204,9 +248,58 @@ def _from_boxes(pairs, shape_of) -> list[Stack | None]:
     return out
 
 
+def _subtrees(parts: list[tuple[str, ...]]) -> dict[tuple[str, ...], list[int]]:
+    """Every path prefix (a subtree, the root ``()`` included) -> the indices of the leaves under it."""
+    under: dict[tuple[str, ...], list[int]] = {}
+    for i, ps in enumerate(parts):
+        for k in range(len(ps) + 1):
+            under.setdefault(ps[:k], []).append(i)
+    return under
+
+
 def _common_length(paths: list[tuple[str, ...]]) -> int:
     n = min(len(p) for p in paths)
     for k in range(n):
         if len({p[k] for p in paths}) > 1:
             return k
     return n
+
+
+def _unmarked_stacks(under: dict[tuple[str, ...], list[int]], shapes: list, says: list) -> list[tuple[tuple[str, ...], int]]:
+    """``(module path, L)`` of the outermost subtrees that look stacked without a box saying so (module doc)."""
+    found: list[tuple[tuple[str, ...], int]] = []
+    for prefix in sorted(under, key=len):
+        members = under[prefix]
+        if len(members) < 2 or any(prefix[: len(f)] == f for f, _ in found):
+            continue
+        member_shapes = [shapes[j] for j in members]
+        if any(says[j] is not None or shapes[j] is None or len(shapes[j]) < 2 for j in members):
+            continue
+        length = member_shapes[0][0]
+        if (length >= 2 and all(s[0] == length and length not in s[1:] for s in member_shapes)
+                and any(len(s) >= 3 for s in member_shapes) and any(len(s) == 2 for s in member_shapes)):
+            found.append((prefix, length))
+    return found
+
+
+def _unmarked_message(unmarked: list[tuple[tuple[str, ...], int]], parts: list[tuple[str, ...]], shapes: list) -> str:
+    named = []
+    for prefix, length in unmarked:
+        leaves = [(SEP.join(ps), shapes[j]) for j, ps in enumerate(parts) if ps[: len(prefix)] == prefix]
+        shown = ", ".join(f"`{p}` {s}" for p, s in leaves[:3]) + (f", ... ({len(leaves)} leaves)" if len(leaves) > 3 else "")
+        named.append(f"`{SEP.join(prefix) or '(the whole tree)'}` ({shown}: L={length})")
+    fix = {("^" + re.escape(SEP.join(prefix)) + SEP if prefix else "^"): 0 for prefix, _ in unmarked}
+    return (
+        f"per-layer results lump the layers of {'; '.join(named)}: these leaves share a leading axis as stacked "
+        f"(scanned, vmapped) layers do, but no box names a `{LAYER_AXIS}` axis (flax records it only in sharding "
+        "names: nn.scan's metadata_params, nnx.vmap's transform_metadata on Variables that have them). "
+        f"Pass stacked={fix!r} to split them per layer, or stacked=False if that axis holds no layers."
+    )
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside treetools: the user's call, whichever function it went through."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("treetools."):
+        frame, level = frame.f_back, level + 1
+    return level

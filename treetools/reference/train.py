@@ -8,10 +8,11 @@ Everything treetools offers, used the way a trainer would:
   behind ``--freeze-embeddings``;
 * ``clip_by_global_norm`` on the sharded global norm;
 * ``update_ema`` for EMA params;
-* ``norm_metrics`` every step inside jit, per module at ``norm_depth`` (per
-  layer with ``scan_layers``: ``grad_norm/layers/<i>``, the scanned blocks'
-  stacked leaves split in the same pass), logged every ``log_every`` steps by
-  ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between;
+* ``norm_metrics`` every step inside jit, per module at ``norm_depth`` (by
+  default one norm per block: ``grad_norm/layers_<i>`` at depth 1, and with
+  ``scan_layers`` ``grad_norm/layers/<i>`` at depth 2, the layer index being a
+  path part; the scanned blocks' stacked leaves split in the same pass),
+  logged every ``log_every`` steps by ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between;
   started afresh by a fresh run, continued after the restored step on resume);
 * ``get_checkpoint_manager`` saving params, params_ema, opt_state and the data
   iterator state; ``restore_checkpoint`` into ``make_abstract`` targets to resume.
@@ -36,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import treetools as tt
 from treetools.reference.data import MarkovTask
-from treetools.reference.model import ModelConfig, Transformer
+from treetools.reference.model import LAYERS, ModelConfig, Transformer
 
 WEIGHT_DECAY_EXCLUDE = (r"bias$", r"scale$", r"pos_embed$")
 
@@ -60,8 +61,19 @@ class TrainConfig:
     freeze_embeddings: bool = False
     resume: bool = True
     quiet: bool = False
-    norm_depth: int | None = 1  # per-module norms: grad_norm/layers_0 (scanned: grad_norm/layers/0); None: global only
+    norm_depth: int | None = None  # per-module norms of the first K path parts; None: one per block (see block_depth)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+
+
+def block_depth(cfg: TrainConfig) -> int:
+    """The norm depth the trainer logs: ``cfg.norm_depth``, else one norm per block.
+
+    A block is ``layers_<i>`` (1 path part) unscanned and ``layers/<i>`` (2 parts: the layer index is a path
+    part, as ``norm_metrics`` and ``inspect --unstack --depth`` count it) with ``scan_layers``.
+    """
+    if cfg.norm_depth is not None:
+        return cfg.norm_depth
+    return 2 if cfg.model.scan_layers else 1
 
 
 def make_mesh() -> jax.sharding.Mesh:
@@ -117,7 +129,7 @@ def build(cfg: TrainConfig):
         loss, grads = jax.value_and_grad(lambda p: _loss_fn(model, p, batch))(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = tt.norm_metrics(grads=grads, params=params, updates=updates, depth=cfg.norm_depth)
+        metrics = tt.norm_metrics(grads=grads, params=params, updates=updates, depth=block_depth(cfg))
         metrics["loss"] = loss
         ema = tt.update_ema(state["params_ema"], params, cfg.ema_decay)
         return {"params": params, "params_ema": ema, "opt_state": opt_state}, metrics
@@ -149,6 +161,24 @@ def _check_run(cfg: TrainConfig, ckpt_dir: str) -> int | None:
     return latest
 
 
+def _saved_layout(cfg: TrainConfig, ckpt_dir: str, step: int) -> TrainConfig:
+    """``cfg`` with the saved run's ``scan_layers``: a resumed run keeps its setting, whatever the flag says.
+
+    The checkpoint's params metadata says which it is (no array is read): the scanned blocks are one
+    ``layers`` module (``layers/qkv/kernel``), the unscanned ones ``layers_0`` ... (``layers_0/qkv/kernel``).
+    A change is said on stderr.
+    """
+    params = tt.open_source(ckpt_dir).snapshot(step, ["params"]).items["params"]
+    tops = {leaf.path[0] for leaf in params.leaves if leaf.path}
+    scanned, unscanned = LAYERS in tops, f"{LAYERS}_0" in tops
+    if scanned == unscanned or scanned == cfg.model.scan_layers:
+        return cfg  # as asked, or neither layout: the restore names what differs
+    how, paths = ("with", f"{LAYERS}/...") if scanned else ("without", f"{LAYERS}_0/...")
+    print(f"treetools: note: {ckpt_dir} was saved {how} --scan-layers (its params are {paths}); resuming it {how} "
+          "--scan-layers (a run keeps its setting; use a new --workdir to train the other way).", file=sys.stderr)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=scanned))
+
+
 def train(cfg: TrainConfig) -> dict[str, Any]:
     """Train (or resume) for ``cfg.steps`` total steps; returns a summary dict."""
     ckpt_dir = os.path.abspath(os.path.join(cfg.workdir, "checkpoints"))
@@ -159,6 +189,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
               "(raise --steps to continue).", file=sys.stderr)
         return {"state": None, "first_loss": None, "last_loss": None, "checkpoint_dir": ckpt_dir,
                 "metrics_path": metrics_path, "optimal_loss": None, "start_step": latest}
+    if latest is not None:
+        cfg = _saved_layout(cfg, ckpt_dir, latest)
     mesh, model, state, state_shardings, batch_sharding, step_fn = build(cfg)
     data = MarkovTask(cfg.model.vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     manager = tt.get_checkpoint_manager(cfg.ckpt_every, max_to_keep=cfg.max_to_keep, checkpoint_dir=ckpt_dir)
