@@ -10,6 +10,7 @@ WORKDIR ?= runs/demo
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip uninstall -q -y treetools 2>/dev/null || true  # this project's name before jax-treetools (issue 39)
 	$(PY) -m pip install -q -c constraints.txt -e '.[test,test-formats,plot,remote,keras]'
 	touch $(STAMP)
 

@@ -276,7 +276,7 @@ def test_a_remote_path_without_the_extra_names_it(tmp_path, remote_store):
                           env={**os.environ, **remote_store.env})
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr.strip()
-    assert "pip install 'treetools[remote]'" in err and package in err and "\n" not in err
+    assert "pip install 'jax-treetools[remote]'" in err and package in err and "\n" not in err
 
 
 def test_local_paths_never_import_the_remote_clients(tmp_path):

@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator
 
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
+from treetools.shared.install import install_hint
 
 
 REMOTE_SCHEMES = {"gs": "gcsfs", "s3": "s3fs"}
@@ -460,7 +461,7 @@ class _Remote:
                 self.fs = s3fs.S3FileSystem()
         except ImportError as e:
             raise RemoteStorageError(
-                f"reading {scheme}:// paths needs the `remote` extra ({package}): pip install 'treetools[remote]' "
+                f"reading {scheme}:// paths needs the `remote` extra ({package}): {install_hint('remote')} "
                 f"({e})."
             ) from None
         self._listings: dict[str, dict[str, _Info]] = {}
