@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import os
 import pathlib
 import pydoc
 import re
@@ -182,3 +183,31 @@ def test_the_messages_of_a_missing_extra_name_the_distribution(tmp_path, monkeyp
     for extra, message in seen:
         assert f"pip install 'jax-treetools[{extra}]'" in message, message
         assert _install_targets(message) == [f"jax-treetools[{extra}]"], message
+
+
+def _make_installs(target: str, tmp_path) -> list[set[str]]:
+    """The extras each ``pip install -e '.[...]'`` of ``make TARGET`` installs, from ``make -n`` on a fresh venv
+    path (nothing run)."""
+    if shutil.which("make") is None:
+        import pytest
+
+        pytest.skip("needs make")
+    proc = subprocess.run(["make", "-s", "-n", "-C", str(ROOT), target, f"VENV={tmp_path / 'venv'}"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "MAKEFLAGS": ""})
+    assert proc.returncode == 0, proc.stderr
+    return [set(extras.split(",")) for extras in re.findall(r"pip install .*-e '\.\[([\w,-]*)\]'", proc.stdout)]
+
+
+def test_make_demo_installs_what_the_demo_needs_and_make_test_adds_the_test_extras(tmp_path):
+    # Issue 39.3: `make demo` installed every extra (moto, keras, equinox, gcsfs, s3fs: a 1.3 GB .venv).
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    demo, test = _make_installs("demo", tmp_path), _make_installs("test", tmp_path)
+    assert demo == [{"plot"}]  # treetools, and matplotlib for `treetools plot` after the demo
+    demo_deps = " ".join(dep for extra in demo[0] for dep in extras[extra])
+    for heavy in ("moto", "keras", "equinox", "gcsfs", "s3fs", "pytest"):
+        assert heavy not in demo_deps, heavy
+    assert test[0] == demo[0] and test[-1] == {"test", "test-formats", "plot", "remote", "keras"}  # on top of it
+    assert test[-1] == set(extras)  # every extra: the suite tests them all
+    assert _make_installs("bench", tmp_path)[-1] == test[-1]

@@ -108,7 +108,7 @@ def test_make_demo_keeps_a_run_the_user_extended(tmp_path):
     (workdir / "notes.txt").write_text("my run")
     before = sorted(p.relative_to(workdir) for p in workdir.rglob("*"))
     # The venv is there already (-o: its stamp is not remade); the demo's two commands run as written.
-    proc = subprocess.run(["make", "-s", "-C", str(README.parent), "-o", f"{venv}/.installed", "demo",
+    proc = subprocess.run(["make", "-s", "-C", str(README.parent), "-o", f"{venv}/.installed-demo", "demo",
                            f"VENV={venv}", f"WORKDIR={workdir}"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "MAKEFLAGS": ""})
     assert proc.returncode == 0, proc.stderr[-2000:]
