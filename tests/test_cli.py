@@ -43,24 +43,43 @@ def shared_folder(paths: list[list[str]]) -> list[str]:
 # ----------------------------------------------------------------------------- import cost
 
 
+HEAVY = ("jax", "numpy", "orbax", "flax", "optax", "tensorstore", "matplotlib")
+"""Packages whose import a command that needs none of them must not pay (jax alone is ~0.5 s)."""
+
 NO_JAX = (
-    "import sys, time\n"
-    "t = time.perf_counter()\n"
+    "import sys\n"
     "import treetools.cli\n"
     "rc = treetools.cli.main(sys.argv[1:])\n"
-    "dt = time.perf_counter() - t\n"
-    "heavy = [m for m in ('jax', 'numpy', 'orbax', 'flax', 'tensorstore') if m in sys.modules]\n"
-    "print('RESULT', rc, dt, ','.join(heavy) or '-')\n"
+    f"heavy = [m for m in {HEAVY!r} if m in sys.modules]\n"
+    "print('RESULT', rc, ','.join(heavy) or '-')\n"
 )
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["diff", "--help"], ["train", "--help"],
                                   ["plot", "--help"]])
 def test_help_imports_no_jax(argv):
+    # Proved by the modules loaded, not by a clock (issue 39.2: a 0.3 s budget failed on a busy machine); the time
+    # it takes is benchmarks/test_cli_speed_bench.py's.
     proc = subprocess.run([sys.executable, "-c", NO_JAX, *argv], capture_output=True, text=True, timeout=60)
-    _, rc, dt, heavy = proc.stdout.strip().splitlines()[-1].split(" ")
+    _, rc, heavy = proc.stdout.strip().splitlines()[-1].split(" ")
     assert rc == "0" and heavy == "-", proc.stdout
-    assert float(dt) < 0.3, f"treetools {' '.join(argv)} took {float(dt):.3f}s in-process"
+
+
+def _imported(argv: list[str]) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run ``python -X importtime ARGV``; the process and every top-level package it imported (Python's own record)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True, text=True, timeout=60)
+    names = re.findall(r"^import time:\s+\d+ \|\s+\d+ \| +([\w.]+)$", proc.stderr, re.M)
+    assert names, proc.stderr[-2000:]  # the record is there (a change of its format must not pass silently)
+    return proc, {name.split(".")[0] for name in names}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["plot", "--help"]])
+def test_the_help_process_imports_nothing_heavy(argv):
+    # The whole process a user starts (`python -m treetools`: runpy, treetools/__main__.py, the CLI), from Python's
+    # own import record: none of the packages whose import takes the time.
+    proc, imported = _imported(["-m", "treetools", *argv])
+    assert proc.returncode == 0 and "usage: treetools" in proc.stdout
+    assert "treetools" in imported and not imported & set(HEAVY), sorted(imported & set(HEAVY))
 
 
 @pytest.mark.parametrize("filtered", [False, True])
@@ -81,7 +100,7 @@ def test_inspect_of_npz_and_safetensors_imports_no_jax(tmp_path, suffix, filtere
     proc = subprocess.run([sys.executable, "-c", NO_JAX, "inspect", str(f), *options, "--format", "json"],
                           capture_output=True, text=True, timeout=60)
     *out, result = proc.stdout.strip().splitlines()
-    _, rc, _, heavy = result.split(" ")
+    _, rc, heavy = result.split(" ")
     assert rc == "0" and heavy == "numpy", (result, proc.stderr)
     # The output is still right: leaves kept by the patterns; under --depth 1 summed per first part below the
     # kept leaves' shared folder (encoder), i.e. per layer.
@@ -105,17 +124,6 @@ def test_inspect_of_npz_and_safetensors_imports_no_jax(tmp_path, suffix, filtere
             for key, value in want.items():
                 np.testing.assert_allclose(leaf["stats"][key], value, rtol=1e-5)
     assert item["total_params"] == sum(x.size for x in keep.values())
-
-
-def test_help_wall_time_under_budget():
-    """`treetools --help`, interpreter start included: the best of three runs is under 0.3 s."""
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "treetools", "--help"], capture_output=True, text=True, timeout=60)
-        times.append(time.perf_counter() - t)
-        assert proc.returncode == 0 and "inspect" in proc.stdout and "diff" in proc.stdout
-    assert min(times) < 0.3, times
 
 
 def test_console_script_and_python_dash_m(tmp_path):

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -495,26 +496,29 @@ def _doc_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
 
 
-def test_docs_convert_md_examples_run(tmp_path, monkeypatch):
+def test_docs_convert_md_shell_lines_are_the_gpt2_conversion(tmp_path, monkeypatch):
+    # Each block of the page runs on its own (tests/test_readme.py runs them all); the page's shell lines run in
+    # the folder the GPT-2 block wrote (its `workdir`): its dry run lists the mapping, its write verifies.
     blocks = _doc_blocks()
     assert len(blocks) == 3
-    monkeypatch.chdir(tmp_path)
-    namespace = {"workdir": str(tmp_path)}
-    for block in blocks:
-        exec(compile(block, str(DOC), "exec"), namespace)  # noqa: S102 - the documentation's own examples
-    # the shell lines of the page are the same conversion: its dry run lists the mapping, its write verifies
-    rules = str(tmp_path / "gpt2_to_pt.toml")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the block's mkdtemp() under this test's folder
+    namespace: dict = {}
+    exec(compile(blocks[1], str(DOC), "exec"), namespace)  # noqa: S102 - the documentation's own example
+    workdir = Path(namespace["workdir"])
+    monkeypatch.chdir(workdir)
+    rules = "gpt2_to_pt.toml"
     assert main(["convert", "flax_model.msgpack", "gpt2-cli/", "--rules", rules, "--dry-run"]) == 0
     assert main(["convert", "flax_model.msgpack", "gpt2-cli/", "--rules", rules, "--verify"]) == 0
-    a = safetensors.numpy.load_file(tmp_path / "gpt2-cli" / "model.safetensors")
-    _assert_tree_equal(a, safetensors.numpy.load_file(tmp_path / "gpt2-hf" / "model.safetensors"))
+    a = safetensors.numpy.load_file(workdir / "gpt2-cli" / "model.safetensors")
+    _assert_tree_equal(a, safetensors.numpy.load_file(workdir / "gpt2-hf" / "model.safetensors"))
 
 
-def test_gpt2_names_and_values_match_transformers_flax_to_pytorch_rule(tmp_path):
+def test_gpt2_names_and_values_match_transformers_flax_to_pytorch_rule(tmp_path, monkeypatch):
     # transformers' load_flax_weights_in_pytorch_model (src/transformers/modeling_flax_pytorch_utils.py, v4.x):
     # a "kernel" becomes "weight" transposed (.T), "scale"/"embedding" become "weight", names join with ".".
-    namespace = {"workdir": str(tmp_path)}
-    exec(compile(_doc_blocks()[0] + _doc_blocks()[1], str(DOC), "exec"), namespace)  # noqa: S102
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    namespace: dict = {}
+    exec(compile(_doc_blocks()[1], str(DOC), "exec"), namespace)  # noqa: S102 - the GPT-2 block, on its own
     expected = {}
     for keys, value in flax.traverse_util.flatten_dict(namespace["flax_params"]).items():
         if keys[-1] == "kernel":
@@ -522,7 +526,7 @@ def test_gpt2_names_and_values_match_transformers_flax_to_pytorch_rule(tmp_path)
         elif keys[-1] in ("scale", "embedding"):
             keys = keys[:-1] + ("weight",)
         expected[".".join(keys)] = np.ascontiguousarray(value)
-    got = safetensors.numpy.load_file(tmp_path / "gpt2-hf" / "model.safetensors")
+    got = safetensors.numpy.load_file(Path(namespace["workdir"]) / "gpt2-hf" / "model.safetensors")
     _assert_tree_equal(got, expected)
     # and the PyTorch GPT-2 state dict's names and shapes (GPT2LMHeadModel without the tied lm_head)
     D, L = namespace["D"], namespace["L"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import os
 import pathlib
 import pydoc
 import re
@@ -82,5 +83,132 @@ def test_py_typed_ships_with_the_built_package(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import setuptools; setuptools.setup()", "-q", "build_py",
                            "--build-lib", str(build)], cwd=src, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (build / "treetools" / "pytree" / "metrics.py").is_file()
+    assert (build / "treetools" / "pytree" / "metrics.py").is_file()  # moved there with the layer folders
     assert (build / "treetools" / "py.typed").is_file()
+
+
+# ------------------------------------------------------------------------------------ the distribution name
+
+# `pip install` and its first argument that is not an option: `pip install 'jax-treetools[plot]'`, `pip install -e
+# '.[plot]'` (the argument across a line break too, as a wrapped paragraph has it).
+_PIP_INSTALL = re.compile(r"pip\s+install\s+(?:-[a-zA-Z-]+\s+)*(?:\"\s+\")?(?:'([^']*)'|\"([^\"]*)\"|([^\s`'\")]+))")
+# (?:"\s+")?: a Python string literal continued on the next line ("... pip install "\n    "'jax-treetools[keras]'")
+
+
+def _install_targets(text: str) -> list[str]:
+    return [next(g for g in m.groups() if g is not None) for m in _PIP_INSTALL.finditer(text)]
+
+
+def _extras() -> set[str]:
+    import tomllib
+
+    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+
+
+def _check_target(target: str, where: str, *, clone: bool) -> None:
+    """``jax-treetools[extras]`` (or, where a clone is meant, ``.[extras]``), each extra one pyproject.toml has."""
+    from treetools.shared.install import DISTRIBUTION
+
+    names = (DISTRIBUTION, ".") if clone else (DISTRIBUTION,)
+    match = re.fullmatch(r"([^\[]+)(?:\[([\w,-]+)\])?", target)
+    assert match and match.group(1) in names, f"{where}: `pip install {target}` does not install {DISTRIBUTION}"
+    unknown = set((match.group(2) or "").split(",")) - {""} - _extras()
+    assert not unknown, f"{where}: `pip install {target}` names extras pyproject.toml lacks: {sorted(unknown)}"
+
+
+def test_the_distribution_name_is_free_of_the_unrelated_treetools_and_keeps_the_command():
+    # Issue 39.1: `pip install treetools` installs "Tools for processing treebank trees" (its own treetools/cli.py).
+    import tomllib
+
+    from treetools.shared.install import DISTRIBUTION
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == DISTRIBUTION and re.sub(r"[-_.]+", "-", DISTRIBUTION.lower()) != "treetools"
+    assert project["scripts"] == {"treetools": "treetools.cli:run"}  # the command keeps its name
+    assert tt.__name__ == "treetools"  # and the import name
+
+
+def test_every_install_hint_in_the_package_names_the_distribution():
+    hints = {}
+    for path in sorted((ROOT / "treetools").rglob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
+        for target in _install_targets(path.read_text(encoding="utf-8")):
+            if (where, target) == ("treetools/shared/install.py", "{DISTRIBUTION}[{extra}]"):
+                continue  # install_hint's template: its messages are checked below, as users see them
+            hints.setdefault(target, []).append(where)
+            _check_target(target, where, clone=False)
+    # `treetools plot --help` (its module docstring) and `inspect --help` (the keras format's description) say it
+    assert {"jax-treetools[plot]", "jax-treetools[keras]"} <= set(hints), hints
+
+
+def test_every_install_line_of_the_docs_names_the_distribution_or_a_clone():
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    targets = {}
+    for doc in docs:
+        for target in _install_targets(doc.read_text(encoding="utf-8")):
+            _check_target(target, doc.relative_to(ROOT).as_posix(), clone=True)
+            targets.setdefault(doc.name, set()).add(target)
+    readme = targets.get("README.md", set())
+    assert "jax-treetools[plot]" in readme and ".[plot]" in readme, readme  # from the index, and from a clone
+    assert "pip install -e '.[plot]'" in (ROOT / "README.md").read_text()
+
+
+def test_the_messages_of_a_missing_extra_name_the_distribution(tmp_path, monkeypatch):
+    # What a user sees, not only the source: each missing extra is reported with the command that installs it.
+    from treetools.ckpt import storage
+    from treetools.ckpt.context import ReadContext
+    from treetools.ckpt.formats import keras
+    from treetools.cli import plot
+    from treetools.shared.errors import CheckpointError
+
+    seen = []
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    try:
+        plot._import_matplotlib()
+    except ImportError as e:
+        seen.append(("plot", str(e)))
+    h5 = tmp_path / "model.weights.h5"
+    h5.write_bytes(keras.HDF5_MAGIC + bytes(64))
+    monkeypatch.setitem(sys.modules, "h5py", None)
+    try:
+        keras.FORMAT.open(str(h5), "model.weights.h5", ReadContext().confined_to(str(h5)))
+    except CheckpointError as e:
+        seen.append(("keras", str(e)))
+    for name in ("s3fs", "gcsfs", "gcsfs.core"):
+        monkeypatch.setitem(sys.modules, name, None)
+    try:
+        storage.bucket.S3Storage()  # the client `storage.backend` makes at a process's first s3:// URL
+    except storage.RemoteStorageError as e:
+        seen.append(("remote", str(e)))
+    assert [extra for extra, _ in seen] == ["plot", "keras", "remote"], seen
+    for extra, message in seen:
+        assert f"pip install 'jax-treetools[{extra}]'" in message, message
+        assert _install_targets(message) == [f"jax-treetools[{extra}]"], message
+
+
+def _make_installs(target: str, tmp_path) -> list[set[str]]:
+    """The extras each ``pip install -e '.[...]'`` of ``make TARGET`` installs, from ``make -n`` on a fresh venv
+    path (nothing run)."""
+    if shutil.which("make") is None:
+        import pytest
+
+        pytest.skip("needs make")
+    proc = subprocess.run(["make", "-s", "-n", "-C", str(ROOT), target, f"VENV={tmp_path / 'venv'}"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "MAKEFLAGS": ""})
+    assert proc.returncode == 0, proc.stderr
+    return [set(extras.split(",")) for extras in re.findall(r"pip install .*-e '\.\[([\w,-]*)\]'", proc.stdout)]
+
+
+def test_make_demo_installs_what_the_demo_needs_and_make_test_adds_the_test_extras(tmp_path):
+    # Issue 39.3: `make demo` installed every extra (moto, keras, equinox, gcsfs, s3fs: a 1.3 GB .venv).
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    demo, test = _make_installs("demo", tmp_path), _make_installs("test", tmp_path)
+    assert demo == [{"plot"}]  # treetools, and matplotlib for `treetools plot` after the demo
+    demo_deps = " ".join(dep for extra in demo[0] for dep in extras[extra])
+    for heavy in ("moto", "keras", "equinox", "gcsfs", "s3fs", "pytest"):
+        assert heavy not in demo_deps, heavy
+    assert test[0] == demo[0] and test[-1] == {"test", "test-formats", "plot", "remote", "keras"}  # on top of it
+    assert test[-1] == set(extras)  # every extra: the suite tests them all
+    assert _make_installs("bench", tmp_path)[-1] == test[-1]

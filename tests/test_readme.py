@@ -1,85 +1,204 @@
-"""The README's Python examples run as written.
+"""Every code block of README.md and docs/*.md runs as pasted (issue 39.21).
 
-Every ```python block of README.md is executed, in README order, in one shared
-namespace (a later block may use what an earlier one defined, as a reader
-would). A block written as a doctest (``>>>`` prompts) is run by ``doctest``,
-its printed output checked. A block right after an ``<!-- notest -->`` line is
-shown to readers but not run (it needs things the README cannot provide, such
-as a trainer's live gradients); the test reports it as skipped, by section.
+* A ```python block runs **on its own**, in a fresh namespace and a fresh current folder, with nothing given to
+  it: it imports what it uses and makes what it reads (a tiny checkpoint in a temporary folder). A block written
+  as a doctest (``>>>`` prompts) is run by ``doctest``, its printed output checked. A block that reads
+  ``gs://my-bucket`` / ``s3://my-bucket`` runs against the local S3 and GCS emulators (tests/_buckets.py) where
+  the test has put a small run under that name: the bucket is the reader's, as a checkpoint path is.
+* A ```bash block holds ``treetools`` commands on the runs ``make demo`` and the README's trainer examples leave
+  (``runs/demo``, ``runs/scan``: made here by the reference trainer, with its defaults); each line runs, in
+  order, in the folder holding ``runs/``, and exits 0 (``diff``: 0 or 1, as documented).
+* A block right after an ``<!-- illustrative: WHY -->`` line is shown, not run: it needs what no test can make
+  here (a bucket with credentials, a checkpoint only T5X writes, an install). WHY says so and names the test file
+  that runs the same thing on a stand-in; a test checks that file exists.
+* An unlabelled block is text (a synopsis, printed output): one holding a plain ``treetools`` command must be
+  labelled ``bash`` (and so run, or be marked illustrative).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import re
+import shlex
+import tempfile
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-NOTEST = "<!-- notest -->"
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ILLUSTRATIVE = re.compile(r"^<!-- illustrative: (.*?) -->$")
+SHELL = ("bash", "sh", "shell", "console")
 
 
-def _blocks() -> list[tuple[str, int, str, bool]]:
-    """``(id, line, code, skipped)`` for every ```python block, in README order."""
-    lines = README.read_text(encoding="utf-8").splitlines()
-    out, section, counts, i = [], "top", {}, 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith("#"):
-            section = re.sub(r"[^a-z0-9]+", "-", line.lstrip("#").strip().lower()).strip("-")
-        if line.strip() == "```python":
-            start = i + 1
-            j = start
+@dataclasses.dataclass(frozen=True)
+class Block:
+    page: str  # "README.md", "docs/cli.md"
+    line: int  # of the block's first line of code, 1-based
+    lang: str  # "" when unlabelled
+    code: str
+    illustrative: str | None  # the reason given, for a block marked illustrative
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def _blocks() -> list[Block]:
+    out = []
+    for page in PAGES:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        i = 0
+        while i < len(lines):
+            fence = re.fullmatch(r"```(\w*)", lines[i].strip())
+            if fence is None:
+                i += 1
+                continue
+            j = i + 1
             while j < len(lines) and lines[j].strip() != "```":
                 j += 1
-            before = [x.strip() for x in lines[max(0, i - 2):i] if x.strip()]
-            counts[section] = counts.get(section, 0) + 1
-            out.append((f"{section}-{counts[section]}", start + 1, "\n".join(lines[start:j]) + "\n",
-                        bool(before) and before[-1] == NOTEST))
-            i = j
-        i += 1
+            marker = ILLUSTRATIVE.match(lines[i - 1].strip()) if i else None
+            out.append(Block(page.relative_to(ROOT).as_posix(), i + 2, fence.group(1), "\n".join(lines[i + 1:j]) + "\n",
+                             marker.group(1) if marker else None))
+            i = j + 1
     return out
 
 
 BLOCKS = _blocks()
-_namespace: dict = {"__name__": "readme"}
-_ran: list[int] = []  # indices of the blocks run so far (in order)
+PYTHON = [b for b in BLOCKS if b.lang == "python" and b.illustrative is None]
+COMMANDS = [b for b in BLOCKS if b.lang in SHELL and b.illustrative is None]
 
 
-def _run(index: int) -> None:
-    block_id, line, code, _ = BLOCKS[index]
-    filename = f"README.md:{line}"
-    if re.search(r"^\s*>>> ", code, re.M):
-        test = doctest.DocTestParser().get_doctest(code, _namespace, block_id, filename, line - 1)
-        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-        failures = []
-        runner.run(test, out=failures.append, clear_globs=False)
-        assert runner.failures == 0, f"{filename} ({block_id}):\n" + "".join(failures)
-    else:
-        exec(compile(code, filename, "exec"), _namespace)
+def test_the_pages_have_blocks_of_each_kind():
+    pages = {b.page for b in PYTHON}
+    assert {"README.md", "docs/cli.md", "docs/convert.md", "docs/formats.md", "docs/rules.md"} <= pages, pages
+    assert {"README.md", "docs/cli.md"} <= {b.page for b in COMMANDS}
 
 
-def test_readme_has_python_examples():
-    ids = [b[0] for b in BLOCKS]
-    assert "counting-and-tables-1" in ids and "masks-and-labels-for-optax-1" in ids
+def test_every_illustrative_block_says_why_and_names_the_test_that_runs_it_instead():
+    marked = [b for b in BLOCKS if b.illustrative is not None]
+    assert marked
+    for block in marked:
+        tests = re.findall(r"tests/[\w/]+\.py", block.illustrative)
+        assert len(block.illustrative) > 40 and tests, f"{block.id}: say why it is not run, and which test runs it"
+        assert all((ROOT / name).is_file() for name in tests), (block.id, tests)
+    # a marker that is not right above a block marks nothing
+    for page in PAGES:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for n, line in enumerate(lines):
+            if ILLUSTRATIVE.match(line.strip()):
+                assert n + 1 < len(lines) and lines[n + 1].startswith("```"), f"{page.name}:{n + 1}: marks no block"
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[b[0] for b in BLOCKS])
-def test_readme_block_runs(index, devices):
-    # Blocks before this one (when a test is selected alone) run first, as a reader runs them.
-    for earlier in range(len(_ran) and _ran[-1] + 1, index):
-        if not BLOCKS[earlier][3]:
-            try:
-                _run(earlier)
-            except Exception:  # reported by that block's own test
-                pass
-        _ran.append(earlier)
-    if BLOCKS[index][3]:
-        _ran.append(index)
-        pytest.skip(f"README block {BLOCKS[index][0]} (line {BLOCKS[index][1]}) is marked {NOTEST}")
-    _ran.append(index)
-    _run(index)
+def test_no_unlabelled_block_hides_a_command():
+    for block in BLOCKS:
+        if block.lang:
+            continue
+        commands = [line for line in block.code.splitlines()
+                    if re.match(r"(treetools|pip|make) ", line) and "[" not in line.split("#")[0]]
+        assert not commands, f"{block.id}: label it ```bash (run, or marked illustrative): {commands[0]}"
+
+
+def _registered_formats() -> set[str]:
+    from treetools.ckpt.registry import registered_formats
+
+    return {f.name for f in registered_formats()}
+
+
+def _bucket_run(request, tmp_path) -> dict:
+    """``gs://my-bucket`` and ``s3://my-bucket`` on the local emulators, each holding a small Orbax run at
+    ``runs/llm/checkpoints`` (the test's stand-in for the reader's); its params, as saved."""
+    import numpy as np
+
+    import treetools as tt
+    from tests._buckets import Store, _create_bucket
+
+    params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
+    run = tmp_path / "llm"
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=run)
+    tt.save_checkpoint(mngr, 1, {"params": params}, wait=True)
+    mngr.close()
+    for name in ("_s3_service", "_gcs_service"):
+        service = request.getfixturevalue(name)
+        try:
+            _create_bucket(service, "my-bucket")
+        except RuntimeError as e:  # made by an earlier block of this session
+            if not re.search(r"\b409\b|already", str(e)):
+                raise
+        store = Store(service.scheme, "my-bucket", service.counter.url, dict(service.env), service.counter)
+        store.upload(run, "runs", "llm", "checkpoints")
+        store.restart_clients()
+    return params
+
+
+@pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
+def test_python_block_runs_on_its_own(block, devices, tmp_path, monkeypatch, request):
+    monkeypatch.chdir(tmp_path)  # whatever it writes, in a fresh folder
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # and its mkdtemp() folders under it
+    saved = _bucket_run(request, tmp_path / "bucket") if re.search(r"(gs|s3)://my-bucket/", block.code) else None
+    formats = _registered_formats()
+    namespace: dict = {"__name__": "__main__"}
+    try:
+        if re.search(r"^\s*>>> ", block.code, re.M):
+            test = doctest.DocTestParser().get_doctest(block.code, namespace, block.id, block.page, block.line - 1)
+            runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+            failures: list[str] = []
+            runner.run(test, out=failures.append, clear_globs=False)
+            assert runner.failures == 0, f"{block.id}:\n" + "".join(failures)
+        else:
+            exec(compile(block.code, block.id, "exec"), namespace)  # noqa: S102 - the documentation's own code
+    finally:
+        from treetools.ckpt.registry import unregister_format
+
+        for name in _registered_formats() - formats:  # a format a block registered (and did not remove)
+            unregister_format(name)
+    if saved is not None:  # what it read from the buckets is the run put there
+        import numpy as np
+
+        assert {k: np.asarray(v).tolist() for k, v in namespace["params"].items()} == \
+            {k: v.tolist() for k, v in saved.items()}
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory):
+    """A folder holding ``runs/demo`` (what ``make demo`` leaves) and ``runs/scan`` (the README's
+    ``treetools train --workdir runs/scan --scan-layers``), both trained by the reference trainer with its
+    defaults (200 steps, checkpoints at 100 and 200)."""
+    from treetools.reference.model import ModelConfig
+    from treetools.reference.train import TrainConfig, train
+
+    folder = tmp_path_factory.mktemp("docs")
+    train(TrainConfig(workdir=str(folder / "runs" / "demo"), quiet=True))
+    train(TrainConfig(workdir=str(folder / "runs" / "scan"), quiet=True, model=ModelConfig(scan_layers=True)))
+    return folder
+
+
+def _commands(block: Block) -> list[list[str]]:
+    """Each line of a shell block as argv (its comment dropped); a line that is not a ``treetools`` command is an
+    error (mark such a block illustrative)."""
+    out = []
+    for line in block.code.splitlines():
+        argv = shlex.split(line, comments=True)
+        if not argv:
+            continue
+        assert argv[0] == "treetools", f"{block.id}: `{line}` is not a treetools command; mark the block illustrative"
+        out.append(argv[1:])
+    return out
+
+
+@pytest.mark.parametrize("block", COMMANDS, ids=[b.id for b in COMMANDS])
+def test_shell_block_runs_on_the_demo_runs(block, devices, demo_runs, monkeypatch, capsys):
+    from treetools.cli import main
+
+    monkeypatch.chdir(demo_runs)
+    commands = _commands(block)
+    assert commands
+    for argv in commands:
+        rc = main(argv)
+        out, err = capsys.readouterr()
+        allowed = (0, 1) if argv[0] == "diff" else (0,)  # diff: 0 same, 1 different (GNU diff's codes)
+        assert rc in allowed, f"{block.id}: treetools {shlex.join(argv)} exited {rc}\n{out[-2000:]}\n{err[-2000:]}"
 
 
 def test_make_demo_keeps_a_run_the_user_extended(tmp_path):
@@ -108,7 +227,7 @@ def test_make_demo_keeps_a_run_the_user_extended(tmp_path):
     (workdir / "notes.txt").write_text("my run")
     before = sorted(p.relative_to(workdir) for p in workdir.rglob("*"))
     # The venv is there already (-o: its stamp is not remade); the demo's two commands run as written.
-    proc = subprocess.run(["make", "-s", "-C", str(README.parent), "-o", f"{venv}/.installed", "demo",
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "-o", f"{venv}/.installed-demo", "demo",
                            f"VENV={venv}", f"WORKDIR={workdir}"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "MAKEFLAGS": ""})
     assert proc.returncode == 0, proc.stderr[-2000:]

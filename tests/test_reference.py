@@ -80,6 +80,30 @@ def test_inspect_reads_the_trainers_checkpoint(straight, capsys):
     assert kernel["sharding"]["spec"][0] == "fsdp" and kernel["sharding"]["mesh"] == {"data": 4, "fsdp": 2}
 
 
+def test_each_checkpoint_holds_its_steps_metrics_and_inspect_step_all_shows_them(straight, capsys):
+    # Issue 39.4: the README says `inspect --step all` shows "saved, metrics, params, size", but the trainer saved
+    # no metrics, so the demo had no metrics column. Truth: the MetricsLogger's own records of the saved steps.
+    from treetools.reference.train import CHECKPOINT_METRICS
+    from treetools.shared.render import format_stat
+
+    with open(straight["metrics_path"]) as f:
+        logged = {r["step"]: r for r in map(json.loads, f)}
+    root = straight["checkpoint_dir"]
+    assert cli_main(["inspect", root, "--step", "all", "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [c["step"] for c in data["checkpoints"]] == [N, 2 * N]
+    for checkpoint in data["checkpoints"]:
+        want = {k: logged[checkpoint["step"]][k] for k in CHECKPOINT_METRICS}
+        assert checkpoint["metadata"]["metrics"] == want
+    assert cli_main(["inspect", root, "--step", "all"]) == 0  # the demo's view, as the README shows it
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line.split() for line in lines if line.startswith("step "))
+    assert header == ["step", "saved", *CHECKPOINT_METRICS, "params", "size"]
+    for step in (N, 2 * N):
+        row = next(line.split() for line in lines if line.split()[:1] == [str(step)])
+        assert row[2:2 + len(CHECKPOINT_METRICS)] == [format_stat(logged[step][k]) for k in CHECKPOINT_METRICS]
+
+
 def test_load_parameters_matches_live_ema(straight):
     loaded = tt.load_parameters(straight["checkpoint_dir"], use_ema_params=True)
     live = tt.flatten(tt.unbox_tree(straight["state"]["params_ema"]))

@@ -13,7 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -276,7 +275,7 @@ def test_a_remote_path_without_the_extra_names_it(tmp_path, remote_store):
                           env={**os.environ, **remote_store.env})
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr.strip()
-    assert "pip install 'treetools[remote]'" in err and package in err and "\n" not in err
+    assert "pip install 'jax-treetools[remote]'" in err and package in err and "\n" not in err
 
 
 def test_local_paths_never_import_the_remote_clients(tmp_path):
@@ -400,22 +399,60 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_an_unreachable_gcs_endpoint_fails_within_seconds_with_one_line(tmp_path):
-    # Issue 24.16: offline, `inspect gs://...` waited ~50 s in silence (gcsfs's retries) before its error.
-    pytest.importorskip("gcsfs")
-    url = f"http://127.0.0.1:{_closed_port()}"  # nothing listens there: as unreachable as the cloud offline
+class _Waits:
+    """Every TCP connection attempt (address, timeout) and every bounded wait (``storage._within``'s timeout) made
+    while it is installed: what a command waits on, read from the calls rather than from a clock (issue 39.2)."""
+
+    def __init__(self, monkeypatch):
+        import socket
+
+        from treetools.ckpt.storage import reach as storage
+
+        self.attempts: list[tuple[tuple[str, int], float | None]] = []
+        self.waits: list[float] = []
+        connect, within = socket.create_connection, storage._within
+
+        def recorded_connect(address, timeout=None, *args, **kwargs):
+            self.attempts.append((tuple(address), timeout))
+            return connect(address, timeout, *args, **kwargs)
+
+        def recorded_within(timeout, fn, late):
+            self.waits.append(timeout)
+            return within(timeout, fn, late)
+
+        monkeypatch.setattr(socket, "create_connection", recorded_connect)
+        monkeypatch.setattr(storage, "_within", recorded_within)
+
+
+def test_an_unreachable_gcs_endpoint_fails_after_one_bounded_wait_with_one_line(tmp_path, monkeypatch, capsys):
+    # Issue 24.16: offline, `inspect gs://...` waited ~50 s in silence (gcsfs's retries) before its error. Now one
+    # connection attempt, bounded by REACH_TIMEOUT, decides it, and gcsfs is never asked.
+    gcsfs_core = pytest.importorskip("gcsfs.core")
+    from treetools.ckpt import storage
+    from treetools.ckpt.storage import reach
+
+    port = _closed_port()
+    url = f"http://127.0.0.1:{port}"  # nothing listens there: as unreachable as the cloud offline
     env = {**os.environ, "STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url}
     env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
     for argv in (["inspect", "gs://bucket/run/checkpoints"], ["diff", "gs://bucket/a", "gs://bucket/b"]):
-        t = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "treetools", *argv], env=env, capture_output=True, text=True,
                               timeout=180)
-        took = time.perf_counter() - t
-        assert took < 8, f"{took:.1f} s"  # interpreter and imports included; the wait itself is bounded by 3 s
         assert proc.returncode == (2 if argv[0] == "diff" else 1) and proc.stdout == ""
         assert proc.stderr == (f"treetools: error: {argv[1]}: cannot reach {url} ({url[7:]} refused the connection): "
                                "is the GCS emulator that STORAGE_EMULATOR_HOST names running? Start it, or unset the "
                                "variable.\n")
+    # What it waits on, in process: the one attempt and its bound; gcsfs (and its retries) never reached.
+    for name in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
+        monkeypatch.setenv(name, url)
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    monkeypatch.setattr(storage, "_BACKENDS", {})  # this process's first gs:// URL
+    monkeypatch.setattr(gcsfs_core, "GCSFileSystem", lambda *a, **k: pytest.fail("gcsfs was asked"))
+    recorded = _Waits(monkeypatch)
+    assert main(["inspect", "gs://bucket/run/checkpoints"]) == 1
+    assert "refused the connection" in capsys.readouterr().err
+    assert recorded.attempts == [(("127.0.0.1", port), reach.REACH_TIMEOUT)]
+    assert recorded.waits == [reach.REACH_TIMEOUT + 0.5] and reach.REACH_TIMEOUT <= 3
 
 
 def test_gcs_credentials_are_decided_without_waiting_for_a_metadata_server(tmp_path, monkeypatch):
@@ -430,10 +467,19 @@ def test_gcs_credentials_are_decided_without_waiting_for_a_metadata_server(tmp_p
     for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GCE_METADATA_IP"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{_closed_port()}")
-    t = time.perf_counter()
+    port = _closed_port()
+    monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{port}")
+    try:  # gcsfs's own search (google-auth), which waits ~15 s for a metadata server that is not there: not asked
+        import google.auth
+
+        monkeypatch.setattr(google.auth, "default", lambda *a, **k: pytest.fail("google.auth.default was asked"))
+    except ImportError:
+        pass
+    recorded = _Waits(monkeypatch)
     assert storage.gcs_token() == "anon"
-    assert time.perf_counter() - t < 2
+    # one attempt at the metadata server, bounded by METADATA_TIMEOUT (not a clock reading: issue 39.2)
+    assert recorded.attempts == [(("127.0.0.1", port), storage.METADATA_TIMEOUT)]
+    assert recorded.waits == [storage.METADATA_TIMEOUT + 0.5] and storage.METADATA_TIMEOUT <= 1
     adc = tmp_path / ".config" / "gcloud" / "application_default_credentials.json"
     adc.parent.mkdir(parents=True)
     adc.write_text("{}")

@@ -85,7 +85,9 @@ def formats_help(width: int = 79) -> str:
     pad = max(len(name) for name, _ in names) + 4
     lines = ["formats (asked in this order; the first that claims PATH reads it):"]
     for name, description in names:
-        lines += textwrap.wrap(description, width, initial_indent=f"  {name:<{pad - 2}}", subsequent_indent=" " * pad)
+        # not at hyphens: an install hint ('jax-treetools[keras]') stays whole, to be pasted
+        lines += textwrap.wrap(description, width, initial_indent=f"  {name:<{pad - 2}}", subsequent_indent=" " * pad,
+                               break_on_hyphens=False)
     return "\n".join(lines)
 
 

@@ -33,7 +33,7 @@ largest 8 by their last value; --keys RE picks paths), the y axis as above.
 Steps where a shown leaf holds NaN or Inf are marked. CKPT_DIR is a checkpoint root that `treetools inspect` reads;
 the arrays are streamed as `treetools inspect --step all --stats` does.
 
-Needs matplotlib (pip install 'treetools[plot]'). The image format follows
+Needs matplotlib (pip install 'jax-treetools[plot]'). The image format follows
 the extension of -o (png, svg, pdf, ...). Nothing is written under CKPT_DIR.
 
 Examples:
@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 from treetools.cli import _output
 from treetools.cli._args import positive_int
 from treetools.pytree.metrics import METRICS_FILE, read_metrics
+from treetools.shared.install import install_hint
 from treetools.shared.rows import STATS
 
 if TYPE_CHECKING:
@@ -240,7 +241,7 @@ def _import_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ImportError("`treetools plot` needs matplotlib; install it: pip install 'treetools[plot]'") from None
+        raise ImportError(f"`treetools plot` needs matplotlib; install it: {install_hint('plot')}") from None
 
 
 def _curve(ax: Any, steps: Sequence[float], values: Sequence[float], **style: Any) -> tuple[list[float], list]:

@@ -15,7 +15,9 @@ Everything treetools offers, used the way a trainer would:
   logged every ``log_every`` steps by ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between;
   started afresh by a fresh run, continued after the restored step on resume);
 * ``get_checkpoint_manager`` saving params, params_ema, opt_state and the data
-  iterator state; ``restore_checkpoint`` into ``make_abstract`` targets to resume.
+  iterator state, with the step's loss and norms (``save_checkpoint(...,
+  metrics=...)``, shown by ``treetools inspect --step all``);
+  ``restore_checkpoint`` into ``make_abstract`` targets to resume.
 
 The model is FSDP-sharded over a mesh of all devices (``data`` x ``fsdp``);
 batches are split over both axes.
@@ -40,6 +42,8 @@ from treetools.reference.data import MarkovTask
 from treetools.reference.model import LAYERS, ModelConfig, Transformer
 
 WEIGHT_DECAY_EXCLUDE = (r"bias$", r"scale$", r"pos_embed$")
+CHECKPOINT_METRICS = ("loss", "grad_norm", "param_norm", "update_ratio")
+"""The metrics of its step saved with each checkpoint (``treetools inspect --step all`` shows them per step)."""
 
 
 @dataclasses.dataclass
@@ -238,7 +242,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             tt.save_checkpoint(manager, step, {"params": state["params"], "params_ema": state["params_ema"],
                                             "opt_state": state["opt_state"], "data_iter": data.get_state()},
-                            force=step == cfg.steps)
+                               metrics={k: float(metrics[k]) for k in CHECKPOINT_METRICS},  # a save step's sync
+                               force=step == cfg.steps)
     manager.wait_until_finished()
     manager.close()
     _say(cfg, f"checkpoints: {ckpt_dir}\nmetrics:     {os.path.abspath(metrics_path)}")

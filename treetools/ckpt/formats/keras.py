@@ -32,12 +32,13 @@ from treetools.ckpt.readers import ArrayReader, Index, check_budget, is_numeric,
 from treetools.ckpt.source import file_head, FileSource, Format
 from treetools.ckpt.storage import Storage
 from treetools.shared.errors import CheckpointError
+from treetools.shared.install import install_hint
 
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 ZIP_MAGIC = b"PK\x03\x04"
 WEIGHTS_MEMBER = "model.weights.h5"
 """The HDF5 file inside a ``.keras`` zip (saving_lib's ``_VARS_FNAME`` + ``.h5``)."""
-INSTALL = "pip install 'treetools[keras]'"
+INSTALL = install_hint("keras")
 
 
 class _Window(io.RawIOBase):
@@ -221,6 +222,7 @@ FORMAT = Format(
     priority=32,  # before npz (30), which takes any zip
     claims=_claims,
     open=_open,
+    # a literal: `inspect --help` reads it from this source without importing the module (formats.catalog)
     description="a Keras 3 .weights.h5 or .keras file (or any HDF5 file's datasets), through h5py (pip install "
-                "'treetools[keras]')",
+                "'jax-treetools[keras]')",
 )

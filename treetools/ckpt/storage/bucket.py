@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Iterator
 from treetools.ckpt.storage.base import Entry, Stat, Storage, Upload, entries, normalize, split_url
 from treetools.ckpt.storage.reach import RemoteStorageError, check_reachable, gcs_token, translate
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
+from treetools.shared.install import install_hint
 
 
 class RemoteNotFoundError(CheckpointNotFoundError):
@@ -108,7 +109,7 @@ class BucketStorage(Storage):
         except ImportError as e:
             raise RemoteStorageError(
                 f"reading {self.scheme}:// paths needs the `remote` extra ({self.package}): "
-                f"pip install 'treetools[remote]' ({e})."
+                f"{install_hint('remote')} ({e})."
             ) from None
         self._listings: dict[str, dict[str, _Info]] = {}
         self._infos: dict[str, _Info | None] = {}
