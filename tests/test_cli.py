@@ -15,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import treetools as tt
 from treetools import cli
 from treetools.cli import main
 from treetools.commands.progress import Progress
@@ -313,6 +314,38 @@ def test_usage_errors_exit_2(argv, capsys, tmp_path):
     argv = [str(f) if a == "x" else a for a in argv]
     rc, out, err = run(capsys, *argv)
     assert rc == 2 and out == "" and ("usage" in err or "error" in err)
+
+
+def test_a_usage_error_raised_anywhere_is_one_line_exit_2_for_every_command(monkeypatch, capsys):
+    # Issue 36: usage errors are one exception type that the dispatcher maps to exit 2 (also for diff, whose other
+    # known errors are 2 as well), replacing a usage() closure per command.
+    def fake(name, exc):
+        mod = types.ModuleType(f"treetools.cli.{name}")
+        mod.add_arguments = lambda p: None
+
+        def command(args):
+            raise exc
+
+        mod.main = command
+        monkeypatch.setitem(sys.modules, f"treetools.cli.{name}", mod)
+
+    for name in ("inspect", "convert", "plot", "verify", "train"):
+        fake(name, tt.UsageError("--frob 3 (`frob`) needs\n--bar"))
+        assert main([name]) == 2, name
+        assert capsys.readouterr().err == f"treetools {name}: error: --frob 3 (`frob`) needs --bar\n"
+    fake("inspect", ValueError("a bug"))  # any other ValueError of a checkpoint command is a bug: its traceback
+    with pytest.raises(ValueError, match="a bug"):
+        main(["inspect"])
+
+
+def test_no_command_module_prints_its_own_usage_errors():
+    # The commands raise UsageError; only the dispatcher prints errors (no `usage()` closure, no prog= per command).
+    for module in sorted((Path(cli.__file__).parent).glob("*.py")):
+        if module.name in ("__init__.py", "_output.py"):
+            continue
+        text = module.read_text()
+        assert "_output.error(message, prog=" not in text and "_output.error(e, prog=" not in text, module.name
+        assert "def usage" not in text and "def _usage" not in text, module.name
 
 
 def test_a_mistyped_option_is_named_with_the_option_it_is_close_to(capsys, tmp_path):

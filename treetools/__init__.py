@@ -138,6 +138,7 @@ _EXPORTS = {  # public name -> module under treetools
     "StepDeletedError": "shared.errors",
     "PatternError": "shared.errors",
     "RulesError": "shared.errors",
+    "UsageError": "shared.errors",
     # rules: rename, drop, cast, transpose, stack/unstack a checkpoint's leaves
     "Rules": "rules.engine",
 }
@@ -170,6 +171,7 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         PatternError,
         RulesError,
         StepDeletedError,
+        UsageError,
     )
     from treetools.commands.convert import convert
     from treetools.commands.diff import diff_paths

@@ -9,8 +9,9 @@ Exit codes: 0 ok; 1 a known error (one ``treetools: error: ...`` line on
 stderr, no traceback); 2 usage; 3 non-finite values under
 ``--fail-on-nonfinite``. ``diff`` follows GNU diff: 0 same, 1 different, 2
 trouble. Known errors are mapped by type (``treetools.shared.errors``, missing files,
-a missing optional dependency); any other exception is a bug and keeps its
-traceback. A reader that closes stdout early (``| head``) changes no exit code:
+a missing optional dependency): a ``UsageError``, raised by a command or by the
+library where it takes the same argument, is a usage error (exit 2, also for
+``diff``); any other exception is a bug and keeps its traceback. A reader that closes stdout early (``| head``) changes no exit code:
 the command runs to its end, its later output dropped.
 
 The program is ``run()`` (the ``treetools`` script and ``python -m
@@ -31,7 +32,7 @@ from typing import NoReturn, Sequence
 
 import treetools
 from treetools.cli import _args, _output
-from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError, UsageError
 
 
 PROG = "treetools"
@@ -157,6 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _error(str(e))
             sys.stderr.flush()
         return 2 if command == "diff" else 1
+    except UsageError as e:  # arguments that cannot work together, found by the command or the library: exit 2
+        if os.environ.get("TREETOOLS_DEBUG"):
+            raise
+        _output.error(e, prog=f"{PROG} {command}")
+        return 2
     except KNOWN_ERRORS + ((ValueError,) if command in ("plot", "train") else ()) as e:
         # Known problems with what the user gave: one line, exit 1 (diff: 2, GNU diff's "trouble").
         if os.environ.get("TREETOOLS_DEBUG"):

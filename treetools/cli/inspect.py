@@ -64,7 +64,6 @@ from treetools.cli.options import (
     options_from,
     rules_from,
 )
-from treetools.shared.errors import CheckpointError
 from treetools.shared.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, STAT_COLUMNS, json_object, jsonable, safe_text
 from treetools.shared.rows import STATS
 
@@ -137,15 +136,9 @@ def _show(args: argparse.Namespace) -> int:
     from treetools.commands.stats import array_stats
     from treetools.shared.render import format_stat
 
-    try:
-        rules = rules_from(args)
-        shown = show_values(args.path, args.show, step=args.step, item=args.item, memory_budget=args.memory_budget,
-                            prefix=args.prefix, rules=rules)
-    except (ValueError, TypeError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        _output.error(f"--show: {e}", prog="treetools inspect")  # a bad index or rules flag: usage
-        return 2
+    # A bad index is the library's UsageError (exit 2).
+    shown = show_values(args.path, args.show, step=args.step, item=args.item, memory_budget=args.memory_budget,
+                        prefix=args.prefix, rules=rules_from(args))
     stats = args.stats or args.fail_on_nonfinite or args.stats_columns is not None
     columns = args.stats_columns or DEFAULT_STAT_COLUMNS
     entries, lines, nonfinite = [], [], []
@@ -184,11 +177,7 @@ def main(args: argparse.Namespace) -> int:
     from treetools.commands.report import inspect_path
     from treetools.commands.text import render_report
 
-    try:
-        rules = rules_from(args)
-    except (ValueError, TypeError) as e:
-        _output.error(e, prog="treetools inspect")  # a malformed flag: usage
-        return 2
+    rules = rules_from(args)
     summary = args.format in ("table", "markdown") and args.depth is None and not args.leaves
     # --fail-on-nonfinite and --stats-columns imply --stats
     stats = args.stats or args.fail_on_nonfinite or args.stats_columns is not None

@@ -13,12 +13,17 @@ import dataclasses
 from typing import Any, Sequence, TypeVar
 
 from treetools.cli._args import chunk_mb, positive_float, positive_int, regex, step
+from treetools.shared.errors import UsageError
 
 _T = TypeVar("_T")
 
 
 def add_step(parser: argparse.ArgumentParser, *, allow_all: bool = True, twice: bool = False) -> None:
-    """``--step N|latest[|all]``; with ``twice``, once for both sides or twice for A then B."""
+    """``--step N|latest[|all]``; with ``twice``, once for both sides or twice for A then B.
+
+    ``allow_all=False`` only leaves ``all`` out of the help: the command's library function refuses it with a
+    ``UsageError`` (one line, exit 2), the one place that check is written.
+    """
     if twice:
         parser.add_argument("--step", type=step, action="append", default=[], metavar="N|latest",
                             help="step of a root (default latest; -1 is the latest too); once for both sides, "
@@ -118,7 +123,7 @@ def rules_from(args: argparse.Namespace) -> Any:
     """The ``tt.Rules`` the rules flags say (None when none is given).
 
     Raises:
-      SystemExit(2) semantics are the caller's: a malformed flag raises ``ValueError``/``TypeError`` naming it.
+      UsageError: a malformed flag, or a rules file that cannot be read or parsed (the message names it).
     """
     given = {name: getattr(args, name) for name in ("rules_file", "rename", "drop", "keep", "dtype", "cast",
                                                      "transpose", "unstack", "stack", "allow_unmatched")
@@ -128,7 +133,11 @@ def rules_from(args: argparse.Namespace) -> Any:
     # Here, not at the top: rules.py imports numpy, which `treetools COMMAND --help` does not need.
     from treetools.rules.engine import Rules
 
-    return Rules.from_cli(**given)
+    try:
+        return Rules.from_cli(**given)
+    except (ValueError, TypeError, OSError) as e:
+        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
+        raise UsageError(what) from None
 
 
 def options_from(args: argparse.Namespace, cls: type[_T], **fields: Any) -> _T:

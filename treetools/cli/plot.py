@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 from treetools.cli import _output
 from treetools.cli._args import positive_int
 from treetools.pytree.metrics import METRICS_FILE, read_metrics
+from treetools.shared.errors import UsageError
 from treetools.shared.rows import STATS
 
 if TYPE_CHECKING:
@@ -710,22 +711,17 @@ def _default_output(paths: Sequence[str], name: str = "norms.png") -> str:
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), name)
 
 
-def _usage(message: str) -> int:
-    _output.error(message, prog="treetools plot")
-    return 2
-
-
 def main(args: argparse.Namespace) -> int:
     paths = args.metrics
     if args.stats is None:
         if args.depth is not None or args.item is not None:
-            return _usage("--depth and --item apply to --stats (a checkpoint's statistics)")
+            raise UsageError("--depth and --item apply to --stats (a checkpoint's statistics)")
         if args.heatmap is not None and args.keys:
-            return _usage("--keys and --heatmap pick metrics each their own way; give one of them")
+            raise UsageError("--keys and --heatmap pick metrics each their own way; give one of them")
     elif args.heatmap is not None:
-        return _usage("--heatmap draws metrics files, --stats a checkpoint; give one of them")
+        raise UsageError("--heatmap draws metrics files, --stats a checkpoint; give one of them")
     elif len(paths) != 1:
-        return _usage(f"--stats reads one checkpoint root, got {len(paths)} paths")
+        raise UsageError(f"--stats reads one checkpoint root, got {len(paths)} paths")
     if args.output:
         output = os.path.expanduser(args.output)
     elif args.stats is not None:

@@ -19,7 +19,7 @@ import numpy as np
 from treetools.ckpt.mapping import map_items
 from treetools.ckpt.readers import MemoryBudgetError, block_extent, resolve_budget
 from treetools.ckpt.source import Item, Leaf, Source, item_argument, open_source, part_holder
-from treetools.shared.errors import CheckpointNotFoundError
+from treetools.shared.errors import CheckpointNotFoundError, UsageError
 from treetools.shared.patterns import nearby
 from treetools.shared.rows import human
 from treetools.rules.engine import Rules
@@ -49,7 +49,7 @@ def parse_leaf_spec(spec: str) -> tuple[str, tuple[Any, ...] | None]:
             else:
                 index.append(int(part))
         except ValueError:
-            raise ValueError(f"`show` index {part!r} in {spec!r} is not an integer or a start:stop:step slice.") from None
+            raise UsageError(f"`show` index {part!r} in {spec!r} is not an integer or a start:stop:step slice.") from None
     return name, tuple(index)
 
 
@@ -199,18 +199,18 @@ def find_leaf(source: Source, step: int | None, name: str, item: str | None = No
 def _read(source: Source, spec: str, item_name: str, leaf: Leaf, index: tuple[Any, ...] | None) -> Any:
     if leaf.reader is None:
         if index is not None:
-            raise ValueError(f"`{item_name}/{leaf.name}` is a value, not an array; drop the index.")
+            raise UsageError(f"`{item_name}/{leaf.name}` is a value, not an array; drop the index.")
         value = leaf.value
         return value.item() if isinstance(value, np.generic) else value
     shape = tuple(leaf.reader.shape)
     index = index if index is not None else ()
     if len(index) > len(shape):
-        raise ValueError(f"`show` index {spec!r} has {len(index)} entries for an array of shape {shape}.")
+        raise UsageError(f"`show` index {spec!r} has {len(index)} entries for an array of shape {shape}.")
     full: list[Any] = []
     for k, (ix, n) in enumerate(zip(index + (slice(None),) * (len(shape) - len(index)), shape)):
         if isinstance(ix, int):
             if not -n <= ix < n:
-                raise ValueError(f"`show` index {ix} is out of range for dimension {k} of size {n} in {spec!r}.")
+                raise UsageError(f"`show` index {ix} is out of range for dimension {k} of size {n} in {spec!r}.")
             full.append(slice(ix % n, ix % n + 1))
         else:
             full.append(slice(*ix.indices(n)) if ix.step in (None, 1) else slice(None))

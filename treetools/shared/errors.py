@@ -17,6 +17,9 @@ heavy (no jax, no numpy).
   checkpoint's leaves (a pattern matching nothing, two leaves renamed onto one
   path, an unstack of a leaf without the layer axis...); ``problems`` lists
   one line per rule or leaf.
+* ``UsageError``: an argument that cannot work as given (a value out of its
+  range, options that contradict each other), found before anything is read.
+  The CLI prints it as ``treetools COMMAND: error: ...`` and exits 2.
 """
 
 from __future__ import annotations
@@ -55,6 +58,21 @@ class StepDeletedError(CheckpointNotFoundError):
     Reading again sees the steps present now; ``treetools inspect`` does so
     once by itself when the step was the latest.
     """
+
+
+class UsageError(ValueError):
+    """An argument that cannot work as given: a value out of its range, or options that contradict each other.
+
+    Checked once, where the argument is taken (the library, or the CLI for an
+    option the library does not have), before anything is read; the message is
+    one line naming the argument and the fix. The CLI exits 2 on it.
+
+    >>> isinstance(UsageError("`to='orbax'` writes a folder; out.safetensors names a file."), ValueError)
+    True
+    """
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
 
 
 class PatternError(ValueError):
