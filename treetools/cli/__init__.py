@@ -8,26 +8,26 @@ jax nor numpy. Each subcommand module provides ``add_arguments(parser)`` and
 Exit codes: 0 ok; 1 a known error (one ``treetools: error: ...`` line on
 stderr, no traceback); 2 usage; 3 non-finite values under
 ``--fail-on-nonfinite``. ``diff`` follows GNU diff: 0 same, 1 different, 2
-trouble. Known errors are mapped by type (``treetools.shared.errors``, missing files,
-a missing optional dependency): a ``UsageError``, raised by a command or by the
-library where it takes the same argument, is a usage error (exit 2, also for
-``diff``); any other exception is a bug and keeps its traceback. A reader that closes stdout early (``| head``) changes no exit code:
-the command runs to its end, its later output dropped.
+trouble. Known errors are mapped by type (``treetools.shared.errors``,
+missing files, a missing optional dependency): a ``UsageError``, raised by a
+command or by the library where it takes the same argument, is a usage error
+(exit 2, also for ``diff``); any other exception is a bug and keeps its
+traceback. A reader that closes stdout early (``| head``) changes no exit
+code: the command runs to its end, its later output dropped; the process's
+streams are never replaced or redirected while a command runs.
 
 The program is ``run()`` (the ``treetools`` script and ``python -m
-treetools``); ``main()`` is the same command line for Python callers.
+treetools``), which ends the process with ``sys.exit``; ``main()`` is the
+same command line for Python callers.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import importlib
 import os
 import sys
-import threading
-import traceback
 from typing import NoReturn, Sequence
 
 import treetools
@@ -46,10 +46,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("treetools.cli.plot", "plot metric curves (runs overlaid), per-layer heatmaps, or a checkpoint's "
                                    "statistics across its steps"),
 }
-
-
-READ_ONLY = frozenset({"inspect", "diff", "verify"})
-"""The commands that write nothing: they end without Python's teardown of the modules they loaded (``run``)."""
 
 
 def _command_of(argv: Sequence[str]) -> str | None:
@@ -134,10 +130,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``treetools`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
 
     Never raises ``SystemExit``: ``--help`` returns 0, a usage error 2. ``treetools`` alone prints the help (on
-    stderr: no command is a usage error, exit 2).
+    stderr: no command is a usage error, exit 2). A reader that closes stdout early changes no exit code
+    (``_output``); the process's streams are left as they are.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
+    try:
+        with _output.session():  # `| head`: the command still ends with its own exit code
+            return _main(argv, command)
+    except _output.OutputError as e:  # stdout cannot be written: said on stderr if it can be
+        _error(str(e))
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.stderr.flush()
+        return 2 if command == "diff" else 1
+
+
+def _main(argv: list[str], command: str | None) -> int:
     try:
         parser = build_parser(command)
         if not argv:
@@ -147,17 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:
-        with _output.readers_may_leave():  # `| head`: the command still ends with its own exit code
-            code = args._main(args)
+        code = args._main(args)
     except KeyboardInterrupt:
         return 130
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except _output.OutputError as e:  # stdout cannot be written: said on stderr if it can be
-        with contextlib.suppress(OSError):
-            _error(str(e))
-            sys.stderr.flush()
-        return 2 if command == "diff" else 1
     except UsageError as e:  # arguments that cannot work together, found by the command or the library: exit 2
         if os.environ.get("TREETOOLS_DEBUG"):
             raise
@@ -180,50 +182,14 @@ def error_text(e: BaseException) -> str:
 
 
 def run() -> NoReturn:
-    """The ``treetools`` program: ``main()`` on ``sys.argv``, then the process ends with its exit code.
+    """The ``treetools`` program: ``main()`` on ``sys.argv``, then the process ends with its exit code
+    (``sys.exit``, Python's ordinary exit).
 
-    A command that writes nothing (``READ_ONLY``) ends without Python's
-    teardown of every module it loaded, which takes longer than reading a
-    small checkpoint's metadata: 20-30 ms once numpy and TensorStore are
-    loaded. Only when treetools is the whole program (``_alone``); what
-    Python's exit does that anyone can see is done as it does it
-    (``_end_now``). Every other command, and ``main()`` called from Python,
-    ends the ordinary way.
+    A stream whose reader left during the command (``| head``) is let go of
+    first (``_output.let_go``), so what Python still holds for it goes nowhere
+    and the exit code stays the command's.
     """
-    argv = sys.argv[1:]
-    code = main(argv)
-    if _command_of(argv) in READ_ONLY and _alone():
-        _end_now(code)
-    raise SystemExit(code)
-
-
-def _alone() -> bool:
-    """Whether the treetools program is this process's main program with nothing watching it: the ``__main__``
-    module is the script (or ``treetools/__main__.py``) that called ``run``, and there is no ``python -i``, no
-    debugger, profiler or tracer (``python -m cProfile|pdb -m treetools ...``), and no ``runpy`` call from another
-    program, each of which expects the process to go on after the command."""
-    return (getattr(sys.modules.get("__main__"), "run", None) is run and not sys.flags.interactive
-            and sys.gettrace() is None and sys.getprofile() is None and "bdb" not in sys.modules)
-
-
-def _end_now(code: int) -> None:
-    """End the process as Python's exit would, less tearing the modules down: the atexit handlers run, stdout and
-    stderr are flushed, and a flush that fails is reported and makes the exit code 120, all as ``Py_FinalizeEx``
-    does. Returns (and the caller exits the ordinary way) while a thread Python's exit would wait for is alive."""
-    main_thread = threading.main_thread()
-    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
-    if run_exit_handlers is None or any(t is not main_thread and not t.daemon for t in threading.enumerate()):
-        return
-    run_exit_handlers()
-    for stream in (sys.stdout, sys.stderr):
-        if stream is None:  # closed when the process started
-            continue
-        try:
-            stream.flush()
-        except Exception as e:  # noqa: BLE001 -- reported in Python's own words, and the exit code is its 120
-            if stream is sys.stdout and sys.stderr is not None:
-                with contextlib.suppress(Exception):
-                    sys.stderr.write(f"Exception ignored in: {stream!r}\n{traceback.format_exception_only(e)[-1]}")
-                    sys.stderr.flush()
-            code = 120
-    os._exit(code)
+    code = main(sys.argv[1:])
+    for name in sorted(_output.current.left):
+        _output.let_go(name)
+    sys.exit(code)

@@ -26,7 +26,7 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,7 @@ class TrainConfig:
     freeze_embeddings: bool = False
     resume: bool = True
     quiet: bool = False
+    log: Callable[[str], Any] | None = None  # where progress lines go (None: print); `treetools train` passes its own
     norm_depth: int | None = 1  # per-module norms: grad_norm/layers_0 (scanned: grad_norm/layers/0); None: global only
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
 
@@ -128,7 +129,11 @@ def build(cfg: TrainConfig):
 
 
 def _say(cfg: TrainConfig, msg: str) -> None:
-    if not cfg.quiet:
+    if cfg.quiet:
+        return
+    if cfg.log is not None:
+        cfg.log(msg)
+    else:
         print(msg, flush=True)
 
 
