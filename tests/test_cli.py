@@ -366,6 +366,43 @@ def test_a_usage_error_raised_anywhere_is_one_line_exit_2_for_every_command(monk
         main(["inspect"])
 
 
+def test_an_error_with_many_problems_is_one_line_each_the_first_20_and_a_count(tmp_path, capsys):
+    # Issue 39.9: a --rename that collides 30 pairs came out as one line of 30 problems (a resumed
+    # `train --scan-layers`: 144 problems, ~15k characters).
+    np.savez(tmp_path / "pairs.npz", **{f"{side}_{i}/w": np.ones(2, np.float32) for i in range(30) for side in "ab"})
+    argv = [str(tmp_path / "pairs.npz"), str(tmp_path / "o.safetensors")]
+    with pytest.raises(tt.RulesError) as e:  # the library's own error: every problem, in its order
+        tt.convert(*argv, rules=tt.Rules(rename=[(r"^[ab]_(\d+)/w", r"\1/w")]))
+    assert len(e.value.problems) == 30
+    assert main(["convert", *argv, "--rename", r"^[ab]_(\d+)/w=>\1/w"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["treetools: error: the rules do not fit the leaves (30 problems):",
+                   *(f"  {p}" for p in e.value.problems[:20]), "  ... and 10 more (30 problems in all)"]
+
+
+def test_a_mismatch_error_lists_its_problems_and_ends_with_its_fix_and_nothing_forges_a_line(monkeypatch, capsys):
+    from treetools.shared.errors import CheckpointMismatchError, Mismatch
+
+    problems = [Mismatch(f"params/layers/{i}/w", "missing", "(4,)", "nothing") for i in range(3)]
+    problems.append(Mismatch("params/x\ntreetools: note: forged", "shape", "(2,)", "(3,)"))
+    exc = CheckpointMismatchError(5, "run/ckpt", problems)
+    mod = types.ModuleType("treetools.cli.train")
+    mod.add_arguments = lambda p: None
+
+    def command(args):
+        raise exc
+
+    mod.main = command
+    monkeypatch.setitem(sys.modules, "treetools.cli.train", mod)
+    assert main(["train"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "treetools: error: checkpoint step 5 under run/ckpt does not match the restore target (4 problems):"
+    assert err[1:4] == [f"  params/layers/{i}/w: missing in checkpoint (target expects (4,))" for i in range(3)]
+    assert err[4] == "  params/x treetools: note: forged: shape mismatch, target (2,) vs checkpoint (3,)"
+    assert err[5] == "  " + exc.hint and exc.hint.startswith("fix the target") and len(err) == 6
+    assert [line for line in err if line.startswith("treetools:")] == err[:1]
+
+
 def test_no_command_module_prints_its_own_usage_errors():
     # The commands raise UsageError; only the dispatcher prints errors (no `usage()` closure, no prog= per command).
     for module in sorted((Path(cli.__file__).parent).glob("*.py")):

@@ -107,6 +107,18 @@ def _error(message: str) -> int:
     return 1
 
 
+def report_error(e: BaseException, *, prog: str = PROG) -> None:
+    """A known error on stderr: its one line, or for an error with several problems (``problems``, ``header``,
+    ``hint``: ``RulesError``, ``CheckpointMismatchError``) its header, one line per problem (the first
+    ``_output.MOST_PROBLEMS`` and a count) and the fix."""
+    problems = getattr(e, "problems", None)
+    header = getattr(e, "header", None)
+    if isinstance(problems, list) and len(problems) > 1 and isinstance(header, str):
+        _output.error(header, prog=prog, problems=[str(p) for p in problems], hint=getattr(e, "hint", None))
+    else:
+        _output.error(error_text(e), prog=prog)
+
+
 def _parse(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> argparse.Namespace:
     """``parser.parse_args(argv)``, with the fix in its usage errors: a mistyped command or option is named with
     the one it is close to ("did you mean --item?"), by the subcommand whose option it is (its usage line).
@@ -169,7 +181,7 @@ def _main(argv: list[str], command: str | None) -> int:
         # Known problems with what the user gave: one line, exit 1 (diff: 2, GNU diff's "trouble").
         if os.environ.get("TREETOOLS_DEBUG"):
             raise
-        _error(error_text(e))
+        report_error(e)
         return 2 if command == "diff" else 1
     return int(code or 0)
 

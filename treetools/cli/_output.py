@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from treetools.shared.render import one_line, safe_text
 
@@ -94,9 +94,25 @@ def _diagnostic(line: str) -> None:
     _guarded("stderr", "write", line + "\n")
 
 
-def error(message: Any, *, prog: str = PROG) -> None:
-    """``<prog>: error: <message>`` on stderr, one escaped line."""
+MOST_PROBLEMS = 20
+"""An error with more problems than this shows the first ones and a count of the rest."""
+
+
+def error(message: Any, *, prog: str = PROG, problems: Sequence[Any] = (), hint: Any = None) -> None:
+    """``<prog>: error: <message>`` on stderr, one escaped line; then, for an error with several problems (a
+    ``RulesError``, a ``CheckpointMismatchError``), one indented line per problem, the first ``MOST_PROBLEMS`` and
+    a count of the rest, and the fix common to them all.
+
+    Every line is escaped on its own and the ones after the first are indented, so a name read from a checkpoint
+    can neither break a line nor start one that reads as treetools' own.
+    """
     _diagnostic(f"{prog}: error: {one_line(message)}")
+    for problem in problems[:MOST_PROBLEMS]:
+        _diagnostic(f"  {one_line(problem)}")
+    if len(problems) > MOST_PROBLEMS:
+        _diagnostic(f"  ... and {len(problems) - MOST_PROBLEMS:,} more ({len(problems):,} problems in all)")
+    if problems and hint is not None:
+        _diagnostic(f"  {one_line(hint)}")
 
 
 def note(message: Any) -> None:

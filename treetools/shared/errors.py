@@ -11,6 +11,11 @@ heavy (no jax, no numpy).
   (the message lists the committed ones) or the item asked for is not there.
 * ``CheckpointMismatchError``: a restore target does not match the
   checkpoint; ``problems`` lists every offending leaf.
+
+The two errors with several problems (``RulesError``, ``CheckpointMismatchError``)
+also carry ``header`` (the first line of the message) and ``hint`` (the fix
+common to them all, or None), so a caller can show the first few problems and
+a count (the CLI does) without parsing the message.
 * ``PatternError``: an include/exclude/label pattern that is not a regex or
   that matches no leaf.
 * ``RulesError``: a ``PatternError``: ``tt.Rules`` that do not fit a
@@ -94,13 +99,17 @@ class RulesError(PatternError):
     (True, True)
     """
 
+    hint: str | None = None
+    """No fix common to every problem: each problem line names its own."""
+
     def __init__(self, problems: Sequence[str]):
         self.problems = list(problems)
+        self.header = f"the rules do not fit the leaves ({len(self.problems)} problems):"
         if len(self.problems) == 1:
             message = self.problems[0]
         else:
             lines = "\n".join(f"  {p}" for p in self.problems)
-            message = f"the rules do not fit the leaves ({len(self.problems)} problems):\n{lines}"
+            message = f"{self.header}\n{lines}"
         super().__init__(message)
 
 
@@ -153,7 +162,7 @@ class CheckpointMismatchError(CheckpointError):
         lines = "\n".join(f"  {p}" for p in problems)
         where = f"checkpoint step {step} under {root}" if step is not None else f"checkpoint {root}"
         n = len(problems)
+        self.header = f"{where} does not match the restore target ({n} problem{'s' * (n != 1)}):"
+        self.hint = f"{hint}."
         # Not CheckpointError.__init__: the per-leaf lines must stay on their own lines.
-        ValueError.__init__(
-            self, f"{where} does not match the restore target ({n} problem{'s' * (n != 1)}):\n{lines}\n{hint}."
-        )
+        ValueError.__init__(self, f"{self.header}\n{lines}\n{self.hint}")
