@@ -26,12 +26,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import os
 import sys
 from typing import NoReturn, Sequence
 
 import treetools
 from treetools.cli import _args, _output
+from treetools.shared.render import json_object
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError, UsageError
 
 
@@ -58,14 +60,28 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return None
 
 
+class _UsageExit(SystemExit):
+    """argparse's usage error (exit 2), with its message kept for the ``--format json`` error object."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+
 class _CommandParser(argparse.ArgumentParser):
     """A subcommand's parser, whose epilog may be a function: called when the help is printed, not on every run
-    (``inspect``'s list of formats reads each format module's source)."""
+    (``inspect``'s list of formats reads each format module's source); its usage errors are argparse's own (the
+    usage line, then ``PROG: error: MESSAGE``, exit 2), the message kept (``_UsageExit``)."""
 
     def format_help(self) -> str:
         if callable(self.epilog):
             self.epilog = self.epilog()
         return super().format_help()
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self._print_message(f"{self.prog}: error: {message}\n", sys.stderr)
+        raise _UsageExit(message)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -100,6 +116,42 @@ KNOWN_ERRORS: tuple[type, ...] = (CheckpointError, CheckpointNotFoundError, Patt
                                    PermissionError, IsADirectoryError, NotADirectoryError, ImportError,
                                    UnicodeDecodeError)
 """Exception types that are the user's input, not a bug: reported as one line. Anything else keeps its traceback."""
+
+
+ERROR_SCHEMA = 1
+"""Version of the ``--format json`` error object (``error_object``, docs/json-schema.md)."""
+
+
+def error_object(e: BaseException | str, exit_code: int, *, usage: bool) -> dict:
+    """What a command asked for ``--format json`` prints on stdout when it fails with a known or usage error: one
+    object, ``"error"`` the message of the ``treetools: error:`` line (for an error with several problems, its
+    header, with every problem in ``"problems"`` and the common fix in ``"hint"``), the exit code, and whether it is
+    a usage error.
+
+    >>> error_object(UsageError("--step all is for `inspect`"), 2, usage=True)
+    {'schema': 1, 'error': '--step all is for `inspect`', 'exit_code': 2, 'usage': True}
+    """
+    problems = getattr(e, "problems", None)
+    header = getattr(e, "header", None)
+    if isinstance(problems, list) and len(problems) > 1 and isinstance(header, str):
+        fields = {"error": header, "problems": [str(p) for p in problems]}
+        if getattr(e, "hint", None) is not None:
+            fields["hint"] = str(e.hint)  # type: ignore[union-attr]
+    else:
+        fields = {"error": e if isinstance(e, str) else " ".join(error_text(e).split())}
+    return json_object(ERROR_SCHEMA, {**fields, "exit_code": exit_code, "usage": usage})
+
+
+def _asks_json(argv: Sequence[str], args: argparse.Namespace | None = None) -> bool:
+    """Whether the command line asks for ``--format json`` (read from ``argv`` where parsing failed)."""
+    if args is not None:
+        return getattr(args, "format", None) == "json"
+    for i, word in enumerate(argv):
+        name, eq, value = word.partition("=")
+        if len(name) >= 4 and "--format".startswith(name) and name.startswith("--fo"):  # argparse takes "--form"
+            if (value if eq else (argv[i + 1] if i + 1 < len(argv) else None)) == "json":
+                return True
+    return False
 
 
 def _error(message: str) -> int:
@@ -158,12 +210,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str], command: str | None) -> int:
+    """Parse, run the command, map its known errors to exit codes: on stderr always, and on stdout too as one
+    JSON object (``error_object``) when the command was asked for ``--format json``."""
     try:
         parser = build_parser(command)
         if not argv:
             parser.print_help(sys.stderr)
             return 2
         args = _parse(parser, argv, command)
+    except _UsageExit as e:
+        if command is not None and _asks_json(argv):
+            _output.out(json.dumps(error_object(e.message, 2, usage=True)))
+        return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:
@@ -176,14 +234,21 @@ def _main(argv: list[str], command: str | None) -> int:
         if os.environ.get("TREETOOLS_DEBUG"):
             raise
         _output.error(e, prog=f"{PROG} {command}")
-        return 2
+        return _json_error(args, e, 2, usage=True)
     except KNOWN_ERRORS + ((ValueError,) if command in ("plot", "train") else ()) as e:
         # Known problems with what the user gave: one line, exit 1 (diff: 2, GNU diff's "trouble").
         if os.environ.get("TREETOOLS_DEBUG"):
             raise
         report_error(e)
-        return 2 if command == "diff" else 1
+        return _json_error(args, e, 2 if command == "diff" else 1, usage=False)
     return int(code or 0)
+
+
+def _json_error(args: argparse.Namespace, e: BaseException, code: int, *, usage: bool) -> int:
+    """``code``, after the error object on stdout where ``--format json`` was asked (stdout then never stays empty)."""
+    if _asks_json((), args):
+        _output.out(json.dumps(error_object(e, code, usage=usage)))
+    return code
 
 
 def error_text(e: BaseException) -> str:
