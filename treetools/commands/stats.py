@@ -20,7 +20,7 @@ import numpy as np
 from treetools.ckpt.readers import DEFAULT_CHUNK_BYTES, ArrayReader
 from treetools.ckpt.stream import reduce_blocks
 from treetools.commands.progress import Progress
-from treetools.shared.rows import STAT_COUNTS, STATS
+from treetools.shared.rows import NONFINITE_COUNTS, STAT_COUNTS, STATS
 
 
 _PIECE_ELEMS = 1 << 19
@@ -186,7 +186,7 @@ class StatsAccumulator:
 
     @property
     def nonfinite(self) -> int:
-        return self.nan + self.posinf + self.neginf
+        return sum(getattr(self, k) for k in NONFINITE_COUNTS)
 
 
 def array_stats(array: Any, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
 from tabulate import tabulate
 
 from treetools.commands.report import ItemReport, Report
@@ -17,6 +18,7 @@ from treetools.commands.report import ItemReport, Report
 if TYPE_CHECKING:  # annotations only: `inspect` does not load the diff, verify and convert commands
     from treetools.commands.convert import ConvertReport
     from treetools.commands.diff import DiffReport
+    from treetools.commands.show import ShowReport
     from treetools.commands.verify import VerifyRun
 from treetools.shared.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, format_stat, jsonable, safe_text, stat_value
 from treetools.shared.rows import Row, Totals, format_count, format_shape, human
@@ -295,6 +297,32 @@ def _render_values(values: dict[str, Any], md: bool) -> str:
                         disable_numparse=True)
     width = max(len(p) for p, _ in cells)
     return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in cells)
+
+
+# ---------------------------------------------------------------------------- --show
+
+SHOW_THRESHOLD = 200
+"""``--show`` prints at most about this many elements (numpy's summarization with ``...`` beyond)."""
+
+
+def render_show(report: ShowReport, fmt: str = "table", *, stat_columns: Sequence[str] = DEFAULT_STAT_COLUMNS) -> str:
+    """Render what ``inspect --show`` read: per step, the leaf, its shape and dtype and its values (numpy's own
+    printing, summarized beyond ``SHOW_THRESHOLD`` elements), or a value as JSON, then its statistics where they
+    were computed; or the JSON object (``ShowReport.to_json``)."""
+    if fmt == "json":
+        return json.dumps(report.to_json(), default=str)  # NaN/Inf as null, as every command's JSON
+    lines = []
+    for s in report.shown:
+        where = safe_text(s.path) + ("" if s.step is None else f" (step {s.step})")
+        if s.is_array:
+            lines.append(f"{where}: shape {tuple(s.value.shape)}, {s.value.dtype}")
+            with np.printoptions(threshold=SHOW_THRESHOLD, edgeitems=3, linewidth=100):
+                lines.append(safe_text(np.array2string(s.value), lines=True))
+        else:
+            lines.append(f"{where}: {safe_text(json.dumps(jsonable(s.value), default=str))}")
+        if s.stats is not None:
+            lines.append("stats: " + "  ".join(f"{c}={format_stat(stat_value(s.stats, c))}" for c in stat_columns))
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------- diffs

@@ -14,10 +14,10 @@ import json
 import math
 from typing import Any, Mapping, Sequence
 
-from treetools.shared.rows import MIXED, STATS, Row, Totals, format_count, format_shape, human, totals
+from treetools.shared.rows import MIXED, STATS, Row, Totals, format_count, format_shape, human, nonfinite_count, totals
 
-DERIVED_STATS = {"nonfinite": ("nan", "posinf", "neginf")}
-"""Statistic columns a table can show beside ``rows.STATS``: each the sum of those counts."""
+DERIVED_STATS = {"nonfinite": nonfinite_count}
+"""Statistic columns a table can show beside ``rows.STATS``: each computed from a row's statistics."""
 STAT_COLUMNS = STATS + tuple(DERIVED_STATS)
 """Every statistic a table can show."""
 DEFAULT_STAT_COLUMNS = ("mean", "std", "min", "max", "nonfinite")
@@ -31,7 +31,7 @@ def stat_value(stats: Mapping[str, Any], name: str) -> Any:
     3
     """
     if name in DERIVED_STATS:
-        return sum(int(stats.get(k) or 0) for k in DERIVED_STATS[name])
+        return DERIVED_STATS[name](stats)
     return stats.get(name)
 
 
