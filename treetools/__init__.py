@@ -131,6 +131,9 @@ _EXPORTS = {  # public name -> module under treetools
     "inspect_path": "commands.report",
     "diff_paths": "commands.diff",
     "convert": "commands.convert",
+    # figures (matplotlib: the plot extra)
+    "plot_metrics": "commands.plot",
+    "plot_stats": "commands.plot",
     # errors
     "CheckpointError": "shared.errors",
     "CheckpointMismatchError": "shared.errors",
@@ -175,6 +178,7 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     )
     from treetools.commands.convert import convert
     from treetools.commands.diff import diff_paths
+    from treetools.commands.plot import plot_metrics, plot_stats
     from treetools.commands.report import inspect_path
     from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
     from treetools.pytree.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
