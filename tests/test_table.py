@@ -210,3 +210,31 @@ def test_layer_count_in_json_rows():
     rows = [dataclasses.replace(r, layers=4) if r.name == "w" else r for r in rows_from_tree({"w": np.ones((4, 2)), "b": np.ones(2)})]
     data = {r["path"]: r for r in json.loads(render_rows(rows, fmt="json"))["leaves"]}
     assert data["w"]["layers"] == 4 and "layers" not in data["b"]  # absent where there is none: the schema as before
+
+
+def test_one_renderer_of_rows_for_tabulate_params_inspect_and_diff(tmp_path, capsys):
+    # Issue 36: shared/render.py and commands/text.py each had their own footer, tree and row cells.
+    import pathlib
+
+    from treetools.cli import main
+    from treetools.shared.render import footer, render_tree
+    from treetools.shared.rows import Row, totals
+
+    package = pathlib.Path(tt.__file__).parent
+    sources = {p.relative_to(package).as_posix(): p.read_text() for p in package.rglob("*.py")}
+    assert [name for name, text in sources.items() if '"Total: ' in text or "f\"Total: " in text] == ["shared/render.py"]
+    for name, text in sources.items():
+        for own in ("def _footer", "def _render_tree", "def _shape_cell", "def _table_data"):
+            assert own not in text, (name, own)
+    # The same rows print the same lines in inspect's tree (which adds the bytes) and tabulate_params' renderer.
+    np.savez(tmp_path / "w.npz", **{"enc/w": np.ones((2, 3), np.float32), "enc/b": np.zeros(3, np.float32),
+                                    "head": np.ones(4, np.int8)})
+    assert main(["inspect", str(tmp_path / "w.npz"), "--format", "tree"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [Row(("enc", "w"), (2, 3), "float32", 6, 24), Row(("enc", "b"), (3,), "float32", 3, 12),
+            Row(("head",), (4,), "int8", 4, 4)]
+    section = out[out.index("[default]") + 1:]
+    want = render_tree(rows, label="params", sizes=True).splitlines() + \
+        footer(totals(rows), label="params").splitlines()
+    assert section == want
+    assert section[:2] == ["enc/  9 params, 36 B", "  w (2, 3) float32  6 params, 24 B"]
