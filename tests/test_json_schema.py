@@ -154,3 +154,10 @@ def test_the_error_example_in_the_doc_validates():
     section = DOC.read_text().split("## Errors: the error object, schema 1\n", 1)[1]
     example = json.loads(re.search(r"```json\n(.*?)```", section, flags=re.S).group(1))
     jsonschema.validate(example, _schema("error"))
+
+
+def test_a_command_without_json_output_prints_no_error_object(tmp_path, capsys):
+    # `plot` has no --format: asking for it is argparse's usage error, on stderr only.
+    assert main(["plot", str(tmp_path / "m.jsonl"), "--format", "json"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "unrecognized arguments: --format json" in cap.err

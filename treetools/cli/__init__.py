@@ -12,8 +12,10 @@ trouble. Known errors are mapped by type (``treetools.shared.errors``,
 missing files, a missing optional dependency): a ``UsageError``, raised by a
 command or by the library where it takes the same argument, is a usage error
 (exit 2, also for ``diff``); any other exception is a bug and keeps its
-traceback. A reader that closes stdout early (``| head``) changes no exit
-code: the command runs to its end, its later output dropped; the process's
+traceback. An error with several problems is one line per problem (the
+first 20 and a count), and a command asked for ``--format json`` also prints
+it as one JSON object on stdout (``error_object``). A reader that closes
+stdout early (``| head``) changes no exit code: the command runs to its end, its later output dropped; the process's
 streams are never replaced or redirected while a command runs.
 
 The program is ``run()`` (the ``treetools`` script and ``python -m
@@ -142,6 +144,15 @@ def error_object(e: BaseException | str, exit_code: int, *, usage: bool) -> dict
     return json_object(ERROR_SCHEMA, {**fields, "exit_code": exit_code, "usage": usage})
 
 
+def _takes_format(parser: argparse.ArgumentParser, command: str) -> bool:
+    """Whether ``command``'s parser has a ``--format`` option (argparse keeps its parsers in private fields)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(command)
+            return sub is not None and "--format" in sub._option_string_actions
+    return False
+
+
 def _asks_json(argv: Sequence[str], args: argparse.Namespace | None = None) -> bool:
     """Whether the command line asks for ``--format json`` (read from ``argv`` where parsing failed)."""
     if args is not None:
@@ -219,7 +230,7 @@ def _main(argv: list[str], command: str | None) -> int:
             return 2
         args = _parse(parser, argv, command)
     except _UsageExit as e:
-        if command is not None and _asks_json(argv):
+        if command is not None and _takes_format(parser, command) and _asks_json(argv):
             _output.out(json.dumps(error_object(e.message, 2, usage=True)))
         return 2
     except SystemExit as e:
