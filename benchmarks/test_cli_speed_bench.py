@@ -8,6 +8,7 @@ root: two steps of params, params_ema, opt_state (adam) and data_iter, 24
 layers of 4 leaves each (about 1,200 leaves per step).
 """
 
+import os
 import statistics
 import subprocess
 import sys
@@ -73,3 +74,38 @@ def test_help_process_vs_import_jax(benchmark, argv):
     report(f"treetools {' '.join(argv)} (whole process)", statistics.median(ours), statistics.median(anchor),
            'python -c "import jax"', target="<= 0.3")
     benchmark.pedantic(lambda: _wall(ours_cmd), rounds=1, iterations=1)
+def _cpu_and_wall(argv):
+    """(CPU seconds, wall seconds) of one whole process: CPU time is what a loaded machine stretches least."""
+    import resource
+
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall = _wall(argv)
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime), wall
+
+
+# The same command line, ended without Python's teardown (the exit the CLI used until issue 36): the anchor.
+_NO_TEARDOWN = ("import os, sys\nfrom treetools.cli import main\ncode = main(sys.argv[1:])\nsys.stdout.flush()\n"
+                "os._exit(code)\n")
+
+
+def test_what_the_ordinary_exit_costs(root):
+    """``treetools inspect RUN`` ends through ``sys.exit`` (issue 36); its anchor is the same command ending with
+    ``os._exit``. Paired rounds, alternating order; the difference is the teardown (target: at most ~25 ms)."""
+    ours_cmd = [sys.executable, "-m", "treetools", "inspect", str(root)]
+    anchor_cmd = [sys.executable, "-c", _NO_TEARDOWN, "inspect", str(root)]
+    _wall(ours_cmd), _wall(anchor_cmd)
+    pairs = []
+    for i in range(3 * ROUNDS):
+        a, b = (ours_cmd, anchor_cmd) if i % 2 == 0 else (anchor_cmd, ours_cmd)
+        first, second = _cpu_and_wall(a), _cpu_and_wall(b)
+        ours, anchor = (first, second) if a is ours_cmd else (second, first)
+        pairs.append((ours, anchor))
+    for k, what in ((0, "CPU"), (1, "wall")):
+        d = [o[k] - a[k] for o, a in pairs]
+        q = statistics.quantiles(d, n=4) if len(d) > 1 else [d[0], d[0], d[0]]
+        print(f"[bench] treetools inspect RUN, the ordinary exit ({what}): ours "
+              f"{statistics.median(o[k] for o, _ in pairs) * 1e3:.0f} ms, the same ending in os._exit "
+              f"{statistics.median(a[k] for _, a in pairs) * 1e3:.0f} ms, paired difference "
+              f"{statistics.median(d) * 1e3:+.1f} ms (IQR {q[0] * 1e3:+.1f} / {q[2] * 1e3:+.1f}; target <= 25), "
+              f"{len(pairs)} rounds, load {os.getloadavg()[0]:.1f}", flush=True)

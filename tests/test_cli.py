@@ -15,6 +15,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import treetools as tt
 from treetools import cli
 from treetools.cli import main
 from treetools.commands.progress import Progress
@@ -166,31 +167,28 @@ def test_a_reader_that_closes_stdout_early_changes_no_exit_code(tmp_path):
     assert (rc, err) == (0, "")
 
 
-# A child that runs the `treetools` program as the console script does (`run()`), after leaving three witnesses:
-# an atexit handler (run by Python's exit, and by the read-only commands' own), a `__del__` of a `__main__` global
-# (run only by the teardown of modules, which the read-only commands skip), and, where asked, a thread Python
-# would wait for (a non-daemon one, still alive when the command ends).
+# A child that runs the `treetools` program as the console script does (`run()`), after leaving two witnesses: an
+# atexit handler and a `__del__` of a `__main__` global (run by the teardown of modules of Python's ordinary exit).
 _PROGRAM = """
-import atexit, sys, threading, time
+import atexit, sys
 atexit.register(lambda: sys.stderr.write("WITNESS atexit ran\\n"))
 class Witness:
     def __del__(self):
         sys.stderr.write("WITNESS teardown ran\\n")
 witness = Witness()
-if sys.argv[1] == "with-thread":
-    threading.Thread(target=time.sleep, args=(1.0,)).start()
-sys.argv = ["treetools", *sys.argv[2:]]
+sys.argv = ["treetools", *sys.argv[1:]]
 from treetools.cli import run
 run()
 """
 
 
-def _program(*argv: str, thread: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _PROGRAM, "with-thread" if thread else "-", *argv],
-                          capture_output=True, text=True, timeout=120)
+def _program(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _PROGRAM, *argv], capture_output=True, text=True, timeout=120)
 
 
-def test_read_only_commands_end_without_the_module_teardown_and_keep_output_code_and_exit_handlers(tmp_path, capsys):
+def test_every_command_ends_through_pythons_ordinary_exit_with_its_output_and_code(tmp_path, capsys):
+    # Issue 36: the read-only commands ended through CPython internals (atexit._run_exitfuncs, os._exit, a hand-made
+    # 120), skipping the teardown of modules. Now every command ends with sys.exit: the teardown runs too.
     a = {f"layers_{i}/kernel": np.full(4, i, np.float32) for i in range(3000)}  # far more output than a pipe holds
     np.savez(tmp_path / "a.npz", **a)
     np.savez(tmp_path / "b.npz", **{**a, "layers_7/kernel": np.full(4, -1, np.float32)})
@@ -199,50 +197,81 @@ def test_read_only_commands_end_without_the_module_teardown_and_keep_output_code
                        (["verify", a_], 0), (["inspect", str(tmp_path / "missing")], 1)):
         proc = _program(*argv)
         assert proc.returncode == code, proc.stderr
-        assert "WITNESS atexit ran" in proc.stderr and "WITNESS teardown ran" not in proc.stderr, (argv, proc.stderr)
+        assert "WITNESS atexit ran" in proc.stderr and "WITNESS teardown ran" in proc.stderr, (argv, proc.stderr)
         expected = run(capsys, *argv)  # the same command in this process, through main(): every byte of stdout arrived
         assert (proc.returncode, proc.stdout) == expected[:2], argv
     assert len(json.loads(_program("inspect", a_, "--leaves", "--format", "json").stdout)["checkpoints"][0]
                ["items"]["default"]["leaves"]) == 3000
 
 
-def test_a_thread_python_would_wait_for_and_other_commands_get_the_ordinary_exit(tmp_path):
-    np.savez(tmp_path / "a.npz", w=np.ones(4, np.float32))
-    proc = _program("inspect", str(tmp_path / "a.npz"), thread=True)
-    assert proc.returncode == 0 and "WITNESS atexit ran" in proc.stderr and "WITNESS teardown ran" in proc.stderr
-    proc = _program("convert", str(tmp_path / "a.npz"), str(tmp_path / "a.safetensors"))  # it writes: ordinary exit
-    assert proc.returncode == 0, proc.stderr
-    assert "WITNESS atexit ran" in proc.stderr and "WITNESS teardown ran" in proc.stderr
-    assert (tmp_path / "a.safetensors").stat().st_size > 16
+def test_the_cli_ends_the_process_through_no_interpreter_internals():
+    source = (Path(cli.__file__).parent / "__init__.py").read_text() + (Path(cli.__file__).parent / "_output.py").read_text()
+    for internal in ("_run_exitfuncs", "os._exit(", "code = 120", "import threading", "sys.stdout, sys.stderr = "):
+        assert internal not in source, internal
 
 
-_ORDINARY = "import sys; from treetools.cli import main; sys.exit(main())"
+def test_main_replaces_no_stream_while_a_command_runs(monkeypatch, capsys):
+    # Issue 36: main() swapped sys.stdout/sys.stderr process-wide for the whole command (other threads of a calling
+    # program wrote through the swap). The streams a command sees are the caller's own objects.
+    seen = []
+    mod = types.ModuleType("treetools.cli.verify")
+    mod.add_arguments = lambda p: None
+    mod.main = lambda args: seen.append((sys.stdout, sys.stderr)) or 0
+    monkeypatch.setitem(sys.modules, "treetools.cli.verify", mod)
+    outer = (sys.stdout, sys.stderr)
+    assert main(["verify"]) == 0
+    assert seen == [outer] and (sys.stdout, sys.stderr) == outer
+
+
+# main() called from Python with stdout a pipe whose reader leaves: the exit code is kept, and after main() returns
+# the process's streams are what they were (the same objects, descriptor 1 still the pipe, not /dev/null).
+_CALLER = """
+import os, stat, sys
+from treetools.cli import main
+before = (sys.stdout, sys.stderr, stat.S_ISFIFO(os.fstat(1).st_mode))
+rc = main(sys.argv[1:])
+after = (sys.stdout, sys.stderr, stat.S_ISFIFO(os.fstat(1).st_mode))
+sys.stderr.write(f"rc={rc} same={before == after} fifo={after[2]}\\n")
+sys.stderr.flush()
+os._exit(0)  # what Python does at exit with the caller's unwritable stdout is the caller's business
+"""
+
+
+def test_main_called_from_python_keeps_the_exit_code_and_leaves_the_streams_as_they_were(tmp_path):
+    a = {f"layers_{i}/kernel": np.full(4, i, np.float32) for i in range(3000)}
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **{**a, "layers_7/kernel": np.full(4, -1, np.float32)})
+    proc = subprocess.Popen([sys.executable, "-c", _CALLER, "diff", str(tmp_path / "a.npz"), str(tmp_path / "b.npz"),
+                             "--values", "--format", "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0 and first.strip() == "{"
+    assert err == "rc=1 same=True fifo=True\n"  # different: 1, as without the pipe; no traceback
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full: a file whose every write fails (ENOSPC)")
 @pytest.mark.parametrize("argv, redirect", [
     (argv, redirect) for argv in (["inspect", "{a}"], ["inspect", "--help"], ["inspect", "--bogus"], ["verify", "{a}"])
     for redirect in (">&-", "2>&-", "2>/dev/full", ">/dev/full")])
-def test_closed_or_failing_stdout_and_stderr_end_as_pythons_own_exit_does(tmp_path, argv, redirect):
-    # The fast end and Python's ordinary exit give the same code and output: a stream closed when the process
-    # started is skipped (exit 0, no traceback), a flush that fails at the end is reported and exits 120. (Only
-    # --help reaches the end with stdout unwritten: a command's own output that cannot be written stops the
-    # command with one line, exit 1.)
+def test_closed_or_failing_stdout_and_stderr_keep_the_commands_exit_code(tmp_path, argv, redirect):
+    # The program (`python -m treetools`, the console script) ends with sys.exit and the command's code: a stream
+    # closed when the process started is skipped; diagnostics that cannot be written are dropped; output that
+    # cannot be written (a full disk) is one error line, exit 1, --help included (it was Python's 120 and an
+    # "Exception ignored" report).
     np.savez(tmp_path / "a.npz", w=np.ones(4, np.float32))
     argv = [a.format(a=tmp_path / "a.npz") for a in argv]
-
-    def end(*program):
-        proc = subprocess.run(["sh", "-c", f'exec "$@" {redirect}', "sh", *program, *argv], capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": ""})
-        return proc.returncode, proc.stdout, proc.stderr
-
-    fast, ordinary = end(sys.executable, "-m", "treetools"), end(sys.executable, "-c", _ORDINARY)
-    assert fast == ordinary
-    assert "Traceback" not in fast[2]
-    if redirect == ">/dev/full" and argv[1] == "--help":
-        assert fast[0] == 120 and "Exception ignored in" in fast[2]
-    elif redirect == ">/dev/full" and argv[1] != "--bogus":
-        assert fast[0] == 1 and fast[2] == "treetools: error: cannot write to stdout (No space left on device).\n"
+    proc = subprocess.run(["sh", "-c", f'exec "$@" {redirect}', "sh", sys.executable, "-m", "treetools", *argv],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": ""})
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
+    usage = argv[1] == "--bogus"
+    if redirect == ">/dev/full" and not usage:
+        assert (proc.returncode, proc.stderr) == (1, "treetools: error: cannot write to stdout (No space left on "
+                                                     "device).\n")
+    else:
+        assert proc.returncode == (2 if usage else 0), proc.stderr
+        if redirect.startswith("2"):
+            assert proc.stderr == ""
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="/dev/full: a file whose every write fails (ENOSPC)")
@@ -355,6 +384,75 @@ def test_usage_errors_exit_2(argv, capsys, tmp_path):
     argv = [str(f) if a == "x" else a for a in argv]
     rc, out, err = run(capsys, *argv)
     assert rc == 2 and out == "" and ("usage" in err or "error" in err)
+
+
+def test_a_usage_error_raised_anywhere_is_one_line_exit_2_for_every_command(monkeypatch, capsys):
+    # Issue 36: usage errors are one exception type that the dispatcher maps to exit 2 (also for diff, whose other
+    # known errors are 2 as well), replacing a usage() closure per command.
+    def fake(name, exc):
+        mod = types.ModuleType(f"treetools.cli.{name}")
+        mod.add_arguments = lambda p: None
+
+        def command(args):
+            raise exc
+
+        mod.main = command
+        monkeypatch.setitem(sys.modules, f"treetools.cli.{name}", mod)
+
+    for name in ("inspect", "convert", "plot", "verify", "train"):
+        fake(name, tt.UsageError("--frob 3 (`frob`) needs\n--bar"))
+        assert main([name]) == 2, name
+        assert capsys.readouterr().err == f"treetools {name}: error: --frob 3 (`frob`) needs --bar\n"
+    fake("inspect", ValueError("a bug"))  # any other ValueError of a checkpoint command is a bug: its traceback
+    with pytest.raises(ValueError, match="a bug"):
+        main(["inspect"])
+
+
+def test_an_error_with_many_problems_is_one_line_each_the_first_20_and_a_count(tmp_path, capsys):
+    # Issue 39.9: a --rename that collides 30 pairs came out as one line of 30 problems (a resumed
+    # `train --scan-layers`: 144 problems, ~15k characters).
+    np.savez(tmp_path / "pairs.npz", **{f"{side}_{i}/w": np.ones(2, np.float32) for i in range(30) for side in "ab"})
+    argv = [str(tmp_path / "pairs.npz"), str(tmp_path / "o.safetensors")]
+    with pytest.raises(tt.RulesError) as e:  # the library's own error: every problem, in its order
+        tt.convert(*argv, rules=tt.Rules(rename=[(r"^[ab]_(\d+)/w", r"\1/w")]))
+    assert len(e.value.problems) == 30
+    assert main(["convert", *argv, "--rename", r"^[ab]_(\d+)/w=>\1/w"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["treetools: error: the rules do not fit the leaves (30 problems):",
+                   *(f"  {p}" for p in e.value.problems[:20]), "  ... and 10 more (30 problems in all)"]
+
+
+def test_a_mismatch_error_lists_its_problems_and_ends_with_its_fix_and_nothing_forges_a_line(monkeypatch, capsys):
+    from treetools.shared.errors import CheckpointMismatchError, Mismatch
+
+    problems = [Mismatch(f"params/layers/{i}/w", "missing", "(4,)", "nothing") for i in range(3)]
+    problems.append(Mismatch("params/x\ntreetools: note: forged", "shape", "(2,)", "(3,)"))
+    exc = CheckpointMismatchError(5, "run/ckpt", problems)
+    mod = types.ModuleType("treetools.cli.train")
+    mod.add_arguments = lambda p: None
+
+    def command(args):
+        raise exc
+
+    mod.main = command
+    monkeypatch.setitem(sys.modules, "treetools.cli.train", mod)
+    assert main(["train"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "treetools: error: checkpoint step 5 under run/ckpt does not match the restore target (4 problems):"
+    assert err[1:4] == [f"  params/layers/{i}/w: missing in checkpoint (target expects (4,))" for i in range(3)]
+    assert err[4] == "  params/x treetools: note: forged: shape mismatch, target (2,) vs checkpoint (3,)"
+    assert err[5] == "  " + exc.hint and exc.hint.startswith("fix the target") and len(err) == 6
+    assert [line for line in err if line.startswith("treetools:")] == err[:1]
+
+
+def test_no_command_module_prints_its_own_usage_errors():
+    # The commands raise UsageError; only the dispatcher prints errors (no `usage()` closure, no prog= per command).
+    for module in sorted((Path(cli.__file__).parent).glob("*.py")):
+        if module.name in ("__init__.py", "_output.py"):
+            continue
+        text = module.read_text()
+        assert "_output.error(message, prog=" not in text and "_output.error(e, prog=" not in text, module.name
+        assert "def usage" not in text and "def _usage" not in text, module.name
 
 
 def test_a_mistyped_option_is_named_with_the_option_it_is_close_to(capsys, tmp_path):

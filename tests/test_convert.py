@@ -306,6 +306,27 @@ def test_cli_usage_errors_exit_2_and_known_errors_exit_1(tmp_path, capsys):
         assert f.metadata() == {"format": "mlx", "k": "v=w"}
 
 
+def test_step_all_is_one_usage_line_exit_2_checked_once_in_the_library(tmp_path, capsys):
+    # Issue 36: `convert CKPT out.safetensors --step all` ended in a TypeError traceback (the CLI compared "all" < 0).
+    mngr = tt.get_checkpoint_manager(1, checkpoint_dir=tmp_path / "run", async_save=False)
+    for step in (1, 2):
+        tt.save_checkpoint(mngr, step, {"params": {"w": np.full(3, step, np.float32)}})
+    mngr.close()
+    dst = tmp_path / "o.safetensors"
+    assert main(["convert", str(tmp_path / "run"), str(dst), "--step", "all"]) == 2
+    cap = capsys.readouterr()
+    assert (cap.out, cap.err) == ("", "treetools convert: error: --step all (`step='all'`): convert writes one step; "
+                                      "pick one (--step N, or latest).\n")
+    # The same check is the library's: one exception type, a ValueError, raised before anything is read or written.
+    for bad in ({"step": "all"}, {"to": "orbax"}, {"dst_step": 3}, {"shard_size": "5XB"}, {"to": "zip"}):
+        with pytest.raises(tt.UsageError) as e:
+            tt.convert(str(tmp_path / "run"), str(dst), **bad)
+        assert isinstance(e.value, ValueError) and "\n" not in str(e.value), bad
+    assert not dst.exists()
+    assert main(["convert", str(tmp_path / "run"), str(dst), "--step", "1"]) == 0
+    assert safetensors.numpy.load_file(dst)["w"].tolist() == [1.0, 1.0, 1.0]
+
+
 def test_values_that_are_not_arrays_are_left_out_with_a_note(tmp_path, capsys):
     (tmp_path / "s.msgpack").write_bytes(flax.serialization.to_bytes({"w": np.ones(2, np.float32), "name": "gpt"}))
     assert main(["convert", str(tmp_path / "s.msgpack"), str(tmp_path / "o.safetensors")]) == 0

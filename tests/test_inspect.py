@@ -867,3 +867,36 @@ def test_an_nnx_state_counts_its_params_apart_from_rng_state_and_batch_statistic
     for fmt in ("table", "tree"):
         assert main(["inspect", str(tmp_path / "run"), "--format", fmt]) == 0
         assert " params " not in capsys.readouterr().out.replace(f"({size(nnx.Param)} params,", "")
+
+
+def test_stats_reach_rows_by_path_prefix_once_per_leaf_not_rows_times_leaves():
+    # Issue 36: `_with_stats` compared every row with every leaf: `--leaves --stats` at 4,000 leaves was 16 million
+    # comparisons before any data was read. Counted here: how many (path, statistics) entries it looks at.
+    from treetools.commands.report import _with_stats
+    from treetools.commands.stats import StatsAccumulator
+    from treetools.shared.rows import Row, aggregate_rows
+
+    class Counted(dict):
+        looked_at = 0
+
+        def items(self):
+            for item in super().items():
+                Counted.looked_at += 1
+                yield item
+
+    rng = np.random.default_rng(0)
+    values = {(f"layers_{i}", f"w{j}"): rng.normal(size=3) for i in range(1000) for j in range(4)}  # 4,000 leaves
+    accs = Counted()
+    for path, x in values.items():
+        acc = StatsAccumulator()
+        acc.update(x)
+        accs[path] = acc
+    leaf_rows = [Row(path, (3,), "float64", 3, 24) for path in values]
+    for rows in (leaf_rows, aggregate_rows(leaf_rows, 1)):  # --leaves, then one group per layer (--depth 1)
+        Counted.looked_at = 0
+        out = _with_stats(rows, accs)
+        assert Counted.looked_at == len(values)  # each leaf once, whatever the rows (it was rows x leaves)
+        for r in out[:3] + out[-3:]:
+            want = np.concatenate([x for p, x in values.items() if p[:len(r.path)] == r.path])
+            np.testing.assert_allclose([r.stats["mean"], r.stats["max"], r.stats["l2"]],
+                                       [want.mean(), want.max(), np.sqrt((want ** 2).sum())], rtol=1e-12)

@@ -116,3 +116,48 @@ def test_verify_output_of_several_paths_and_a_missing_one_validates(root, tmp_pa
 def test_convert_output_has_its_schema_first(root, tmp_path, capsys):
     out = _json(capsys, "convert", root, tmp_path / "m.safetensors")
     assert list(out)[0] == "schema" and out["schema"] == 1 and out["ok"] is True
+
+
+# Issue 39.14: a command asked for --format json printed nothing on stdout when it failed.
+@pytest.mark.parametrize("argv, code, usage", [
+    (["inspect", "{missing}"], 1, False),
+    (["inspect", "{npz}", "--show", "w[9]"], 2, True),  # the library's UsageError
+    (["inspect", "{npz}", "--depth", "0"], 2, True),  # argparse's own usage error
+    (["inspect", "{npz}", "--include", "nomatch"], 1, False),
+    (["diff", "{npz}", "{missing}"], 2, False),
+    (["diff", "{npz}", "{npz}", "--sort", "rel_l2"], 2, True),
+    (["diff", "{npz}", "--bogus"], 2, True),
+    (["verify", "{missing}"], 1, False),
+    (["convert", "{npz}", "{out}", "--step", "all"], 2, True),
+    (["convert", "{pairs}", "{out}", "--rename", r"^[ab]_(\d+)/w=>\1/w"], 1, False),
+])
+@pytest.mark.parametrize("spelling", [["--format", "json"], ["--format=json"], ["--form", "json"]])
+def test_a_failed_command_asked_for_json_prints_one_error_object(tmp_path, capsys, argv, code, usage, spelling):
+    np.savez(tmp_path / "w.npz", w=np.ones(3, np.float32))
+    np.savez(tmp_path / "pairs.npz", **{f"{side}_{i}/w": np.ones(2, np.float32) for i in range(2) for side in "ab"})
+    names = {"missing": tmp_path / "missing.npz", "npz": tmp_path / "w.npz", "out": tmp_path / "o.safetensors",
+             "pairs": tmp_path / "pairs.npz"}
+    argv = [a.format(**names) for a in argv]
+    assert main(argv + spelling) == code
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)  # one object, nothing else on stdout
+    jsonschema.validate(out, _schema("error"))
+    assert (out["exit_code"], out["usage"]) == (code, usage)
+    header = [line for line in cap.err.splitlines() if ": error: " in line][0]
+    assert header.split(": error: ", 1)[1] == out["error"]  # the stderr line's message, whole
+    if "pairs" in argv[1]:
+        assert len(out["problems"]) == 2 and all("both become" in p for p in out["problems"])
+    assert main(argv) == code and capsys.readouterr().out == ""  # without --format json: nothing on stdout
+
+
+def test_the_error_example_in_the_doc_validates():
+    section = DOC.read_text().split("## Errors: the error object, schema 1\n", 1)[1]
+    example = json.loads(re.search(r"```json\n(.*?)```", section, flags=re.S).group(1))
+    jsonschema.validate(example, _schema("error"))
+
+
+def test_a_command_without_json_output_prints_no_error_object(tmp_path, capsys):
+    # `plot` has no --format: asking for it is argparse's usage error, on stderr only.
+    assert main(["plot", str(tmp_path / "m.jsonl"), "--format", "json"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "unrecognized arguments: --format json" in cap.err

@@ -58,7 +58,8 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/diff.py", "main"): "numpy",
     ("cli/verify.py", "main"): "numpy",
     ("cli/convert.py", "main"): "numpy",
-    ("cli/plot.py", "stats_report"): "numpy",
+    ("cli/plot.py", "main"): "numpy",
+    ("cli/plot.py", "plot_files"): "numpy",
     # Metadata mode (inspect without --stats or rules) starts without the rules engine, the block engine and the
     # statistics: whole-process inspect is measured against `import jax` (benchmarks/test_stream_bench.py).
     ("commands/report.py", "_inspect"): "startup",

@@ -158,13 +158,13 @@ def test_the_messages_of_a_missing_extra_name_the_distribution(tmp_path, monkeyp
     from treetools.ckpt import storage
     from treetools.ckpt.context import ReadContext
     from treetools.ckpt.formats import keras
-    from treetools.cli import plot
+    from treetools.commands import plot as commands_plot
     from treetools.shared.errors import CheckpointError
 
     seen = []
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     try:
-        plot._import_matplotlib()
+        commands_plot._import_matplotlib()
     except ImportError as e:
         seen.append(("plot", str(e)))
     h5 = tmp_path / "model.weights.h5"

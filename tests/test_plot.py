@@ -1,4 +1,5 @@
-"""`treetools plot` / treetools.cli.plot: panels, keys, per-module norms, axes and overlays, checked on the Figure."""
+"""`treetools plot` / treetools.commands.plot (tt.plot_metrics, tt.plot_stats): panels, keys, per-module norms, axes
+and overlays, checked on the Figure."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import matplotlib.image  # noqa: E402
 
 import treetools as tt  # noqa: E402
 from treetools.cli import main as cli_main  # noqa: E402
-from treetools.cli.plot import metrics_figure, plot_files, run_labels  # noqa: E402
+from treetools.cli.plot import plot_files, run_labels  # noqa: E402
+from treetools.commands.plot import heatmap_figure, metrics_figure, stats_figure, stats_report  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -318,7 +320,6 @@ def _mesh(ax, gid="values"):
 @pytest.mark.parametrize("n_layers", [2, 48])
 def test_heatmap_rows_colours_and_labels(n_layers, tmp_path):
     from matplotlib.colors import LogNorm
-    from treetools.cli.plot import heatmap_figure
 
     records = _layer_records(n_layers, range(10, 201, 10))
     fig = heatmap_figure({"run": records}, r"grad_norm/layers/(\d+)$")
@@ -342,7 +343,6 @@ def test_heatmap_rows_colours_and_labels(n_layers, tmp_path):
 
 
 def test_heatmap_marks_nan_cells_and_steps(tmp_path, capsys):
-    from treetools.cli.plot import heatmap_figure
 
     fine = _layer_records(4, range(1, 9))
     broken = _layer_records(4, range(1, 9), nan_at=(5, 2))
@@ -362,7 +362,6 @@ def test_heatmap_marks_nan_cells_and_steps(tmp_path, capsys):
 
 
 def test_heatmap_rows_in_numeric_order_and_runs_stacked(tmp_path):
-    from treetools.cli.plot import heatmap_figure
 
     runs = {"a": _layer_records(12, [1, 2, 3]), "b": _layer_records(12, [2, 4])}
     fig = heatmap_figure(runs, r"^grad_norm/layers/(\d+)$")
@@ -373,7 +372,6 @@ def test_heatmap_rows_in_numeric_order_and_runs_stacked(tmp_path):
 
 
 def test_heatmap_errors(tmp_path, capsys):
-    from treetools.cli.plot import heatmap_figure
 
     runs = {"run": _layer_records(3, [1, 2])}
     with pytest.raises(ValueError, match="no capture group"):
@@ -419,11 +417,9 @@ def _l2(x):
 
 
 def test_stats_per_leaf_across_steps(checkpoint, tmp_path, capsys):
-    from treetools.cli.plot import stats_figure, stats_report
-
     root, hosts = checkpoint
     report = stats_report(root, item="params")
-    assert [c["step"] for c in report["checkpoints"]] == [1, 2, 3]
+    assert [c.step for c in report.by_step] == [1, 2, 3]
     fig = stats_figure(report)
     (ax,) = fig.axes
     assert ax.get_title() == "params: l2"
@@ -444,8 +440,6 @@ def test_stats_per_leaf_across_steps(checkpoint, tmp_path, capsys):
 
 
 def test_stats_per_module_other_stat_and_keys(checkpoint, tmp_path, capsys):
-    from treetools.cli.plot import stats_figure, stats_report
-
     root, hosts = checkpoint
     fig = stats_figure(stats_report(root, depth=1, item="params"), "abs_max", keys="^layers_[02]")
     (ax,) = fig.axes
@@ -476,3 +470,91 @@ def test_stats_errors(checkpoint, tmp_path, capsys):
     assert code == 1 and "matches none of the checkpoint's paths" in _error_line(err)
     code, _, err = _cli(capsys, "plot", tmp_path / "missing", "--stats", "-o", tmp_path / "x.png")
     assert code == 1 and "missing" in _error_line(err)
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    """An Orbax run at steps 1-3: float params with a stacked leaf (3 layers) and an optimizer state with an integer
+    step count (100 x step), whose l2 is far larger than any weight's."""
+    root = tmp_path_factory.mktemp("counted") / "checkpoints"
+    rng = np.random.default_rng(1)
+    manager = tt.get_checkpoint_manager(1, max_to_keep=5, checkpoint_dir=root)
+    hosts = {}
+    for step in (1, 2, 3):
+        params = {"embed": rng.normal(size=(4, 4)).astype(np.float32), "layers": {"w": rng.normal(size=(3, 4, 2))
+                                                                                  .astype(np.float32) * step}}
+        opt = {"count": np.array(100 * step, np.int32), "mu": {"embed": np.full((4, 4), 0.1 * step, np.float32)}}
+        hosts[step] = {"params": params, "opt_state": opt}
+        tt.save_checkpoint(manager, step, {"params": jax.tree.map(jnp.asarray, params),
+                                           "opt_state": jax.tree.map(jnp.asarray, opt)}, wait=True)
+    manager.close()
+    return root, hosts
+
+
+def test_integer_leaves_are_left_out_of_the_stats_unless_keys_pick_them(counted):
+    # Issue 39.16: `count` (100, 200, 300) took the "largest" slots of opt_state and forced a log axis.
+    root, hosts = counted
+    fig = tt.plot_stats(root)
+    panels = {ax.get_title().split(";")[0]: ax for ax in fig.axes}
+    ax = panels["opt_state: l2"]
+    assert ax.get_title() == "opt_state: l2; 1 integer leaf left out (--keys picks them)"
+    assert [line.get_label() for line in ax.lines] == ["mu/embed"] and ax.get_yscale() == "linear"
+    np.testing.assert_allclose(ax.lines[0].get_ydata(), [0.1 * s * 4 for s in (1, 2, 3)], rtol=1e-6)  # sqrt(16) * v
+    ax = tt.plot_stats(root, keys="count$").axes[0]
+    assert [line.get_label() for line in ax.lines] == ["count"] and ax.get_title() == "opt_state: l2"
+    np.testing.assert_allclose(ax.lines[0].get_ydata(), [100, 200, 300])
+
+
+def test_the_title_says_per_module_with_depth(counted):
+    # Issue 39.16: `plot --stats --depth 1` was titled "per leaf" (the JSON it was drawn from has no depth).
+    root, _ = counted
+    assert tt.plot_stats(root, item="params")._suptitle.get_text() == f"{root}: l2 per leaf"
+    fig = tt.plot_stats(root, "max", item="params", depth=1)
+    assert fig._suptitle.get_text() == f"{root}: max per module"
+    assert sorted(line.get_label() for line in fig.axes[0].lines) == ["embed", "layers"]
+
+
+def test_unstack_plots_a_stacked_leaf_per_layer(counted, tmp_path, capsys):
+    # Issue 39.16: `plot` had no --unstack (inspect has).
+    root, hosts = counted
+    ax = tt.plot_stats(root, item="params", rules=tt.Rules(unstack=["^layers/"])).axes[0]
+    lines = {line.get_label(): line.get_ydata() for line in ax.lines}
+    assert set(lines) == {"embed", "layers/0/w", "layers/1/w", "layers/2/w"}
+    for k in range(3):
+        np.testing.assert_allclose(lines[f"layers/{k}/w"], [_l2(hosts[s]["params"]["layers"]["w"][k]) for s in (1, 2, 3)],
+                                   rtol=1e-6)
+    code, out, err = _cli(capsys, "plot", root, "--stats", "--unstack", "^layers/", "-o", tmp_path / "u.png")
+    assert code == 0 and (tmp_path / "u.png").read_bytes()[:8] == PNG, err
+    code, _, err = _cli(capsys, "plot", root, "--unstack", "^layers/", "-o", tmp_path / "v.png")
+    assert code == 2 and "apply to --stats" in err
+
+
+def test_plot_stats_draws_the_report_object_without_its_json(counted, monkeypatch, tmp_path, capsys):
+    # Issue 36: `plot --stats` round-tripped its report through to_json(); the figure is drawn from the Report.
+    from treetools.commands.report import Report
+
+    root, _ = counted
+    report = tt.inspect_path(str(root), step="all", stats=True, leaves=True)
+
+    def no_json(self):
+        raise AssertionError("the plot read the JSON")
+
+    monkeypatch.setattr(Report, "to_json", no_json)
+    assert [ax.get_title().split(";")[0] for ax in tt.plot_stats(report).axes] == ["params: l2", "opt_state: l2"]
+    code, _, err = _cli(capsys, "plot", root, "--stats", "-o", tmp_path / "s.png")
+    assert code == 0, err
+    with pytest.raises(tt.UsageError):
+        tt.plot_stats(report, depth=1)  # how to read a path, given with a report
+
+
+def test_the_figures_are_library_functions_that_import_no_jax(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, treetools as tt\n"
+            "fig = tt.plot_metrics([{'step': s, 'loss': 1.0 / s} for s in (1, 2)])\n"
+            "print([ax.get_title() for ax in fig.axes], [m for m in ('jax', 'flax', 'optax') if m in sys.modules])\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "['loss'] []", proc.stderr[-2000:]
+    with pytest.raises(tt.UsageError):
+        tt.plot_metrics({"run": [{"step": 1, "loss": 1.0}]}, keys="loss", heatmap="(loss)")

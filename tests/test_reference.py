@@ -1,6 +1,7 @@
 """End to end: the reference trainer on 8 fake devices, its checkpoint read by the CLI."""
 
 import json
+import re
 
 import flax.linen as nn
 import jax
@@ -16,7 +17,7 @@ N = 8
 
 
 def _cfg(workdir, steps, **kw):
-    return TrainConfig(workdir=str(workdir), steps=steps, ckpt_every=N, log_every=2, quiet=True, **kw)
+    return TrainConfig(workdir=str(workdir), steps=steps, ckpt_every=N, log_every=2, **{"quiet": True, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,10 @@ def _host(tree):
 def test_resume_is_bit_identical(straight, tmp_path):
     first = train(_cfg(tmp_path, N))
     assert first["start_step"] == 0
-    resumed = train(_cfg(tmp_path, 2 * N))
+    lines = []  # progress lines go where `log` says (`treetools train` passes its own, which a closed pipe cannot stop)
+    resumed = train(_cfg(tmp_path, 2 * N, quiet=False, log=lines.append))
     assert resumed["start_step"] == N
+    assert lines and all(isinstance(line, str) for line in lines) and any(re.search(rf"^step +{2 * N}/", line) for line in lines)
     for key in ("params", "params_ema", "opt_state"):
         a, b = _host(straight["state"][key]), _host(resumed["state"][key])
         assert len(a) == len(b) > 0

@@ -211,3 +211,29 @@ def test_show_json_writes_nan_and_inf_as_null(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "w.npz"), "--show", "w", "--format", "json"]) == 0
     out = capsys.readouterr().out
     assert json.loads(out, parse_constant=lambda c: pytest.fail(f"invalid JSON constant {c}"))["value"] == [1.0, None, None]
+
+
+def test_show_report_is_the_library_of_show_and_the_cli_prints_it(tmp_path, capsys):
+    # Issue 36: `inspect --show`'s statistics and JSON were computed in the CLI (cli/inspect.py `_show`); they are
+    # the library's (show_report, ShowReport.to_json) and the CLI prints what it returns.
+    from treetools.commands.show import show_report
+
+    w = np.array([[1.0, np.nan, -3.0], [np.inf, 0.0, 2.0]], np.float32)
+    np.savez(tmp_path / "w.npz", w=w)
+    report = show_report(str(tmp_path / "w.npz"), "w[:, ::2]", stats=True)
+    (shown,) = report.shown
+    np.testing.assert_array_equal(shown.value, w[:, ::2])
+    finite = w[:, ::2][np.isfinite(w[:, ::2])].astype(np.float64)  # [1, -3, 2] and one inf
+    assert (shown.stats["nan"], shown.stats["posinf"], shown.stats["max"]) == (0, 1, finite.max())
+    assert report.nonfinite == ["default/w"]
+    assert main(["inspect", str(tmp_path / "w.npz"), "--show", "w[:, ::2]", "--stats", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(report.to_json()))
+    source = (Path(main.__code__.co_filename).parent / "inspect.py").read_text()
+    assert "array_stats" not in source and "json_object" not in source and "np.array2string" not in source
+
+
+def test_show_stats_line_counts_the_nonfinite_elements(tmp_path, capsys):
+    # The default statistic columns end with `nonfinite` (nan + posinf + neginf); --show's line left it out.
+    np.savez(tmp_path / "w.npz", w=np.array([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32))
+    assert main(["inspect", str(tmp_path / "w.npz"), "--show", "w", "--stats"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "stats: mean=1.5  std=0.5  min=1  max=2  nonfinite=3"

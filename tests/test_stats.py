@@ -172,3 +172,21 @@ def test_peak_memory_is_bounded_by_blocks_not_file(tmp_path):
     assert count == n
     grown_mib = (peak_kib - base_kib) / 1024
     assert grown_mib < 32, f"stats of a 256 MiB file grew the process by {grown_mib:.0f} MiB"
+
+
+def test_the_nonfinite_sum_is_written_once():
+    # Issue 36: nan + posinf + neginf was summed in four places (the table's column, the statistics accumulator,
+    # `plot --stats`, `inspect --show`); shared.rows.nonfinite_count is the one.
+    import pathlib
+    import re
+
+    import treetools
+    from treetools.shared.rows import NONFINITE_COUNTS, nonfinite_count
+
+    package = pathlib.Path(treetools.__file__).parent
+    written = re.compile(r"""nan\W{1,12}\+\W{0,12}\w*\W{0,4}posinf|\("nan", "posinf", "neginf"\)""")
+    found = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py") if written.search(p.read_text()))
+    assert found == ["shared/rows.py"]
+    assert NONFINITE_COUNTS == ("nan", "posinf", "neginf")
+    x = np.array([np.nan, np.inf, -np.inf, -np.inf, 1.0])
+    assert nonfinite_count(array_stats(x)) == int(np.count_nonzero(~np.isfinite(x))) == 4

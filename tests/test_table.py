@@ -244,3 +244,29 @@ def test_a_box_placed_on_one_device_shows_where_it_is_not_its_names(devices):
             held[shard.device.id] += shard.data.size
     assert max(held.values()) == 36
     assert tt.get_num_params(tree, per_device=True, mesh=mesh) == 36 + 4
+def test_one_renderer_of_rows_for_tabulate_params_inspect_and_diff(tmp_path, capsys):
+    # Issue 36: shared/render.py and commands/text.py each had their own footer, tree and row cells.
+    import pathlib
+
+    from treetools.cli import main
+    from treetools.shared.render import footer, render_tree
+    from treetools.shared.rows import Row, totals
+
+    package = pathlib.Path(tt.__file__).parent
+    sources = {p.relative_to(package).as_posix(): p.read_text() for p in package.rglob("*.py")}
+    assert [name for name, text in sources.items() if '"Total: ' in text or "f\"Total: " in text] == ["shared/render.py"]
+    for name, text in sources.items():
+        for own in ("def _footer", "def _render_tree", "def _shape_cell", "def _table_data"):
+            assert own not in text, (name, own)
+    # The same rows print the same lines in inspect's tree (which adds the bytes) and tabulate_params' renderer.
+    np.savez(tmp_path / "w.npz", **{"enc/w": np.ones((2, 3), np.float32), "enc/b": np.zeros(3, np.float32),
+                                    "head": np.ones(4, np.int8)})
+    assert main(["inspect", str(tmp_path / "w.npz"), "--format", "tree"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [Row(("enc", "w"), (2, 3), "float32", 6, 24), Row(("enc", "b"), (3,), "float32", 3, 12),
+            Row(("head",), (4,), "int8", 4, 4)]
+    section = out[out.index("[default]") + 1:]
+    want = render_tree(rows, label="params", sizes=True).splitlines() + \
+        footer(totals(rows), label="params").splitlines()
+    assert section == want
+    assert section[:2] == ["enc/  9 params, 36 B", "  w (2, 3) float32  6 params, 24 B"]

@@ -131,6 +131,9 @@ _EXPORTS = {  # public name -> module under treetools
     "inspect_path": "commands.report",
     "diff_paths": "commands.diff",
     "convert": "commands.convert",
+    # figures (matplotlib: the plot extra)
+    "plot_metrics": "commands.plot",
+    "plot_stats": "commands.plot",
     # errors
     "CheckpointError": "shared.errors",
     "CheckpointMismatchError": "shared.errors",
@@ -138,6 +141,7 @@ _EXPORTS = {  # public name -> module under treetools
     "StepDeletedError": "shared.errors",
     "PatternError": "shared.errors",
     "RulesError": "shared.errors",
+    "UsageError": "shared.errors",
     # rules: rename, drop, cast, transpose, stack/unstack a checkpoint's leaves
     "Rules": "rules.spec",
 }
@@ -172,9 +176,11 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         PatternError,
         RulesError,
         StepDeletedError,
+        UsageError,
     )
     from treetools.commands.convert import convert
     from treetools.commands.diff import diff_paths
+    from treetools.commands.plot import plot_metrics, plot_stats
     from treetools.commands.report import inspect_path
     from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
     from treetools.pytree.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn

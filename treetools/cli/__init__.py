@@ -8,30 +8,35 @@ jax nor numpy. Each subcommand module provides ``add_arguments(parser)`` and
 Exit codes: 0 ok; 1 a known error (one ``treetools: error: ...`` line on
 stderr, no traceback); 2 usage; 3 non-finite values under
 ``--fail-on-nonfinite``. ``diff`` follows GNU diff: 0 same, 1 different, 2
-trouble. Known errors are mapped by type (``treetools.shared.errors``, missing files,
-a missing optional dependency); any other exception is a bug and keeps its
-traceback. A reader that closes stdout early (``| head``) changes no exit code:
-the command runs to its end, its later output dropped.
+trouble. Known errors are mapped by type (``treetools.shared.errors``,
+missing files, a missing optional dependency): a ``UsageError``, raised by a
+command or by the library where it takes the same argument, is a usage error
+(exit 2, also for ``diff``); any other exception is a bug and keeps its
+traceback. An error with several problems is one line per problem (the
+first 20 and a count), and a command asked for ``--format json`` also prints
+it as one JSON object on stdout (``error_object``). A reader that closes
+stdout early (``| head``) changes no exit code: the command runs to its end, its later output dropped; the process's
+streams are never replaced or redirected while a command runs.
 
 The program is ``run()`` (the ``treetools`` script and ``python -m
-treetools``); ``main()`` is the same command line for Python callers.
+treetools``), which ends the process with ``sys.exit``; ``main()`` is the
+same command line for Python callers.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import importlib
+import json
 import os
 import sys
-import threading
-import traceback
 from typing import NoReturn, Sequence
 
 import treetools
 from treetools.cli import _args, _output
-from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError
+from treetools.shared.render import json_object
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError, UsageError
 
 
 PROG = "treetools"
@@ -47,10 +52,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-READ_ONLY = frozenset({"inspect", "diff", "verify"})
-"""The commands that write nothing: they end without Python's teardown of the modules they loaded (``run``)."""
-
-
 def _command_of(argv: Sequence[str]) -> str | None:
     """The subcommand named in ``argv`` (the first word that is one), if any."""
     for word in argv:
@@ -61,14 +62,28 @@ def _command_of(argv: Sequence[str]) -> str | None:
     return None
 
 
+class _UsageExit(SystemExit):
+    """argparse's usage error (exit 2), with its message kept for the ``--format json`` error object."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+
 class _CommandParser(argparse.ArgumentParser):
     """A subcommand's parser, whose epilog may be a function: called when the help is printed, not on every run
-    (``inspect``'s list of formats reads each format module's source)."""
+    (``inspect``'s list of formats reads each format module's source); its usage errors are argparse's own (the
+    usage line, then ``PROG: error: MESSAGE``, exit 2), the message kept (``_UsageExit``)."""
 
     def format_help(self) -> str:
         if callable(self.epilog):
             self.epilog = self.epilog()
         return super().format_help()
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self._print_message(f"{self.prog}: error: {message}\n", sys.stderr)
+        raise _UsageExit(message)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -105,9 +120,66 @@ KNOWN_ERRORS: tuple[type, ...] = (CheckpointError, CheckpointNotFoundError, Patt
 """Exception types that are the user's input, not a bug: reported as one line. Anything else keeps its traceback."""
 
 
+ERROR_SCHEMA = 1
+"""Version of the ``--format json`` error object (``error_object``, docs/json-schema.md)."""
+
+
+def error_object(e: BaseException | str, exit_code: int, *, usage: bool) -> dict:
+    """What a command asked for ``--format json`` prints on stdout when it fails with a known or usage error: one
+    object, ``"error"`` the message of the ``treetools: error:`` line (for an error with several problems, its
+    header, with every problem in ``"problems"`` and the common fix in ``"hint"``), the exit code, and whether it is
+    a usage error.
+
+    >>> error_object(UsageError("--step all is for `inspect`"), 2, usage=True)
+    {'schema': 1, 'error': '--step all is for `inspect`', 'exit_code': 2, 'usage': True}
+    """
+    problems = getattr(e, "problems", None)
+    header = getattr(e, "header", None)
+    if isinstance(problems, list) and len(problems) > 1 and isinstance(header, str):
+        fields = {"error": header, "problems": [str(p) for p in problems]}
+        if getattr(e, "hint", None) is not None:
+            fields["hint"] = str(e.hint)  # type: ignore[union-attr]
+    else:
+        fields = {"error": e if isinstance(e, str) else " ".join(error_text(e).split())}
+    return json_object(ERROR_SCHEMA, {**fields, "exit_code": exit_code, "usage": usage})
+
+
+def _takes_format(parser: argparse.ArgumentParser, command: str) -> bool:
+    """Whether ``command``'s parser has a ``--format`` option (argparse keeps its parsers in private fields)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            sub = action.choices.get(command)
+            return sub is not None and "--format" in sub._option_string_actions
+    return False
+
+
+def _asks_json(argv: Sequence[str], args: argparse.Namespace | None = None) -> bool:
+    """Whether the command line asks for ``--format json`` (read from ``argv`` where parsing failed)."""
+    if args is not None:
+        return getattr(args, "format", None) == "json"
+    for i, word in enumerate(argv):
+        name, eq, value = word.partition("=")
+        if len(name) >= 4 and "--format".startswith(name) and name.startswith("--fo"):  # argparse takes "--form"
+            if (value if eq else (argv[i + 1] if i + 1 < len(argv) else None)) == "json":
+                return True
+    return False
+
+
 def _error(message: str) -> int:
     _output.error(message)
     return 1
+
+
+def report_error(e: BaseException, *, prog: str = PROG) -> None:
+    """A known error on stderr: its one line, or for an error with several problems (``problems``, ``header``,
+    ``hint``: ``RulesError``, ``CheckpointMismatchError``) its header, one line per problem (the first
+    ``_output.MOST_PROBLEMS`` and a count) and the fix."""
+    problems = getattr(e, "problems", None)
+    header = getattr(e, "header", None)
+    if isinstance(problems, list) and len(problems) > 1 and isinstance(header, str):
+        _output.error(header, prog=prog, problems=[str(p) for p in problems], hint=getattr(e, "hint", None))
+    else:
+        _output.error(error_text(e), prog=prog)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> argparse.Namespace:
@@ -133,37 +205,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``treetools`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code.
 
     Never raises ``SystemExit``: ``--help`` returns 0, a usage error 2. ``treetools`` alone prints the help (on
-    stderr: no command is a usage error, exit 2).
+    stderr: no command is a usage error, exit 2). A reader that closes stdout early changes no exit code
+    (``_output``); the process's streams are left as they are.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     command = _command_of(argv)
+    try:
+        with _output.session():  # `| head`: the command still ends with its own exit code
+            return _main(argv, command)
+    except _output.OutputError as e:  # stdout cannot be written: said on stderr if it can be
+        _error(str(e))
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.stderr.flush()
+        return 2 if command == "diff" else 1
+
+
+def _main(argv: list[str], command: str | None) -> int:
+    """Parse, run the command, map its known errors to exit codes: on stderr always, and on stdout too as one
+    JSON object (``error_object``) when the command was asked for ``--format json``."""
     try:
         parser = build_parser(command)
         if not argv:
             parser.print_help(sys.stderr)
             return 2
         args = _parse(parser, argv, command)
+    except _UsageExit as e:
+        if command is not None and _takes_format(parser, command) and _asks_json(argv):
+            _output.out(json.dumps(error_object(e.message, 2, usage=True)))
+        return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     try:
-        with _output.readers_may_leave():  # `| head`: the command still ends with its own exit code
-            code = args._main(args)
+        code = args._main(args)
     except KeyboardInterrupt:
         return 130
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except _output.OutputError as e:  # stdout cannot be written: said on stderr if it can be
-        with contextlib.suppress(OSError):
-            _error(str(e))
-            sys.stderr.flush()
-        return 2 if command == "diff" else 1
+    except UsageError as e:  # arguments that cannot work together, found by the command or the library: exit 2
+        if os.environ.get("TREETOOLS_DEBUG"):
+            raise
+        _output.error(e, prog=f"{PROG} {command}")
+        return _json_error(args, e, 2, usage=True)
     except KNOWN_ERRORS + ((ValueError,) if command in ("plot", "train") else ()) as e:
         # Known problems with what the user gave: one line, exit 1 (diff: 2, GNU diff's "trouble").
         if os.environ.get("TREETOOLS_DEBUG"):
             raise
-        _error(error_text(e))
-        return 2 if command == "diff" else 1
+        report_error(e)
+        return _json_error(args, e, 2 if command == "diff" else 1, usage=False)
     return int(code or 0)
+
+
+def _json_error(args: argparse.Namespace, e: BaseException, code: int, *, usage: bool) -> int:
+    """``code``, after the error object on stdout where ``--format json`` was asked (stdout then never stays empty)."""
+    if _asks_json((), args):
+        _output.out(json.dumps(error_object(e, code, usage=usage)))
+    return code
 
 
 def error_text(e: BaseException) -> str:
@@ -174,50 +270,14 @@ def error_text(e: BaseException) -> str:
 
 
 def run() -> NoReturn:
-    """The ``treetools`` program: ``main()`` on ``sys.argv``, then the process ends with its exit code.
+    """The ``treetools`` program: ``main()`` on ``sys.argv``, then the process ends with its exit code
+    (``sys.exit``, Python's ordinary exit).
 
-    A command that writes nothing (``READ_ONLY``) ends without Python's
-    teardown of every module it loaded, which takes longer than reading a
-    small checkpoint's metadata: 20-30 ms once numpy and TensorStore are
-    loaded. Only when treetools is the whole program (``_alone``); what
-    Python's exit does that anyone can see is done as it does it
-    (``_end_now``). Every other command, and ``main()`` called from Python,
-    ends the ordinary way.
+    A stream whose reader left during the command (``| head``) is let go of
+    first (``_output.let_go``), so what Python still holds for it goes nowhere
+    and the exit code stays the command's.
     """
-    argv = sys.argv[1:]
-    code = main(argv)
-    if _command_of(argv) in READ_ONLY and _alone():
-        _end_now(code)
-    raise SystemExit(code)
-
-
-def _alone() -> bool:
-    """Whether the treetools program is this process's main program with nothing watching it: the ``__main__``
-    module is the script (or ``treetools/__main__.py``) that called ``run``, and there is no ``python -i``, no
-    debugger, profiler or tracer (``python -m cProfile|pdb -m treetools ...``), and no ``runpy`` call from another
-    program, each of which expects the process to go on after the command."""
-    return (getattr(sys.modules.get("__main__"), "run", None) is run and not sys.flags.interactive
-            and sys.gettrace() is None and sys.getprofile() is None and "bdb" not in sys.modules)
-
-
-def _end_now(code: int) -> None:
-    """End the process as Python's exit would, less tearing the modules down: the atexit handlers run, stdout and
-    stderr are flushed, and a flush that fails is reported and makes the exit code 120, all as ``Py_FinalizeEx``
-    does. Returns (and the caller exits the ordinary way) while a thread Python's exit would wait for is alive."""
-    main_thread = threading.main_thread()
-    run_exit_handlers = getattr(atexit, "_run_exitfuncs", None)
-    if run_exit_handlers is None or any(t is not main_thread and not t.daemon for t in threading.enumerate()):
-        return
-    run_exit_handlers()
-    for stream in (sys.stdout, sys.stderr):
-        if stream is None:  # closed when the process started
-            continue
-        try:
-            stream.flush()
-        except Exception as e:  # noqa: BLE001 -- reported in Python's own words, and the exit code is its 120
-            if stream is sys.stdout and sys.stderr is not None:
-                with contextlib.suppress(Exception):
-                    sys.stderr.write(f"Exception ignored in: {stream!r}\n{traceback.format_exception_only(e)[-1]}")
-                    sys.stderr.flush()
-            code = 120
-    os._exit(code)
+    code = main(sys.argv[1:])
+    for name in sorted(_output.current.left):
+        _output.let_go(name)
+    sys.exit(code)

@@ -7,11 +7,15 @@ only through here: data lines with their own line structure kept
 screen, reorder a line (U+202E) nor forge a second ``treetools: note:`` line.
 
 A reader that goes away (``treetools diff ... | head -1``) never changes a
-command's exit code: ``readers_may_leave`` makes a write to a closed stdout
-or stderr a no-op, so the command finishes and returns what it found (diff:
-1 when different), with no traceback and no "Exception ignored" at exit. A
-write that fails otherwise (a full disk) stops the command with one line,
-``OutputError``.
+command's exit code: a write that finds stdout or stderr closed by its reader
+(``BrokenPipeError``) is dropped, and so is every later write to that stream
+in the same command, which finishes and returns what it found (diff: 1 when
+different), with no traceback. A write to stdout that fails otherwise (a full
+disk) stops the command with one line, ``OutputError``. The streams
+themselves are never replaced or redirected here: ``Session`` only records
+what happened to them during one ``treetools.cli.main()`` call, and the
+``treetools`` program (``treetools.cli.run``), which owns the process, lets go
+of a stream whose reader left just before it exits (``let_go``).
 
 Standard library and ``treetools.shared.render`` only: parsers are built before any heavy import.
 """
@@ -19,103 +23,118 @@ Standard library and ``treetools.shared.render`` only: parsers are built before 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
-from typing import Any, Callable, Iterator, TextIO
+from typing import Any, Iterator, Sequence
 
 from treetools.shared.render import one_line, safe_text
 
 PROG = "treetools"
 
 
-def out(text: Any) -> None:
-    """Data on stdout: ``text`` with its own newlines kept and every other control character escaped."""
-    print(safe_text(text, lines=True))
-
-
-def error(message: Any, *, prog: str = PROG) -> None:
-    """``<prog>: error: <message>`` on stderr, one escaped line."""
-    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
-
-
-def note(message: Any) -> None:
-    """``treetools: note: <message>`` on stderr, one escaped line."""
-    print(f"{PROG}: note: {one_line(message)}", file=sys.stderr)
-
-
-def warning(message: Any) -> None:
-    """``treetools: <message>`` on stderr, one escaped line (a summary such as the non-finite leaves)."""
-    print(f"{PROG}: {one_line(message)}", file=sys.stderr)
-
-
 class OutputError(Exception):
     """stdout cannot be written (a full disk, an I/O error): the command stops with this one line."""
 
 
-class _LeavingReader:
-    """A text stream whose reader may close it: the first write that finds it closed (``BrokenPipeError``) turns
-    this and every later write into a no-op, and the stream's descriptor into ``/dev/null`` (what the stream still
-    buffers, and Python's flush at exit, go nowhere instead of raising). Any other failed write (``> /dev/full``)
-    does the same, and on stdout raises ``OutputError``: the command stops there, with one line (on stderr,
-    diagnostics are dropped and the command's output and exit code kept). Everything else is the stream's own."""
+@dataclasses.dataclass
+class Session:
+    """What happened to stdout and stderr during one command: the names of the streams whose reader left (or
+    whose writes failed otherwise), from then on written no more; ``failed``: a stdout write failed other than by
+    its reader leaving (reported once, as ``OutputError``)."""
 
-    def __init__(self, stream: TextIO, name: str):
-        self._stream, self._name = stream, name
-        self.closed_by_reader = False
+    left: set[str] = dataclasses.field(default_factory=set)
+    failed: bool = False
 
-    def write(self, text: str) -> int:
-        self._unless_left(self._stream.write, text)
-        return len(text)
 
-    def flush(self) -> None:
-        self._unless_left(self._stream.flush)
-
-    def _unless_left(self, op: Callable[..., Any], *args: Any) -> None:
-        """``op(*args)`` on the stream while its reader is there; a write that fails makes the reader gone."""
-        if self.closed_by_reader:
-            return
-        try:
-            op(*args)
-        except BrokenPipeError:
-            self._reader_left()
-        except OSError as e:
-            self._reader_left()
-            if self._name == "stdout":
-                raise OutputError(f"cannot write to stdout ({e.strerror or e}).") from None
-
-    def _reader_left(self) -> None:
-        self.closed_by_reader = True
-        try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(devnull, self._stream.fileno())
-            finally:
-                os.close(devnull)
-        except (OSError, ValueError, AttributeError):  # no descriptor of its own (a test's capture)
-            pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
+current = Session()
+"""The session of the latest ``session()`` (the last command run in this process)."""
 
 
 @contextlib.contextmanager
-def readers_may_leave() -> Iterator[None]:
-    """Around a command: writes to stdout and stderr after their reader closed them (``| head``) are dropped.
+def session() -> Iterator[Session]:
+    """Around one command: a fresh ``Session``; at the end, stdout and stderr flushed under the same rule.
 
-    The command runs to its end and its exit code is the one it returns, whoever stopped reading; everything
-    written is flushed before leaving, under the same rule.
+    Raises:
+      OutputError: the final flush of stdout failed other than by its reader leaving.
     """
-    saved = sys.stdout, sys.stderr
-    # None: the descriptor was closed when the process started (`>&-`); print() then writes nowhere, as after a
-    # reader left.
-    sys.stdout, sys.stderr = (None if s is None else _LeavingReader(s, name)  # type: ignore[assignment]
-                              for s, name in zip(saved, ("stdout", "stderr")))
+    global current
+    current = Session()
     try:
-        yield
+        yield current
     finally:
+        for name in ("stdout", "stderr"):
+            _guarded(name, "flush")
+
+
+def _guarded(name: str, op: str, *args: Any) -> None:
+    """``getattr(sys.<name>, op)(*args)`` unless that stream's reader left; a failure makes it left."""
+    stream = getattr(sys, name)
+    if stream is None or name in current.left:  # None: closed when the process started (`>&-`)
+        return
+    try:
+        getattr(stream, op)(*args)
+    except BrokenPipeError:
+        current.left.add(name)
+    except OSError as e:
+        current.left.add(name)
+        if name == "stdout":  # on stderr, diagnostics are dropped and the command's output and exit code kept
+            current.failed = True
+            raise OutputError(f"cannot write to stdout ({e.strerror or e}).") from None
+
+
+def out(text: Any, *, flush: bool = False) -> None:
+    """Data on stdout: ``text`` with its own newlines kept and every other control character escaped."""
+    _guarded("stdout", "write", safe_text(text, lines=True) + "\n")
+    if flush:
+        _guarded("stdout", "flush")
+
+
+def _diagnostic(line: str) -> None:
+    _guarded("stderr", "write", line + "\n")
+
+
+MOST_PROBLEMS = 20
+"""An error with more problems than this shows the first ones and a count of the rest."""
+
+
+def error(message: Any, *, prog: str = PROG, problems: Sequence[Any] = (), hint: Any = None) -> None:
+    """``<prog>: error: <message>`` on stderr, one escaped line; then, for an error with several problems (a
+    ``RulesError``, a ``CheckpointMismatchError``), one indented line per problem, the first ``MOST_PROBLEMS`` and
+    a count of the rest, and the fix common to them all.
+
+    Every line is escaped on its own and the ones after the first are indented, so a name read from a checkpoint
+    can neither break a line nor start one that reads as treetools' own.
+    """
+    _diagnostic(f"{prog}: error: {one_line(message)}")
+    for problem in problems[:MOST_PROBLEMS]:
+        _diagnostic(f"  {one_line(problem)}")
+    if len(problems) > MOST_PROBLEMS:
+        _diagnostic(f"  ... and {len(problems) - MOST_PROBLEMS:,} more ({len(problems):,} problems in all)")
+    if problems and hint is not None:
+        _diagnostic(f"  {one_line(hint)}")
+
+
+def note(message: Any) -> None:
+    """``treetools: note: <message>`` on stderr, one escaped line."""
+    _diagnostic(f"{PROG}: note: {one_line(message)}")
+
+
+def warning(message: Any) -> None:
+    """``treetools: <message>`` on stderr, one escaped line (a summary such as the non-finite leaves)."""
+    _diagnostic(f"{PROG}: {one_line(message)}")
+
+
+def let_go(name: str) -> None:
+    """At the end of the program only: point the stream's descriptor at ``/dev/null``, so what Python still holds
+    for a reader that left goes nowhere at exit (Python's own advice for SIGPIPE), instead of a second error and
+    exit code 120. Never called by ``main()``: a Python caller's streams stay as they are."""
+    stream = getattr(sys, name)
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
         try:
-            for stream in (sys.stdout, sys.stderr):
-                if stream is not None:
-                    stream.flush()
+            os.dup2(devnull, stream.fileno())
         finally:
-            sys.stdout, sys.stderr = saved
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no descriptor of its own
+        pass

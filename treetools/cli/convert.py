@@ -86,36 +86,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools convert --help` does not need.
-    from treetools.ckpt.writers.safetensors import parse_size
     from treetools.commands.convert import convert
     from treetools.commands.options import ConvertOptions
     from treetools.commands.text import render_convert
 
-    def usage(message: str) -> int:
-        _output.error(message, prog="treetools convert")
-        return 2
-
-    if args.step is not None and args.step != "latest" and args.step < 0 and args.step != -1:
-        return usage(f"--step {args.step}: a step is a number >= 0, or latest")
-    try:
-        parse_size(args.shard_size)
-    except ValueError as e:
-        return usage(f"--shard-size: {e}")
-    if args.to == "orbax" and args.dst.lower().endswith(".safetensors"):
-        return usage(f"--to orbax writes a folder; {args.dst} names a .safetensors file")
-    if args.dst_step is not None and args.to != "orbax":
-        return usage("--dst-step writes a step of an Orbax manager root; add --to orbax")
-    if args.dst_step is not None and args.dst_step < 0:
-        return usage(f"--dst-step {args.dst_step}: a step is a number >= 0")
-    try:
-        rules = rules_from(args)
-    except (ValueError, TypeError, OSError) as e:  # a flag or rules file that does not parse: usage
-        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
-        return usage(" ".join(what.split()))
-    options = options_from(args, ConvertOptions, rules=rules, metadata=dict(args.metadata))
+    # Arguments that cannot work together (--to orbax with a .safetensors DST, --step all...) are the library's
+    # UsageError (exit 2), checked before anything is read.
+    options = options_from(args, ConvertOptions, rules=rules_from(args), metadata=dict(args.metadata))
     report = convert(args.src, args.dst, options)
     for note in report.notes:
         _output.note(note)
     _output.out(render_convert(report, args.format))
     return 0 if report.ok else 1
-

@@ -80,6 +80,7 @@ from treetools.cli.options import (
     options_from,
     rules_from,
 )
+from treetools.shared.errors import UsageError
 from treetools.shared.rows import VALUE_SORTS
 
 
@@ -109,26 +110,15 @@ def main(args: argparse.Namespace) -> int:
     from treetools.commands.options import DiffOptions
     from treetools.commands.text import render_diff
 
-    def usage(message: str) -> int:
-        _output.error(message, prog="treetools diff")
-        return 2
-
     steps = list(args.step)
     if len(steps) > 2:
-        return usage("--step may be given at most twice (A's step, then B's)")
-    if "all" in steps:
-        return usage("--step all is for `inspect`; diff compares one step with another")
+        raise UsageError("--step may be given at most twice (A's step, then B's)")
     if args.b is None and len(steps) != 2:
-        return usage("with one checkpoint, give two steps: treetools diff RUN --step 100 --step 200")
-    if args.sort in VALUE_SORTS and not args.values:
-        return usage(f"--sort {args.sort} orders the value comparisons; add --values")
-    try:
-        rules = rules_from(args)
-    except (ValueError, TypeError) as e:
-        return usage(str(e))  # a malformed rules flag or file
+        raise UsageError("with one checkpoint, give two steps: treetools diff RUN --step 100 --step 200")
+    # --step all, a value sort without --values: the library's UsageError (exit 2), before anything is read.
     options = options_from(args, DiffOptions, step=steps[0] if len(steps) == 1 else None,
                            step_a=steps[0] if len(steps) == 2 else None, step_b=steps[1] if len(steps) == 2 else None,
-                           rules=rules)
+                           rules=rules_from(args))
     report = diff_paths(args.a, args.b if args.b is not None else args.a, options)
     for note in report.notes:
         _output.note(note)

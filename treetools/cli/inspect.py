@@ -47,7 +47,6 @@ pattern that matches nothing); 2 usage; 3 non-finite values found under
 from __future__ import annotations
 
 import argparse
-import json
 import textwrap
 
 from treetools.ckpt.formats import catalog
@@ -65,18 +64,13 @@ from treetools.cli.options import (
     options_from,
     rules_from,
 )
-from treetools.shared.errors import CheckpointError
-from treetools.shared.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, STAT_COLUMNS, json_object, jsonable, safe_text
+from treetools.shared.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, STAT_COLUMNS, safe_text
 from treetools.shared.rows import STATS
 
 FORMATS = ("table", "json", "markdown", "tree")
 
 ROWS_PER_ITEM = 15
 """The default view groups each item at the deepest level that keeps it to this many rows."""
-
-SHOW_THRESHOLD = 200
-"""``--show`` prints at most about this many elements (numpy's summarization with ``...`` beyond)."""
-
 
 def formats_help(width: int = 79) -> str:
     """The formats PATH may be, one paragraph each, from the format registry (``treetools.ckpt.formats.catalog``,
@@ -133,48 +127,16 @@ def stat_columns(text: str) -> tuple[str, ...]:
 
 def _show(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools inspect --help` does not need.
-    import numpy as np
+    from treetools.commands.show import show_report
+    from treetools.commands.text import render_show
 
-    from treetools.ckpt.readers import is_numeric
-    from treetools.commands.show import show_values
-    from treetools.commands.stats import array_stats
-    from treetools.shared.render import format_stat
-
-    try:
-        rules = rules_from(args)
-        shown = show_values(args.path, args.show, step=args.step, item=args.item, memory_budget=args.memory_budget,
-                            prefix=args.prefix, rules=rules)
-    except (ValueError, TypeError) as e:
-        if isinstance(e, CheckpointError):
-            raise
-        _output.error(f"--show: {e}", prog="treetools inspect")  # a bad index or rules flag: usage
-        return 2
-    stats = args.stats or args.fail_on_nonfinite or args.stats_columns is not None
-    columns = args.stats_columns or DEFAULT_STAT_COLUMNS
-    entries, lines, nonfinite = [], [], []
-    for s in shown:
-        numeric = s.is_array and is_numeric(s.value.dtype)
-        values = array_stats(s.value) if stats and s.is_array and s.value.size and numeric else None
-        if values is not None and values["nan"] + values["posinf"] + values["neginf"]:
-            nonfinite.append(s.path if s.step is None else f"step {s.step}: {s.path}")
-        entry = {"step": s.step, "path": s.path, "value": jsonable(s.value)}
-        entries.append(entry if values is None else {**entry, "stats": jsonable(values)})
-        where = safe_text(s.path) + ("" if s.step is None else f" (step {s.step})")
-        if s.is_array:
-            lines.append(f"{where}: shape {tuple(s.value.shape)}, {s.value.dtype}")
-            with np.printoptions(threshold=SHOW_THRESHOLD, edgeitems=3, linewidth=100):
-                lines.append(safe_text(np.array2string(s.value), lines=True))
-        else:
-            lines.append(f"{where}: {safe_text(json.dumps(jsonable(s.value), default=str))}")
-        if values is not None:
-            lines.append("stats: " + "  ".join(f"{c}={format_stat(values[c])}" for c in columns if c in values))
-    if args.format == "json":
-        body = entries[0] if args.step != "all" else {"steps": entries}
-        _output.out(json.dumps(json_object(1, body), default=str))  # NaN/Inf as null, as every command's JSON
-    else:
-        _output.out("\n".join(lines))
-    if args.fail_on_nonfinite and nonfinite:
-        _output.warning(f"non-finite values in {', '.join(safe_text(n, width=CELL_WIDTH) for n in nonfinite[:5])}")
+    # A bad index is the library's UsageError (exit 2).
+    report = show_report(args.path, args.show, step=args.step, item=args.item, memory_budget=args.memory_budget,
+                         prefix=args.prefix, rules=rules_from(args),
+                         stats=args.stats or args.fail_on_nonfinite or args.stats_columns is not None)
+    _output.out(render_show(report, args.format, stat_columns=args.stats_columns or DEFAULT_STAT_COLUMNS))
+    if args.fail_on_nonfinite and report.nonfinite:
+        _output.warning(f"non-finite values in {', '.join(safe_text(n, width=CELL_WIDTH) for n in report.nonfinite[:5])}")
         return 3
     return 0
 
@@ -187,11 +149,7 @@ def main(args: argparse.Namespace) -> int:
     from treetools.commands.report import inspect_path
     from treetools.commands.text import render_report
 
-    try:
-        rules = rules_from(args)
-    except (ValueError, TypeError) as e:
-        _output.error(e, prog="treetools inspect")  # a malformed flag: usage
-        return 2
+    rules = rules_from(args)
     summary = args.format in ("table", "markdown") and args.depth is None and not args.leaves
     # --fail-on-nonfinite and --stats-columns imply --stats
     stats = args.stats or args.fail_on_nonfinite or args.stats_columns is not None

@@ -15,12 +15,17 @@ from typing import Any, Sequence, TypeVar
 
 from treetools.cli._args import chunk_mb, positive_float, positive_int, regex, step
 from treetools.rules.spec import FIELDS, Rules
+from treetools.shared.errors import UsageError
 
 _T = TypeVar("_T")
 
 
 def add_step(parser: argparse.ArgumentParser, *, allow_all: bool = True, twice: bool = False) -> None:
-    """``--step N|latest[|all]``; with ``twice``, once for both sides or twice for A then B."""
+    """``--step N|latest[|all]``; with ``twice``, once for both sides or twice for A then B.
+
+    ``allow_all=False`` only leaves ``all`` out of the help: the command's library function refuses it with a
+    ``UsageError`` (one line, exit 2), the one place that check is written.
+    """
     if twice:
         parser.add_argument("--step", type=step, action="append", default=[], metavar="N|latest",
                             help="step of a root (default latest; -1 is the latest too); once for both sides, "
@@ -112,10 +117,16 @@ def rules_from(args: argparse.Namespace) -> Rules | None:
     """The ``tt.Rules`` the rules flags say (None when none is given).
 
     Raises:
-      SystemExit(2) semantics are the caller's: a malformed flag raises ``ValueError``/``TypeError`` naming it.
+      UsageError: a malformed flag, or a rules file that cannot be read or parsed (the message names it).
     """
     given = {name: getattr(args, name) for name in ("rules_file", *FIELDS) if getattr(args, name, None)}
-    return Rules.from_cli(**given) if given else None
+    if not given:
+        return None
+    try:
+        return Rules.from_cli(**given)
+    except (ValueError, TypeError, OSError) as e:
+        what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else str(e)
+        raise UsageError(what) from None
 
 
 def options_from(args: argparse.Namespace, cls: type[_T], **fields: Any) -> _T:

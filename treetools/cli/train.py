@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from treetools.cli import _output
 from treetools.cli._args import positive_float, positive_int, unit_float
 
 
@@ -100,6 +101,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = TrainConfig(workdir=args.workdir, steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                       learning_rate=args.learning_rate, log_every=args.log_every, ckpt_every=args.ckpt_every,
                       freeze_embeddings=args.freeze_embeddings, ema_decay=args.ema_decay, resume=args.resume,
-                      quiet=args.quiet, norm_depth=args.norm_depth, model=ModelConfig(scan_layers=args.scan_layers))
+                      quiet=args.quiet, norm_depth=args.norm_depth, model=ModelConfig(scan_layers=args.scan_layers),
+                      log=lambda line: _output.out(line, flush=True))  # `| head`: training goes on, exit code kept
     train(cfg)
     return 0

@@ -42,6 +42,7 @@ from treetools.ckpt.items import params_of_step
 from treetools.ckpt.leaves import Item, Leaf
 from treetools.ckpt.opening import open_source
 from treetools.ckpt.source import Source
+from treetools.ckpt.steps import parse_step
 from treetools.ckpt.writers.orbax import check_orbax, write_orbax
 from treetools.ckpt.writers.safetensors import (
     Tensor,
@@ -50,7 +51,7 @@ from treetools.ckpt.writers.safetensors import (
     plan_layout,
     write_safetensors,
 )
-from treetools.shared.errors import CheckpointError
+from treetools.shared.errors import CheckpointError, UsageError
 from treetools.commands.options import ConvertOptions, resolve
 from treetools.commands.progress import Progress
 from treetools.shared.render import json_object
@@ -230,6 +231,41 @@ def _plan(src: str, opts: ConvertOptions, context: ReadContext) -> _Plan:
 # ---------------------------------------------------------------------------------------------- the command
 
 
+def check_arguments(dst: str, opts: ConvertOptions) -> str:
+    """The output format ``convert`` writes, once its arguments are known to work together.
+
+    Raises:
+      UsageError: an unknown ``to``; ``to="orbax"`` with a ``.safetensors`` destination; ``dst_step`` without
+        ``to="orbax"`` or below 0; a ``shard_size`` that is not a size; a ``step`` that is not one step.
+
+    >>> check_arguments("out.safetensors", ConvertOptions(step="all"))
+    Traceback (most recent call last):
+    ...
+    treetools.shared.errors.UsageError: --step all (`step='all'`): convert writes one step; pick one (--step N, or latest).
+    """
+    to = opts.to or "safetensors"
+    if to not in TARGETS:
+        raise UsageError(f"--to {opts.to} (`to`): one of {', '.join(TARGETS)}.")
+    if to == "orbax" and str(dst).lower().endswith(".safetensors"):
+        raise UsageError(f"--to orbax writes a folder; {dst} names a .safetensors file.")
+    if opts.dst_step is not None and to != "orbax":
+        raise UsageError("--dst-step (`dst_step`) writes a step of an Orbax manager root; add --to orbax (`to='orbax'`).")
+    if opts.dst_step is not None and (isinstance(opts.dst_step, bool) or not isinstance(opts.dst_step, int)
+                                      or opts.dst_step < 0):
+        raise UsageError(f"--dst-step {opts.dst_step} (`dst_step`): a step is a number >= 0.")
+    try:
+        parse_size(opts.shard_size)
+    except ValueError as e:
+        raise UsageError(f"--shard-size: {e}") from None
+    if opts.step == "all":
+        raise UsageError("--step all (`step='all'`): convert writes one step; pick one (--step N, or latest).")
+    try:
+        parse_step(opts.step)
+    except TypeError as e:
+        raise UsageError(f"--step: {e}") from None
+    return to
+
+
 def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fields: Any) -> ConvertReport:
     """Convert one item of one step of any checkpoint to safetensors or Orbax, streamed and atomic.
 
@@ -248,7 +284,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
       CheckpointError: the destination exists (without ``overwrite``) or is under the source; a dtype the
         destination cannot hold; an Orbax item over the memory budget; the errors of reading the source.
       RulesError: the rules do not fit the checkpoint (every problem, before anything is read).
-      ValueError: an unknown ``to``, a bad ``shard_size`` or ``metadata``.
+      UsageError: a ``ValueError``: arguments that cannot work (``check_arguments``), before anything is read.
 
     >>> import numpy as np, tempfile, os, safetensors.numpy
     >>> d = tempfile.mkdtemp(); np.savez(os.path.join(d, "w.npz"), **{"dense/kernel": np.ones((2, 3), np.float32)})
@@ -257,14 +293,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
     (True, ['dense.kernel'])
     """
     opts = resolve(ConvertOptions, options, fields)
-    to = opts.to or "safetensors"
-    if to not in TARGETS:
-        raise ValueError(f"`to` must be one of {', '.join(TARGETS)}; got {opts.to!r}.")
-    if to == "orbax" and str(dst).lower().endswith(".safetensors"):
-        raise ValueError(f"{dst}: a .safetensors destination is safetensors; drop --to orbax or name a folder.")
-    if opts.dst_step is not None and to != "orbax":
-        raise ValueError("`dst_step` writes a step of an Orbax manager root; it needs to='orbax'.")
-    parse_size(opts.shard_size)
+    to = check_arguments(dst, opts)
     metadata = {str(k): str(v) for k, v in dict(opts.metadata).items()}
     src_loc, dst_loc = _check_places(src, dst)
     context = opts.read_context()

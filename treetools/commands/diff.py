@@ -44,7 +44,7 @@ from treetools.ckpt.opening import open_source
 from treetools.ckpt.readers import bit_view, is_numeric
 from treetools.ckpt.source import Source
 from treetools.ckpt.stream import reduce_blocks
-from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, UsageError
 from treetools.commands.options import DEFAULT_ATOL, DEFAULT_RTOL, DiffOptions, resolve
 from treetools.commands.progress import Progress
 from treetools.shared.patterns import select_any
@@ -647,6 +647,24 @@ def sort_values(values: list[ValueDiff], by: str | None) -> list[ValueDiff]:
     return sorted(values, key=keys[by])
 
 
+def check_arguments(opts: DiffOptions) -> None:
+    """Refuse options that cannot work together, before anything is read.
+
+    Raises:
+      UsageError: a step of ``all`` (diff compares one step with another), or a value sort without ``values``.
+
+    >>> check_arguments(DiffOptions(sort="rel_l2"))
+    Traceback (most recent call last):
+    ...
+    treetools.shared.errors.UsageError: --sort rel_l2 (`sort='rel_l2'`) orders the value comparisons; add --values (`values=True`).
+    """
+    if "all" in (opts.step, opts.step_a, opts.step_b):
+        raise UsageError("--step all is for `inspect`; diff compares one step with another")
+    if opts.sort in VALUE_SORTS and not opts.values:
+        raise UsageError(f"--sort {opts.sort} (`sort={opts.sort!r}`) orders the value comparisons; add --values "
+                         "(`values=True`).")
+
+
 def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: Any) -> DiffReport:
     """Compare two checkpoints of any formats, or two steps of one run.
 
@@ -668,6 +686,9 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     Returns:
       A ``DiffReport``; ``DiffReport.identical`` says whether nothing differs.
 
+    Raises:
+      UsageError: options that cannot work together (``check_arguments``).
+
     >>> import numpy as np, tempfile, os
     >>> d = tempfile.mkdtemp(); fa, fb = os.path.join(d, "a.npz"), os.path.join(d, "b.npz")
     >>> np.savez(fa, w=np.ones(3, np.float32)); np.savez(fb, w=np.ones(4, np.float32), v=np.ones(1))
@@ -676,8 +697,7 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     (['v'], [['shape']], False)
     """
     opts = resolve(DiffOptions, options, fields)
-    if opts.sort in VALUE_SORTS and not opts.values:
-        raise ValueError(f"`sort={opts.sort!r}` orders the value comparisons; pass `values=True`.")
+    check_arguments(opts)
     row_sort = None if opts.sort in VALUE_SORTS else opts.sort  # added/removed leaves have no values
     step, step_a, step_b, item, include, exclude = opts.step, opts.step_a, opts.step_b, opts.item, opts.include, opts.exclude
     context = opts.read_context()

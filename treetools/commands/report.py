@@ -8,9 +8,10 @@ terminal table, markdown, an indented tree, or the versioned JSON object
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from treetools.ckpt.readers import is_numeric
 from treetools.ckpt.items import counts_params, item_argument, non_param_leaves, order_items, train_state_parts
@@ -163,16 +164,21 @@ def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence
     return out
 
 
-def _with_stats(rows: list[Row], accs: dict[tuple[str, ...], StatsAccumulator]) -> list[Row]:
-    """Attach statistics; a group row gets its members' streams merged."""
-    groups: dict[tuple[str, ...], StatsAccumulator] = {}
-    for r in rows:
-        members = [acc for path, acc in accs.items() if path[:len(r.path)] == r.path]
-        if members:
-            acc = members[0]
-            for other in members[1:]:
-                acc = acc.merge(other)
-            groups[r.path] = acc
+def _with_stats(rows: list[Row], accs: Mapping[tuple[str, ...], StatsAccumulator]) -> list[Row]:
+    """Attach statistics; a group row gets its members' streams merged, in leaf order.
+
+    Indexed by path prefix: each leaf is filed under every prefix of its path
+    that is a row (its own row, or the group holding it), so the work is
+    leaves x path depth, never rows x leaves (``--leaves --stats`` at 4,000
+    leaves).
+    """
+    wanted = {r.path for r in rows}
+    members: dict[tuple[str, ...], list[StatsAccumulator]] = {}
+    for path, acc in accs.items():
+        for k in range(len(path) + 1):
+            if path[:k] in wanted:
+                members.setdefault(path[:k], []).append(acc)
+    groups = {path: functools.reduce(lambda a, b: a.merge(b), found) for path, found in members.items()}
     return [dataclasses.replace(r, stats=groups[r.path].result()) if r.path in groups else r for r in rows]
 
 

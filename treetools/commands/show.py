@@ -18,15 +18,17 @@ import numpy as np
 
 from treetools.ckpt.mapping import map_items
 from treetools.ckpt.context import ReadContext
-from treetools.ckpt.readers import MemoryBudgetError, block_extent
 from treetools.ckpt.items import item_argument, part_holder
 from treetools.ckpt.leaves import Item, Leaf
 from treetools.ckpt.opening import open_source
+from treetools.ckpt.readers import MemoryBudgetError, block_extent, is_numeric
 from treetools.ckpt.source import Source
-from treetools.shared.errors import CheckpointNotFoundError
-from treetools.shared.patterns import nearby
-from treetools.shared.rows import human
+from treetools.commands.stats import array_stats
 from treetools.rules.spec import Rules
+from treetools.shared.errors import CheckpointNotFoundError, UsageError
+from treetools.shared.patterns import nearby
+from treetools.shared.render import json_object, jsonable
+from treetools.shared.rows import human, nonfinite_count
 
 
 def parse_leaf_spec(spec: str) -> tuple[str, tuple[Any, ...] | None]:
@@ -53,22 +55,77 @@ def parse_leaf_spec(spec: str) -> tuple[str, tuple[Any, ...] | None]:
             else:
                 index.append(int(part))
         except ValueError:
-            raise ValueError(f"`show` index {part!r} in {spec!r} is not an integer or a start:stop:step slice.") from None
+            raise UsageError(f"`show` index {part!r} in {spec!r} is not an integer or a start:stop:step slice.") from None
     return name, tuple(index)
+
+
+SCHEMA = 1
+"""Version of the ``inspect --show --format json`` object (``ShowReport.to_json``)."""
 
 
 @dataclasses.dataclass
 class Shown:
-    """What ``--show`` read: the step, the leaf as ``item/path``, the index asked for, and the values."""
+    """What ``--show`` read: the step, the leaf as ``item/path``, the index asked for, the values, and with
+    ``stats`` their statistics (``treetools.commands.stats.array_stats``; None for a non-numeric or empty value)."""
 
     step: int | None
     path: str
     index: tuple[Any, ...] | None
     value: Any
+    stats: dict[str, Any] | None = None
 
     @property
     def is_array(self) -> bool:
         return isinstance(self.value, np.ndarray)
+
+    @property
+    def label(self) -> str:
+        """``item/path``, with its step where it has one: ``step 200: params/w``."""
+        return self.path if self.step is None else f"step {self.step}: {self.path}"
+
+    def to_json(self) -> dict[str, Any]:
+        entry = {"step": self.step, "path": self.path, "value": jsonable(self.value)}
+        return entry if self.stats is None else {**entry, "stats": jsonable(self.stats)}
+
+
+@dataclasses.dataclass
+class ShowReport:
+    """What ``treetools inspect --show`` prints, as data: one ``Shown`` per step read (every committed step with
+    ``all_steps``). Rendered by ``treetools.commands.text.render_show``."""
+
+    shown: list[Shown]
+    all_steps: bool = False
+
+    @property
+    def nonfinite(self) -> list[str]:
+        """The shown values holding NaN or Inf, each as ``Shown.label`` (known only where ``stats`` was asked)."""
+        return [s.label for s in self.shown if s.stats is not None and nonfinite_count(s.stats)]
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"schema": 1, "step", "path", "value", "stats"}``, or ``{"schema": 1, "steps": [...]}`` for every step;
+        non-finite floats as ``null``."""
+        entries = [s.to_json() for s in self.shown]
+        return json_object(SCHEMA, {"steps": entries} if self.all_steps else entries[0])
+
+
+def show_report(path: str, spec: str, *, step: int | str | None = None, item: str | None = None,
+                memory_budget: float | None = None, prefix: str | None = None, rules: Rules | None = None,
+                stats: bool = False) -> ShowReport:
+    """``inspect --show``: ``show_values`` of one step or of every one (``step="all"``), each with its statistics
+    where ``stats`` asks (numeric, non-empty arrays; the same definitions as ``--stats``).
+
+    >>> import numpy as np, tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "w.npz"); np.savez(f, w=np.array([1.0, np.nan, 3.0]))
+    >>> report = show_report(f, "w", stats=True)
+    >>> report.nonfinite, report.shown[0].stats["max"], report.to_json()["value"]
+    (['default/w'], 3.0, [1.0, None, 3.0])
+    """
+    shown = show_values(path, spec, step=step, item=item, memory_budget=memory_budget, prefix=prefix, rules=rules)
+    if stats:
+        for s in shown:
+            if s.is_array and s.value.size and is_numeric(s.value.dtype):
+                s.stats = array_stats(s.value)
+    return ShowReport(shown, all_steps=step == "all")
 
 
 def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str | None = None,
@@ -93,6 +150,7 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
 
     Raises:
       CheckpointNotFoundError: no such leaf (the message names close paths), or a group of leaves.
+      UsageError: an index that is not one, has too many entries or is out of range; an index on a value.
 
     >>> import numpy as np, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "w.npz"); np.savez(f, w=np.arange(12).reshape(3, 4))
@@ -205,18 +263,18 @@ def find_leaf(source: Source, step: int | None, name: str, item: str | None = No
 def _read(source: Source, spec: str, item_name: str, leaf: Leaf, index: tuple[Any, ...] | None) -> Any:
     if leaf.reader is None:
         if index is not None:
-            raise ValueError(f"`{item_name}/{leaf.name}` is a value, not an array; drop the index.")
+            raise UsageError(f"`{item_name}/{leaf.name}` is a value, not an array; drop the index.")
         value = leaf.value
         return value.item() if isinstance(value, np.generic) else value
     shape = tuple(leaf.reader.shape)
     index = index if index is not None else ()
     if len(index) > len(shape):
-        raise ValueError(f"`show` index {spec!r} has {len(index)} entries for an array of shape {shape}.")
+        raise UsageError(f"`show` index {spec!r} has {len(index)} entries for an array of shape {shape}.")
     full: list[Any] = []
     for k, (ix, n) in enumerate(zip(index + (slice(None),) * (len(shape) - len(index)), shape)):
         if isinstance(ix, int):
             if not -n <= ix < n:
-                raise ValueError(f"`show` index {ix} is out of range for dimension {k} of size {n} in {spec!r}.")
+                raise UsageError(f"`show` index {ix} is out of range for dimension {k} of size {n} in {spec!r}.")
             full.append(slice(ix % n, ix % n + 1))
         else:
             full.append(slice(*ix.indices(n)) if ix.step in (None, 1) else slice(None))

@@ -21,7 +21,7 @@ from treetools.ckpt.context import DEFAULT_BLOCK_BYTES
 from treetools.ckpt.readers import ArrayReader
 from treetools.ckpt.stream import reduce_blocks
 from treetools.commands.progress import Progress
-from treetools.shared.rows import STAT_COUNTS, STATS
+from treetools.shared.rows import NONFINITE_COUNTS, STAT_COUNTS, STATS
 
 
 _PIECE_ELEMS = 1 << 19
@@ -187,7 +187,7 @@ class StatsAccumulator:
 
     @property
     def nonfinite(self) -> int:
-        return self.nan + self.posinf + self.neginf
+        return sum(getattr(self, k) for k in NONFINITE_COUNTS)
 
 
 def array_stats(array: Any, *, chunk_bytes: int = DEFAULT_BLOCK_BYTES) -> dict[str, Any]:

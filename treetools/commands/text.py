@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
 from tabulate import tabulate
 
 from treetools.commands.report import ItemReport, Report
@@ -17,9 +18,21 @@ from treetools.commands.report import ItemReport, Report
 if TYPE_CHECKING:  # annotations only: `inspect` does not load the diff, verify and convert commands
     from treetools.commands.convert import ConvertReport
     from treetools.commands.diff import DiffReport
+    from treetools.commands.show import ShowReport
     from treetools.commands.verify import VerifyRun
-from treetools.shared.render import (CELL_WIDTH, DEFAULT_STAT_COLUMNS, bytes_text, cut_paths, format_stat, jsonable,
-                                     safe_text, stat_value)
+from treetools.shared.render import (
+    CELL_WIDTH,
+    DEFAULT_STAT_COLUMNS,
+    bytes_text,
+    cut_paths,
+    footer,
+    format_stat,
+    jsonable,
+    render_tree,
+    row_cells,
+    safe_text,
+    stat_value,
+)
 from treetools.shared.rows import Row, Totals, format_count, format_shape, human
 
 
@@ -131,10 +144,11 @@ def _item_section(title: str, item: ItemReport, fmt: str, tablefmt: str, stats: 
     elif values and len(values) == len(item.rows) and {r.name for r in item.rows} <= set(values):
         body = [_render_values(values, md)]  # a JSON item, or scalars: their values are what they hold
     elif fmt == "tree":
-        body = [_render_tree(item.rows, item.label), _footer(item.total, item.label, md, item.not_params)]
+        body = [render_tree(item.rows, label=item.label, sizes=True),
+                footer(item.total, label=item.label, markdown=md, not_params=item.not_params)]
     else:
         table, dropped = _table(item.rows, item.label, stats, stat_columns, md, tablefmt, fit=fit)
-        body = [table, _footer(item.total, item.label, md, item.not_params)]
+        body = [table, footer(item.total, label=item.label, markdown=md, not_params=item.not_params)]
         if dropped:
             body.append(f"({', '.join(dropped)} left out to fit {WIDTH} columns; --leaves shows every column)")
         if values:
@@ -142,15 +156,6 @@ def _item_section(title: str, item: ItemReport, fmt: str, tablefmt: str, stats: 
     if md:  # markdown needs blank lines between a heading, a paragraph and a table
         return [line for part in [head, *body] if part for line in (part, "")][:-1]
     return [head, *body]
-
-
-def _shape_cell(r: Row) -> str:
-    """A leaf's shape; a group's leaf count, with the shape they all share: ``24 x (8, 8)``."""
-    if r.leaves == 1:
-        return format_shape(r.shape)
-    if r.leaf_shape is not None:
-        return f"{r.leaves} x {format_shape(r.leaf_shape)}"
-    return f"{r.leaves} leaves"
 
 
 DROPPED_TO_FIT = ("sharding", "bytes", "shape", "dtype")
@@ -165,16 +170,8 @@ def _table(rows: Sequence[Row], label: str, stats: bool, stat_columns: Sequence[
     out while the table is wider than ``WIDTH``; returns the table and the
     columns left out.
     """
-    headers = ["path", "shape", "dtype"]
-    headers += list(stat_columns) if stats else [label, "bytes", "sharding"]
-    data = []
-    for r in rows:
-        line = [safe_text(r.name, width=CELL_WIDTH), _shape_cell(r), safe_text(r.dtype or "")]
-        if stats:
-            line += ["" if r.stats is None else format_stat(stat_value(r.stats, k)) for k in stat_columns]
-        else:
-            line += [f"{r.params:,}", human(r.bytes, "B"), "" if r.sharding is None else safe_text(r.sharding)]
-        data.append(line)
+    headers, data = row_cells(rows, ["path", "shape_cell", "dtype",
+                                     *(stat_columns if stats else ["count", "bytes", "sharding"])], label=label)
     dropped: list[str] = []
     while True:
         keep = [i for i, h in enumerate(headers) if h not in dropped]
@@ -185,51 +182,6 @@ def _table(rows: Sequence[Row], label: str, stats: bool, stat_columns: Sequence[
         if not (fit and too_wide and left):
             return table, dropped
         dropped.append(left[0])
-
-
-def _footer(t: Totals, label: str, md: bool, not_params: dict[str, int] | None = None) -> str:
-    counted = f"{format_count(t.params)} {label}"
-    if not_params:  # an nnx state: its parameters apart from its RNG state and batch statistics
-        others = ", ".join(f"{format_count(n)} {kind}" for kind, n in not_params.items())
-        counted += f" ({format_count(t.params - sum(not_params.values()))} params, {others})"
-    lines = [f"Total: {counted}, {bytes_text(t.bytes)}"]
-    if len(t.by_dtype) > 1:
-        indent = "- " if md else "  "
-        lines += [f"{indent}{dtype}: {format_count(d['params'])} {label}, {human(d['bytes'], 'B')}"
-                  for dtype, d in t.by_dtype.items()]
-    if md and len(lines) > 1:
-        lines.insert(1, "")
-    return "\n".join(lines)
-
-
-def _render_tree(rows: Sequence[Row], label: str) -> str:
-    """An indented tree: a folder line per path prefix with its subtotal (count and bytes), a leaf with its shape."""
-    sub: dict[tuple[str, ...], list[int]] = {}
-    for r in rows:
-        for k in range(1, len(r.path)):
-            total = sub.setdefault(r.path[:k], [0, 0])
-            total[0] += r.params
-            total[1] += r.bytes
-    lines: list[str] = []
-    opened: tuple[str, ...] = ()
-    for r in rows:
-        common = 0
-        while common < min(len(opened), len(r.path) - 1) and opened[common] == r.path[common]:
-            common += 1
-        opened = opened[:common]
-        for depth in range(common, len(r.path) - 1):
-            folder = r.path[:depth + 1]
-            count, nbytes = sub[folder]
-            lines.append("  " * depth + f"{safe_text(r.path[depth], width=CELL_WIDTH)}{r.sep}  {format_count(count)} {label}, "
-                         f"{human(nbytes, 'B')}")
-            opened = opened + (r.path[depth],)
-        last = safe_text(r.path[-1] if r.path else r.name, width=CELL_WIDTH)
-        shape = f" {_shape_cell(r)}" if r.shape is not None or r.leaves != 1 else ""
-        dtype = f" {r.dtype}" if r.dtype else ""
-        spec = f" {safe_text(r.sharding)}" if r.sharding is not None else ""
-        lines.append("  " * max(len(r.path) - 1, 0) + f"{last}{shape}{dtype}  {format_count(r.params)} {label}, "
-                     f"{human(r.bytes, 'B')}{spec}")
-    return "\n".join(lines)
 
 
 def _items_table(items: dict[str, ItemReport], md: bool) -> list[str]:
@@ -298,6 +250,32 @@ def _render_values(values: dict[str, Any], md: bool) -> str:
     return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in cells)
 
 
+# ---------------------------------------------------------------------------- --show
+
+SHOW_THRESHOLD = 200
+"""``--show`` prints at most about this many elements (numpy's summarization with ``...`` beyond)."""
+
+
+def render_show(report: ShowReport, fmt: str = "table", *, stat_columns: Sequence[str] = DEFAULT_STAT_COLUMNS) -> str:
+    """Render what ``inspect --show`` read: per step, the leaf, its shape and dtype and its values (numpy's own
+    printing, summarized beyond ``SHOW_THRESHOLD`` elements), or a value as JSON, then its statistics where they
+    were computed; or the JSON object (``ShowReport.to_json``)."""
+    if fmt == "json":
+        return json.dumps(report.to_json(), default=str)  # NaN/Inf as null, as every command's JSON
+    lines = []
+    for s in report.shown:
+        where = safe_text(s.path) + ("" if s.step is None else f" (step {s.step})")
+        if s.is_array:
+            lines.append(f"{where}: shape {tuple(s.value.shape)}, {s.value.dtype}")
+            with np.printoptions(threshold=SHOW_THRESHOLD, edgeitems=3, linewidth=100):
+                lines.append(safe_text(np.array2string(s.value), lines=True))
+        else:
+            lines.append(f"{where}: {safe_text(json.dumps(jsonable(s.value), default=str))}")
+        if s.stats is not None:
+            lines.append("stats: " + "  ".join(f"{c}={format_stat(stat_value(s.stats, c))}" for c in stat_columns))
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- diffs
 
 
@@ -336,8 +314,8 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     sections: list[tuple[str, str | None]] = []
     for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
         if rows:
-            data = [[r.name, _shape_cell(r), safe_text(r.dtype or ""), f"{r.params:,}"] for r in rows]
-            body, _ = _diff_table(data, ["path", "shape", "dtype", "params"], md)
+            headers, data = row_cells(rows, ["path", "shape_cell", "dtype", "count"], path_width=None)
+            body, _ = _diff_table(data, headers, md)
             sections.append((f"{title}: {counted(sum(r.leaves for r in rows), len(rows))}", body))
     if report.changed:
         data = [[c.path, f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)]

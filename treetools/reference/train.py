@@ -29,7 +29,7 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,6 +65,7 @@ class TrainConfig:
     freeze_embeddings: bool = False
     resume: bool = True
     quiet: bool = False
+    log: Callable[[str], Any] | None = None  # where progress lines go (None: print); `treetools train` passes its own
     norm_depth: int | None = None  # per-module norms of the first K path parts; None: one per block (see block_depth)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
 
@@ -144,7 +145,11 @@ def build(cfg: TrainConfig):
 
 
 def _say(cfg: TrainConfig, msg: str) -> None:
-    if not cfg.quiet:
+    if cfg.quiet:
+        return
+    if cfg.log is not None:
+        cfg.log(msg)
+    else:
         print(msg, flush=True)
 
 

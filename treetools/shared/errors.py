@@ -11,6 +11,11 @@ heavy (no jax, no numpy).
   (the message lists the committed ones) or the item asked for is not there.
 * ``CheckpointMismatchError``: a restore target does not match the
   checkpoint; ``problems`` lists every offending leaf.
+
+The two errors with several problems (``RulesError``, ``CheckpointMismatchError``)
+also carry ``header`` (the first line of the message) and ``hint`` (the fix
+common to them all, or None), so a caller can show the first few problems and
+a count (the CLI does) without parsing the message.
 * ``PatternError``: an include/exclude/label pattern that is not a regex or
   that matches no leaf.
 * ``RulesError``: a ``PatternError``: ``tt.Rules`` that do not fit a
@@ -18,6 +23,9 @@ heavy (no jax, no numpy).
   path, an unstack of a leaf without the layer axis...); ``problems`` lists
   one line per rule or leaf. A restore does not raise it: its plan lists the
   rules' problems, and ``CheckpointMismatchError`` carries them.
+* ``UsageError``: an argument that cannot work as given (a value out of its
+  range, options that contradict each other), found before anything is read.
+  The CLI prints it as ``treetools COMMAND: error: ...`` and exits 2.
 """
 
 from __future__ import annotations
@@ -58,6 +66,21 @@ class StepDeletedError(CheckpointNotFoundError):
     """
 
 
+class UsageError(ValueError):
+    """An argument that cannot work as given: a value out of its range, or options that contradict each other.
+
+    Checked once, where the argument is taken (the library, or the CLI for an
+    option the library does not have), before anything is read; the message is
+    one line naming the argument and the fix. The CLI exits 2 on it.
+
+    >>> isinstance(UsageError("`to='orbax'` writes a folder; out.safetensors names a file."), ValueError)
+    True
+    """
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
 class PatternError(ValueError):
     """A path pattern that is not a valid regex, or that matches no leaf.
 
@@ -81,13 +104,17 @@ class RulesError(PatternError):
     (True, True)
     """
 
+    hint: str | None = None
+    """No fix common to every problem: each problem line names its own."""
+
     def __init__(self, problems: Sequence[str]):
         self.problems = list(problems)
+        self.header = f"the rules do not fit the leaves ({len(self.problems)} problems):"
         if len(self.problems) == 1:
             message = self.problems[0]
         else:
             lines = "\n".join(f"  {p}" for p in self.problems)
-            message = f"the rules do not fit the leaves ({len(self.problems)} problems):\n{lines}"
+            message = f"{self.header}\n{lines}"
         super().__init__(message)
 
 
@@ -149,7 +176,7 @@ class CheckpointMismatchError(CheckpointError):
         lines = "\n".join(f"  {p}" for p in problems)
         where = f"checkpoint step {step} under {root}" if step is not None else f"checkpoint {root}"
         n = len(problems)
+        self.header = f"{where} does not match the restore target ({n} problem{'s' * (n != 1)}):"
+        self.hint = f"{hint}."
         # Not CheckpointError.__init__: the per-leaf lines must stay on their own lines.
-        ValueError.__init__(
-            self, f"{where} does not match the restore target ({n} problem{'s' * (n != 1)}):\n{lines}\n{hint}."
-        )
+        ValueError.__init__(self, f"{self.header}\n{lines}\n{self.hint}")

@@ -16,10 +16,10 @@ import re
 from collections import Counter
 from typing import Any, Mapping, Sequence
 
-from treetools.shared.rows import MIXED, STATS, Row, Totals, format_count, format_shape, human, totals
+from treetools.shared.rows import MIXED, STATS, Row, Totals, format_count, format_shape, human, nonfinite_count, totals
 
-DERIVED_STATS = {"nonfinite": ("nan", "posinf", "neginf")}
-"""Statistic columns a table can show beside ``rows.STATS``: each the sum of those counts."""
+DERIVED_STATS = {"nonfinite": nonfinite_count}
+"""Statistic columns a table can show beside ``rows.STATS``: each computed from a row's statistics."""
 STAT_COLUMNS = STATS + tuple(DERIVED_STATS)
 """Every statistic a table can show."""
 DEFAULT_STAT_COLUMNS = ("mean", "std", "min", "max", "nonfinite")
@@ -33,7 +33,7 @@ def stat_value(stats: Mapping[str, Any], name: str) -> Any:
     3
     """
     if name in DERIVED_STATS:
-        return sum(int(stats.get(k) or 0) for k in DERIVED_STATS[name])
+        return DERIVED_STATS[name](stats)
     return stats.get(name)
 
 
@@ -201,62 +201,96 @@ def format_stat(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else safe_text(v, width=CELL_WIDTH)
 
 
-def _table_data(rows: Sequence[Row], show_weight_decay: bool, strip: int, stat_columns: Sequence[str],
-                count_label: str) -> tuple[list[str], list[list[Any]]]:
-    show_stats = bool(stat_columns) and any(r.stats is not None for r in rows)
-    show_leaves = any(r.leaves != 1 for r in rows)
-    show_layers = any(r.layers is not None for r in rows)  # stacked (scanned) leaves: how many layers each holds
-    headers = ["path", "shape", "dtype", count_label, "bytes", "sharding"]
-    if show_layers:
-        headers.insert(2, "layers")
-    if show_leaves:
-        headers.insert(1, "leaves")
-    if show_weight_decay:
-        headers.append("weight_decay")
-    if show_stats:
-        headers += list(stat_columns)
-    data = []
-    for r in rows:
-        line: list[Any] = [
-            safe_text(r.sep.join(r.path[strip:]) or r.name, width=CELL_WIDTH),
-            format_shape(r.shape),
-            safe_text(r.dtype or ""),
-            f"{r.params:,}",
-            human(r.bytes, "B"),
-            "" if r.sharding is None else safe_text(r.sharding, width=CELL_WIDTH),
-        ]
-        if show_layers:
-            line.insert(2, "" if r.layers is None else r.layers)
-        if show_leaves:
-            line.insert(1, r.leaves)
-        if show_weight_decay:
-            line.append(MIXED if r.weight_decay is None else str(r.weight_decay))
-        if show_stats:
-            line += ["" if r.stats is None else format_stat(stat_value(r.stats, k)) for k in stat_columns]
-        data.append(line)
-    return headers, data
+def shape_cell(r: Row) -> str:
+    """A leaf's shape; a group's leaf count, with the shape they all share: ``24 x (8, 8)``.
+
+    >>> shape_cell(Row(("w",), (2, 3), "float32", 6, 24)), shape_cell(Row(("g",), None, "float32", 12, 48, leaves=2))
+    ('(2, 3)', '2 leaves')
+    """
+    if r.leaves == 1:
+        return format_shape(r.shape)
+    if r.leaf_shape is not None:
+        return f"{r.leaves} x {format_shape(r.leaf_shape)}"
+    return f"{r.leaves} leaves"
 
 
-def _footer(t: Totals, *, markdown: bool = False, count_label: str = "params") -> str:
-    # In markdown the per-dtype lines are a list, so they do not run together into one paragraph.
-    indent = "- " if markdown else "  "
-    lines = [f"Total: {format_count(t.params)} {count_label}, {bytes_text(t.bytes)}"]
+def row_cells(rows: Sequence[Row], columns: Sequence[str], *, strip: int = 0, label: str = "params",
+              path_width: int | None = CELL_WIDTH) -> tuple[list[str], list[list[str]]]:
+    """``(headers, cells)`` of ``rows`` for the named columns: the one way every table of rows (``tabulate_params``,
+    ``inspect``, ``diff``'s added and removed leaves) turns a ``Row`` into text.
+
+    Columns: ``path`` (the path below its first ``strip`` parts, escaped, cut at ``path_width``), ``leaves``,
+    ``shape`` (``format_shape``), ``shape_cell`` (headed ``shape``: a group's leaf count too, ``shape_cell``),
+    ``layers``, ``dtype``, ``count`` (headed ``label``), ``bytes``, ``sharding``, ``weight_decay``, and any
+    statistic of ``STAT_COLUMNS`` (empty for a row without statistics).
+
+    >>> row_cells([Row(("enc", "w"), (4,), "float32", 4, 16)], ["path", "shape", "count", "bytes", "mean"])
+    (['path', 'shape', 'params', 'bytes', 'mean'], [['enc/w', '(4,)', '4', '16 B', '']])
+    """
+    cells = {
+        "path": lambda r: safe_text(r.sep.join(r.path[strip:]) or r.name, width=path_width),
+        "leaves": lambda r: str(r.leaves),
+        "shape": lambda r: format_shape(r.shape),
+        "shape_cell": shape_cell,
+        "layers": lambda r: "" if r.layers is None else str(r.layers),
+        "dtype": lambda r: safe_text(r.dtype or ""),
+        "count": lambda r: f"{r.params:,}",
+        "bytes": lambda r: human(r.bytes, "B"),
+        "sharding": lambda r: "" if r.sharding is None else safe_text(r.sharding, width=CELL_WIDTH),
+        "weight_decay": lambda r: MIXED if r.weight_decay is None else str(r.weight_decay),
+    }
+    for name in STAT_COLUMNS:
+        cells[name] = lambda r, name=name: "" if r.stats is None else format_stat(stat_value(r.stats, name))
+    headers = {"shape_cell": "shape", "count": label}
+    return [headers.get(c, c) for c in columns], [[cells[c](r) for c in columns] for r in rows]
+
+
+def footer(t: Totals, *, label: str = "params", markdown: bool = False, not_params: Mapping[str, int] | None = None
+           ) -> str:
+    """The totals under a table of rows: the count and bytes, then one line per dtype when there are several; with
+    ``not_params`` (an nnx state's RNG state, batch statistics), the parameters apart from those.
+
+    >>> print(footer(Totals(6, 20, {"float32": {"params": 4, "bytes": 16}, "int8": {"params": 2, "bytes": 4}})))
+    Total: 6 params, 20 bytes
+      float32: 4 params, 16 B
+      int8: 2 params, 4 B
+    """
+    counted = f"{format_count(t.params)} {label}"
+    if not_params:  # an nnx state: its parameters apart from its RNG state and batch statistics
+        others = ", ".join(f"{format_count(n)} {kind}" for kind, n in not_params.items())
+        counted += f" ({format_count(t.params - sum(not_params.values()))} params, {others})"
+    lines = [f"Total: {counted}, {bytes_text(t.bytes)}"]
     if len(t.by_dtype) > 1:
-        for dtype, d in t.by_dtype.items():
-            lines.append(f"{indent}{dtype}: {format_count(d['params'])} {count_label}, {human(d['bytes'], 'B')}")
+        indent = "- " if markdown else "  "  # in markdown a list, so the lines do not run together
+        lines += [f"{indent}{dtype}: {format_count(d['params'])} {label}, {human(d['bytes'], 'B')}"
+                  for dtype, d in t.by_dtype.items()]
     if markdown and len(lines) > 1:
         lines.insert(1, "")
     return "\n".join(lines)
 
 
-def _render_tree(rows: Sequence[Row], strip: int = 0) -> str:
-    """An indented tree with a subtotal on every folder line."""
-    sub: dict[tuple[str, ...], int] = {}
+def render_tree(rows: Sequence[Row], *, strip: int = 0, label: str = "params", sizes: bool = False) -> str:
+    """An indented tree: a folder line per path prefix with its subtotal, then each row with its shape, dtype, count
+    and sharding; ``sizes`` adds the bytes to every line (``inspect --format tree``).
+
+    >>> print(render_tree([Row(("enc", "w"), (4,), "float32", 4, 16), Row(("enc", "b"), (4,), "float32", 4, 16)],
+    ...                   sizes=True))
+    enc/  8 params, 32 B
+      w (4,) float32  4 params, 16 B
+      b (4,) float32  4 params, 16 B
+    """
+    sub: dict[tuple[str, ...], list[int]] = {}
     for r in rows:
-        for k in range(strip, len(r.path)):
-            sub[r.path[:k]] = sub.get(r.path[:k], 0) + r.params
+        for k in range(strip + 1, len(r.path)):
+            total = sub.setdefault(r.path[:k], [0, 0])
+            total[0] += r.params
+            total[1] += r.bytes
+
+    def counted(params: int, nbytes: int) -> str:
+        return f"{format_count(params)} {label}" + (f", {human(nbytes, 'B')}" if sizes else "")
+
     lines: list[str] = []
-    opened: tuple[str, ...] = tuple()
+    opened: tuple[str, ...] = ()
     for r in rows:
         parts = r.path[strip:]
         common = 0
@@ -265,14 +299,13 @@ def _render_tree(rows: Sequence[Row], strip: int = 0) -> str:
         opened = opened[:common]
         for depth in range(common, len(parts) - 1):
             folder = r.path[: strip + depth + 1]
-            lines.append("  " * depth + safe_text(parts[depth], width=CELL_WIDTH)
-                         + f"{r.sep}  {format_count(sub.get(folder, 0))} params")
+            lines.append("  " * depth + f"{safe_text(parts[depth], width=CELL_WIDTH)}{r.sep}  {counted(*sub[folder])}")
             opened = opened + (parts[depth],)
-        shape = f" {format_shape(r.shape)}" if r.shape is not None else ""
+        last = safe_text(parts[-1] if parts else r.name, width=CELL_WIDTH)
+        shape = f" {shape_cell(r)}" if r.shape is not None or r.leaves != 1 else ""
         dtype = f" {r.dtype}" if r.dtype else ""
         spec = f" {safe_text(r.sharding, width=CELL_WIDTH)}" if r.sharding is not None else ""
-        last = safe_text(parts[-1] if parts else r.name, width=CELL_WIDTH)
-        lines.append("  " * max(len(parts) - 1, 0) + f"{last}{shape}{dtype}  {r.params:,} params{spec}")
+        lines.append("  " * max(len(parts) - 1, 0) + f"{last}{shape}{dtype}  {counted(r.params, r.bytes)}{spec}")
     return "\n".join(lines)
 
 
@@ -303,13 +336,22 @@ def render_rows(
     if fmt == "json":
         return json.dumps({**total.to_json(), "leaves": [r.to_json() for r in rows]}, indent=2)
     if fmt == "tree":
-        return _render_tree(rows, strip) + "\n" + _footer(total)
+        return render_tree(rows, strip=strip, label=count_label) + "\n" + footer(total, label=count_label)
     if fmt not in ("table", "markdown"):
         raise ValueError(f"`fmt` must be one of table, markdown, tree, json; got {fmt!r}.")
     from tabulate import tabulate
 
-    headers, data = _table_data(rows, show_weight_decay, strip, stat_columns, count_label)
+    columns = ["path", "shape", "dtype", "count", "bytes", "sharding"]
+    if any(r.layers is not None for r in rows):  # stacked (scanned) leaves: how many layers each holds
+        columns.insert(2, "layers")
+    if any(r.leaves != 1 for r in rows):
+        columns.insert(1, "leaves")
+    if show_weight_decay:
+        columns.append("weight_decay")
+    if stat_columns and any(r.stats is not None for r in rows):
+        columns += list(stat_columns)
+    headers, data = row_cells(rows, columns, strip=strip, label=count_label)
     body = tabulate(data, headers=headers, tablefmt="github" if fmt == "markdown" else tablefmt, disable_numparse=True)
-    return body + "\n\n" + _footer(total, markdown=fmt == "markdown", count_label=count_label)
+    return body + "\n\n" + footer(total, label=count_label, markdown=fmt == "markdown")
 
 

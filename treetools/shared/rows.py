@@ -25,6 +25,17 @@ STATS = ("mean", "std", "min", "max", "l2", "abs_max", "zeros", "nan", "posinf",
 floats over the finite elements (``std`` is the population one), then counts of elements."""
 STAT_COUNTS = ("zeros", "nan", "posinf", "neginf")
 """The statistics that count elements."""
+NONFINITE_COUNTS = ("nan", "posinf", "neginf")
+"""The counts whose sum is a leaf's non-finite elements (``nonfinite_count``)."""
+
+
+def nonfinite_count(stats: Mapping[str, Any]) -> int:
+    """The NaN and infinite elements a leaf's statistics count (a missing or null count is 0): the one sum of them.
+
+    >>> nonfinite_count({"nan": 1, "posinf": 2, "neginf": None, "zeros": 5})
+    3
+    """
+    return sum(int(stats.get(k) or 0) for k in NONFINITE_COUNTS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -601,8 +601,12 @@ def _stored_arrays(context: ReadContext, item_dir: str, use_ocdbt: bool) -> set[
         # the database checked and pinned, as for any read of it
         with Pins(storage, data=False, budget=context.memory_budget, where=item_dir) as pins:
             base = pins.folder(item_dir, ocdbt=True).path
-            kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(base)}).result()
-            keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
+            try:
+                kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(base)}).result()
+                keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
+            except Exception as e:  # tensorstore: a corrupt database, named as the checkpoint names its folder
+                raise CheckpointError(f"{item_dir}: cannot list the stored arrays "
+                                      f"({pins.shown(first_line(e))}).") from None
         return {key.rsplit("/", 1)[0] for key in keys if "/" in key and key.rsplit("/", 1)[1] in headers}
     names = set()
     for top in storage.listdir(item_dir):
