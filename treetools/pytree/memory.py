@@ -323,12 +323,15 @@ def _padded(spec: Any, ndim: int) -> tuple:
     return entries + (None,) * (ndim - len(entries))
 
 
-def _own_spec(leaf: Any, *, asked: bool) -> PartitionSpec | None:
+def _own_spec(leaf: Any, *, asked: bool, trust_names: bool = True) -> PartitionSpec | None:
     """The spec a leaf carries itself: box names and its array's ``NamedSharding``, in the order of the module
-    docstring (``asked``: a mesh was given); None when it says nothing."""
+    docstring (``asked``: a mesh was given); None when it says nothing. ``trust_names=False`` ignores the box
+    names (a moment whose shape is not its param's, in the param's box: ``jax.tree.map`` carries boxes blindly)."""
     own = own_sharding(leaf)
     placed = own.spec if isinstance(own, NamedSharding) else None
-    names = box_spec(leaf)
+    if placed is None and own is not None and not asked and (own.is_fully_replicated or len(own.device_set) == 1):
+        placed = PartitionSpec()  # on one device (eager init, a jit output that depends on no input): held whole
+    names = box_spec(leaf) if trust_names else None
     return (names if names is not None else placed) if asked else (placed if placed is not None else names)
 
 
@@ -341,14 +344,15 @@ class _Mirrors:
     def add(self, parts: tuple[str, ...], shape: tuple[int, ...], spec: Any) -> None:
         self._by_path[parts] = (shape, _padded(spec, len(shape)))
 
+    def find(self, parts: tuple[str, ...]) -> tuple[tuple[int, ...], tuple] | None:
+        """``(shape, spec entries)`` of the param whose path is the longest tail of ``parts``, or None."""
+        return next((hit for k in range(len(parts)) if (hit := self._by_path.get(parts[k:])) is not None), None)
+
     def spec_for(self, parts: tuple[str, ...], shape: tuple[int, ...]) -> PartitionSpec | None:
         """The layout of the param that the leaf at ``parts`` mirrors: the longest tail of its path that is a
         param's, with the param's shape (that spec) or that shape less one axis (that axis's entry dropped)."""
-        for k in range(len(parts)):
-            hit = self._by_path.get(parts[k:])
-            if hit is not None:
-                break
-        else:
+        hit = self.find(parts)
+        if hit is None:
             return None
         p_shape, p_spec = hit
         if shape == p_shape:
@@ -393,8 +397,9 @@ class _Layout:
         if missing:
             have = f"the mesh {self.sizes} does not have" if self.sizes else "no mesh gives (one device)"
             raise ValueError(
-                f"leaf `{name}` is laid out as {PartitionSpec(*entries)}, over mesh axes {missing} that {have}; pass `mesh=` with those axes (a Mesh or {axis: size}), or `rules=` mapping its logical names "
-                "onto the mesh's axes.")
+                f"leaf `{name}` is laid out as {PartitionSpec(*entries)}, over mesh axes {missing} that {have}; pass "
+                "`mesh=` with those axes (a Mesh or {axis: size}), or `rules=` mapping its logical names onto the "
+                "mesh's axes.")
         if len(set(used)) != len(used):
             raise ValueError(f"leaf `{name}` is laid out as {PartitionSpec(*entries)}, which uses a mesh axis twice.")
         return _padded(entries, len(shape))
@@ -419,7 +424,12 @@ class _Layout:
                     "`rules=` (your model's logical_axis_rules) or call inside `nn.logical_axis_rules(...)`.")
             value = unbox(leaf)
             shape, dtype = tuple(int(d) for d in value.shape), value.dtype
-            spec = _own_spec(leaf, asked=self.asked)
+            trust = True
+            if mirrors is not None:  # a box carried onto a moment of another shape names the param's layout
+                hit = mirrors.find(parts)
+                names = box_spec(leaf)
+                trust = (hit is None or hit[0] == shape) and (names is None or len(tuple(names)) <= len(shape))
+            spec = _own_spec(leaf, asked=self.asked, trust_names=trust)
             if spec is None and mirrors is not None:
                 spec = mirrors.spec_for(parts, shape)
             entries = self._check(name, shape, spec if spec is not None else ())
@@ -441,9 +451,10 @@ class _Layout:
         return self.part("params", tree, collect=mirrors), mirrors
 
 
-def _is_float(dtype: Any) -> bool:
+def _is_float(dtype: str) -> bool:
+    """Whether a leaf of this dtype (by name) has a gradient: floating and complex ones (bfloat16 too)."""
     try:
-        return bool(np.issubdtype(np.dtype(dtype), np.inexact))
+        return bool(jax.dtypes.issubdtype(jax.numpy.dtype(dtype), np.inexact))
     except TypeError:  # typed PRNG keys and other extended dtypes have no gradient
         return False
 
@@ -525,8 +536,9 @@ def _compiled(step_fn: Callable, state: PyTree, step_args: Sequence[Any], sizes:
               mesh: Any) -> tuple[Compiled, str]:
     concrete = _compile_mesh(sizes, mesh)
     fn = step_fn if hasattr(step_fn, "lower") else jax.jit(step_fn)
-    with jax.set_mesh(concrete):
-        compiled = fn.lower(_on(state, concrete), *_on(tuple(step_args), concrete)).compile()
+    # Lowered as the caller would: the state as given (boxes kept), the shardings in the arguments, and whatever
+    # mesh context the caller is in (no other).
+    compiled = fn.lower(_on(state, concrete), *_on(tuple(step_args), concrete)).compile()
     stats = compiled.memory_analysis()
     platform = concrete.devices.flat[0].platform
     out = Compiled(_bytes(stats, "argument_size_in_bytes"), _bytes(stats, "output_size_in_bytes"),
