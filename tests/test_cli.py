@@ -55,7 +55,7 @@ NO_JAX = (
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["diff", "--help"], ["train", "--help"],
-                                  ["plot", "--help"]])
+                                  ["plot", "--help"], ["plan", "--help"]])
 def test_help_imports_no_jax(argv):
     proc = subprocess.run([sys.executable, "-c", NO_JAX, *argv], capture_output=True, text=True, timeout=60)
     _, rc, dt, heavy = proc.stdout.strip().splitlines()[-1].split(" ")
@@ -542,7 +542,7 @@ def test_root_table_lists_steps_and_incomplete(tmp_path, capsys):
 # ----------------------------------------------------------------------------- review: help, train and plot errors
 
 
-@pytest.mark.parametrize("command", ["inspect", "diff", "train", "plot"])
+@pytest.mark.parametrize("command", ["inspect", "diff", "train", "plot", "plan"])
 def test_every_option_has_help_and_the_command_a_description(command, capsys):
     rc, out, _ = run(capsys, command, "--help")
     assert rc == 0

@@ -37,6 +37,7 @@ import json
 
 from treetools.cli import KNOWN_ERRORS, _output
 from treetools.cli.options import add_item, add_output_format, add_prefix, add_reading, add_step
+from treetools.shared.rows import parse_size
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")  # treetools.checkpointing.memory.OPTIMIZERS (jax side)
 
@@ -69,8 +70,6 @@ def device_memory(text: str) -> int:
     >>> device_memory("80GiB")
     85899345920
     """
-    from treetools.shared.rows import parse_size  # standard library only
-
     try:
         return parse_size(text, what="--device-memory")
     except ValueError as e:
