@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import re
 import textwrap
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -719,9 +720,14 @@ def render_summary(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
+_FIGURE = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB)\b")
+
+
 def _wrap(text: str) -> list[str]:
-    """A sentence as lines within ``WIDTH`` columns (continuations indented)."""
-    return textwrap.wrap(text, WIDTH, subsequent_indent="    ", break_long_words=True, break_on_hyphens=False)
+    """A sentence as lines within ``WIDTH`` columns (continuations indented), a figure never cut from its unit."""
+    kept = _FIGURE.sub("\\1\u00a0\\2", text)  # textwrap breaks at ASCII whitespace only
+    lines = textwrap.wrap(kept, WIDTH, subsequent_indent="    ", break_long_words=True, break_on_hyphens=False)
+    return [line.replace("\u00a0", " ") for line in lines]
 
 
 def _fit_line(plan: MemoryPlan) -> str | None:
