@@ -366,18 +366,19 @@ class _Mirrors:
 
 @dataclasses.dataclass
 class _Laid:
-    """One part laid out: its leaves' plans, the abstract tree (structs on ``mesh``), and its shardings tree."""
+    """One part laid out: its leaves' plans, the abstract tree (structs on ``mesh``; None unless asked for), and
+    its shardings tree."""
 
     leaves: list[LeafPlan]
-    abstract: PyTree
+    abstract: PyTree | None
     shardings: PyTree
 
 
 class _Layout:
     """Lays parts out on one mesh; shardings are made once per spec."""
 
-    def __init__(self, sizes: dict[str, int], mesh: Mesh | AbstractMesh | None, asked: bool):
-        self.sizes, self.mesh, self.asked = sizes, mesh, asked
+    def __init__(self, sizes: dict[str, int], mesh: Mesh | AbstractMesh | None, asked: bool, abstract: bool):
+        self.sizes, self.mesh, self.asked, self.abstract = sizes, mesh, asked, abstract
         self._shardings: dict[tuple, NamedSharding] = {}
 
     def sharding(self, spec: tuple) -> NamedSharding | None:
@@ -441,9 +442,10 @@ class _Layout:
             plans.append(LeafPlan(part, "/".join(parts), shape, dtype_name(dtype), LeafSharding(
                 PartitionSpec(*entries), dict(self.sizes)), leaf_nbytes(struct, per_device=True),
                 math.prod(shape) * itemsize(dtype)))
-            abstract.append(rebox(leaf, struct))
+            if self.abstract:  # only a compiled step needs the state as boxed structs
+                abstract.append(rebox(leaf, struct))
             shardings.append(sharding)
-        return _Laid(plans, jax.tree_util.tree_unflatten(treedef, abstract),
+        return _Laid(plans, jax.tree_util.tree_unflatten(treedef, abstract) if self.abstract else None,
                      jax.tree_util.tree_unflatten(treedef, shardings))
 
     def params(self, tree: PyTree) -> tuple[_Laid, _Mirrors]:
@@ -669,7 +671,7 @@ def memory_plan(
         if mesh_obj is None and mesh is None:
             mesh_obj = _found_mesh(parts)
             sizes = {str(k): int(v) for k, v in mesh_obj.shape.items()} if mesh_obj is not None else {}
-        layout = _Layout(sizes, mesh_obj, asked=mesh is not None)
+        layout = _Layout(sizes, mesh_obj, asked=mesh is not None, abstract=step_fn is not None)
         params, mirrors = layout.params(parts["params"])
         laid = {"params": params}
         if grads:
