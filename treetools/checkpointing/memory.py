@@ -19,7 +19,6 @@ The optimizer state for training is ``memory_plan``'s: ``jax.eval_shape(optimize
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -29,6 +28,7 @@ from treetools.ckpt.readers import np_dtype, resolve_budget
 from treetools.ckpt.source import MODEL_ITEMS, PARAM_SUBTREES, Item, open_source, part_of, train_state_parts
 from treetools.pytree.memory import TOP, MemoryPlan, memory_plan
 from treetools.pytree.partitioning import mesh_axes_of
+from treetools.rules.engine import read_rules_file
 from treetools.shared.errors import CheckpointNotFoundError
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
@@ -116,17 +116,7 @@ class LayoutRules:
           OSError: the file cannot be read.
         """
         path = os.path.expanduser(os.fspath(path))
-        suffix = os.path.splitext(path)[1].lower()
-        if suffix not in (".json", ".toml"):
-            raise ValueError(f"layout rules {path}: unknown suffix {suffix!r}; write them as .json or .toml.")
-        with open(path, "rb") as f:
-            raw = f.read()
-        import tomllib  # here: only a .toml file needs it
-
-        try:
-            data = json.loads(raw) if suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"layout rules {path} do not parse as {suffix[1:].upper()}: {e}") from None
+        data = read_rules_file(path, what="layout rules")
         return cls.from_dict(data, where=f"layout rules {path}")
 
     def spec_for(self, name: str) -> tuple | None:
