@@ -166,6 +166,9 @@ def test_nnx_module_and_its_abstract_twin(mesh, devices):
     _assert_every_device_holds(opt_state, plan.by_part["opt_state"], devices)
     twin = tt.memory_plan(abstract, mesh=mesh, optimizer=tx)
     assert twin.by_part == plan.by_part
+    # The whole State: its Params are the params (grads for them only, not for BatchStat), the rest `state`.
+    assert tt.memory_plan(nnx.state(model), optimizer=tx).by_part == plan.by_part
+    assert list(tt.memory_plan(params).by_part) == ["params", "grads"]
 
 
 def test_linen_logical_names_go_through_flax_rules(mesh, devices):
@@ -222,8 +225,10 @@ def _llama_70b():
 
 
 def test_llama_70b_on_1024_devices_against_hand_derived_figures():
-    plan = tt.memory_plan(_llama_70b(), mesh={"data": 32, "fsdp": 8, "tensor": 4}, optimizer=optax.adamw(1e-4),
-                          device_memory="80GiB")
+    mesh = {"data": 32, "fsdp": 8, "tensor": 4}
+    plan = tt.memory_plan(_llama_70b(), mesh=mesh, optimizer=optax.adamw(1e-4), device_memory="80GiB")
+    abstract_mesh = jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh))
+    assert tt.memory_plan(_llama_70b(), mesh=abstract_mesh, optimizer=optax.adamw(1e-4)).by_part == plan.by_part
     # Params: embed 32000*8192 + lm_head 8192*32000 + norm 8192 + 80 layers of
     #   q, o 8192*8192 + k, v 8192*1024 + gate, up, down 8192*28672 + 2 norms 8192 = 855,654,400
     # = 68,976,648,192 parameters (Llama-2-70B), float32.
@@ -295,6 +300,10 @@ def test_compiled_step_on_a_dict_mesh_uses_this_process_devices_and_refuses_a_me
     on_dict = tt.memory_plan(abstract, mesh={"fsdp": 2, "tp": 4}, optimizer=tx, step_fn=_step(model, tx),
                              step_args=(batch,))
     assert on_dict.compiled == on_mesh.compiled
+    # A dict of parts that holds its optimizer state already is handed to step_fn as it is: the same program.
+    parts = {"params": abstract, "opt_state": jax.eval_shape(tx.init, abstract)}
+    held = tt.memory_plan(parts, mesh=mesh, step_fn=_step(model, tx), step_args=(batch,))
+    assert held.compiled == on_mesh.compiled and held.by_part == on_mesh.by_part
     with pytest.raises(ValueError, match="needs 16 devices.*xla_force_host_platform_device_count=16"):
         tt.memory_plan(abstract, mesh={"fsdp": 4, "tp": 4}, optimizer=tx, step_fn=_step(model, tx),
                        step_args=(batch,))

@@ -563,12 +563,12 @@ def _with_parts(tree: Any, parts: Mapping[str, Any], laid: Mapping[str, PyTree],
             raise ValueError("`optimizer=` with a dataclass state (a TrainState) that `step_fn` takes: the state "
                              "holds its own opt_state; drop `optimizer=`.")
         return dataclasses.replace(tree, **{k: laid[k] for k in parts})
-    if isinstance(tree, Mapping):
-        return {**tree, **laid}
-    if parts["params"] is tree:
+    if isinstance(tree, Mapping) and all(k in tree and tree[k] is v for k, v in parts.items()):
+        return {**tree, **laid}  # a dict of parts
+    if list(parts) == ["params"]:
         return laid["params"] if not added else dict(laid)
-    raise ValueError("`step_fn` with an nnx Module: jax.jit takes arrays, not Modules; pass nnx.state(model) "
-                     "as `tree` and a step_fn over it.")
+    raise ValueError("`step_fn` with an nnx Module (or an nnx State beyond its Params): pass "
+                     "nnx.state(model, nnx.Param) as `tree`, or a dict of parts, and a step_fn over it.")
 
 
 # ---------------------------------------------------------------------------- host memory
@@ -607,7 +607,8 @@ def memory_plan(
 
     Args:
       tree: arrays, ``ShapeDtypeStruct``s or flax boxes (linen ``Partitioned``/``LogicallyPartitioned``, nnx
-        State): the params; or a dict of parts (a key ``params`` beside ``opt_state``, ``params_ema``...; linen
+        Variables): the params; an nnx State (its ``nnx.Param``s are the params, any other variable part
+        ``state``); or a dict of parts (a key ``params`` beside ``opt_state``, ``params_ema``...; linen
         ``variables``), a ``TrainState`` (its ``params``, ``opt_state``, ``step``), or an nnx Module (its
         ``nnx.Param``s, and its other variables as part ``state``).
       mesh: a ``jax.sharding.Mesh``, an ``AbstractMesh`` or ``{"data": 64, "fsdp": 16}`` (no devices needed:

@@ -412,6 +412,11 @@ def _is_nnx_module(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Module)
 
 
+def _is_nnx_state(x: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.State)
+
+
 def params_of(state: Any) -> Any:
     """The parameters of a state: what ``get_num_params`` and ``tabulate_params`` count.
 
@@ -442,8 +447,8 @@ def params_of(state: Any) -> Any:
 def state_parts(state: Any) -> dict[str, Any]:
     """A train state as named parts, the parameters under ``params``: what ``memory_plan`` lays out part by part.
 
-    * an nnx ``Module``: ``params`` (its ``nnx.Param`` variables) and, when it has any, ``state`` (every other
-      variable: ``BatchStat``, RNG streams);
+    * an nnx ``Module``, or an nnx ``State`` holding more than ``nnx.Param``s: ``params`` (its ``nnx.Param``
+      variables) and, when it has any, ``state`` (every other variable: ``BatchStat``, RNG streams);
     * a dataclass with a ``params`` field (``flax.training.train_state.TrainState``): its pytree fields by name
       (``step``, ``params``, ``opt_state``), static fields (``apply_fn``, ``tx``) left out;
     * a mapping with a ``params`` key (linen ``variables``, ``{"params": ..., "opt_state": ...}``): its items;
@@ -455,11 +460,12 @@ def state_parts(state: Any) -> dict[str, Any]:
     >>> list(state_parts(state)), list(state_parts({"w": jnp.ones(3)}))
     (['step', 'params', 'opt_state'], ['params'])
     """
-    if _is_nnx_module(state):
+    if _is_nnx_module(state) or _is_nnx_state(state):
         from flax import nnx
 
-        rest = nnx.state(state, nnx.Not(nnx.Param))
-        return {"params": nnx.state(state, nnx.Param), **({"state": rest} if jax.tree.leaves(rest) else {})}
+        params, rest = (nnx.state(state, nnx.Param, ...) if _is_nnx_module(state) else
+                        nnx.split_state(state, nnx.Param, ...))
+        return {"params": params, **({"state": rest} if jax.tree.leaves(rest) else {})}
     if dataclasses.is_dataclass(state) and not isinstance(state, type) and hasattr(state, "params"):
         return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
                 if f.metadata.get("pytree_node", True)}
