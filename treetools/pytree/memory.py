@@ -502,7 +502,11 @@ def _compile_mesh(sizes: dict[str, int], mesh: Any) -> Mesh:
     if isinstance(mesh, Mesh):
         return mesh
     n = math.prod(sizes.values()) if sizes else 1
-    for devices in (jax.devices(), jax.devices("cpu")):
+    for backend in (None, "cpu"):
+        try:
+            devices = jax.devices(backend)
+        except RuntimeError:  # JAX_PLATFORMS leaves the CPU backend out
+            continue
         if len(devices) >= n:
             types = getattr(mesh, "axis_types", None) or (jax.sharding.AxisType.Auto,) * len(sizes)
             return jax.make_mesh(tuple(sizes.values()) or (1,), tuple(sizes) or ("devices",), axis_types=types,
@@ -549,8 +553,10 @@ def _compiled(step_fn: Callable, state: PyTree, step_args: Sequence[Any], sizes:
                    _bytes(stats, "alias_size_in_bytes"), platform, concrete.size)
     note = f"compiled step: jax's memory_analysis() on {concrete.size} {platform} device(s)"
     if platform == "cpu":
-        note += (" (no accelerator in this process: CPU devices stand in); its temporaries are XLA:CPU's, which "
-                 "fuses and rematerialises differently from a GPU or TPU compiler: a rough guide there")
+        why = ("no accelerator in this process" if jax.default_backend() == "cpu" else
+               f"this process has fewer {jax.default_backend()} devices than the mesh")
+        note += (f" ({why}: CPU devices stand in); its temporaries are XLA:CPU's, which fuses and rematerialises "
+                 "differently from a GPU or TPU compiler: a rough guide there")
     if stats is None or out.total_bytes is None:
         note += "; jax gave no figure for some of it on this backend (None)"
     return out, note
