@@ -495,3 +495,21 @@ def test_cli_optimizer_names_are_the_library_ones():
     from treetools.cli.plan import OPTIMIZERS as CLI
 
     assert CLI == LIBRARY
+
+
+@pytest.mark.parametrize("key", ["params", "target"])
+def test_a_file_holding_a_whole_train_state_is_planned_part_by_part(tmp_path, key):
+    from flax import serialization
+
+    params = {"dense": {"kernel": np.ones((64, 32), np.float32), "bias": np.zeros(32, np.float32)}}
+    tree = {key: params, "opt_state": {"mu": params, "count": np.int32(3)}, "step": np.int64(7)}
+    (tmp_path / "state.msgpack").write_bytes(serialization.msgpack_serialize(tree))
+    plan = tt.plan_checkpoint(tmp_path / "state.msgpack")
+    # One device, nothing sharded: params (64*32 + 32 floats), its grads, mu alike + the int32 count, the step.
+    assert plan.by_part == {"params": 8320, "grads": 8320, "opt_state": 8324, "step": 8}
+    assert plan.by_part == tt.memory_plan({"params": params, **{k: v for k, v in tree.items() if k != key}}).by_part
+    assert any(f"the parameters are `{key}`" in n for n in plan.notes) == (key == "target")
+    only = tt.plan_checkpoint(tmp_path / "state.msgpack", item="opt_state", grads=False)
+    assert only.by_part == {"params": 0, "opt_state": 8324}
+    with pytest.raises(tt.CheckpointNotFoundError, match="no item holds the parameters"):
+        tt.plan_checkpoint(tmp_path / "state.msgpack", item="opt_state", optimizer="adam")

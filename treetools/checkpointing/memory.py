@@ -25,7 +25,15 @@ import re
 from typing import Any, Mapping, Sequence
 
 from treetools.ckpt.readers import np_dtype, resolve_budget
-from treetools.ckpt.source import MODEL_ITEMS, PARAM_SUBTREES, Item, open_source, part_of, train_state_parts
+from treetools.ckpt.source import (
+    MODEL_ITEMS,
+    PARAM_SUBTREES,
+    Item,
+    counts_params,
+    open_source,
+    part_of,
+    train_state_parts,
+)
 from treetools.pytree.memory import TOP, MemoryPlan, memory_plan
 from treetools.pytree.partitioning import mesh_axes_of
 from treetools.rules.engine import read_rules_file
@@ -139,17 +147,21 @@ def _parts(snap_items: Mapping[str, Item], present: Sequence[str]) -> dict[str, 
             continue
         for key in keys:
             below = part_of(item, key)
-            if below is not None:
-                out[key] = below
+            if below is None:  # a top-level array (a TrainState's `step`) is a part of its own, path ()
+                below = Item(key, "pytree", [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=()))
+                                             for leaf in item.leaves if leaf.path == (key,)])
+            out[key] = below
     return out
 
 
-def _params_name(parts: Sequence[str]) -> str | None:
-    """The part holding the parameters: ``params``, T5X's ``target``, Levanter's ``model``..., or the one part."""
+def _params_name(parts: Sequence[str], *, asked: bool) -> str | None:
+    """The part holding the parameters: ``params``, T5X's ``target``, Levanter's ``model``...; else the one part,
+    unless it was asked for by a name that holds no parameters (``--item opt_state``)."""
     for name in ("params", *PARAM_SUBTREES[False], *MODEL_ITEMS):
         if name in parts:
             return name
-    return parts[0] if len(parts) == 1 else None
+    lone = parts[0] if len(parts) == 1 else None
+    return lone if lone is not None and (not asked or counts_params(lone)) else None
 
 
 def _tree(part: str, item: Item, sizes: Mapping[str, int], rules: LayoutRules | None,
@@ -166,7 +178,7 @@ def _tree(part: str, item: Item, sizes: Mapping[str, int], rules: LayoutRules | 
             continue  # no array: nothing on a device
         dtype = np_dtype(str(row.dtype))
         shape = tuple(int(d) for d in row.shape)
-        full = f"{part}/{row.name}"
+        full = f"{part}/{row.name}" if row.path else part
         spec = rules.spec_for(full) if rules is not None else None
         how = "rules"
         if spec is None and row.sharding is not None and not row.sharding.replicated:
@@ -189,6 +201,8 @@ def _tree(part: str, item: Item, sizes: Mapping[str, int], rules: LayoutRules | 
         reader = leaf.reader
         if reader is not None and reader.chunk_shape:
             chunks[full] = math.prod(int(c) for c in reader.chunk_shape) * dtype.itemsize
+    if list(tree) == [""]:  # a part that is one array
+        return tree[""], chunks
     return tree, chunks
 
 
@@ -258,7 +272,7 @@ def plan_checkpoint(
     parts = _parts(snap.items, present)
     where = f"{source.path}" + (f" (step {resolved})" if resolved is not None else "")
     notes = [f"read: {where}, {source.format}, metadata only: {', '.join(parts) or 'no arrays'}"]
-    params = _params_name(list(parts))
+    params = _params_name(list(parts), asked=item is not None)
     if params is None and tx is not None:
         raise CheckpointNotFoundError(f"{where}: no item holds the parameters (parts: {', '.join(parts)}), so no "
                                       "optimizer state can be derived; pick one with --item, or drop --optimizer.")
@@ -272,7 +286,7 @@ def plan_checkpoint(
     trees, chunks = {}, {}
     for name, part in parts.items():
         trees["params" if name == params else name], found = _tree(name, part, sizes, rules, counts)
-        chunks.update({f"params/{k.split('/', 1)[1]}" if name == params else k: v for k, v in found.items()})
+        chunks.update({"params" + k[len(name):] if name == params else k: v for k, v in found.items()})
     if "params" not in trees:
         trees = {"params": {}, **trees}
         grads = False
