@@ -238,8 +238,8 @@ def plan_checkpoint(
       item: only this item (or top-level part of a whole train state); default every pytree item.
       mesh: ``{axis: size}`` (or a ``Mesh``/``AbstractMesh``); default the mesh the checkpoint recorded, else one
         device.
-      rules: ``LayoutRules`` (or the path of a ``.json``/``.toml`` file of them): leaves they match are laid out
-        by them, before the sharding the checkpoint recorded.
+      rules: ``LayoutRules``, ``{"partition": [[regex, spec], ...]}`` or the path of a ``.json``/``.toml`` file
+        of them: leaves they match are laid out by them, before the sharding the checkpoint recorded.
       optimizer: ``adamw``, ``adam``, ``sgd``, ``adafactor``, ``lion`` or an optax ``GradientTransformation``:
         its state replaces a stored ``opt_state`` (``notes`` says so).
       grads: count the gradients a training step holds (the params' floating leaves).
@@ -256,12 +256,14 @@ def plan_checkpoint(
     >>> import tempfile, numpy as np, os
     >>> f = os.path.join(tempfile.mkdtemp(), "w.npz")
     >>> np.savez(f, w=np.ones((1024, 256), np.float32))
-    >>> plan = plan_checkpoint(f, mesh={"fsdp": 8}, rules=LayoutRules((("w$", ("fsdp",)),)), optimizer="adam")
+    >>> plan = plan_checkpoint(f, mesh={"fsdp": 8}, rules={"partition": [["w$", ["fsdp", None]]]}, optimizer="adam")
     >>> plan.by_part   # 1 MiB of w split 8 ways; its grad; Adam's mu and nu, and the step count
     {'params': 131072, 'grads': 131072, 'opt_state': 262148}
     """
     if isinstance(rules, (str, os.PathLike)):
         rules = LayoutRules.from_file(rules)
+    elif isinstance(rules, Mapping):
+        rules = LayoutRules.from_dict(rules)
     tx = optimizer_named(optimizer) if isinstance(optimizer, str) else optimizer
     budget = resolve_budget(memory_budget)
     source = open_source(path, memory_budget=memory_budget, prefix=prefix)
