@@ -11,13 +11,21 @@ a leaf's layout comes from, first that applies:
    ``NamedSharding`` its array already carries (a placed array, a struct);
    with ``mesh=`` given, box names first (the layout asked for on that mesh,
    as ``make_abstract(mesh=)``), without it the array's own placement first
-   (where it is);
+   (where it is: an array on one device, from an eager or unsharded init, is
+   held whole by the fullest device); a moment carried in its param's box
+   with another shape (``jax.tree.map`` keeps boxes) does not take its names;
 2. for a leaf of another part (an optimizer moment, an EMA copy), the layout
    of the parameter it mirrors, matched by path: the longest tail of its path
    that is a parameter's path (``0/mu/Dense_0/kernel`` mirrors
    ``Dense_0/kernel``), with the same shape, or that shape less one axis (a
-   factored moment: Adafactor's ``v_row``/``v_col``), that axis's entry dropped;
+   factored moment: Adafactor's ``v_row``/``v_col``), that axis's entry
+   dropped (left replicated where two axes would give that shape);
 3. replicated.
+
+The fullest device's bytes are each leaf's largest shard, summed: exact where
+every leaf is laid over every device of the mesh (as ``jax.device_put``
+requires even splits, that is every placed array of a mesh), an upper bound
+otherwise (uneven splits round up; a leaf on one device counts on each).
 
 Nothing is allocated: the optimizer state comes from
 ``jax.eval_shape(optimizer.init, params)``, grads are the params' floating
