@@ -57,7 +57,7 @@ NO_JAX = (
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["diff", "--help"], ["train", "--help"],
-                                  ["plot", "--help"]])
+                                  ["plot", "--help"], ["plan", "--help"]])
 def test_help_imports_no_jax(argv):
     # Proved by the modules loaded, not by a clock (issue 39.2: a 0.3 s budget failed on a busy machine); the time
     # it takes is benchmarks/test_cli_speed_bench.py's.
@@ -682,7 +682,7 @@ def test_root_table_lists_steps_and_incomplete(tmp_path, capsys):
 # ----------------------------------------------------------------------------- review: help, train and plot errors
 
 
-@pytest.mark.parametrize("command", ["inspect", "diff", "train", "plot"])
+@pytest.mark.parametrize("command", ["inspect", "diff", "train", "plot", "plan"])
 def test_every_option_has_help_and_the_command_a_description(command, capsys):
     rc, out, _ = run(capsys, command, "--help")
     assert rc == 0

@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import jsonschema
 import numpy as np
@@ -63,7 +64,7 @@ def test_real_output_validates(root, capsys, extra):
         assert last["items"]["data_iter"]["value"] == {"index": 2}
 
 
-@pytest.mark.parametrize("command", ["inspect", "diff", "verify"])
+@pytest.mark.parametrize("command", ["inspect", "diff", "verify", "plan"])
 def test_example_in_the_doc_validates_too(command):
     jsonschema.validate(_example(command), _schema(command))
 
@@ -161,3 +162,33 @@ def test_a_command_without_json_output_prints_no_error_object(tmp_path, capsys):
     assert main(["plot", str(tmp_path / "m.jsonl"), "--format", "json"]) == 2
     cap = capsys.readouterr()
     assert cap.out == "" and "unrecognized arguments: --format json" in cap.err
+# Issue 41: `treetools plan --format json` is `tt.memory_plan(...).to_json()`, documented with the others.
+
+
+@pytest.mark.parametrize("extra", [[], ["--mesh", "data=4,fsdp=2", "--optimizer", "adamw", "--device-memory", "100"]])
+def test_plan_output_validates(root, capsys, extra):
+    out = _json(capsys, "plan", root, *extra, rc=1 if "--device-memory" in extra else 0)
+    jsonschema.validate(out, _schema("plan"))
+    assert list(out)[0] == "schema" and out["schema"] == 1
+    assert out["per_device_bytes"] == sum(out["by_part"].values())
+    assert out["fits"] is (False if extra else None)
+
+
+def test_memory_plan_json_with_every_section_filled_validates(devices):
+    import optax
+
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    params = {"embed": jax.ShapeDtypeStruct((8000, 64), jnp.float32),  # replicated, 2 MiB: listed as shardable
+              "w": jax.ShapeDtypeStruct((64, 64), jnp.float32, sharding=jax.sharding.NamedSharding(
+                  mesh, jax.sharding.PartitionSpec("fsdp")))}
+    batch = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+
+    def step(state, x):
+        return jax.tree.map(lambda p: p * 2, state), (x @ state["params"]["w"]).sum()
+
+    plan = tt.memory_plan(params, optimizer=optax.sgd(0.1, momentum=0.9), step_fn=step, step_args=(batch,),
+                          device_memory="1GiB", memory_budget=2**20)
+    out = plan.to_json()
+    jsonschema.validate(out, _schema("plan"))
+    assert out["compiled"]["platform"] == "cpu" and out["replicated"][0]["path"] == "params/embed"
+    assert out["host"]["over_budget"] == ["params/embed", "opt_state/0/trace/embed"]

@@ -71,6 +71,8 @@ FUNCTION_LEVEL_IMPORTS = {
     # The reference trainer is jax, flax and optax.
     ("cli/train.py", "main"): "jax",
     ("cli/train.py", "check_workdir"): "numpy",
+    # `treetools plan` traces the optimizer's init with jax (its --help does not).
+    ("cli/plan.py", "main"): "jax",
     # `treetools inspect --help` lists the formats from their source; only a bytecode-only install imports them.
     ("ckpt/formats/__init__.py", "catalog"): "numpy",
     # load_parameters(path) without a target returns numpy: the jax-side modules load only to place arrays.

@@ -249,3 +249,23 @@ def test_a_resumed_run_keeps_its_scan_setting_whatever_the_flag(straight, tmp_pa
         np.testing.assert_array_equal(np.asarray(loaded[path]), np.asarray(value), err_msg=path)
     last = json.loads(open(tmp_path / "metrics.jsonl").read().splitlines()[-1])
     assert last["step"] == 2 * N and "grad_norm/layers_0" in last
+def test_the_trainer_prints_its_memory_plan_one_line_per_part(tmp_path, capsys):
+    # Issue 41: at start, the fullest device's bytes of each part of the trainer's own state, grads included.
+    from treetools.shared.rows import human
+
+    result = train(TrainConfig(workdir=str(tmp_path), steps=1, ckpt_every=1, log_every=1))
+    out = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(out) if line.startswith("memory per device, mesh data=4 x fsdp=2"))
+    lines = {line.split()[0]: line.split()[1:3] for line in out[start + 1:start + 6]}
+    assert list(lines) == ["params", "grads", "opt_state", "params_ema", "total"]
+    state = result["state"]
+    held = {}
+    for part in ("params", "opt_state", "params_ema"):  # the truth: jax's own shards of what was trained
+        per_device = {}
+        for leaf in jax.tree.leaves(tt.unbox_tree(state[part])):
+            for shard in leaf.addressable_shards:
+                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+        held[part] = max(per_device.values())
+    for part in ("params", "opt_state", "params_ema"):
+        assert " ".join(lines[part]) == human(held[part], "B"), part
+    assert lines["grads"] == lines["params"]  # float32 params: grads alike

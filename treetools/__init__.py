@@ -18,6 +18,13 @@ Count and tabulate (arrays, ShapeDtypeStructs, flax boxes, nnx State, TrainState
     ...
     Total: 58 params, 232 bytes
 
+Will it fit? Per-device memory of a state on any mesh, nothing allocated (``treetools plan CKPT`` for a checkpoint):
+
+    >>> import optax
+    >>> plan = tt.memory_plan(params, mesh={"data": 4, "fsdp": 2}, optimizer=optax.adamw(1e-3), device_memory="1KiB")
+    >>> plan.by_part, plan.fits   # nothing names a mesh axis: every device holds it all (and Adam's count)
+    ({'params': 232, 'grads': 232, 'opt_state': 468}, True)
+
 Norms to log (one jit-safe pass, sharded trees too), written every N steps:
 
     >>> m = tt.norm_metrics(grads=params, params=params, depth=1)
@@ -92,6 +99,10 @@ _EXPORTS = {  # public name -> module under treetools
     "get_num_bytes": "pytree.counting",
     # table
     "tabulate_params": "pytree.table",
+    # memory: will it fit?
+    "memory_plan": "pytree.memory",
+    "MemoryPlan": "pytree.memory",
+    "plan_checkpoint": "checkpointing.memory",
     "Row": "shared.rows",
     "rows_from_tree": "pytree.table",
     # norms
@@ -183,7 +194,9 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.commands.plot import plot_metrics, plot_stats
     from treetools.commands.report import inspect_path
     from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
+    from treetools.checkpointing.memory import plan_checkpoint
     from treetools.pytree.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
+    from treetools.pytree.memory import MemoryPlan, memory_plan
     from treetools.pytree.metrics import JsonlWriter, MetricsLogger, read_metrics
     from treetools.pytree.norms import (
         clip_by_global_norm,

@@ -1,4 +1,4 @@
-"""``treetools`` command line: inspect, diff, verify, convert, train, plot.
+"""``treetools`` command line: inspect, diff, verify, convert, train, plan, plot.
 
 A thin argparse layer over the library. Only the chosen subcommand's module
 is imported, and only when it runs, so ``treetools --help`` imports neither
@@ -47,6 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("treetools.cli.verify", "check that a checkpoint is whole: markers, metadata, every chunk readable"),
     "convert": ("treetools.cli.convert", "convert any checkpoint to safetensors (Hugging Face) or Orbax, streamed"),
     "train": ("treetools.cli.train", "run the reference trainer"),
+    "plan": ("treetools.cli.plan", "will it fit? per-device memory to restore a checkpoint onto a mesh and train it"),
     "plot": ("treetools.cli.plot", "plot metric curves (runs overlaid), per-layer heatmaps, or a checkpoint's "
                                    "statistics across its steps"),
 }

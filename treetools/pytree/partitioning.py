@@ -9,6 +9,7 @@ what array it holds, and how that array is laid out on a mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from typing import Any, Mapping
@@ -423,6 +424,11 @@ def _is_nnx_module(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Module)
 
 
+def _is_nnx_state(x: Any) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(x, nnx.State)
+
+
 def params_of(state: Any) -> Any:
     """The parameters of a state: what ``get_num_params`` and ``tabulate_params`` count.
 
@@ -448,3 +454,33 @@ def params_of(state: Any) -> Any:
     if not isinstance(state, Mapping) and not is_box(state) and hasattr(state, "params"):
         return state.params
     return state
+
+
+def state_parts(state: Any) -> dict[str, Any]:
+    """A train state as named parts, the parameters under ``params``: what ``memory_plan`` lays out part by part.
+
+    * an nnx ``Module``, or an nnx ``State`` holding more than ``nnx.Param``s: ``params`` (its ``nnx.Param``
+      variables) and, when it has any, ``state`` (every other variable: ``BatchStat``, RNG streams);
+    * a dataclass with a ``params`` field (``flax.training.train_state.TrainState``): its pytree fields by name
+      (``step``, ``params``, ``opt_state``), static fields (``apply_fn``, ``tx``) left out;
+    * a mapping with a ``params`` key (linen ``variables``, ``{"params": ..., "opt_state": ...}``): its items;
+    * anything else: the whole tree as ``params``.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax.training import train_state
+    >>> state = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(3)}, tx=optax.sgd(0.1))
+    >>> list(state_parts(state)), list(state_parts({"w": jnp.ones(3)}))
+    (['step', 'params', 'opt_state'], ['params'])
+    """
+    if _is_nnx_module(state) or _is_nnx_state(state):
+        from flax import nnx
+
+        params, rest = (nnx.state(state, nnx.Param, ...) if _is_nnx_module(state) else
+                        nnx.split_state(state, nnx.Param, ...))
+        return {"params": params, **({"state": rest} if jax.tree.leaves(rest) else {})}
+    if dataclasses.is_dataclass(state) and not isinstance(state, type) and hasattr(state, "params"):
+        return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+                if f.metadata.get("pytree_node", True)}
+    if isinstance(state, Mapping) and "params" in state and not is_box(state):
+        return dict(state)
+    return {"params": state}

@@ -2,7 +2,8 @@
 
 Everything treetools offers, used the way a trainer would:
 
-* ``tabulate_params`` with the weight-decay column at start;
+* ``tabulate_params`` with the weight-decay column at start, and ``memory_plan``'s bytes per device, one
+  line per part (params, grads, opt_state, params_ema);
 * ``get_param_mask_fn`` as ``optax.adamw(mask=...)``;
 * ``get_param_label_fn`` + ``optax.multi_transform`` to freeze the embeddings
   behind ``--freeze-embeddings``;
@@ -205,6 +206,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     manager = tt.get_checkpoint_manager(cfg.ckpt_every, max_to_keep=cfg.max_to_keep, checkpoint_dir=ckpt_dir)
 
     _say(cfg, f"mesh {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s)")
+    _say(cfg, tt.memory_plan(state, mesh=mesh).summary())  # the fullest device, part by part (grads included)
     _say(cfg, tt.tabulate_params(state["params"], show_weight_decay=True,
                                  weight_decay_exclude=list(WEIGHT_DECAY_EXCLUDE), depth=None))
     start = 0

@@ -299,6 +299,27 @@ _PATTERNS = Patterns()
 # ---------------------------------------------------------------------------------------------- Rules
 
 
+def read_rules_file(path: str | os.PathLike, *, what: str = "rules file") -> Any:
+    """The data of a ``.json`` or ``.toml`` file of rules (``Rules.from_file``; ``treetools plan``'s layout rules).
+
+    Raises:
+      ValueError: an unknown suffix, or a file that does not parse (the message names ``what`` and the file).
+      OSError: the file cannot be read.
+    """
+    path = os.path.expanduser(os.fspath(path))
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in (".json", ".toml"):
+        raise ValueError(f"{what} {path}: unknown suffix {suffix!r}; write the rules as .json or .toml.")
+    with open(path, "rb") as f:
+        raw = f.read()
+    import tomllib  # here, not at import: only a .toml rules file needs it
+
+    try:
+        return json.loads(raw) if suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {path} does not parse as {suffix[1:].upper()}: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True, repr=False, kw_only=True)
 class Rules:
     """How a checkpoint's leaves become the leaves a user wants (``treetools.rules``, docs/rules.md).
@@ -433,17 +454,7 @@ class Rules:
             names the file), or the errors of ``from_dict``.
         """
         path = os.path.expanduser(os.fspath(path))
-        suffix = os.path.splitext(path)[1].lower()
-        if suffix not in (".json", ".toml"):
-            raise ValueError(f"rules file {path}: unknown suffix {suffix!r}; write the rules as .json or .toml.")
-        with open(path, "rb") as f:
-            raw = f.read()
-        import tomllib  # here, not at import: only a .toml rules file needs it
-
-        try:
-            data = json.loads(raw) if suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"rules file {path} does not parse as {suffix[1:].upper()}: {e}") from None
+        data = read_rules_file(path)
         try:
             return cls.from_dict(data)
         except (ValueError, TypeError) as e:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
+import re
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 MIXED = "mixed"
@@ -350,3 +352,32 @@ def format_count(n: int) -> str:
     ('244', '12,345,678 (12.35M)')
     """
     return f"{n:,}" if abs(n) < 1_000_000 else f"{n:,} ({human(n)})"
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: int | str, *, what: str = "size") -> int:
+    """Bytes from ``5GB`` (decimal, as ``huggingface_hub`` reads ``max_shard_size``), ``80GiB`` (binary) or an int.
+
+    ``what`` names the argument in the error (``shard_size``, ``--device-memory``).
+
+    Raises:
+      ValueError: not a positive size (the message shows the forms accepted).
+
+    >>> parse_size("5GB"), parse_size("1.5MiB"), parse_size(1024)
+    (5000000000, 1572864, 1024)
+    """
+    if isinstance(size, numbers.Integral) and not isinstance(size, bool):
+        value = int(size)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(size))
+        unit = m.group(2).upper() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise ValueError(f"`{what}` {size!r} is not a size; write bytes or a number with a unit "
+                             "such as 5GB, 500MB (decimal) or 2GiB (binary).")
+        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value < 1:
+        raise ValueError(f"`{what}` must be positive, got {size!r}.")
+    return value

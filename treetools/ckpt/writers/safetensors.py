@@ -44,6 +44,7 @@ from treetools.ckpt.storage import Storage, backend
 from treetools.ckpt.formats.safetensors import DTYPE_NAMES
 from treetools.ckpt.readers import ArrayReader, InMemoryReader, np_dtype
 from treetools.ckpt.stream import stream_blocks
+from treetools.shared import rows
 from treetools.shared.errors import CheckpointError
 
 CODES: dict[np.dtype, str] = {np_dtype(name): code for code, name in DTYPE_NAMES.items()}
@@ -60,31 +61,14 @@ OnBlock = Callable[[str, int], None]
 # ---------------------------------------------------------------------------------------------- sizes
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
 def parse_size(size: int | str) -> int:
-    """Bytes from ``5GB`` (decimal, as ``huggingface_hub`` reads ``max_shard_size``), ``500MiB`` (binary) or an int.
-
-    Raises:
-      ValueError: not a positive size (the message shows the forms accepted).
+    """Bytes from ``5GB`` (decimal, as ``huggingface_hub`` reads ``max_shard_size``), ``500MiB`` (binary) or an int:
+    ``treetools.shared.rows.parse_size`` naming ``shard_size`` in its error.
 
     >>> parse_size("5GB"), parse_size("1.5MiB"), parse_size(1024)
     (5000000000, 1572864, 1024)
     """
-    if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
-        value = int(size)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(size))
-        unit = m.group(2).upper() if m else None
-        if m is None or unit not in _UNITS:
-            raise ValueError(f"`shard_size` {size!r} is not a size; write bytes or a number with a unit "
-                             "such as 5GB, 500MB (decimal) or 2GiB (binary).")
-        value = int(float(m.group(1)) * _UNITS[unit])
-    if value < 1:
-        raise ValueError(f"`shard_size` must be positive, got {size!r}.")
-    return value
+    return rows.parse_size(size, what="shard_size")
 
 
 # ---------------------------------------------------------------------------------------------- layout
