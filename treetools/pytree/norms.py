@@ -223,8 +223,13 @@ def _layer_count(value: Any, stack: _LeafStack | None) -> jax.Array:
 
 
 def _layer_abs_max(value: Any, stack: _LeafStack | None) -> jax.Array:
-    """A leaf's largest ``|x|`` in float32 (0 for an empty leaf; NaN if it holds one): a scalar or one per layer."""
+    """A leaf's largest ``|x|`` in float32 (0 for an empty leaf; +inf if it holds a NaN): a scalar or one per layer.
+
+    NaN is read as +inf: XLA's cross-device max (an all-reduce under GSPMD, a
+    ``pmax``) drops NaN on CPU, and a max that hides a NaN would read as healthy.
+    """
     x = jnp.abs(jnp.asarray(value)).astype(_F32)
+    x = jnp.where(jnp.isnan(x), jnp.inf, x)
     if stack is None:
         return jnp.max(x, initial=0.0)
     return _place_layers(jnp.max(x, axis=_other_axes(x.ndim, stack[0]), initial=0.0), stack)
@@ -753,7 +758,9 @@ def _factored_second_moment(state: Any, shapes: dict[PathStr, tuple[int, ...]], 
         d1, d0 = dims
         r, c = jnp.asarray(r, _F32), jnp.asarray(c, _F32)
         reduced_d1 = d1 - 1 if d1 > d0 else d1
-        out.append((path, jnp.expand_dims(r / jnp.mean(r, axis=reduced_d1, keepdims=True), d0) * jnp.expand_dims(c, d1)))
+        mean = jnp.mean(r, axis=reduced_d1, keepdims=True)
+        rows_scaled = jnp.where(mean == 0, 0.0, r / jnp.where(mean == 0, 1.0, mean))  # a fresh state: 0, not 0/0
+        out.append((path, jnp.expand_dims(rows_scaled, d0) * jnp.expand_dims(c, d1)))
     return out
 
 
@@ -869,9 +876,10 @@ def norm_metrics(
         after the path part where the match ends (``{"layers": 0}`` for an
         nnx model built with ``nnx.vmap``); False: none. The rules in full:
         ``treetools.pytree.stacked``. Moments follow their params' stacks.
-      abs_max: also ``grad_abs_max``, the largest ``|g|`` (float32; NaN if a
-        gradient is NaN), global and per module: one more reduction of each
-        gradient, a sibling of its sum of squares.
+      abs_max: also ``grad_abs_max``, the largest ``|g|`` (float32; +inf
+        where a gradient is NaN or Inf: a cross-device max drops NaN), global
+        and per module: one more reduction of each gradient, a sibling of its
+        sum of squares (fused with it on GPU/TPU, a second read on CPU).
 
     Returns:
       ``{"grad_norm", "nonfinite_grads", "grad_abs_max", "param_norm",
@@ -901,7 +909,7 @@ def norm_metrics(
     >>> p = {"a": jnp.ones(4), "b": jnp.ones(9)}
     >>> u, state = optax.adam(0.1).update(p, optax.adam(0.1).init(p), p)
     >>> m = norm_metrics(params=p, updates=u, opt_state=state, depth=1)
-    >>> round(float(m["mu_norm/b"]), 6), round(float(m["update_ratio/a"]), 6)   # 0.1 * |1,..,1|; 0.1 / 1
+    >>> round(float(m["mu_norm/b"]), 4), round(float(m["update_ratio/a"]), 4)   # (1 - b1) * |9 ones|; lr / 1
     (0.3, 0.1)
     """
     if grads is None and params is None and updates is None and opt_state is None:
