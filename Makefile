@@ -10,7 +10,7 @@ WORKDIR ?= runs/demo
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test,test-formats,plot,remote,keras]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test,test-formats,plot,remote,keras,tensorboard]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -105,6 +105,7 @@ _EXPORTS = {  # public name -> module under treetools
     "MetricsLogger": "pytree.metrics",
     "JsonlWriter": "pytree.metrics",
     "read_metrics": "pytree.metrics",
+    "TensorBoardWriter": "pytree.metrics",
     # masks
     "get_param_mask_fn": "pytree.masks",
     "get_param_label_fn": "pytree.masks",
