@@ -106,6 +106,14 @@ _EXPORTS = {  # public name -> module under treetools
     "JsonlWriter": "pytree.metrics",
     "read_metrics": "pytree.metrics",
     "TensorBoardWriter": "pytree.metrics",
+    # training health: spike/NaN detector, on-device recorder, dumps
+    "SpikeDetector": "pytree.health",
+    "DetectorState": "pytree.health",
+    "HealthRecorder": "pytree.health",
+    "RecorderState": "pytree.health",
+    "HealthDumper": "pytree.health",
+    "write_health_dump": "pytree.health",
+    "every_n": "pytree.health",
     # masks
     "get_param_mask_fn": "pytree.masks",
     "get_param_label_fn": "pytree.masks",

@@ -33,6 +33,10 @@ largest 8 by their last value; --keys RE picks paths), the y axis as above.
 Steps where a shown leaf holds NaN or Inf are marked. CKPT_DIR is a checkpoint root that `treetools inspect` reads;
 the arrays are streamed as `treetools inspect --step all --stats` does.
 
+A health dump (health_<step>.json, written by `treetools train --health` or
+tt.HealthDumper) is drawn as modules x steps heatmaps around the flagged
+step, the attributed module marked (default output: beside it, .png).
+
 Needs matplotlib (pip install 'treetools[plot]'). The image format follows
 the extension of -o (png, svg, pdf, ...). Nothing is written under CKPT_DIR.
 
@@ -43,6 +47,7 @@ Examples:
   treetools plot runs/demo --keys '^grad_norm/' -o grads.png
   treetools plot runs/scan --heatmap 'grad_norm/layers/(\\d+)$' -o layers.png
   treetools plot runs/demo/checkpoints --stats --item params -o l2.png
+  treetools plot runs/spike/health/health_00000064.json
   treetools plot runs/demo/checkpoints --stats abs_max --depth 1 --keys '^layers' -o absmax.png
 """
 
@@ -57,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 
 from treetools.cli import _output
 from treetools.cli._args import positive_int
+from treetools.commands import healthplot
 from treetools.pytree.metrics import METRICS_FILE, read_metrics
 from treetools.shared.rows import STATS
 
@@ -710,6 +716,17 @@ def _default_output(paths: Sequence[str], name: str = "norms.png") -> str:
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), name)
 
 
+def _plot_health_dump(path: str, output: str | None) -> int:
+    output = os.path.expanduser(output) if output else os.path.splitext(os.path.expanduser(path))[0] + ".png"
+    _import_matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    _check_output(output, FigureCanvasBase.get_supported_filetypes())
+    healthplot.health_figure(healthplot.read_health_dump(path)).savefig(output, dpi=100)
+    _output.out(output)
+    return 0
+
+
 def _usage(message: str) -> int:
     _output.error(message, prog="treetools plot")
     return 2
@@ -717,6 +734,8 @@ def _usage(message: str) -> int:
 
 def main(args: argparse.Namespace) -> int:
     paths = args.metrics
+    if len(paths) == 1 and args.stats is None and args.heatmap is None and healthplot.is_health_dump(paths[0]):
+        return _plot_health_dump(paths[0], args.output)
     if args.stats is None:
         if args.depth is not None or args.item is not None:
             return _usage("--depth and --item apply to --stats (a checkpoint's statistics)")
