@@ -209,7 +209,8 @@ def test_dumper_writes_after_a_flag_and_every_n_steps(tmp_path):
         det, rec, report = step(det, rec, _grads(i, {"head": 40.0} if i == 12 else None), i)
         events += [(i, e) for e in dumper(i, rec, det, report)]
     flagged = [(i, e) for i, e in events if e["event"] == "flagged"]
-    assert [(i, e["step"], e["attributed"][0]) for i, e in flagged] == [(12, 12, "head")]  # read at the check
+    # Read at the first check after it (steps 11 and 12 at step 13's call: never the step just dispatched).
+    assert [(i, e["step"], e["attributed"][0]) for i, e in flagged] == [(13, 12, "head")]
     dumps = [(i, e["reason"], e["path"]) for i, e in events if e["event"] == "dump"]
     assert [(i, reason) for i, reason, _ in dumps] == [(14, "flagged"), (20, "every")]
     dump = json.loads(open(dumps[0][2]).read())
@@ -229,8 +230,9 @@ def test_dumper_close_writes_what_is_owed(tmp_path):
         m = _metrics(_grads(i, {"embed": np.nan} if i == 3 else None), 1.0)
         det, report = detector.update(det, m)
         rec = recorder.record(rec, i, m, report["flagged"])
-        assert [e["event"] for e in dumper(i, rec, det, report)] == (["flagged"] if i == 3 else [])
-    (event,) = dumper.close()
+        assert dumper(i, rec, det, report) == []  # step 3's flag is not read while step 3 may still run
+    flagged, event = dumper.close()
+    assert flagged["event"] == "flagged" and flagged["step"] == 3
     assert event["event"] == "dump" and event["step"] == 3
     assert json.loads(open(event["path"]).read())["flagged"][0]["nonfinite_modules"] == ["embed"]
 

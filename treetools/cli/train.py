@@ -16,6 +16,15 @@ stacked leaf (layers/qkv/kernel of shape (n_layers, ...)), and the norms are
 logged per layer (grad_norm/layers/0, ...). A resumed run must keep the
 setting (the checkpoint's paths differ).
 
+--health logs per-layer training health per module at --norm-depth
+(update_ratio/<module>, nonfinite_grads/<module>, grad_abs_max/<module>,
+Adam's mu_norm/nu_norm), watches loss and grad_norm with a spike/NaN detector
+(a flagged step skips its update, and the log names the module that jumped
+most), keeps the last 32 steps of it in a ring buffer on the device, and
+writes WORKDIR/health/health_<step>.json 4 steps after a flagged step
+(`treetools plot` draws it). --inject-spike STEP feeds a deliberately bad
+batch (every token 0) at STEP to show the whole loop; it implies --health.
+
 Examples:
   treetools train --workdir runs/demo --cpu-devices 4
   treetools train --workdir runs/demo --steps 400        (continue to step 400)
@@ -23,6 +32,8 @@ Examples:
   treetools plot runs/demo/metrics.jsonl -o norms.png
   treetools train --workdir runs/scan --scan-layers --cpu-devices 4
   treetools plot runs/scan --heatmap 'grad_norm/layers/(\\d+)$' -o layers.png
+  treetools train --workdir runs/spike --steps 60 --inject-spike 40 --cpu-devices 4
+  treetools plot runs/spike/health/health_00000044.json
 """
 
 from __future__ import annotations
@@ -51,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="the blocks as one nn.scan named `layers` (stacked leaves); norms logged per layer")
     d("--norm-depth", type=positive_int, default=1, metavar="K",
       help="log per-module norms of the first K path parts (default: 1, one per block or scanned layer)")
+    d("--health", action="store_true",
+      help="per-layer health, a spike/NaN detector that skips flagged updates, and dumps to DIR/health/")
+    d("--inject-spike", type=positive_int, default=None, metavar="STEP",
+      help="feed a deliberately bad batch (every token 0) at STEP; implies --health")
     d("--ema-decay", type=unit_float, default=0.99, metavar="D", help="decay of the EMA params (default: 0.99)")
     d("--cpu-devices", type=positive_int, default=None, metavar="N",
       help="simulate N CPU devices (sets XLA_FLAGS; only before jax starts)")
@@ -96,6 +111,7 @@ def main(args: argparse.Namespace) -> int:
     cfg = TrainConfig(workdir=args.workdir, steps=args.steps, batch_size=args.batch_size, seed=args.seed,
                       learning_rate=args.learning_rate, log_every=args.log_every, ckpt_every=args.ckpt_every,
                       freeze_embeddings=args.freeze_embeddings, ema_decay=args.ema_decay, resume=args.resume,
-                      quiet=args.quiet, norm_depth=args.norm_depth, model=ModelConfig(scan_layers=args.scan_layers))
+                      quiet=args.quiet, norm_depth=args.norm_depth, model=ModelConfig(scan_layers=args.scan_layers),
+                      health=args.health or args.inject_spike is not None, inject_spike=args.inject_spike)
     train(cfg)
     return 0

@@ -93,7 +93,8 @@ def health_figure(dump: Mapping[str, Any], *, kinds: list[str] | None = None, ma
     Args:
       dump: ``read_health_dump``'s result.
       kinds: which per-module kinds to draw (default: the first ``max_panels``
-        of ``grad_norm``, ``update_ratio``, ``nonfinite_grads``, ... present).
+        of ``grad_norm``, ``update_ratio``, ``nonfinite_grads`` (only when
+        some count is above 0, or NaN), ``grad_abs_max``, ... present).
 
     Returns:
       The figure. In each panel the values are the mesh with ``gid="values"``
@@ -120,8 +121,11 @@ def health_figure(dump: Mapping[str, Any], *, kinds: list[str] | None = None, ma
     if not available:
         raise ValueError("the health dump holds no per-module entries (`grad_norm/<module>`, ...): record "
                          "norm_metrics(depth=K) to draw layers.")
+    records = dump["records"]
     if kinds is None:
-        kinds = list(available)[:max_panels]
+        # A count that is 0 everywhere says nothing: its panel only when some module holds NaN/Inf.
+        counts = [float(r.get(n, 0) or 0) for r in records for n in dump["names"] if n.startswith("nonfinite_grads/")]
+        kinds = [k for k in available if k != "nonfinite_grads" or any(c != 0 for c in counts)][:max_panels]
     missing = [k for k in kinds if k not in available]
     if missing:
         raise ValueError(f"the health dump has no per-module {missing}; it has {list(available)}.")

@@ -363,8 +363,9 @@ class HealthDumper:
 
     Call it once per step with the step's recorder state and detector
     report (device arrays, not read). Every ``check_every`` steps it reads
-    the ``flagged`` bits of the steps since the last check (one small
-    ``device_get``, of steps already finished or nearly); for a flagged step
+    the ``flagged`` bits of the steps before the current one since the last
+    check (one small ``device_get`` of steps already finished or nearly: the
+    current step keeps running meanwhile); for a flagged step
     it reads that step's report once (``SpikeDetector.explain``) and, ``after``
     steps later, writes ``folder/health_<step>.json``. Nothing else is read.
 
@@ -396,8 +397,9 @@ class HealthDumper:
         self._state, self._step = recorder_state, int(step)
         self._recent.append((int(step), detector_state, report))
         events: list[dict[str, Any]] = []
-        if len(self._recent) >= self.check_every:
-            events += self._check()
+        if len(self._recent) > self.check_every:
+            # The steps before this one: this step was just dispatched, reading it would wait for it.
+            events += self._check(keep_last=True)
         due = [f for f in self._pending if step >= f["step"] + self.after]
         if due:
             events.append(self._dump("flagged", due))
@@ -405,8 +407,9 @@ class HealthDumper:
             events.append(self._dump("every", []))
         return events
 
-    def _check(self) -> list[dict[str, Any]]:
-        recent, self._recent = self._recent, []
+    def _check(self, keep_last: bool = False) -> list[dict[str, Any]]:
+        cut = len(self._recent) - 1 if keep_last else len(self._recent)
+        recent, self._recent = self._recent[:cut], self._recent[cut:]
         flags = jax.device_get([r["flagged"] for _, _, r in recent])
         events = []
         for (step, state, report), flag in zip(recent, flags):
