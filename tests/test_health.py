@@ -286,3 +286,27 @@ def test_the_health_step_has_no_host_callback_and_reads_each_gradient_as_before(
         base, _ = _program(plain, (tree,), platform)
         health, _ = _program(with_health, (tree, det, rec), platform)
         assert [len(r) for r in health[:n]] == [len(r) for r in base[:n]], platform
+
+
+def test_a_step_dict_without_the_recorded_names_is_an_error_naming_them():
+    recorder, detector = HealthRecorder(length=2), SpikeDetector(keys=("loss",))
+    state = recorder.init(_row(1))
+    with pytest.raises(ValueError, match=r"HealthRecorder state was made for metrics .*\(grad_norm/b\)"):
+        recorder.record(state, 1, {k: v for k, v in _row(1).items() if k != "grad_norm/b"})
+    det = detector.init(_row(1))
+    with pytest.raises(ValueError, match=r"SpikeDetector state .*\(loss\)"):
+        detector.update(det, {"grad_norm/a": 1.0, "grad_norm/b": 1.0})
+    with pytest.raises(ValueError, match=r"watches \['grad_norm'\], which the metrics do not have"):
+        SpikeDetector(keys=("grad_norm",)).init({"loss": 1.0})
+
+
+def test_a_lasting_new_level_is_taken_after_patience_steps_not_flagged_forever():
+    detector = SpikeDetector(keys=("grad_norm",), warmup=5, patience=3)
+    state = detector.init(_metrics(_grads(0), 1.0))
+    flags = []
+    for step in range(1, 20):
+        scale = {m: 10.0 for m in MODULES} if step >= 10 else None  # from step 10 on, every gradient is 10x
+        state, report = detector.update(state, _metrics(_grads(step, scale), 1.0))
+        flags.append(bool(report["flagged"]))
+    # Steps 10-12 are flagged (a spike, maybe); from the 4th step on it is the new level, and the statistics follow.
+    assert [s for s, f in zip(range(1, 20), flags) if f] == [10, 11, 12]

@@ -61,6 +61,14 @@ def _names(metrics: Mapping[str, Any] | Sequence[str]) -> list[str]:
     return list(metrics) if not isinstance(metrics, Mapping) else list(metrics.keys())
 
 
+def _check_names(who: str, names: Sequence[str], metrics: Mapping[str, Any]) -> None:
+    missing = [n for n in names if n not in metrics]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise ValueError(f"{who} state was made for metrics this step's dict lacks ({shown}); make the state with "
+                         "`init` from a dict with the same keys as the one the step passes.")
+
+
 # --------------------------------------------------------------------------- #
 # The detector
 # --------------------------------------------------------------------------- #
@@ -75,6 +83,7 @@ class DetectorState:
     mean: jax.Array  # (len(keys),) running mean of each watched metric
     var: jax.Array  # (len(keys),) running variance
     module_mean: jax.Array  # (len(modules),) running mean of each module's norm
+    streak: jax.Array  # () int32: consecutive steps over k sigma so far
     keys: tuple[str, ...] = dataclasses.field(metadata={"static": True}, default=())
     modules: tuple[str, ...] = dataclasses.field(metadata={"static": True}, default=())
 
@@ -96,6 +105,10 @@ class SpikeDetector:
       min_rel_std: the standard deviation is taken as at least this fraction
         of the mean, so a metric that has barely moved is not flagged for a
         tiny wiggle.
+      patience: after this many consecutive steps over ``k`` sigma, the new
+        level is taken as the metric's own (a shift, not a spike): that step is
+        not flagged and is folded into the statistics, so a detector never
+        stays stuck flagging every step. NaN/Inf are always flagged.
 
     >>> SpikeDetector(k=6.0).keys
     ('loss', 'grad_norm')
@@ -108,6 +121,7 @@ class SpikeDetector:
     warmup: int = 20
     top: int = 3
     min_rel_std: float = 0.01
+    patience: int = 10
 
     def __post_init__(self):
         if not self.keys:
@@ -137,7 +151,7 @@ class SpikeDetector:
         modules = self.module_names(names)
         zeros = lambda n: jnp.zeros((n,), _F32)  # noqa: E731
         return DetectorState(jnp.zeros((), jnp.int32), zeros(len(self.keys)), zeros(len(self.keys)),
-                             zeros(len(modules)), tuple(self.keys), modules)
+                             zeros(len(modules)), jnp.zeros((), jnp.int32), tuple(self.keys), modules)
 
     def update(self, state: DetectorState, metrics: Mapping[str, Any]) -> tuple[DetectorState, dict[str, jax.Array]]:
         """Fold this step into the statistics (unless flagged) and report on it. Jittable; no host sync.
@@ -150,6 +164,7 @@ class SpikeDetector:
           largest first), ``nonfinite_modules`` (a bool per module: a
           non-finite norm, or ``nonfinite_grads/<module>`` above 0).
         """
+        _check_names("SpikeDetector", (*state.keys, *(f"{self.modules}/{m}" for m in state.modules)), metrics)
         x = jnp.stack([jnp.asarray(metrics[k], _F32) for k in state.keys])
         mods = [jnp.asarray(metrics[f"{self.modules}/{m}"], _F32) for m in state.modules]
         mod = jnp.stack(mods) if mods else jnp.zeros((0,), _F32)
@@ -163,7 +178,8 @@ class SpikeDetector:
             nonfinite = nonfinite | (jnp.asarray(total) > 0)
         std = jnp.maximum(jnp.sqrt(state.var), self.min_rel_std * jnp.abs(state.mean))
         z = jnp.where(std > 0, (x - state.mean) / jnp.where(std > 0, std, 1.0), 0.0)
-        spike = (state.count >= self.warmup) & jnp.any(jnp.isfinite(x) & (z > self.k))
+        over = (state.count >= self.warmup) & jnp.any(jnp.isfinite(x) & (z > self.k))
+        spike = over & (state.streak < self.patience)  # past the patience: a new level, not a spike
         flagged = spike | nonfinite
         seen = state.module_mean > 0
         ratio = jnp.where(seen, mod / jnp.where(seen, state.module_mean, 1.0), 1.0)
@@ -176,8 +192,10 @@ class SpikeDetector:
         var = (1.0 - alpha) * (state.var + alpha * delta**2)
         module_mean = state.module_mean + alpha * (mod - state.module_mean)
         keep = lambda old, new: jnp.where(flagged, old, new)  # noqa: E731 - a flagged step leaves no trace
+        streak = jnp.where(over & ~nonfinite, state.streak + 1, 0).astype(jnp.int32)
         new_state = DetectorState(jnp.where(flagged, state.count, state.count + 1), keep(state.mean, mean),
-                                  keep(state.var, var), keep(state.module_mean, module_mean), state.keys, state.modules)
+                                  keep(state.var, var), keep(state.module_mean, module_mean), streak, state.keys,
+                                  state.modules)
         report = {"flagged": flagged, "spike": spike, "nonfinite": nonfinite, "z": z, "ratio": ratio,
                   "top": top.astype(jnp.int32), "nonfinite_modules": bad_mod}
         return new_state, report
@@ -269,6 +287,7 @@ class HealthRecorder:
         ``where=False`` (a traced bool) leaves the ring as it was: a step whose
         per-layer work was skipped (``every_n``).
         """
+        _check_names("HealthRecorder", state.names, metrics)
         row = jnp.stack([jnp.asarray(metrics[n], _F32) for n in state.names])
         at = state.written % self.length
         where = jnp.asarray(where, bool)
