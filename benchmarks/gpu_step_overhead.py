@@ -157,13 +157,7 @@ def main() -> None:
     hstate = health.health_state(grads0, params, grads0, opt)  # the detector's and the recorder's states
 
     def make_step(metric_fn):
-        # The step number is an argument, not a constant: every_n's conditional is decided at run time.
-        def step(p, o, h, tok, i):
-            loss, g = jax.value_and_grad(loss_fn)(p, tok)
-            u, o = tx.update(g, o, p)
-            metrics, h = metric_fn(g, p, u, o, i, h)
-            return optax.apply_updates(p, u), o, h, loss, metrics
-
+        step = health.train_step(loss_fn, tx, metric_fn)
         return jax.jit(step).lower(params, opt, hstate, tok, jnp.int32(0)).compile()  # compiled once
 
     steps, structures = {}, {}

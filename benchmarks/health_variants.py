@@ -66,6 +66,20 @@ def naive_health(g, p, u, o):
     return out | per
 
 
+def train_step(loss_fn, tx, metric_fn):
+    """``step(p, o, h, tok, i) -> (p, o, h, loss, metrics)``: loss, grads, the optimizer, one metric variant.
+
+    The step number ``i`` is an argument, not a constant, so ``every_n``'s conditional is decided at run time.
+    """
+    def step(p, o, h, tok, i):
+        loss, g = jax.value_and_grad(loss_fn)(p, tok)
+        u, o = tx.update(g, o, p)
+        metrics, h = metric_fn(g, p, u, o, i, h)
+        return optax.apply_updates(p, u), o, h, loss, metrics
+
+    return step
+
+
 DETECTOR = tt.SpikeDetector(keys=("grad_norm",), warmup=5)
 RECORDER = tt.HealthRecorder(length=64)
 

@@ -22,11 +22,12 @@ Norms to log (one jit-safe pass, sharded trees too), written every N steps:
 
     >>> m = tt.norm_metrics(grads=params, params=params, depth=1)
     >>> sorted(m)
-    ['grad_norm', 'grad_norm/Dense_0', 'grad_norm/Dense_1', 'nonfinite_grads', 'param_norm',
-     'param_norm/Dense_0', 'param_norm/Dense_1']
+    ['grad_norm', 'grad_norm/Dense_0', 'grad_norm/Dense_1', 'nonfinite_grads', 'nonfinite_grads/Dense_0',
+     'nonfinite_grads/Dense_1', 'param_norm', 'param_norm/Dense_0', 'param_norm/Dense_1']
     >>> round(float(m["grad_norm/Dense_1"]), 3)   # sqrt(16 ones)
     4.0
     >>> # log = tt.MetricsLogger("run/metrics.jsonl", every=20); log(step, m)   then: treetools plot run
+    >>> # training health (update ratios, Adam moments, a spike/NaN detector, dumps): docs/health.md
 
 Masks and labels from path patterns (``optax.adamw(mask=...)``, ``optax.multi_transform``):
 
