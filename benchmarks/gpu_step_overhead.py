@@ -17,6 +17,14 @@ interleaved rounds in shuffled order, with an A/A control (the plain step
 timed twice). Issue 15's targets, printed as met / not met: each
 ``tt.norm_metrics`` form costs no more than the naive optax dict with the
 same keys, and the global-only forms no more than ``optax.tree.norm``.
+
+Issue 40 (training health, ``health_variants.py``): the per-module health
+dict (update ratios, non-finite counts, largest |g|, Adam's moments) against
+the same keys written with optax; plus the detector and the on-device
+recorder (a step that writes nothing to the host); and ``every_n(10)``, the
+health behind a ``lax.cond``, on a step that skips it and one that computes
+it (on a GPU the conditional's predicate goes to the host: is skipping the
+reductions still cheaper than doing them?). ``HEALTH=0`` leaves them out.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import statistics
 import time
 
 import gpu_common as common
+import health_variants as health
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -92,6 +101,11 @@ def naive(g, p=None, u=None, per_param=False):
         for kind, t in (("grad_norm", g), ("param_norm", p), ("update_norm", u)):
             if t is not None:
                 out |= _per_leaf(kind, t)
+        # norm_metrics' per-leaf keys since issue 40: the non-finite count and, with params, the update ratio.
+        out |= {f"nonfinite_grads/{path}": jnp.sum(~jnp.isfinite(x)) for path, x in leaves_with_paths(g)}
+        if p is not None:
+            out |= {f"update_ratio/{path}": out[f"update_norm/{path}"] / out[f"param_norm/{path}"]
+                    for path, _ in leaves_with_paths(p)}
     return out
 
 
@@ -107,6 +121,10 @@ VARIANTS = {
     "tt.norm_metrics(g, p, u, per_param)": lambda g, p, u: tt.norm_metrics(grads=g, params=p, updates=u, per_param=True),
     "naive optax dict (g, p, u, per_param)": lambda g, p, u: naive(g, p, u, per_param=True),
 }
+# Every variant as health_variants.py spells them: (g, p, u, new opt state, step, health state) -> (metrics, state).
+VARIANTS = {name: (lambda fn: lambda g, p, u, o, i, h: (fn(g, p, u), h))(fn) for name, fn in VARIANTS.items()}
+if os.environ.get("HEALTH", "1") != "0":
+    VARIANTS |= {name: fn for name, fn in health.VARIANTS.items() if not name.startswith("none")}
 # (ours, anchor): ours' overhead must not exceed the anchor's.
 TARGETS = [
     ("tt.norm_metrics(g)", "optax.tree.norm(g)"),
@@ -115,6 +133,9 @@ TARGETS = [
     ("tt.norm_metrics(g, p, u)", "naive optax dict (g, p, u)"),
     ("tt.norm_metrics(g, p, u, per_param)", "naive optax dict (g, p, u, per_param)"),
 ]
+if "tt.norm_metrics health" in VARIANTS:
+    TARGETS += [("tt.norm_metrics health", "naive health dict (optax)"),
+                ("tt health every_n(10), a skipped step", "tt.norm_metrics health")]
 
 
 def main() -> None:
@@ -132,26 +153,26 @@ def main() -> None:
         logits = model.apply({"params": p}, tok[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tok[:, 1:]).mean()
 
-    def make_step(metric_fn):
-        def step(p, o, tok):
-            loss, g = jax.value_and_grad(loss_fn)(p, tok)
-            u, o = tx.update(g, o, p)
-            return optax.apply_updates(p, u), o, loss, metric_fn(g, p, u)
+    grads0 = jax.eval_shape(jax.grad(loss_fn), params, tok)
+    hstate = health.health_state(grads0, params, grads0, opt)  # the detector's and the recorder's states
 
-        return jax.jit(step).lower(params, opt, tok).compile()  # compiled once: timed and inspected
+    def make_step(metric_fn):
+        step = health.train_step(loss_fn, tx, metric_fn)
+        return jax.jit(step).lower(params, opt, hstate, tok, jnp.int32(0)).compile()  # compiled once
 
     steps, structures = {}, {}
+    at = {name: jnp.int32(health.STEP_OF.get(name, 0)) for name in VARIANTS}  # the step number each is timed at
     for name, fn in VARIANTS.items():
         start = time.perf_counter()
         steps[name] = make_step(fn)
-        _, _, _, m = jax.block_until_ready(steps[name](params, opt, tok))
+        _, _, _, _, m = jax.block_until_ready(steps[name](params, opt, hstate, tok, at[name]))
         structures[name] = common.structure_of(steps[name].as_text())
         print(f"compile + first step {name}: {time.perf_counter() - start:.1f} s, {len(m)} metrics, {structures[name]}",
               flush=True)
     # Same keys and values, ours and naive.
-    for ours, anchor in TARGETS[2:]:
-        a = steps[ours](params, opt, tok)[3]
-        b = steps[anchor](params, opt, tok)[3]
+    for ours, anchor in [t for t in TARGETS[2:] if "every_n" not in t[0]]:
+        a = steps[ours](params, opt, hstate, tok, at[ours])[4]
+        b = steps[anchor](params, opt, hstate, tok, at[anchor])[4]
         assert a.keys() == b.keys(), (ours, sorted(set(a) ^ set(b))[:5])
         worst = max(abs(float(a[k]) - float(b[k])) / max(abs(float(b[k])), 1e-30) for k in b)
         assert worst < 1e-3, (ours, worst)
@@ -159,10 +180,10 @@ def main() -> None:
     times = {k: [] for k in steps}
     for r in range(ROUNDS):
         for name in np.random.default_rng(r).permutation(list(steps)):
-            p, o = params, opt
+            p, o, h = params, opt, hstate
             start = time.perf_counter()
             for _ in range(STEPS):
-                p, o, loss, m = steps[name](p, o, tok)
+                p, o, h, loss, m = steps[name](p, o, h, tok, at[name])
             jax.block_until_ready((p, m))
             times[name].append((time.perf_counter() - start) / STEPS)
     base = [t for t in times["none"]]

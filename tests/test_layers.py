@@ -59,6 +59,7 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/verify.py", "main"): "numpy",
     ("cli/convert.py", "main"): "numpy",
     ("cli/plot.py", "main"): "numpy",
+    ("cli/plot.py", "_plot_health_dump"): "numpy",
     ("cli/plot.py", "plot_files"): "numpy",
     # Metadata mode (inspect without --stats or rules) starts without the rules engine, the block engine and the
     # statistics: whole-process inspect is measured against `import jax` (benchmarks/test_stream_bench.py).

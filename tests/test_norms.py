@@ -691,7 +691,12 @@ def test_norm_metrics_keys_exact_and_values():
     )
     expected_keys = {"grad_norm", "param_norm", "update_norm", "update_ratio", "nonfinite_grads"}
     expected_keys |= {f"{kind}/{path}" for kind in ("grad_norm", "param_norm", "update_norm") for path in paths}
+    # Turn 4 (issue 40): per leaf also the update ratio and the non-finite count.
+    expected_keys |= {f"{kind}/{path}" for kind in ("update_ratio", "nonfinite_grads") for path in paths}
     assert set(m) == expected_keys
+    for path in paths:
+        np.testing.assert_allclose(float(m[f"update_ratio/{path}"]), np.sqrt(_sq64(u[path]) / _sq64(p[path])), rtol=RTOL)
+        assert m[f"nonfinite_grads/{path}"].dtype == jnp.int32 and int(m[f"nonfinite_grads/{path}"]) == 0
     for kind, host in (("grad_norm", g), ("param_norm", p), ("update_norm", u)):
         np.testing.assert_allclose(float(m[kind]), np.sqrt(sum(_sq64(v) for v in host.values())), rtol=RTOL)
         for path in paths:
@@ -716,7 +721,8 @@ def test_bare_array_has_no_empty_per_param_key():
     m = norm_metrics(grads=x, params=x, per_param=True)
     assert sorted(m) == ["grad_norm", "nonfinite_grads", "param_norm"] and float(m["grad_norm"]) == 5.0
     assert sorted(get_grad_norms(x, True, depth=2)) == ["grad_norm"]
-    assert sorted(norm_metrics(grads=[x], per_param=True)) == ["grad_norm", "grad_norm/0", "nonfinite_grads"]
+    assert sorted(norm_metrics(grads=[x], per_param=True)) == ["grad_norm", "grad_norm/0", "nonfinite_grads",
+                                                               "nonfinite_grads/0"]
 
 
 def test_depth_groups_are_sqrt_of_summed_squares():
@@ -728,7 +734,8 @@ def test_depth_groups_are_sqrt_of_summed_squares():
         "decoder/layer_0": ["decoder/layer_0/w"],
         "head": ["head"],  # shorter than depth: its own group
     }
-    assert set(m) == {"grad_norm", "nonfinite_grads"} | {f"grad_norm/{k}" for k in groups}
+    assert set(m) == {"grad_norm", "nonfinite_grads"} | {f"{kind}/{k}" for k in groups
+                                                          for kind in ("grad_norm", "nonfinite_grads")}
     for prefix, members in groups.items():
         np.testing.assert_allclose(
             float(m[f"grad_norm/{prefix}"]), np.sqrt(sum(_sq64(g[p]) for p in members)), rtol=RTOL

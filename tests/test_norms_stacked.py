@@ -127,7 +127,8 @@ def test_depth_counts_the_layer_index_as_a_path_part():
     # depth 1: `decoder`; depth 2: `decoder/layers`, every layer together; depth 3 reaches the index: per layer;
     # depth 4: per sub-module of each layer.
     assert sorted(norm_metrics(grads=params, depth=1)) == ["grad_norm", "grad_norm/decoder", "grad_norm/embed",
-                                                           "nonfinite_grads"]
+                                                           "nonfinite_grads", "nonfinite_grads/decoder",
+                                                           "nonfinite_grads/embed"]
     m2 = norm_metrics(grads=params, depth=2)
     assert [k for k in m2 if k.startswith("grad_norm/decoder/")] == ["grad_norm/decoder/layers", "grad_norm/decoder/norm"]
     m3 = norm_metrics(grads=params, depth=3)
@@ -445,7 +446,8 @@ def test_bf16_stacked_grads_accumulate_in_float32():
 def test_one_layer_stack():
     tree = {"layers": {"w": jnp.array([[3.0, 4.0]]), "b": jnp.array([[12.0]])}}
     m = norm_metrics(grads=tree, depth=2, stacked={"layers": 0})
-    assert {k: float(v) for k, v in m.items()} == {"grad_norm": 13.0, "nonfinite_grads": 0, "grad_norm/layers/0": 13.0}
+    assert {k: float(v) for k, v in m.items()} == {"grad_norm": 13.0, "nonfinite_grads": 0, "grad_norm/layers/0": 13.0,
+                                                   "nonfinite_grads/layers/0": 0}
     assert get_param_norms(tree, True, stacked={"layers": 0}).keys() == {"param_norm", "param_norm/layers/0/b",
                                                                           "param_norm/layers/0/w"}
 
@@ -456,6 +458,8 @@ def test_nonfinite_layer_shows_in_its_own_key_and_the_count():
     m = norm_metrics(grads=unflatten_dict(host), depth=2, stacked={"blocks": 0})
     assert np.isnan(float(m["grad_norm/blocks/2"])) and np.isnan(float(m["grad_norm"]))
     assert all(np.isfinite(float(m[f"grad_norm/blocks/{i}"])) for i in (0, 1, 3)) and int(m["nonfinite_grads"]) == 1
+    # Issue 40: the count per layer names the layer holding it.
+    assert [int(m[f"nonfinite_grads/blocks/{i}"]) for i in range(4)] == [0, 0, 1, 0]
 
 
 def test_two_stacks_of_different_lengths():
@@ -467,7 +471,7 @@ def test_two_stacks_of_different_lengths():
     tree = {"decoder": {"dense_layers": {"w": box((2, 4, 4))}, "moe_layers": {"w": box((3, 4, 4)), "g": box((3, 4))}},
             "final": nn.Partitioned(np.ones(4, np.float32), names=(None,))}
     m = norm_metrics(grads=tree, depth=3)
-    assert [k for k in m if "/" in k] == ["grad_norm/decoder/dense_layers/0", "grad_norm/decoder/dense_layers/1",
+    assert [k for k in m if k.startswith("grad_norm/")] == ["grad_norm/decoder/dense_layers/0", "grad_norm/decoder/dense_layers/1",
                                          *(f"grad_norm/decoder/moe_layers/{i}" for i in range(3)), "grad_norm/final"]
     host = _host(tree)
     for i in range(3):

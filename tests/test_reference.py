@@ -17,7 +17,7 @@ N = 8
 
 
 def _cfg(workdir, steps, **kw):
-    return TrainConfig(workdir=str(workdir), steps=steps, ckpt_every=N, log_every=2, **{"quiet": True, **kw})
+    return TrainConfig(workdir=str(workdir), steps=steps, **{"ckpt_every": N, "log_every": 2, "quiet": True, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +269,55 @@ def test_the_trainer_prints_its_memory_plan_one_line_per_part(tmp_path, capsys):
     for part in ("params", "opt_state", "params_ema"):
         assert " ".join(lines[part]) == human(held[part], "B"), part
     assert lines["grads"] == lines["params"]  # float32 params: grads alike
+# --------------------------------------------------------------------------- #
+# Issue 40: --health and --inject-spike
+# --------------------------------------------------------------------------- #
+
+SPIKE = 28
+
+
+def test_inject_spike_is_detected_attributed_dumped_skipped_and_plotted(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from treetools.commands.healthplot import read_health_dump
+
+    cfg = dict(log_every=4, health=True, health_warmup=12, ckpt_every=100)
+    before = train(_cfg(tmp_path / "before", SPIKE - 1, **cfg))  # the same run, stopped before the bad batch
+    spiked = train(_cfg(tmp_path / "spiked", SPIKE + 6, inject_spike=SPIKE, **cfg))
+    flagged = [e for e in spiked["health_events"] if e["event"] == "flagged"]
+    assert [e["step"] for e in flagged] == [SPIKE]  # detected, and nothing else flagged
+    (event,) = flagged
+    assert "spike in grad_norm" in event["reasons"][0] and event["attributed"][0].startswith("layers_")
+    assert min(event["ratios"].values()) > 5  # every module's gradient jumped; the first named jumped most
+    assert event["ratios"][event["attributed"][0]] == max(event["ratios"].values())
+    (dump_event,) = [e for e in spiked["health_events"] if e["event"] == "dump"]
+    assert dump_event["step"] == SPIKE + 4 and dump_event["path"].endswith(f"health_{SPIKE + 4:08d}.json")
+    dump = read_health_dump(dump_event["path"])
+    assert [r["step"] for r in dump["records"]] == list(range(SPIKE + 4 - 31, SPIKE + 5))  # the ring: 32 steps
+    assert [r["step"] for r in dump["records"] if r["flagged"]] == [SPIKE]
+    assert dump["flagged"][0]["attributed"] == event["attributed"]
+    # The update was skipped: the spiked run's params, EMA and moments at SPIKE are those of step SPIKE - 1.
+    # (Compared through the checkpoints of a run that stopped at SPIKE - 1 and one that ran the bad batch.)
+    stopped = train(_cfg(tmp_path / "spiked2", SPIKE, inject_spike=SPIKE, **cfg))
+    for key in ("params", "params_ema", "opt_state"):
+        for x, y in zip(_host(before["state"][key]), _host(stopped["state"][key])):
+            np.testing.assert_array_equal(x, y, err_msg=key)
+    # Per-layer health in the metrics file, logged every 4 steps.
+    record = tt.read_metrics(spiked["metrics_path"])[-1]
+    for key in ("update_ratio/layers_0", "nonfinite_grads/layers_1", "grad_abs_max/embed", "mu_norm/layers_0",
+                "nu_norm", "flagged"):
+        assert key in record, key
+    # The plot of the dump names the layer.
+    png = tmp_path / "spike.png"
+    assert cli_main(["plot", dump_event["path"], "-o", str(png)]) == 0 and png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_health_resume_continues_the_detector_and_the_ring(tmp_path):
+    cfg = dict(health=True, health_warmup=4, health_length=8)
+    straight = train(_cfg(tmp_path / "straight", 2 * N, **cfg))
+    train(_cfg(tmp_path / "resumed", N, **cfg))
+    resumed = train(_cfg(tmp_path / "resumed", 2 * N, **cfg))
+    assert resumed["start_step"] == N
+    a, b = jax.device_get(straight["state"]["health"]), jax.device_get(resumed["state"]["health"])
+    assert [r["step"] for r in tt.HealthRecorder.rows(b["recorder"])] == list(range(2 * N - 7, 2 * N + 1))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)  # bit-identical to the straight run: the ring and the statistics

@@ -29,11 +29,12 @@ Norms to log (one jit-safe pass, sharded trees too), written every N steps:
 
     >>> m = tt.norm_metrics(grads=params, params=params, depth=1)
     >>> sorted(m)
-    ['grad_norm', 'grad_norm/Dense_0', 'grad_norm/Dense_1', 'nonfinite_grads', 'param_norm',
-     'param_norm/Dense_0', 'param_norm/Dense_1']
+    ['grad_norm', 'grad_norm/Dense_0', 'grad_norm/Dense_1', 'nonfinite_grads', 'nonfinite_grads/Dense_0',
+     'nonfinite_grads/Dense_1', 'param_norm', 'param_norm/Dense_0', 'param_norm/Dense_1']
     >>> round(float(m["grad_norm/Dense_1"]), 3)   # sqrt(16 ones)
     4.0
     >>> # log = tt.MetricsLogger("run/metrics.jsonl", every=20); log(step, m)   then: treetools plot run
+    >>> # training health (update ratios, Adam moments, a spike/NaN detector, dumps): docs/health.md
 
 Masks and labels from path patterns (``optax.adamw(mask=...)``, ``optax.multi_transform``):
 
@@ -116,6 +117,15 @@ _EXPORTS = {  # public name -> module under treetools
     "MetricsLogger": "pytree.metrics",
     "JsonlWriter": "pytree.metrics",
     "read_metrics": "pytree.metrics",
+    "TensorBoardWriter": "pytree.metrics",
+    # training health: spike/NaN detector, on-device recorder, dumps
+    "SpikeDetector": "pytree.health",
+    "DetectorState": "pytree.health",
+    "HealthRecorder": "pytree.health",
+    "RecorderState": "pytree.health",
+    "HealthDumper": "pytree.health",
+    "write_health_dump": "pytree.health",
+    "every_n": "pytree.health",
     # masks
     "get_param_mask_fn": "pytree.masks",
     "get_param_label_fn": "pytree.masks",

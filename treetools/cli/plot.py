@@ -37,7 +37,10 @@ checkpoint root that `treetools inspect` reads; the arrays are streamed as
 `treetools inspect --step all --stats` does.
 
 The figures are the library's (tt.plot_metrics, tt.plot_stats; treetools.commands.plot),
-usable from a notebook. Needs matplotlib (pip install 'jax-treetools[plot]').
+usable from a notebook. A health dump (health_<step>.json, written by
+`treetools train --health` or tt.HealthDumper) is drawn as modules x steps
+heatmaps around the flagged step, the attributed module marked (default
+output: beside it, .png). Needs matplotlib (pip install 'jax-treetools[plot]').
 The image format follows the extension of -o (png, svg, pdf, ...). Nothing
 is written under CKPT_DIR.
 
@@ -48,6 +51,7 @@ Examples:
   treetools plot runs/demo --keys '^grad_norm/' -o grads.png
   treetools plot runs/scan --heatmap 'grad_norm/layers/(\\d+)$' -o layers.png
   treetools plot runs/demo/checkpoints --stats --item params -o l2.png
+  treetools plot runs/spike/health/health_00000064.json
   treetools plot runs/demo/checkpoints --stats abs_max --depth 1 --keys '^layers' -o absmax.png
 """
 
@@ -168,8 +172,25 @@ def _default_output(paths: Sequence[str], name: str = "norms.png") -> str:
     return os.path.join(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)), name)
 
 
+def _plot_health_dump(path: str, output: str | None) -> int:
+    # Here, not at the top: the figures' modules import numpy, which `treetools plot --help` does not need.
+    from treetools.commands import healthplot
+    from treetools.commands.plot import image_formats
+
+    output = os.path.expanduser(output) if output else os.path.splitext(os.path.expanduser(path))[0] + ".png"
+    _check_output(output, image_formats())
+    healthplot.health_figure(healthplot.read_health_dump(path)).savefig(output, dpi=100)
+    _output.out(output)
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    # Here, not at the top: the figures' modules import numpy, which `treetools plot --help` does not need.
+    from treetools.commands import healthplot
+
     paths = args.metrics
+    if len(paths) == 1 and args.stats is None and args.heatmap is None and healthplot.is_health_dump(paths[0]):
+        return _plot_health_dump(paths[0], args.output)
     if args.stats is None:
         if args.depth is not None or args.item is not None or args.unstack:
             raise UsageError("--depth, --item and --unstack apply to --stats (a checkpoint's statistics)")

@@ -18,6 +18,15 @@ so a block is 2 parts deep where unscanned it is 1, layers_0). A resumed run
 keeps the setting it was saved with, whatever the flag says, and a note says
 so (the checkpoint's paths differ: layers/qkv/kernel against layers_0/qkv/kernel).
 
+--health logs per-layer training health per module at --norm-depth
+(update_ratio/<module>, nonfinite_grads/<module>, grad_abs_max/<module>,
+Adam's mu_norm/nu_norm), watches loss and grad_norm with a spike/NaN detector
+(a flagged step skips its update, and the log names the module that jumped
+most), keeps the last 32 steps of it in a ring buffer on the device, and
+writes WORKDIR/health/health_<step>.json 4 steps after a flagged step
+(`treetools plot` draws it). --inject-spike STEP feeds a deliberately bad
+batch (every token 0) at STEP to show the whole loop; it implies --health.
+
 Examples:
   treetools train --workdir runs/demo --cpu-devices 4
   treetools train --workdir runs/demo --steps 400        (continue to step 400)
@@ -25,6 +34,8 @@ Examples:
   treetools plot runs/demo/metrics.jsonl -o norms.png
   treetools train --workdir runs/scan --scan-layers --cpu-devices 4
   treetools plot runs/scan --heatmap 'grad_norm/layers/(\\d+)$' -o layers.png
+  treetools train --workdir runs/spike --steps 60 --inject-spike 40 --cpu-devices 4
+  treetools plot runs/spike/health/health_00000044.json
 """
 
 from __future__ import annotations
@@ -56,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d("--norm-depth", type=positive_int, default=None, metavar="K",
       help="log per-module norms of the first K path parts, a scanned layer's index being one (default: one per "
            "block: 1, or 2 with --scan-layers)")
+    d("--health", action="store_true",
+      help="per-layer health, a spike/NaN detector that skips flagged updates, and dumps to DIR/health/")
+    d("--inject-spike", type=positive_int, default=None, metavar="STEP",
+      help="feed a deliberately bad batch (every token 0) at STEP; implies --health")
     d("--ema-decay", type=unit_float, default=0.99, metavar="D", help="decay of the EMA params (default: 0.99)")
     d("--cpu-devices", type=positive_int, default=None, metavar="N",
       help="simulate N CPU devices (sets XLA_FLAGS; only before jax starts)")
@@ -102,6 +117,7 @@ def main(args: argparse.Namespace) -> int:
                       learning_rate=args.learning_rate, log_every=args.log_every, ckpt_every=args.ckpt_every,
                       freeze_embeddings=args.freeze_embeddings, ema_decay=args.ema_decay, resume=args.resume,
                       quiet=args.quiet, norm_depth=args.norm_depth, model=ModelConfig(scan_layers=args.scan_layers),
+                      health=args.health or args.inject_spike is not None, inject_spike=args.inject_spike,
                       log=lambda line: _output.out(line, flush=True))  # `| head`: training goes on, exit code kept
     train(cfg)
     return 0

@@ -363,7 +363,7 @@ def _heatmap_rows(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: re.P
     return rows, bar
 
 
-def _edges(steps: Sequence[float]) -> list[float]:
+def cell_edges(steps: Sequence[float]) -> list[float]:
     """Cell edges halfway between steps (uneven logging intervals keep their widths)."""
     if len(steps) == 1:
         return [steps[0] - 0.5, steps[0] + 0.5]
@@ -452,7 +452,7 @@ def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str
     ylabel = next(iter(regex_.groupindex), "layer")
     mesh = None
     for ax, (label, (steps, data, bad)) in zip(axes, grids.items()):
-        xs, ys = _edges(steps), np.arange(len(order) + 1) - 0.5
+        xs, ys = cell_edges(steps), np.arange(len(order) + 1) - 0.5
         shown = np.where(np.isfinite(data) & (data > 0), data, np.nan)
         mesh = ax.pcolormesh(xs, ys, np.ma.masked_invalid(shown), cmap=cmap, norm=norm, shading="flat", gid="values")
         if bad.any():

@@ -1,9 +1,21 @@
 """Metrics files: written by ``JsonlWriter`` / ``MetricsLogger``, read by ``read_metrics``.
 
 A metrics file (``metrics.jsonl``) holds one JSON object per line,
-``{"step": 20, "loss": 2.31, "grad_norm": 0.84, ...}``; non-finite values are
-written as ``NaN`` / ``Infinity``. This module is the only place that writes or
-reads the format (``treetools plot`` reads through ``read_metrics``).
+``{"step": 20, "loss": 2.31, "grad_norm": 0.84, ...}``, strict JSON: a
+non-finite value is written as ``null`` and its kind recorded under the
+reserved key ``nonfinite`` (``{"loss": null, "nonfinite": {"loss": "nan"}}``,
+``treetools.shared.records``); ``read_metrics`` gives it back as a float NaN
+or Inf (and still reads the bare ``NaN`` of files written before). This module
+is the only place that writes or reads the format (``treetools plot`` reads
+through ``read_metrics``).
+
+Writers (``MetricsLogger(writer)``): a path (``JsonlWriter``), a
+``TensorBoardWriter(logdir)`` (event files, with the ``tensorboard`` extra:
+``pip install 'jax-treetools[tensorboard]'``), any callable ``(step, {name:
+number})`` (W&B: ``lambda step, m: wandb.log(m, step=step)``), or a list of
+them. A metric that is an array of more than one element is logged as one
+number per element, ``name/0``, ``name/1``, ... (``name/i/j`` for 2-D): every
+writer takes numbers, and ``treetools plot --heatmap 'name/(\\d+)$'`` draws them.
 
 Starting afresh or continuing (the ``resume_step`` rule):
 
@@ -39,8 +51,12 @@ from __future__ import annotations
 import json
 import operator
 import os
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from treetools.shared.install import install_hint
+from treetools.shared.records import NONFINITE, decode_record, encode_record
 
 
 METRICS_FILE = "metrics.jsonl"
@@ -60,13 +76,55 @@ def _writes(all_processes: bool) -> bool:
     return jax.process_index() == 0
 
 
+MAX_ELEMENTS = 1024
+"""A metric with more elements than this is refused (log a reduction of it): each element becomes a key."""
+
+
+def _start_transfer(metrics: Mapping[str, Any]) -> None:
+    """Start copying every device array of ``metrics`` to the host, without waiting (where jax allows it)."""
+    for value in metrics.values():
+        copy = getattr(value, "copy_to_host_async", None)
+        if copy is not None:
+            try:
+                copy()
+            except Exception:  # noqa: BLE001 - an array that cannot start early is fetched by device_get below
+                pass
+
+
 def _to_host(metrics: Mapping[str, Any]) -> dict[str, float | int]:
-    """Device scalars -> Python ``int`` (integer dtypes) or ``float``, in one transfer."""
+    """Device scalars -> Python ``int`` (integer and bool dtypes) or ``float``, in one ``jax.device_get``.
+
+    An array of several elements gives one key per element (``name/0``, ...;
+    ``name/i/j`` for 2-D), in C order.
+
+    Raises:
+      TypeError: a value is not a number or a numeric array (names its key).
+      ValueError: an array has more than ``MAX_ELEMENTS`` elements, or a
+        metric is named ``nonfinite`` (reserved by the file format).
+    """
     import jax
     import numpy as np
 
+    if NONFINITE in metrics:
+        raise ValueError(f"metric name `{NONFINITE}` is reserved (the file records which values are NaN/Inf there); "
+                         "rename that metric.")
     host = jax.device_get(dict(metrics))
-    return {k: int(v) if np.issubdtype(np.asarray(v).dtype, np.integer) else float(v) for k, v in host.items()}
+    out: dict[str, float | int] = {}
+    for key, value in host.items():
+        array = np.asarray(value)
+        if array.dtype.kind not in "biuf":
+            raise TypeError(f"metric `{key}` is a {type(value).__name__} of dtype {array.dtype}, not a number; log "
+                            "numbers or numeric arrays (strings and objects go to your own writer).")
+        if array.size > MAX_ELEMENTS:
+            raise ValueError(f"metric `{key}` has {array.size} elements (shape {array.shape}), more than "
+                             f"{MAX_ELEMENTS} keys to write; log a reduction of it (a norm, a max) instead.")
+        cast = int if array.dtype.kind in "biu" else float
+        if array.ndim == 0:
+            out[key] = cast(array)
+            continue
+        for index in np.ndindex(array.shape):
+            out["/".join([key, *map(str, index)])] = cast(array[index])
+    return out
 
 
 def _parse(path: str, data: bytes) -> list[tuple[int, bytes, dict]]:
@@ -140,7 +198,7 @@ def read_metrics(path: str | os.PathLike, *, drop_superseded: bool = True) -> li
         raise FileNotFoundError(f"{path}: no such metrics file; `treetools train --workdir DIR` writes "
                                 f"DIR/{METRICS_FILE}.")
     with open(path, "rb") as f:
-        records = [record for _, _, record in _parse(path, f.read())]
+        records = [decode_record(record) for _, _, record in _parse(path, f.read())]
     if not records:
         raise ValueError(f"{path}: no records; {_NOT_METRICS}")
     if not drop_superseded:
@@ -225,27 +283,108 @@ class JsonlWriter:
         if not _writes(self.all_processes):
             return
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": int(step), **metrics}) + "\n")
+            f.write(json.dumps(encode_record({"step": int(step), **metrics}), allow_nan=False) + "\n")
+
+
+class TensorBoardWriter:
+    """Write each metric as a TensorBoard scalar (``tag = name``) to event files in ``logdir``.
+
+    Through ``tensorboardX`` (the ``tensorboard`` extra: ``pip install
+    'jax-treetools[tensorboard]'``); TensorBoard reads the folder (``tensorboard
+    --logdir``). Resuming from step ``N`` (``resume_step=N``) marks the events
+    after ``N`` as superseded (TensorBoard's ``purge_step``), so a resumed run
+    reads as one straight run there too. Only jax's process 0 writes unless
+    ``all_processes``.
+
+    Args:
+      logdir: the folder for the event files (created if needed).
+      resume_step: the step the run resumed from, or None for a fresh run.
+      all_processes: write from every jax process.
+
+    Raises:
+      ImportError: tensorboardX is not installed (the message says how to install it).
+
+    >>> import tempfile
+    >>> writer = TensorBoardWriter(tempfile.mkdtemp())
+    >>> writer(10, {"loss": 2.5, "grad_norm/layers/0": 0.1}); writer.close()
+    """
+
+    def __init__(self, logdir: str | os.PathLike, *, resume_step: int | None = None, all_processes: bool = False):
+        self.logdir = os.path.expanduser(os.fspath(logdir))
+        self.all_processes = all_processes
+        self._writer = None
+        if not _writes(all_processes):
+            return
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ImportError(f"TensorBoardWriter needs tensorboardX; install it: {install_hint('tensorboard')}") from None
+        purge = None if resume_step is None else operator.index(resume_step) + 1
+        # tensorboardX names its file by the second and the host: a writer made in the same second (a quick
+        # restart) would truncate the earlier file. A process- and time-unique suffix keeps both.
+        suffix = f".{os.getpid()}.{time.time_ns()}"
+        self._writer = SummaryWriter(self.logdir, purge_step=purge, flush_secs=30, filename_suffix=suffix)
+
+    def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._writer is None:
+            return
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, int(step))
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+Writer = Callable[[int, dict[str, float]], Any]
+"""``writer(step, {name: number})``: what ``MetricsLogger`` hands each logged step to."""
+
+
+def _writer(writer: Writer | str | os.PathLike, resume_step: int | None) -> Writer:
+    if isinstance(writer, (str, os.PathLike)):
+        return JsonlWriter(writer, resume_step=resume_step)
+    if not callable(writer):
+        raise TypeError(f"`writer` must be a callable (step, metrics), a path, or a list of those; got "
+                        f"{type(writer).__name__}.")
+    if resume_step is not None:
+        raise ValueError("`resume_step` applies to a path `writer`; for a callable, pass it to the writer "
+                         "(e.g. JsonlWriter(path, resume_step=...), TensorBoardWriter(logdir, resume_step=...)).")
+    return writer
 
 
 class MetricsLogger:
-    """Every ``every`` steps, turn a metric dict into host numbers and write it.
+    """Every ``every`` steps, turn a metric dict into host numbers and hand it to the writers.
 
     On other steps the arrays are not touched, so no host sync happens and the
-    device keeps running ahead. The writer is any callable
-    ``writer(step, {name: float})``; a path means a ``JsonlWriter`` on it,
-    started afresh, or continued after ``resume_step`` (see the module doc).
+    device keeps running ahead. A due step's dict comes to the host in one
+    ``jax.device_get``. With ``asynchronous=True`` that transfer is started
+    (``copy_to_host_async``) and the dict is written at the next call (or at
+    ``flush()``/``close()``, or leaving a ``with`` block), by which time the
+    device has long finished it and the next step is already queued: logging
+    every step does not make the host wait for each step. Writes are then one
+    call late; the order and the values are the same.
+
+    A writer is any callable ``writer(step, {name: number})``; a path means a
+    ``JsonlWriter`` on it, started afresh, or continued after ``resume_step``
+    (see the module doc); a list gives each logged dict to every writer.
+    Arrays of several elements are logged one number per element
+    (``name/0``, ``name/1``, ...; see the module doc).
 
     Args:
-      writer: callable ``(step, metrics) -> None``, or a path for a JSONL file.
+      writer: callable ``(step, metrics) -> None``, a path for a JSONL file,
+        or a list of those (``[path, TensorBoardWriter(logdir), wandb_fn]``).
       every: log when ``step % every == 0``.
       resume_step: with a path: the step the run resumed from (None: a fresh
         run). A callable writer handles its own file: pass it there.
+      asynchronous: start the transfer and write at the next call (see above).
 
     Raises:
-      TypeError: ``writer`` is neither a callable nor a path.
+      TypeError: ``writer`` is neither a callable nor a path; at a logged
+        step, a metric that is not numeric (named).
       ValueError: ``every`` is not a positive int, or ``resume_step`` was given
-        with a callable writer.
+        with a callable writer; at a logged step, a metric named ``nonfinite``
+        or with more than ``MAX_ELEMENTS`` elements (named).
 
     >>> import jax.numpy as jnp
     >>> seen = []
@@ -254,26 +393,31 @@ class MetricsLogger:
     [False, True, False, True]
     >>> seen
     [(2, {'grad_norm': 2.0}), (4, {'grad_norm': 4.0})]
+    >>> log(6, {"per_layer": jnp.array([0.5, 0.25])}); seen[-1]     # a vector: one key per element
+    True
+    (6, {'per_layer/0': 0.5, 'per_layer/1': 0.25})
     """
 
     def __init__(
         self,
-        writer: Callable[[int, dict[str, float]], Any] | str | os.PathLike,
+        writer: Writer | str | os.PathLike | Sequence[Writer | str | os.PathLike],
         *,
         every: int = 1,
         resume_step: int | None = None,
+        asynchronous: bool = False,
     ):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"`every` must be a positive int, got {every!r}.")
-        if isinstance(writer, (str, os.PathLike)):
-            writer = JsonlWriter(writer, resume_step=resume_step)
-        elif not callable(writer):
-            raise TypeError(f"`writer` must be a callable (step, metrics) or a path, got {type(writer).__name__}.")
-        elif resume_step is not None:
-            raise ValueError("`resume_step` applies to a path `writer`; for a callable, pass it to the writer "
-                             "(e.g. JsonlWriter(path, resume_step=...)).")
-        self.writer = writer
+        many = isinstance(writer, Sequence) and not isinstance(writer, (str, bytes))
+        self.writers = [_writer(w, resume_step) for w in (writer if many else [writer])]
+        self.writer = self.writers[0] if len(self.writers) == 1 else self._write_all
         self.every = every
+        self.asynchronous = asynchronous
+        self._pending: tuple[int, dict[str, Any]] | None = None
+
+    def _write_all(self, step: int, host: dict[str, float | int]) -> None:
+        for writer in self.writers:
+            writer(step, host)
 
     def __call__(self, step: int, metrics: Mapping[str, Any]) -> bool:
         """Log ``metrics`` if ``step`` is due; returns whether it was.
@@ -282,7 +426,33 @@ class MetricsLogger:
         array step would itself need a sync to test.
         """
         step = operator.index(step)
+        self.flush()
         if step % self.every:
             return False
-        self.writer(step, _to_host(metrics))
+        if self.asynchronous:
+            _start_transfer(metrics)
+            self._pending = (step, dict(metrics))
+        else:
+            self.writer(step, _to_host(metrics))
         return True
+
+    def flush(self) -> None:
+        """Write the dict whose transfer ``asynchronous=True`` started, if any."""
+        if self._pending is not None:
+            step, metrics = self._pending
+            self._pending = None
+            self.writer(step, _to_host(metrics))
+
+    def close(self) -> None:
+        """Flush, then close the writers that can be closed (``TensorBoardWriter``)."""
+        self.flush()
+        for writer in self.writers:
+            close = getattr(writer, "close", None)
+            if callable(close):
+                close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

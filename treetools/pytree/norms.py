@@ -65,7 +65,7 @@ from __future__ import annotations
 import functools
 import operator
 from numbers import Number
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -177,48 +177,62 @@ def _other_axes(ndim: int, axis: int) -> tuple[int, ...]:
     return tuple(a for a in range(ndim) if a != axis)
 
 
-def _layer_sq(value: Any, stack: _LeafStack | None) -> jax.Array:
-    """A leaf's sum of squares: a scalar, or for a stacked leaf one partial sum per layer, shape (L,).
+def _place_layers(part: jax.Array, stack: _LeafStack) -> jax.Array:
+    """A stacked leaf's per-layer values, placed among all L layers.
 
-    The per-layer sums reduce every axis but the layer axis, in the same read
-    as the scalar sum. Where the layer axis is split over bound mesh axes
-    (inside ``shard_map``), the local block holds layers ``[k * n, (k + 1) * n)``
-    (``k`` this device's index over those axes, row-major as jax splits): its
-    sums are placed there in a zero vector of all L layers, so the ``psum``
-    over the leaf's axes, which include those, assembles the whole vector.
+    Where the layer axis is split over bound mesh axes (inside ``shard_map``),
+    the local block holds layers ``[k * n, (k + 1) * n)`` (``k`` this device's
+    index over those axes, row-major as jax splits): its values go there in a
+    zero vector of all L layers, so the collective over the leaf's axes, which
+    include those, assembles the whole vector (a sum, or a max of values >= 0).
     """
-    if stack is None:
-        return _local_sq(value)
-    axis, length, split = stack
-    sq = _abs_sq(value)
-    part = jnp.sum(sq, axis=_other_axes(sq.ndim, axis))
+    _, length, split = stack
     if split:
         start = jax.lax.axis_index(split) * part.shape[0]
-        part = jax.lax.dynamic_update_slice(jnp.zeros((length,), _F32), part, (start,))
+        part = jax.lax.dynamic_update_slice(jnp.zeros((length,), part.dtype), part, (start,))
     # XLA folds a sum of these sums (the global norm) or a slice of them (one layer) back into
     # reductions of the squared leaf, which it then writes out and reads again (measured on
     # XLA:CPU: 4x the bytes). The barrier keeps the one read.
     return jax.lax.optimization_barrier(part)
 
 
-def _count_nonfinite(values: list[Any], axes: tuple[tuple[str, ...], ...], stacks: tuple = ()) -> jax.Array:
-    """The number of NaN/Inf elements of all ``values``, psum-ed like their squares (int32).
+def _layer_sq(value: Any, stack: _LeafStack | None) -> jax.Array:
+    """A leaf's sum of squares: a scalar, or for a stacked leaf one partial sum per layer, shape (L,).
 
-    A stacked leaf is counted over the same axes as its per-layer squares
-    (``_layer_sq``), so that the two stay sibling reductions XLA:GPU/TPU fuse
-    into one read; the barrier keeps XLA from folding the follow-up sum back
-    into a reduction of another shape.
+    The per-layer sums reduce every axis but the layer axis, in the same read
+    as the scalar sum (placed among all L layers by ``_place_layers``).
     """
-    local = []
-    for x, stack in zip(map(jnp.asarray, values), stacks or (None,) * len(values)):
-        if not jnp.issubdtype(x.dtype, jnp.inexact):
-            local.append(jnp.zeros((), jnp.int32))
-        elif stack is None:
-            local.append(jnp.sum(~jnp.isfinite(x), dtype=jnp.int32))
-        else:
-            per_layer = jnp.sum(~jnp.isfinite(x), axis=_other_axes(x.ndim, stack[0]), dtype=jnp.int32)
-            local.append(jnp.sum(jax.lax.optimization_barrier(per_layer)))
-    return _tree_total(_batched_psum(local, axes), dtype=jnp.int32)
+    if stack is None:
+        return _local_sq(value)
+    sq = _abs_sq(value)
+    return _place_layers(jnp.sum(sq, axis=_other_axes(sq.ndim, stack[0])), stack)
+
+
+def _layer_count(value: Any, stack: _LeafStack | None) -> jax.Array:
+    """A leaf's number of NaN/Inf elements (int32): a scalar, or one count per layer of a stacked leaf.
+
+    A stacked leaf is counted over the same axes as its per-layer squares, so
+    that the two stay sibling reductions XLA:GPU/TPU fuse into one read.
+    """
+    x = jnp.asarray(value)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros(() if stack is None else (stack[1],), jnp.int32)
+    if stack is None:
+        return jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
+    return _place_layers(jnp.sum(~jnp.isfinite(x), axis=_other_axes(x.ndim, stack[0]), dtype=jnp.int32), stack)
+
+
+def _layer_abs_max(value: Any, stack: _LeafStack | None) -> jax.Array:
+    """A leaf's largest ``|x|`` in float32 (0 for an empty leaf; +inf if it holds a NaN): a scalar or one per layer.
+
+    NaN is read as +inf: XLA's cross-device max (an all-reduce under GSPMD, a
+    ``pmax``) drops NaN on CPU, and a max that hides a NaN would read as healthy.
+    """
+    x = jnp.abs(jnp.asarray(value)).astype(_F32)
+    x = jnp.where(jnp.isnan(x), jnp.inf, x)
+    if stack is None:
+        return jnp.max(x, initial=0.0)
+    return _place_layers(jnp.max(x, axis=_other_axes(x.ndim, stack[0]), initial=0.0), stack)
 
 
 def get_sharded_norm_logits(x: Any, *, axes: tuple[str, ...] | None = None) -> jax.Array:
@@ -272,15 +286,20 @@ def _check_leaf(path: PathStr, x: Any) -> Any:
 # --------------------------------------------------------------------------- #
 
 
-def _batched_psum(values: list[jax.Array], axes: tuple[tuple[str, ...], ...]) -> list[jax.Array]:
-    """psum each value (a scalar, or a stacked leaf's per-layer vector) over its axes, one collective per axis set."""
+def _batched_psum(
+    values: list[jax.Array], axes: tuple[tuple[str, ...], ...], collective: Any = jax.lax.psum
+) -> list[jax.Array]:
+    """psum each value (a scalar, or a stacked leaf's per-layer vector) over its axes, one collective per axis set.
+
+    ``collective=jax.lax.pmax`` for maxima; the values of one axis set share a dtype.
+    """
     out = list(values)
     groups: dict[tuple[str, ...], list[int]] = {}
     for i, ax in enumerate(axes):
         if ax:
             groups.setdefault(tuple(sorted(ax)), []).append(i)
     for ax, idx in groups.items():
-        summed = jax.lax.psum(jnp.concatenate([jnp.ravel(values[i]) for i in idx]), ax)
+        summed = collective(jnp.concatenate([jnp.ravel(values[i]) for i in idx]), ax)
         start = 0
         for i in idx:
             size = int(np.prod(jnp.shape(values[i])))
@@ -294,14 +313,32 @@ def _batched_psum(values: list[jax.Array], axes: tuple[tuple[str, ...], ...]) ->
 _Group = tuple[tuple[int, Any], ...]
 
 
+class _Reduced(NamedTuple):
+    """What ``_norms`` computed: the global norm and each group's; the non-finite counts and largest ``|x|``
+    (global and per group) where asked, else None."""
+
+    norm: jax.Array
+    groups: list[jax.Array]
+    nonfinite: jax.Array | None = None
+    group_nonfinite: list[jax.Array] | None = None
+    abs_max: jax.Array | None = None
+    group_abs_max: list[jax.Array] | None = None
+
+
 def _norms(
     pairs: list[tuple[PathStr, Any]],
     *,
     groups: tuple[_Group, ...] = (),
     count_nonfinite: bool = False,
+    group_counts: bool = False,
+    abs_max: bool = False,
     stacks: list[Stack | None] | None = None,
-) -> tuple[jax.Array, list[jax.Array], jax.Array | None]:
-    """``(global_norm, [norm of each group], nonfinite count or None)``; ``stacks``: the leaves read per layer."""
+) -> _Reduced:
+    """The global norm and the norm of each group, in one read of each leaf; ``stacks``: the leaves read per layer.
+
+    ``count_nonfinite``: also the number of NaN/Inf elements (per group too
+    with ``group_counts``); ``abs_max``: also the largest ``|x|``, global and per group.
+    """
     values = [_check_leaf(p, x) for p, x in pairs]
     # Decided here, in the caller's trace: inside shard_map the axes are bound.
     _check_layouts(pairs)
@@ -315,7 +352,8 @@ def _norms(
     # inline: a nested jit holding the (CPU) lax.cond fails under vmap with
     # unbatched constants beside batch-sharded leaves (a jax limitation).
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
-    options = {"groups": groups, "count_nonfinite": count_nonfinite, "stacks": leaf_stacks}
+    options = {"groups": groups, "count_nonfinite": count_nonfinite, "stacks": leaf_stacks,
+               "group_counts": group_counts, "abs_max": abs_max}
     if layout is not None:
         mesh, specs = layout
         return (_sharded_norms_body if traced else _sharded_norms_kernel)(values, mesh=mesh, specs=specs, **options)
@@ -395,64 +433,102 @@ def _known_layout(values: list[Any]) -> tuple[Any, tuple[PartitionSpec, ...]] | 
     return mesh, tuple(specs)
 
 
-def _sharded_norms_body(values, *, mesh, specs, stacks, groups, count_nonfinite):
+def _sharded_norms_body(values, *, mesh, specs, stacks, **options):
     """``_norms_body`` on each device's blocks, psum-ed once per distinct set of mesh axes.
 
     Left to itself, the compiler emits one all-reduce per split leaf (optax's
     global norm does too); here the local sums of squares are stacked and
     reduced together, as inside ``shard_map`` on boxes. A stacked leaf whose
-    layer axis is split holds some of the layers on each device (see ``_layer_sq``).
+    layer axis is split holds some of the layers on each device (see ``_place_layers``).
     """
     axes = tuple(_spec_axes(spec) for spec in specs)
     stacks = tuple(s if s is None else (s[0], s[1], _entry_axes(spec, s[0])) for s, spec in zip(stacks, specs))
-    body = functools.partial(_norms_body, axes=axes, stacks=stacks, groups=groups, count_nonfinite=count_nonfinite)
+    body = functools.partial(_norms_body, axes=axes, stacks=stacks, **options)
     return jax.shard_map(body, mesh=mesh, in_specs=(list(specs),), out_specs=PartitionSpec())(values)
 
 
-def _group_norms(sq: list[jax.Array], whole: list[jax.Array], groups: tuple[_Group, ...]) -> list[jax.Array]:
-    """The norm of each group: sqrt of its summed squares, never a sum of norms.
+def _vary_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` marked varying over the manual mesh axes ``like`` varies over (inside ``shard_map``); as is elsewhere."""
+    missing = tuple(sorted(_varying(like) - _varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
-    Groups of one layer across the same stacked leaves (``decoder/layers/0`` ...
-    ``decoder/layers/23``) share one summed per-layer vector.
+
+def _varying(x: jax.Array) -> frozenset[str]:
+    # jax 0.10 spells it `manual_axis_type.varying`, other versions `vma`.
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _group_totals(
+    parts: list[jax.Array], whole: list[jax.Array], groups: tuple[_Group, ...], combine: Any = operator.add
+) -> list[jax.Array]:
+    """Each group's total (``combine``: add for squares and counts, ``jnp.maximum`` for maxima).
+
+    ``parts[i]`` is leaf i's value (a scalar, or one per layer of a stacked
+    leaf), ``whole[i]`` its total. Norms are the sqrt of a group's summed
+    squares, never a sum of norms. Groups of one layer across the same stacked
+    leaves (``decoder/layers/0`` ... ``decoder/layers/23``) share one combined
+    per-layer vector.
     """
-    summed: dict[tuple[int, ...], jax.Array] = {}
+    combined: dict[tuple[int, ...], jax.Array] = {}
     out = []
     for group in groups:
         if len(group) == 1 and group[0][1] == _EVERY_LAYER:
-            out.append(jnp.sqrt(sq[group[0][0]]))
+            out.append(parts[group[0][0]])
             continue
         terms = [whole[i] for i, layer in group if layer is None]
         layered = [(i, layer) for i, layer in group if layer is not None]
         leaves = tuple(sorted({i for i, _ in layered}))
-        if len({layer for _, layer in layered}) == 1 and len({sq[i].shape for i in leaves}) == 1:
-            if leaves not in summed:
-                summed[leaves] = functools.reduce(operator.add, [sq[i] for i in leaves])
-            terms.append(summed[leaves][layered[0][1]])
+        if len({layer for _, layer in layered}) == 1 and len({parts[i].shape for i in leaves}) == 1:
+            if leaves not in combined:
+                combined[leaves] = functools.reduce(combine, [parts[i] for i in leaves])
+            terms.append(combined[leaves][layered[0][1]])
         else:
-            terms += [sq[i][layer] for i, layer in layered]
-        out.append(jnp.sqrt(_tree_total(terms)))
+            terms += [parts[i][layer] for i, layer in layered]
+        out.append(functools.reduce(combine, terms) if terms else jnp.zeros((), parts[0].dtype if parts else _F32))
     return out
 
 
-def _norms_body(values, *, axes, stacks, groups, count_nonfinite):
-    """Per-leaf (per-layer) sums of squares, psum-ed per axis set; the global and group norms; the non-finite count."""
+def _norms_body(values, *, axes, stacks, groups, count_nonfinite, group_counts=False, abs_max=False) -> _Reduced:
+    """Per-leaf (per-layer) sums of squares, psum-ed per axis set; the global and group norms; the non-finite
+    counts and largest ``|x|`` where asked."""
     sq = _batched_psum([_layer_sq(v, s) for v, s in zip(values, stacks)], axes)
     # A stacked leaf's L partial sums add up to its whole sum: the global norm needs no second read.
     whole = [jnp.sum(s) if s.ndim else s for s in sq]
     total = _tree_total(whole)
-    group_norms = _group_norms(sq, whole, groups)
+    out = _Reduced(jnp.sqrt(total), [jnp.sqrt(t) for t in _group_totals(sq, whole, groups)])
+    if abs_max:
+        # A sibling of the sum of squares (same leaf, same axes): XLA:GPU/TPU fuse the two into one read.
+        peaks = _batched_psum([_layer_abs_max(v, s) for v, s in zip(values, stacks)], axes, jax.lax.pmax)
+        peak = [jnp.max(m) if m.ndim else m for m in peaks]
+        out = out._replace(abs_max=functools.reduce(jnp.maximum, peak, jnp.zeros((), _F32)),
+                           group_abs_max=_group_totals(peaks, peak, groups, jnp.maximum))
     if not count_nonfinite:
-        return jnp.sqrt(total), group_norms, None
-    count = functools.partial(_count_nonfinite, values, axes, stacks)
+        return out
 
-    def lazy(total: jax.Array) -> jax.Array:
+    def count(*_: Any) -> tuple[jax.Array, list[jax.Array]]:
+        parts = _batched_psum([_layer_count(v, s) for v, s in zip(values, stacks)], axes)
+        leaf = [jnp.sum(c) if c.ndim else c for c in parts]
+        out = _tree_total(leaf, dtype=jnp.int32), (_group_totals(parts, leaf, groups) if group_counts else [])
+        # Inside shard_map a group's count varies over (at most) the mesh axes the total does; the
+        # branches below must agree on that.
+        return jax.tree.map(lambda c: _vary_like(c, total), out)
+
+    def lazy(total: jax.Array) -> tuple[jax.Array, list[jax.Array]]:
         # A finite total means every element is finite (a NaN or Inf anywhere
         # makes its square, and the sum, non-finite), so the count is 0 and the
         # arrays need not be read a second time. A finite array whose squares
         # overflow float32 takes the counting branch too and counts 0, correctly.
         # ``total * 0`` rather than a constant: inside shard_map it carries the
         # same varying-axes type as the count, which cond requires of its branches.
-        return jax.lax.cond(jnp.isfinite(total), lambda: (total * 0).astype(jnp.int32), count)
+        zero = (total * 0).astype(jnp.int32)
+
+        def none() -> tuple[jax.Array, list[jax.Array]]:
+            shapes = [(stacks[g[0][0]][1],) if g[0][1] == _EVERY_LAYER else () for g in groups] if group_counts else []
+            return zero, [jnp.broadcast_to(zero, shape) for shape in shapes]
+
+        return jax.lax.cond(jnp.isfinite(total), none, count)
 
     # Which program is cheaper depends on the compiler, so it is chosen when
     # lowering. XLA:GPU/TPU can fuse the count's reduction with the sum of
@@ -460,14 +536,14 @@ def _norms_body(values, *, axes, stacks, groups, count_nonfinite):
     # a conditional there would stall the step (XLA:GPU copies the predicate to
     # the host and waits). XLA:CPU fuses neither: an unconditional count would
     # read every gradient again, while a conditional is an in-process branch.
-    return jnp.sqrt(total), group_norms, jax.lax.platform_dependent(total, cpu=lazy, default=lambda total: count())
+    nonfinite, by_group = jax.lax.platform_dependent(total, cpu=lazy, default=count)
+    return out._replace(nonfinite=nonfinite, group_nonfinite=by_group if group_counts else None)
 
 
 # Eager calls: the whole tree in one compiled program (psum axes, mesh and specs are static).
-_norms_kernel = jax.jit(_norms_body, static_argnames=("axes", "stacks", "groups", "count_nonfinite"))
-_sharded_norms_kernel = jax.jit(
-    _sharded_norms_body, static_argnames=("mesh", "specs", "stacks", "groups", "count_nonfinite")
-)
+_OPTIONS = ("stacks", "groups", "count_nonfinite", "group_counts", "abs_max")
+_norms_kernel = jax.jit(_norms_body, static_argnames=("axes", *_OPTIONS))
+_sharded_norms_kernel = jax.jit(_sharded_norms_body, static_argnames=("mesh", "specs", *_OPTIONS))
 
 
 def _tree_total(leaves: Any, dtype: Any = _F32) -> jax.Array:
@@ -521,8 +597,8 @@ def get_sharded_global_norm(tree: PyTree, *, stacked: Stacked = False) -> tuple[
     named = [(path_str(p), x) for p, x in pairs]
     stacks = _find_stacks(named, stacked)
     groups = tuple(((i, None if s is None else _EVERY_LAYER),) for i, s in enumerate(stacks))
-    norm, per_leaf, _ = _norms(named, groups=groups, stacks=stacks)
-    return norm, jax.tree_util.tree_unflatten(treedef, per_leaf)
+    reduced = _norms(named, groups=groups, stacks=stacks)
+    return reduced.norm, jax.tree_util.tree_unflatten(treedef, reduced.groups)
 
 
 # --------------------------------------------------------------------------- #
@@ -530,42 +606,161 @@ def get_sharded_global_norm(tree: PyTree, *, stacked: Stacked = False) -> tuple[
 # --------------------------------------------------------------------------- #
 
 
+def _module_groups(
+    pairs: list[tuple[PathStr, Any]], stacks: list[Stack | None], *, depth: int | None
+) -> tuple[dict[str, list[tuple[int, int | None]]], list[Stack | None]]:
+    """``({module or leaf name: [(leaf index, layer or None)]}, the stacks read per layer)`` in tree order.
+
+    A stacked leaf whose layer index falls within ``depth`` (see ``norm_metrics``)
+    adds to one name per layer; it is then read per layer, in the same pass.
+    """
+    names: dict[str, list[tuple[int, int | None]]] = {}
+    split: list[Stack | None] = [None] * len(pairs)
+    for i, (path, _) in enumerate(pairs):
+        # A bare array (empty path) has no per-parameter entry: it is the global norm.
+        if not path:
+            continue
+        parts = tuple(path.split(SEP))
+        stack = stacks[i]
+        if split_within(stack, depth):  # depth counts the layer index as a path part
+            split[i] = stack
+            for layer in range(stack.length):
+                names.setdefault(SEP.join(layer_parts(parts, stack, layer)[:depth]), []).append((i, layer))
+        else:
+            names.setdefault(SEP.join(parts[:depth]), []).append((i, None))
+    return names, split
+
+
 def _norm_entries(
-    tree: PyTree,
+    pairs: list[tuple[PathStr, Any]],
     kind: str,
     *,
     per_param: bool,
     depth: int | None,
     stacked: Stacked = None,
-    count_nonfinite: bool = False,
-) -> tuple[dict[str, jax.Array], jax.Array | None]:
-    """``({kind: norm, "<kind>/<path or prefix>": ...}, nonfinite)`` in tree order.
+    stacks: list[Stack | None] | None = None,
+    count_key: str | None = None,
+    max_key: str | None = None,
+) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """``({kind: norm, count_key: n, max_key: m}, {"<kind>/<name>": ..., "<count_key>/<name>": ...})``, in tree order.
 
-    A stacked leaf whose layer index falls within ``depth`` (see ``norm_metrics``)
-    adds to one key per layer; it is then read per layer, in the same pass.
+    ``count_key``: count the NaN/Inf elements too; ``max_key``: the largest
+    ``|x|`` too. ``stacks``: the leaves' stacks where the caller knows them
+    (else found from ``stacked``). Entries per name only with ``per_param`` or ``depth``.
     """
-    pairs = leaves_with_paths(tree)
     names: dict[str, list[tuple[int, int | None]]] = {}
     split: list[Stack | None] = [None] * len(pairs)
     if per_param or depth is not None:
-        stacks = _find_stacks(pairs, stacked)
-        for i, (path, _) in enumerate(pairs):
-            # A bare array (empty path) has no per-parameter entry: it is the global norm.
-            if not path:
-                continue
-            parts = tuple(path.split(SEP))
-            stack = stacks[i]
-            if split_within(stack, depth):  # depth counts the layer index as a path part
-                split[i] = stack
-                for layer in range(stack.length):
-                    names.setdefault(SEP.join(layer_parts(parts, stack, layer)[:depth]), []).append((i, layer))
-            else:
-                names.setdefault(SEP.join(parts[:depth]), []).append((i, None))
-    groups = tuple(tuple(members) for members in names.values())
-    norm, group_norms, nonfinite = _norms(pairs, groups=groups, count_nonfinite=count_nonfinite, stacks=split)
-    out = {kind: norm}
-    out.update({f"{kind}/{name}": g for name, g in zip(names, group_norms)})
-    return out, nonfinite
+        if stacks is None:
+            stacks = _find_stacks(pairs, stacked)
+        names, split = _module_groups(pairs, stacks, depth=depth)
+    per_name = bool(names)
+    reduced = _norms(pairs, groups=tuple(tuple(m) for m in names.values()), count_nonfinite=count_key is not None,
+                     group_counts=per_name, abs_max=max_key is not None, stacks=split)
+    totals: dict[str, jax.Array] = {kind: reduced.norm}
+    per: dict[str, jax.Array] = {f"{kind}/{name}": g for name, g in zip(names, reduced.groups)}
+    if count_key is not None:
+        totals[count_key] = reduced.nonfinite
+        per.update({f"{count_key}/{name}": c for name, c in zip(names, reduced.group_nonfinite or [])})
+    if max_key is not None:
+        totals[max_key] = reduced.abs_max
+        per.update({f"{max_key}/{name}": m for name, m in zip(names, reduced.group_abs_max)})
+    return totals, per
+
+
+# --------------------------------------------------------------------------- #
+# Optimizer moments, matched to their params by path
+# --------------------------------------------------------------------------- #
+
+_FIRST_MOMENTS = ("mu", "trace")  # Adam/AdamW/AMSGrad/Belief/Novograd/Lion (``mu``); SGD momentum (``trace``)
+_SECOND_MOMENTS = ("nu",)  # Adam-family, RMSProp (``scale_by_rms``)
+_FACTORED = ("v_row", "v_col", "v")  # Adafactor's ``FactoredState``
+
+
+def _fields(x: Any) -> tuple[str, ...]:
+    fields = getattr(type(x), "_fields", None)  # optax states are NamedTuples
+    return tuple(fields) if isinstance(x, tuple) and fields is not None else ()
+
+
+def _is_moment_state(x: Any) -> bool:
+    fields = set(_fields(x))
+    return bool(fields & {*_FIRST_MOMENTS, *_SECOND_MOMENTS}) or set(_FACTORED) <= fields
+
+
+def _moment_pairs(opt_state: PyTree, shapes: dict[PathStr, tuple[int, ...]]) -> dict[str, list[tuple[PathStr, Any]]]:
+    """``{"mu_norm": [(param path, moment leaf)], "nu_norm": [...]}`` of every optax state in ``opt_state``.
+
+    A state is found by its fields wherever it sits (``chain``, ``multi_transform``,
+    ``masked``, ``inject_hyperparams``: ``optax.MaskedNode`` holds no leaf); the
+    path of a moment leaf below its field is its param's path. ``shapes``:
+    param path -> (global) shape, which Adafactor's factored moments need.
+    """
+    out: dict[str, list[tuple[PathStr, Any]]] = {"mu_norm": [], "nu_norm": []}
+    nodes = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=lambda x: is_leaf(x) or _is_moment_state(x))[0]
+    for where, node in nodes:
+        if not _is_moment_state(node):
+            continue
+        for field in _fields(node):
+            if field in _FIRST_MOMENTS:
+                out["mu_norm"] += leaves_with_paths(getattr(node, field))
+            elif field in _SECOND_MOMENTS:
+                out["nu_norm"] += leaves_with_paths(getattr(node, field))
+        if set(_FACTORED) <= set(_fields(node)):
+            out["nu_norm"] += _factored_second_moment(node, shapes, path_str(where))
+    return out
+
+
+def _factored_dims(shape: tuple[int, ...], rows: tuple[int, ...], cols: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(d1, d0)`` as optax's Adafactor factors a param of ``shape`` (its two largest axes), or None if unfactored."""
+    if len(shape) < 2:
+        return None
+    d1, d0 = (int(d) for d in np.argsort(shape)[-2:])
+    without = lambda axis: shape[:axis] + shape[axis + 1 :]  # noqa: E731
+    return (d1, d0) if rows == without(d0) and cols == without(d1) else None
+
+
+def _factored_second_moment(state: Any, shapes: dict[PathStr, tuple[int, ...]], where: str) -> list[tuple[PathStr, Any]]:
+    """Adafactor's second-moment estimate per param: ``v``, or rebuilt from its factors as optax uses them.
+
+    A factored param (its two largest axes ``d1``, ``d0``) keeps a row factor
+    ``r`` (the mean of ``g^2`` over ``d0``) and a column factor ``c`` (over
+    ``d1``); optax divides the update by the square root of
+    ``V = r / mean_d1(r) [at d0] * c [at d1]``, so that estimate, of the
+    param's shape, is what ``nu_norm`` measures: a broadcast product that XLA
+    reduces without writing it (it reads only the factors).
+    """
+    rows, cols = dict(leaves_with_paths(state.v_row)), dict(leaves_with_paths(state.v_col))
+    out = []
+    for path, v in leaves_with_paths(state.v):
+        shape = shapes.get(path)
+        if shape is None:
+            raise ValueError(
+                f"Adafactor state `{where}` holds a second moment for `{path}`, but no `params=`, `updates=` or "
+                "`grads=` tree has that path to give its shape; pass the params beside `opt_state=`."
+            )
+        r, c = unbox(rows[path]), unbox(cols[path])
+        dims = _factored_dims(shape, tuple(np.shape(r)), tuple(np.shape(c)))
+        if dims is None:
+            if tuple(np.shape(unbox(v))) != shape:
+                raise ValueError(
+                    f"Adafactor state `{where}`: the second moment of `{path}` has shape {np.shape(unbox(v))}, rows "
+                    f"{np.shape(r)} and columns {np.shape(c)}, which fit no factoring of its param's shape {shape}; "
+                    "pass the params the optimizer state was made for."
+                )
+            out.append((path, v))
+            continue
+        if jax.sharding.get_abstract_mesh().manual_axes:
+            raise ValueError(
+                f"Adafactor state `{where}`: the factored second moment of `{path}` cannot be rebuilt from local "
+                "shards inside shard_map; take `nu_norm` outside shard_map (under jit)."
+            )
+        d1, d0 = dims
+        r, c = jnp.asarray(r, _F32), jnp.asarray(c, _F32)
+        reduced_d1 = d1 - 1 if d1 > d0 else d1
+        mean = jnp.mean(r, axis=reduced_d1, keepdims=True)
+        rows_scaled = jnp.where(mean == 0, 0.0, r / jnp.where(mean == 0, 1.0, mean))  # a fresh state: 0, not 0/0
+        out.append((path, jnp.expand_dims(rows_scaled, d0) * jnp.expand_dims(c, d1)))
+    return out
 
 
 def get_grad_norms(
@@ -587,7 +782,10 @@ def get_grad_norms(
     >>> {k: float(v) for k, v in get_grad_norms({"w": jnp.array([3.0, 4.0])}, True).items()}
     {'grad_norm': 5.0, 'grad_norm/w': 5.0}
     """
-    return _norm_entries(grads, "grad_norm", per_param=return_per_param, depth=depth, stacked=stacked)[0]
+    totals, per = _norm_entries(
+        leaves_with_paths(grads), "grad_norm", per_param=return_per_param, depth=depth, stacked=stacked
+    )
+    return {**totals, **per}
 
 
 def get_param_norms(
@@ -601,7 +799,10 @@ def get_param_norms(
     >>> {k: float(v) for k, v in get_param_norms({"w": jnp.array([6.0, 8.0])}).items()}
     {'param_norm': 10.0}
     """
-    return _norm_entries(params, "param_norm", per_param=return_per_param, depth=depth, stacked=stacked)[0]
+    totals, per = _norm_entries(
+        leaves_with_paths(params), "param_norm", per_param=return_per_param, depth=depth, stacked=stacked
+    )
+    return {**totals, **per}
 
 
 def norm_metrics(
@@ -609,18 +810,21 @@ def norm_metrics(
     grads: PyTree = None,
     params: PyTree = None,
     updates: PyTree = None,
+    opt_state: PyTree = None,
     per_param: bool = False,
     depth: int | None = None,
     stacked: Stacked = None,
+    abs_max: bool = False,
 ) -> dict[str, jax.Array]:
-    """The norm dictionary a trainer logs, in one fused, jit-safe pass.
+    """The norm dictionary a trainer logs, in one fused, jit-safe pass: per-layer training health.
 
     Each array is read once: per-leaf sums of squares are computed once and
     the global and per-module norms are derived from them. Non-finite
     gradients propagate into the norms (NaN/Inf are never hidden) and are
     counted without a second read (see the module doc: on GPU/TPU in the
     same pass as the squares, with no branch; on CPU only on a non-finite step).
-    Works under ``jit`` on global arrays and inside ``shard_map`` on boxes.
+    Works under ``jit`` on global arrays (Explicit and Auto mesh axes) and
+    inside ``shard_map`` on boxes.
 
     Stacked (scanned) leaves, which hold L layers on one axis, get one entry
     per layer: the layer index goes into the path where the layer axis is in
@@ -633,12 +837,29 @@ def norm_metrics(
     every axis but the layer axis, in the same read; the global norm is the
     sum of those per-layer squares.
 
+    Optimizer moments (``opt_state=``): every optax state with moment fields,
+    wherever it sits in the state (``chain``, ``multi_transform``, ``masked``,
+    ``inject_hyperparams``), is matched to its params by the path below the
+    field, so ``mu_norm/<module>`` groups exactly as ``grad_norm/<module>``.
+    First moments (``mu_norm``): ``mu`` of Adam/AdamW/AMSGrad/Lion (Lion's one
+    moment)/Belief/Novograd, and ``trace`` of SGD momentum. Second moments
+    (``nu_norm``): ``nu`` of the Adam family and RMSProp; for Adafactor, the
+    second-moment estimate optax divides by: ``v`` of an unfactored param,
+    and for a factored one the product of its row and column factors (see
+    ``_factored_second_moment``; the factors themselves are not a moment of
+    the param's shape). A param without a moment (frozen by
+    ``multi_transform``) has no ``mu_norm/<module>`` entry; two states holding
+    a moment of the same param add up (the norm of both together).
+
     Args:
       grads: gradient tree; gives ``grad_norm`` and ``nonfinite_grads``
         (the number of NaN/Inf gradient elements, int32).
       params: parameter tree; gives ``param_norm``.
       updates: optimizer updates; gives ``update_norm``, and with ``params``
         also ``update_ratio = update_norm / param_norm``.
+      opt_state: an optax state; gives ``mu_norm`` and ``nu_norm`` where it
+        holds such moments. Adafactor's factored moments need the params'
+        shapes: pass ``params`` (or ``updates``/``grads``) too.
       per_param: add ``<kind>/<path>`` for every leaf (none for a tree that is
         one bare array: its path is empty and its norm is ``<kind>``).
       depth: add ``<kind>/<prefix>`` per module instead (leaves grouped by the
@@ -653,19 +874,27 @@ def norm_metrics(
         pattern (``re.search``), stacked on ``axis``, the index placed right
         after the path part where the match ends (``{"layers": 0}`` for an
         nnx model built with ``nnx.vmap``); False: none. The rules in full:
-        ``treetools.pytree.stacked``.
+        ``treetools.pytree.stacked``. Moments follow their params' stacks.
+      abs_max: also ``grad_abs_max``, the largest ``|g|`` (float32; +inf
+        where a gradient is NaN or Inf: a cross-device max drops NaN), global
+        and per module: one more reduction of each gradient, a sibling of its
+        sum of squares (fused with it on GPU/TPU, a second read on CPU).
 
     Returns:
-      ``{"grad_norm", "param_norm", "update_norm", "update_ratio",
-      "nonfinite_grads", "<kind>/<path>"...}``: float32 scalars (the count is
-      int32), with the entries whose inputs were given. ``update_ratio`` is a
-      plain division: inf or NaN when ``param_norm`` is 0.
+      ``{"grad_norm", "nonfinite_grads", "grad_abs_max", "param_norm",
+      "update_norm", "update_ratio", "mu_norm", "nu_norm"}`` for the inputs
+      given, then with ``per_param``/``depth`` the same kinds per leaf or
+      module: ``<kind>/<name>`` (``update_ratio/<name>`` where both the
+      params and the updates have that name; ``nonfinite_grads/<name>`` the
+      count there). float32 scalars, counts int32. An ``update_ratio`` is a
+      plain division: inf or NaN when the param norm is 0.
 
     Raises:
       ValueError: no tree was given, ``depth`` is not positive, inside
         ``shard_map`` a box's layout cannot be known (see the module doc), a
         ``stacked`` pattern matches no leaf (``PatternError``, naming it and
-        nearby paths) or a leaf without that axis.
+        nearby paths) or a leaf without that axis; an Adafactor state whose
+        params' shapes are not given, or inside ``shard_map``.
 
     >>> import jax, jax.numpy as jnp
     >>> m = jax.jit(norm_metrics)(grads={"w": jnp.array([3.0, 4.0])}, params={"w": jnp.array([0.0, 10.0])})
@@ -675,26 +904,49 @@ def norm_metrics(
     >>> m = norm_metrics(grads=g, depth=2, stacked={"layers": 0})  # depth 2: `layers/<i>`
     >>> {k: float(v) for k, v in m.items() if k.startswith("grad_norm/")}
     {'grad_norm/layers/0': 5.0, 'grad_norm/layers/1': 10.0}
+    >>> import optax
+    >>> p = {"a": jnp.ones(4), "b": jnp.ones(9)}
+    >>> u, state = optax.adam(0.1).update(p, optax.adam(0.1).init(p), p)
+    >>> m = norm_metrics(params=p, updates=u, opt_state=state, depth=1)
+    >>> round(float(m["mu_norm/b"]), 4), round(float(m["update_ratio/a"]), 4)   # (1 - b1) * |9 ones|; lr / 1
+    (0.3, 0.1)
     """
-    if grads is None and params is None and updates is None:
-        raise ValueError("`norm_metrics` needs at least one of `grads=`, `params=`, `updates=`.")
+    if grads is None and params is None and updates is None and opt_state is None:
+        raise ValueError("`norm_metrics` needs at least one of `grads=`, `params=`, `updates=`, `opt_state=`.")
     if depth is not None and depth < 1:
         raise ValueError(f"`depth` must be a positive integer, got {depth}.")
+    trees = {kind: leaves_with_paths(tree) for kind, tree in
+             (("grad_norm", grads), ("param_norm", params), ("update_norm", updates)) if tree is not None}
+    grouped = per_param or depth is not None
+    # The params' tree (or the updates', the grads') says where moments go: their shapes and their stacks.
+    reference = next((trees[k] for k in ("param_norm", "update_norm", "grad_norm") if k in trees), None)
+    if opt_state is not None:
+        shapes = {path: shape for path, x in reference or [] if (shape := _global_shape(x)) is not None}
+        trees.update({kind: pairs for kind, pairs in _moment_pairs(opt_state, shapes).items() if pairs})
+    ref_stacks = None
+    if grouped and reference is not None and any(k in trees for k in ("mu_norm", "nu_norm")):
+        ref_stacks = dict(zip((p for p, _ in reference), _find_stacks(reference, stacked)))
     out: dict[str, jax.Array] = {}
     per: dict[str, jax.Array] = {}
-    norms: dict[str, jax.Array] = {}
-    for kind, tree in (("grad_norm", grads), ("param_norm", params), ("update_norm", updates)):
-        if tree is None:
+    for kind in ("grad_norm", "param_norm", "update_norm", "mu_norm", "nu_norm"):
+        if kind not in trees:
             continue
-        entries, nonfinite = _norm_entries(
-            tree, kind, per_param=per_param, depth=depth, stacked=stacked, count_nonfinite=kind == "grad_norm"
+        pairs = trees[kind]
+        stacks = None
+        if kind in ("mu_norm", "nu_norm") and ref_stacks is not None:
+            stacks = [ref_stacks.get(path) for path, _ in pairs]
+        grad = kind == "grad_norm"
+        totals, entries = _norm_entries(
+            pairs, kind, per_param=per_param, depth=depth, stacked=stacked, stacks=stacks,
+            count_key="nonfinite_grads" if grad else None, max_key="grad_abs_max" if grad and abs_max else None,
         )
-        norms[kind] = out[kind] = entries.pop(kind)
+        out.update(totals)
         per.update(entries)
-        if nonfinite is not None:
-            out["nonfinite_grads"] = nonfinite
-    if "update_norm" in norms and "param_norm" in norms:
-        out["update_ratio"] = norms["update_norm"] / norms["param_norm"]
+        if kind == "update_norm" and "param_norm" in out:
+            out["update_ratio"] = out["update_norm"] / out["param_norm"]
+            prefix = len("update_norm/")
+            per.update({f"update_ratio/{k[prefix:]}": v / per[f"param_norm/{k[prefix:]}"]
+                        for k, v in entries.items() if f"param_norm/{k[prefix:]}" in per})
     out.update(per)
     return out
 

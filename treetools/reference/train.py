@@ -18,7 +18,16 @@ Everything treetools offers, used the way a trainer would:
 * ``get_checkpoint_manager`` saving params, params_ema, opt_state and the data
   iterator state, with the step's loss and norms (``save_checkpoint(...,
   metrics=...)``, shown by ``treetools inspect --step all``);
-  ``restore_checkpoint`` into ``make_abstract`` targets to resume.
+  ``restore_checkpoint`` into ``make_abstract`` targets to resume;
+* with ``health`` (``treetools train --health``): per-layer training health
+  (``norm_metrics(opt_state=..., abs_max=True)``: update ratios, moments,
+  largest |g| and non-finite counts per module), a ``SpikeDetector`` whose
+  flagged steps skip the update (``optax.tree.where``, as
+  ``optax.apply_if_finite``), a ``HealthRecorder`` ring buffer on the device
+  (saved with the checkpoint as item ``health``) and a ``HealthDumper`` that
+  writes ``WORKDIR/health/health_<step>.json`` a few steps after a flagged
+  step; ``inject_spike=STEP`` feeds a deliberately bad batch (every token 0,
+  like a batch of padding) at that step, to show the whole loop.
 
 The model is FSDP-sharded over a mesh of all devices (``data`` x ``fsdp``);
 batches are split over both axes.
@@ -34,6 +43,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -68,6 +78,11 @@ class TrainConfig:
     quiet: bool = False
     log: Callable[[str], Any] | None = None  # where progress lines go (None: print); `treetools train` passes its own
     norm_depth: int | None = None  # per-module norms of the first K path parts; None: one per block (see block_depth)
+    health: bool = False  # per-layer health, spike/NaN detector (flagged steps skip the update), recorder and dumps
+    inject_spike: int | None = None  # feed a bad batch (every token 0) at this step
+    health_length: int = 32  # steps the on-device ring holds
+    health_after: int = 4  # steps past a flagged step before its dump is written
+    health_warmup: int = 20  # steps before the detector may flag a spike (NaN/Inf at once)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
 
 
@@ -115,32 +130,72 @@ def _loss_fn(model: Transformer, params: Any, batch: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch[:, 1:]).mean()
 
 
+def make_health(cfg: TrainConfig) -> tuple[tt.SpikeDetector, tt.HealthRecorder]:
+    """The detector (loss and the global grad norm, attributed per module) and the on-device ring."""
+    return (tt.SpikeDetector(keys=("loss", "grad_norm"), modules="grad_norm", k=6.0, warmup=cfg.health_warmup),
+            tt.HealthRecorder(length=cfg.health_length))
+
+
+def _step_metrics(cfg: TrainConfig, grads: Any, params: Any, updates: Any, opt_state: Any, loss: jax.Array):
+    if cfg.health:
+        metrics = tt.norm_metrics(grads=grads, params=params, updates=updates, opt_state=opt_state,
+                                  depth=block_depth(cfg), abs_max=True)
+    else:
+        metrics = tt.norm_metrics(grads=grads, params=params, updates=updates, depth=block_depth(cfg))
+    metrics["loss"] = loss
+    return metrics
+
+
 def build(cfg: TrainConfig):
-    """Model, optimizer, mesh, sharded initial state and the jitted step."""
+    """Model, optimizer, mesh, sharded initial state and the jitted step.
+
+    With ``cfg.health`` the state holds ``health`` (the detector's and the
+    recorder's states) and the step takes the step number; a flagged step
+    keeps params, EMA and optimizer state as they were.
+    """
     mesh = make_mesh()
     model = Transformer(cfg.model)
     tx = make_optimizer(cfg)
     dummy = jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32)
+    detector, recorder = make_health(cfg)
 
     def init(key: jax.Array) -> dict[str, Any]:
         params = model.init(key, dummy)["params"]
         return {"params": params, "params_ema": params, "opt_state": tx.init(params)}
 
+    def health_init(state: dict[str, Any]) -> dict[str, Any]:
+        # The metric names fix the detector's and the recorder's layout (static), from shapes alone.
+        metrics = jax.eval_shape(lambda s: _step_metrics(cfg, s["params"], s["params"], s["params"], s["opt_state"],
+                                                         jnp.zeros((), jnp.float32)), state)
+        return {"detector": detector.init(metrics), "recorder": recorder.init(metrics)}
+
     abstract_state = jax.eval_shape(init, jax.random.key(cfg.seed))
+    if cfg.health:
+        abstract_state = {**abstract_state, "health": jax.eval_shape(health_init, abstract_state)}
     state_shardings = _shardings(abstract_state, mesh)
-    state = jax.jit(init, out_shardings=state_shardings)(jax.random.key(cfg.seed))
+    full_init = (lambda key: {**init(key), "health": health_init(init(key))}) if cfg.health else init
+    state = jax.jit(full_init, out_shardings=state_shardings)(jax.random.key(cfg.seed))
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
 
-    def train_step(state: dict[str, Any], batch: jax.Array):
+    def train_step(state: dict[str, Any], batch: jax.Array, step: jax.Array):
         loss, grads = jax.value_and_grad(lambda p: _loss_fn(model, p, batch))(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = tt.norm_metrics(grads=grads, params=params, updates=updates, depth=block_depth(cfg))
-        metrics["loss"] = loss
+        metrics = _step_metrics(cfg, grads, params, updates, opt_state, loss)
         ema = tt.update_ema(state["params_ema"], params, cfg.ema_decay)
-        return {"params": params, "params_ema": ema, "opt_state": opt_state}, metrics
+        new = {"params": params, "params_ema": ema, "opt_state": opt_state}
+        if not cfg.health:
+            return new, metrics
+        health = state["health"]
+        det, report = detector.update(health["detector"], metrics)
+        rec = recorder.record(health["recorder"], step, metrics, report["flagged"])
+        # A flagged step (a spike, or NaN/Inf) leaves the model as it was, as optax.apply_if_finite does.
+        old = {k: state[k] for k in new}
+        new = optax.tree.where(report["flagged"], old, new)
+        metrics["flagged"] = report["flagged"].astype(jnp.int32)
+        return {**new, "health": {"detector": det, "recorder": rec}}, (metrics, report)
 
-    step_fn = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+    step_fn = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding, None),
                       out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
     return mesh, model, state, state_shardings, batch_sharding, step_fn
 
@@ -211,9 +266,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                  weight_decay_exclude=list(WEIGHT_DECAY_EXCLUDE), depth=None))
     start = 0
     if latest is not None:
-        targets = tt.make_abstract({k: state[k] for k in ("params", "params_ema", "opt_state")})
+        parts = ("params", "params_ema", "opt_state")
+        targets = tt.make_abstract({k: state[k] for k in parts})
+        # A run saved without --health has no `health` item: its detector and recorder start afresh.
+        has_health = cfg.health and "health" in tt.open_source(ckpt_dir).item_names(latest)
+        if has_health:
+            targets["health"] = tt.make_abstract(state["health"])
         restored = tt.restore_checkpoint(manager, latest, {**targets, "data_iter": None})
-        state = {k: restored[k] for k in ("params", "params_ema", "opt_state")}
+        state = {**state, **{k: restored[k] for k in (*parts, *(["health"] if has_health else []))}}
         data.set_state(restored["data_iter"])
         start = latest
         _say(cfg, f"resumed from step {latest} in {ckpt_dir}")
@@ -236,25 +296,57 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                   f"update_ratio {host['update_ratio']:.2e}  {rate:.1f} steps/s")
 
     logger = tt.MetricsLogger(write, every=cfg.log_every)
+    detector, _ = make_health(cfg)
+    dumper = tt.HealthDumper(os.path.join(cfg.workdir, "health"), detector, after=cfg.health_after) \
+        if cfg.health else None
+    events: list[dict[str, Any]] = []
     # On CPU, several steps in flight gain nothing and XLA:CPU's in-process
     # collectives (fake devices) can deadlock when many collective programs
     # queue up; there, wait for each step. Accelerators keep running ahead.
     one_in_flight = jax.default_backend() == "cpu"
     for step in range(start + 1, cfg.steps + 1):
-        batch = jax.device_put(next(data), batch_sharding)
-        state, metrics = step_fn(state, batch)
+        batch = next(data)
+        if step == cfg.inject_spike:
+            batch = np.zeros_like(batch)  # a deliberately bad batch: every token 0 (a batch of padding)
+            _say(cfg, f"step {step}: injecting a bad batch (every token 0)")
+        batch = jax.device_put(batch, batch_sharding)
+        if cfg.health:
+            state, (metrics, report) = step_fn(state, batch, step)
+        else:
+            state, metrics = step_fn(state, batch, step)
         if one_in_flight:
             jax.block_until_ready(metrics)
         logger(step, metrics)
+        if dumper is not None:
+            for event in dumper(step, state["health"]["recorder"], state["health"]["detector"], report):
+                events.append(event)
+                _say_event(cfg, event)
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
-            tt.save_checkpoint(manager, step, {"params": state["params"], "params_ema": state["params_ema"],
-                                            "opt_state": state["opt_state"], "data_iter": data.get_state()},
-                               metrics={k: float(metrics[k]) for k in CHECKPOINT_METRICS},  # a save step's sync
-                               force=step == cfg.steps)
+            if dumper is not None and step == cfg.steps:
+                for event in dumper.close():
+                    events.append(event)
+                    _say_event(cfg, event)
+            items = {"params": state["params"], "params_ema": state["params_ema"], "opt_state": state["opt_state"],
+                     "data_iter": data.get_state()}
+            if cfg.health:
+                items["health"] = state["health"]
+            tt.save_checkpoint(manager, step, items, force=step == cfg.steps,
+                               metrics={k: float(metrics[k]) for k in CHECKPOINT_METRICS})  # a save step's sync
     manager.wait_until_finished()
     manager.close()
     _say(cfg, f"checkpoints: {ckpt_dir}\nmetrics:     {os.path.abspath(metrics_path)}")
     _say(cfg, f"inspect with: treetools inspect {ckpt_dir}")
     return {"state": state, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
             "checkpoint_dir": ckpt_dir,
-            "metrics_path": metrics_path, "optimal_loss": data.optimal_loss(), "start_step": start}
+            "metrics_path": metrics_path, "optimal_loss": data.optimal_loss(), "start_step": start,
+            "health_events": events}
+
+
+def _say_event(cfg: TrainConfig, event: dict[str, Any]) -> None:
+    """A health event as the run's log shows it."""
+    if event["event"] == "flagged":
+        jumps = ", ".join(f"{m} ({r:.0f}x its running mean)" for m, r in event["ratios"].items())
+        _say(cfg, f"step {event['step']}: flagged: {'; '.join(event['reasons'])}; largest jump: {jumps}; "
+                  "update skipped")
+    elif event["event"] == "dump":
+        _say(cfg, f"health dump ({event['reason']}): {event['path']}  (draw it: treetools plot {event['path']})")
