@@ -80,8 +80,12 @@ def naive_grads(g):
     return {"grad_norm": optax.tree.norm(g), "nonfinite_grads": _nonfinite(g)}
 
 
+def _nonfinite_per_leaf(g):
+    return {f"nonfinite_grads/{k}": jnp.sum(~jnp.isfinite(x)) for k, x in g.items()}
+
+
 def naive_grads_per_param(g):
-    return naive_grads(g) | {f"grad_norm/{k}": _leaf_norm(x) for k, x in g.items()}
+    return naive_grads(g) | {f"grad_norm/{k}": _leaf_norm(x) for k, x in g.items()} | _nonfinite_per_leaf(g)
 
 
 def naive_gpu_dict(g, p, u):
@@ -89,7 +93,8 @@ def naive_gpu_dict(g, p, u):
     out["update_ratio"] = out["update_norm"] / out["param_norm"]
     for kind, t in (("grad_norm", g), ("param_norm", p), ("update_norm", u)):
         out |= {f"{kind}/{k}": _leaf_norm(x) for k, x in t.items()}
-    return out
+    out |= {f"update_ratio/{k}": out[f"update_norm/{k}"] / out[f"param_norm/{k}"] for k in g}
+    return out | _nonfinite_per_leaf(g)
 
 
 # --------------------------------------------------------------------------- #

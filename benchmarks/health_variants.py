@@ -103,9 +103,13 @@ def every_10(g, p, u, o, i, h):
     return metrics, h
 
 
+def _nothing(g, p, u, o, i, h):
+    return {}, h
+
+
 VARIANTS = {
-    "none": lambda g, p, u, o, i, h: ({}, h),
-    "none, again (A/A control)": lambda g, p, u, o, i, h: ({}, h),
+    "none": _nothing,
+    "none, again (A/A control)": _nothing,  # the same program in another slot
     "naive health dict (optax)": lambda g, p, u, o, i, h: (naive_health(g, p, u, o), h),
     "tt.norm_metrics health": lambda g, p, u, o, i, h: (tt_health(g, p, u, o), h),
     "tt health + detector + recorder": with_detector,

@@ -187,14 +187,15 @@ def test_global_norm_only_vs_optax(benchmark, tree, floor):
 def _optax_dict(t: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """``norm_metrics(grads=t, per_param=True)`` as a trainer writes it with optax today."""
     out = {"grad_norm": optax.tree.norm(t), "nonfinite_grads": sum(jnp.sum(~jnp.isfinite(x)) for x in t.values())}
-    return out | {f"grad_norm/{k}": optax.tree.norm(x) for k, x in t.items()}
+    out |= {f"grad_norm/{k}": optax.tree.norm(x) for k, x in t.items()}
+    return out | {f"nonfinite_grads/{k}": jnp.sum(~jnp.isfinite(x)) for k, x in t.items()}
 
 
 def test_norm_metrics_per_param_vs_optax(benchmark, tree, floor):
     ours = jax.jit(lambda t: norm_metrics(grads=t, per_param=True))
     m = ours(tree)
     np.testing.assert_allclose(float(m["grad_norm"]), float(_OPTAX_NORM(tree)), rtol=1e-4)
-    assert len(m) == 2 + len(tree) and int(m["nonfinite_grads"]) == 0
+    assert len(m) == 2 + 2 * len(tree) and int(m["nonfinite_grads"]) == 0  # a norm and a count per leaf
     _compare("norm_metrics(per_param=True)", (ours, tree), {"optax.tree.norm": (_OPTAX_NORM, tree), "floor": floor})
     _bench(benchmark, ours, tree)
 
@@ -216,7 +217,8 @@ def _optax_gpu_dict(g, p, u) -> dict[str, jax.Array]:
     out["nonfinite_grads"] = sum(jnp.sum(~jnp.isfinite(x)) for x in g.values())
     for kind, t in (("grad_norm", g), ("param_norm", p), ("update_norm", u)):
         out |= {f"{kind}/{k}": jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)))) for k, x in t.items()}
-    return out
+    out |= {f"update_ratio/{k}": out[f"update_norm/{k}"] / out[f"param_norm/{k}"] for k in g}
+    return out | {f"nonfinite_grads/{k}": jnp.sum(~jnp.isfinite(x)) for k, x in g.items()}
 
 
 def test_norm_metrics_gpu_dict_vs_same_dict_with_optax(tree):

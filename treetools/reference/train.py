@@ -72,7 +72,7 @@ class TrainConfig:
     decay_steps: int = 2000
     log_every: int = 20
     ckpt_every: int = 100
-    max_to_keep: int = 3
+    max_to_keep: int | None = 3  # None: every checkpoint is kept
     freeze_embeddings: bool = False
     resume: bool = True
     quiet: bool = False
