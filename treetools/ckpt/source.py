@@ -194,6 +194,10 @@ class Source:
         found = dict(snap.items)
         if items is not None:
             gone = [n for n in names if n not in found]  # skipped by the reader: its folder went, or unreadable
+            unreadable = {u.name: u for u in snap.unreadable}
+            if gone and gone[0] in unreadable:
+                where = f"{self.path} (step {resolved})" if resolved is not None else self.path
+                raise CheckpointError(f"{where}: {unreadable[gone[0]].sentence()}.")
             if gone:
                 raise self.missing_item(gone[0], list(found), resolved)
             for name, holder in parts.items():
@@ -254,7 +258,7 @@ class Source:
             raise
         except (CheckpointError, CheckpointNotFoundError) as e:  # corrupt: a problem of this step, not the end
             return [], [str(e)]
-        return list(snap.items.values()), []
+        return list(snap.items.values()), [f"{self.path}: {u.sentence()}." for u in snap.unreadable]
 
 
 @dataclasses.dataclass(frozen=True)
