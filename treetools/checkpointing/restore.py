@@ -27,6 +27,7 @@ without a target returns numpy arrays without them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from treetools.ckpt.mapping import map_item
 from treetools.ckpt.context import UNBOUNDED
-from treetools.ckpt.items import params_of_step
+from treetools.ckpt.items import find_params
 from treetools.ckpt.leaves import Item, Leaf, NO_VALUE, value_row
 from treetools.ckpt.opening import open_source
 from treetools.ckpt.storage import location
@@ -44,6 +45,8 @@ from treetools.shared.errors import CheckpointMismatchError, Mismatch
 from treetools.shared.render import safe_text
 from treetools.shared.rows import Row, dtype_name, format_shape
 from treetools.rules.engine import Rules, RulesPlan
+
+_LOG = logging.getLogger("treetools")
 
 if TYPE_CHECKING:  # type hints only
     import orbax.checkpoint as ocp
@@ -728,7 +731,9 @@ def load_parameters(
     source = open_source(shown, memory_budget=UNBOUNDED, prefix=prefix)
     resolved = source.resolve(step)
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
-        found = params_of_step(source, resolved, item=item, use_ema=use_ema_params)
+        found, found_at = find_params(source, resolved, item=item, use_ema=use_ema_params)
+        if found_at is not None:  # which path of a whole train state the parameters are: said, not guessed silently
+            _LOG.info("%s", found_at)
         if target is None:
             if rules is not None and not rules.empty:
                 found = map_item(found, rules)[0]
