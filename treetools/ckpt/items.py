@@ -264,13 +264,14 @@ def params_subtree(item: Item, *, use_ema: bool = False) -> Item:
 
 
 PARAM_PATHS = {
-    False: (("params",), ("target",), ("model", "params"), ("state", "params"), ("train_state", "params"),
+    False: (("params", "params"), ("params",), ("target",), ("model", "params"), ("state", "params"), ("train_state", "params"),
             ("0", "params"), ("0",), ("model",)),
     True: (("params_ema",), ("ema_params",), ("ema",), ("model", "params_ema"), ("state", "params_ema"),
            ("state", "ema_params")),
 }
 """Where trainers keep the parameters inside one item holding a whole train state, in the order they are looked
-for: ``params`` (Flax ``TrainState``, big_vision), T5X's ``target``, the Flax guide's ``{"model": {"params"}}``,
+for: ``params/params`` (a Flax ``TrainState`` whose params are the variables dict, EasyLM's train state),
+``params`` (Flax ``TrainState``, big_vision), T5X's ``target``, the Flax guide's ``{"model": {"params"}}``,
 a state under ``state``, the first element of a tuple (vit_jax's ``(params, opt_state, step)``: key ``0``),
 Levanter's ``model``."""
 
