@@ -89,6 +89,8 @@ class _Steps(Protocol):
 
     def item_names(self, step: int | None) -> list[str]: ...
 
+    def default_item(self, step: int | None) -> str | None: ...
+
     def snapshot(self, step: Any = None, items: Sequence[str] | None = None) -> Any: ...
 
     def missing_item(self, name: str, present: Sequence[str], step: int | None, *,
@@ -182,6 +184,9 @@ def params_item(source: _Steps, step: int | None, *, item: str | None = None, us
     wanted = "params_ema" if use_ema else "params"
     if wanted in names:
         return wanted
+    chosen = source.default_item(step)
+    if chosen is not None and chosen in names:
+        return chosen
     model = [n for n in MODEL_ITEMS if n in names]  # T5X: `target`; Levanter, EasyDeL: `model`
     if not use_ema and model:
         return model[0]

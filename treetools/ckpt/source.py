@@ -218,6 +218,12 @@ class Source:
 
     # -- hooks: a format's own way of doing something, with a generic default
 
+    def default_item(self, step: int | None) -> str | None:
+        """The item that holds the parameters when the format knows it better than the item names say (Flax
+        checkpoints named by a metric, ``best_acc_0.625``: the one flax's ``latest_checkpoint`` picks); None: the
+        generic rule of ``treetools.ckpt.items.params_item``."""
+        return None
+
     def series_of(self, listing: StepListing, prefix: str) -> StepListing:
         """The step series named ``prefix`` of a root holding several (``ReadContext.prefix``, ``--prefix``).
 
