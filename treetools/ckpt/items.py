@@ -220,12 +220,17 @@ def find_params(source: _Steps, step: int | None, *, item: str | None = None,
         return _chosen(source, step, item), None
     name = params_item(source, step, use_ema=use_ema)
     found = source.snapshot(step, [name]).items[name]
+    where = f"{source.path} (step {step})" if step is not None else source.path
+    if name == source.default_item(step) and len(source.item_names(step)) > 1:
+        below, path = params_path(found, use_ema=use_ema)
+        at = f"`{'/'.join(path)}` of " if path is not None else ""
+        return below, (f"{where}: parameters taken from {at}item `{name}`, as its format reads them; item= (--item) "
+                       "chooses another item.")
     if name in ("params", "params_ema", "model"):
         return found, None
     below, path = params_path(found, use_ema=use_ema)
     if path is None:
         return found, None
-    where = f"{source.path} (step {step})" if step is not None else source.path
     return below, (f"{where}: parameters taken from `{'/'.join(path)}` of item `{name}`; item= (--item) chooses "
                    "another item, top-level key or path.")
 
