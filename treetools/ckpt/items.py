@@ -286,8 +286,12 @@ a state under ``state``, the first element of a tuple (vit_jax's ``(params, opt_
 Levanter's ``model``."""
 
 STATE_KEYS = frozenset(("opt_state", "opt", "optimizer", "tx", "step", "rng", "rngs", "training_key", "config",
-                        "data", "metrics", "epoch", "model_averaging", "1"))
-"""Top-level keys that say an item holds a train state, not only parameters."""
+                        "data", "metrics", "epoch", "model_averaging"))
+"""Top-level keys of a train state's parts other than the parameters."""
+
+STATE_MARKERS = frozenset(("opt_state", "opt", "tx", "step", "training_key", "rng", "rngs", "epoch"))
+"""Top-level keys that say an item holds a whole train state (not a model file that also keeps its optimizer's
+variables, as Keras's ``optimizer/vars``): there, the parameters must be found, or the candidates listed."""
 
 
 def _size(leaves: Sequence[Leaf]) -> str:
@@ -306,7 +310,7 @@ def params_path(item: Item, *, use_ema: bool = False) -> tuple[Item, tuple[str, 
     >>> path, [leaf.name for leaf in found.leaves]
     (('model', 'params'), ['w'])
     """
-    if any(leaf.row.sep != "/" for leaf in item.leaves):  # flat stored names (safetensors): never split
+    if item.positional or any(leaf.row.sep != "/" for leaf in item.leaves):  # leaves by index, flat stored names
         return item, None
     tops = list(dict.fromkeys(leaf.path[0] for leaf in item.leaves if leaf.path))
     for path in PARAM_PATHS[use_ema]:
@@ -324,7 +328,15 @@ def params_path(item: Item, *, use_ema: bool = False) -> tuple[Item, tuple[str, 
             f"item `{item.name}` holds no EMA parameters (looked for {', '.join('/'.join(p) for p in PARAM_PATHS[True])}); "
             f"its top-level keys: {', '.join(tops)}."
         )
-    if len(tops) > 1 and set(tops) & STATE_KEYS:
+    markers = set(tops) & STATE_MARKERS
+    others = [t for t in tops if t not in STATE_KEYS]
+    if markers and len(others) == 1:  # one subtree beside the state's bookkeeping: the parameters
+        n = 1
+        below = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[n:]))
+                 for leaf in item.leaves if len(leaf.path) > n and leaf.path[0] == others[0]]
+        if below:
+            return dataclasses.replace(item, leaves=below), (others[0],)
+    if markers and len(tops) > 1:
         candidates = "; ".join(f"`{item.name}/{t}` ({_size([leaf for leaf in item.leaves if leaf.path[:1] == (t,)])})"
                                for t in tops[:12])
         raise CheckpointNotFoundError(
