@@ -7,17 +7,18 @@
 * ``array_store/``: one OCDBT database holding every array as a zarr3 array under the key of its leaf's index
   in the flattened tree (``0``, ``2``, ...).
 
-The structure is a flatbuffer only jax decodes: this format imports jax to name the leaves (their key paths
-joined with ``/``: ``params/w``, ``l/0``); shapes and dtypes come from the arrays' own headers, data is read on
-request through TensorStore. A structure jax cannot rebuild here (a custom node registered by the program that
-saved it) names the leaves by their index, with a note. The folder is claimed before Orbax's (its
+The structure is a flatbuffer (jax's export schema), walked here without jax: dict keys by name, tuple, list
+and custom-node children by position, joined with ``/`` (``params/w``, ``l/0``); shapes and dtypes come from
+the arrays' own headers, data is read on request through TensorStore. The folder is claimed before Orbax's (its
 ``array_store/`` is an OCDBT database without ``_METADATA``, which is not an Orbax item); ``array_store/`` given
 alone opens its checkpoint.
 """
 
 from __future__ import annotations
 
+import base64
 import os
+import struct
 from typing import Any
 
 import numpy as np
@@ -52,35 +53,96 @@ def _root(storage: Storage, location: str) -> str | None:
     return None
 
 
-def _entry_name(entry: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(entry, attr):
-            return str(getattr(entry, attr))
-    return str(entry)
+_KIND_LEAF, _KIND_NONE, _KIND_TUPLE, _KIND_LIST, _KIND_DICT, _KIND_CUSTOM = range(6)
+"""``PyTreeDefKind`` of jax's export schema (``jax/_src/export/serialization.fbs``)."""
+MAX_NODES = 10_000_000
+MAX_DEPTH = 1000
 
 
-def leaf_paths(raw: dict[str, Any], count: int, where: str) -> tuple[list[tuple[str, ...]], list[str]]:
-    """The key path of each of the ``count`` flattened leaves, from the structure jax serialized; and notes.
+class _Flat:
+    """Just enough of the flatbuffers wire format to walk one ``PyTreeDef`` table (no dependency, no jax):
+    a table's fields through its vtable, vectors of tables and of strings, every offset checked."""
 
-    jax decodes the flatbuffer (imported here only: no other format needs it for metadata).
+    def __init__(self, buf: bytes, where: str):
+        self.buf, self.where = buf, where
+
+    def _u(self, fmt: str, pos: int) -> int:
+        size = struct.calcsize(fmt)
+        if pos < 0 or pos + size > len(self.buf):
+            raise CheckpointError(f"{self.where}: corrupt {TREE_KEY} (an offset past the end of its data).")
+        return struct.unpack_from(fmt, self.buf, pos)[0]
+
+    def root(self) -> int:
+        return self._u("<I", 0)
+
+    def field(self, table: int, index: int) -> int | None:
+        """The position of field ``index`` of the table at ``table``, None when absent."""
+        vtable = table - self._u("<i", table)
+        size = self._u("<H", vtable)
+        slot = 4 + 2 * index
+        if slot + 2 > size:
+            return None
+        off = self._u("<H", vtable + slot)
+        return table + off if off else None
+
+    def kind(self, table: int) -> int:
+        pos = self.field(table, 0)
+        return self._u("<b", pos) if pos is not None else 0
+
+    def vector(self, table: int, index: int) -> list[int]:
+        """Positions of the elements of a vector of offsets (tables or strings); [] when absent."""
+        pos = self.field(table, index)
+        if pos is None:
+            return []
+        vec = pos + self._u("<I", pos)
+        n = self._u("<I", vec)
+        if n > len(self.buf) // 4:
+            raise CheckpointError(f"{self.where}: corrupt {TREE_KEY} (a vector of {n:,} entries).")
+        return [vec + 4 + 4 * i + self._u("<I", vec + 4 + 4 * i) for i in range(n)]
+
+    def string(self, pos: int) -> str:
+        n = self._u("<I", pos)
+        if pos + 4 + n > len(self.buf):
+            raise CheckpointError(f"{self.where}: corrupt {TREE_KEY} (a string past the end of its data).")
+        return self.buf[pos + 4:pos + 4 + n].decode("utf-8", "replace")
+
+
+def leaf_paths(raw: dict[str, Any], where: str) -> list[tuple[str, ...]]:
+    """The key path of every flattened leaf (in jax's flatten order), from the serialized ``PyTreeDef``: dict keys
+    by name, tuple/list/custom-node children by position. Read without jax.
+
+    >>> leaf_paths({TREE_KEY: "EAAAAAAACgAQAA8ACAAEAAoAAAAMAAAAJAAAAAAAAAQCAAAAEAAAAAQAAAABAAAAYgAAAAEAAABhAAAAAgAAABAAAAAEAAAA/P///wQABAAEAAAA"}, "x")  # jax: {"b": 1, "a": 2}
+    [('a',), ('b',)]
     """
     try:
-        import jax
-        from jax.experimental.array_serialization import pytree_serialization_utils as utils
-
-        treedef = utils.deserialize_pytreedef(raw)
-        tree = jax.tree.unflatten(treedef, list(range(count)))
-        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    except (ImportError, ValueError, TypeError, KeyError, IndexError) as e:
-        reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        return [(str(i),) for i in range(count)], [
-            f"{where}: jax cannot rebuild the saved structure here ({reason}); leaves are named by their index in "
-            "the flattened tree."]
-    paths: list[tuple[str, ...]] = [(str(i),) for i in range(count)]
-    for keypath, index in flat:
-        if isinstance(index, int) and 0 <= index < count:
-            paths[index] = tuple(_entry_name(e) for e in keypath) or (str(index),)
-    return paths, []
+        flat = _Flat(base64.b64decode(raw[TREE_KEY], validate=True), where)
+    except (ValueError, TypeError):
+        raise CheckpointError(f"{where}: corrupt {TREE_KEY} (not base64).") from None
+    paths: list[tuple[str, ...]] = []
+    stack: list[tuple[int, tuple[str, ...]]] = [(flat.root(), ())]
+    seen = 0
+    while stack:
+        table, path = stack.pop()
+        seen += 1
+        if seen > MAX_NODES or len(path) > MAX_DEPTH:
+            raise CheckpointError(f"{where}: {TREE_KEY} holds more nodes, or nests deeper, than a checkpoint does.")
+        kind = flat.kind(table)
+        if kind == _KIND_LEAF:
+            paths.append(path)
+            continue
+        if kind == _KIND_NONE:
+            continue
+        children = flat.vector(table, 1)
+        if kind == _KIND_DICT:
+            names = [flat.string(p) for p in flat.vector(table, 2)]
+            if len(names) != len(children):
+                raise CheckpointError(f"{where}: corrupt {TREE_KEY} (a dict whose keys and children differ in number).")
+        elif kind in (_KIND_TUPLE, _KIND_LIST, _KIND_CUSTOM):
+            names = [str(i) for i in range(len(children))]
+        else:
+            raise CheckpointError(f"{where}: corrupt {TREE_KEY} (a node of unknown kind {kind}).")
+        stack.extend((child, path + (name,)) for child, name in reversed(list(zip(children, names))))
+    return paths
 
 
 def read_jax_pytree(context: ReadContext, folder: str) -> tuple[list[Leaf], list[str]]:
@@ -91,7 +153,12 @@ def read_jax_pytree(context: ReadContext, folder: str) -> tuple[list[Leaf], list
     if not (isinstance(raw, dict) and isinstance(raw.get(TREE_KEY), str) and isinstance(raw.get(LEAVES_KEY), list)):
         raise CheckpointError(f"{meta_path}: not jax's pytree serialization ({TREE_KEY} and {LEAVES_KEY} expected).")
     descriptions = raw[LEAVES_KEY]
-    paths, notes = leaf_paths(raw, len(descriptions), meta_path)
+    paths = leaf_paths(raw, meta_path)
+    if len(paths) != len(descriptions):
+        raise CheckpointError(f"{meta_path}: its structure has {len(paths):,} leaves and {LEAVES_KEY} lists "
+                              f"{len(descriptions):,}; the file is corrupt.")
+    paths = [p or (str(i),) for i, p in enumerate(paths)]  # a tree that is one array: named by its index
+    notes: list[str] = []
     ids = [i for i, d in enumerate(descriptions) if d is not None and d != "null"]
     for i in ids:
         for part in paths[i]:
