@@ -373,6 +373,17 @@ def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any]) -> di
     return values
 
 
+def _keyed(value: Any, target: Any) -> Any:
+    """A format's own restore of a typed-key target that gave the key data (an item Orbax's
+    ``JaxRandomKeyCheckpointHandler`` saved with ``ArraySave``) as the key again."""
+    if not _is_key(target) or _is_key(value):
+        return value
+    import jax  # a typed key target: jax is loaded already
+
+    impl = jax.random.key_impl(target) if isinstance(target, jax.Array) else target.dtype._impl
+    return jax.device_put(jax.random.wrap_key_data(value, impl=impl), target.sharding)
+
+
 def _assemble(reader: Any, target: Any) -> Any:
     """One ``jax.Array`` on ``target``'s sharding, its device blocks read one at a time.
 
@@ -428,7 +439,7 @@ def _read(source: Source, work: _Work) -> Any:
         if own is None:
             rest = list(work.from_checkpoint)
         else:
-            values.update({p: own[src] for p, src in as_stored.items()})
+            values.update({p: _keyed(own[src], abstract[p]) for p, src in as_stored.items()})
     values.update(_reader_values(mapped, {p: abstract[p] for p in rest}))
     return work.target.rebuild(values)
 

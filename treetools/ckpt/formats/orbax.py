@@ -674,8 +674,8 @@ class OrbaxSource(Source):
         return _strangers(self.storage, step_dir, self._shown(step), expected=expected | _STEP_FILES)
 
 
-_STEP_FILES = {STEP_METADATA_FILE, COMMIT_SUCCESS_FILE, "descriptor", "_ROOT_METADATA"}
-"""What Orbax writes in a step folder beside the items (``descriptor``: the CompositeCheckpointHandler's)."""
+_STEP_FILES = {STEP_METADATA_FILE, COMMIT_SUCCESS_FILE, "descriptor", "_ROOT_METADATA", "orbax.checkpoint"}
+"""What Orbax writes in a step folder beside the items (``descriptor``: the CompositeCheckpointHandler's; ``orbax.checkpoint``: the v1 API's marker)."""
 
 
 def _item_entries(storage: Storage, item: OrbaxItem) -> set[str] | None:
