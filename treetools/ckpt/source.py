@@ -278,6 +278,9 @@ class Format:
       open: ``open(location, display, context) -> Source``: ``display`` is the path as the user gave it, for
         messages; the source is built with ``context`` and hands it to every reader it makes.
       description: what paths it reads, for the "not a checkpoint" error.
+      structural: a reader by structure alone (any folder of zarr arrays, any msgpack stream), asked last: a
+        folder such a reader claims is no evidence that a path below it lies inside a checkpoint, so the "not a
+        checkpoint" diagnosis does not name it as the enclosing one.
 
     ``location`` is an absolute local path or a ``gs://`` / ``s3://`` URL. A
     format lists and reads only through ``context.storage`` (``isdir``,
@@ -291,6 +294,7 @@ class Format:
     claims: Callable[[str, ReadContext], bool]
     open: Callable[[str, str, ReadContext], Source]
     description: str = ""
+    structural: bool = False
 
 
 class FileSource(Source):

@@ -103,6 +103,7 @@ FORMAT = Format(
     priority=5,  # structural: after every format that knows its files
     claims=_claims,
     open=_open,
+    structural=True,
     description="a msgpack record stream of [key path, value] pairs (EasyLM's StreamingCheckpointer: "
                 "streaming_params, streaming_train_state) or a msgpack array of [key, value] pairs",
 )
