@@ -140,6 +140,5 @@ FORMAT = Format(
     priority=46,  # before safetensors (40) and msgpack (10): a pipeline root, or a model folder of diffusers' names
     claims=_claims,
     open=_open,
-    description="a diffusers model folder (diffusion_flax_model.msgpack or diffusion_pytorch_model.safetensors "
-                "beside config.json) or a pipeline folder (model_index.json, one component per folder)",
+    description="diffusers folders",
 )

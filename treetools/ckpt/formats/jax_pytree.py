@@ -194,6 +194,5 @@ FORMAT = Format(
     priority=55,  # before orbax (50): its array_store/ is an OCDBT database Orbax would call an item without _METADATA
     claims=lambda location, context: _root(context.storage, location) is not None,
     open=_open,
-    description="jax's pytree serialization (jax.experimental.array_serialization.pytree_serialization.save: "
-                "pytreedef.json and array_store/)",
+    description="jax pytree_serialization folders",
 )

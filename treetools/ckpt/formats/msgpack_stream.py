@@ -104,6 +104,5 @@ FORMAT = Format(
     claims=_claims,
     open=_open,
     structural=True,
-    description="a msgpack record stream of [key path, value] pairs (EasyLM's StreamingCheckpointer: "
-                "streaming_params, streaming_train_state) or a msgpack array of [key, value] pairs",
+    description="msgpack record streams",
 )

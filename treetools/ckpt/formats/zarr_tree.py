@@ -284,7 +284,5 @@ FORMAT = Format(
     claims=_claims,
     open=_open,
     structural=True,
-    description="any folder tree of zarr / zarr3 / N5 arrays without a marker file (jax's async_serialize "
-                "per-leaf folders, big_vision's ts checkpoints with their -LAST pointer, a Levanter export), or "
-                "a folder of such step folders",
+    description="zarr/N5 array folders",
 )
