@@ -39,11 +39,10 @@ def write_manager(root, steps=(1, 2)) -> dict[int, dict]:
     truth = {}
     with ocp.CheckpointManager(root) as manager:
         for step in steps:
-            np.random.seed(step)
             params = _params(step)
             key = jax.random.key(step)
             oldkey = jax.random.PRNGKey(100 + step)
-            nprng = np.random.get_state()
+            nprng = np.random.RandomState(step).get_state()  # numpy's legacy state tuple; the global one untouched
             manager.save(step, args=ocp.args.Composite(
                 params=ocp.args.StandardSave(jax.tree.map(jnp.asarray, params)),
                 opt_state=ocp.args.StandardSave({"mu": jnp.zeros(4), "count": jnp.asarray(step, jnp.int32)}),
