@@ -54,6 +54,10 @@ def test_pipeline_one_item_per_component(pipeline):
         check_load_parameters(root, _flat(params[name]), item=name)
         check_restore(root, _flat(params[name]), item=name)
     check_verify(root)
+    rules = tt.Rules(rename=[(r"^conv_in/", "stem/")])
+    unet = _flat(params["unet"])
+    check_restore(root, unet, item="unet", rules=rules,
+                  expect={k.replace("conv_in/", "stem/", 1): v for k, v in unet.items()})
 
 
 def test_load_parameters_and_convert_take_the_unet(pipeline, tmp_path):

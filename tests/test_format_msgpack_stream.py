@@ -62,6 +62,9 @@ def test_params_file_every_command(easylm, tmp_path):
     check_verify(path)
     check_load_parameters(path, _flat(state["params"]["params"]))  # the variables dict's `params`
     check_restore(path, truth, item="default")
+    rules = tt.Rules(rename=[(r"/wte/", "/embed/")])
+    check_restore(path, truth, item="default", rules=rules,
+                  expect={k.replace("/wte/", "/embed/"): v for k, v in truth.items()})
     check_convert(path, _flat(state["params"]["params"]), tmp_path)
 
 

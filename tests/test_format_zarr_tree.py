@@ -81,6 +81,9 @@ def test_big_vision_every_command(big_vision, tmp_path):
     check_load_parameters(workdir, params)  # the params subtree, as big_vision's load_checkpoint_ts + ["params"]
     check_load_parameters(workdir / "checkpoint.bv-000000100", _flat(truth[100]["params"]))
     check_restore(workdir, _flat(truth[300]), item="default")
+    rules = tt.Rules(rename=[(r"^params/head/", "params/classifier/")])
+    renamed = {k.replace("params/head/", "params/classifier/"): v for k, v in _flat(truth[300]).items()}
+    check_restore(workdir, _flat(truth[300]), item="default", rules=rules, expect=renamed)
     check_convert(workdir, params, tmp_path)
     out = check_verify(workdir, "--step", "all")
     assert out.count("ok:") == 3, out
