@@ -859,3 +859,21 @@ def test_stats_columns_implies_stats(tmp_path, capsys):
     assert stats == pytest.approx(numpy_stats(w), rel=1e-5, abs=1e-6)
     rc, help_text, _ = run(capsys, "inspect", "--help")
     assert "implies --stats" in " ".join(help_text.split())
+
+
+def test_a_help_that_cannot_be_written_is_an_error_whatever_its_length(monkeypatch, capsys):
+    # argparse swallows an OSError of its own write: a help longer than stdout's buffer (8 KiB, `inspect --help`
+    # with the format list) to a full disk ended with exit 0 and nothing written. Its text goes through the CLI's
+    # output now, which reports it: one line, exit 1, as for any output that cannot be written.
+    import errno
+    import io
+
+    class Full(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sys, "stdout", Full())
+    assert cli.main(["inspect", "--help"]) == 1
+    assert capsys.readouterr().err == "treetools: error: cannot write to stdout (No space left on device).\n"
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert cli.main(["inspect", "--help"]) == 0 and len(sys.stdout.getvalue()) > 1000

@@ -23,7 +23,7 @@ import pytest
 import treetools as tt
 from tests._every_command import (check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_refused, check_restore, check_show,
-                                  check_stats, check_verify, inspect_json, run_fresh)
+                                  check_stats, check_verify, inspect_json, run, run_fresh)
 from tests._writers.easydel import save_pretrained, save_run
 
 ScaleByAdamState = namedtuple("ScaleByAdamState", ["count", "mu", "nu"])
@@ -167,3 +167,25 @@ def test_jax_is_not_imported_for_metadata(trainer_dir):
     folder, _ = trainer_dir
     done = run_fresh("inspect", "--stats", folder, forbid=["jax"])
     assert done.returncode == 0, done.stderr
+
+
+def test_optimizer_arrays_the_index_does_not_list_are_read(trainer_dir, tmp_path):
+    # Issue 37: a trainer run's optimizer state was read in part. Arrays stored under a prefix folder that the
+    # index does not list (its `tx` entries rewritten by a later save), or a prefix folder the index lost, are read
+    # from their zarr headers, every one of them, with a note.
+    save_dir, truth = trainer_dir
+    copy = tmp_path / "run-10"
+    shutil.copytree(save_dir / "run-10", copy)
+    index = json.loads((copy / "tensorstore_index.json").read_text())
+    tx = index["prefixes"]["tx"]
+    index["prefixes"]["tx"] = tx[:1]  # the index keeps one of the optimizer's arrays
+    (copy / "tensorstore_index.json").write_text(json.dumps(index))
+    check_inspect(copy, truth[10]["tx"], item="tx")
+    rc, out, err = run("inspect", copy, "--item", "tx")
+    assert rc == 0 and f"{len(tx) - 1} array(s) under `tx/` are not in the index" in err, err
+    check_load_parameters(copy, truth[10]["tx"], item="tx")
+    del index["prefixes"]["tx"]  # the index lost the prefix entirely: `tx/` is still an item
+    (copy / "tensorstore_index.json").write_text(json.dumps(index))
+    assert set(inspect_json(copy)["checkpoints"][0]["items"]) == {"model", "tx"}
+    check_inspect(copy, truth[10]["tx"], item="tx")
+    check_verify(copy)

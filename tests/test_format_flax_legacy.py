@@ -157,7 +157,7 @@ def test_orbax_mode_root_lists_steps_and_reads_the_step_folder_as_the_item(orbax
 def test_orbax_mode_errors_never_name_orbax_internals(orbax_dir, capsys):
     folder, _ = orbax_dir
     with pytest.raises(FileNotFoundError) as e:
-        tt.load_parameters(folder, item="params")
+        tt.load_parameters(folder, item="weights")  # no item, no key of one
     assert "items: default." in str(e.value)
     for internal in ("ocdbt.process_0", "array_metadatas", "`d`", " d,", "manifest"):
         assert internal not in str(e.value)

@@ -170,3 +170,21 @@ def test_jax_is_not_imported_for_metadata(run_dir):
     base, _ = run_dir
     done = run_fresh("inspect", base, forbid=["jax"])
     assert done.returncode == 0, done.stderr
+
+
+def test_diff_values_reports_a_changed_step_and_training_key(tmp_path):
+    # Issue 37: integers are compared exactly. Step 100,000 -> 100,001 and a key word ~2**31 changed by 7 lie
+    # within diff's default relative tolerance (1e-5) as floats would; as integers they are changes.
+    model = _model(1)
+    a = save_levanter(tmp_path / "a", 100_000, {**trainer_state(100_000, model, _opt_state(model, 1)),
+                                                 "training_key": np.asarray([2_000_000_000, 5], np.uint32)})
+    b = save_levanter(tmp_path / "b", 100_000, {**trainer_state(100_001, model, _opt_state(model, 1)),
+                                                 "training_key": np.asarray([2_000_000_007, 5], np.uint32)})
+    rc, out, err = run("diff", a, b, "--values", "--format", "json")
+    assert rc == 1, out + err
+    import json
+
+    differing = {row["path"]: row for row in json.loads(out)["values"] if not row["bit_identical"]}
+    assert set(differing) == {"step/step", "training_key/training_key"}, differing
+    assert differing["step/step"]["max_abs_diff"] == 1 and differing["training_key/training_key"]["max_abs_diff"] == 7
+    assert all(row["mismatched"] == 1 for row in differing.values()), differing

@@ -7,8 +7,9 @@ xlstm_jax/trainer/callbacks/checkpointing.py, commit 0f3ebc2d73c088e5ed0eeede677
   its `step` and `rng` item folders hold `_sharding` and a `checkpoint/` zarr folder, and no `_METADATA`;
 - the same manager run here by the project's Orbax (0.12.8), whose ArrayCheckpointHandler writes `_METADATA`.
 
-An ArrayCheckpointHandler item is one array, stored by Orbax under the handler's checkpoint name: its one
-leaf is `checkpoint` (`--item rng --show checkpoint`). No item is ever dropped: every view shows all four
+An ArrayCheckpointHandler item is one array (stored by Orbax under the handler's checkpoint name, `checkpoint`):
+Orbax restores the item as the array itself, so its one leaf is named like the item (`--item rng --show rng`,
+issue 37). No item is ever dropped: every view shows all four
 array items (and the totals count them). The truth is the writer's own arrays.
 """
 
@@ -46,8 +47,8 @@ def fixture_truth() -> dict[int, dict[str, dict[str, np.ndarray]]]:
             dtype = str(z[f"dtype:{key}"])
             value = z[key].astype(ml_dtypes.bfloat16) if dtype == "bfloat16" else z[key]
             assert str(value.dtype) == dtype, key
-            # An ArrayCheckpointHandler item holds one array, under the handler's name `checkpoint`.
-            truth.setdefault(int(step), {}).setdefault(item, {})["/".join(path) or "checkpoint"] = value
+            # An ArrayCheckpointHandler item is one array: its leaf is named like the item.
+            truth.setdefault(int(step), {}).setdefault(item, {})["/".join(path) or item] = value
     return truth
 
 
@@ -79,8 +80,8 @@ def write_xlstm_manager(root: Path, steps=(100, 200)) -> dict[int, dict[str, dic
                 opt_state=ocp.args.StandardSave(opt_state)), metrics={"perplexity": 10.0 - step / 100})
             truth[step] = {"params": {k: np.asarray(v) for k, v in tt.flatten(params).items()},
                            "opt_state": {k: np.asarray(v) for k, v in tt.flatten(opt_state).items()},
-                           "step": {"checkpoint": np.asarray(step, np.int32)},
-                           "rng": {"checkpoint": np.asarray(key)}}
+                           "step": {"step": np.asarray(step, np.int32)},
+                           "rng": {"rng": np.asarray(key)}}
         manager.wait_until_finished()
     return truth
 
@@ -127,7 +128,7 @@ def test_step_and_rng_values_per_step(run_dir, step):
     for item in ("step", "rng"):
         check_show(root, truth[step][item], item=item, args=("--step", step))
         check_stats(root, truth[step][item], item=item, args=("--step", step))
-    assert int(tt.load_parameters(root, step=step, item="step")["checkpoint"]) == step
+    assert int(tt.load_parameters(root, step=step, item="step")["step"]) == step
     check_load_parameters(root, truth[step]["rng"], step=step, item="rng")
 
 
@@ -182,33 +183,38 @@ def test_diff_sees_the_array_items(run_dir, tmp_path):
     rc, out, err = run("diff", root, "--step", 100, "--step", 200, "--values", "--item", "step", "--format", "json")
     assert rc == 1, out + err
     values = {row["path"]: row for row in json.loads(out)["values"]}
-    assert set(values) == {"checkpoint"} and values["checkpoint"]["max_abs_diff"] == 100
+    assert set(values) == {"step"} and values["step"]["max_abs_diff"] == 100
     # A copy of the run whose `rng` the writer changed in one step: diff names that leaf.
     copy = tmp_path / "copy"
     shutil.copytree(root, copy)
-    key = np.asarray(truth[200]["rng"]["checkpoint"])
+    key = np.asarray(truth[200]["rng"]["rng"])
     changed = key.copy()
     changed[1] += 7
     zarr = copy / "checkpoint_200" / "rng" / "checkpoint"
     ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(zarr)}}).result().write(changed).result()
     # A key's words are ~2**31: diff's default rtol (1e-5) would call 7 apart close; compare the bits exactly.
-    check_diff_names_the_changed_leaf(root, copy, "checkpoint", 7.0, item="rng", args=("--rtol", "0"))
+    check_diff_names_the_changed_leaf(root, copy, "rng", 7.0, item="rng", args=("--rtol", "0"))
 
 
 def test_restore_checkpoint_of_the_array_items(run_dir):
     root, truth = run_dir
     for item in ("step", "rng", "params"):
         check_restore(root, truth[200][item], item=item, step=200)
-    restored = tt.restore_checkpoint(str(root), 100, {"step": tt.make_abstract({"checkpoint": jnp.zeros((), jnp.int32)})})
-    assert isinstance(restored["step"]["checkpoint"], jax.Array) and int(restored["step"]["checkpoint"]) == 100
+    restored = tt.restore_checkpoint(str(root), 100, {"step": tt.make_abstract({"step": jnp.zeros((), jnp.int32)})})
+    assert isinstance(restored["step"]["step"], jax.Array) and int(restored["step"]["step"]) == 100
 
 
 def test_a_step_folder_no_reader_knows_is_named_not_dropped(tmp_path):
     # The issue's rule: never drop an item without a word. A folder of an Orbax 0.6 step (no item_handlers in
-    # _CHECKPOINT_METADATA) that is no item treetools reads is named in a note.
+    # _CHECKPOINT_METADATA) that is no item treetools reads is listed as not read, with the reason (issue 37: in
+    # the view itself, the JSON's `unreadable`, and the totals).
     root = tmp_path / "run"
     shutil.copytree(ROOT_0_6, root)
     (root / "checkpoint_200" / "custom_state").mkdir()
     rc, out, err = run("inspect", root)
     assert rc == 0, err
-    assert "`custom_state`" in err and "skipped" in err, err
+    assert "Not read (1 item):" in out and "`custom_state` (no handler recorded): its folder holds nothing" in out, out
+    assert "(6 of 7 items read)" in out, out  # params, opt_state, step, rng, metadata, metrics
+    report = inspect_json(root)
+    assert report["checkpoints"][0]["unreadable"] == [
+        {"item": "custom_state", "handler": "no handler recorded", "reason": report["checkpoints"][0]["unreadable"][0]["reason"]}]

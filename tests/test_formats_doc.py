@@ -212,6 +212,95 @@ def _keras(tmp, whole):
     return Case(path, truth)
 
 
+def _orbax_every_handler(tmp):
+    """A manager whose steps hold an item per Orbax handler (tests/test_format_orbax_items.py); truth: `params`."""
+    from tests.test_format_orbax_items import write_manager
+
+    truth = write_manager(tmp / "run", steps=(1,))
+    return Case(tmp / "run", _flat(truth[1]["params"]), item="params", restore_item="params")
+
+
+def _orbax_v1_partial(tmp):
+    """``ocp.v1.partial.save`` twice, then ``finalize``: one item `state` (StatefulCheckpointableHandler)."""
+    import jax.numpy as jnp
+    from orbax.checkpoint.experimental.v1 import partial
+
+    import jax
+
+    first, second = {"params": _params()}, {"opt_state": {"mu": np.ones(3, np.float32)}}
+    partial.save(str(tmp / "p"), jax.tree.map(jnp.asarray, first))
+    partial.save(str(tmp / "p"), jax.tree.map(jnp.asarray, second))
+    partial.finalize(str(tmp / "p"))
+    return Case(tmp / "p", {**_flat(first), **_flat(second)}, item="state", restore_item="state")
+
+
+def _jax_pytree(tmp):
+    pytest.importorskip("flatbuffers")
+    from tests.test_format_jax_pytree import _state, _truth, save
+
+    save(tmp / "jp", _state())
+    return Case(tmp / "jp", _truth(_state()), item="default")
+
+
+def _big_vision(tmp):
+    from tests.test_format_zarr_tree import write_big_vision
+
+    truth = write_big_vision(tmp / "bv")
+    return Case(tmp / "bv", _flat(truth[300]), item="default")
+
+
+def _async_serialize(tmp):
+    from tests.test_format_zarr_tree import _async_serialize as write
+
+    state = {"target": _params(), "state": {"step": np.asarray(3, np.int32)}}
+    for name, value in flatten(state).items():
+        write(str(tmp / "m" / "checkpoint_3" / name.replace("/", ".")), value)
+    return Case(tmp / "m", _flat(state), item="default")
+
+
+def _levanter_export(tmp):
+    from tests._writers.levanter import save_export
+
+    state = {"model": _params(), "step": np.asarray(4, np.int32)}
+    return Case(Path(save_export(tmp / "export", state)), _flat(state), item="default")
+
+
+def _easylm(tmp, whole):
+    from tests._writers.easylm import save_all
+
+    state = {"params": {"params": _params()}, "opt_state": {"0": {"mu": _params(1)}}}
+    path = save_all(tmp, state, save_optimizer_state=whole)
+    return Case(Path(path), _flat(state if whole else state["params"]), item="default")
+
+
+def _objax(tmp):
+    from tests._writers.objax import save_var_collection
+
+    named = {"(Sequential)[0](Linear).w": np.ones((2, 3), np.float32), "(Sequential)[0](Linear).b": np.zeros(3, np.float32)}
+    save_var_collection(tmp / "0000000010.npz", named)
+    return Case(tmp / "0000000010.npz", named)
+
+
+def _diffusers(tmp, *below):
+    from tests._writers.diffusers import save_pipeline
+
+    params = {"unet": _params(), "vae": _params(1), "text_encoder": _params(2)}
+    save_pipeline(tmp / "sd", params)
+    if below:
+        return Case((tmp / "sd").joinpath(*below), _flat(params[below[0]]))
+    return Case(tmp / "sd", _flat(params["unet"]), item="unet", restore_item="unet")
+
+
+def _flax_metric_named(tmp):
+    from flax.training import checkpoints
+
+    states = {}
+    for acc in (0.5, 0.625):
+        states[acc] = {"params": _params(int(acc * 8))}
+        checkpoints.save_checkpoint(tmp / "best", states[acc], step=acc, prefix="best_acc_", keep=5, overwrite=True)
+    return Case(tmp / "best", _flat(states[0.625]), item="best_acc_0.625", restore_item="best_acc_0.625")
+
+
 CASES: dict[str, Callable[[Path], Case]] = {
     "Orbax CheckpointManager root": _manager,
     "Orbax step folder": lambda t: _manager(t, "7"),
@@ -259,6 +348,19 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "Equinox `eqx.tree_serialise_leaves` file": _equinox,
     "Keras 3 weights file (`model.save_weights`)": lambda t: _keras(t, whole=False),
     "Keras 3 model file (`model.save`)": lambda t: _keras(t, whole=True),
+    "Orbax step with an item per handler (`JaxRandomKeySave`, `NumpyRandomKeySave`, `ArraySave`, `ProtoSave`, "
+    "`JsonSave`, Grain's `PyGrainCheckpointHandler`)": _orbax_every_handler,
+    "Orbax v1 `partial.save` + `partial.finalize`": _orbax_v1_partial,
+    "jax pytree serialization (`pytree_serialization.save`)": _jax_pytree,
+    "big_vision `save_checkpoint_ts` workdir": _big_vision,
+    "jax `async_serialize` per-leaf folders in `checkpoint_<N>/`": _async_serialize,
+    "Levanter export without `metadata.json` (`tree_serialize_leaves_tensorstore`)": _levanter_export,
+    "EasyLM `streaming_params`": lambda t: _easylm(t, whole=False),
+    "EasyLM `streaming_train_state`": lambda t: _easylm(t, whole=True),
+    "objax `Checkpoint` npz (a `names` array)": _objax,
+    "diffusers Flax pipeline": _diffusers,
+    "diffusers Flax model folder": lambda t: _diffusers(t, "unet"),
+    "Flax checkpoints named by a metric (`best_acc_0.625`)": _flax_metric_named,
 }
 
 

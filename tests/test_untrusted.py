@@ -571,8 +571,12 @@ def test_a_newline_in_an_item_name_cannot_forge_a_note(tmp_path, capsys):
     meta["item_handlers"]["gone\ntreetools: note: all clear" + HOSTILE] = "PyTreeCheckpointHandler"
     meta_path.write_text(json.dumps(meta))
     code, out, err = _run(capsys, "inspect", run)
-    assert code == 0 and len(err.splitlines()) == 1 and err.startswith("treetools: note: item `gone "), err
-    assert "has no folder; skipped" in err
+    # Issue 37: an item that cannot be read is listed in the view (one line under "Not read"), never a note.
+    assert code == 0 and not err, err
+    lines = out.splitlines()
+    at = lines.index("Not read (1 item):")
+    assert lines[at + 1].startswith("- `gone\\ntreetools") and "but it has no folder" in lines[at + 1], out
+    assert not any(line.startswith("treetools: note") for line in lines), out
     _clean(out, err)
 
 

@@ -70,3 +70,15 @@ def trainer_state(step: int, model: dict[str, Any], opt_state: Any, seed: int = 
     """The saved fields of a Levanter ``TrainerState`` (``model_averaging`` None: not saved)."""
     return {"step": jnp.asarray(step, jnp.int32), "model": model, "opt_state": opt_state,
             "training_key": jax.random.PRNGKey(seed)}
+
+
+def save_export(path: Any, tree: dict[str, Any]) -> str:
+    """``tree_serialize_leaves_tensorstore(path, tree)`` alone (Levanter's export of a model or state outside the
+    Checkpointer): the arrays at their ``leaf_key_paths`` names split into folders, no ``metadata.json``."""
+    path = os.fspath(path)
+    leaves = flat_with_names(tree, sep=".")
+    manager = GlobalAsyncCheckpointManager()
+    manager.serialize_with_paths([jnp.asarray(x) for x in leaves.values()],
+                                 [os.path.join(path, *name.split(".")) for name in leaves])
+    manager.wait_until_finished()
+    return path

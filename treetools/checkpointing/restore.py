@@ -28,6 +28,7 @@ without a target returns numpy arrays without them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from treetools.ckpt.mapping import map_item
 from treetools.ckpt.context import UNBOUNDED
-from treetools.ckpt.items import params_of_step
+from treetools.ckpt.items import find_params
 from treetools.ckpt.leaves import Item, Leaf, NO_VALUE, value_row
 from treetools.ckpt.opening import open_source
 from treetools.ckpt.storage import location
@@ -46,6 +47,8 @@ from treetools.shared.render import safe_text
 from treetools.shared.rows import Row, dtype_name, format_shape
 from treetools.rules.plan import RulesPlan
 from treetools.rules.spec import Rules
+
+_LOG = logging.getLogger("treetools")
 
 if TYPE_CHECKING:  # type hints only
     import orbax.checkpoint as ocp
@@ -394,6 +397,17 @@ def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any]) -> di
     return values
 
 
+def _keyed(value: Any, target: Any) -> Any:
+    """A format's own restore of a typed-key target that gave the key data (an item Orbax's
+    ``JaxRandomKeyCheckpointHandler`` saved with ``ArraySave``) as the key again."""
+    if not _is_key(target) or _is_key(value):
+        return value
+    import jax  # a typed key target: jax is loaded already
+
+    impl = jax.random.key_impl(target) if isinstance(target, jax.Array) else target.dtype._impl
+    return jax.device_put(jax.random.wrap_key_data(value, impl=impl), target.sharding)
+
+
 def _assemble(reader: Any, target: Any) -> Any:
     """One ``jax.Array`` on ``target``'s sharding, its device blocks read one at a time.
 
@@ -449,7 +463,7 @@ def _read(source: Source, work: _Work) -> Any:
         if own is None:
             rest = list(work.from_checkpoint)
         else:
-            values.update({p: own[src] for p, src in as_stored.items()})
+            values.update({p: _keyed(own[src], abstract[p]) for p, src in as_stored.items()})
     values.update(_reader_values(mapped, {p: abstract[p] for p in rest}))
     return work.target.rebuild(values)
 
@@ -763,7 +777,9 @@ def load_parameters(
     source = open_source(shown, memory_budget=UNBOUNDED, prefix=prefix)
     resolved = source.resolve(step)
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
-        found = params_of_step(source, resolved, item=item, use_ema=use_ema_params)
+        found, found_at = find_params(source, resolved, item=item, use_ema=use_ema_params)
+        if found_at is not None:  # which path of a whole train state the parameters are: said, not guessed silently
+            _LOG.info("%s", found_at)
         if target is None:
             if rules is not None and not rules.empty:
                 found = map_item(found, rules)[0]

@@ -31,7 +31,7 @@ import typing as _typing
 _EXPORTS = {  # public name -> module under treetools.ckpt
     **dict.fromkeys(("ArrayReader", "FileReader", "InMemoryReader", "MemoryBudgetError", "checked_shape",
                      "plan_blocks"), "readers"),
-    **dict.fromkeys(("DEFAULT_ITEM", "NO_VALUE", "Item", "Leaf", "Snapshot", "array_row", "check_name", "stored_path",
+    **dict.fromkeys(("DEFAULT_ITEM", "NO_VALUE", "Item", "Leaf", "Snapshot", "Unreadable", "array_row", "check_name", "stored_path",
                      "tree_leaves", "value_row"), "leaves"),
     **dict.fromkeys(("FileSource", "Format", "Source", "file_head"), "source"),
     **dict.fromkeys(("register_format", "registered_formats", "unregister_format"), "registry"),
@@ -64,6 +64,7 @@ if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ord
         Item,
         Leaf,
         Snapshot,
+        Unreadable,
         array_row,
         check_name,
         stored_path,

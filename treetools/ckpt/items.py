@@ -89,6 +89,8 @@ class _Steps(Protocol):
 
     def item_names(self, step: int | None) -> list[str]: ...
 
+    def default_item(self, step: int | None) -> str | None: ...
+
     def snapshot(self, step: Any = None, items: Sequence[str] | None = None) -> Any: ...
 
     def missing_item(self, name: str, present: Sequence[str], step: int | None, *,
@@ -182,6 +184,9 @@ def params_item(source: _Steps, step: int | None, *, item: str | None = None, us
     wanted = "params_ema" if use_ema else "params"
     if wanted in names:
         return wanted
+    chosen = source.default_item(step)
+    if chosen is not None and chosen in names:
+        return chosen
     model = [n for n in MODEL_ITEMS if n in names]  # T5X: `target`; Levanter, EasyDeL: `model`
     if not use_ema and model:
         return model[0]
@@ -197,11 +202,56 @@ def params_item(source: _Steps, step: int | None, *, item: str | None = None, us
 
 
 def params_of_step(source: _Steps, step: int | None, *, item: str | None = None, use_ema: bool = False) -> Item:
-    """The parameters of one step as one item: ``params_item``'s item, narrowed by ``params_subtree``
-    when it holds a whole train state (an item asked for by name is returned whole)."""
-    name = params_item(source, step, item=item, use_ema=use_ema)
+    """The parameters of one step as one item: ``find_params``'s item (without the note)."""
+    return find_params(source, step, item=item, use_ema=use_ema)[0]
+
+
+def find_params(source: _Steps, step: int | None, *, item: str | None = None,
+                use_ema: bool = False) -> tuple[Item, str | None]:
+    """The parameters of one step as one item, and a note saying which path they were taken from (None when the
+    item is the parameters). ``params_item``'s item, narrowed by ``params_subtree`` when it holds a whole train
+    state; an item asked for by name is returned whole.
+
+    Raises:
+      CheckpointNotFoundError: no item holds them, or the item holds a train state whose parameters are none of
+        the known places (the message lists the candidates with their sizes: pass item=).
+    """
+    if item is not None:
+        return _chosen(source, step, item), None
+    name = params_item(source, step, use_ema=use_ema)
     found = source.snapshot(step, [name]).items[name]
-    return found if item is not None else params_within(found, use_ema=use_ema)
+    where = f"{source.path} (step {step})" if step is not None else source.path
+    if name == source.default_item(step) and len(source.item_names(step)) > 1:
+        below, path = params_path(found, use_ema=use_ema)
+        at = f"`{'/'.join(path)}` of " if path is not None else ""
+        return below, (f"{where}: parameters taken from {at}item `{name}`, as its format reads them; item= (--item) "
+                       "chooses another item.")
+    if name in ("params", "params_ema", "model"):
+        return found, None
+    below, path = params_path(found, use_ema=use_ema)
+    if path is None:
+        return found, None
+    return below, (f"{where}: parameters taken from `{'/'.join(path)}` of item `{name}`; item= (--item) chooses "
+                   "another item, top-level key or path.")
+
+
+def _chosen(source: _Steps, step: int | None, item: str) -> Item:
+    """The item ``item`` names: an item, a top-level key of the one item holding a whole state, or ``item/path``
+    (the leaves below that path, named from there)."""
+    names = source.item_names(step)
+    name, under = item_argument(names, item)
+    if name not in names and part_holder(names, name) is None:
+        raise source.missing_item(item, names, step)
+    found = source.snapshot(step, [name]).items[name]
+    if under is None:
+        return found
+    parts = tuple(under.split("/"))
+    n = len(parts)
+    below = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[n:]))
+             for leaf in found.leaves if len(leaf.path) > n and leaf.path[:n] == parts]
+    if not below:
+        raise source.missing_item(item, names, step, note=f"`{name}` has nothing below `{under}`")
+    return dataclasses.replace(found, leaves=below)
 
 
 def params_within(found: Item, *, use_ema: bool = False) -> Item:
@@ -213,30 +263,93 @@ def params_within(found: Item, *, use_ema: bool = False) -> Item:
 
 
 def params_subtree(item: Item, *, use_ema: bool = False) -> Item:
-    """The ``params`` (or EMA) subtree of an item holding a whole train state; the item itself when it has none.
+    """The parameters inside an item holding a whole train state (see ``params_path``); the item itself when
+    they are not found below it.
 
     Leaves keep their ``key`` (the format's own name), so a format's hooks
     still find them; their paths lose the subtree's name.
 
     Raises:
-      CheckpointNotFoundError: ``use_ema`` and the item holds no EMA parameters.
+      CheckpointNotFoundError: ``use_ema`` and the item holds no EMA parameters; or the item is a train state
+        whose parameters are in none of the known places (the candidates are listed with their sizes).
 
     >>> import numpy as np
     >>> state = tree_leaves({"params": {"w": np.ones(2)}, "step": 3}, where="x")
     >>> [leaf.name for leaf in params_subtree(Item("default", "pytree", state)).leaves]
     ['w']
     """
-    if any(leaf.row.sep != "/" for leaf in item.leaves):  # flat stored names (safetensors): never split
-        return item
-    tops = [leaf.path[0] for leaf in item.leaves if len(leaf.path) > 1]
-    for key in PARAM_SUBTREES[use_ema]:
-        if key in tops:
-            leaves = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[1:]))
-                      for leaf in item.leaves if len(leaf.path) > 1 and leaf.path[0] == key]
-            return dataclasses.replace(item, leaves=leaves)
+    return params_path(item, use_ema=use_ema)[0]
+
+
+PARAM_PATHS = {
+    False: (("params", "params"), ("params",), ("target",), ("model", "params"), ("state", "params"), ("train_state", "params"),
+            ("0", "params"), ("0",), ("model",)),
+    True: (("params_ema",), ("ema_params",), ("ema",), ("model", "params_ema"), ("state", "params_ema"),
+           ("state", "ema_params")),
+}
+"""Where trainers keep the parameters inside one item holding a whole train state, in the order they are looked
+for: ``params/params`` (a Flax ``TrainState`` whose params are the variables dict, EasyLM's train state),
+``params`` (Flax ``TrainState``, big_vision), T5X's ``target``, the Flax guide's ``{"model": {"params"}}``,
+a state under ``state``, the first element of a tuple (vit_jax's ``(params, opt_state, step)``: key ``0``),
+Levanter's ``model``."""
+
+STATE_KEYS = frozenset(("opt_state", "opt", "optimizer", "tx", "step", "rng", "rngs", "training_key", "config",
+                        "data", "metrics", "epoch", "model_averaging"))
+"""Top-level keys of a train state's parts other than the parameters."""
+
+STATE_MARKERS = frozenset(("opt_state", "opt", "tx", "step", "training_key", "rng", "rngs", "epoch"))
+"""Top-level keys that say an item holds a whole train state (not a model file that also keeps its optimizer's
+variables, as Keras's ``optimizer/vars``): there, the parameters must be found, or the candidates listed."""
+
+
+def _size(leaves: Sequence[Leaf]) -> str:
+    count = sum(leaf.row.params for leaf in leaves)
+    nbytes = sum(leaf.row.bytes for leaf in leaves)
+    return f"{count:,} elements, {nbytes:,} bytes"
+
+
+def params_path(item: Item, *, use_ema: bool = False) -> tuple[Item, tuple[str, ...] | None]:
+    """The parameters inside ``item`` and the path they were found at (``PARAM_PATHS``), or ``(item, None)``
+    when the item is the parameters itself.
+
+    >>> import numpy as np
+    >>> tree = {"model": {"params": {"w": np.ones(2)}}, "config": {"lr": 0.1}}
+    >>> found, path = params_path(Item("default", "pytree", tree_leaves(tree, where="x")))
+    >>> path, [leaf.name for leaf in found.leaves]
+    (('model', 'params'), ['w'])
+    """
+    if item.positional or any(leaf.row.sep != "/" for leaf in item.leaves):  # leaves by index, flat stored names
+        return item, None
+    tops = list(dict.fromkeys(leaf.path[0] for leaf in item.leaves if leaf.path))
+    for path in PARAM_PATHS[use_ema]:
+        if path == ("0",) and not (tops and all(t.isdigit() for t in tops)):
+            continue  # a tuple's first element only where the item is a tuple
+        if path == ("model",) and not set(tops) & STATE_KEYS:
+            continue  # `model` beside state keys (Levanter's export), not a module named `model`
+        n = len(path)
+        below = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[n:]))
+                 for leaf in item.leaves if len(leaf.path) > n and leaf.path[:n] == path]
+        if below:
+            return dataclasses.replace(item, leaves=below), path
     if use_ema:
         raise CheckpointNotFoundError(
-            f"item `{item.name}` holds no EMA parameters (looked for {', '.join(PARAM_SUBTREES[True])}); "
-            f"its top-level keys: {', '.join(dict.fromkeys(leaf.path[0] for leaf in item.leaves if leaf.path))}."
+            f"item `{item.name}` holds no EMA parameters (looked for {', '.join('/'.join(p) for p in PARAM_PATHS[True])}); "
+            f"its top-level keys: {', '.join(tops)}."
         )
-    return item
+    markers = set(tops) & STATE_MARKERS
+    others = [t for t in tops if t not in STATE_KEYS]
+    if markers and len(others) == 1:  # one subtree beside the state's bookkeeping: the parameters
+        n = 1
+        below = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[n:]))
+                 for leaf in item.leaves if len(leaf.path) > n and leaf.path[0] == others[0]]
+        if below:
+            return dataclasses.replace(item, leaves=below), (others[0],)
+    if markers and len(tops) > 1:
+        candidates = "; ".join(f"`{item.name}/{t}` ({_size([leaf for leaf in item.leaves if leaf.path[:1] == (t,)])})"
+                               for t in tops[:12])
+        raise CheckpointNotFoundError(
+            f"item `{item.name}` holds a train state whose parameters are in none of the known places "
+            f"({', '.join('/'.join(p) for p in PARAM_PATHS[False])}); candidates: {candidates}; "
+            f"pass item=\"{item.name}/<key>\" (--item) to choose."
+        )
+    return item, None

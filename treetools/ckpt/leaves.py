@@ -67,6 +67,27 @@ class Item:
     target's array leaves are matched to them by position, as the writer's own reader does."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Unreadable:
+    """An item of a step that treetools cannot read, listed (never dropped in silence): its name, the handler
+    that wrote it (Orbax's class name, or what the files are), and why it cannot be read.
+
+    >>> Unreadable("proto", "ProtoCheckpointHandler", "a protocol buffer file").to_json()["handler"]
+    'ProtoCheckpointHandler'
+    """
+
+    name: str
+    handler: str
+    reason: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"item": self.name, "handler": self.handler, "reason": self.reason}
+
+    def sentence(self) -> str:
+        """One line naming the item, its handler and the reason (a note, a ``verify`` problem)."""
+        return f"item `{self.name}` ({self.handler}) cannot be read: {self.reason}"
+
+
 @dataclasses.dataclass
 class Snapshot:
     """One checkpoint (one step): the items asked for, in stored order.
@@ -81,7 +102,10 @@ class Snapshot:
     """Whether the format stores shardings (so a missing one means "not sharded")."""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
-    """Diagnostics for stderr (e.g. an item kind the reader skips)."""
+    """Diagnostics for stderr (e.g. which reader read the checkpoint)."""
+    unreadable: list[Unreadable] = dataclasses.field(default_factory=list)
+    """Items of the step that could not be read, each with its handler and the reason: shown by every view,
+    a problem for ``verify``; never left out without a word."""
 
 
 

@@ -196,6 +196,10 @@ class Source:
         found = dict(snap.items)
         if items is not None:
             gone = [n for n in names if n not in found]  # skipped by the reader: its folder went, or unreadable
+            unreadable = {u.name: u for u in snap.unreadable}
+            if gone and gone[0] in unreadable:
+                where = f"{self.path} (step {resolved})" if resolved is not None else self.path
+                raise CheckpointError(f"{where}: {unreadable[gone[0]].sentence()}.")
             if gone:
                 raise self.missing_item(gone[0], list(found), resolved)
             for name, holder in parts.items():
@@ -215,6 +219,12 @@ class Source:
         return CheckpointNotFoundError(f"{where} has no item `{name}`; items: {', '.join(present) or 'none'}.{extra}")
 
     # -- hooks: a format's own way of doing something, with a generic default
+
+    def default_item(self, step: int | None) -> str | None:
+        """The item that holds the parameters when the format knows it better than the item names say (Flax
+        checkpoints named by a metric, ``best_acc_0.625``: the one flax's ``latest_checkpoint`` picks); None: the
+        generic rule of ``treetools.ckpt.items.params_item``."""
+        return None
 
     def series_of(self, listing: StepListing, prefix: str) -> StepListing:
         """The step series named ``prefix`` of a root holding several (``ReadContext.prefix``, ``--prefix``).
@@ -256,7 +266,7 @@ class Source:
             raise
         except (CheckpointError, CheckpointNotFoundError) as e:  # corrupt: a problem of this step, not the end
             return [], [str(e)]
-        return list(snap.items.values()), []
+        return list(snap.items.values()), [f"{self.path}: {u.sentence()}." for u in snap.unreadable]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,6 +282,9 @@ class Format:
       description: what paths it reads, for the "not a checkpoint" error.
       suggest: ``suggest(location) -> bool``: whether a path it claims is named in a "did you mean" for a path
         beside it (None: always). A format that reads plain data files too (a lone ``.npy`` array) says no for them.
+      structural: a reader by structure alone (any folder of zarr arrays, any msgpack stream), asked last: a
+        folder such a reader claims is no evidence that a path below it lies inside a checkpoint, so the "not a
+        checkpoint" diagnosis does not name it as the enclosing one.
 
     ``location`` is an absolute local path or a ``gs://`` / ``s3://`` URL. A
     format lists and reads only through ``context.storage`` (``isdir``,
@@ -286,6 +299,7 @@ class Format:
     open: Callable[[str, str, ReadContext], Source]
     description: str = ""
     suggest: Callable[[str], bool] | None = None
+    structural: bool = False
 
 
 class FileSource(Source):

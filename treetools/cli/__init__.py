@@ -31,7 +31,7 @@ import importlib
 import json
 import os
 import sys
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 import treetools
 from treetools.cli import _args, _output
@@ -71,7 +71,21 @@ class _UsageExit(SystemExit):
         self.message = message
 
 
-class _CommandParser(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """argparse, its help and usage written through the CLI's output (``_output.message``): a write that fails
+    is reported, not swallowed (argparse's own ``_print_message`` drops an ``OSError``)."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not message:
+            return
+        file = file or sys.stderr
+        if file is sys.stdout or file is sys.stderr:
+            _output.message(message, stream="stdout" if file is sys.stdout else "stderr")
+        else:
+            file.write(message)
+
+
+class _CommandParser(_Parser):
     """A subcommand's parser, whose epilog may be a function: called when the help is printed, not on every run
     (``inspect``'s list of formats reads each format module's source); its usage errors are argparse's own (the
     usage line, then ``PROG: error: MESSAGE``, exit 2), the message kept (``_UsageExit``)."""
@@ -95,7 +109,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     >>> build_parser("plot").parse_args(["plot", "m.jsonl"]).metrics
     ['m.jsonl']
     """
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="PyTree toolkit for JAX/Flax/Optax/Orbax trainers.",
         epilog="Run `treetools COMMAND --help` for a command's options (`treetools` alone prints this help, exit "

@@ -83,6 +83,13 @@ def _guarded(name: str, op: str, *args: Any) -> None:
             raise OutputError(f"cannot write to stdout ({e.strerror or e}).") from None
 
 
+def message(text: str, *, stream: str) -> None:
+    """argparse's own text (help, usage) on ``stream`` (``stdout`` or ``stderr``) as it wrote it, under the same
+    rule as ``out``: argparse swallows a failing write, so a help over the stream's buffer (8 KiB) to a full disk
+    would end with exit 0."""
+    _guarded(stream, "write", text)
+
+
 def out(text: Any, *, flush: bool = False) -> None:
     """Data on stdout: ``text`` with its own newlines kept and every other control character escaped."""
     _guarded("stdout", "write", safe_text(text, lines=True) + "\n")

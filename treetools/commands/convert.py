@@ -38,7 +38,7 @@ from treetools.ckpt.readers import ArrayReader, bit_view, is_numeric, np_dtype
 from treetools.ckpt.storage import backend, location
 from treetools.ckpt.stream import Failed, reduce_blocks
 from treetools.ckpt.mapping import RuledReader
-from treetools.ckpt.items import params_of_step
+from treetools.ckpt.items import find_params
 from treetools.ckpt.leaves import Item, Leaf
 from treetools.ckpt.opening import open_source
 from treetools.ckpt.source import Source
@@ -203,12 +203,14 @@ class _Plan:
     readers: list[ArrayReader]
     dropped: list[str]
     skipped: list[tuple[str, str]]
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """Which path the parameters were taken from (``find_params``), for the report's notes."""
 
 
 def _plan(src: str, opts: ConvertOptions, context: ReadContext) -> _Plan:
     source = open_source(src, context)
     step = source.resolve(opts.step)
-    item = params_of_step(source, step, item=opts.item)
+    item, found_at = find_params(source, step, item=opts.item)
     by_name: dict[str, Leaf] = {leaf.name: leaf for leaf in item.leaves}
     rules = opts.rules if opts.rules is not None else Rules()
     plan = rules.plan([(leaf.name, leaf.row.shape, leaf.row.dtype) for leaf in item.leaves])
@@ -225,7 +227,7 @@ def _plan(src: str, opts: ConvertOptions, context: ReadContext) -> _Plan:
             continue
         targets.append(t)
         readers.append(sources[t.source] if t.identity else RuledReader(t, sources))  # as map_item reads it
-    return _Plan(source, step, item, targets, readers, list(plan.dropped), skipped)
+    return _Plan(source, step, item, targets, readers, list(plan.dropped), skipped, [found_at] if found_at else [])
 
 
 # ---------------------------------------------------------------------------------------------- the command
@@ -303,7 +305,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
     plan = _plan(src, opts, context)
     report = ConvertReport(str(src), str(dst), plan.source.format, plan.step, plan.item.name, to, "", [],
                            dropped=plan.dropped, skipped=plan.skipped, dry_run=opts.dry_run)
-    report.notes += [f"left out `{p}`: {why}" for p, why in plan.skipped]
+    report.notes += plan.notes + [f"left out `{p}`: {why}" for p, why in plan.skipped]
     if opts.dry_run and exists and opts.dst_step is None:
         report.notes.append(f"{dst} exists: the write would need --overwrite")
     started = time.perf_counter()

@@ -10,7 +10,8 @@ both with the same shape is streamed block by block from both sides at once:
 * ``mismatched``: elements outside ``|a - b| <= atol + rtol * |b|`` (numpy's
   rule; by default ``atol = 0`` and ``rtol = 1e-5``, so a tensor of tiny values, such
   as Adam's ``nu`` around 1e-9, is compared relative to its own size), where NaN equals NaN and an infinity equals the same infinity, but a
-  value that becomes NaN or Inf is always outside; integers and complex
+  value that becomes NaN or Inf is always outside; integers (steps, counters, PRNG key words) are compared
+  exactly, with no tolerance: any changed integer is outside it; integers and complex
   numbers are compared exactly (no float64 rounding of int64 beyond 2**53, no
   dropped imaginary part);
 * ``max_abs_diff`` over elements finite on both sides (``inf`` when a finite
@@ -247,8 +248,10 @@ def _block_compare(xa: np.ndarray, xb: np.ndarray, kind: str, atol: float, rtol:
         da, db = fa[diff].astype(np.float64), fb[diff].astype(np.float64)
         # float64 may round two different int64s together: a differing pair is at least 1 apart.
         d = np.maximum(np.abs(da - db), 1.0)
-        tol = atol + rtol * np.abs(db)
-        mismatched = int(np.count_nonzero(d > tol)) if (atol or rtol) else int(d.size)
+        # Integers are counters, indices and PRNG key words (a step, Levanter's `training_key`): a tolerance relative
+        # to their size would call step 100,000 and 100,001, or two keys whose words are ~2**31, the same. Any
+        # changed integer is outside tolerance.
+        mismatched = int(d.size)
         ref = fa.astype(np.float64)
         return mismatched, float(d.max()), float(np.dot(d, d)), float(np.dot(ref, ref)), 0, 0
     fin_a, fin_b = np.isfinite(fa := xa), np.isfinite(fb := xb)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from treetools.ckpt.readers import is_numeric
 from treetools.ckpt.items import counts_params, item_argument, non_param_leaves, order_items, train_state_parts
-from treetools.ckpt.leaves import Item, Leaf, NO_VALUE, Snapshot
+from treetools.ckpt.leaves import Item, Leaf, NO_VALUE, Snapshot, Unreadable
 from treetools.ckpt.opening import open_source
 from treetools.ckpt.steps import parse_step
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
@@ -96,6 +96,8 @@ class StepReport:
     step: int | None
     items: dict[str, ItemReport]
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    unreadable: list[Unreadable] = dataclasses.field(default_factory=list)
+    """Items of the step that could not be read (name, handler, reason): listed, never dropped."""
 
     @property
     def total(self) -> Totals:
@@ -106,7 +108,8 @@ class StepReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"step": self.step, "metadata": jsonable(self.metadata),
-                "items": {name: item.to_json() for name, item in self.items.items()}}
+                "items": {name: item.to_json() for name, item in self.items.items()},
+                "unreadable": [u.to_json() for u in self.unreadable]}
 
 
 @dataclasses.dataclass
@@ -355,7 +358,7 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
                 grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
                 part = ItemReport.of(dataclasses.replace(s.items[name], name=key), part_leaves, part_rows)
                 items[name].parts[key] = part
-        by_step.append(StepReport(s.step, items, s.metadata))
+        by_step.append(StepReport(s.step, items, s.metadata, list(s.unreadable)))
     return Report(
         path=source.path,
         format=source.format,

@@ -101,9 +101,9 @@ def render_report(report: Report, fmt: str = "table", *, tablefmt: str = "simple
         meta = _metadata_lines(s.metadata)
         out += [f"- {line}" for line in meta] if md else meta
         if not s.items:
-            out += ["", "(no items)"]
+            out += ["", "(no items read)" if s.unreadable else "(no items)"]
         if report.depth == 0:
-            out += ["", *_items_table(s.items, md)]
+            out += ["", *_items_table(s.items, md, len(s.unreadable)), *_unreadable_lines(s.unreadable, md)]
             continue
         shown: dict[tuple, str] = {}
         for name, item in s.items.items():
@@ -112,9 +112,10 @@ def render_report(report: Report, fmt: str = "table", *, tablefmt: str = "simple
             for title, section in sections:
                 out += ["", *_item_section(title, section, fmt, tablefmt, report.stats, stat_columns, shown,
                                            fit=report.depth is None and not report.leaves)]
-        if len(s.items) > 1:
+        out += _unreadable_lines(s.unreadable, md)
+        if len(s.items) > 1 or s.unreadable:
             t = s.total
-            line = f"Grand total ({len(s.items)} items): {format_count(t.params)} elements, {bytes_text(t.bytes)}"
+            line = f"Grand total ({_items_read(len(s.items), len(s.unreadable))}): {format_count(t.params)} elements, {bytes_text(t.bytes)}"
             out += ["", f"**{line}**" if md else line]
     if report.grouped_at:
         hint = "rows grouped to fit a screen; --leaves shows every leaf, --depth K chooses."
@@ -184,7 +185,23 @@ def _table(rows: Sequence[Row], label: str, stats: bool, stat_columns: Sequence[
         dropped.append(left[0])
 
 
-def _items_table(items: dict[str, ItemReport], md: bool) -> list[str]:
+def _items_read(read: int, unreadable: int) -> str:
+    """``3 items``, or ``3 of 4 items read`` when some could not be read."""
+    if not unreadable:
+        return f"{read} items"
+    return f"{read} of {read + unreadable} items read"
+
+
+def _unreadable_lines(unreadable: Sequence[Any], md: bool) -> list[str]:
+    """The items that could not be read: one line each, naming the item, its handler and the reason."""
+    if not unreadable:
+        return []
+    head = f"Not read ({len(unreadable)} item{'s' if len(unreadable) != 1 else ''}):"
+    lines = [f"- `{u.name}` ({u.handler}): {u.reason}" for u in unreadable]
+    return ["", f"**{head}**" if md else head, *[safe_text(line) for line in lines]]
+
+
+def _items_table(items: dict[str, ItemReport], md: bool, unreadable: int = 0) -> list[str]:
     """``--depth 0``: one row per item, then the grand total."""
     data = [[safe_text(name, width=CELL_WIDTH), f"{item.total.leaves:,}", f"{format_count(item.total.params)} {item.label}",
              human(item.total.bytes, "B")] for name, item in items.items()]
@@ -193,7 +210,8 @@ def _items_table(items: dict[str, ItemReport], md: bool) -> list[str]:
     t = Totals(0, 0, {})
     for item in items.values():
         t = t + item.total
-    return [table, f"Grand total ({len(items)} items): {format_count(t.params)} elements, {bytes_text(t.bytes)}"]
+    return [table, f"Grand total ({_items_read(len(items), unreadable)}): {format_count(t.params)} elements, "
+                   f"{bytes_text(t.bytes)}"]
 
 
 def _steps_list(report: Report, md: bool) -> list[str]:

@@ -23,7 +23,7 @@ def catalog() -> list[tuple[str, str]]:
     name), as ``registered_formats()`` has them, read from the modules' source without importing them.
 
     >>> [name for name, _ in catalog()][:3]
-    ['t5x', 'flax-legacy', 'orbax']
+    ['jax-pytree', 't5x', 'flax-legacy']
     """
     found = []
     folder = os.path.dirname(__file__)

@@ -188,6 +188,14 @@ class _Walker:
             return "map", cur.unpack(_LENGTH[2 << (b - 0xDE)], 2 << (b - 0xDE))
         raise cur.corrupt("byte 0xc1, which msgpack never uses", cur.pos() - 1)
 
+    def walk_value(self, kind: str, v: Any) -> Any:
+        """The value whose header ``(kind, v)`` was just read: a scalar or string as is; a map or array walked."""
+        if kind == "value":
+            return v
+        if kind == "ext":
+            return self.ext(*v)
+        raise self.cur.corrupt(f"a record value that is a {kind}, not the bytes of a msgpack value")
+
     def past_end(self, n: int) -> None:
         """Refuse a length that runs past the end of the file before anything is held for it."""
         if self.cur.pos() + n > self.cur.size:
@@ -217,8 +225,11 @@ class _Walker:
             self.hold(n, what)
         return self.cur.take(n)
 
-    def walk(self) -> Any:
-        """The whole object: dicts, lists, scalars, strings; arrays as ``FileReader``s."""
+    def walk(self, *, whole: bool = True) -> Any:
+        """The whole object: dicts, lists, scalars, strings; arrays as ``FileReader``s.
+
+        ``whole``: the object must end where the data ends (else one object is read and the cursor left after it:
+        a record of a stream)."""
         cur = self.cur
         stack: list[list[Any]] = []  # [container, entries left, is a map, pending key]
         while True:
@@ -241,7 +252,7 @@ class _Walker:
                 value = v
             while True:  # hand the value to the open containers, closing those it completes
                 if not stack:
-                    if cur.pos() != cur.size:
+                    if whole and cur.pos() != cur.size:
                         raise cur.corrupt(f"{cur.size - cur.pos():,} bytes of extra data after the object")
                     return value
                 frame = stack[-1]
@@ -369,6 +380,47 @@ def walk(context: ReadContext, path: str, *, object_hook: Callable[[dict], Any] 
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
     with f:
         return _Walker(_Cursor(f, size, path), path, context, object_hook).walk()
+
+
+def walk_records(context: ReadContext, path: str) -> list[tuple[list[Any], Any]]:
+    """The records of a msgpack stream of ``[key, bytes]`` pairs whose bytes are themselves msgpack (EasyLM's
+    ``StreamingCheckpointer``: each record ``packer.pack((key_path, flax.serialization.to_bytes(value)))``):
+    ``(key, value)`` each, the value walked in place (arrays as ``FileReader``s at their offsets).
+
+    Raises:
+      MsgpackError: the file is not such a stream (one line, with the byte offset).
+    """
+    try:
+        size = context.storage.getsize(path)
+        f = context.storage.open(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
+    records: list[tuple[list[Any], Any]] = []
+    with f:
+        cur = _Cursor(f, size, path)
+        walker = _Walker(cur, path, context, None)
+        while cur.pos() < size:
+            at = cur.pos()
+            kind, n = walker.header()
+            if (kind, n) != ("array", 2):
+                raise cur.corrupt("a record that is not a [key, value] pair", at)
+            key = walker.walk(whole=False)
+            walker.hold(_OBJECT_BYTES * 4, "the records of this msgpack stream")
+            kind, n = walker.header()
+            if kind != "bin":
+                value = walker.walk_value(kind, n)
+            else:
+                start = cur.pos()
+                walker.past_end(n)
+                inner = _Cursor(f, start + n, path)
+                inner.base = start
+                sub = _Walker(inner, path, context, None)
+                sub.held, sub.limit = walker.held, walker.limit
+                value = sub.walk()
+                walker.held = sub.held
+                cur.skip(n)
+            records.append((key, value))
+    return records
 
 
 def walk_bytes(data: bytes, *, where: str = "msgpack") -> Any:

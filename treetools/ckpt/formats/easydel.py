@@ -32,7 +32,7 @@ import re
 from typing import Any, Sequence
 
 from treetools.ckpt.context import ReadContext
-from treetools.ckpt.formats._tensorstore import subdirs, zarr_header, zarr_leaves
+from treetools.ckpt.formats._tensorstore import array_folders, subdirs, zarr_header, zarr_leaves
 from treetools.ckpt.formats.levanter import METADATA_FILE, has_metadata, saved_metadata
 from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Snapshot, check_name
 from treetools.ckpt.readers import np_dtype
@@ -107,9 +107,36 @@ class EasyDeLSource(Source):
         return self._indexes[folder]
 
     def item_names(self, step: int | None) -> list[str]:
-        return list(self._items(step))
+        listed = list(self._items(step))
+        return listed + [d for d in self._unindexed_folders(step) if d not in listed]
 
-    def _read(self, folder: str, name: str, entries: list[dict[str, Any]], problems: list[str] | None) -> Item:
+    def _unindexed_folders(self, step: int | None) -> list[str]:
+        """Top-level folders of the checkpoint holding zarr arrays that no index prefix names (a prefix whose
+        index entry a later save overwrote): items too, read from the arrays themselves."""
+        folder = self._folder(step)
+        listed = self._items(step)
+        out = []
+        for d in subdirs(self.storage, folder):
+            if d in listed or (DEFAULT_ITEM in listed and any(
+                    str(e.get("path", "")).replace("\\", "/").split("/")[0] == d for e in listed[DEFAULT_ITEM])):
+                continue
+            arrays, _ = array_folders(self.storage, os.path.join(folder, d))
+            if arrays:
+                out.append(d)
+        return out
+
+    def _unlisted(self, folder: str, name: str, entries: list[dict[str, Any]]) -> list[tuple[tuple[str, ...], str, str]]:
+        """The arrays stored under the prefix folder ``name`` that its index entries do not list:
+        ``(leaf path, relative folder, header)``, read from their zarr headers."""
+        if name == DEFAULT_ITEM or not self.storage.isdir(os.path.join(folder, name)):
+            return []
+        listed = {str(e.get("path", "")).replace("\\", "/").strip("/") for e in entries}
+        arrays, _ = array_folders(self.storage, os.path.join(folder, name))
+        return [(parts, "/".join((name, *parts)), header) for parts, header in arrays
+                if parts and "/".join((name, *parts)) not in listed]
+
+    def _read(self, folder: str, name: str, entries: list[dict[str, Any]], problems: list[str] | None,
+              notes: list[str] | None = None) -> Item:
         where = os.path.join(folder, INDEX_FILE)
         arrays = []
         for entry in entries:
@@ -127,8 +154,14 @@ class EasyDeLSource(Source):
                 problems.append(message)
                 continue
             arrays.append((parts, rel, header, entry))
-        leaves = zarr_leaves(self.context, folder, [(p, rel, h) for p, rel, h, _ in arrays], where=folder,
+        extra = self._unlisted(folder, name, entries)
+        if extra and notes is not None:
+            notes.append(
+                f"{where}: {len(extra)} array(s) under `{name}/` are not in the index ({', '.join('/'.join(p) for p, _, _ in extra[:3])}"
+                f"{', ...' if len(extra) > 3 else ''}); read from their zarr headers.")
+        leaves = zarr_leaves(self.context, folder, [(p, rel, h) for p, rel, h, _ in arrays] + extra, where=folder,
                              problems=problems)
+        arrays = arrays + [(p, rel, h, {}) for p, rel, h in extra]
         out = []
         for (parts, rel, _, entry), leaf in zip(arrays, leaves):
             if leaf is None:  # recorded in `problems`
@@ -151,10 +184,11 @@ class EasyDeLSource(Source):
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         folder = self._folder(step)
-        items = {name: self._read(folder, name, self._items(step)[name], None) for name in names}
+        notes: list[str] = []
+        items = {name: self._read(folder, name, self._items(step).get(name, []), None, notes) for name in names}
         metadata = (saved_metadata(self.storage, folder, keys=("is_temporary", "has_optimizer_state"))
                     if has_metadata(folder, self.storage) else {})
-        return Snapshot(step, items, metadata=metadata)
+        return Snapshot(step, items, metadata=metadata, notes=notes)
 
     def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
         """Every index entry checked: a missing array or one that disagrees with the index is a problem, and the
@@ -167,7 +201,7 @@ class EasyDeLSource(Source):
             index = self._items(step)
         except CheckpointError as e:
             return [], problems + [str(e)]
-        items = [self._read(folder, name, entries, problems) for name, entries in index.items()]
+        items = [self._read(folder, name, index.get(name, []), problems) for name in self.item_names(step)]
         return items, problems
 
 

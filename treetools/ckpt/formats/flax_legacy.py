@@ -150,15 +150,80 @@ def _tmp_files(context: ReadContext, folder: str) -> list[str]:
     return [n for n in names if _is_tmp_file(context, os.path.join(folder, n))]
 
 
+_NAMED_STEP = re.compile(r"^(?P<prefix>.*?)(?P<step>\d+\.\d+)$")
+"""A step that is no integer: ``save_checkpoint(dir, target, step=0.625, prefix="best_acc_")`` names it ``best_acc_0.625``."""
+
+
+def named_steps(context: ReadContext, folder: str) -> dict[str, str]:
+    """``{name: path}`` of the checkpoints under ``folder`` whose step is no integer (a metric in the name), as
+    msgpack files or Orbax-mode folders, in flax's order (``natural_sort``: by the number)."""
+    storage = context.storage
+    try:
+        with storage.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError:
+        return {}
+    found = []
+    for entry in entries:
+        m = _NAMED_STEP.match(entry.name)
+        if m is None:
+            continue
+        if entry.is_file(follow_symlinks=False):
+            ok = is_msgpack_map(storage, entry.path)
+        else:
+            ok = (entry.is_dir(follow_symlinks=False) and is_committed(entry.path, storage)
+                  and storage.lexists(os.path.join(entry.path, PYTREE_METADATA_FILE)))
+        if ok:
+            found.append((m.group("prefix"), float(m.group("step")), entry.name, entry.path))
+    return {name: path for _, _, name, path in sorted(found)}
+
+
+class FlaxNamedSource(Source):
+    """A folder of Flax checkpoints named by a metric (``best_acc_0.5``, ``best_acc_0.625``): steps flax orders
+    by their number, which are no step numbers. One checkpoint whose items are those names, in flax's order; the
+    parameters are read from the last (what ``flax.training.checkpoints.latest_checkpoint`` picks)."""
+
+    format = "flax-legacy"
+
+    def __init__(self, location: str, display: str, context: ReadContext):
+        self.location = location
+        self._named = named_steps(context, location)
+        super().__init__(display, context)
+        names = list(self._named)
+        self.notes.append(
+            f"{display}: Flax checkpoints whose steps are no integers ({', '.join(names[:4])}"
+            f"{', ...' if len(names) > 4 else ''}): each is an item, in flax's order; load_parameters reads the last "
+            f"(`{names[-1]}`, flax's latest_checkpoint), item= another.")
+
+    def item_names(self, step: int | None) -> list[str]:
+        return list(self._named)
+
+    def default_item(self, step: int | None) -> str | None:
+        return list(self._named)[-1]
+
+    def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
+        items = {}
+        for name in names:
+            path = self._named[name]
+            if self.storage.isdir(path):
+                items[name] = read_pytree_item(self.context, path, name)
+            else:
+                items[name] = Item(name, "pytree", list(read_msgpack(self.context, path)))
+        return Snapshot(None, items)
+
+
 def _claims(path: str, context: ReadContext) -> bool:
-    return ((context.storage.isdir(path) and bool(_step_files(context, path) or _tmp_files(context, path)))
+    return ((context.storage.isdir(path) and bool(_step_files(context, path) or _tmp_files(context, path)
+                                                  or named_steps(context, path)))
             or _is_tmp_file(context, path))
 
 
-def _open(location: str, display: str, context: ReadContext) -> FlaxLegacySource:
+def _open(location: str, display: str, context: ReadContext) -> Source:
     if context.storage.isfile(location):  # claimed as an unfinished save
         raise CheckpointError(f"{display}: an unfinished Flax save (save_checkpoint renames it to <prefix><step> "
                               "when done); it is never read.")
+    if not (_step_files(context, location) or _tmp_files(context, location)):
+        return FlaxNamedSource(location, display, context)
     return FlaxLegacySource(location, display, context)
 
 

@@ -75,8 +75,10 @@ HF_FLAX_SINGLE = "flax_model.msgpack"
 def _claims(path: str, context: ReadContext) -> bool:
     if context.storage.isdir(path):  # a folder also holding model.safetensors is the safetensors format's (asked first)
         return weights_file(context.storage, path, HF_FLAX_SINGLE) is not None
-    return is_msgpack_map(context.storage, path) or (bool(file_head(context.storage, path, 1))
-                                    and os.path.splitext(path)[1].lower() in (".msgpack", ".flax", ".mpk"))
+    head = file_head(context.storage, path, 1)
+    is_array = bool(head) and (0x90 <= head[0] <= 0x9F or head[0] in (0xDC, 0xDD))  # msgpack-stream's, not a map
+    return is_msgpack_map(context.storage, path) or (bool(head) and not is_array
+                                                      and os.path.splitext(path)[1].lower() in (".msgpack", ".flax", ".mpk"))
 
 
 FORMAT = Format(

@@ -7,6 +7,7 @@ A member stored as 2-byte void (``<V2``: how numpy writes bfloat16) reads as bfl
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import struct
@@ -18,7 +19,7 @@ import numpy as np
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.diagnose import TORCH_SUFFIXES, is_torch_zip
 from treetools.ckpt.leaves import Leaf, array_row, check_name, stored_path, value_row
-from treetools.ckpt.readers import ArrayReader, FileReader, block_span, checked_shape, np_dtype
+from treetools.ckpt.readers import ArrayReader, FileReader, block_span, check_budget, checked_shape, np_dtype
 from treetools.ckpt.source import file_head, FileSource, Format
 from treetools.shared.errors import CheckpointError
 
@@ -176,6 +177,43 @@ def read_npz(context: ReadContext, path: str) -> list[Leaf]:
     return leaves
 
 
+NAMES_MEMBER = "names"
+"""objax's ``save_var_collection`` (``objax.io.Checkpoint``): a ``names`` array and members ``0`` .. ``N-1``."""
+
+
+def apply_names(leaves: list[Leaf], where: str, budget: float) -> tuple[list[Leaf], list[str]]:
+    """An npz that stores its names apart (objax: ``np.savez(file, names=np.array(names), **{"0": ..., ...})``):
+    member ``i`` is the variable ``names[i]`` (``(Sequential)[0](Linear).w``, kept as stored), and ``names`` is no
+    parameter. Any other npz comes back as it is (haiku's ``scope/sub//param`` keys included). Also the notes."""
+    by_key = {leaf.key: leaf for leaf in leaves}
+    names_leaf = by_key.get(NAMES_MEMBER)
+    if names_leaf is None or names_leaf.reader is None or len(names_leaf.row.shape or ()) != 1:
+        return leaves, []
+    if np.dtype(names_leaf.reader.dtype).kind not in "US":
+        return leaves, []
+    count = names_leaf.row.shape[0]
+    if set(by_key) != {NAMES_MEMBER, *map(str, range(count))}:
+        return leaves, []
+    check_budget(np.dtype(names_leaf.reader.dtype).itemsize * count, where=where, what="the `names` array",
+                 budget=budget)
+    names = [str(n) for n in names_leaf.reader.read_all().tolist()]
+    if len(set(names)) != len(names):
+        raise CheckpointError(f"{where}: the `names` array names one variable twice; not an objax checkpoint.")
+    out = []
+    for i, name in enumerate(names):
+        check_name(name, where=where)
+        parts, sep = stored_path(name)
+        leaf = by_key[str(i)]
+        out.append(dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=parts, sep=sep)))
+    return out, [f"{where}: member `names` names the arrays `0`..`{count - 1}` (objax's save_var_collection): "
+                 "read under those names."]
+
+
+def _open(location: str, display: str, context: ReadContext) -> FileSource:
+    leaves, notes = apply_names(read_npz(context, location), display, context.memory_budget)
+    return FileSource(display, context, "npz", leaves, notes=notes)
+
+
 def _claims(path: str, context: ReadContext) -> bool:
     head = file_head(context.storage, path, 4)
     if head in (b"PK\x03\x04", b"PK\x05\x06"):
@@ -188,6 +226,6 @@ FORMAT = Format(
     name="npz",
     priority=30,
     claims=_claims,
-    open=lambda location, display, context: FileSource(display, context, "npz", read_npz(context, location)),
+    open=_open,
     description="an .npz file from numpy.savez",
 )

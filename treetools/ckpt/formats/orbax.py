@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -38,7 +39,8 @@ from treetools.ckpt.formats._tensorstore import (
     zarr_header,
     zarr_leaves,
 )
-from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name, tree_leaves, value_row
+from treetools.ckpt.leaves import (DEFAULT_ITEM, NO_VALUE, Item, Leaf, Snapshot, Unreadable, array_row, check_name, tree_leaves,
+                                   value_row)
 from treetools.ckpt.readers import MemoryBudgetError, read_metadata
 from treetools.ckpt.source import Format, Source
 from treetools.ckpt.storage import Storage, normalize
@@ -50,6 +52,8 @@ from treetools.ckpt.steps import (
     TMP_DIR_SUFFIX,
     is_committed,
     parse_step_name,
+    read_file,
+    read_json_file,
     scan_steps,
     tmp_step,
 )
@@ -153,6 +157,15 @@ def _shardings(context: ReadContext, item_dir: str) -> dict[str, LeafSharding]:
     return out
 
 
+def _strings(context: ReadContext, item_dir: str) -> dict[str, str]:
+    """The string leaves Orbax keeps in ``_strings.json`` (param name -> string); {} without one."""
+    path = os.path.join(item_dir, STRINGS_FILE)
+    if not context.storage.isfile(path):
+        return {}
+    raw = read_metadata(context, path, what=f"Orbax {STRINGS_FILE}")
+    return {str(k): v for k, v in raw.items() if isinstance(v, str)} if isinstance(raw, dict) else {}
+
+
 def read_pytree_item(context: ReadContext, item_dir: str, name: str, problems: list[str] | None = None) -> Item:
     """The leaves of one Orbax pytree item from ``_METADATA``, ``_sharding`` and the zarr headers.
 
@@ -175,6 +188,7 @@ def read_pytree_item(context: ReadContext, item_dir: str, name: str, problems: l
     use_zarr3 = bool(raw.get("use_zarr3", False))
     use_ocdbt = bool(raw.get("use_ocdbt", storage.exists(os.path.join(item_dir, "manifest.ocdbt"))))
     shardings = _shardings(context, item_dir)
+    strings = _strings(context, item_dir)
 
     stored = [(keys, vt, path) for (keys, vt, _), path in zip(entries, paths) if vt != "string"]
     specs = [ts_spec(storage, item_dir, ".".join(keys), use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
@@ -186,7 +200,7 @@ def read_pytree_item(context: ReadContext, item_dir: str, name: str, problems: l
     for (keys, value_type, _), path in zip(entries, paths):
         param = ".".join(keys)
         if value_type == "string":
-            leaves.append(Leaf(value_row(path), key=param))
+            leaves.append(Leaf(value_row(path), key=param, value=strings.get(param, NO_VALUE)))
             continue
         spec, store = next(stores)
         if store is None:  # recorded in `problems`
@@ -207,33 +221,187 @@ def read_pytree_item(context: ReadContext, item_dir: str, name: str, problems: l
 ARRAY_ITEM_NAME = "checkpoint"
 """The one array of an ``ArrayCheckpointHandler`` item is stored under the handler's checkpoint name, ``checkpoint``."""
 
+ARRAY_HANDLER = "ArrayCheckpointHandler"
+STRINGS_FILE = "_strings.json"
+"""Orbax keeps the string leaves of a pytree item in this file (param name -> string)."""
+GRAIN_STATE = re.compile(r"^process_(?P<index>\d+)-of-(?P<count>\d+)\.json$")
+"""Grain's ``PyGrainCheckpointHandler`` writes one JSON state per process, ``process_<i>-of-<n>.json``."""
+COMPOSITE_DEPTH = 3
+"""How deep items nested in items (a random-key handler's ``jax_random_key/`` sub-item) are looked for."""
+
 
 def is_array_item(storage: Storage, folder: str) -> bool:
     """An ``ArrayCheckpointHandler`` save written without ``_METADATA`` (Orbax before 0.7, as xlstm-jax pins):
-    ``_sharding`` and the zarr folder ``checkpoint/``; later Orbax adds ``_METADATA`` and it reads as a pytree."""
+    ``_sharding`` and the zarr folder ``checkpoint/``; later Orbax adds ``_METADATA`` (``single_array`` reads it)."""
     return (not storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE))
             and zarr_header(storage, os.path.join(folder, ARRAY_ITEM_NAME)) is not None)
 
 
 def read_array_item(context: ReadContext, item_dir: str, name: str, problems: list[str] | None = None) -> Item:
-    """The one array of an ``ArrayCheckpointHandler`` item without ``_METADATA``: one leaf, ``checkpoint``."""
+    """The one array of an ``ArrayCheckpointHandler`` item without ``_METADATA``: one leaf named like the item
+    (Orbax restores the item as the array itself); its ``key`` stays the stored name, ``checkpoint``."""
     storage = context.storage
     header = zarr_header(storage, os.path.join(item_dir, ARRAY_ITEM_NAME)) or ".zarray"
-    (leaf,) = zarr_leaves(context, item_dir, [((ARRAY_ITEM_NAME,), ARRAY_ITEM_NAME, header)], where=item_dir, problems=problems)
+    (leaf,) = zarr_leaves(context, item_dir, [((name,), ARRAY_ITEM_NAME, header)], where=item_dir, problems=problems)
     if leaf is None:  # recorded in `problems`
         return Item(name, "pytree", [])
     leaf.row = dataclasses.replace(leaf.row, sharding=_shardings(context, item_dir).get(ARRAY_ITEM_NAME))
     return Item(name, "pytree", [leaf])
 
 
-def read_item(context: ReadContext, item_dir: str, name: str, problems: list[str] | None = None) -> Item:
-    """One item folder, whatever Orbax handler wrote it: JSON, pytree (``_METADATA``) or one array."""
+def single_array(item: Item) -> Item:
+    """An ``ArrayCheckpointHandler`` item read through its ``_METADATA`` (one leaf, ``checkpoint``) as the array
+    itself: its one leaf is named like the item. Anything else comes back as it is."""
+    if len(item.leaves) != 1 or item.leaves[0].key != ARRAY_ITEM_NAME:
+        return item
+    leaf = item.leaves[0]
+    return dataclasses.replace(item, leaves=[dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=(item.name,)))])
+
+
+def _grain_files(storage: Storage, folder: str) -> list[str]:
+    try:
+        names = storage.listdir(folder)
+    except OSError:
+        return []
+    return sorted((n for n in names if GRAIN_STATE.match(n) and storage.isfile(os.path.join(folder, n))),
+                  key=lambda n: int(GRAIN_STATE.match(n).group("index")))
+
+
+PROTO_FILE = "proto.pbtxt"
+"""``ProtoCheckpointHandler``'s file: the message in protobuf text format (shown as its text)."""
+
+
+def _proto_file(storage: Storage, folder: str) -> str | None:
+    path = os.path.join(folder, PROTO_FILE)
+    return path if storage.isfile(path) else None
+
+
+def read_grain_item(context: ReadContext, item_dir: str, name: str) -> Item:
+    """A Grain iterator's state (``PyGrainCheckpointHandler``): one JSON file per process. One process: the item is
+    that state (what Grain restores on it); several: the states by file name (``process_1-of-2``)."""
+    files = _grain_files(context.storage, item_dir)
+    states = {f[:-len(".json")]: read_metadata(context, os.path.join(item_dir, f), what="Grain iterator state")
+              for f in files}
+    value = next(iter(states.values())) if len(states) == 1 else states
+    return Item(name, "json", tree_leaves(value, where=item_dir), value=value)
+
+
+def item_layout(storage: Storage, folder: str, depth: int = 0) -> str | None:
+    """What an item folder holds, from its files whatever handler wrote it: ``json``, ``pytree`` (``_METADATA``),
+    ``array`` (an ``ArrayCheckpointHandler`` save without ``_METADATA``), ``grain`` (an iterator's per-process JSON),
+    ``composite`` (items inside it: the random-key handlers' ``jax_random_key/`` and ``..._metadata/``, a
+    ``CompositeCheckpointHandler`` nested in an item); None when it is none of these."""
+    if not storage.isdir(folder):
+        return None
+    if _is_json_item(storage, folder):
+        return "json"
+    if storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
+        return "pytree"
+    if is_array_item(storage, folder):
+        return "array"
+    if _grain_files(storage, folder):
+        return "grain"
+    if _proto_file(storage, folder) is not None:
+        return "proto"
+    if depth < COMPOSITE_DEPTH and _sub_items(storage, folder, depth):
+        return "composite"
+    return None
+
+
+def _sub_items(storage: Storage, folder: str, depth: int = 0) -> list[str]:
+    try:
+        names = subdirs(storage, folder)
+    except CheckpointError:
+        return []
+    return [d for d in names if d not in _ORBAX_FILES and not d.startswith(OCDBT_PROCESS_PREFIX)
+            and TMP_DIR_SUFFIX not in d and item_layout(storage, os.path.join(folder, d), depth + 1) is not None]
+
+
+def read_item(context: ReadContext, item_dir: str, name: str, problems: list[str] | None = None, *,
+              handler: str | None = None, depth: int = 0) -> Item:
+    """One item folder, whatever handler wrote it (see ``item_layout``).
+
+    ``handler``: the class that wrote it, as the step's metadata records it: an ``ArrayCheckpointHandler`` item
+    is the array itself (one leaf named like the item).
+
+    Raises:
+      UnreadableItem: the folder holds nothing treetools reads (its files are named in the reason).
+    """
     storage = context.storage
-    if _is_json_item(storage, item_dir):
+    layout = item_layout(storage, item_dir, depth)
+    if layout == "json":
         return read_json_item(context, item_dir, name)
-    if is_array_item(storage, item_dir):
+    if layout == "array":
         return read_array_item(context, item_dir, name, problems)
-    return read_pytree_item(context, item_dir, name, problems)
+    if layout == "grain":
+        return read_grain_item(context, item_dir, name)
+    if layout == "proto":
+        path = _proto_file(storage, item_dir)
+        text = read_file(storage, path, what="Orbax proto item").decode("utf-8", "replace")
+        return Item(name, "json", [Leaf(value_row((name,)), value=text)], value=text)
+    if layout == "composite":
+        return _read_composite(context, item_dir, name, problems, depth)
+    if layout == "pytree" or _item_without_metadata(storage, item_dir):
+        item = read_pytree_item(context, item_dir, name, problems)
+        return single_array(item) if _short(handler) == ARRAY_HANDLER else item
+    raise UnreadableItem(name, _short(handler) or "no handler recorded", _why_unreadable(storage, item_dir))
+
+
+def _key_notes(storage: Storage, item_dir: str, name: str) -> list[str]:
+    """A note for a typed key saved by ``JaxRandomKeyCheckpointHandler``: shown as its key data."""
+    meta = os.path.join(item_dir, "jax_random_key_metadata", JSON_ITEM_FILE)
+    if not storage.isfile(meta):
+        return []
+    try:
+        value = read_json_file(storage, meta, what="Orbax random key metadata")
+    except (CheckpointError, CheckpointNotFoundError):
+        return []
+    if not (isinstance(value, dict) and value.get("typed") is True):
+        return []
+    return [f"item `{name}` is a typed PRNG key (JaxRandomKeyCheckpointHandler), shown as its key data; "
+            "restored onto a key target (jax.random.key) it is the key again."]
+
+
+class UnreadableItem(CheckpointError):
+    """An item folder holding nothing treetools reads: ``unreadable`` says which, who wrote it, and why."""
+
+    def __init__(self, name: str, handler: str, reason: str):
+        super().__init__(f"item `{name}` ({handler}) cannot be read: {reason}")
+        self.unreadable = Unreadable(name, handler, reason)
+
+
+def _short(handler: str | None) -> str | None:
+    return str(handler).rsplit(".", 1)[-1] if handler else None
+
+
+def _why_unreadable(storage: Storage, folder: str) -> str:
+    try:
+        names = sorted(storage.listdir(folder))
+    except OSError as e:
+        return f"its folder cannot be listed ({e.strerror or e})"
+    shown = ", ".join(f"`{n}`" for n in names[:8]) + (", ..." if len(names) > 8 else "")
+    return (f"its folder holds {shown or 'nothing'}: no Orbax _METADATA, JSON file, zarr array, proto text or "
+            "Grain iterator state, which are what treetools reads")
+
+
+def _read_composite(context: ReadContext, folder: str, name: str, problems: list[str] | None, depth: int) -> Item:
+    """Items inside an item. The random-key handlers save the key as one sub-item (``jax_random_key/``: the key
+    data, written as an ``ArrayCheckpointHandler`` array; ``np_random_key/``: numpy's state tuple) beside its JSON
+    metadata (``jax_random_key_metadata/``): the item is that one sub-item (one array: named like the item).
+    Several sub-items: each one's leaves below its name."""
+    storage = context.storage
+    subs = _sub_items(storage, folder, depth)
+    main = [s for s in subs if not (s.endswith("_metadata") and s[:-len("_metadata")] in subs)]
+    if len(main) == 1:
+        inner = read_item(context, os.path.join(folder, main[0]), name, problems, depth=depth + 1,
+                          handler=ARRAY_HANDLER)
+        return inner
+    leaves: list[Leaf] = []
+    for sub in subs:
+        inner = read_item(context, os.path.join(folder, sub), sub, problems, depth=depth + 1)
+        leaves += [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=(sub, *leaf.path)))
+                   for leaf in inner.leaves]
+    return Item(name, "pytree", leaves)
 
 
 def _json_file(storage: Storage, folder: str) -> str:
@@ -285,6 +453,21 @@ def _item_without_metadata(storage: Storage, folder: str) -> bool:
     return any(storage.isfile(os.path.join(folder, f)) for f in ("manifest.ocdbt", SHARDING_FILE))
 
 
+def _listed_item(storage: Storage, folder: str) -> bool:
+    """A folder its step's ``_CHECKPOINT_METADATA`` lists as an item (whatever handler wrote it: a random key's
+    folder of sub-items, a Grain iterator's state), holding something ``item_layout`` reads."""
+    parent = os.path.dirname(normalize(folder))
+    meta = os.path.join(parent, STEP_METADATA_FILE)
+    if parent == normalize(folder) or not storage.isfile(meta):
+        return False
+    try:
+        handlers = read_json_file(storage, meta, what=f"Orbax {STEP_METADATA_FILE}").get("item_handlers")
+    except (CheckpointError, CheckpointNotFoundError, AttributeError):
+        return False
+    return (isinstance(handlers, dict) and os.path.basename(normalize(folder)) in handlers
+            and item_layout(storage, folder) is not None)
+
+
 def _step_is_item(storage: Storage, folder: str) -> bool:
     """A step folder that is itself the item: a Checkpointer's save per step (Flax's ``checkpoint_<N>`` Orbax mode)."""
     return (parse_step_name(os.path.basename(folder)) is not None
@@ -299,15 +482,6 @@ def _looks_like_step(storage: Storage, folder: str) -> bool:
                                                                or tmp_step(d) is not None) for d in subdirs(storage, folder))
     except CheckpointError:
         return False
-
-
-def _kind_of(handler: Any) -> str:
-    text = str(handler or "")
-    if "Json" in text:
-        return "json"
-    if not text or "PyTree" in text or "Standard" in text or "ArrayCheckpointHandler" in text:
-        return "pytree"  # an ArrayCheckpointHandler item is one array: `_METADATA` lists it, or read_item finds it
-    return "unsupported"
 
 
 class OrbaxSource(Source):
@@ -364,20 +538,27 @@ class OrbaxSource(Source):
         return os.path.basename(self.location) or "default"
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
+        """Every item asked for, whatever handler wrote it (``read_item``); one that holds nothing treetools
+        reads is listed in ``Snapshot.unreadable`` with its handler and the reason, never dropped."""
         notes: list[str] = []
         items: dict[str, Item] = {}
+        unreadable: list[Unreadable] = []
         step_dir = self._step_dir(step)
         if self.mode == "item" or (self.mode == "root" and _step_is_item(self.storage, step_dir)):
             folder = self.location if self.mode == "item" else step_dir
             (name,) = names
-            items[name] = read_item(self.context, folder, name)
-            return Snapshot(step, items, record_sharding=True, metadata=self._metadata(folder), notes=notes)
+            try:
+                items[name] = read_item(self.context, folder, name, handler=self._own_handler())
+            except UnreadableItem as e:
+                unreadable.append(e.unreadable)
+            return Snapshot(step, items, record_sharding=True, metadata=self._metadata(folder), notes=notes,
+                            unreadable=unreadable)
         handlers = self._handlers(step_dir) or {}
         if not handlers and list(names) == self.item_names(step):  # no item is left out without a word
-            notes += [f"folder `{d}` of the step is no item treetools reads (no _METADATA, JSON file or "
-                      "array); skipped." for d in subdirs(self.storage, step_dir)
-                      if d not in _ORBAX_FILES and not d.startswith(OCDBT_PROCESS_PREFIX) and TMP_DIR_SUFFIX not in d
-                      and not _is_item(self.storage, os.path.join(step_dir, d))]
+            unreadable += [Unreadable(d, "no handler recorded", _why_unreadable(self.storage, os.path.join(step_dir, d)))
+                           for d in subdirs(self.storage, step_dir)
+                           if d not in _ORBAX_FILES and not d.startswith(OCDBT_PROCESS_PREFIX) and TMP_DIR_SUFFIX not in d
+                           and not _is_item(self.storage, os.path.join(step_dir, d))]
         for name in names:
             check_name(name, where=os.path.join(step_dir, STEP_METADATA_FILE))
             item_dir = os.path.join(step_dir, name)
@@ -385,15 +566,24 @@ class OrbaxSource(Source):
                 gone = self.step_deleted(step)  # a manager pruning the step removes its item folders first
                 if gone is not None:
                     raise gone
-                notes.append(f"item `{name}` is listed in {STEP_METADATA_FILE} but has no folder; skipped.")
+                unreadable.append(Unreadable(name, _short(handlers.get(name)) or "no handler recorded",
+                                             f"listed in {STEP_METADATA_FILE} but it has no folder"))
                 continue
-            kind = _kind_of(handlers.get(name)) if name in handlers else ("json" if _is_json_item(self.storage, item_dir) else "pytree")
-            if kind == "unsupported":
-                notes.append(f"item `{name}` was saved by {handlers[name].rsplit('.', 1)[-1]}, "
-                             "which treetools does not read; skipped.")
+            try:
+                items[name] = read_item(self.context, item_dir, name, handler=handlers.get(name))
+            except UnreadableItem as e:
+                unreadable.append(e.unreadable)
                 continue
-            items[name] = read_json_item(self.context, item_dir, name) if kind == "json" else read_item(self.context, item_dir, name)
-        return Snapshot(step, items, record_sharding=True, metadata=self._metadata(step_dir), notes=notes)
+            notes += _key_notes(self.storage, item_dir, name)
+        return Snapshot(step, items, record_sharding=True, metadata=self._metadata(step_dir), notes=notes,
+                        unreadable=unreadable)
+
+    def _own_handler(self) -> str | None:
+        """The handler of the item folder given directly, as its step's ``_CHECKPOINT_METADATA`` records it."""
+        if self.mode != "item":
+            return None
+        parent = os.path.dirname(normalize(self.location))
+        return (self._handlers(parent) or {}).get(os.path.basename(normalize(self.location)))
 
     def _metadata(self, step_dir: str) -> dict[str, Any]:
         meta = self.step_metadata(step_dir)
@@ -440,12 +630,17 @@ class OrbaxSource(Source):
         except CheckpointError as e:
             return [], problems + [str(e)]
         items: list[Item] = []
+        handlers = (self._handlers(self._step_dir(step)) or {}) if self.mode != "item" else {}
         for name in names:
             item_dir = self.item_dir(step, name)
             try:
-                item = read_item(self.context, item_dir, name, problems)
+                item = read_item(self.context, item_dir, name, problems,
+                                 handler=handlers.get(name) if self.mode != "item" else self._own_handler())
             except (MemoryBudgetError, StepDeletedError):
                 raise
+            except UnreadableItem as e:
+                problems.append(f"{self._shown(step)}: {e}.")
+                continue
             except (CheckpointError, CheckpointNotFoundError) as e:
                 problems.append(str(e))
                 items.append(Item(name, "pytree", []))  # counted as checked, nothing to read
@@ -479,8 +674,8 @@ class OrbaxSource(Source):
         return _strangers(self.storage, step_dir, self._shown(step), expected=expected | _STEP_FILES)
 
 
-_STEP_FILES = {STEP_METADATA_FILE, COMMIT_SUCCESS_FILE, "descriptor", "_ROOT_METADATA"}
-"""What Orbax writes in a step folder beside the items (``descriptor``: the CompositeCheckpointHandler's)."""
+_STEP_FILES = {STEP_METADATA_FILE, COMMIT_SUCCESS_FILE, "descriptor", "_ROOT_METADATA", "orbax.checkpoint"}
+"""What Orbax writes in a step folder beside the items (``descriptor``: the CompositeCheckpointHandler's; ``orbax.checkpoint``: the v1 API's marker)."""
 
 
 def _item_entries(storage: Storage, item: OrbaxItem) -> set[str] | None:
@@ -582,7 +777,7 @@ def _orbax_restore(context: ReadContext, item: OrbaxItem, targets: Mapping[str, 
 
 
 _ORBAX_FILES = {"_METADATA", "_sharding", "_CHECKPOINT_METADATA", "commit_success.txt", "array_metadatas", "d",
-                "manifest.ocdbt", "descriptor", "metadata"}
+                "manifest.ocdbt", "descriptor", "metadata", STRINGS_FILE, "orbax.checkpoint", "proto.pbtxt"}
 
 
 def _relative(folder: str, base: str) -> str:
@@ -659,7 +854,8 @@ def _claims(path: str, context: ReadContext) -> bool:
         return False  # one process's part of an item's OCDBT database, no checkpoint of its own (its item is)
     if any(storage.lexists(os.path.join(path, f)) for f in (PYTREE_METADATA_FILE, STEP_METADATA_FILE)):
         return True
-    if _is_json_item(storage, path) or _looks_like_step(storage, path) or _item_without_metadata(storage, path):
+    if (_is_json_item(storage, path) or _looks_like_step(storage, path) or _item_without_metadata(storage, path)
+            or _listed_item(storage, path)):
         return True
     # A root: some step folder (or Orbax tmp folder) with Orbax's own evidence in it.
     for child in subdirs(storage, path):
@@ -678,7 +874,7 @@ def _open(location: str, display: str, context: ReadContext) -> OrbaxSource:
     if TMP_DIR_SUFFIX in name or (parse_step_name(name) is not None and _looks_like_step(storage, location)
                                   and not _is_item(storage, location) and not is_committed(location, storage)):
         raise CheckpointError(f"{display}: incomplete save (an Orbax tmp folder or no commit marker); it is never read.")
-    if _is_item(storage, location) or _item_without_metadata(storage, location):
+    if _is_item(storage, location) or _item_without_metadata(storage, location) or _listed_item(storage, location):
         source = OrbaxSource(location, display, context, "item")
         # A standalone save (its own step metadata) must be committed; an item folder of a manager's step
         # (a single unnamed item is `<step>/default/`) is committed when its step folder is.

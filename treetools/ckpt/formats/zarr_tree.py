@@ -1,0 +1,288 @@
+"""Any folder tree of zarr / zarr3 / N5 arrays, read by its structure: the structural reader asked last.
+
+Many JAX writers store one TensorStore array per leaf and nothing else:
+jax's own ``serialization.async_serialize`` / ``GlobalAsyncCheckpointManager``
+(paxml and older T5X: one folder per leaf, ``checkpoint_<N>/`` steps),
+big_vision's ``save_checkpoint_ts`` (one array per leaf named with ``~`` for
+``/``, step folders ``<name>-<step:09d>`` and a ``<name>-LAST`` file naming
+the latest complete one), Levanter's ``save_checkpoint`` export without its
+``metadata.json``. No marker file names them; this reader takes what the
+folders say:
+
+* **arrays**: every folder holding a zarr header (``.zarray``; ``zarr.json``
+  of ``node_type`` array) or an N5 ``attributes.json`` with ``dimensions``;
+  shape and dtype from the header, data on request through TensorStore;
+* **names**: each array's folder path below the checkpoint, split as the
+  writer joined it: ``/`` (nested folders), ``~`` (big_vision) or ``.`` (a
+  flat folder of dotted names, jax's per-leaf folders) all read as ``/``;
+* **steps**: a folder whose sub-folders are named like steps with a prefix
+  (``checkpoint_100``, ``ckpt-2``, ``checkpoint.bv-000000100``) and hold
+  arrays is a root of steps; a ``<prefix>-LAST`` pointer file is honoured
+  (the latest step is the one it names; a newer step folder is a save in
+  progress, listed as incomplete); ``-tmp`` step folders of big_vision are
+  complete saves kept until the next one.
+
+Each checkpoint is one item, ``default``; ``load_parameters`` finds the
+parameters inside it (``params``, ``target``, Levanter's ``model``, ...). A
+note says that this reader read it. Folders holding another format's marker
+(``_METADATA``, ``_CHECKPOINT_METADATA``, ``manifest.ocdbt``,
+``tensorstore_index.json``, ``pytreedef.json``, Levanter's ``metadata.json``)
+are never claimed: their own format reads them, or names what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Sequence
+
+import numpy as np
+
+from treetools.ckpt.context import ReadContext
+from treetools.ckpt.formats._tensorstore import TensorStoreReader, natural_key, open_all, shared_ts_context
+from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name
+from treetools.ckpt.source import Format, Source
+from treetools.ckpt.steps import read_file, scan_steps, step_series
+from treetools.ckpt.storage import Storage, normalize
+from treetools.shared.errors import CheckpointError
+
+STEP_NAMES = re.compile(r"^(?P<prefix>.*?[-_.])(?P<step>\d+)(?:-tmp)?$")
+"""Step folders with a prefix: ``checkpoint_100``, ``ckpt-2``, big_vision's ``checkpoint.bv-000000100[-tmp]``."""
+
+LAST_SUFFIX = "-LAST"
+"""big_vision's pointer: ``<path>-LAST`` holds the step part of the latest complete ``<path>-<step>`` folder."""
+
+FOREIGN = ("_METADATA", "_CHECKPOINT_METADATA", "manifest.ocdbt", "tensorstore_index.json", "pytreedef.json",
+           "metadata.json", "_sharding")
+"""Files of formats with their own reader (Orbax, EasyDeL, jax's pytree format, Levanter): never claimed here."""
+
+PROBE_FOLDERS = 256
+"""How many folders ``claims`` looks at (depth first) for an array: cheap, and enough to reach the first leaf."""
+
+MAX_FOLDERS = 1_000_000
+"""The most folders one tree is walked through (a runaway tree is refused, not walked for ever)."""
+
+N5_HEADER = "attributes.json"
+
+
+def _header(storage: Storage, folder: str, files: Sequence[str]) -> str | None:
+    """The TensorStore driver of an array folder (``zarr``, ``zarr3``, ``n5``), None for any other folder."""
+    if ".zarray" in files:
+        return "zarr"
+    for name, driver in (("zarr.json", "zarr3"), (N5_HEADER, "n5")):
+        if name not in files:
+            continue
+        try:
+            meta = json.loads(read_file(storage, os.path.join(folder, name), what="array header",
+                                        max_bytes=2**20).decode("utf-8"))
+        except (CheckpointError, ValueError, UnicodeDecodeError):
+            continue
+        if not isinstance(meta, dict):
+            continue
+        if driver == "zarr3" and meta.get("node_type") == "array":
+            return driver
+        if driver == "n5" and isinstance(meta.get("dimensions"), list) and "dataType" in meta:
+            return driver
+    return None
+
+
+def _files(storage: Storage, folder: str) -> tuple[list[str], list[str]]:
+    """``(sub-folders, files)`` of ``folder`` (links not followed), sorted."""
+    try:
+        with storage.scandir(folder) as it:
+            entries = list(it)
+    except OSError:
+        return [], []
+    dirs = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    files = sorted(e.name for e in entries if not e.is_dir(follow_symlinks=False))
+    return dirs, files
+
+
+def _probe(storage: Storage, top: str) -> bool:
+    """Whether a depth-first look at a few folders below ``top`` finds an array and no other format's marker."""
+    stack, seen = [top], 0
+    while stack and seen < PROBE_FOLDERS:
+        folder = stack.pop()
+        seen += 1
+        dirs, files = _files(storage, folder)
+        if any(f in FOREIGN for f in files) or (folder == top and "checkpoint" in files):
+            return False  # another format's checkpoint (a T5X step: its `checkpoint` msgpack)
+        if _header(storage, folder, files) is not None:
+            return True
+        stack.extend(os.path.join(folder, d) for d in reversed(dirs))
+    return False
+
+
+def arrays_below(storage: Storage, top: str) -> tuple[list[tuple[tuple[str, ...], str, str]], list[str]]:
+    """Every array folder at or below ``top``: ``(folder parts relative to top, driver, folder)``, in natural
+    order; and the notes (folders holding another format's files, skipped)."""
+    found: list[tuple[tuple[str, ...], str, str]] = []
+    notes: list[str] = []
+    base = normalize(top)
+    stack, seen = [top], 0
+    while stack:
+        folder = stack.pop()
+        seen += 1
+        if seen > MAX_FOLDERS:
+            raise CheckpointError(f"{top}: more than {MAX_FOLDERS:,} folders; not walked further (is this a "
+                                  "checkpoint?).")
+        dirs, files = _files(storage, folder)
+        rel = normalize(folder)[len(base):].strip("/")
+        parts = tuple(re.split(r"[/\\]", rel)) if rel else ()
+        driver = _header(storage, folder, files)
+        if driver is not None:
+            found.append((parts, driver, folder))
+            continue  # its chunks (and nested chunk folders)
+        stack.extend(os.path.join(folder, d) for d in reversed(dirs))
+    return sorted(found, key=lambda a: natural_key(a[0])), notes
+
+
+def leaf_names(folders: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """Each array's path, from its folder parts as the writer joined the names: nested folders (``/``),
+    big_vision's ``~`` inside a folder name, or a flat folder of dotted names (jax's per-leaf folders).
+
+    >>> leaf_names([("params~head~kernel",), ("step",)])
+    [('params', 'head', 'kernel'), ('step',)]
+    >>> leaf_names([("target.decoder.kernel",), ("state.step",)])
+    [('target', 'decoder', 'kernel'), ('state', 'step')]
+    >>> leaf_names([("model", "w.1")])
+    [('model', 'w.1')]
+    """
+    if any("~" in p for parts in folders for p in parts):
+        return [tuple(x for p in parts for x in p.split("~")) for parts in folders]
+    if folders and all(len(parts) == 1 for parts in folders) and any("." in parts[0] for parts in folders):
+        return [tuple(parts[0].split(".")) for parts in folders]
+    return [tuple(parts) for parts in folders]
+
+
+def _spec(storage: Storage, folder: str, driver: str) -> dict[str, Any]:
+    return {"driver": driver, "kvstore": storage.kvstore_spec(folder), "recheck_cached_data": False,
+            "recheck_cached_metadata": False}
+
+
+def read_tree(context: ReadContext, top: str, *, problems: list[str] | None = None) -> list[Leaf]:
+    """The leaves of one tree of arrays (metadata only: headers opened in bounded batches)."""
+    storage = context.storage
+    arrays, _ = arrays_below(storage, top)
+    if not arrays:
+        raise CheckpointError(f"{top}: holds no zarr, zarr3 or N5 array.")
+    name = os.path.basename(normalize(top))
+    paths = leaf_names([parts for parts, _, _ in arrays])
+    paths = [p if p else (name,) for p in paths]  # `top` itself is one array: named like its folder
+    for path in paths:
+        for part in path:
+            check_name(part, where=top)
+    specs = [_spec(storage, folder, driver) for _, driver, folder in arrays]
+    wheres = [f"{top}: `{'/'.join(p)}`" for p in paths]
+    shared = shared_ts_context(storage)
+    leaves = []
+    for (parts, _, folder), path, spec, where, header in zip(arrays, paths, specs, wheres,
+                                                              open_all(context, specs, wheres, problems)):
+        if header is None:  # recorded in `problems`
+            continue
+        dtype = np.dtype(header.dtype.numpy_dtype)
+        shape = tuple(int(d) for d in header.shape)
+        chunk = tuple(int(c) for c in header.chunk_layout.read_chunk.shape or ()) or None
+        reader = TensorStoreReader(context, spec, shape, dtype, chunk, where=where, shared=shared)
+        leaves.append(Leaf(array_row(path, shape, dtype), reader, key="/".join(parts)))
+    return leaves
+
+
+def _pointer(storage: Storage, root: str, series: str) -> int | None:
+    """The step a ``<series>LAST`` pointer names (big_vision: ``<path>-LAST`` holds ``000000100[-tmp]``)."""
+    path = os.path.join(root, series.rstrip("-_.") + LAST_SUFFIX)
+    if not storage.isfile(path):
+        return None
+    try:
+        text = read_file(storage, path, what="latest-checkpoint pointer", max_bytes=4096).decode("utf-8").strip()
+    except (CheckpointError, UnicodeDecodeError):
+        return None
+    m = re.match(r"^(\d+)(?:-tmp)?$", text)
+    return int(m.group(1)) if m else None
+
+
+def _committed(folder: str, storage: Storage) -> bool:
+    """A step folder holding arrays, not newer than its series' latest-pointer (a newer one is being written)."""
+    name = os.path.basename(normalize(folder))
+    found = step_series(name, names=STEP_NAMES)
+    if found is None or not _probe(storage, folder):
+        return False
+    pointed = _pointer(storage, os.path.dirname(normalize(folder)), found[0])
+    return pointed is None or found[1] <= pointed
+
+
+def _step_children(storage: Storage, folder: str) -> list[str]:
+    dirs, _ = _files(storage, folder)
+    return [d for d in dirs if STEP_NAMES.match(d)]
+
+
+def _is_root(storage: Storage, folder: str) -> bool:
+    """A folder of step folders of arrays (and no arrays of its own beside them)."""
+    dirs, files = _files(storage, folder)
+    if _header(storage, folder, files) is not None or any(f in FOREIGN for f in files):
+        return False
+    steps = [d for d in dirs if STEP_NAMES.match(d)]
+    if not steps:
+        return False
+    others = [d for d in dirs if d not in steps]
+    if any(_probe(storage, os.path.join(folder, d)) for d in others):
+        return False  # arrays beside the step folders: one tree whose names end in numbers
+    return any(_probe(storage, os.path.join(folder, d)) for d in steps[-3:])
+
+
+class ZarrTreeSource(Source):
+    """A folder of step folders of arrays (``mode="root"``) or one tree of arrays (``"tree"``): item ``default``."""
+
+    format = "zarr-tree"
+
+    def __init__(self, location: str, display: str, context: ReadContext, mode: str):
+        self.location = location
+        self.mode = mode
+        listing = (scan_steps(location, commit_rule=_committed, names=STEP_NAMES, storage=context.storage,
+                              prefer=("checkpoint_", "checkpoint-", "ckpt_", "ckpt-", ""))
+                   if mode == "root" else None)
+        found = step_series(os.path.basename(normalize(location)), names=STEP_NAMES) if mode == "tree" else None
+        super().__init__(display, context, listing=listing, step=found[1] if found else None)
+        self.notes.append(f"{display}: read by the structural zarr-tree reader (no format's marker file): one array "
+                          "per folder, leaf names from the folder paths.")
+
+    def _folder(self, step: int | None) -> str:
+        return self.listing.folder(step) if self.listing is not None and step is not None else self.location
+
+    def item_names(self, step: int | None) -> list[str]:
+        return [DEFAULT_ITEM]
+
+    def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
+        leaves = read_tree(self.context, self._folder(step))
+        return Snapshot(step, {name: Item(name, "pytree", leaves) for name in names})
+
+    def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
+        problems: list[str] = []
+        try:
+            leaves = read_tree(self.context, self._folder(step), problems=problems)
+        except CheckpointError as e:
+            return [], problems + [str(e)]
+        return [Item(DEFAULT_ITEM, "pytree", leaves)], problems
+
+
+def _claims(location: str, context: ReadContext) -> bool:
+    storage = context.storage
+    if not storage.isdir(location):
+        return False
+    return _is_root(storage, location) or _probe(storage, location)
+
+
+def _open(location: str, display: str, context: ReadContext) -> ZarrTreeSource:
+    mode = "root" if _is_root(context.storage, location) else "tree"
+    return ZarrTreeSource(location, display, context, mode)
+
+
+FORMAT = Format(
+    name="zarr-tree",
+    priority=1,  # structural: asked after every format that knows its files
+    claims=_claims,
+    open=_open,
+    structural=True,
+    description="zarr/N5 array folders",
+)
