@@ -1,7 +1,7 @@
 """Sharded norms across layouts: the one-psum-per-axis-set path (``_known_layout`` / ``_sharded_norms_*``) and its fallbacks.
 
 Every number is checked against numpy float64 on the gathered arrays. A spy on
-``treetools.pytree.norms._sharded_norms_kernel`` / ``_sharded_norms_body`` records
+``treetools.pytree.sums._sharded_norms_kernel`` / ``_sharded_norms_body`` records
 whether the new path ran, so each case states which path it exercises.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-import treetools.pytree.norms as tn
+import treetools.pytree.sums as tn
 from treetools.pytree.norms import clip_by_global_norm, get_sharded_global_norm, norm_metrics
 
 RTOL = 2e-6

@@ -25,7 +25,7 @@ from typing import Sequence
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats.msgpack import is_msgpack_map, read_msgpack
-from treetools.ckpt.formats.orbax import read_pytree_item
+from treetools.ckpt.formats._orbax_items import read_pytree_item
 from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Snapshot
 from treetools.ckpt.source import Format, Source
 from treetools.ckpt.steps import PYTREE_METADATA_FILE, StepListing, choose_series, is_committed

@@ -44,7 +44,7 @@ from treetools.ckpt.formats.msgpack import is_msgpack_map
 from treetools.ckpt.readers import checked_shape, np_dtype, read_metadata
 from treetools.ckpt.storage import Storage
 from treetools.shared.errors import CheckpointError
-from treetools.ckpt.formats.orbax import (  # a T5X root may hold later Orbax saves; boxes as nodes are Orbax's rule
+from treetools.ckpt.formats._orbax_items import (  # a T5X root may hold later Orbax saves; boxes as nodes are Orbax's rule
     is_json_item,
     logical_paths,
     read_json_item,
