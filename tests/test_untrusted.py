@@ -358,21 +358,22 @@ def _ocdbt_item(folder: Path, n_chunks: int, chunk: int, config: dict | None = N
     return folder
 
 
-def test_an_ocdbt_manifest_allowing_huge_nodes_is_refused_before_any_node_is_decoded(tmp_path, capsys):
+def test_an_ocdbt_node_that_decodes_over_the_budget_is_refused_before_any_node_is_decoded(tmp_path, capsys):
     # 64 MiB of zeros stored inline in one b-tree node: a 3 KB database whose one node decodes to 64 MiB, which
-    # opening the array's header decodes (69 MiB grown, measured); the manifest allows nodes of 4 GiB.
+    # opening the array's header decodes (69 MiB grown, measured). What the node may decode to is read from its
+    # stored zstd block headers (64 MiB of RLE/compressed blocks: 66 MiB at most), not from the manifest's
+    # max_decoded_node_bytes (declared 4 GiB here; Orbax declares 100,000,000 for every checkpoint).
     folder = _ocdbt_item(tmp_path / "params", 64, 2**20,
                          config={"max_decoded_node_bytes": 2**32 - 1, "max_inline_value_bytes": 2**20})
     assert sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) < 64 * 2**10
     code, mib, out = grown_mib("inspect", folder, "--memory-budget-mb", "16")
-    assert code == 1 and "allows b-tree nodes of 4,294,967,295 bytes" in out and "--memory-budget-mb" in out, out
+    assert code == 1 and "an OCDBT b-tree node (bounded from its stored zstd blocks) decodes to 66.00 MiB" in out, out
+    assert "--memory-budget-mb" in out and "/d/" in out  # the data file holding the node is named
     assert mib < 24, f"metadata inspect grew by {mib} MiB"
-    err = _one_error(capsys, "inspect", folder)  # over the default budget too
-    assert "manifest.ocdbt" in err
-    code, out, _ = _run(capsys, "verify", folder)
-    assert code == 1 and out.count("allows b-tree nodes") == 1  # the database, said once
-    with pytest.raises(CheckpointError, match="max_decoded_node_bytes"):
-        tt.load_parameters(folder)
+    code, out, _ = _run(capsys, "verify", folder, "--memory-budget-mb", "16")
+    assert code == 1 and out.count("OCDBT b-tree node") == 1  # the database, said once
+    # Within the default budget the node is what it is: 64 MiB, read.
+    assert _run(capsys, "inspect", folder)[0] == 0
     # TensorStore's own default (8 MiB nodes) passes a 16 MiB budget.
     plain = _ocdbt_item(tmp_path / "plain" / "params", 4, 16)
     assert _run(capsys, "inspect", plain, "--stats", "--memory-budget-mb", "16")[0] == 0
@@ -761,8 +762,46 @@ def test_every_step_of_a_run_being_saved_and_pruned(tmp_path, capsys):
         saver.wait()
 
 
-def test_an_ocdbt_manifest_allowing_huge_nodes_is_refused_in_a_bucket_too(tmp_path, remote_store, capsys):
-    folder = _ocdbt_item(tmp_path / "params", 2, 16, config={"max_decoded_node_bytes": 2**32 - 1})
+def test_an_ocdbt_node_over_the_budget_is_refused_in_a_bucket_too(tmp_path, remote_store, capsys):
+    folder = _ocdbt_item(tmp_path / "params", 64, 2**20,
+                         config={"max_decoded_node_bytes": 2**32 - 1, "max_inline_value_bytes": 2**20})
     url = remote_store.upload(folder, "params")
     err = _one_error(capsys, "inspect", url, "--memory-budget-mb", "16")
-    assert "allows b-tree nodes of 4,294,967,295 bytes" in err and url in err
+    assert "an OCDBT b-tree node (bounded from its stored zstd blocks) decodes to 66.00 MiB" in err and url in err
+
+
+# ----------------------------------------------------------------------------- round 3 (issue 38): work and writers' defaults
+
+def test_an_ocdbt_array_of_more_chunk_lookups_than_its_bytes_on_disk_allow_is_refused_before_reading(tmp_path, capsys):
+    # 2^16 one-byte chunks, every one stored, in a 2 KB database (OCDBT compresses its b-tree): TensorStore looks
+    # each chunk up in a leaf of 2^16 keys, so --stats took 10 s (2^18 chunks: 100 s, 2^23: hours) for 2 KB on disk.
+    folder = tmp_path / "params"
+    _ocdbt_item(folder, 2**16, 1)
+    import tensorstore as ts
+
+    store = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": {"driver": "file", "path": str(folder) + "/"},
+                                                   "path": "w"}}, open=True).result()
+    store[...] = np.ones(2**16, np.uint8)  # stored, not fill values: every chunk a key
+    assert sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) < 16 * 2**10
+    from treetools.ckpt.formats._ocdbt import check_database
+    from treetools.ckpt.storage import LOCAL
+
+    database = check_database(LOCAL, str(folder), 2**31)
+    assert database.leaf_bytes * 2**16 > 2**34 + 2**10 * database.stored_bytes  # the rule, from what is stored
+    for argv in (("inspect", folder, "--stats"), ("inspect", folder, "--show", "w[0:4]")):
+        err = _one_error(capsys, *argv)
+        assert "65,536 chunks to look up in an OCDBT b-tree leaf" in err and "refusing to start" in err, err
+    code, out, _ = _run(capsys, "verify", folder)
+    assert code == 1 and "65,536 chunks to look up" in out
+    with pytest.raises(CheckpointError, match="chunks to look up"):
+        tt.load_parameters(folder)
+    import jax
+
+    target = {"params": {"w": jax.ShapeDtypeStruct((2**16,), np.uint8, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}}
+    with pytest.raises(CheckpointError, match="chunks to look up"):
+        tt.restore_checkpoint(folder, None, target)
+    # Metadata reads no chunk; and the same layout at a size in proportion (4,096 chunks) reads.
+    assert _run(capsys, "inspect", folder)[0] == 0
+    small = _ocdbt_item(tmp_path / "small" / "params", 2**12, 1)
+    assert _run(capsys, "inspect", small, "--stats")[0] == 0
+    np.testing.assert_array_equal(tt.load_parameters(small)["w"], np.zeros(2**12, np.uint8))
