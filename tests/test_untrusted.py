@@ -805,3 +805,107 @@ def test_an_ocdbt_array_of_more_chunk_lookups_than_its_bytes_on_disk_allow_is_re
     small = _ocdbt_item(tmp_path / "small" / "params", 2**12, 1)
     assert _run(capsys, "inspect", small, "--stats")[0] == 0
     np.testing.assert_array_equal(tt.load_parameters(small)["w"], np.zeros(2**12, np.uint8))
+
+
+# ----------------------------------------------------------------------------- round 3: HDF5
+
+CANARY = b"CANARY-7f3a-" * 8  # bytes outside the checkpoint that no read may ever return
+
+
+def _h5_foreign(tmp_path: Path) -> dict[str, Path]:
+    """HDF5 files whose data libhdf5 would read from files outside the checkpoint (``outside/``), one per way."""
+    import h5py
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.bin").write_bytes(CANARY)
+    with h5py.File(outside / "secret.h5", "w") as f:
+        f["x"] = np.frombuffer(CANARY[:64], np.uint8)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    files = {}
+    with h5py.File(ckpt / "vds.h5", "w") as f:
+        f["ok"] = np.ones(4, np.float32)
+        layout = h5py.VirtualLayout(shape=(64,), dtype="u1")
+        layout[:] = h5py.VirtualSource(str(outside / "secret.h5"), "x", shape=(64,))
+        f.create_virtual_dataset("vars/0", layout)
+    files["virtual dataset"] = ckpt / "vds.h5"
+    with h5py.File(ckpt / "external.h5", "w") as f:
+        f.create_dataset("vars/0", shape=(64,), dtype="u1", external=[(str(outside / "secret.bin"), 0, 64)])
+    files["external storage"] = ckpt / "external.h5"
+    with h5py.File(ckpt / "link.h5", "w") as f:
+        f["ok"] = np.ones(4, np.float32)
+        f["vars/0"] = h5py.ExternalLink(str(outside / "secret.h5"), "x")
+    files["external link"] = ckpt / "link.h5"
+    # The same external storage inside a .keras zip (stored uncompressed, as Keras writes it).
+    import zipfile
+
+    with zipfile.ZipFile(ckpt / "model.keras", "w", zipfile.ZIP_STORED) as z:
+        z.writestr("metadata.json", "{}")
+        z.write(ckpt / "external.h5", "model.weights.h5")
+    files["external storage"] = ckpt / "model.keras"
+    files["external storage (.h5)"] = ckpt / "external.h5"
+    return files
+
+
+def test_hdf5_data_in_other_files_is_never_read(tmp_path, capsys):
+    pytest.importorskip("h5py")
+    for what, f in _h5_foreign(tmp_path).items():
+        words = {"virtual dataset": "a virtual dataset", "external link": "is an external link"}.get(
+            what, "a dataset with external storage")
+        for argv in (("inspect", f), ("inspect", f, "--show", "vars/0"), ("inspect", f, "--stats")):
+            err = _one_error(capsys, *argv)
+            assert words in err and "refusing to read it" in err, (what, err)
+        code, out, err = _run(capsys, "verify", f)
+        assert code == 1 and words in out + err and b"CANARY" not in (out + err).encode(), (what, out, err)
+        dst = tmp_path / f"{f.stem}-{what.split()[-1]}.safetensors"
+        err = _one_error(capsys, "convert", f, dst)
+        assert words in err and not dst.exists(), (what, err)
+        with pytest.raises(CheckpointError, match=words):
+            tt.load_parameters(f)
+    # What the canary would have given away never appears, and the file outside is untouched.
+    assert (tmp_path / "outside" / "secret.bin").read_bytes() == CANARY
+
+
+def _h5_chunk_bomb(path: Path, chunks: int) -> Path:
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f.create_dataset("vars/0", shape=(chunks,), chunks=(1,), dtype="u1")  # no chunk written
+    return path
+
+
+def _h5_deflate_bomb(path: Path, inflated: int) -> Path:
+    """One 4-byte chunk (one float32) whose stored deflate stream inflates to ``inflated`` bytes of zeros."""
+    import zlib
+
+    import h5py
+
+    z = zlib.compressobj(9)
+    piece = bytes(2**20)
+    stream = b"".join(z.compress(piece) for _ in range(inflated // len(piece))) + z.flush()
+    with h5py.File(path, "w") as f:
+        ds = f.create_dataset("vars/0", shape=(1,), chunks=(1,), dtype="<f4", compression="gzip")
+        ds.id.write_direct_chunk((0,), stream)
+    return path
+
+
+def test_hdf5_chunk_bombs_are_refused_before_libhdf5_or_zlib_allocates(tmp_path, capsys):
+    pytest.importorskip("h5py")
+    # 2^18 one-byte chunks declared, none written: libhdf5 held 1.68 GB reading them (2^23: killed at 24 GB).
+    bomb = _h5_chunk_bomb(tmp_path / "chunks.h5", 2**18)
+    assert bomb.stat().st_size < 8 * 2**10
+    assert _run(capsys, "inspect", bomb)[0] == 0  # the listing reads no chunk
+    for argv in (("verify", bomb), ("inspect", bomb, "--stats"), ("convert", bomb, tmp_path / "c.safetensors"),
+                 ("load", bomb)):
+        code, mib, out = grown_mib(*argv)
+        assert code == 1 and "declares 262,144 chunks of [1]" in out and mib < 64, (argv, mib, out[-2000:])
+    # A 4-byte chunk whose 0.8 MB deflate stream inflates to 800 MiB: libhdf5 doubled its buffer to 845 MB.
+    inflate = _h5_deflate_bomb(tmp_path / "deflate.h5", 800 * 2**20)
+    assert inflate.stat().st_size < 2**20
+    for argv in (("verify", inflate), ("inspect", inflate, "--stats"), ("inspect", inflate, "--show", "vars/0"),
+                 ("convert", inflate, tmp_path / "d.safetensors"), ("load", inflate)):
+        code, mib, out = grown_mib(*argv)
+        assert code == 1 and "a deflate chunk inflates to more than the 4 bytes a chunk holds" in out, (argv, out[-2000:])
+        assert mib < 64, (argv, mib)
+    assert not (tmp_path / "c.safetensors").exists() and not (tmp_path / "d.safetensors").exists()
