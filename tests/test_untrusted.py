@@ -22,6 +22,7 @@ of docs/untrusted.md:
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import shutil
@@ -909,3 +910,72 @@ def test_hdf5_chunk_bombs_are_refused_before_libhdf5_or_zlib_allocates(tmp_path,
         assert code == 1 and "a deflate chunk inflates to more than the 4 bytes a chunk holds" in out, (argv, out[-2000:])
         assert mib < 64, (argv, mib)
     assert not (tmp_path / "c.safetensors").exists() and not (tmp_path / "d.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------- round 3: .npy headers (Equinox, npz)
+
+def _npy(header: dict, data: bytes = b"") -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"fortran_order": False, **header})
+    return buf.getvalue() + data
+
+
+NPY_HEADERS = [  # (header, the words of the one-line error)
+    ({"descr": "<f4", "shape": (-128,)}, "entry 0 is -128, not an integer >= 0"),
+    ({"descr": "|V0", "shape": (2**40,)}, "a .npy dtype of zero bytes per element (|V0)"),
+    ({"descr": "|S0", "shape": (4,)}, "a .npy dtype of zero bytes per element (|S0)"),
+    ({"descr": "<f4", "shape": (0, 2**70)}, "more than 2**60 bytes"),
+    ({"descr": "<f4", "shape": (0, 2**64 - 1)}, "more than 2**60 bytes"),
+    ({"descr": [("a", "<f4"), ("b", "<i4")], "shape": (2,)}, "a structured .npy dtype"),
+    ({"descr": "<f4", "shape": (True,)}, "entry 0 is True"),
+]
+
+
+@pytest.mark.parametrize("header, words", NPY_HEADERS, ids=[w.split("(")[0][:24] for _, w in NPY_HEADERS])
+def test_npy_headers_are_validated_where_they_are_parsed(tmp_path, capsys, header, words):
+    import zipfile
+
+    eqx = tmp_path / "model.eqx"
+    eqx.write_bytes(_npy({"descr": "<f4", "shape": (2,)}, bytes(8)) + _npy(header))
+    npz = tmp_path / "weights.npz"
+    with zipfile.ZipFile(npz, "w") as z:
+        z.writestr("ok.npy", _npy({"descr": "<f4", "shape": (2,)}, bytes(8)))
+        z.writestr("w.npy", _npy(header))
+    for f in (eqx, npz):
+        for argv in (("inspect", f), ("inspect", f, "--stats"), ("convert", f, tmp_path / f"{f.stem}.safetensors")):
+            assert words in _one_error(capsys, *argv), (f, argv)
+        code, out, err = _run(capsys, "verify", f)
+        assert code == 1 and words in out + err and "Traceback" not in err
+        with pytest.raises(CheckpointError, match=re.escape(words.split(" (")[0])):
+            tt.load_parameters(f)
+    assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_a_negative_npy_dimension_never_loops(tmp_path):
+    # A 144-byte .eqx whose header says shape (-128,): the reader stepped backwards through the file forever,
+    # growing 10-25 MB/s. In a child process, so the old loop would fail the test by its timeout, not hang it.
+    eqx = tmp_path / "model.eqx"
+    eqx.write_bytes(_npy({"descr": "<f4", "shape": (2,)}, bytes(8)) + _npy({"descr": "<f4", "shape": (-128,)}))
+    assert eqx.stat().st_size < 300
+    for argv in (("inspect", eqx), ("verify", eqx), ("load", eqx)):
+        code, mib, out = grown_mib(*argv, timeout=60)
+        assert code == 1 and "entry 0 is -128" in out and mib < 32, (argv, mib, out[-1000:])
+
+
+def test_an_npz_member_stored_twice_is_one_error(tmp_path, capsys):
+    import warnings
+    import zipfile
+
+    npz = tmp_path / "dup.npz"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name it writes
+        with zipfile.ZipFile(npz, "w") as z:
+            z.writestr("w.npy", _npy({"descr": "<f4", "shape": (2,)}, np.ones(2, np.float32).tobytes()))
+            z.writestr("w.npy", _npy({"descr": "<f4", "shape": (3,)}, np.zeros(3, np.float32).tobytes()))
+    for argv in (("inspect", npz), ("verify", npz), ("convert", npz, tmp_path / "o.safetensors")):
+        code, out, err = _run(capsys, *argv)
+        assert code == 1 and "member 'w.npy' appears twice" in out + err and "Traceback" not in err, (argv, err)
+    with pytest.raises(CheckpointError, match="appears twice"):
+        tt.load_parameters(npz)
