@@ -979,3 +979,32 @@ def test_an_npz_member_stored_twice_is_one_error(tmp_path, capsys):
         assert code == 1 and "member 'w.npy' appears twice" in out + err and "Traceback" not in err, (argv, err)
     with pytest.raises(CheckpointError, match="appears twice"):
         tt.load_parameters(npz)
+
+
+# ----------------------------------------------------------------------------- round 3: one line, the documented class
+
+@pytest.mark.parametrize("dtype", ["|V0", "|S0"])
+def test_a_zarr_dtype_of_zero_bytes_is_one_checkpoint_error(tmp_path, capsys, dtype):
+    folder = _item(tmp_path / "params", {"w": _zarray([4], [4], dtype)})
+    for argv in (("inspect", folder), ("inspect", folder, "--stats")):
+        assert f"dtype {dtype} is not a plain element type" in _one_error(capsys, *argv)
+    code, out, err = _run(capsys, "verify", folder)
+    assert code == 1 and f"dtype {dtype}" in out and "Traceback" not in err
+    with pytest.raises(CheckpointError, match="not a plain element type"):
+        tt.load_parameters(folder)
+
+
+@pytest.mark.parametrize("shape", ["[1e999]", "5", '"abc"'])
+def test_an_easydel_index_shape_that_is_no_shape_is_one_checkpoint_error(tmp_path, capsys, shape):
+    from tests._writers.easydel import save_pretrained
+
+    folder = tmp_path / "model"
+    save_pretrained(folder, {"w": np.ones((2, 3), np.float32)})
+    index_path = folder / "tensorstore_index.json"
+    index = json.loads(index_path.read_text())
+    index["prefixes"]["model"][0]["shape"] = "SHAPE"
+    index_path.write_text(json.dumps(index).replace('"SHAPE"', shape))
+    err = _one_error(capsys, "inspect", folder)
+    assert "is listed as float32" in err and "the folder mixes two saves" in err, err
+    with pytest.raises(CheckpointError, match="mixes two saves"):
+        tt.load_parameters(folder)

@@ -573,8 +573,15 @@ class ArrayHeader:
     __slots__ = ("shape", "dtype", "chunk_layout")
 
     def __init__(self, store: Any, where: str):
+        dtype = np.dtype(store.dtype.numpy_dtype)
+        if not dtype.itemsize or dtype.fields is not None or dtype.subdtype is not None:  # zarr's |V0, |S0
+            raise CheckpointError(f"{where}: dtype {dtype.str} is not a plain element type of a positive size; the "
+                                  "array header is corrupt or hostile.")
         self.dtype = store.dtype
-        self.shape = checked_shape(list(store.shape), where=where, itemsize=np.dtype(store.dtype.numpy_dtype).itemsize)
+        self.shape = checked_shape(list(store.shape), where=where, itemsize=dtype.itemsize)
+        chunk = store.chunk_layout.read_chunk.shape
+        if chunk is not None and any(c is None for c in chunk):
+            raise CheckpointError(f"{where}: no chunk shape TensorStore can read; the array header is corrupt.")
         self.chunk_layout = store.chunk_layout
 
 
