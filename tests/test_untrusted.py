@@ -1008,3 +1008,162 @@ def test_an_easydel_index_shape_that_is_no_shape_is_one_checkpoint_error(tmp_pat
     assert "is listed as float32" in err and "the folder mixes two saves" in err, err
     with pytest.raises(CheckpointError, match="mixes two saves"):
         tt.load_parameters(folder)
+
+
+# ----------------------------------------------------------------------------- round 3: writes never through a planted link
+
+def _npz(path: Path, **arrays) -> Path:
+    np.savez(path, **(arrays or {"w": np.arange(4, dtype=np.float32)}))
+    return path
+
+
+def _canary(path: Path) -> Path:
+    path.write_bytes(CANARY)
+    return path
+
+
+def test_convert_to_an_orbax_step_replaces_the_old_step_only_once_the_new_one_is_complete(tmp_path, capsys, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    root = tmp_path / "run"
+    tt.convert(_npz(tmp_path / "old.npz", w=np.full(4, 1.0, np.float32)), root, to="orbax", dst_step=3)
+    new = _npz(tmp_path / "new.npz", w=np.full(4, 2.0, np.float32))
+    # The old step is still there, whole, while the new one is being saved (it was deleted first).
+    real_save, seen = ocp.CheckpointManager.save, []
+
+    def save(self, step, *args, **kwargs):
+        seen.append(float(tt.load_parameters(root, 3)["w"][0]))
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    code, out, err = _run(capsys, "convert", new, root, "--to", "orbax", "--dst-step", "3", "--overwrite", "--verify")
+    assert code == 0 and seen == [1.0], (out, err)
+    assert float(tt.load_parameters(root, 3)["w"][0]) == 2.0 and sorted(os.listdir(root)) == ["3"]
+
+    # A write that fails leaves the old step whole and nothing else behind: no Orbax temporary, no hidden folder.
+    def failing(self, step, *args, **kwargs):
+        real_save(self, step, *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", failing)
+    with pytest.raises(OSError, match="No space left"):
+        tt.convert(_npz(tmp_path / "third.npz", w=np.full(4, 3.0, np.float32)), root, to="orbax", dst_step=3,
+                   overwrite=True)
+    assert sorted(os.listdir(root)) == ["3"] and float(tt.load_parameters(root, 3)["w"][0]) == 2.0
+
+
+def test_convert_never_replaces_what_it_was_not_asked_to(tmp_path, capsys, monkeypatch):
+    src = _npz(tmp_path / "w.npz")
+    outside = _canary(tmp_path / "outside.bin")
+    # A DST that is a dangling symlink is something there: refused without --overwrite, for every layout.
+    for dst, extra in ((tmp_path / "a.safetensors", ()), (tmp_path / "hf", ()), (tmp_path / "orb", ("--to", "orbax"))):
+        dst.symlink_to(tmp_path / "nowhere" / dst.name)
+        assert "exists; pass --overwrite" in _one_error(capsys, "convert", src, dst, *extra)
+        assert dst.is_symlink()
+    # A DST that is a symlink to a file elsewhere: --overwrite replaces the link, never the file it points to.
+    for dst, extra in ((tmp_path / "b.safetensors", ()), (tmp_path / "orb2", ("--to", "orbax"))):
+        dst.symlink_to(outside)
+        code, out, err = _run(capsys, "convert", src, dst, "--overwrite", *extra)
+        assert code == 0, err
+        assert not dst.is_symlink() and outside.read_bytes() == CANARY
+    # A DST that appears while convert writes is left as it is: the final rename never replaces it.
+    from treetools.ckpt.writers import safetensors as st_writer
+
+    real_write = st_writer._write_file
+
+    def write_then_appear(storage, path, *args, **kwargs):
+        real_write(storage, path, *args, **kwargs)
+        (tmp_path / "c.safetensors").write_bytes(b"someone else's")
+
+    monkeypatch.setattr(st_writer, "_write_file", write_then_appear)
+    err = _one_error(capsys, "convert", src, tmp_path / "c.safetensors")
+    assert "appeared while it was being written and was left as it is" in err
+    assert (tmp_path / "c.safetensors").read_bytes() == b"someone else's"
+    assert not [p for p in os.listdir(tmp_path) if ".treetools-" in p]  # no temporary left behind
+
+
+def test_a_tensor_name_that_is_not_utf8_is_one_error_and_leaves_nothing(tmp_path, capsys):
+    f = tmp_path / "s.safetensors"
+    header = '{"a\\ud800b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'.encode()
+    f.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    assert _run(capsys, "inspect", f)[0] == 0  # shown escaped
+    for dst, extra in ((tmp_path / "o.safetensors", ()), (tmp_path / "orb", ("--to", "orbax")),
+                       (tmp_path / "root", ("--to", "orbax", "--dst-step", "1"))):
+        err = _one_error(capsys, "convert", f, dst, *extra)
+        assert "`a\\ud800b`: not UTF-8 text (a lone surrogate)" in err, err
+        assert not dst.exists()
+    assert sorted(os.listdir(tmp_path)) == ["s.safetensors"]  # no Orbax temporary, no root left
+
+
+def test_converting_an_item_without_arrays_to_orbax_is_one_error_and_leaves_no_root(tmp_path, capsys):
+    run = _orbax(tmp_path / "run", data_iter={"index": 7})
+    for extra in ((), ("--dst-step", "1")):
+        err = _one_error(capsys, "convert", run, tmp_path / "out", "--item", "data_iter", "--to", "orbax", *extra)
+        assert "no array to write" in err and not (tmp_path / "out").exists(), err
+
+
+def _metrics_run(folder: Path, names=("loss",)) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **{n: 1.0 / s for n in names}}) + "\n"
+                                                  for s in (1, 2, 3)))
+    return folder
+
+
+def test_plot_never_writes_through_a_link_planted_in_the_run_folder(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = _metrics_run(tmp_path / "run", names=("loss", "grad_norm/layers/0", "grad_norm/layers/1"))
+    for name, extra in (("norms.png", ()), ("heatmap.png", ("--heatmap", r"grad_norm/layers/(\d+)$"))):
+        outside = _canary(tmp_path / f"outside-{name}")
+        (run / name).symlink_to(outside)
+        code, out, err = _run(capsys, "plot", run, *extra)
+        assert code == 0 and out.strip() == str(run / name), err
+        assert outside.read_bytes() == CANARY and not (run / name).is_symlink()
+        assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in os.listdir(run) if ".treetools-" in p]
+
+
+def test_train_never_writes_metrics_or_checkpoints_through_a_planted_link(tmp_path, capsys):
+    # The metrics file: a fresh writer replaces a link at its name (the file it pointed to untouched); a resumed
+    # one refuses it; an append through a link planted since is refused.
+    run = tmp_path / "run"
+    run.mkdir()
+    outside = _canary(tmp_path / "outside.jsonl")
+    (run / "metrics.jsonl").symlink_to(outside)
+    writer = tt.JsonlWriter(run / "metrics.jsonl", all_processes=True)
+    writer(1, {"loss": 1.0})
+    assert outside.read_bytes() == CANARY and not (run / "metrics.jsonl").is_symlink()
+    assert tt.read_metrics(run) == [{"step": 1, "loss": 1.0}]
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(outside)
+    with pytest.raises(PermissionError, match="symbolic link"):
+        writer(2, {"loss": 0.5})
+    with pytest.raises(ValueError, match="symbolic link"):
+        tt.JsonlWriter(run / "metrics.jsonl", resume_step=1, all_processes=True)
+    assert outside.read_bytes() == CANARY
+    # The checkpoints folder: `train` refuses a link out of the workdir before anything is built.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "metrics.jsonl").unlink()
+    (run / "checkpoints").symlink_to(elsewhere)
+    err = _one_error(capsys, "train", "--workdir", run, "--steps", "1")
+    assert "checkpoints: a symbolic link leading out of" in err and not os.listdir(elsewhere)
+
+
+def test_a_raw_escape_in_a_metric_name_never_reaches_stderr_through_matplotlib(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = _metrics_run(tmp_path / "run", names=("loss\x1b[31mred",))
+    code, out, err = _run(capsys, "plot", run, "--keys", "loss")
+    assert code == 0 and "\x1b" not in out + err, repr(err)
+    assert "treetools: note: matplotlib: Glyph 27 (\\x1b) missing" in err  # said, escaped
+
+
+def test_deeply_nested_metrics_lines_are_one_line_not_a_recursion_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "x": ' + "[" * 100_000 + "]" * 100_000
+                                       + "}\n")
+    err = _one_error(capsys, "plot", run)
+    assert "metrics.jsonl:2: a JSON line nested too deeply" in err
+    with pytest.raises(ValueError, match="nested too deeply"):  # what `train` resuming that run meets
+        tt.JsonlWriter(run / "metrics.jsonl", resume_step=1, all_processes=True)

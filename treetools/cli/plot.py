@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,7 @@ from treetools.cli._args import positive_int
 from treetools.cli.options import add_rules, rules_from
 from treetools.pytree.metrics import METRICS_FILE, read_metrics
 from treetools.shared.errors import UsageError
+from treetools.shared.files import replace_file
 from treetools.shared.rows import STATS
 
 if TYPE_CHECKING:
@@ -214,6 +216,13 @@ def main(args: argparse.Namespace) -> int:
                          rules=rules_from(args))
     else:
         fig = plot_metrics(_read_runs(paths), keys=args.keys, heatmap=args.heatmap)
-    fig.savefig(output, dpi=100)
+    fmt = os.path.splitext(output)[1].lower().lstrip(".") or "png"
+    # Matplotlib warns with the names it draws (a glyph missing for ESC): each warning is one escaped note.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # Written whole, then renamed over -o: a link planted there is replaced, never written through.
+        replace_file(output, lambda f: fig.savefig(f, format=fmt, dpi=100))
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        _output.note(f"matplotlib: {message}")
     _output.out(output)
     return 0
