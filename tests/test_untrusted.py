@@ -1167,3 +1167,87 @@ def test_deeply_nested_metrics_lines_are_one_line_not_a_recursion_error(tmp_path
     assert "metrics.jsonl:2: a JSON line nested too deeply" in err
     with pytest.raises(ValueError, match="nested too deeply"):  # what `train` resuming that run meets
         tt.JsonlWriter(run / "metrics.jsonl", resume_step=1, all_processes=True)
+
+
+# ----------------------------------------------------------------------------- round 3: rendering bounded by its input
+
+def test_the_tree_view_is_linear_in_a_names_depth(tmp_path, capsys):
+    # A 16 KB header naming one tensor of 8,000 parts: the tree view indented each level (64 MB printed, 769 MB
+    # held) and keyed each folder by its whole prefix. Indenting stops at TREE_INDENT levels; deeper lines say
+    # their depth.
+    from treetools.shared.render import TREE_INDENT
+
+    name = ".".join(["a"] * 8000)
+    f = _safetensors(tmp_path / "deep.safetensors", {name: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+                     bytes(4))
+    size = f.stat().st_size
+    for fmt in ("tree", "table", "markdown", "json"):
+        code, out, err = _run(capsys, "inspect", f, "--format", fmt, "--leaves")
+        assert code == 0 and len(out) < 64 * size, (fmt, len(out))
+    code, out, _ = _run(capsys, "inspect", f, "--format", "tree")
+    lines = out.splitlines()
+    assert any(line.startswith("  " * TREE_INDENT + "[depth 7998] a.") for line in lines)
+    assert max(len(line) for line in lines) < 2 * TREE_INDENT + 200
+    code, mib, out = grown_mib("inspect", f, "--format", "tree")
+    assert code == 0 and mib < 32, mib
+
+
+def test_metadata_of_many_tensors_is_held_to_a_multiple_of_its_size(tmp_path):
+    # An 8 MB safetensors header of 144,629 zero-size tensors: `--format json` held 559 MB (a dict per entry, a
+    # list of every piece of the JSON text, a list of every character to escape it).
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(144_629)}
+    f = _safetensors(tmp_path / "zero.safetensors", header)
+    size_mib = f.stat().st_size / 2**20
+    assert 8 <= size_mib < 12
+    for fmt in ("json", "table", "tree"):
+        code, mib, out = grown_mib("inspect", f, "--format", fmt)
+        assert code == 0 and mib < 28 * size_mib, (fmt, mib)
+
+
+def _nested_json(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+def test_metadata_nested_900_deep_is_shown_in_every_format(tmp_path, capsys):
+    run = _orbax(tmp_path / "run", data_iter={"index": 7})
+    (run / "1" / "data_iter" / "metadata").write_text(_nested_json(900))
+    meta_path = run / "1" / "_CHECKPOINT_METADATA"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(meta)[:-1] + ', "custom_metadata": {"metrics": ' + _nested_json(900) + "}}")
+    for fmt in ("table", "tree", "markdown", "json"):
+        code, out, err = _run(capsys, "inspect", run, "--item", "data_iter", "--format", fmt)
+        assert code == 0 and "Traceback" not in err, (fmt, err[-500:])
+    code, out, _ = _run(capsys, "inspect", run, "--format", "json")
+    value = json.loads(out)["checkpoints"][0]["items"]["data_iter"]
+    assert code == 0 and value is not None
+    # Deeper than the JSON parser goes: one line naming the file.
+    (run / "1" / "data_iter" / "metadata").write_text(_nested_json(5000))
+    assert "nested too deeply" in _one_error(capsys, "inspect", run)
+
+
+def test_a_msgpack_tree_1000_deep_and_an_npz_name_of_3000_parts_are_read_or_refused_in_one_line(tmp_path, capsys):
+    import msgpack
+
+    tree: dict = {}
+    node = tree
+    for _ in range(1000):
+        node = node.setdefault("a", {})
+    node["w"] = 1.5
+    deep = tmp_path / "deep.msgpack"
+    deep.write_bytes(msgpack.packb(tree))
+    npz = _npz(tmp_path / "deep.npz", **{"/".join(["a"] * 3000): np.ones(2, np.float32)})
+    for f in (deep, npz):
+        for argv in (("inspect", f), ("inspect", f, "--format", "json"), ("inspect", f, "--format", "tree"),
+                     ("verify", f), ("diff", f, f, "--values")):
+            code, out, err = _run(capsys, *argv)
+            assert code == 0 and "Traceback" not in err, (f, argv, err[-300:])
+    params = tt.load_parameters(npz)  # 3,000 nested dicts, built without recursion
+    depth = 0
+    while isinstance(params, dict):
+        params, depth = params["a"], depth + 1
+    assert depth == 3000 and params.shape == (2,)
+    assert tt.load_parameters(deep) is not None
+    err = _one_error(capsys, "convert", npz, tmp_path / "orb", "--to", "orbax")
+    assert "is nested 3,000 levels deep" in err and not (tmp_path / "orb").exists()
+    code, _, err = _run(capsys, "convert", npz, tmp_path / "flat.safetensors", "--verify")
+    assert code == 0, err

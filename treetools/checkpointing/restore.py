@@ -697,15 +697,24 @@ def _nest(pairs: Sequence[tuple[Row, Any]]) -> Any:
             node = node.setdefault(part, {})
         node[parts[-1] if parts else ""] = value
 
-    def lists(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        node = {k: lists(v) for k, v in node.items()}
+    # Dicts keyed 0..n-1 become lists, children before parents; iterative (a name of 3,000 parts nests 3,000 dicts).
+    order: list[tuple[Any, Any, dict]] = []
+    stack: list[tuple[Any, Any, Any]] = [(None, None, out)]
+    while stack:
+        parent, key, node = stack.pop()
+        if isinstance(node, dict):
+            order.append((parent, key, node))
+            stack.extend((node, k, v) for k, v in node.items())
+    top: Any = out
+    for parent, key, node in reversed(order):
+        value: Any = node
         if node and list(node) == [str(i) for i in range(len(node))]:
-            return list(node.values())
-        return node
-
-    return lists(out)
+            value = list(node.values())
+        if parent is None:
+            top = value
+        else:
+            parent[key] = value
+    return top
 
 
 def load_parameters(

@@ -110,7 +110,10 @@ def replace_file(path: str, content: bytes | Callable[[IO[bytes]], Any], *, fsyn
             f.flush()
             if fsync:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:  # a folder at `path`: name it, not the temporary
+            raise type(e)(e.errno, e.strerror, path) from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -337,7 +337,12 @@ def _node(storage: Storage, base: str, shown: str, loc: str, kind: str, magic: i
     where = f"{os.path.join(shown, path)} (a node at byte {offset:,})"
     check_budget(length, where=where, what="an OCDBT node, read whole,", budget=limit)
     file = os.path.join(base, path)
-    raw = storage.read_range(file, offset, length)
+    try:
+        raw = storage.read_range(file, offset, length)
+    except CheckpointError as e:  # named by the descriptor it was read through: say it as the checkpoint does
+        raise CheckpointError(f"{where}: cannot read the node ({str(e).rsplit(': ', 1)[-1].rstrip('.')}).") from None
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read the node ({e.strerror or e}).") from None
     if len(raw) != length:
         raise CheckpointError(f"{where}: the data file ends before the node's {length:,} bytes; it is truncated.")
     bound = _bound(raw, magic, where)

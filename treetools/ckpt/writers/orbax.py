@@ -54,14 +54,23 @@ def nest(leaves: Sequence[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
     return tree
 
 
+MAX_DEPTH = 256
+"""The deepest tree ``--to orbax`` writes (Orbax recurses once a level and failed with a ``SystemError`` near 1,000)."""
+
+
 def check_orbax(leaves: Sequence[tuple[tuple[str, ...], Any]]) -> None:
-    """What Orbax refuses to save, found before anything is read: zero-size arrays, empty path parts.
+    """What Orbax refuses to save, found before anything is read: zero-size arrays, empty path parts, trees nested
+    deeper than ``MAX_DEPTH``.
 
     Raises:
       CheckpointError: one line naming the leaf and the fix.
     """
     for parts, reader in leaves:
         name = "/".join(parts)
+        if len(parts) > MAX_DEPTH:
+            raise CheckpointError(f"`{name[:80]}...` is nested {len(parts):,} levels deep: Orbax (and jax's tree "
+                                  f"functions under it) recurse once a level, and at most {MAX_DEPTH} are written; "
+                                  "rename it (--rename) or write safetensors, whose names are flat.")
         if not all(parts):
             raise CheckpointError(f"`{name}` has an empty path component, which Orbax cannot save; rename it.")
         if 0 in tuple(reader.shape):
