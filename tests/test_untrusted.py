@@ -1251,3 +1251,31 @@ def test_a_msgpack_tree_1000_deep_and_an_npz_name_of_3000_parts_are_read_or_refu
     assert "is nested 3,000 levels deep" in err and not (tmp_path / "orb").exists()
     code, _, err = _run(capsys, "convert", npz, tmp_path / "flat.safetensors", "--verify")
     assert code == 0, err
+
+
+def test_deep_rules_files_and_regexes_are_usage_errors_not_recursion_errors(tmp_path, capsys):
+    src = _npz(tmp_path / "w.npz")
+    groups = "(" * 5000 + "w" + ")" * 5000  # Python's regex parser recurses once a group
+    files = {"deep.json": '{"rename": ' + "[" * 5000 + "]" * 5000 + "}",
+             "deep.toml": "rename = " + "[" * 5000 + "]" * 5000 + "\n",
+             "groups.json": json.dumps({"drop": [groups]})}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        for argv in (("convert", src, tmp_path / "o.safetensors", "--dry-run", "--rules", tmp_path / name),
+                     ("diff", src, src, "--rules", tmp_path / name)):
+            code, out, err = _run(capsys, *argv)
+            assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (name, argv, err[-300:])
+            assert ("nested too deeply" in err) and len(err) < 2000, err[:300]
+    for argv in (("inspect", src, "--include", groups), ("inspect", src, "--exclude", groups),
+                 ("diff", src, src, "--rename", f"{groups}=>x"), ("convert", src, tmp_path / "o.safetensors",
+                                                                   "--drop", groups)):
+        code, out, err = _run(capsys, *argv)  # argparse's usage lines, then one error line
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and "Traceback" not in err and "nested too deeply" in last and len(last) < 2000, (argv, err[:300])
+    with pytest.raises(ValueError, match="nested too deeply"):
+        tt.Rules(drop=[groups])
+    pytest.importorskip("matplotlib")
+    run = _metrics_run(tmp_path / "run")
+    for flag in ("--keys", "--heatmap"):
+        err = _one_error(capsys, "plot", run, flag, groups)
+        assert "nested too deeply" in err
