@@ -1279,3 +1279,36 @@ def test_deep_rules_files_and_regexes_are_usage_errors_not_recursion_errors(tmp_
     for flag in ("--keys", "--heatmap"):
         err = _one_error(capsys, "plot", run, flag, groups)
         assert "nested too deeply" in err
+
+
+# ----------------------------------------------------------------------------- round 3: the opt-in to follow links out
+
+def test_a_step_folder_on_another_volume_is_read_only_when_the_user_says_so(tmp_path, capsys):
+    # Clusters keep step folders on other volumes: `run/2 -> /volume2/2`. Refused by default (the link leads out
+    # of the checkpoint); followed with --follow-links / follow_links=True, and only then.
+    run = _orbax(tmp_path / "run", steps=(1, 2))
+    volume = tmp_path / "volume2"
+    volume.mkdir()
+    shutil.move(run / "2", volume / "2")
+    (run / "2").symlink_to(volume / "2")
+    err = _one_error(capsys, "inspect", run, "--stats")
+    assert "resolves outside the checkpoint" in err and "--follow-links" in err
+    with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):
+        tt.load_parameters(run)
+    code, out, err = _run(capsys, "inspect", run, "--stats", "--follow-links", "--format", "json")
+    assert code == 0 and json.loads(out)["steps"] == [1, 2], err
+    assert json.loads(out)["checkpoints"][0]["items"]["params"]["leaves"][0]["stats"]["max"] == 3.0  # 1.0 + 2
+    for argv in (("verify", run, "--follow-links"), ("diff", run / "1", run / "2", "--follow-links"),
+                 ("convert", run, tmp_path / "o.safetensors", "--follow-links")):
+        assert _run(capsys, *argv)[0] in (0, 1), argv  # diff: 1, the steps differ
+    assert float(tt.load_parameters(run, follow_links=True)["w"][0]) == 3.0
+    assert float(tt.load_parameters(tmp_path / "o.safetensors")["w"][0]) == 3.0
+    import jax
+
+    target = {"params": {"w": jax.ShapeDtypeStruct((8,), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}}
+    assert float(tt.restore_checkpoint(run, 2, target, follow_links=True)["params"]["w"][0]) == 3.0
+    with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):
+        tt.restore_checkpoint(run, 2, target)
+    report = tt.inspect_path(run, stats=True, follow_links=True)
+    assert report.to_json()["steps"] == [1, 2]
+    assert tt.open_source(run, follow_links=True).snapshot(2).items["params"].leaves[0].reader.read((slice(0, 2),))[0] == 3.0

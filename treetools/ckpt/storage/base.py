@@ -170,9 +170,10 @@ class Storage:
 
     # -- confinement
 
-    def confine(self, path: str) -> "Storage":
-        """A storage whose reads must stay inside ``path`` (a folder; for a file, its folder and the file itself).
-        The default (no symlinks, as in a bucket) is this storage itself."""
+    def confine(self, path: str, *, follow_links: bool = False) -> "Storage":
+        """A storage whose reads must stay inside ``path`` (a folder; for a file, its folder and the file itself);
+        with ``follow_links``, one that follows links out of it (held open all the same). The default (no
+        symlinks, as in a bucket) is this storage itself."""
         return self
 
     def close(self) -> None:

@@ -54,6 +54,10 @@ class Root:
     ../../blobs/<sha>``): a root inside a ``snapshots/`` folder of such a repo
     may also read anything inside that same repo folder, nothing beyond it.
 
+    With ``follow_links`` (``ReadContext.follow_links``, ``--follow-links``)
+    every path is allowed: links out of the root are followed, as a user who
+    keeps step folders on other volumes asks; the folder is still held open.
+
     The folder's descriptor is opened once, here: the real path it is known by
     is the one of the folder opened, whatever is renamed or relinked at its
     name later. It is closed by ``close`` or when the root is collected.
@@ -67,8 +71,9 @@ class Root:
     >>> root.close()
     """
 
-    def __init__(self, path: str, *, named: str | None = None):
+    def __init__(self, path: str, *, named: str | None = None, follow_links: bool = False):
         self.path = path
+        self.follow_links = follow_links
         self.fd: int | None = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
         self._finalizer = weakref.finalize(self, os.close, self.fd)
         real = fd_path(self.fd) or os.path.realpath(path)
@@ -89,6 +94,8 @@ class Root:
     def allows(self, real: str) -> bool:
         """Whether the real path ``real`` lies inside this root (the folder opened, wherever it is now; or its
         Hugging Face repo folder, or the file the user named)."""
+        if self.follow_links:  # the user's opt-in: every link is followed wherever it leads
+            return True
         here = fd_path(self.fd) if self.fd is not None else None
         allowed = (*self.allowed, here) if here else self.allowed
         return any(real == a or real.startswith(a.rstrip(os.sep) + os.sep) for a in allowed)
@@ -102,7 +109,7 @@ class Root:
 
     def outside(self, path: str) -> CheckpointError:
         return CheckpointError(f"{path}: resolves outside the checkpoint {self.path} (a symlink leading out of "
-                               "it?); refusing to read it.")
+                               "it?); refusing to read it (--follow-links, follow_links=True: if you trust it).")
 
     def check(self, path: str, real: str | None = None) -> None:
         """Refuse ``path``, when it lies under the root by name, unless its real path (``real``, else
@@ -266,14 +273,14 @@ class LocalStorage(Storage):
     def __init__(self, root: Root | None = None):
         self.root = root
 
-    def confine(self, path: str) -> "LocalStorage":
+    def confine(self, path: str, *, follow_links: bool = False) -> "LocalStorage":
         """A storage whose reads stay inside ``path``: a folder is its own root; a file's root is its folder (a
         T5X ``checkpoint`` file names the zarr folders beside it), which may also read the file itself wherever
-        it links."""
+        it links. ``follow_links``: links out of the root are followed (``Root``)."""
         path = os.path.abspath(path)
         if os.path.isdir(path):
-            return LocalStorage(Root(path))
-        return LocalStorage(Root(os.path.dirname(path), named=path))
+            return LocalStorage(Root(path, follow_links=follow_links))
+        return LocalStorage(Root(os.path.dirname(path), named=path, follow_links=follow_links))
 
     def close(self) -> None:
         if self.root is not None:
