@@ -1312,3 +1312,71 @@ def test_a_step_folder_on_another_volume_is_read_only_when_the_user_says_so(tmp_
     report = tt.inspect_path(run, stats=True, follow_links=True)
     assert report.to_json()["steps"] == [1, 2]
     assert tt.open_source(run, follow_links=True).snapshot(2).items["params"].leaves[0].reader.read((slice(0, 2),))[0] == 3.0
+
+
+# ----------------------------------------------------------------------------- round 3: a budget that reads what writers write
+
+def test_what_the_owners_tools_write_at_their_defaults_reads_at_a_64_mb_budget(tmp_path, capsys, monkeypatch):
+    # Every OCDBT manifest Orbax 0.12 writes declares max_decoded_node_bytes 100,000,000: under a 64 MB budget
+    # every Orbax checkpoint was refused, convert --to orbax --verify included. What a node may decode to is now
+    # bounded from what is stored.
+    import h5py
+    import orbax.checkpoint as ocp
+    from safetensors.numpy import save_file
+
+    monkeypatch.setenv("TREETOOLS_MEMORY_BUDGET_MB", "64")
+    w = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    written = {}
+    written["orbax manager (tt.save_checkpoint)"] = _orbax(tmp_path / "run")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "standard", {"w": w})
+    written["orbax StandardCheckpointer"] = tmp_path / "standard"
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(tmp_path / "manager", options=options) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": w})))
+    written["orbax CheckpointManager"] = tmp_path / "manager"
+    for driver, base in (("zarr", {"driver": "file"}), ("zarr3", {"driver": "file"}),
+                         ("zarr", {"driver": "ocdbt", "base": {"driver": "file"}})):
+        folder = tmp_path / f"ts-{driver}-{base['driver']}" / "params"
+        kv = dict(base)
+        if kv["driver"] == "file":
+            kv["path"] = str(folder / "w") + "/"
+        else:
+            kv = {"driver": "ocdbt", "base": {"driver": "file", "path": str(folder) + "/"}, "path": "w"}
+        store = ts.open({"driver": driver, "kvstore": kv}, create=True, dtype="float32", shape=w.shape).result()
+        store[...] = w
+        _item_metadata(folder, ["w"])
+        meta = json.loads((folder / "_METADATA").read_text())
+        meta.update(use_zarr3=driver == "zarr3", use_ocdbt=base["driver"] == "ocdbt")
+        (folder / "_METADATA").write_text(json.dumps(meta))
+        written[f"tensorstore {driver} over {base['driver']}"] = folder
+    with h5py.File(tmp_path / "model.weights.h5", "w") as f:
+        f.create_dataset("layers/dense/vars/0", data=w)
+    written["h5py"] = tmp_path / "model.weights.h5"
+    with h5py.File(tmp_path / "chunked.h5", "w") as f:
+        f.create_dataset("w", data=w, chunks=True, compression="gzip", shuffle=True, fletcher32=True)
+    written["h5py chunked, gzip"] = tmp_path / "chunked.h5"
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    written["safetensors"] = tmp_path / "model.safetensors"
+    for what, path in written.items():
+        for argv in (("inspect", path), ("inspect", path, "--stats"), ("verify", path)):
+            code, out, err = _run(capsys, *argv)
+            assert code == 0, (what, argv, out[-500:], err)
+        params = tt.flatten(tt.load_parameters(path))
+        got = next(v for k, v in params.items() if k.endswith("w") or k.endswith("vars/0"))
+        if what.startswith("orbax manager"):
+            np.testing.assert_array_equal(got, np.full(8, 2.0, np.float32))
+        else:
+            np.testing.assert_array_equal(got, w, err_msg=what)
+    # convert --to orbax --verify at that budget, on its own output too.
+    code, out, err = _run(capsys, "convert", tmp_path / "model.safetensors", tmp_path / "orb", "--to", "orbax",
+                          "--verify", "--memory-budget-mb", "64")
+    assert code == 0 and "verify: ok" in out, (out, err)
+    code, out, err = _run(capsys, "convert", tmp_path / "orb", tmp_path / "orb2", "--to", "orbax", "--verify",
+                          "--memory-budget-mb", "64")
+    assert code == 0 and "verify: ok" in out, (out, err)
+    assert (tmp_path / "orb" / "manifest.ocdbt").exists()  # what Orbax 0.12 writes: an OCDBT database
+    import tensorstore
+
+    kv = tensorstore.KvStore.open({"driver": "file", "path": str(tmp_path / "orb") + "/"}).result()
+    assert tensorstore.ocdbt.dump(kv).result()["config"]["max_decoded_node_bytes"] == 100_000_000
