@@ -1380,3 +1380,28 @@ def test_what_the_owners_tools_write_at_their_defaults_reads_at_a_64_mb_budget(t
 
     kv = tensorstore.KvStore.open({"driver": "file", "path": str(tmp_path / "orb") + "/"}).result()
     assert tensorstore.ocdbt.dump(kv).result()["config"]["max_decoded_node_bytes"] == 100_000_000
+
+
+def test_overwrite_of_a_folder_is_one_exchange_where_the_kernel_has_it(tmp_path, capsys, monkeypatch):
+    # --overwrite of a folder DST (shards, an Orbax checkpoint) exchanges the finished new folder with the old one
+    # in one renameat2(RENAME_EXCHANGE): the destination is never absent, so a kill at any moment leaves one whole.
+    from treetools.shared import files
+
+    if files._LIBC is None:
+        pytest.skip("no renameat2 here: the two-rename fallback applies")
+    src = _npz(tmp_path / "w.npz", w=np.full(4, 5.0, np.float32))
+    for dst, extra in ((tmp_path / "hf", ()), (tmp_path / "orb", ("--to", "orbax"))):
+        assert _run(capsys, "convert", _npz(tmp_path / "old.npz"), dst, *extra)[0] == 0
+        real_rename = os.rename
+
+        def rename(a, b, *args, _dst=str(dst), **kwargs):
+            if os.fspath(a) == _dst:
+                pytest.fail("the old destination was renamed aside: it was absent for a moment")
+            return real_rename(a, b, *args, **kwargs)
+
+        monkeypatch.setattr(files.os, "rename", rename)
+        code, out, err = _run(capsys, "convert", src, dst, "--overwrite", *extra)
+        monkeypatch.undo()
+        assert code == 0, err
+        assert float(tt.flatten(tt.load_parameters(dst))["w"][0]) == 5.0
+        assert not [p for p in os.listdir(tmp_path) if ".treetools-" in p]

@@ -39,6 +39,7 @@ from typing import IO, Any, Callable, Iterator
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
@@ -211,10 +212,16 @@ def remove(path: str) -> None:
 
 def swap_in(tmp: str, dst: str, *, overwrite: bool = True) -> None:
     """Put the finished ``tmp`` at ``dst``. With ``overwrite``, an existing ``dst`` is replaced only now that the
-    new one is complete: a file replaces a file in one rename; otherwise ``dst`` (a folder, a link) is moved
-    aside, ``tmp`` renamed onto it, and the old one removed (a link as a link, never what it points to): ``dst``
-    is absent for the moment between two renames, never partial. Without ``overwrite``, nothing at ``dst`` is
-    ever replaced (``place_new``).
+    new one is complete: a file replaces a file in one rename; a folder (or a link) is exchanged with ``tmp`` in
+    one step (Linux ``RENAME_EXCHANGE``) and the old one removed (a link as a link, never what it points to);
+    where that is not available, ``dst`` is moved aside and ``tmp`` renamed onto it, so ``dst`` is absent for
+    the moment between two renames, never partial. Without ``overwrite``, nothing at ``dst`` is ever replaced
+    (``place_new``).
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); os.makedirs(os.path.join(d, "new", "x")); os.makedirs(os.path.join(d, "old", "y"))
+    >>> swap_in(os.path.join(d, "new"), os.path.join(d, "old")); sorted(os.listdir(d)), os.listdir(os.path.join(d, "old"))
+    (['old'], ['x'])
     """
     if not overwrite:
         place_new(tmp, dst)
@@ -222,6 +229,10 @@ def swap_in(tmp: str, dst: str, *, overwrite: bool = True) -> None:
     if not os.path.lexists(dst) or (os.path.isfile(tmp) and os.path.isfile(dst) and not os.path.islink(dst)):
         os.replace(tmp, dst)
         fsync_dir(os.path.dirname(dst))
+        return
+    if _exchange(tmp, dst):  # the new one at dst and the old one at tmp, in one step: dst is never absent
+        fsync_dir(os.path.dirname(dst))
+        remove(tmp)
         return
     aside = tmp_name(dst, "old")
     os.rename(dst, aside)
@@ -232,3 +243,16 @@ def swap_in(tmp: str, dst: str, *, overwrite: bool = True) -> None:
         raise
     fsync_dir(os.path.dirname(dst))
     remove(aside)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap the entries ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``); False where that is not
+    available (another OS, an old kernel, a file system without it)."""
+    if _LIBC is None:
+        return False
+    if _LIBC.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), b)
