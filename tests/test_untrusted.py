@@ -784,11 +784,6 @@ def test_an_ocdbt_array_of_more_chunk_lookups_than_its_bytes_on_disk_allow_is_re
                                                    "path": "w"}}, open=True).result()
     store[...] = np.ones(2**16, np.uint8)  # stored, not fill values: every chunk a key
     assert sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) < 16 * 2**10
-    from treetools.ckpt.formats._ocdbt import check_database
-    from treetools.ckpt.storage import LOCAL
-
-    database = check_database(LOCAL, str(folder), 2**31)
-    assert database.leaf_bytes * 2**16 > 2**34 + 2**10 * database.stored_bytes  # the rule, from what is stored
     for argv in (("inspect", folder, "--stats"), ("inspect", folder, "--show", "w[0:4]")):
         err = _one_error(capsys, *argv)
         assert "65,536 chunks to look up in an OCDBT b-tree leaf" in err and "refusing to start" in err, err
@@ -806,6 +801,11 @@ def test_an_ocdbt_array_of_more_chunk_lookups_than_its_bytes_on_disk_allow_is_re
     small = _ocdbt_item(tmp_path / "small" / "params", 2**12, 1)
     assert _run(capsys, "inspect", small, "--stats")[0] == 0
     np.testing.assert_array_equal(tt.load_parameters(small)["w"], np.zeros(2**12, np.uint8))
+    from treetools.ckpt.formats._ocdbt import check_database
+    from treetools.ckpt.storage import LOCAL
+
+    database = check_database(LOCAL, str(folder), 2**31)
+    assert database.leaf_bytes * 2**16 > 2**34 + 2**10 * database.stored_bytes  # the rule, from what is stored
 
 
 # ----------------------------------------------------------------------------- round 3: HDF5
@@ -1175,8 +1175,6 @@ def test_the_tree_view_is_linear_in_a_names_depth(tmp_path, capsys):
     # A 16 KB header naming one tensor of 8,000 parts: the tree view indented each level (64 MB printed, 769 MB
     # held) and keyed each folder by its whole prefix. Indenting stops at TREE_INDENT levels; deeper lines say
     # their depth.
-    from treetools.shared.render import TREE_INDENT
-
     name = ".".join(["a"] * 8000)
     f = _safetensors(tmp_path / "deep.safetensors", {name: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
                      bytes(4))
@@ -1186,6 +1184,8 @@ def test_the_tree_view_is_linear_in_a_names_depth(tmp_path, capsys):
         assert code == 0 and len(out) < 64 * size, (fmt, len(out))
     code, out, _ = _run(capsys, "inspect", f, "--format", "tree")
     lines = out.splitlines()
+    from treetools.shared.render import TREE_INDENT
+
     assert any(line.startswith("  " * TREE_INDENT + "[depth 7998] a.") for line in lines)
     assert max(len(line) for line in lines) < 2 * TREE_INDENT + 200
     code, mib, out = grown_mib("inspect", f, "--format", "tree")
@@ -1201,7 +1201,7 @@ def test_metadata_of_many_tensors_is_held_to_a_multiple_of_its_size(tmp_path):
     assert 8 <= size_mib < 12
     for fmt in ("json", "table", "tree"):
         code, mib, out = grown_mib("inspect", f, "--format", fmt)
-        assert code == 0 and mib < 28 * size_mib, (fmt, mib)
+        assert code == 0 and mib < 20 * size_mib, (fmt, mib)  # measured: json 106 MiB (404 before)
 
 
 def _nested_json(depth: int) -> str:
