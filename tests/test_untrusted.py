@@ -1405,3 +1405,28 @@ def test_overwrite_of_a_folder_is_one_exchange_where_the_kernel_has_it(tmp_path,
         assert code == 0, err
         assert float(tt.flatten(tt.load_parameters(dst))["w"][0]) == 5.0
         assert not [p for p in os.listdir(tmp_path) if ".treetools-" in p]
+
+
+def test_hdf5_chunks_are_decoded_by_treetools_with_the_filters_it_knows_and_no_other(tmp_path, capsys):
+    import h5py
+
+    w = np.arange(1000, dtype="<f4").reshape(10, 100)
+    with h5py.File(tmp_path / "ok.h5", "w") as f:
+        f.create_dataset("w", data=w, chunks=(3, 7), compression="gzip", shuffle=True, fletcher32=True)
+        sparse = f.create_dataset("sparse", shape=(50,), chunks=(10,), dtype="<f4", fillvalue=7.0)
+        sparse[15:17] = 1.0  # one chunk written; the other four are the fill value, never decoded
+        f.create_dataset("lzf", data=w, chunks=(5, 50), compression="lzf")
+    source = tt.open_source(tmp_path / "ok.h5")
+    leaves = {leaf.name: leaf for leaf in source.snapshot().items["default"].leaves}
+    np.testing.assert_array_equal(leaves["w"].reader.read((slice(2, 9), slice(5, 60))), w[2:9, 5:60])
+    expected = np.full(50, 7.0, np.float32)
+    expected[15:17] = 1.0
+    np.testing.assert_array_equal(leaves["sparse"].reader.read((slice(None),)), expected)
+    with pytest.raises(CheckpointError, match="HDF5 filter 32000, which treetools does not decode"):
+        leaves["lzf"].reader.read((slice(None), slice(None)))
+    # A chunk whose bytes changed fails its fletcher32 checksum.
+    with h5py.File(tmp_path / "ok.h5", "r+") as f:
+        mask, raw = f["w"].id.read_direct_chunk((0, 0))
+        f["w"].id.write_direct_chunk((0, 0), raw[:-4] + bytes(4), mask)
+    with pytest.raises(CheckpointError, match="fails its fletcher32 checksum"):
+        leaves["w"].reader.read((slice(0, 3), slice(0, 7)))

@@ -85,13 +85,10 @@ def _name(raw: bytes) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
 
-def _filters(dcpl: Any, where: str) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+def _filters(dcpl: Any) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
     out = []
     for i in range(dcpl.get_nfilters()):
         code, flags, values, _ = dcpl.get_filter(i)
-        if code not in FILTERS:
-            raise CheckpointError(f"{where}: HDF5 filter {int(code)}, which treetools does not decode (it reads "
-                                  f"{', '.join(FILTERS.values())}; loading a filter plugin is refused).")
         out.append((int(code), int(flags), tuple(int(v) for v in values)))
     return tuple(out)
 
@@ -126,14 +123,19 @@ def describe(ds: Any, raw: tuple[bytes, ...], where: str, wanted_dtype: Any) -> 
     stored = np.dtype(ds.dtype)
     shape = tuple(int(d) for d in ds.shape or ())
     chunks = tuple(int(c) for c in ds.chunks) if ds.chunks else None
-    filters = _filters(dcpl, where) if chunks else ()
+    filters = _filters(dcpl) if chunks else ()
     dtype = wanted_dtype(stored, _small_text_attr(ds, b"dtype")) if stored.kind == "V" else stored
     return Dataset(raw, tuple(_name(r) for r in raw), shape, stored, np.dtype(dtype), chunks, filters)
 
 
 def check_work(info: Dataset, file_size: int, where: str) -> None:
-    """Refuse to read a dataset that declares more than its file can hold: more bytes than any encoding of its
-    size inflates to, more chunks than it can index (see the module). Nothing is read: what was listed is checked."""
+    """Refuse to read a dataset treetools cannot decode within bounds: a filter it does not know, more bytes than
+    any encoding of its file's size inflates to, more chunks than the file can index (see the module). Nothing is
+    read: what was listed is checked."""
+    for code, _, _ in info.filters:
+        if code not in FILTERS:
+            raise CheckpointError(f"{where}: HDF5 filter {code}, which treetools does not decode (it reads "
+                                  f"{', '.join(FILTERS.values())}; loading a filter plugin is refused).")
     nbytes = math.prod(info.shape) * max(1, info.stored.itemsize)
     if nbytes > FREE_BYTES + DEFLATE_MAX_RATIO * file_size:
         raise CheckpointError(
