@@ -1387,7 +1387,7 @@ def test_overwrite_of_a_folder_is_one_exchange_where_the_kernel_has_it(tmp_path,
     # in one renameat2(RENAME_EXCHANGE): the destination is never absent, so a kill at any moment leaves one whole.
     from treetools.shared import files
 
-    if files._LIBC is None:
+    if not files.renameat2_available():
         pytest.skip("no renameat2 here: the two-rename fallback applies")
     src = _npz(tmp_path / "w.npz", w=np.full(4, 5.0, np.float32))
     for dst, extra in ((tmp_path / "hf", ()), (tmp_path / "orb", ("--to", "orbax"))):

@@ -28,8 +28,6 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import os
 import shutil
@@ -155,16 +153,32 @@ def refuse_link_out(path: str, folder: str) -> None:
                                        "writes through such a link (remove it, or pick another folder)", path)
 
 
-def _libc() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        lib = ctypes.CDLL(name, use_errno=True)
-        return lib if hasattr(lib, "renameat2") else None
-    except OSError:
+_RENAMEAT2: Any = False  # looked up at the first use
+
+
+def renameat2_available() -> bool:
+    """Whether this process can call ``renameat2`` (Linux, glibc 2.28 or later): the running process's own
+    symbols, looked up once, with no search and no subprocess."""
+    global _RENAMEAT2
+    if _RENAMEAT2 is False:
+        import ctypes  # here: only a write that places a file needs it
+
+        try:
+            _RENAMEAT2 = ctypes.CDLL(None, use_errno=True).renameat2
+        except (OSError, AttributeError):
+            _RENAMEAT2 = None
+    return _RENAMEAT2 is not None
+
+
+def _renameat2(src: str, dst: str, flags: int) -> int | None:
+    """``renameat2(AT_FDCWD, src, AT_FDCWD, dst, flags)``: 0, an errno, or None where the call does not exist."""
+    if not renameat2_available():
         return None
+    import ctypes
 
-
-_LIBC = _libc()
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EIO
 
 
 def place_new(src: str, dst: str) -> None:
@@ -177,15 +191,14 @@ def place_new(src: str, dst: str) -> None:
     Traceback (most recent call last):
     FileExistsError: [Errno 17] File exists: ...
     """
-    if _LIBC is not None:
-        if _LIBC.renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
-            fsync_dir(os.path.dirname(dst))
-            return
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), dst)
+    err = _renameat2(src, dst, _RENAME_NOREPLACE)
+    if err == 0:
+        fsync_dir(os.path.dirname(dst))
+        return
+    if err == errno.EEXIST:
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    if err is not None and err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        raise OSError(err, os.strerror(err), dst)
     # No RENAME_NOREPLACE here (an old kernel, a file system without it).
     if os.path.isdir(src) and not os.path.islink(src):
         os.mkdir(dst)  # exclusive: fails if anything is there; the rename then replaces only this empty folder
@@ -248,11 +261,9 @@ def swap_in(tmp: str, dst: str, *, overwrite: bool = True) -> None:
 def _exchange(a: str, b: str) -> bool:
     """Swap the entries ``a`` and ``b`` atomically (``renameat2(RENAME_EXCHANGE)``); False where that is not
     available (another OS, an old kernel, a file system without it)."""
-    if _LIBC is None:
-        return False
-    if _LIBC.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    err = _renameat2(a, b, _RENAME_EXCHANGE)
+    if err == 0:
         return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+    if err is None or err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(err, os.strerror(err), b)
