@@ -956,12 +956,19 @@ def test_npy_headers_are_validated_where_they_are_parsed(tmp_path, capsys, heade
 def test_a_negative_npy_dimension_never_loops(tmp_path):
     # A 144-byte .eqx whose header says shape (-128,): the reader stepped backwards through the file forever,
     # growing 10-25 MB/s. In a child process, so the old loop would fail the test by its timeout, not hang it.
+    # Here the negative size leads exactly back to the file's first byte: the old reader read that header again,
+    # and again, appending a leaf each time.
+    offset = len(_npy({"descr": "<f4", "shape": (-32,)}))
     eqx = tmp_path / "model.eqx"
-    eqx.write_bytes(_npy({"descr": "<f4", "shape": (2,)}, bytes(8)) + _npy({"descr": "<f4", "shape": (-128,)}))
-    assert eqx.stat().st_size < 300
-    for argv in (("inspect", eqx), ("verify", eqx), ("load", eqx)):
-        code, mib, out = grown_mib(*argv, timeout=60)
-        assert code == 1 and "entry 0 is -128" in out and mib < 32, (argv, mib, out[-1000:])
+    eqx.write_bytes(_npy({"descr": "<f4", "shape": (-(offset // 4),)}))
+    assert eqx.stat().st_size == offset and offset % 4 == 0
+    for argv in (("inspect", eqx), ("verify", eqx), ("load", eqx),
+                 ("convert", eqx, tmp_path / "o.safetensors")):
+        try:
+            code, mib, out = grown_mib(*argv, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{argv[0]} ran on for 60 s")
+        assert code == 1 and f"entry 0 is {-(offset // 4)}" in out and mib < 32, (argv, mib, out[-1000:])
 
 
 def test_an_npz_member_stored_twice_is_one_error(tmp_path, capsys):
