@@ -227,8 +227,8 @@ def check_database(storage: Storage, base: str, limit: float, *, shown: str | No
     cache_key = (base if storage.remote else None, tuple(manifests), _identity(storage, key_files), limit)
     with _CHECKED_LOCK:
         hit = _CHECKED.get(cache_key)
-    if hit is not None and _identity(storage, list(hit[1])) == hit[2]:
-        return hit[0]
+    if hit is not None and _identity(storage, [os.path.join(base, rel) for rel in hit[1]]) == hit[2]:
+        return hit[0]  # every file the walk read is as it was (by path relative to the database)
     node_bytes = 0
     for name in manifests:
         where = os.path.join(shown, name)
@@ -245,7 +245,8 @@ def check_database(storage: Storage, base: str, limit: float, *, shown: str | No
         dump = ts.ocdbt.dump(kv).result()
     except Exception as e:  # tensorstore: a corrupt manifest
         raise CheckpointError(f"{os.path.join(shown, MANIFEST)}: corrupt OCDBT manifest ({first_line(e)}).") from None
-    read: list[str] = list(key_files)
+    # What the walk read, and the folders whose files make ``stored_bytes`` (a file added changes its folder).
+    read: list[str] = [*key_files, *(f for f, _, _ in storage.walk(base))]
     leaf_bytes, nodes = 0, 0
     for node in dump.get("version_tree_nodes") or []:  # older versions: bounded, though the latest reads none
         loc = node.get("location") if isinstance(node, dict) else None
@@ -280,8 +281,10 @@ def check_database(storage: Storage, base: str, limit: float, *, shown: str | No
     files = _files(storage, base)
     database = Database(sum(size for _, size in files), node_bytes, leaf_bytes, nodes)
     read = list(dict.fromkeys(read))
+    relative = tuple(os.path.relpath(path, base) if not storage.remote else path[len(base):].lstrip("/")
+                     for path in read)
     with _CHECKED_LOCK:
-        _CHECKED[cache_key] = (database, tuple(read), _identity(storage, read))
+        _CHECKED[cache_key] = (database, relative, _identity(storage, read))
         while len(_CHECKED) > 1024:
             _CHECKED.popitem(last=False)
     return database
