@@ -181,9 +181,21 @@ def _plot_health_dump(path: str, output: str | None) -> int:
 
     output = os.path.expanduser(output) if output else os.path.splitext(os.path.expanduser(path))[0] + ".png"
     _check_output(output, image_formats())
-    healthplot.health_figure(healthplot.read_health_dump(path)).savefig(output, dpi=100)
+    _save(healthplot.health_figure(healthplot.read_health_dump(path)), output)
     _output.out(output)
     return 0
+
+
+def _save(fig: "Figure", output: str) -> None:
+    """Write ``fig`` to ``output``: whole, then renamed over it (a link planted there is replaced, never written
+    through: ``shared.files.replace_file``); matplotlib's warnings (a glyph missing for an ESC in a name) as one
+    escaped note each, never raw on stderr."""
+    fmt = os.path.splitext(output)[1].lower().lstrip(".") or "png"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        replace_file(output, lambda f: fig.savefig(f, format=fmt, dpi=100))
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        _output.note(f"matplotlib: {message}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -216,13 +228,6 @@ def main(args: argparse.Namespace) -> int:
                          rules=rules_from(args))
     else:
         fig = plot_metrics(_read_runs(paths), keys=args.keys, heatmap=args.heatmap)
-    fmt = os.path.splitext(output)[1].lower().lstrip(".") or "png"
-    # Matplotlib warns with the names it draws (a glyph missing for ESC): each warning is one escaped note.
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        # Written whole, then renamed over -o: a link planted there is replaced, never written through.
-        replace_file(output, lambda f: fig.savefig(f, format=fmt, dpi=100))
-    for message in dict.fromkeys(str(w.message) for w in caught):
-        _output.note(f"matplotlib: {message}")
+    _save(fig, output)
     _output.out(output)
     return 0

@@ -284,7 +284,7 @@ class JsonlWriter:
     def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
         if not _writes(self.all_processes):
             return
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open_append(self.path) as f:  # O_NOFOLLOW: a link planted since is refused, not appended through
             f.write(json.dumps(encode_record({"step": int(step), **metrics}), allow_nan=False) + "\n")
 
 
@@ -353,9 +353,6 @@ def _writer(writer: Writer | str | os.PathLike, resume_step: int | None) -> Writ
         raise ValueError("`resume_step` applies to a path `writer`; for a callable, pass it to the writer "
                          "(e.g. JsonlWriter(path, resume_step=...), TensorBoardWriter(logdir, resume_step=...)).")
     return writer
-        with open_append(self.path) as f:  # O_NOFOLLOW: a link planted since is refused, not appended through
-            f.write(json.dumps({"step": int(step), **metrics}) + "\n")
-
 
 
 class MetricsLogger:
