@@ -1156,6 +1156,27 @@ def test_train_never_writes_metrics_or_checkpoints_through_a_planted_link(tmp_pa
     assert "checkpoints: a symbolic link leading out of" in err and not os.listdir(elsewhere)
 
 
+def test_a_health_dump_and_its_image_never_go_through_a_planted_link(tmp_path, capsys):
+    import jax.numpy as jnp
+
+    from treetools.pytree.health import HealthRecorder, write_health_dump
+
+    recorder = HealthRecorder(length=4)
+    row = {"loss": jnp.float32(0.5), "grad_norm/a": jnp.float32(1.0)}
+    state = recorder.record(recorder.init(row), 1, row, False)
+    dump, outside = tmp_path / "run" / "health_1.json", _canary(tmp_path / "outside.json")
+    dump.parent.mkdir()
+    dump.symlink_to(outside)
+    write_health_dump(dump, state, reason="every")
+    assert outside.read_bytes() == CANARY and not dump.is_symlink() and json.loads(dump.read_text())["step"] == 1
+    pytest.importorskip("matplotlib")
+    image, outside_png = dump.with_suffix(".png"), _canary(tmp_path / "outside.png")
+    image.symlink_to(outside_png)
+    code, out, err = _run(capsys, "plot", dump)
+    assert code == 0 and out.strip() == str(image), err
+    assert outside_png.read_bytes() == CANARY and not image.is_symlink()
+
+
 def test_a_raw_escape_in_a_metric_name_never_reaches_stderr_through_matplotlib(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     run = _metrics_run(tmp_path / "run", names=("loss\x1b[31mred",))
