@@ -230,6 +230,9 @@ def check_database(storage: Storage, base: str, limit: float, *, shown: str | No
     if hit is not None and _identity(storage, [os.path.join(base, rel) for rel in hit[1]]) == hit[2]:
         return hit[0]  # every file the walk read is as it was (by path relative to the database)
     node_bytes = 0
+    # The manifests as read and checked are the ones TensorStore lists, from memory: the same bytes, and no
+    # second request for them in a bucket.
+    checked = ts.KvStore.open({"driver": "memory"}).result()
     for name in manifests:
         where = os.path.join(shown, name)
         raw = _read_whole(storage, os.path.join(base, name), where, limit)
@@ -238,11 +241,12 @@ def check_database(storage: Storage, base: str, limit: float, *, shown: str | No
         check_budget(JSON_EXPANSION * bound, where=where, what="the OCDBT manifest, decoded and listed,",
                      budget=limit)
         node_bytes = max(node_bytes, bound)
+        checked[name] = raw
     if not manifests:
         return Database(0, 0, 0, 0)
     try:
         kv = ts.KvStore.open(storage.kvstore_spec(base)).result()
-        dump = ts.ocdbt.dump(kv).result()
+        dump = ts.ocdbt.dump(checked).result()
     except Exception as e:  # tensorstore: a corrupt manifest
         raise CheckpointError(f"{os.path.join(shown, MANIFEST)}: corrupt OCDBT manifest ({first_line(e)}).") from None
     # What the walk read, and the folders whose files make ``stored_bytes`` (a file added changes its folder).
