@@ -22,6 +22,7 @@ of docs/untrusted.md:
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import shutil
@@ -358,21 +359,22 @@ def _ocdbt_item(folder: Path, n_chunks: int, chunk: int, config: dict | None = N
     return folder
 
 
-def test_an_ocdbt_manifest_allowing_huge_nodes_is_refused_before_any_node_is_decoded(tmp_path, capsys):
+def test_an_ocdbt_node_that_decodes_over_the_budget_is_refused_before_any_node_is_decoded(tmp_path, capsys):
     # 64 MiB of zeros stored inline in one b-tree node: a 3 KB database whose one node decodes to 64 MiB, which
-    # opening the array's header decodes (69 MiB grown, measured); the manifest allows nodes of 4 GiB.
+    # opening the array's header decodes (69 MiB grown, measured). What the node may decode to is read from its
+    # stored zstd block headers (64 MiB of RLE/compressed blocks: 66 MiB at most), not from the manifest's
+    # max_decoded_node_bytes (declared 4 GiB here; Orbax declares 100,000,000 for every checkpoint).
     folder = _ocdbt_item(tmp_path / "params", 64, 2**20,
                          config={"max_decoded_node_bytes": 2**32 - 1, "max_inline_value_bytes": 2**20})
     assert sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) < 64 * 2**10
     code, mib, out = grown_mib("inspect", folder, "--memory-budget-mb", "16")
-    assert code == 1 and "allows b-tree nodes of 4,294,967,295 bytes" in out and "--memory-budget-mb" in out, out
+    assert code == 1 and "an OCDBT b-tree node (bounded from its stored zstd blocks) decodes to 66.00 MiB" in out, out
+    assert "--memory-budget-mb" in out and "/d/" in out  # the data file holding the node is named
     assert mib < 24, f"metadata inspect grew by {mib} MiB"
-    err = _one_error(capsys, "inspect", folder)  # over the default budget too
-    assert "manifest.ocdbt" in err
-    code, out, _ = _run(capsys, "verify", folder)
-    assert code == 1 and out.count("allows b-tree nodes") == 1  # the database, said once
-    with pytest.raises(CheckpointError, match="max_decoded_node_bytes"):
-        tt.load_parameters(folder)
+    code, out, _ = _run(capsys, "verify", folder, "--memory-budget-mb", "16")
+    assert code == 1 and out.count("OCDBT b-tree node") == 1  # the database, said once
+    # Within the default budget the node is what it is: 64 MiB, read.
+    assert _run(capsys, "inspect", folder)[0] == 0
     # TensorStore's own default (8 MiB nodes) passes a 16 MiB budget.
     plain = _ocdbt_item(tmp_path / "plain" / "params", 4, 16)
     assert _run(capsys, "inspect", plain, "--stats", "--memory-budget-mb", "16")[0] == 0
@@ -761,8 +763,698 @@ def test_every_step_of_a_run_being_saved_and_pruned(tmp_path, capsys):
         saver.wait()
 
 
-def test_an_ocdbt_manifest_allowing_huge_nodes_is_refused_in_a_bucket_too(tmp_path, remote_store, capsys):
-    folder = _ocdbt_item(tmp_path / "params", 2, 16, config={"max_decoded_node_bytes": 2**32 - 1})
+def test_an_ocdbt_node_over_the_budget_is_refused_in_a_bucket_too(tmp_path, remote_store, capsys):
+    folder = _ocdbt_item(tmp_path / "params", 64, 2**20,
+                         config={"max_decoded_node_bytes": 2**32 - 1, "max_inline_value_bytes": 2**20})
     url = remote_store.upload(folder, "params")
     err = _one_error(capsys, "inspect", url, "--memory-budget-mb", "16")
-    assert "allows b-tree nodes of 4,294,967,295 bytes" in err and url in err
+    assert "an OCDBT b-tree node (bounded from its stored zstd blocks) decodes to 66.00 MiB" in err and url in err
+
+
+# ----------------------------------------------------------------------------- round 3 (issue 38): work and writers' defaults
+
+def test_an_ocdbt_array_of_more_chunk_lookups_than_its_bytes_on_disk_allow_is_refused_before_reading(tmp_path, capsys):
+    # 2^16 one-byte chunks, every one stored, in a 2 KB database (OCDBT compresses its b-tree): TensorStore looks
+    # each chunk up in a leaf of 2^16 keys, so --stats took 10 s (2^18 chunks: 100 s, 2^23: hours) for 2 KB on disk.
+    folder = tmp_path / "params"
+    _ocdbt_item(folder, 2**16, 1)
+    import tensorstore as ts
+
+    store = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": {"driver": "file", "path": str(folder) + "/"},
+                                                   "path": "w"}}, open=True).result()
+    store[...] = np.ones(2**16, np.uint8)  # stored, not fill values: every chunk a key
+    assert sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) < 16 * 2**10
+    for argv in (("inspect", folder, "--stats"), ("inspect", folder, "--show", "w[0:4]")):
+        err = _one_error(capsys, *argv)
+        assert "65,536 chunks to look up in an OCDBT b-tree leaf" in err and "refusing to start" in err, err
+    code, out, _ = _run(capsys, "verify", folder)
+    assert code == 1 and "65,536 chunks to look up" in out
+    with pytest.raises(CheckpointError, match="chunks to look up"):
+        tt.load_parameters(folder)
+    import jax
+
+    target = {"params": {"w": jax.ShapeDtypeStruct((2**16,), np.uint8, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}}
+    with pytest.raises(CheckpointError, match="chunks to look up"):
+        tt.restore_checkpoint(folder, None, target)
+    # Metadata reads no chunk; and the same layout at a size in proportion (4,096 chunks) reads.
+    assert _run(capsys, "inspect", folder)[0] == 0
+    small = _ocdbt_item(tmp_path / "small" / "params", 2**12, 1)
+    assert _run(capsys, "inspect", small, "--stats")[0] == 0
+    np.testing.assert_array_equal(tt.load_parameters(small)["w"], np.zeros(2**12, np.uint8))
+    from treetools.ckpt.formats._ocdbt import check_database
+    from treetools.ckpt.storage import LOCAL
+
+    database = check_database(LOCAL, str(folder), 2**31)
+    assert database.leaf_bytes * 2**16 > 2**34 + 2**10 * database.stored_bytes  # the rule, from what is stored
+
+
+# ----------------------------------------------------------------------------- round 3: HDF5
+
+CANARY = b"CANARY-7f3a-" * 8  # bytes outside the checkpoint that no read may ever return
+
+
+def _h5_foreign(tmp_path: Path) -> dict[str, Path]:
+    """HDF5 files whose data libhdf5 would read from files outside the checkpoint (``outside/``), one per way."""
+    import h5py
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.bin").write_bytes(CANARY)
+    with h5py.File(outside / "secret.h5", "w") as f:
+        f["x"] = np.frombuffer(CANARY[:64], np.uint8)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    files = {}
+    with h5py.File(ckpt / "vds.h5", "w") as f:
+        f["ok"] = np.ones(4, np.float32)
+        layout = h5py.VirtualLayout(shape=(64,), dtype="u1")
+        layout[:] = h5py.VirtualSource(str(outside / "secret.h5"), "x", shape=(64,))
+        f.create_virtual_dataset("vars/0", layout)
+    files["virtual dataset"] = ckpt / "vds.h5"
+    with h5py.File(ckpt / "external.h5", "w") as f:
+        f.create_dataset("vars/0", shape=(64,), dtype="u1", external=[(str(outside / "secret.bin"), 0, 64)])
+    files["external storage"] = ckpt / "external.h5"
+    with h5py.File(ckpt / "link.h5", "w") as f:
+        f["ok"] = np.ones(4, np.float32)
+        f["vars/0"] = h5py.ExternalLink(str(outside / "secret.h5"), "x")
+    files["external link"] = ckpt / "link.h5"
+    # The same external storage inside a .keras zip (stored uncompressed, as Keras writes it).
+    import zipfile
+
+    with zipfile.ZipFile(ckpt / "model.keras", "w", zipfile.ZIP_STORED) as z:
+        z.writestr("metadata.json", "{}")
+        z.write(ckpt / "external.h5", "model.weights.h5")
+    files["external storage"] = ckpt / "model.keras"
+    files["external storage (.h5)"] = ckpt / "external.h5"
+    return files
+
+
+def test_hdf5_data_in_other_files_is_never_read(tmp_path, capsys):
+    pytest.importorskip("h5py")
+    for what, f in _h5_foreign(tmp_path).items():
+        words = {"virtual dataset": "a virtual dataset", "external link": "is an external link"}.get(
+            what, "a dataset with external storage")
+        for argv in (("inspect", f), ("inspect", f, "--show", "vars/0"), ("inspect", f, "--stats")):
+            err = _one_error(capsys, *argv)
+            assert words in err and "refusing to read it" in err, (what, err)
+        code, out, err = _run(capsys, "verify", f)
+        assert code == 1 and words in out + err and b"CANARY" not in (out + err).encode(), (what, out, err)
+        dst = tmp_path / f"{f.stem}-{what.split()[-1]}.safetensors"
+        err = _one_error(capsys, "convert", f, dst)
+        assert words in err and not dst.exists(), (what, err)
+        with pytest.raises(CheckpointError, match=words):
+            tt.load_parameters(f)
+    # What the canary would have given away never appears, and the file outside is untouched.
+    assert (tmp_path / "outside" / "secret.bin").read_bytes() == CANARY
+
+
+def _h5_chunk_bomb(path: Path, chunks: int) -> Path:
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f.create_dataset("vars/0", shape=(chunks,), chunks=(1,), dtype="u1")  # no chunk written
+    return path
+
+
+def _h5_deflate_bomb(path: Path, inflated: int) -> Path:
+    """One 4-byte chunk (one float32) whose stored deflate stream inflates to ``inflated`` bytes of zeros."""
+    import zlib
+
+    import h5py
+
+    z = zlib.compressobj(9)
+    piece = bytes(2**20)
+    stream = b"".join(z.compress(piece) for _ in range(inflated // len(piece))) + z.flush()
+    with h5py.File(path, "w") as f:
+        ds = f.create_dataset("vars/0", shape=(1,), chunks=(1,), dtype="<f4", compression="gzip")
+        ds.id.write_direct_chunk((0,), stream)
+    return path
+
+
+def test_hdf5_chunk_bombs_are_refused_before_libhdf5_or_zlib_allocates(tmp_path, capsys):
+    pytest.importorskip("h5py")
+    # 2^18 one-byte chunks declared, none written: libhdf5 held 1.68 GB reading them (2^23: killed at 24 GB).
+    bomb = _h5_chunk_bomb(tmp_path / "chunks.h5", 2**18)
+    assert bomb.stat().st_size < 8 * 2**10
+    assert _run(capsys, "inspect", bomb)[0] == 0  # the listing reads no chunk
+    for argv in (("verify", bomb), ("inspect", bomb, "--stats"), ("convert", bomb, tmp_path / "c.safetensors"),
+                 ("load", bomb)):
+        code, mib, out = grown_mib(*argv)
+        assert code == 1 and "declares 262,144 chunks of [1]" in out and mib < 64, (argv, mib, out[-2000:])
+    # A 4-byte chunk whose 0.8 MB deflate stream inflates to 800 MiB: libhdf5 doubled its buffer to 845 MB.
+    inflate = _h5_deflate_bomb(tmp_path / "deflate.h5", 800 * 2**20)
+    assert inflate.stat().st_size < 2**20
+    for argv in (("verify", inflate), ("inspect", inflate, "--stats"), ("inspect", inflate, "--show", "vars/0"),
+                 ("convert", inflate, tmp_path / "d.safetensors"), ("load", inflate)):
+        code, mib, out = grown_mib(*argv)
+        assert code == 1 and "a deflate chunk inflates to more than the 4 bytes a chunk holds" in out, (argv, out[-2000:])
+        assert mib < 64, (argv, mib)
+    assert not (tmp_path / "c.safetensors").exists() and not (tmp_path / "d.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------- round 3: .npy headers (Equinox, npz)
+
+def _npy(header: dict, data: bytes = b"") -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"fortran_order": False, **header})
+    return buf.getvalue() + data
+
+
+NPY_HEADERS = [  # (header, the words of the one-line error)
+    ({"descr": "<f4", "shape": (-128,)}, "entry 0 is -128, not an integer >= 0"),
+    ({"descr": "|V0", "shape": (2**40,)}, "a .npy dtype of zero bytes per element (|V0)"),
+    ({"descr": "|S0", "shape": (4,)}, "a .npy dtype of zero bytes per element (|S0)"),
+    ({"descr": "<f4", "shape": (0, 2**70)}, "more than 2**60 bytes"),
+    ({"descr": "<f4", "shape": (0, 2**64 - 1)}, "more than 2**60 bytes"),
+    ({"descr": [("a", "<f4"), ("b", "<i4")], "shape": (2,)}, "a structured .npy dtype"),
+    ({"descr": "<f4", "shape": (True,)}, "entry 0 is True"),
+]
+
+
+@pytest.mark.parametrize("header, words", NPY_HEADERS, ids=[w.split("(")[0][:24] for _, w in NPY_HEADERS])
+def test_npy_headers_are_validated_where_they_are_parsed(tmp_path, capsys, header, words):
+    import zipfile
+
+    eqx = tmp_path / "model.eqx"
+    eqx.write_bytes(_npy({"descr": "<f4", "shape": (2,)}, bytes(8)) + _npy(header))
+    npz = tmp_path / "weights.npz"
+    with zipfile.ZipFile(npz, "w") as z:
+        z.writestr("ok.npy", _npy({"descr": "<f4", "shape": (2,)}, bytes(8)))
+        z.writestr("w.npy", _npy(header))
+    for f in (eqx, npz):
+        for argv in (("inspect", f), ("inspect", f, "--stats"), ("convert", f, tmp_path / f"{f.stem}.safetensors")):
+            assert words in _one_error(capsys, *argv), (f, argv)
+        code, out, err = _run(capsys, "verify", f)
+        assert code == 1 and words in out + err and "Traceback" not in err
+        with pytest.raises(CheckpointError, match=re.escape(words.split(" (")[0])):
+            tt.load_parameters(f)
+    assert not list(tmp_path.glob("*.safetensors"))
+
+
+def test_a_negative_npy_dimension_never_loops(tmp_path):
+    # A 144-byte .eqx whose header says shape (-128,): the reader stepped backwards through the file forever,
+    # growing 10-25 MB/s. In a child process, so the old loop would fail the test by its timeout, not hang it.
+    # Here the negative size leads exactly back to the file's first byte: the old reader read that header again,
+    # and again, appending a leaf each time.
+    offset = len(_npy({"descr": "<f4", "shape": (-32,)}))
+    eqx = tmp_path / "model.eqx"
+    eqx.write_bytes(_npy({"descr": "<f4", "shape": (-(offset // 4),)}))
+    assert eqx.stat().st_size == offset and offset % 4 == 0
+    for argv in (("inspect", eqx), ("verify", eqx), ("load", eqx),
+                 ("convert", eqx, tmp_path / "o.safetensors")):
+        try:
+            code, mib, out = grown_mib(*argv, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{argv[0]} ran on for 60 s")
+        assert code == 1 and f"entry 0 is {-(offset // 4)}" in out and mib < 32, (argv, mib, out[-1000:])
+
+
+def test_an_npz_member_stored_twice_is_one_error(tmp_path, capsys):
+    import warnings
+    import zipfile
+
+    npz = tmp_path / "dup.npz"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name it writes
+        with zipfile.ZipFile(npz, "w") as z:
+            z.writestr("w.npy", _npy({"descr": "<f4", "shape": (2,)}, np.ones(2, np.float32).tobytes()))
+            z.writestr("w.npy", _npy({"descr": "<f4", "shape": (3,)}, np.zeros(3, np.float32).tobytes()))
+    for argv in (("inspect", npz), ("verify", npz), ("convert", npz, tmp_path / "o.safetensors")):
+        code, out, err = _run(capsys, *argv)
+        assert code == 1 and "member 'w.npy' appears twice" in out + err and "Traceback" not in err, (argv, err)
+    with pytest.raises(CheckpointError, match="appears twice"):
+        tt.load_parameters(npz)
+
+
+# ----------------------------------------------------------------------------- round 3: one line, the documented class
+
+@pytest.mark.parametrize("dtype", ["|V0", "|S0"])
+def test_a_zarr_dtype_of_zero_bytes_is_one_checkpoint_error(tmp_path, capsys, dtype):
+    folder = _item(tmp_path / "params", {"w": _zarray([4], [4], dtype)})
+    for argv in (("inspect", folder), ("inspect", folder, "--stats")):
+        assert f"dtype {dtype} is not a plain element type" in _one_error(capsys, *argv)
+    code, out, err = _run(capsys, "verify", folder)
+    assert code == 1 and f"dtype {dtype}" in out and "Traceback" not in err
+    with pytest.raises(CheckpointError, match="not a plain element type"):
+        tt.load_parameters(folder)
+
+
+@pytest.mark.parametrize("shape", ["[1e999]", "5", '"abc"'])
+def test_an_easydel_index_shape_that_is_no_shape_is_one_checkpoint_error(tmp_path, capsys, shape):
+    from tests._writers.easydel import save_pretrained
+
+    folder = tmp_path / "model"
+    save_pretrained(folder, {"w": np.ones((2, 3), np.float32)})
+    index_path = folder / "tensorstore_index.json"
+    index = json.loads(index_path.read_text())
+    index["prefixes"]["model"][0]["shape"] = "SHAPE"
+    index_path.write_text(json.dumps(index).replace('"SHAPE"', shape))
+    err = _one_error(capsys, "inspect", folder)
+    assert "is listed as float32" in err and "the folder mixes two saves" in err, err
+    with pytest.raises(CheckpointError, match="mixes two saves"):
+        tt.load_parameters(folder)
+
+
+# ----------------------------------------------------------------------------- round 3: writes never through a planted link
+
+def _npz(path: Path, **arrays) -> Path:
+    np.savez(path, **(arrays or {"w": np.arange(4, dtype=np.float32)}))
+    return path
+
+
+def _canary(path: Path) -> Path:
+    path.write_bytes(CANARY)
+    return path
+
+
+def test_convert_to_an_orbax_step_replaces_the_old_step_only_once_the_new_one_is_complete(tmp_path, capsys, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    root = tmp_path / "run"
+    tt.convert(_npz(tmp_path / "old.npz", w=np.full(4, 1.0, np.float32)), root, to="orbax", dst_step=3)
+    new = _npz(tmp_path / "new.npz", w=np.full(4, 2.0, np.float32))
+    # The old step is still there, whole, while the new one is being saved (it was deleted first).
+    real_save, seen = ocp.CheckpointManager.save, []
+
+    def save(self, step, *args, **kwargs):
+        seen.append(float(tt.load_parameters(root, 3)["w"][0]))
+        return real_save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    code, out, err = _run(capsys, "convert", new, root, "--to", "orbax", "--dst-step", "3", "--overwrite", "--verify")
+    assert code == 0 and seen == [1.0], (out, err)
+    assert float(tt.load_parameters(root, 3)["w"][0]) == 2.0 and sorted(os.listdir(root)) == ["3"]
+
+    # A write that fails leaves the old step whole and nothing else behind: no Orbax temporary, no hidden folder.
+    def failing(self, step, *args, **kwargs):
+        real_save(self, step, *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", failing)
+    with pytest.raises(OSError, match="No space left"):
+        tt.convert(_npz(tmp_path / "third.npz", w=np.full(4, 3.0, np.float32)), root, to="orbax", dst_step=3,
+                   overwrite=True)
+    assert sorted(os.listdir(root)) == ["3"] and float(tt.load_parameters(root, 3)["w"][0]) == 2.0
+
+
+def test_convert_never_replaces_what_it_was_not_asked_to(tmp_path, capsys, monkeypatch):
+    src = _npz(tmp_path / "w.npz")
+    outside = _canary(tmp_path / "outside.bin")
+    # A DST that is a dangling symlink is something there: refused without --overwrite, for every layout.
+    for dst, extra in ((tmp_path / "a.safetensors", ()), (tmp_path / "hf", ()), (tmp_path / "orb", ("--to", "orbax"))):
+        dst.symlink_to(tmp_path / "nowhere" / dst.name)
+        assert "exists; pass --overwrite" in _one_error(capsys, "convert", src, dst, *extra)
+        assert dst.is_symlink()
+    # A DST that is a symlink to a file elsewhere: --overwrite replaces the link, never the file it points to.
+    for dst, extra in ((tmp_path / "b.safetensors", ()), (tmp_path / "orb2", ("--to", "orbax"))):
+        dst.symlink_to(outside)
+        code, out, err = _run(capsys, "convert", src, dst, "--overwrite", *extra)
+        assert code == 0, err
+        assert not dst.is_symlink() and outside.read_bytes() == CANARY
+    # A DST that appears while convert writes is left as it is: the final rename never replaces it.
+    from treetools.ckpt.writers import safetensors as st_writer
+
+    real_write = st_writer._write_file
+
+    def write_then_appear(storage, path, *args, **kwargs):
+        real_write(storage, path, *args, **kwargs)
+        (tmp_path / "c.safetensors").write_bytes(b"someone else's")
+
+    monkeypatch.setattr(st_writer, "_write_file", write_then_appear)
+    err = _one_error(capsys, "convert", src, tmp_path / "c.safetensors")
+    assert "appeared while it was being written and was left as it is" in err
+    assert (tmp_path / "c.safetensors").read_bytes() == b"someone else's"
+    assert not [p for p in os.listdir(tmp_path) if ".treetools-" in p]  # no temporary left behind
+
+
+def test_a_tensor_name_that_is_not_utf8_is_one_error_and_leaves_nothing(tmp_path, capsys):
+    f = tmp_path / "s.safetensors"
+    header = '{"a\\ud800b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}'.encode()
+    f.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    assert _run(capsys, "inspect", f)[0] == 0  # shown escaped
+    for dst, extra in ((tmp_path / "o.safetensors", ()), (tmp_path / "orb", ("--to", "orbax")),
+                       (tmp_path / "root", ("--to", "orbax", "--dst-step", "1"))):
+        err = _one_error(capsys, "convert", f, dst, *extra)
+        assert "`a\\ud800b`: not UTF-8 text (a lone surrogate)" in err, err
+        assert not dst.exists()
+    assert sorted(os.listdir(tmp_path)) == ["s.safetensors"]  # no Orbax temporary, no root left
+
+
+def test_converting_an_item_without_arrays_to_orbax_is_one_error_and_leaves_no_root(tmp_path, capsys):
+    run = _orbax(tmp_path / "run", data_iter={"index": 7})
+    for extra in ((), ("--dst-step", "1")):
+        err = _one_error(capsys, "convert", run, tmp_path / "out", "--item", "data_iter", "--to", "orbax", *extra)
+        assert "no array to write" in err and not (tmp_path / "out").exists(), err
+
+
+def _metrics_run(folder: Path, names=("loss",)) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, **{n: 1.0 / s for n in names}}) + "\n"
+                                                  for s in (1, 2, 3)))
+    return folder
+
+
+def test_plot_never_writes_through_a_link_planted_in_the_run_folder(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = _metrics_run(tmp_path / "run", names=("loss", "grad_norm/layers/0", "grad_norm/layers/1"))
+    for name, extra in (("norms.png", ()), ("heatmap.png", ("--heatmap", r"grad_norm/layers/(\d+)$"))):
+        outside = _canary(tmp_path / f"outside-{name}")
+        (run / name).symlink_to(outside)
+        code, out, err = _run(capsys, "plot", run, *extra)
+        assert code == 0 and out.strip() == str(run / name), err
+        assert outside.read_bytes() == CANARY and not (run / name).is_symlink()
+        assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not [p for p in os.listdir(run) if ".treetools-" in p]
+
+
+def test_train_never_writes_metrics_or_checkpoints_through_a_planted_link(tmp_path, capsys):
+    # The metrics file: a fresh writer replaces a link at its name (the file it pointed to untouched); a resumed
+    # one refuses it; an append through a link planted since is refused.
+    run = tmp_path / "run"
+    run.mkdir()
+    outside = _canary(tmp_path / "outside.jsonl")
+    (run / "metrics.jsonl").symlink_to(outside)
+    writer = tt.JsonlWriter(run / "metrics.jsonl", all_processes=True)
+    writer(1, {"loss": 1.0})
+    assert outside.read_bytes() == CANARY and not (run / "metrics.jsonl").is_symlink()
+    assert tt.read_metrics(run) == [{"step": 1, "loss": 1.0}]
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(outside)
+    with pytest.raises(PermissionError, match="symbolic link"):
+        writer(2, {"loss": 0.5})
+    with pytest.raises(ValueError, match="symbolic link"):
+        tt.JsonlWriter(run / "metrics.jsonl", resume_step=1, all_processes=True)
+    assert outside.read_bytes() == CANARY
+    # The checkpoints folder: `train` refuses a link out of the workdir before anything is built.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (run / "metrics.jsonl").unlink()
+    (run / "checkpoints").symlink_to(elsewhere)
+    err = _one_error(capsys, "train", "--workdir", run, "--steps", "1")
+    assert "checkpoints: a symbolic link leading out of" in err and not os.listdir(elsewhere)
+
+
+def test_a_health_dump_and_its_image_never_go_through_a_planted_link(tmp_path, capsys):
+    import jax.numpy as jnp
+
+    from treetools.pytree.health import HealthRecorder, write_health_dump
+
+    recorder = HealthRecorder(length=4)
+    row = {"loss": jnp.float32(0.5), "grad_norm/a": jnp.float32(1.0)}
+    state = recorder.record(recorder.init(row), 1, row, False)
+    dump, outside = tmp_path / "run" / "health_1.json", _canary(tmp_path / "outside.json")
+    dump.parent.mkdir()
+    dump.symlink_to(outside)
+    write_health_dump(dump, state, reason="every")
+    assert outside.read_bytes() == CANARY and not dump.is_symlink() and json.loads(dump.read_text())["step"] == 1
+    pytest.importorskip("matplotlib")
+    image, outside_png = dump.with_suffix(".png"), _canary(tmp_path / "outside.png")
+    image.symlink_to(outside_png)
+    code, out, err = _run(capsys, "plot", dump)
+    assert code == 0 and out.strip() == str(image), err
+    assert outside_png.read_bytes() == CANARY and not image.is_symlink()
+
+
+def test_a_raw_escape_in_a_metric_name_never_reaches_stderr_through_matplotlib(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = _metrics_run(tmp_path / "run", names=("loss\x1b[31mred",))
+    code, out, err = _run(capsys, "plot", run, "--keys", "loss")
+    assert code == 0 and "\x1b" not in out + err, repr(err)
+    assert "treetools: note: matplotlib: Glyph 27 (\\x1b) missing" in err  # said, escaped
+
+
+def test_deeply_nested_metrics_lines_are_one_line_not_a_recursion_error(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "x": ' + "[" * 100_000 + "]" * 100_000
+                                       + "}\n")
+    err = _one_error(capsys, "plot", run)
+    assert "metrics.jsonl:2: a JSON line nested too deeply" in err
+    with pytest.raises(ValueError, match="nested too deeply"):  # what `train` resuming that run meets
+        tt.JsonlWriter(run / "metrics.jsonl", resume_step=1, all_processes=True)
+
+
+# ----------------------------------------------------------------------------- round 3: rendering bounded by its input
+
+def test_the_tree_view_is_linear_in_a_names_depth(tmp_path, capsys):
+    # A 16 KB header naming one tensor of 8,000 parts: the tree view indented each level (64 MB printed, 769 MB
+    # held) and keyed each folder by its whole prefix. Indenting stops at TREE_INDENT levels; deeper lines say
+    # their depth.
+    name = ".".join(["a"] * 8000)
+    f = _safetensors(tmp_path / "deep.safetensors", {name: {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+                     bytes(4))
+    size = f.stat().st_size
+    for fmt in ("tree", "table", "markdown", "json"):
+        code, out, err = _run(capsys, "inspect", f, "--format", fmt, "--leaves")
+        assert code == 0 and len(out) < 64 * size, (fmt, len(out))
+    code, out, _ = _run(capsys, "inspect", f, "--format", "tree")
+    lines = out.splitlines()
+    from treetools.shared.render import TREE_INDENT
+
+    assert any(line.startswith("  " * TREE_INDENT + "[depth 7998] a.") for line in lines)
+    assert max(len(line) for line in lines) < 2 * TREE_INDENT + 200
+    code, mib, out = grown_mib("inspect", f, "--format", "tree")
+    assert code == 0 and mib < 32, mib
+
+
+def test_metadata_of_many_tensors_is_held_to_a_multiple_of_its_size(tmp_path):
+    # An 8 MB safetensors header of 144,629 zero-size tensors: `--format json` held 559 MB (a dict per entry, a
+    # list of every piece of the JSON text, a list of every character to escape it).
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(144_629)}
+    f = _safetensors(tmp_path / "zero.safetensors", header)
+    size_mib = f.stat().st_size / 2**20
+    assert 8 <= size_mib < 12
+    for fmt in ("json", "table", "tree"):
+        code, mib, out = grown_mib("inspect", f, "--format", fmt)
+        assert code == 0 and mib < 20 * size_mib, (fmt, mib)  # measured: json 106 MiB (404 before)
+
+
+def _nested_json(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+def test_metadata_nested_900_deep_is_shown_in_every_format(tmp_path, capsys):
+    run = _orbax(tmp_path / "run", data_iter={"index": 7})
+    (run / "1" / "data_iter" / "metadata").write_text(_nested_json(900))
+    meta_path = run / "1" / "_CHECKPOINT_METADATA"
+    meta = json.loads(meta_path.read_text())
+    meta_path.write_text(json.dumps(meta)[:-1] + ', "custom_metadata": {"metrics": ' + _nested_json(900) + "}}")
+    for fmt in ("table", "tree", "markdown", "json"):
+        code, out, err = _run(capsys, "inspect", run, "--item", "data_iter", "--format", fmt)
+        assert code == 0 and "Traceback" not in err, (fmt, err[-500:])
+    code, out, _ = _run(capsys, "inspect", run, "--format", "json")
+    value = json.loads(out)["checkpoints"][0]["items"]["data_iter"]
+    assert code == 0 and value is not None
+    # Deeper than the JSON parser goes: one line naming the file.
+    (run / "1" / "data_iter" / "metadata").write_text(_nested_json(5000))
+    assert "nested too deeply" in _one_error(capsys, "inspect", run)
+
+
+def test_a_msgpack_tree_1000_deep_and_an_npz_name_of_3000_parts_are_read_or_refused_in_one_line(tmp_path, capsys):
+    import msgpack
+
+    tree: dict = {}
+    node = tree
+    for _ in range(1000):
+        node = node.setdefault("a", {})
+    node["w"] = 1.5
+    deep = tmp_path / "deep.msgpack"
+    deep.write_bytes(msgpack.packb(tree))
+    npz = _npz(tmp_path / "deep.npz", **{"/".join(["a"] * 3000): np.ones(2, np.float32)})
+    for f in (deep, npz):
+        for argv in (("inspect", f), ("inspect", f, "--format", "json"), ("inspect", f, "--format", "tree"),
+                     ("verify", f), ("diff", f, f, "--values")):
+            code, out, err = _run(capsys, *argv)
+            assert code == 0 and "Traceback" not in err, (f, argv, err[-300:])
+    params = tt.load_parameters(npz)  # 3,000 nested dicts, built without recursion
+    depth = 0
+    while isinstance(params, dict):
+        params, depth = params["a"], depth + 1
+    assert depth == 3000 and params.shape == (2,)
+    assert tt.load_parameters(deep) is not None
+    err = _one_error(capsys, "convert", npz, tmp_path / "orb", "--to", "orbax")
+    assert "is nested 3,000 levels deep" in err and not (tmp_path / "orb").exists()
+    code, _, err = _run(capsys, "convert", npz, tmp_path / "flat.safetensors", "--verify")
+    assert code == 0, err
+
+
+def test_deep_rules_files_and_regexes_are_usage_errors_not_recursion_errors(tmp_path, capsys):
+    src = _npz(tmp_path / "w.npz")
+    groups = "(" * 5000 + "w" + ")" * 5000  # Python's regex parser recurses once a group
+    files = {"deep.json": '{"rename": ' + "[" * 5000 + "]" * 5000 + "}",
+             "deep.toml": "rename = " + "[" * 5000 + "]" * 5000 + "\n",
+             "groups.json": json.dumps({"drop": [groups]})}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        for argv in (("convert", src, tmp_path / "o.safetensors", "--dry-run", "--rules", tmp_path / name),
+                     ("diff", src, src, "--rules", tmp_path / name)):
+            code, out, err = _run(capsys, *argv)
+            assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, (name, argv, err[-300:])
+            assert ("nested too deeply" in err) and len(err) < 2000, err[:300]
+    for argv in (("inspect", src, "--include", groups), ("inspect", src, "--exclude", groups),
+                 ("diff", src, src, "--rename", f"{groups}=>x"), ("convert", src, tmp_path / "o.safetensors",
+                                                                   "--drop", groups)):
+        code, out, err = _run(capsys, *argv)  # argparse's usage lines, then one error line
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and "Traceback" not in err and "nested too deeply" in last and len(last) < 2000, (argv, err[:300])
+    with pytest.raises(ValueError, match="nested too deeply"):
+        tt.Rules(drop=[groups])
+    pytest.importorskip("matplotlib")
+    run = _metrics_run(tmp_path / "run")
+    for flag in ("--keys", "--heatmap"):
+        err = _one_error(capsys, "plot", run, flag, groups)
+        assert "nested too deeply" in err
+
+
+# ----------------------------------------------------------------------------- round 3: the opt-in to follow links out
+
+def test_a_step_folder_on_another_volume_is_read_only_when_the_user_says_so(tmp_path, capsys):
+    # Clusters keep step folders on other volumes: `run/2 -> /volume2/2`. Refused by default (the link leads out
+    # of the checkpoint); followed with --follow-links / follow_links=True, and only then.
+    run = _orbax(tmp_path / "run", steps=(1, 2))
+    volume = tmp_path / "volume2"
+    volume.mkdir()
+    shutil.move(run / "2", volume / "2")
+    (run / "2").symlink_to(volume / "2")
+    err = _one_error(capsys, "inspect", run, "--stats")
+    assert "resolves outside the checkpoint" in err and "--follow-links" in err
+    with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):
+        tt.load_parameters(run)
+    code, out, err = _run(capsys, "inspect", run, "--stats", "--follow-links", "--format", "json")
+    assert code == 0 and json.loads(out)["steps"] == [1, 2], err
+    assert json.loads(out)["checkpoints"][0]["items"]["params"]["leaves"][0]["stats"]["max"] == 3.0  # 1.0 + 2
+    for argv in (("verify", run, "--follow-links"), ("diff", run / "1", run / "2", "--follow-links"),
+                 ("convert", run, tmp_path / "o.safetensors", "--follow-links")):
+        assert _run(capsys, *argv)[0] in (0, 1), argv  # diff: 1, the steps differ
+    assert float(tt.load_parameters(run, follow_links=True)["w"][0]) == 3.0
+    assert float(tt.load_parameters(tmp_path / "o.safetensors")["w"][0]) == 3.0
+    import jax
+
+    target = {"params": {"w": jax.ShapeDtypeStruct((8,), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}}
+    assert float(tt.restore_checkpoint(run, 2, target, follow_links=True)["params"]["w"][0]) == 3.0
+    with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):
+        tt.restore_checkpoint(run, 2, target)
+    report = tt.inspect_path(run, stats=True, follow_links=True)
+    assert report.to_json()["steps"] == [1, 2]
+    assert tt.open_source(run, follow_links=True).snapshot(2).items["params"].leaves[0].reader.read((slice(0, 2),))[0] == 3.0
+
+
+# ----------------------------------------------------------------------------- round 3: a budget that reads what writers write
+
+def test_what_the_owners_tools_write_at_their_defaults_reads_at_a_64_mb_budget(tmp_path, capsys, monkeypatch):
+    # Every OCDBT manifest Orbax 0.12 writes declares max_decoded_node_bytes 100,000,000: under a 64 MB budget
+    # every Orbax checkpoint was refused, convert --to orbax --verify included. What a node may decode to is now
+    # bounded from what is stored.
+    import h5py
+    import orbax.checkpoint as ocp
+    from safetensors.numpy import save_file
+
+    monkeypatch.setenv("TREETOOLS_MEMORY_BUDGET_MB", "64")
+    w = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    written = {}
+    written["orbax manager (tt.save_checkpoint)"] = _orbax(tmp_path / "run")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "standard", {"w": w})
+    written["orbax StandardCheckpointer"] = tmp_path / "standard"
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(tmp_path / "manager", options=options) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": w})))
+    written["orbax CheckpointManager"] = tmp_path / "manager"
+    for driver, base in (("zarr", {"driver": "file"}), ("zarr3", {"driver": "file"}),
+                         ("zarr", {"driver": "ocdbt", "base": {"driver": "file"}})):
+        folder = tmp_path / f"ts-{driver}-{base['driver']}" / "params"
+        kv = dict(base)
+        if kv["driver"] == "file":
+            kv["path"] = str(folder / "w") + "/"
+        else:
+            kv = {"driver": "ocdbt", "base": {"driver": "file", "path": str(folder) + "/"}, "path": "w"}
+        store = ts.open({"driver": driver, "kvstore": kv}, create=True, dtype="float32", shape=w.shape).result()
+        store[...] = w
+        _item_metadata(folder, ["w"])
+        meta = json.loads((folder / "_METADATA").read_text())
+        meta.update(use_zarr3=driver == "zarr3", use_ocdbt=base["driver"] == "ocdbt")
+        (folder / "_METADATA").write_text(json.dumps(meta))
+        written[f"tensorstore {driver} over {base['driver']}"] = folder
+    with h5py.File(tmp_path / "model.weights.h5", "w") as f:
+        f.create_dataset("layers/dense/vars/0", data=w)
+    written["h5py"] = tmp_path / "model.weights.h5"
+    with h5py.File(tmp_path / "chunked.h5", "w") as f:
+        f.create_dataset("w", data=w, chunks=True, compression="gzip", shuffle=True, fletcher32=True)
+    written["h5py chunked, gzip"] = tmp_path / "chunked.h5"
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    written["safetensors"] = tmp_path / "model.safetensors"
+    for what, path in written.items():
+        for argv in (("inspect", path), ("inspect", path, "--stats"), ("verify", path)):
+            code, out, err = _run(capsys, *argv)
+            assert code == 0, (what, argv, out[-500:], err)
+        params = tt.flatten(tt.load_parameters(path))
+        got = next(v for k, v in params.items() if k.endswith("w") or k.endswith("vars/0"))
+        if what.startswith("orbax manager"):
+            np.testing.assert_array_equal(got, np.full(8, 2.0, np.float32))
+        else:
+            np.testing.assert_array_equal(got, w, err_msg=what)
+    # convert --to orbax --verify at that budget, on its own output too.
+    code, out, err = _run(capsys, "convert", tmp_path / "model.safetensors", tmp_path / "orb", "--to", "orbax",
+                          "--verify", "--memory-budget-mb", "64")
+    assert code == 0 and "verify: ok" in out, (out, err)
+    code, out, err = _run(capsys, "convert", tmp_path / "orb", tmp_path / "orb2", "--to", "orbax", "--verify",
+                          "--memory-budget-mb", "64")
+    assert code == 0 and "verify: ok" in out, (out, err)
+    assert (tmp_path / "orb" / "manifest.ocdbt").exists()  # what Orbax 0.12 writes: an OCDBT database
+    import tensorstore
+
+    kv = tensorstore.KvStore.open({"driver": "file", "path": str(tmp_path / "orb") + "/"}).result()
+    assert tensorstore.ocdbt.dump(kv).result()["config"]["max_decoded_node_bytes"] == 100_000_000
+
+
+def test_overwrite_of_a_folder_is_one_exchange_where_the_kernel_has_it(tmp_path, capsys, monkeypatch):
+    # --overwrite of a folder DST (shards, an Orbax checkpoint) exchanges the finished new folder with the old one
+    # in one renameat2(RENAME_EXCHANGE): the destination is never absent, so a kill at any moment leaves one whole.
+    from treetools.shared import files
+
+    if not files.renameat2_available():
+        pytest.skip("no renameat2 here: the two-rename fallback applies")
+    src = _npz(tmp_path / "w.npz", w=np.full(4, 5.0, np.float32))
+    for dst, extra in ((tmp_path / "hf", ()), (tmp_path / "orb", ("--to", "orbax"))):
+        assert _run(capsys, "convert", _npz(tmp_path / "old.npz"), dst, *extra)[0] == 0
+        real_rename = os.rename
+
+        def rename(a, b, *args, _dst=str(dst), **kwargs):
+            if os.fspath(a) == _dst:
+                pytest.fail("the old destination was renamed aside: it was absent for a moment")
+            return real_rename(a, b, *args, **kwargs)
+
+        monkeypatch.setattr(files.os, "rename", rename)
+        code, out, err = _run(capsys, "convert", src, dst, "--overwrite", *extra)
+        monkeypatch.undo()
+        assert code == 0, err
+        assert float(tt.flatten(tt.load_parameters(dst))["w"][0]) == 5.0
+        assert not [p for p in os.listdir(tmp_path) if ".treetools-" in p]
+
+
+def test_hdf5_chunks_are_decoded_by_treetools_with_the_filters_it_knows_and_no_other(tmp_path, capsys):
+    import h5py
+
+    w = np.arange(1000, dtype="<f4").reshape(10, 100)
+    with h5py.File(tmp_path / "ok.h5", "w") as f:
+        f.create_dataset("w", data=w, chunks=(3, 7), compression="gzip", shuffle=True, fletcher32=True)
+        sparse = f.create_dataset("sparse", shape=(50,), chunks=(10,), dtype="<f4", fillvalue=7.0)
+        sparse[15:17] = 1.0  # one chunk written; the other four are the fill value, never decoded
+        f.create_dataset("lzf", data=w, chunks=(5, 50), compression="lzf")
+    source = tt.open_source(tmp_path / "ok.h5")
+    leaves = {leaf.name: leaf for leaf in source.snapshot().items["default"].leaves}
+    np.testing.assert_array_equal(leaves["w"].reader.read((slice(2, 9), slice(5, 60))), w[2:9, 5:60])
+    expected = np.full(50, 7.0, np.float32)
+    expected[15:17] = 1.0
+    np.testing.assert_array_equal(leaves["sparse"].reader.read((slice(None),)), expected)
+    with pytest.raises(CheckpointError, match="HDF5 filter 32000, which treetools does not decode"):
+        leaves["lzf"].reader.read((slice(None), slice(None)))
+    # A chunk whose bytes changed fails its fletcher32 checksum.
+    with h5py.File(tmp_path / "ok.h5", "r+") as f:
+        mask, raw = f["w"].id.read_direct_chunk((0, 0))
+        f["w"].id.write_direct_chunk((0, 0), raw[:-4] + bytes(4), mask)
+    with pytest.raises(CheckpointError, match="fails its fletcher32 checksum"):
+        leaves["w"].reader.read((slice(0, 3), slice(0, 7)))

@@ -471,12 +471,13 @@ def _read(source: Source, work: _Work) -> Any:
 # ---------------------------------------------------------------------------- restore
 
 
-def _open(manager: Any, prefix: str | None = None) -> tuple[Source, Any]:
+def _open(manager: Any, prefix: str | None = None, follow_links: bool = False) -> tuple[Source, Any]:
     """The source a manager (its pending save waited for) or a path names, and how to name it in errors."""
     if hasattr(manager, "directory") and hasattr(manager, "wait_until_finished"):
         manager.wait_until_finished()  # a pending async save may be the latest step
-        return open_source(location(manager.directory, name="manager"), prefix=prefix), manager.directory
-    return open_source(location(manager, name="manager"), prefix=prefix), manager
+        return (open_source(location(manager.directory, name="manager"), prefix=prefix, follow_links=follow_links),
+                manager.directory)
+    return open_source(location(manager, name="manager"), prefix=prefix, follow_links=follow_links), manager
 
 
 def _per_item(value: Any, names: Sequence[str], what: str, *, is_one: Callable[[Any], bool]) -> dict[str, Any]:
@@ -500,7 +501,8 @@ def _per_item(value: Any, names: Sequence[str], what: str, *, is_one: Callable[[
 
 def _prepare(manager: Any, step: Any, items: Mapping[str, Any], *, sharding: Any, rules: Any, fill_missing: Any,
              allow_unused: bool, allow_dtype_cast: bool,
-             prefix: str | None = None) -> tuple[Source, int | None, Any, RestorePlan, dict, dict]:
+             prefix: str | None = None, follow_links: bool = False
+             ) -> tuple[Source, int | None, Any, RestorePlan, dict, dict]:
     if not isinstance(items, Mapping) or not items:
         raise ValueError("`items` must be a non-empty dict of item name -> target tree (or None for JSON items).")
     names = list(items)
@@ -514,7 +516,7 @@ def _prepare(manager: Any, step: Any, items: Mapping[str, Any], *, sharding: Any
         )
     rules_by = _per_item(rules, names, "rules", is_one=lambda v: isinstance(v, Rules))
     fills = _per_item(fill_missing, pytree_names, "fill_missing", is_one=lambda v: len(pytree_names) == 1)
-    source, display = _open(manager, prefix)
+    source, display = _open(manager, prefix, follow_links)
     resolved = source.resolve(step)
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
         present = source.item_names(resolved)
@@ -558,6 +560,7 @@ def plan_restore(
     allow_unused: bool = False,
     allow_dtype_cast: bool = False,
     prefix: str | None = None,
+    follow_links: bool = False,
 ) -> RestorePlan:
     """What ``restore_checkpoint`` would do with the same arguments, from metadata alone.
 
@@ -592,7 +595,8 @@ def plan_restore(
     /... (step 1): 1/2 target leaves from the checkpoint, 1 from fill_missing (params/head), 0 checkpoint leaves unused, 0 problems
     """
     return _prepare(manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing,
-                    allow_unused=allow_unused, allow_dtype_cast=allow_dtype_cast, prefix=prefix)[3]
+                    allow_unused=allow_unused, allow_dtype_cast=allow_dtype_cast, prefix=prefix,
+                    follow_links=follow_links)[3]
 
 
 def restore_checkpoint(
@@ -606,6 +610,7 @@ def restore_checkpoint(
     allow_unused: bool = False,
     allow_dtype_cast: bool = False,
     prefix: str | None = None,
+    follow_links: bool = False,
 ) -> dict[str, Any]:
     """Restore named items of a step into their targets' structure, dtypes and shardings, with rules.
 
@@ -648,6 +653,8 @@ def restore_checkpoint(
         params from an fp32 checkpoint); values are converted on read.
       prefix: in a folder holding several series of steps (flax's
         ``save_checkpoint(prefix=...)``), the series to read (default ``checkpoint_``).
+      follow_links: follow symlinks that lead out of the checkpoint (step folders kept on another volume); off
+        by default, for checkpoints you trust (docs/untrusted.md says what it gives up).
 
     Returns:
       name -> restored tree (JSON items as dicts).
@@ -671,7 +678,7 @@ def restore_checkpoint(
     """
     source, resolved, display, plan, work, out = _prepare(
         manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing, allow_unused=allow_unused,
-        allow_dtype_cast=allow_dtype_cast, prefix=prefix)
+        allow_dtype_cast=allow_dtype_cast, prefix=prefix, follow_links=follow_links)
     if plan.problems:
         raise CheckpointMismatchError(resolved, display, plan.problems)
     with source.reading(resolved):
@@ -697,15 +704,24 @@ def _nest(pairs: Sequence[tuple[Row, Any]]) -> Any:
             node = node.setdefault(part, {})
         node[parts[-1] if parts else ""] = value
 
-    def lists(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        node = {k: lists(v) for k, v in node.items()}
+    # Dicts keyed 0..n-1 become lists, children before parents; iterative (a name of 3,000 parts nests 3,000 dicts).
+    order: list[tuple[Any, Any, dict]] = []
+    stack: list[tuple[Any, Any, Any]] = [(None, None, out)]
+    while stack:
+        parent, key, node = stack.pop()
+        if isinstance(node, dict):
+            order.append((parent, key, node))
+            stack.extend((node, k, v) for k, v in node.items())
+    top: Any = out
+    for parent, key, node in reversed(order):
+        value: Any = node
         if node and list(node) == [str(i) for i in range(len(node))]:
-            return list(node.values())
-        return node
-
-    return lists(out)
+            value = list(node.values())
+        if parent is None:
+            top = value
+        else:
+            parent[key] = value
+    return top
 
 
 def load_parameters(
@@ -721,6 +737,7 @@ def load_parameters(
     allow_unused: bool = False,
     allow_dtype_cast: bool = False,
     prefix: str | None = None,
+    follow_links: bool = False,
 ) -> Any:
     """The params (or EMA params) of one step, without a manager or model code.
 
@@ -752,6 +769,8 @@ def load_parameters(
       prefix: in a folder holding several series of steps (flax's
         ``save_checkpoint(prefix=...)``: ``checkpoint_6`` and ``eval_6``), the
         series to read (default ``checkpoint_``, else the steps named by number alone).
+      follow_links: follow symlinks that lead out of the checkpoint (step folders kept on another volume); off
+        by default, for checkpoints you trust (docs/untrusted.md says what it gives up).
 
     Raises:
       CheckpointNotFoundError: (a ``FileNotFoundError``) no such path, no
@@ -774,7 +793,7 @@ def load_parameters(
     # A path is shown as the user typed it (relative, `~`); anything else path-like (etils.epath) as its location.
     shown = (os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, (str, os.PathLike))
              else location(checkpoint_dir, name="checkpoint_dir"))
-    source = open_source(shown, memory_budget=UNBOUNDED, prefix=prefix)
+    source = open_source(shown, memory_budget=UNBOUNDED, prefix=prefix, follow_links=follow_links)
     resolved = source.resolve(step)
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
         found, found_at = find_params(source, resolved, item=item, use_ema=use_ema_params)

@@ -52,6 +52,9 @@ class ReadContext:
         (None: ``checkpoint_``, else the steps named by number alone).
       storage: the storage reads go through; ``open_source`` binds it to the checkpoint opened (``within``),
         confined to it. None before that: the unconfined storage of each path's scheme.
+      follow_links: follow symlinks that lead out of the checkpoint (a step folder kept on another volume):
+        the storage is then not confined to the checkpoint, and a link inside it may make treetools read any
+        file the user can (docs/untrusted.md says what that gives up). Off by default; for checkpoints you trust.
 
     >>> ctx = ReadContext(memory_budget=64 * 2**20)
     >>> ctx.memory_budget // 2**20, ctx.block_bytes // 2**20, ctx.workers
@@ -63,6 +66,7 @@ class ReadContext:
     workers: int | None = None
     prefix: str | None = None
     storage: Storage | None = dataclasses.field(default=None, compare=False, repr=False)
+    follow_links: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.memory_budget, (int, float)) and self.memory_budget > 0):
@@ -72,6 +76,8 @@ class ReadContext:
             raise ValueError(f"`block_bytes` must be a positive number of bytes, got {self.block_bytes!r}.")
         if self.workers is not None and not (isinstance(self.workers, int) and self.workers >= 1):
             raise ValueError(f"`workers` must be a positive number of threads, got {self.workers!r}.")
+        if not isinstance(self.follow_links, bool):
+            raise TypeError(f"`follow_links` must be True or False, got {self.follow_links!r}.")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> "ReadContext":
@@ -108,7 +114,7 @@ class ReadContext:
         >>> ctx.storage.isdir("/")
         True
         """
-        return self.within(backend(location).confine(location))
+        return self.within(backend(location).confine(location, follow_links=self.follow_links))
 
     def replace(self, **changes: Any) -> "ReadContext":
         """A copy with ``changes`` (``load_parameters`` reads whole arrays: ``memory_budget=math.inf``)."""

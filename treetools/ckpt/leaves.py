@@ -24,7 +24,7 @@ NO_VALUE: Any = type("NoValue", (), {"__repr__": lambda self: "NO_VALUE"})()
 """The value of a non-array leaf that the metadata does not carry."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Leaf:
     """One leaf of a checkpoint: its row (metadata) and, for arrays, a reader.
 

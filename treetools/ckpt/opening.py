@@ -14,7 +14,7 @@ from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 
 def open_source(path: str | os.PathLike, context: ReadContext | None = None, *, memory_budget: float | None = None,
-                prefix: str | None = None) -> Source:
+                prefix: str | None = None, follow_links: bool | None = None) -> Source:
     """Open any checkpoint read-only through the format that claims it.
 
     Relative and ``~`` paths work; the path is shown as given. The path is the
@@ -33,6 +33,8 @@ def open_source(path: str | os.PathLike, context: ReadContext | None = None, *, 
       prefix: in a folder holding several series of steps (flax's
         ``save_checkpoint(prefix=...)``: ``checkpoint_6`` and ``eval_6``), read
         this one (None: the context's, else ``checkpoint_``, else the steps named by number alone).
+      follow_links: follow symlinks that lead out of the checkpoint (None: the context's, off by default); see
+        ``ReadContext.follow_links`` and docs/untrusted.md for what it gives up.
 
     Raises:
       CheckpointNotFoundError: nothing at ``path``.
@@ -51,8 +53,8 @@ def open_source(path: str | os.PathLike, context: ReadContext | None = None, *, 
     if not display:
         raise CheckpointNotFoundError("empty path: pass a checkpoint folder or file.")
     context = context if context is not None else ReadContext.from_env()
-    context = context.replace(**{k: v for k, v in (("memory_budget", memory_budget), ("prefix", prefix))
-                                 if v is not None})
+    context = context.replace(**{k: v for k, v in (("memory_budget", memory_budget), ("prefix", prefix),
+                                                   ("follow_links", follow_links)) if v is not None})
     location = normalize(display)
     storage = backend(location)
     storage.forget(location)  # a bucket is listed afresh each time a checkpoint is opened

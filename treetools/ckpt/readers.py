@@ -171,6 +171,8 @@ class ArrayReader:
     ``blocks`` when the storage can only be streamed front to back.
     """
 
+    __slots__ = ()  # a subclass made by the hundred thousand (``FileReader``) may do without a ``__dict__``
+
     shape: tuple[int, ...]
     dtype: np.dtype
     context: ReadContext | None = None
@@ -332,23 +334,37 @@ class FileReader(ArrayReader):
     elements)`` pairs, in order; by default one piece of all elements at ``offset``.
     """
 
+    # Slots: a safetensors header may list 144,629 tensors, each a reader; a __dict__ each was 650 bytes.
+    __slots__ = ("context", "_path", "_offset", "shape", "dtype", "_fortran", "_segments")
+
     def __init__(self, context: ReadContext, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *,
                  fortran: bool = False, segments: Sequence[tuple[int, int]] | None = None):
         self.context = context
-        self._storage = context.storage
         self._path = path
         self._offset = int(offset)
         self.shape = tuple(int(d) for d in shape)
         self.dtype = np.dtype(dtype)
         self._fortran = fortran
-        self.storage_order = fortran  # statistics read Fortran data in its own (transposed) order
-        self.remote = self._storage.remote
         pieces = segments if segments is not None else [(self._offset, math.prod(self.shape))]
-        self._segments: list[tuple[int, int, int]] = []  # (first flat element, file offset, elements)
+        segs: list[tuple[int, int, int]] = []  # (first flat element, file offset, elements)
         first = 0
         for pos, count in pieces:
-            self._segments.append((first, int(pos), int(count)))
+            segs.append((first, int(pos), int(count)))
             first += int(count)
+        self._segments = tuple(segs)
+
+    @property
+    def _storage(self) -> Any:
+        return self.context.storage
+
+    @property
+    def storage_order(self) -> bool:  # type: ignore[override]
+        """Statistics read Fortran data in its own (transposed) order."""
+        return self._fortran
+
+    @property
+    def remote(self) -> bool:  # type: ignore[override]
+        return self.context.storage.remote
 
     @property
     def segments(self) -> list[tuple[int, int]]:

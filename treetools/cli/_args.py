@@ -17,6 +17,8 @@ import difflib
 import re
 from typing import Any, Callable, Iterable, Sequence
 
+from treetools.shared.patterns import compile_regex
+
 
 def _number(kind: type, check: Callable[[float], bool], expected: str) -> Callable[[str], Any]:
     """An argparse type: ``kind(text)`` that passes ``check``, else a usage error saying what was expected."""
@@ -46,9 +48,10 @@ def regex(text: str) -> str:
     'kernel$'
     """
     try:
-        re.compile(text)
+        compile_regex(text)
     except re.error as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a valid regex ({e})") from None
+        shown = repr(text) if len(text) <= 200 else repr(text[:200]) + "..."
+        raise argparse.ArgumentTypeError(f"{shown} is not a valid regex ({e})") from None
     return text
 
 

@@ -81,10 +81,14 @@ def memory_budget_mb(text: str) -> float:
 
 
 def add_reading(parser: argparse.ArgumentParser) -> None:
-    """``--memory-budget-mb MB`` (the most stored data decoded at once), and the hidden block size ``--chunk-mb``."""
+    """``--memory-budget-mb MB`` (the most stored data decoded at once), ``--follow-links`` (links out of the
+    checkpoint followed), and the hidden block size ``--chunk-mb``."""
     parser.add_argument("--memory-budget-mb", type=memory_budget_mb, default=None, dest="memory_budget", metavar="MB",
                         help="most stored data decoded at once by --stats/--show/--values/verify: one storage "
                              "chunk or one --show read (default 2048; TREETOOLS_MEMORY_BUDGET_MB)")
+    parser.add_argument("--follow-links", action="store_true", default=False,
+                        help="follow symlinks that lead out of the checkpoint (step folders on another volume); "
+                             "off by default: only for checkpoints you trust (docs/untrusted.md)")
     # Hidden: the block budget of --stats / --values / verify (tests and benchmarks shrink it).
     parser.add_argument("--chunk-mb", type=chunk_mb, default=None, dest="chunk_bytes", help=argparse.SUPPRESS)
 

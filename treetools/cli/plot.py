@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,7 @@ from treetools.cli._args import positive_int
 from treetools.cli.options import add_rules, rules_from
 from treetools.pytree.metrics import METRICS_FILE, read_metrics
 from treetools.shared.errors import UsageError
+from treetools.shared.files import replace_file
 from treetools.shared.rows import STATS
 
 if TYPE_CHECKING:
@@ -179,9 +181,21 @@ def _plot_health_dump(path: str, output: str | None) -> int:
 
     output = os.path.expanduser(output) if output else os.path.splitext(os.path.expanduser(path))[0] + ".png"
     _check_output(output, image_formats())
-    healthplot.health_figure(healthplot.read_health_dump(path)).savefig(output, dpi=100)
+    _save(healthplot.health_figure(healthplot.read_health_dump(path)), output)
     _output.out(output)
     return 0
+
+
+def _save(fig: "Figure", output: str) -> None:
+    """Write ``fig`` to ``output``: whole, then renamed over it (a link planted there is replaced, never written
+    through: ``shared.files.replace_file``); matplotlib's warnings (a glyph missing for an ESC in a name) as one
+    escaped note each, never raw on stderr."""
+    fmt = os.path.splitext(output)[1].lower().lstrip(".") or "png"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        replace_file(output, lambda f: fig.savefig(f, format=fmt, dpi=100))
+    for message in dict.fromkeys(str(w.message) for w in caught):
+        _output.note(f"matplotlib: {message}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -214,6 +228,6 @@ def main(args: argparse.Namespace) -> int:
                          rules=rules_from(args))
     else:
         fig = plot_metrics(_read_runs(paths), keys=args.keys, heatmap=args.heatmap)
-    fig.savefig(output, dpi=100)
+    _save(fig, output)
     _output.out(output)
     return 0

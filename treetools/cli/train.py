@@ -45,6 +45,7 @@ import os
 
 from treetools.cli import _output
 from treetools.cli._args import positive_float, positive_int, unit_float
+from treetools.shared.files import refuse_link_out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +106,9 @@ def check_workdir(workdir: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     check_workdir(args.workdir)
+    # Orbax would save (and prune) through a link planted at WORKDIR/checkpoints; metrics.jsonl is guarded where
+    # it is written (tt.JsonlWriter).
+    refuse_link_out(os.path.join(args.workdir, "checkpoints"), args.workdir)
     if args.cpu_devices:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:

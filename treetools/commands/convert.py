@@ -54,7 +54,7 @@ from treetools.ckpt.writers.safetensors import (
 from treetools.shared.errors import CheckpointError, UsageError
 from treetools.commands.options import ConvertOptions, resolve
 from treetools.commands.progress import Progress
-from treetools.shared.render import json_object
+from treetools.shared.render import json_object, safe_text
 from treetools.shared.rows import human
 from treetools.rules.plan import TargetLeaf
 from treetools.rules.spec import Rules
@@ -185,6 +185,22 @@ def _check_places(src: str, dst: str) -> tuple[str, str]:
     return a, b
 
 
+def _check_names(paths: Any) -> None:
+    """Refuse a target name no file can hold: text that is not UTF-8 (a lone surrogate, ``a\\ud800b``, which a
+    JSON header may spell), before anything is written.
+
+    >>> _check_names(["a/b", "a\\ud800b"])
+    Traceback (most recent call last):
+    treetools.shared.errors.CheckpointError: `a\\ud800b`: not UTF-8 text (a lone surrogate), which neither safetensors nor Orbax can store; rename it (--rename).
+    """
+    for path in paths:
+        try:
+            path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CheckpointError(f"`{safe_text(path, width=200)}`: not UTF-8 text (a lone surrogate), which neither "
+                                  "safetensors nor Orbax can store; rename it (--rename).") from None
+
+
 def _readable(t: TargetLeaf) -> str | None:
     """Why a target leaf cannot be written (None when it can)."""
     if t.shape is None:
@@ -299,10 +315,11 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
     metadata = {str(k): str(v) for k, v in dict(opts.metadata).items()}
     src_loc, dst_loc = _check_places(src, dst)
     context = opts.read_context()
-    exists = backend(dst_loc).exists(dst_loc)
+    exists = backend(dst_loc).lexists(dst_loc)  # a dangling symlink is something there too
     if exists and not opts.overwrite and not opts.dry_run and opts.dst_step is None:
         raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it.")
     plan = _plan(src, opts, context)
+    _check_names(t.path for t in plan.targets)
     report = ConvertReport(str(src), str(dst), plan.source.format, plan.step, plan.item.name, to, "", [],
                            dropped=plan.dropped, skipped=plan.skipped, dry_run=opts.dry_run)
     report.notes += plan.notes + [f"left out `{p}`: {why}" for p, why in plan.skipped]

@@ -34,11 +34,14 @@ class ReadOptions:
       memory_budget: the most stored data decoded at once, in bytes (None:
         ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB; ``math.inf``: none).
       progress: draw a progress bar on stderr (None: when stderr is a terminal).
+      follow_links: follow symlinks that lead out of the checkpoint (``ReadContext.follow_links``; off by
+        default: a link out is refused).
     """
 
     chunk_bytes: int | None = None
     memory_budget: float | None = None
     progress: bool | None = None
+    follow_links: bool = False
 
     def read_context(self) -> ReadContext:
         """The ``ReadContext`` a command reads with: these fields, the environment variables for those not given
@@ -48,7 +51,7 @@ class ReadOptions:
         'eval_'
         """
         return ReadContext.from_env(memory_budget=self.memory_budget, block_bytes=self.chunk_bytes,
-                                    prefix=getattr(self, "prefix", None))
+                                    prefix=getattr(self, "prefix", None), follow_links=self.follow_links)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

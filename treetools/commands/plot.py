@@ -32,6 +32,7 @@ from treetools.commands.options import InspectOptions
 from treetools.commands.report import Report, inspect_path
 from treetools.shared.errors import UsageError
 from treetools.shared.install import install_hint
+from treetools.shared.patterns import compile_regex
 from treetools.shared.rows import Row, nonfinite_count
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def _compile(keys: str | Sequence[str] | None) -> tuple[re.Pattern | None, str]:
     keys = [keys] if isinstance(keys, str) else list(keys)
     for key in keys:
         try:
-            re.compile(key)
+            compile_regex(key)
         except re.error as e:
             raise ValueError(f"--keys {key!r}: not a valid regex ({e}).") from None
     return re.compile("|".join(f"(?:{k})" for k in keys)), " ".join(f"--keys {k!r}" for k in keys)
@@ -408,7 +409,7 @@ def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str
     from matplotlib.patches import Patch
 
     try:
-        regex_ = re.compile(pattern)
+        regex_ = compile_regex(pattern)
     except re.error as e:
         raise ValueError(f"--heatmap {pattern!r}: not a valid regex ({e}).") from None
     if regex_.groups < 1:

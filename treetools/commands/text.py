@@ -27,6 +27,7 @@ from treetools.shared.render import (
     cut_paths,
     footer,
     format_stat,
+    json_text,
     jsonable,
     render_tree,
     row_cells,
@@ -88,7 +89,7 @@ def render_report(report: Report, fmt: str = "table", *, tablefmt: str = "simple
     ``--stats`` one column per step for each chosen statistic.
     """
     if fmt == "json":
-        return json.dumps(report.to_json(), indent=2, allow_nan=False)
+        return json_text(report.to_json(), allow_nan=False)
     if fmt not in ("table", "markdown", "tree"):
         raise ValueError(f"`fmt` must be one of table, markdown, tree, json; got {fmt!r}.")
     md = fmt == "markdown"
@@ -305,7 +306,7 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     ``allclose`` column (saying so) where the paths would get too little room; markdown keeps paths whole.
     """
     if fmt == "json":
-        return json.dumps(report.to_json(), indent=2, allow_nan=False)
+        return json_text(report.to_json(), allow_nan=False)
     if fmt not in ("table", "markdown"):
         raise ValueError(f"`fmt` must be one of table, markdown, json; got {fmt!r}.")
     md = fmt == "markdown"
@@ -459,7 +460,7 @@ def render_verify(run: VerifyRun, fmt: str = "table") -> str:
     """
     results = run.results
     if fmt == "json":
-        return json.dumps(run.to_json(), indent=2, allow_nan=False)
+        return json_text(run.to_json(), allow_nan=False)
     if fmt != "table":
         raise ValueError(f"`fmt` must be one of table, json; got {fmt!r}.")
     sections = []
@@ -490,7 +491,7 @@ def render_convert(report: ConvertReport, fmt: str = "table") -> str:
     """Render a ``ConvertReport``: with ``dry_run`` the mapping (source -> name, shape, dtype, file), one
     ``problem:`` line per difference ``verify`` found, the dropped leaves' count, then the verdict; or JSON."""
     if fmt == "json":
-        return json.dumps(report.to_json(), indent=2)
+        return json_text(report.to_json())
     if fmt != "table":
         raise ValueError(f"`fmt` must be one of table, json; got {fmt!r}.")
 

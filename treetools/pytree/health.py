@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from treetools.shared.files import replace_file
 from treetools.shared.records import encode_record
 
 DUMP_KIND = "treetools.health_dump"
@@ -358,11 +359,7 @@ def write_health_dump(path: str | os.PathLike, recorder_state: RecorderState, *,
                         for r in rows]}
     path = os.path.expanduser(os.fspath(path))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "x", encoding="utf-8") as f:
-        json.dump(dump, f, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
+    replace_file(path, (json.dumps(dump, allow_nan=False) + "\n").encode("utf-8"))  # the one safe write
     return path
 
 

@@ -55,6 +55,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from treetools.shared.files import open_append, replace_file
 from treetools.shared.install import install_hint
 from treetools.shared.records import NONFINITE, decode_record, encode_record
 
@@ -152,6 +153,9 @@ def _parse(path: str, data: bytes) -> list[tuple[int, bytes, dict]]:
             if lineno == len(lines):  # no newline after it: still being written, or cut short
                 continue
             raise ValueError(f"{path}:{lineno}: not a JSON line ({e.msg}); {_NOT_METRICS}") from None
+        except RecursionError:  # json parses nesting by recursion: [[[[...]]]] 100,000 deep
+            raise ValueError(f"{path}:{lineno}: a JSON line nested too deeply to be a metrics record; "
+                             f"{_NOT_METRICS}") from None
         if not isinstance(record, dict) or not _is_number(record.get("step")):
             raise ValueError(f"{path}:{lineno}: not a metrics record (a JSON object with a numeric `step`); "
                              f"{_NOT_METRICS}")
@@ -228,12 +232,7 @@ def _keep_until(path: str, resume_step: int) -> None:
     if all(record["step"] <= resume_step for _, _, record in entries) and (not data or data.endswith(b"\n")):
         return  # nothing to drop, and the next line will start on a line of its own
     kept = b"".join(raw + b"\n" for _, raw, record in entries if record["step"] <= resume_step)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(kept)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_file(path, kept)
 
 
 class JsonlWriter:
@@ -274,15 +273,18 @@ class JsonlWriter:
         parent = os.path.dirname(self.path)
         if parent:
             os.makedirs(parent, exist_ok=True)
+        if os.path.islink(self.path) and resume_step is not None:  # never read nor written through a link
+            raise ValueError(f"{self.path} is a symbolic link; treetools never writes a metrics file through a link "
+                             "(remove it, or log to another file).")
         if resume_step is None:
-            open(self.path, "w", encoding="utf-8").close()
+            replace_file(self.path, b"")  # a link planted at the name is replaced, not written through
         else:
             _keep_until(self.path, resume_step)
 
     def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
         if not _writes(self.all_processes):
             return
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open_append(self.path) as f:  # O_NOFOLLOW: a link planted since is refused, not appended through
             f.write(json.dumps(encode_record({"step": int(step), **metrics}), allow_nan=False) + "\n")
 
 

@@ -318,6 +318,9 @@ def read_rules_file(path: str | os.PathLike, *, what: str = "rules file") -> Any
         return json.loads(raw) if suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{what} {path} does not parse as {suffix[1:].upper()}: {e}") from None
+    except RecursionError:  # both parsers recurse once a level
+        raise ValueError(f"{what} {path} is nested too deeply to parse as {suffix[1:].upper()}; no rules file nests "
+                         "more than a few levels.") from None
 
 
 @dataclasses.dataclass(frozen=True, repr=False, kw_only=True)

@@ -19,6 +19,22 @@ from typing import Iterable, Sequence
 from treetools.shared.errors import PatternError
 
 
+def compile_regex(pattern: str | re.Pattern) -> re.Pattern:
+    """``re.compile``, with a pattern Python's parser cannot take (5,000 nested groups: it parses by recursion) one
+    more ``re.error`` instead of a ``RecursionError``.
+
+    >>> compile_regex("(" * 5000 + "w" + ")" * 5000)
+    Traceback (most recent call last):
+    re.error: nested too deeply for Python's regex parser
+    """
+    try:
+        return re.compile(pattern)
+    except RecursionError:
+        raise re.error("nested too deeply for Python's regex parser") from None
+    except OverflowError as e:  # "regular expression code size limit exceeded"
+        raise re.error(str(e)) from None
+
+
 def compile_patterns(patterns: str | Iterable[str] | None, *, name: str) -> list[re.Pattern]:
     """Compile regexes, naming the argument in the error for a bad one.
 
@@ -32,9 +48,10 @@ def compile_patterns(patterns: str | Iterable[str] | None, *, name: str) -> list
     out = []
     for pat in patterns:
         try:
-            out.append(re.compile(pat))
+            out.append(compile_regex(pat))
         except re.error as e:
-            raise PatternError(f"`{name}` pattern {pat!r} is not a valid regex ({e}); fix or escape it.") from None
+            shown = repr(pat) if len(str(pat)) <= 200 else repr(str(pat)[:200]) + "..."
+            raise PatternError(f"`{name}` pattern {shown} is not a valid regex ({e}); fix or escape it.") from None
     return out
 
 

@@ -99,7 +99,7 @@ class LeafSharding:
         return "P(" + ", ".join(repr(e) for e in self.entries) + ")"
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Row:
     """One leaf (or, after ``aggregate_rows``, one group of leaves).
 

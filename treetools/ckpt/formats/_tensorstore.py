@@ -28,11 +28,9 @@ b-tree node its manifest allows.
 
 from __future__ import annotations
 
-import collections
 import math
 import os
 import re
-import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -48,7 +46,8 @@ from treetools.ckpt.readers import (
     physical_memory,
     plan_blocks,
 )
-from treetools.ckpt.steps import MAX_METADATA_BYTES, file_kind
+from treetools.ckpt.formats._ocdbt import Database, check_database, first_line
+from treetools.ckpt.steps import file_kind
 from treetools.ckpt.storage import Pinned, Storage, normalize
 from treetools.shared.errors import CheckpointError
 
@@ -79,10 +78,37 @@ def subdirs(storage: Storage, folder: str) -> list[str]:
         raise CheckpointError(f"{folder}: cannot list folder ({e.strerror or e}).") from None
 
 
-def first_line(e: BaseException) -> str:
-    """The gist of an error: its first line, without TensorStore's appended spec dump."""
-    text = str(e).strip().splitlines()
-    return text[0].split(" [tensorstore_spec=", 1)[0] if text else type(e).__name__
+LOOKUP_WORK = 2**34
+"""Chunk lookups one array may cost in an OCDBT database before the bytes it stores count: chunks x bytes of the
+b-tree leaf each lookup scans (measured on two cores: 2^34 is about 3 s of TensorStore's time, 2^18 chunks in a
+3 MB leaf about 100 s)."""
+
+LOOKUPS_PER_STORED_BYTE = 2**10
+"""Chunk lookup work (as ``LOOKUP_WORK`` counts it) each byte the database stores on disk allows on top."""
+
+
+def check_lookups(where: str, keys: int, database: Database) -> None:
+    """Refuse to read an array of ``keys`` chunks (or shards) from an OCDBT ``database`` when looking them up would
+    cost out of proportion to what the database stores.
+
+    TensorStore looks every chunk of a read up in the b-tree leaf holding it, a
+    scan of the leaf: the work grows with chunks x leaf size, while a leaf of
+    ``2^18`` one-byte chunks compresses to a few hundred bytes. Work is held to
+    ``LOOKUP_WORK`` plus ``LOOKUPS_PER_STORED_BYTE`` per byte on disk, before anything is read.
+
+    >>> from treetools.ckpt.formats._ocdbt import Database
+    >>> check_lookups("w", 8, Database(stored_bytes=1202, node_bytes=408, leaf_bytes=408, nodes=1))
+    >>> check_lookups("ckpt/params: `w`", 2**18, Database(4538, 3407984, 3407984, 1))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    treetools.shared.errors.CheckpointError: ckpt/params: `w`: 262,144 chunks to look up in an OCDBT b-tree leaf of ...
+    """
+    work = keys * max(1, database.leaf_bytes)
+    if work > LOOKUP_WORK + LOOKUPS_PER_STORED_BYTE * database.stored_bytes:
+        raise CheckpointError(
+            f"{where}: {keys:,} chunks to look up in an OCDBT b-tree leaf of up to {database.leaf_bytes:,} bytes, "
+            f"from a database of {database.stored_bytes:,} bytes on disk: reading them would take out of proportion "
+            "to what is stored (a compute bomb?); refusing to start."
+        )
 
 
 def max_chunks_per_read(budget: float) -> int:
@@ -97,62 +123,17 @@ def max_chunks_per_read(budget: float) -> int:
 # ---------------------------------------------------------------------------- local folders, checked
 
 
-_OCDBT_CHECKED: "collections.OrderedDict[tuple, int]" = collections.OrderedDict()
-_OCDBT_LOCK = threading.Lock()
+def check_ocdbt(storage: Storage, base: str, budget: float, *, shown: str | None = None) -> Database:
+    """Refuse an OCDBT database whose manifests or b-tree nodes may decode to more than the budget.
 
-
-def check_ocdbt(storage: Storage, base: str, budget: float, *, shown: str | None = None) -> None:
-    """Refuse an OCDBT database whose manifests are too big, or that allows b-tree nodes over the budget.
-
-    TensorStore reads a manifest whole, and decodes each b-tree node whole up to
-    the manifest's ``max_decoded_node_bytes`` (8 MiB by default): a manifest
-    that allows 4 GiB nodes lets a small zstd-compressed data file decode to
-    hundreds of MiB before anything is checked. Held to the budget (the default
+    TensorStore decodes a manifest and each b-tree node whole; what each may
+    decode to is bounded from its stored zstd stream (``_ocdbt.check_database``),
+    not from the ``max_decoded_node_bytes`` the manifest declares (Orbax writes
+    100,000,000 and readers do not enforce it). Held to the budget (the default
     budget where none applies, as for ``load_parameters``). ``base`` is the
     database's folder (a pinned local folder or a URL); ``shown`` names it in errors.
     """
-    import tensorstore as ts
-
-    limit = min(budget, DEFAULT_MEMORY_BUDGET)
-    shown = shown or base
-    try:
-        folders = [""] + [p for p in storage.listdir(base) if p.startswith("ocdbt.process_")]
-    except OSError:
-        folders = [""]
-    for folder in folders:
-        manifest = os.path.join(base, folder, OCDBT_MANIFEST)
-        try:
-            st = storage.stat(manifest)
-        except OSError:
-            continue
-        where = os.path.join(shown, folder, OCDBT_MANIFEST)
-        check_budget(min(st.st_size, MAX_METADATA_BYTES + 1), where=where, what="the OCDBT manifest, read whole,",
-                     budget=limit)
-        if st.st_size > MAX_METADATA_BYTES:
-            raise CheckpointError(f"{where}: {st.st_size:,} bytes, over the {MAX_METADATA_BYTES:,}-byte limit "
-                                  "for metadata; the database is corrupt or hostile.")
-        key = ((manifest, st.st_size) if storage.remote else
-               (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-        with _OCDBT_LOCK:
-            node = _OCDBT_CHECKED.get(key)
-        if node is None:
-            try:
-                kv = ts.KvStore.open(storage.kvstore_spec(os.path.join(base, folder))).result()
-                config = ts.ocdbt.dump(kv).result().get("config", {})
-                node = int(config.get("max_decoded_node_bytes") or 0)
-            except Exception as e:  # tensorstore: a corrupt manifest
-                raise CheckpointError(f"{where}: corrupt OCDBT manifest ({first_line(e)}).") from None
-            with _OCDBT_LOCK:
-                _OCDBT_CHECKED[key] = node
-                while len(_OCDBT_CHECKED) > 4096:
-                    _OCDBT_CHECKED.popitem(last=False)
-        if node <= 0 or node > limit:  # 0: no limit at all
-            declared = f"{node:,} bytes" if node > 0 else "no limit"
-            raise CheckpointError(
-                f"{where}: the OCDBT manifest allows b-tree nodes of {declared} (max_decoded_node_bytes; TensorStore "
-                f"writes 8 MiB), over the memory budget of {limit:,.0f} bytes; refusing to decode them "
-                "(raise --memory-budget-mb if this database is trusted)."
-            )
+    return check_database(storage, base, min(budget, DEFAULT_MEMORY_BUDGET), shown=shown)
 
 
 _REMOTE_SCHEMES = {"gcs": "gs", "s3": "s3"}  # TensorStore's key-value store drivers -> URL schemes
@@ -173,6 +154,8 @@ class Pins:
         self._pins: dict[tuple[str, bool], Pinned] = {}
         self._remote_checked: set[str] = set()
         self._refused: dict[tuple[str, bool], CheckpointError] = {}
+        self.databases: dict[str, Database] = {}
+        """The OCDBT databases pinned, by folder: what they store, and the leaves chunks are looked up in."""
 
     def spec(self, spec: dict[str, Any], where: str | None = None) -> dict[str, Any]:
         """``spec`` with every local ``file`` store replaced by its checked, pinned folder; errors name ``where``."""
@@ -228,7 +211,7 @@ class Pins:
         try:
             if ocdbt:
                 pinned.check_tree()
-                check_ocdbt(self._storage, pinned.path, self._budget, shown=folder)
+                self.databases[folder] = check_ocdbt(self._storage, pinned.path, self._budget, shown=folder)
             elif self._data:
                 pinned.check_tree()
             else:
@@ -238,6 +221,13 @@ class Pins:
             pinned.close()
             raise
         return pinned
+
+    def check_lookups(self, where: str, shape: Sequence[int], chunk: Sequence[int]) -> None:
+        """Refuse to read an array of ``shape`` stored in chunks (or shards) of ``chunk`` from the OCDBT databases
+        pinned, when its chunk lookups are out of proportion to what they store (``check_lookups``)."""
+        keys = math.prod(-(-int(n) // max(1, int(c))) for n, c in zip(shape, chunk))
+        for database in self.databases.values():
+            check_lookups(where, keys, database)
 
     def shown(self, text: str) -> str:
         """``text`` (TensorStore's error) naming each pinned folder as the checkpoint names it, not by descriptor."""
@@ -431,6 +421,7 @@ class TensorStoreReader(ArrayReader):
                 shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)
             except Exception:  # a driver without a chunk layout: fall back to the metadata's
                 chunk = shard = tuple(self.chunk_shape or self.shape)
+            pins.check_lookups(self._where, self.shape, shard)
             piece = math.prod(chunk) * self.dtype.itemsize
             if whole:
                 memory = physical_memory()
@@ -582,8 +573,15 @@ class ArrayHeader:
     __slots__ = ("shape", "dtype", "chunk_layout")
 
     def __init__(self, store: Any, where: str):
+        dtype = np.dtype(store.dtype.numpy_dtype)
+        if not dtype.itemsize or dtype.fields is not None or dtype.subdtype is not None:  # zarr's |V0, |S0
+            raise CheckpointError(f"{where}: dtype {dtype.str} is not a plain element type of a positive size; the "
+                                  "array header is corrupt or hostile.")
         self.dtype = store.dtype
-        self.shape = checked_shape(list(store.shape), where=where, itemsize=np.dtype(store.dtype.numpy_dtype).itemsize)
+        self.shape = checked_shape(list(store.shape), where=where, itemsize=dtype.itemsize)
+        chunk = store.chunk_layout.read_chunk.shape
+        if chunk is not None and any(c is None for c in chunk):
+            raise CheckpointError(f"{where}: no chunk shape TensorStore can read; the array header is corrupt.")
         self.chunk_layout = store.chunk_layout
 
 

@@ -170,10 +170,11 @@ class EasyDeLSource(Source):
             try:
                 same = (shape is None or tuple(int(d) for d in shape) == leaf.row.shape) and (
                     dtype is None or np_dtype(str(dtype)).name == leaf.row.dtype)
-            except (TypeError, ValueError, AttributeError):
+            except (TypeError, ValueError, AttributeError, OverflowError):  # OverflowError: a shape of 1e999
                 same = False
             if not same:
-                message = (f"{where}: `{'/'.join(parts)}` is listed as {dtype}{list(shape or [])} but its zarr "
+                listed = f"{dtype}{list(shape) if isinstance(shape, list) else shape!r}"[:200]
+                message = (f"{where}: `{'/'.join(parts)}` is listed as {listed} but its zarr "
                            f"array {rel!r} is {leaf.row.dtype}{list(leaf.row.shape or [])}; the folder mixes two saves.")
                 if problems is None:
                     raise CheckpointError(message)

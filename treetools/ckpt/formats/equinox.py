@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 
 from treetools.ckpt.context import ReadContext
-from treetools.ckpt.formats.npz import npy_header
+from treetools.ckpt.formats.npz import NpyHeaderError, npy_header
 from treetools.ckpt.leaves import Leaf, array_row
-from treetools.ckpt.readers import FileReader
+from treetools.ckpt.readers import FileReader, is_numeric
 from treetools.ckpt.source import file_head, FileSource, Format
 from treetools.shared.errors import CheckpointError
 
@@ -63,12 +63,14 @@ def read_eqx(context: ReadContext, path: str) -> list[Leaf]:
             f.seek(pos)
             try:
                 shape, fortran, dtype, offset = npy_header(f, f"{where}: corrupt {_WHAT}:")
-            except CheckpointError as e:
+            except NpyHeaderError as e:
                 if f.tell() >= size:  # the header itself was cut short
                     raise CheckpointError(f"{path}: truncated {_WHAT}: leaf {index}'s header is cut short.") from None
                 raise e from None
             if dtype.hasobject:
                 raise CheckpointError(f"{where}: an object array (a pickle); treetools never unpickles a checkpoint.")
+            if not is_numeric(dtype):  # equinox saves arrays and scalars of numbers only
+                raise CheckpointError(f"{where}: corrupt {_WHAT}: dtype {dtype.str} is not a number type.")
             end = offset + math.prod(shape) * dtype.itemsize
             if end > size:
                 raise CheckpointError(

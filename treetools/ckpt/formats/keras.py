@@ -15,17 +15,25 @@ One item, ``default``, whose leaf paths are the HDF5 dataset paths
 dataset headers, data is read on request, one block at a time. Any other
 HDF5 file reads the same way, as its datasets. Without h5py the file is
 refused with one line naming what it is and the extra to install.
+
+The file is untrusted (``_hdf5``): external links, virtual datasets and
+external storage (data libhdf5 would read from other files) are refused; a
+chunked dataset is decoded chunk by chunk by treetools, each chunk held to
+its size and the memory budget, and what a dataset declares is held to the
+file's size before it is read.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import zipfile
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from treetools.ckpt.context import ReadContext
+from treetools.ckpt.formats import _hdf5
 from treetools.ckpt.formats._tensorstore import natural_key
 from treetools.ckpt.leaves import Leaf, array_row, check_name, value_row
 from treetools.ckpt.readers import ArrayReader, Index, check_budget, is_numeric, np_dtype
@@ -86,13 +94,13 @@ def _member(storage: Storage, path: str) -> zipfile.ZipInfo | None:
             return None
 
 
-def _opener(storage: Storage, path: str) -> Callable[[], Any]:
+def _opener(storage: Storage, path: str) -> tuple[Callable[[], Any], int]:
     """A function opening the file's HDF5 (the file itself, or the member of a ``.keras`` zip) with h5py, through
-    ``storage`` (a local file opened inside the checkpoint, or ranged reads in a bucket)."""
+    ``storage`` (a local file opened inside the checkpoint, or ranged reads in a bucket), and the HDF5's size."""
     import h5py  # the `keras` extra: imported only to read a Keras file
 
     if file_head(storage, path, len(HDF5_MAGIC)) == HDF5_MAGIC:
-        return lambda: h5py.File(storage.open(path, block_size=2**20), "r")
+        return (lambda: h5py.File(storage.open(path, block_size=2**20), "r")), storage.getsize(path)
     info = _member(storage, path)
     if info is None:
         raise CheckpointError(f"{path}: a zip without {WEIGHTS_MEMBER}; not a Keras 3 .keras file.")
@@ -104,44 +112,51 @@ def _opener(storage: Storage, path: str) -> Callable[[], Any]:
     if len(local) < 30 or local[:4] != ZIP_MAGIC:
         raise CheckpointError(f"{path}: corrupt zip (no local header for {WEIGHTS_MEMBER}).")
     start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
-    return lambda: h5py.File(_Window(storage, path, start, info.file_size), "r")
+    return (lambda: h5py.File(_Window(storage, path, start, info.file_size), "r")), info.file_size
 
 
-def _dtype(dataset: Any) -> np.dtype:
+def _dtype(stored: np.dtype, name: str | None) -> np.dtype:
     """A dataset's dtype; opaque bytes with a ``dtype`` attribute are that ml_dtype (Keras's bfloat16)."""
-    dtype = np.dtype(dataset.dtype)
-    name = dataset.attrs.get("dtype")
-    if dtype.kind == "V" and name is not None:
-        name = name.decode() if isinstance(name, bytes) else str(name)
+    if stored.kind == "V" and name is not None:
         try:
             wanted = np_dtype(name)
         except (TypeError, AttributeError):
-            return dtype
-        if wanted.itemsize == dtype.itemsize:
+            return stored
+        if wanted.itemsize == stored.itemsize:
             return wanted
-    return dtype
+    return stored
 
 
 class H5Reader(ArrayReader):
-    """One HDF5 dataset, read a block at a time (HDF5 reads only the chunks a block touches)."""
+    """One HDF5 dataset, read a block at a time: libhdf5 reads a compact or contiguous one directly; a chunked one
+    is read chunk by chunk and decoded by treetools (``_hdf5.read_chunked``), one chunk held at a time."""
 
-    def __init__(self, context: ReadContext, opener: Callable[[], Any], name: str, shape: tuple[int, ...],
-                 dtype: np.dtype, stored: np.dtype, chunk_shape: tuple[int, ...] | None, *, where: str):
+    def __init__(self, context: ReadContext, opener: Callable[[], Any], info: _hdf5.Dataset, file_size: int, *,
+                 where: str):
         self.context = context
-        self._opener, self._name, self._stored, self._where = opener, name, stored, where
-        self.shape, self.dtype, self.chunk_shape = shape, dtype, chunk_shape
+        self._opener, self._info, self._size, self._where = opener, info, file_size, where
+        self.shape, self.dtype, self.chunk_shape = info.shape, info.dtype, info.chunks
         self.remote = context.storage.remote
 
     def _read(self, f: Any, index: Index) -> np.ndarray:
+        info = self._info
         try:
-            block = np.asarray(f[self._name][index if index else ()])
+            ds = _hdf5.open_dataset(f, info.raw, self._where)
+            if info.chunks:
+                block = _hdf5.read_chunked(ds, info, index, where=self._where, budget=self.budget,
+                                           file_size=self._size)
+            else:
+                block = np.asarray(ds[index if index else ()])
+        except CheckpointError:
+            raise
         except (OSError, ValueError, KeyError) as e:
             raise CheckpointError(f"{self._where}: cannot read array data ({e}).") from None
-        return block.view(self.dtype) if self.dtype != self._stored else block
+        return block.view(self.dtype) if self.dtype != info.stored else block
 
     def _check(self) -> None:
-        if self.chunk_shape is not None:  # a compressed chunk is decoded whole
-            check_budget(int(np.prod(self.chunk_shape)) * self.dtype.itemsize, where=self._where,
+        _hdf5.check_work(self._info, self._size, self._where)
+        if self.chunk_shape is not None:  # a chunk is decoded whole
+            check_budget(math.prod(self.chunk_shape) * self.dtype.itemsize, where=self._where,
                          what=f"one HDF5 chunk ({list(self.chunk_shape)} {self.dtype})", budget=self.budget)
 
     def read(self, index: Index) -> np.ndarray:
@@ -156,32 +171,25 @@ class H5Reader(ArrayReader):
                 yield self._read(f, index)
 
 
-def read_h5(context: ReadContext, path: str, opener: Callable[[], Any]) -> list[Leaf]:
-    """Every dataset of the HDF5 file as a leaf at its path; no array data is read."""
-    import h5py  # the `keras` extra: imported only to read a Keras file
-
-    datasets: list[tuple[tuple[str, ...], tuple[int, ...], np.dtype, np.dtype, Any]] = []
-
-    def visit(name: str, obj: Any) -> None:  # returns None: h5py's visititems stops at the first other value
-        if isinstance(obj, h5py.Dataset):
-            check_name(name, where=path)
-            datasets.append((tuple(name.split("/")), tuple(int(d) for d in obj.shape or ()), _dtype(obj),
-                             np.dtype(obj.dtype), obj.chunks))
-
+def read_h5(context: ReadContext, path: str, opener: Callable[[], Any], file_size: int) -> list[Leaf]:
+    """Every dataset of the HDF5 file as a leaf at its path; no array data is read. Links, virtual datasets and
+    external storage that would make libhdf5 open other files are refused (``_hdf5``)."""
     try:
         with opener() as f:
-            f.visititems(visit)
-    except (OSError, ValueError) as e:
+            found = _hdf5.datasets(f, path, _dtype)
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: corrupt or truncated HDF5 (a Keras weights file?): {e}.") from None
     leaves = []
-    for parts, shape, dtype, stored, chunks in sorted(datasets, key=lambda d: natural_key(d[0])):
-        name = "/".join(parts)
-        if not is_numeric(dtype) or dtype.hasobject:  # strings (a lookup layer's vocabulary): a value, not read
-            leaves.append(Leaf(value_row(parts)))
+    for info in sorted(found, key=lambda d: natural_key(d.parts)):
+        name = "/".join(info.parts)
+        check_name(name, where=path)
+        if not is_numeric(info.dtype) or info.dtype.hasobject or not info.dtype.itemsize:
+            leaves.append(Leaf(value_row(info.parts)))  # strings (a lookup layer's vocabulary): a value, not read
             continue
-        reader = H5Reader(context, opener, name, shape, dtype, stored, tuple(chunks) if chunks else None,
-                          where=f"{path}: `{name}`")
-        leaves.append(Leaf(array_row(parts, shape, dtype), reader))
+        reader = H5Reader(context, opener, info, file_size, where=f"{path}: `{name}`")
+        leaves.append(Leaf(array_row(info.parts, info.shape, info.dtype), reader))
     return leaves
 
 
@@ -194,11 +202,11 @@ def _what(storage: Storage, path: str) -> str:
 def _open(location: str, display: str, context: ReadContext) -> FileSource:
     storage = context.storage
     try:
-        opener = _opener(storage, location)
+        opener, size = _opener(storage, location)
     except ImportError:
         raise CheckpointError(f"{display}: {_what(storage, location)}; reading it needs h5py: {INSTALL}.") from None
     try:
-        leaves = read_h5(context, location, opener)
+        leaves = read_h5(context, location, opener, size)
     except CheckpointError as e:  # name the path as typed
         raise CheckpointError(str(e).replace(location, display, 1)) from None
     return FileSource(display, context, "keras", leaves)

@@ -102,9 +102,30 @@ def npy_dtype(dtype: np.dtype) -> np.dtype:
     return dtype
 
 
+FLOAT0 = np.dtype([("float0", "V")])
+"""jax's ``float0`` (the gradient of an integer input), as numpy saves it: the one structured dtype a header may hold."""
+
+
+class NpyHeaderError(CheckpointError):
+    """A ``.npy`` header that does not parse (a stream cut inside its header raises this too)."""
+
+
 def npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype, int]:
     """``(shape, fortran_order, dtype, data offset)`` of the ``.npy`` stream at ``f``'s position (parsed as numpy
-    parses it: a literal, never evaluated)."""
+    parses it: a literal, never evaluated), validated where it is parsed: the shape a list of integers >= 0 whose
+    size fits (``checked_shape``), the dtype a plain element type of a positive size.
+
+    Raises:
+      NpyHeaderError: a header that does not parse (or is cut short).
+      CheckpointError: a structured or zero-byte dtype, a negative or overflowing shape.
+
+    >>> import io
+    >>> buf = io.BytesIO(); np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False,
+    ...                                                                "shape": (-128,)}); _ = buf.seek(0)
+    >>> npy_header(buf, "m.eqx: leaf 0")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    treetools.shared.errors.CheckpointError: m.eqx: leaf 0: corrupt shape (entry 0 is -128, not an integer >= 0); ...
+    """
     fmt = np.lib.format
     try:
         version = fmt.read_magic(f)
@@ -114,9 +135,20 @@ def npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype, int
             shape, fortran, dtype = fmt.read_array_header_2_0(f)
         else:
             shape, fortran, dtype = fmt._read_array_header(f, version)  # 3.0 (utf-8 names): no public reader
-    except (ValueError, OSError, EOFError, zipfile.BadZipFile, SyntaxError) as e:
-        raise CheckpointError(f"{where}: corrupt .npy header ({e}).") from None
-    return tuple(int(d) for d in shape), bool(fortran), npy_dtype(np.dtype(dtype)), f.tell()
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, SyntaxError, TypeError) as e:
+        raise NpyHeaderError(f"{where}: corrupt .npy header ({str(e)[:200]}).") from None
+    dtype = np.dtype(dtype)
+    if dtype == FLOAT0:  # jax's gradients of integer inputs: a value of no bytes, read as it is stored
+        return checked_shape(list(shape), where=where), bool(fortran), dtype, f.tell()
+    if dtype.fields is not None or dtype.subdtype is not None:
+        raise CheckpointError(f"{where}: a structured .npy dtype ({str(dtype)[:80]}); treetools reads arrays of plain "
+                              "elements only.")
+    if not dtype.itemsize:  # |V0, |S0, <U0: any count of elements in no bytes
+        raise CheckpointError(f"{where}: a .npy dtype of zero bytes per element ({dtype.str}); the header is corrupt "
+                              "or hostile.")
+    dtype = npy_dtype(dtype)
+    # numpy's parser takes any integers: a negative dimension made a reader loop, 2^70 overflow its arithmetic.
+    return checked_shape(list(shape), where=where, itemsize=dtype.itemsize), bool(fortran), dtype, f.tell()
 
 
 def _local_data_offset(fh: io.BufferedReader, info: zipfile.ZipInfo, where: str) -> int:
@@ -141,15 +173,19 @@ def read_npz(context: ReadContext, path: str) -> list[Leaf]:
     fh = context.storage.open(path)
     try:
         zf = zipfile.ZipFile(fh)
-    except (zipfile.BadZipFile, OSError, EOFError) as e:
+    except (zipfile.BadZipFile, OSError, EOFError, UnicodeDecodeError) as e:  # a name flagged UTF-8 that is not
         fh.close()
-        raise CheckpointError(f"{path}: corrupt or truncated npz ({e}).") from None
+        raise CheckpointError(f"{path}: corrupt or truncated npz ({str(e)[:200]}).") from None
     leaves = []
+    seen: set[str] = set()
     with zf, fh:
         for info in zf.infolist():
             if info.is_dir():
                 continue
             where = f"{path}: member {info.filename!r}"
+            if info.filename in seen:  # numpy.load and zipfile give the last one; a reader by name could not tell
+                raise CheckpointError(f"{where} appears twice in the archive; the npz is corrupt or hostile.")
+            seen.add(info.filename)
             if not info.filename.endswith(".npy"):
                 raise CheckpointError(f"{where} is not a .npy array; not an npz checkpoint.")
             name = info.filename[: -len(".npy")]
@@ -163,7 +199,6 @@ def read_npz(context: ReadContext, path: str) -> list[Leaf]:
             if dtype.hasobject:
                 leaves.append(Leaf(value_row(parts, sep=sep), key=name))
                 continue
-            shape = checked_shape(list(shape), where=where, itemsize=dtype.itemsize)
             size = math.prod(shape)
             if info.file_size != header_len + size * dtype.itemsize:
                 raise CheckpointError(f"{where}: corrupt member ({info.file_size} bytes for shape {list(shape)} {dtype}).")

@@ -341,6 +341,10 @@ def _orbax_restore(context: ReadContext, item: OrbaxItem, targets: Mapping[str, 
     # inside the checkpoint, the OCDBT manifest held to the budget), as TensorStore is for any other read.
     with Pins(storage, data=True, budget=context.memory_budget, where=item.folder) as pins:
         folder = pins.folder(item.folder, ocdbt=storage.isfile(os.path.join(item.folder, "manifest.ocdbt"))).path
+        for leaf in item.leaves:  # the work of each array read, as TensorStoreReader holds it
+            if leaf.name in targets and leaf.reader is not None:
+                pins.check_lookups(f"{item.folder}: `{leaf.name}`", leaf.reader.shape,
+                                   leaf.reader.chunk_shape or leaf.reader.shape)
         try:
             restored = handler.restore(epath.Path(folder),
                                        args=base.BasePyTreeRestoreArgs(item=skeleton, restore_args=restore_args))

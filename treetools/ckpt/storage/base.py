@@ -170,9 +170,10 @@ class Storage:
 
     # -- confinement
 
-    def confine(self, path: str) -> "Storage":
-        """A storage whose reads must stay inside ``path`` (a folder; for a file, its folder and the file itself).
-        The default (no symlinks, as in a bucket) is this storage itself."""
+    def confine(self, path: str, *, follow_links: bool = False) -> "Storage":
+        """A storage whose reads must stay inside ``path`` (a folder; for a file, its folder and the file itself);
+        with ``follow_links``, one that follows links out of it (held open all the same). The default (no
+        symlinks, as in a bucket) is this storage itself."""
         return self
 
     def close(self) -> None:
@@ -293,7 +294,7 @@ class Storage:
         raise NotImplementedError
 
     def write_atomically(self, dst: str, write: Callable[[str], list[str]], *, folder: bool,
-                         fsync: bool = True) -> None:
+                         fsync: bool = True, overwrite: bool = True) -> None:
         """Write ``dst`` (a file, or with ``folder`` a folder of files) so that nothing partial ever reads as it.
 
         ``write(path)`` writes the file (or the folder's files, after ``makedirs(path)``) at ``path`` with
@@ -301,7 +302,8 @@ class Storage:
         ``dst``, is the backend's: a temporary name renamed at the end on a disk (``fsync``: durably), ``dst``
         itself in a bucket, whose objects appear whole when their upload completes (an old folder is removed
         first, so old shards never read beside new ones). A failed or interrupted write leaves nothing at the
-        temporary name.
+        temporary name. Without ``overwrite``, a disk's final rename never replaces what appeared at ``dst``
+        meanwhile (a bucket has no such rename: the caller's check before writing is all there is).
         """
         raise NotImplementedError
 

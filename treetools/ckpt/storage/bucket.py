@@ -346,7 +346,7 @@ class BucketStorage(Storage):
         return BucketUpload(self, path, size=size)
 
     def write_atomically(self, dst: str, write: Callable[[str], list[str]], *, folder: bool,
-                         fsync: bool = True) -> None:
+                         fsync: bool = True, overwrite: bool = True) -> None:
         if folder and self.exists(dst):  # old shards must never read as a checkpoint beside new ones
             self.remove(dst)
         write(dst)

@@ -14,19 +14,17 @@ Standard library only.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import os
-import shutil
 import stat as stat_
 import threading
-import uuid
 import weakref
 from typing import Any, Callable, Iterator
 
 from treetools.ckpt.storage.base import Pinned as _BasePinned
 from treetools.ckpt.storage.base import Storage, Upload
 from treetools.shared.errors import CheckpointError
+from treetools.shared.files import create_new, fsync_dir, fsync_file, remove, swap_in, tmp_name
 
 HF_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 """Folder names of a Hugging Face hub cache repo, whose ``snapshots/<rev>/`` files link into its ``blobs/``."""
@@ -56,6 +54,10 @@ class Root:
     ../../blobs/<sha>``): a root inside a ``snapshots/`` folder of such a repo
     may also read anything inside that same repo folder, nothing beyond it.
 
+    With ``follow_links`` (``ReadContext.follow_links``, ``--follow-links``)
+    every path is allowed: links out of the root are followed, as a user who
+    keeps step folders on other volumes asks; the folder is still held open.
+
     The folder's descriptor is opened once, here: the real path it is known by
     is the one of the folder opened, whatever is renamed or relinked at its
     name later. It is closed by ``close`` or when the root is collected.
@@ -69,8 +71,9 @@ class Root:
     >>> root.close()
     """
 
-    def __init__(self, path: str, *, named: str | None = None):
+    def __init__(self, path: str, *, named: str | None = None, follow_links: bool = False):
         self.path = path
+        self.follow_links = follow_links
         self.fd: int | None = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
         self._finalizer = weakref.finalize(self, os.close, self.fd)
         real = fd_path(self.fd) or os.path.realpath(path)
@@ -91,6 +94,8 @@ class Root:
     def allows(self, real: str) -> bool:
         """Whether the real path ``real`` lies inside this root (the folder opened, wherever it is now; or its
         Hugging Face repo folder, or the file the user named)."""
+        if self.follow_links:  # the user's opt-in: every link is followed wherever it leads
+            return True
         here = fd_path(self.fd) if self.fd is not None else None
         allowed = (*self.allowed, here) if here else self.allowed
         return any(real == a or real.startswith(a.rstrip(os.sep) + os.sep) for a in allowed)
@@ -104,7 +109,7 @@ class Root:
 
     def outside(self, path: str) -> CheckpointError:
         return CheckpointError(f"{path}: resolves outside the checkpoint {self.path} (a symlink leading out of "
-                               "it?); refusing to read it.")
+                               "it?); refusing to read it (--follow-links, follow_links=True: if you trust it).")
 
     def check(self, path: str, real: str | None = None) -> None:
         """Refuse ``path``, when it lies under the root by name, unless its real path (``real``, else
@@ -234,12 +239,12 @@ class LocalPinned(_BasePinned):
 
 
 class LocalUpload(Upload):
-    """A local file written at ``path`` (the caller picks a temporary name and renames it); ``commit`` flushes
-    and fsyncs it, ``abort`` removes it."""
+    """A local file written at ``path`` (the caller picks a temporary name and renames it), created new (never
+    through a name planted there: ``create_new``); ``commit`` flushes and fsyncs it, ``abort`` removes it."""
 
     def __init__(self, path: str, *, fsync: bool = True):
         self.path, self._fsync, self.written = path, fsync, 0
-        self._file = builtins.open(path, "wb")
+        self._file = os.fdopen(create_new(path), "wb")
 
     def write(self, data: Any) -> None:
         self._file.write(data)
@@ -268,14 +273,14 @@ class LocalStorage(Storage):
     def __init__(self, root: Root | None = None):
         self.root = root
 
-    def confine(self, path: str) -> "LocalStorage":
+    def confine(self, path: str, *, follow_links: bool = False) -> "LocalStorage":
         """A storage whose reads stay inside ``path``: a folder is its own root; a file's root is its folder (a
         T5X ``checkpoint`` file names the zarr folders beside it), which may also read the file itself wherever
-        it links."""
+        it links. ``follow_links``: links out of the root are followed (``Root``)."""
         path = os.path.abspath(path)
         if os.path.isdir(path):
-            return LocalStorage(Root(path))
-        return LocalStorage(Root(os.path.dirname(path), named=path))
+            return LocalStorage(Root(path, follow_links=follow_links))
+        return LocalStorage(Root(os.path.dirname(path), named=path, follow_links=follow_links))
 
     def close(self) -> None:
         if self.root is not None:
@@ -422,9 +427,11 @@ class LocalStorage(Storage):
         return LocalUpload(path, fsync=fsync)
 
     def write_atomically(self, dst: str, write: Callable[[str], list[str]], *, folder: bool,
-                         fsync: bool = True) -> None:
+                         fsync: bool = True, overwrite: bool = True) -> None:
         """Written under a temporary name beside ``dst`` (files fsynced once all are written: the kernel writes
-        the first back meanwhile), then renamed onto it (``swap_in``); removed on any failure."""
+        the first back meanwhile), then renamed onto it (``treetools.shared.files.swap_in``: without
+        ``overwrite``, the rename itself refuses anything that appeared at ``dst`` meanwhile); removed on any
+        failure."""
         os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
         tmp = tmp_name(dst, "tmp")
         try:
@@ -434,7 +441,7 @@ class LocalStorage(Storage):
                     fsync_file(path)
                 if folder:
                     self.fsync_dir(tmp)
-            swap_in(tmp, dst)
+            swap_in(tmp, dst, overwrite=overwrite)
         except BaseException:
             self.remove(tmp)
             raise
@@ -447,59 +454,7 @@ class LocalStorage(Storage):
         self.fsync_dir(os.path.dirname(dst) or ".")
 
     def remove(self, path: str) -> None:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        remove(path)
 
     def fsync_dir(self, path: str) -> None:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.fsync(fd)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-
-
-def tmp_name(dst: str, what: str) -> str:
-    """A hidden name beside ``dst`` for a file or folder being written (``what``: ``tmp``, ``old``)."""
-    head, name = os.path.split(dst)
-    return os.path.join(head, f".{name}.treetools-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-
-
-def swap_in(tmp: str, dst: str) -> None:
-    """Rename the finished ``tmp`` onto ``dst``; an existing ``dst`` is moved aside first, then removed.
-
-    A file replaces a file in one rename. Otherwise ``dst`` is absent for the
-    moment between two renames, never partial.
-    """
-    if not os.path.lexists(dst) or (os.path.isfile(tmp) and os.path.isfile(dst) and not os.path.islink(dst)):
-        _replace(tmp, dst)
-        return
-    aside = tmp_name(dst, "old")
-    os.rename(dst, aside)
-    try:
-        _replace(tmp, dst)
-    except BaseException:
-        os.rename(aside, dst)
-        raise
-    LocalStorage().remove(aside)
-
-
-def _replace(src: str, dst: str) -> None:
-    os.replace(src, dst)
-    LocalStorage().fsync_dir(os.path.dirname(dst) or ".")
-
-
-def fsync_file(path: str) -> None:
-    """Flush a local file's data to disk (durable before a rename makes it visible)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(path)

@@ -295,7 +295,7 @@ def write_safetensors(
     meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
     dst = layout.dst
     storage = backend(dst)
-    if storage.exists(dst) and not overwrite:
+    if storage.lexists(dst) and not overwrite:  # a dangling symlink is something there too
         raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it.")
 
     def write(path: str) -> list[str]:
@@ -312,4 +312,8 @@ def write_safetensors(
                 out.write(index_json(layout))
         return written
 
-    storage.write_atomically(dst, write, folder=layout.folder, fsync=fsync)
+    try:
+        storage.write_atomically(dst, write, folder=layout.folder, fsync=fsync, overwrite=overwrite)
+    except FileExistsError:
+        raise CheckpointError(f"{dst} appeared while it was being written and was left as it is; pass --overwrite "
+                              "(overwrite=True) to replace it.") from None
