@@ -757,6 +757,35 @@ def test_train_refuses_a_workdir_inside_a_checkpoint(capsys, tmp_path, monkeypat
         check_workdir(fine)  # the run folder itself, a fresh one, a stranger beside the steps: no error
 
 
+def test_a_new_workdir_beside_an_orbax_folder_is_not_inside_it(tmp_path, monkeypatch):
+    # README's `treetools convert ... orbax_ckpt/ --to orbax` leaves a folder holding one Orbax save; that folder
+    # reads as an (old-Orbax) step whose item is `orbax_ckpt`, but a path not there yet is no part of it.
+    from treetools.cli.train import check_workdir
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "orbax_ckpt", {"w": np.ones(2, np.float32)})
+        ckptr.wait_until_finished()
+    assert sorted(os.listdir(tmp_path)) == ["orbax_ckpt"]
+    monkeypatch.chdir(tmp_path)
+    for fine in ("runs/demo2", "runs", "orbax_ckpt-old/run"):
+        check_workdir(fine)
+    (tmp_path / "runs").mkdir()  # a stranger folder beside the save: what is under it too
+    check_workdir("runs/demo2")
+    # Inside the save itself, existing or not, is still refused.
+    for inside, where in {"orbax_ckpt": "is a checkpoint (orbax)",
+                          "orbax_ckpt/run": "is inside the checkpoint orbax_ckpt (orbax)",
+                          "orbax_ckpt/d/run": "is inside the checkpoint orbax_ckpt (orbax)"}.items():
+        with pytest.raises(ValueError, match=re.escape(f"--workdir {inside} {where}: ")):
+            check_workdir(inside)
+    # A step with its own commit marker, given alone (no root around it): a new folder in it is inside it.
+    with ocp.CheckpointManager(tmp_path / "mngr") as mngr:
+        mngr.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave({"w": np.ones(2, np.float32)})))
+        mngr.wait_until_finished()
+    os.rename(tmp_path / "mngr" / "1", tmp_path / "step_copy")
+    with pytest.raises(ValueError, match=re.escape("--workdir step_copy/run is inside the checkpoint step_copy (orbax)")):
+        check_workdir("step_copy/run")
+
+
 METRICS = [{"step": s, "loss": 3.0 / s, "grad_norm": 1.0, "param_norm": 10.0 + s, "update_ratio": 1e-3} for s in (1, 2, 3)]
 
 
