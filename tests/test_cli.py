@@ -461,13 +461,32 @@ def test_a_mistyped_option_is_named_with_the_option_it_is_close_to(capsys, tmp_p
     np.savez(f, w=np.ones(2))
     rc, out, err = run(capsys, "inspect", f, "--itme", "params")
     assert rc == 2 and out == ""
-    assert err.startswith("usage: treetools inspect ")
-    assert err.splitlines()[-1] == ("treetools inspect: error: unrecognized arguments: --itme params; "
-                                    "did you mean --item?")
+    assert err.splitlines() == ["usage: treetools inspect [OPTIONS] PATH  (treetools inspect --help lists the options)",
+                                "treetools inspect: error: unrecognized arguments: --itme params; did you mean --item?"]
     rc, _, err = run(capsys, "diff", f, f, "--atoll=1e-3")
-    assert rc == 2 and err.startswith("usage: treetools diff ") and "did you mean --atol?" in err
+    assert rc == 2 and err.startswith("usage: treetools diff [OPTIONS] A [B]  (") and "did you mean --atol?" in err
     rc, _, err = run(capsys, "inspct", f)
     assert rc == 2 and err.splitlines()[-1].endswith("; did you mean inspect?")
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["inspect"], "treetools inspect [OPTIONS] PATH"),
+    (["diff", "--atol", "x", "a"], "treetools diff [OPTIONS] A [B]"),
+    (["verify"], "treetools verify [OPTIONS] PATH [PATH ...]"),
+    (["convert", "a"], "treetools convert [OPTIONS] SRC DST"),
+    (["plot", "--keys"], "treetools plot [OPTIONS] RUN_OR_METRICS [RUN_OR_METRICS ...]"),
+    (["plan", "c", "--mesh"], "treetools plan [OPTIONS] CKPT"),
+    (["train", "--steps", "0"], "treetools train [OPTIONS]"),
+    (["inspct"], "treetools [OPTIONS] COMMAND ..."),
+])
+def test_a_usage_error_is_one_short_usage_line_and_one_error_line(capsys, argv, usage):
+    # docs/cli.md: "the command's usage line and one `treetools COMMAND: error: ...` line" (not argparse's block).
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == ""
+    lines = err.splitlines()
+    prog = usage.split(" [OPTIONS]")[0]
+    assert len(lines) == 2 and lines[0] == f"usage: {usage}  ({prog} --help lists the options)", err
+    assert lines[1].startswith(f"{prog}: error: ")
 
 
 def test_bare_treetools_prints_the_help_and_exits_2(capsys):
