@@ -241,10 +241,10 @@ class _Work:
     from_fill: list[str]
 
 
-def _shown(prefix: str, path: str) -> str:
-    """A target leaf's path as the user's ``items`` spell it: ``prefix`` (``params/``, or ``""`` for
-    ``load_parameters``' own target) then the path; a bare-leaf target is named by the prefix alone."""
-    return prefix + path if path else prefix.rstrip("/") or "target"
+def _shown(label: str, path: str) -> str:
+    """A target leaf's path as the user's ``items`` spell it: ``label`` (``params/``, or ``""`` for
+    ``load_parameters``' own target) then the path; a bare-leaf target is named by the label alone."""
+    return label + path if path else label.rstrip("/") or "target"
 
 
 def _key_data(x: Any) -> Any:
@@ -277,12 +277,12 @@ def _lone(item: Item) -> str | None:
 
 def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules | None, fill: Any,
                allow_unused: bool, allow_dtype_cast: bool, *,
-               prefix: str | None = None) -> tuple[_Work, ItemPlan, list[Mismatch]]:
+               label: str | None = None) -> tuple[_Work, ItemPlan, list[Mismatch]]:
     """Plan one pytree item against its target: nothing is read.
 
-    ``prefix``: what problems put before a leaf's path (``name/`` by default: ``items`` are keyed by item).
+    ``label``: what problems put before a leaf's path (``name/`` by default: ``items`` are keyed by item).
     """
-    prefix = f"{name}/" if prefix is None else prefix
+    label = f"{name}/" if label is None else label
     tgt = _target(target, sharding, fill, lone=_lone(stored))
     if stored.positional:
         stored = _by_position(stored, tgt)
@@ -292,7 +292,7 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
         try:
             mapped, plan = map_item(stored, rules, targets=tgt.paths)
         except RulesError as e:  # rules that do not fit this checkpoint: problems of the plan, not an exception
-            return _unresolved(name, stored, tgt, e.problems, prefix)
+            return _unresolved(name, stored, tgt, e.problems, label)
     found = {leaf.name: leaf for leaf in mapped.leaves}
     problems: list[Mismatch] = []
     item_plan = ItemPlan(name, "pytree", dropped=list(plan.dropped) if plan is not None else [])
@@ -302,7 +302,7 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
         if leaf is not None:
             shape = tuple(leaf.reader.shape) if leaf.reader is not None else None
             dtype = leaf.reader.dtype if leaf.reader is not None else None
-            problems += _check_leaf(_shown(prefix, path), x, shape, dtype, allow_dtype_cast)
+            problems += _check_leaf(_shown(label, path), x, shape, dtype, allow_dtype_cast)
             ops = _ops(plan, path, x, dtype)
             source = str(plan[path].row().source) if plan is not None else path
             item_plan.leaves.append(LeafPlan(path, "checkpoint", source, shape and tuple(shape),
@@ -312,14 +312,14 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
             value = tgt.fill[path]
             if _is_array(x):
                 value_data = _key_data(value)
-                problems += _check_leaf(_shown(prefix, path), x, getattr(value_data, "shape", None),
+                problems += _check_leaf(_shown(label, path), x, getattr(value_data, "shape", None),
                                         getattr(value_data, "dtype", None), allow_dtype_cast, what="fill_missing ")
             shape = tuple(value.shape) if _is_array(value) else None
             item_plan.leaves.append(LeafPlan(path, "fill_missing", None, shape,
                                              dtype_name(value.dtype) if _is_array(value) else None))
             from_fill.append(path)
         else:
-            problems.append(Mismatch(_shown(prefix, path), "missing", _describe(x), "nothing"))
+            problems.append(Mismatch(_shown(label, path), "missing", _describe(x), "nothing"))
             item_plan.leaves.append(_target_leaf(path, "missing", x))
     wanted = set(tgt.paths)
     for path, leaf in found.items():
@@ -328,7 +328,7 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
         item_plan.unused.append(path)
         if not allow_unused:
             shown = f"{leaf.row.dtype}{list(leaf.row.shape)}" if leaf.row.shape is not None else "a value"
-            problems.append(Mismatch(_shown(prefix, path), "unexpected", "nothing", shown))
+            problems.append(Mismatch(_shown(label, path), "unexpected", "nothing", shown))
     work = _Work(stored, mapped, plan, tgt, from_ckpt, from_fill)
     return work, item_plan, sorted(problems, key=lambda p: (p.kind != "missing", p.path))
 
@@ -340,12 +340,12 @@ def _target_leaf(path: str, origin: str, x: Any) -> LeafPlan:
 
 
 def _unresolved(name: str, stored: Item, tgt: _Target, problems: Sequence[str],
-                prefix: str) -> tuple[_Work, ItemPlan, list[Mismatch]]:
+                label: str) -> tuple[_Work, ItemPlan, list[Mismatch]]:
     """The plan of an item whose rules do not fit the checkpoint: the rules' problems, one each, and every target
     leaf unresolved (which checkpoint leaf would fill it is not known, so none is called missing or unused)."""
     leaves = [_target_leaf(path, "unresolved", x) for path, x in zip(tgt.paths, tgt.abstract)]
     item_plan = ItemPlan(name, "pytree", leaves)
-    where = prefix.rstrip("/") or "rules"
+    where = label.rstrip("/") or "rules"
     found = [Mismatch(where, "rules", "rules that fit the checkpoint", problem) for problem in problems]
     return _Work(stored, stored, None, tgt, [], []), item_plan, found
 
@@ -832,7 +832,7 @@ def load_parameters(
             return _nest(list(zip((leaf.row for leaf in found.leaves), _host_values(found.leaves))))
         # The target is the params tree itself: problems name its paths as the user's target spells them.
         work, plan, problems = _plan_item(found.name, found, target, sharding, rules, fill_missing, allow_unused,
-                                          allow_dtype_cast, prefix="")
+                                          allow_dtype_cast, label="")
         if problems:
             raise CheckpointMismatchError(resolved, source.path, problems)
         return _read(source, work)
