@@ -317,6 +317,33 @@ def test_missing_item_is_reported(tmp_path):
     mngr.close()
 
 
+def test_a_typed_key_the_checkpoint_lacks_is_a_mismatch(tmp_path):
+    # A trainer's state target holding a typed PRNG key (dtype key<fry>, no numpy dtype) that the save lacks.
+    with ocp.CheckpointManager(tmp_path, item_names=("state",)) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.ones(2, np.float32)})))
+        mngr.wait_until_finished()
+    target = {"state": {"w": jax.ShapeDtypeStruct((2,), jnp.float32), "key": jax.random.key(0)}}
+    with pytest.raises(ckpt.CheckpointMismatchError) as info:
+        ckpt.restore_checkpoint(str(tmp_path), -1, target)
+    assert [(p.path, p.kind, p.expected) for p in info.value.problems] == [("state/key", "missing", "key<fry>[]")]
+    plan = ckpt.plan_restore(str(tmp_path), -1, target)
+    assert plan.problems == info.value.problems and "state/key: missing in checkpoint" in str(plan)
+    assert "state/key  <- MISSING  ()     key<fry>" in plan.describe()
+    # fill_missing gives the key (a typed key offered for a typed key target)
+    out = ckpt.restore_checkpoint(str(tmp_path), -1, target, fill_missing={"key": jax.random.key(7)})["state"]
+    assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(jax.random.key(7)))
+    np.testing.assert_array_equal(np.asarray(out["w"]), np.ones(2, np.float32))
+    # ... and from its key data; a typed key offered for a raw PRNGKey target gives its key data
+    data = np.asarray(jax.random.key_data(jax.random.key(7)))
+    out = ckpt.restore_checkpoint(str(tmp_path), -1, target, fill_missing={"key": data})["state"]
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), data)
+    raw = {"state": {**target["state"], "key": jax.random.PRNGKey(0)}}
+    out = ckpt.restore_checkpoint(str(tmp_path), -1, raw, fill_missing={"key": jax.random.key(7)})["state"]
+    assert out["key"].dtype == np.uint32
+    np.testing.assert_array_equal(np.asarray(out["key"]), data)
+
+
 def test_dtype_cast_only_when_asked(saved, manager):
     target = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding), saved[1][20]["items"]["params"]
@@ -426,8 +453,33 @@ def test_load_parameters_into_target(saved):
     for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(target)):
         assert got.sharding == want.sharding
     bigger = make_abstract(fsdp_params(host_params(0, n_layers=13)))
-    with pytest.raises(ckpt.CheckpointMismatchError, match="params/layers/12/w"):
+    with pytest.raises(ckpt.CheckpointMismatchError) as info:
         ckpt.load_parameters(saved[0], 10, target=bigger)
+    # The target is the params tree itself: its paths, as `flatten(load_parameters(...))` spells them.
+    assert {(p.path, p.kind) for p in info.value.problems} == {("layers/12/w", "missing"), ("layers/12/b", "missing")}
+
+
+def test_load_parameters_mismatch_names_the_targets_own_paths(tmp_path):
+    # The reader's internal item name (`default` for a file) is no part of what the user passed or gets back.
+    from safetensors.numpy import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({"dense.kernel": np.ones((2, 3), np.float32), "dense.bias": np.ones(3, np.float32)}, str(path))
+    assert sorted(flatten(ckpt.load_parameters(path))) == ["dense.bias", "dense.kernel"]
+    target = {"dense.kernel": np.zeros((2, 4), np.float32), "head": np.zeros(3, np.float32)}
+    with pytest.raises(ckpt.CheckpointMismatchError) as info:
+        ckpt.load_parameters(path, target=target)
+    assert {(p.path, p.kind) for p in info.value.problems} == {
+        ("dense.kernel", "shape"), ("head", "missing"), ("dense.bias", "unexpected")}
+    assert "default" not in str(info.value)
+    # Rules that do not fit are named as the rules' problem, not as an item the user never named.
+    with pytest.raises(ckpt.CheckpointMismatchError) as info:
+        ckpt.load_parameters(path, target=target, rules=ckpt.Rules(drop=["^nomatch$"]))
+    assert [(p.path, p.kind) for p in info.value.problems] == [("rules", "rules")]
+    # restore_checkpoint's items are keyed by item: there the item stays in the path.
+    with pytest.raises(ckpt.CheckpointMismatchError) as info:
+        ckpt.restore_checkpoint(path, -1, {"default": target})
+    assert {p.path for p in info.value.problems} == {"default/dense.kernel", "default/head", "default/dense.bias"}
 
 
 def _snapshot(root: Path) -> dict:

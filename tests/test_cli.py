@@ -461,13 +461,32 @@ def test_a_mistyped_option_is_named_with_the_option_it_is_close_to(capsys, tmp_p
     np.savez(f, w=np.ones(2))
     rc, out, err = run(capsys, "inspect", f, "--itme", "params")
     assert rc == 2 and out == ""
-    assert err.startswith("usage: treetools inspect ")
-    assert err.splitlines()[-1] == ("treetools inspect: error: unrecognized arguments: --itme params; "
-                                    "did you mean --item?")
+    assert err.splitlines() == ["usage: treetools inspect [OPTIONS] PATH  (treetools inspect --help lists the options)",
+                                "treetools inspect: error: unrecognized arguments: --itme params; did you mean --item?"]
     rc, _, err = run(capsys, "diff", f, f, "--atoll=1e-3")
-    assert rc == 2 and err.startswith("usage: treetools diff ") and "did you mean --atol?" in err
+    assert rc == 2 and err.startswith("usage: treetools diff [OPTIONS] A [B]  (") and "did you mean --atol?" in err
     rc, _, err = run(capsys, "inspct", f)
     assert rc == 2 and err.splitlines()[-1].endswith("; did you mean inspect?")
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["inspect"], "treetools inspect [OPTIONS] PATH"),
+    (["diff", "--atol", "x", "a"], "treetools diff [OPTIONS] A [B]"),
+    (["verify"], "treetools verify [OPTIONS] PATH [PATH ...]"),
+    (["convert", "a"], "treetools convert [OPTIONS] SRC DST"),
+    (["plot", "--keys"], "treetools plot [OPTIONS] RUN_OR_METRICS [RUN_OR_METRICS ...]"),
+    (["plan", "c", "--mesh"], "treetools plan [OPTIONS] CKPT"),
+    (["train", "--steps", "0"], "treetools train [OPTIONS]"),
+    (["inspct"], "treetools [OPTIONS] COMMAND ..."),
+])
+def test_a_usage_error_is_one_short_usage_line_and_one_error_line(capsys, argv, usage):
+    # docs/cli.md: "the command's usage line and one `treetools COMMAND: error: ...` line" (not argparse's block).
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == ""
+    lines = err.splitlines()
+    prog = usage.split(" [OPTIONS]")[0]
+    assert len(lines) == 2 and lines[0] == f"usage: {usage}  ({prog} --help lists the options)", err
+    assert lines[1].startswith(f"{prog}: error: ")
 
 
 def test_bare_treetools_prints_the_help_and_exits_2(capsys):
@@ -755,6 +774,35 @@ def test_train_refuses_a_workdir_inside_a_checkpoint(capsys, tmp_path, monkeypat
 
     for fine in ("runs/demo", "runs/other", "runs/demo/checkpoints-old", "runs/demo/checkpoints/notes"):
         check_workdir(fine)  # the run folder itself, a fresh one, a stranger beside the steps: no error
+
+
+def test_a_new_workdir_beside_an_orbax_folder_is_not_inside_it(tmp_path, monkeypatch):
+    # README's `treetools convert ... orbax_ckpt/ --to orbax` leaves a folder holding one Orbax save; that folder
+    # reads as an (old-Orbax) step whose item is `orbax_ckpt`, but a path not there yet is no part of it.
+    from treetools.cli.train import check_workdir
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "orbax_ckpt", {"w": np.ones(2, np.float32)})
+        ckptr.wait_until_finished()
+    assert sorted(os.listdir(tmp_path)) == ["orbax_ckpt"]
+    monkeypatch.chdir(tmp_path)
+    for fine in ("runs/demo2", "runs", "orbax_ckpt-old/run"):
+        check_workdir(fine)
+    (tmp_path / "runs").mkdir()  # a stranger folder beside the save: what is under it too
+    check_workdir("runs/demo2")
+    # Inside the save itself, existing or not, is still refused.
+    for inside, where in {"orbax_ckpt": "is a checkpoint (orbax)",
+                          "orbax_ckpt/run": "is inside the checkpoint orbax_ckpt (orbax)",
+                          "orbax_ckpt/d/run": "is inside the checkpoint orbax_ckpt (orbax)"}.items():
+        with pytest.raises(ValueError, match=re.escape(f"--workdir {inside} {where}: ")):
+            check_workdir(inside)
+    # A step with its own commit marker, given alone (no root around it): a new folder in it is inside it.
+    with ocp.CheckpointManager(tmp_path / "mngr") as mngr:
+        mngr.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave({"w": np.ones(2, np.float32)})))
+        mngr.wait_until_finished()
+    os.rename(tmp_path / "mngr" / "1", tmp_path / "step_copy")
+    with pytest.raises(ValueError, match=re.escape("--workdir step_copy/run is inside the checkpoint step_copy (orbax)")):
+        check_workdir("step_copy/run")
 
 
 METRICS = [{"step": s, "loss": 3.0 / s, "grad_norm": 1.0, "param_norm": 10.0 + s, "update_ratio": 1e-3} for s in (1, 2, 3)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -304,6 +305,28 @@ def test_cli_usage_errors_exit_2_and_known_errors_exit_1(tmp_path, capsys):
     assert main(["convert", src, dst, "--metadata", "format=mlx", "--metadata", "k=v=w"]) == 0
     with safe_open(dst, "np") as f:
         assert f.metadata() == {"format": "mlx", "k": "v=w"}
+
+
+@pytest.mark.parametrize("name", ["out.npz", "model.msgpack", "pytorch_model.bin", "w.NPY", "m.weights.h5"])
+def test_a_dst_named_like_a_file_convert_does_not_write_is_a_usage_error(tmp_path, capsys, name):
+    # `convert SRC out.npz` wrote a Hugging Face *folder* named out.npz; now: exit 2, naming DST and the fix.
+    np.savez(tmp_path / "w.npz", a=np.ones(3, np.float32))
+    src, dst = str(tmp_path / "w.npz"), str(tmp_path / name)
+    capsys.readouterr()
+    assert main(["convert", src, dst]) == 2
+    assert capsys.readouterr().err == (
+        f"treetools convert: error: {dst} names a {os.path.splitext(name)[1]} file, which convert does not write: "
+        "end it in .safetensors (one safetensors file), or name a folder (Hugging Face shards; Orbax with --to "
+        "orbax).\n")
+    assert main(["convert", src, dst, "--to", "orbax"]) == 2
+    assert capsys.readouterr().err == (f"treetools convert: error: --to orbax writes a folder; {dst} names a "
+                                       f"{os.path.splitext(name)[1]} file: name a folder instead.\n")
+    with pytest.raises(tt.UsageError, match=re.escape(dst)):
+        tt.convert(src, dst, dry_run=True)
+    assert not os.path.exists(dst) and sorted(os.listdir(tmp_path)) == ["w.npz"]
+    # A folder name (no file suffix) and a .safetensors file are what convert writes.
+    assert main(["convert", src, str(tmp_path / "out"), "--dry-run"]) == 0
+    assert main(["convert", src, str(tmp_path / "out.safetensors"), "--dry-run"]) == 0
 
 
 def test_step_all_is_one_usage_line_exit_2_checked_once_in_the_library(tmp_path, capsys):

@@ -169,6 +169,16 @@ def test_sharding_change_between_orbax_saves(tmp_path, capsys, devices):
     assert re.search(r"^w\s+sharding\s+P\('fsdp'\)\s+P\(None, 'fsdp'\)$", text, re.M), text
 
 
+def test_an_unmatched_pattern_offers_paths_in_the_form_diff_prints(run_dir, capsys):
+    # Several items are joined as item/path in diff's rows: the nearby paths are too, not mixed with bare ones.
+    rc, _, err = run(capsys, "diff", run_dir, run_dir, "--step", "100", "--include", "Dense_0/biaz")
+    shown = eval(re.search(r"nearby paths: (\[.*?\])", one_error_line(err)).group(1))  # a list of strings
+    assert rc == 2 and shown and all(p.split("/", 1)[0] in ("params", "opt_state", "meta") for p in shown), shown
+    for path in shown:
+        report = diff_json(capsys, run_dir, run_dir, "--step", "100", "--values", "--include", f"^{re.escape(path)}$")
+        assert [v["path"] for v in report["values"]] == [path]
+
+
 def test_library_diff_paths(tmp_path):
     fa, fb, a, b = _pair(tmp_path)
     r = diff_paths(str(fa), str(fb), values=True)

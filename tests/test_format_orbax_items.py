@@ -104,6 +104,45 @@ def test_single_array_items_are_the_arrays_themselves(run_dir):
     np.testing.assert_array_equal(jax.random.key_data(restored["key"]["key"]), jax.random.key_data(truth[2]["key"]))
 
 
+def test_a_bare_leaf_target_restores_a_one_array_item(run_dir):
+    # Orbax restores these items as the array itself, and users write their targets so: {"key": jax.random.key(0)}.
+    root, truth = run_dir
+    with ocp.CheckpointManager(root) as manager:
+        theirs = manager.restore(2, args=ocp.args.Composite(key=ocp.args.JaxRandomKeyRestore(),
+                                                            oldkey=ocp.args.JaxRandomKeyRestore()))
+    targets = {"key": jax.random.key(0), "oldkey": jax.random.PRNGKey(0), "step": jnp.asarray(0, jnp.int32)}
+    plan = tt.plan_restore(str(root), 2, targets)
+    assert plan.ok, str(plan)
+    assert [(leaf.path, leaf.source) for leaf in plan.items["key"].leaves] == [("key", "key")]
+    ours = tt.restore_checkpoint(str(root), 2, targets)
+    # a typed key target: the key again (Orbax's own restore gives the typed key too)
+    assert jax.dtypes.issubdtype(ours["key"].dtype, jax.dtypes.prng_key) and ours["key"].shape == ()
+    np.testing.assert_array_equal(jax.random.key_data(ours["key"]), jax.random.key_data(theirs["key"]))
+    # a raw PRNGKey target: the raw uint32 key data, as Orbax restores a raw key
+    assert ours["oldkey"].dtype == np.uint32 and theirs["oldkey"].dtype == np.uint32
+    np.testing.assert_array_equal(np.asarray(ours["oldkey"]), np.asarray(theirs["oldkey"]))
+    assert int(ours["step"]) == 2
+    # A typed key target for the raw key's item, a raw target for the typed key's: the same key data either way.
+    swapped = tt.restore_checkpoint(str(root), 2, {"key": jax.random.PRNGKey(0), "oldkey": jax.random.key(0)})
+    np.testing.assert_array_equal(np.asarray(swapped["key"]), jax.random.key_data(truth[2]["key"]))
+    np.testing.assert_array_equal(jax.random.key_data(swapped["oldkey"]), np.asarray(truth[2]["oldkey"]))
+    # load_parameters(item=...) with a bare target: the same, and a wrong one names the leaf as inspect does
+    got = tt.load_parameters(root, 2, item="key", target=jax.random.key(0))
+    np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(truth[2]["key"]))
+    wrong = jax.ShapeDtypeStruct((3,), jnp.uint32)
+    with pytest.raises(tt.CheckpointMismatchError) as info:
+        tt.load_parameters(root, 2, item="key", target=wrong)
+    assert [(p.path, p.kind) for p in info.value.problems] == [("key", "shape")]
+    with pytest.raises(tt.CheckpointMismatchError) as info:
+        tt.restore_checkpoint(str(root), 2, {"key": wrong})
+    assert [(p.path, p.kind) for p in info.value.problems] == [("key/key", "shape")]
+    # A bare target for an item of several leaves is not taken for one of them: the item is named, once.
+    with pytest.raises(tt.CheckpointMismatchError) as info:
+        tt.restore_checkpoint(str(root), 2, {"opt_state": jax.ShapeDtypeStruct((4,), jnp.float32)})
+    assert {(p.path, p.kind) for p in info.value.problems} == {
+        ("opt_state", "missing"), ("opt_state/mu", "unexpected"), ("opt_state/count", "unexpected")}
+
+
 def test_numpy_random_state_json_proto_and_grain_values(run_dir):
     root, truth = run_dir
     algorithm, words, pos, has_gauss, cached = truth[2]["nprng"]

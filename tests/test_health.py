@@ -170,6 +170,32 @@ def test_ring_keeps_the_last_steps_in_order_across_a_resume(tmp_path):
                                                                                        (11, 0, 11.0), (12, 0, 12.0)]
 
 
+def test_an_unwritten_row_is_no_nan_and_a_recorded_nan_is_reported(tmp_path, capsys):
+    # A ring not full yet goes into the run's checkpoint: its empty rows (step -1) must not read as NaN to
+    # `inspect --stats --fail-on-nonfinite`; a NaN the run recorded must.
+    from treetools.cli import main as cli_main
+
+    recorder = HealthRecorder(length=4)
+    state = recorder.init(_row(1))
+    assert np.isfinite(np.asarray(state.values)).all() and (np.asarray(state.steps) == -1).all()
+    assert HealthRecorder.rows(state) == []
+    state = recorder.record(state, 0, {**_row(1), "loss": jnp.float32(0.0)})  # step 0, a value 0: a row like any
+    assert [(r["step"], r["loss"]) for r in HealthRecorder.rows(state)] == [(0, 0.0)]
+    path = write_health_dump(tmp_path / "d.json", state, reason="every")
+    assert [r["step"] for r in json.loads(open(path).read())["records"]] == [0]  # the empty rows are not dumped
+    manager = tt.get_checkpoint_manager(1, checkpoint_dir=str(tmp_path / "ckpt"))
+    tt.save_checkpoint(manager, 1, {"health": state}, wait=True)
+    nan = recorder.record(state, 1, {**_row(1), "grad_norm/a": jnp.float32(np.nan)})
+    tt.save_checkpoint(manager, 2, {"health": nan}, wait=True)
+    manager.close()
+    assert np.isnan(HealthRecorder.rows(nan)[1]["grad_norm/a"])
+    check = ["inspect", str(tmp_path / "ckpt"), "--stats", "--fail-on-nonfinite", "--step"]
+    capsys.readouterr()
+    assert cli_main([*check, "1"]) == 0, capsys.readouterr().err
+    assert cli_main([*check, "2"]) == 3
+    assert "non-finite values in 1 leaf(s): health/values" in capsys.readouterr().err
+
+
 def test_record_where_false_leaves_the_ring_and_every_n_skips_the_work():
     recorder = HealthRecorder(length=3)
     state = recorder.init(_row(1))

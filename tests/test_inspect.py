@@ -7,6 +7,7 @@ never from the inspector.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import math
@@ -770,6 +771,30 @@ def test_unmatched_pattern_lists_each_nearby_path_once(run_dir, capsys):
     nearby = re.search(r"nearby paths: (\[.*?\])", line).group(1)
     shown = eval(nearby)  # a Python list literal of strings
     assert len(shown) == len(set(shown)), line
+
+
+def _nearby(capsys, *argv) -> list[str]:
+    rc, _, err = run(capsys, *argv)
+    assert rc == 1
+    return ast.literal_eval(re.search(r"nearby paths: (\[.*?\])", one_error_line(err)).group(1))
+
+
+def test_nearby_paths_are_in_one_form_each_pasted_back_shows_its_leaf(run_dir, capsys):
+    # Several items: every nearby path is item/path (one leaf), never a mix with bare paths (`Dense_0/bias`,
+    # which means a leaf in several items). Pasted into --include, each shows exactly that leaf.
+    items = set(items_of(inspect_json(capsys, run_dir)))
+    shown = _nearby(capsys, "inspect", run_dir, "--include", "Dense_0/biaz")
+    assert shown and all(p.split("/", 1)[0] in items for p in shown), shown
+    for path in shown:
+        item, leaf = path.split("/", 1)
+        got = items_of(inspect_json(capsys, run_dir, "--include", f"^{re.escape(path)}$"))
+        assert {name: [x["path"] for x in value["leaves"]] for name, value in got.items()} == {item: [leaf]}
+    # One item: the paths as its table shows them.
+    shown = _nearby(capsys, "inspect", run_dir, "--item", "opt_state", "--include", "Dense_0/biaz")
+    assert shown and not any(p.startswith("opt_state/") for p in shown), shown
+    for path in shown:
+        got = items_of(inspect_json(capsys, run_dir, "--item", "opt_state", "--include", f"^{re.escape(path)}$"))
+        assert [x["path"] for x in got["opt_state"]["leaves"]] == [path]
 
 
 def test_filter_hides_items_it_empties(run_dir, capsys):

@@ -71,6 +71,14 @@ def test_the_context_comes_from_the_arguments_then_the_environment():
                      ("TREETOOLS_CHUNK_BYTES", "12"), ("TREETOOLS_WORKERS", "0")):
         with pytest.raises(CheckpointError, match=var):
             ReadContext.from_env({var: bad})
+    # A block size is a whole number of bytes: the value as given is echoed, never truncated to another size.
+    assert ReadContext.from_env({"TREETOOLS_CHUNK_BYTES": "1e6"}).block_bytes == 1_000_000
+    for bad, why in (("1.5", "a whole number of bytes"), ("4096.5", "a whole number of bytes"),
+                     ("inf", "a whole number of bytes"), ("lots", "a whole number of bytes"),
+                     ("1000", "at least 1024")):
+        with pytest.raises(CheckpointError) as info:
+            ReadContext.from_env({"TREETOOLS_CHUNK_BYTES": bad})
+        assert str(info.value) == f"`TREETOOLS_CHUNK_BYTES` must be {why}, got {bad!r}."
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.memory_budget = 1  # immutable: a changed setting is a new context
     with pytest.raises(ValueError, match="block_bytes"):

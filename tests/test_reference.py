@@ -314,6 +314,20 @@ def test_inject_spike_is_detected_attributed_dumped_skipped_and_plotted(tmp_path
     assert cli_main(["plot", dump_event["path"], "-o", str(png)]) == 0 and png.read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_short_health_run_passes_the_nonfinite_check(tmp_path, capsys):
+    # Fewer steps than the ring holds: its empty rows are in the checkpoint, and are no NaN (README's check).
+    run = train(_cfg(tmp_path, 4, ckpt_every=4, health=True, health_length=8, health_warmup=2))
+    recorder = jax.device_get(run["state"]["health"]["recorder"])
+    assert [r["step"] for r in tt.HealthRecorder.rows(recorder)] == [1, 2, 3, 4]  # 4 of 8 rows written
+    capsys.readouterr()
+    rc = cli_main(["inspect", run["checkpoint_dir"], "--item", "health", "--stats", "--fail-on-nonfinite",
+                   "--format", "json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    leaves = {leaf["path"]: leaf for leaf in json.loads(out)["checkpoints"][0]["items"]["health"]["leaves"]}
+    assert leaves["recorder/values"]["shape"][0] == 8 and leaves["recorder/values"]["stats"]["nan"] == 0
+
+
 def test_health_resume_continues_the_detector_and_the_ring(tmp_path):
     cfg = dict(health=True, health_warmup=4, health_length=8)
     straight = train(_cfg(tmp_path / "straight", 2 * N, **cfg))

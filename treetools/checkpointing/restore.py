@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # type hints only
 
 def _describe(x: Any) -> str:
     if hasattr(x, "shape") and hasattr(x, "dtype"):
-        return f"{dtype_name(np.dtype(x.dtype))}{list(x.shape)}"
+        return f"{dtype_name(x.dtype)}{list(x.shape)}"
     return type(x).__name__
 
 
@@ -186,8 +186,13 @@ class _Target:
         return dict(zip(self.paths, self.abstract))
 
 
-def _target(target: Any, sharding: Any, fill: Any) -> _Target:
-    """Flatten ``target`` on ``sharding`` (or its own shardings; arrays without one are replicated), and ``fill``."""
+def _target(target: Any, sharding: Any, fill: Any, *, lone: str | None = None) -> _Target:
+    """Flatten ``target`` on ``sharding`` (or its own shardings; arrays without one are replicated), and ``fill``.
+
+    ``lone``: the name of a one-array item's one leaf (its path is the item's name, as ``inspect`` and
+    ``load_parameters`` show it); a target that is one bare leaf (``jax.random.key(0)`` for an item Orbax's
+    ``JaxRandomKeySave`` wrote, as Orbax restores it) is that leaf, and so is a bare ``fill``.
+    """
     # The jax side, imported here only: load_parameters(path) without a target stays numpy-only.
     import jax
 
@@ -199,6 +204,9 @@ def _target(target: Any, sharding: Any, fill: Any) -> _Target:
     pairs, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_leaf)
     leaves = [x for _, x in pairs]
     paths = [path_str(p) for p, _ in pairs]
+    bare = lone is not None and [p for p, _ in pairs] == [()]
+    if bare:
+        paths = [lone]
     replicated = None
     abstract = []
     for leaf in jax.tree_util.tree_leaves(make_abstract(target, sharding), is_leaf=is_leaf):
@@ -210,6 +218,8 @@ def _target(target: Any, sharding: Any, fill: Any) -> _Target:
             value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=replicated)
         abstract.append(value)
     filled = {p: unbox(x) for p, x in leaves_with_paths(fill)} if fill is not None else {}
+    if bare and set(filled) == {""}:
+        filled = {lone: filled[""]}
 
     def rebuild(values: Mapping[str, Any]) -> Any:
         """The target's structure with each leaf's restored value, inside the leaf's box."""
@@ -231,26 +241,49 @@ class _Work:
     from_fill: list[str]
 
 
-def _check_leaf(name: str, path: str, x: Any, shape: Any, dtype: Any, allow_dtype_cast: bool, *,
+def _shown(label: str, path: str) -> str:
+    """A target leaf's path as the user's ``items`` spell it: ``label`` (``params/``, or ``""`` for
+    ``load_parameters``' own target) then the path; a bare-leaf target is named by the label alone."""
+    return label + path if path else label.rstrip("/") or "target"
+
+
+def _key_data(x: Any) -> Any:
+    """A typed PRNG key (or its abstract value) as the abstract key data it is stored as; anything else as it is."""
+    if not _is_key(x):
+        return x
+    import jax  # a typed key: jax is loaded already
+
+    return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+
+
+def _check_leaf(where: str, x: Any, shape: Any, dtype: Any, allow_dtype_cast: bool, *,
                 what: str = "") -> list[Mismatch]:
     """A target leaf against what will fill it (a checkpoint leaf after the rules, or a fill value)."""
     if not _is_array(x) or shape is None:
         return []
-    if _is_key(x):  # typed keys are stored as their key data
-        import jax  # a typed key target: jax is loaded already
-
-        x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    x = _key_data(x)  # typed keys are stored as their key data
     if tuple(x.shape) != tuple(shape):
-        return [Mismatch(f"{name}/{path}", "shape", str(tuple(x.shape)), f"{what}{tuple(shape)}")]
+        return [Mismatch(where, "shape", str(tuple(x.shape)), f"{what}{tuple(shape)}")]
     if np.dtype(x.dtype) != np.dtype(dtype) and not allow_dtype_cast:
-        return [Mismatch(f"{name}/{path}", "dtype", dtype_name(np.dtype(x.dtype)), f"{what}{dtype_name(np.dtype(dtype))}")]
+        return [Mismatch(where, "dtype", dtype_name(x.dtype), f"{what}{dtype_name(np.dtype(dtype))}")]
     return []
 
 
+def _lone(item: Item) -> str | None:
+    """The one leaf's name of a one-array item (an array, a PRNG key, a step number saved alone), whose path is
+    the item's name; None for any other item."""
+    return item.name if [leaf.name for leaf in item.leaves] == [item.name] else None
+
+
 def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules | None, fill: Any,
-               allow_unused: bool, allow_dtype_cast: bool) -> tuple[_Work, ItemPlan, list[Mismatch]]:
-    """Plan one pytree item against its target: nothing is read."""
-    tgt = _target(target, sharding, fill)
+               allow_unused: bool, allow_dtype_cast: bool, *,
+               label: str | None = None) -> tuple[_Work, ItemPlan, list[Mismatch]]:
+    """Plan one pytree item against its target: nothing is read.
+
+    ``label``: what problems put before a leaf's path (``name/`` by default: ``items`` are keyed by item).
+    """
+    label = f"{name}/" if label is None else label
+    tgt = _target(target, sharding, fill, lone=_lone(stored))
     if stored.positional:
         stored = _by_position(stored, tgt)
     plan = None
@@ -259,7 +292,7 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
         try:
             mapped, plan = map_item(stored, rules, targets=tgt.paths)
         except RulesError as e:  # rules that do not fit this checkpoint: problems of the plan, not an exception
-            return _unresolved(name, stored, tgt, e.problems)
+            return _unresolved(name, stored, tgt, e.problems, label)
     found = {leaf.name: leaf for leaf in mapped.leaves}
     problems: list[Mismatch] = []
     item_plan = ItemPlan(name, "pytree", dropped=list(plan.dropped) if plan is not None else [])
@@ -269,7 +302,7 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
         if leaf is not None:
             shape = tuple(leaf.reader.shape) if leaf.reader is not None else None
             dtype = leaf.reader.dtype if leaf.reader is not None else None
-            problems += _check_leaf(name, path, x, shape, dtype, allow_dtype_cast)
+            problems += _check_leaf(_shown(label, path), x, shape, dtype, allow_dtype_cast)
             ops = _ops(plan, path, x, dtype)
             source = str(plan[path].row().source) if plan is not None else path
             item_plan.leaves.append(LeafPlan(path, "checkpoint", source, shape and tuple(shape),
@@ -278,14 +311,15 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
         elif path in tgt.fill:
             value = tgt.fill[path]
             if _is_array(x):
-                problems += _check_leaf(name, path, x, getattr(value, "shape", None), getattr(value, "dtype", None),
-                                        allow_dtype_cast, what="fill_missing ")
+                value_data = _key_data(value)
+                problems += _check_leaf(_shown(label, path), x, getattr(value_data, "shape", None),
+                                        getattr(value_data, "dtype", None), allow_dtype_cast, what="fill_missing ")
             shape = tuple(value.shape) if _is_array(value) else None
             item_plan.leaves.append(LeafPlan(path, "fill_missing", None, shape,
-                                             dtype_name(np.dtype(value.dtype)) if _is_array(value) else None))
+                                             dtype_name(value.dtype) if _is_array(value) else None))
             from_fill.append(path)
         else:
-            problems.append(Mismatch(f"{name}/{path}", "missing", _describe(x), "nothing"))
+            problems.append(Mismatch(_shown(label, path), "missing", _describe(x), "nothing"))
             item_plan.leaves.append(_target_leaf(path, "missing", x))
     wanted = set(tgt.paths)
     for path, leaf in found.items():
@@ -294,7 +328,7 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
         item_plan.unused.append(path)
         if not allow_unused:
             shown = f"{leaf.row.dtype}{list(leaf.row.shape)}" if leaf.row.shape is not None else "a value"
-            problems.append(Mismatch(f"{name}/{path}", "unexpected", "nothing", shown))
+            problems.append(Mismatch(_shown(label, path), "unexpected", "nothing", shown))
     work = _Work(stored, mapped, plan, tgt, from_ckpt, from_fill)
     return work, item_plan, sorted(problems, key=lambda p: (p.kind != "missing", p.path))
 
@@ -302,16 +336,17 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
 def _target_leaf(path: str, origin: str, x: Any) -> LeafPlan:
     """A target leaf no checkpoint leaf fills, with the target's shape and dtype."""
     return LeafPlan(path, origin, None, getattr(x, "shape", None) and tuple(x.shape),
-                    dtype_name(np.dtype(x.dtype)) if _is_array(x) else None)
+                    dtype_name(x.dtype) if _is_array(x) else None)
 
 
-def _unresolved(name: str, stored: Item, tgt: _Target,
-                problems: Sequence[str]) -> tuple[_Work, ItemPlan, list[Mismatch]]:
+def _unresolved(name: str, stored: Item, tgt: _Target, problems: Sequence[str],
+                label: str) -> tuple[_Work, ItemPlan, list[Mismatch]]:
     """The plan of an item whose rules do not fit the checkpoint: the rules' problems, one each, and every target
     leaf unresolved (which checkpoint leaf would fill it is not known, so none is called missing or unused)."""
     leaves = [_target_leaf(path, "unresolved", x) for path, x in zip(tgt.paths, tgt.abstract)]
     item_plan = ItemPlan(name, "pytree", leaves)
-    found = [Mismatch(name, "rules", "rules that fit the checkpoint", problem) for problem in problems]
+    where = label.rstrip("/") or "rules"
+    found = [Mismatch(where, "rules", "rules that fit the checkpoint", problem) for problem in problems]
     return _Work(stored, stored, None, tgt, [], []), item_plan, found
 
 
@@ -346,7 +381,7 @@ def _ops(plan: RulesPlan | None, path: str, x: Any, dtype: Any) -> tuple[str, ..
         if row.source.split("[")[0] != path and not plan[path].stacked:
             ops.insert(0, "renamed")
     if dtype is not None and _is_array(x) and not _is_key(x) and np.dtype(x.dtype) != np.dtype(dtype):
-        ops.append(f"cast {dtype_name(np.dtype(x.dtype))} on read")
+        ops.append(f"cast {dtype_name(x.dtype)} on read")
     return tuple(ops)
 
 
@@ -400,10 +435,12 @@ def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any]) -> di
 def _keyed(value: Any, target: Any) -> Any:
     """A format's own restore of a typed-key target that gave the key data (an item Orbax's
     ``JaxRandomKeyCheckpointHandler`` saved with ``ArraySave``) as the key again."""
-    if not _is_key(target) or _is_key(value):
+    if not _is_key(target):
         return value
     import jax  # a typed key target: jax is loaded already
 
+    if _is_key(value):
+        return jax.device_put(value, target.sharding)
     impl = jax.random.key_impl(target) if isinstance(target, jax.Array) else target.dtype._impl
     return jax.device_put(jax.random.wrap_key_data(value, impl=impl), target.sharding)
 
@@ -444,7 +481,12 @@ def _fill_values(fill: Mapping[str, Any], targets: Mapping[str, Any]) -> dict[st
     for path, value in fill.items():
         x = targets[path]
         if _is_array(x) and hasattr(x, "sharding") and _is_array(value):
-            value = jax.device_put(jax.numpy.asarray(value, dtype=x.dtype), x.sharding)
+            if _is_key(value) and not _is_key(x):  # a typed key offered for a raw key target: its key data
+                value = jax.random.key_data(value)
+            if _is_key(x):  # a typed key target: the key (given, or wrapped from its key data), as stored keys are
+                value = _keyed(value, x)
+            else:
+                value = jax.device_put(jax.numpy.asarray(value, dtype=x.dtype), x.sharding)
         out[path] = value
     return out
 
@@ -637,7 +679,10 @@ def restore_checkpoint(
       step: a committed step; None, -1 or ``"latest"`` for the latest committed
         one (incomplete saves are never picked).
       items: name -> target tree; JSON items (``data_iter``) may map to None and
-        come back as dicts.
+        come back as dicts. A one-array item (Orbax's ``ArraySave``,
+        ``JaxRandomKeySave``: one leaf named like the item) takes a bare leaf,
+        as Orbax restores it: ``{"rng": jax.random.key(0)}`` gives the typed
+        key, a raw ``PRNGKey`` target the ``uint32`` key data.
       sharding: one ``Sharding`` for every array, or ``{name: Sharding or tree
         of Shardings}``; overrides the targets' own shardings.
       rules: a ``tt.Rules`` applied to every pytree item (paths inside the
@@ -777,7 +822,8 @@ def load_parameters(
         committed step, an unknown step (the message lists the available
         steps), or the step has no such item (the message lists the items).
       CheckpointError: not a checkpoint, corrupt, or a single step folder with another ``step`` asked.
-      CheckpointMismatchError: ``target`` does not match the checkpoint (the rules' problems among them).
+      CheckpointMismatchError: ``target`` does not match the checkpoint (the rules' problems among them);
+        each leaf is named by its path in ``target``.
       RulesError: without a ``target``, the rules do not fit the checkpoint (there is no plan to report them in).
 
     >>> import tempfile, numpy as np
@@ -803,8 +849,9 @@ def load_parameters(
             if rules is not None and not rules.empty:
                 found = map_item(found, rules)[0]
             return _nest(list(zip((leaf.row for leaf in found.leaves), _host_values(found.leaves))))
+        # The target is the params tree itself: problems name its paths as the user's target spells them.
         work, plan, problems = _plan_item(found.name, found, target, sharding, rules, fill_missing, allow_unused,
-                                          allow_dtype_cast)
+                                          allow_dtype_cast, label="")
         if problems:
             raise CheckpointMismatchError(resolved, source.path, problems)
         return _read(source, work)

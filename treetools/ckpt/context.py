@@ -137,12 +137,14 @@ def _block_bytes_from(raw: str | None) -> int:
     if not raw:
         return DEFAULT_BLOCK_BYTES
     try:
-        value = int(float(raw))
-    except (ValueError, OverflowError):
-        raise CheckpointError(f"`TREETOOLS_CHUNK_BYTES` must be a number of bytes, got {raw!r}.") from None
-    if value < 1024:
-        raise CheckpointError(f"`TREETOOLS_CHUNK_BYTES` must be at least 1024, got {value}.")
-    return value
+        number = float(raw)  # `1e6` is a whole number of bytes too
+    except ValueError:
+        number = math.nan
+    if not number.is_integer():  # `1.5`, `x`, `inf` (never truncated to another size)
+        raise CheckpointError(f"`TREETOOLS_CHUNK_BYTES` must be a whole number of bytes, got {raw!r}.")
+    if number < 1024:
+        raise CheckpointError(f"`TREETOOLS_CHUNK_BYTES` must be at least 1024, got {raw!r}.")
+    return int(number)
 
 
 def _workers_from(raw: str | None) -> int | None:

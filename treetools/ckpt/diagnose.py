@@ -17,6 +17,7 @@ from typing import Sequence
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.registry import claiming_format, registered_formats
 from treetools.ckpt.source import file_head, Format
+from treetools.ckpt.steps import MARKER, commit_evidence
 from treetools.ckpt.storage import Storage, backend, is_url, normalize
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
@@ -76,7 +77,10 @@ def _holds(location: str, fmt: Format, name: str | None, looking: ReadContext) -
     """Whether the entry ``name`` of ``location`` (a folder ``fmt`` claims; None: ``location`` itself) is part of
     that checkpoint: a step folder of a root (listed, unfinished, or named as its steps are), an item folder or
     a file of a step, anything in an item folder or a single-file checkpoint's folder; not a stranger beside a
-    root's steps or a step's items (a run folder in a ``/tmp`` that holds steps).
+    root's steps or a step's items (a run folder in a ``/tmp`` that holds steps). A ``name`` not there yet is part
+    of a step that carries its own commit marker, not of a folder taken for a step only because an item folder
+    sits in it (a folder holding one ``StandardCheckpointer`` save): a sibling being a checkpoint puts nothing
+    new beside it inside one.
     """
     if name is None:
         return True
@@ -89,7 +93,12 @@ def _holds(location: str, fmt: Format, name: str | None, looking: ReadContext) -
         return True  # claimed by its own files, and unreadable (an unfinished step): a checkpoint all the same
     if listing is None:  # a step's items are folders in it: another folder there is no part of it
         folders = [n for n in items if storage.isdir(storage.join(location, n))]
-        return name in items or not folders or not storage.isdir(storage.join(location, name))
+        entry = storage.join(location, name)
+        if name in items or not folders:
+            return True
+        if storage.lexists(entry):  # a file of the step is part of it; a stranger folder is not
+            return not storage.isdir(entry)
+        return commit_evidence(location, storage) == MARKER
     names = set(listing.incomplete)
     for series in listing.every_series().values():
         names |= {os.path.basename(folder) for folder in series.committed.values()} | set(series.incomplete)

@@ -71,9 +71,29 @@ class _UsageExit(SystemExit):
         self.message = message
 
 
+_NARGS = {None: "{0}", "?": "[{0}]", "*": "[{0} ...]", "+": "{0} [{0} ...]", argparse.PARSER: "{0} ..."}
+"""How a positional argument's ``nargs`` reads in a usage line (argparse's own notation)."""
+
+
+def short_usage(parser: argparse.ArgumentParser) -> str:
+    """One line: the command, ``[OPTIONS]`` and its positional arguments; ``--help`` lists the options.
+
+    >>> p = argparse.ArgumentParser(prog="treetools diff")
+    >>> _ = p.add_argument("a", metavar="A"); _ = p.add_argument("b", metavar="B", nargs="?")
+    >>> short_usage(p)
+    'usage: treetools diff [OPTIONS] A [B]  (treetools diff --help lists the options)'
+    """
+    words = [parser.prog, "[OPTIONS]"]
+    words += [_NARGS.get(a.nargs, "{0} ...").format(a.metavar or a.dest.upper())
+              for a in parser._actions if not a.option_strings]  # argparse keeps its arguments there, in order
+    return f"usage: {' '.join(words)}  ({parser.prog} --help lists the options)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, its help and usage written through the CLI's output (``_output.message``): a write that fails
-    is reported, not swallowed (argparse's own ``_print_message`` drops an ``OSError``)."""
+    is reported, not swallowed (argparse's own ``_print_message`` drops an ``OSError``). A usage error is one
+    short usage line (``short_usage``), then ``PROG: error: MESSAGE``, exit 2, the message kept (``_UsageExit``);
+    ``--help`` has the whole usage."""
 
     def _print_message(self, message: str, file: Any = None) -> None:
         if not message:
@@ -84,21 +104,19 @@ class _Parser(argparse.ArgumentParser):
         else:
             file.write(message)
 
+    def error(self, message: str) -> NoReturn:
+        self._print_message(f"{short_usage(self)}\n{self.prog}: error: {message}\n", sys.stderr)
+        raise _UsageExit(message)
+
 
 class _CommandParser(_Parser):
     """A subcommand's parser, whose epilog may be a function: called when the help is printed, not on every run
-    (``inspect``'s list of formats reads each format module's source); its usage errors are argparse's own (the
-    usage line, then ``PROG: error: MESSAGE``, exit 2), the message kept (``_UsageExit``)."""
+    (``inspect``'s list of formats reads each format module's source)."""
 
     def format_help(self) -> str:
         if callable(self.epilog):
             self.epilog = self.epilog()
         return super().format_help()
-
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self._print_message(f"{self.prog}: error: {message}\n", sys.stderr)
-        raise _UsageExit(message)
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

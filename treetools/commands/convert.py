@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from typing import Any, Sequence
 
@@ -60,6 +61,9 @@ from treetools.rules.plan import TargetLeaf
 from treetools.rules.spec import Rules
 
 TARGETS = ("safetensors", "orbax")
+OTHER_FILES = (".npz", ".npy", ".msgpack", ".eqx", ".h5", ".keras", ".pt", ".pth", ".bin", ".pkl")
+"""Suffixes of single-file checkpoints convert does not write (numpy, Flax msgpack, Equinox, Keras, PyTorch,
+pickles): a DST ending in one is a mistake, never a folder to write (a Hugging Face folder named ``out.npz``)."""
 SCHEMA = 1
 """Version of ``ConvertReport.to_json``."""
 
@@ -253,8 +257,9 @@ def check_arguments(dst: str, opts: ConvertOptions) -> str:
     """The output format ``convert`` writes, once its arguments are known to work together.
 
     Raises:
-      UsageError: an unknown ``to``; ``to="orbax"`` with a ``.safetensors`` destination; ``dst_step`` without
-        ``to="orbax"`` or below 0; a ``shard_size`` that is not a size; a ``step`` that is not one step.
+      UsageError: an unknown ``to``; a destination named like a file the format does not write (``.safetensors``
+        with ``to="orbax"``, ``out.npz`` with either: ``OTHER_FILES``); ``dst_step`` without ``to="orbax"`` or
+        below 0; a ``shard_size`` that is not a size; a ``step`` that is not one step.
 
     >>> check_arguments("out.safetensors", ConvertOptions(step="all"))
     Traceback (most recent call last):
@@ -264,8 +269,12 @@ def check_arguments(dst: str, opts: ConvertOptions) -> str:
     to = opts.to or "safetensors"
     if to not in TARGETS:
         raise UsageError(f"--to {opts.to} (`to`): one of {', '.join(TARGETS)}.")
-    if to == "orbax" and str(dst).lower().endswith(".safetensors"):
-        raise UsageError(f"--to orbax writes a folder; {dst} names a .safetensors file.")
+    suffix = os.path.splitext(str(dst))[1]  # "out.npz/" names a folder: no suffix
+    if to == "orbax" and suffix.lower() in (".safetensors", *OTHER_FILES):
+        raise UsageError(f"--to orbax writes a folder; {dst} names a {suffix} file: name a folder instead.")
+    if suffix.lower() in OTHER_FILES:
+        raise UsageError(f"{dst} names a {suffix} file, which convert does not write: end it in .safetensors "
+                         "(one safetensors file), or name a folder (Hugging Face shards; Orbax with --to orbax).")
     if opts.dst_step is not None and to != "orbax":
         raise UsageError("--dst-step (`dst_step`) writes a step of an Orbax manager root; add --to orbax (`to='orbax'`).")
     if opts.dst_step is not None and (isinstance(opts.dst_step, bool) or not isinstance(opts.dst_step, int)

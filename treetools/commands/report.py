@@ -157,9 +157,12 @@ def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence
     """
     if not include and not exclude:
         return [{name: item.leaves for name, item in s.items.items()} for s in snaps]
-    # A leaf is known by its path and by item/path (either may be pasted); match each pair once.
+    # A leaf is known by its path and by item/path (either may be pasted); match each pair once. An unmatched
+    # pattern's nearby paths are in one form: the path alone for one item, item/path (one leaf) for several.
     pairs = list(dict.fromkeys((name, leaf.name) for s in snaps for name, item in s.items.items() for leaf in item.leaves))
-    keep = dict(zip(pairs, select_any([(path, f"{name}/{path}") for name, path in pairs], include, exclude)))
+    several = len({name for name, _ in pairs}) > 1
+    forms = [(f"{name}/{path}", path) if several else (path, f"{name}/{path}") for name, path in pairs]
+    keep = dict(zip(pairs, select_any(forms, include, exclude)))
     out: list[dict[str, list[Leaf]]] = []
     for s in snaps:
         kept = {name: [leaf for leaf in item.leaves if keep[(name, leaf.name)]] for name, item in s.items.items()}

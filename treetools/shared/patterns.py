@@ -65,8 +65,12 @@ def nearby(text: str, paths: Sequence[str], n: int = 5) -> list[str]:
     return difflib.get_close_matches(text, unique, n=n, cutoff=0.0) or unique[:n]
 
 
-def match_patterns(paths: Sequence[str], patterns: Sequence[re.Pattern], *, name: str) -> list[bool]:
+def match_patterns(paths: Sequence[str], patterns: Sequence[re.Pattern], *, name: str,
+                   shown: Sequence[str] | None = None) -> list[bool]:
     """For each path, whether any pattern ``re.search``-matches it.
+
+    ``shown``: the paths an error offers as nearby (default ``paths``): one form of each leaf where ``paths``
+    holds several.
 
     Raises:
       PatternError: a pattern matches no path; the message names the pattern and
@@ -86,7 +90,7 @@ def match_patterns(paths: Sequence[str], patterns: Sequence[re.Pattern], *, name
         if not matched:
             raise PatternError(
                 f"`{name}` pattern {pat.pattern!r} matches no leaf; nearby paths: "
-                f"{nearby(pat.pattern, paths)}. Fix the pattern or drop it."
+                f"{nearby(pat.pattern, paths if shown is None else shown)}. Fix the pattern or drop it."
             )
     return hits
 
@@ -113,16 +117,22 @@ def select_any(names: Sequence[Sequence[str]], include: Sequence[str] = (), excl
     """``select`` for leaves known by several names (``item/path`` and ``path``, a dotted name and its ``/`` form):
     a pattern matches a leaf when it matches any of its names.
 
-    A pattern that matches no name of any leaf is a ``PatternError``.
+    A pattern that matches no name of any leaf is a ``PatternError``; the nearby paths it offers are each leaf's
+    first name (the form the caller shows), never a mix of forms.
 
     >>> select_any([("params/w", "w"), ("opt/w", "w")], include=["^params/"])
     [True, False]
+    >>> select_any([("params/w", "w"), ("opt/w", "w")], include=["^x"])
+    Traceback (most recent call last):
+    ...
+    treetools.shared.errors.PatternError: `include` pattern '^x' matches no leaf; nearby paths: ['params/w', 'opt/w']. Fix the pattern or drop it.
     """
     flat = list(dict.fromkeys(n for group in names for n in group))
+    shown = list(dict.fromkeys(group[0] for group in names if group))
     inc = compile_patterns(list(include), name="include")
     exc = compile_patterns(list(exclude), name="exclude")
-    hit_inc = dict(zip(flat, match_patterns(flat, inc, name="include"))) if inc else None
-    hit_exc = dict(zip(flat, match_patterns(flat, exc, name="exclude"))) if exc else None
+    hit_inc = dict(zip(flat, match_patterns(flat, inc, name="include", shown=shown))) if inc else None
+    hit_exc = dict(zip(flat, match_patterns(flat, exc, name="exclude", shown=shown))) if exc else None
     out = []
     for group in names:
         keep = hit_inc is None or any(hit_inc[n] for n in group)
