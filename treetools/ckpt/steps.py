@@ -51,6 +51,7 @@ import stat
 from typing import Any, Callable, Iterable, Sequence
 
 from treetools.ckpt.storage import Storage, backend, normalize
+from treetools.ckpt.storage.base import kind_of_mode
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 
@@ -130,14 +131,15 @@ def read_json_file(storage: Storage, path: str, *, what: str, max_bytes: int = M
 def file_kind(storage: Storage, path: str) -> str:
     """``a folder``, ``a FIFO``, ``a broken symlink``...: what stands at ``path`` instead of a file."""
     if storage.islink(path) and not storage.exists(path):
-        return f"a broken or looping symlink to {os.readlink(path)!r}"
+        try:
+            target = storage.readlink(path)
+        except OSError:
+            target = "?"
+        return f"a broken or looping symlink to {target!r}"
     try:
-        mode = storage.stat(path).st_mode
+        return kind_of_mode(storage.stat(path).st_mode)
     except OSError as e:
         return f"unreadable: {e.strerror or e}"
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((name for test, name in kinds if test(mode)), "a regular file")
 
 
 def step_series(name: str, *, names: re.Pattern[str] = _STEP_NAME) -> tuple[str, int] | None:
@@ -210,7 +212,7 @@ def _finalized_item(storage: Storage, step_dir: str) -> bool:
     """Whether a step folder without step metadata holds an item Orbax finalized (pre-0.5 Orbax saves)."""
     try:
         with storage.scandir(step_dir) as it:
-            subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+            subdirs = [e.path for e in it if e.is_dir()]
     except OSError:
         return False
     return any(_is_regular(storage, os.path.join(d, PYTREE_METADATA_FILE))

@@ -70,10 +70,10 @@ _BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes (uint32 LE), b
 
 
 def subdirs(storage: Storage, folder: str) -> list[str]:
-    """Names of the folders directly under ``folder`` (symlinks not followed), sorted."""
+    """Names of the folders directly under ``folder`` (a link to a folder is one: ``Storage.scandir``), sorted."""
     try:
         with storage.scandir(folder) as it:
-            return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+            return sorted(e.name for e in it if e.is_dir())
     except OSError as e:
         raise CheckpointError(f"{folder}: cannot list folder ({e.strerror or e}).") from None
 
