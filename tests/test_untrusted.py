@@ -1566,3 +1566,28 @@ def test_renaming_a_checkpoint_and_planting_a_link_at_its_name_changes_nothing(t
             if plant:
                 os.unlink(ckpt)
             os.rename(tmp_path / "moved", ckpt)
+
+
+def test_a_dotdot_after_a_link_goes_where_the_os_goes_for_reads_and_writes(tmp_path, capsys, monkeypatch):
+    # `orblink -> ck/orbax`: `orblink/../orbax` is ck/orbax to the OS (`..` goes up from where the link leads);
+    # it used to be struck out by name (./orbax): inspect said "no such file", and convert wrote elsewhere than
+    # the path it printed.
+    monkeypatch.chdir(tmp_path)
+    _orbax(tmp_path / "ck" / "orbax", steps=(1,))
+    os.symlink("ck/orbax", "orblink")
+    assert os.path.isdir("orblink/../orbax") and not os.path.exists("orbax")
+    code, out, err = _run(capsys, "inspect", "orblink/../orbax")
+    assert code == 0 and out.startswith("orblink/../orbax (orbax)"), (out, err)  # echoed as typed
+    assert float(tt.flatten(tt.load_parameters("orblink/../orbax"))["w"][0]) == 2.0
+    # Writes: the destination's folder is where the OS puts it; the message echoes what was typed.
+    code, out, err = _run(capsys, "convert", "orblink/../orbax", "orblink/../w.safetensors")
+    assert code == 0 and "wrote orblink/../w.safetensors" in out, (out, err)
+    assert (tmp_path / "ck" / "w.safetensors").is_file() and not (tmp_path / "w.safetensors").exists()
+    # DST inside SRC through a `..`: refused (lexically it was ./orbax/x.safetensors, outside, and written).
+    err = _one_error(capsys, "convert", "ck/orbax", "orblink/../orbax/x.safetensors")
+    assert "orblink/../orbax/x.safetensors: the destination is, holds, or lies inside the source ck/orbax" in err
+    assert not (tmp_path / "orbax").exists() and not (tmp_path / "ck" / "orbax" / "x.safetensors").exists()
+    # A destination that is a link into the source, for a root convert writes into: refused too.
+    os.symlink("ck/orbax", "into")
+    err = _one_error(capsys, "convert", "ck/orbax", "into", "--to", "orbax", "--dst-step", "5")
+    assert "lies inside the source" in err and not (tmp_path / "ck" / "orbax" / "5").exists()

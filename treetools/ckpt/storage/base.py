@@ -56,7 +56,15 @@ def split_url(url: str) -> tuple[str, str, str]:
 
 
 def normalize(path: str) -> str:
-    """An absolute local path (``~`` expanded), or a URL without doubled or trailing slashes.
+    """An absolute local path (``~`` expanded) naming what the OS names, or a URL without doubled or trailing
+    slashes.
+
+    A ``..`` goes up from where the part before it leads, as the OS resolves
+    it, not by striking out a name: with ``lk -> ck/orbax``, ``lk/../x`` is
+    ``ck/x``. The folder above the last part is resolved (symlinks followed)
+    then; the last part is kept as it is (a checkpoint file that is a link, or
+    a link a write replaces). Without ``..``, resolving and striking out agree,
+    and the path is only made absolute.
 
     >>> normalize("s3://b//run/ckpt/")
     's3://b/run/ckpt'
@@ -64,7 +72,14 @@ def normalize(path: str) -> str:
     if is_url(path):
         scheme, bucket, key = split_url(path)
         return f"{scheme}://{bucket}/{key}" if key else f"{scheme}://{bucket}"
-    return os.path.abspath(os.path.expanduser(path))
+    path = os.path.expanduser(path)
+    parts = path.replace(os.altsep or os.sep, os.sep).split(os.sep)
+    if ".." not in parts:
+        return os.path.abspath(path)
+    head, tail = os.path.split(path.rstrip(os.sep) or os.sep)
+    if tail in ("", ".", ".."):
+        return os.path.realpath(path)
+    return os.path.join(os.path.realpath(head or os.curdir), tail)
 
 
 def kind_of_mode(mode: int) -> str:
