@@ -1591,3 +1591,63 @@ def test_a_dotdot_after_a_link_goes_where_the_os_goes_for_reads_and_writes(tmp_p
     os.symlink("ck/orbax", "into")
     err = _one_error(capsys, "convert", "ck/orbax", "into", "--to", "orbax", "--dst-step", "5")
     assert "lies inside the source" in err and not (tmp_path / "ck" / "orbax" / "5").exists()
+
+
+@pytest.fixture
+def watched_fifos():
+    """Make FIFOs and watch them: a reader that opens one is recorded and let go at once (it sees EOF), so a
+    regression fails the test instead of hanging it."""
+    import threading
+
+    made: list[Path] = []
+    opened: set[Path] = set()
+    stop = threading.Event()
+
+    def make(path: Path) -> Path:
+        if path.exists():
+            path.unlink()
+        os.mkfifo(path)
+        made.append(path)
+        return path
+
+    def watch():
+        while not stop.wait(0.002):
+            for p in list(made):
+                try:
+                    os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))  # opens only while a reader has it open
+                    opened.add(p)
+                except OSError:
+                    pass
+
+    watchdog = threading.Thread(target=watch, daemon=True)
+    watchdog.start()
+    yield make, opened
+    stop.set()
+    watchdog.join()
+
+
+def test_a_fifo_in_an_orbax_item_is_named_as_a_fifo_and_never_opened(tmp_path, capsys, watched_fifos):
+    # A FIFO where a JSON item's file is: the item is listed as not read because that file is a FIFO (it used to
+    # say "no JSON file"). A FIFO elsewhere in an item: that item is listed as not read with the reason (it used
+    # to abort the whole command), the other items are read. No FIFO is ever opened: an open would block.
+    make, opened = watched_fifos
+    a, b = _orbax_items_step(tmp_path / "a", 1.0), _orbax_items_step(tmp_path / "b", 1.0)
+    make(a / "1" / "meta" / "metadata")
+    make(b / "1" / "params" / "extra")
+    for run, item, name in ((a, "meta", "metadata"), (b, "params", "extra")):
+        code, out, err = _run(capsys, "inspect", run, "--format", "json")
+        assert code == 0, err
+        checkpoint = json.loads(out)["checkpoints"][0]
+        assert checkpoint["unreadable"] == [{"item": item, "handler": checkpoint["unreadable"][0]["handler"],
+                                             "reason": f"`{name}` is not a regular file (a FIFO), and treetools "
+                                                       "never opens one"}], checkpoint["unreadable"]
+        assert sorted(checkpoint["items"]) == sorted({"params", "rng", "meta"} - {item})  # the others are read
+        code, out, err = _run(capsys, "inspect", run)
+        assert code == 0 and f"`{name}` is not a regular file (a FIFO)" in out, (out, err)
+        code, out, err = _run(capsys, "verify", run)
+        problem = next(line for line in out.splitlines() if "FIFO" in line)
+        assert code == 1 and name in problem and "not a regular file (a FIFO)" in problem, (out, err)
+    with pytest.raises(CheckpointError, match="item `params` .* `extra` is not a regular file \\(a FIFO\\)"):
+        tt.load_parameters(b)
+    assert float(tt.flatten(tt.load_parameters(a))["w"][0]) == 1.0
+    assert not opened, opened

@@ -51,7 +51,7 @@ import stat
 from typing import Any, Callable, Iterable, Sequence
 
 from treetools.ckpt.storage import Storage, backend, normalize
-from treetools.ckpt.storage.base import kind_of_mode
+from treetools.ckpt.storage.base import SpecialFileError, kind_of_mode
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 
@@ -86,7 +86,7 @@ def read_file(storage: Storage, path: str, *, what: str, max_bytes: int = MAX_ME
     >>> read_file(backend("/"), "/", what="Orbax _METADATA")
     Traceback (most recent call last):
     ...
-    treetools.shared.errors.CheckpointError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
+    treetools.ckpt.storage.base.SpecialFileError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
     """
     try:
         st = storage.stat(path)
@@ -97,7 +97,8 @@ def read_file(storage: Storage, path: str, *, what: str, max_bytes: int = MAX_ME
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e}).") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: not a regular file ({file_kind(storage, path)}); cannot read it as {what}.")
+        kind = kind_of_mode(st.st_mode)
+        raise SpecialFileError(f"{path}: not a regular file ({kind}); cannot read it as {what}.", path=path, kind=kind)
     if st.st_size > max_bytes:
         raise CheckpointError(
             f"{path}: {what} is {st.st_size:,} bytes, over the {max_bytes:,}-byte limit for metadata; "

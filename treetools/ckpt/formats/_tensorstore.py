@@ -48,7 +48,7 @@ from treetools.ckpt.readers import (
 )
 from treetools.ckpt.formats._ocdbt import Database, check_database, first_line
 from treetools.ckpt.steps import file_kind
-from treetools.ckpt.storage import Pinned, Storage, normalize
+from treetools.ckpt.storage import Pinned, SpecialFileError, Storage, normalize
 from treetools.shared.errors import CheckpointError
 
 
@@ -558,8 +558,9 @@ def refuse_special_files(storage: Storage, item_dir: str, names: Sequence[str], 
         except OSError:
             continue  # missing: TensorStore's own error names it
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise CheckpointError(f"{path}: not a regular file ({file_kind(storage, path)}); cannot read it as Orbax "
-                                  "array data.")
+            kind = file_kind(storage, path)
+            raise SpecialFileError(f"{path}: not a regular file ({kind}); cannot read it as Orbax array data.",
+                                   path=path, kind=kind)
 
 
 class ArrayHeader:

@@ -19,8 +19,8 @@ import os
 import threading
 from typing import Any, Callable
 
-from treetools.ckpt.storage.base import (OutsideCheckpointError, Pinned, Storage, Upload, is_url, kind_of_mode,
-                                         normalize, split_url)
+from treetools.ckpt.storage.base import (OutsideCheckpointError, Pinned, SpecialFileError, Storage, Upload, is_url,
+                                         kind_of_mode, normalize, split_url)
 from treetools.ckpt.storage.bucket import GcsStorage, RemoteNotFoundError, S3Storage, make
 from treetools.ckpt.storage.local import LocalStorage, Root
 from treetools.ckpt.storage.reach import RemoteStorageError

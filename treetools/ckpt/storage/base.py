@@ -32,6 +32,19 @@ class OutsideCheckpointError(CheckpointError):
     """
 
 
+
+class SpecialFileError(CheckpointError):
+    """Something that is no regular file (a FIFO, a socket, a device; a folder where a file is read) where a
+    checkpoint's file is read: refused before it is opened (a FIFO would block the open for ever).
+
+    ``path`` is the file as the checkpoint names it, ``kind`` what stands there (``a FIFO``): a reader that
+    lists what it cannot read (an Orbax item) says so instead of failing the whole command.
+    """
+
+    def __init__(self, message: str, *, path: str, kind: str):
+        super().__init__(message)
+        self.path, self.kind = path, kind
+
 def is_url(path: Any) -> bool:
     """Whether ``path`` is a URL (``scheme://...``) rather than a local path.
 

@@ -23,7 +23,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 from treetools.ckpt.storage.base import Pinned as _BasePinned
-from treetools.ckpt.storage.base import OutsideCheckpointError, Storage, Upload, kind_of_mode
+from treetools.ckpt.storage.base import OutsideCheckpointError, SpecialFileError, Storage, Upload, kind_of_mode
 from treetools.shared.errors import CheckpointError
 from treetools.shared.files import create_new, fsync_dir, fsync_file, remove, swap_in, tmp_name
 
@@ -172,7 +172,7 @@ class LocalPinned(_BasePinned):
         except OSError:
             return  # missing: the library's own error names it
         if not (stat_.S_ISREG(mode) or stat_.S_ISDIR(mode)):
-            raise CheckpointError(f"{os.path.join(self.folder, name)}: not a regular file; refusing to read it.")
+            raise _special(os.path.join(self.folder, name), mode)
 
     def check_tree(self) -> None:
         """Refuse the folder unless every entry below it resolves inside the checkpoint root (links followed) and
@@ -220,12 +220,11 @@ class LocalPinned(_BasePinned):
                             if os.path.isdir(target):
                                 stack.append((self._storage.open_fd(target, _DIRECTORY), target, name, sub))
                             elif os.path.exists(target) and not os.path.isfile(target):
-                                raise CheckpointError(f"{name}: not a regular file; refusing to read it.")
+                                raise _special(name, os.stat(target).st_mode)
                         elif e.is_dir(follow_symlinks=False):
                             stack.append((os.open(e.name, nofollow, dir_fd=fd), os.path.join(real, e.name), name, sub))
                         elif not e.is_file(follow_symlinks=False):
-                            raise CheckpointError(
-                                f"{name}: not a regular file (a FIFO, socket or device); refusing to read it.")
+                            raise _special(name, e.stat(follow_symlinks=False).st_mode)
             except BaseException:
                 for other, *_ in stack:
                     os.close(other)
@@ -237,6 +236,12 @@ class LocalPinned(_BasePinned):
     def close(self) -> None:
         self._finalizer()
         self.fd = None
+
+
+def _special(path: str, mode: int) -> SpecialFileError:
+    """The refusal of ``path``, which is no regular file (``mode``: what it is), before it is ever opened."""
+    kind = kind_of_mode(mode)
+    return SpecialFileError(f"{path}: not a regular file ({kind}); refusing to read it.", path=path, kind=kind)
 
 
 def _kind(mode: int) -> str:
@@ -485,7 +490,7 @@ class LocalStorage(Storage):
         if not want(mode):
             if flags & _DIRECTORY:  # as os.open(O_DIRECTORY) says it
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
-            raise CheckpointError(f"{path}: not a regular file ({kind_of_mode(mode)}); refusing to read it.")
+            raise _special(path, mode)
         try:
             if not want(os.fstat(fd).st_mode):
                 raise CheckpointError(f"{path}: not a regular file (replaced while it was opened); refusing to read it.")
