@@ -1651,3 +1651,20 @@ def test_a_fifo_in_an_orbax_item_is_named_as_a_fifo_and_never_opened(tmp_path, c
         tt.load_parameters(b)
     assert float(tt.flatten(tt.load_parameters(a))["w"][0]) == 1.0
     assert not opened, opened
+
+
+def test_a_url_no_storage_reads_is_echoed_as_typed(tmp_path, capsys):
+    # `file:///tmp/x` was named `file://tmp/x` (normalized: the empty host read as a bucket) in every message.
+    npz = _npz(tmp_path / "w.npz")
+    for typed in ("file:///tmp/x", "FILE:///tmp//x/"):
+        for argv in (("inspect", typed), ("verify", typed), ("diff", typed, npz), ("convert", typed, tmp_path / "o.st"),
+                     ("convert", npz, typed)):
+            code, out, err = _run(capsys, *argv)  # verify: a problem line; diff: exit 2, its error code
+            assert code in (1, 2) and f"{typed}: no storage reads file:// URLs" in out + err, (argv, out, err)
+            assert "file://tmp" not in out + err and "Traceback" not in err
+        for call in (lambda: tt.load_parameters(typed), lambda: tt.open_source(typed), lambda: tt.inspect_path(typed),
+                     lambda: tt.restore_checkpoint(typed, 1, {"params": {"w": np.zeros(2)}})):
+            with pytest.raises(CheckpointError) as info:
+                call()
+            assert str(info.value).startswith(f"{typed}: no storage reads file:// URLs"), str(info.value)
+    assert not (tmp_path / "o.st").exists()

@@ -36,7 +36,7 @@ import numpy as np
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.readers import ArrayReader, bit_view, is_numeric, np_dtype
-from treetools.ckpt.storage import backend, location
+from treetools.ckpt.storage import as_typed, backend, location
 from treetools.ckpt.stream import Failed, reduce_blocks
 from treetools.ckpt.mapping import RuledReader
 from treetools.ckpt.items import find_params
@@ -184,6 +184,11 @@ def _check_places(src: str, dst: str) -> tuple[str, str]:
     ``..`` cannot hide that one lies in the other.
     """
     a, b = location(src, name="src"), location(dst, name="dst")
+    for at, typed in ((a, src), (b, dst)):
+        try:
+            backend(at)
+        except CheckpointError as e:  # named as typed (`file:///x`, not `file://x`)
+            raise as_typed(e, at, os.fspath(typed) if isinstance(typed, (str, os.PathLike)) else str(typed)) from None
     store = backend(b)
     ra = backend(a).realpath(a)
     above = store.parent(b)
