@@ -1460,7 +1460,7 @@ def test_hdf5_chunks_are_decoded_by_treetools_with_the_filters_it_knows_and_no_o
         leaves["w"].reader.read((slice(0, 3), slice(0, 7)))
 
 
-# ----------------------------------------------------------------------------- round 4: links listed as what they lead to
+# ------------------------------------------------------------------- round 4: links listed as what they lead to
 
 def _zarr(folder: Path, value: np.ndarray) -> Path:
     """One zarr v2 array folder written by TensorStore itself (jax's per-leaf folders)."""

@@ -32,7 +32,6 @@ class OutsideCheckpointError(CheckpointError):
     """
 
 
-
 class SpecialFileError(CheckpointError):
     """Something that is no regular file (a FIFO, a socket, a device; a folder where a file is read) where a
     checkpoint's file is read: refused before it is opened (a FIFO would block the open for ever).
@@ -44,6 +43,7 @@ class SpecialFileError(CheckpointError):
     def __init__(self, message: str, *, path: str, kind: str):
         super().__init__(message)
         self.path, self.kind = path, kind
+
 
 def is_url(path: Any) -> bool:
     """Whether ``path`` is a URL (``scheme://...``) rather than a local path.

@@ -109,8 +109,9 @@ class Root:
         return path[len(head):] if path.startswith(head) else None
 
     def outside(self, path: str) -> OutsideCheckpointError:
-        return OutsideCheckpointError(f"{path}: resolves outside the checkpoint {self.path} (a symlink leading out of "
-                               "it?); refusing to read it (--follow-links, follow_links=True: if you trust it).")
+        return OutsideCheckpointError(
+            f"{path}: resolves outside the checkpoint {self.path} (a symlink leading out of it?); refusing to read "
+            "it (--follow-links, follow_links=True: if you trust it).")
 
     def check(self, path: str, real: str | None = None) -> None:
         """Refuse ``path``, when it lies under the root by name, unless its real path (``real``, else
@@ -468,10 +469,14 @@ class LocalStorage(Storage):
         through /proc, else its inode against ``realpath``), so a link swapped
         in between a check and the open cannot redirect the read.
 
+        What stands there is looked at first (through the same descriptor): a
+        FIFO, a socket or a device is refused without ever being opened.
+
         Raises:
-          CheckpointError: it resolves outside the root, is not a regular file (a FIFO, a device), or ``path``
-            holds a NUL byte.
-          OSError: it cannot be opened.
+          OutsideCheckpointError: it resolves outside the root.
+          SpecialFileError: it is not a regular file (a FIFO, a device).
+          CheckpointError: ``path`` holds a NUL byte.
+          OSError: it cannot be opened (``NotADirectoryError``: a folder was asked for), naming ``path``.
         """
         if "\0" in path:
             raise CheckpointError(f"{path!r}: a NUL byte in a path; the checkpoint names a file that cannot exist.")
@@ -492,8 +497,9 @@ class LocalStorage(Storage):
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
             raise _special(path, mode)
         try:
-            if not want(os.fstat(fd).st_mode):
-                raise CheckpointError(f"{path}: not a regular file (replaced while it was opened); refusing to read it.")
+            opened = os.fstat(fd).st_mode
+            if not want(opened):  # swapped in between the stat and the open
+                raise _special(path, opened)
             if root is not None:
                 real = fd_path(fd)
                 if real is None:  # no /proc: the real path, proven to be the file opened
