@@ -1458,3 +1458,213 @@ def test_hdf5_chunks_are_decoded_by_treetools_with_the_filters_it_knows_and_no_o
         f["w"].id.write_direct_chunk((0, 0), raw[:-4] + bytes(4), mask)
     with pytest.raises(CheckpointError, match="fails its fletcher32 checksum"):
         leaves["w"].reader.read((slice(0, 3), slice(0, 7)))
+
+
+# ------------------------------------------------------------------- round 4: links listed as what they lead to
+
+def _zarr(folder: Path, value: np.ndarray) -> Path:
+    """One zarr v2 array folder written by TensorStore itself (jax's per-leaf folders)."""
+    store = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(folder)}}, create=True,
+                    dtype=value.dtype.name, shape=value.shape).result()
+    store.write(value).result()
+    return folder
+
+
+def _leaf_values(path, **kwargs) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in tt.flatten(tt.load_parameters(path, **kwargs)).items()}
+
+
+def test_an_array_folder_linked_in_a_zarr_tree_is_read_or_refused_never_dropped(tmp_path, capsys):
+    # jax's per-leaf folders in `checkpoint_<N>/`: a leaf folder that is a link used to be neither file nor folder
+    # to the listing, and was left out in silence (inspect showed the bias alone, verify said ok).
+    root, step = tmp_path / "root", tmp_path / "root" / "checkpoint_1"
+    _zarr(step / "params.dense.bias", np.zeros(3, np.float32))
+    kernel = _zarr(tmp_path / "elsewhere" / "kernel", np.full((2, 3), 42.0, np.float32))
+    (step / "params.dense.kernel").symlink_to(kernel)  # a link out of the checkpoint
+    for argv in (("inspect", root), ("verify", root), ("inspect", root, "--format", "json")):
+        got, out, err = _run(capsys, *argv)
+        assert got == 1 and "params.dense.kernel: resolves outside the checkpoint" in err + out, (argv, out, err)
+        assert "--follow-links" in err + out and "42" not in out
+    with pytest.raises(CheckpointError, match="resolves outside the checkpoint.*follow_links=True"):
+        tt.load_parameters(root)
+    assert float(_leaf_values(root, follow_links=True)["dense/kernel"].max()) == 42.0  # the opt-in reads it
+    code, out, err = _run(capsys, "inspect", root, "--follow-links", "--format", "json")
+    assert code == 0 and [l["path"] for l in json.loads(out)["checkpoints"][0]["items"]["default"]["leaves"]] == [
+        "params/dense/bias", "params/dense/kernel"], err
+    # A link inside the checkpoint (a second name for a leaf folder) is read as the folder it names.
+    (step / "params.dense.kernel").unlink()
+    _zarr(step / "params.dense.kernel", np.arange(6, dtype=np.float32).reshape(2, 3))
+    (step / "params.dense.kernel2").symlink_to("params.dense.kernel")
+    values = _leaf_values(root)
+    assert sorted(values) == ["dense/bias", "dense/kernel", "dense/kernel2"]
+    np.testing.assert_array_equal(values["dense/kernel2"], np.arange(6, dtype=np.float32).reshape(2, 3))
+    code, out, err = _run(capsys, "verify", root)
+    assert code == 0 and "3 leaves" in out, (out, err)
+    # A link back to a folder above it is one line, not a walk that goes round until the folder limit.
+    (step / "params.loop").symlink_to(".")
+    err = _one_error(capsys, "inspect", root / "checkpoint_1")
+    assert "params.loop" in err and "a symlink back to a folder above it" in err
+
+
+def test_a_flax_step_file_linked_inside_is_a_step_and_one_linked_out_is_refused(tmp_path, capsys):
+    from tests.test_format_flax_legacy import write_flax_legacy
+
+    run = tmp_path / "run"
+    truth = write_flax_legacy(run, steps=(1, 2))
+    (run / "checkpoint_3").symlink_to("checkpoint_2")  # links inside are fine (docs/untrusted.md)
+    code, out, err = _run(capsys, "inspect", run, "--format", "json")
+    assert code == 0 and json.loads(out)["steps"] == [1, 2, 3], err
+    got = tt.flatten(tt.load_parameters(run))  # the latest step, 3: the file step 2 is
+    np.testing.assert_array_equal(got["Dense_0/bias"], truth[2]["params"]["Dense_0"]["bias"])
+    write_flax_legacy(tmp_path / "other", steps=(7,))
+    (run / "checkpoint_3").unlink()
+    (run / "checkpoint_3").symlink_to(tmp_path / "other" / "checkpoint_7")
+    err = _one_error(capsys, "inspect", run)
+    assert "checkpoint_3: resolves outside the checkpoint" in err and "--follow-links" in err
+    code, out, err = _run(capsys, "inspect", run, "--follow-links", "--format", "json")
+    assert code == 0 and json.loads(out)["steps"] == [1, 2, 3], err
+
+
+def _orbax_items_step(root: Path, value: float) -> Path:
+    """A CheckpointManager step 1 of three items as a trainer saves them: params (StandardSave), a random key
+    (JaxRandomKeySave), metadata (JsonSave); every value derived from ``value``."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(root) as mngr:
+        mngr.save(1, args=ocp.args.Composite(
+            params=ocp.args.StandardSave({"w": np.full(4, value, np.float32)}),
+            rng=ocp.args.JaxRandomKeySave(jax.random.key(int(value))),
+            meta=ocp.args.JsonSave({"value": value})))
+        mngr.wait_until_finished()
+    return root
+
+
+def _snapshot_values(source, step) -> dict[str, dict]:
+    snap = source.snapshot(step)
+    return {name: {l.name: (l.reader.read(tuple(slice(None) for _ in l.row.shape)).tolist() if l.reader else l.value)
+                   for l in item.leaves} for name, item in snap.items.items()} | {"unreadable": snap.unreadable}
+
+
+def test_renaming_a_checkpoint_and_planting_a_link_at_its_name_changes_nothing(tmp_path):
+    # Every probe and listing goes through the folder opened, as every read does: after a rename, with or without
+    # a link planted at the old name, what is read is exactly the checkpoint that was opened.
+    ckpt, other = _orbax_items_step(tmp_path / "rn", 1.0), _orbax_items_step(tmp_path / "other", 42.0)
+    want = _snapshot_values(tt.open_source(ckpt), 1)
+    assert sorted(want) == ["meta", "params", "rng", "unreadable"] and not want["unreadable"]
+    assert want["meta"] == {"value": 1.0} and want["params"] == {"w": [1.0] * 4}
+    assert want != _snapshot_values(tt.open_source(other), 1)  # the planted one would be told apart
+    for plant in (False, True):
+        source = tt.open_source(ckpt)
+        os.rename(ckpt, tmp_path / "moved")
+        if plant:
+            os.symlink(other, ckpt)
+        try:
+            assert source.steps == [1] and _snapshot_values(source, 1) == want, plant
+            assert _snapshot_values(source, None) == want, plant  # the latest, listed afresh through the folder
+        finally:
+            if plant:
+                os.unlink(ckpt)
+            os.rename(tmp_path / "moved", ckpt)
+
+
+def test_a_dotdot_after_a_link_goes_where_the_os_goes_for_reads_and_writes(tmp_path, capsys, monkeypatch):
+    # `orblink -> ck/orbax`: `orblink/../orbax` is ck/orbax to the OS (`..` goes up from where the link leads);
+    # it used to be struck out by name (./orbax): inspect said "no such file", and convert wrote elsewhere than
+    # the path it printed.
+    monkeypatch.chdir(tmp_path)
+    _orbax(tmp_path / "ck" / "orbax", steps=(1,))
+    os.symlink("ck/orbax", "orblink")
+    assert os.path.isdir("orblink/../orbax") and not os.path.exists("orbax")
+    code, out, err = _run(capsys, "inspect", "orblink/../orbax")
+    assert code == 0 and out.startswith("orblink/../orbax (orbax)"), (out, err)  # echoed as typed
+    assert float(tt.flatten(tt.load_parameters("orblink/../orbax"))["w"][0]) == 2.0
+    # Writes: the destination's folder is where the OS puts it; the message echoes what was typed.
+    code, out, err = _run(capsys, "convert", "orblink/../orbax", "orblink/../w.safetensors")
+    assert code == 0 and "wrote orblink/../w.safetensors" in out, (out, err)
+    assert (tmp_path / "ck" / "w.safetensors").is_file() and not (tmp_path / "w.safetensors").exists()
+    # DST inside SRC through a `..`: refused (lexically it was ./orbax/x.safetensors, outside, and written).
+    err = _one_error(capsys, "convert", "ck/orbax", "orblink/../orbax/x.safetensors")
+    assert "orblink/../orbax/x.safetensors: the destination is, holds, or lies inside the source ck/orbax" in err
+    assert not (tmp_path / "orbax").exists() and not (tmp_path / "ck" / "orbax" / "x.safetensors").exists()
+    # A destination that is a link into the source, for a root convert writes into: refused too.
+    os.symlink("ck/orbax", "into")
+    err = _one_error(capsys, "convert", "ck/orbax", "into", "--to", "orbax", "--dst-step", "5")
+    assert "lies inside the source" in err and not (tmp_path / "ck" / "orbax" / "5").exists()
+
+
+@pytest.fixture
+def watched_fifos():
+    """Make FIFOs and watch them: a reader that opens one is recorded and let go at once (it sees EOF), so a
+    regression fails the test instead of hanging it."""
+    import threading
+
+    made: list[Path] = []
+    opened: set[Path] = set()
+    stop = threading.Event()
+
+    def make(path: Path) -> Path:
+        if path.exists():
+            path.unlink()
+        os.mkfifo(path)
+        made.append(path)
+        return path
+
+    def watch():
+        while not stop.wait(0.002):
+            for p in list(made):
+                try:
+                    os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))  # opens only while a reader has it open
+                    opened.add(p)
+                except OSError:
+                    pass
+
+    watchdog = threading.Thread(target=watch, daemon=True)
+    watchdog.start()
+    yield make, opened
+    stop.set()
+    watchdog.join()
+
+
+def test_a_fifo_in_an_orbax_item_is_named_as_a_fifo_and_never_opened(tmp_path, capsys, watched_fifos):
+    # A FIFO where a JSON item's file is: the item is listed as not read because that file is a FIFO (it used to
+    # say "no JSON file"). A FIFO elsewhere in an item: that item is listed as not read with the reason (it used
+    # to abort the whole command), the other items are read. No FIFO is ever opened: an open would block.
+    make, opened = watched_fifos
+    a, b = _orbax_items_step(tmp_path / "a", 1.0), _orbax_items_step(tmp_path / "b", 1.0)
+    make(a / "1" / "meta" / "metadata")
+    make(b / "1" / "params" / "extra")
+    for run, item, name in ((a, "meta", "metadata"), (b, "params", "extra")):
+        code, out, err = _run(capsys, "inspect", run, "--format", "json")
+        assert code == 0, err
+        checkpoint = json.loads(out)["checkpoints"][0]
+        assert checkpoint["unreadable"] == [{"item": item, "handler": checkpoint["unreadable"][0]["handler"],
+                                             "reason": f"`{name}` is not a regular file (a FIFO), and treetools "
+                                                       "never opens one"}], checkpoint["unreadable"]
+        assert sorted(checkpoint["items"]) == sorted({"params", "rng", "meta"} - {item})  # the others are read
+        code, out, err = _run(capsys, "inspect", run)
+        assert code == 0 and f"`{name}` is not a regular file (a FIFO)" in out, (out, err)
+        code, out, err = _run(capsys, "verify", run)
+        problem = next(line for line in out.splitlines() if "FIFO" in line)
+        assert code == 1 and name in problem and "not a regular file (a FIFO)" in problem, (out, err)
+    with pytest.raises(CheckpointError, match="item `params` .* `extra` is not a regular file \\(a FIFO\\)"):
+        tt.load_parameters(b)
+    assert float(tt.flatten(tt.load_parameters(a))["w"][0]) == 1.0
+    assert not opened, opened
+
+
+def test_a_url_no_storage_reads_is_echoed_as_typed(tmp_path, capsys):
+    # `file:///tmp/x` was named `file://tmp/x` (normalized: the empty host read as a bucket) in every message.
+    npz = _npz(tmp_path / "w.npz")
+    for typed in ("file:///tmp/x", "FILE:///tmp//x/"):
+        for argv in (("inspect", typed), ("verify", typed), ("diff", typed, npz), ("convert", typed, tmp_path / "o.st"),
+                     ("convert", npz, typed)):
+            code, out, err = _run(capsys, *argv)  # verify: a problem line; diff: exit 2, its error code
+            assert code in (1, 2) and f"{typed}: no storage reads file:// URLs" in out + err, (argv, out, err)
+            assert "file://tmp" not in out + err and "Traceback" not in err
+        for call in (lambda: tt.load_parameters(typed), lambda: tt.open_source(typed), lambda: tt.inspect_path(typed),
+                     lambda: tt.restore_checkpoint(typed, 1, {"params": {"w": np.zeros(2)}})):
+            with pytest.raises(CheckpointError) as info:
+                call()
+            assert str(info.value).startswith(f"{typed}: no storage reads file:// URLs"), str(info.value)
+    assert not (tmp_path / "o.st").exists()

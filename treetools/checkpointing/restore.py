@@ -519,7 +519,8 @@ def _open(manager: Any, prefix: str | None = None, follow_links: bool = False) -
         manager.wait_until_finished()  # a pending async save may be the latest step
         return (open_source(location(manager.directory, name="manager"), prefix=prefix, follow_links=follow_links),
                 manager.directory)
-    return open_source(location(manager, name="manager"), prefix=prefix, follow_links=follow_links), manager
+    typed = os.fspath(manager) if isinstance(manager, (str, os.PathLike)) else location(manager, name="manager")
+    return open_source(typed, prefix=prefix, follow_links=follow_links), manager  # errors name it as typed
 
 
 def _per_item(value: Any, names: Sequence[str], what: str, *, is_one: Callable[[Any], bool]) -> dict[str, Any]:

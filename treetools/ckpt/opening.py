@@ -9,7 +9,7 @@ from treetools.ckpt.diagnose import not_a_checkpoint
 from treetools.ckpt.registry import claims, registered_formats
 from treetools.ckpt.source import Source
 from treetools.ckpt.steps import file_kind
-from treetools.ckpt.storage import backend, normalize
+from treetools.ckpt.storage import as_typed, backend, normalize
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 
@@ -56,12 +56,19 @@ def open_source(path: str | os.PathLike, context: ReadContext | None = None, *, 
     context = context.replace(**{k: v for k, v in (("memory_budget", memory_budget), ("prefix", prefix),
                                                    ("follow_links", follow_links)) if v is not None})
     location = normalize(display)
+    try:
+        return _open(location, display, context)
+    except (CheckpointError, CheckpointNotFoundError) as e:  # named as typed (`file:///x`, not `file://x`)
+        raise as_typed(e, location, display) from None
+
+
+def _open(location: str, display: str, context: ReadContext) -> Source:
     storage = backend(location)
     storage.forget(location)  # a bucket is listed afresh each time a checkpoint is opened
     if not storage.exists(location):
         if storage.islink(location):
             raise CheckpointError(f"{display}: {file_kind(storage, location)}; point at the checkpoint itself.")
-        raise _as_typed(storage.missing(location), location, display)
+        raise storage.missing(location)
     if not (storage.isdir(location) or storage.isfile(location)):
         raise CheckpointError(f"{display}: not a regular file ({file_kind(storage, location)}); point at a "
                               "checkpoint file or folder.")
@@ -71,16 +78,5 @@ def open_source(path: str | os.PathLike, context: ReadContext | None = None, *, 
     registered = registered_formats()
     for fmt in registered:
         if claims(fmt, location, confined):
-            try:
-                return fmt.open(location, display, confined)
-            except (CheckpointError, CheckpointNotFoundError) as e:
-                raise _as_typed(e, location, display) from None
+            return fmt.open(location, display, confined)
     raise CheckpointError(not_a_checkpoint(location, display, registered, context))
-
-
-def _as_typed(error: Exception, location: str, display: str) -> Exception:
-    """``error`` naming the path as the user typed it, not its absolute form."""
-    text = str(error)
-    if location == display or not text.startswith(location):
-        return error
-    return type(error)(display + text[len(location):])

@@ -40,7 +40,7 @@ from treetools.ckpt.items import part_holder, part_of, top_level_keys
 from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot
 from treetools.ckpt.readers import MemoryBudgetError
 from treetools.ckpt.steps import StepListing, describe_series, parse_step, resolve_step
-from treetools.ckpt.storage import Storage
+from treetools.ckpt.storage import OutsideCheckpointError, Storage
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 
 DELETION_CHECKS, DELETION_CHECK_PAUSE = 6, 0.05
@@ -335,5 +335,7 @@ def file_head(storage: Storage, path: str, n: int) -> bytes:
         if not stat_.S_ISREG(storage.stat(path).st_mode):
             return b""
         return storage.read_range(path, 0, n)
+    except OutsideCheckpointError:
+        raise  # a link out of the checkpoint: refused, naming the opt-in, never taken as "not this format"
     except (OSError, CheckpointError):
         return b""

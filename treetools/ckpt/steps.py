@@ -51,6 +51,7 @@ import stat
 from typing import Any, Callable, Iterable, Sequence
 
 from treetools.ckpt.storage import Storage, backend, normalize
+from treetools.ckpt.storage.base import SpecialFileError, kind_of_mode
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 
@@ -85,7 +86,7 @@ def read_file(storage: Storage, path: str, *, what: str, max_bytes: int = MAX_ME
     >>> read_file(backend("/"), "/", what="Orbax _METADATA")
     Traceback (most recent call last):
     ...
-    treetools.shared.errors.CheckpointError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
+    treetools.ckpt.storage.base.SpecialFileError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
     """
     try:
         st = storage.stat(path)
@@ -96,7 +97,8 @@ def read_file(storage: Storage, path: str, *, what: str, max_bytes: int = MAX_ME
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror or e}).") from None
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: not a regular file ({file_kind(storage, path)}); cannot read it as {what}.")
+        kind = kind_of_mode(st.st_mode)
+        raise SpecialFileError(f"{path}: not a regular file ({kind}); cannot read it as {what}.", path=path, kind=kind)
     if st.st_size > max_bytes:
         raise CheckpointError(
             f"{path}: {what} is {st.st_size:,} bytes, over the {max_bytes:,}-byte limit for metadata; "
@@ -130,14 +132,15 @@ def read_json_file(storage: Storage, path: str, *, what: str, max_bytes: int = M
 def file_kind(storage: Storage, path: str) -> str:
     """``a folder``, ``a FIFO``, ``a broken symlink``...: what stands at ``path`` instead of a file."""
     if storage.islink(path) and not storage.exists(path):
-        return f"a broken or looping symlink to {os.readlink(path)!r}"
+        try:
+            target = storage.readlink(path)
+        except OSError:
+            target = "?"
+        return f"a broken or looping symlink to {target!r}"
     try:
-        mode = storage.stat(path).st_mode
+        return kind_of_mode(storage.stat(path).st_mode)
     except OSError as e:
         return f"unreadable: {e.strerror or e}"
-    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-    return next((name for test, name in kinds if test(mode)), "a regular file")
 
 
 def step_series(name: str, *, names: re.Pattern[str] = _STEP_NAME) -> tuple[str, int] | None:
@@ -210,7 +213,7 @@ def _finalized_item(storage: Storage, step_dir: str) -> bool:
     """Whether a step folder without step metadata holds an item Orbax finalized (pre-0.5 Orbax saves)."""
     try:
         with storage.scandir(step_dir) as it:
-            subdirs = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+            subdirs = [e.path for e in it if e.is_dir()]
     except OSError:
         return False
     return any(_is_regular(storage, os.path.join(d, PYTREE_METADATA_FILE))

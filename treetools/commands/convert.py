@@ -36,7 +36,7 @@ import numpy as np
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.readers import ArrayReader, bit_view, is_numeric, np_dtype
-from treetools.ckpt.storage import backend, location
+from treetools.ckpt.storage import as_typed, backend, location
 from treetools.ckpt.stream import Failed, reduce_blocks
 from treetools.ckpt.mapping import RuledReader
 from treetools.ckpt.items import find_params
@@ -178,14 +178,30 @@ def orbax_parts(path: str) -> tuple[str, ...]:
 
 
 def _check_places(src: str, dst: str) -> tuple[str, str]:
-    """Absolute source and destination; the destination never inside, equal to, or holding the source."""
+    """Absolute source and destination, as the OS resolves them (``location``: a ``..`` goes up from where the
+    part before it leads); the destination never inside, equal to, or holding the source.
+
+    Compared where they are: the source wherever it leads; the destination
+    both as the entry written (its folder resolved: a link there is replaced)
+    and wherever it leads (a root ``--dst-step`` writes into), so a link or a
+    ``..`` cannot hide that one lies in the other.
+    """
     a, b = location(src, name="src"), location(dst, name="dst")
-    ra, rb = backend(a).realpath(a), backend(b).realpath(b)
-    if ra == rb or ra.startswith(rb.rstrip("/") + "/") or rb.startswith(ra.rstrip("/") + "/"):
-        raise CheckpointError(
-            f"{dst}: the destination is, holds, or lies inside the source {src}; nothing is ever written under "
-            "the checkpoint read. Choose a destination beside it."
-        )
+    for at, typed in ((a, src), (b, dst)):
+        try:
+            backend(at)
+        except CheckpointError as e:  # named as typed (`file:///x`, not `file://x`)
+            raise as_typed(e, at, os.fspath(typed) if isinstance(typed, (str, os.PathLike)) else str(typed)) from None
+    store = backend(b)
+    ra = backend(a).realpath(a)
+    above = store.parent(b)
+    written = store.join(store.realpath(above), os.path.basename(b)) if above is not None else b
+    for rb in {written, store.realpath(b)}:
+        if ra == rb or ra.startswith(rb.rstrip("/") + "/") or rb.startswith(ra.rstrip("/") + "/"):
+            raise CheckpointError(
+                f"{dst}: the destination is, holds, or lies inside the source {src}; nothing is ever written under "
+                "the checkpoint read. Choose a destination beside it."
+            )
     return a, b
 
 

@@ -33,12 +33,13 @@ from treetools.ckpt.formats._tensorstore import (
 from treetools.ckpt.leaves import (NO_VALUE, Item, Leaf, Unreadable, array_row, check_name, tree_leaves,
                                    value_row)
 from treetools.ckpt.readers import read_metadata
-from treetools.ckpt.storage import Storage, normalize
+from treetools.ckpt.storage import SpecialFileError, Storage, normalize
 from treetools.ckpt.steps import (
     JSON_ITEM_FILE,
     PYTREE_METADATA_FILE,
     STEP_METADATA_FILE,
     TMP_DIR_SUFFIX,
+    file_kind,
     parse_step_name,
     read_file,
     read_json_file,
@@ -313,6 +314,8 @@ def read_item(context: ReadContext, item_dir: str, name: str, problems: list[str
 
     Raises:
       UnreadableItem: the folder holds nothing treetools reads (its files are named in the reason).
+      SpecialFileError: a file read in it is no regular file (a FIFO, never opened): ``special_item`` makes it the
+        reason the item is not read, where it is one item of several.
     """
     storage = context.storage
     layout = item_layout(storage, item_dir, depth)
@@ -332,6 +335,18 @@ def read_item(context: ReadContext, item_dir: str, name: str, problems: list[str
         item = read_pytree_item(context, item_dir, name, problems)
         return single_array(item) if _short(handler) == ARRAY_HANDLER else item
     raise UnreadableItem(name, _short(handler) or "no handler recorded", _why_unreadable(storage, item_dir))
+
+
+def special_item(e: SpecialFileError, name: str, item_dir: str, handler: str | None) -> Unreadable:
+    """Item ``name`` listed as not read because a file it holds is no regular file (``e``: a FIFO, never opened)."""
+    return Unreadable(name, _short(handler) or "no handler recorded", _not_regular(e.path, e.kind, item_dir))
+
+
+def _not_regular(path: str, kind: str, folder: str) -> str:
+    """The reason an item is not read: ``path`` (shown below the item ``folder``) is ``kind``, no regular file."""
+    head = normalize(folder).rstrip("/") + "/"
+    shown = path[len(head):] if path.startswith(head) else path
+    return f"`{shown}` is not a regular file ({kind}), and treetools never opens one"
 
 
 def _key_notes(storage: Storage, item_dir: str, name: str) -> list[str]:
@@ -363,9 +378,14 @@ def _short(handler: str | None) -> str | None:
 
 def _why_unreadable(storage: Storage, folder: str) -> str:
     try:
-        names = sorted(storage.listdir(folder))
+        with storage.scandir(folder) as it:
+            entries = sorted(it, key=lambda e: e.name)
     except OSError as e:
         return f"its folder cannot be listed ({e.strerror or e})"
+    odd = [e for e in entries if not (e.is_file() or e.is_dir())]  # a FIFO where a JSON item's file is: say so
+    if odd:
+        return "; ".join(_not_regular(e.path, file_kind(storage, e.path), folder) for e in odd[:4])
+    names = [e.name for e in entries]
     shown = ", ".join(f"`{n}`" for n in names[:8]) + (", ..." if len(names) > 8 else "")
     return (f"its folder holds {shown or 'nothing'}: no Orbax _METADATA, JSON file, zarr array, proto text or "
             "Grain iterator state, which are what treetools reads")

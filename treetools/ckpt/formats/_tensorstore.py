@@ -48,7 +48,7 @@ from treetools.ckpt.readers import (
 )
 from treetools.ckpt.formats._ocdbt import Database, check_database, first_line
 from treetools.ckpt.steps import file_kind
-from treetools.ckpt.storage import Pinned, Storage, normalize
+from treetools.ckpt.storage import Pinned, SpecialFileError, Storage, normalize
 from treetools.shared.errors import CheckpointError
 
 
@@ -70,10 +70,10 @@ _BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes (uint32 LE), b
 
 
 def subdirs(storage: Storage, folder: str) -> list[str]:
-    """Names of the folders directly under ``folder`` (symlinks not followed), sorted."""
+    """Names of the folders directly under ``folder`` (a link to a folder is one: ``Storage.scandir``), sorted."""
     try:
         with storage.scandir(folder) as it:
-            return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+            return sorted(e.name for e in it if e.is_dir())
     except OSError as e:
         raise CheckpointError(f"{folder}: cannot list folder ({e.strerror or e}).") from None
 
@@ -558,8 +558,9 @@ def refuse_special_files(storage: Storage, item_dir: str, names: Sequence[str], 
         except OSError:
             continue  # missing: TensorStore's own error names it
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise CheckpointError(f"{path}: not a regular file ({file_kind(storage, path)}); cannot read it as Orbax "
-                                  "array data.")
+            kind = file_kind(storage, path)
+            raise SpecialFileError(f"{path}: not a regular file ({kind}); cannot read it as Orbax array data.",
+                                   path=path, kind=kind)
 
 
 class ArrayHeader:

@@ -48,7 +48,7 @@ def _step_files(context: ReadContext, folder: str) -> dict[str, dict[int, str]]:
     found: dict[str, dict[int, str]] = {}
     for entry in entries:
         m = _STEP_FILE.match(entry.name)
-        if m is None or not entry.is_file(follow_symlinks=False) or not is_msgpack_map(context.storage, entry.path):
+        if m is None or not entry.is_file() or not is_msgpack_map(context.storage, entry.path):
             continue
         if re.search(r"\d\.$", m.group("prefix") or ""):  # a float step (``checkpoint_1.5``): not read
             continue
@@ -102,7 +102,7 @@ def _orbax_step_folders(context: ReadContext, folder: str, prefix: str) -> dict[
         return out
     for entry in entries:
         rest = entry.name[len(prefix):] if entry.name.startswith(prefix) else ""
-        if rest.isdigit() and entry.is_dir(follow_symlinks=False) and is_committed(entry.path, storage) and storage.lexists(
+        if rest.isdigit() and entry.is_dir() and is_committed(entry.path, storage) and storage.lexists(
                 os.path.join(entry.path, PYTREE_METADATA_FILE)):
             out[int(rest)] = entry.path
     return out
@@ -168,10 +168,10 @@ def named_steps(context: ReadContext, folder: str) -> dict[str, str]:
         m = _NAMED_STEP.match(entry.name)
         if m is None:
             continue
-        if entry.is_file(follow_symlinks=False):
+        if entry.is_file():
             ok = is_msgpack_map(storage, entry.path)
         else:
-            ok = (entry.is_dir(follow_symlinks=False) and is_committed(entry.path, storage)
+            ok = (entry.is_dir() and is_committed(entry.path, storage)
                   and storage.lexists(os.path.join(entry.path, PYTREE_METADATA_FILE)))
         if ok:
             found.append((m.group("prefix"), float(m.group("step")), entry.name, entry.path))

@@ -43,11 +43,12 @@ from treetools.ckpt.formats._orbax_items import (  # the items of a step; this m
     _step_is_item,
     _why_unreadable,
     read_item,
+    special_item,
 )
 from treetools.ckpt.leaves import (DEFAULT_ITEM, Item, Snapshot, Unreadable, check_name)
 from treetools.ckpt.readers import MemoryBudgetError, read_metadata
 from treetools.ckpt.source import Format, Source
-from treetools.ckpt.storage import Storage, normalize
+from treetools.ckpt.storage import SpecialFileError, Storage, normalize
 from treetools.ckpt.steps import (
     COMMIT_SUCCESS_FILE,
     PYTREE_METADATA_FILE,
@@ -151,6 +152,9 @@ class OrbaxSource(Source):
                 items[name] = read_item(self.context, item_dir, name, handler=handlers.get(name))
             except UnreadableItem as e:
                 unreadable.append(e.unreadable)
+                continue
+            except SpecialFileError as e:  # a FIFO in this item: this item is not read, the others are
+                unreadable.append(special_item(e, name, item_dir, handlers.get(name)))
                 continue
             notes += _key_notes(self.storage, item_dir, name)
         return Snapshot(step, items, record_sharding=True, metadata=self._metadata(step_dir), notes=notes,

@@ -260,7 +260,7 @@ def _has_tree(storage: Storage, folder: str) -> bool:
 def _subdirs(storage: Storage, folder: str) -> list[str]:
     try:
         with storage.scandir(folder) as it:
-            return sorted(e.name for e in it if e.is_dir(follow_symlinks=False))
+            return sorted(e.name for e in it if e.is_dir())
     except OSError:
         return []
 

@@ -44,7 +44,7 @@ from treetools.ckpt.formats._tensorstore import TensorStoreReader, natural_key, 
 from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name
 from treetools.ckpt.source import Format, Source
 from treetools.ckpt.steps import read_file, scan_steps, step_series
-from treetools.ckpt.storage import Storage, normalize
+from treetools.ckpt.storage import OutsideCheckpointError, Storage, normalize
 from treetools.shared.errors import CheckpointError
 
 STEP_NAMES = re.compile(r"^(?P<prefix>.*?[-_.])(?P<step>\d+)(?:-tmp)?$")
@@ -76,6 +76,8 @@ def _header(storage: Storage, folder: str, files: Sequence[str]) -> str | None:
         try:
             meta = json.loads(read_file(storage, os.path.join(folder, name), what="array header",
                                         max_bytes=2**20).decode("utf-8"))
+        except OutsideCheckpointError:
+            raise  # a header linked out of the checkpoint: refused, not "no array"
         except (CheckpointError, ValueError, UnicodeDecodeError):
             continue
         if not isinstance(meta, dict):
@@ -88,53 +90,53 @@ def _header(storage: Storage, folder: str, files: Sequence[str]) -> str | None:
 
 
 def _files(storage: Storage, folder: str) -> tuple[list[str], list[str]]:
-    """``(sub-folders, files)`` of ``folder`` (links not followed), sorted."""
+    """``(sub-folders, files)`` of ``folder``, sorted; a link is what it leads to (``Storage.scandir``)."""
     try:
         with storage.scandir(folder) as it:
             entries = list(it)
     except OSError:
         return [], []
-    dirs = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
-    files = sorted(e.name for e in entries if not e.is_dir(follow_symlinks=False))
+    dirs = sorted(e.name for e in entries if e.is_dir())
+    files = sorted(e.name for e in entries if not e.is_dir())
     return dirs, files
 
 
 def _probe(storage: Storage, top: str) -> bool:
     """Whether a depth-first look at a few folders below ``top`` finds an array and no other format's marker."""
-    stack, seen = [top], 0
-    while stack and seen < PROBE_FOLDERS:
-        folder = stack.pop()
-        seen += 1
-        dirs, files = _files(storage, folder)
-        if any(f in FOREIGN for f in files) or (folder == top and "checkpoint" in files):
-            return False  # another format's checkpoint (a T5X step: its `checkpoint` msgpack)
-        if _header(storage, folder, files) is not None:
-            return True
-        stack.extend(os.path.join(folder, d) for d in reversed(dirs))
+    try:
+        for seen, (folder, dirs, files) in enumerate(storage.walk(top)):
+            if seen >= PROBE_FOLDERS:
+                return False
+            if any(f in FOREIGN for f in files) or (folder == top and "checkpoint" in files):
+                return False  # another format's checkpoint (a T5X step: its `checkpoint` msgpack)
+            if _header(storage, folder, files) is not None:
+                return True
+    except OSError:  # an unreadable folder: no evidence of arrays
+        return False
     return False
 
 
 def arrays_below(storage: Storage, top: str) -> tuple[list[tuple[tuple[str, ...], str, str]], list[str]]:
     """Every array folder at or below ``top``: ``(folder parts relative to top, driver, folder)``, in natural
-    order; and the notes (folders holding another format's files, skipped)."""
+    order; and the notes (folders holding another format's files, skipped).
+
+    A folder linked inside the checkpoint is read under its own name, as the
+    folder it leads to; one linked out of it is refused (``CheckpointError``
+    naming ``--follow-links``), never left out (``Storage.walk``).
+    """
     found: list[tuple[tuple[str, ...], str, str]] = []
     notes: list[str] = []
     base = normalize(top)
-    stack, seen = [top], 0
-    while stack:
-        folder = stack.pop()
-        seen += 1
+    for seen, (folder, dirs, files) in enumerate(storage.walk(top), 1):
         if seen > MAX_FOLDERS:
             raise CheckpointError(f"{top}: more than {MAX_FOLDERS:,} folders; not walked further (is this a "
                                   "checkpoint?).")
-        dirs, files = _files(storage, folder)
         rel = normalize(folder)[len(base):].strip("/")
         parts = tuple(re.split(r"[/\\]", rel)) if rel else ()
         driver = _header(storage, folder, files)
         if driver is not None:
             found.append((parts, driver, folder))
-            continue  # its chunks (and nested chunk folders)
-        stack.extend(os.path.join(folder, d) for d in reversed(dirs))
+            dirs[:] = []  # its chunks (and nested chunk folders)
     return sorted(found, key=lambda a: natural_key(a[0])), notes
 
 

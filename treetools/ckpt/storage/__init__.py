@@ -15,11 +15,13 @@ import time.
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from typing import Any, Callable
 
-from treetools.ckpt.storage.base import Pinned, Storage, Upload, is_url, normalize, split_url
+from treetools.ckpt.storage.base import (OutsideCheckpointError, Pinned, SpecialFileError, Storage, Upload, is_url,
+                                         kind_of_mode, normalize, split_url)
 from treetools.ckpt.storage.bucket import GcsStorage, RemoteNotFoundError, S3Storage, make
 from treetools.ckpt.storage.local import LocalStorage, Root
 from treetools.ckpt.storage.reach import RemoteStorageError
@@ -89,3 +91,18 @@ def location(path: Any, *, name: str = "path") -> str:
         return normalize(str(path) if is_url(str(path)) else path.as_posix())
     raise TypeError(f"`{name}` must be a path, got {type(path).__name__}.")
 
+
+
+def as_typed(error: Exception, location: str, typed: str) -> Exception:
+    """``error``, whose message starts with ``location`` (a path as ``location`` made it), naming the path as the
+    user ``typed`` it instead: the same error, its attributes kept.
+
+    >>> str(as_typed(CheckpointError("file://tmp/x: no storage reads file:// URLs."), "file://tmp/x", "file:///tmp/x"))
+    'file:///tmp/x: no storage reads file:// URLs.'
+    """
+    text = str(error)
+    if location == typed or not text.startswith(location):
+        return error
+    named = copy.copy(error)
+    named.args = (typed + text[len(location):],)
+    return named

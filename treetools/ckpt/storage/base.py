@@ -14,11 +14,35 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import stat as stat_
 from typing import Any, Callable, ContextManager, Iterable, Iterator
 
-from treetools.shared.errors import CheckpointNotFoundError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
+
+
+class OutsideCheckpointError(CheckpointError):
+    """A read that resolves outside the checkpoint it was opened at (a symlink leading out of it), refused: the
+    message names the opt-in (``--follow-links``, ``follow_links=True``).
+
+    Code that sniffs files (a format's ``claims``, a header probe) and takes a
+    corrupt or unreadable one as "not mine" lets this one through: a link
+    refused is said, never skipped in silence.
+    """
+
+
+class SpecialFileError(CheckpointError):
+    """Something that is no regular file (a FIFO, a socket, a device; a folder where a file is read) where a
+    checkpoint's file is read: refused before it is opened (a FIFO would block the open for ever).
+
+    ``path`` is the file as the checkpoint names it, ``kind`` what stands there (``a FIFO``): a reader that
+    lists what it cannot read (an Orbax item) says so instead of failing the whole command.
+    """
+
+    def __init__(self, message: str, *, path: str, kind: str):
+        super().__init__(message)
+        self.path, self.kind = path, kind
 
 
 def is_url(path: Any) -> bool:
@@ -45,7 +69,15 @@ def split_url(url: str) -> tuple[str, str, str]:
 
 
 def normalize(path: str) -> str:
-    """An absolute local path (``~`` expanded), or a URL without doubled or trailing slashes.
+    """An absolute local path (``~`` expanded) naming what the OS names, or a URL without doubled or trailing
+    slashes.
+
+    A ``..`` goes up from where the part before it leads, as the OS resolves
+    it, not by striking out a name: with ``lk -> ck/orbax``, ``lk/../x`` is
+    ``ck/x``. The folder above the last part is resolved (symlinks followed)
+    then; the last part is kept as it is (a checkpoint file that is a link, or
+    a link a write replaces). Without ``..``, resolving and striking out agree,
+    and the path is only made absolute.
 
     >>> normalize("s3://b//run/ckpt/")
     's3://b/run/ckpt'
@@ -53,7 +85,26 @@ def normalize(path: str) -> str:
     if is_url(path):
         scheme, bucket, key = split_url(path)
         return f"{scheme}://{bucket}/{key}" if key else f"{scheme}://{bucket}"
-    return os.path.abspath(os.path.expanduser(path))
+    path = os.path.expanduser(path)
+    parts = path.replace(os.altsep or os.sep, os.sep).split(os.sep)
+    if ".." not in parts:
+        return os.path.abspath(path)
+    head, tail = os.path.split(path.rstrip(os.sep) or os.sep)
+    if tail in ("", ".", ".."):
+        return os.path.realpath(path)
+    return os.path.join(os.path.realpath(head or os.curdir), tail)
+
+
+def kind_of_mode(mode: int) -> str:
+    """What stands somewhere, by its ``st_mode``: ``a folder``, ``a FIFO``, ``a regular file``...
+
+    >>> import stat
+    >>> kind_of_mode(stat.S_IFIFO | 0o600), kind_of_mode(stat.S_IFDIR | 0o755)
+    ('a FIFO', 'a folder')
+    """
+    kinds = ((stat_.S_ISDIR, "a folder"), (stat_.S_ISFIFO, "a FIFO"), (stat_.S_ISSOCK, "a socket"),
+             (stat_.S_ISCHR, "a character device"), (stat_.S_ISBLK, "a block device"), (stat_.S_ISLNK, "a symlink"))
+    return next((name for test, name in kinds if test(mode)), "a regular file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +260,14 @@ class Storage:
     def islink(self, path: str) -> bool:
         return False
 
+    def readlink(self, path: str) -> str:
+        """Where the link ``path`` points, as stored; OSError where it is no link (no backend but a disk has them)."""
+        raise OSError(errno.EINVAL, "not a symlink", path)
+
+    def lstat(self, path: str) -> Any:
+        """``stat`` of ``path`` itself, a link not followed (the same as ``stat`` where there are no links)."""
+        return self.stat(path)
+
     def getsize(self, path: str) -> int:
         return self.stat(path).st_size
 
@@ -217,7 +276,11 @@ class Storage:
 
     def scandir(self, path: str) -> ContextManager[Iterator[Any]]:
         """The entries of folder ``path`` (``os.DirEntry``-like: ``name``, ``path``, ``is_dir``, ``is_file``,
-        ``is_symlink``, ``stat``); FileNotFoundError when there is no such folder."""
+        ``is_symlink``, ``stat``); FileNotFoundError when there is no such folder.
+
+        ``is_dir()`` and ``is_file()`` say what an entry leads to, a link's target included: listings ask them
+        so (never ``follow_symlinks=False``), so that a link inside a checkpoint reads as what it names and one
+        leading out of it is refused when it is read, never skipped as neither file nor folder."""
         raise NotImplementedError
 
     def listdir(self, path: str) -> list[str]:
@@ -225,7 +288,8 @@ class Storage:
             return sorted(e.name for e in it)
 
     def walk(self, top: str) -> Iterator[tuple[str, list[str], list[str]]]:
-        """``os.walk`` (top down, links to folders not followed), for any backend."""
+        """``os.walk`` top down (``dirs`` may be pruned) for any backend: a link to a folder is walked as the
+        folder it leads to (``scandir``'s ``is_dir()``), never left out as neither file nor folder."""
         pending = [top]
         while pending:
             folder = pending.pop()
@@ -234,8 +298,8 @@ class Storage:
                     entries = list(it)
             except FileNotFoundError:
                 continue
-            dirs = sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
-            yield folder, dirs, sorted(e.name for e in entries if not e.is_dir(follow_symlinks=False))
+            dirs = sorted(e.name for e in entries if e.is_dir())
+            yield folder, dirs, sorted(e.name for e in entries if not e.is_dir())
             pending.extend(self.join(folder, d) for d in reversed(dirs))
 
     # -- reads

@@ -15,6 +15,7 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat as stat_
 import threading
@@ -22,7 +23,7 @@ import weakref
 from typing import Any, Callable, Iterator
 
 from treetools.ckpt.storage.base import Pinned as _BasePinned
-from treetools.ckpt.storage.base import Storage, Upload
+from treetools.ckpt.storage.base import OutsideCheckpointError, SpecialFileError, Storage, Upload, kind_of_mode
 from treetools.shared.errors import CheckpointError
 from treetools.shared.files import create_new, fsync_dir, fsync_file, remove, swap_in, tmp_name
 
@@ -107,9 +108,10 @@ class Root:
         head = self.path.rstrip(os.sep) + os.sep
         return path[len(head):] if path.startswith(head) else None
 
-    def outside(self, path: str) -> CheckpointError:
-        return CheckpointError(f"{path}: resolves outside the checkpoint {self.path} (a symlink leading out of "
-                               "it?); refusing to read it (--follow-links, follow_links=True: if you trust it).")
+    def outside(self, path: str) -> OutsideCheckpointError:
+        return OutsideCheckpointError(
+            f"{path}: resolves outside the checkpoint {self.path} (a symlink leading out of it?); refusing to read "
+            "it (--follow-links, follow_links=True: if you trust it).")
 
     def check(self, path: str, real: str | None = None) -> None:
         """Refuse ``path``, when it lies under the root by name, unless its real path (``real``, else
@@ -171,7 +173,7 @@ class LocalPinned(_BasePinned):
         except OSError:
             return  # missing: the library's own error names it
         if not (stat_.S_ISREG(mode) or stat_.S_ISDIR(mode)):
-            raise CheckpointError(f"{os.path.join(self.folder, name)}: not a regular file; refusing to read it.")
+            raise _special(os.path.join(self.folder, name), mode)
 
     def check_tree(self) -> None:
         """Refuse the folder unless every entry below it resolves inside the checkpoint root (links followed) and
@@ -219,12 +221,11 @@ class LocalPinned(_BasePinned):
                             if os.path.isdir(target):
                                 stack.append((self._storage.open_fd(target, _DIRECTORY), target, name, sub))
                             elif os.path.exists(target) and not os.path.isfile(target):
-                                raise CheckpointError(f"{name}: not a regular file; refusing to read it.")
+                                raise _special(name, os.stat(target).st_mode)
                         elif e.is_dir(follow_symlinks=False):
                             stack.append((os.open(e.name, nofollow, dir_fd=fd), os.path.join(real, e.name), name, sub))
                         elif not e.is_file(follow_symlinks=False):
-                            raise CheckpointError(
-                                f"{name}: not a regular file (a FIFO, socket or device); refusing to read it.")
+                            raise _special(name, e.stat(follow_symlinks=False).st_mode)
             except BaseException:
                 for other, *_ in stack:
                     os.close(other)
@@ -236,6 +237,67 @@ class LocalPinned(_BasePinned):
     def close(self) -> None:
         self._finalizer()
         self.fd = None
+
+
+def _special(path: str, mode: int) -> SpecialFileError:
+    """The refusal of ``path``, which is no regular file (``mode``: what it is), before it is ever opened."""
+    kind = kind_of_mode(mode)
+    return SpecialFileError(f"{path}: not a regular file ({kind}); refusing to read it.", path=path, kind=kind)
+
+
+def _kind(mode: int) -> str:
+    return "directory" if stat_.S_ISDIR(mode) else "file" if stat_.S_ISREG(mode) else "other"
+
+
+class LocalEntry:
+    """One entry of a local folder, as ``os.DirEntry`` answers (``name``, ``path``, ``is_dir``, ``is_file``,
+    ``is_symlink``, ``stat``), its kinds found while the folder was held open.
+
+    ``is_dir()`` and ``is_file()`` (``follow_symlinks=True``, the default) say
+    what the entry leads to: for a link, the kind of its target, asked through
+    the folder's descriptor. A link to a folder or a file is listed as that
+    folder or file, never as something else to skip; reading it is what
+    confinement checks. A broken or looping link leads to nothing: neither.
+    """
+
+    __slots__ = ("name", "path", "_own", "_target", "_storage")
+
+    def __init__(self, name: str, path: str, own: str, target: str | None, storage: "LocalStorage"):
+        self.name, self.path, self._own, self._target, self._storage = name, path, own, target, storage
+
+    @classmethod
+    def of(cls, entry: os.DirEntry, folder: str, fd: int, storage: "LocalStorage") -> "LocalEntry":
+        """``entry`` of ``os.scandir(fd)`` (``fd``: folder ``folder``, still open)."""
+        target: str | None
+        if entry.is_symlink():
+            own = "symlink"
+            try:
+                target = _kind(os.stat(entry.name, dir_fd=fd).st_mode)
+            except OSError:  # broken, a loop
+                target = None
+        else:
+            own = ("directory" if entry.is_dir(follow_symlinks=False)
+                   else "file" if entry.is_file(follow_symlinks=False) else "other")
+            target = own
+        return cls(entry.name, os.path.join(folder, entry.name), own, target, storage)
+
+    def _is(self, kind: str, follow_symlinks: bool) -> bool:
+        return (self._target if follow_symlinks else self._own) == kind
+
+    def is_dir(self, follow_symlinks: bool = True) -> bool:
+        return self._is("directory", follow_symlinks)
+
+    def is_file(self, follow_symlinks: bool = True) -> bool:
+        return self._is("file", follow_symlinks)
+
+    def is_symlink(self) -> bool:
+        return self._own == "symlink"
+
+    def stat(self, follow_symlinks: bool = True) -> Any:
+        return self._storage.stat(self.path) if follow_symlinks else self._storage.lstat(self.path)
+
+    def __repr__(self) -> str:
+        return f"<LocalEntry {self.name!r}>"
 
 
 class LocalUpload(Upload):
@@ -289,48 +351,113 @@ class LocalStorage(Storage):
     def realpath(self, path: str) -> str:
         return os.path.realpath(path)
 
-    def _check(self, path: str) -> None:
-        if self.root is not None:
-            self.root.check(path)
+    def _at(self, path: str) -> tuple[str, int | None]:
+        """Where ``path`` is reached: ``(path relative to the root's open folder, its descriptor)`` when it lies
+        under the root by name, else ``(path, None)`` (``os`` calls take both: ``dir_fd=None`` goes by name).
 
-    # -- probes
+        Every probe and listing under the root goes through the folder that was
+        opened, as every read does: renaming the checkpoint and planting a link
+        at its name changes nothing that is probed, listed or read.
+        """
+        root = self.root
+        fd = root.fd if root is not None else None
+        rel = root.relative(path) if fd is not None else None
+        return (path, None) if rel is None else (rel, fd)
 
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path)
-
-    def lexists(self, path: str) -> bool:
-        return os.path.lexists(path)
-
-    def isdir(self, path: str) -> bool:
-        return os.path.isdir(path)
-
-    def isfile(self, path: str) -> bool:
-        return os.path.isfile(path)
-
-    def islink(self, path: str) -> bool:
-        return os.path.islink(path)
-
-    def getsize(self, path: str) -> int:
-        return os.path.getsize(path)
+    # -- probes (symlinks followed, as os.path does; what a link out of the root leads to is a kind and a size,
+    #    never read: reads and listings through it are refused)
 
     def stat(self, path: str) -> Any:
-        return os.stat(path)
+        return self._os(os.stat, path)
+
+    def lstat(self, path: str) -> Any:
+        return self._os(os.stat, path, follow_symlinks=False)
+
+    def _os(self, call: Callable[..., Any], path: str, **kwargs: Any) -> Any:
+        """``call(path)`` reached through ``_at``; an ``OSError`` names ``path`` as the checkpoint names it."""
+        rel, fd = self._at(path)
+        try:
+            return call(rel, dir_fd=fd, **kwargs)
+        except OSError as e:
+            if fd is None:
+                raise
+            raise type(e)(e.errno, e.strerror, path) from None
+
+    def _mode(self, path: str, *, follow: bool = True) -> int | None:
+        try:
+            return (self.stat(path) if follow else self.lstat(path)).st_mode
+        except (OSError, ValueError):  # ValueError: a NUL byte, as os.path answers
+            return None
+
+    def exists(self, path: str) -> bool:
+        return self._mode(path) is not None
+
+    def lexists(self, path: str) -> bool:
+        return self._mode(path, follow=False) is not None
+
+    def isdir(self, path: str) -> bool:
+        return stat_.S_ISDIR(self._mode(path) or 0)
+
+    def isfile(self, path: str) -> bool:
+        return stat_.S_ISREG(self._mode(path) or 0)
+
+    def islink(self, path: str) -> bool:
+        return stat_.S_ISLNK(self._mode(path, follow=False) or 0)
+
+    def readlink(self, path: str) -> str:
+        return self._os(os.readlink, path)
+
+    def getsize(self, path: str) -> int:
+        return self.stat(path).st_size
+
+    def _entries(self, path: str) -> tuple[list["LocalEntry"], tuple[int, int]]:
+        """The entries of folder ``path`` (opened as every read is: under the root, relative to its descriptor
+        and checked inside it), each with its kind and, for a link, the kind of what it leads to; and the
+        folder's ``(device, inode)``."""
+        fd = self.open_fd(path, _DIRECTORY)
+        try:
+            st = os.fstat(fd)
+            with os.scandir(fd) as it:
+                found = [LocalEntry.of(e, path, fd, self) for e in it]
+        finally:
+            os.close(fd)
+        return found, (st.st_dev, st.st_ino)
 
     @contextlib.contextmanager
     def scandir(self, path: str) -> Iterator[Any]:
-        self._check(path)
-        with os.scandir(path) as it:
-            yield it
+        """``os.scandir`` of a folder, read through its own descriptor: ``LocalEntry``s, whose ``is_dir()`` and
+        ``is_file()`` say what a link leads to (a link inside the checkpoint is what it names; a folder reached
+        through a link out of it is refused when it is listed or read, never skipped in silence)."""
+        found, _ = self._entries(path)
+        yield iter(found)
 
     def listdir(self, path: str) -> list[str]:
-        self._check(path)
-        return os.listdir(path)
+        fd = self.open_fd(path, _DIRECTORY)
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
 
     def walk(self, top: str) -> Iterator[tuple[str, list[str], list[str]]]:
-        self._check(top)
-        for folder, dirs, files in os.walk(top):
-            self._check(folder)
-            yield folder, dirs, files
+        """``os.walk`` top down (``dirs`` may be pruned), a link to a folder walked as that folder (listed
+        through ``scandir``: inside the root, or refused); a link back to a folder above it is refused, not
+        walked round for ever.
+
+        Raises:
+          CheckpointError: a folder resolves outside the root, or links back to a folder above it.
+        """
+        pending: list[tuple[str, tuple[tuple[int, int], ...]]] = [(top, ())]
+        while pending:
+            folder, above = pending.pop()
+            try:
+                found, ident = self._entries(folder)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if ident in above:
+                raise CheckpointError(f"{folder}: a symlink back to a folder above it (a loop); refusing to walk it.")
+            dirs = sorted(e.name for e in found if e.is_dir())
+            yield folder, dirs, sorted(e.name for e in found if not e.is_dir())
+            pending.extend((os.path.join(folder, d), (*above, ident)) for d in reversed(dirs))
 
     # -- reads
 
@@ -342,22 +469,37 @@ class LocalStorage(Storage):
         through /proc, else its inode against ``realpath``), so a link swapped
         in between a check and the open cannot redirect the read.
 
+        What stands there is looked at first (through the same descriptor): a
+        FIFO, a socket or a device is refused without ever being opened.
+
         Raises:
-          CheckpointError: it resolves outside the root, is not a regular file (a FIFO, a device), or ``path``
-            holds a NUL byte.
-          OSError: it cannot be opened.
+          OutsideCheckpointError: it resolves outside the root.
+          SpecialFileError: it is not a regular file (a FIFO, a device).
+          CheckpointError: ``path`` holds a NUL byte.
+          OSError: it cannot be opened (``NotADirectoryError``: a folder was asked for), naming ``path``.
         """
         if "\0" in path:
             raise CheckpointError(f"{path!r}: a NUL byte in a path; the checkpoint names a file that cannot exist.")
-        # O_NONBLOCK: a FIFO swapped in for a file opens at once (and is refused below) instead of hanging the open.
+        want = stat_.S_ISDIR if flags & _DIRECTORY else stat_.S_ISREG
+        # O_NONBLOCK: a FIFO swapped in for a file after the stat opens at once (and is refused below) instead of
+        # hanging the open; the stat first means a FIFO standing there is never opened at all.
         flags |= os.O_RDONLY | _CLOEXEC | getattr(os, "O_NONBLOCK", 0)
         root = self.root
-        rel = root.relative(path) if root is not None and root.fd is not None else None
-        fd = os.open(rel, flags, dir_fd=root.fd) if rel is not None else os.open(path, flags)
+        rel, dir_fd = self._at(path)
         try:
-            mode = os.fstat(fd).st_mode
-            if not (stat_.S_ISDIR(mode) if flags & _DIRECTORY else stat_.S_ISREG(mode)):
-                raise CheckpointError(f"{path}: not a regular file; refusing to read it.")
+            mode = os.stat(rel, dir_fd=dir_fd).st_mode
+            if want(mode):
+                fd = os.open(rel, flags, dir_fd=dir_fd)
+        except OSError as e:  # named as the checkpoint names it, not relative to the root's descriptor
+            raise type(e)(e.errno, e.strerror, path) from None
+        if not want(mode):
+            if flags & _DIRECTORY:  # as os.open(O_DIRECTORY) says it
+                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+            raise _special(path, mode)
+        try:
+            opened = os.fstat(fd).st_mode
+            if not want(opened):  # swapped in between the stat and the open
+                raise _special(path, opened)
             if root is not None:
                 real = fd_path(fd)
                 if real is None:  # no /proc: the real path, proven to be the file opened
