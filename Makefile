@@ -36,8 +36,10 @@ demo: $(DEMO_STAMP)
 	$(VENV)/bin/treetools train --workdir $(WORKDIR) --cpu-devices 4
 	$(VENV)/bin/treetools inspect $(WORKDIR)/checkpoints
 
+# One worker per core (at most 4), a test file per worker at a time: its module fixtures (trained runs, written
+# checkpoints) are built once.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q tests benchmarks/test_smoke.py
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile tests benchmarks/test_smoke.py
 
 # One process per suite: Orbax/TensorStore threads left by one suite must not share the cores with the next.
 bench: $(TEST_STAMP)

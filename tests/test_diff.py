@@ -453,7 +453,7 @@ def test_values_sort_most_changed_first_and_outside_share(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_values_table_fits_100_columns(tmp_path, capsys):
+def test_values_table_fits_100_columns(tmp_path, capsys, monkeypatch):
     # Issue 24, point 17: `diff --values` printed up to 159 columns.
     rng = np.random.default_rng(2)
     stem = "model.encoder.layers.17.self_attention.query_key_value_projection.kernel_of_a_very_long_name"
@@ -464,7 +464,8 @@ def test_values_table_fits_100_columns(tmp_path, capsys):
     b[f"{stem}.new"] = np.zeros(3, np.float32)
     np.savez(tmp_path / "a.npz", **a)
     np.savez(tmp_path / "b.npz", **b)
-    rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
+    monkeypatch.chdir(tmp_path)  # the A:/B: lines echo the paths as typed: short ones, whatever the temp folder
+    rc, text, _ = run(capsys, "diff", "a.npz", "b.npz", "--values")
     lines = text.splitlines()
     assert rc == 1 and lines[-2].startswith("different (leaves): ")
     assert max(len(line) for line in lines) <= 100, "\n".join(line for line in lines if len(line) > 100)
@@ -639,7 +640,7 @@ def test_a_diff_without_values_says_the_values_were_not_compared(run_dir, capsys
     assert text.splitlines()[-1].strip().startswith("values: not compared")
 
 
-def test_the_values_verdict_fits_100_columns(tmp_path, capsys):
+def test_the_values_verdict_fits_100_columns(tmp_path, capsys, monkeypatch):
     # Issue 39, point 22: the verdict of `diff --values` was one line of 161 columns (default views keep to 100).
     n = 1200  # four-digit counts in every field
     a = {f"l{i:04d}": np.full(2, i, np.float32) for i in range(n)}
@@ -649,7 +650,8 @@ def test_the_values_verdict_fits_100_columns(tmp_path, capsys):
     b.update({f"new{i:04d}": np.ones(1, np.float32) for i in range(1000)})
     np.savez(tmp_path / "a.npz", **a)
     np.savez(tmp_path / "b.npz", **b)
-    rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
+    monkeypatch.chdir(tmp_path)  # the A:/B: lines echo the paths as typed: short ones, whatever the temp folder
+    rc, text, _ = run(capsys, "diff", "a.npz", "b.npz", "--values")
     lines = text.splitlines()
     assert rc == 1 and max(map(len, lines)) <= 100, [line for line in lines if len(line) > 100]
     tail = lines[lines.index(next(x for x in lines if x.startswith("different (leaves): "))):]
@@ -660,7 +662,7 @@ def test_the_values_verdict_fits_100_columns(tmp_path, capsys):
         assert f" {count} {what}" in f" {words}", (count, what, tail)  # every count, named, in the verdict
 
 
-def test_cut_paths_keep_the_parts_that_tell_rows_apart(tmp_path, capsys):
+def test_cut_paths_keep_the_parts_that_tell_rows_apart(tmp_path, capsys, monkeypatch):
     # Issue 39, point 12: paths cut in the middle hid `mu` vs `nu` (`opt_state/1/inner_s…[+32 chars]…ers_0/ln_attn/
     # bias`). The parts the rows share go first (their common prefix first); what tells them apart stays.
     stem = "opt_state/1/inner_state/0/{m}/params/decoder/layers_{i}/self_attention_norm/{leaf}"
@@ -669,7 +671,8 @@ def test_cut_paths_keep_the_parts_that_tell_rows_apart(tmp_path, capsys):
     b = {p: a[p] + np.float32((k + 1) / 64) for k, p in enumerate(paths)}  # row k moved by (k + 1) / 64, exactly
     np.savez(tmp_path / "a.npz", **a)
     np.savez(tmp_path / "b.npz", **b)
-    rc, text, _ = run(capsys, "diff", tmp_path / "a.npz", tmp_path / "b.npz", "--values")
+    monkeypatch.chdir(tmp_path)  # the A:/B: lines echo the paths as typed: short ones, whatever the temp folder
+    rc, text, _ = run(capsys, "diff", "a.npz", "b.npz", "--values")
     lines = text.splitlines()
     assert rc == 1 and max(map(len, lines)) <= 100
     rows = [re.split(r"\s{2,}", line) for line in lines if "(100%)" in line]
