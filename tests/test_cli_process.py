@@ -45,8 +45,8 @@ from treetools.cli import _process
 if sys.argv[1] == "tuned":
     _process.tune()
 class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.mallinfo2.restype = ctypes.c_void_p, Info
 before = libc.mallinfo2().hblks
