@@ -1,6 +1,6 @@
 """Where a whole ``treetools`` process spends what an in-process call does not: each suspect measured alone.
 
-Run: ``.venv/bin/python benchmarks/process_diagnostics.py [SECTION ...]`` (about 4 min; not part of
+Run: ``.venv/bin/python benchmarks/process_diagnostics.py [SECTION ...] [vs REV]`` (about 5 min; not part of
 ``make bench``; ``TREETOOLS_BENCH_SCALE`` scales the checkpoint, the smoke run uses a tiny one). The checkpoint
 is ``test_process_bench.py``'s (2 steps of 64 float32 leaves of (1024, 2048), Orbax zstd). Each section runs its
 processes in interleaved rounds (order alternating) and prints medians: wall, CPU (user + system, all
@@ -19,6 +19,7 @@ threads), system time and minor page faults; "beyond" is beyond the same round's
    ``/dev/shm``; and the write alone (Python writing the same bytes from one buffer to a new file).
 7. ``anchor``: TensorStore alone, the arrays opened in one context (``process_runs.ANCHOR``) or one context
    per array (as treetools opens them), as many reads in flight as cores or twice that.
+8. ``vs REV`` (only when asked): the four commands of this checkout against revision REV's, paired.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from process_runs import (  # noqa: E402
     evict,
     interleaved,
     load,
+    median_iqr,
     orbax_run,
     program_env,
     remove,
@@ -257,20 +259,70 @@ def anchor(run: pathlib.Path) -> None:
     _table("7. anchor: TensorStore alone", interleaved(variants, ROUNDS, warmup=WARMUP), "open only, one context")
 
 
+def versus(run: pathlib.Path, scratch: pathlib.Path, rev: str) -> None:
+    """This checkout's commands against revision ``rev``'s (its ``treetools`` package from ``git archive``, first on
+    ``PYTHONPATH``; the same script, interpreter and libraries), paired per round, each beyond its own metadata."""
+    old = scratch / "rev"
+    old.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "treetools"], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+    compileall.compile_dir(str(old / "treetools"), quiet=1)
+    r, tt, dst = str(run), treetools_script(), scratch / "model.safetensors"
+    then = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(old)}
+    commands = {"metadata": ["inspect", r, "--step", "2"], "inspect --stats": ["inspect", r, "--step", "2", "--stats"],
+                "verify": ["verify", r, "--step", "2"],
+                "diff --values": ["diff", r, "--step", "1", "--step", "2", "--values"],
+                "convert": ["convert", r, "--step", "2", str(dst)]}
+    variants = {}
+    for name, argv in commands.items():
+        for label, env in (("this checkout", None), (rev, then)):
+            variants[(name, label)] = Variant([*tt, *argv], env=env, ok=(0, 1), before=lambda: remove(dst))
+    times = interleaved({f"{name} | {label}": v for (name, label), v in variants.items()}, ROUNDS, warmup=WARMUP)
+    print(f"\n[diag] 8. versus {rev}: this checkout / {rev}, beyond each one's own metadata process, paired "
+          f"({ROUNDS} rounds, load {load()})", flush=True)
+    for name in list(commands)[1:]:
+        a, b = times[f"{name} | this checkout"], times[f"{name} | {rev}"]
+        ma, mb = times["metadata | this checkout"], times[f"metadata | {rev}"]
+        nbytes = 2 * NBYTES if name.startswith("diff") else NBYTES
+        parts = []
+        for field in ("wall", "cpu"):
+            new_, old_ = beyond(a, ma, field), beyond(b, mb, field)
+            if min(new_) > 0 and min(old_) > 0:
+                mid, q1, q3 = median_iqr([x / y for x, y in zip(new_, old_)])
+                parts.append(f"{field} {_med(new_) * 1e3:5.0f} vs {_med(old_) * 1e3:5.0f} ms, ratio {mid:.3f} "
+                             f"(IQR {q1:.3f}-{q3:.3f})")
+        faults = f"faults {_med(x.faults for x in a):.0f} vs {_med(x.faults for x in b):.0f}"
+        rss = f"peak RSS {_med(x.rss_kib for x in a) / 1024:.0f} vs {_med(x.rss_kib for x in b) / 1024:.0f} MiB"
+        speed = ""
+        if min(beyond(a, ma)) > 0 and min(beyond(b, mb)) > 0:
+            speed = (f"{nbytes / _med(beyond(a, ma)) / 1e9:.2f} vs {nbytes / _med(beyond(b, mb)) / 1e9:.2f} GB/s; ")
+        print(f"[diag]   {name:16s} {speed}{'; '.join(parts)}; {faults}; {rss}", flush=True)
+    meta_cpu = [x.cpu / y.cpu for x, y in zip(times["metadata | this checkout"], times[f"metadata | {rev}"])]
+    print(f"[diag]   metadata process CPU {_med(x.cpu for x in times['metadata | this checkout']) * 1e3:.0f} vs "
+          f"{_med(x.cpu for x in times[f'metadata | {rev}']) * 1e3:.0f} ms, ratio {_med(meta_cpu):.3f}", flush=True)
+
+
 SECTIONS = {"start": start, "fresh": fresh, "threads": threads, "cache": cache, "process": process,
             "writer": writer, "anchor": anchor}
 
 
 def main(names: list[str]) -> None:
+    """Run the sections named (default: all); ``vs REV`` adds section 8 against revision REV."""
+    rev = None
+    if "vs" in names:
+        i = names.index("vs")
+        rev, names = names[i + 1], names[:i] + names[i + 2:]
     compileall.compile_dir(str(REPO / "treetools"), quiet=1)  # as an installed package has it
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="treetools-diag-"))
     try:
         run = orbax_run(scratch / "run", ROWS)
         print(f"[diag] Orbax zstd, 2 steps of {LEAVES} float32 leaves of ({ROWS}, {COLS}), {NBYTES / 2**20:.0f} MiB "
               f"a step; {cores()} cores; load {load()}", flush=True)
-        for name in names or list(SECTIONS):
+        for name in names or ([] if rev else list(SECTIONS)):
             fn = SECTIONS[name]
             fn(run, scratch) if name == "writer" else fn(run)
+        if rev is not None:
+            versus(run, scratch, rev)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
