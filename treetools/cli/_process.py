@@ -15,12 +15,13 @@ skipped where the user's environment already says something about it.
   chunk, a block of a diff) with ``mmap`` and gives each back to the kernel
   when it is freed; its own threshold adapts only later, and the heaps still
   return their free top above twice that threshold. Each block's pages are then
-  faulted in anew: 3 to 6 page faults per KiB read (``diff --values`` of 1 GiB:
-  200,000-290,000), a quarter of its CPU time. With blocks up to
-  ``MMAP_THRESHOLD`` taken from the heap and ``TRIM_THRESHOLD`` of free memory
-  kept for the next block, the freed pages are reused (about 45,000 faults; peak
-  memory about 30 MiB higher). Skipped unless the C library is glibc, and where
-  any ``MALLOC_*`` variable or a ``glibc.malloc`` tunable is set.
+  faulted in anew: about 200-250 page faults per MiB read, each byte's page
+  faulted once (``diff --values`` of 1 GiB: 200,000-290,000), a fifth of the
+  command's CPU time. With blocks up to ``MMAP_THRESHOLD`` taken from the heap
+  and ``TRIM_THRESHOLD`` of free memory kept for the next block, the freed pages
+  are reused (``diff --values``: about 50,000 faults; peak memory 20-50 MiB
+  higher). Skipped unless the C library is glibc, and where any ``MALLOC_*``
+  variable or a ``glibc.malloc`` tunable is set.
 """
 
 from __future__ import annotations
