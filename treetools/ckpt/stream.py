@@ -266,11 +266,11 @@ def async_workers(jobs: Sequence[Sequence[ArrayReader]], tasks: Sequence[Task], 
     A leaf no bigger than a block (Orbax keeps one chunk per array, often a few MiB) is one task of one block:
     its thread opens the store, reads, then folds (``--stats``: 1-2 ms per 8 MiB) and opens the next with no
     read in flight, and TensorStore's decoders (one per core) wait. Blocks in flight stay within the engine's
-    bound (``2 * readers * workers``): twice the threads, each holding one block instead of two. Measured on
-    2 cores shared with other jobs (64 leaves of 8 MiB, zstd, whole processes, paired against the cores alone):
-    ``--stats`` 9-11% and ``verify`` 3-14% less wall time, 2-4% more CPU time, 35-60 MiB more peak memory
-    (TensorStore's buffers of the reads in flight). A diff (both sides in flight) and leaves of several blocks
-    keep two reads per thread already: more threads only cost them memory (measured: slower).
+    bound (``2 * readers * workers``): twice the threads, each holding one block instead of two. It pays where
+    a core waits for work; it costs 1-8% more CPU time and about 40 MiB of peak memory (TensorStore's buffers
+    of the reads in flight) on 64 leaves of 8 MiB (BENCHMARKS.md, "The streaming commands as a user runs
+    them"). A diff (both sides in flight) and leaves of several blocks keep two reads per thread already: more
+    threads only cost them memory.
     """
     blocks = collections.Counter()
     for task in tasks:
