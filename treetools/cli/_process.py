@@ -7,7 +7,7 @@ skipped where the user's environment already says something about it.
 
 * numpy's OpenBLAS starts one thread per core when numpy is imported, and
   those threads spin before they sleep: about 40 ms of CPU for ``import numpy``
-  on 2 cores, 100 ms by the end of a metadata ``inspect``. No command does
+  on 2 cores, 25-35 ms over a metadata ``inspect``. No command does
   BLAS work big enough to use them (the block engine has threads of its own),
   so the program asks OpenBLAS for one (``OPENBLAS_NUM_THREADS=1``) unless
   ``OPENBLAS_NUM_THREADS``, ``GOTO_NUM_THREADS`` or ``OMP_NUM_THREADS`` is set.
