@@ -32,3 +32,14 @@ def test_norm_diagnostics_run_at_tiny_sizes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     for section in ("1. kernels", "2. slot", "3. buffers"):
         assert section in proc.stdout
+
+
+def test_process_diagnostics_run_at_tiny_sizes(tmp_path):
+    env = {**os.environ, "TREETOOLS_BENCH_SCALE": "0.0005"}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "process_diagnostics.py")], env=env, cwd=tmp_path, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for section in ("1. start", "2. fresh", "3. threads", "4. cache", "5. process", "6. writer", "7. anchor"):
+        assert section in proc.stdout

@@ -450,3 +450,52 @@ def test_the_bar_is_rate_limited_without_skipping_a_step_it_shows(monkeypatch):
         bar.advance(1)
     frames = stream.getvalue().split("\r")[1:]
     assert [f.split("]")[1].split()[0] for f in frames] == ["0.1%", "0.3%", "0.5%", "0.7%", "0.9%"], frames
+
+
+def test_orbax_leaves_of_one_block_keep_two_tensorstore_reads_per_core_in_flight(monkeypatch):
+    # verify / --stats of an Orbax step whose arrays are one block each: a thread holds one read in flight (it
+    # folds and opens the next store with none), so twice the threads keep TensorStore's decoders busy
+    # (`async_workers`); leaves of several blocks (a thread holds this block and the next), the two sides of a
+    # diff, and readers that read in the thread itself keep one thread per core.
+    import treetools.ckpt.stream as stream
+
+    monkeypatch.setattr(stream, "cores", lambda: 2)
+    lock, now, peak = threading.Lock(), [0], [0]
+
+    class Declared(InMemoryReader):
+        reads_async = False
+
+        def __init__(self, elements: int):
+            super().__init__(np.zeros(elements, np.float32))
+
+        def blocks(self, plan):
+            with lock:
+                now[0] += 1
+                peak[0] = max(peak[0], now[0])
+            try:
+                threading.Event().wait(0.02)
+                yield from super().blocks(plan)
+            finally:
+                with lock:
+                    now[0] -= 1
+
+    class Async(Declared):
+        reads_async = True
+
+    def threads(cls, elements, sides=1, leaves=12):
+        peak[0] = 0
+        jobs = [tuple(cls(elements) for _ in range(sides)) for _ in range(leaves)]
+        parts = reduce_blocks(jobs, lambda j: [], lambda acc, ix, bs: acc.append(len(bs)), chunk_bytes=2**20)
+        assert [sum(map(len, p)) for p in parts] == [len(job_plan(job, 2**20)) for job in jobs]  # every block once
+        return peak[0] // sides
+
+    one_block, four_blocks = 2**18, 2**20  # float32 elements: 1 MiB (one block), 4 MiB (four)
+    assert threads(Async, one_block, leaves=24) == 4  # 24 MiB in all: over SMALL_BYTES
+    assert threads(Async, four_blocks) == 2
+    assert threads(Declared, one_block, leaves=24) == 2
+    # A diff: both sides of a block in flight already (`_side_by_side` does not call `blocks`: threads from the plan)
+    every = [Async(one_block) for _ in range(48)]
+    jobs = list(zip(every[::2], every[1::2]))
+    tasks = stream.plan_tasks(jobs, 2**20)
+    assert stream.async_workers(jobs, tasks, 2) == 2
+    assert stream.async_workers([(r,) for r in every], stream.plan_tasks([(r,) for r in every], 2**20), 2) == 4

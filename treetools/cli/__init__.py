@@ -34,7 +34,7 @@ import sys
 from typing import Any, NoReturn, Sequence
 
 import treetools
-from treetools.cli import _args, _output
+from treetools.cli import _args, _output, _process
 from treetools.shared.render import json_object
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError, UsageError
 
@@ -308,8 +308,10 @@ def run() -> NoReturn:
 
     A stream whose reader left during the command (``| head``) is let go of
     first (``_output.let_go``), so what Python still holds for it goes nowhere
-    and the exit code stays the command's.
+    and the exit code stays the command's. Before the command, the program sets what its own process runs
+    best with (OpenBLAS's threads, malloc's thresholds: ``_process.tune``), where the environment does not.
     """
+    _process.tune()
     code = main(sys.argv[1:])
     for name in sorted(_output.current.left):
         _output.let_go(name)

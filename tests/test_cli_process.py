@@ -1,0 +1,89 @@
+"""What the `treetools` program sets for its own process (treetools/cli/_process.py), and only there."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from treetools.cli import _process
+
+BLAS_FREE = {k: v for k, v in os.environ.items() if k not in _process.BLAS_THREAD_VARIABLES}
+MALLOC_FREE = {k: v for k, v in BLAS_FREE.items() if not (k.startswith("MALLOC_") or k == "GLIBC_TUNABLES")}
+
+
+def test_one_openblas_thread_unless_the_user_chose():
+    env: dict[str, str] = {}
+    assert "OPENBLAS_NUM_THREADS=1" in _process.tune(env, mallopt=lambda option, value: 1)
+    assert env == {"OPENBLAS_NUM_THREADS": "1"}
+    for name in _process.BLAS_THREAD_VARIABLES:
+        env = {name: "4"}
+        assert not any("OPENBLAS" in s for s in _process.tune(env, mallopt=lambda option, value: 1))
+        assert env == {name: "4"}
+
+
+def test_malloc_thresholds_unless_the_user_tunes_malloc():
+    calls: list[tuple[int, int]] = []
+    mallopt = lambda option, value: calls.append((option, value)) or 1  # noqa: E731
+    _process.tune({}, mallopt=mallopt)
+    # glibc's malloc.h: M_MMAP_THRESHOLD is -3, M_TRIM_THRESHOLD -1
+    assert calls == [(-3, 32 * 2**20), (-1, 64 * 2**20)]
+    for env in ({"MALLOC_ARENA_MAX": "2"}, {"MALLOC_TRIM_THRESHOLD_": "0"},
+                {"GLIBC_TUNABLES": "glibc.rtld.nns=4:glibc.malloc.mmap_threshold=65536"}):
+        calls.clear()
+        assert not any("malloc" in s for s in _process.tune(dict(env), mallopt=mallopt)) and calls == []
+    # Another C library's mallopt refusing an option (it returns 0): nothing is said to be set.
+    assert not any("malloc" in s for s in _process.tune({}, mallopt=lambda option, value: 0))
+
+
+# A fresh process: how many more blocks malloc has mapped by mmap (mallinfo2's hblks) after one 8 MiB malloc.
+_HBLKS = """
+import ctypes, sys
+from treetools.cli import _process
+if sys.argv[1] == "tuned":
+    _process.tune()
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.mallinfo2.restype = ctypes.c_void_p, Info
+before = libc.mallinfo2().hblks
+block = libc.malloc(8 * 2**20)
+print(libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.skipif(_process.glibc_mallopt() is None, reason="glibc's malloc")
+def test_a_tuned_process_takes_8_mib_blocks_from_the_heap():
+    def hblks(mode: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", _HBLKS, mode], capture_output=True, text=True, timeout=60,
+                              env=MALLOC_FREE)
+        assert proc.returncode == 0, proc.stderr
+        return int(proc.stdout)
+
+    # Untuned, glibc maps a fresh process's first 8 MiB block by itself (and unmaps it when it is freed).
+    assert hblks("default") == 1
+    assert hblks("tuned") == 0
+
+
+_SEEN = ("import atexit, os, sys\n"
+         "atexit.register(lambda: print('blas', os.environ.get('OPENBLAS_NUM_THREADS')))\n"
+         "from treetools.cli import main, run\n"
+         "if sys.argv[1] == 'run':\n"
+         "    sys.argv = ['treetools', '--version']\n"
+         "    run()\n"
+         "main(['--version'])\n")
+
+
+def test_the_program_tunes_its_process_and_main_leaves_the_callers_alone():
+    def seen(mode: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", _SEEN, mode], capture_output=True, text=True, timeout=60,
+                              env=BLAS_FREE)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("treetools ")  # the command ran
+        return proc.stdout.splitlines()[-1]
+
+    assert seen("run") == "blas 1"
+    assert seen("main") == "blas None"
