@@ -176,7 +176,7 @@ def program_env(environ: dict[str, str] | None = None) -> dict[str, str]:
         env["OPENBLAS_NUM_THREADS"] = "1"
     if not _process.user_sets_malloc(env) and _process.glibc_mallopt() is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(_process.MMAP_THRESHOLD)
-        env["MALLOC_TRIM_THRESHOLD_"] = str(_process.TRIM_THRESHOLD)
+        env["MALLOC_TRIM_THRESHOLD_"] = str(_process.kept_free(env))
     return env
 
 

@@ -29,7 +29,13 @@ def test_malloc_thresholds_unless_the_user_tunes_malloc():
     mallopt = lambda option, value: calls.append((option, value)) or 1  # noqa: E731
     _process.tune({}, mallopt=mallopt)
     # glibc's malloc.h: M_MMAP_THRESHOLD is -3, M_TRIM_THRESHOLD -1
-    assert calls == [(-3, 32 * 2**20), (-1, 64 * 2**20)]
+    assert calls == [(-3, 32 * 2**20), (-1, 32 * 2**20)]  # 4 blocks of the default 8 MiB kept free
+    # A user who shrinks the blocks (to hold memory down) is kept 4 of them free, not 32 MiB; a bad value is the
+    # command's to report: the process keeps the default.
+    for chunk, kept in (("2097152", 8 * 2**20), ("1e9", 64 * 2**20), ("1.5", 32 * 2**20)):
+        calls.clear()
+        _process.tune({"TREETOOLS_CHUNK_BYTES": chunk}, mallopt=mallopt)
+        assert calls[-1] == (-1, kept), chunk
     for env in ({"MALLOC_ARENA_MAX": "2"}, {"MALLOC_TRIM_THRESHOLD_": "0"},
                 {"GLIBC_TUNABLES": "glibc.rtld.nns=4:glibc.malloc.mmap_threshold=65536"}):
         calls.clear()

@@ -26,13 +26,8 @@ import os
 from typing import Any, Mapping
 
 from treetools.ckpt.storage import Storage, backend
-from treetools.shared.errors import CheckpointError
-
-DEFAULT_MEMORY_BUDGET = 2 * 2**30
-"""The memory budget when neither the caller nor ``TREETOOLS_MEMORY_BUDGET_MB`` gives one."""
-
-DEFAULT_BLOCK_BYTES = 8 * 2**20
-"""Bytes of stored data per block for ``--stats``, ``diff --values``, ``verify`` and ``convert``."""
+from treetools.shared.settings import (DEFAULT_BLOCK_BYTES, DEFAULT_MEMORY_BUDGET, block_bytes_from, memory_budget_from,
+                                       workers_from)
 
 UNBOUNDED = math.inf
 """No budget: whole arrays are what ``load_parameters`` returns, held to the machine's memory instead."""
@@ -95,11 +90,11 @@ class ReadContext:
         env = os.environ if environ is None else environ
         fields = {k: v for k, v in given.items() if v is not None}
         if "memory_budget" not in fields:
-            fields["memory_budget"] = _budget_from(env.get("TREETOOLS_MEMORY_BUDGET_MB"))
+            fields["memory_budget"] = memory_budget_from(env.get("TREETOOLS_MEMORY_BUDGET_MB"))
         if "block_bytes" not in fields:
-            fields["block_bytes"] = _block_bytes_from(env.get("TREETOOLS_CHUNK_BYTES"))
+            fields["block_bytes"] = block_bytes_from(env.get("TREETOOLS_CHUNK_BYTES"))
         if "workers" not in fields:
-            fields["workers"] = _workers_from(env.get("TREETOOLS_WORKERS"))
+            fields["workers"] = workers_from(env.get("TREETOOLS_WORKERS"))
         return cls(**fields)
 
     def within(self, storage: Storage) -> "ReadContext":
@@ -119,44 +114,6 @@ class ReadContext:
     def replace(self, **changes: Any) -> "ReadContext":
         """A copy with ``changes`` (``load_parameters`` reads whole arrays: ``memory_budget=math.inf``)."""
         return dataclasses.replace(self, **changes)
-
-
-def _budget_from(raw: str | None) -> float:
-    if not raw:
-        return DEFAULT_MEMORY_BUDGET
-    try:
-        value = float(raw)
-    except ValueError:
-        raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be a number of MB, got {raw!r}.") from None
-    if not value > 0:
-        raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be positive, got {raw!r}.")
-    return value * 2**20
-
-
-def _block_bytes_from(raw: str | None) -> int:
-    if not raw:
-        return DEFAULT_BLOCK_BYTES
-    try:
-        number = float(raw)  # `1e6` is a whole number of bytes too
-    except ValueError:
-        number = math.nan
-    if not number.is_integer():  # `1.5`, `x`, `inf` (never truncated to another size)
-        raise CheckpointError(f"`TREETOOLS_CHUNK_BYTES` must be a whole number of bytes, got {raw!r}.")
-    if number < 1024:
-        raise CheckpointError(f"`TREETOOLS_CHUNK_BYTES` must be at least 1024, got {raw!r}.")
-    return int(number)
-
-
-def _workers_from(raw: str | None) -> int | None:
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise CheckpointError(f"`TREETOOLS_WORKERS` must be a positive number of threads, got {raw!r}.")
-    return value
 
 
 def resolve(context: "ReadContext | None") -> "ReadContext":

@@ -20,7 +20,10 @@ skipped where the user's environment already says something about it.
   command's CPU time. With blocks up to ``MMAP_THRESHOLD`` taken from the heap
   and ``TRIM_THRESHOLD`` of free memory kept for the next block, the freed pages
   are reused (``diff --values``: about 50,000 faults; peak memory 20-50 MiB
-  higher). Skipped unless the C library is glibc, and where any ``MALLOC_*``
+  higher). The free memory kept is ``TRIM_BLOCKS`` blocks of the block size
+  the commands read with (``TREETOOLS_CHUNK_BYTES``), at most ``TRIM_THRESHOLD``:
+  a user who shrinks the blocks to hold memory down keeps that much less.
+  Skipped unless the C library is glibc, and where any ``MALLOC_*``
   variable or a ``glibc.malloc`` tunable is set.
 """
 
@@ -29,6 +32,9 @@ from __future__ import annotations
 import os
 from typing import Callable, MutableMapping
 
+from treetools.shared.errors import CheckpointError
+from treetools.shared.settings import DEFAULT_BLOCK_BYTES, block_bytes_from
+
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 """Variables by which a user sets OpenBLAS's threads (any one set: the program leaves it alone)."""
 
@@ -36,7 +42,22 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD = 32 * 2**20
 """Blocks up to this size come from malloc's heap, not from ``mmap`` (glibc's largest dynamic threshold)."""
 TRIM_THRESHOLD = 64 * 2**20
-"""Free memory at a heap's top kept for the next blocks, not given back to the kernel."""
+"""Free memory at a heap's top kept for the next blocks, not given back to the kernel (at most)."""
+TRIM_BLOCKS = 4
+"""... and at most this many blocks of the commands' block size (the default 8 MiB blocks: 32 MiB)."""
+
+
+def kept_free(environ: MutableMapping[str, str]) -> int:
+    """Bytes of free memory malloc keeps for the next blocks: ``TRIM_BLOCKS`` blocks, at most ``TRIM_THRESHOLD``.
+
+    >>> kept_free({}) >> 20, kept_free({"TREETOOLS_CHUNK_BYTES": str(2**21)}) >> 20
+    (32, 8)
+    """
+    try:
+        block = block_bytes_from(environ.get("TREETOOLS_CHUNK_BYTES"))
+    except CheckpointError:  # the command itself reports the bad value, in its one line
+        block = DEFAULT_BLOCK_BYTES
+    return min(TRIM_THRESHOLD, TRIM_BLOCKS * block)
 
 
 def user_sets_malloc(environ: MutableMapping[str, str]) -> bool:
@@ -72,7 +93,7 @@ def tune(environ: MutableMapping[str, str] | None = None,
 
     >>> env = {"OMP_NUM_THREADS": "4"}
     >>> tune(env, mallopt=lambda option, value: 1), env
-    (['malloc: blocks up to 32 MiB from the heap, 64 MiB kept free'], {'OMP_NUM_THREADS': '4'})
+    (['malloc: blocks up to 32 MiB from the heap, 32 MiB kept free'], {'OMP_NUM_THREADS': '4'})
     """
     environ = os.environ if environ is None else environ
     done = []
@@ -81,8 +102,7 @@ def tune(environ: MutableMapping[str, str] | None = None,
         done.append("OPENBLAS_NUM_THREADS=1")
     if not user_sets_malloc(environ):
         mallopt = mallopt if mallopt is not None else glibc_mallopt()
-        if mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD,
-                                                                                       TRIM_THRESHOLD):
-            done.append(f"malloc: blocks up to {MMAP_THRESHOLD >> 20} MiB from the heap, "
-                        f"{TRIM_THRESHOLD >> 20} MiB kept free")
+        keep = kept_free(environ)
+        if mallopt is not None and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, keep):
+            done.append(f"malloc: blocks up to {MMAP_THRESHOLD >> 20} MiB from the heap, {keep >> 20} MiB kept free")
     return done
