@@ -21,18 +21,14 @@ Every command that reads all of a checkpoint's data goes through here:
 Memory: a worker holds the blocks of its current task only (a TensorStore
 reader one block ahead), so ``reduce_blocks`` peaks at about
 ``2 * readers per job * workers * chunk_bytes`` plus one storage chunk per
-read in flight (``workers``: the threads counted, the cores or
-``TREETOOLS_WORKERS``; ``async_workers`` may run twice as many, each holding
-one block); ``stream_blocks`` at ``window + workers`` blocks. Tasks carry
+read in flight; ``stream_blocks`` at ``window + workers`` blocks. Tasks carry
 indices, never data.
 
 Threads: numpy's ufuncs, TensorStore's decoding and file reads release the
 GIL, so threads scale with cores. ``TREETOOLS_WORKERS`` sets the default
 number of threads (else the cores this process may run on, ``taskset`` aware);
 reads from a bucket use at least ``REMOTE_WORKERS`` (they wait on round trips,
-not on a core); local TensorStore reads, which wait on TensorStore's own
-decoding threads, keep about two reads in flight per thread counted
-(``async_workers``, ``read_arrays``).
+not on a core).
 """
 
 from __future__ import annotations
@@ -94,8 +90,9 @@ def default_workers(readers: Iterable[ArrayReader] = ()) -> int:
     """Threads for reading ``readers``: their context's ``workers`` or the cores; at least ``REMOTE_WORKERS`` for
     a bucket.
 
-    TensorStore decodes on threads of its own and ours wait for it, so its readers may get more: ``read_arrays``
-    doubles them, ``reduce_blocks`` where a thread would hold only one read in flight (``async_workers``).
+    (More threads than cores for TensorStore, which decodes on threads of its own, measured 3-5% faster on
+    2 cores and 20 MiB more peak memory for blocks: not taken; ``read_arrays``, whose arrays are the result,
+    takes it.)
     """
     readers = list(readers)
     n = given_workers(readers) or cores()
@@ -253,38 +250,6 @@ def _side_by_side(readers: Sequence[ArrayReader], plan: Sequence[Index], io: Thr
                 close()
 
 
-def reads_per_worker(jobs: Sequence[Sequence[ArrayReader]], task: Task) -> int:
-    """TensorStore reads a thread keeps in flight for ``task`` (``task_blocks``): a block of each reader of its
-    job, and the next block of each while it uses one, where the task has a next block."""
-    return len(jobs[task.job]) * (1 if task.plan is not None and len(task.plan) == 1 else 2)
-
-
-def async_workers(jobs: Sequence[Sequence[ArrayReader]], tasks: Sequence[Task], workers: int) -> int:
-    """Threads for jobs of TensorStore readers: ``workers``, doubled where the threads would mostly hold one read
-    in flight, so that about ``2 * workers`` reads are in flight, as for leaves of several blocks.
-
-    A leaf no bigger than a block (Orbax keeps one chunk per array, often a few MiB) is one task of one block:
-    its thread opens the store, reads, then folds (``--stats``: 1-2 ms per 8 MiB) and opens the next with no
-    read in flight, and TensorStore's decoders (one per core) wait. Blocks in flight stay within the engine's
-    bound (``2 * readers * workers``): twice the threads, each holding one block instead of two. It pays where
-    a core waits for work; it costs 1-8% more CPU time and about 40 MiB of peak memory (TensorStore's buffers
-    of the reads in flight) on 64 leaves of 8 MiB (BENCHMARKS.md, "The streaming commands as a user runs
-    them"). A diff (both sides in flight) and leaves of several blocks keep two reads per thread already: more
-    threads only cost them memory.
-    """
-    blocks = collections.Counter()
-    for task in tasks:
-        blocks[task.job] += 1 if task.plan is None else len(task.plan)
-    one = several = 0.0
-    for task in tasks:  # bytes each kind of task reads
-        share = _nbytes(jobs[task.job]) * (1 if task.plan is None else len(task.plan)) / blocks[task.job]
-        if reads_per_worker(jobs, task) == 1:
-            one += share
-        else:
-            several += share
-    return 2 * workers if one > several else workers
-
-
 # ---------------------------------------------------------------------------- the three ways in
 
 
@@ -308,8 +273,7 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
       fold: ``fold(partial, index, blocks)`` adds one block of each reader of the job (``index`` is None
         in a reader's own storage order).
       chunk_bytes: bytes of stored data per block and reader.
-      workers: threads (default ``default_workers``, for local TensorStore readers ``async_workers``, or 1
-        below ``SMALL_BYTES`` of data); 1 runs in this thread.
+      workers: threads (default ``default_workers``, or 1 below ``SMALL_BYTES`` of data); 1 runs in this thread.
       progress: advanced by each block's stored bytes (every reader's), started with ``labels[job]``.
       errors: exceptions that fail one job, not the call: that job's result is ``Failed`` and its
         remaining tasks are skipped. Others propagate (the first in task order), and so does a
@@ -324,12 +288,10 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
     >>> [sum(map(sum, p)) for p in parts]
     [45.0]
     """
-    tasks = plan_tasks(jobs, chunk_bytes)
     if workers is None:
         every = [r for readers in jobs for r in readers]
         workers = default_workers(every) if _nbytes(every) >= SMALL_BYTES or any(r.remote for r in every) else 1
-        if workers > 1 and every and all(r.reads_async and not r.remote for r in every):
-            workers = async_workers(jobs, tasks, workers)
+    tasks = plan_tasks(jobs, chunk_bytes)
     # Helper threads read the sides of a job side by side where a reader cannot read in the background.
     sides = any(len(readers) > 1 and not all(r.reads_async for r in readers) for readers in jobs)
     io = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="treetools-io") if sides else None
