@@ -139,7 +139,7 @@ _EXPORTS = {  # public name -> module under treetools
     "save_checkpoint": "checkpointing.manager",
     "restore_checkpoint": "checkpointing.restore",
     "plan_restore": "checkpointing.restore",
-    "RestorePlan": "checkpointing.restore",
+    "RestorePlan": "checkpointing.restore_plan",
     "load_parameters": "checkpointing.restore",
     # the checkpoint layer (treetools.ckpt has the rest, for format authors)
     "list_steps": "ckpt.steps",
@@ -218,7 +218,8 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     )
     from treetools.pytree.partitioning import is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
     from treetools.pytree.paths import flatten, leaves_with_paths, map_with_path, path_str, unflatten
-    from treetools.checkpointing.restore import RestorePlan, load_parameters, plan_restore, restore_checkpoint
+    from treetools.checkpointing.restore import load_parameters, plan_restore, restore_checkpoint
+    from treetools.checkpointing.restore_plan import RestorePlan
     from treetools.shared.rows import LeafSharding, Row
     from treetools.pytree.table import rows_from_tree, tabulate_params
     from treetools.rules.spec import Rules
