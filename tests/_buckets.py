@@ -8,7 +8,8 @@ Two emulators, each behind a byte-counting reverse proxy on 127.0.0.1:
 
 Every client (s3fs/botocore, gcsfs, TensorStore's curl) talks to the proxy, never
 to the emulator, so a test can assert how many requests and response-body bytes a
-read cost ("listing a checkpoint must not download its arrays").
+read cost ("listing a checkpoint must not download its arrays"), and which
+objects and listings it asked for (``CountingProxy.seen``).
 
 The code under test finds the emulators only through the variables the client
 libraries already read (``AWS_ENDPOINT_URL``, ``STORAGE_EMULATOR_HOST``,
@@ -71,6 +72,7 @@ class CountingProxy:
         self._lock = threading.Lock()
         self._requests = 0
         self._bytes = 0
+        self._seen: list[tuple[str, str]] = []
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -99,7 +101,7 @@ class CountingProxy:
                     payload = f"counting proxy: emulator unreachable: {e}".encode()
                 finally:
                     upstream.close()
-                proxy._count(len(payload))
+                proxy._count(len(payload), self.command, self.path)
                 bodiless = self.command == "HEAD" or status in (204, 304) or status < 200
                 try:
                     self.send_response_only(status, reason)
@@ -146,14 +148,21 @@ class CountingProxy:
         )  # a short poll interval: close() returns at once, not after half a second
         self._thread.start()
 
-    def _count(self, nbytes: int) -> None:
+    def _count(self, nbytes: int, method: str, path: str) -> None:
         with self._lock:
             self._requests += 1
             self._bytes += nbytes
+            self._seen.append((method, path))
 
     def reset(self) -> None:
         with self._lock:
             self._requests = self._bytes = 0
+            self._seen.clear()
+
+    def seen(self) -> list[tuple[str, str]]:
+        """``(method, path and query as sent)`` of every request since the last ``reset``, in arrival order."""
+        with self._lock:
+            return list(self._seen)
 
     def snapshot(self) -> tuple[int, int]:
         """``(requests, response-body bytes)`` since the last ``reset``."""

@@ -95,6 +95,8 @@ def test_counter_counts_response_body_bytes(remote_store, tmp_path):
     assert len(fs.cat_file(key, start=1000, end=1100)) == 100
     requests, nbytes = remote_store.counter.snapshot()
     assert requests >= 1 and nbytes < 1000
+    seen = remote_store.counter.seen()  # each request as sent: the object named in its path
+    assert len(seen) == requests and all(m == "GET" and "big.bin" in p for m, p in seen), seen
 
 
 def test_env_reaches_a_subprocess(remote_store, tmp_path):

@@ -11,6 +11,7 @@ knows, listed by name with its handler and the reason. The truth is the writer's
 from __future__ import annotations
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,21 @@ def test_single_array_items_are_the_arrays_themselves(run_dir):
     restored = tt.restore_checkpoint(str(root), 2, {"key": {"key": jax.eval_shape(lambda: jax.random.key(0))}})
     assert jax.dtypes.issubdtype(restored["key"]["key"].dtype, jax.dtypes.prng_key)
     np.testing.assert_array_equal(jax.random.key_data(restored["key"]["key"]), jax.random.key_data(truth[2]["key"]))
+
+
+def test_an_item_folder_given_directly_asks_its_step_for_the_handler_only_when_it_matters(run_dir, tmp_path):
+    # The handler (in the step's _CHECKPOINT_METADATA, outside the folder given) decides only whether an item of
+    # one leaf `checkpoint` is the array itself: any other item reads without it (a bucket: no request above the
+    # folder, tests/test_remote.py). Shown by a corrupt step metadata: refused where it is read, and only there.
+    root, truth = run_dir
+    step = tmp_path / "2"
+    shutil.copytree(root / "2", step)
+    (step / "_CHECKPOINT_METADATA").write_text("{ not json")
+    leaves = leaves_of(inspect_json(step / "params"))
+    assert set(leaves) == {"Dense_0/kernel", "Dense_0/bias"}
+    assert leaves["Dense_0/kernel"]["shape"] == list(truth[2]["params"]["Dense_0"]["kernel"].shape)
+    rc, out, err = run("inspect", step / "step")
+    assert rc == 1 and "_CHECKPOINT_METADATA: corrupt" in err, err
 
 
 def test_a_bare_leaf_target_restores_a_one_array_item(run_dir):

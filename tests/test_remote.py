@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.parse
 
 import jax
 import jax.numpy as jnp
@@ -242,6 +243,34 @@ def test_metadata_mode_moves_only_metadata(tmp_path, remote_store, capsys):
     assert main(["inspect", remote_store.url("m.safetensors"), "--stats"]) == 0
     assert remote_store.counter.snapshot()[1] >= big.nbytes  # --stats reads every byte, once
     assert remote_store.counter.snapshot()[1] < 1.2 * big.nbytes
+
+
+def test_a_standalone_save_in_a_bucket_is_inspected_in_its_own_folder(tmp_path, remote_store, capsys):
+    """A StandardCheckpointer save given directly: its handler is asked of the step folder above it only when it
+    decides what is read (one leaf `checkpoint`), so a metadata inspect asks for nothing outside the folder.
+
+    It asked whether the bucket's top level held a `_CHECKPOINT_METADATA` naming the folder (3 requests on GCS,
+    2 on S3, at every inspect). Counted at the server, cold (a fresh bucket, as each CLI run is): the folder's own
+    probe (2: gcsfs' object GET beside a one-key listing; s3fs' HEAD, then a one-key listing), the one listing of
+    everything below it, `_METADATA` (no `_sharding`: host arrays), the OCDBT manifest and b-tree root read for
+    the budget check, the same two read by TensorStore, `_CHECKPOINT_METADATA`: 9 (12 and 11 before).
+    """
+    import orbax.checkpoint as ocp
+
+    local = tmp_path / "standalone"
+    tree = {"w": np.arange(24, dtype=np.float32).reshape(4, 6), "b": np.ones(6, np.float32)}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(local, tree)
+    url = remote_store.upload(local, "standalone")
+    code_l, want = _json(["inspect", str(local)], capsys)
+    remote_store.counter.reset()
+    code_r, got = _json(["inspect", url], capsys)
+    requests, _ = remote_store.counter.snapshot()
+    assert (code_l, code_r) == (0, 0)
+    _same_report(want, got)
+    outside = [(m, p) for m, p in remote_store.counter.seen() if "standalone" not in urllib.parse.unquote(p)]
+    assert outside == [], outside
+    assert requests <= 9, remote_store.counter.seen()
 
 
 def test_bucket_errors_are_one_line(tmp_path, remote_store, capsys):

@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import re
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -237,10 +237,15 @@ def read_array_item(context: ReadContext, item_dir: str, name: str, problems: li
     return Item(name, "pytree", [leaf])
 
 
+def _one_checkpoint_leaf(item: Item) -> bool:
+    """Whether ``item`` is what an ``ArrayCheckpointHandler`` save reads as: one leaf, ``checkpoint``."""
+    return len(item.leaves) == 1 and item.leaves[0].key == ARRAY_ITEM_NAME
+
+
 def single_array(item: Item) -> Item:
     """An ``ArrayCheckpointHandler`` item read through its ``_METADATA`` (one leaf, ``checkpoint``) as the array
     itself: its one leaf is named like the item. Anything else comes back as it is."""
-    if len(item.leaves) != 1 or item.leaves[0].key != ARRAY_ITEM_NAME:
+    if not _one_checkpoint_leaf(item):
         return item
     leaf = item.leaves[0]
     return dataclasses.replace(item, leaves=[dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=(item.name,)))])
@@ -306,11 +311,14 @@ def _sub_items(storage: Storage, folder: str, depth: int = 0) -> list[str]:
 
 
 def read_item(context: ReadContext, item_dir: str, name: str, problems: list[str] | None = None, *,
-              handler: str | None = None, depth: int = 0) -> Item:
+              handler: str | None | Callable[[], str | None] = None, depth: int = 0) -> Item:
     """One item folder, whatever handler wrote it (see ``item_layout``).
 
     ``handler``: the class that wrote it, as the step's metadata records it: an ``ArrayCheckpointHandler`` item
-    is the array itself (one leaf named like the item).
+    is the array itself (one leaf named like the item). Or a function that finds it, called only when the
+    answer changes what is read (an item of one leaf ``checkpoint``, or an item not read, whose handler is said):
+    an item folder given directly finds it in the step folder above it, a probe outside the folder (two or three
+    round trips in a bucket) that most items never need.
 
     Raises:
       UnreadableItem: the folder holds nothing treetools reads (its files are named in the reason).
@@ -333,8 +341,13 @@ def read_item(context: ReadContext, item_dir: str, name: str, problems: list[str
         return _read_composite(context, item_dir, name, problems, depth)
     if layout == "pytree" or _item_without_metadata(storage, item_dir):
         item = read_pytree_item(context, item_dir, name, problems)
-        return single_array(item) if _short(handler) == ARRAY_HANDLER else item
-    raise UnreadableItem(name, _short(handler) or "no handler recorded", _why_unreadable(storage, item_dir))
+        return single_array(item) if _one_checkpoint_leaf(item) and _short(_asked(handler)) == ARRAY_HANDLER else item
+    raise UnreadableItem(name, _short(_asked(handler)) or "no handler recorded", _why_unreadable(storage, item_dir))
+
+
+def _asked(handler: str | None | Callable[[], str | None]) -> str | None:
+    """``read_item``'s ``handler``, found now when it is a function."""
+    return handler() if callable(handler) else handler
 
 
 def special_item(e: SpecialFileError, name: str, item_dir: str, handler: str | None) -> Unreadable:

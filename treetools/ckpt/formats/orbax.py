@@ -127,7 +127,7 @@ class OrbaxSource(Source):
             folder = self.location if self.mode == "item" else step_dir
             (name,) = names
             try:
-                items[name] = read_item(self.context, folder, name, handler=self._own_handler())
+                items[name] = read_item(self.context, folder, name, handler=self._own_handler)
             except UnreadableItem as e:
                 unreadable.append(e.unreadable)
             return Snapshot(step, items, record_sharding=True, metadata=self._metadata(folder), notes=notes,
@@ -161,7 +161,9 @@ class OrbaxSource(Source):
                         unreadable=unreadable)
 
     def _own_handler(self) -> str | None:
-        """The handler of the item folder given directly, as its step's ``_CHECKPOINT_METADATA`` records it."""
+        """The handler of the item folder given directly, as its step's ``_CHECKPOINT_METADATA`` records it.
+
+        The step folder is above the folder given: ``read_item`` asks only when the answer matters."""
         if self.mode != "item":
             return None
         parent = os.path.dirname(normalize(self.location))
@@ -217,7 +219,7 @@ class OrbaxSource(Source):
             item_dir = self.item_dir(step, name)
             try:
                 item = read_item(self.context, item_dir, name, problems,
-                                 handler=handlers.get(name) if self.mode != "item" else self._own_handler())
+                                 handler=handlers.get(name) if self.mode != "item" else self._own_handler)
             except (MemoryBudgetError, StepDeletedError):
                 raise
             except UnreadableItem as e:
