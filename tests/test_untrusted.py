@@ -191,7 +191,7 @@ def test_a_plain_zarr_array_folder_linked_outside_is_never_read(tmp_path, capsys
     shutil.rmtree(mine / "w")
     os.symlink(theirs / "w", mine / "w")
     code, out, err = _run(capsys, "inspect", mine, "--show", "w")
-    assert code == 1 and "resolves outside the checkpoint" in err and "42" not in out
+    assert code == 1 and "resolves outside the checkpoint" in err and "42" not in out.replace(str(tmp_path), "")
     with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):
         tt.load_parameters(mine)
 
@@ -1484,7 +1484,7 @@ def test_an_array_folder_linked_in_a_zarr_tree_is_read_or_refused_never_dropped(
     for argv in (("inspect", root), ("verify", root), ("inspect", root, "--format", "json")):
         got, out, err = _run(capsys, *argv)
         assert got == 1 and "params.dense.kernel: resolves outside the checkpoint" in err + out, (argv, out, err)
-        assert "--follow-links" in err + out and "42" not in out
+        assert "--follow-links" in err + out and "42" not in out.replace(str(tmp_path), "")  # pytest-NNN may hold 42
     with pytest.raises(CheckpointError, match="resolves outside the checkpoint.*follow_links=True"):
         tt.load_parameters(root)
     assert float(_leaf_values(root, follow_links=True)["dense/kernel"].max()) == 42.0  # the opt-in reads it
