@@ -43,6 +43,11 @@ def run(*argv: Any) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
+def flat_arrays(tree: Any) -> dict[str, np.ndarray]:
+    """The writer's own arrays by path, as numpy: what the checks below compare a reader against."""
+    return {path: np.asarray(x) for path, x in tt.flatten(tree).items()}
+
+
 def inspect_json(path: Any, *args: Any) -> dict:
     rc, out, err = run("inspect", path, *args, "--format", "json")
     assert rc == 0, err

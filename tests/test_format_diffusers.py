@@ -12,7 +12,7 @@ import pytest
 import treetools as tt
 from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
                                   check_load_parameters, check_restore, check_show, check_stats, check_verify,
-                                  inspect_json, run)
+                                  inspect_json, run, flat_arrays)
 from tests._writers.diffusers import save_model, save_pipeline
 
 
@@ -26,10 +26,6 @@ def _params(delta: float = 0.0) -> dict:
         "text_encoder": {"text_model": {"embeddings": {"token_embedding": {
             "embedding": rng.standard_normal((10, 4)).astype(np.float32)}}}},
     }
-
-
-def _flat(tree):
-    return {k: np.asarray(v) for k, v in tt.flatten(tree).items()}
 
 
 @pytest.fixture(scope="module")
@@ -48,33 +44,33 @@ def test_pipeline_one_item_per_component(pipeline):
     rc, _, err = run("inspect", root)
     assert rc == 0 and "scheduler" in err  # configuration-only components named in a note
     for name in ("unet", "vae", "text_encoder"):
-        check_inspect(root, _flat(params[name]), item=name)
-        check_show(root, _flat(params[name]), item=name)
-        check_stats(root, _flat(params[name]), item=name)
-        check_load_parameters(root, _flat(params[name]), item=name)
-        check_restore(root, _flat(params[name]), item=name)
+        check_inspect(root, flat_arrays(params[name]), item=name)
+        check_show(root, flat_arrays(params[name]), item=name)
+        check_stats(root, flat_arrays(params[name]), item=name)
+        check_load_parameters(root, flat_arrays(params[name]), item=name)
+        check_restore(root, flat_arrays(params[name]), item=name)
     check_verify(root)
     rules = tt.Rules(rename=[(r"^conv_in/", "stem/")])
-    unet = _flat(params["unet"])
+    unet = flat_arrays(params["unet"])
     check_restore(root, unet, item="unet", rules=rules,
                   expect={k.replace("conv_in/", "stem/", 1): v for k, v in unet.items()})
 
 
 def test_load_parameters_and_convert_take_the_unet(pipeline, tmp_path):
     root, params = pipeline
-    check_load_parameters(root, _flat(params["unet"]))
-    check_convert(root, _flat(params["vae"]), tmp_path / "vae", item="vae")
-    check_convert(root, _flat(params["unet"]), tmp_path)
+    check_load_parameters(root, flat_arrays(params["unet"]))
+    check_convert(root, flat_arrays(params["vae"]), tmp_path / "vae", item="vae")
+    check_convert(root, flat_arrays(params["unet"]), tmp_path)
 
 
 def test_each_component_reads_alone(pipeline):
     root, params = pipeline
-    unet = check_inspect(root / "unet", _flat(params["unet"]))
+    unet = check_inspect(root / "unet", flat_arrays(params["unet"]))
     assert unet["format"] == "diffusers"
     rc, _, err = run("inspect", root / "unet")
     assert rc == 0 and "component `unet`" in err
-    check_inspect(root / "text_encoder", _flat(params["text_encoder"]))  # transformers' flax_model.msgpack
-    check_load_parameters(root / "vae", _flat(params["vae"]))
+    check_inspect(root / "text_encoder", flat_arrays(params["text_encoder"]))  # transformers' flax_model.msgpack
+    check_load_parameters(root / "vae", flat_arrays(params["vae"]))
     check_verify(root / "unet")
 
 

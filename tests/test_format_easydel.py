@@ -23,7 +23,7 @@ import pytest
 import treetools as tt
 from tests._every_command import (check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_refused, check_restore, check_show,
-                                  check_stats, check_verify, inspect_json, run, run_fresh)
+                                  check_stats, check_verify, inspect_json, run, run_fresh, flat_arrays)
 from tests._writers.easydel import save_pretrained, save_run
 
 ScaleByAdamState = namedtuple("ScaleByAdamState", ["count", "mu", "nu"])
@@ -48,17 +48,13 @@ def _opt_state(params: dict, step: int):
     return (ScaleByAdamState(np.asarray(step, np.int32), like(params, 0.5), like(params, 0.25)), ())
 
 
-def _flat(tree) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in tt.flatten(tree).items()}
-
-
 def write_trainer_run(save_dir, steps=(5, 10), *, delta: float = 0.0, unfinished: int | None = 15) -> dict:
     truth = {}
     for step in steps:
         params = _params(step, delta)
         opt_state = _opt_state(params, step)
         save_run(save_dir, step, params, opt_state)
-        truth[step] = {"model": _flat(params), "tx": _flat(opt_state)}
+        truth[step] = {"model": flat_arrays(params), "tx": flat_arrays(opt_state)}
     if unfinished is not None:
         params = _params(unfinished)
         save_run(save_dir, unfinished, params, _opt_state(params, unfinished), finish=False)
@@ -70,7 +66,7 @@ def pretrained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("easydel") / "llama-tiny"
     params = _params(1)
     save_pretrained(folder, params)
-    return folder, _flat(params)
+    return folder, flat_arrays(params)
 
 
 @pytest.fixture(scope="module")

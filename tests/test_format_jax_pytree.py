@@ -15,7 +15,7 @@ import pytest
 import treetools as tt
 from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
                                   check_load_parameters, check_restore, check_show, check_stats, check_verify,
-                                  inspect_json, run, run_fresh)
+                                  run, run_fresh, flat_arrays)
 
 pytest.importorskip("flatbuffers")
 
@@ -34,10 +34,6 @@ def save(path, state) -> None:
     pytree_serialization.save(jax.tree.map(jnp.asarray, state), str(path), overwrite=True)
 
 
-def _truth(state) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v) for k, v in tt.flatten(state).items() if v is not None}
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     path = tmp_path_factory.mktemp("jaxpytree") / "ckpt"
@@ -48,13 +44,13 @@ def saved(tmp_path_factory):
 
 def test_every_command(saved, tmp_path):
     path, state = saved
-    truth = _truth(state)
+    truth = flat_arrays(state)
     report = check_inspect(path, truth)
     assert report["format"] == "jax-pytree" and report["steps"] is None
     check_show(path, truth)
     check_stats(path, truth)
     check_verify(path)
-    params = _truth(state["params"])
+    params = flat_arrays(state["params"])
     check_load_parameters(path, params)
     check_restore(path, truth, item="default")
     check_convert(path, params, tmp_path)
@@ -65,7 +61,7 @@ def test_every_command(saved, tmp_path):
     from jax.experimental.array_serialization import pytree_serialization
 
     theirs = pytree_serialization.load(str(path), jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    for name, value in _truth(theirs).items():
+    for name, value in flat_arrays(theirs).items():
         np.testing.assert_array_equal(tt.flatten(tt.load_parameters(path, item="default"))[name], value)
 
 
@@ -74,7 +70,7 @@ def test_the_array_store_is_no_old_orbax_item(saved):
     rc, out, err = run("inspect", path / "array_store")
     assert rc == 0, err
     assert "older than 0.5" not in err and "array store of the jax pytree checkpoint" in err
-    check_inspect(path / "array_store", _truth(state))
+    check_inspect(path / "array_store", flat_arrays(state))
 
 
 def test_metadata_imports_no_jax(saved):

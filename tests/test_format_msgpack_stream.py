@@ -20,7 +20,7 @@ from flax.serialization import to_bytes
 import treetools as tt
 from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
                                   check_load_parameters, check_restore, check_show, check_stats, check_verify,
-                                  inspect_json, run, run_fresh)
+                                  inspect_json, run, run_fresh, flat_arrays)
 from tests._writers.easylm import save_all
 
 
@@ -36,10 +36,6 @@ def _train_state(dtype, step: int = 7, delta: float = 0.0) -> dict:
     return {"step": step, "params": params, "opt_state": opt_state}
 
 
-def _flat(tree):
-    return {k: np.asarray(v) for k, v in tt.flatten(tree).items()}
-
-
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
 def easylm(request, tmp_path_factory):
     dtype = ml_dtypes.bfloat16 if request.param == "bfloat16" else np.float32
@@ -52,7 +48,7 @@ def easylm(request, tmp_path_factory):
 
 def test_params_file_every_command(easylm, tmp_path):
     _, path, state = easylm
-    truth = _flat(state["params"])
+    truth = flat_arrays(state["params"])
     report = check_inspect(path, truth)
     assert report["format"] == "msgpack-stream"
     rc, _, err = run("inspect", path)
@@ -60,26 +56,26 @@ def test_params_file_every_command(easylm, tmp_path):
     check_show(path, truth)
     check_stats(path, truth)
     check_verify(path)
-    check_load_parameters(path, _flat(state["params"]["params"]))  # the variables dict's `params`
+    check_load_parameters(path, flat_arrays(state["params"]["params"]))  # the variables dict's `params`
     check_restore(path, truth, item="default")
     rules = tt.Rules(rename=[(r"/wte/", "/embed/")])
     check_restore(path, truth, item="default", rules=rules,
                   expect={k.replace("/wte/", "/embed/"): v for k, v in truth.items()})
-    check_convert(path, _flat(state["params"]["params"]), tmp_path)
+    check_convert(path, flat_arrays(state["params"]["params"]), tmp_path)
 
 
 def test_train_state_file_every_command(easylm, tmp_path):
     path, _, state = easylm
     # flatten_dict drops the empty optax node ("opt_state/1": {}), as EasyLM's stream never holds it.
-    arrays = {k: v for k, v in _flat(state).items() if k != "step"}
+    arrays = {k: v for k, v in flat_arrays(state).items() if k != "step"}
     leaves = {leaf["path"]: leaf for leaf in inspect_json(path)["checkpoints"][0]["items"]["default"]["leaves"]}
     assert set(leaves) == set(arrays) | {"step"}
     for name, want in arrays.items():
         assert leaves[name]["shape"] == list(want.shape) and leaves[name]["dtype"] == str(want.dtype), name
     rc, out, _ = run("inspect", path, "--show", "step", "--format", "json")
     assert rc == 0 and json.loads(out)["value"] == 7
-    check_load_parameters(path, _flat(state["params"]["params"]))  # params/params: the model's parameters
-    check_load_parameters(path, _flat(state["opt_state"]["0"]["mu"]), item="opt_state/0/mu")
+    check_load_parameters(path, flat_arrays(state["params"]["params"]))  # params/params: the model's parameters
+    check_load_parameters(path, flat_arrays(state["opt_state"]["0"]["mu"]), item="opt_state/0/mu")
     check_show(path, arrays)
     check_verify(path)
     other = tmp_path / "other"

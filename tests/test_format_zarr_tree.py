@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -22,7 +21,7 @@ import tensorstore as ts
 import treetools as tt
 from tests._every_command import (check_convert, check_diff_names_the_changed_leaf, check_inspect,
                                   check_load_parameters, check_restore, check_show, check_stats, check_verify,
-                                  inspect_json, run, run_fresh)
+                                  inspect_json, run, run_fresh, flat_arrays)
 from tests._writers.big_vision import save_checkpoint_ts
 from tests._writers.levanter import save_export, trainer_state
 
@@ -34,10 +33,6 @@ def _checkpoint(step: int, delta: float = 0.0) -> dict:
                        "bias": np.zeros(3, np.float32) + step},
               "embedding": {"kernel": rng.standard_normal((2, 2, 3, 4)).astype(ml_dtypes.bfloat16)}}
     return {"params": params, "opt": {"count": np.asarray(step, np.int32)}}
-
-
-def _flat(tree):
-    return {k: np.asarray(v) for k, v in tt.flatten(tree).items()}
 
 
 def write_big_vision(workdir, steps=(100, 200, 300), *, delta: float = 0.0) -> dict[int, dict]:
@@ -69,21 +64,21 @@ def test_big_vision_steps_follow_the_last_pointer(big_vision):
     assert report["format"] == "zarr-tree"
     assert report["steps"] == [100, 200, 300] and report["incomplete"] == ["checkpoint.bv-000000400"]
     assert report["checkpoints"][0]["step"] == 300
-    check_inspect(workdir, _flat(truth[300]))  # names: `~` read as `/`
-    check_inspect(workdir, _flat(truth[100]), args=("--step", 100))
+    check_inspect(workdir, flat_arrays(truth[300]))  # names: `~` read as `/`
+    check_inspect(workdir, flat_arrays(truth[100]), args=("--step", 100))
 
 
 def test_big_vision_every_command(big_vision, tmp_path):
     workdir, truth = big_vision
-    params = _flat(truth[300]["params"])
-    check_show(workdir, _flat(truth[300]))
-    check_stats(workdir, _flat(truth[200]), args=("--step", 200))
+    params = flat_arrays(truth[300]["params"])
+    check_show(workdir, flat_arrays(truth[300]))
+    check_stats(workdir, flat_arrays(truth[200]), args=("--step", 200))
     check_load_parameters(workdir, params)  # the params subtree, as big_vision's load_checkpoint_ts + ["params"]
-    check_load_parameters(workdir / "checkpoint.bv-000000100", _flat(truth[100]["params"]))
-    check_restore(workdir, _flat(truth[300]), item="default")
+    check_load_parameters(workdir / "checkpoint.bv-000000100", flat_arrays(truth[100]["params"]))
+    check_restore(workdir, flat_arrays(truth[300]), item="default")
     rules = tt.Rules(rename=[(r"^params/head/", "params/classifier/")])
-    renamed = {k.replace("params/head/", "params/classifier/"): v for k, v in _flat(truth[300]).items()}
-    check_restore(workdir, _flat(truth[300]), item="default", rules=rules, expect=renamed)
+    renamed = {k.replace("params/head/", "params/classifier/"): v for k, v in flat_arrays(truth[300]).items()}
+    check_restore(workdir, flat_arrays(truth[300]), item="default", rules=rules, expect=renamed)
     check_convert(workdir, params, tmp_path)
     out = check_verify(workdir, "--step", "all")
     assert out.count("ok:") == 3, out
@@ -110,10 +105,10 @@ def test_jax_async_serialize_per_leaf_folders_in_checkpoint_steps(tmp_path):
         for name, value in tt.flatten(state).items():  # folder names join the path with `.` (T5X's tensorstore names)
             _async_serialize(str(root / f"checkpoint_{step}" / name.replace("/", ".")), value)
         truth[step] = state
-    report = check_inspect(root, _flat(truth[20]))
+    report = check_inspect(root, flat_arrays(truth[20]))
     assert report["format"] == "zarr-tree" and report["steps"] == [10, 20]
-    check_show(root, _flat(truth[10]), args=("--step", 10))
-    check_load_parameters(root, _flat(truth[20]["target"]))  # T5X's `target`
+    check_show(root, flat_arrays(truth[10]), args=("--step", 10))
+    check_load_parameters(root, flat_arrays(truth[20]["target"]))  # T5X's `target`
     check_verify(root)
     rc, out, err = run("diff", root, "--step", 10, "--step", 20, "--values", "--format", "json")
     assert rc == 1 and "state/step" in out
@@ -125,10 +120,10 @@ def test_levanter_export_without_metadata(tmp_path):
              "embeddings": {"weight": rng.standard_normal((5, 4)).astype(np.float32)}}
     state = trainer_state(30, model, ({"mu": {"embeddings": {"weight": np.zeros((5, 4), np.float32)}}},), seed=3)
     export = save_export(tmp_path / "export", state)
-    truth = _flat(state)
+    truth = flat_arrays(state)
     report = check_inspect(export, truth)
     assert report["format"] == "zarr-tree" and report["steps"] is None
-    check_load_parameters(export, _flat(model))  # Levanter's `model`, beside step/opt_state/training_key
+    check_load_parameters(export, flat_arrays(model))  # Levanter's `model`, beside step/opt_state/training_key
     check_stats(export, truth)
     check_restore(export, truth, item="default")
     check_verify(export)
