@@ -26,9 +26,9 @@ from safetensors import safe_open
 import treetools as tt
 from treetools.ckpt import writers  # noqa: F401  (the package imports without jax)
 from treetools.ckpt.stream import cores
+from treetools.shared.settings import block_bytes_from
 from treetools.ckpt.writers import safetensors as st_writer
 from treetools.cli import main
-from treetools.commands import convert as convert_mod
 
 from tests._t5x_writer import save_t5x
 
@@ -474,15 +474,15 @@ def _convert_peak_growth_mib(tmp_path, **env) -> float:
 
 def test_peak_memory_does_not_grow_with_the_checkpoint(tmp_path):
     # 512 MiB with one 256 MiB leaf, against a tiny conversion in the same process (imports, threads, buffers).
-    # What treetools holds is a few 8 MiB blocks: two read ahead and one being read per core, 48 MiB on 2 cores
-    # (docs/convert.md); verify's half blocks come after the write. Measured with glibc giving each freed block
+    # What treetools holds is a few blocks (8 MiB by default): two read ahead and one being read per core, 48 MiB
+    # on 2 cores (docs/convert.md); verify's half blocks come after the write. Measured with glibc giving each freed block
     # back at once (MALLOC_MMAP_THRESHOLD_, so malloc's cache does not count): 40-44 MiB, quiet or with the cores
     # shared. As a user's process runs (glibc's defaults), malloc also keeps freed blocks in its per-thread
     # arenas: 52-68 MiB quiet, 72-96 MiB with other jobs on the cores. Loading the 256 MiB leaf whole would add
     # at least 256 MiB.
     _write_safetensors_streamed(tmp_path / "big.safetensors", [2**26] + [2**24] * 4)
     np.savez(tmp_path / "tiny.npz", a=np.ones(4, np.float32))
-    blocks_mib = 3 * cores() * 8
+    blocks_mib = 3 * cores() * block_bytes_from(os.environ.get("TREETOOLS_CHUNK_BYTES")) / 2**20  # the child's blocks
     held = _convert_peak_growth_mib(tmp_path, MALLOC_MMAP_THRESHOLD_=str(2**20))
     assert held < blocks_mib + 16, f"converting 512 MiB held {held:.0f} MiB more than a tiny conversion"
     grown = _convert_peak_growth_mib(tmp_path)
