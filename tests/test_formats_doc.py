@@ -30,6 +30,7 @@ from treetools.commands.diff import diff_paths
 from treetools.commands.report import inspect_path
 from treetools.commands.show import show_leaf
 from treetools.pytree.paths import flatten
+from tests._every_command import flat_arrays
 from tests.test_checkpoint_layer import write_orbax_manager_linen
 from tests.test_format_flax_legacy import write_flax_legacy
 from tests.test_format_hf_flax import write_hf_flax
@@ -77,10 +78,6 @@ def _params(seed=0):
             "embed": rng.standard_normal((5, 3)).astype(np.float32)}
 
 
-def _flat(tree):
-    return {p: np.asarray(x) for p, x in flatten(tree).items()}
-
-
 def _manager(tmp, *below, item="params"):
     """The Orbax manager root that test_checkpoint_layer writes (step 7, item ``params``), or a folder below it."""
     root, name, truth = write_orbax_manager_linen(tmp)
@@ -92,7 +89,7 @@ def _checkpointer_save(tmp, handler, name):
     with ocp.Checkpointer(handler) as ckptr:
         ckptr.save(tmp / name, args=ocp.args.PyTreeSave(tree) if isinstance(handler, ocp.PyTreeCheckpointHandler)
                    else ocp.args.StandardSave(tree))
-    return Case(tmp / name, _flat(tree))
+    return Case(tmp / name, flat_arrays(tree))
 
 
 def _truth_npz(prefix):
@@ -102,13 +99,13 @@ def _truth_npz(prefix):
 
 def _flax_legacy(tmp, orbax):
     truth = write_flax_legacy(tmp / "legacy", (1, 2), orbax=orbax)
-    return Case(tmp / "legacy", _flat(truth[2]), item="default")
+    return Case(tmp / "legacy", flat_arrays(truth[2]), item="default")
 
 
 def _single_file(tmp, name, save):
     tree = _params()
     save(tmp / name, tree)
-    return Case(tmp / name, _flat(tree))
+    return Case(tmp / name, flat_arrays(tree))
 
 
 def _t5x(tmp, *below):
@@ -119,7 +116,7 @@ def _t5x(tmp, *below):
     for step, state in states.items():
         save_t5x(tmp / "model", step, state)
     save_t5x(tmp / "model", 3, _state(3, 3), finish=False)
-    return Case((tmp / "model").joinpath(*below), _flat(states[2]["target"]), item="target", restore_item="target")
+    return Case((tmp / "model").joinpath(*below), flat_arrays(states[2]["target"]), item="target", restore_item="target")
 
 
 def _orbax_fixture(version):
@@ -140,12 +137,12 @@ def _orbax_v1_training(tmp):
     state = {"params": {k: jnp.asarray(v) for k, v in flatten(params).items()}, "opt_state": {"mu": jnp.zeros(3)}}
     with training.Checkpointer(str(tmp / "v1")) as ckptr:
         ckptr.save(3, state)
-    return Case(tmp / "v1", {p: np.asarray(x) for p, x in flatten(state).items()}, item="state",
+    return Case(tmp / "v1", flat_arrays(state), item="state",
                 restore_item="state")
 
 
 def _safetensors(tmp):
-    tensors = {name.replace("/", "."): value for name, value in _flat(_params()).items()}  # HF's dotted names
+    tensors = {name.replace("/", "."): value for name, value in flat_arrays(_params()).items()}  # HF's dotted names
     save_safetensors(tensors, str(tmp / "model.safetensors"))
     return Case(tmp / "model.safetensors", tensors)
 
@@ -183,13 +180,13 @@ def _levanter(tmp, *below):
 
 def _easydel(tmp, trainer):
     """EasyDeL's save_pretrained folder, or a trainer's run-N folders (tests/_writers/easydel.py); truth: `model`."""
-    from tests.test_format_easydel import _flat, _params, write_trainer_run
+    from tests.test_format_easydel import _params, write_trainer_run
     from tests._writers.easydel import save_pretrained
 
     if trainer:
         return Case(tmp / "out", write_trainer_run(tmp / "out")[10]["model"], item="model", restore_item="model")
     save_pretrained(tmp / "llama", _params(1))
-    return Case(tmp / "llama", _flat(_params(1)), item="model", restore_item="model")
+    return Case(tmp / "llama", flat_arrays(_params(1)), item="model", restore_item="model")
 
 
 def _equinox(tmp):
@@ -217,7 +214,7 @@ def _orbax_every_handler(tmp):
     from tests.test_format_orbax_items import write_manager
 
     truth = write_manager(tmp / "run", steps=(1,))
-    return Case(tmp / "run", _flat(truth[1]["params"]), item="params", restore_item="params")
+    return Case(tmp / "run", flat_arrays(truth[1]["params"]), item="params", restore_item="params")
 
 
 def _orbax_v1_partial(tmp):
@@ -231,22 +228,22 @@ def _orbax_v1_partial(tmp):
     partial.save(str(tmp / "p"), jax.tree.map(jnp.asarray, first))
     partial.save(str(tmp / "p"), jax.tree.map(jnp.asarray, second))
     partial.finalize(str(tmp / "p"))
-    return Case(tmp / "p", {**_flat(first), **_flat(second)}, item="state", restore_item="state")
+    return Case(tmp / "p", {**flat_arrays(first), **flat_arrays(second)}, item="state", restore_item="state")
 
 
 def _jax_pytree(tmp):
     pytest.importorskip("flatbuffers")
-    from tests.test_format_jax_pytree import _state, _truth, save
+    from tests.test_format_jax_pytree import _state, save
 
     save(tmp / "jp", _state())
-    return Case(tmp / "jp", _truth(_state()), item="default")
+    return Case(tmp / "jp", flat_arrays(_state()), item="default")
 
 
 def _big_vision(tmp):
     from tests.test_format_zarr_tree import write_big_vision
 
     truth = write_big_vision(tmp / "bv")
-    return Case(tmp / "bv", _flat(truth[300]), item="default")
+    return Case(tmp / "bv", flat_arrays(truth[300]), item="default")
 
 
 def _async_serialize(tmp):
@@ -255,14 +252,14 @@ def _async_serialize(tmp):
     state = {"target": _params(), "state": {"step": np.asarray(3, np.int32)}}
     for name, value in flatten(state).items():
         write(str(tmp / "m" / "checkpoint_3" / name.replace("/", ".")), value)
-    return Case(tmp / "m", _flat(state), item="default")
+    return Case(tmp / "m", flat_arrays(state), item="default")
 
 
 def _levanter_export(tmp):
     from tests._writers.levanter import save_export
 
     state = {"model": _params(), "step": np.asarray(4, np.int32)}
-    return Case(Path(save_export(tmp / "export", state)), _flat(state), item="default")
+    return Case(Path(save_export(tmp / "export", state)), flat_arrays(state), item="default")
 
 
 def _easylm(tmp, whole):
@@ -270,7 +267,7 @@ def _easylm(tmp, whole):
 
     state = {"params": {"params": _params()}, "opt_state": {"0": {"mu": _params(1)}}}
     path = save_all(tmp, state, save_optimizer_state=whole)
-    return Case(Path(path), _flat(state if whole else state["params"]), item="default")
+    return Case(Path(path), flat_arrays(state if whole else state["params"]), item="default")
 
 
 def _objax(tmp):
@@ -287,8 +284,8 @@ def _diffusers(tmp, *below):
     params = {"unet": _params(), "vae": _params(1), "text_encoder": _params(2)}
     save_pipeline(tmp / "sd", params)
     if below:
-        return Case((tmp / "sd").joinpath(*below), _flat(params[below[0]]))
-    return Case(tmp / "sd", _flat(params["unet"]), item="unet", restore_item="unet")
+        return Case((tmp / "sd").joinpath(*below), flat_arrays(params[below[0]]))
+    return Case(tmp / "sd", flat_arrays(params["unet"]), item="unet", restore_item="unet")
 
 
 def _flax_metric_named(tmp):
@@ -298,7 +295,7 @@ def _flax_metric_named(tmp):
     for acc in (0.5, 0.625):
         states[acc] = {"params": _params(int(acc * 8))}
         checkpoints.save_checkpoint(tmp / "best", states[acc], step=acc, prefix="best_acc_", keep=5, overwrite=True)
-    return Case(tmp / "best", _flat(states[0.625]), item="best_acc_0.625", restore_item="best_acc_0.625")
+    return Case(tmp / "best", flat_arrays(states[0.625]), item="best_acc_0.625", restore_item="best_acc_0.625")
 
 
 CASES: dict[str, Callable[[Path], Case]] = {
@@ -328,7 +325,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
         {"model.embed.weight": np.arange(12, dtype=np.float32).reshape(3, 4)},
         {"model.layers.0.q.weight": np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)}])),
     "Hugging Face Flax sharded msgpack": lambda t: Case(t, write_hf_flax(t, _params(), max_shard_size=100)),
-    "numpy npz": lambda t: _single_file(t, "weights.npz", lambda p, tree: np.savez(p, **_flat(tree))),
+    "numpy npz": lambda t: _single_file(t, "weights.npz", lambda p, tree: np.savez(p, **flat_arrays(tree))),
     "T5X model dir": _t5x,
     "T5X step folder": lambda t: _t5x(t, "checkpoint_2"),
     "T5X `checkpoint` file": lambda t: _t5x(t, "checkpoint_2", "checkpoint"),
@@ -419,7 +416,7 @@ def check_verify(case, tmp):
 
 
 def check_load_parameters(case, tmp):
-    loaded = _flat(tt.load_parameters(case.path, item=case.item))
+    loaded = flat_arrays(tt.load_parameters(case.path, item=case.item))
     assert sorted(loaded) == sorted(case.truth)
     for p, want in case.truth.items():
         assert loaded[p].dtype == want.dtype, p
@@ -428,7 +425,7 @@ def check_load_parameters(case, tmp):
 
 def check_restore_checkpoint(case, tmp):
     target = tt.make_abstract(tt.load_parameters(case.path, item=case.item))
-    restored = _flat(tt.restore_checkpoint(str(case.path), None, {case.restore_item: target})[case.restore_item])
+    restored = flat_arrays(tt.restore_checkpoint(str(case.path), None, {case.restore_item: target})[case.restore_item])
     assert sorted(restored) == sorted(case.truth)
     for p, want in case.truth.items():
         np.testing.assert_array_equal(restored[p], want, err_msg=p)
