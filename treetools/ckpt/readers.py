@@ -89,6 +89,38 @@ def checked_shape(values: Any, *, where: str, itemsize: int = 1, what: str = "sh
     return tuple(out)
 
 
+def checked_offsets(values: Any, *, where: str, count: int, limit: int, what: str = "offsets") -> tuple[int, ...]:
+    """Byte offsets read from a checkpoint's header, each validated by itself and by the data it points into.
+
+    Each of the ``count`` entries must be an integer in ``[0, limit]`` (``limit``: the bytes there are, the
+    file's size less its header); offsets are never multiplied together, so a real file of any size passes
+    (a shard of 10 GB holds offsets near 10**10, whose product is past 2**60).
+
+    Raises:
+      CheckpointError: naming ``where`` and what is wrong.
+
+    >>> checked_offsets([4, 2**33], where="w", count=2, limit=2**34)
+    (4, 8589934592)
+    >>> checked_offsets([0, 2**40], where="m.safetensors: tensor 'w'", count=2, limit=100, what="data_offsets")
+    Traceback (most recent call last):
+    treetools.shared.errors.CheckpointError: m.safetensors: tensor 'w': corrupt data_offsets (entry 1 is 1099511627776, past the 100 data bytes there are); the file is damaged, truncated or hostile.
+    """
+    if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or len(values) != count:
+        raise CheckpointError(f"{where}: corrupt {what} ({repr(values)[:40]}, not a list of {count} integers); "
+                              "the metadata is damaged or hostile.")
+    out = []
+    for i, d in enumerate(values):
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
+            shown = repr(d) if isinstance(d, (int, float, str, bool, type(None), np.integer)) else type(d).__name__
+            raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {shown[:40]}, not an integer >= 0); "
+                                  "the metadata is damaged or hostile.")
+        if d > limit:
+            raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {int(d)}, past the {limit} data bytes "
+                                  "there are); the file is damaged, truncated or hostile.")
+        out.append(int(d))
+    return tuple(out)
+
+
 JSON_EXPANSION = 8
 """Bytes of Python objects one byte of JSON metadata becomes once parsed (measured: 7.3 for an Orbax _METADATA)."""
 
@@ -312,6 +344,31 @@ class InMemoryReader(ArrayReader):
 
     def read(self, index: Index) -> np.ndarray:
         return self._array[index]
+
+
+class MissingReader(ArrayReader):
+    """An array its file's header declares but whose bytes the file does not hold (a truncated download):
+    listed with its shape and dtype, and every read of it is a one-line ``CheckpointError`` saying so.
+
+    ``note`` is the file's one-line summary (the same object for every missing array of a file), shown once
+    per file by the source that lists them (``missing_notes``).
+    """
+
+    __slots__ = ("shape", "dtype", "reason", "note")
+
+    def __init__(self, shape: Sequence[int], dtype: np.dtype, *, reason: str, note: str):
+        self.shape = tuple(int(d) for d in shape)
+        self.dtype = np.dtype(dtype)
+        self.reason = reason
+        self.note = note
+
+    def read(self, index: Index) -> np.ndarray:
+        raise CheckpointError(self.reason)
+
+
+def missing_notes(readers: Iterable[Any]) -> list[str]:
+    """One note per file that lacks data its header declares (``MissingReader.note``), in order."""
+    return list(dict.fromkeys(r.note for r in readers if isinstance(r, MissingReader)))
 
 
 SLAB_BYTES = 8 * 2**20

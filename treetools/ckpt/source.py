@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.items import part_holder, part_of, top_level_keys
 from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot
-from treetools.ckpt.readers import MemoryBudgetError
+from treetools.ckpt.readers import MemoryBudgetError, missing_notes
 from treetools.ckpt.steps import StepListing, describe_series, parse_step, resolve_step
 from treetools.ckpt.storage import OutsideCheckpointError, Storage
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
@@ -313,7 +313,7 @@ class FileSource(Source):
     def __init__(self, display: str, context: ReadContext, format: str, leaves: list[Leaf], *,
                  record_sharding: bool = False, positional: bool = False, notes: Sequence[str] = ()):
         super().__init__(display, context)
-        self.notes += notes
+        self.notes += [*notes, *missing_notes(leaf.reader for leaf in leaves)]
         self.format = format
         self.record_sharding = record_sharding
         self.positional = positional

@@ -216,8 +216,12 @@ def task_blocks(readers: Sequence[ArrayReader], task: Task, chunk_bytes: int, io
         return
     streams = [r.blocks(task.plan) for r in readers]
     try:
-        for index, blocks in zip(task.plan, zip(*streams)):
+        # Not zip(): a zip reuses its result tuple, which holds the last blocks while the next are read (two
+        # blocks per thread, not one); nor a loop variable kept over the yield, for the same reason.
+        for index in task.plan:
+            blocks = tuple(next(s) for s in streams)
             yield index, blocks
+            del blocks
     finally:
         for s in streams:
             close = getattr(s, "close", None)
@@ -234,15 +238,20 @@ def _side_by_side(readers: Sequence[ArrayReader], plan: Sequence[Index], io: Thr
             pending = [start(plan[0]) for start in starts]
             for i, index in enumerate(plan):
                 ahead = [start(plan[i + 1]) for start in starts] if i + 1 < len(plan) else []
-                yield index, tuple(p.result() for p in pending)
-                pending = ahead
+                blocks = tuple(p.result() for p in pending)
+                pending = ahead  # this block and the next in flight, never the one before
+                yield index, blocks
+                del blocks
             return
         # Readers that read when asked (files): the first side here, the others on helper threads, at once.
         starts += [r.reading() if r.reads_async else functools.partial(io.submit, r.read) for r in readers[1:]]
         for index in plan:
             others = [start(index) for start in starts]
             first = readers[0].read(index)
-            yield index, (first, *(p.result() for p in others))
+            blocks = (first, *(p.result() for p in others))
+            del first, others  # held over the yield, these would keep this block alive while the next is read
+            yield index, blocks
+            del blocks
     finally:
         for start in starts:  # a reader's open store (TensorStore: and the folders pinned for it)
             close = getattr(start, "close", None)

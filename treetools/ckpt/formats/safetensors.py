@@ -14,7 +14,9 @@ from typing import Any
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._hf_index import open_weights, weights_file
 from treetools.ckpt.leaves import Leaf, array_row, check_name, stored_path
-from treetools.ckpt.readers import JSON_EXPANSION, FileReader, check_budget, checked_shape, np_dtype
+from treetools.ckpt.readers import (
+    JSON_EXPANSION, MAX_ARRAY_BYTES, FileReader, MissingReader, check_budget, checked_offsets, checked_shape, np_dtype,
+)
 from treetools.ckpt.source import file_head, Format
 from treetools.shared.errors import CheckpointError
 from treetools.shared.rows import dtype_name
@@ -85,14 +87,12 @@ def read_safetensors(context: ReadContext, path: str) -> list[Leaf]:
     [('dense.kernel', (2, 3), 'float32', 24)]
     """
     header, data_start, data_len = _st_header(context, path)
-    leaves = []
-    spans = []
+    entries = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         where = f"{path}: tensor {name!r}"
         check_name(name, where=path)
-        parts, sep = stored_path(name)
         try:
             if not isinstance(entry, tuple):  # not the three fields of an entry (_pairs)
                 raise TypeError
@@ -101,21 +101,36 @@ def read_safetensors(context: ReadContext, path: str) -> list[Leaf]:
         except (KeyError, TypeError, ValueError, AttributeError):
             raise CheckpointError(f"{where}: corrupt safetensors header entry {repr(entry)[:200]}.") from None
         shape = checked_shape(shape_json, where=where, itemsize=dtype.itemsize)
-        offsets = checked_shape(offsets, where=where, what="data_offsets")
-        if len(offsets) != 2:
-            raise CheckpointError(f"{where}: corrupt safetensors header (data_offsets is not [begin, end]).")
-        begin, end = offsets
-        size = math.prod(shape)
-        if not 0 <= begin <= end <= data_len or end - begin != size * dtype.itemsize:
+        # Each offset bounded by itself, never their product: a 10 GB shard's offsets multiply past 2**60.
+        begin, end = checked_offsets(offsets, where=where, count=2, limit=MAX_ARRAY_BYTES, what="data_offsets")
+        if not begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(
                 f"{where}: corrupt safetensors header (offsets {begin}..{end} do not hold shape {list(shape)} "
-                f"{dtype_name(dtype)} inside {data_len} data bytes)."
+                f"{dtype_name(dtype)}: {math.prod(shape) * dtype.itemsize} bytes)."
             )
-        leaves.append(Leaf(array_row(parts, shape, dtype, sep=sep), FileReader(context, path, data_start + begin, shape, dtype),
-                           key=name))
-        spans.append((begin, end, name))
-    _check_overlaps(path, spans)
+        entries.append((name, shape, dtype, begin, end))
+    declared = max((end for *_, end in entries), default=0)
+    note = _truncation_note(path, entries, declared, data_len) if declared > data_len else ""
+    leaves = []
+    for name, shape, dtype, begin, end in entries:
+        parts, sep = stored_path(name)
+        if end <= data_len:
+            reader: Any = FileReader(context, path, data_start + begin, shape, dtype)
+        else:
+            reader = MissingReader(shape, dtype, note=note, reason=(
+                f"{path}: tensor {name!r} is not in the file: it is truncated (the header declares {declared:,} "
+                f"data bytes, {data_len:,} present; an incomplete download?); fetch the file again."))
+        leaves.append(Leaf(array_row(parts, shape, dtype, sep=sep), reader, key=name))
+    _check_overlaps(path, [(begin, end, name) for name, _, _, begin, end in entries])
     return leaves
+
+
+def _truncation_note(path: str, entries: list[tuple[str, Any, Any, int, int]], declared: int, present: int) -> str:
+    """One line for a file shorter than its header says: the bytes declared and present, the tensors cut."""
+    cut = [name for name, *_, end in entries if end > present]
+    shown = ", ".join(cut[:5]) + (f", ... ({len(cut):,} in all)" if len(cut) > 5 else "")
+    return (f"{path}: truncated: the header declares {declared:,} data bytes, {present:,} present (an incomplete "
+            f"download?); {len(cut):,} of {len(entries):,} tensors are missing or cut short: {shown}.")
 
 
 def _check_overlaps(path: str, spans: list[tuple[int, int, str]]) -> None:
