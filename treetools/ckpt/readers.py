@@ -103,7 +103,7 @@ def checked_offsets(values: Any, *, where: str, count: int, limit: int, what: st
     (4, 8589934592)
     >>> checked_offsets([0, 2**40], where="m.safetensors: tensor 'w'", count=2, limit=100, what="data_offsets")
     Traceback (most recent call last):
-    treetools.shared.errors.CheckpointError: m.safetensors: tensor 'w': corrupt data_offsets (entry 1 is 1099511627776, past the 100 data bytes there are); the file is damaged, truncated or hostile.
+    treetools.shared.errors.CheckpointError: m.safetensors: tensor 'w': corrupt data_offsets (entry 1 is 1,099,511,627,776, more than the 100 bytes there can be); the file is damaged or hostile.
     """
     if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or len(values) != count:
         raise CheckpointError(f"{where}: corrupt {what} ({repr(values)[:40]}, not a list of {count} integers); "
@@ -115,8 +115,8 @@ def checked_offsets(values: Any, *, where: str, count: int, limit: int, what: st
             raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {shown[:40]}, not an integer >= 0); "
                                   "the metadata is damaged or hostile.")
         if d > limit:
-            raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {int(d)}, past the {limit} data bytes "
-                                  "there are); the file is damaged, truncated or hostile.")
+            raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {int(d):,}, more than the {limit:,} bytes "
+                                  "there can be); the file is damaged or hostile.")
         out.append(int(d))
     return tuple(out)
 
