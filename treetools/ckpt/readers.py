@@ -125,6 +125,23 @@ JSON_EXPANSION = 8
 """Bytes of Python objects one byte of JSON metadata becomes once parsed (measured: 7.3 for an Orbax _METADATA)."""
 
 
+LEAF_BYTES = 2560
+"""Bytes one listed array costs once read, whatever its size (its row, its reader, a table row or a JSON object,
+its statistics): measured 1.7 KiB for a metadata ``inspect`` and 2.4 KiB for ``--stats`` of 144,000 zero-size
+tensors. A header listing more arrays than the memory budget holds at this rate is refused before they are made."""
+
+
+def check_leaf_count(count: int, *, where: str, budget: float) -> None:
+    """Refuse a header listing ``count`` arrays when holding them (``LEAF_BYTES`` each) is over ``budget``.
+
+    >>> check_leaf_count(144_000, where="z.safetensors", budget=64 * 2**20)
+    Traceback (most recent call last):
+    treetools.ckpt.readers.MemoryBudgetError: z.safetensors: 144,000 arrays listed (about 2.5 KiB each once read) decodes to 351.56 MiB, over the memory budget of 64.00 MiB; raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
+    """
+    check_budget(LEAF_BYTES * count, where=where, what=f"{count:,} arrays listed (about 2.5 KiB each once read)",
+                 budget=budget)
+
+
 def read_metadata(context: ReadContext, path: str, *, what: str) -> Any:
     """Parse a JSON metadata file (``steps.read_json_file``), held to the memory budget by what it will hold.
 

@@ -15,7 +15,8 @@ from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._hf_index import open_weights, weights_file
 from treetools.ckpt.leaves import Leaf, array_row, check_name, stored_path
 from treetools.ckpt.readers import (
-    JSON_EXPANSION, MAX_ARRAY_BYTES, FileReader, MissingReader, check_budget, checked_offsets, checked_shape, np_dtype,
+    JSON_EXPANSION, MAX_ARRAY_BYTES, FileReader, MissingReader, check_budget, check_leaf_count, checked_offsets, checked_shape,
+    np_dtype,
 )
 from treetools.ckpt.source import file_head, Format
 from treetools.shared.errors import CheckpointError
@@ -67,6 +68,9 @@ def _st_header(context: ReadContext, path: str) -> tuple[dict[str, Any], int, in
         check_budget(JSON_EXPANSION * n, where=path, what=f"the safetensors header ({n:,} bytes), parsed whole,",
                      budget=context.memory_budget)
         raw = f.read(n)
+    # Each tensor is one JSON object: counted in the raw bytes (a brace inside a name counts too: more, never
+    # fewer), the leaves they become are held to the budget before the parse makes any of them.
+    check_leaf_count(raw.count(b"{"), where=path, budget=context.memory_budget)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
