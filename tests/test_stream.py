@@ -493,3 +493,75 @@ def test_the_bar_is_rate_limited_without_skipping_a_step_it_shows(monkeypatch):
         bar.advance(1)
     frames = stream.getvalue().split("\r")[1:]
     assert [f.split("]")[1].split()[0] for f in frames] == ["0.1%", "0.3%", "0.5%", "0.7%", "0.9%"], frames
+
+
+class ThreadShare:
+    """``count`` shares of one run, each used by its own thread; ``allgather`` meets at a barrier."""
+
+    def __init__(self, index, count, board):
+        self.index, self.count, self.board = index, count, board
+
+    def allgather(self, payload):
+        slots, barrier = self.board
+        slots[self.index] = payload
+        barrier.wait()
+        got = list(slots)
+        barrier.wait()  # nobody writes the next round's payload before every process has read this one
+        return got
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_processes_each_read_a_share_and_all_get_every_result(count):
+    # Jobs of different sizes over `count` shares: each job is read by one share only, and every share returns
+    # exactly what one process alone returns (same partials, same block order).
+    sizes = [5000, 300, 4000, 7, 2500, 1200, 900]
+    arrays = [np.random.default_rng(i).standard_normal(n) for i, n in enumerate(sizes)]
+
+    def fold(acc, ix, blocks):
+        acc.append(float(blocks[0].sum()))
+
+    alone = reduce_blocks([(InMemoryReader(a),) for a in arrays], lambda j: [], fold, chunk_bytes=800, workers=2)
+    board = ([None] * count, threading.Barrier(count))
+    logs = [[] for _ in range(count)]
+    results = [None] * count
+
+    def process(p):
+        jobs = [(Counting(a, logs[p], j),) for j, a in enumerate(arrays)]
+        results[p] = reduce_blocks(jobs, lambda j: [], fold, chunk_bytes=800, workers=2,
+                                   share=ThreadShare(p, count, board))
+
+    threads = [threading.Thread(target=process, args=(p,)) for p in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r == alone for r in results)
+    read_by = [{name for name, _, _ in log} for log in logs]
+    assert sorted(j for names in read_by for j in names) == list(range(len(arrays)))  # each job by one share
+    load = [sum(sizes[j] for j in names) for names in read_by]
+    assert max(load) - min(load) <= max(sizes)  # shared by bytes
+
+
+def test_an_error_in_one_process_reaches_every_process():
+    # A process whose read raises must not leave the others waiting in the pooling: all raise it.
+    class Broken(InMemoryReader):
+        def read(self, index):
+            raise MemoryError("no memory for this block")
+
+    board = ([None] * 2, threading.Barrier(2))
+    raised = [None, None]
+
+    def process(p):
+        jobs = [(Broken(np.ones(100)),), (InMemoryReader(np.ones(90)),)]
+        try:
+            reduce_blocks(jobs, lambda j: None, lambda *a: None, chunk_bytes=80, workers=1,
+                          share=ThreadShare(p, 2, board))
+        except MemoryError as e:
+            raised[p] = str(e)
+
+    threads = [threading.Thread(target=process, args=(p,)) for p in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert raised == ["no memory for this block"] * 2

@@ -25,6 +25,7 @@ import math
 import os
 from typing import Any, Mapping
 
+from treetools.ckpt.share import Share
 from treetools.ckpt.storage import Storage, backend
 from treetools.shared.settings import (DEFAULT_BLOCK_BYTES, DEFAULT_MEMORY_BUDGET, block_bytes_from, memory_budget_from,
                                        workers_from)
@@ -47,6 +48,8 @@ class ReadContext:
         (None: ``checkpoint_``, else the steps named by number alone).
       storage: the storage reads go through; ``open_source`` binds it to the checkpoint opened (``within``),
         confined to it. None before that: the unconfined storage of each path's scheme.
+      share: this process's share of a run of several (``treetools.ckpt.share``): the block engine reads its
+        jobs only and pools every process's results. None: one process reads everything.
       follow_links: follow symlinks that lead out of the checkpoint (a step folder kept on another volume):
         the storage is then not confined to the checkpoint, and a link inside it may make treetools read any
         file the user can (docs/untrusted.md says what that gives up). Off by default; for checkpoints you trust.
@@ -62,6 +65,7 @@ class ReadContext:
     prefix: str | None = None
     storage: Storage | None = dataclasses.field(default=None, compare=False, repr=False)
     follow_links: bool = False
+    share: Share | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.memory_budget, (int, float)) and self.memory_budget > 0):

@@ -39,6 +39,7 @@ import functools
 import itertools
 import math
 import os
+import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
@@ -46,6 +47,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVa
 import numpy as np
 
 from treetools.ckpt.readers import ArrayReader, Index, MemoryBudgetError, plan_blocks
+from treetools.ckpt.share import Share, owners
 
 GROUP_BLOCKS = 4
 """Blocks of one job per task: enough to amortize opening a store, few enough to spread a big leaf over threads."""
@@ -84,6 +86,11 @@ def _nbytes(readers: Iterable[ArrayReader]) -> int:
 def given_workers(readers: Iterable[ArrayReader]) -> int | None:
     """The threads the readers' context asks for (``ReadContext.workers``, ``TREETOOLS_WORKERS``), None if none."""
     return next((r.context.workers for r in readers if r.context is not None and r.context.workers), None)
+
+
+def given_share(readers: Iterable[ArrayReader]) -> Share | None:
+    """The share of a run of several processes the readers' context says this process has (None: alone)."""
+    return next((r.context.share for r in readers if r.context is not None and r.context.share is not None), None)
 
 
 def default_workers(readers: Iterable[ArrayReader] = ()) -> int:
@@ -273,7 +280,8 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
                   fold: Callable[[_A, Index | None, tuple[np.ndarray, ...]], None], *,
                   chunk_bytes: int, workers: int | None = None, progress: Progress | None = None,
                   labels: Sequence[str] | None = None,
-                  errors: tuple[type[BaseException], ...] = ()) -> list[list[_A] | Failed]:
+                  errors: tuple[type[BaseException], ...] = (), share: Share | None = None
+                  ) -> list[list[_A] | Failed]:
     """Fold every block of every job into partial results, on all cores; per job, its partials in block order.
 
     Args:
@@ -287,6 +295,9 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
       errors: exceptions that fail one job, not the call: that job's result is ``Failed`` and its
         remaining tasks are skipped. Others propagate (the first in task order), and so does a
         ``MemoryBudgetError`` always: it is no damage of one leaf but a flag to raise.
+      share: this process's share of a run of several (default: the readers' context's, else alone): it reads
+        the jobs ``treetools.ckpt.share.owners`` gives it, and the results of all are pooled, so every process
+        returns what one process alone returns.
 
     Returns:
       Per job: its partials in block order, or ``Failed``.
@@ -297,8 +308,13 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
     >>> [sum(map(sum, p)) for p in parts]
     [45.0]
     """
+    every = [r for readers in jobs for r in readers]
+    if share is None:
+        share = given_share(every)
+    if share is not None and share.count > 1:
+        return _shared(share, jobs, start, fold, chunk_bytes=chunk_bytes, workers=workers, progress=progress,
+                       labels=labels, errors=errors)
     if workers is None:
-        every = [r for readers in jobs for r in readers]
         workers = default_workers(every) if _nbytes(every) >= SMALL_BYTES or any(r.remote for r in every) else 1
     tasks = plan_tasks(jobs, chunk_bytes)
     # Helper threads read the sides of a job side by side where a reader cannot read in the background.
@@ -345,6 +361,55 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
             io.shutdown(wait=True, cancel_futures=True)
     # Tasks ran largest job first; within a job they ran (and were collected) in block order.
     return out
+
+
+def _shared(share: Share, jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], _A],
+            fold: Callable[[_A, Index | None, tuple[np.ndarray, ...]], None], **kwargs: Any
+            ) -> list[list[_A] | Failed]:
+    """``reduce_blocks`` as one of ``share.count`` processes: the jobs ``owners`` gives this process, read as
+    one process reads them (the same plan, tasks and merge order), then every process's results pooled: each
+    process returns what one process alone would have."""
+    sizes = [math.prod(readers[0].shape) * max(r.dtype.itemsize for r in readers) * len(readers) for readers in jobs]
+    mine = [j for j, p in enumerate(owners(sizes, share.count)) if p == share.index]
+    labels = kwargs.pop("labels", None)
+    try:
+        got = reduce_blocks([jobs[j] for j in mine], lambda i: start(mine[i]), fold, share=_ALONE,
+                            labels=[labels[j] for j in mine] if labels is not None else None, **kwargs)
+        payload = _dumps(dict(zip(mine, got)))
+    except Exception as e:  # raised everywhere after the pooling: the others must not wait for this process
+        payload = _dumps(e)
+    out: list[Any] = [None] * len(jobs)
+    for part in share.allgather(payload):
+        found = pickle.loads(part)  # from the run's own processes, never a checkpoint's bytes
+        if isinstance(found, Exception):
+            raise found
+        for j, result in found.items():
+            out[j] = result
+    missing = [j for j, result in enumerate(out) if result is None]
+    if missing:
+        raise RuntimeError(f"{len(missing)} job(s) read by no process of {share.count}: the processes disagree "
+                           "about the checkpoint (each must read the same one)")
+    return out
+
+
+def _dumps(value: Any) -> bytes:
+    """``value`` pickled; an exception that does not pickle as one line of its own type's name and text."""
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return pickle.dumps(RuntimeError(f"{type(value).__name__}: {value}"), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _Alone:
+    """The share of a process that reads everything itself (what ``_shared`` reads its own jobs with)."""
+
+    index, count = 0, 1
+
+    def allgather(self, payload: bytes) -> list[bytes]:
+        return [payload]
+
+
+_ALONE = _Alone()
 
 
 def stream_blocks(readers: Sequence[ArrayReader], *, chunk_bytes: int, workers: int | None = None,

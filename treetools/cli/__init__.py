@@ -34,7 +34,7 @@ import sys
 from typing import Any, NoReturn, Sequence
 
 import treetools
-from treetools.cli import _args, _output, _process
+from treetools.cli import _args, _distributed, _output, _process
 from treetools.shared.render import json_object
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError, UsageError
 
@@ -268,8 +268,10 @@ def _main(argv: list[str], command: str | None) -> int:
         return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    run = _distributed.Run()
     try:
-        code = args._main(args)
+        run.join(args, argv)  # --processes N / --distributed: this process's share of the reads
+        code = run.finish(int(args._main(args) or 0))
     except KeyboardInterrupt:
         return 130
     except SystemExit as e:
@@ -285,6 +287,8 @@ def _main(argv: list[str], command: str | None) -> int:
             raise
         report_error(e)
         return _json_error(args, e, 2 if command == "diff" else 1, usage=False)
+    finally:
+        run.kill()  # local copies still running after an error: not left behind
     return int(code or 0)
 
 

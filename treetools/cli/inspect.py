@@ -57,6 +57,7 @@ from treetools.cli.options import (
     add_item,
     add_output_format,
     add_prefix,
+    add_processes,
     add_reading,
     add_sort,
     add_rules,
@@ -92,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prefix(parser)
     add_item(parser)
     add_reading(parser)
+    add_processes(parser)
     group = parser.add_mutually_exclusive_group()
     add_depth(group, help="one row per path prefix of K parts below the item's shared prefix, summed")
     group.add_argument("--leaves", action="store_true",

@@ -93,6 +93,18 @@ def add_reading(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-mb", type=chunk_mb, default=None, dest="chunk_bytes", help=argparse.SUPPRESS)
 
 
+def add_processes(parser: argparse.ArgumentParser) -> None:
+    """``--processes N`` (N local processes, each reading a share of the leaves) and ``--distributed`` (this
+    process is one of a ``jax.distributed`` run started elsewhere): ``treetools.cli._distributed``."""
+    parser.add_argument("--processes", type=positive_int, default=None, metavar="N",
+                        help="read with N processes on this machine (jax.distributed on 127.0.0.1), each a share "
+                             "of the leaves by bytes; one report, the same as one process's")
+    parser.add_argument("--distributed", action="store_true", default=False,
+                        help="be one process of a jax.distributed run (SLURM, Open MPI, Kubernetes, or "
+                             "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID on each host): each "
+                             "reads a share of the leaves; process 0 prints the report")
+
+
 def add_output_format(parser: argparse.ArgumentParser, choices: Sequence[str]) -> None:
     """``--format`` with the renderings a command has."""
     parser.add_argument("--format", choices=tuple(choices), default="table", help="output format (default table)")

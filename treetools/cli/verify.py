@@ -34,7 +34,7 @@ import argparse
 import os
 
 from treetools.cli import KNOWN_ERRORS, _output, error_text
-from treetools.cli.options import add_output_format, add_prefix, add_reading, add_step, options_from
+from treetools.cli.options import add_output_format, add_prefix, add_processes, add_reading, add_step, options_from
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prefix(parser)
     add_output_format(parser, ("table", "json"))
     add_reading(parser)
+    add_processes(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 
 from treetools.ckpt.context import ReadContext
+from treetools.ckpt.share import Share
 
 if TYPE_CHECKING:  # an annotation only: the rules engine loads with the first rules (inspect/diff/convert)
     from treetools.rules.spec import Rules
@@ -36,12 +37,15 @@ class ReadOptions:
       progress: draw a progress bar on stderr (None: when stderr is a terminal).
       follow_links: follow symlinks that lead out of the checkpoint (``ReadContext.follow_links``; off by
         default: a link out is refused).
+      share: this process's share of a run of several (``tt.connect_processes()``; ``ReadContext.share``): it
+        reads its share of the leaves, and every process gets the whole report.
     """
 
     chunk_bytes: int | None = None
     memory_budget: float | None = None
     progress: bool | None = None
     follow_links: bool = False
+    share: "Share | None" = None
 
     def read_context(self) -> ReadContext:
         """The ``ReadContext`` a command reads with: these fields, the environment variables for those not given
@@ -51,7 +55,8 @@ class ReadOptions:
         'eval_'
         """
         return ReadContext.from_env(memory_budget=self.memory_budget, block_bytes=self.chunk_bytes,
-                                    prefix=getattr(self, "prefix", None), follow_links=self.follow_links)
+                                    prefix=getattr(self, "prefix", None), follow_links=self.follow_links,
+                                    share=self.share)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

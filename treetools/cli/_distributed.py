@@ -1,0 +1,100 @@
+"""``--processes N`` and ``--distributed``: a command run by several processes, each reading a share.
+
+``--processes N`` starts N - 1 copies of the same command on this machine, each told its place by
+``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (coordinator on 127.0.0.1), and is
+process 0 itself. ``--distributed`` joins a run started elsewhere (one process per host under SLURM, say).
+Either way the command's options get this process's share (``treetools.checkpointing.distributed.connect``),
+the block engine reads that share and pools the results, and only process 0 writes to stdout: one report,
+the same as one process's. Standard library only at import: jax is imported when a run is joined.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+from typing import Any, Sequence
+
+from treetools.cli import _output
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _without_processes(argv: Sequence[str]) -> list[str]:
+    """``argv`` less its ``--processes N`` (either spelling), plus ``--distributed``."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--processes":
+            skip = True
+        elif not a.startswith("--processes="):
+            out.append(a)
+    return [*out, "--distributed"]
+
+
+class Run:
+    """The processes of one command: the local copies this process started, if any."""
+
+    def __init__(self) -> None:
+        self.children: list[subprocess.Popen] = []
+        self.joined = False
+
+    def join(self, args: argparse.Namespace, argv: Sequence[str]) -> None:
+        """Start the local copies (``--processes N``), join the run, set ``args.share``; quiet stdout unless
+        this is process 0."""
+        processes = getattr(args, "processes", None) or 1
+        if processes <= 1 and not getattr(args, "distributed", False):
+            return
+        from treetools.checkpointing.distributed import connect
+
+        if processes > 1:
+            address = f"127.0.0.1:{_free_port()}"
+            child_argv = _without_processes(argv)
+            for i in range(1, processes):
+                env = {**os.environ, "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": str(processes),
+                       "JAX_PROCESS_ID": str(i)}
+                self.children.append(subprocess.Popen([sys.executable, "-m", "treetools", *child_argv], env=env,
+                                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                                      stderr=subprocess.PIPE))
+            share = connect(address, processes, 0)
+        else:
+            share = connect()
+        args.share = share
+        self.joined = True
+        if share.index != 0:
+            _output.current.left.add("stdout")  # one report: process 0's
+
+    def finish(self, code: int) -> int:
+        """Leave the run (every process meets at jax's shutdown barrier), then wait for the local copies; a copy
+        that failed where this process did not fails the command."""
+        if self.joined:
+            import jax
+
+            jax.distributed.shutdown()
+            self.joined = False
+        for child in self.children:
+            _, err = child.communicate()
+            if child.returncode != 0 and code == 0:
+                tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["(no message)"]
+                _output.error(f"process {self.children.index(child) + 1} of the run failed "
+                              f"(exit {child.returncode}): {tail[0]}")
+                code = child.returncode
+        self.children = []
+        return code
+
+    def kill(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+        self.children = []
+
+
