@@ -72,6 +72,8 @@ FUNCTION_LEVEL_IMPORTS = {
     # The reference trainer is jax, flax and optax.
     ("cli/train.py", "main"): "jax",
     ("cli/train.py", "check_workdir"): "numpy",
+    # `--processes N` / `--distributed` join a jax.distributed run: jax loads only then.
+    ("cli/_distributed.py", "join"): "jax",
     # `treetools plan` traces the optimizer's init with jax (its --help does not).
     ("cli/plan.py", "main"): "jax",
     # `treetools inspect --help` lists the formats from their source; only a bytecode-only install imports them.

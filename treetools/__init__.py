@@ -141,6 +141,7 @@ _EXPORTS = {  # public name -> module under treetools
     "plan_restore": "checkpointing.restore",
     "RestorePlan": "checkpointing.restore_plan",
     "load_parameters": "checkpointing.restore",
+    "connect_processes": "checkpointing.distributed",
     # the checkpoint layer (treetools.ckpt has the rest, for format authors)
     "list_steps": "ckpt.steps",
     "list_incomplete": "ckpt.steps",
@@ -203,6 +204,7 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.commands.diff import diff_paths
     from treetools.commands.plot import plot_metrics, plot_stats
     from treetools.commands.report import inspect_path
+    from treetools.checkpointing.distributed import connect_processes
     from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
     from treetools.checkpointing.memory import plan_checkpoint
     from treetools.pytree.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn

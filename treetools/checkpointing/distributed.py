@@ -1,6 +1,6 @@
 """Several processes on one checkpoint, on the engine JAX users already run: ``jax.distributed``.
 
-``connect()`` joins (or starts) a ``jax.distributed`` run and returns this process's ``JaxShare``
+``connect_processes()`` joins (or starts) a ``jax.distributed`` run and returns this process's ``JaxShare``
 (``treetools.ckpt.share.Share``): its index, the number of processes, and ``allgather``, built on
 ``jax.experimental.multihost_utils.process_allgather`` (gloo collectives on CPU). Give it to a command's
 options (``share=``), and the block engine reads this process's jobs only and pools every process's results:
@@ -75,7 +75,7 @@ def _env_int(name: str) -> int | None:
         raise CheckpointError(f"`{name}` must be an integer, got {text[:40]!r}.") from None
 
 
-def connect(coordinator: str | None = None, count: int | None = None, index: int | None = None, *,
+def connect_processes(coordinator: str | None = None, count: int | None = None, index: int | None = None, *,
             timeout_s: int = 300) -> JaxShare:
     """Join a ``jax.distributed`` run (initialized here unless it already is) and return this process's share.
 

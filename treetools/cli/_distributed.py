@@ -3,7 +3,7 @@
 ``--processes N`` starts N - 1 copies of the same command on this machine, each told its place by
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (coordinator on 127.0.0.1), and is
 process 0 itself. ``--distributed`` joins a run started elsewhere (one process per host under SLURM, say).
-Either way the command's options get this process's share (``treetools.checkpointing.distributed.connect``),
+Either way the command's options get this process's share (``treetools.checkpointing.distributed.connect_processes``),
 the block engine reads that share and pools the results, and only process 0 writes to stdout: one report,
 the same as one process's. Standard library only at import: jax is imported when a run is joined.
 """
@@ -53,7 +53,8 @@ class Run:
         processes = getattr(args, "processes", None) or 1
         if processes <= 1 and not getattr(args, "distributed", False):
             return
-        from treetools.checkpointing.distributed import connect
+        # Here, not at the top: a command run by one process never loads jax.
+        from treetools.checkpointing.distributed import connect_processes
 
         if processes > 1:
             address = f"127.0.0.1:{_free_port()}"
@@ -64,9 +65,9 @@ class Run:
                 self.children.append(subprocess.Popen([sys.executable, "-m", "treetools", *child_argv], env=env,
                                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                                       stderr=subprocess.PIPE))
-            share = connect(address, processes, 0)
+            share = connect_processes(address, processes, 0)
         else:
-            share = connect()
+            share = connect_processes()
         args.share = share
         self.joined = True
         if share.index != 0:
