@@ -123,3 +123,33 @@ def test_each_process_reads_only_its_share(checkpoints, tmp_path):
     read = [b - t for b, t in zip(rchar_of_two(big), rchar_of_two(tiny))]
     assert all(r < 0.75 * data for r in read), (read, data)  # each its share (half), not the whole
     assert sum(read) > 0.9 * data, (read, data)  # and every byte by someone
+
+
+def test_convert_with_several_processes_writes_the_same_files(checkpoints, tmp_path):
+    # Each process writes the shards it owns into process 0's temporary folder; process 0 writes the index and
+    # renames the folder: the files are the one process's, byte for byte, and --verify (itself shared) passes.
+    folder, _ = checkpoints
+    src = folder / "a.safetensors"
+    alone = _treetools("convert", src, tmp_path / "one", "--shard-size", "200KB")
+    assert alone.returncode == 0, alone.stderr
+    several = _treetools("convert", src, tmp_path / "two", "--shard-size", "200KB", "--processes", "2", "--verify")
+    assert several.returncode == 0, several.stderr[-3000:]
+    assert "verify: ok" in several.stdout and several.stdout.count("wrote ") == 1  # one report, process 0's
+    names = sorted(os.listdir(tmp_path / "one"))
+    assert len(names) > 3 and sorted(os.listdir(tmp_path / "two")) == names  # no temporary left beside either
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    assert sorted(os.listdir(tmp_path)) == ["one", "two"]
+    # An existing destination: every process refuses it, one line, nothing written.
+    again = _treetools("convert", src, tmp_path / "two", "--processes", "2")
+    assert again.returncode == 1 and again.stderr.strip().splitlines()[-1].endswith(
+        "exists; pass --overwrite (overwrite=True) to replace it.")
+    # One file: process 0 writes it, the same bytes as one process writes.
+    assert _treetools("convert", src, tmp_path / "m1.safetensors").returncode == 0
+    one_file = _treetools("convert", src, tmp_path / "m2.safetensors", "--processes", "2")
+    assert one_file.returncode == 0, one_file.stderr[-2000:]
+    assert (tmp_path / "m1.safetensors").read_bytes() == (tmp_path / "m2.safetensors").read_bytes()
+    # Orbax output is one process's: refused, as a usage error, before anything is read.
+    orbax = _treetools("convert", src, tmp_path / "orb", "--to", "orbax", "--processes", "2")
+    assert orbax.returncode == 2 and "--to orbax is written by one process" in orbax.stderr
+    assert not (tmp_path / "orb").exists()

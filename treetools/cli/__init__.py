@@ -288,7 +288,7 @@ def _main(argv: list[str], command: str | None) -> int:
         report_error(e)
         return _json_error(args, e, 2 if command == "diff" else 1, usage=False)
     finally:
-        run.kill()  # local copies still running after an error: not left behind
+        run.close()  # after an error too: the run left, the local copies waited for
     return int(code or 0)
 
 

@@ -74,28 +74,29 @@ class Run:
             _output.current.left.add("stdout")  # one report: process 0's
 
     def finish(self, code: int) -> int:
-        """Leave the run (every process meets at jax's shutdown barrier), then wait for the local copies; a copy
-        that failed where this process did not fails the command."""
+        """Leave the run and wait for the local copies (``close``); a copy that failed where this process did
+        not fails the command."""
+        failed = self.close()
+        if code == 0 and failed:
+            number, returncode, tail = failed[0]
+            _output.error(f"process {number} of the run failed (exit {returncode}): {tail}")
+            return returncode
+        return code
+
+    def close(self) -> list[tuple[int, int, str]]:
+        """Leave the run (every process meets at jax's shutdown barrier, on an error too: a process that left
+        without it would keep the others there), then wait for the local copies; the ones that failed, as
+        ``(process number, exit code, last line of stderr)``."""
         if self.joined:
             import jax
 
-            jax.distributed.shutdown()
             self.joined = False
-        for child in self.children:
+            jax.distributed.shutdown()
+        failed = []
+        for number, child in enumerate(self.children, start=1):
             _, err = child.communicate()
-            if child.returncode != 0 and code == 0:
+            if child.returncode != 0:
                 tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["(no message)"]
-                _output.error(f"process {self.children.index(child) + 1} of the run failed "
-                              f"(exit {child.returncode}): {tail[0]}")
-                code = child.returncode
+                failed.append((number, child.returncode, tail[0]))
         self.children = []
-        return code
-
-    def kill(self) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                child.kill()
-                child.communicate()
-        self.children = []
-
-
+        return failed

@@ -43,6 +43,7 @@ from treetools.cli.options import (
     add_item,
     add_output_format,
     add_prefix,
+    add_processes,
     add_reading,
     add_rules,
     add_step,
@@ -82,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fsync", dest="fsync", action="store_false", help=argparse.SUPPRESS)
     add_output_format(parser, ("table", "json"))
     add_reading(parser)
+    add_processes(parser)
 
 
 def main(args: argparse.Namespace) -> int:

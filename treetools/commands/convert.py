@@ -361,8 +361,12 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
         if not opts.dry_run:
             with _progress(report, opts) as on_block:
                 write_safetensors(layout, metadata=metadata, block_bytes=context.block_bytes,
-                                  overwrite=opts.overwrite, on_block=on_block, fsync=opts.fsync)
+                                  overwrite=opts.overwrite, on_block=on_block, fsync=opts.fsync,
+                                  share=context.share)
     else:
+        if context.share is not None and context.share.count > 1:
+            raise UsageError("--to orbax is written by one process; drop --processes/--distributed, or write "
+                             "safetensors (each process writes its shards).")
         parts = [orbax_parts(t.path) for t in plan.targets]
         report.layout = "step" if opts.dst_step is not None else "checkpoint"
         report.rows = _rows(plan.targets, ["/".join(p) for p in parts], [""] * len(parts))

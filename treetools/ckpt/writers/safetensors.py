@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import re
 import struct
 from typing import Any, Callable, Iterator, Sequence
@@ -41,8 +42,10 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from treetools.ckpt.storage import Storage, backend
+from treetools.shared.files import fsync_file
 from treetools.ckpt.formats.safetensors import DTYPE_NAMES
 from treetools.ckpt.readers import ArrayReader, InMemoryReader, np_dtype
+from treetools.ckpt.share import Share, owners
 from treetools.ckpt.stream import stream_blocks
 from treetools.shared import rows
 from treetools.shared.errors import CheckpointError
@@ -278,6 +281,7 @@ def write_safetensors(
     overwrite: bool = False,
     on_block: OnBlock | None = None,
     fsync: bool = True,
+    share: Share | None = None,
 ) -> None:
     """Write ``layout`` (``plan_layout``'s) to its destination, streamed and atomic (see the module docstring).
 
@@ -288,6 +292,10 @@ def write_safetensors(
       overwrite: replace an existing destination (else it is an error).
       on_block: called with (tensor name, bytes) after each block is written.
       fsync: flush local files to disk before the rename (durable across a crash).
+      share: this process's share of a run of several (``treetools.ckpt.share``; every process calls this with
+        the same layout): each writes the shard files ``owners`` gives it, by bytes, into the one temporary
+        folder process 0 made; process 0 writes the index and renames the folder onto ``dst``. The files are
+        the ones one process writes, byte for byte. One file (no folder) is written by process 0 alone.
 
     Raises:
       CheckpointError: the destination exists (without ``overwrite``), or a read fails.
@@ -297,6 +305,9 @@ def write_safetensors(
     storage = backend(dst)
     if storage.lexists(dst) and not overwrite:  # a dangling symlink is something there too
         raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it.")
+    if share is not None and share.count > 1:
+        _write_shared(share, storage, layout, meta, block_bytes, overwrite, on_block, fsync)
+        return
 
     def write(path: str) -> list[str]:
         if not layout.folder:
@@ -317,3 +328,86 @@ def write_safetensors(
     except FileExistsError:
         raise CheckpointError(f"{dst} appeared while it was being written and was left as it is; pass --overwrite "
                               "(overwrite=True) to replace it.") from None
+
+
+def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str, str], block_bytes: int,
+                  overwrite: bool, on_block: OnBlock | None, fsync: bool) -> None:
+    """``write_safetensors`` as one of ``share.count`` processes (see its ``share``).
+
+    Three meetings, held by every process whatever fails (a process that skipped one would leave the others
+    waiting): the temporary folder's name (from process 0), each process's files written (or why not), the
+    outcome of process 0's index and rename. An error anywhere is raised everywhere, after the third.
+    """
+    sizes = [f.data_bytes for f in layout.files] if layout.folder else [1]
+    mine = [i for i, p in enumerate(owners(sizes, share.count)) if p == share.index]
+    met: list[list[Any]] = []
+
+    def meet(value: Any) -> list[Any]:
+        met.append([pickle.loads(b) for b in share.allgather(_pickled(value))])  # the run's own processes
+        return met[-1]
+
+    def write_mine(path: str | None) -> Any:
+        try:
+            if path is None:
+                return "skipped"
+            written = []
+            for i in mine:
+                target = storage.join(path, layout.files[i].name) if layout.folder else path
+                _write_file(storage, target, layout.files[i], meta, block_bytes, on_block)
+                written.append(target)
+            if fsync and not storage.remote:
+                for target in written:
+                    fsync_file(target)
+            return "ok"
+        except Exception as e:
+            return e
+
+    def first_error() -> Exception | None:
+        return next((v for round_ in met for v in round_ if isinstance(v, Exception)), None)
+
+    if share.index == 0:
+        def write(path: str) -> list[str]:
+            try:
+                if layout.folder:
+                    storage.makedirs(path)
+            except Exception as e:
+                meet(e)
+                raise
+            meet(path)
+            meet(write_mine(path))
+            error = first_error()
+            if error is not None:
+                raise error
+            written = [storage.join(path, f.name) for f in layout.files] if layout.folder else [path]
+            if layout.index:  # last: a folder of shards is a checkpoint only with its index
+                written.append(storage.join(path, INDEX_NAME))
+                with storage.create(written[-1], fsync=False) as out:
+                    out.write(index_json(layout))
+            return written
+
+        outcome: Any = "ok"
+        try:
+            storage.write_atomically(layout.dst, write, folder=layout.folder, fsync=fsync, overwrite=overwrite)
+        except FileExistsError:
+            outcome = CheckpointError(f"{layout.dst} appeared while it was being written and was left as it is; "
+                                      "pass --overwrite (overwrite=True) to replace it.")
+        except Exception as e:
+            outcome = e
+        while len(met) < 2:  # write() never ran, or stopped early: the others still wait for these
+            meet(outcome if isinstance(outcome, Exception) else CheckpointError("process 0 did not write"))
+        meet(outcome)
+    else:
+        path = next((v for v in meet(None) if isinstance(v, str)), None)
+        meet(write_mine(path) if first_error() is None else "skipped")
+        meet(None)
+    error = first_error()
+    if error is not None:
+        raise error
+
+
+def _pickled(value: Any) -> bytes:
+    """``value`` pickled; an exception that does not pickle as a ``CheckpointError`` of its text."""
+    try:
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        return pickle.dumps(CheckpointError(f"{type(value).__name__}: {value}"), protocol=pickle.HIGHEST_PROTOCOL)
