@@ -164,3 +164,34 @@ def test_leaves(work):
         exponent = math.log(cpu[hi] / cpu[lo]) / math.log(hi / lo)
         print(f"[bench] real-size leaves {name} | exponent {exponent:.2f} from {lo:,} to {hi:,} leaves "
               f"(target at most 1.1) | {1e3 * cpu[hi] / hi:.3f} ms/leaf at {hi:,}", flush=True)
+
+
+def test_processes(work):
+    # The speed-up of --processes on this machine: random float32 (statistics cost CPU, holes would not), 64
+    # tensors; and many small leaves, where one process is bound by one core's Python. Wall time, interleaved
+    # rounds (1 process, then 2), median ratio; the machine's load is printed beside it.
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    tt = treetools_script()
+    rng = np.random.default_rng(0)
+    cases = {
+        "64 tensors": {f"w{i}": rng.standard_normal(max(16, int(2**22 * SCALE))).astype(np.float32) for i in range(64)},
+        "20,000 leaves": {f"p{i}": rng.standard_normal(64).astype(np.float32) for i in range(max(20, int(2e4 * SCALE)))},
+    }
+    print(f"\n[bench] real-size processes: load {load()}", flush=True)
+    for case, tensors in cases.items():
+        src = work / "procs.safetensors"
+        save_file(tensors, str(src))
+        for command in (["inspect", str(src), "--stats"], ["verify", str(src)]):
+            one, two = [], []
+            for _ in range(ROUNDS):
+                one.append(timed([*tt, *command]))
+                two.append(timed([*tt, *command, "--processes", "2"]))
+            w1 = sorted(r.wall for r in one)[len(one) // 2]
+            w2 = sorted(r.wall for r in two)[len(two) // 2]
+            print(f"[bench] real-size processes {command[0]}{' --stats' if '--stats' in command else ''} | {case} | "
+                  f"1 process {w1:.2f} s, 2 processes {w2:.2f} s wall | speed-up {w1 / w2:.2f} | CPU "
+                  f"{min(r.cpu for r in one):.2f} vs {min(r.cpu for r in two):.2f} s (the second process's jax "
+                  "start-up included)", flush=True)
+        src.unlink()
