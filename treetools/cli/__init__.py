@@ -35,6 +35,7 @@ from typing import Any, NoReturn, Sequence
 
 import treetools
 from treetools.cli import _args, _output, _process
+from treetools.shared.files import WRITE_ERRNOS, user_path
 from treetools.shared.render import json_object
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError, UsageError
 
@@ -285,6 +286,11 @@ def _main(argv: list[str], command: str | None) -> int:
             raise
         report_error(e)
         return _json_error(args, e, 2 if command == "diff" else 1, usage=False)
+    except OSError as e:  # a write the place refuses (read-only, full, over quota): one line; other OS errors are bugs
+        if e.errno not in WRITE_ERRNOS or os.environ.get("TREETOOLS_DEBUG"):
+            raise
+        report_error(e)
+        return _json_error(args, e, 2 if command == "diff" else 1, usage=False)
     return int(code or 0)
 
 
@@ -298,7 +304,7 @@ def _json_error(args: argparse.Namespace, e: BaseException, code: int, *, usage:
 def error_text(e: BaseException) -> str:
     """A known error as its one line: ``PATH: reason.`` for an OS error, else its message."""
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        return f"{e.filename}: {e.strerror}."
+        return f"{user_path(os.fspath(e.filename))}: {e.strerror}."  # the destination, not its temporary name
     return str(e) or type(e).__name__
 
 
