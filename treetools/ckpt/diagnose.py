@@ -158,9 +158,10 @@ def is_torch_zip(location: str, storage: Storage) -> bool:
 
 
 def _torch_pickle(location: str, folder: bool, looking: ReadContext) -> str | None:
-    """What names ``location`` as PyTorch's ``torch.save`` output, or None: a folder holding
-    ``pytorch_model.bin`` (its shards, its index, a ``.pt`` file), or a ``.bin``/``.pt``/``.pth`` file that is a
-    torch zip or a bare pickle."""
+    """What names ``location`` as a pickle, or None: a folder holding ``pytorch_model.bin`` (its shards, its
+    index, a ``.pt`` file); a ``.bin``/``.pt``/``.pth`` file that is a torch zip or a bare pickle (PyTorch's
+    ``torch.save``); any other file that opens with a pickle's magic bytes, or is named ``.pkl``/``.pickle``
+    (Haiku's ``params.pkl``)."""
     storage = looking.storage
     if folder:
         try:
@@ -172,20 +173,35 @@ def _torch_pickle(location: str, folder: bool, looking: ReadContext) -> str | No
             return None
         what = "an index of PyTorch pickles" if names[0].endswith(".json") else "a PyTorch pickle"
         return f"holds {names[0]}, {what}"
-    if not os.path.basename(location).lower().endswith(TORCH_SUFFIXES):
+    name = os.path.basename(location).lower()
+    try:
+        head = file_head(storage, location, 2)
+    except (OSError, CheckpointError):
         return None
-    head = file_head(storage, location, 2)
     # A pickle of protocol 2 to 5 starts with 0x80 and its protocol; torch.save wrote one before PyTorch 1.6.
-    if (head[:2] == b"PK" and is_torch_zip(location, storage)) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03",
-                                                                                            b"\x04", b"\x05")):
-        return "a PyTorch pickle (torch.save)"
+    magic = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+    if name.endswith(TORCH_SUFFIXES):
+        if (head[:2] == b"PK" and is_torch_zip(location, storage)) or magic:
+            return "a PyTorch pickle (torch.save)"
+        return None
+    if magic or name.endswith(PICKLE_SUFFIXES):  # Haiku's params.pkl, any pickle.dump, whatever its name
+        return "a Python pickle (pickle.dump: Haiku's params.pkl and others)"
     return None
 
 
+PICKLE_SUFFIXES = (".pkl", ".pickle")
+"""Names of pickles whatever their protocol (protocols 0 and 1 have no magic bytes)."""
+
+
 def _refuse_pickle(display: str, what: str) -> str:
-    return (f"{display}: {what}; treetools reads no pickles (loading one can run code). Save the weights as "
-            "safetensors (`save_pretrained(DIR, safe_serialization=True)`, or "
-            "`safetensors.torch.save_file(model.state_dict(), PATH)`) and pass that.")
+    if "PyTorch" in what:
+        fix = ("Save the weights as safetensors (`save_pretrained(DIR, safe_serialization=True)`, or "
+               "`safetensors.torch.save_file(model.state_dict(), PATH)`) and pass that.")
+    else:
+        fix = ("Where you trust it, load it yourself and save the arrays as safetensors "
+               "(`safetensors.numpy.save_file(tt.flatten(params), PATH)`) or an Orbax checkpoint, "
+               "and pass that.")
+    return f"{display}: {what}; treetools reads no pickles (loading one can run code). {fix}"
 
 
 def not_a_checkpoint(location: str, display: str, formats: Sequence[Format], context: ReadContext | None = None) -> str:
