@@ -617,6 +617,30 @@ def test_library_raises_checkpoint_error(tmp_path):
     assert isinstance(e.value, ValueError) and "orbax, " in str(e.value) and "safetensors, " in str(e.value)
 
 
+def test_a_mistyped_path_gets_did_you_mean(tmp_path, monkeypatch, capsys):
+    # Issue 47 (5): `model.safetensor` was "no such file or folder." with no hint, though a folder holding
+    # checkpoints gets a "did you mean". The nearest folder that exists is searched for names close to the part
+    # missing; the rest of the path is kept where it exists below the suggestion.
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "runs" / "demo" / "checkpoints" / "100").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    cases = {
+        "model.safetensor": "did you mean model.safetensors?",  # relative, as typed
+        str(tmp_path / "modle.safetensors"): f"did you mean {tmp_path / 'model.safetensors'}?",
+        "runs/demo/checkpoint/100": "did you mean runs/demo/checkpoints/100?",  # the rest kept: it exists
+        "runs/demo/checkpoint/7": "did you mean runs/demo/checkpoints?",  # it does not: the folder
+        "runs/dmeo": "did you mean runs/demo?",
+    }
+    for typed, hint in cases.items():
+        rc, _, err = run(capsys, "inspect", typed)
+        assert rc == 1 and one_error_line(err) == f"treetools: error: {typed}: no such file or folder; {hint}", typed
+    # No close name: the line as before, no guess.
+    rc, _, err = run(capsys, "inspect", "elsewhere/x.npz")
+    assert rc == 1 and one_error_line(err) == "treetools: error: elsewhere/x.npz: no such file or folder."
+
+
 # ----------------------------------------------------------------------------- blocks and docstrings
 
 

@@ -9,6 +9,7 @@ bytes), and open a neighbour only confined to itself.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import zipfile
@@ -114,6 +115,38 @@ def shown_path(location: str, display: str) -> str:
     if display.startswith("~"):
         return os.path.join("~", os.path.relpath(location, os.path.expanduser("~")))
     return os.path.relpath(location)
+
+
+def did_you_mean(location: str, display: str, storage: Storage) -> str | None:
+    """For a path with nothing at it, ``"; did you mean A or B?"`` naming the entries of the nearest folder that
+    exists whose names are close to the part missing (``model.safetensor`` -> ``model.safetensors``), the rest of
+    the path kept where it exists below them; None when no name is close."""
+    rest: list[str] = []
+    folder = location
+    while True:
+        above = storage.parent(folder)
+        if above is None or above == folder:
+            return None
+        rest.insert(0, folder[len(above):].strip("/"))
+        folder = above
+        try:
+            if storage.isdir(folder):
+                names = storage.listdir(folder)
+                break
+        except (OSError, CheckpointError):
+            return None
+    close = difflib.get_close_matches(rest[0], [n for n in names if not n.startswith(".")], n=3, cutoff=0.6)
+    options = []
+    for name in close:
+        full = storage.join(folder, name)
+        for part in rest[1:]:
+            full = storage.join(full, part)
+        try:
+            there = full if not rest[1:] or storage.exists(full) else storage.join(folder, name)
+        except (OSError, CheckpointError):
+            there = storage.join(folder, name)
+        options.append(shown_path(there, display))
+    return f"; did you mean {' or '.join(options)}?" if options else None
 
 
 def _checkpoints_beside(folder: str, formats: Sequence[Format], looking: ReadContext, *,
