@@ -149,6 +149,29 @@ def did_you_mean(location: str, display: str, storage: Storage) -> str | None:
     return f"; did you mean {' or '.join(options)}?" if options else None
 
 
+BELOW_LEVELS = {False: 3, True: 1}
+"""How many folders down (local, bucket) a folder that is no checkpoint is searched for the checkpoints it holds:
+a repository root holds ``runs/demo/checkpoints``."""
+
+BELOW_ENTRIES = {False: 96, True: 8}
+"""How many entries in all that search asks whether they are a checkpoint (hidden ones, ``.git``, ``.venv``,
+never: below the first level)."""
+
+
+def _claimed(entry: str, formats: Sequence[Format], looking: ReadContext) -> Format | None:
+    """The format that reads ``entry``, as a checkpoint to offer (None for an empty file, whatever its name:
+    opened directly, it is "truncated")."""
+    storage = looking.storage
+    try:
+        fmt = claiming_format(entry, formats, context=looking)
+        if fmt is not None and ((fmt.suggest is not None and not fmt.suggest(entry))
+                                or (not storage.isdir(entry) and storage.getsize(entry) == 0)):
+            fmt = None
+    except (OSError, CheckpointError):
+        fmt = None
+    return fmt
+
+
 def _checkpoints_beside(folder: str, formats: Sequence[Format], looking: ReadContext, *,
                         skip: str | None = None) -> list[tuple[str, Format]]:
     """Entries of ``folder`` that a format claims (a few, those named like checkpoints asked first)."""
@@ -161,16 +184,44 @@ def _checkpoints_beside(folder: str, formats: Sequence[Format], looking: ReadCon
     found = []
     for name in names[:NEAR_ENTRIES[storage.remote]]:
         entry = storage.join(folder, name)
-        try:
-            fmt = claiming_format(entry, formats, context=looking)
-            # An empty file is no checkpoint to offer, whatever its name (opened directly, it is "truncated").
-            if fmt is not None and ((fmt.suggest is not None and not fmt.suggest(entry))
-                                    or (not storage.isdir(entry) and storage.getsize(entry) == 0)):
-                fmt = None
-        except (OSError, CheckpointError):
-            fmt = None
+        fmt = _claimed(entry, formats, looking)
         if fmt is not None:
             found.append((entry, fmt))
+    return found
+
+
+def _checkpoints_below(folder: str, formats: Sequence[Format], looking: ReadContext) -> list[tuple[str, Format]]:
+    """The checkpoints ``folder`` holds: its entries a format claims, then (a few levels down, breadth first,
+    hidden folders left out) those of its subfolders that are no checkpoint themselves."""
+    storage = looking.storage
+    found = _checkpoints_beside(folder, formats, looking)
+    claimed = {entry for entry, _ in found}
+    level, left = [folder], BELOW_ENTRIES[storage.remote]
+    for _ in range(BELOW_LEVELS[storage.remote] - 1):
+        below = []
+        for parent in level:
+            try:
+                names = sorted(n for n in storage.listdir(parent) if not n.startswith("."))
+            except (OSError, CheckpointError):
+                continue
+            below += [storage.join(parent, n) for n in names
+                      if storage.join(parent, n) not in claimed and storage.isdir(storage.join(parent, n))]
+        level = []
+        for sub in below:
+            try:
+                names = sorted(n for n in storage.listdir(sub) if not n.startswith("."))
+            except (OSError, CheckpointError):
+                continue
+            for name in names:
+                if left <= 0:
+                    return found
+                left -= 1
+                entry = storage.join(sub, name)
+                fmt = _claimed(entry, formats, looking)
+                if fmt is not None:
+                    found.append((entry, fmt))
+                    claimed.add(entry)
+            level.append(sub)
     return found
 
 
@@ -266,7 +317,7 @@ def not_a_checkpoint(location: str, display: str, formats: Sequence[Format], con
     if pickle is not None and not folder:
         return _refuse_pickle(display, pickle)
     parent = storage.parent(location)
-    near = (_checkpoints_beside(location, formats, looking) if folder else
+    near = (_checkpoints_below(location, formats, looking) if folder else
             _checkpoints_beside(parent, formats, looking, skip=os.path.basename(location)) if parent is not None
             else [])
     if pickle is not None and not near:

@@ -10,7 +10,7 @@ from treetools.ckpt.registry import claims, registered_formats
 from treetools.ckpt.source import Source
 from treetools.ckpt.steps import file_kind
 from treetools.ckpt.storage import as_typed, backend, normalize
-from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
 
 def open_source(path: str | os.PathLike, context: ReadContext | None = None, *, memory_budget: float | None = None,
@@ -83,4 +83,4 @@ def _open(location: str, display: str, context: ReadContext) -> Source:
     for fmt in registered:
         if claims(fmt, location, confined):
             return fmt.open(location, display, confined)
-    raise CheckpointError(not_a_checkpoint(location, display, registered, context))
+    raise NotACheckpointError(not_a_checkpoint(location, display, registered, context))
