@@ -448,8 +448,9 @@ def _rows(targets: Sequence[TargetLeaf], names: Sequence[str], files: Sequence[s
     out = []
     for t, name, file in zip(targets, names, files):
         r = t.row()
+        renamed = not t.stacked and t.layer is None and t.path != t.source  # a rename rule's work, shown as an op
         out.append(ConvertRow(r.source, name, tuple(r.source_shape or ()), tuple(t.shape or ()),
-                              str(r.source_dtype), str(r.dtype), file, r.ops))
+                              str(r.source_dtype), str(r.dtype), file, ("rename",) * renamed + tuple(r.ops)))
     return out
 
 

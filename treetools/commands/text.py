@@ -500,12 +500,15 @@ def render_convert(report: ConvertReport, fmt: str = "table") -> str:
 
     lines = []
     if report.dry_run:
-        table = [["source", "-> name", "shape", "dtype", "file" if report.to == "safetensors" else ""]]
+        # `rules`: every op a rule does to the leaf, a square matrix's transpose included (its shape tells nothing).
+        table = [["source", "-> name", "shape", "dtype", "file", "rules"]]
         for r in report.rows:
             table.append([safe_text(r.source), "-> " + safe_text(r.name), change(r.source_shape, r.shape),
-                          change(r.source_dtype, r.dtype), safe_text(r.file)])
-        table += [[safe_text(p), "(dropped)", "", "", ""] for p in report.dropped]
-        widths = [max(len(row[i]) for row in table) for i in range(5)]
+                          change(r.source_dtype, r.dtype), safe_text(r.file), ", ".join(r.ops)])
+        table += [[safe_text(p), "(dropped)", "", "", "", "drop"] for p in report.dropped]
+        if report.to != "safetensors":  # Orbax: one folder, no file per tensor
+            table = [row[:4] + row[5:] for row in table]
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
         lines.append("")
     elif report.dropped:
