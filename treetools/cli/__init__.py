@@ -36,7 +36,7 @@ from typing import Any, NoReturn, Sequence
 import treetools
 from treetools.cli import _args, _output, _process
 from treetools.shared.files import WRITE_ERRNOS, user_path
-from treetools.shared.render import json_object
+from treetools.shared.render import json_object, set_width
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError, UsageError
 
 
@@ -252,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             sys.stderr.flush()
         return 2 if command == "diff" else 1
+    finally:
+        set_width(None)  # a library caller after a command renders at the default width again
 
 
 def _main(argv: list[str], command: str | None) -> int:
@@ -269,6 +271,7 @@ def _main(argv: list[str], command: str | None) -> int:
         return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    set_width(_terminal_columns())  # tables fit the terminal (COLUMNS, or stdout's), 100 columns for a pipe
     try:
         code = args._main(args)
     except KeyboardInterrupt:
@@ -292,6 +295,20 @@ def _main(argv: list[str], command: str | None) -> int:
         report_error(e)
         return _json_error(args, e, 2 if command == "diff" else 1, usage=False)
     return int(code or 0)
+
+
+def _terminal_columns() -> int | None:
+    """The width the text views fit: ``COLUMNS`` where set (as ``ls`` and argparse read it), else the terminal's
+    when stdout is one; None (100 columns) for a file or a pipe."""
+    env = os.environ.get("COLUMNS", "").strip()
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    try:
+        if sys.stdout.isatty():
+            return os.get_terminal_size(sys.stdout.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (a StringIO)
+        pass
+    return None
 
 
 def _json_error(args: argparse.Namespace, e: BaseException, code: int, *, usage: bool) -> int:

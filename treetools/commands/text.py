@@ -8,8 +8,6 @@ module only turns them into text, with ``treetools.shared.render``'s row tables 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -24,6 +22,7 @@ if TYPE_CHECKING:  # annotations only: `inspect` does not load the diff, verify 
     from treetools.commands.verify import VerifyRun
 from treetools.shared.render import (
     CELL_WIDTH,
+    WIDTH,
     DEFAULT_STAT_COLUMNS,
     bytes_text,
     cut_paths,
@@ -35,34 +34,9 @@ from treetools.shared.render import (
     row_cells,
     safe_text,
     stat_value,
+    width,
 )
 from treetools.shared.rows import Row, Totals, format_count, format_shape, human
-
-
-WIDTH = 100
-"""The columns the views fit where the width is not known: output to a file or a pipe, without ``COLUMNS``."""
-
-MIN_WIDTH = 60
-"""The fewest columns a view is fitted to, however narrow the terminal."""
-
-
-def width() -> int:
-    """The columns the views fit: ``COLUMNS`` where set (as ``ls`` and argparse read it), else the terminal's
-    width when stdout is one, else ``WIDTH``; never under ``MIN_WIDTH``.
-
-    >>> import os; os.environ["COLUMNS"] = "200"; width()
-    200
-    >>> del os.environ["COLUMNS"]
-    """
-    env = os.environ.get("COLUMNS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return max(int(env), MIN_WIDTH)
-    try:
-        if sys.stdout.isatty():
-            return max(os.get_terminal_size(sys.stdout.fileno()).columns, MIN_WIDTH)
-    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a descriptor
-        pass
-    return WIDTH
 
 
 def _header(report: Report) -> list[str]:
