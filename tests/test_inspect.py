@@ -952,27 +952,53 @@ def test_stats_reach_rows_by_path_prefix_once_per_leaf_not_rows_times_leaves():
                                        [want.mean(), want.max(), np.sqrt((want ** 2).sum())], rtol=1e-12)
 
 
-def test_tables_use_the_terminal_width_and_drop_empty_columns_first(tmp_path, monkeypatch, capsys):
+def _on_a_terminal(columns: int, *argv) -> str:
+    """``treetools ARGV`` in a fresh process whose stdout is a terminal ``columns`` wide (a pseudo-terminal), as a
+    user runs it; its output, newlines as the terminal writes them (``\\r\\n``) turned back."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["COLUMNS"] = ""  # unset for the child too (a library may have set it below os.environ in this process)
+    proc = subprocess.Popen([sys.executable, "-m", "treetools", *map(str, argv)], stdout=slave,
+                            stderr=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait() == 0
+    return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+def test_tables_use_the_terminal_width_and_drop_empty_columns_first(tmp_path, capsys):
     # Issue 47 (21): tables were cut to 100 columns on a 200-column terminal, and the note named an empty
-    # `sharding` column among those "left out". The width is COLUMNS (or the terminal's); an empty column goes
-    # first, unsaid (it hides nothing).
+    # `sharding` column among those "left out". On a terminal the width is the terminal's; an empty column goes
+    # first, unsaid (it hides nothing). A file or a pipe stays 100 columns.
     long = "transformer/encoder/layers_0/self_attention/query_projection/kernel_weights_"
     np.savez(tmp_path / "w.npz", **{f"{long}{i}": np.ones((64, 64), np.float32) for i in range(3)})
     assert main(["convert", str(tmp_path / "w.npz"), str(tmp_path / "o"), "--to", "orbax"]) == 0
     capsys.readouterr()
-    monkeypatch.delenv("COLUMNS", raising=False)  # captured stdout is no terminal: 100 columns
-    rc, out, _ = run(capsys, "inspect", tmp_path / "o")
-    header = next(line for line in out.splitlines() if line.startswith("path "))
-    assert rc == 0 and header.split() == ["path", "dtype", "params"]
+
+    def header(out):
+        return next(line for line in out.splitlines() if line.startswith("path ")).split()
+
+    rc, out, _ = run(capsys, "inspect", tmp_path / "o")  # captured stdout: no terminal, 100 columns
+    assert rc == 0 and header(out) == ["path", "dtype", "params"]
     assert "(bytes, shape left out to fit 100 columns; --leaves shows every column)" in out
     assert max(len(line) for line in out.splitlines() if long in line) <= 100
-    monkeypatch.setenv("COLUMNS", "200")
-    rc, out, _ = run(capsys, "inspect", tmp_path / "o")
-    header = next(line for line in out.splitlines() if line.startswith("path "))
-    # path 77 + shape 8 + dtype 7 + params 8 + bytes 9 + sharding 8, two spaces between: 127 columns, within 200
-    assert rc == 0 and header.split() == ["path", "shape", "dtype", "params", "bytes", "sharding"]
-    assert "left out" not in out
-    monkeypatch.setenv("COLUMNS", "110")  # 117 with bytes: the empty sharding goes, then bytes; shape stays
-    rc, out, _ = run(capsys, "inspect", tmp_path / "o")
-    header = next(line for line in out.splitlines() if line.startswith("path "))
-    assert header.split() == ["path", "shape", "dtype", "params"] and "(bytes left out to fit 110 columns" in out
+    # path 77 + shape 8 + dtype 7 + params 8 + bytes 9 + sharding 8, two spaces between: 127 columns
+    out = _on_a_terminal(200, "inspect", tmp_path / "o")
+    assert header(out) == ["path", "shape", "dtype", "params", "bytes", "sharding"] and "left out" not in out
+    out = _on_a_terminal(110, "inspect", tmp_path / "o")  # 117 with bytes: the empty sharding, then bytes go
+    assert header(out) == ["path", "shape", "dtype", "params"] and "(bytes left out to fit 110 columns" in out

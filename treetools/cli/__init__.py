@@ -271,7 +271,7 @@ def _main(argv: list[str], command: str | None) -> int:
         return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    set_width(_terminal_columns())  # tables fit the terminal (COLUMNS, or stdout's), 100 columns for a pipe
+    set_width(_terminal_columns())  # tables fit the terminal stdout is, 100 columns for a file or a pipe
     try:
         code = args._main(args)
     except KeyboardInterrupt:
@@ -298,17 +298,16 @@ def _main(argv: list[str], command: str | None) -> int:
 
 
 def _terminal_columns() -> int | None:
-    """The width the text views fit: ``COLUMNS`` where set (as ``ls`` and argparse read it), else the terminal's
-    when stdout is one; None (100 columns) for a file or a pipe."""
-    env = os.environ.get("COLUMNS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
+    """The width the text views fit when stdout is a terminal: ``COLUMNS`` where set (a shell keeps it to the
+    terminal's), else the terminal's own; None (100 columns) for a file or a pipe, whose output stays the same
+    wherever it runs."""
     try:
-        if sys.stdout.isatty():
-            return os.get_terminal_size(sys.stdout.fileno()).columns
+        if not sys.stdout.isatty():
+            return None
+        env = os.environ.get("COLUMNS", "").strip()
+        return int(env) if env.isdigit() and int(env) > 0 else os.get_terminal_size(sys.stdout.fileno()).columns
     except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (a StringIO)
-        pass
-    return None
+        return None
 
 
 def _json_error(args: argparse.Namespace, e: BaseException, code: int, *, usage: bool) -> int:

@@ -48,7 +48,7 @@ _columns: list[int | None] = [None]
 
 def set_width(columns: int | None) -> None:
     """The columns the text views fit from now on (the ``treetools`` program sets the terminal's while a command
-    runs: ``COLUMNS``, or the terminal stdout is); None: ``WIDTH``."""
+    runs, when stdout is one); None: ``WIDTH``."""
     _columns[0] = columns
 
 
