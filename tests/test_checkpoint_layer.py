@@ -483,6 +483,32 @@ def test_pytorch_pickles_are_named_and_never_unpickled(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["format"] == "safetensors"
 
 
+def test_every_pickle_is_named_and_never_unpickled(tmp_path, capsys):
+    # Issue 47 (4): Haiku's `params.pkl` (and any pickle.dump) got "not a checkpoint but a file beside checkpoints;
+    # did you mean ...?" where `pytorch_model.bin` got the clear line. Every pickle gets it now: by its name
+    # (.pkl/.pickle, whatever the protocol: protocols 0 and 1 have no magic bytes) or by its magic bytes (any name).
+    marker = tmp_path / "pwned"
+    np.savez(tmp_path / "other.npz", w=np.ones(2, np.float32))  # a checkpoint beside: the "did you mean" of before
+    cases = {"params.pkl": 4, "state.pickle": 5, "old.pkl": 0, "params": 2, "weights.ckpt": 3}
+    for name, protocol in cases.items():
+        (tmp_path / name).write_bytes(pickle.dumps({"w": _OpensAFileWhenUnpickled(marker)}, protocol=protocol))
+    fix = ("treetools reads no pickles (loading one can run code). Where you trust it, load it yourself and save the "
+           "arrays as safetensors (`safetensors.numpy.save_file(tt.flatten(params), PATH)`) or an Orbax checkpoint, "
+           "and pass that.")
+    for name in cases:
+        path = tmp_path / name
+        assert main(["inspect", str(path)]) == 1
+        assert capsys.readouterr().err == (f"treetools: error: {path}: a Python pickle (pickle.dump: Haiku's "
+                                           f"params.pkl and others); {fix}\n"), name
+        with pytest.raises(tt.CheckpointError, match="reads no pickles"):
+            tt.load_parameters(str(path))
+    assert not marker.exists()
+    # A file that is no pickle, under no pickle's name, still gets the "did you mean".
+    (tmp_path / "notes").write_bytes(b"\x80\x09 not a pickle")
+    assert main(["inspect", str(tmp_path / "notes")]) == 1
+    assert f"did you mean {tmp_path / 'other.npz'} (npz)?" in capsys.readouterr().err
+
+
 def test_files_that_merely_start_like_a_msgpack_map_are_not_claimed(tmp_path):
     # The msgpack format sniffs a map of string keys (flax's state dicts), not any byte 0x80-0x8f: a PNG (0x89 'P':
     # a map whose first key would be the integer 80) was claimed as msgpack, and offered as "did you mean".

@@ -269,11 +269,33 @@ def test_dry_run_prints_the_mapping_and_writes_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert code == 0 and not (tmp_path / "hf").exists()
     lines = out.splitlines()
-    assert lines[0].split() == ["source", "->", "name", "shape", "dtype", "file"]
+    assert lines[0].split() == ["source", "->", "name", "shape", "dtype", "file", "rules"]
     assert lines[1].split() == ["layers/w[0]", "->", "layers.0.w", "(2,", "3,", "4)", "->", "(4,", "3)", "float32",
-                                "->", "bfloat16", "model-00001-of-00002.safetensors"]
-    assert "model-00002-of-00002.safetensors" in lines[2] and "(dropped)" in lines[3]
+                                "->", "bfloat16", "model-00001-of-00002.safetensors", "unstack", "[0],", "transpose",
+                                "(1,", "0),", "cast", "bfloat16"]
+    assert "model-00002-of-00002.safetensors" in lines[2] and lines[3].split() == ["step", "(dropped)", "drop"]
     assert lines[-1].startswith("dry run:") and "nothing written" in lines[-1]
+
+
+def test_dry_run_marks_every_leaf_a_rule_touches(tmp_path, capsys):
+    # Issue 47 (19): a transpose showed only where the shape changed (`(2, 3) -> (3, 2)`); a square matrix's
+    # transpose, and a rename, showed nothing. The `rules` column names every op on every leaf.
+    np.savez(tmp_path / "w.npz", **{"a/w": np.ones((4, 4), np.float32), "a/b": np.ones(4, np.float32),
+                                    "c/w": np.ones((2, 3), np.float32), "d/e": np.ones(2, np.float32)})
+    for extra, file in (([], "model.safetensors"), (["--to", "orbax"], None)):
+        assert main(["convert", str(tmp_path / "w.npz"), str(tmp_path / "out"), "--dry-run", "--transpose", "w$=1,0",
+                     "--rename", "a/b=>bias", *extra]) == 0
+        rows = {line.split()[0]: " ".join(line.split()) for line in capsys.readouterr().out.splitlines()[1:5]}
+        at = f" {file}" if file else ""
+        # The square matrix keeps its shape: only the column says it is transposed.
+        assert rows["a/w"] == f"a/w -> {'a.w' if file else 'a/w'} (4, 4) float32{at} transpose (1, 0)"
+        assert rows["c/w"] == f"c/w -> {'c.w' if file else 'c/w'} (2, 3) -> (3, 2) float32{at} transpose (1, 0)"
+        assert rows["a/b"] == f"a/b -> bias (4,) float32{at} rename"
+        assert rows["d/e"] == f"d/e -> {'d.e' if file else 'd/e'} (2,) float32{at}"  # untouched: nothing
+    data = tt.convert(str(tmp_path / "w.npz"), str(tmp_path / "out"), dry_run=True, rules=tt.Rules(
+        transpose={"w$": (1, 0)}, rename={"^a/b$": "bias"})).to_json()
+    assert {t["source"]: t["ops"] for t in data["tensors"]} == {
+        "a/w": ["transpose (1, 0)"], "a/b": ["rename"], "c/w": ["transpose (1, 0)"], "d/e": []}
 
 
 def test_verify_finds_a_difference_and_the_cli_exits_1(tmp_path, capsys, monkeypatch):

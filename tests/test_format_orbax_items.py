@@ -265,3 +265,57 @@ def test_an_unreadable_item_is_listed_with_its_handler_and_reason(tmp_path):
     rc, out, err = run("inspect", root, "--item", "blob")
     assert rc == 1 and "item `blob` (_BlobHandler) cannot be read" in err
     check_load_parameters(root, {"w": np.ones(2, np.float32)})  # the params still read
+
+
+class DatasetCheckpointHandler(ocp.CheckpointHandler):
+    """T5X's handler of the `dataset` item (t5x.checkpoints.DatasetCheckpointHandler) for a run that checkpoints no
+    dataset iterator (`checkpoint_dataset=False`): it writes nothing; Orbax makes the item's folder all the same."""
+
+    def save(self, directory, args=None):
+        pass
+
+    def restore(self, directory, args=None):
+        return None
+
+    def metadata(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+
+@ocp.args.register_with_handler(DatasetCheckpointHandler, for_save=True)
+class _DatasetSave(ocp.args.CheckpointArgs):
+    pass
+
+
+@ocp.args.register_with_handler(DatasetCheckpointHandler, for_restore=True)
+class _DatasetRestore(ocp.args.CheckpointArgs):
+    pass
+
+
+def test_an_item_its_writer_left_empty_is_not_checked_not_a_problem(tmp_path):
+    # Issue 47 (16): T5X's Orbax-mode checkpoints hold an empty `dataset` item; `verify` failed them ("cannot be
+    # read: its folder holds nothing"). An item folder left empty is a note, "not checked"; the step is ok.
+    root = tmp_path / "t5x"
+    with ocp.CheckpointManager(root) as manager:
+        manager.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave({"target": {"w": jnp.ones(2)}}),
+                                                dataset=_DatasetSave()))
+        manager.wait_until_finished()
+    # What Orbax wrote: the folder and its commit marker, nothing else.
+    assert [p.name for p in (root / "1" / "dataset").iterdir()] == ["commit_success.txt"]
+    rc, out, err = run("verify", root)
+    assert rc == 0 and out.startswith("ok: ") and "1 leaves" in out, out + err
+    assert f"treetools: note: {root}/1/dataset: item `dataset` (DatasetCheckpointHandler) left empty by its writer: " \
+           "not checked." in err
+    # Without the step's list of items (Orbax before 0.6) the empty item is no stranger either.
+    meta = root / "1" / "_CHECKPOINT_METADATA"
+    listed = meta.read_text()
+    meta.write_text(json.dumps({k: v for k, v in json.loads(listed).items() if k != "item_handlers"}))
+    rc, out, err = run("verify", root)
+    assert rc == 0 and "dataset" not in out + err, out + err  # marked committed by Orbax: an item, with nothing to read
+    # Not empty, a listed item is still a problem: something is there that nothing read.
+    meta.write_text(listed)
+    (root / "1" / "dataset" / "train_ds-1.index").write_bytes(b"\x00")
+    rc, out, err = run("verify", root)
+    assert rc == 1 and "dataset" in out + err

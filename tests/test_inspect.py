@@ -617,6 +617,30 @@ def test_library_raises_checkpoint_error(tmp_path):
     assert isinstance(e.value, ValueError) and "orbax, " in str(e.value) and "safetensors, " in str(e.value)
 
 
+def test_a_mistyped_path_gets_did_you_mean(tmp_path, monkeypatch, capsys):
+    # Issue 47 (5): `model.safetensor` was "no such file or folder." with no hint, though a folder holding
+    # checkpoints gets a "did you mean". The nearest folder that exists is searched for names close to the part
+    # missing; the rest of the path is kept where it exists below the suggestion.
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    (tmp_path / "runs" / "demo" / "checkpoints" / "100").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    cases = {
+        "model.safetensor": "did you mean model.safetensors?",  # relative, as typed
+        str(tmp_path / "modle.safetensors"): f"did you mean {tmp_path / 'model.safetensors'}?",
+        "runs/demo/checkpoint/100": "did you mean runs/demo/checkpoints/100?",  # the rest kept: it exists
+        "runs/demo/checkpoint/7": "did you mean runs/demo/checkpoints?",  # it does not: the folder
+        "runs/dmeo": "did you mean runs/demo?",
+    }
+    for typed, hint in cases.items():
+        rc, _, err = run(capsys, "inspect", typed)
+        assert rc == 1 and one_error_line(err) == f"treetools: error: {typed}: no such file or folder; {hint}", typed
+    # No close name: the line as before, no guess.
+    rc, _, err = run(capsys, "inspect", "elsewhere/x.npz")
+    assert rc == 1 and one_error_line(err) == "treetools: error: elsewhere/x.npz: no such file or folder."
+
+
 # ----------------------------------------------------------------------------- blocks and docstrings
 
 
@@ -926,3 +950,55 @@ def test_stats_reach_rows_by_path_prefix_once_per_leaf_not_rows_times_leaves():
             want = np.concatenate([x for p, x in values.items() if p[:len(r.path)] == r.path])
             np.testing.assert_allclose([r.stats["mean"], r.stats["max"], r.stats["l2"]],
                                        [want.mean(), want.max(), np.sqrt((want ** 2).sum())], rtol=1e-12)
+
+
+def _on_a_terminal(columns: int, *argv) -> str:
+    """``treetools ARGV`` in a fresh process whose stdout is a terminal ``columns`` wide (a pseudo-terminal), as a
+    user runs it; its output, newlines as the terminal writes them (``\\r\\n``) turned back."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    env["COLUMNS"] = ""  # unset for the child too (a library may have set it below os.environ in this process)
+    proc = subprocess.Popen([sys.executable, "-m", "treetools", *map(str, argv)], stdout=slave,
+                            stderr=subprocess.DEVNULL, env=env)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait() == 0
+    return b"".join(chunks).decode().replace("\r\n", "\n")
+
+
+def test_tables_use_the_terminal_width_and_drop_empty_columns_first(tmp_path, capsys):
+    # Issue 47 (21): tables were cut to 100 columns on a 200-column terminal, and the note named an empty
+    # `sharding` column among those "left out". On a terminal the width is the terminal's; an empty column goes
+    # first, unsaid (it hides nothing). A file or a pipe stays 100 columns.
+    long = "transformer/encoder/layers_0/self_attention/query_projection/kernel_weights_"
+    np.savez(tmp_path / "w.npz", **{f"{long}{i}": np.ones((64, 64), np.float32) for i in range(3)})
+    assert main(["convert", str(tmp_path / "w.npz"), str(tmp_path / "o"), "--to", "orbax"]) == 0
+    capsys.readouterr()
+
+    def header(out):
+        return next(line for line in out.splitlines() if line.startswith("path ")).split()
+
+    rc, out, _ = run(capsys, "inspect", tmp_path / "o")  # captured stdout: no terminal, 100 columns
+    assert rc == 0 and header(out) == ["path", "dtype", "params"]
+    assert "(bytes, shape left out to fit 100 columns; --leaves shows every column)" in out
+    assert max(len(line) for line in out.splitlines() if long in line) <= 100
+    # path 77 + shape 8 + dtype 7 + params 8 + bytes 9 + sharding 8, two spaces between: 127 columns
+    out = _on_a_terminal(200, "inspect", tmp_path / "o")
+    assert header(out) == ["path", "shape", "dtype", "params", "bytes", "sharding"] and "left out" not in out
+    out = _on_a_terminal(110, "inspect", tmp_path / "o")  # 117 with bytes: the empty sharding, then bytes go
+    assert header(out) == ["path", "shape", "dtype", "params"] and "(bytes left out to fit 110 columns" in out

@@ -187,6 +187,33 @@ def _commands(block: Block) -> list[list[str]]:
     return out
 
 
+def _reads_and_writes(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The local paths a README command reads and those it creates, from its parsed arguments."""
+    from treetools.cli import build_parser
+
+    args = build_parser(argv[0]).parse_args(argv)
+    reads = {"inspect": [args.path] if argv[0] == "inspect" else [], "plan": [getattr(args, "path", None)],
+             "diff": [getattr(args, "a", None), getattr(args, "b", None)], "verify": getattr(args, "paths", []),
+             "convert": [getattr(args, "src", None)], "plot": getattr(args, "metrics", []), "train": []}[argv[0]]
+    writes = {"convert": [getattr(args, "dst", None)], "train": [getattr(args, "workdir", None)],
+              "plot": [getattr(args, "output", None)]}.get(argv[0], [])
+    local = lambda ps: [p.rstrip("/") for p in ps if p and "://" not in p]  # noqa: E731
+    return local(reads), local(writes)
+
+
+def test_readme_blocks_run_top_to_bottom():
+    # Issue 47 (23): a reader runs the README's blocks in order; blocks used `runs/scan` two sections before the
+    # one that trains it. Every path a block reads is made by `make demo` (runs/demo) or by an earlier line.
+    made = ["runs/demo"]  # the first block: make demo
+    for block in [b for b in COMMANDS if b.page == "README.md"]:
+        for argv in _commands(block):
+            reads, writes = _reads_and_writes(argv)
+            for path in reads:
+                assert any(path == m or path.startswith(m + "/") for m in made), \
+                    f"{block.id}: treetools {shlex.join(argv)} reads {path} before any block above makes it"
+            made += writes
+
+
 @pytest.mark.parametrize("block", COMMANDS, ids=[b.id for b in COMMANDS])
 def test_shell_block_runs_on_the_demo_runs(block, devices, demo_runs, monkeypatch, capsys):
     from treetools.cli import main

@@ -302,3 +302,33 @@ def test_verify_says_a_step_a_manager_is_pruning_is_being_deleted(tmp_path, caps
                          "not read (not damage): 1")
     (entry,) = json.loads(out)["paths"]
     assert entry["incomplete"] == entry["deleting"] == ["1"] and entry["steps"] == [2] and entry["ok"] is True
+
+
+def test_a_repository_root_is_no_checkpoint_and_names_those_below_it(tmp_path, capsys, monkeypatch):
+    # Issue 47 (18): after the README's commands the repository root read as an Orbax step (its `orbax_ckpt/`, a
+    # StandardCheckpointer save, taken for an item): `inspect .` listed .git and .venv as unread items and
+    # `verify .` failed. A subfolder that is a save of its own makes no step of the folder holding it: the root is
+    # no checkpoint, and the error names the checkpoints below it (three levels down, hidden folders left out).
+    repo = tmp_path / "repo"
+    (repo / ".git").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / "treetools").mkdir()
+    (repo / "treetools" / "__init__.py").write_text("")
+    (repo / "README.md").write_text("# treetools\n")
+    _root(repo / "runs" / "demo" / "checkpoints")
+    (repo / "runs" / "demo" / "metrics.jsonl").write_text("")
+    (tmp_path / "src").mkdir()
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "src" / "model.safetensors"))  # not beside the repo
+    assert main(["convert", str(tmp_path / "src" / "model.safetensors"), str(repo / "orbax_ckpt"), "--to", "orbax"]) == 0
+    capsys.readouterr()
+    monkeypatch.chdir(repo)
+    want = ("treetools: error: .: not a checkpoint but a folder holding checkpoints; did you mean orbax_ckpt (orbax) "
+            "or runs/demo/checkpoints (orbax)?\n")
+    for command in ("inspect", "verify"):
+        assert main([command, "."]) == 1, command
+        captured = capsys.readouterr()
+        assert captured.err == want and "problem" not in captured.out and "FAILED" not in captured.out, captured
+    # The saves themselves still read, the one below through its root.
+    assert main(["verify", "orbax_ckpt", "runs/demo/checkpoints"]) == 0
+    assert capsys.readouterr().out.strip().endswith("2 paths: 2 ok, 0 FAILED")

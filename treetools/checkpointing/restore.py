@@ -191,11 +191,16 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
         stored = _by_position(stored, tgt)
     plan = None
     mapped = stored
+    layer_problems: list[str] = []
     if rules is not None and not rules.empty:
         try:
             mapped, plan = map_item(stored, rules, targets=tgt.paths)
         except RulesError as e:  # rules that do not fit this checkpoint: problems of the plan, not an exception
-            return _unresolved(name, stored, tgt, e.problems, label)
+            try:  # only the target's layer counts? The leaves as the checkpoint's layers make them, checked too
+                mapped, plan = map_item(stored, rules)
+            except RulesError:
+                return _unresolved(name, stored, tgt, e.problems, label)
+            layer_problems = list(e.problems)
     found = {leaf.name: leaf for leaf in mapped.leaves}
     problems: list[Mismatch] = []
     item_plan = ItemPlan(name, "pytree", dropped=list(plan.dropped) if plan is not None else [])
@@ -221,6 +226,8 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
             item_plan.leaves.append(LeafPlan(path, "fill_missing", None, shape,
                                              dtype_name(value.dtype) if _is_array(value) else None))
             from_fill.append(path)
+        elif layer_problems and _beyond_layers(path, found):  # a layer the checkpoint lacks: said by the rules
+            item_plan.leaves.append(_target_leaf(path, "unresolved", x))
         else:
             problems.append(Mismatch(_shown(label, path), "missing", _describe(x), "nothing"))
             item_plan.leaves.append(_target_leaf(path, "missing", x))
@@ -233,7 +240,17 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
             shown = f"{leaf.row.dtype}{list(leaf.row.shape)}" if leaf.row.shape is not None else "a value"
             problems.append(Mismatch(_shown(label, path), "unexpected", "nothing", shown))
     work = _Work(stored, mapped, plan, tgt, from_ckpt, from_fill)
-    return work, item_plan, sorted(problems, key=lambda p: (p.kind != "missing", p.path))
+    where = label.rstrip("/") or "rules"
+    first = [Mismatch(where, "rules", "rules that fit the checkpoint", problem) for problem in layer_problems]
+    return work, item_plan, first + sorted(problems, key=lambda p: (p.kind != "missing", p.path))
+
+
+def _beyond_layers(path: str, found: Mapping[str, Any]) -> bool:
+    """Whether target ``path`` is a layer past those the checkpoint has (``layers/3/w`` where the unstacked
+    ``layers/0/w`` exists): the rules' layer-count problem names it, so it is not also a missing leaf."""
+    parts = path.split("/")
+    return any(part.isdigit() and "/".join([*parts[:i], "0", *parts[i + 1:]]) in found
+               for i, part in enumerate(parts))
 
 
 def _target_leaf(path: str, origin: str, x: Any) -> LeafPlan:

@@ -9,6 +9,7 @@ bytes), and open a neighbour only confined to itself.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import zipfile
@@ -116,6 +117,61 @@ def shown_path(location: str, display: str) -> str:
     return os.path.relpath(location)
 
 
+def did_you_mean(location: str, display: str, storage: Storage) -> str | None:
+    """For a path with nothing at it, ``"; did you mean A or B?"`` naming the entries of the nearest folder that
+    exists whose names are close to the part missing (``model.safetensor`` -> ``model.safetensors``), the rest of
+    the path kept where it exists below them; None when no name is close."""
+    rest: list[str] = []
+    folder = location
+    while True:
+        above = storage.parent(folder)
+        if above is None or above == folder:
+            return None
+        rest.insert(0, folder[len(above):].strip("/"))
+        folder = above
+        try:
+            if storage.isdir(folder):
+                names = storage.listdir(folder)
+                break
+        except (OSError, CheckpointError):
+            return None
+    close = difflib.get_close_matches(rest[0], [n for n in names if not n.startswith(".")], n=3, cutoff=0.6)
+    options = []
+    for name in close:
+        full = storage.join(folder, name)
+        for part in rest[1:]:
+            full = storage.join(full, part)
+        try:
+            there = full if not rest[1:] or storage.exists(full) else storage.join(folder, name)
+        except (OSError, CheckpointError):
+            there = storage.join(folder, name)
+        options.append(shown_path(there, display))
+    return f"; did you mean {' or '.join(options)}?" if options else None
+
+
+BELOW_LEVELS = {False: 3, True: 1}
+"""How many folders down (local, bucket) a folder that is no checkpoint is searched for the checkpoints it holds:
+a repository root holds ``runs/demo/checkpoints``."""
+
+BELOW_ENTRIES = {False: 96, True: 8}
+"""How many entries in all that search asks whether they are a checkpoint (hidden ones, ``.git``, ``.venv``,
+never: below the first level)."""
+
+
+def _claimed(entry: str, formats: Sequence[Format], looking: ReadContext) -> Format | None:
+    """The format that reads ``entry``, as a checkpoint to offer (None for an empty file, whatever its name:
+    opened directly, it is "truncated")."""
+    storage = looking.storage
+    try:
+        fmt = claiming_format(entry, formats, context=looking)
+        if fmt is not None and ((fmt.suggest is not None and not fmt.suggest(entry))
+                                or (not storage.isdir(entry) and storage.getsize(entry) == 0)):
+            fmt = None
+    except (OSError, CheckpointError):
+        fmt = None
+    return fmt
+
+
 def _checkpoints_beside(folder: str, formats: Sequence[Format], looking: ReadContext, *,
                         skip: str | None = None) -> list[tuple[str, Format]]:
     """Entries of ``folder`` that a format claims (a few, those named like checkpoints asked first)."""
@@ -128,16 +184,44 @@ def _checkpoints_beside(folder: str, formats: Sequence[Format], looking: ReadCon
     found = []
     for name in names[:NEAR_ENTRIES[storage.remote]]:
         entry = storage.join(folder, name)
-        try:
-            fmt = claiming_format(entry, formats, context=looking)
-            # An empty file is no checkpoint to offer, whatever its name (opened directly, it is "truncated").
-            if fmt is not None and ((fmt.suggest is not None and not fmt.suggest(entry))
-                                    or (not storage.isdir(entry) and storage.getsize(entry) == 0)):
-                fmt = None
-        except (OSError, CheckpointError):
-            fmt = None
+        fmt = _claimed(entry, formats, looking)
         if fmt is not None:
             found.append((entry, fmt))
+    return found
+
+
+def _checkpoints_below(folder: str, formats: Sequence[Format], looking: ReadContext) -> list[tuple[str, Format]]:
+    """The checkpoints ``folder`` holds: its entries a format claims, then (a few levels down, breadth first,
+    hidden folders left out) those of its subfolders that are no checkpoint themselves."""
+    storage = looking.storage
+    found = _checkpoints_beside(folder, formats, looking)
+    claimed = {entry for entry, _ in found}
+    level, left = [folder], BELOW_ENTRIES[storage.remote]
+    for _ in range(BELOW_LEVELS[storage.remote] - 1):
+        below = []
+        for parent in level:
+            try:
+                names = sorted(n for n in storage.listdir(parent) if not n.startswith("."))
+            except (OSError, CheckpointError):
+                continue
+            below += [storage.join(parent, n) for n in names
+                      if storage.join(parent, n) not in claimed and storage.isdir(storage.join(parent, n))]
+        level = []
+        for sub in below:
+            try:
+                names = sorted(n for n in storage.listdir(sub) if not n.startswith("."))
+            except (OSError, CheckpointError):
+                continue
+            for name in names:
+                if left <= 0:
+                    return found
+                left -= 1
+                entry = storage.join(sub, name)
+                fmt = _claimed(entry, formats, looking)
+                if fmt is not None:
+                    found.append((entry, fmt))
+                    claimed.add(entry)
+            level.append(sub)
     return found
 
 
@@ -158,9 +242,10 @@ def is_torch_zip(location: str, storage: Storage) -> bool:
 
 
 def _torch_pickle(location: str, folder: bool, looking: ReadContext) -> str | None:
-    """What names ``location`` as PyTorch's ``torch.save`` output, or None: a folder holding
-    ``pytorch_model.bin`` (its shards, its index, a ``.pt`` file), or a ``.bin``/``.pt``/``.pth`` file that is a
-    torch zip or a bare pickle."""
+    """What names ``location`` as a pickle, or None: a folder holding ``pytorch_model.bin`` (its shards, its
+    index, a ``.pt`` file); a ``.bin``/``.pt``/``.pth`` file that is a torch zip or a bare pickle (PyTorch's
+    ``torch.save``); any other file that opens with a pickle's magic bytes, or is named ``.pkl``/``.pickle``
+    (Haiku's ``params.pkl``)."""
     storage = looking.storage
     if folder:
         try:
@@ -172,20 +257,35 @@ def _torch_pickle(location: str, folder: bool, looking: ReadContext) -> str | No
             return None
         what = "an index of PyTorch pickles" if names[0].endswith(".json") else "a PyTorch pickle"
         return f"holds {names[0]}, {what}"
-    if not os.path.basename(location).lower().endswith(TORCH_SUFFIXES):
+    name = os.path.basename(location).lower()
+    try:
+        head = file_head(storage, location, 2)
+    except (OSError, CheckpointError):
         return None
-    head = file_head(storage, location, 2)
     # A pickle of protocol 2 to 5 starts with 0x80 and its protocol; torch.save wrote one before PyTorch 1.6.
-    if (head[:2] == b"PK" and is_torch_zip(location, storage)) or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03",
-                                                                                            b"\x04", b"\x05")):
-        return "a PyTorch pickle (torch.save)"
+    magic = head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")
+    if name.endswith(TORCH_SUFFIXES):
+        if (head[:2] == b"PK" and is_torch_zip(location, storage)) or magic:
+            return "a PyTorch pickle (torch.save)"
+        return None
+    if magic or name.endswith(PICKLE_SUFFIXES):  # Haiku's params.pkl, any pickle.dump, whatever its name
+        return "a Python pickle (pickle.dump: Haiku's params.pkl and others)"
     return None
 
 
+PICKLE_SUFFIXES = (".pkl", ".pickle")
+"""Names of pickles whatever their protocol (protocols 0 and 1 have no magic bytes)."""
+
+
 def _refuse_pickle(display: str, what: str) -> str:
-    return (f"{display}: {what}; treetools reads no pickles (loading one can run code). Save the weights as "
-            "safetensors (`save_pretrained(DIR, safe_serialization=True)`, or "
-            "`safetensors.torch.save_file(model.state_dict(), PATH)`) and pass that.")
+    if "PyTorch" in what:
+        fix = ("Save the weights as safetensors (`save_pretrained(DIR, safe_serialization=True)`, or "
+               "`safetensors.torch.save_file(model.state_dict(), PATH)`) and pass that.")
+    else:
+        fix = ("Where you trust it, load it yourself and save the arrays as safetensors "
+               "(`safetensors.numpy.save_file(tt.flatten(params), PATH)`) or an Orbax checkpoint, "
+               "and pass that.")
+    return f"{display}: {what}; treetools reads no pickles (loading one can run code). {fix}"
 
 
 def not_a_checkpoint(location: str, display: str, formats: Sequence[Format], context: ReadContext | None = None) -> str:
@@ -217,7 +317,7 @@ def not_a_checkpoint(location: str, display: str, formats: Sequence[Format], con
     if pickle is not None and not folder:
         return _refuse_pickle(display, pickle)
     parent = storage.parent(location)
-    near = (_checkpoints_beside(location, formats, looking) if folder else
+    near = (_checkpoints_below(location, formats, looking) if folder else
             _checkpoints_beside(parent, formats, looking, skip=os.path.basename(location)) if parent is not None
             else [])
     if pickle is not None and not near:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 
 from treetools.ckpt.context import ReadContext
-from treetools.ckpt.diagnose import not_a_checkpoint
+from treetools.ckpt.diagnose import did_you_mean, not_a_checkpoint
 from treetools.ckpt.registry import claims, registered_formats
 from treetools.ckpt.source import Source
 from treetools.ckpt.steps import file_kind
 from treetools.ckpt.storage import as_typed, backend, normalize
-from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
 
 def open_source(path: str | os.PathLike, context: ReadContext | None = None, *, memory_budget: float | None = None,
@@ -68,7 +68,11 @@ def _open(location: str, display: str, context: ReadContext) -> Source:
     if not storage.exists(location):
         if storage.islink(location):
             raise CheckpointError(f"{display}: {file_kind(storage, location)}; point at the checkpoint itself.")
-        raise storage.missing(location)
+        error = storage.missing(location)
+        hint = did_you_mean(location, display, storage) if isinstance(error, CheckpointNotFoundError) else None
+        if hint is not None:  # "model.safetensor: no such file or folder; did you mean model.safetensors?"
+            error = type(error)(f"{str(error).rstrip('.')}{hint}")
+        raise error
     if not (storage.isdir(location) or storage.isfile(location)):
         raise CheckpointError(f"{display}: not a regular file ({file_kind(storage, location)}); point at a "
                               "checkpoint file or folder.")
@@ -79,4 +83,4 @@ def _open(location: str, display: str, context: ReadContext) -> Source:
     for fmt in registered:
         if claims(fmt, location, confined):
             return fmt.open(location, display, confined)
-    raise CheckpointError(not_a_checkpoint(location, display, registered, context))
+    raise NotACheckpointError(not_a_checkpoint(location, display, registered, context))

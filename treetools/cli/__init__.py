@@ -35,7 +35,8 @@ from typing import Any, NoReturn, Sequence
 
 import treetools
 from treetools.cli import _args, _distributed, _output, _process
-from treetools.shared.render import json_object
+from treetools.shared.files import WRITE_ERRNOS, user_path
+from treetools.shared.render import json_object, set_width
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError, UsageError
 
 
@@ -251,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError, ValueError, AttributeError):
             sys.stderr.flush()
         return 2 if command == "diff" else 1
+    finally:
+        set_width(None)  # a library caller after a command renders at the default width again
 
 
 def _main(argv: list[str], command: str | None) -> int:
@@ -268,6 +271,7 @@ def _main(argv: list[str], command: str | None) -> int:
         return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    set_width(_terminal_columns())  # tables fit the terminal stdout is, 100 columns for a file or a pipe
     run = _distributed.Run()
     try:
         run.join(args, argv)  # --processes N / --distributed: this process's share of the reads
@@ -287,9 +291,27 @@ def _main(argv: list[str], command: str | None) -> int:
             raise
         report_error(e)
         return _json_error(args, e, 2 if command == "diff" else 1, usage=False)
+    except OSError as e:  # a write the place refuses (read-only, full, over quota): one line; other OS errors are bugs
+        if e.errno not in WRITE_ERRNOS or os.environ.get("TREETOOLS_DEBUG"):
+            raise
+        report_error(e)
+        return _json_error(args, e, 2 if command == "diff" else 1, usage=False)
     finally:
         run.close()  # after an error too: the run left, the local copies waited for
     return int(code or 0)
+
+
+def _terminal_columns() -> int | None:
+    """The width the text views fit when stdout is a terminal: ``COLUMNS`` where set (a shell keeps it to the
+    terminal's), else the terminal's own; None (100 columns) for a file or a pipe, whose output stays the same
+    wherever it runs."""
+    try:
+        if not sys.stdout.isatty():
+            return None
+        env = os.environ.get("COLUMNS", "").strip()
+        return int(env) if env.isdigit() and int(env) > 0 else os.get_terminal_size(sys.stdout.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (a StringIO)
+        return None
 
 
 def _json_error(args: argparse.Namespace, e: BaseException, code: int, *, usage: bool) -> int:
@@ -302,7 +324,7 @@ def _json_error(args: argparse.Namespace, e: BaseException, code: int, *, usage:
 def error_text(e: BaseException) -> str:
     """A known error as its one line: ``PATH: reason.`` for an OS error, else its message."""
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        return f"{e.filename}: {e.strerror}."
+        return f"{user_path(os.fspath(e.filename))}: {e.strerror}."  # the destination, not its temporary name
     return str(e) or type(e).__name__
 
 

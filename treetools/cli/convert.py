@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--to", choices=("safetensors", "orbax"), default=None,
                         help="output format (default safetensors)")
     parser.add_argument("--shard-size", default="5GB", metavar="SIZE",
-                        help="most bytes per shard of a safetensors folder: 5GB (default), 500MB, 2GiB, or bytes")
+                        help="most bytes per shard of a safetensors folder: 5GB (default), 500MB, 2GiB or 2G, or bytes")
     parser.add_argument("--metadata", type=_metadata, action="append", default=[], metavar="KEY=VALUE",
                         help="a string into every safetensors header's __metadata__ (format=pt unless given); "
                              "repeatable")

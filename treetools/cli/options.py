@@ -16,6 +16,7 @@ from typing import Any, Sequence, TypeVar
 from treetools.cli._args import chunk_mb, positive_float, positive_int, regex, step
 from treetools.rules.spec import FIELDS, Rules
 from treetools.shared.errors import UsageError
+from treetools.shared.rows import parse_size
 
 _T = TypeVar("_T")
 
@@ -72,12 +73,16 @@ def add_depth(parser: argparse.ArgumentParser | Any, *, help: str) -> None:
 
 
 def memory_budget_mb(text: str) -> float:
-    """``--memory-budget-mb``: MB (fractions allowed, ``inf`` for none) -> bytes.
+    """``--memory-budget-mb``: a size (``shared.rows.parse_size``: ``4G``, ``4GiB``, ``500MB``), a bare number
+    being MiB (fractions allowed), ``inf`` for none -> bytes.
 
-    >>> memory_budget_mb("0.5"), memory_budget_mb("inf")
-    (524288.0, inf)
+    >>> memory_budget_mb("0.5"), memory_budget_mb("inf"), memory_budget_mb("4G") == 4096 * 2**20
+    (524288, inf, True)
     """
-    return positive_float(text) * 2**20
+    try:
+        return parse_size(text, what="--memory-budget-mb", bare=2**20, unbounded=True)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("`", "")) from None
 
 
 def add_reading(parser: argparse.ArgumentParser) -> None:
@@ -85,7 +90,8 @@ def add_reading(parser: argparse.ArgumentParser) -> None:
     checkpoint followed), and the hidden block size ``--chunk-mb``."""
     parser.add_argument("--memory-budget-mb", type=memory_budget_mb, default=None, dest="memory_budget", metavar="MB",
                         help="most stored data decoded at once by --stats/--show/--values/verify: one storage "
-                             "chunk or one --show read (default 2048; TREETOOLS_MEMORY_BUDGET_MB)")
+                             "chunk or one --show read: MiB, or a size such as 4G (default 2048; "
+                             "TREETOOLS_MEMORY_BUDGET_MB)")
     parser.add_argument("--follow-links", action="store_true", default=False,
                         help="follow symlinks that lead out of the checkpoint (step folders on another volume); "
                              "off by default: only for checkpoints you trust (docs/untrusted.md)")

@@ -90,7 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-grads", dest="grads", action="store_false",
                         help="leave out the gradients a training step holds (to serve, not train)")
     parser.add_argument("--device-memory", type=device_memory, default=None, metavar="SIZE",
-                        help="one device's memory (80GiB, 40GB, bytes): exit 1 when the state does not fit")
+                        help="one device's memory (80GiB or 80G binary, 40GB decimal, bytes): exit 1 when the state does "
+                             "not fit")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="largest leaves shown (default 10)")
     add_step(parser, allow_all=False)
     add_prefix(parser)

@@ -69,7 +69,7 @@ from treetools.cli._args import positive_int
 from treetools.cli.options import add_rules, rules_from
 from treetools.pytree.metrics import METRICS_FILE, read_metrics
 from treetools.shared.errors import UsageError
-from treetools.shared.files import replace_file
+from treetools.shared.files import check_writable, replace_file
 from treetools.shared.rows import STATS
 
 if TYPE_CHECKING:
@@ -165,6 +165,7 @@ def _check_output(output: str, supported: Mapping[str, str], reads: str | None =
         if os.path.realpath(output) == root or os.path.realpath(output).startswith(root.rstrip(os.sep) + os.sep):
             raise ValueError(f"-o {output} is inside the checkpoint {reads}, and nothing is written under a path "
                              "that is read; pick a path outside it.")
+    check_writable(output)  # a read-only folder fails now, before anything is read or drawn
 
 
 def _default_output(paths: Sequence[str], name: str = "norms.png") -> str:

@@ -45,7 +45,7 @@ import os
 
 from treetools.cli import _output
 from treetools.cli._args import positive_float, positive_int, unit_float
-from treetools.shared.files import refuse_link_out
+from treetools.shared.files import check_writable, refuse_link_out
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,6 +109,7 @@ def main(args: argparse.Namespace) -> int:
     # Orbax would save (and prune) through a link planted at WORKDIR/checkpoints; metrics.jsonl is guarded where
     # it is written (tt.JsonlWriter).
     refuse_link_out(os.path.join(args.workdir, "checkpoints"), args.workdir)
+    check_writable(os.path.join(args.workdir, "metrics.jsonl"))  # a read-only place fails now, before jax starts
     if args.cpu_devices:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:

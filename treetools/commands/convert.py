@@ -26,17 +26,20 @@ and compares every tensor, bit for bit, with the source after the rules.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import logging
 import math
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.readers import ArrayReader, bit_view, is_numeric, np_dtype
-from treetools.ckpt.storage import as_typed, backend, location
+from treetools.ckpt.storage import as_typed, backend, is_url, location
 from treetools.ckpt.stream import Failed, reduce_blocks
 from treetools.ckpt.mapping import RuledReader
 from treetools.ckpt.items import find_params
@@ -55,6 +58,7 @@ from treetools.ckpt.writers.safetensors import (
 from treetools.shared.errors import CheckpointError, UsageError
 from treetools.commands.options import ConvertOptions, resolve
 from treetools.commands.progress import Progress
+from treetools.shared.files import check_writable, existing_folder, free_bytes
 from treetools.shared.render import json_object, safe_text
 from treetools.shared.rows import human
 from treetools.rules.plan import TargetLeaf
@@ -343,6 +347,8 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
     exists = backend(dst_loc).lexists(dst_loc)  # a dangling symlink is something there too
     if exists and not opts.overwrite and not opts.dry_run and opts.dst_step is None:
         raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it.")
+    if not opts.dry_run and not is_url(dst_loc):  # a read-only place fails now, not after the read (Orbax: minutes)
+        check_writable(os.path.join(dst_loc, str(opts.dst_step)) if opts.dst_step is not None else dst_loc)
     plan = _plan(src, opts, context)
     _check_names(t.path for t in plan.targets)
     report = ConvertReport(str(src), str(dst), plan.source.format, plan.step, plan.item.name, to, "", [],
@@ -359,6 +365,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
         report.files = [f.name for f in layout.files] + (["model.safetensors.index.json"] if layout.index else [])
         report.rows = _rows(plan.targets, [t.name for t in tensors], [file_of[t.name] for t in tensors])
         if not opts.dry_run:
+            _check_space(dst_loc, layout.total_size)
             with _progress(report, opts) as on_block:
                 write_safetensors(layout, metadata=metadata, block_bytes=context.block_bytes,
                                   overwrite=opts.overwrite, on_block=on_block, fsync=opts.fsync,
@@ -380,7 +387,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
                 "or convert to safetensors, which streams."
             )
         if not opts.dry_run:
-            with _progress(report, opts) as on_block:
+            with _progress(report, opts) as on_block, _full_disk(dst):
                 write_orbax(dst_loc, list(zip(parts, plan.readers)), step=opts.dst_step,
                             item=plan.item.name if opts.item is not None else "params", overwrite=opts.overwrite,
                             read_leaf=lambda reader: _read_whole(reader, context.block_bytes, on_block,
@@ -396,12 +403,58 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
     return report
 
 
+def _check_space(dst: str, nbytes: int) -> None:
+    """Refuse a local safetensors write its file system has no room for (its size is known exactly), before any
+    byte is written."""
+    if is_url(dst):
+        return
+    folder = existing_folder(dst)
+    free = free_bytes(folder)
+    if free is not None and free < nbytes:
+        raise OSError(errno.ENOSPC, f"no room: the output takes {human(nbytes, 'B')}, {human(free, 'B')} free", folder)
+
+
+@contextlib.contextmanager
+def _full_disk(dst: str) -> Iterator[None]:
+    """Orbax's own error for a full disk (a ``ValueError`` from TensorStore, ``RESOURCE_EXHAUSTED ... No space
+    left on device``) as the ``OSError`` every other write gives, naming ``dst``; Orbax has removed what it wrote.
+    The traceback Orbax's writing thread logs for the same error is left out (the one line says it)."""
+    absl = logging.getLogger("absl")
+    quiet = _DropWriteErrors()
+    absl.addFilter(quiet)
+    try:
+        yield
+    except ValueError as e:
+        text = str(e)
+        for code, words in zip((errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES), _WRITE_FAILURES):
+            if words in text:
+                raise OSError(code, os.strerror(code), str(dst)) from None
+        raise
+    finally:
+        absl.removeFilter(quiet)
+
+
+_WRITE_FAILURES = ("No space left", "quota exceeded", "Read-only file system", "Permission denied")
+
+
+class _DropWriteErrors(logging.Filter):
+    """Drops a log record about a write the place refused (reported once, as one line, by ``_full_disk``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        texts, error = [record.getMessage()], record.exc_info[1] if record.exc_info else None
+        while error is not None and len(texts) < 20:  # the error and what it was raised from
+            texts.append(str(error))
+            error = error.__cause__ or error.__context__
+        return not any(words in text for text in texts for words in _WRITE_FAILURES)
+
+
 def _rows(targets: Sequence[TargetLeaf], names: Sequence[str], files: Sequence[str]) -> list[ConvertRow]:
     out = []
     for t, name, file in zip(targets, names, files):
         r = t.row()
+        renamed = not t.stacked and t.layer is None and t.path != t.source  # a rename rule's work, shown as an op
         out.append(ConvertRow(r.source, name, tuple(r.source_shape or ()), tuple(t.shape or ()),
-                              str(r.source_dtype), str(r.dtype), file, r.ops))
+                              str(r.source_dtype), str(r.dtype), file, ("rename",) * renamed + tuple(r.ops)))
     return out
 
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # annotations only: `inspect` does not load the diff, verify 
     from treetools.commands.verify import VerifyRun
 from treetools.shared.render import (
     CELL_WIDTH,
+    WIDTH,
     DEFAULT_STAT_COLUMNS,
     bytes_text,
     cut_paths,
@@ -33,12 +34,9 @@ from treetools.shared.render import (
     row_cells,
     safe_text,
     stat_value,
+    width,
 )
 from treetools.shared.rows import Row, Totals, format_count, format_shape, human
-
-
-WIDTH = 100
-"""The default view fits this many columns (and about 50 lines)."""
 
 
 def _header(report: Report) -> list[str]:
@@ -152,7 +150,7 @@ def _item_section(title: str, item: ItemReport, fmt: str, tablefmt: str, stats: 
         table, dropped = _table(item.rows, item.label, stats, stat_columns, md, tablefmt, fit=fit)
         body = [table, footer(item.total, label=item.label, markdown=md, not_params=item.not_params)]
         if dropped:
-            body.append(f"({', '.join(dropped)} left out to fit {WIDTH} columns; --leaves shows every column)")
+            body.append(f"({', '.join(dropped)} left out to fit {width()} columns; --leaves shows every column)")
         if values:
             body += ["values:", _render_values(values, md)]
     if md:  # markdown needs blank lines between a heading, a paragraph and a table
@@ -161,28 +159,32 @@ def _item_section(title: str, item: ItemReport, fmt: str, tablefmt: str, stats: 
 
 
 DROPPED_TO_FIT = ("sharding", "bytes", "shape", "dtype")
-"""Columns the one-screen view leaves out, in this order, while a table is wider than ``WIDTH``."""
+"""Columns the one-screen view leaves out, in this order, while a table is wider than ``width()``; a column
+empty on every row (a checkpoint that records no sharding) goes before any of them, and unsaid: it hides nothing."""
 
 
 def _table(rows: Sequence[Row], label: str, stats: bool, stat_columns: Sequence[str], md: bool, tablefmt: str,
            fit: bool = False) -> tuple[str, list[str]]:
     """Rows as a table: path, shape, dtype, then the counts and sharding, or with ``stats`` the statistics.
 
-    With ``fit`` (the one-screen view), columns of ``DROPPED_TO_FIT`` are left
-    out while the table is wider than ``WIDTH``; returns the table and the
-    columns left out.
+    With ``fit`` (the one-screen view), while the table is wider than
+    ``width()``, the columns empty on every row are left out first, then those
+    of ``DROPPED_TO_FIT``; returns the table and the columns left out that held
+    something.
     """
     headers, data = row_cells(rows, ["path", "shape_cell", "dtype",
                                      *(stat_columns if stats else ["count", "bytes", "sharding"])], label=label)
+    empty = [h for i, h in enumerate(headers) if i and data and not any(str(row[i]).strip() for row in data)]
     dropped: list[str] = []
+    room = width()
     while True:
         keep = [i for i, h in enumerate(headers) if h not in dropped]
         table = tabulate([[row[i] for i in keep] for row in data], headers=[headers[i] for i in keep],
                          tablefmt="github" if md else tablefmt, disable_numparse=True)
-        too_wide = max(map(len, table.splitlines()), default=0) > WIDTH
-        left = [h for h in DROPPED_TO_FIT if h in headers and h not in dropped]
+        too_wide = max(map(len, table.splitlines()), default=0) > room
+        left = [h for h in [*empty, *DROPPED_TO_FIT] if h in headers and h not in dropped]
         if not (fit and too_wide and left):
-            return table, dropped
+            return table, [h for h in dropped if h not in empty]
         dropped.append(left[0])
 
 
@@ -302,7 +304,7 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     """Render a ``DiffReport`` as ``table``, ``markdown`` or ``json``; the last line of a table is the verdict.
 
     Section titles count leaves (with ``depth``, also the groups they form), as the verdict does. A table
-    fits ``WIDTH`` columns: path cells are cut to what is left, and the values table leaves out its
+    fits ``width()`` columns: path cells are cut to what is left, and the values table leaves out its
     ``allclose`` column (saying so) where the paths would get too little room; markdown keeps paths whole.
     """
     if fmt == "json":
@@ -360,13 +362,13 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
                 line.append("yes" if v.allclose else "no")
             body, dropped = _diff_table(data, headers, md, droppable=("allclose",))
             if dropped:
-                body += f"\n(allclose left out to fit {WIDTH} columns: it is yes where outside tol is 0)"
+                body += f"\n(allclose left out to fit {width()} columns: it is yes where outside tol is 0)"
         sections.append((title, body))
     out = [f"- A: {side(report.a)}", f"- B: {side(report.b)}"] if md else [f"A: {side(report.a)}", f"B: {side(report.b)}"]
     for title, body in sections:
         # Markdown needs a blank line between a paragraph and a table.
         out += ["", title, *([""] if md and body else []), *([body] if body else [])]
-    out += ["", *(piece for line in report.verdict().splitlines() for piece in _wrap_list(line))]
+    out += ["", *(piece for line in report.verdict().splitlines() for piece in _wrap_list(line, width()))]
     return "\n".join(out)
 
 
@@ -416,7 +418,7 @@ def _diff_table(data: list[list[str]], headers: list[str], md: bool, droppable: 
                 ) -> tuple[str, list[str]]:
     """A diff section's table, path first (raw names, escaped here); returns it and the columns left out.
 
-    A terminal table fits ``WIDTH``: the path column gets what the other columns leave, cut with
+    A terminal table fits ``width()``: the path column gets what the other columns leave, cut with
     ``cut_paths`` (the parts the rows share go first, what tells them apart stays); while that is under
     ``DIFF_PATH_MIN``, ``droppable`` columns are left out in order. Markdown keeps every column and paths up
     to ``CELL_WIDTH``.
@@ -436,7 +438,7 @@ def _diff_table(data: list[list[str]], headers: list[str], md: bool, droppable: 
         # What the other columns take: measured on a table whose path cells are 8 characters (wider than the
         # header "path" with its padding, so the column is exactly 8 wide).
         others = max(map(len, render(keep, 0, "x" * 8).splitlines())) - 8
-        room = max(WIDTH - others, 12)
+        room = max(width() - others, 12)
         left = [h for h in droppable if h in headers and h not in dropped]
         if room >= DIFF_PATH_MIN or not left:
             return render(keep, room), dropped
@@ -500,12 +502,15 @@ def render_convert(report: ConvertReport, fmt: str = "table") -> str:
 
     lines = []
     if report.dry_run:
-        table = [["source", "-> name", "shape", "dtype", "file" if report.to == "safetensors" else ""]]
+        # `rules`: every op a rule does to the leaf, a square matrix's transpose included (its shape tells nothing).
+        table = [["source", "-> name", "shape", "dtype", "file", "rules"]]
         for r in report.rows:
             table.append([safe_text(r.source), "-> " + safe_text(r.name), change(r.source_shape, r.shape),
-                          change(r.source_dtype, r.dtype), safe_text(r.file)])
-        table += [[safe_text(p), "(dropped)", "", "", ""] for p in report.dropped]
-        widths = [max(len(row[i]) for row in table) for i in range(5)]
+                          change(r.source_dtype, r.dtype), safe_text(r.file), ", ".join(r.ops)])
+        table += [[safe_text(p), "(dropped)", "", "", "", "drop"] for p in report.dropped]
+        if report.to != "safetensors":  # Orbax: one folder, no file per tensor
+            table = [row[:4] + row[5:] for row in table]
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
         lines.append("")
     elif report.dropped:

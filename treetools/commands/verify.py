@@ -30,7 +30,7 @@ from treetools.ckpt.leaves import Item
 from treetools.ckpt.opening import open_source
 from treetools.ckpt.source import Source
 from treetools.ckpt.stream import Failed, reduce_blocks
-from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError, StepDeletedError
 from treetools.commands.options import VerifyOptions, resolve
 from treetools.commands.progress import Progress
 from treetools.shared.render import json_object
@@ -285,7 +285,7 @@ def _open(path: str, context: ReadContext) -> Source | VerifyReport:
     """The source at ``path``, or a failed report when a single-file format finds damage in its header."""
     try:
         return open_source(path, context)
-    except (CheckpointNotFoundError, MemoryBudgetError):
+    except (CheckpointNotFoundError, MemoryBudgetError, NotACheckpointError):  # nothing to check: an error line
         raise
     except CheckpointError as e:  # a single-file format reads its header at open: damage there is a problem too
         report = VerifyReport(path, "?", None)

@@ -7,6 +7,7 @@ heavy (no jax, no numpy).
 * ``CheckpointError``: a known problem with a checkpoint on disk: missing,
   not a checkpoint, corrupt, unreadable, an unknown or incomplete step. The
   CLI prints it as one ``treetools: error: ...`` line and exits 1.
+* ``NotACheckpointError``: a ``CheckpointError``: a path no format reads.
 * ``CheckpointNotFoundError``: a ``FileNotFoundError``: the path, the step
   (the message lists the committed ones) or the item asked for is not there.
 * ``CheckpointMismatchError``: a restore target does not match the
@@ -45,6 +46,14 @@ class CheckpointError(ValueError):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+class NotACheckpointError(CheckpointError):
+    """A path that is there but that no format reads (a folder of other things, a repository root): the message
+    names the checkpoints nearby where there are some ("did you mean runs/demo/checkpoints (orbax)?").
+
+    Not damage: ``verify`` reports it as the one error line of a PATH it cannot read, never as a failed check.
+    """
 
 
 class CheckpointNotFoundError(FileNotFoundError):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import uuid
 from typing import IO, Any, Callable, Iterator
@@ -54,6 +55,73 @@ def tmp_name(dst: str, what: str) -> str:
     """
     head, name = os.path.split(dst)
     return os.path.join(head, f".{name}.treetools-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+WRITE_ERRNOS = frozenset(getattr(errno, name) for name in ("EACCES", "EPERM", "EROFS", "ENOSPC", "EDQUOT", "EFBIG",
+                                                            "EIO", "EEXIST", "ENOTDIR", "EISDIR", "ENAMETOOLONG")
+                          if hasattr(errno, name))
+"""The errors of a write the user's place causes (read-only, no permission, full, over a quota): reported as one
+``PATH: reason.`` line, never a traceback."""
+
+_TMP = re.compile(r"^\.(.+?)\.treetools-(?:tmp|old|probe)-\d+-[0-9a-f]{8}")
+
+
+def user_path(path: str) -> str:
+    """The destination a temporary name (``tmp_name``) stands for; any other path as it is.
+
+    >>> user_path("/out/.model.safetensors.treetools-tmp-12-0123abcd"), user_path("/out/.x.treetools-tmp-1-0123abcd.orbax-checkpoint-tmp/d/f")
+    ('/out/model.safetensors', '/out/x')
+    >>> user_path("/out/model.safetensors")
+    '/out/model.safetensors'
+    """
+    head = path
+    while True:
+        head, name = os.path.split(head)
+        if not name:
+            return path
+        m = _TMP.match(name)
+        if m:
+            return os.path.join(head, m.group(1))
+        if not head or head == os.sep:
+            return path
+
+
+def existing_folder(path: str) -> str:
+    """The folder that holds ``path``'s first part still to be made: its parent, or the nearest one above it
+    that exists (a write makes the folders between)."""
+    folder = os.path.dirname(os.path.abspath(os.path.expanduser(path)))
+    while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    return folder
+
+
+def check_writable(path: str) -> None:
+    """Fail at once, before any work, when ``path`` cannot be written: a file is created and removed in the
+    folder that would hold it (``existing_folder``), which is the one test that holds for root, a read-only mount
+    and access control lists alike.
+
+    Raises:
+      OSError: its errno, ``filename`` the folder, ``strerror`` ``cannot write there (REASON)``.
+
+    >>> import tempfile; check_writable(os.path.join(tempfile.mkdtemp(), "new", "out.png"))
+    """
+    folder = existing_folder(path)
+    probe = tmp_name(os.path.join(folder, "write-check"), "probe")
+    try:
+        os.close(create_new(probe))
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write there ({e.strerror or e})", folder) from None
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+
+
+def free_bytes(folder: str) -> int | None:
+    """Bytes this process may still write in ``folder``'s file system (None where the system does not say)."""
+    try:
+        st = os.statvfs(folder)
+    except (OSError, AttributeError):
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def create_new(path: str, mode: int = 0o666) -> int:
@@ -101,17 +169,19 @@ def replace_file(path: str, content: bytes | Callable[[IO[bytes]], Any], *, fsyn
     tmp = tmp_name(path, "tmp")
     fd = create_new(tmp)
     try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(content):
-                content(f)
-            else:
-                f.write(content)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
         try:
+            with os.fdopen(fd, "wb") as f:
+                if callable(content):
+                    content(f)
+                else:
+                    f.write(content)
+                f.flush()
+                if fsync:
+                    os.fsync(f.fileno())
             os.replace(tmp, path)
-        except OSError as e:  # a folder at `path`: name it, not the temporary
+        except OSError as e:  # name `path`, not the temporary (a full disk's write names no file at all)
+            if not e.strerror:
+                raise
             raise type(e)(e.errno, e.strerror, path) from None
     except BaseException:
         with contextlib.suppress(OSError):

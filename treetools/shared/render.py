@@ -37,6 +37,32 @@ def stat_value(stats: Mapping[str, Any], name: str) -> Any:
     return stats.get(name)
 
 
+WIDTH = 100
+"""The columns the text views fit where no width is given: output to a file or a pipe, or a library caller."""
+
+MIN_WIDTH = 60
+"""The fewest columns a view is fitted to, however narrow the terminal."""
+
+_columns: list[int | None] = [None]
+
+
+def set_width(columns: int | None) -> None:
+    """The columns the text views fit from now on (the ``treetools`` program sets the terminal's while a command
+    runs, when stdout is one); None: ``WIDTH``."""
+    _columns[0] = columns
+
+
+def width() -> int:
+    """The columns the text views fit: what ``set_width`` gave (never under ``MIN_WIDTH``), else ``WIDTH``.
+
+    >>> set_width(200); width()
+    200
+    >>> set_width(None); width()
+    100
+    """
+    return WIDTH if _columns[0] is None else max(_columns[0], MIN_WIDTH)
+
+
 CELL_WIDTH = 160
 """The most characters a table cell shows of a name (a longer one is cut, and says so); JSON keeps names whole."""
 

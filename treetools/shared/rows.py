@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import numbers
 import re
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -354,30 +355,44 @@ def format_count(n: int) -> str:
     return f"{n:,}" if abs(n) < 1_000_000 else f"{n:,} ({human(n)})"
 
 
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+               "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+"""Every size flag's units: ``KB``/``MB``/``GB``/``TB`` decimal (as ``huggingface_hub`` reads ``max_shard_size``),
+``KiB``/``MiB``/``GiB``/``TiB`` binary, and a bare letter ``K``/``M``/``G``/``T`` binary, as docker, ulimit and
+Slurm read ``16G``; any case."""
 
 
-def parse_size(size: int | str, *, what: str = "size") -> int:
-    """Bytes from ``5GB`` (decimal, as ``huggingface_hub`` reads ``max_shard_size``), ``80GiB`` (binary) or an int.
+def parse_size(size: int | float | str, *, what: str = "size", bare: int = 1, unbounded: bool = False) -> int:
+    """Bytes from ``5GB`` (decimal), ``80GiB`` or ``16G`` (binary: ``_SIZE_UNITS``) or a bare number of ``bare``
+    bytes (1: bytes; ``--memory-budget-mb``: 2**20).
 
-    ``what`` names the argument in the error (``shard_size``, ``--device-memory``).
+    ``what`` names the argument in the error (``shard_size``, ``--device-memory``); ``unbounded`` also takes
+    ``inf`` (no limit: returns ``math.inf``).
 
     Raises:
       ValueError: not a positive size (the message shows the forms accepted).
 
-    >>> parse_size("5GB"), parse_size("1.5MiB"), parse_size(1024)
-    (5000000000, 1572864, 1024)
+    >>> parse_size("5GB"), parse_size("1.5MiB"), parse_size(1024), parse_size("16G"), parse_size("16g")
+    (5000000000, 1572864, 1024, 17179869184, 17179869184)
+    >>> parse_size("0.5", bare=2**20), parse_size("inf", unbounded=True)
+    (524288, inf)
     """
-    if isinstance(size, numbers.Integral) and not isinstance(size, bool):
-        value = int(size)
+    if isinstance(size, numbers.Number) and not isinstance(size, bool):
+        value = size * bare
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(size))
+        text = str(size).strip()
+        if unbounded and text.lower() in ("inf", "infinity"):
+            return math.inf  # type: ignore[return-value]
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)", text)
         unit = m.group(2).upper() if m else None
-        if m is None or unit not in _SIZE_UNITS:
-            raise ValueError(f"`{what}` {size!r} is not a size; write bytes or a number with a unit "
-                             "such as 5GB, 500MB (decimal) or 2GiB (binary).")
-        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if value < 1:
+        if m is None or (unit and unit not in _SIZE_UNITS):
+            raise ValueError(f"`{what}` {size!r} is not a size; write a number with a unit such as 16G or 2GiB "
+                             "(binary), 500MB (decimal), or a bare number of "
+                             f"{'bytes' if bare == 1 else 'MiB' if bare == 2**20 else f'{bare}-byte units'}.")
+        value = float(m.group(1)) * (_SIZE_UNITS[unit] if unit else bare)
+    if value == math.inf and unbounded:
+        return math.inf  # type: ignore[return-value]
+    if not value >= 1 or value == math.inf:
         raise ValueError(f"`{what}` must be positive, got {size!r}.")
-    return value
+    return int(value)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from treetools.shared.errors import CheckpointError
+from treetools.shared.rows import parse_size
 
 DEFAULT_MEMORY_BUDGET = 2 * 2**30
 """The memory budget when neither the caller nor ``TREETOOLS_MEMORY_BUDGET_MB`` gives one."""
@@ -22,20 +23,18 @@ DEFAULT_BLOCK_BYTES = 8 * 2**20
 
 
 def memory_budget_from(raw: str | None) -> float:
-    """``TREETOOLS_MEMORY_BUDGET_MB``'s text -> bytes (MB, fractions allowed; ``inf``: none).
+    """``TREETOOLS_MEMORY_BUDGET_MB``'s text -> bytes: MiB (fractions allowed), or a size with its unit as every
+    size flag takes it (``4G``, ``500MB``: ``shared.rows.parse_size``); ``inf``: none.
 
-    >>> memory_budget_from("0.5"), memory_budget_from(None) == DEFAULT_MEMORY_BUDGET
-    (524288.0, True)
+    >>> memory_budget_from("0.5"), memory_budget_from("1G"), memory_budget_from(None) == DEFAULT_MEMORY_BUDGET
+    (524288, 1073741824, True)
     """
     if not raw:
         return DEFAULT_MEMORY_BUDGET
     try:
-        value = float(raw)
-    except ValueError:
-        raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be a number of MB, got {raw!r}.") from None
-    if not value > 0:
-        raise CheckpointError(f"`TREETOOLS_MEMORY_BUDGET_MB` must be positive, got {raw!r}.")
-    return value * 2**20
+        return parse_size(raw, what="TREETOOLS_MEMORY_BUDGET_MB", bare=2**20, unbounded=True)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def block_bytes_from(raw: str | None) -> int:

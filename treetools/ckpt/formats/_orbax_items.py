@@ -495,11 +495,18 @@ def _step_is_item(storage: Storage, folder: str) -> bool:
 
 
 def _looks_like_step(storage: Storage, folder: str) -> bool:
+    """A step folder: one with Orbax's step metadata, or (Orbax before it wrote that file) one holding an item.
+
+    A folder of step folders that are items (or their tmp folders) is a root, not a step holding items; and a
+    subfolder that is a save of its own (its own ``_CHECKPOINT_METADATA``: a StandardCheckpointer's output, a
+    converted ``orbax_ckpt/``) makes no step of the folder holding it (a repository root beside ``.git``)."""
     if storage.lexists(os.path.join(folder, STEP_METADATA_FILE)):
         return True
-    try:  # a folder of step folders that are items (or their tmp folders) is a root, not a step holding items
-        return any(_is_item(storage, os.path.join(folder, d)) and not (_step_is_item(storage, os.path.join(folder, d))
-                                                               or tmp_step(d) is not None) for d in subdirs(storage, folder))
+    try:
+        return any(_is_item(storage, os.path.join(folder, d))
+                   and not (_step_is_item(storage, os.path.join(folder, d)) or tmp_step(d) is not None
+                            or storage.lexists(os.path.join(folder, d, STEP_METADATA_FILE)))
+                   for d in subdirs(storage, folder))
     except CheckpointError:
         return False
 

@@ -223,7 +223,10 @@ class OrbaxSource(Source):
             except (MemoryBudgetError, StepDeletedError):
                 raise
             except UnreadableItem as e:
-                problems.append(f"{self._shown(step)}: {e}.")
+                if _empty_folder(self.storage, item_dir):  # T5X's `dataset` without an iterator: nothing to check
+                    self._note_empty(step, name, e.unreadable.handler)
+                else:
+                    problems.append(f"{self._shown(step)}: {e}.")
                 continue
             except (CheckpointError, CheckpointNotFoundError) as e:
                 problems.append(str(e))
@@ -246,6 +249,12 @@ class OrbaxSource(Source):
             parts.append(item)
         return "/".join(p.rstrip("/") for p in parts)
 
+    def _note_empty(self, step: int | None, name: str, handler: str) -> None:
+        """A note (not a problem) for an item folder its writer left empty: nothing in it to check."""
+        note = f"{self._shown(step, name)}: item `{name}` ({handler}) left empty by its writer: not checked."
+        if note not in self.notes:
+            self.notes.append(note)
+
     def _strangers_in_step(self, step: int | None, items: Sequence[str]) -> list[str]:
         """A problem naming what a committed step folder holds beside its items and Orbax's own files."""
         step_dir = self._step_dir(step)
@@ -260,6 +269,15 @@ class OrbaxSource(Source):
 
 _STEP_FILES = {STEP_METADATA_FILE, COMMIT_SUCCESS_FILE, "descriptor", "_ROOT_METADATA", "orbax.checkpoint"}
 """What Orbax writes in a step folder beside the items (``descriptor``: the CompositeCheckpointHandler's; ``orbax.checkpoint``: the v1 API's marker)."""
+
+
+def _empty_folder(storage: Storage, folder: str) -> bool:
+    """Whether ``folder`` is a folder holding nothing but Orbax's commit marker (an item its handler wrote nothing
+    into: Orbax makes the folder and marks it committed)."""
+    try:
+        return storage.isdir(folder) and not set(storage.listdir(folder)) - {COMMIT_SUCCESS_FILE}
+    except (OSError, CheckpointError):
+        return False
 
 
 def _item_entries(storage: Storage, item: OrbaxItem) -> set[str] | None:

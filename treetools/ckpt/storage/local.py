@@ -309,17 +309,30 @@ class LocalUpload(Upload):
         self._file = os.fdopen(create_new(path), "wb")
 
     def write(self, data: Any) -> None:
-        self._file.write(data)
+        with self._named():
+            self._file.write(data)
         self.written += memoryview(data).nbytes
 
     def commit(self) -> None:
-        self._file.flush()
-        if self._fsync:
-            os.fsync(self._file.fileno())
-        self._file.close()
+        with self._named():
+            self._file.flush()
+            if self._fsync:
+                os.fsync(self._file.fileno())
+            self._file.close()
+
+    @contextlib.contextmanager
+    def _named(self) -> Iterator[None]:
+        """An OS error of the write (a full disk) naming the file, as ``open`` names it."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is not None or not e.strerror:
+                raise
+            raise type(e)(e.errno, e.strerror, self.path) from None
 
     def abort(self) -> None:
-        self._file.close()
+        with contextlib.suppress(OSError):  # a full disk fails the close's flush too: the file goes all the same
+            self._file.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
