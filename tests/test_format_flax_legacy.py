@@ -113,12 +113,14 @@ def test_msgpack_step_deleted_after_listing(msgpack_dir):
 
 
 def test_msgpack_other_prefix(tmp_path):
-    write_flax_legacy(tmp_path, (1.5,), prefix="ckpt_")  # a float step (flax allows them): not listed, not read
+    # A float step (flax allows them, and orders them by number with the others: natural_sort) is a step too.
+    floats = write_flax_legacy(tmp_path, (1.5,), prefix="ckpt_")
     truth = write_flax_legacy(tmp_path, (5, 40), prefix="ckpt_")
     assert (tmp_path / "ckpt_1.5").is_file()
     rep = inspect_path(str(tmp_path)).to_json()
-    assert rep["format"] == "flax-legacy" and rep["steps"] == [5, 40]
+    assert rep["format"] == "flax-legacy" and rep["steps"] == [1.5, 5, 40]
     _assert_tree_equal(tt.load_parameters(tmp_path, step=5), truth[5]["params"])
+    _assert_tree_equal(tt.load_parameters(tmp_path, step=1.5), floats[1.5]["params"])
 
 
 def test_msgpack_single_file_is_a_msgpack_checkpoint(msgpack_dir):

@@ -32,6 +32,7 @@ import re
 from typing import Any, Sequence
 
 from treetools.ckpt.context import ReadContext
+from treetools.ckpt.formats._orbax_items import logical_paths
 from treetools.ckpt.formats._tensorstore import array_folders, subdirs, zarr_header, zarr_leaves
 from treetools.ckpt.formats.levanter import METADATA_FILE, has_metadata, saved_metadata
 from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Snapshot, check_name
@@ -159,9 +160,12 @@ class EasyDeLSource(Source):
             notes.append(
                 f"{where}: {len(extra)} array(s) under `{name}/` are not in the index ({', '.join('/'.join(p) for p, _, _ in extra[:3])}"
                 f"{', ...' if len(extra) > 3 else ''}); read from their zarr headers.")
-        leaves = zarr_leaves(self.context, folder, [(p, rel, h) for p, rel, h, _ in arrays] + extra, where=folder,
-                             problems=problems)
         arrays = arrays + [(p, rel, h, {}) for p, rel, h in extra]
+        # A box the save wrote as a node (the optimizer's moments of nnx `Param`s: `.../kernel/value`) is one leaf
+        # at the box's path, as the params beside it (saved as a pure dict) are: no path ends in `/value`.
+        named = logical_paths([parts for parts, _, _, _ in arrays])
+        leaves = zarr_leaves(self.context, folder, [(p, rel, h) for p, (_, rel, h, _) in zip(named, arrays)],
+                             where=folder, problems=problems)
         out = []
         for (parts, rel, _, entry), leaf in zip(arrays, leaves):
             if leaf is None:  # recorded in `problems`
