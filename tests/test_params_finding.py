@@ -150,3 +150,59 @@ def test_praxis_mdl_vars_are_the_params(tmp_path):
     # Orbax (newer paxml saves the TrainState as a pytree through Orbax): the same params.
     path = _orbax(tmp_path / "orbax_pax", jax.tree.map(jnp.asarray, truth[200]))
     check_load_parameters(path, params)
+
+
+def _maxtext_quantized(delta: float = 0.0) -> dict:
+    """What MaxText's engine saves for AQT-quantized serving (AI-Hypercomputer/maxtext ``MaxText/maxengine.py``
+    ``load_params`` at commit afdb4ba2c09d4e1fcae3403d59c9c7ca1fa3d74a): ``{"aqt": new_vars["aqt"], "params":
+    remove_quantized_params(params, aqt)}``; each quantized kernel's ``AqtDotGeneral_0/qrhs/frozen`` holds AQT's
+    ``QTensor`` (``qvalue`` int8, ``scale`` a list of float32 arrays), and ``remove_quantized_params`` puts ``{}``
+    where the kernel was (``MaxText/layers/quantizations.py``)."""
+    rng = np.random.default_rng(0)
+
+    def frozen(shape):
+        return {"AqtDotGeneral_0": {"qrhs": {"frozen": {
+            "qvalue": rng.integers(-127, 128, shape, dtype=np.int8),
+            "scale": [(rng.random((1, shape[1])) + delta).astype(np.float32)]}}}}
+
+    attention = {"query": frozen((4, 8)), "key": frozen((4, 8)), "out": frozen((8, 4))}
+    params = {"decoder": {"layers": {
+        "self_attention": {"query": {"kernel": {}}, "key": {"kernel": {}}, "out": {"kernel": {}}},
+        "pre_self_attention_layer_norm": {"scale": np.ones(4, np.float32)},
+        "mlp": {"wi": {"kernel": rng.standard_normal((4, 16)).astype(np.float32)}}},
+        "decoder_norm": {"scale": np.ones(4, np.float32)}},
+        "token_embedder": {"embedding": rng.standard_normal((11, 4)).astype(np.float32)}}
+    return {"aqt": {"decoder": {"layers": {"self_attention": attention}}}, "params": params}
+
+
+def test_maxtext_aqt_quantized_params_are_read_as_stored(tmp_path):
+    # Issue 49: the quantized values and scales under `aqt/` were missing from load_parameters (it took
+    # `params/params`, 6 of the leaves): a variables dict with collections beside `params` is the params, whole.
+    # MaxText's `save_params_to_path(dir, params)` saves {"params": params} through
+    # `ocp.PyTreeCheckpointer(use_ocdbt=True, use_zarr3=True)` (MaxText/checkpointing.py).
+    quantized = _maxtext_quantized()
+    path = tmp_path / "quantized"
+    with ocp.PyTreeCheckpointer(use_ocdbt=True, use_zarr3=True) as ckptr:
+        ckptr.save(path, jax.tree.map(jnp.asarray, {"params": quantized}))
+    truth = _flat(quantized)  # the `{}` left where a kernel was holds no array
+    assert sum(k.startswith("aqt/") for k in truth) == 6 and len(truth) == 10
+    assert truth["aqt/decoder/layers/self_attention/query/AqtDotGeneral_0/qrhs/frozen/qvalue"].dtype == np.int8
+    check_load_parameters(path, truth)
+    whole = {f"params/{k}": v for k, v in truth.items()}
+    check_inspect(path, whole)
+    check_stats(path, whole)
+    check_show(path, whole)
+    check_verify(path)
+    rules = tt.Rules(rename=[(r"/AqtDotGeneral_0/qrhs/frozen/", "/int8/")])
+    check_restore(path, whole, item="default", rules=rules,
+                  expect={k.replace("/AqtDotGeneral_0/qrhs/frozen/", "/int8/"): v for k, v in whole.items()})
+    check_convert(path, truth, tmp_path / "c")  # convert's default item: the same tree, int8 values and scales
+    other = tmp_path / "other"
+    with ocp.PyTreeCheckpointer(use_ocdbt=True, use_zarr3=True) as ckptr:
+        ckptr.save(other, jax.tree.map(jnp.asarray, {"params": _maxtext_quantized(delta=0.5)}))
+    rc, out, err = run("diff", path, other, "--values", "--format", "json")
+    differing = sorted(row["path"] for row in json.loads(out)["values"] if not row["bit_identical"])
+    assert rc == 1 and len(differing) == 3 and all(p.endswith("/qrhs/frozen/scale/0") for p in differing), differing
+    # A params-only MaxText checkpoint (no quantization: one collection) still gives its `params` collection.
+    plain = {"params": {"decoder": {"decoder_norm": {"scale": np.ones(4, np.float32)}}}}
+    check_load_parameters(_orbax(tmp_path / "plain", {"params": plain}), _flat(plain["params"]))

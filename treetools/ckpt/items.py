@@ -288,7 +288,9 @@ PARAM_PATHS = {
            ("state", "ema_params")),
 }
 """Where trainers keep the parameters inside one item holding a whole train state, in the order they are looked
-for: ``params/params`` (a Flax ``TrainState`` whose params are the variables dict, EasyLM's train state),
+for: ``params/params`` (a Flax ``TrainState`` whose params are the variables dict, EasyLM's train state; where
+that dict holds other collections beside ``params``, as MaxText's AQT-quantized ``{"params", "aqt"}`` does, the
+whole dict: values and scales as stored),
 ``params`` (Flax ``TrainState``, big_vision), T5X's ``target``, the Flax guide's ``{"model": {"params"}}``,
 a state under ``state``, praxis's ``mdl_vars`` (a paxml ``TrainState(step, mdl_vars, opt_states)``: the variables
 its model applies), the first element of a tuple (vit_jax's ``(params, opt_state, step)``: key ``0``),
@@ -327,6 +329,9 @@ def params_path(item: Item, *, use_ema: bool = False) -> tuple[Item, tuple[str, 
             continue  # a tuple's first element only where the item is a tuple
         if path == ("model",) and not set(tops) & STATE_KEYS:
             continue  # `model` beside state keys (Levanter's export), not a module named `model`
+        if path == ("params", "params") and any(leaf.path[:1] == ("params",) and len(leaf.path) > 2
+                                                and leaf.path[1] != "params" for leaf in item.leaves):
+            continue  # a variables dict of several collections (MaxText's quantized `params` and `aqt`): whole
         n = len(path)
         below = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[n:]))
                  for leaf in item.leaves if len(leaf.path) > n and leaf.path[:n] == path]

@@ -18,7 +18,8 @@ under the prefix ``tx``, the model as above, and last ``metadata.json``
 did not finish; it is listed as incomplete and never read.
 
 PATH is a ``save_pretrained`` folder (one checkpoint, no steps), a trainer's
-save folder (its ``run-N`` folders are the steps) or one ``run-N`` folder. The
+save folder (its ``run-N`` folders are the steps), one ``run-N`` folder, or the
+``tensorstore_index.json`` of one of these checkpoint folders (its folder is read). The
 items are the index's prefixes: ``model`` (the parameters, what
 ``load_parameters`` returns) and ``tx``; leaf paths are the index paths below
 the prefix. Each entry's shape and dtype are checked against its zarr header;
@@ -210,8 +211,16 @@ class EasyDeLSource(Source):
         return items, problems
 
 
+def _index_file(storage: Storage, path: str) -> bool:
+    """``path`` is the ``tensorstore_index.json`` of a checkpoint folder (given as PATH: the folder is read)."""
+    return (os.path.basename(normalize(path)) == INDEX_FILE and storage.isfile(path)
+            and _index(storage, os.path.dirname(normalize(path))) is not None)
+
+
 def _claims(path: str, context: ReadContext) -> bool:
     storage = context.storage
+    if _index_file(storage, path):
+        return True
     if not storage.isdir(path):
         return False
     if _index(storage, path) is not None:
@@ -224,6 +233,8 @@ def _claims(path: str, context: ReadContext) -> bool:
 
 def _open(location: str, display: str, context: ReadContext) -> EasyDeLSource:
     storage = context.storage
+    if _index_file(storage, location):  # the index given as PATH: the checkpoint it indexes, its folder
+        location = os.path.dirname(normalize(location))
     if _index(storage, location) is None:
         return EasyDeLSource(location, display, context, "root")
     if _is_trainer_save(storage, location) and not has_metadata(location, storage):
