@@ -7,8 +7,8 @@ must work and give the writer's own arrays, a ✗ must be refused with an
 error. A row without a writer here fails (add one to ``CASES``). T5X has no
 installable writer without TensorFlow: its rows use tests/_t5x_writer.py,
 which follows T5X's own save code; Levanter's and EasyDeL's use
-tests/_writers/. The Equinox and Keras rows skip when the ``test-formats``
-extra is absent.
+tests/_writers/, AlphaFold 3's tests/test_format_af3.py. The Equinox and Keras rows skip when the
+``test-formats`` extra is absent, AlphaFold 3's when the ``af3`` extra is.
 """
 
 from __future__ import annotations
@@ -336,6 +336,13 @@ def _paxml(tmp):
     return Case(tmp / "pax", {k.replace(".", "/"): v for k, v in _pax_names(truth[100]).items()}, item="default")
 
 
+def _af3(tmp):
+    pytest.importorskip("zstandard")
+    from tests.test_format_af3 import _flat, _params, write_af3
+
+    return Case(Path(write_af3(tmp / "af3.bin.zst", _params())), _flat(_params()))
+
+
 def _maxtext_aqt(tmp):
     import jax
     import jax.numpy as jnp
@@ -418,6 +425,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
             {"model.layers.0.q.weight": np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)}])),
     "paxml GDA checkpoints (`TrainState(step, mdl_vars, opt_states)`, one folder per leaf)": _paxml,
     "MaxText AQT-quantized params (`save_params_to_path`: collections `params` and `aqt`)": _maxtext_aqt,
+    "AlphaFold 3 parameter file (`af3.bin.zst`)": _af3,
 }
 
 
