@@ -263,3 +263,21 @@ def test_checkpoints_named_by_a_metric_are_steps_of_one_series(tmp_path, orbax):
     assert rc == 1, out + err
     rc, out, err = run("inspect", folder, "--step", "0.75")
     assert rc == 1 and "no step 0.75" in err and "0.5, 0.5625, 0.625" in err, err
+
+
+def test_metric_named_checkpoints_beside_numbered_ones_are_another_series(tmp_path):
+    # `save_checkpoint(dir, state, step)` and `save_checkpoint(dir, best, step=acc, prefix="best_acc_")` into one
+    # folder (Orbax mode, flax's default): two series; `checkpoint_` is read, `best_acc_` named and read by --prefix.
+    from tests._every_command import check_load_parameters, flat_arrays, run
+
+    with _orbax_backend(True):
+        for step in (1, 2):
+            checkpoints.save_checkpoint(str(tmp_path), _state(step), step, keep=5)
+        checkpoints.save_checkpoint(str(tmp_path), _state(7), step=0.75, prefix="best_acc_", keep=5)
+    rep = inspect_path(str(tmp_path)).to_json()
+    assert rep["format"] == "flax-legacy" and rep["steps"] == [1, 2]
+    rc, out, err = run("inspect", tmp_path)
+    assert rc == 0 and "'best_acc_' (step 0.75)" in err, err
+    check_load_parameters(tmp_path, flat_arrays(_state(2)["params"]))
+    check_load_parameters(tmp_path, flat_arrays(_state(7)["params"]), prefix="best_acc_")
+    check_load_parameters(tmp_path, flat_arrays(_state(7)["params"]), prefix="best_acc_", step=0.75)

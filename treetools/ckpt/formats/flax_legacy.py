@@ -82,7 +82,9 @@ def scan_files(context: ReadContext, folder: str) -> tuple[str, StepListing]:
     storage = context.storage
     found = _step_files(context, folder)
     pending = _tmp_files(context, folder)
-    floats = [_STEP_FILE.match(name) for name in _orbax_step_folders(context, folder, None)]
+    # Orbax-mode folders of every prefix (the float steps' series, and `checkpoint_<N>/` beside them): each
+    # prefix is a series, as the msgpack files' prefixes are.
+    floats = [_STEP_FILE.match(name) for name in _orbax_step_folders(context, folder, None, floats_only=False)]
     if not found and not pending and not floats:
         raise CheckpointError(f"{folder}: no Flax checkpoint files (<prefix><step> msgpack files) in it.")
     listings = {}
@@ -102,9 +104,11 @@ def scan_files(context: ReadContext, folder: str) -> tuple[str, StepListing]:
     return listing.series, listing
 
 
-def _orbax_step_folders(context: ReadContext, folder: str, prefix: str | None) -> dict[int | float, str]:
-    """Committed ``<prefix><N>/`` Orbax-mode folders (each one Orbax item) beside the msgpack files; with
-    ``prefix=None``, those of every prefix whose step is a float (``best_acc_0.625/``), by name."""
+def _orbax_step_folders(context: ReadContext, folder: str, prefix: str | None, *,
+                        floats_only: bool = True) -> dict[Any, str]:
+    """Committed ``<prefix><N>/`` Orbax-mode folders (each one Orbax item) beside the msgpack files, by step; with
+    ``prefix=None``, those of every prefix whose step is a float (``best_acc_0.625/``; ``floats_only=False``: any
+    step), by name."""
     storage = context.storage
     out: dict[Any, str] = {}
     try:
@@ -116,7 +120,7 @@ def _orbax_step_folders(context: ReadContext, folder: str, prefix: str | None) -
         m = _STEP_FILE.match(entry.name)
         if m is None or (prefix is not None and (m.group("prefix") or "") != prefix):
             continue
-        if prefix is None and m.group("step").isdigit():
+        if prefix is None and floats_only and m.group("step").isdigit():
             continue
         if entry.is_dir() and is_committed(entry.path, storage) and storage.lexists(
                 os.path.join(entry.path, PYTREE_METADATA_FILE)):
