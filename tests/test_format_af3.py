@@ -176,3 +176,13 @@ def test_a_file_named_otherwise_or_not_zstd_is_not_claimed(tmp_path, af3):
     plain.write_bytes(b"not zstd at all")
     rc, _, err = run("inspect", plain)
     assert rc == 1, err
+
+
+def test_the_list_of_records_is_held_to_the_memory_budget(tmp_path):
+    # 4,000 one-byte records: a 1 MiB budget holds about 1,000 listed leaves (1 KiB each, LEAF_COST).
+    raw = b"".join(encode_record("m", f"w{i}", np.zeros(1, np.uint8)) for i in range(4000))
+    path = _file(tmp_path, raw)
+    rc, out, err = run("inspect", path, "--memory-budget-mb", "1")
+    assert rc == 1 and "over the memory budget" in err and "records" in err, err
+    rc, out, err = run("inspect", path, "--memory-budget-mb", "64")
+    assert rc == 0 and "4,000 params" in out.replace("elements", "params"), out + err

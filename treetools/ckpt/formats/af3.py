@@ -41,7 +41,7 @@ import numpy as np
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.leaves import Leaf, array_row, check_name
-from treetools.ckpt.readers import FileReader, check_budget, checked_shape, is_numeric, np_dtype
+from treetools.ckpt.readers import FileReader, MemoryBudgetError, check_budget, checked_shape, is_numeric, np_dtype
 from treetools.ckpt.source import FileSource, Format, file_head
 from treetools.shared.errors import CheckpointError
 from treetools.shared.install import install_hint
@@ -241,8 +241,10 @@ def _claims(location: str, context: ReadContext) -> bool:
 def _open(location: str, display: str, context: ReadContext) -> FileSource:
     try:
         leaves = read_af3(context, location)
+    except MemoryBudgetError:
+        raise
     except CheckpointError as e:  # name the path as typed
-        raise type(e)(str(e).replace(location, display, 1)) from None
+        raise CheckpointError(str(e).replace(location, display, 1)) from None
     return FileSource(display, context, "af3", leaves)
 
 
