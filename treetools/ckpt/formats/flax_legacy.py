@@ -15,6 +15,12 @@ that root (its steps' item is ``default``). A folder holding both (a run
 resumed with the other backend) is read here: its Orbax-mode folders are
 steps too, read through ``orbax.py``; one step saved both ways is an error
 naming both.
+
+A step may be a float: ``save_checkpoint(dir, target, step=0.625, prefix="best_acc_")`` (a metric as the step)
+writes ``best_acc_0.625`` (a file, or a folder in Orbax mode). Such numbers are the steps of their series, in
+flax's order (``natural_sort``, by number; the latest is what ``latest_checkpoint`` picks); ``--step 0.5`` reads
+another. A folder holding them is read here in either mode; Orbax-mode ``checkpoint_<N>/`` folders beside them are
+another series.
 """
 
 from __future__ import annotations

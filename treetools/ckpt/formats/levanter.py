@@ -15,7 +15,11 @@ Levanter's ``Checkpointer`` saves step ``N`` of a run to ``<base_path>/step-N/``
 
 PATH is the run folder (its ``step-N`` folders are the steps; ``epoch-N``
 folders are another series, read with ``--prefix epoch-``), one step folder,
-or one item folder (``step-N/model``). Each top-level entry of a step is an
+or one item folder (``step-N/model``). ``save_checkpoint(tree, step, path)``
+called alone (an export: ``save_checkpoint({"model": model}, 0,
+"export/step-0")``) writes the same ``metadata.json`` beside ``model/`` but no
+array at the step's top: read the same way, at ``export/``, ``export/step-0/``
+and ``export/step-0/model/``. Each top-level entry of a step is an
 item: ``model`` (the parameters, what ``load_parameters`` returns),
 ``opt_state``, ``step``, ``training_key``; an entry that is one array (``step``)
 is an item of one leaf named like the item. Shapes and dtypes come from the
