@@ -411,9 +411,14 @@ def test_numpy_and_jax_integer_steps(saved, manager, tmp_path):
         assert_tree_equal(ckpt.load_parameters(saved[0], step), want)
         out = ckpt.restore_checkpoint(manager, step, {"data_iter": None})
         assert out["data_iter"] == saved[1][10]["items"]["data_iter"]
-    for bad in (True, "ten", 10.0):
-        with pytest.raises(TypeError, match="`step` must be an int"):
+    for bad in (True, "ten", -2.5):
+        with pytest.raises(TypeError, match="`step` must be"):
             ckpt.load_parameters(saved[0], bad)
+    # A float is a step too (flax saves `step=0.625` as `<prefix>0.625`; `available_steps(step_type=float)`):
+    # 10.0 is step 10, and 10.5 a step this root does not have.
+    assert_tree_equal(ckpt.load_parameters(saved[0], 10.0), want)
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="no step 10.5"):
+        ckpt.load_parameters(saved[0], 10.5)
     mngr = ckpt.get_checkpoint_manager(np.int64(10), max_to_keep=np.int32(2), checkpoint_dir=tmp_path)
     assert mngr.should_save(20) and not mngr.should_save(25)
     mngr.close()

@@ -185,3 +185,61 @@ def test_optimizer_arrays_the_index_does_not_list_are_read(trainer_dir, tmp_path
     assert set(inspect_json(copy)["checkpoints"][0]["items"]) == {"model", "tx"}
     check_inspect(copy, truth[10]["tx"], item="tx")
     check_verify(copy)
+
+
+def test_an_nnx_optimizer_state_drops_value_as_its_params_do(tmp_path):
+    # Issue 49: EasyDeL saves `optax.init` of the model's nnx state under `tx`; its moments are nnx variables,
+    # whose key paths end in `.value` (`tx/0/mu/.../kernel/value`), while the params beside them are a pure dict.
+    # A path never ends in `/value`: the moments are named as their params are.
+    import jax
+    import optax
+    from flax import nnx
+
+    from tests._writers._tree import flat_with_names
+
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    opt_state = optax.adam(1e-3).init(state)
+    stored = flat_with_names(opt_state, sep="/")
+    assert any(name.endswith("/value") for name in stored), list(stored)  # as the writer names them
+    params = jax.tree.map(np.asarray, state.to_pure_dict())
+    folder = save_run(tmp_path / "out", 7, params, opt_state)
+    tx = {name.removesuffix("/value"): np.asarray(v) for name, v in stored.items()}
+    assert set(tx) == {"0/count", "0/mu/bias", "0/mu/kernel", "0/nu/bias", "0/nu/kernel"}
+    for path in (folder, tmp_path / "out"):
+        check_inspect(path, tx, item="tx")
+        check_inspect(path, flat_arrays(params), item="model")
+    check_show(folder, tx, item="tx")
+    check_stats(folder, tx, item="tx")
+    check_load_parameters(folder, tx, item="tx")
+    check_load_parameters(folder, flat_arrays(params))
+    check_restore(folder, tx, item="tx")
+    rules = tt.Rules(rename=[(r"^0/mu/", "0/first_moment/")])
+    check_restore(folder, tx, item="tx", rules=rules, expect={k.replace("0/mu/", "0/first_moment/"): v for k, v in tx.items()})
+    check_verify(folder)
+    check_convert(folder, tx, tmp_path / "c", item="tx")
+    other = save_run(tmp_path / "other", 7, params, jax.tree.map(lambda x: x + 1 if x.dtype == np.int32 else x, opt_state))
+    rc, out, err = run("diff", folder, other, "--values", "--item", "tx", "--format", "json")
+    differing = [row["path"] for row in json.loads(out)["values"] if not row["bit_identical"]]
+    assert rc == 1 and differing == ["0/count"], differing
+    paths = [leaf["path"] for item in inspect_json(folder)["checkpoints"][0]["items"].values() for leaf in item["leaves"]]
+    assert not [p for p in paths if p.endswith("/value")], paths
+
+
+def test_the_index_file_given_as_path_reads_its_folder(pretrained, tmp_path):
+    # Issue 49: `tensorstore_index.json` given as PATH (as `model.safetensors.index.json` may be) reads the
+    # checkpoint it indexes, with every command.
+    folder, truth = pretrained
+    index = folder / "tensorstore_index.json"
+    report = check_inspect(index, truth, item="model")
+    assert report["format"] == "easydel" and report["path"] == str(index)
+    check_stats(index, truth, item="model")
+    check_show(index, truth, item="model")
+    check_verify(index)
+    check_load_parameters(index, truth)
+    rules = tt.Rules(rename=[(r"^lm_head/", "head/")])
+    check_restore(index, truth, item="model", rules=rules,
+                  expect={k.replace("lm_head/", "head/", 1): v for k, v in truth.items()})
+    check_convert(index, truth, tmp_path, item="model")
+    rc, out, err = run("diff", index, folder, "--values")
+    assert rc == 0, out + err

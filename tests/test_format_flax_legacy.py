@@ -113,12 +113,14 @@ def test_msgpack_step_deleted_after_listing(msgpack_dir):
 
 
 def test_msgpack_other_prefix(tmp_path):
-    write_flax_legacy(tmp_path, (1.5,), prefix="ckpt_")  # a float step (flax allows them): not listed, not read
+    # A float step (flax allows them, and orders them by number with the others: natural_sort) is a step too.
+    floats = write_flax_legacy(tmp_path, (1.5,), prefix="ckpt_")
     truth = write_flax_legacy(tmp_path, (5, 40), prefix="ckpt_")
     assert (tmp_path / "ckpt_1.5").is_file()
     rep = inspect_path(str(tmp_path)).to_json()
-    assert rep["format"] == "flax-legacy" and rep["steps"] == [5, 40]
+    assert rep["format"] == "flax-legacy" and rep["steps"] == [1.5, 5, 40]
     _assert_tree_equal(tt.load_parameters(tmp_path, step=5), truth[5]["params"])
+    _assert_tree_equal(tt.load_parameters(tmp_path, step=1.5), floats[1.5]["params"])
 
 
 def test_msgpack_single_file_is_a_msgpack_checkpoint(msgpack_dir):
@@ -217,3 +219,65 @@ def test_a_first_save_still_in_progress_is_incomplete_never_read(tmp_path, capsy
     assert "no committed checkpoint step (incomplete, never read: ckpt_tmp)" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "ckpt_tmp")]) == 1
     assert "unfinished Flax save" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("orbax", [False, True], ids=["msgpack", "orbax-mode"])
+def test_checkpoints_named_by_a_metric_are_steps_of_one_series(tmp_path, orbax):
+    # Issue 49: `save_checkpoint(dir, state, step=<accuracy>, prefix="best_acc_")` names them `best_acc_0.5`...:
+    # steps of one series (they were shown as items and their totals summed), the latest flax's own latest.
+    from tests._every_command import (check_convert, check_inspect, check_load_parameters, check_restore,
+                                      check_show, check_stats, check_verify, flat_arrays, inspect_json, run)
+
+    folder = tmp_path / "best"
+    states = {}
+    with _orbax_backend(orbax):
+        for acc in (0.5, 0.5625, 0.625):  # improving accuracies, saved as they come
+            states[acc] = _state(int(acc * 16))
+            checkpoints.save_checkpoint(str(folder), states[acc], step=acc, prefix="best_acc_", keep=5)
+    latest = checkpoints.latest_checkpoint(str(folder), prefix="best_acc_")
+    assert os.path.basename(latest) == "best_acc_0.625"  # flax's own choice (natural_sort)
+    report = inspect_json(folder)
+    assert report["format"] == "flax-legacy"
+    assert report["steps"] == [0.5, 0.5625, 0.625]
+    assert report["checkpoints"][0]["step"] == 0.625
+    (checkpoint,) = report["checkpoints"]
+    assert list(checkpoint["items"]) == ["default"]
+    # one model's totals, not the sum of three: 3*4 + 4 params and 4 optimizer elements
+    assert checkpoint["items"]["default"]["total_params"] == 3 * 4 + 4 + 4
+    truth = {acc: flat_arrays(state) for acc, state in states.items()}
+    check_inspect(folder, truth[0.625])
+    check_inspect(folder, truth[0.5], args=("--step", "0.5"))
+    check_stats(folder, truth[0.5625], args=("--step", "0.5625"))
+    check_show(folder, truth[0.5], args=("--step", "0.5"))
+    check_load_parameters(folder, flat_arrays(states[0.625]["params"]))
+    check_load_parameters(folder, flat_arrays(states[0.5]["params"]), step=0.5)
+    check_load_parameters(folder, flat_arrays(states[0.5]["params"]), step="0.5")
+    check_restore(folder, truth[0.5625], item="default", step=0.5625)
+    rules = tt.Rules(rename=[(r"^params/Dense_0/", "params/head/")])
+    check_restore(folder, truth[0.625], item="default", rules=rules,
+                  expect={k.replace("Dense_0", "head"): v for k, v in truth[0.625].items()})
+    check_convert(folder, flat_arrays(states[0.5]["params"]), tmp_path / "c", args=("--step", "0.5"))
+    out = check_verify(folder, "--step", "all")
+    assert out.count("ok:") == 3 and "(step 0.5625)" in out, out
+    rc, out, err = run("diff", folder, "--step", "0.5", "--step", "0.625", "--values", "--format", "json")
+    assert rc == 1, out + err
+    rc, out, err = run("inspect", folder, "--step", "0.75")
+    assert rc == 1 and "no step 0.75" in err and "0.5, 0.5625, 0.625" in err, err
+
+
+def test_metric_named_checkpoints_beside_numbered_ones_are_another_series(tmp_path):
+    # `save_checkpoint(dir, state, step)` and `save_checkpoint(dir, best, step=acc, prefix="best_acc_")` into one
+    # folder (Orbax mode, flax's default): two series; `checkpoint_` is read, `best_acc_` named and read by --prefix.
+    from tests._every_command import check_load_parameters, flat_arrays, run
+
+    with _orbax_backend(True):
+        for step in (1, 2):
+            checkpoints.save_checkpoint(str(tmp_path), _state(step), step, keep=5)
+        checkpoints.save_checkpoint(str(tmp_path), _state(7), step=0.75, prefix="best_acc_", keep=5)
+    rep = inspect_path(str(tmp_path)).to_json()
+    assert rep["format"] == "flax-legacy" and rep["steps"] == [1, 2]
+    rc, out, err = run("inspect", tmp_path)
+    assert rc == 0 and "'best_acc_' (step 0.75)" in err, err
+    check_load_parameters(tmp_path, flat_arrays(_state(2)["params"]))
+    check_load_parameters(tmp_path, flat_arrays(_state(7)["params"]), prefix="best_acc_")
+    check_load_parameters(tmp_path, flat_arrays(_state(7)["params"]), prefix="best_acc_", step=0.75)

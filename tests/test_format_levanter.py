@@ -10,6 +10,7 @@ incomplete and never read. Each top-level entry of a step is an item: ``model`` 
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import namedtuple
 
@@ -21,7 +22,7 @@ import treetools as tt
 from tests._every_command import (check_convert, check_diff_names_the_changed_leaf,
                                   check_inspect, check_load_parameters, check_refused, check_restore, check_show,
                                   check_stats, check_verify, inspect_json, run, run_fresh)
-from tests._writers.levanter import save_levanter, trainer_state
+from tests._writers.levanter import save_export, save_levanter, trainer_state
 
 ScaleByAdamState = namedtuple("ScaleByAdamState", ["count", "mu", "nu"])  # optax's field names
 
@@ -182,9 +183,69 @@ def test_diff_values_reports_a_changed_step_and_training_key(tmp_path):
                                                  "training_key": np.asarray([2_000_000_007, 5], np.uint32)})
     rc, out, err = run("diff", a, b, "--values", "--format", "json")
     assert rc == 1, out + err
-    import json
 
     differing = {row["path"]: row for row in json.loads(out)["values"] if not row["bit_identical"]}
     assert set(differing) == {"step/step", "training_key/training_key"}, differing
     assert differing["step/step"]["max_abs_diff"] == 1 and differing["training_key/training_key"]["max_abs_diff"] == 7
     assert all(row["mismatched"] == 1 for row in differing.values()), differing
+
+
+def test_a_bare_save_checkpoint_export_reads_at_the_root_the_step_and_the_model_folder(tmp_path):
+    # Issue 49: Levanter's `save_checkpoint({"model": model}, 0, "export/step-0")` (the function the Checkpointer
+    # calls, here without a trainer state): metadata.json beside `model/` and no array at the step's top. The root
+    # and the step were refused, and `step-0/model` was read as a generic tree without its item.
+    model = _model(3)
+    save_levanter(tmp_path / "export", 0, {"model": model})
+    assert sorted(p.name for p in (tmp_path / "export" / "step-0").iterdir()) == ["metadata.json", "model"]
+    truth = _truth({"model": model})["model"]
+    assert truth["embeddings/token_embeddings/weight"].dtype == ml_dtypes.bfloat16
+    for path in (tmp_path / "export", tmp_path / "export" / "step-0", tmp_path / "export" / "step-0" / "model"):
+        report = check_inspect(path, truth, item="model")
+        assert report["format"] == "levanter" and list(report["checkpoints"][0]["items"]) == ["model"], path
+        assert report["checkpoints"][0]["step"] == 0
+        check_load_parameters(path, truth)
+    root = tmp_path / "export"
+    assert inspect_json(root)["steps"] == [0]
+    check_stats(root, truth, item="model")
+    check_show(root, truth, item="model")
+    out = check_verify(root)
+    assert f"{sum(v.nbytes for v in truth.values()):,} bytes read and decoded" in out, out
+    check_restore(root, truth, item="model")
+    rules = tt.Rules(rename=[(r"^embeddings/", "embed/")])
+    check_restore(root, truth, item="model", rules=rules,
+                  expect={k.replace("embeddings/", "embed/", 1): v for k, v in truth.items()})
+    check_convert(root, truth, tmp_path / "c")
+    other = tmp_path / "other"
+    save_levanter(other, 0, {"model": _model(3, delta=0.5)})
+    check_diff_names_the_changed_leaf(root, other, "transformer/blocks/stacked/attn/c_attn/weight", 0.5)
+    rc, out, err = run("diff", root, other, "--values", "--format", "json")
+    assert {row["path"] for row in json.loads(out)["values"]} == set(truth), out  # one item: paths below it
+
+
+def test_a_folder_with_metadata_json_of_another_writer_is_not_a_levanter_step(tmp_path):
+    # The export's evidence is Levanter's metadata.json (`step`, `timestamp`) beside folders holding arrays: a
+    # metadata.json of another shape beside a tree of arrays stays the structural reader's.
+    model = _model(3)
+    save_export(tmp_path / "tree" / "model", model)
+    (tmp_path / "tree" / "metadata.json").write_text('{"name": "mine"}')
+    from treetools.ckpt.registry import claiming_format
+
+    fmt = claiming_format(str(tmp_path / "tree"))
+    assert fmt is None or fmt.name != "levanter", fmt
+    (tmp_path / "tree" / "metadata.json").write_text('{"step": 0, "timestamp": "2026-01-01T00:00:00"}')  # Levanter's
+    assert claiming_format(str(tmp_path / "tree")).name == "levanter"
+
+
+def test_diff_values_between_two_steps_of_a_run_reports_step_and_training_key(run_dir):
+    # Issue 49: between two steps of one run (`--step A --step B`, and the two step folders), `step` and
+    # `training_key` are reported as changed with the model; the optimizer's count too.
+    base, truth = run_dir
+    for argv in ((base, "--step", 10, "--step", 20), (base / "step-10", base / "step-20")):
+        rc, out, err = run("diff", *argv, "--values", "--format", "json")
+        assert rc == 1, out + err
+        rows = {row["path"]: row for row in json.loads(out)["values"]}
+        differing = {p for p, row in rows.items() if not row["bit_identical"]}
+        want = {f"{item}/{p}" for item in truth[10] for p in truth[10][item]
+                if not np.array_equal(truth[10][item][p], truth[20][item][p])}
+        assert differing == want and {"step/step", "training_key/training_key"} <= differing, differing
+        assert rows["step/step"]["max_abs_diff"] == 10

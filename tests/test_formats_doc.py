@@ -7,8 +7,8 @@ must work and give the writer's own arrays, a ✗ must be refused with an
 error. A row without a writer here fails (add one to ``CASES``). T5X has no
 installable writer without TensorFlow: its rows use tests/_t5x_writer.py,
 which follows T5X's own save code; Levanter's and EasyDeL's use
-tests/_writers/. The Equinox and Keras rows skip when the ``test-formats``
-extra is absent.
+tests/_writers/, AlphaFold 3's tests/test_format_af3.py. The Equinox and Keras rows skip when the
+``test-formats`` extra is absent, AlphaFold 3's when the ``af3`` extra is.
 """
 
 from __future__ import annotations
@@ -295,7 +295,64 @@ def _flax_metric_named(tmp):
     for acc in (0.5, 0.625):
         states[acc] = {"params": _params(int(acc * 8))}
         checkpoints.save_checkpoint(tmp / "best", states[acc], step=acc, prefix="best_acc_", keep=5, overwrite=True)
-    return Case(tmp / "best", flat_arrays(states[0.625]), item="best_acc_0.625", restore_item="best_acc_0.625")
+    return Case(tmp / "best", flat_arrays(states[0.625]), item="default")
+
+
+def _levanter_bare_export(tmp, *below):
+    """Levanter's ``save_checkpoint({"model": model}, 0, "export/step-0")`` (tests/_writers/levanter.py)."""
+    from tests._writers.levanter import save_levanter
+
+    save_levanter(tmp / "export", 0, {"model": _params()})
+    return Case((tmp / "export").joinpath(*below), flat_arrays(_params()), item="model", restore_item="model")
+
+
+def _easydel_nnx_optimizer(tmp):
+    """An EasyDeL trainer save whose `tx` is optax's state of an nnx model (moments stored at `.../value`)."""
+    import optax
+    from flax import nnx
+
+    from tests._writers.easydel import save_run
+
+    state = nnx.state(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), nnx.Param)
+    opt_state = optax.adam(1e-3).init(state)
+    folder = save_run(tmp / "out", 7, {k: np.asarray(v) for k, v in flatten(state.to_pure_dict()).items()}, opt_state)
+    truth = {k.removesuffix("/value"): np.asarray(v) for k, v in flatten(opt_state).items()}
+    return Case(Path(folder), truth, item="tx", restore_item="tx")
+
+
+def _easydel_index_file(tmp):
+    from tests._writers.easydel import save_pretrained
+    from tests.test_format_easydel import _params as easydel_params
+
+    save_pretrained(tmp / "llama", easydel_params(1))
+    return Case(tmp / "llama" / "tensorstore_index.json", flat_arrays(easydel_params(1)), item="model",
+                restore_item="model")
+
+
+def _paxml(tmp):
+    from tests.test_params_finding import _pax_names, write_pax_run
+
+    truth = write_pax_run(tmp / "pax", steps=(100,))
+    return Case(tmp / "pax", {k.replace(".", "/"): v for k, v in _pax_names(truth[100]).items()}, item="default")
+
+
+def _af3(tmp):
+    pytest.importorskip("zstandard")
+    from tests.test_format_af3 import _flat, _params, write_af3
+
+    return Case(Path(write_af3(tmp / "af3.bin.zst", _params())), _flat(_params()))
+
+
+def _maxtext_aqt(tmp):
+    import jax
+    import jax.numpy as jnp
+
+    from tests.test_params_finding import _maxtext_quantized
+
+    tree = {"params": _maxtext_quantized()}
+    with ocp.PyTreeCheckpointer(use_ocdbt=True, use_zarr3=True) as ckptr:
+        ckptr.save(tmp / "quantized", jax.tree.map(jnp.asarray, tree))
+    return Case(tmp / "quantized", flat_arrays(tree), item="default")
 
 
 CASES: dict[str, Callable[[Path], Case]] = {
@@ -358,6 +415,17 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "diffusers Flax pipeline": _diffusers,
     "diffusers Flax model folder": lambda t: _diffusers(t, "unet"),
     "Flax checkpoints named by a metric (`best_acc_0.625`)": _flax_metric_named,
+    "Levanter bare `save_checkpoint` export root": _levanter_bare_export,
+    "Levanter bare `save_checkpoint` export step folder": lambda t: _levanter_bare_export(t, "step-0"),
+    "EasyDeL trainer save of an nnx optimizer state (`tx/0/mu/.../kernel/value` on disk)": _easydel_nnx_optimizer,
+    "EasyDeL `tensorstore_index.json` given as PATH": _easydel_index_file,
+    "Hugging Face `model.safetensors.index.json` given as PATH": lambda t: Case(
+        t / "model.safetensors.index.json", write_hf_sharded(t, [
+            {"model.embed.weight": np.arange(12, dtype=np.float32).reshape(3, 4)},
+            {"model.layers.0.q.weight": np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)}])),
+    "paxml GDA checkpoints (`TrainState(step, mdl_vars, opt_states)`, one folder per leaf)": _paxml,
+    "MaxText AQT-quantized params (`save_params_to_path`: collections `params` and `aqt`)": _maxtext_aqt,
+    "AlphaFold 3 parameter file (`af3.bin.zst`)": _af3,
 }
 
 

@@ -180,7 +180,16 @@ def test_the_messages_of_a_missing_extra_name_the_distribution(tmp_path, monkeyp
         storage.bucket.S3Storage()  # the client `storage.backend` makes at a process's first s3:// URL
     except storage.RemoteStorageError as e:
         seen.append(("remote", str(e)))
-    assert [extra for extra, _ in seen] == ["plot", "keras", "remote"], seen
+    from treetools.ckpt.formats import af3
+
+    zst = tmp_path / "af3.bin.zst"
+    zst.write_bytes(af3.ZSTD_MAGIC + bytes(64))
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    try:
+        af3.FORMAT.open(str(zst), "af3.bin.zst", ReadContext().confined_to(str(zst)))
+    except CheckpointError as e:
+        seen.append(("af3", str(e)))
+    assert [extra for extra, _ in seen] == ["plot", "keras", "remote", "af3"], seen
     for extra, message in seen:
         assert f"pip install 'jax-treetools[{extra}]'" in message, message
         assert _install_targets(message) == [f"jax-treetools[{extra}]"], message
@@ -209,6 +218,7 @@ def test_make_demo_installs_what_the_demo_needs_and_make_test_adds_the_test_extr
     demo_deps = " ".join(dep for extra in demo[0] for dep in extras[extra])
     for heavy in ("moto", "keras", "equinox", "gcsfs", "s3fs", "pytest"):
         assert heavy not in demo_deps, heavy
-    assert test[0] == demo[0] and test[-1] == {"test", "test-formats", "plot", "remote", "keras", "tensorboard"}  # on top of it
+    assert test[0] == demo[0] and test[-1] == {"test", "test-formats", "plot", "remote", "keras", "tensorboard",
+                                               "af3"}  # on top of it
     assert test[-1] == set(extras)  # every extra: the suite tests them all
     assert _make_installs("bench", tmp_path)[-1] == test[-1]

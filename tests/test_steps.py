@@ -75,12 +75,15 @@ def test_junk_entries_are_skipped(tmp_path):
 
 
 @pytest.mark.parametrize("spec, want", [(None, None), (-1, None), ("latest", None), (5, 5), ("12", 12),
-                                        (np.int64(3), 3)])
+                                        (np.int64(3), 3),
+                                        # flax's float steps (`save_checkpoint(..., step=0.625)`: `best_acc_0.625`)
+                                        (1.5, 1.5), ("0.625", 0.625), ("1e-05", 1e-05), (2.0, 2)])
 def test_parse_step(spec, want):
-    assert steps.parse_step(spec) == want
+    got = steps.parse_step(spec)
+    assert got == want and type(got) is type(want)
 
 
-@pytest.mark.parametrize("bad", [True, 1.5, "ten", -2, [1]])
+@pytest.mark.parametrize("bad", [True, "ten", -2, [1], -0.5, float("nan"), float("inf"), "1.5.2", "-0.5"])
 def test_parse_step_refuses(bad):
     with pytest.raises(TypeError, match="`step` must be"):
         steps.parse_step(bad)

@@ -283,21 +283,24 @@ def params_subtree(item: Item, *, use_ema: bool = False) -> Item:
 
 PARAM_PATHS = {
     False: (("params", "params"), ("params",), ("target",), ("model", "params"), ("state", "params"), ("train_state", "params"),
-            ("0", "params"), ("0",), ("model",)),
+            ("mdl_vars",), ("0", "params"), ("0",), ("model",)),
     True: (("params_ema",), ("ema_params",), ("ema",), ("model", "params_ema"), ("state", "params_ema"),
            ("state", "ema_params")),
 }
 """Where trainers keep the parameters inside one item holding a whole train state, in the order they are looked
-for: ``params/params`` (a Flax ``TrainState`` whose params are the variables dict, EasyLM's train state),
+for: ``params/params`` (a Flax ``TrainState`` whose params are the variables dict, EasyLM's train state; where
+that dict holds other collections beside ``params``, as MaxText's AQT-quantized ``{"params", "aqt"}`` does, the
+whole dict: values and scales as stored),
 ``params`` (Flax ``TrainState``, big_vision), T5X's ``target``, the Flax guide's ``{"model": {"params"}}``,
-a state under ``state``, the first element of a tuple (vit_jax's ``(params, opt_state, step)``: key ``0``),
+a state under ``state``, praxis's ``mdl_vars`` (a paxml ``TrainState(step, mdl_vars, opt_states)``: the variables
+its model applies), the first element of a tuple (vit_jax's ``(params, opt_state, step)``: key ``0``),
 Levanter's ``model``."""
 
-STATE_KEYS = frozenset(("opt_state", "opt", "optimizer", "tx", "step", "rng", "rngs", "training_key", "config",
-                        "data", "metrics", "epoch", "model_averaging"))
+STATE_KEYS = frozenset(("opt_state", "opt_states", "opt", "optimizer", "tx", "step", "rng", "rngs", "training_key",
+                        "config", "data", "metrics", "epoch", "model_averaging"))
 """Top-level keys of a train state's parts other than the parameters."""
 
-STATE_MARKERS = frozenset(("opt_state", "opt", "tx", "step", "training_key", "rng", "rngs", "epoch"))
+STATE_MARKERS = frozenset(("opt_state", "opt_states", "opt", "tx", "step", "training_key", "rng", "rngs", "epoch"))
 """Top-level keys that say an item holds a whole train state (not a model file that also keeps its optimizer's
 variables, as Keras's ``optimizer/vars``): there, the parameters must be found, or the candidates listed."""
 
@@ -326,6 +329,9 @@ def params_path(item: Item, *, use_ema: bool = False) -> tuple[Item, tuple[str, 
             continue  # a tuple's first element only where the item is a tuple
         if path == ("model",) and not set(tops) & STATE_KEYS:
             continue  # `model` beside state keys (Levanter's export), not a module named `model`
+        if path == ("params", "params") and any(leaf.path[:1] == ("params",) and len(leaf.path) > 2
+                                                and leaf.path[1] != "params" for leaf in item.leaves):
+            continue  # a variables dict of several collections (MaxText's quantized `params` and `aqt`): whole
         n = len(path)
         below = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[n:]))
                  for leaf in item.leaves if len(leaf.path) > n and leaf.path[:n] == path]

@@ -539,18 +539,26 @@ def latest_step(checkpoint_dir: str | os.PathLike, *, step_prefix: str | None = 
     return steps[-1] if steps else None
 
 
-def parse_step(step: Any, *, allow_all: bool = False, name: str = "step") -> int | str | None:
-    """The one parser of step specs: None for the latest, an int, or ``"all"``.
+FLOAT_STEP = re.compile(r"^\d+(?:\.\d+)?(?:[eE][-+]?\d+)?$")
+"""A step written as a number that need not be an int: flax's ``save_checkpoint(..., step=0.625)``."""
+
+
+def parse_step(step: Any, *, allow_all: bool = False, name: str = "step") -> int | float | str | None:
+    """The one parser of step specs: None for the latest, a number, or ``"all"``.
 
     Accepts ``None``, ``-1`` and ``"latest"`` (the latest committed step), an
-    int (Python, numpy or jax integer scalar) or a string of digits, and with
-    ``allow_all`` the string ``"all"``.
+    int (Python, numpy or jax integer scalar) or a string of digits, a finite
+    float >= 0 or its text (flax names a checkpoint saved with ``step=0.625``
+    ``<prefix>0.625``; such steps are floats), and with ``allow_all`` the
+    string ``"all"``.
 
     Raises:
       TypeError: anything else (the message names the argument).
 
     >>> parse_step(None), parse_step(-1), parse_step("latest"), parse_step("200"), parse_step("all", allow_all=True)
     (None, None, None, 200, 'all')
+    >>> parse_step("0.625"), parse_step(0.5)
+    (0.625, 0.5)
     """
     if step is None:
         return None
@@ -562,11 +570,20 @@ def parse_step(step: Any, *, allow_all: bool = False, name: str = "step") -> int
             return "all"
         if text.lstrip("-").isdigit():
             step = int(text)
+        elif FLOAT_STEP.match(text):
+            step = float(text)
         else:
             options = "an int, -1, None, 'latest'" + (" or 'all'" if allow_all else "")
             raise TypeError(f"`{name}` must be {options}; got {step!r}.")
     if isinstance(step, bool):
         raise TypeError(f"`{name}` must be an int, -1, None or 'latest'; got {step!r}.")
+    if isinstance(step, float) or type(step).__name__ in ("float16", "float32", "float64"):
+        value = float(step)
+        if value == -1:
+            return None
+        if not (value >= 0 and value != float("inf")):
+            raise TypeError(f"`{name}` must be a step number >= 0, or -1 for the latest; got {step!r}.")
+        return int(value) if value.is_integer() else value
     try:
         number = operator.index(step)
     except TypeError:

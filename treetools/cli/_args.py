@@ -19,6 +19,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 from treetools.shared.patterns import compile_regex
 
+FLOAT_STEP = re.compile(r"^\d+(?:\.\d+)?(?:[eE][-+]?\d+)?$")
+"""A step that need not be an int (flax's ``save_checkpoint(..., step=0.625)``); ``ckpt.steps.parse_step`` reads
+the same text."""
+
 
 def _number(kind: type, check: Callable[[float], bool], expected: str) -> Callable[[str], Any]:
     """An argparse type: ``kind(text)`` that passes ``check``, else a usage error saying what was expected."""
@@ -55,7 +59,7 @@ def regex(text: str) -> str:
     return text
 
 
-def step(text: str) -> int | str:
+def step(text: str) -> int | float | str:
     """A step number, ``latest`` (or -1, the same) or ``all``; any other negative number is a usage error.
 
     >>> step("100"), step("latest"), step("-1")
@@ -68,9 +72,9 @@ def step(text: str) -> int | str:
     if text in ("latest", "all"):
         return text
     try:
-        number = int(text)
+        number: int | float | None = int(text)
     except ValueError:
-        number = None
+        number = float(text) if FLOAT_STEP.match(text) else None  # flax's float steps: `best_acc_0.625`
     if number == -1:
         return "latest"
     if number is None or number < 0:

@@ -18,7 +18,8 @@ under the prefix ``tx``, the model as above, and last ``metadata.json``
 did not finish; it is listed as incomplete and never read.
 
 PATH is a ``save_pretrained`` folder (one checkpoint, no steps), a trainer's
-save folder (its ``run-N`` folders are the steps) or one ``run-N`` folder. The
+save folder (its ``run-N`` folders are the steps), one ``run-N`` folder, or the
+``tensorstore_index.json`` of one of these checkpoint folders (its folder is read). The
 items are the index's prefixes: ``model`` (the parameters, what
 ``load_parameters`` returns) and ``tx``; leaf paths are the index paths below
 the prefix. Each entry's shape and dtype are checked against its zarr header;
@@ -32,6 +33,7 @@ import re
 from typing import Any, Sequence
 
 from treetools.ckpt.context import ReadContext
+from treetools.ckpt.formats._orbax_items import logical_paths
 from treetools.ckpt.formats._tensorstore import array_folders, subdirs, zarr_header, zarr_leaves
 from treetools.ckpt.formats.levanter import METADATA_FILE, has_metadata, saved_metadata
 from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Snapshot, check_name
@@ -159,9 +161,12 @@ class EasyDeLSource(Source):
             notes.append(
                 f"{where}: {len(extra)} array(s) under `{name}/` are not in the index ({', '.join('/'.join(p) for p, _, _ in extra[:3])}"
                 f"{', ...' if len(extra) > 3 else ''}); read from their zarr headers.")
-        leaves = zarr_leaves(self.context, folder, [(p, rel, h) for p, rel, h, _ in arrays] + extra, where=folder,
-                             problems=problems)
         arrays = arrays + [(p, rel, h, {}) for p, rel, h in extra]
+        # A box the save wrote as a node (the optimizer's moments of nnx `Param`s: `.../kernel/value`) is one leaf
+        # at the box's path, as the params beside it (saved as a pure dict) are: no path ends in `/value`.
+        named = logical_paths([parts for parts, _, _, _ in arrays])
+        leaves = zarr_leaves(self.context, folder, [(p, rel, h) for p, (_, rel, h, _) in zip(named, arrays)],
+                             where=folder, problems=problems)
         out = []
         for (parts, rel, _, entry), leaf in zip(arrays, leaves):
             if leaf is None:  # recorded in `problems`
@@ -206,8 +211,16 @@ class EasyDeLSource(Source):
         return items, problems
 
 
+def _index_file(storage: Storage, path: str) -> bool:
+    """``path`` is the ``tensorstore_index.json`` of a checkpoint folder (given as PATH: the folder is read)."""
+    return (os.path.basename(normalize(path)) == INDEX_FILE and storage.isfile(path)
+            and _index(storage, os.path.dirname(normalize(path))) is not None)
+
+
 def _claims(path: str, context: ReadContext) -> bool:
     storage = context.storage
+    if _index_file(storage, path):
+        return True
     if not storage.isdir(path):
         return False
     if _index(storage, path) is not None:
@@ -220,6 +233,8 @@ def _claims(path: str, context: ReadContext) -> bool:
 
 def _open(location: str, display: str, context: ReadContext) -> EasyDeLSource:
     storage = context.storage
+    if _index_file(storage, location):  # the index given as PATH: the checkpoint it indexes, its folder
+        location = os.path.dirname(normalize(location))
     if _index(storage, location) is None:
         return EasyDeLSource(location, display, context, "root")
     if _is_trainer_save(storage, location) and not has_metadata(location, storage):

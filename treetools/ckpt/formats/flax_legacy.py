@@ -15,13 +15,19 @@ that root (its steps' item is ``default``). A folder holding both (a run
 resumed with the other backend) is read here: its Orbax-mode folders are
 steps too, read through ``orbax.py``; one step saved both ways is an error
 naming both.
+
+A step may be a float: ``save_checkpoint(dir, target, step=0.625, prefix="best_acc_")`` (a metric as the step)
+writes ``best_acc_0.625`` (a file, or a folder in Orbax mode). Such numbers are the steps of their series, in
+flax's order (``natural_sort``, by number; the latest is what ``latest_checkpoint`` picks); ``--step 0.5`` reads
+another. A folder holding them is read here in either mode; Orbax-mode ``checkpoint_<N>/`` folders beside them are
+another series.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats.msgpack import is_msgpack_map, read_msgpack
@@ -32,8 +38,10 @@ from treetools.ckpt.steps import PYTREE_METADATA_FILE, StepListing, choose_serie
 from treetools.shared.errors import CheckpointError
 
 
-# Flax joins prefix and step with nothing in between (``checkpoint_`` + ``100``); integer steps only.
-_STEP_FILE = re.compile(r"^(?P<prefix>.*?\D)?(?P<step>\d+)$")
+# Flax joins prefix and step with nothing in between (``checkpoint_`` + ``100``, ``f"{prefix}{step}"``): an int, or
+# a float (``save_checkpoint(..., step=0.625, prefix="best_acc_")`` names it ``best_acc_0.625``; ``1e-05`` as Python
+# writes it).
+_STEP_FILE = re.compile(r"^(?P<prefix>.*?\D)?(?P<step>\d+(?:\.\d+)?(?:e[-+]\d+)?)$")
 _DEFAULT_PREFIX = "checkpoint_"
 _TMP = "tmp"  # flax.training.checkpoints._get_checkpoint_paths: ``<prefix>tmp``
 
@@ -45,15 +53,22 @@ def _step_files(context: ReadContext, folder: str) -> dict[str, dict[int, str]]:
             entries = sorted(it, key=lambda e: e.name)
     except OSError:
         return {}
-    found: dict[str, dict[int, str]] = {}
+    found: dict[str, dict[int | float, str]] = {}
     for entry in entries:
         m = _STEP_FILE.match(entry.name)
         if m is None or not entry.is_file() or not is_msgpack_map(context.storage, entry.path):
             continue
-        if re.search(r"\d\.$", m.group("prefix") or ""):  # a float step (``checkpoint_1.5``): not read
-            continue
-        found.setdefault(m.group("prefix") or "", {}).setdefault(int(m.group("step")), entry.path)
+        found.setdefault(m.group("prefix") or "", {}).setdefault(step_number(m.group("step")), entry.path)
     return found
+
+
+def step_number(text: str) -> int | float:
+    """The step a name's number says: an int (``100``) or, as flax saves a float step, a float (``0.625``).
+
+    >>> step_number("100"), step_number("0.625"), step_number("1e-05")
+    (100, 0.625, 1e-05)
+    """
+    return int(text) if text.isdigit() else float(text)
 
 
 def scan_files(context: ReadContext, folder: str) -> tuple[str, StepListing]:
@@ -73,12 +88,16 @@ def scan_files(context: ReadContext, folder: str) -> tuple[str, StepListing]:
     storage = context.storage
     found = _step_files(context, folder)
     pending = _tmp_files(context, folder)
-    if not found and not pending:
+    # Orbax-mode folders of every prefix (the float steps' series, and `checkpoint_<N>/` beside them): each
+    # prefix is a series, as the msgpack files' prefixes are.
+    floats = [_STEP_FILE.match(name) for name in _orbax_step_folders(context, folder, None, floats_only=False)]
+    if not found and not pending and not floats:
         raise CheckpointError(f"{folder}: no Flax checkpoint files (<prefix><step> msgpack files) in it.")
     listings = {}
-    for prefix in sorted({*found, *(name[: -len(_TMP)] for name in pending)}):
+    for prefix in sorted({*found, *(name[: -len(_TMP)] for name in pending),
+                          *(m.group("prefix") or "" for m in floats if m is not None)}):
         committed = dict(found.get(prefix, {}))
-        duplicates: dict[int, list[str]] = {}
+        duplicates: dict[Any, list[str]] = {}
         for step, path in _orbax_step_folders(context, folder, prefix).items():  # a run resumed with the other Flax backend
             if step in committed:
                 duplicates[step] = [os.path.basename(committed[step]), os.path.basename(path) + "/"]
@@ -91,20 +110,27 @@ def scan_files(context: ReadContext, folder: str) -> tuple[str, StepListing]:
     return listing.series, listing
 
 
-def _orbax_step_folders(context: ReadContext, folder: str, prefix: str) -> dict[int, str]:
-    """Committed ``<prefix><N>/`` Orbax-mode folders (each one Orbax item) beside the msgpack files."""
+def _orbax_step_folders(context: ReadContext, folder: str, prefix: str | None, *,
+                        floats_only: bool = True) -> dict[Any, str]:
+    """Committed ``<prefix><N>/`` Orbax-mode folders (each one Orbax item) beside the msgpack files, by step; with
+    ``prefix=None``, those of every prefix whose step is a float (``best_acc_0.625/``; ``floats_only=False``: any
+    step), by name."""
     storage = context.storage
-    out: dict[int, str] = {}
+    out: dict[Any, str] = {}
     try:
         with storage.scandir(folder) as it:
             entries = sorted(it, key=lambda e: e.name)
     except OSError:
         return out
     for entry in entries:
-        rest = entry.name[len(prefix):] if entry.name.startswith(prefix) else ""
-        if rest.isdigit() and entry.is_dir() and is_committed(entry.path, storage) and storage.lexists(
+        m = _STEP_FILE.match(entry.name)
+        if m is None or (prefix is not None and (m.group("prefix") or "") != prefix):
+            continue
+        if prefix is None and floats_only and m.group("step").isdigit():
+            continue
+        if entry.is_dir() and is_committed(entry.path, storage) and storage.lexists(
                 os.path.join(entry.path, PYTREE_METADATA_FILE)):
-            out[int(rest)] = entry.path
+            out[entry.name if prefix is None else step_number(m.group("step"))] = entry.path
     return out
 
 
@@ -150,71 +176,9 @@ def _tmp_files(context: ReadContext, folder: str) -> list[str]:
     return [n for n in names if _is_tmp_file(context, os.path.join(folder, n))]
 
 
-_NAMED_STEP = re.compile(r"^(?P<prefix>.*?)(?P<step>\d+\.\d+)$")
-"""A step that is no integer: ``save_checkpoint(dir, target, step=0.625, prefix="best_acc_")`` names it ``best_acc_0.625``."""
-
-
-def named_steps(context: ReadContext, folder: str) -> dict[str, str]:
-    """``{name: path}`` of the checkpoints under ``folder`` whose step is no integer (a metric in the name), as
-    msgpack files or Orbax-mode folders, in flax's order (``natural_sort``: by the number)."""
-    storage = context.storage
-    try:
-        with storage.scandir(folder) as it:
-            entries = sorted(it, key=lambda e: e.name)
-    except OSError:
-        return {}
-    found = []
-    for entry in entries:
-        m = _NAMED_STEP.match(entry.name)
-        if m is None:
-            continue
-        if entry.is_file():
-            ok = is_msgpack_map(storage, entry.path)
-        else:
-            ok = (entry.is_dir() and is_committed(entry.path, storage)
-                  and storage.lexists(os.path.join(entry.path, PYTREE_METADATA_FILE)))
-        if ok:
-            found.append((m.group("prefix"), float(m.group("step")), entry.name, entry.path))
-    return {name: path for _, _, name, path in sorted(found)}
-
-
-class FlaxNamedSource(Source):
-    """A folder of Flax checkpoints named by a metric (``best_acc_0.5``, ``best_acc_0.625``): steps flax orders
-    by their number, which are no step numbers. One checkpoint whose items are those names, in flax's order; the
-    parameters are read from the last (what ``flax.training.checkpoints.latest_checkpoint`` picks)."""
-
-    format = "flax-legacy"
-
-    def __init__(self, location: str, display: str, context: ReadContext):
-        self.location = location
-        self._named = named_steps(context, location)
-        super().__init__(display, context)
-        names = list(self._named)
-        self.notes.append(
-            f"{display}: Flax checkpoints whose steps are no integers ({', '.join(names[:4])}"
-            f"{', ...' if len(names) > 4 else ''}): each is an item, in flax's order; load_parameters reads the last "
-            f"(`{names[-1]}`, flax's latest_checkpoint), item= another.")
-
-    def item_names(self, step: int | None) -> list[str]:
-        return list(self._named)
-
-    def default_item(self, step: int | None) -> str | None:
-        return list(self._named)[-1]
-
-    def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
-        items = {}
-        for name in names:
-            path = self._named[name]
-            if self.storage.isdir(path):
-                items[name] = read_pytree_item(self.context, path, name)
-            else:
-                items[name] = Item(name, "pytree", list(read_msgpack(self.context, path)))
-        return Snapshot(None, items)
-
-
 def _claims(path: str, context: ReadContext) -> bool:
     return ((context.storage.isdir(path) and bool(_step_files(context, path) or _tmp_files(context, path)
-                                                  or named_steps(context, path)))
+                                                  or _orbax_step_folders(context, path, None)))
             or _is_tmp_file(context, path))
 
 
@@ -222,8 +186,6 @@ def _open(location: str, display: str, context: ReadContext) -> Source:
     if context.storage.isfile(location):  # claimed as an unfinished save
         raise CheckpointError(f"{display}: an unfinished Flax save (save_checkpoint renames it to <prefix><step> "
                               "when done); it is never read.")
-    if not (_step_files(context, location) or _tmp_files(context, location)):
-        return FlaxNamedSource(location, display, context)
     return FlaxLegacySource(location, display, context)
 
 

@@ -15,7 +15,11 @@ Levanter's ``Checkpointer`` saves step ``N`` of a run to ``<base_path>/step-N/``
 
 PATH is the run folder (its ``step-N`` folders are the steps; ``epoch-N``
 folders are another series, read with ``--prefix epoch-``), one step folder,
-or one item folder (``step-N/model``). Each top-level entry of a step is an
+or one item folder (``step-N/model``). ``save_checkpoint(tree, step, path)``
+called alone (an export: ``save_checkpoint({"model": model}, 0,
+"export/step-0")``) writes the same ``metadata.json`` beside ``model/`` but no
+array at the step's top: read the same way, at ``export/``, ``export/step-0/``
+and ``export/step-0/model/``. Each top-level entry of a step is an
 item: ``model`` (the parameters, what ``load_parameters`` returns),
 ``opt_state``, ``step``, ``training_key``; an entry that is one array (``step``)
 is an item of one leaf named like the item. Shapes and dtypes come from the
@@ -32,6 +36,7 @@ import re
 from typing import Any, Sequence
 
 from treetools.ckpt.context import ReadContext
+from treetools.ckpt.formats._orbax_items import logical_paths
 from treetools.ckpt.formats._tensorstore import array_folders, subdirs, zarr_header, zarr_leaves
 from treetools.ckpt.leaves import Item, Snapshot, check_name
 from treetools.ckpt.readers import MemoryBudgetError
@@ -83,17 +88,49 @@ def _other_format(storage: Storage, folder: str) -> bool:
     return any(storage.lexists(os.path.join(folder, f)) for f in INDEX_FILES)
 
 
+PROBE_FOLDERS = 64
+"""Folders looked into (breadth first) for a first zarr array below a step's entries: a claim stays cheap."""
+
+
+def _holds_array(storage: Storage, folders: Sequence[str]) -> bool:
+    """Whether a zarr array is at or below one of ``folders``, looking into at most ``PROBE_FOLDERS`` folders."""
+    pending, seen = list(folders), 0
+    while pending and seen < PROBE_FOLDERS:
+        folder = pending.pop(0)
+        seen += 1
+        if _is_array(storage, folder):
+            return True
+        try:
+            pending.extend(os.path.join(folder, d) for d in subdirs(storage, folder))
+        except CheckpointError:
+            continue
+    return False
+
+
+def _levanter_metadata(storage: Storage, folder: str) -> bool:
+    """``metadata.json`` as Levanter's ``_save_metadata`` writes it: an object with ``step`` and ``timestamp``."""
+    if not has_metadata(folder, storage):
+        return False
+    try:
+        meta = read_json_file(storage, os.path.join(folder, METADATA_FILE), what=METADATA_FILE)
+    except (CheckpointError, CheckpointNotFoundError):
+        return False
+    return isinstance(meta, dict) and "step" in meta and "timestamp" in meta
+
+
 def _is_step(storage: Storage, folder: str) -> bool:
     """A Levanter step folder: ``metadata.json`` beside array folders, or a ``step-N`` folder holding arrays
-    without it (a preempted save: claimed, to be refused as incomplete)."""
+    without it (a preempted save: claimed, to be refused as incomplete). A bare ``save_checkpoint({"model": m},
+    step, path)`` export has no array at its top (``model/`` holds them, further down): its ``metadata.json``
+    (``step``, ``timestamp``) says it is one."""
     if not storage.isdir(folder) or _other_format(storage, folder):
         return False
     try:
         children = [os.path.join(folder, d) for d in subdirs(storage, folder)]
     except CheckpointError:
         return False
-    if not any(_is_array(storage, c) for c in children):  # Levanter always saves `step` (and `training_key`) as arrays
-        return False
+    if not any(_is_array(storage, c) for c in children):  # the Checkpointer always saves `step` and `training_key`
+        return bool(children) and _levanter_metadata(storage, folder) and _holds_array(storage, children)
     return has_metadata(folder, storage) or STEP_NAMES.match(os.path.basename(normalize(folder))) is not None
 
 
@@ -130,7 +167,8 @@ class LevanterSource(Source):
             notes.append(f"{folder}: `{'/'.join(parts) or name}` is a folder without an array (no .zarray): "
                          "an array lost in a partial copy? Copy the whole step folder.")
         # Paths below the item; an item that is one array (`step`) is one leaf named like the item.
-        entries = [(parts or (name,), "/".join((name, *parts)), header) for parts, header in arrays]
+        named = logical_paths([parts or (name,) for parts, _ in arrays])  # no path ends in `/value`
+        entries = [(path, "/".join((name, *parts)), header) for path, (parts, header) in zip(named, arrays)]
         leaves = zarr_leaves(self.context, step_dir, entries, where=folder, problems=problems)
         return Item(name, "pytree", [leaf for leaf in leaves if leaf is not None])
 

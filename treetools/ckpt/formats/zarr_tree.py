@@ -40,6 +40,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from treetools.ckpt.context import ReadContext
+from treetools.ckpt.formats._orbax_items import logical_paths
 from treetools.ckpt.formats._tensorstore import TensorStoreReader, natural_key, open_all, shared_ts_context
 from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name
 from treetools.ckpt.source import Format, Source
@@ -171,7 +172,8 @@ def read_tree(context: ReadContext, top: str, *, problems: list[str] | None = No
         raise CheckpointError(f"{top}: holds no zarr, zarr3 or N5 array.")
     name = os.path.basename(normalize(top))
     paths = leaf_names([parts for parts, _, _ in arrays])
-    paths = [p if p else (name,) for p in paths]  # `top` itself is one array: named like its folder
+    # `top` itself is one array: named like its folder; a box saved as a node (`kernel/value`) is one leaf
+    paths = logical_paths([p if p else (name,) for p in paths])
     for path in paths:
         for part in path:
             check_name(part, where=top)
