@@ -59,7 +59,8 @@ def run(code: str, args: list[str], env: dict[str, str]) -> dict:
         raise RuntimeError(err[-3000:])
     rchar = int(err.rsplit("RCHAR ", 1)[1].split()[0]) if "RCHAR " in err else 0
     incall = float(out.split("INCALL ")[1].split()[0]) if "INCALL " in out else None
-    return {"cpu": round(usage.ru_utime + usage.ru_stime, 2), "rss_mib": round(usage.ru_maxrss / 1024),
+    return {"cpu": round(usage.ru_utime + usage.ru_stime, 2), "sys": round(usage.ru_stime, 2),
+            "rss_mib": round(usage.ru_maxrss / 1024),
             "read_gb": round(rchar / 1e9, 2), "incall_cpu": incall and round(incall, 2)}
 
 
@@ -89,7 +90,7 @@ def main() -> None:
                 try:
                     row["to_orbax"] = run(_CLI, ["convert", src, os.path.join(work, "o"), "--to", "orbax"], env)
                 except RuntimeError as e:
-                    row["to_orbax"] = {"error": str(e).strip().splitlines()[-1][:200]}
+                    row["to_orbax"] = {"error": next((line for line in str(e).splitlines() if "error" in line), str(e))[-200:]}
                 shutil.rmtree(os.path.join(work, "o"), ignore_errors=True)
             if "restore" not in skip:
                 row["orbax_restore"] = run(_RESTORE, [src], {"PYTHONPATH": here})

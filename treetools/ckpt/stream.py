@@ -429,6 +429,7 @@ def stream_blocks(readers: Sequence[ArrayReader], *, chunk_bytes: int, workers: 
             return 0.0
         return math.prod(block_extent(index, readers[i].shape)[1]) * readers[i].dtype.itemsize
 
+    workers = min(workers, max(1, len(units)))  # one block (a small leaf): read here, no threads started
     fetched = ordered_map(fetch, units, workers=workers, window=window * max(1, chunk_bytes), cost=cost)
     for (i, index), block in zip(units, fetched):
         if index is not None:
