@@ -215,13 +215,17 @@ def _leaf_handler_class() -> type:
             nbytes = value.size * value.dtype.itemsize
             cost = self.window if nbytes > self.block_bytes else max(1, nbytes)
             async with self._gate:
-                await self._gate.wait_for(lambda: self._held == 0 or self._held + cost <= self.window)
+                await self._gate.wait_for(lambda: self.error is not None or self._held == 0
+                                          or self._held + cost <= self.window)
+                if self.error is not None:
+                    return
                 self._held += cost
             try:
                 await self._write(value, tspec, ts_context)
-            except BaseException as e:  # Orbax re-raises it wrapped, from its own thread: the caller's is this one
+            except Exception as e:
+                # Kept, not raised: Orbax would close its event loop with other leaves' writes in flight. The
+                # leaves not started skip, Orbax finishes its (temporary) checkpoint, and write_orbax raises this.
                 self.error = self.error or e
-                raise
             finally:
                 async with self._gate:
                     self._held -= cost
@@ -248,7 +252,8 @@ def _leaf_handler_class() -> type:
                 while True:  # the next chunk is read (in a thread) while the last one is written
                     item = await asyncio.to_thread(next, chunks, None)
                     if pending is not None:
-                        await pending
+                        done, pending = pending, None
+                        await done
                     if item is None:
                         break
                     index, data = item
@@ -257,6 +262,8 @@ def _leaf_handler_class() -> type:
                         self.on_block(leaf.name, data.nbytes)
             finally:
                 chunks.close()
+                if pending is not None:  # a read failed: let the write in flight finish before the loop ends
+                    await asyncio.gather(pending, return_exceptions=True)
 
     return LeafHandler
 
@@ -337,10 +344,12 @@ def write_orbax(
                     manager.save(step, args=ocp.args.Composite(**{item: save_args}))
                     manager.wait_until_finished()
                 written = os.path.join(tmp, str(step))
-        except BaseException as e:
-            if handler.error is not None and handler.error is not e and isinstance(handler.error, Exception):
-                raise handler.error from None  # a leaf's read failed: that, not Orbax's wrapping of it
+        except BaseException:
+            if handler.error is not None:
+                raise handler.error from None  # a leaf's read failed: that, not what it made Orbax raise
             raise
+        if handler.error is not None:  # a leaf's read failed; Orbax finished the temporary, which is removed
+            raise handler.error
         try:
             swap_in(written, final, overwrite=overwrite)
         except FileExistsError:
