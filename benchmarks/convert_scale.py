@@ -3,7 +3,8 @@ restore of the same checkpoint, in the same run (issue 48: F2, F3 of the 2026-11
 
 The source is an Orbax checkpoint (``StandardCheckpointer`` layout, zarr + OCDBT, zstd) of float32 leaves of
 4096 x 4096 (64 MiB), each stored as one chunk, as Orbax stores an unsharded leaf; the data is zeros, so it takes
-almost no disk. It is written by treetools' Orbax writer (``write_orbax``, Orbax's own save underneath) from
+almost no disk (``--data random``: incompressible leaves, where the bytes read show how often each chunk is
+decoded). It is written by treetools' Orbax writer (``write_orbax``, Orbax's own save underneath) from
 zero-stride arrays, with blocks of a whole leaf, so each leaf is one chunk. Then, each in a child process
 (``os.wait4``: that child's user + system CPU and peak RSS; bytes read through ``read()`` from ``/proc/self/io``):
 
@@ -13,7 +14,9 @@ zero-stride arrays, with blocks of a whole leaf, so each leaf is one chunk. Then
 
 Run it (with ``--treetools PATH`` to measure another checkout, e.g. the main branch before the change)::
 
-    python benchmarks/convert_scale.py --sizes 1,4 [--treetools /work/main] [--tmp /tmp/convert-bench]
+    python benchmarks/convert_scale.py --sizes 0.25,1,4 [--treetools /work/main] [--tmp /tmp/convert-bench]
+    python benchmarks/convert_scale.py --sizes 8 --skip restore
+    python benchmarks/convert_scale.py --sizes 1 --data random --skip orbax
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ print('INCALL', time.process_time() - t, size(tree))
 _MAKE = """import sys, numpy as np
 from treetools.ckpt.readers import InMemoryReader
 from treetools.ckpt.writers.orbax import write_orbax
-zeros = np.broadcast_to(np.float32(0), (4096, 4096))
-write_orbax(sys.argv[1], [(("layers", f"{i:03d}", "w"), InMemoryReader(zeros)) for i in range(int(sys.argv[2]))],
+if sys.argv[3] == "random":  # one incompressible 64 MiB array, the same in every leaf
+    data = np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32)
+else:
+    data = np.broadcast_to(np.float32(0), (4096, 4096))
+write_orbax(sys.argv[1], [(("layers", f"{i:03d}", "w"), InMemoryReader(data)) for i in range(int(sys.argv[2]))],
             block_bytes=4096 * 4096 * 4)
 """
 
@@ -71,6 +77,8 @@ def main() -> None:
                     help="checkout whose convert is measured (the sources are made with this one)")
     ap.add_argument("--tmp", default=tempfile.gettempdir())
     ap.add_argument("--skip", default="", help="comma separated: safetensors, orbax, restore")
+    ap.add_argument("--data", choices=("zeros", "random"), default="zeros",
+                    help="random: incompressible leaves (the source takes its size on disk; bytes read show decodes)")
     a = ap.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     skip = set(filter(None, a.skip.split(",")))
@@ -80,8 +88,8 @@ def main() -> None:
         work = tempfile.mkdtemp(prefix=f"convert-scale-{gib:g}-", dir=a.tmp)
         try:
             src = os.path.join(work, "src")
-            run(_MAKE, [src, str(leaves)], {"PYTHONPATH": here})
-            row = {"GiB": gib, "leaves": leaves, "treetools": a.treetools}
+            run(_MAKE, [src, str(leaves), a.data], {"PYTHONPATH": here})
+            row = {"GiB": gib, "leaves": leaves, "data": a.data, "treetools": a.treetools}
             env = {"PYTHONPATH": a.treetools}
             if "safetensors" not in skip:
                 row["to_safetensors"] = run(_CLI, ["convert", src, os.path.join(work, "o.safetensors"), "--no-fsync"], env)
