@@ -17,6 +17,7 @@ Run it (with ``--treetools PATH`` to measure another checkout, e.g. the main bra
     python benchmarks/convert_scale.py --sizes 0.25,1,4 [--treetools /work/main] [--tmp /tmp/convert-bench]
     python benchmarks/convert_scale.py --sizes 8 --skip restore
     python benchmarks/convert_scale.py --sizes 1 --data random --skip orbax
+    python benchmarks/convert_scale.py --small-leaves 1000
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ write_orbax(sys.argv[1], [(("layers", f"{i:03d}", "w"), InMemoryReader(data)) fo
 """
 
 
+_MANY = """import os, sys, numpy as np, orbax.checkpoint as ocp
+c = ocp.StandardCheckpointer()
+c.save(os.path.abspath(sys.argv[1]), {f"l{i}": np.full((32, 32), i, np.float32) for i in range(int(sys.argv[2]))})
+c.wait_until_finished()
+"""
+
+
 def run(code: str, args: list[str], env: dict[str, str]) -> dict:
     """Run ``python -c code args`` (in the temporary folder: ``-c`` puts the working folder first on the path);
     its CPU (user + system of that child, ``os.wait4``), peak RSS and bytes read."""
@@ -77,11 +85,25 @@ def main() -> None:
                     help="checkout whose convert is measured (the sources are made with this one)")
     ap.add_argument("--tmp", default=tempfile.gettempdir())
     ap.add_argument("--skip", default="", help="comma separated: safetensors, orbax, restore")
+    ap.add_argument("--small-leaves", type=int, default=0,
+                    help="instead: N leaves of 4 KiB (Orbax's own save) converted --to orbax, 3 runs (per-leaf cost)")
     ap.add_argument("--data", choices=("zeros", "random"), default="zeros",
                     help="random: incompressible leaves (the source takes its size on disk; bytes read show decodes)")
     a = ap.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     skip = set(filter(None, a.skip.split(",")))
+    if a.small_leaves:
+        work = tempfile.mkdtemp(prefix="convert-scale-small-", dir=a.tmp)
+        try:
+            src = os.path.join(work, "src")
+            run(_MANY, [src, str(a.small_leaves)], {"PYTHONPATH": here})
+            for _ in range(3):
+                row = run(_CLI, ["convert", src, os.path.join(work, "o"), "--to", "orbax"], {"PYTHONPATH": a.treetools})
+                print(json.dumps({"small_leaves": a.small_leaves, "treetools": a.treetools, "to_orbax": row}), flush=True)
+                shutil.rmtree(os.path.join(work, "o"))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     results = []
     for gib in map(float, a.sizes.split(",")):
         leaves = int(gib * 16)
