@@ -1,6 +1,6 @@
 """``convert`` at real sizes (issue 48, findings F2 and F3 of the 2026-11-28 scale report): each stored chunk of the
 source is read once, and the peak memory of a multi-GB conversion, to safetensors, to Hugging Face shards and to
-Orbax, stays a few blocks (or two stripes of whole source chunks) above a tiny conversion's in the same process.
+Orbax, stays a few blocks (or a few stripes of whole source chunks) above a tiny conversion's in the same process.
 
 Outputs are checked with the other side's own readers (``safetensors.safe_open``, ``ocp.StandardCheckpointer``,
 ``ocp.CheckpointManager``), bit for bit. Multi-GB inputs are Orbax checkpoints of zeros (zstd chunks of a few

@@ -21,9 +21,9 @@ Every command that reads all of a checkpoint's data goes through here:
 Memory: a worker holds the blocks of its current task only (a TensorStore
 reader one block ahead), so ``reduce_blocks`` peaks at about
 ``2 * readers per job * workers * chunk_bytes`` plus one storage chunk per
-read in flight; ``stream_blocks`` at ``window + workers`` blocks, or two stripes of whole stored
-chunks where one is larger (each within the memory budget). Tasks carry
-indices, never data.
+read in flight; ``stream_blocks`` at ``window + workers`` blocks, or two
+stripes of whole stored chunks where one is larger (each within the memory
+budget). Tasks carry indices, never data.
 
 Threads: numpy's ufuncs, TensorStore's decoding and file reads release the
 GIL, so threads scale with cores. ``TREETOOLS_WORKERS`` sets the default
@@ -37,7 +37,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import itertools
 import math
 import os
 import threading
