@@ -191,6 +191,10 @@ def _leaf_handler_class() -> type:
     import orbax.checkpoint as ocp
     import tensorstore as ts
 
+    if not callable(getattr(ocp.type_handlers.NumpyHandler, "_open_and_write", None)):  # the one hook overridden
+        raise CheckpointError("--to orbax: this orbax-checkpoint's NumpyHandler has no _open_and_write (written "
+                              "against 0.12.8); install the version constraints.txt names, or convert to safetensors.")
+
     class LeafHandler(ocp.type_handlers.NumpyHandler):
         """``NumpyHandler`` whose values are ``Leaf``s, each written chunk by chunk.
 
