@@ -229,14 +229,6 @@ def test_orbax_manager_step_is_restored_by_orbax_and_treetools(tmp_path):
     assert tt.open_source(tmp_path / "run").steps == [100, 200]
 
 
-def test_orbax_output_over_the_memory_budget_is_refused_with_one_line(tmp_path, capsys):
-    np.savez(tmp_path / "w.npz", a=np.ones(2**18, np.float32))  # 1 MiB
-    code = main(["convert", str(tmp_path / "w.npz"), str(tmp_path / "o"), "--to", "orbax", "--memory-budget-mb", "0.5"])
-    err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1 and "memory budget" in err and "safetensors" in err
-    assert not (tmp_path / "o").exists()
-
-
 # ---------------------------------------------------------------------------------------------- safety
 
 

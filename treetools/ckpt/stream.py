@@ -21,8 +21,9 @@ Every command that reads all of a checkpoint's data goes through here:
 Memory: a worker holds the blocks of its current task only (a TensorStore
 reader one block ahead), so ``reduce_blocks`` peaks at about
 ``2 * readers per job * workers * chunk_bytes`` plus one storage chunk per
-read in flight; ``stream_blocks`` at ``window + workers`` blocks. Tasks carry
-indices, never data.
+read in flight; ``stream_blocks`` at ``window + workers`` blocks, or two
+stripes of whole stored chunks where one is larger (each within the memory
+budget). Tasks carry indices, never data.
 
 Threads: numpy's ufuncs, TensorStore's decoding and file reads release the
 GIL, so threads scale with cores. ``TREETOOLS_WORKERS`` sets the default
@@ -36,7 +37,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import itertools
 import math
 import os
 import pickle
@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVa
 
 import numpy as np
 
-from treetools.ckpt.readers import ArrayReader, Index, MemoryBudgetError, plan_blocks
+from treetools.ckpt.readers import ArrayReader, Index, MemoryBudgetError, block_extent, plan_blocks
 from treetools.ckpt.share import Share, owners
 
 GROUP_BLOCKS = 4
@@ -109,36 +109,50 @@ def default_workers(readers: Iterable[ArrayReader] = ()) -> int:
 
 
 def ordered_map(fn: Callable[[Any], _R], items: Iterable[Any], *, workers: int, window: float = math.inf,
-                name: str = "treetools-read") -> Iterator[_R]:
+                cost: Callable[[Any], float] | None = None, name: str = "treetools-read") -> Iterator[_R]:
     """``fn(item)`` for every item on ``workers`` threads, yielded in item order.
 
-    At most ``window`` items are submitted and not yet yielded (the bound on
-    results held in memory); the next item is submitted as soon as the oldest
-    result is taken. An exception of ``fn`` is raised in the caller when its
-    item's turn comes; items not started by then are cancelled. With one
-    worker, everything runs in the caller's thread.
+    At most ``window`` items (with ``cost``: items whose costs add up to at
+    most ``window``, and always at least one) are submitted and not yet
+    yielded: the bound on results held in memory. The next items are submitted
+    as soon as the oldest result is taken. An exception of ``fn`` is raised in
+    the caller when its item's turn comes; items not started by then are
+    cancelled. With one worker, everything runs in the caller's thread.
 
     >>> list(ordered_map(lambda x: x * x, range(5), workers=3, window=2))
     [0, 1, 4, 9, 16]
+    >>> list(ordered_map(lambda x: -x, [1, 5, 2], workers=2, window=4, cost=float))  # 5 alone: over the window
+    [-1, -5, -2]
     """
     it = iter(items)
     if workers <= 1:
         for item in it:
             yield fn(item)
         return
-    window = max(1, int(min(window, 1 << 30)))
+    weigh = cost if cost is not None else (lambda item: 1)
+    end = object()
+    ahead = next(it, end)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
     pending: collections.deque = collections.deque()
+    held = 0.0
+
+    def top_up() -> None:
+        nonlocal ahead, held
+        while ahead is not end and (not pending or held + weigh(ahead) <= window):
+            pending.append((pool.submit(fn, ahead), weigh(ahead)))
+            held += pending[-1][1]
+            ahead = next(it, end)
+
     try:
-        for item in itertools.islice(it, window):
-            pending.append(pool.submit(fn, item))
+        top_up()
         while pending:
-            result = pending.popleft().result()
-            for item in itertools.islice(it, 1):
-                pending.append(pool.submit(fn, item))
+            future, c = pending.popleft()
+            result = future.result()
+            held -= c
+            top_up()
             yield result
     finally:
-        for future in pending:
+        for future, _ in pending:
             future.cancel()
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -156,8 +170,19 @@ def job_plan(readers: Sequence[ArrayReader], chunk_bytes: int, *, contiguous: bo
 
     A reader that streams front to back (a compressed zip member) needs
     C-contiguous runs; so does ``contiguous`` (a writer appending bytes). Then
-    blocks follow storage chunks only where whole bands of chunk rows fit in a
-    block.
+    blocks are stripes: whole bands of chunk rows along the first axis, every
+    other axis whole. Such a stripe covers whole stored chunks and is one
+    C-contiguous run, so each chunk is decoded once; a stripe is larger than
+    ``chunk_bytes`` where one band of chunk rows is (an Orbax leaf stored as
+    one chunk is one stripe), and the caller cuts it (``stream_blocks``). Only
+    where one band is over the readers' memory budget are blocks plain
+    C-contiguous runs across chunks (each such chunk is then decoded once per
+    block that touches it).
+
+    >>> from treetools.ckpt.readers import InMemoryReader
+    >>> r = InMemoryReader(np.zeros((8, 4), np.float32)); r.chunk_shape = (8, 4)
+    >>> [ix[0] for ix in job_plan((r,), 32, contiguous=True)], len(job_plan((r,), 32))
+    ([slice(0, 8, None)], 1)
     """
     first = readers[0]
     shape = tuple(first.shape)
@@ -168,8 +193,26 @@ def job_plan(readers: Sequence[ArrayReader], chunk_bytes: int, *, contiguous: bo
     granule = first.chunk_shape
     if contiguous and granule and shape:
         band = min(max(1, int(granule[0])), shape[0]) * math.prod(shape[1:])
-        granule = (granule[0],) + tuple(shape[1:]) if band <= max_elems else None
+        fits = band <= max_elems or band * itemsize <= min(r.budget for r in readers)
+        granule = (granule[0],) + tuple(shape[1:]) if fits else None
     return list(plan_blocks(shape, max_elems, granule))
+
+
+def _cut(index: Index, block: np.ndarray, shape: Sequence[int], max_elems: int
+         ) -> Iterator[tuple[Index, np.ndarray]]:
+    """A block read at ``index`` of an array of ``shape``, as C-ordered pieces of at most ``max_elems`` (views).
+
+    >>> [(ix, b.tolist()) for ix, b in _cut((slice(2, 4),), np.array([5, 6]), (6,), 1)]
+    [((slice(2, 3, None),), [5]), ((slice(3, 4, None),), [6])]
+    """
+    if block.size <= max_elems:
+        yield index, block
+        return
+    corner, _ = block_extent(index, shape)
+    for local in plan_blocks(block.shape, max_elems):
+        moved = tuple(slice(c + a, c + b) for c, (a, b, _) in
+                      zip(corner, (s.indices(n) for s, n in zip(local, block.shape))))
+        yield moved, block[local]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -419,10 +462,16 @@ def stream_blocks(readers: Sequence[ArrayReader], *, chunk_bytes: int, workers: 
 
     What a writer consumes (``convert``): with ``contiguous`` each block is a
     C-contiguous run of its array's elements, blocks in C order, so appending
-    them writes the array. Blocks are read ahead on ``workers`` threads, at most
-    ``window`` (default ``2 * workers``) read and not yet consumed: memory stays
-    about ``(window + workers) * chunk_bytes``. A reader that streams front to
-    back (a compressed npz member) is read in this thread when its turn comes.
+    them writes the array. Reads follow ``job_plan``'s stripes (whole stored
+    chunks, so each is decoded once) and a stripe over ``chunk_bytes`` is
+    handed out cut into C-ordered pieces of at most ``chunk_bytes``. Reads
+    run ahead on ``workers`` threads, at most ``window`` (default
+    ``2 * workers``) blocks' worth of bytes read and not yet consumed, or one
+    stripe when a stripe is larger: memory stays about
+    ``(window + workers) * chunk_bytes``, or two stripes (one being consumed,
+    the next read), each within the memory budget. A reader that streams
+    front to back (a compressed npz member) is read in this thread when its
+    turn comes.
 
     >>> from treetools.ckpt.readers import InMemoryReader
     >>> [(i, b.tolist()) for i, _, b in stream_blocks([InMemoryReader(np.arange(3)), InMemoryReader(np.ones(2))],
@@ -447,11 +496,26 @@ def stream_blocks(readers: Sequence[ArrayReader], *, chunk_bytes: int, workers: 
             return None  # streamed in order by the consumer
         return np.asarray(readers[i].read(index))
 
-    for (i, index), block in zip(units, ordered_map(fetch, units, workers=workers, window=window)):
+    def cost(unit: tuple[int, Index | None]) -> float:
+        i, index = unit
+        if index is None:
+            return 0.0
+        return math.prod(block_extent(index, readers[i].shape)[1]) * readers[i].dtype.itemsize
+
+    workers = min(workers, max(1, len(units)))  # one block (a small leaf): read here, no threads started
+    fetched = ordered_map(fetch, units, workers=workers, window=window * max(1, chunk_bytes), cost=cost)
+    # Not zip(units, fetched), and no piece kept past its yield: a zip's reused result tuple, or the loop variable
+    # of the last piece (a view of its stripe), would hold each stripe while the next is read.
+    for i, index in units:
+        block = next(fetched)
         if index is not None:
-            if progress is not None:
-                progress.advance(block.size * block.dtype.itemsize)
-            yield i, index, block
+            max_elems = max(1, chunk_bytes // block.dtype.itemsize) if contiguous else block.size
+            for ix, piece in _cut(index, block, readers[i].shape, max_elems):
+                if progress is not None:
+                    progress.advance(piece.size * piece.dtype.itemsize)
+                yield i, ix, piece
+                del piece
+            del block
             continue
         for ix, b in zip(plans[i], readers[i].blocks(plans[i])):
             if progress is not None:

@@ -15,9 +15,10 @@ Tensor names are the paths with / turned into . (params/Dense_0/kernel ->
 params.Dense_0.kernel) unless --rename gives others. Every safetensors
 header carries format=pt unless --metadata format=... says otherwise.
 
-Safetensors output is streamed block by block (memory stays a few blocks,
-whatever the model's size); Orbax holds the item in memory, and an item over
---memory-budget-mb is refused. Writes are atomic: a temporary name beside
+Both outputs are streamed block by block (memory stays a few blocks, or
+a stripe of whole stored chunks, whatever the model's size; a stored chunk
+over --memory-budget-mb is refused); Orbax output is stored in chunks of at
+most a block. Writes are atomic: a temporary name beside
 DST renamed at the end (in a bucket, objects that appear only when whole,
 the index last); an existing DST needs --overwrite; nothing is written under
 SRC.

@@ -9,8 +9,9 @@ out through a writer of the checkpoint layer (``treetools.ckpt.writers``):
   ``treetools.ckpt.mapping.RuledReader`` (exactly the source blocks a target
   block needs, as ``restore_checkpoint`` with rules reads them), and written in
   C order, so memory holds a few blocks whatever the model's size;
-* Orbax, through Orbax's own writer, which saves a tree held in host memory:
-  an item over the memory budget is refused before anything is read.
+* Orbax, through Orbax's own save with a type handler that writes each leaf
+  chunk by chunk as the block engine reads it
+  (``treetools.ckpt.writers.orbax``): memory holds a few blocks too.
 
 Names: safetensors tensor names are the target paths with ``/`` turned into
 ``.`` (``params/Dense_0/kernel`` -> ``params.Dense_0.kernel``; write the names
@@ -50,7 +51,6 @@ from treetools.ckpt.steps import parse_step
 from treetools.ckpt.writers.orbax import check_orbax, write_orbax
 from treetools.ckpt.writers.safetensors import (
     Tensor,
-    blocks,
     parse_size,
     plan_layout,
     write_safetensors,
@@ -329,7 +329,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
 
     Raises:
       CheckpointError: the destination exists (without ``overwrite``) or is under the source; a dtype the
-        destination cannot hold; an Orbax item over the memory budget; the errors of reading the source.
+        destination cannot hold; the errors of reading the source (a stored chunk over the memory budget).
       RulesError: the rules do not fit the checkpoint (every problem, before anything is read).
       UsageError: a ``ValueError``: arguments that cannot work (``check_arguments``), before anything is read.
 
@@ -378,20 +378,11 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
         report.layout = "step" if opts.dst_step is not None else "checkpoint"
         report.rows = _rows(plan.targets, ["/".join(p) for p in parts], [""] * len(parts))
         check_orbax(list(zip(parts, plan.readers)))
-        names = {id(r): "/".join(p) for p, r in zip(parts, plan.readers)}  # the progress bar's labels
-        budget = context.memory_budget
-        if report.total_bytes > budget:
-            raise CheckpointError(
-                f"{src}: --to orbax holds the whole item in memory ({human(report.total_bytes, 'B')}), over the "
-                f"memory budget of {human(budget, 'B')}; raise --memory-budget-mb if the machine has the memory, "
-                "or convert to safetensors, which streams."
-            )
         if not opts.dry_run:
             with _progress(report, opts) as on_block, _full_disk(dst):
                 write_orbax(dst_loc, list(zip(parts, plan.readers)), step=opts.dst_step,
                             item=plan.item.name if opts.item is not None else "params", overwrite=opts.overwrite,
-                            read_leaf=lambda reader: _read_whole(reader, context.block_bytes, on_block,
-                                                                 names[id(reader)]))
+                            block_bytes=context.block_bytes, on_block=on_block)
     if opts.dry_run:
         return report
     report.seconds = time.perf_counter() - started
@@ -476,19 +467,6 @@ class _progress:
 
     def __exit__(self, *exc: Any) -> None:
         self.bar.close()
-
-
-def _read_whole(reader: Any, block_bytes: int, on_block: Any, name: str) -> np.ndarray:
-    """One leaf read whole, block by block (the writers' one read path), into its own array."""
-    tensor = Tensor("", reader)
-    out = np.empty(tensor.shape, tensor.dtype)
-    flat = out.reshape(-1)
-    pos = 0
-    for block in blocks(tensor, block_bytes):
-        flat[pos:pos + block.size] = block.reshape(-1)
-        pos += block.size
-        on_block(name, block.nbytes)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------- verify
