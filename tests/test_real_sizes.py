@@ -328,14 +328,19 @@ def sized(tmp_path_factory):
         f.unlink()
 
 
-@pytest.mark.parametrize("command", ["stats", "verify", "diff"])
-def test_peak_memory_does_not_grow_with_the_bytes(sized, command):
+@pytest.mark.parametrize("command", ["stats", "verify", "diff", "convert-hf", "convert-orbax"])
+def test_peak_memory_does_not_grow_with_the_bytes(sized, command, tmp_path):
     # 8x the bytes (leaves of 64 MiB where one block is 8 MiB): what the blocks in flight hold is the same, so
     # the peak is the same within malloc's noise. Measured with glibc giving each freed block back at once
     # (MALLOC_MMAP_THRESHOLD_, so malloc's cache does not count); then, as a user's process runs, under a hard
     # limit on its address space: the small run's peak and 48 MiB (less than one leaf of the big checkpoint, so a
     # command holding a leaf whole would fail).
     def argv(tag):
+        out = tmp_path / f"out-{tag}-{len(list(tmp_path.iterdir()))}"  # a fresh destination each run
+        if command == "convert-hf":
+            return ["convert", sized[tag, "a"], out, "--shard-size", "100MB"]
+        if command == "convert-orbax":
+            return ["convert", sized[tag, "a"], out, "--to", "orbax"]
         if command == "stats":
             return ["inspect", sized[tag, "a"], "--stats"]
         if command == "diff":
