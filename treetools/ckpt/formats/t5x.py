@@ -39,7 +39,7 @@ import numpy as np
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._msgpack import MsgpackError, walk
-from treetools.ckpt.formats._tensorstore import TensorStoreReader, open_all, shared_ts_context, ts_spec
+from treetools.ckpt.formats._tensorstore import TensorStoreReader, item_stores, open_all, ts_spec
 from treetools.ckpt.formats.msgpack import is_msgpack_map
 from treetools.ckpt.readers import checked_shape, np_dtype, read_metadata
 from treetools.ckpt.storage import Storage
@@ -217,7 +217,7 @@ def read_tree(context: ReadContext, path: str, name: str = DEFAULT_ITEM) -> tupl
     ocdbt = storage.isfile(os.path.join(base, OCDBT_MANIFEST))
     out: list[Leaf] = []
     in_ocdbt: list[tuple[int, tuple[str, ...], str]] = []
-    shared = shared_ts_context(storage)
+    shared = item_stores(storage)
     for leaf, parts in zip(leaves, paths):
         value = leaf.value
         if value is None and leaf.reader is None:  # an empty node (an optax EmptyState), as Orbax >= 0.5 skips it

@@ -157,6 +157,7 @@ class LocalPinned(_BasePinned):
         st = os.fstat(fd)
         self.identity = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
         self._finalizer = weakref.finalize(self, os.close, fd)
+        self._walked: tuple[list, list[tuple[str, tuple[int, ...]]]] | None = None
 
     def real(self, name: str = "") -> str:
         """The real path of ``name`` inside the folder (symlinks resolved)."""
@@ -197,6 +198,23 @@ class LocalPinned(_BasePinned):
             _WALKS[key] = dirs
             while len(_WALKS) > 4096:
                 _WALKS.pop(next(iter(_WALKS)))
+
+    def unchanged(self) -> bool:
+        """Whether the folder's path still leads to this folder as pinned (same inode, same times) and, when
+        ``check_tree`` walked it, no folder below it has changed since (that walk's memo): a few stats. False
+        sends the caller back to ``Storage.pin``, which checks afresh."""
+        if _identity(self.folder) != self.identity:  # renamed, replaced, or a link swapped in on its path
+            return False
+        root = self._storage.root
+        if root is None:
+            return True
+        with _WALKS_LOCK:
+            dirs = _WALKS.get((self.identity, root.allowed))
+        if dirs is None:
+            return False
+        if self._walked is None or self._walked[0] is not dirs:
+            self._walked = (dirs, [(os.path.join(self.path, rel) if rel else self.path, ident) for rel, ident in dirs])
+        return all(_identity(path) == ident for path, ident in self._walked[1])
 
     def _walk(self, root: Root) -> list[tuple[str, tuple[int, ...]]]:
         """Every entry below the folder checked; ``(relative folder, identity)`` of each folder gone through."""
