@@ -12,10 +12,13 @@ finding those folders (``array_folders``) and reading them as leaves (``zarr_lea
 TensorStore opens the files of a store itself, by path: the zarr header, each
 chunk file, an OCDBT manifest and its data files. So before any store is
 opened, every local folder its spec names is opened once and checked
-(``Storage.pin``): the folder itself, and (for array data, and for an OCDBT
+(``_ts_folders.Pins``, ``Storage.pin``): the folder itself, and (for array data, and for an OCDBT
 database always) every entry below it, must resolve inside the checkpoint
 root; TensorStore is then handed the folder through that open descriptor
 (``/proc/self/fd/N``), so a folder swapped after the check is not the one read.
+The readers of one item share those folders and one TensorStore context,
+whose cache keeps the item's OCDBT manifest and b-tree nodes
+(``ItemStores``); a folder is handed out again only while it is unchanged.
 
 What a read holds is bounded before TensorStore allocates it: one stored
 chunk (and a zarr3 shard's index) by the memory budget; the chunks one read
@@ -46,9 +49,10 @@ from treetools.ckpt.readers import (
     physical_memory,
     plan_blocks,
 )
-from treetools.ckpt.formats._ocdbt import Database, check_database, first_line
+from treetools.ckpt.formats._ocdbt import first_line
+from treetools.ckpt.formats._ts_folders import OPEN_FILES, ItemStores, Pins
 from treetools.ckpt.steps import file_kind
-from treetools.ckpt.storage import Pinned, SpecialFileError, Storage, normalize
+from treetools.ckpt.storage import SpecialFileError, Storage, normalize
 from treetools.shared.errors import CheckpointError
 
 
@@ -60,9 +64,6 @@ CHUNK_OVERHEAD_CAP = 64 * 2**20
 
 OPEN_BATCH = 256
 """Array headers opened at once by ``open_all`` (each open in flight holds buffers and a store)."""
-
-OPEN_FILES = (".zarray", "zarr.json", ".zattrs")
-"""The files TensorStore reads to open a zarr array (the data are the chunk files beside them)."""
 
 OCDBT_MANIFEST = "manifest.ocdbt"
 
@@ -78,39 +79,6 @@ def subdirs(storage: Storage, folder: str) -> list[str]:
         raise CheckpointError(f"{folder}: cannot list folder ({e.strerror or e}).") from None
 
 
-LOOKUP_WORK = 2**34
-"""Chunk lookups one array may cost in an OCDBT database before the bytes it stores count: chunks x bytes of the
-b-tree leaf each lookup scans (measured on two cores: 2^34 is about 3 s of TensorStore's time, 2^18 chunks in a
-3 MB leaf about 100 s)."""
-
-LOOKUPS_PER_STORED_BYTE = 2**10
-"""Chunk lookup work (as ``LOOKUP_WORK`` counts it) each byte the database stores on disk allows on top."""
-
-
-def check_lookups(where: str, keys: int, database: Database) -> None:
-    """Refuse to read an array of ``keys`` chunks (or shards) from an OCDBT ``database`` when looking them up would
-    cost out of proportion to what the database stores.
-
-    TensorStore looks every chunk of a read up in the b-tree leaf holding it, a
-    scan of the leaf: the work grows with chunks x leaf size, while a leaf of
-    ``2^18`` one-byte chunks compresses to a few hundred bytes. Work is held to
-    ``LOOKUP_WORK`` plus ``LOOKUPS_PER_STORED_BYTE`` per byte on disk, before anything is read.
-
-    >>> from treetools.ckpt.formats._ocdbt import Database
-    >>> check_lookups("w", 8, Database(stored_bytes=1202, node_bytes=408, leaf_bytes=408, nodes=1))
-    >>> check_lookups("ckpt/params: `w`", 2**18, Database(4538, 3407984, 3407984, 1))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    treetools.shared.errors.CheckpointError: ckpt/params: `w`: 262,144 chunks to look up in an OCDBT b-tree leaf of ...
-    """
-    work = keys * max(1, database.leaf_bytes)
-    if work > LOOKUP_WORK + LOOKUPS_PER_STORED_BYTE * database.stored_bytes:
-        raise CheckpointError(
-            f"{where}: {keys:,} chunks to look up in an OCDBT b-tree leaf of up to {database.leaf_bytes:,} bytes, "
-            f"from a database of {database.stored_bytes:,} bytes on disk: reading them would take out of proportion "
-            "to what is stored (a compute bomb?); refusing to start."
-        )
-
-
 def max_chunks_per_read(budget: float) -> int:
     """How many stored chunks one read may span: the chunks' in-flight overhead held to the budget (and a cap).
 
@@ -118,290 +86,6 @@ def max_chunks_per_read(budget: float) -> int:
     (8192, 32768)
     """
     return max(1, int(min(budget, CHUNK_OVERHEAD_CAP) // CHUNK_OVERHEAD))
-
-
-# ---------------------------------------------------------------------------- local folders, checked
-
-
-def check_ocdbt(storage: Storage, base: str, budget: float, *, shown: str | None = None) -> Database:
-    """Refuse an OCDBT database whose manifests or b-tree nodes may decode to more than the budget.
-
-    TensorStore decodes a manifest and each b-tree node whole; what each may
-    decode to is bounded from its stored zstd stream (``_ocdbt.check_database``),
-    not from the ``max_decoded_node_bytes`` the manifest declares (Orbax writes
-    100,000,000 and readers do not enforce it). Held to the budget (the default
-    budget where none applies, as for ``load_parameters``). ``base`` is the
-    database's folder (a pinned local folder or a URL); ``shown`` names it in errors.
-    """
-    return check_database(storage, base, min(budget, DEFAULT_MEMORY_BUDGET), shown=shown)
-
-
-_REMOTE_SCHEMES = {"gcs": "gs", "s3": "s3"}  # TensorStore's key-value store drivers -> URL schemes
-
-
-class Pins:
-    """The local folders of TensorStore specs, opened once and checked, and the specs rewritten to read
-    through them. Close it when TensorStore is done with the stores opened from its specs.
-
-    ``data``: the stores will read array data, so every file below each array
-    folder is checked; else (opening headers) only the zarr header files. An
-    OCDBT database's folder is always checked whole (its manifest and data
-    files are what opening a header reads) and its manifest held to ``budget``.
-    """
-
-    def __init__(self, storage: Storage, *, data: bool, budget: float, where: str = "", recheck: bool = False):
-        self._storage, self._data, self._budget, self._where = storage, data, budget, where
-        self._recheck = recheck
-        self._pins: dict[tuple[str, bool], Pinned] = {}
-        self._remote_checked: set[str] = set()
-        self._refused: dict[tuple[str, bool], CheckpointError] = {}
-        self.databases: dict[str, Database] = {}
-        """The OCDBT databases pinned, by folder: what they store, and the leaves chunks are looked up in."""
-        self.used: dict[str, Database] = {}
-        """The OCDBT databases the last ``spec`` reads from."""
-        self.used_folders: list[Pinned] = []
-        """The folders the last ``spec`` reads from."""
-
-    def __len__(self) -> int:
-        return len(self._pins)
-
-    def spec(self, spec: dict[str, Any], where: str | None = None) -> dict[str, Any]:
-        """``spec`` with every local ``file`` store replaced by its checked, pinned folder; errors name ``where``.
-
-        With ``recheck`` (pins held for many opens: ``ItemStores``), a folder
-        pinned before is handed out again only while it is unchanged
-        (``Pinned.unchanged``); else ``Changed`` is raised, and the caller starts afresh.
-        """
-        if where is not None:
-            self._where = where
-        self.used, self.used_folders = {}, []
-        return self._rewrite(spec, ocdbt=False)
-
-    def _rewrite(self, node: Any, *, ocdbt: bool) -> Any:
-        if isinstance(node, list):
-            return [self._rewrite(v, ocdbt=ocdbt) for v in node]
-        if not isinstance(node, dict):
-            return node
-        if node.get("driver") == "file" and isinstance(node.get("path"), str):
-            return {**node, "path": self.folder(node["path"], ocdbt=ocdbt).path + "/"}
-        if ocdbt and node.get("driver") in _REMOTE_SCHEMES and isinstance(node.get("bucket"), str):
-            url = f"{_REMOTE_SCHEMES[node['driver']]}://{node['bucket']}/{str(node.get('path') or '').strip('/')}"
-            if url not in self._remote_checked:  # a bucket has no links: the database's manifest only
-                check_ocdbt(self._storage, normalize(url), self._budget)
-                self._remote_checked.add(url)
-            return node
-        inner = node.get("driver") == "ocdbt"
-        return {k: self._rewrite(v, ocdbt=inner and k == "base") if isinstance(v, (dict, list)) else v
-                for k, v in node.items()}
-
-    def folder(self, folder: str, *, ocdbt: bool = False) -> Pinned:
-        """``folder`` opened and checked (``ocdbt``: an OCDBT database, checked whole, its manifests held to the
-        budget); opened once per ``Pins``."""
-        folder = folder.rstrip("/") or "/"
-        key = (folder, ocdbt)
-        pinned = self._pins.get(key)
-        if pinned is not None:
-            if self._recheck and not pinned.unchanged():
-                raise Changed(folder)
-            if folder in self.databases:
-                self.used[folder] = self.databases[folder]
-            self.used_folders.append(pinned)
-            return pinned
-        if key in self._refused:  # one OCDBT database refused is every array in it refused, once
-            raise self._refused[key]
-        try:
-            pinned = self._open(folder, ocdbt)
-        except CheckpointError as e:
-            self._refused[key] = e
-            raise
-        self._pins[key] = pinned
-        self.used_folders.append(pinned)
-        return pinned
-
-    def _open(self, folder: str, ocdbt: bool) -> Pinned:
-        what = "array data" if self._data else "array metadata"
-        try:
-            pinned = self._storage.pin(folder)
-        except NotADirectoryError:
-            raise CheckpointError(f"{self._where}: cannot open {what} ({folder} is {file_kind(self._storage, folder)}, "
-                                  "not a folder).") from None
-        except FileNotFoundError:
-            raise CheckpointError(f"{self._where}: cannot open {what} (its folder {folder} is missing).") from None
-        except OSError as e:
-            raise CheckpointError(f"{self._where}: cannot open {what} ({folder}: {e.strerror or e}).") from None
-        try:
-            if ocdbt:
-                pinned.check_tree()
-                self.databases[folder] = self.used[folder] = check_ocdbt(self._storage, pinned.path, self._budget,
-                                                                        shown=folder)
-            elif self._data:
-                pinned.check_tree()
-            else:
-                for header in OPEN_FILES:
-                    pinned.check_file(header)
-        except BaseException:
-            pinned.close()
-            raise
-        return pinned
-
-    def check_lookups(self, where: str, shape: Sequence[int], chunk: Sequence[int],
-                      databases: Sequence[Database] | None = None) -> None:
-        """Refuse to read an array of ``shape`` stored in chunks (or shards) of ``chunk`` from the OCDBT databases
-        pinned (or ``databases``), when its chunk lookups are out of proportion to what they store
-        (``check_lookups``)."""
-        keys = math.prod(-(-int(n) // max(1, int(c))) for n, c in zip(shape, chunk))
-        for database in self.databases.values() if databases is None else databases:
-            check_lookups(where, keys, database)
-
-    def shown(self, text: str) -> str:
-        """``text`` (TensorStore's error) naming each pinned folder as the checkpoint names it, not by descriptor."""
-        for pinned in sorted(self._pins.values(), key=lambda p: -len(p.path)):  # /proc/self/fd/31 before .../3
-            text = text.replace(pinned.path, pinned.folder)
-        return text
-
-    def close(self) -> None:
-        for pinned in self._pins.values():
-            pinned.close()
-        self._pins.clear()
-
-    def __enter__(self) -> "Pins":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-class Changed(Exception):
-    """A folder pinned earlier has changed on disk since (``Pins`` with ``recheck``): pin and check afresh."""
-
-
-# ---------------------------------------------------------------------------- one item's stores
-
-ITEM_CACHE_BYTES = 16 * 2**20
-"""TensorStore's cache for the readers of one local item: OCDBT manifests and b-tree nodes only (never array
-chunks, so a block's memory is still freed once consumed). Without it each array's open and each read decoded
-the item's manifest and b-tree again: 31 ms per leaf at 33k leaves, against 1.4 ms with it."""
-
-PINS_PER_CONTEXT = 64
-"""Folders one context's pins hold open at most (one per array for zarr folders; one per OCDBT item): the next
-array starts a new context, and the old one's folders close when its last store does."""
-
-_OCDBT_CACHE = "cache_pool#ocdbt"
-
-
-class _Generation:
-    """One TensorStore context and the folders pinned for it. The context's cache is keyed by the pinned
-    folders' paths (``/proc/self/fd/N``), so they close together: once retired (no new store opens with the
-    context) and the last store opened with it is closed."""
-
-    def __init__(self, storage: Storage, budget: float, context_spec: dict[str, Any]):
-        import tensorstore as ts
-
-        self.context: Any = ts.Context(context_spec)
-        self.pins = Pins(storage, data=True, budget=budget, recheck=True)
-        self.budget = budget
-        self.users = 0
-        self.retired = False
-        self.kept: Any = None
-        """The last store opened: TensorStore drops a key-value store's cache (an OCDBT item's b-tree nodes) with
-        the last store reading through it, so one is kept open while the context may be used."""
-        self.specs: dict[int, tuple[dict, dict, list[Pinned], list[Database]]] = {}
-        """By ``id`` of a reader's spec: the spec (held, so the id stays its own), as rewritten to read through
-        the pins, the folders it reads and the OCDBT databases it looks chunks up in."""
-
-    def close(self) -> None:
-        self.kept = self.context = None
-        self.specs.clear()
-        self.pins.close()
-
-
-class ItemStores:
-    """What the ``TensorStoreReader``s of one item share: one TensorStore context (its cache keeps what every
-    array's open and read looks up: an OCDBT item's manifest and b-tree nodes) and the item's folders, pinned and
-    checked once (``Pins``) instead of once per open.
-
-    Each open hands out a folder pinned earlier only while it is unchanged on
-    disk (``Pinned.unchanged``: its path leads to the same folder, no folder below
-    it changed); else the context and its pins are retired and the open pins and
-    checks afresh under a new context, as it does after ``PINS_PER_CONTEXT``
-    folders. A context's folders stay open as long as the context may be used:
-    until it is retired and its last store closed, or the item is let go of.
-    """
-
-    def __init__(self, storage: Storage):
-        import threading
-
-        self._storage = storage
-        remote = storage.tensorstore_context()
-        # A bucket's context (its own cache, shared connections) as it gives it; locally, a cache for OCDBT only.
-        self._context_spec = remote if remote is not None else {_OCDBT_CACHE: {"total_bytes_limit": ITEM_CACHE_BYTES}}
-        self._ocdbt_cache = remote is None
-        self._current: _Generation | None = None
-        self._lock = threading.Lock()
-        self.contexts = 0
-        """Contexts made so far (one per item unless folders changed or more than ``PINS_PER_CONTEXT`` were pinned)."""
-
-    def acquire(self, storage: Storage, spec: dict[str, Any], where: str,
-                budget: float) -> tuple[_Generation, dict, list[Database]]:
-        """The context to open ``spec`` with, the spec reading through its checked, pinned folders, and the OCDBT
-        databases it reads; ``release`` the generation when the store is closed."""
-        with self._lock:
-            for _ in range(3):
-                gen = self._current
-                if gen is None or gen.budget != budget or storage is not self._storage:
-                    gen = self._renew(storage, budget)
-                known = gen.specs.get(id(spec))
-                if known is not None and known[0] is spec:
-                    if not all(pinned.unchanged() for pinned in known[2]):
-                        self._retire(gen)
-                        continue
-                    gen.users += 1
-                    return gen, known[1], known[3]
-                if len(gen.pins) >= PINS_PER_CONTEXT:
-                    gen = self._renew(storage, budget)
-                try:
-                    rewritten = gen.pins.spec(spec, where)
-                except Changed:
-                    self._retire(gen)
-                    continue
-                if self._ocdbt_cache:
-                    rewritten = self._with_cache(rewritten)
-                databases = list(gen.pins.used.values())
-                gen.specs[id(spec)] = (spec, rewritten, list(gen.pins.used_folders), databases)
-                gen.users += 1
-                return gen, rewritten, databases
-            raise CheckpointError(f"{where}: the checkpoint's folders keep changing while they are read; try again.")
-
-    def release(self, gen: _Generation) -> None:
-        with self._lock:
-            gen.users -= 1
-            if gen.retired and not gen.users:
-                gen.close()
-
-    def _renew(self, storage: Storage, budget: float) -> _Generation:
-        if self._current is not None:
-            self._retire(self._current)
-        self._current = _Generation(storage, budget, self._context_spec)
-        self.contexts += 1
-        return self._current
-
-    def _retire(self, gen: _Generation) -> None:
-        gen.retired = True
-        if self._current is gen:
-            self._current = None
-        if not gen.users:
-            gen.close()
-
-    def _with_cache(self, node: Any) -> Any:
-        """``node`` with every OCDBT key-value store reading through the item's cache."""
-        if isinstance(node, list):
-            return [self._with_cache(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        out = {k: self._with_cache(v) if isinstance(v, (dict, list)) else v for k, v in node.items()}
-        if out.get("driver") == "ocdbt":
-            out["cache_pool"] = _OCDBT_CACHE
-        return out
 
 
 # ---------------------------------------------------------------------------- reading one array
@@ -432,27 +116,30 @@ def _codec_info(spec: dict[str, Any]) -> tuple[bool, bool, Any]:
     return blosc, False, lambda ix: sep.join(map(str, ix)) or "0"
 
 
+def _blosc_key(store: Any, where: str) -> Any:
+    """The chunk key of a chunk index when ``store``'s chunks are blosc-compressed (their headers are checked
+    before decoding), else None; blosc inside zarr3 shards is refused."""
+    try:  # the codecs alone cost a fifth of the whole spec; the spec only where blosc is among them
+        plain = "blosc" not in repr(store.codec.to_json())
+    except Exception:
+        plain = False
+    blosc, inner, key = (False, False, None) if plain else _codec_info(store.spec().to_json())
+    if inner:
+        raise CheckpointError(
+            f"{where}: blosc-compressed chunks inside zarr3 shards; a blosc header may claim any decoded "
+            "size, and inside a shard it cannot be checked before decoding; refusing to read it."
+        )
+    return key if blosc else None
+
+
 class _Opened:
     """One open store of a ``TensorStoreReader`` and what its reads are held to."""
 
-    def __init__(self, reader: "TensorStoreReader", store: Any, pins: Pins, chunk: tuple[int, ...],
+    def __init__(self, reader: "TensorStoreReader", store: Any, pins: Pins, chunk: tuple[int, ...], blosc: Any,
                  close: Callable[[], None]):
-        self.reader, self.store, self.pins, self.chunk = reader, store, pins, chunk
+        self.reader, self.store, self.pins, self.chunk, self.blosc = reader, store, pins, chunk, blosc
         self._close = close
         self.max_chunks = max_chunks_per_read(reader.budget)
-        self.blosc = None
-        try:  # the codecs alone are a fifth of the spec's cost; the whole spec only where blosc is among them
-            plain = "blosc" not in repr(store.codec.to_json())
-        except Exception:
-            plain = False
-        blosc, inner, key = (False, False, None) if plain else _codec_info(store.spec().to_json())
-        if inner:
-            raise CheckpointError(
-                f"{reader._where}: blosc-compressed chunks inside zarr3 shards; a blosc header may claim any decoded "
-                "size, and inside a shard it cannot be checked before decoding; refusing to read it."
-            )
-        if blosc:
-            self.blosc = key
 
     def close(self) -> None:
         self.store = None
@@ -581,15 +268,21 @@ class TensorStoreReader(ArrayReader):
         gen, spec, databases = stores.acquire(self.context.storage, self.spec, self._where, self.budget)
         pins = gen.pins
         try:
-            try:
-                store = gen.kept = ts.open(spec, read=True, open=True, context=gen.context).result()
-            except Exception as e:  # tensorstore raises ValueError with a long status text
-                raise CheckpointError(f"{self._where}: cannot open array data ({pins.shown(first_line(e))}).") from None
-            try:
-                chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
-                shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)
-            except Exception:  # a driver without a chunk layout: fall back to the metadata's
-                chunk = shard = tuple(self.chunk_shape or self.shape)
+            known = stores.opened(gen, self.spec)
+            if known is None:
+                try:
+                    store = ts.open(spec, read=True, open=True, context=gen.context).result()
+                except Exception as e:  # tensorstore raises ValueError with a long status text
+                    raise CheckpointError(f"{self._where}: cannot open array data ({pins.shown(first_line(e))}).") \
+                        from None
+                try:
+                    chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
+                    shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)
+                except Exception:  # a driver without a chunk layout: fall back to the metadata's
+                    chunk = shard = tuple(self.chunk_shape or self.shape)
+                known = (store, chunk, shard, _blosc_key(store, self._where))
+                stores.remember(gen, self.spec, known)
+            store, chunk, shard, blosc = known
             pins.check_lookups(self._where, self.shape, shard, databases)
             piece = math.prod(chunk) * self.dtype.itemsize
             if whole:
@@ -606,7 +299,7 @@ class TensorStoreReader(ArrayReader):
                 entries = math.prod(-(-s // max(1, c)) for s, c in zip(shard, chunk))
                 check_budget(16 * entries, where=self._where, what=f"one shard's index ({entries:,} inner chunks)",
                              budget=min(self.budget, DEFAULT_MEMORY_BUDGET))
-            return _Opened(self, store, pins, chunk, lambda: stores.release(gen))
+            return _Opened(self, store, pins, chunk, blosc, lambda: stores.release(gen))
         except BaseException:
             stores.release(gen)
             raise
