@@ -268,8 +268,7 @@ class TensorStoreReader(ArrayReader):
         gen, spec, databases = stores.acquire(self.context.storage, self.spec, self._where, self.budget)
         pins = gen.pins
         try:
-            known = stores.opened(gen, self.spec)
-            if known is None:
+            def open_() -> tuple:
                 try:
                     store = ts.open(spec, read=True, open=True, context=gen.context).result()
                 except Exception as e:  # tensorstore raises ValueError with a long status text
@@ -280,8 +279,9 @@ class TensorStoreReader(ArrayReader):
                     shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)
                 except Exception:  # a driver without a chunk layout: fall back to the metadata's
                     chunk = shard = tuple(self.chunk_shape or self.shape)
-                known = (store, chunk, shard, _blosc_key(store, self._where))
-                stores.remember(gen, self.spec, known)
+                return store, chunk, shard, _blosc_key(store, self._where)
+
+            known = stores.opened(gen, self.spec, open_)
             store, chunk, shard, blosc = known
             pins.check_lookups(self._where, self.shape, shard, databases)
             piece = math.prod(chunk) * self.dtype.itemsize

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import math
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from treetools.ckpt.context import DEFAULT_MEMORY_BUDGET
 from treetools.ckpt.formats._ocdbt import Database, check_database
@@ -247,6 +247,7 @@ class _Generation:
         blosc key)``. A reader read a block at a time (``read``) opens its store once, not once per block; and
         TensorStore drops a key-value store's cache (an OCDBT item's b-tree nodes) with the last store reading
         through it, so some are kept open while the context may be used."""
+        self.opening: dict[int, threading.Lock] = {}
         self.specs: dict[int, tuple[dict, dict, list[Pinned], list[Database]]] = {}
         """By ``id`` of a reader's spec: the spec (held, so the id stays its own), as rewritten to read through
         the pins, the folders it reads and the OCDBT databases it looks chunks up in."""
@@ -305,6 +306,9 @@ class ItemStores:
                 except Changed:
                     self._retire(gen)
                     continue
+                except BaseException:  # refused: the next open checks afresh (the folder may be put right)
+                    self._retire(gen)
+                    raise
                 if self._ocdbt_cache:
                     rewritten = self._with_cache(rewritten)
                 databases = list(gen.pins.used.values())
@@ -313,22 +317,37 @@ class ItemStores:
                 return gen, rewritten, databases
             raise CheckpointError(f"{where}: the checkpoint's folders keep changing while they are read; try again.")
 
-    def opened(self, gen: _Generation, spec: dict[str, Any]) -> tuple | None:
-        """``(store, chunk, shard, blosc key)`` of ``spec`` as opened before with ``gen``'s context, or None."""
+    def opened(self, gen: _Generation, spec: dict[str, Any], open_: Callable[[], tuple]) -> tuple:
+        """``open_()`` (``(store, chunk, shard, blosc key)``) of ``spec``, called once for ``gen``'s context while it
+        keeps the store: readers of one array in several threads (the row bands of a convert) wait for one open."""
         with self._lock:
-            known = gen.stores.get(id(spec))
-            if known is None or known[0] is not spec:
-                return None
-            gen.stores.move_to_end(id(spec))
-            return known[1:]
+            known = self._known(gen, spec)
+            if known is not None:
+                return known
+            opening = gen.opening.setdefault(id(spec), threading.Lock())
+        try:
+            with opening:
+                with self._lock:
+                    known = self._known(gen, spec)
+                if known is None:
+                    known = open_()
+                    with self._lock:
+                        if gen.context is not None:
+                            gen.stores[id(spec)] = (spec, *known)
+                            while len(gen.stores) > OPEN_STORES:
+                                gen.stores.popitem(last=False)
+        finally:
+            with self._lock:
+                gen.opening.pop(id(spec), None)
+        return known
 
-    def remember(self, gen: _Generation, spec: dict[str, Any], opened: tuple) -> None:
-        with self._lock:
-            if gen.context is None:
-                return
-            gen.stores[id(spec)] = (spec, *opened)
-            while len(gen.stores) > OPEN_STORES:
-                gen.stores.popitem(last=False)
+    @staticmethod
+    def _known(gen: _Generation, spec: dict[str, Any]) -> tuple | None:
+        known = gen.stores.get(id(spec))
+        if known is None or known[0] is not spec:
+            return None
+        gen.stores.move_to_end(id(spec))
+        return known[1:]
 
     def release(self, gen: _Generation) -> None:
         with self._lock:
