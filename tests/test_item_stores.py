@@ -51,17 +51,18 @@ def root(tmp_path_factory):
 
 
 class Counted:
-    """Every store ``TensorStoreReader._open`` opens (by the array it names, with the context it passes) and every
-    folder pinned for array data; header opens (``open_all``) are left out."""
+    """Every store ``TensorStoreReader._open`` opens (by the array it names, with the context it passes), apart from
+    the headers ``open_all`` opens, and every folder pinned for array data."""
 
     def __init__(self, monkeypatch):
         self.opens: list[tuple[str, object]] = []
+        self.header_opens: list[tuple[str, object]] = []
         self.data_pins: list[str] = []
         real_open, real_pin = ts.open, _ts_folders.Pins._open
 
         def open_(spec, *args, **kwargs):
-            if sys._getframe(1).f_code.co_name != "open_all":  # TensorStoreReader's opens, not the headers' 
-                self.opens.append((spec["kvstore"]["path"], kwargs["context"]))
+            header = sys._getframe(1).f_code.co_name in ("_open_shared", "_open_batch")  # open_all's
+            (self.header_opens if header else self.opens).append((spec["kvstore"]["path"], kwargs["context"]))
             return real_open(spec, *args, **kwargs)
 
         def pin(pins, folder, ocdbt):
@@ -82,6 +83,8 @@ def test_stats_opens_one_context_and_pins_one_folder_per_item(root, monkeypatch)
     report = inspect_json(path, "--stats")
     assert sorted(name for name, _ in counted.opens) == sorted([f"layer_{i}.w" for i in range(LEAVES)] * 2)  # each once
     assert counted.contexts() == 2  # params and opt_state: one each, not one per leaf (18 before)
+    header_contexts = {id(context) for _, context in counted.header_opens}
+    assert header_contexts == {id(context) for _, context in counted.opens}  # the headers open through them too
     assert sorted(os.path.basename(f) for f in counted.data_pins) == ["opt_state", "params"]  # the OCDBT folders
     stats = {f"{item}/{name}": leaf["stats"] for item in ("params", "opt_state")
              for name, leaf in leaves_of(report, item).items()}
@@ -129,14 +132,18 @@ def test_a_link_added_to_the_item_after_its_check_refuses_the_next_read(root, tm
     (tmp_path / "secret").write_bytes(b"42" * 100)
     counted = Counted(monkeypatch)
     leaves = [l for l in open_source(str(path)).snapshot(None).items["params"].leaves if l.reader is not None]
+    counted.data_pins.clear()  # the item's folders were pinned and checked as its headers were read
     whole = (slice(None), slice(None))
     np.testing.assert_array_equal(leaves[0].reader.read(whole), root[1]["params/layer_0/w"])
     os.symlink(tmp_path / "secret", path / "1" / "params" / "d" / "stolen")
     with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):
         leaves[1].reader.read(whole)
+    with pytest.raises(CheckpointError, match="resolves outside the checkpoint"):
+        leaves[2].reader.read(whole)  # the item's folder refused: every array in it, without checking it again
+    assert counted.contexts() == 1 and len(counted.data_pins) == 1  # the change retired the context: pinned anew
     os.unlink(path / "1" / "params" / "d" / "stolen")
-    np.testing.assert_array_equal(leaves[1].reader.read(whole), root[1]["params/layer_1/w"])  # checked afresh
-    assert counted.contexts() == 2  # the changed folder retired the first context; the next read made another
+    again = [l for l in open_source(str(path)).snapshot(None).items["params"].leaves if l.reader is not None]
+    np.testing.assert_array_equal(again[1].reader.read(whole), root[1]["params/layer_1/w"])  # checked afresh
 
 
 def test_per_folder_arrays_rotate_contexts_and_close_their_folders(tmp_path, monkeypatch):

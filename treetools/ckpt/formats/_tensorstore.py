@@ -444,47 +444,92 @@ class ArrayHeader:
 
 
 def open_all(context: ReadContext, specs: list[dict[str, Any]], where: list[str],
-             problems: list[str] | None = None) -> list[ArrayHeader | None]:
+             problems: list[str] | None = None, stores: ItemStores | None = None) -> list[ArrayHeader | None]:
     """Open many arrays' zarr headers (TensorStore reads ``OPEN_BATCH`` of them in parallel); no array data.
 
     Each spec's local folders are checked first (``Pins``: the headers, and an
     OCDBT database whole, must resolve inside the checkpoint). With
     ``problems``, a leaf that cannot be opened is recorded there (and its
     header is None) instead of failing the whole item: ``verify`` lists them all.
+    With ``stores`` (the item's readers' ``ItemStores``), the arrays of an OCDBT
+    database open through its context, pinned folder and b-tree cache, once for
+    the item rather than once per batch.
     """
-    import tensorstore as ts
-
     headers: list[ArrayHeader | None] = []
     for a in range(0, len(specs), OPEN_BATCH):
-        # One descriptor per array folder, held until its header is read: a batch's worth at a time. The cache
-        # (b-tree nodes the arrays of one OCDBT item share) lives as long as the descriptors: a descriptor number
-        # reused by the next batch names another folder.
-        cache = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
-        with Pins(context.storage, data=False, budget=context.memory_budget) as pins:
-            batch = []
-            for spec, w in zip(specs[a:a + OPEN_BATCH], where[a:a + OPEN_BATCH]):
-                try:
-                    batch.append(ts.open(pins.spec(spec, w), read=True, open=True, context=cache))
-                except CheckpointError as e:
-                    if problems is None:
-                        raise
-                    batch.append(e)
-            for future, w in zip(batch, where[a:a + OPEN_BATCH]):
-                try:
-                    if isinstance(future, CheckpointError):
-                        raise future
-                    headers.append(ArrayHeader(future.result(), w))
-                    continue
-                except CheckpointError as e:
-                    message = str(e)
-                except Exception as e:
-                    message = f"{w}: cannot open array metadata ({pins.shown(first_line(e))})."
-                if problems is None:
-                    raise CheckpointError(message) from None
-                if message not in problems[-1:]:  # a database refused whole: said once, not once per array
-                    problems.append(message)
-                headers.append(None)
+        batch, wheres = specs[a:a + OPEN_BATCH], where[a:a + OPEN_BATCH]
+        if stores is not None and all((s.get("kvstore") or {}).get("driver") == "ocdbt" for s in batch):
+            headers += _open_shared(context, stores, batch, wheres, problems)
+        else:
+            headers += _open_batch(context, batch, wheres, problems)
     return headers
+
+
+def _open_batch(context: ReadContext, specs: list[dict[str, Any]], where: list[str],
+                problems: list[str] | None) -> list[ArrayHeader | None]:
+    import tensorstore as ts
+
+    # One descriptor per array folder, held until its header is read: a batch's worth at a time. The cache
+    # (b-tree nodes the arrays of one OCDBT item share) lives as long as the descriptors: a descriptor number
+    # reused by the next batch names another folder.
+    cache = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
+    with Pins(context.storage, data=False, budget=context.memory_budget) as pins:
+        batch = []
+        for spec, w in zip(specs, where):
+            try:
+                batch.append(ts.open(pins.spec(spec, w), read=True, open=True, context=cache))
+            except CheckpointError as e:
+                if problems is None:
+                    raise
+                batch.append(e)
+        return [_header(future, w, pins, problems) for future, w in zip(batch, where)]
+
+
+def _open_shared(context: ReadContext, stores: ItemStores, specs: list[dict[str, Any]], where: list[str],
+                 problems: list[str] | None) -> list[ArrayHeader | None]:
+    import tensorstore as ts
+
+    batch: list[tuple[Any, Any]] = []
+    try:
+        for i, (spec, w) in enumerate(zip(specs, where)):
+            try:  # the folders checked for change once a batch, as a batch of Pins of its own did
+                gen, rewritten, _ = stores.acquire(context.storage, spec, w, context.memory_budget, recheck=i == 0)
+            except CheckpointError as e:
+                if problems is None:
+                    raise
+                batch.append((e, None))
+                continue
+            batch.append((None, gen))  # released below even if the open raises
+            batch[-1] = (ts.open(rewritten, read=True, open=True, context=gen.context), gen)
+        out = []
+        for future, gen in batch:
+            header = _header(future, where[len(out)], gen.pins if gen is not None else None, problems)
+            if gen is not None and header is not None:
+                gen.keep = future.result()  # the b-tree cache lives as long as a store reading through it
+            out.append(header)
+        return out
+    finally:
+        for _, gen in batch:
+            if gen is not None:
+                stores.release(gen)
+
+
+def _header(future: Any, w: str, pins: Pins | None, problems: list[str] | None) -> ArrayHeader | None:
+    """The header a ``ts.open`` future gives; an error recorded in ``problems`` (None returned), or raised."""
+    try:
+        if isinstance(future, CheckpointError):
+            raise future
+        return ArrayHeader(future.result(), w)
+    except CheckpointError as e:
+        message = str(e)
+    except Exception as e:
+        text = first_line(e)
+        message = f"{w}: cannot open array metadata ({pins.shown(text) if pins is not None else text})."
+    if problems is None:
+        raise CheckpointError(message) from None
+    if message not in problems[-1:]:  # a database refused whole: said once, not once per array
+        problems.append(message)
+    return None
 
 
 ZARR_HEADERS = (".zarray", "zarr.json")
@@ -546,7 +591,8 @@ def zarr_leaves(context: ReadContext, base: str, arrays: Sequence[tuple[tuple[st
     wheres = [f"{where}: `{'/'.join(parts)}`" for parts, _, _ in arrays]
     shared = item_stores(storage)
     leaves: list[Leaf | None] = []
-    for (parts, folder, _), spec, w, store in zip(arrays, specs, wheres, open_all(context, specs, wheres, problems)):
+    headers = open_all(context, specs, wheres, problems, stores=shared)
+    for (parts, folder, _), spec, w, store in zip(arrays, specs, wheres, headers):
         if store is None:
             leaves.append(None)
             continue

@@ -87,7 +87,7 @@ class Pins:
 
     def __init__(self, storage: Storage, *, data: bool, budget: float, where: str = "", recheck: bool = False):
         self._storage, self._data, self._budget, self._where = storage, data, budget, where
-        self._recheck = recheck
+        self.recheck = recheck
         self._pins: dict[tuple[str, bool], Pinned] = {}
         self._remote_checked: set[str] = set()
         self._refused: dict[tuple[str, bool], CheckpointError] = {}
@@ -137,7 +137,7 @@ class Pins:
         key = (folder, ocdbt)
         pinned = self._pins.get(key)
         if pinned is not None:
-            if self._recheck and not pinned.unchanged():
+            if self.recheck and not pinned.unchanged():
                 raise Changed(folder)
             if folder in self.databases:
                 self.used[folder] = self.databases[folder]
@@ -248,12 +248,15 @@ class _Generation:
         TensorStore drops a key-value store's cache (an OCDBT item's b-tree nodes) with the last store reading
         through it, so some are kept open while the context may be used."""
         self.opening: dict[int, threading.Lock] = {}
-        self.specs: dict[int, tuple[dict, dict, list[Pinned], list[Database]]] = {}
-        """By ``id`` of a reader's spec: the spec (held, so the id stays its own), as rewritten to read through
-        the pins, the folders it reads and the OCDBT databases it looks chunks up in."""
+        self.keep: Any = None
+        """A header's store (``open_all``), kept for the same reason."""
+        self.specs: collections.OrderedDict[int, tuple[dict, dict, list[Pinned], list[Database]]] = \
+            collections.OrderedDict()
+        """By ``id`` of a reader's spec, the last ``OPEN_STORES``: the spec (held, so the id stays its own), as
+        rewritten to read through the pins, the folders it reads and the OCDBT databases it looks chunks up in."""
 
     def close(self) -> None:
-        self.context = None
+        self.context = self.keep = None
         self.stores.clear()
         self.specs.clear()
         self.pins.close()
@@ -283,10 +286,11 @@ class ItemStores:
         self.contexts = 0
         """Contexts made so far (one per item unless folders changed or more than ``PINS_PER_CONTEXT`` were pinned)."""
 
-    def acquire(self, storage: Storage, spec: dict[str, Any], where: str,
-                budget: float) -> tuple[_Generation, dict, list[Database]]:
+    def acquire(self, storage: Storage, spec: dict[str, Any], where: str, budget: float,
+                recheck: bool = True) -> tuple[_Generation, dict, list[Database]]:
         """The context to open ``spec`` with, the spec reading through its checked, pinned folders, and the OCDBT
-        databases it reads; ``release`` the generation when the store is closed."""
+        databases it reads; ``release`` the generation when the store is closed. Without ``recheck``, a folder
+        pinned earlier is handed out without looking whether it changed (``open_all``: once a batch)."""
         with self._lock:
             for _ in range(3):
                 gen = self._current
@@ -294,7 +298,7 @@ class ItemStores:
                     gen = self._renew(storage, budget)
                 known = gen.specs.get(id(spec))
                 if known is not None and known[0] is spec:
-                    if not all(pinned.unchanged() for pinned in known[2]):
+                    if recheck and not all(pinned.unchanged() for pinned in known[2]):
                         self._retire(gen)
                         continue
                     gen.users += 1
@@ -302,17 +306,17 @@ class ItemStores:
                 if len(gen.pins) >= PINS_PER_CONTEXT:
                     gen = self._renew(storage, budget)
                 try:
+                    gen.pins.recheck = recheck
                     rewritten = gen.pins.spec(spec, where)
                 except Changed:
                     self._retire(gen)
                     continue
-                except BaseException:  # refused: the next open checks afresh (the folder may be put right)
-                    self._retire(gen)
-                    raise
                 if self._ocdbt_cache:
                     rewritten = self._with_cache(rewritten)
                 databases = list(gen.pins.used.values())
                 gen.specs[id(spec)] = (spec, rewritten, list(gen.pins.used_folders), databases)
+                while len(gen.specs) > OPEN_STORES:
+                    gen.specs.popitem(last=False)
                 gen.users += 1
                 return gen, rewritten, databases
             raise CheckpointError(f"{where}: the checkpoint's folders keep changing while they are read; try again.")

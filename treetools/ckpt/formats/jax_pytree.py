@@ -171,7 +171,7 @@ def read_jax_pytree(context: ReadContext, folder: str) -> tuple[list[Leaf], list
     wheres = [f"{folder}: `{'/'.join(paths[i])}`" for i in ids]
     shared = item_stores(storage)
     leaves = []
-    for i, spec, where, header in zip(ids, specs, wheres, open_all(context, specs, wheres)):
+    for i, spec, where, header in zip(ids, specs, wheres, open_all(context, specs, wheres, stores=shared)):
         dtype = np.dtype(header.dtype.numpy_dtype)
         shape = tuple(int(d) for d in header.shape)
         chunk = tuple(int(c) for c in header.chunk_layout.read_chunk.shape or ()) or None

@@ -239,7 +239,8 @@ def read_tree(context: ReadContext, path: str, name: str = DEFAULT_ITEM) -> tupl
     if in_ocdbt:
         specs = [ts_spec(storage, base, stored, use_ocdbt=True, use_zarr3=False) for _, _, stored in in_ocdbt]
         wheres = [f"{base}: `{'/'.join(parts)}`" for _, parts, _ in in_ocdbt]
-        for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, open_all(context, specs, wheres)):
+        headers = open_all(context, specs, wheres, stores=shared)
+        for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, headers):
             shape = tuple(int(d) for d in store.shape)
             dtype = np.dtype(store.dtype.numpy_dtype)
             chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None

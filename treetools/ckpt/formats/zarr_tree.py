@@ -180,7 +180,7 @@ def read_tree(context: ReadContext, top: str, *, problems: list[str] | None = No
     shared = item_stores(storage)
     leaves = []
     for (parts, _, folder), path, spec, where, header in zip(arrays, paths, specs, wheres,
-                                                              open_all(context, specs, wheres, problems)):
+                                                              open_all(context, specs, wheres, problems, stores=shared)):
         if header is None:  # recorded in `problems`
             continue
         dtype = np.dtype(header.dtype.numpy_dtype)

@@ -157,7 +157,6 @@ class LocalPinned(_BasePinned):
         st = os.fstat(fd)
         self.identity = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
         self._finalizer = weakref.finalize(self, os.close, fd)
-        self._walked: tuple[list, list[tuple[str, tuple[int, ...]]]] | None = None
 
     def real(self, name: str = "") -> str:
         """The real path of ``name`` inside the folder (symlinks resolved)."""
@@ -212,9 +211,14 @@ class LocalPinned(_BasePinned):
             dirs = _WALKS.get((self.identity, root.allowed))
         if dirs is None:
             return False
-        if self._walked is None or self._walked[0] is not dirs:
-            self._walked = (dirs, [(os.path.join(self.path, rel) if rel else self.path, ident) for rel, ident in dirs])
-        return all(_identity(path) == ident for path, ident in self._walked[1])
+        for rel, ident in dirs:  # relative to the held descriptor (no lookup through /proc for each)
+            try:
+                st = os.stat(rel, dir_fd=self.fd) if rel else os.fstat(self.fd)
+            except (OSError, TypeError):
+                return False
+            if (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != ident:
+                return False
+        return True
 
     def _walk(self, root: Root) -> list[tuple[str, tuple[int, ...]]]:
         """Every entry below the folder checked; ``(relative folder, identity)`` of each folder gone through."""
