@@ -1,7 +1,7 @@
 """OCDBT databases (Orbax's and TensorStore's key-value store) bounded by what they store, before TensorStore reads
 them.
 
-Not a format (its name starts with ``_``): the checks ``_tensorstore.Pins`` runs on every OCDBT database before a
+Not a format (its name starts with ``_``): the checks ``_ts_folders.Pins`` runs on every OCDBT database before a
 store is opened on it.
 
 TensorStore decodes an OCDBT database's manifest and b-tree nodes whole (each is a zstd stream inside a small

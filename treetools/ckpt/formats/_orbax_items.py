@@ -23,8 +23,8 @@ import numpy as np
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._tensorstore import (
     TensorStoreReader,
+    item_stores,
     open_all,
-    shared_ts_context,
     subdirs,
     ts_spec,
     zarr_header,
@@ -182,8 +182,8 @@ def read_pytree_item(context: ReadContext, item_dir: str, name: str, problems: l
     specs = [ts_spec(storage, item_dir, ".".join(keys), use_ocdbt=use_ocdbt, use_zarr3=use_zarr3)
              for keys, _, _ in stored]
     wheres = [f"{item_dir}: `{'/'.join(path)}`" for _, _, path in stored]
-    stores = iter(zip(specs, open_all(context, specs, wheres, problems)))
-    shared = shared_ts_context(storage)
+    shared = item_stores(storage)
+    stores = iter(zip(specs, open_all(context, specs, wheres, problems, stores=shared)))
     leaves: list[Leaf] = []
     for (keys, value_type, _), path in zip(entries, paths):
         param = ".".join(keys)

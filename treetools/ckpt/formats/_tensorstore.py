@@ -12,10 +12,13 @@ finding those folders (``array_folders``) and reading them as leaves (``zarr_lea
 TensorStore opens the files of a store itself, by path: the zarr header, each
 chunk file, an OCDBT manifest and its data files. So before any store is
 opened, every local folder its spec names is opened once and checked
-(``Storage.pin``): the folder itself, and (for array data, and for an OCDBT
+(``_ts_folders.Pins``, ``Storage.pin``): the folder itself, and (for array data, and for an OCDBT
 database always) every entry below it, must resolve inside the checkpoint
 root; TensorStore is then handed the folder through that open descriptor
 (``/proc/self/fd/N``), so a folder swapped after the check is not the one read.
+The readers of one item share those folders and one TensorStore context,
+whose cache keeps the item's OCDBT manifest and b-tree nodes
+(``ItemStores``); a folder is handed out again only while it is unchanged.
 
 What a read holds is bounded before TensorStore allocates it: one stored
 chunk (and a zarr3 shard's index) by the memory budget; the chunks one read
@@ -46,9 +49,10 @@ from treetools.ckpt.readers import (
     physical_memory,
     plan_blocks,
 )
-from treetools.ckpt.formats._ocdbt import Database, check_database, first_line
+from treetools.ckpt.formats._ocdbt import first_line
+from treetools.ckpt.formats._ts_folders import OPEN_FILES, ItemStores, Pins
 from treetools.ckpt.steps import file_kind
-from treetools.ckpt.storage import Pinned, SpecialFileError, Storage, normalize
+from treetools.ckpt.storage import SpecialFileError, Storage, normalize
 from treetools.shared.errors import CheckpointError
 
 
@@ -60,9 +64,6 @@ CHUNK_OVERHEAD_CAP = 64 * 2**20
 
 OPEN_BATCH = 256
 """Array headers opened at once by ``open_all`` (each open in flight holds buffers and a store)."""
-
-OPEN_FILES = (".zarray", "zarr.json", ".zattrs")
-"""The files TensorStore reads to open a zarr array (the data are the chunk files beside them)."""
 
 OCDBT_MANIFEST = "manifest.ocdbt"
 
@@ -78,39 +79,6 @@ def subdirs(storage: Storage, folder: str) -> list[str]:
         raise CheckpointError(f"{folder}: cannot list folder ({e.strerror or e}).") from None
 
 
-LOOKUP_WORK = 2**34
-"""Chunk lookups one array may cost in an OCDBT database before the bytes it stores count: chunks x bytes of the
-b-tree leaf each lookup scans (measured on two cores: 2^34 is about 3 s of TensorStore's time, 2^18 chunks in a
-3 MB leaf about 100 s)."""
-
-LOOKUPS_PER_STORED_BYTE = 2**10
-"""Chunk lookup work (as ``LOOKUP_WORK`` counts it) each byte the database stores on disk allows on top."""
-
-
-def check_lookups(where: str, keys: int, database: Database) -> None:
-    """Refuse to read an array of ``keys`` chunks (or shards) from an OCDBT ``database`` when looking them up would
-    cost out of proportion to what the database stores.
-
-    TensorStore looks every chunk of a read up in the b-tree leaf holding it, a
-    scan of the leaf: the work grows with chunks x leaf size, while a leaf of
-    ``2^18`` one-byte chunks compresses to a few hundred bytes. Work is held to
-    ``LOOKUP_WORK`` plus ``LOOKUPS_PER_STORED_BYTE`` per byte on disk, before anything is read.
-
-    >>> from treetools.ckpt.formats._ocdbt import Database
-    >>> check_lookups("w", 8, Database(stored_bytes=1202, node_bytes=408, leaf_bytes=408, nodes=1))
-    >>> check_lookups("ckpt/params: `w`", 2**18, Database(4538, 3407984, 3407984, 1))  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    treetools.shared.errors.CheckpointError: ckpt/params: `w`: 262,144 chunks to look up in an OCDBT b-tree leaf of ...
-    """
-    work = keys * max(1, database.leaf_bytes)
-    if work > LOOKUP_WORK + LOOKUPS_PER_STORED_BYTE * database.stored_bytes:
-        raise CheckpointError(
-            f"{where}: {keys:,} chunks to look up in an OCDBT b-tree leaf of up to {database.leaf_bytes:,} bytes, "
-            f"from a database of {database.stored_bytes:,} bytes on disk: reading them would take out of proportion "
-            "to what is stored (a compute bomb?); refusing to start."
-        )
-
-
 def max_chunks_per_read(budget: float) -> int:
     """How many stored chunks one read may span: the chunks' in-flight overhead held to the budget (and a cap).
 
@@ -118,133 +86,6 @@ def max_chunks_per_read(budget: float) -> int:
     (8192, 32768)
     """
     return max(1, int(min(budget, CHUNK_OVERHEAD_CAP) // CHUNK_OVERHEAD))
-
-
-# ---------------------------------------------------------------------------- local folders, checked
-
-
-def check_ocdbt(storage: Storage, base: str, budget: float, *, shown: str | None = None) -> Database:
-    """Refuse an OCDBT database whose manifests or b-tree nodes may decode to more than the budget.
-
-    TensorStore decodes a manifest and each b-tree node whole; what each may
-    decode to is bounded from its stored zstd stream (``_ocdbt.check_database``),
-    not from the ``max_decoded_node_bytes`` the manifest declares (Orbax writes
-    100,000,000 and readers do not enforce it). Held to the budget (the default
-    budget where none applies, as for ``load_parameters``). ``base`` is the
-    database's folder (a pinned local folder or a URL); ``shown`` names it in errors.
-    """
-    return check_database(storage, base, min(budget, DEFAULT_MEMORY_BUDGET), shown=shown)
-
-
-_REMOTE_SCHEMES = {"gcs": "gs", "s3": "s3"}  # TensorStore's key-value store drivers -> URL schemes
-
-
-class Pins:
-    """The local folders of TensorStore specs, opened once and checked, and the specs rewritten to read
-    through them. Close it when TensorStore is done with the stores opened from its specs.
-
-    ``data``: the stores will read array data, so every file below each array
-    folder is checked; else (opening headers) only the zarr header files. An
-    OCDBT database's folder is always checked whole (its manifest and data
-    files are what opening a header reads) and its manifest held to ``budget``.
-    """
-
-    def __init__(self, storage: Storage, *, data: bool, budget: float, where: str = ""):
-        self._storage, self._data, self._budget, self._where = storage, data, budget, where
-        self._pins: dict[tuple[str, bool], Pinned] = {}
-        self._remote_checked: set[str] = set()
-        self._refused: dict[tuple[str, bool], CheckpointError] = {}
-        self.databases: dict[str, Database] = {}
-        """The OCDBT databases pinned, by folder: what they store, and the leaves chunks are looked up in."""
-
-    def spec(self, spec: dict[str, Any], where: str | None = None) -> dict[str, Any]:
-        """``spec`` with every local ``file`` store replaced by its checked, pinned folder; errors name ``where``."""
-        if where is not None:
-            self._where = where
-        return self._rewrite(spec, ocdbt=False)
-
-    def _rewrite(self, node: Any, *, ocdbt: bool) -> Any:
-        if isinstance(node, list):
-            return [self._rewrite(v, ocdbt=ocdbt) for v in node]
-        if not isinstance(node, dict):
-            return node
-        if node.get("driver") == "file" and isinstance(node.get("path"), str):
-            return {**node, "path": self.folder(node["path"], ocdbt=ocdbt).path + "/"}
-        if ocdbt and node.get("driver") in _REMOTE_SCHEMES and isinstance(node.get("bucket"), str):
-            url = f"{_REMOTE_SCHEMES[node['driver']]}://{node['bucket']}/{str(node.get('path') or '').strip('/')}"
-            if url not in self._remote_checked:  # a bucket has no links: the database's manifest only
-                check_ocdbt(self._storage, normalize(url), self._budget)
-                self._remote_checked.add(url)
-            return node
-        inner = node.get("driver") == "ocdbt"
-        return {k: self._rewrite(v, ocdbt=inner and k == "base") for k, v in node.items()}
-
-    def folder(self, folder: str, *, ocdbt: bool = False) -> Pinned:
-        """``folder`` opened and checked (``ocdbt``: an OCDBT database, checked whole, its manifests held to the
-        budget); opened once per ``Pins``."""
-        folder = folder.rstrip("/") or "/"
-        key = (folder, ocdbt)
-        pinned = self._pins.get(key)
-        if pinned is not None:
-            return pinned
-        if key in self._refused:  # one OCDBT database refused is every array in it refused, once
-            raise self._refused[key]
-        try:
-            pinned = self._open(folder, ocdbt)
-        except CheckpointError as e:
-            self._refused[key] = e
-            raise
-        self._pins[key] = pinned
-        return pinned
-
-    def _open(self, folder: str, ocdbt: bool) -> Pinned:
-        what = "array data" if self._data else "array metadata"
-        try:
-            pinned = self._storage.pin(folder)
-        except NotADirectoryError:
-            raise CheckpointError(f"{self._where}: cannot open {what} ({folder} is {file_kind(self._storage, folder)}, "
-                                  "not a folder).") from None
-        except FileNotFoundError:
-            raise CheckpointError(f"{self._where}: cannot open {what} (its folder {folder} is missing).") from None
-        except OSError as e:
-            raise CheckpointError(f"{self._where}: cannot open {what} ({folder}: {e.strerror or e}).") from None
-        try:
-            if ocdbt:
-                pinned.check_tree()
-                self.databases[folder] = check_ocdbt(self._storage, pinned.path, self._budget, shown=folder)
-            elif self._data:
-                pinned.check_tree()
-            else:
-                for header in OPEN_FILES:
-                    pinned.check_file(header)
-        except BaseException:
-            pinned.close()
-            raise
-        return pinned
-
-    def check_lookups(self, where: str, shape: Sequence[int], chunk: Sequence[int]) -> None:
-        """Refuse to read an array of ``shape`` stored in chunks (or shards) of ``chunk`` from the OCDBT databases
-        pinned, when its chunk lookups are out of proportion to what they store (``check_lookups``)."""
-        keys = math.prod(-(-int(n) // max(1, int(c))) for n, c in zip(shape, chunk))
-        for database in self.databases.values():
-            check_lookups(where, keys, database)
-
-    def shown(self, text: str) -> str:
-        """``text`` (TensorStore's error) naming each pinned folder as the checkpoint names it, not by descriptor."""
-        for pinned in sorted(self._pins.values(), key=lambda p: -len(p.path)):  # /proc/self/fd/31 before .../3
-            text = text.replace(pinned.path, pinned.folder)
-        return text
-
-    def close(self) -> None:
-        for pinned in self._pins.values():
-            pinned.close()
-        self._pins.clear()
-
-    def __enter__(self) -> "Pins":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------------- reading one array
@@ -275,24 +116,34 @@ def _codec_info(spec: dict[str, Any]) -> tuple[bool, bool, Any]:
     return blosc, False, lambda ix: sep.join(map(str, ix)) or "0"
 
 
+def _blosc_key(store: Any, where: str) -> Any:
+    """The chunk key of a chunk index when ``store``'s chunks are blosc-compressed (their headers are checked
+    before decoding), else None; blosc inside zarr3 shards is refused."""
+    try:  # the codecs alone cost a fifth of the whole spec; the spec only where blosc is among them
+        plain = "blosc" not in repr(store.codec.to_json())
+    except Exception:
+        plain = False
+    blosc, inner, key = (False, False, None) if plain else _codec_info(store.spec().to_json())
+    if inner:
+        raise CheckpointError(
+            f"{where}: blosc-compressed chunks inside zarr3 shards; a blosc header may claim any decoded "
+            "size, and inside a shard it cannot be checked before decoding; refusing to read it."
+        )
+    return key if blosc else None
+
+
 class _Opened:
     """One open store of a ``TensorStoreReader`` and what its reads are held to."""
 
-    def __init__(self, reader: "TensorStoreReader", store: Any, pins: Pins, chunk: tuple[int, ...]):
-        self.reader, self.store, self.pins, self.chunk = reader, store, pins, chunk
+    def __init__(self, reader: "TensorStoreReader", store: Any, pins: Pins, chunk: tuple[int, ...], blosc: Any,
+                 close: Callable[[], None]):
+        self.reader, self.store, self.pins, self.chunk, self.blosc = reader, store, pins, chunk, blosc
+        self._close = close
         self.max_chunks = max_chunks_per_read(reader.budget)
-        self.blosc = None
-        blosc, inner, key = _codec_info(store.spec().to_json())
-        if inner:
-            raise CheckpointError(
-                f"{reader._where}: blosc-compressed chunks inside zarr3 shards; a blosc header may claim any decoded "
-                "size, and inside a shard it cannot be checked before decoding; refusing to read it."
-            )
-        if blosc:
-            self.blosc = key
 
     def close(self) -> None:
-        self.pins.close()
+        self.store = None
+        self._close()
 
     def _check_blosc(self, index: Index) -> None:
         """Refuse a blosc chunk whose header claims more bytes than the chunk holds, before TensorStore decodes it."""
@@ -376,11 +227,13 @@ class _Opened:
 class TensorStoreReader(ArrayReader):
     """One zarr array, read through TensorStore a block at a time.
 
-    The store is opened read-only with TensorStore's cache disabled, so a
+    The store is opened read-only with no cache for array chunks, so a
     block's memory is freed once the block is consumed. A storage chunk is
     decompressed whole: the peak per block is the larger of the block and the
-    chunks it touches. Each open checks and pins the local folders it reads
-    (``Pins``); reads are split so none spans more than ``max_chunks_per_read``.
+    chunks it touches. The readers of one item share a context and the local
+    folders they read, checked and pinned once (``ItemStores``: ``shared``; by
+    default the reader's own); reads are split so none spans more than
+    ``max_chunks_per_read``.
     """
 
     def __init__(self, context: ReadContext, spec: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype,
@@ -394,10 +247,12 @@ class TensorStoreReader(ArrayReader):
         self._shared = shared
         self.remote = context.storage.remote
 
-    def _ts_context(self) -> Any:
-        import tensorstore as ts
-
-        return self._shared if self._shared is not None else ts.Context()
+    @property
+    def stores(self) -> ItemStores:
+        """The context and pinned folders this reader opens its store with (its item's, or its own)."""
+        if self._shared is None:
+            self._shared = ItemStores(self.context.storage)
+        return self._shared
 
     def _open(self, *, whole: bool = False) -> _Opened:
         """Pin and check the folders, open the store; refuse before decoding anything when one stored chunk
@@ -409,19 +264,26 @@ class TensorStoreReader(ArrayReader):
         """
         import tensorstore as ts
 
-        pins = Pins(self.context.storage, data=True, budget=self.budget, where=self._where)
+        stores = self.stores
+        gen, spec, databases = stores.acquire(self.context.storage, self.spec, self._where, self.budget)
+        pins = gen.pins
         try:
-            spec = pins.spec(self.spec)
-            try:
-                store = ts.open(spec, read=True, open=True, context=self._ts_context()).result()
-            except Exception as e:  # tensorstore raises ValueError with a long status text
-                raise CheckpointError(f"{self._where}: cannot open array data ({pins.shown(first_line(e))}).") from None
-            try:
-                chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
-                shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)
-            except Exception:  # a driver without a chunk layout: fall back to the metadata's
-                chunk = shard = tuple(self.chunk_shape or self.shape)
-            pins.check_lookups(self._where, self.shape, shard)
+            def open_() -> tuple:
+                try:
+                    store = ts.open(spec, read=True, open=True, context=gen.context).result()
+                except Exception as e:  # tensorstore raises ValueError with a long status text
+                    raise CheckpointError(f"{self._where}: cannot open array data ({pins.shown(first_line(e))}).") \
+                        from None
+                try:
+                    chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
+                    shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)
+                except Exception:  # a driver without a chunk layout: fall back to the metadata's
+                    chunk = shard = tuple(self.chunk_shape or self.shape)
+                return store, chunk, shard, _blosc_key(store, self._where)
+
+            known = stores.opened(gen, self.spec, open_)
+            store, chunk, shard, blosc = known
+            pins.check_lookups(self._where, self.shape, shard, databases)
             piece = math.prod(chunk) * self.dtype.itemsize
             if whole:
                 memory = physical_memory()
@@ -437,9 +299,9 @@ class TensorStoreReader(ArrayReader):
                 entries = math.prod(-(-s // max(1, c)) for s, c in zip(shard, chunk))
                 check_budget(16 * entries, where=self._where, what=f"one shard's index ({entries:,} inner chunks)",
                              budget=min(self.budget, DEFAULT_MEMORY_BUDGET))
-            return _Opened(self, store, pins, chunk)
+            return _Opened(self, store, pins, chunk, blosc, lambda: stores.release(gen))
         except BaseException:
-            pins.close()
+            stores.release(gen)
             raise
 
     def read(self, index: Index) -> np.ndarray:
@@ -502,16 +364,11 @@ class _Reading:
         return self._opened.result(self._pending)
 
 
-def shared_ts_context(storage: Storage) -> Any:
-    """The TensorStore context the readers of one item share (``Storage.tensorstore_context``): None locally
-    (each array opens with a fresh, cache-less context), one shared context in a bucket, where every open costs
-    round trips that sharing saves."""
-    spec = storage.tensorstore_context()
-    if spec is None:
-        return None
-    import tensorstore as ts
-
-    return ts.Context(spec)
+def item_stores(storage: Storage) -> ItemStores:
+    """What the readers of one item share (``ItemStores``): one TensorStore context, its cache (OCDBT b-tree nodes
+    locally; in a bucket, ``Storage.tensorstore_context``'s, where every open costs round trips), and the folders
+    they read, pinned once."""
+    return ItemStores(storage)
 
 
 def ts_spec(storage: Storage, item_dir: str, name: str, *, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
@@ -587,47 +444,92 @@ class ArrayHeader:
 
 
 def open_all(context: ReadContext, specs: list[dict[str, Any]], where: list[str],
-             problems: list[str] | None = None) -> list[ArrayHeader | None]:
+             problems: list[str] | None = None, stores: ItemStores | None = None) -> list[ArrayHeader | None]:
     """Open many arrays' zarr headers (TensorStore reads ``OPEN_BATCH`` of them in parallel); no array data.
 
     Each spec's local folders are checked first (``Pins``: the headers, and an
     OCDBT database whole, must resolve inside the checkpoint). With
     ``problems``, a leaf that cannot be opened is recorded there (and its
     header is None) instead of failing the whole item: ``verify`` lists them all.
+    With ``stores`` (the item's readers' ``ItemStores``), the arrays of an OCDBT
+    database open through its context, pinned folder and b-tree cache, once for
+    the item rather than once per batch.
     """
-    import tensorstore as ts
-
     headers: list[ArrayHeader | None] = []
     for a in range(0, len(specs), OPEN_BATCH):
-        # One descriptor per array folder, held until its header is read: a batch's worth at a time. The cache
-        # (b-tree nodes the arrays of one OCDBT item share) lives as long as the descriptors: a descriptor number
-        # reused by the next batch names another folder.
-        cache = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
-        with Pins(context.storage, data=False, budget=context.memory_budget) as pins:
-            batch = []
-            for spec, w in zip(specs[a:a + OPEN_BATCH], where[a:a + OPEN_BATCH]):
-                try:
-                    batch.append(ts.open(pins.spec(spec, w), read=True, open=True, context=cache))
-                except CheckpointError as e:
-                    if problems is None:
-                        raise
-                    batch.append(e)
-            for future, w in zip(batch, where[a:a + OPEN_BATCH]):
-                try:
-                    if isinstance(future, CheckpointError):
-                        raise future
-                    headers.append(ArrayHeader(future.result(), w))
-                    continue
-                except CheckpointError as e:
-                    message = str(e)
-                except Exception as e:
-                    message = f"{w}: cannot open array metadata ({pins.shown(first_line(e))})."
-                if problems is None:
-                    raise CheckpointError(message) from None
-                if message not in problems[-1:]:  # a database refused whole: said once, not once per array
-                    problems.append(message)
-                headers.append(None)
+        batch, wheres = specs[a:a + OPEN_BATCH], where[a:a + OPEN_BATCH]
+        if stores is not None and all((s.get("kvstore") or {}).get("driver") == "ocdbt" for s in batch):
+            headers += _open_shared(context, stores, batch, wheres, problems)
+        else:
+            headers += _open_batch(context, batch, wheres, problems)
     return headers
+
+
+def _open_batch(context: ReadContext, specs: list[dict[str, Any]], where: list[str],
+                problems: list[str] | None) -> list[ArrayHeader | None]:
+    import tensorstore as ts
+
+    # One descriptor per array folder, held until its header is read: a batch's worth at a time. The cache
+    # (b-tree nodes the arrays of one OCDBT item share) lives as long as the descriptors: a descriptor number
+    # reused by the next batch names another folder.
+    cache = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
+    with Pins(context.storage, data=False, budget=context.memory_budget) as pins:
+        batch = []
+        for spec, w in zip(specs, where):
+            try:
+                batch.append(ts.open(pins.spec(spec, w), read=True, open=True, context=cache))
+            except CheckpointError as e:
+                if problems is None:
+                    raise
+                batch.append(e)
+        return [_header(future, w, pins, problems) for future, w in zip(batch, where)]
+
+
+def _open_shared(context: ReadContext, stores: ItemStores, specs: list[dict[str, Any]], where: list[str],
+                 problems: list[str] | None) -> list[ArrayHeader | None]:
+    import tensorstore as ts
+
+    batch: list[tuple[Any, Any]] = []
+    try:
+        for i, (spec, w) in enumerate(zip(specs, where)):
+            try:  # the folders checked for change once a batch, as a batch of Pins of its own did
+                gen, rewritten, _ = stores.acquire(context.storage, spec, w, context.memory_budget, recheck=i == 0)
+            except CheckpointError as e:
+                if problems is None:
+                    raise
+                batch.append((e, None))
+                continue
+            batch.append((None, gen))  # released below even if the open raises
+            batch[-1] = (ts.open(rewritten, read=True, open=True, context=gen.context), gen)
+        out = []
+        for future, gen in batch:
+            header = _header(future, where[len(out)], gen.pins if gen is not None else None, problems)
+            if gen is not None and header is not None:
+                gen.keep = future.result()  # the b-tree cache lives as long as a store reading through it
+            out.append(header)
+        return out
+    finally:
+        for _, gen in batch:
+            if gen is not None:
+                stores.release(gen)
+
+
+def _header(future: Any, w: str, pins: Pins | None, problems: list[str] | None) -> ArrayHeader | None:
+    """The header a ``ts.open`` future gives; an error recorded in ``problems`` (None returned), or raised."""
+    try:
+        if isinstance(future, CheckpointError):
+            raise future
+        return ArrayHeader(future.result(), w)
+    except CheckpointError as e:
+        message = str(e)
+    except Exception as e:
+        text = first_line(e)
+        message = f"{w}: cannot open array metadata ({pins.shown(text) if pins is not None else text})."
+    if problems is None:
+        raise CheckpointError(message) from None
+    if message not in problems[-1:]:  # a database refused whole: said once, not once per array
+        problems.append(message)
+    return None
 
 
 ZARR_HEADERS = (".zarray", "zarr.json")
@@ -687,9 +589,10 @@ def zarr_leaves(context: ReadContext, base: str, arrays: Sequence[tuple[tuple[st
     specs = [ts_spec(storage, base, folder, use_ocdbt=False, use_zarr3=header == "zarr.json")
              for _, folder, header in arrays]
     wheres = [f"{where}: `{'/'.join(parts)}`" for parts, _, _ in arrays]
-    shared = shared_ts_context(storage)
+    shared = item_stores(storage)
     leaves: list[Leaf | None] = []
-    for (parts, folder, _), spec, w, store in zip(arrays, specs, wheres, open_all(context, specs, wheres, problems)):
+    headers = open_all(context, specs, wheres, problems, stores=shared)
+    for (parts, folder, _), spec, w, store in zip(arrays, specs, wheres, headers):
         if store is None:
             leaves.append(None)
             continue

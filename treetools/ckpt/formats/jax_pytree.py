@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from treetools.ckpt.context import ReadContext
-from treetools.ckpt.formats._tensorstore import TensorStoreReader, open_all, shared_ts_context, ts_spec
+from treetools.ckpt.formats._tensorstore import TensorStoreReader, item_stores, open_all, ts_spec
 from treetools.ckpt.leaves import Leaf, array_row, check_name
 from treetools.ckpt.source import FileSource, Format
 from treetools.ckpt.steps import read_json_file
@@ -169,9 +169,9 @@ def read_jax_pytree(context: ReadContext, folder: str) -> tuple[list[Leaf], list
     specs = [{**ts_spec(storage, store, str(i), use_ocdbt=ocdbt, use_zarr3=True), "fill_missing_data_reads": True}
              for i in ids]
     wheres = [f"{folder}: `{'/'.join(paths[i])}`" for i in ids]
-    shared = shared_ts_context(storage)
+    shared = item_stores(storage)
     leaves = []
-    for i, spec, where, header in zip(ids, specs, wheres, open_all(context, specs, wheres)):
+    for i, spec, where, header in zip(ids, specs, wheres, open_all(context, specs, wheres, stores=shared)):
         dtype = np.dtype(header.dtype.numpy_dtype)
         shape = tuple(int(d) for d in header.shape)
         chunk = tuple(int(c) for c in header.chunk_layout.read_chunk.shape or ()) or None

@@ -39,7 +39,7 @@ import numpy as np
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._msgpack import MsgpackError, walk
-from treetools.ckpt.formats._tensorstore import TensorStoreReader, open_all, shared_ts_context, ts_spec
+from treetools.ckpt.formats._tensorstore import TensorStoreReader, item_stores, open_all, ts_spec
 from treetools.ckpt.formats.msgpack import is_msgpack_map
 from treetools.ckpt.readers import checked_shape, np_dtype, read_metadata
 from treetools.ckpt.storage import Storage
@@ -217,7 +217,7 @@ def read_tree(context: ReadContext, path: str, name: str = DEFAULT_ITEM) -> tupl
     ocdbt = storage.isfile(os.path.join(base, OCDBT_MANIFEST))
     out: list[Leaf] = []
     in_ocdbt: list[tuple[int, tuple[str, ...], str]] = []
-    shared = shared_ts_context(storage)
+    shared = item_stores(storage)
     for leaf, parts in zip(leaves, paths):
         value = leaf.value
         if value is None and leaf.reader is None:  # an empty node (an optax EmptyState), as Orbax >= 0.5 skips it
@@ -239,7 +239,8 @@ def read_tree(context: ReadContext, path: str, name: str = DEFAULT_ITEM) -> tupl
     if in_ocdbt:
         specs = [ts_spec(storage, base, stored, use_ocdbt=True, use_zarr3=False) for _, _, stored in in_ocdbt]
         wheres = [f"{base}: `{'/'.join(parts)}`" for _, parts, _ in in_ocdbt]
-        for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, open_all(context, specs, wheres)):
+        headers = open_all(context, specs, wheres, stores=shared)
+        for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, headers):
             shape = tuple(int(d) for d in store.shape)
             dtype = np.dtype(store.dtype.numpy_dtype)
             chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None

@@ -41,7 +41,7 @@ import numpy as np
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._orbax_items import logical_paths
-from treetools.ckpt.formats._tensorstore import TensorStoreReader, natural_key, open_all, shared_ts_context
+from treetools.ckpt.formats._tensorstore import TensorStoreReader, item_stores, natural_key, open_all
 from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name
 from treetools.ckpt.source import Format, Source
 from treetools.ckpt.steps import read_file, scan_steps, step_series
@@ -179,10 +179,10 @@ def read_tree(context: ReadContext, top: str, *, problems: list[str] | None = No
             check_name(part, where=top)
     specs = [_spec(storage, folder, driver) for _, driver, folder in arrays]
     wheres = [f"{top}: `{'/'.join(p)}`" for p in paths]
-    shared = shared_ts_context(storage)
+    shared = item_stores(storage)
     leaves = []
     for (parts, _, folder), path, spec, where, header in zip(arrays, paths, specs, wheres,
-                                                              open_all(context, specs, wheres, problems)):
+                                                              open_all(context, specs, wheres, problems, stores=shared)):
         if header is None:  # recorded in `problems`
             continue
         dtype = np.dtype(header.dtype.numpy_dtype)

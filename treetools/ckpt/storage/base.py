@@ -189,6 +189,10 @@ class Pinned:
     def check_tree(self) -> None:
         """Refuse the folder unless everything below it may be read."""
 
+    def unchanged(self) -> bool:
+        """Whether the folder is still the one pinned and checked (a bucket's URL always is)."""
+        return True
+
     def close(self) -> None:
         pass
 

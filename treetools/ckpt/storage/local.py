@@ -198,6 +198,28 @@ class LocalPinned(_BasePinned):
             while len(_WALKS) > 4096:
                 _WALKS.pop(next(iter(_WALKS)))
 
+    def unchanged(self) -> bool:
+        """Whether the folder's path still leads to this folder as pinned (same inode, same times) and, when
+        ``check_tree`` walked it, no folder below it has changed since (that walk's memo): a few stats. False
+        sends the caller back to ``Storage.pin``, which checks afresh."""
+        if _identity(self.folder) != self.identity:  # renamed, replaced, or a link swapped in on its path
+            return False
+        root = self._storage.root
+        if root is None:
+            return True
+        with _WALKS_LOCK:
+            dirs = _WALKS.get((self.identity, root.allowed))
+        if dirs is None:
+            return False
+        for rel, ident in dirs:  # relative to the held descriptor (no lookup through /proc for each)
+            try:
+                st = os.stat(rel, dir_fd=self.fd) if rel else os.fstat(self.fd)
+            except (OSError, TypeError):
+                return False
+            if (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != ident:
+                return False
+        return True
+
     def _walk(self, root: Root) -> list[tuple[str, tuple[int, ...]]]:
         """Every entry below the folder checked; ``(relative folder, identity)`` of each folder gone through."""
         seen: set[tuple[int, int]] = set()
