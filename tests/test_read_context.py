@@ -40,6 +40,7 @@ ENV_READERS = {
     "ckpt/context.py",  # TREETOOLS_MEMORY_BUDGET_MB, TREETOOLS_CHUNK_BYTES, TREETOOLS_WORKERS: the one place
     "ckpt/storage/bucket.py",  # the S3 client's own AWS_* variables, handed to TensorStore (which ignores them)
     "ckpt/storage/reach.py",  # the GCS client's own variables (emulator, credentials files, metadata server)
+    "checkpointing/distributed.py",  # jax's own JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
 }
 
 
