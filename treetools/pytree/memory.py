@@ -22,10 +22,15 @@ a leaf's layout comes from, first that applies:
    dropped (left replicated where two axes would give that shape);
 3. replicated.
 
+A dimension its mesh axes do not divide (GPT-2's vocabulary, 50257, over
+``fsdp=8``) is planned unsplit, as jax places it: ``jax.device_put`` and jit's
+shardings refuse that layout (``IndivisibleError``), ``with_sharding_constraint``
+under jit drops that dimension's entry; ``plan.indivisible`` and the first
+lines of the text name each such leaf.
+
 The fullest device's bytes are each leaf's largest shard, summed: exact where
-every leaf is laid over every device of the mesh (as ``jax.device_put``
-requires even splits, that is every placed array of a mesh), an upper bound
-otherwise (uneven splits round up; a leaf on one device counts on each).
+every leaf is laid over every device of the mesh (every placed array of a
+mesh), an upper bound otherwise (a leaf on one device counts on each).
 
 Nothing is allocated: the optimizer state comes from
 ``jax.eval_shape(optimizer.init, params)``, grads are the params' floating
@@ -38,8 +43,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import re
-import textwrap
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
@@ -60,8 +63,9 @@ from treetools.pytree.partitioning import (
 )
 from treetools.pytree.paths import is_leaf, path_parts
 from treetools.shared.aliases import PyTree
-from treetools.shared.render import json_object, safe_text
-from treetools.shared.rows import LeafSharding, dtype_name, format_shape, human, parse_size
+from treetools.pytree.plan_text import WIDTH, render_plan, render_summary
+from treetools.shared.render import json_object
+from treetools.shared.rows import LeafSharding, dtype_name, format_shape, parse_size
 
 SCHEMA = 1
 """The version of ``MemoryPlan.to_json()`` (and ``treetools plan --format json``): docs/json-schema.md."""
@@ -71,9 +75,6 @@ TOP = 10
 
 REPLICATED_THRESHOLD = 2**20
 """A replicated leaf at least this large (bytes) that a mesh axis could split is listed as shardable."""
-
-WIDTH = 100
-"""The most columns ``str(plan)`` uses."""
 
 PART_ORDER = ("params", "grads", "opt_state")
 
@@ -115,6 +116,36 @@ class Shardable:
     def to_json(self) -> dict[str, Any]:
         return {"path": self.leaf.name, "shape": list(self.leaf.shape), "dtype": self.leaf.dtype,
                 "bytes": self.leaf.bytes, "dim": self.dim, "axis": self.axis, "axis_size": self.size}
+
+
+@dataclasses.dataclass(frozen=True)
+class Indivisible:
+    """A dimension its mesh axes do not divide (GPT-2's vocabulary, 50257, over ``fsdp=8``): ``asked`` is the
+    layout the leaf names, planned with dimension ``dim`` unsplit, as ``jit`` places it."""
+
+    part: str
+    path: str
+    shape: tuple[int, ...]
+    dim: int
+    axes: tuple[str, ...]
+    size: int
+    asked: PartitionSpec
+
+    @property
+    def name(self) -> str:
+        return f"{self.part}/{self.path}" if self.path else self.part
+
+    def text(self) -> str:
+        n, over = self.shape[self.dim], "x".join(self.axes)
+        return (f"`{self.name}` {format_shape(self.shape)} is laid out as {self.asked}, but {over} ({self.size}) "
+                f"does not divide its dimension {self.dim} ({n}): jax.device_put and jit's in/out_shardings refuse "
+                f"that layout (IndivisibleError), and under jit with_sharding_constraint leaves the dimension "
+                f"unsplit, so it is planned unsplit; pad it to {-(-n // self.size) * self.size} or split another "
+                "dimension")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.name, "shape": list(self.shape), "dim": self.dim, "axes": list(self.axes),
+                "axis_size": self.size}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +225,9 @@ class MemoryPlan:
       host: the host memory a save or a restore needs (``HostMemory``).
       shardings: ``{part: tree of NamedSharding}``, the layout planned (on the concrete mesh when one was
         given, else on an ``AbstractMesh``): ``jax.jit(init, out_shardings=plan.shardings["params"])``.
+      warnings: what changes the figures against what was asked, printed first (a layout jax cannot place, a
+        mesh no leaf is split over).
+      indivisible: each dimension its mesh axes do not divide (``Indivisible``), planned unsplit as jit does.
       notes: what a reader of the figures should know (where the optimizer state came from, the devices the
         step was compiled for).
       top, replicated_threshold: how many rows ``rows`` keeps; the size from which a replicated leaf is listed.
@@ -208,6 +242,8 @@ class MemoryPlan:
     host: HostMemory | None = None
     shardings: dict[str, PyTree] = dataclasses.field(default_factory=dict, repr=False)
     notes: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    indivisible: list[Indivisible] = dataclasses.field(default_factory=list)
     top: int = TOP
     replicated_threshold: int = REPLICATED_THRESHOLD
 
@@ -275,6 +311,8 @@ class MemoryPlan:
             "replicated": [r.to_json() for r in self.replicated],
             "compiled": self.compiled.to_json() if self.compiled is not None else None,
             "host": self.host.to_json() if self.host is not None else None,
+            "warnings": list(self.warnings),
+            "indivisible": [x.to_json() for x in self.indivisible],
             "notes": list(self.notes),
         })
 
@@ -388,6 +426,7 @@ class _Layout:
     def __init__(self, sizes: dict[str, int], mesh: Mesh | AbstractMesh | None, asked: bool, abstract: bool):
         self.sizes, self.mesh, self.asked, self.abstract = sizes, mesh, asked, abstract
         self._shardings: dict[tuple, NamedSharding] = {}
+        self.indivisible: list[Indivisible] = []
 
     def sharding(self, spec: tuple) -> NamedSharding | None:
         if self.mesh is None:
@@ -413,6 +452,20 @@ class _Layout:
         if len(set(used)) != len(used):
             raise ValueError(f"leaf `{name}` is laid out as {PartitionSpec(*entries)}, which uses a mesh axis twice.")
         return _padded(entries, len(shape))
+
+    def _divisible(self, part: str, path: str, shape: tuple[int, ...], entries: tuple) -> tuple:
+        """``entries`` as jax places them: a dimension its mesh axes do not divide is left unsplit, as
+        ``with_sharding_constraint`` does under ``jit`` (``device_put`` and jit's shardings refuse the layout with
+        ``IndivisibleError``); each such dimension recorded in ``indivisible``."""
+        out = list(entries)
+        for dim, (n, entry) in enumerate(zip(shape, entries)):
+            axes = mesh_axes_of(entry)
+            size = math.prod(self.sizes[a] for a in axes)
+            if axes and n % size:
+                out[dim] = None
+                self.indivisible.append(Indivisible(part, path, shape, dim, tuple(axes), size,
+                                                    PartitionSpec(*entries)))
+        return tuple(out)
 
     def part(self, part: str, tree: PyTree, *, mirrors: _Mirrors | None = None,
              collect: _Mirrors | None = None) -> _Laid:
@@ -442,7 +495,7 @@ class _Layout:
             spec = _own_spec(leaf, asked=self.asked, trust_names=trust)
             if spec is None and mirrors is not None:
                 spec = mirrors.spec_for(parts, shape)
-            entries = self._check(name, shape, spec if spec is not None else ())
+            entries = self._divisible(part, "/".join(parts), shape, self._check(name, shape, spec if spec is not None else ()))
             if collect is not None:
                 collect.add(parts, shape, entries)
             sharding = self.sharding(entries)
@@ -599,6 +652,19 @@ def _host(leaves: Sequence[LeafPlan], chunk_bytes: Mapping[str, int] | None, bud
         memory_budget=budget, over_budget=over)
 
 
+def _indivisible_warnings(found: Sequence[Indivisible]) -> list[str]:
+    """One line per leaf whose own layout jax cannot place (the params', else each part's first ones); the
+    leaves of other parts that mirror them counted."""
+    own = [x for x in found if x.part == "params"] or list(found)
+    shown = own[:5]
+    out = [x.text() for x in shown]
+    rest = len(found) - len(shown)
+    if rest:
+        out.append(f"{rest} more leaf dimension(s) (grads and optimizer moments that mirror these, or others) are "
+                   "planned unsplit for the same reason: `plan.indivisible` lists them all")
+    return out
+
+
 # ---------------------------------------------------------------------------- memory_plan
 
 
@@ -704,108 +770,11 @@ def memory_plan(
                       shardings={name: part.shardings for name, part in laid.items()}, notes=notes, top=top,
                       replicated_threshold=replicated_threshold)
     plan.host = _host(leaves, chunk_bytes, memory_budget)
+    plan.indivisible = layout.indivisible
+    plan.warnings += _indivisible_warnings(layout.indivisible)
     if step_fn is not None:
         abstract = {name: part.abstract for name, part in laid.items() if name != "grads"}
         state = _with_parts(tree, state_parts(tree), abstract, added=optimizer is not None)
         plan.compiled, note = _compiled(step_fn, state, step_args, sizes, mesh_obj)
         plan.notes.append(note)
     return plan
-
-
-# ---------------------------------------------------------------------------- rendering
-
-
-def _mesh_text(plan: MemoryPlan) -> str:
-    if not plan.mesh:
-        return "one device"
-    shape = " x ".join(f"{a}={s}" for a, s in plan.mesh.items())
-    return f"mesh {shape} ({plan.devices:,} devices)"
-
-
-def _b(n: float | None) -> str:
-    return "n/a" if n is None else human(n, "B")
-
-
-def render_summary(plan: MemoryPlan) -> str:
-    """One line per part (the fullest device's bytes of it, and of one whole copy), then the total."""
-    width = max([len(p) for p in plan.by_part] + [5])
-    total = plan.global_bytes
-    lines = [f"memory per device, {_mesh_text(plan)}:"]
-    for part, n in plan.by_part.items():
-        lines.append(f"  {safe_text(part, width=40):<{width}}  {_b(n):>12}   (whole: {_b(total[part])})")
-    lines.append(f"  {'total':<{width}}  {_b(plan.per_device_bytes):>12}")
-    return "\n".join(lines)
-
-
-_FIGURE = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB)\b")
-
-
-def _wrap(text: str) -> list[str]:
-    """A sentence as lines within ``WIDTH`` columns (continuations indented), a figure never cut from its unit."""
-    kept = _FIGURE.sub("\\1\u00a0\\2", text)  # textwrap breaks at ASCII whitespace only
-    lines = textwrap.wrap(kept, WIDTH, subsequent_indent="    ", break_long_words=True, break_on_hyphens=False)
-    return [line.replace("\u00a0", " ") for line in lines]
-
-
-def _fit_line(plan: MemoryPlan) -> str | None:
-    if plan.device_memory is None:
-        return None
-    room = plan.headroom_bytes
-    verdict = f"fits, {_b(room)} headroom" if plan.fits else f"DOES NOT FIT, {_b(-room)} short"
-    return f"device memory {_b(plan.device_memory)}: {verdict} (the state; activations not counted)"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], *, flexible: int, width: int = WIDTH) -> list[str]:
-    """Columns joined by two spaces, within ``width``: the ``flexible`` column is cut (both ends kept) to fit."""
-    cells = [list(header)] + [list(r) for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    over = sum(widths) + 2 * (len(widths) - 1) - width
-    if over > 0:
-        widths[flexible] = max(len(header[flexible]), widths[flexible] - over)
-        cells = [[safe_text(c, width=widths[flexible]) if i == flexible else c for i, c in enumerate(r)]
-                 for r in cells]
-    right = {len(header) - 1}
-    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-            for r in cells]
-
-
-def render_plan(plan: MemoryPlan) -> str:
-    """The plan as text within ``WIDTH`` columns: parts, the verdict, the compiled step, host memory, the
-    replicated leaves that could be sharded, the largest leaves per device, and the notes."""
-    lines = [render_summary(plan)]
-    fit = _fit_line(plan)
-    if fit:
-        lines += _wrap(fit)
-    c = plan.compiled
-    if c is not None:
-        lines += _wrap(f"compiled step ({c.devices} {c.platform} devices): arguments {_b(c.argument_bytes)}, "
-                     f"outputs {_b(c.output_bytes)}, temporaries {_b(c.temp_bytes)}, code "
-                     f"{_b(c.generated_code_bytes)}, aliased {_b(c.alias_bytes)}; total {_b(c.total_bytes)}")
-    h = plan.host
-    if h is not None and h.largest_block is not None:
-        lines += _wrap(f"host: largest device block {_b(h.largest_block.bytes)} "
-                     f"({safe_text(h.largest_block.name, width=48)}); restore_checkpoint peak "
-                     f"{_b(h.restore_peak_bytes)} (one block + one stored chunk)")
-        if h.over_budget:
-            shown = ", ".join(safe_text(p, width=40) for p in h.over_budget[:3])
-            lines += _wrap(f"host: {len(h.over_budget)} stored chunk(s) over the memory budget of "
-                         f"{_b(h.memory_budget)} ({shown}{', ...' if len(h.over_budget) > 3 else ''}): a restore "
-                         "refuses them; raise --memory-budget-mb")
-    shardable = plan.replicated
-    if shardable:
-        lines += ["", f"replicated on every device, {_b(plan.replicated_threshold)} or more, and shardable:"]
-        rows = [(s.leaf.name, format_shape(s.leaf.shape), s.leaf.dtype, f"dim {s.dim} over {s.axis} ({s.size})",
-                 _b(s.leaf.bytes)) for s in shardable[: plan.top]]
-        lines += _table(("path", "shape", "dtype", "could split", "bytes"), rows, flexible=0)
-        if len(shardable) > plan.top:
-            lines.append(f"... and {len(shardable) - plan.top} more")
-    if plan.rows:
-        lines += ["", "largest leaves per device:"]
-        rows = [(r.name, format_shape(r.shape), r.dtype, safe_text(r.sharding, width=32), _b(r.bytes))
-                for r in plan.rows]
-        lines += _table(("path", "shape", "dtype", "spec", "per device"), rows, flexible=0)
-    if plan.notes:
-        lines.append("")
-        for note in plan.notes:
-            lines += _wrap(f"note: {safe_text(note)}")
-    return "\n".join(lines)

@@ -1,0 +1,89 @@
+"""tt.memory_plan against what jax really does, round 4 (issue 47, points 6-11): layouts jax cannot place, frozen
+parameters, the estimates beside the state. Ground truth: jax's own placement on the 8 fake CPU devices
+(``addressable_shards``), a compiled step's ``memory_analysis()``, optax's own states."""
+
+from __future__ import annotations
+
+import collections
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import treetools as tt
+
+
+def _held(tree) -> dict:
+    """Bytes each device holds of ``tree``: jax's addressable shards, summed per device."""
+    out: dict = collections.Counter()
+    for leaf in jax.tree.leaves(tt.unbox_tree(tree)):
+        for shard in leaf.addressable_shards:
+            out[shard.device] += shard.data.nbytes
+    return out
+
+
+def _box(shape, names, dtype=jnp.float32):
+    return nn.Partitioned(jax.ShapeDtypeStruct(shape, dtype), names=names)
+
+
+# ----------------------------------------------------------------------------- point 6: indivisible dimensions
+
+VOCAB = 50257  # GPT-2's vocabulary: prime to 8
+
+
+def test_a_dimension_the_axis_does_not_divide_is_planned_as_jit_places_it(devices):
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    shapes = {"wte": ((VOCAB, 16), ("fsdp", None)), "h": ((64, 256), ("fsdp", None))}
+    plan = tt.memory_plan({k: _box(s, n) for k, (s, n) in shapes.items()}, mesh=mesh, optimizer=optax.adam(1e-3))
+    # jax refuses the layout asked for, outright (device_put) and as jit's out_shardings.
+    asked = NamedSharding(mesh, P("fsdp", None))
+    with pytest.raises(ValueError, match="divide"):
+        jax.device_put(np.ones((VOCAB, 16), np.float32), asked)
+    # Under jit, with_sharding_constraint (what flax's boxes and nnx's init apply) leaves the dimension unsplit.
+    init = jax.jit(lambda: {k: jax.lax.with_sharding_constraint(jnp.ones(s), NamedSharding(mesh, P(*n)))
+                            for k, (s, n) in shapes.items()})
+    placed = init()
+    held = _held(placed)
+    assert set(held.values()) == {plan.by_part["params"]}  # wte whole on each device, h split 8 ways
+    assert plan.by_part["params"] == VOCAB * 16 * 4 + 64 * 256 * 4 // 8
+    # The plan's shardings are that layout: usable as out_shardings, where the asked one raises.
+    again = jax.jit(lambda: {k: jnp.ones(s) for k, (s, _) in shapes.items()},
+                    out_shardings=plan.shardings["params"])()
+    assert _held(again) == held
+    opt = jax.jit(optax.adam(1e-3).init, out_shardings=plan.shardings["opt_state"])(again)
+    assert set(_held(opt).values()) == {plan.by_part["opt_state"]}
+    # Which leaf, and why, first in the text.
+    assert [(x.name, x.dim, x.axes, x.size) for x in plan.indivisible if x.part == "params"] == [
+        ("params/wte", 0, ("fsdp",), 8)]
+    assert len(plan.indivisible) == 3  # wte, and adam's mu and nu of it
+    text = str(plan)
+    assert text.startswith("warning: `params/wte`") and "50257" in text and "IndivisibleError" in text
+    assert plan.to_json()["indivisible"][0] == {"path": "params/wte", "shape": [VOCAB, 16], "dim": 0,
+                                                "axes": ["fsdp"], "axis_size": 8}
+
+
+def test_only_the_indivisible_dimension_is_left_unsplit(devices):
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    cases = [((VOCAB, 16), P("fsdp", "tp")), ((VOCAB, 16), P(("fsdp", "tp"), None)), ((16, VOCAB), P("fsdp", "tp")),
+             ((VOCAB, 6), P("tp", "fsdp"))]
+    for shape, spec in cases:
+        plan = tt.memory_plan({"w": _box(shape, tuple(spec))}, mesh=mesh, grads=False)
+        placed = jax.jit(lambda s=shape, sp=spec: jax.lax.with_sharding_constraint(
+            jnp.ones(s), NamedSharding(mesh, sp)))()
+        got = tuple(placed.sharding.spec)
+        assert tuple(plan.shardings["params"]["w"].spec) == got + (None,) * (len(shape) - len(got)), (shape, spec)
+        assert set(_held(placed).values()) == {plan.per_device_bytes}, (shape, spec)
+
+
+def test_a_compiled_step_over_an_indivisible_layout_compiles_as_planned(devices):
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    params = {"wte": _box((VOCAB, 16), ("fsdp", None))}
+    plan = tt.memory_plan(params, mesh=mesh, step_fn=lambda p: jax.tree.map(lambda w: w * 2, nn.unbox(p)))
+    by_hand = jax.jit(lambda w: w * 2).lower(
+        jax.ShapeDtypeStruct((VOCAB, 16), jnp.float32, sharding=NamedSharding(mesh, P()))).compile()
+    assert plan.compiled.argument_bytes == by_hand.memory_analysis().argument_size_in_bytes == VOCAB * 16 * 4
