@@ -87,3 +87,50 @@ def test_a_compiled_step_over_an_indivisible_layout_compiles_as_planned(devices)
     by_hand = jax.jit(lambda w: w * 2).lower(
         jax.ShapeDtypeStruct((VOCAB, 16), jnp.float32, sharding=NamedSharding(mesh, P()))).compile()
     assert plan.compiled.argument_bytes == by_hand.memory_analysis().argument_size_in_bytes == VOCAB * 16 * 4
+
+
+# ----------------------------------------------------------------------------- point 7: unannotated checkpoints
+
+
+def _plan_cli(capsys, *argv):
+    import json
+
+    from treetools.cli import main
+
+    rc = main(["plan", *map(str, argv)])
+    out = capsys.readouterr().out
+    return rc, (json.loads(out) if "json" in argv else out)
+
+
+def test_cli_shard_largest_lays_out_an_hf_checkpoint_as_device_put_places_it(tmp_path, capsys, devices):
+    from safetensors.numpy import save_file
+
+    arrays = {"wte.weight": np.ones((VOCAB, 16), np.float32), "h.0.mlp.c_fc.weight": np.ones((64, 256), np.float32),
+              "ln_f.weight": np.ones(64, np.float32), "odd": np.ones((3, 5), np.float32)}
+    save_file(arrays, str(tmp_path / "model.safetensors"))
+    ckpt = tmp_path / "model.safetensors"
+    # Without a layout: every leaf replicated, and that comes first, not in a note at the bottom.
+    rc, text = _plan_cli(capsys, ckpt, "--mesh", "fsdp=8")
+    first = text.splitlines()[0]
+    assert rc == 0 and first.startswith("warning: every leaf is replicated on all 8 devices") and "--shard-largest" \
+        in text.split("\n\n")[0]
+    rc, out = _plan_cli(capsys, ckpt, "--mesh", "fsdp=8", "--shard-largest", "fsdp", "--optimizer", "adam",
+                        "--format", "json")
+    assert rc == 0 and out["warnings"] == []
+    plan = tt.plan_checkpoint(ckpt, mesh={"fsdp": 8}, shard_largest="fsdp", optimizer="adam")
+    assert plan.to_json() == out
+    # Truth: the arrays placed with the plan's shardings on the 8 devices, each device's shards summed.
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(AxisType.Auto,))
+    from treetools.pytree.partitioning import resolve_sharding
+
+    shardings = {k: resolve_sharding(s, mesh) for k, s in plan.shardings["params"].items()}
+    placed = {k: jax.device_put(v, shardings[k]) for k, v in arrays.items()}
+    assert set(_held(placed).values()) == {out["by_part"]["params"]}
+    # By hand: wte splits its 16 columns (50257 is prime to 8), c_fc its 256, ln_f its 64; odd stays whole.
+    assert out["by_part"]["params"] == 4 * (VOCAB * 2 + 64 * 32 + 8 + 15)
+    opt_shardings = jax.tree.map(lambda s: resolve_sharding(s, mesh), plan.shardings["opt_state"])
+    opt = jax.jit(optax.adam(1e-3).init, out_shardings=opt_shardings)(placed)
+    assert set(_held(opt).values()) == {out["by_part"]["opt_state"]}
+    from treetools.cli import main
+
+    assert main(["plan", str(ckpt), "--mesh", "fsdp=8", "--shard-largest", "tensor"]) == 2 and "--shard-largest tensor" in capsys.readouterr().err
