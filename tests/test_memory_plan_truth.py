@@ -134,3 +134,46 @@ def test_cli_shard_largest_lays_out_an_hf_checkpoint_as_device_put_places_it(tmp
     from treetools.cli import main
 
     assert main(["plan", str(ckpt), "--mesh", "fsdp=8", "--shard-largest", "tensor"]) == 2 and "--shard-largest tensor" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- point 9: frozen parameters
+
+EMBED = (4096, 512)  # 8 MiB of float32: a gradient of it would show in the compiled step's temporaries
+
+
+def _frozen_setup(boxed):
+    shapes = {"embed": EMBED, "w": (512, 64)}
+    params = {k: (_box(s, (None,) * len(s)) if boxed else jax.ShapeDtypeStruct(s, jnp.float32))
+              for k, s in shapes.items()}
+    frozen = optax.multi_transform({"train": optax.adam(1e-3), "frozen": optax.set_to_zero()},
+                                   tt.get_param_label_fn([(r"^embed$", "frozen")], default="train"))
+    return shapes, params, frozen
+
+
+def _step_temp_bytes(tx, shapes):
+    """The compiled train step's temporaries (jax's memory_analysis, one device)."""
+    def step(p, s, x):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(p["embed"][x] @ p["w"])))(p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    p = {k: jax.ShapeDtypeStruct(v, jnp.float32) for k, v in shapes.items()}
+    s = jax.eval_shape(tx.init, p)
+    c = jax.jit(step, donate_argnums=(0, 1)).lower(p, s, jax.ShapeDtypeStruct((8,), jnp.int32)).compile()
+    return c.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("boxed", [False, True])
+def test_frozen_parameters_hold_no_gradient_as_in_the_compiled_step(boxed):
+    shapes, params, frozen = _frozen_setup(boxed)
+    plan = tt.memory_plan(params, optimizer=frozen)
+    embed_bytes = EMBED[0] * EMBED[1] * 4
+    assert plan.by_part["grads"] == 512 * 64 * 4  # w's gradient only
+    assert any("frozen" in n for n in plan.notes)
+    # Truth: the compiled step with embed frozen holds no buffer the size of embed's gradient; the same step
+    # training embed does (its gradient, and adam's update of it).
+    assert _step_temp_bytes(frozen, shapes) < embed_bytes <= _step_temp_bytes(optax.adam(1e-3), shapes)
+    # A global-norm clip before the split reads every gradient: the compiled step computes embed's, so does the plan.
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), frozen)
+    assert tt.memory_plan(params, optimizer=clipped).by_part["grads"] == embed_bytes + 512 * 64 * 4
+    assert _step_temp_bytes(clipped, shapes) >= embed_bytes

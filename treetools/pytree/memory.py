@@ -63,6 +63,7 @@ from treetools.pytree.partitioning import (
 )
 from treetools.pytree.paths import is_leaf, path_parts
 from treetools.shared.aliases import PyTree
+from treetools.pytree.frozen import frozen_grads
 from treetools.pytree.plan_text import WIDTH, render_plan, render_summary
 from treetools.shared.render import json_object
 from treetools.shared.rows import LeafSharding, dtype_name, format_shape, parse_size
@@ -387,13 +388,24 @@ class _Mirrors:
 
     def __init__(self) -> None:
         self._by_path: dict[tuple[str, ...], tuple[tuple[int, ...], tuple]] = {}
+        self.found: set[tuple[str, ...]] = set()  # the params some leaf of another part mirrors
 
     def add(self, parts: tuple[str, ...], shape: tuple[int, ...], spec: Any) -> None:
         self._by_path[parts] = (shape, _padded(spec, len(shape)))
 
     def find(self, parts: tuple[str, ...]) -> tuple[tuple[int, ...], tuple] | None:
         """``(shape, spec entries)`` of the param whose path is the longest tail of ``parts``, or None."""
-        return next((hit for k in range(len(parts)) if (hit := self._by_path.get(parts[k:])) is not None), None)
+        for k in range(len(parts)):
+            hit = self._by_path.get(parts[k:])
+            if hit is not None:
+                self.found.add(parts[k:])
+                return hit
+        return None
+
+    def unmirrored(self) -> bool:
+        """Whether some param has no leaf of another part mirroring it (no moment: frozen, or a stateless
+        optimizer)."""
+        return len(self.found) < len(self._by_path)
 
     def spec_for(self, parts: tuple[str, ...], shape: tuple[int, ...]) -> PartitionSpec | None:
         """The layout of the param that the leaf at ``parts`` mirrors: the longest tail of its path that is a
@@ -527,6 +539,17 @@ def _grads(params: _Laid) -> _Laid:
     """Grads: the params' floating leaves, in their dtype and layout (an integer leaf's gradient is float0)."""
     leaves = [dataclasses.replace(p, part="grads") for p in params.leaves if _is_float(p.dtype)]
     return _Laid(leaves, params.abstract, params.shardings)
+
+
+def _unfrozen(grads: _Laid, frozen: set[str] | None) -> tuple[_Laid, str | None]:
+    """Grads less those no output of the optimizer's update reads (``treetools.pytree.frozen``)."""
+    if not frozen:
+        return grads, None
+    kept = [leaf for leaf in grads.leaves if leaf.path not in frozen]
+    dropped = len(grads.leaves) - len(kept)
+    return _Laid(kept, grads.abstract, grads.shardings), (
+        f"grads: {dropped} frozen param(s) left out (optimizer.update reads nothing of their gradient, as "
+        "optax.set_to_zero: a compiled step drops it)")
 
 
 def _structs(tree: PyTree) -> PyTree:
@@ -758,12 +781,16 @@ def memory_plan(
         if grads:
             laid["grads"] = _grads(params)
         if optimizer is not None:
-            opt_state = jax.eval_shape(optimizer.init, _structs(parts["params"]))
+            structs = _structs(parts["params"])
+            opt_state = jax.eval_shape(optimizer.init, structs)
             parts = {**parts, "opt_state": opt_state}
             notes.append("opt_state: jax.eval_shape(optimizer.init, params), each moment laid out like its param")
         for name in sorted((n for n in parts if n != "params"),
                            key=lambda n: (PART_ORDER.index(n) if n in PART_ORDER else len(PART_ORDER))):
             laid[name] = layout.part(name, parts[name], mirrors=mirrors)
+        if grads and optimizer is not None and mirrors.unmirrored():  # a param without moments may be frozen
+            laid["grads"], note = _unfrozen(laid["grads"], frozen_grads(optimizer, structs, opt_state))
+            notes += [note] if note else []
     leaves = [leaf for part in laid.values() for leaf in part.leaves]
     by_part = {name: sum(leaf.bytes for leaf in part.leaves) for name, part in laid.items()}
     plan = MemoryPlan(dict(sizes), leaves, by_part, sum(by_part.values()), device_memory=memory,
