@@ -63,6 +63,7 @@ from treetools.pytree.partitioning import (
 )
 from treetools.pytree.paths import is_leaf, path_parts
 from treetools.shared.aliases import PyTree
+from treetools.pytree.estimates import Estimate, activation_estimate, allocator_estimate, host_estimates
 from treetools.pytree.frozen import frozen_grads
 from treetools.pytree.plan_text import WIDTH, render_plan, render_summary
 from treetools.shared.render import json_object
@@ -228,6 +229,9 @@ class MemoryPlan:
         given, else on an ``AbstractMesh``): ``jax.jit(init, out_shardings=plan.shardings["params"])``.
       warnings: what changes the figures against what was asked, printed first (a layout jax cannot place, a
         mesh no leaf is split over).
+      estimates: figures not counted but estimated, each with its formula (``treetools.pytree.estimates``):
+        the host RAM of a restore, jax's GPU allocator pool and what it leaves (with ``device_memory``), a
+        transformer step's activations (with ``activations=``).
       indivisible: each dimension its mesh axes do not divide (``Indivisible``), planned unsplit as jit does.
       notes: what a reader of the figures should know (where the optimizer state came from, the devices the
         step was compiled for).
@@ -245,6 +249,7 @@ class MemoryPlan:
     notes: list[str] = dataclasses.field(default_factory=list)
     warnings: list[str] = dataclasses.field(default_factory=list)
     indivisible: list[Indivisible] = dataclasses.field(default_factory=list)
+    estimates: list[Estimate] = dataclasses.field(default_factory=list)
     top: int = TOP
     replicated_threshold: int = REPLICATED_THRESHOLD
 
@@ -314,6 +319,7 @@ class MemoryPlan:
             "host": self.host.to_json() if self.host is not None else None,
             "warnings": list(self.warnings),
             "indivisible": [x.to_json() for x in self.indivisible],
+            "estimates": [x.to_json() for x in self.estimates],
             "notes": list(self.notes),
         })
 
@@ -675,6 +681,18 @@ def _host(leaves: Sequence[LeafPlan], chunk_bytes: Mapping[str, int] | None, bud
         memory_budget=budget, over_budget=over)
 
 
+def _estimates(plan: MemoryPlan, activations: Mapping[str, Any] | None, parts_global: int) -> list[Estimate]:
+    out = []
+    act = activation_estimate(activations, batch_shards=plan.devices) if activations is not None else None
+    if act is not None:
+        out.append(act)
+    if plan.device_memory is not None:
+        out += allocator_estimate(plan.device_memory, plan.per_device_bytes, act.bytes if act else None)
+    if plan.host is not None:
+        out += host_estimates(plan.host.restore_peak_bytes, parts_global)
+    return out
+
+
 def _indivisible_warnings(found: Sequence[Indivisible]) -> list[str]:
     """One line per leaf whose own layout jax cannot place (the params', else each part's first ones); the
     leaves of other parts that mirror them counted."""
@@ -705,6 +723,7 @@ def memory_plan(
     chunk_bytes: Mapping[str, int] | None = None,
     top: int = TOP,
     replicated_threshold: int = REPLICATED_THRESHOLD,
+    activations: Mapping[str, Any] | None = None,
 ) -> MemoryPlan:
     """The memory each device needs for a train state on a mesh, before anything is allocated.
 
@@ -738,6 +757,9 @@ def memory_plan(
         passes its metadata's); a leaf not named is assumed saved by this layout (a chunk is one device block).
       top: rows kept (largest leaves per device).
       replicated_threshold: bytes from which a replicated leaf that a mesh axis could split is listed.
+      activations: a transformer's ``{"batch", "seq", "hidden", "layers", "heads"}`` (optional ``itemsize``,
+        default 2, ``remat``, ``batch_shards``, default the mesh's devices): adds an estimate of the activations
+        a step keeps, by formula (``treetools.pytree.estimates``), to ``estimates`` and the allocator's headroom.
 
     Returns:
       a ``MemoryPlan``: ``per_device_bytes`` (the fullest device), ``by_part``, ``rows``, ``replicated``,
@@ -797,6 +819,7 @@ def memory_plan(
                       shardings={name: part.shardings for name, part in laid.items()}, notes=notes, top=top,
                       replicated_threshold=replicated_threshold)
     plan.host = _host(leaves, chunk_bytes, memory_budget)
+    plan.estimates = _estimates(plan, activations, parts_global=plan.global_bytes.get("params", 0))
     plan.indivisible = layout.indivisible
     plan.warnings += _indivisible_warnings(layout.indivisible)
     if step_fn is not None:

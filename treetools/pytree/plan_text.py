@@ -96,6 +96,8 @@ def render_plan(plan: Any) -> str:
             lines += _wrap(f"host: {len(h.over_budget)} stored chunk(s) over the memory budget of "
                          f"{_b(h.memory_budget)} ({shown}{', ...' if len(h.over_budget) > 3 else ''}): a restore "
                          "refuses them; raise --memory-budget-mb")
+    for e in getattr(plan, "estimates", []):
+        lines += _wrap(f"estimate: {e.name} {_b(e.bytes) if e.bytes >= 0 else '-' + _b(-e.bytes)} = {e.formula}")
     shardable = plan.replicated
     if shardable:
         lines += ["", f"replicated on every device, {_b(plan.replicated_threshold)} or more, and shardable:"]
