@@ -236,3 +236,55 @@ def test_allocator_fraction_and_host_ram_estimates(monkeypatch):
     assert est["host_load_parameters"].bytes == (1024 * 256 + 256) * 4
     assert est["host_restore"].bytes == plan.host.restore_peak_bytes == 2 * 1024 * 256 * 4
     assert {e["name"] for e in plan.to_json()["estimates"]} == set(est)
+
+
+# ----------------------------------------------------------------------------- point 8: Adafactor
+
+
+def _adafactor_after_a_step(devices_mesh=None):
+    tx = optax.adafactor(learning_rate=1e-2, momentum=0.9)
+    params = {"one": jnp.full((1, 1), 2.0), "w": jnp.linspace(-1, 1, 256 * 512).reshape(256, 512),
+              "sq": jnp.linspace(-2, 2, 256 * 256).reshape(256, 256), "b": jnp.linspace(0, 1, 300)}
+    grads = jax.tree.map(lambda p: 0.5 * jnp.cos(p) + 0.5, params)
+    _, state = tx.update(grads, tx.init(params), params)
+    return tx, params, grads, state
+
+
+def test_adafactor_moment_norms_are_numpys_over_optaxs_own_state():
+    tx, params, grads, state = _adafactor_after_a_step()
+    m = tt.norm_metrics(params=params, opt_state=state, per_param=True)
+    (factored,) = [x for x in state if hasattr(x, "v_row")]
+    (ema,) = [x for x in state if hasattr(x, "ema")]
+    # (1, 1): not factored, its v is the moment (optax's v_row/v_col are (1,) zero placeholders).
+    v_one = np.asarray(factored.v["one"], np.float64)
+    assert v_one.shape == (1, 1) and float(m["nu_norm/one"]) == pytest.approx(np.sqrt(np.sum(v_one ** 2)), rel=1e-6)
+    assert float(m["nu_norm/one"]) > 0
+    # Momentum: the ema is the first moment, mu_norm, by numpy float64.
+    for k in params:
+        want = np.sqrt(np.sum(np.asarray(ema.ema[k], np.float64) ** 2))
+        assert float(m[f"mu_norm/{k}"]) == pytest.approx(want, rel=1e-5), k
+    assert float(m["mu_norm"]) == pytest.approx(
+        np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in ema.ema.values())), rel=1e-5)
+    # A factored param: optax's own estimate, r / mean(r) [outer] c, in float64.
+    r, c = (np.asarray(x, np.float64) for x in (factored.v_row["w"], factored.v_col["w"]))
+    want = np.sqrt(np.sum((np.outer(r / r.mean(), c)) ** 2))
+    assert float(m["nu_norm/w"]) == pytest.approx(want, rel=1e-5)
+
+
+def test_square_kernels_factors_are_planned_as_a_jitted_step_places_them(devices):
+    mesh = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    tx = optax.adafactor(momentum=0.9)
+    shapes = {"sq": (256, 256), "w": (256, 512)}
+    plan = tt.memory_plan({k: _box(s, ("fsdp", "tp")) for k, s in shapes.items()}, mesh=mesh, optimizer=tx,
+                          grads=False)
+    params = {k: jax.device_put(jnp.ones(s), NamedSharding(mesh, P("fsdp", "tp"))) for k, s in shapes.items()}
+
+    def step(p, s):
+        return tx.update(jax.tree.map(lambda x: 0.5 * x, p), s, p)[1]
+
+    placed = jax.jit(step)(params, tx.init(params))  # where jax puts the state a training step writes
+    assert set(_held(placed).values()) == {plan.by_part["opt_state"]}
+    v_row, v_col = placed[0].v_row["sq"], placed[0].v_col["sq"]
+    assert (tuple(v_row.sharding.spec), tuple(v_col.sharding.spec)) == (("fsdp",), ("tp",))
+    rows = {r.path: r.sharding.spec for r in plan.leaves if r.part == "opt_state"}
+    assert tuple(rows["0/v_row/sq"]) == ("fsdp",) and tuple(rows["0/v_col/sq"]) == ("tp",)

@@ -423,8 +423,14 @@ class _Mirrors:
         if shape == p_shape:
             return PartitionSpec(*p_spec)
         dropped = {p_spec[:a] + p_spec[a + 1:] for a in range(len(p_shape)) if p_shape[:a] + p_shape[a + 1:] == shape}
-        # Two axes of one size give the same shape (a square kernel's v_row and v_col): unless both choices say
-        # the same, the vector is left replicated rather than guessed.
+        if len(dropped) > 1 and len(p_shape) >= 2 and {"v_row", "v_col"} & set(parts):
+            # A square kernel's Adafactor factors: optax drops d0 for v_row and d1 for v_col, its two largest axes
+            # by np.argsort, and a step's update leaves each factor split like the axis it keeps.
+            d1, d0 = (int(d) for d in np.argsort(p_shape)[-2:])
+            axis = d0 if "v_row" in parts else d1
+            return PartitionSpec(*(p_spec[:axis] + p_spec[axis + 1:]))
+        # Two axes of one size give the same shape otherwise: unless both choices say the same, the vector is left
+        # replicated rather than guessed.
         return PartitionSpec(*dropped.pop()) if len(dropped) == 1 else None
 
 

@@ -27,7 +27,8 @@ _F32 = jnp.float32
 # Optimizer moments, matched to their params by path
 # --------------------------------------------------------------------------- #
 
-_FIRST_MOMENTS = ("mu", "trace")  # Adam/AdamW/AMSGrad/Belief/Novograd/Lion (``mu``); SGD momentum (``trace``)
+# Adam/AdamW/AMSGrad/Belief/Novograd/Lion (``mu``); SGD momentum (``trace``); Adafactor's momentum (``ema``)
+_FIRST_MOMENTS = ("mu", "trace", "ema")
 _SECOND_MOMENTS = ("nu",)  # Adam-family, RMSProp (``scale_by_rms``)
 _FACTORED = ("v_row", "v_col", "v")  # Adafactor's ``FactoredState``
 
@@ -94,7 +95,10 @@ def factored_second_moment(state: Any, shapes: dict[PathStr, tuple[int, ...]], w
                 "`grads=` tree has that path to give its shape; pass the params beside `opt_state=`."
             )
         r, c = unbox(rows[path]), unbox(cols[path])
-        dims = _factored_dims(shape, tuple(np.shape(r)), tuple(np.shape(c)))
+        # An unfactored param's v has its shape (its factors are (1,) zero placeholders, which for a (1, 1) param
+        # look like factors); a factored one's v is the (1,) placeholder.
+        factored = tuple(np.shape(unbox(v))) != shape
+        dims = _factored_dims(shape, tuple(np.shape(r)), tuple(np.shape(c))) if factored else None
         if dims is None:
             if tuple(np.shape(unbox(v))) != shape:
                 raise ValueError(
