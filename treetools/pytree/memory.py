@@ -49,10 +49,11 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from treetools.pytree.counting import is_array_like, itemsize, leaf_nbytes
+from treetools.pytree.counting import is_array_like, itemsize
 from treetools.pytree.partitioning import (
     active_mesh,
     box_spec,
+    is_box,
     mesh_axes_of,
     own_sharding,
     rebox,
@@ -65,7 +66,7 @@ from treetools.pytree.paths import is_leaf, path_parts
 from treetools.shared.aliases import PyTree
 from treetools.pytree.estimates import Estimate, activation_estimate, allocator_estimate, host_estimates
 from treetools.pytree.frozen import frozen_grads
-from treetools.pytree.plan_text import WIDTH, render_plan, render_summary
+from treetools.pytree.plan_text import WIDTH, Indivisible, indivisible_warnings, render_plan, render_summary
 from treetools.shared.render import json_object
 from treetools.shared.rows import LeafSharding, dtype_name, format_shape, parse_size
 
@@ -118,36 +119,6 @@ class Shardable:
     def to_json(self) -> dict[str, Any]:
         return {"path": self.leaf.name, "shape": list(self.leaf.shape), "dtype": self.leaf.dtype,
                 "bytes": self.leaf.bytes, "dim": self.dim, "axis": self.axis, "axis_size": self.size}
-
-
-@dataclasses.dataclass(frozen=True)
-class Indivisible:
-    """A dimension its mesh axes do not divide (GPT-2's vocabulary, 50257, over ``fsdp=8``): ``asked`` is the
-    layout the leaf names, planned with dimension ``dim`` unsplit, as ``jit`` places it."""
-
-    part: str
-    path: str
-    shape: tuple[int, ...]
-    dim: int
-    axes: tuple[str, ...]
-    size: int
-    asked: PartitionSpec
-
-    @property
-    def name(self) -> str:
-        return f"{self.part}/{self.path}" if self.path else self.part
-
-    def text(self) -> str:
-        n, over = self.shape[self.dim], "x".join(self.axes)
-        return (f"`{self.name}` {format_shape(self.shape)} is laid out as {self.asked}, but {over} ({self.size}) "
-                f"does not divide its dimension {self.dim} ({n}): jax.device_put and jit's in/out_shardings refuse "
-                f"that layout (IndivisibleError), and under jit with_sharding_constraint leaves the dimension "
-                f"unsplit, so it is planned unsplit; pad it to {-(-n // self.size) * self.size} or split another "
-                "dimension")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"path": self.name, "shape": list(self.shape), "dim": self.dim, "axes": list(self.axes),
-                "axis_size": self.size}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,10 +384,11 @@ class _Mirrors:
         optimizer)."""
         return len(self.found) < len(self._by_path)
 
-    def spec_for(self, parts: tuple[str, ...], shape: tuple[int, ...]) -> PartitionSpec | None:
+    def spec_for(self, parts: tuple[str, ...], shape: tuple[int, ...], hit: Any = None) -> PartitionSpec | None:
         """The layout of the param that the leaf at ``parts`` mirrors: the longest tail of its path that is a
-        param's, with the param's shape (that spec) or that shape less one axis (that axis's entry dropped)."""
-        hit = self.find(parts)
+        param's, with the param's shape (that spec) or that shape less one axis (that axis's entry dropped).
+        ``hit``: ``find(parts)``, where the caller has it."""
+        hit = hit if hit is not None else self.find(parts)
         if hit is None:
             return None
         p_shape, p_spec = hit
@@ -451,6 +423,7 @@ class _Layout:
         self.sizes, self.mesh, self.asked, self.abstract = sizes, mesh, asked, abstract
         self._shardings: dict[tuple, NamedSharding] = {}
         self.indivisible: list[Indivisible] = []
+        self._cache: dict[tuple, tuple] = {}
 
     def sharding(self, spec: tuple) -> NamedSharding | None:
         if self.mesh is None:
@@ -477,6 +450,22 @@ class _Layout:
             raise ValueError(f"leaf `{name}` is laid out as {PartitionSpec(*entries)}, which uses a mesh axis twice.")
         return _padded(entries, len(shape))
 
+    def _laid(self, part: str, path: str, shape: tuple[int, ...], spec: Any) -> tuple[tuple, int, LeafSharding]:
+        """``(spec entries as jax places them, elements the fullest device holds, LeafSharding)`` of a leaf,
+        worked out once per (shape, spec); each leaf's indivisible dimensions recorded under its own name."""
+        key = (shape, tuple(spec) if spec is not None else ())
+        found = self._cache.get(key)
+        if found is None:
+            before = len(self.indivisible)
+            entries = self._divisible(part, path, shape, self._check(f"{part}/{path}", shape, key[1]))
+            sharding = self.sharding(entries)
+            per_device = math.prod(sharding.shard_shape(shape)) if sharding is not None else math.prod(shape)
+            found = self._cache[key] = (entries, per_device, LeafSharding(PartitionSpec(*entries), dict(self.sizes)),
+                                        self.indivisible[before:])
+        else:
+            self.indivisible += [dataclasses.replace(x, part=part, path=path) for x in found[3]]
+        return found[:3]
+
     def _divisible(self, part: str, path: str, shape: tuple[int, ...], entries: tuple) -> tuple:
         """``entries`` as jax places them: a dimension its mesh axes do not divide is left unsplit, as
         ``with_sharding_constraint`` does under ``jit`` (``device_put`` and jit's shardings refuse the layout with
@@ -498,37 +487,37 @@ class _Layout:
         pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
         plans, abstract, shardings = [], [], []
         for keypath, leaf in pairs:
+            boxed = is_box(leaf)
             if not is_array_like(leaf):
                 abstract.append(leaf)
                 shardings.append(None)
                 continue
             parts = path_parts(keypath)
-            name = "/".join((part, *parts))
-            logical = unmapped_logical_names(leaf)
+            path = "/".join(parts)
+            logical = unmapped_logical_names(leaf) if boxed else ()
             if logical:
                 raise ValueError(
-                    f"leaf `{name}` carries the logical names {logical} and no rules map them onto mesh axes; pass "
-                    "`rules=` (your model's logical_axis_rules) or call inside `nn.logical_axis_rules(...)`.")
+                    f"leaf `{part}/{path}` carries the logical names {logical} and no rules map them onto mesh axes; "
+                    "pass `rules=` (your model's logical_axis_rules) or call inside `nn.logical_axis_rules(...)`.")
             value = unbox(leaf)
             shape, dtype = tuple(int(d) for d in value.shape), value.dtype
-            trust = True
+            trust, hit = True, None
             if mirrors is not None:  # a box carried onto a moment of another shape names the param's layout
                 hit = mirrors.find(parts)
-                names = box_spec(leaf)
+                names = box_spec(leaf) if boxed else None
                 trust = (hit is None or hit[0] == shape) and (names is None or len(tuple(names)) <= len(shape))
             spec = _own_spec(leaf, asked=self.asked, trust_names=trust)
-            if spec is None and mirrors is not None:
-                spec = mirrors.spec_for(parts, shape)
-            entries = self._divisible(part, "/".join(parts), shape, self._check(name, shape, spec if spec is not None else ()))
+            if spec is None and hit is not None:
+                spec = mirrors.spec_for(parts, shape, hit)
+            entries, per_device, leaf_sharding = self._laid(part, path, shape, spec)
             if collect is not None:
                 collect.add(parts, shape, entries)
             sharding = self.sharding(entries)
-            struct = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-            plans.append(LeafPlan(part, "/".join(parts), shape, dtype_name(dtype), LeafSharding(
-                PartitionSpec(*entries), dict(self.sizes)), leaf_nbytes(struct, per_device=True),
-                math.prod(shape) * itemsize(dtype)))
+            size = itemsize(dtype)
+            plans.append(LeafPlan(part, path, shape, dtype_name(dtype), leaf_sharding, per_device * size,
+                                  math.prod(shape) * size))
             if self.abstract:  # only a compiled step needs the state as boxed structs
-                abstract.append(rebox(leaf, struct))
+                abstract.append(rebox(leaf, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)))
             shardings.append(sharding)
         return _Laid(plans, jax.tree_util.tree_unflatten(treedef, abstract) if self.abstract else None,
                      jax.tree_util.tree_unflatten(treedef, shardings))
@@ -699,19 +688,6 @@ def _estimates(plan: MemoryPlan, activations: Mapping[str, Any] | None, parts_gl
     return out
 
 
-def _indivisible_warnings(found: Sequence[Indivisible]) -> list[str]:
-    """One line per leaf whose own layout jax cannot place (the params', else each part's first ones); the
-    leaves of other parts that mirror them counted."""
-    own = [x for x in found if x.part == "params"] or list(found)
-    shown = own[:5]
-    out = [x.text() for x in shown]
-    rest = len(found) - len(shown)
-    if rest:
-        out.append(f"{rest} more leaf dimension(s) (grads and optimizer moments that mirror these, or others) are "
-                   "planned unsplit for the same reason: `plan.indivisible` lists them all")
-    return out
-
-
 # ---------------------------------------------------------------------------- memory_plan
 
 
@@ -827,7 +803,7 @@ def memory_plan(
     plan.host = _host(leaves, chunk_bytes, memory_budget)
     plan.estimates = _estimates(plan, activations, parts_global=plan.global_bytes.get("params", 0))
     plan.indivisible = layout.indivisible
-    plan.warnings += _indivisible_warnings(layout.indivisible)
+    plan.warnings += indivisible_warnings(layout.indivisible)
     if step_fn is not None:
         abstract = {name: part.abstract for name, part in laid.items() if name != "grads"}
         state = _with_parts(tree, state_parts(tree), abstract, added=optimizer is not None)

@@ -8,13 +8,61 @@ from __future__ import annotations
 
 import re
 import textwrap
+import dataclasses
 from typing import Any, Sequence
+
+from jax.sharding import PartitionSpec
 
 from treetools.shared.render import safe_text
 from treetools.shared.rows import format_shape, human
 
 WIDTH = 100
 """The most columns ``str(plan)`` uses."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Indivisible:
+    """A dimension its mesh axes do not divide (GPT-2's vocabulary, 50257, over ``fsdp=8``): ``asked`` is the
+    layout the leaf names, planned with dimension ``dim`` unsplit, as ``jit`` places it."""
+
+    part: str
+    path: str
+    shape: tuple[int, ...]
+    dim: int
+    axes: tuple[str, ...]
+    size: int
+    asked: PartitionSpec
+
+    @property
+    def name(self) -> str:
+        return f"{self.part}/{self.path}" if self.path else self.part
+
+    def text(self) -> str:
+        n, over = self.shape[self.dim], "x".join(self.axes)
+        return (f"`{self.name}` {format_shape(self.shape)} is laid out as {self.asked}, but {over} ({self.size}) "
+                f"does not divide its dimension {self.dim} ({n}): jax.device_put and jit's in/out_shardings refuse "
+                f"that layout (IndivisibleError), and under jit with_sharding_constraint leaves the dimension "
+                f"unsplit, so it is planned unsplit; pad it to {-(-n // self.size) * self.size} or split another "
+                "dimension")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.name, "shape": list(self.shape), "dim": self.dim, "axes": list(self.axes),
+                "axis_size": self.size}
+
+
+
+def indivisible_warnings(found: Sequence[Indivisible]) -> list[str]:
+    """One line per leaf whose own layout jax cannot place (the params', else each part's first ones); the
+    leaves of other parts that mirror them counted."""
+    own = [x for x in found if x.part == "params"] or list(found)
+    shown = own[:5]
+    out = [x.text() for x in shown]
+    rest = len(found) - len(shown)
+    if rest:
+        out.append(f"{rest} more leaf dimension(s) (grads and optimizer moments that mirror these, or others) are "
+                   "planned unsplit for the same reason: `plan.indivisible` lists them all")
+    return out
+
 
 # ---------------------------------------------------------------------------- rendering
 
