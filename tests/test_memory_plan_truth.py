@@ -288,3 +288,30 @@ def test_square_kernels_factors_are_planned_as_a_jitted_step_places_them(devices
     assert (tuple(v_row.sharding.spec), tuple(v_col.sharding.spec)) == (("fsdp",), ("tp",))
     rows = {r.path: r.sharding.spec for r in plan.leaves if r.part == "opt_state"}
     assert tuple(rows["0/v_row/sq"]) == ("fsdp",) and tuple(rows["0/v_col/sq"]) == ("tp",)
+
+
+# ----------------------------------------------------------------------------- point 10: nnx.state(optimizer)
+
+
+@pytest.mark.parametrize("make", [lambda: optax.adam(1e-2), lambda: optax.adafactor(1e-2, momentum=0.9),
+                                  lambda: optax.sgd(1e-2, momentum=0.9)])
+def test_moment_norms_of_nnx_state_of_the_optimizer_are_numpys_over_optaxs_state(make):
+    from flax import nnx
+
+    model = nnx.Linear(256, 200, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, make(), wrt=nnx.Param)
+    grads = jax.tree.map(lambda p: jnp.cos(p) + 0.5, nnx.state(model, nnx.Param))
+    opt.update(model, grads)
+    params = nnx.state(model, nnx.Param)
+    via_state = tt.norm_metrics(params=params, opt_state=nnx.state(opt), depth=1)
+    via_attr = tt.norm_metrics(params=params, opt_state=opt.opt_state, depth=1)
+    assert "mu_norm" in via_state and set(via_state) == set(via_attr)
+    for k in via_attr:
+        assert float(via_state[k]) == pytest.approx(float(via_attr[k]), rel=1e-6), k
+    # Truth for the first moment: numpy float64 over optax's own state (mu, ema or trace).
+    states = [s for s in jax.tree.leaves(opt.opt_state, is_leaf=lambda x: hasattr(x, "_fields"))
+              if hasattr(s, "_fields")]
+    firsts = [getattr(s, f) for s in states for f in ("mu", "ema", "trace") if f in s._fields]
+    want = np.sqrt(sum(np.sum(np.asarray(tt.unbox_tree(x), np.float64) ** 2) for m in firsts
+                       for x in jax.tree.leaves(m)))
+    assert float(via_state["mu_norm"]) == pytest.approx(want, rel=1e-5)
