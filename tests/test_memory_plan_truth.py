@@ -170,6 +170,9 @@ def test_frozen_parameters_hold_no_gradient_as_in_the_compiled_step(boxed):
     embed_bytes = EMBED[0] * EMBED[1] * 4
     assert plan.by_part["grads"] == 512 * 64 * 4  # w's gradient only
     assert any("frozen" in n for n in plan.notes)
+    # An EMA copy mirrors every param, embed too: it does not hide that the optimizer holds no moment of embed.
+    with_ema = tt.memory_plan({"params": params, "params_ema": params}, optimizer=frozen)
+    assert with_ema.by_part["grads"] == 512 * 64 * 4
     # Truth: the compiled step with embed frozen holds no buffer the size of embed's gradient; the same step
     # training embed does (its gradient, and adam's update of it).
     assert _step_temp_bytes(frozen, shapes) < embed_bytes <= _step_temp_bytes(optax.adam(1e-3), shapes)

@@ -789,10 +789,13 @@ def memory_plan(
             opt_state = jax.eval_shape(optimizer.init, structs)
             parts = {**parts, "opt_state": opt_state}
             notes.append("opt_state: jax.eval_shape(optimizer.init, params), each moment laid out like its param")
+        unmirrored = False
         for name in sorted((n for n in parts if n != "params"),
                            key=lambda n: (PART_ORDER.index(n) if n in PART_ORDER else len(PART_ORDER))):
+            mirrors.found.clear()
             laid[name] = layout.part(name, parts[name], mirrors=mirrors)
-        if grads and optimizer is not None and mirrors.unmirrored():  # a param without moments may be frozen
+            unmirrored = unmirrored or (name == "opt_state" and mirrors.unmirrored())
+        if grads and optimizer is not None and unmirrored:  # a param without a moment may be frozen
             laid["grads"], note = _unfrozen(laid["grads"], frozen_grads(optimizer, structs, opt_state))
             notes += [note] if note else []
     leaves = [leaf for part in laid.values() for leaf in part.leaves]
