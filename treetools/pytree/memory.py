@@ -34,8 +34,10 @@ mesh), an upper bound otherwise (a leaf on one device counts on each).
 
 Nothing is allocated: the optimizer state comes from
 ``jax.eval_shape(optimizer.init, params)``, grads are the params' floating
-leaves in their own dtype and layout. The result is data (``MemoryPlan``),
-rendered apart (``str(plan)``, ``plan.to_json()``).
+leaves in their own dtype and layout, less those the optimizer never reads (a
+param frozen by ``optax.set_to_zero``: ``treetools.pytree.frozen``). The
+result is data (``MemoryPlan``), rendered apart (``str(plan)``,
+``plan.to_json()``).
 """
 
 from __future__ import annotations
