@@ -96,10 +96,11 @@ OPTIMIZERS = {
     "lion": (lambda: optax.lion(1e-4), 4 * PARAMS_PER_DEVICE + 4),
     # Every leaf gets v_row, v_col and v (optax); a factored one keeps v_row and v_col, the others (1,) placeholders.
     # w (256, 512) factored: v_row (256,) drops axis 1, so over fsdp: 128; v_col (512,) drops axis 0, over tp: 128;
-    #   v (1,): 1.   sq (256, 256) factored: v_row, v_col (256,) could drop either axis: replicated, 256 + 256; v 1.
+    #   v (1,): 1.   sq (256, 256) factored: optax's argsort picks d1 = 0, d0 = 1, so v_row keeps axis 0 (over
+    #   fsdp: 128) and v_col axis 1 (over tp: 64), as a jitted update places them; v 1.
     # b (512,) not factored: v like b over tp: 128; v_row, v_col 1 + 1.   embed (512, 64): 64 < 128, not factored:
     #   v like embed: 8192; v_row, v_col 1 + 1.   And the int32 count.
-    "adafactor": (optax.adafactor, 4 * ((128 + 128 + 1) + (256 + 256 + 1) + (1 + 1 + 128) + (1 + 1 + 8192)) + 4),
+    "adafactor": (optax.adafactor, 4 * ((128 + 128 + 1) + (128 + 64 + 1) + (1 + 1 + 128) + (1 + 1 + 8192)) + 4),
     # adam for all but the frozen embedding (set_to_zero: no state): mu and nu of w, sq, b, + adam's count
     "multi_transform": (lambda: optax.multi_transform(
         {"train": optax.adam(1e-3), "frozen": optax.set_to_zero()},

@@ -158,8 +158,22 @@ def _params_name(parts: Sequence[str], *, asked: bool) -> str | None:
     return lone if lone is not None and (not asked or counts_params(lone)) else None
 
 
+def largest_split(shape: Sequence[int], axis: str, size: int) -> tuple | None:
+    """The spec that splits the largest dimension ``size`` divides over ``axis`` (the first of equals), FSDP's
+    default layout; None when no dimension of a leaf is divisible (it stays replicated).
+
+    >>> largest_split((50257, 768), "fsdp", 8), largest_split((3,), "fsdp", 8)
+    ((None, 'fsdp'), None)
+    """
+    dims = [d for d, n in enumerate(shape) if n >= size and n % size == 0]
+    if not dims:
+        return None
+    best = max(dims, key=lambda d: (shape[d], -d))
+    return tuple(axis if d == best else None for d in range(len(shape)))
+
+
 def _tree(part: str, item: Item, sizes: Mapping[str, int], rules: LayoutRules | None,
-          counts: dict[str, int]) -> tuple[dict[str, Any], dict[str, int]]:
+          counts: dict[str, int], shard_largest: str | None = None) -> tuple[dict[str, Any], dict[str, int]]:
     """``{leaf name: ShapeDtypeStruct}`` of a part, each laid out by the rules or its recorded sharding (a
     ``NamedSharding`` on an ``AbstractMesh`` with the mesh's axes), and each leaf's stored chunk in bytes."""
     import jax
@@ -183,6 +197,8 @@ def _tree(part: str, item: Item, sizes: Mapping[str, int], rules: LayoutRules | 
                     f"leaf `{full}` was saved laid out as {PartitionSpec(*spec)}, over mesh axes {missing} that the "
                     f"mesh {dict(sizes) or '(one device)'} lacks: give the mesh those axes (--mesh "
                     f"{','.join(f'{a}=N' for a in missing)}), or lay the leaves out with layout rules (--rules FILE).")
+        if spec is None and shard_largest is not None and not _is_moment(part):
+            spec, how = largest_split(shape, shard_largest, sizes[shard_largest]), "largest"
         if spec is None:
             tree[row.name] = jax.ShapeDtypeStruct(shape, dtype)
             how = "none"
@@ -198,6 +214,11 @@ def _tree(part: str, item: Item, sizes: Mapping[str, int], rules: LayoutRules | 
     if list(tree) == [""]:  # a part that is one array
         return tree[""], chunks
     return tree, chunks
+
+
+def _is_moment(part: str) -> bool:
+    """A stored optimizer state: its moments follow their params (``memory_plan``), not ``--shard-largest``."""
+    return part == "opt_state"
 
 
 def _recorded_mesh(parts: Mapping[str, Item]) -> dict[str, int]:
@@ -223,6 +244,7 @@ def plan_checkpoint(
     memory_budget: float | None = None,
     prefix: str | None = None,
     top: int = TOP,
+    shard_largest: str | None = None,
 ) -> MemoryPlan:
     """The per-device memory to restore a checkpoint onto a mesh and train it: ``memory_plan`` from metadata.
 
@@ -241,6 +263,10 @@ def plan_checkpoint(
       memory_budget: the restore's memory budget in bytes (None: ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB).
       prefix: the series of steps to read in a folder holding several.
       top: rows kept.
+      shard_largest: a mesh axis: every leaf neither the rules nor a recorded sharding lay out (a Hugging Face
+        checkpoint's, all of them) splits its largest dimension that axis divides over it (FSDP's default
+        layout); one no dimension of which it divides stays replicated. Without it such leaves are replicated,
+        and a plan where no leaf is split over a mesh of several devices says so first (``plan.warnings``).
 
     Raises:
       CheckpointNotFoundError, CheckpointError: as ``treetools inspect`` (no such path, step or item).
@@ -278,17 +304,28 @@ def plan_checkpoint(
     if params is not None and params != "params":
         notes.append(f"params: the parameters are `{params}`")
     sizes = dict(getattr(mesh, "shape", mesh) or {}) if mesh is not None else _recorded_mesh(parts)
-    counts = {"rules": 0, "recorded": 0, "none": 0}
+    if shard_largest is not None and shard_largest not in sizes:
+        raise ValueError(f"--shard-largest {shard_largest}: the mesh {dict(sizes) or '(one device)'} has no axis "
+                         f"`{shard_largest}`; name one of its axes, or give the mesh one (--mesh {shard_largest}=N).")
+    counts = {"rules": 0, "recorded": 0, "largest": 0, "none": 0}
     trees, chunks = {}, {}
     for name, part in parts.items():
-        trees["params" if name == params else name], found = _tree(name, part, sizes, rules, counts)
+        trees["params" if name == params else name], found = _tree(name, part, sizes, rules, counts, shard_largest)
         chunks.update({"params" + k[len(name):] if name == params else k: v for k, v in found.items()})
     if "params" not in trees:
         trees = {"params": {}, **trees}
         grads = False
-    notes.append(f"layout: {counts['rules']} leaves by the rules, {counts['recorded']} by the sharding recorded, "
-                 f"{counts['none']} with none (optimizer moments follow their param, the rest replicated)")
+    largest = f", {counts['largest']} by --shard-largest {shard_largest}" if shard_largest is not None else ""
+    notes.append(f"layout: {counts['rules']} leaves by the rules, {counts['recorded']} by the sharding recorded"
+                 f"{largest}, {counts['none']} with none (optimizer moments follow their param, the rest replicated)")
     plan = memory_plan(trees, mesh=sizes, optimizer=tx, grads=grads, device_memory=device_memory,
                        memory_budget=budget, chunk_bytes=chunks, top=top)
     plan.notes[:0] = notes
+    devices = math.prod(sizes.values()) if sizes else 1
+    if devices > 1 and plan.leaves and all(leaf.bytes == leaf.global_bytes for leaf in plan.leaves):
+        axis = max(sizes, key=lambda a: sizes[a])
+        plan.warnings.insert(0, (
+            f"every leaf is replicated on all {devices} devices: the checkpoint records no sharding and no rule "
+            f"lays its leaves out, so each device holds the whole state; pass --shard-largest {axis} "
+            f"(shard_largest=\"{axis}\": each leaf's largest dimension split over {axis}) or --rules FILE"))
     return plan

@@ -4,7 +4,10 @@ is needed: a 1,024-device plan runs on a laptop).
 
 Every array leaf of the step's items (params, params_ema, opt_state...) is laid
 out on the mesh by the layout rules given (--rules), else by the sharding the
-checkpoint recorded (its mesh axes taken by name), else replicated; with
+checkpoint recorded (its mesh axes taken by name), else by --shard-largest AXIS
+(its largest dimension AXIS divides, split over AXIS: FSDP's layout for a
+checkpoint that records none, as Hugging Face's), else replicated (a plan where
+every leaf is replicated over several devices says so first); with
 --optimizer, the optimizer's state (jax.eval_shape of optax's init, each moment
 laid out like its param) replaces a stored opt_state; the gradients a step holds
 are counted like the params (--no-grads: not). Printed: the fullest device's
@@ -22,6 +25,7 @@ Examples:
   treetools plan runs/demo/checkpoints                            the mesh it was saved on
   treetools plan runs/demo/checkpoints --mesh data=8,fsdp=16 --optimizer adamw --device-memory 80GiB
   treetools plan model.safetensors --mesh fsdp=8 --rules layout.toml --format json
+  treetools plan model.safetensors --mesh fsdp=8 --shard-largest fsdp --optimizer adamw
 
 --format json prints one object, "schema": 1 (docs/json-schema.md).
 
@@ -85,6 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rules", metavar="FILE", default=None,
                         help="layout rules, .json or .toml: {\"partition\": [[regex, spec], ...]}, first match wins, "
                              "before the recorded sharding")
+    parser.add_argument("--shard-largest", metavar="AXIS", default=None,
+                        help="lay out each leaf the rules and the checkpoint leave unsharded (a Hugging Face "
+                             "checkpoint's: all of them) by splitting its largest dimension AXIS divides over AXIS "
+                             "(FSDP's default); default: such leaves are replicated")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                         help="plan this optax optimizer's state for training (replaces a stored opt_state)")
     parser.add_argument("--no-grads", dest="grads", action="store_false",
@@ -116,7 +124,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         plan = plan_checkpoint(args.path, step=args.step, item=args.item, mesh=args.mesh, rules=rules,
                                optimizer=args.optimizer, grads=args.grads, device_memory=args.device_memory,
-                               memory_budget=args.memory_budget, prefix=args.prefix, top=args.top)
+                               memory_budget=args.memory_budget, prefix=args.prefix, top=args.top,
+                               shard_largest=args.shard_largest)
     except KNOWN_ERRORS:
         raise  # one `treetools: error:` line, exit 1
     except ValueError as e:  # the mesh and the checkpoint's layout do not fit together: the arguments' fault

@@ -81,15 +81,19 @@ def _on_mesh(leaf: Any, mesh: Mesh) -> tuple[Sharding, PartitionSpec | None]:
     return NamedSharding(mesh, PartitionSpec()), None  # unboxed, unnamed: replicated on the mesh
 
 
-def _abstract_leaf(path: str, leaf: Any, sharding: Any, mesh: Mesh | None, remapped: list[Remapped]) -> Any:
+def _abstract_leaf(keypath: Any, leaf: Any, sharding: Any, mesh: Mesh | None, remapped: list[Remapped],
+                   checked: set) -> Any:
+    """``leaf`` as a struct (in its box); ``keypath`` becomes a path string only for a message, and each
+    (sharding, shape) is checked once (``checked``)."""
     if not is_array_like(leaf):
         return leaf
     value = unbox(leaf)
+    path = _LazyPath(keypath)
     try:
         if sharding is None and mesh is not None:
             sharding, was = _on_mesh(leaf, mesh)
             if was is not None:
-                remapped.append(Remapped(path, was, sharding.spec))
+                remapped.append(Remapped(str(path), was, sharding.spec))
         elif sharding is None:
             sharding = own_sharding(leaf)
         if isinstance(sharding, PartitionSpec):
@@ -103,13 +107,29 @@ def _abstract_leaf(path: str, leaf: Any, sharding: Any, mesh: Mesh | None, remap
             )
         sharding = resolve_sharding(sharding, mesh)
         struct = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
-        if sharding is not None:
-            sharding.shard_shape(tuple(value.shape))  # indivisible splits fail here, not in Orbax or jit
+        if sharding is not None and (sharding, struct.shape) not in checked:
+            sharding.shard_shape(struct.shape)  # indivisible splits fail here, not in Orbax or jit
+            checked.add((sharding, struct.shape))
     except TypeError as e:
         raise TypeError(f"leaf `{path}`: {e}") from None
     except Exception as e:
         raise ValueError(f"leaf `{path}` ({value.dtype}{list(value.shape)}): {e}") from None
     return rebox(leaf, struct)
+
+
+class _LazyPath:
+    """A key path that becomes its path string when printed (most leaves are never named in a message)."""
+
+    __slots__ = ("keypath",)
+
+    def __init__(self, keypath: Any):
+        self.keypath = keypath
+
+    def __str__(self) -> str:
+        return path_str(self.keypath)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
 
 
 def _is_sharding_leaf(x: Any) -> bool:
@@ -182,7 +202,8 @@ def make_abstract(tree: PyTree, sharding: Any = None, *, mesh: Mesh | None = Non
     else:
         shardings = _broadcast_shardings(tree, sharding, len(pairs))
     remapped: list[Remapped] = []
-    leaves = [_abstract_leaf(path_str(p), x, s, mesh, remapped) for (p, x), s in zip(pairs, shardings)]
+    checked: set = set()
+    leaves = [_abstract_leaf(p, x, s, mesh, remapped, checked) for (p, x), s in zip(pairs, shardings)]
     if remapped:
         warnings.warn(_remapped_message(remapped, mesh), stacklevel=2)
     return jax.tree_util.tree_unflatten(treedef, leaves)

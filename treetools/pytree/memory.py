@@ -22,15 +22,22 @@ a leaf's layout comes from, first that applies:
    dropped (left replicated where two axes would give that shape);
 3. replicated.
 
+A dimension its mesh axes do not divide (GPT-2's vocabulary, 50257, over
+``fsdp=8``) is planned unsplit, as jax places it: ``jax.device_put`` and jit's
+shardings refuse that layout (``IndivisibleError``), ``with_sharding_constraint``
+under jit drops that dimension's entry; ``plan.indivisible`` and the first
+lines of the text name each such leaf.
+
 The fullest device's bytes are each leaf's largest shard, summed: exact where
-every leaf is laid over every device of the mesh (as ``jax.device_put``
-requires even splits, that is every placed array of a mesh), an upper bound
-otherwise (uneven splits round up; a leaf on one device counts on each).
+every leaf is laid over every device of the mesh (every placed array of a
+mesh), an upper bound otherwise (a leaf on one device counts on each).
 
 Nothing is allocated: the optimizer state comes from
 ``jax.eval_shape(optimizer.init, params)``, grads are the params' floating
-leaves in their own dtype and layout. The result is data (``MemoryPlan``),
-rendered apart (``str(plan)``, ``plan.to_json()``).
+leaves in their own dtype and layout, less those the optimizer never reads (a
+param frozen by ``optax.set_to_zero``: ``treetools.pytree.frozen``). The
+result is data (``MemoryPlan``), rendered apart (``str(plan)``,
+``plan.to_json()``).
 """
 
 from __future__ import annotations
@@ -38,18 +45,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import re
-import textwrap
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from treetools.pytree.counting import is_array_like, itemsize, leaf_nbytes
+from treetools.pytree.counting import is_array_like, itemsize
 from treetools.pytree.partitioning import (
     active_mesh,
     box_spec,
+    is_box,
     mesh_axes_of,
     own_sharding,
     rebox,
@@ -60,8 +66,11 @@ from treetools.pytree.partitioning import (
 )
 from treetools.pytree.paths import is_leaf, path_parts
 from treetools.shared.aliases import PyTree
-from treetools.shared.render import json_object, safe_text
-from treetools.shared.rows import LeafSharding, dtype_name, format_shape, human, parse_size
+from treetools.pytree.estimates import Estimate, activation_estimate, allocator_estimate, host_estimates
+from treetools.pytree.frozen import frozen_grads
+from treetools.pytree.plan_text import WIDTH, Indivisible, indivisible_warnings, render_plan, render_summary
+from treetools.shared.render import json_object
+from treetools.shared.rows import LeafSharding, dtype_name, format_shape, parse_size
 
 SCHEMA = 1
 """The version of ``MemoryPlan.to_json()`` (and ``treetools plan --format json``): docs/json-schema.md."""
@@ -71,9 +80,6 @@ TOP = 10
 
 REPLICATED_THRESHOLD = 2**20
 """A replicated leaf at least this large (bytes) that a mesh axis could split is listed as shardable."""
-
-WIDTH = 100
-"""The most columns ``str(plan)`` uses."""
 
 PART_ORDER = ("params", "grads", "opt_state")
 
@@ -194,6 +200,12 @@ class MemoryPlan:
       host: the host memory a save or a restore needs (``HostMemory``).
       shardings: ``{part: tree of NamedSharding}``, the layout planned (on the concrete mesh when one was
         given, else on an ``AbstractMesh``): ``jax.jit(init, out_shardings=plan.shardings["params"])``.
+      warnings: what changes the figures against what was asked, printed first (a layout jax cannot place, a
+        mesh no leaf is split over).
+      estimates: figures not counted but estimated, each with its formula (``treetools.pytree.estimates``):
+        the host RAM of a restore, jax's GPU allocator pool and what it leaves (with ``device_memory``), a
+        transformer step's activations (with ``activations=``).
+      indivisible: each dimension its mesh axes do not divide (``Indivisible``), planned unsplit as jit does.
       notes: what a reader of the figures should know (where the optimizer state came from, the devices the
         step was compiled for).
       top, replicated_threshold: how many rows ``rows`` keeps; the size from which a replicated leaf is listed.
@@ -208,6 +220,9 @@ class MemoryPlan:
     host: HostMemory | None = None
     shardings: dict[str, PyTree] = dataclasses.field(default_factory=dict, repr=False)
     notes: list[str] = dataclasses.field(default_factory=list)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    indivisible: list[Indivisible] = dataclasses.field(default_factory=list)
+    estimates: list[Estimate] = dataclasses.field(default_factory=list)
     top: int = TOP
     replicated_threshold: int = REPLICATED_THRESHOLD
 
@@ -275,6 +290,9 @@ class MemoryPlan:
             "replicated": [r.to_json() for r in self.replicated],
             "compiled": self.compiled.to_json() if self.compiled is not None else None,
             "host": self.host.to_json() if self.host is not None else None,
+            "warnings": list(self.warnings),
+            "indivisible": [x.to_json() for x in self.indivisible],
+            "estimates": [x.to_json() for x in self.estimates],
             "notes": list(self.notes),
         })
 
@@ -349,26 +367,44 @@ class _Mirrors:
 
     def __init__(self) -> None:
         self._by_path: dict[tuple[str, ...], tuple[tuple[int, ...], tuple]] = {}
+        self.found: set[tuple[str, ...]] = set()  # the params some leaf of another part mirrors
 
     def add(self, parts: tuple[str, ...], shape: tuple[int, ...], spec: Any) -> None:
         self._by_path[parts] = (shape, _padded(spec, len(shape)))
 
     def find(self, parts: tuple[str, ...]) -> tuple[tuple[int, ...], tuple] | None:
         """``(shape, spec entries)`` of the param whose path is the longest tail of ``parts``, or None."""
-        return next((hit for k in range(len(parts)) if (hit := self._by_path.get(parts[k:])) is not None), None)
+        for k in range(len(parts)):
+            hit = self._by_path.get(parts[k:])
+            if hit is not None:
+                self.found.add(parts[k:])
+                return hit
+        return None
 
-    def spec_for(self, parts: tuple[str, ...], shape: tuple[int, ...]) -> PartitionSpec | None:
+    def unmirrored(self) -> bool:
+        """Whether some param has no leaf of another part mirroring it (no moment: frozen, or a stateless
+        optimizer)."""
+        return len(self.found) < len(self._by_path)
+
+    def spec_for(self, parts: tuple[str, ...], shape: tuple[int, ...], hit: Any = None) -> PartitionSpec | None:
         """The layout of the param that the leaf at ``parts`` mirrors: the longest tail of its path that is a
-        param's, with the param's shape (that spec) or that shape less one axis (that axis's entry dropped)."""
-        hit = self.find(parts)
+        param's, with the param's shape (that spec) or that shape less one axis (that axis's entry dropped).
+        ``hit``: ``find(parts)``, where the caller has it."""
+        hit = hit if hit is not None else self.find(parts)
         if hit is None:
             return None
         p_shape, p_spec = hit
         if shape == p_shape:
             return PartitionSpec(*p_spec)
         dropped = {p_spec[:a] + p_spec[a + 1:] for a in range(len(p_shape)) if p_shape[:a] + p_shape[a + 1:] == shape}
-        # Two axes of one size give the same shape (a square kernel's v_row and v_col): unless both choices say
-        # the same, the vector is left replicated rather than guessed.
+        if len(dropped) > 1 and len(p_shape) >= 2 and {"v_row", "v_col"} & set(parts):
+            # A square kernel's Adafactor factors: optax drops d0 for v_row and d1 for v_col, its two largest axes
+            # by np.argsort, and a step's update leaves each factor split like the axis it keeps.
+            d1, d0 = (int(d) for d in np.argsort(p_shape)[-2:])
+            axis = d0 if "v_row" in parts else d1
+            return PartitionSpec(*(p_spec[:axis] + p_spec[axis + 1:]))
+        # Two axes of one size give the same shape otherwise: unless both choices say the same, the vector is left
+        # replicated rather than guessed.
         return PartitionSpec(*dropped.pop()) if len(dropped) == 1 else None
 
 
@@ -388,6 +424,8 @@ class _Layout:
     def __init__(self, sizes: dict[str, int], mesh: Mesh | AbstractMesh | None, asked: bool, abstract: bool):
         self.sizes, self.mesh, self.asked, self.abstract = sizes, mesh, asked, abstract
         self._shardings: dict[tuple, NamedSharding] = {}
+        self.indivisible: list[Indivisible] = []
+        self._cache: dict[tuple, tuple] = {}
 
     def sharding(self, spec: tuple) -> NamedSharding | None:
         if self.mesh is None:
@@ -414,6 +452,36 @@ class _Layout:
             raise ValueError(f"leaf `{name}` is laid out as {PartitionSpec(*entries)}, which uses a mesh axis twice.")
         return _padded(entries, len(shape))
 
+    def _laid(self, part: str, path: str, shape: tuple[int, ...], spec: Any) -> tuple[tuple, int, LeafSharding]:
+        """``(spec entries as jax places them, elements the fullest device holds, LeafSharding)`` of a leaf,
+        worked out once per (shape, spec); each leaf's indivisible dimensions recorded under its own name."""
+        key = (shape, tuple(spec) if spec is not None else ())
+        found = self._cache.get(key)
+        if found is None:
+            before = len(self.indivisible)
+            entries = self._divisible(part, path, shape, self._check(f"{part}/{path}", shape, key[1]))
+            sharding = self.sharding(entries)
+            per_device = math.prod(sharding.shard_shape(shape)) if sharding is not None else math.prod(shape)
+            found = self._cache[key] = (entries, per_device, LeafSharding(PartitionSpec(*entries), dict(self.sizes)),
+                                        self.indivisible[before:])
+        else:
+            self.indivisible += [dataclasses.replace(x, part=part, path=path) for x in found[3]]
+        return found[:3]
+
+    def _divisible(self, part: str, path: str, shape: tuple[int, ...], entries: tuple) -> tuple:
+        """``entries`` as jax places them: a dimension its mesh axes do not divide is left unsplit, as
+        ``with_sharding_constraint`` does under ``jit`` (``device_put`` and jit's shardings refuse the layout with
+        ``IndivisibleError``); each such dimension recorded in ``indivisible``."""
+        out = list(entries)
+        for dim, (n, entry) in enumerate(zip(shape, entries)):
+            axes = mesh_axes_of(entry)
+            size = math.prod(self.sizes[a] for a in axes)
+            if axes and n % size:
+                out[dim] = None
+                self.indivisible.append(Indivisible(part, path, shape, dim, tuple(axes), size,
+                                                    PartitionSpec(*entries)))
+        return tuple(out)
+
     def part(self, part: str, tree: PyTree, *, mirrors: _Mirrors | None = None,
              collect: _Mirrors | None = None) -> _Laid:
         """Lay ``tree`` out: leaves without a layout of their own take the one of the param they ``mirrors``;
@@ -421,37 +489,37 @@ class _Layout:
         pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
         plans, abstract, shardings = [], [], []
         for keypath, leaf in pairs:
+            boxed = is_box(leaf)
             if not is_array_like(leaf):
                 abstract.append(leaf)
                 shardings.append(None)
                 continue
             parts = path_parts(keypath)
-            name = "/".join((part, *parts))
-            logical = unmapped_logical_names(leaf)
+            path = "/".join(parts)
+            logical = unmapped_logical_names(leaf) if boxed else ()
             if logical:
                 raise ValueError(
-                    f"leaf `{name}` carries the logical names {logical} and no rules map them onto mesh axes; pass "
-                    "`rules=` (your model's logical_axis_rules) or call inside `nn.logical_axis_rules(...)`.")
+                    f"leaf `{part}/{path}` carries the logical names {logical} and no rules map them onto mesh axes; "
+                    "pass `rules=` (your model's logical_axis_rules) or call inside `nn.logical_axis_rules(...)`.")
             value = unbox(leaf)
             shape, dtype = tuple(int(d) for d in value.shape), value.dtype
-            trust = True
+            trust, hit = True, None
             if mirrors is not None:  # a box carried onto a moment of another shape names the param's layout
                 hit = mirrors.find(parts)
-                names = box_spec(leaf)
+                names = box_spec(leaf) if boxed else None
                 trust = (hit is None or hit[0] == shape) and (names is None or len(tuple(names)) <= len(shape))
             spec = _own_spec(leaf, asked=self.asked, trust_names=trust)
-            if spec is None and mirrors is not None:
-                spec = mirrors.spec_for(parts, shape)
-            entries = self._check(name, shape, spec if spec is not None else ())
+            if spec is None and hit is not None:
+                spec = mirrors.spec_for(parts, shape, hit)
+            entries, per_device, leaf_sharding = self._laid(part, path, shape, spec)
             if collect is not None:
                 collect.add(parts, shape, entries)
             sharding = self.sharding(entries)
-            struct = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-            plans.append(LeafPlan(part, "/".join(parts), shape, dtype_name(dtype), LeafSharding(
-                PartitionSpec(*entries), dict(self.sizes)), leaf_nbytes(struct, per_device=True),
-                math.prod(shape) * itemsize(dtype)))
+            size = itemsize(dtype)
+            plans.append(LeafPlan(part, path, shape, dtype_name(dtype), leaf_sharding, per_device * size,
+                                  math.prod(shape) * size))
             if self.abstract:  # only a compiled step needs the state as boxed structs
-                abstract.append(rebox(leaf, struct))
+                abstract.append(rebox(leaf, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)))
             shardings.append(sharding)
         return _Laid(plans, jax.tree_util.tree_unflatten(treedef, abstract) if self.abstract else None,
                      jax.tree_util.tree_unflatten(treedef, shardings))
@@ -474,6 +542,17 @@ def _grads(params: _Laid) -> _Laid:
     """Grads: the params' floating leaves, in their dtype and layout (an integer leaf's gradient is float0)."""
     leaves = [dataclasses.replace(p, part="grads") for p in params.leaves if _is_float(p.dtype)]
     return _Laid(leaves, params.abstract, params.shardings)
+
+
+def _unfrozen(grads: _Laid, frozen: set[str] | None) -> tuple[_Laid, str | None]:
+    """Grads less those no output of the optimizer's update reads (``treetools.pytree.frozen``)."""
+    if not frozen:
+        return grads, None
+    kept = [leaf for leaf in grads.leaves if leaf.path not in frozen]
+    dropped = len(grads.leaves) - len(kept)
+    return _Laid(kept, grads.abstract, grads.shardings), (
+        f"grads: {dropped} frozen param(s) left out (optimizer.update reads nothing of their gradient, as "
+        "optax.set_to_zero: a compiled step drops it)")
 
 
 def _structs(tree: PyTree) -> PyTree:
@@ -599,6 +678,18 @@ def _host(leaves: Sequence[LeafPlan], chunk_bytes: Mapping[str, int] | None, bud
         memory_budget=budget, over_budget=over)
 
 
+def _estimates(plan: MemoryPlan, activations: Mapping[str, Any] | None, parts_global: int) -> list[Estimate]:
+    out = []
+    act = activation_estimate(activations, batch_shards=plan.devices) if activations is not None else None
+    if act is not None:
+        out.append(act)
+    if plan.device_memory is not None:
+        out += allocator_estimate(plan.device_memory, plan.per_device_bytes, act.bytes if act else None)
+    if plan.host is not None:
+        out += host_estimates(plan.host.restore_peak_bytes, parts_global)
+    return out
+
+
 # ---------------------------------------------------------------------------- memory_plan
 
 
@@ -616,6 +707,7 @@ def memory_plan(
     chunk_bytes: Mapping[str, int] | None = None,
     top: int = TOP,
     replicated_threshold: int = REPLICATED_THRESHOLD,
+    activations: Mapping[str, Any] | None = None,
 ) -> MemoryPlan:
     """The memory each device needs for a train state on a mesh, before anything is allocated.
 
@@ -649,6 +741,9 @@ def memory_plan(
         passes its metadata's); a leaf not named is assumed saved by this layout (a chunk is one device block).
       top: rows kept (largest leaves per device).
       replicated_threshold: bytes from which a replicated leaf that a mesh axis could split is listed.
+      activations: a transformer's ``{"batch", "seq", "hidden", "layers", "heads"}`` (optional ``itemsize``,
+        default 2, ``remat``, ``batch_shards``, default the mesh's devices): adds an estimate of the activations
+        a step keeps, by formula (``treetools.pytree.estimates``), to ``estimates`` and the allocator's headroom.
 
     Returns:
       a ``MemoryPlan``: ``per_device_bytes`` (the fullest device), ``by_part``, ``rows``, ``replicated``,
@@ -692,120 +787,31 @@ def memory_plan(
         if grads:
             laid["grads"] = _grads(params)
         if optimizer is not None:
-            opt_state = jax.eval_shape(optimizer.init, _structs(parts["params"]))
+            structs = _structs(parts["params"])
+            opt_state = jax.eval_shape(optimizer.init, structs)
             parts = {**parts, "opt_state": opt_state}
             notes.append("opt_state: jax.eval_shape(optimizer.init, params), each moment laid out like its param")
+        unmirrored = False
         for name in sorted((n for n in parts if n != "params"),
                            key=lambda n: (PART_ORDER.index(n) if n in PART_ORDER else len(PART_ORDER))):
+            mirrors.found.clear()
             laid[name] = layout.part(name, parts[name], mirrors=mirrors)
+            unmirrored = unmirrored or (name == "opt_state" and mirrors.unmirrored())
+        if grads and optimizer is not None and unmirrored:  # a param without a moment may be frozen
+            laid["grads"], note = _unfrozen(laid["grads"], frozen_grads(optimizer, structs, opt_state))
+            notes += [note] if note else []
     leaves = [leaf for part in laid.values() for leaf in part.leaves]
     by_part = {name: sum(leaf.bytes for leaf in part.leaves) for name, part in laid.items()}
     plan = MemoryPlan(dict(sizes), leaves, by_part, sum(by_part.values()), device_memory=memory,
                       shardings={name: part.shardings for name, part in laid.items()}, notes=notes, top=top,
                       replicated_threshold=replicated_threshold)
     plan.host = _host(leaves, chunk_bytes, memory_budget)
+    plan.estimates = _estimates(plan, activations, parts_global=plan.global_bytes.get("params", 0))
+    plan.indivisible = layout.indivisible
+    plan.warnings += indivisible_warnings(layout.indivisible)
     if step_fn is not None:
         abstract = {name: part.abstract for name, part in laid.items() if name != "grads"}
         state = _with_parts(tree, state_parts(tree), abstract, added=optimizer is not None)
         plan.compiled, note = _compiled(step_fn, state, step_args, sizes, mesh_obj)
         plan.notes.append(note)
     return plan
-
-
-# ---------------------------------------------------------------------------- rendering
-
-
-def _mesh_text(plan: MemoryPlan) -> str:
-    if not plan.mesh:
-        return "one device"
-    shape = " x ".join(f"{a}={s}" for a, s in plan.mesh.items())
-    return f"mesh {shape} ({plan.devices:,} devices)"
-
-
-def _b(n: float | None) -> str:
-    return "n/a" if n is None else human(n, "B")
-
-
-def render_summary(plan: MemoryPlan) -> str:
-    """One line per part (the fullest device's bytes of it, and of one whole copy), then the total."""
-    width = max([len(p) for p in plan.by_part] + [5])
-    total = plan.global_bytes
-    lines = [f"memory per device, {_mesh_text(plan)}:"]
-    for part, n in plan.by_part.items():
-        lines.append(f"  {safe_text(part, width=40):<{width}}  {_b(n):>12}   (whole: {_b(total[part])})")
-    lines.append(f"  {'total':<{width}}  {_b(plan.per_device_bytes):>12}")
-    return "\n".join(lines)
-
-
-_FIGURE = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB)\b")
-
-
-def _wrap(text: str) -> list[str]:
-    """A sentence as lines within ``WIDTH`` columns (continuations indented), a figure never cut from its unit."""
-    kept = _FIGURE.sub("\\1\u00a0\\2", text)  # textwrap breaks at ASCII whitespace only
-    lines = textwrap.wrap(kept, WIDTH, subsequent_indent="    ", break_long_words=True, break_on_hyphens=False)
-    return [line.replace("\u00a0", " ") for line in lines]
-
-
-def _fit_line(plan: MemoryPlan) -> str | None:
-    if plan.device_memory is None:
-        return None
-    room = plan.headroom_bytes
-    verdict = f"fits, {_b(room)} headroom" if plan.fits else f"DOES NOT FIT, {_b(-room)} short"
-    return f"device memory {_b(plan.device_memory)}: {verdict} (the state; activations not counted)"
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], *, flexible: int, width: int = WIDTH) -> list[str]:
-    """Columns joined by two spaces, within ``width``: the ``flexible`` column is cut (both ends kept) to fit."""
-    cells = [list(header)] + [list(r) for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    over = sum(widths) + 2 * (len(widths) - 1) - width
-    if over > 0:
-        widths[flexible] = max(len(header[flexible]), widths[flexible] - over)
-        cells = [[safe_text(c, width=widths[flexible]) if i == flexible else c for i, c in enumerate(r)]
-                 for r in cells]
-    right = {len(header) - 1}
-    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-            for r in cells]
-
-
-def render_plan(plan: MemoryPlan) -> str:
-    """The plan as text within ``WIDTH`` columns: parts, the verdict, the compiled step, host memory, the
-    replicated leaves that could be sharded, the largest leaves per device, and the notes."""
-    lines = [render_summary(plan)]
-    fit = _fit_line(plan)
-    if fit:
-        lines += _wrap(fit)
-    c = plan.compiled
-    if c is not None:
-        lines += _wrap(f"compiled step ({c.devices} {c.platform} devices): arguments {_b(c.argument_bytes)}, "
-                     f"outputs {_b(c.output_bytes)}, temporaries {_b(c.temp_bytes)}, code "
-                     f"{_b(c.generated_code_bytes)}, aliased {_b(c.alias_bytes)}; total {_b(c.total_bytes)}")
-    h = plan.host
-    if h is not None and h.largest_block is not None:
-        lines += _wrap(f"host: largest device block {_b(h.largest_block.bytes)} "
-                     f"({safe_text(h.largest_block.name, width=48)}); restore_checkpoint peak "
-                     f"{_b(h.restore_peak_bytes)} (one block + one stored chunk)")
-        if h.over_budget:
-            shown = ", ".join(safe_text(p, width=40) for p in h.over_budget[:3])
-            lines += _wrap(f"host: {len(h.over_budget)} stored chunk(s) over the memory budget of "
-                         f"{_b(h.memory_budget)} ({shown}{', ...' if len(h.over_budget) > 3 else ''}): a restore "
-                         "refuses them; raise --memory-budget-mb")
-    shardable = plan.replicated
-    if shardable:
-        lines += ["", f"replicated on every device, {_b(plan.replicated_threshold)} or more, and shardable:"]
-        rows = [(s.leaf.name, format_shape(s.leaf.shape), s.leaf.dtype, f"dim {s.dim} over {s.axis} ({s.size})",
-                 _b(s.leaf.bytes)) for s in shardable[: plan.top]]
-        lines += _table(("path", "shape", "dtype", "could split", "bytes"), rows, flexible=0)
-        if len(shardable) > plan.top:
-            lines.append(f"... and {len(shardable) - plan.top} more")
-    if plan.rows:
-        lines += ["", "largest leaves per device:"]
-        rows = [(r.name, format_shape(r.shape), r.dtype, safe_text(r.sharding, width=32), _b(r.bytes))
-                for r in plan.rows]
-        lines += _table(("path", "shape", "dtype", "spec", "per device"), rows, flexible=0)
-    if plan.notes:
-        lines.append("")
-        for note in plan.notes:
-            lines += _wrap(f"note: {safe_text(note)}")
-    return "\n".join(lines)

@@ -27,14 +27,37 @@ _F32 = jnp.float32
 # Optimizer moments, matched to their params by path
 # --------------------------------------------------------------------------- #
 
-_FIRST_MOMENTS = ("mu", "trace")  # Adam/AdamW/AMSGrad/Belief/Novograd/Lion (``mu``); SGD momentum (``trace``)
+# Adam/AdamW/AMSGrad/Belief/Novograd/Lion (``mu``); SGD momentum (``trace``); Adafactor's momentum (``ema``)
+_FIRST_MOMENTS = ("mu", "trace", "ema")
 _SECOND_MOMENTS = ("nu",)  # Adam-family, RMSProp (``scale_by_rms``)
 _FACTORED = ("v_row", "v_col", "v")  # Adafactor's ``FactoredState``
 
 
+_STATE_KEYS = frozenset({"count", *_FIRST_MOMENTS, *_SECOND_MOMENTS, *_FACTORED, "nu_max"})
+
+
 def _fields(x: Any) -> tuple[str, ...]:
     fields = getattr(type(x), "_fields", None)  # optax states are NamedTuples
-    return tuple(fields) if isinstance(x, tuple) and fields is not None else ()
+    if isinstance(x, tuple) and fields is not None:
+        return tuple(fields)
+    # ``nnx.state(optimizer)`` holds each optax state as a mapping of its fields (``opt_state/0/mu/...``): one
+    # whose keys are all a state's fields, with a moment among them and the step count (SGD momentum: its trace).
+    keys = getattr(x, "keys", None)
+    if keys is None or isinstance(x, type) or not callable(keys):
+        return ()
+    try:
+        names = {k for k in keys() if isinstance(k, str)}
+    except TypeError:
+        return ()
+    if names and names <= _STATE_KEYS and ("count" in names or names == {"trace"}) and names & (
+            {*_FIRST_MOMENTS, *_SECOND_MOMENTS} | {"v"}):
+        return tuple(k for k in keys() if isinstance(k, str))
+    return ()
+
+
+def _field(node: Any, name: str) -> Any:
+    """A state's field: a NamedTuple's attribute, a mapping's item."""
+    return getattr(node, name) if isinstance(node, tuple) else node[name]
 
 
 def _is_moment_state(x: Any) -> bool:
@@ -57,9 +80,9 @@ def moment_pairs(opt_state: PyTree, shapes: dict[PathStr, tuple[int, ...]]) -> d
             continue
         for field in _fields(node):
             if field in _FIRST_MOMENTS:
-                out["mu_norm"] += leaves_with_paths(getattr(node, field))
+                out["mu_norm"] += leaves_with_paths(_field(node, field))
             elif field in _SECOND_MOMENTS:
-                out["nu_norm"] += leaves_with_paths(getattr(node, field))
+                out["nu_norm"] += leaves_with_paths(_field(node, field))
         if set(_FACTORED) <= set(_fields(node)):
             out["nu_norm"] += factored_second_moment(node, shapes, path_str(where))
     return out
@@ -84,9 +107,9 @@ def factored_second_moment(state: Any, shapes: dict[PathStr, tuple[int, ...]], w
     param's shape, is what ``nu_norm`` measures: a broadcast product that XLA
     reduces without writing it (it reads only the factors).
     """
-    rows, cols = dict(leaves_with_paths(state.v_row)), dict(leaves_with_paths(state.v_col))
+    rows, cols = dict(leaves_with_paths(_field(state, "v_row"))), dict(leaves_with_paths(_field(state, "v_col")))
     out = []
-    for path, v in leaves_with_paths(state.v):
+    for path, v in leaves_with_paths(_field(state, "v")):
         shape = shapes.get(path)
         if shape is None:
             raise ValueError(
@@ -94,7 +117,10 @@ def factored_second_moment(state: Any, shapes: dict[PathStr, tuple[int, ...]], w
                 "`grads=` tree has that path to give its shape; pass the params beside `opt_state=`."
             )
         r, c = unbox(rows[path]), unbox(cols[path])
-        dims = _factored_dims(shape, tuple(np.shape(r)), tuple(np.shape(c)))
+        # An unfactored param's v has its shape (its factors are (1,) zero placeholders, which for a (1, 1) param
+        # look like factors); a factored one's v is the (1,) placeholder.
+        factored = tuple(np.shape(unbox(v))) != shape
+        dims = _factored_dims(shape, tuple(np.shape(r)), tuple(np.shape(c))) if factored else None
         if dims is None:
             if tuple(np.shape(unbox(v))) != shape:
                 raise ValueError(

@@ -227,7 +227,7 @@ def norm_metrics(
     ``inject_hyperparams``), is matched to its params by the path below the
     field, so ``mu_norm/<module>`` groups exactly as ``grad_norm/<module>``.
     First moments (``mu_norm``): ``mu`` of Adam/AdamW/AMSGrad/Lion (Lion's one
-    moment)/Belief/Novograd, and ``trace`` of SGD momentum. Second moments
+    moment)/Belief/Novograd, ``trace`` of SGD momentum, ``ema`` of Adafactor with momentum. Second moments
     (``nu_norm``): ``nu`` of the Adam family and RMSProp; for Adafactor, the
     second-moment estimate optax divides by: ``v`` of an unfactored param,
     and for a factored one the product of its row and column factors (see

@@ -117,11 +117,11 @@ def unbox(x: Any) -> Any:
     >>> unbox(nn.Partitioned(np.zeros(2), names=("x",)))
     array([0., 0.])
     """
+    if not is_box(x):  # one cached type lookup for the common case, an array
+        return x
     if _is_nnx_variable(x):
         return x.get_value()
-    if _is_linen_box(x):
-        return x.value
-    return x
+    return x.value
 
 
 def rebox(x: Any, value: Any) -> Any:

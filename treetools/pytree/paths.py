@@ -33,7 +33,15 @@ def is_leaf(x: Any) -> bool:
     return is_box(x)
 
 
+_KEY_FIELD = {jax.tree_util.DictKey: "key", jax.tree_util.FlattenedIndexKey: "key", jax.tree_util.SequenceKey: "idx",
+              jax.tree_util.GetAttrKey: "name"}
+
+
 def _entry_str(entry: Any) -> str:
+    field = _KEY_FIELD.get(type(entry))  # jax's own key types, by exact type: one lookup per path part
+    if field is not None:
+        value = getattr(entry, field)
+        return value if type(value) is str else str(value)
     if isinstance(entry, (jax.tree_util.DictKey, jax.tree_util.FlattenedIndexKey)):
         return str(entry.key)
     if isinstance(entry, jax.tree_util.SequenceKey):

@@ -72,7 +72,7 @@ from numbers import Number
 from typing import Any, Union
 
 from treetools.shared.aliases import PathStr
-from treetools.pytree.partitioning import is_partitioned, layer_axis, unbox
+from treetools.pytree.partitioning import is_box, is_partitioned, layer_axis, unbox
 from treetools.pytree.paths import SEP
 from treetools.shared.patterns import compile_patterns, match_patterns
 
@@ -202,6 +202,8 @@ def _parts_through(path: str, end: int) -> int:
 
 
 def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | None]:
+    if not warn_unmarked and not any(is_box(x) for _, x in pairs):
+        return [None] * len(pairs)  # only a box names a layer axis: no box, no stack (and no path is split)
     parts = [_parts(p) for p, _ in pairs]
     shapes = [shape_of(x) for _, x in pairs]
     # What each leaf says: (axis, L) for a box naming the layer axis; "other" for a box with other

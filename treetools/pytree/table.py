@@ -7,14 +7,15 @@ the CLI; this module builds rows from a live tree (``rows_from_tree``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
 
 from treetools.shared.aliases import PyTree
-from treetools.pytree.counting import is_array_like, leaf_nbytes, leaf_size
+from treetools.pytree.counting import is_array_like, itemsize, leaf_nbytes, leaf_size
 from treetools.pytree.masks import get_param_mask_fn
-from treetools.pytree.partitioning import leaf_sharding, params_of, unbox
+from treetools.pytree.partitioning import is_box, leaf_sharding, params_of, unbox
 from treetools.pytree.paths import is_leaf, leaves_with_paths, path_parts
 from treetools.shared.render import render_rows
 from treetools.shared.rows import Row, aggregate_rows, dtype_name, sort_rows, totals
@@ -41,10 +42,20 @@ def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: An
     for keypath, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
         parts = path_parts(keypath)
         name = "/".join(parts)
-        arr = is_array_like(leaf)
-        value = unbox(leaf)
         if weight_decay is not None and name not in flags:
             raise ValueError(f"weight-decay mask has no entry for `{name}`; build it from the same params.")
+        decay = flags.get(name) if weight_decay is not None else None
+        if not is_box(leaf) and hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            # A bare array or struct (most leaves): its size and bytes straight from its shape and dtype, as
+            # leaf_size and leaf_nbytes count them.
+            shape = tuple(int(d) for d in leaf.shape)
+            size = math.prod(shape)
+            rows.append(Row(path=parts, shape=shape, dtype=dtype_name(leaf.dtype), params=size,
+                            bytes=size * itemsize(leaf.dtype) if size else 0,
+                            sharding=leaf_sharding(leaf, mesh=mesh), weight_decay=decay))
+            continue
+        arr = is_array_like(leaf)
+        value = unbox(leaf)
         rows.append(
             Row(
                 path=parts,
@@ -53,7 +64,7 @@ def rows_from_tree(tree: PyTree, *, weight_decay: PyTree | None = None, mesh: An
                 params=leaf_size(leaf),
                 bytes=leaf_nbytes(leaf),
                 sharding=leaf_sharding(leaf, mesh=mesh) if arr else None,
-                weight_decay=flags.get(name) if weight_decay is not None else None,
+                weight_decay=decay,
             )
         )
     return rows
@@ -124,6 +135,8 @@ def tabulate_params(
 
 def _with_layers(rows: list[Row], params: PyTree, stacked: Stacked) -> list[Row]:
     """Rows with the layer count of each stacked leaf (``treetools.pytree.stacked``), joined by path."""
+    if stacked is False or (stacked in (None, True) and not any(map(is_box, jax.tree.leaves(params, is_leaf=is_leaf)))):
+        return rows  # found from boxes, and there is none: no path needs building
     pairs = leaves_with_paths(params)
     counts = {path: stack.length for (path, _), stack in zip(pairs, find_stacks(pairs, stacked)) if stack}
     return [dataclasses.replace(r, layers=counts[r.name]) if r.name in counts else r for r in rows]

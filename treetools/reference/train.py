@@ -23,7 +23,9 @@ Everything treetools offers, used the way a trainer would:
   (``norm_metrics(opt_state=..., abs_max=True)``: update ratios, moments,
   largest |g| and non-finite counts per module), a ``SpikeDetector`` whose
   flagged steps skip the update (``optax.tree.where``, as
-  ``optax.apply_if_finite``), a ``HealthRecorder`` ring buffer on the device
+  ``optax.apply_if_finite``; such a step logs update norms and ratios of 0, the
+  update it discarded as ``discarded_update_ratio``, and a line of its own in
+  metrics.jsonl when it is no log step; each log step has ``flagged_since_log``), a ``HealthRecorder`` ring buffer on the device
   (saved with the checkpoint as item ``health``) and a ``HealthDumper`` that
   writes ``WORKDIR/health/health_<step>.json`` a few steps after a flagged
   step; ``inject_spike=STEP`` feeds a deliberately bad batch (every token 0,
@@ -146,6 +148,17 @@ def _step_metrics(cfg: TrainConfig, grads: Any, params: Any, updates: Any, opt_s
     return metrics
 
 
+def _skipped_update(metrics: dict[str, Any], flagged: jax.Array) -> dict[str, Any]:
+    """The step's logged metrics once its update is decided: a flagged step applied no update, so its
+    ``update_norm``/``update_ratio`` (global and per module) are 0, and the update it discarded is logged as
+    ``discarded_update_ratio`` (0 on other steps). The recorder keeps the computed ones (the dump shows them)."""
+    out = {k: jnp.where(flagged, jnp.zeros_like(v), v) if k.split("/")[0] in ("update_norm", "update_ratio") else v
+           for k, v in metrics.items()}
+    out["discarded_update_ratio"] = jnp.where(flagged, metrics["update_ratio"], jnp.zeros_like(metrics["update_ratio"]))
+    out["flagged"] = flagged.astype(jnp.int32)
+    return out
+
+
 def build(cfg: TrainConfig):
     """Model, optimizer, mesh, sharded initial state and the jitted step.
 
@@ -192,7 +205,7 @@ def build(cfg: TrainConfig):
         # A flagged step (a spike, or NaN/Inf) leaves the model as it was, as optax.apply_if_finite does.
         old = {k: state[k] for k in new}
         new = optax.tree.where(report["flagged"], old, new)
-        metrics["flagged"] = report["flagged"].astype(jnp.int32)
+        metrics = _skipped_update(metrics, report["flagged"])
         return {**new, "health": {"detector": det, "recorder": rec}}, (metrics, report)
 
     step_fn = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding, None),
@@ -296,6 +309,9 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                   f"update_ratio {host['update_ratio']:.2e}  {rate:.1f} steps/s")
 
     logger = tt.MetricsLogger(write, every=cfg.log_every)
+    flag_log = tt.MetricsLogger(jsonl, every=1)  # a flagged step between log steps gets its own line
+    unread: dict[int, Any] = {}  # metrics of the steps whose flags the dumper has not read yet
+    flags = [0, start]  # flagged steps since the last log step, and that step
     detector, _ = make_health(cfg)
     dumper = tt.HealthDumper(os.path.join(cfg.workdir, "health"), detector, after=cfg.health_after) \
         if cfg.health else None
@@ -316,16 +332,24 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             state, metrics = step_fn(state, batch, step)
         if one_in_flight:
             jax.block_until_ready(metrics)
-        logger(step, metrics)
-        if dumper is not None:
+        if dumper is not None:  # before the logger: the flags of every earlier step are read by then
+            unread[step] = metrics
             for event in dumper(step, state["health"]["recorder"], state["health"]["detector"], report):
                 events.append(event)
                 _say_event(cfg, event)
+                _log_flagged(cfg, event, unread, flag_log, flags)
+            for s in [s for s in unread if s < step]:
+                del unread[s]
+            if step % cfg.log_every == 0:
+                metrics = {**metrics, "flagged_since_log": metrics["flagged"] + flags[0]}
+                flags[:] = [0, step]
+        logger(step, metrics)
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             if dumper is not None and step == cfg.steps:
                 for event in dumper.close():
                     events.append(event)
                     _say_event(cfg, event)
+                    _log_flagged(cfg, event, unread, flag_log, flags)
             items = {"params": state["params"], "params_ema": state["params_ema"], "opt_state": state["opt_state"],
                      "data_iter": data.get_state()}
             if cfg.health:
@@ -340,6 +364,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             "checkpoint_dir": ckpt_dir,
             "metrics_path": metrics_path, "optimal_loss": data.optimal_loss(), "start_step": start,
             "health_events": events}
+
+
+def _log_flagged(cfg: TrainConfig, event: dict[str, Any], unread: dict[int, Any], flag_log: Any,
+                 flags: list[int]) -> None:
+    """A flagged step leaves a trace in metrics.jsonl: its own line when it is no log step (a log step's line
+    has ``flagged`` 1 already), and a count in the next log step's ``flagged_since_log``."""
+    step = event["step"]
+    if event["event"] != "flagged" or step % cfg.log_every == 0 or step <= flags[1]:
+        return
+    flags[0] += 1
+    if step in unread:
+        flag_log(step, unread[step])
 
 
 def _say_event(cfg: TrainConfig, event: dict[str, Any]) -> None:
