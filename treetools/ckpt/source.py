@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.items import part_holder, part_of, top_level_keys
-from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot
+from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, UnreadProblem
 from treetools.ckpt.readers import MemoryBudgetError
 from treetools.ckpt.steps import StepListing, describe_series, parse_step, resolve_step
 from treetools.ckpt.storage import OutsideCheckpointError, Storage
@@ -266,7 +266,7 @@ class Source:
             raise
         except (CheckpointError, CheckpointNotFoundError) as e:  # corrupt: a problem of this step, not the end
             return [], [str(e)]
-        return list(snap.items.values()), [f"{self.path}: {u.sentence()}." for u in snap.unreadable]
+        return list(snap.items.values()), [UnreadProblem(f"{self.path}: {u.sentence()}.") for u in snap.unreadable]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from treetools.ckpt.context import DEFAULT_MEMORY_BUDGET, ReadContext
-from treetools.ckpt.leaves import Leaf, array_row
+from treetools.ckpt.leaves import Leaf, UnreadProblem, array_row
 from treetools.ckpt.readers import (
     ArrayReader,
     Index,
@@ -618,8 +618,8 @@ def open_all(context: ReadContext, specs: list[dict[str, Any]], where: list[str]
                         raise future
                     headers.append(ArrayHeader(future.result(), w))
                     continue
-                except CheckpointError as e:
-                    message = str(e)
+                except CheckpointError as e:  # a FIFO where a file is read: not read (never opened), not damage
+                    message = UnreadProblem(e) if isinstance(e, SpecialFileError) else str(e)
                 except Exception as e:
                     message = f"{w}: cannot open array metadata ({pins.shown(first_line(e))})."
                 if problems is None:
