@@ -131,7 +131,12 @@ class Source:
         """
         resolved = self.resolve(step)
         with self.reading(resolved):
-            return self._snapshot(resolved, items)
+            snap = self._snapshot(resolved, items)
+        if any(not u.empty for u in snap.unreadable):  # an item of a step being pruned: the step went, not the item
+            gone = self.step_deleted(resolved)
+            if gone is not None:
+                raise gone
+        return snap
 
     @property
     def storage(self) -> Any:
