@@ -51,3 +51,92 @@ def test_a_zero_size_msgpack_array_numpy_holds_is_read_as_one(tmp_path, capsys):
     assert code == 0, err
     leaves = {leaf["path"]: leaf for leaf in json.loads(out)["checkpoints"][0]["items"]["default"]["leaves"]}
     assert leaves["w"]["shape"] == [0, 2**40] and leaves["w"]["params"] == 0 and leaves["b"]["params"] == 2
+
+
+# ----------------------------------------------------------------------------- jax pytree serialization
+
+
+def _pytreedef_table(builder, kind: int, children=None) -> int:
+    """One ``PyTreeDef`` table of jax's export schema (field 0 kind, field 1 children), written by hand."""
+    if children is not None:
+        builder.StartVector(4, len(children), 4)
+        for child in reversed(children):
+            builder.PrependUOffsetTRelative(child)
+        vector = builder.EndVector()
+    builder.StartObject(5)
+    builder.PrependInt8Slot(0, kind, 0)
+    if children is not None:
+        builder.PrependUOffsetTRelativeSlot(1, vector, 0)
+    return builder.EndObject()
+
+
+def _jax_pytree(folder: Path, buf: bytes, ids: list) -> Path:
+    import base64
+
+    (folder / "array_store").mkdir(parents=True)
+    (folder / "pytreedef.json").write_text(json.dumps({"__jax_pytreedef_repr": base64.b64encode(buf).decode(),
+                                                       "__jax_leaf_ids": ids}))
+    return folder
+
+
+def test_a_pytreedef_of_shared_nodes_is_refused_in_one_line_within_the_budget(tmp_path):
+    # 60 levels of a tuple holding the same node twice: 2^60 leaves spelled in about a kilobyte. The walk grew the
+    # process past 2 GB within seconds; every node but the root takes 8 bytes in a tree, so it now stops at
+    # 1 + bytes / 8 nodes.
+    import flatbuffers
+
+    builder = flatbuffers.Builder(1024)
+    node = _pytreedef_table(builder, 0)  # a leaf
+    for _ in range(60):
+        node = _pytreedef_table(builder, 2, [node, node])
+    builder.Finish(node)
+    buf = bytes(builder.Output())
+    folder = _jax_pytree(tmp_path / "dag", buf, ["Array(float32[2])"] * 4)
+    assert (folder / "pytreedef.json").stat().st_size < 28_000
+    code, mib, out = grown_mib("inspect", folder, "--memory-budget-mb", "64", timeout=120)
+    assert code == 1 and "more nodes than its" in out and "Traceback" not in out, out
+    assert mib < 64, mib
+
+
+def test_a_pytreedef_of_800000_leaves_is_refused_before_it_holds_a_spec_per_leaf(tmp_path):
+    # 800,000 leaf tables, each its own, and an empty array store: the reader built a TensorStore spec per leaf
+    # (661 MB at a 64 MB budget) before the first array was found missing. Specs are now made a batch at a time.
+    import flatbuffers
+
+    n = 800_000
+    builder = flatbuffers.Builder(2**24)
+    leaves = [_pytreedef_table(builder, 0) for _ in range(n)]
+    builder.Finish(_pytreedef_table(builder, 2, leaves))
+    folder = _jax_pytree(tmp_path / "wide", bytes(builder.Output()), ["Array(f32[1])"] * n)
+    code, mib, out = grown_mib("inspect", folder, "--memory-budget-mb", "64", timeout=300)
+    assert code == 1 and "`0`: cannot open array metadata" in out and "Traceback" not in out, out
+    assert mib < 64, mib
+
+
+def test_missing_chunks_of_a_jax_pytree_array_are_work_out_of_proportion(tmp_path, capsys):
+    # 2^23 one-byte chunks, none stored (jax reads a missing chunk as the fill value): a database of a few hundred
+    # bytes, and --stats ran for minutes (TensorStore looks each chunk up: about 45 us each, whatever its leaf).
+    import jax
+    import jax.numpy as jnp
+    import tensorstore as ts
+    from jax.experimental.array_serialization import pytree_serialization
+
+    folder = tmp_path / "ckpt"
+    pytree_serialization.save({"w": jnp.zeros(8, jnp.uint8)}, str(folder), overwrite=True)
+    meta = json.loads((folder / "pytreedef.json").read_text())
+    meta["__jax_leaf_ids"] = [f"Array(uint8[{2**23}])"]
+    (folder / "pytreedef.json").write_text(json.dumps(meta))
+    import shutil
+
+    shutil.rmtree(folder / "array_store")
+    ts.open({"driver": "zarr3", "kvstore": {"driver": "ocdbt", "base": f"file://{folder}/array_store"}, "path": "0"},
+            create=True, dtype=ts.uint8, shape=[2**23], chunk_layout=ts.ChunkLayout(write_chunk_shape=[1])).result()
+    assert sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) < 2048
+    for argv in (("inspect", folder, "--stats"), ("inspect", folder, "--show", "w[0:4]"),
+                 ("convert", folder, tmp_path / "o.safetensors")):
+        err = _one_error(capsys, *argv)
+        assert "8,388,608 chunks to look up" in err and "refusing to start" in err, err
+    code, out, _ = _run(capsys, "verify", folder)
+    assert code == 1 and "8,388,608 chunks to look up" in out
+    assert _run(capsys, "inspect", folder)[0] == 0  # metadata reads no chunk
+    del jax
