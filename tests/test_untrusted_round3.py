@@ -140,3 +140,58 @@ def test_missing_chunks_of_a_jax_pytree_array_are_work_out_of_proportion(tmp_pat
     assert code == 1 and "8,388,608 chunks to look up" in out
     assert _run(capsys, "inspect", folder)[0] == 0  # metadata reads no chunk
     del jax
+
+
+# ----------------------------------------------------------------------------- zarr trees
+
+from tests.test_untrusted import watched_fifos  # noqa: E402,F401  (a fixture: FIFOs let go if ever opened)
+
+
+def test_a_zarr_folder_declaring_2_34_missing_chunks_is_refused_before_reading(tmp_path, capsys):
+    # A header of about 130 bytes: 2^34 one-byte chunks, none stored (a missing chunk reads as the fill value):
+    # TensorStore looks up each chunk file (about 90 us each), so --stats ran without end. Work follows what is
+    # stored: the same bound as OCDBT lookups.
+    array = tmp_path / "tree" / "w"
+    array.mkdir(parents=True)
+    (array / ".zarray").write_text(json.dumps({"zarr_format": 2, "shape": [2**34], "chunks": [1], "dtype": "|u1",
+                                               "compressor": None, "fill_value": 0, "filters": None, "order": "C"}))
+    assert (array / ".zarray").stat().st_size < 150
+    for argv in (("inspect", array.parent, "--stats"), ("inspect", array.parent, "--show", "w[0:4]"),
+                 ("convert", array.parent, tmp_path / "o.safetensors")):
+        err = _one_error(capsys, *argv)
+        assert "17,179,869,184 chunks to look up" in err and "refusing to start" in err, err
+    code, out, _ = _run(capsys, "verify", array.parent)
+    assert code == 1 and "17,179,869,184 chunks to look up" in out
+    assert _run(capsys, "inspect", array.parent)[0] == 0  # metadata reads no chunk
+    # In proportion: 4,096 chunks, none stored, read as the fill value.
+    (array / ".zarray").write_text((array / ".zarray").read_text().replace(str(2**34), str(2**12)))
+    code, out, err = _run(capsys, "inspect", array.parent, "--stats", "--format", "json")
+    (leaf,) = json.loads(out)["checkpoints"][0]["items"]["default"]["leaves"]
+    assert code == 0 and leaf["stats"]["zeros"] == 2**12, err
+
+
+@pytest.mark.parametrize("damage", ["fifo", "truncated"])
+@pytest.mark.parametrize("header", ["zarr.json", "attributes.json"])
+def test_a_zarr_tree_header_that_cannot_be_read_is_one_line_not_a_leaf_left_out(tmp_path, capsys, watched_fifos,
+                                                                                header, damage):
+    # A tree of three arrays (zarr, zarr3, N5); the zarr3 or N5 one's header a FIFO or cut short: it was taken
+    # for "no array here" and the leaf left out without a word. Now: one line naming the file, exit 1.
+    import tensorstore as ts
+
+    make, opened = watched_fifos
+    tree = tmp_path / "tree"
+    for name, driver in (("a", "zarr"), ("b", "zarr3"), ("c", "n5")):
+        store = ts.open({"driver": driver, "kvstore": {"driver": "file", "path": str(tree / name)}}, create=True,
+                        dtype=ts.float32, shape=[4]).result()
+        store[...] = np.arange(4, dtype=np.float32)
+    path = tree / ("b" if header == "zarr.json" else "c") / header
+    if damage == "fifo":
+        make(path)
+    else:
+        path.write_bytes(path.read_bytes()[:12])
+    for argv in (("inspect", tree), ("inspect", tree, "--stats"), ("diff", tree, tree)):
+        err = _one_error(capsys, *argv, code=2 if argv[0] == "diff" else 1)
+        assert str(path) in err and ("a FIFO" if damage == "fifo" else "truncated or damaged") in err, err
+    code, out, err = _run(capsys, "verify", tree)
+    assert code == 1 and str(path) in out + err
+    assert not opened, opened
