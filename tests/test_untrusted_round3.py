@@ -195,3 +195,30 @@ def test_a_zarr_tree_header_that_cannot_be_read_is_one_line_not_a_leaf_left_out(
     code, out, err = _run(capsys, "verify", tree)
     assert code == 1 and str(path) in out + err
     assert not opened, opened
+
+
+# ----------------------------------------------------------------------------- train --health
+
+
+def test_train_never_writes_health_dumps_through_a_planted_link(tmp_path, capsys):
+    import jax.numpy as jnp
+
+    import treetools as tt
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    (run / "health").symlink_to(outside)  # planted before the run: refused before training starts
+    err = _one_error(capsys, "train", "--workdir", run, "--steps", "1", "--health")
+    assert "health: a symbolic link leading out of" in err and not os.listdir(outside), err
+    # Planted while the run goes on: found at the next dump, which is refused, never written through.
+    recorder = tt.HealthRecorder(length=4)
+    row = {"loss": jnp.float32(0.5), "grad_norm/a": jnp.float32(1.0)}
+    state = recorder.record(recorder.init(row), 1, row, False)
+    dumper = tt.HealthDumper(run / "health", tt.SpikeDetector(keys=("loss",)), every=1, within=run)
+    with pytest.raises(PermissionError, match="a symbolic link leading out of"):
+        dumper(1, state, None, {"flagged": jnp.bool_(False)})
+    assert not os.listdir(outside)
+    (run / "health").unlink()
+    (events,) = dumper(2, state, None, {"flagged": jnp.bool_(False)})  # a real folder: written
+    assert events["event"] == "dump" and json.loads(Path(events["path"]).read_text())["step"] == 2

@@ -297,7 +297,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
 
     logger = tt.MetricsLogger(write, every=cfg.log_every)
     detector, _ = make_health(cfg)
-    dumper = tt.HealthDumper(os.path.join(cfg.workdir, "health"), detector, after=cfg.health_after) \
+    dumper = tt.HealthDumper(os.path.join(cfg.workdir, "health"), detector, after=cfg.health_after,
+                             within=cfg.workdir) \
         if cfg.health else None
     events: list[dict[str, Any]] = []
     # On CPU, several steps in flight gain nothing and XLA:CPU's in-process
