@@ -222,3 +222,36 @@ def test_train_never_writes_health_dumps_through_a_planted_link(tmp_path, capsys
     (run / "health").unlink()
     (events,) = dumper(2, state, None, {"flagged": jnp.bool_(False)})  # a real folder: written
     assert events["event"] == "dump" and json.loads(Path(events["path"]).read_text())["step"] == 2
+
+
+# ----------------------------------------------------------------------------- Keras
+
+
+def test_a_keras_zip_declaring_a_member_larger_than_itself_is_one_line(tmp_path, capsys):
+    # model.weights.h5 of 2^28 one-byte chunks, none written (a few KB), in a .keras zip whose central directory
+    # says the member holds 4 GB: the HDF5 chunk bound (one chunk per 16 bytes of the file) took the declared
+    # size, and verify walked 2^28 chunks (killed after 60 s). The member must lie within the zip's bytes.
+    import struct
+    import zipfile
+
+    import h5py
+
+    h5 = tmp_path / "w.h5"
+    with h5py.File(h5, "w") as f:
+        f.create_dataset("layers/dense/vars/0", shape=(2**28,), chunks=(1,), dtype="u1")
+    keras = tmp_path / "model.keras"
+    with zipfile.ZipFile(keras, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("metadata.json", json.dumps({"keras_version": "3.0.0"}))
+        z.writestr("config.json", json.dumps({"class_name": "Sequential"}))
+        z.write(h5, "model.weights.h5")
+    raw = bytearray(keras.read_bytes())
+    entry = raw.rindex(b"model.weights.h5") - 46  # its central directory entry: 46 bytes, then the name
+    assert raw[entry:entry + 4] == b"PK\x01\x02"
+    struct.pack_into("<II", raw, entry + 20, 0xFFFFFFF0, 0xFFFFFFF0)  # compressed and uncompressed size: ~4 GB
+    keras.write_bytes(bytes(raw))
+    assert keras.stat().st_size < 16_000 and zipfile.ZipFile(keras).getinfo("model.weights.h5").file_size > 2**31
+    for argv in (("inspect", keras), ("inspect", keras, "--stats"), ("convert", keras, tmp_path / "o.safetensors")):
+        err = _one_error(capsys, *argv)
+        assert "corrupt zip (model.weights.h5 declares 4,294,967,280 bytes" in err, err
+    code, out, err = _run(capsys, "verify", keras)
+    assert code == 1 and "corrupt zip" in out + err and "Traceback" not in out + err
