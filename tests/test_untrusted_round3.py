@@ -255,3 +255,21 @@ def test_a_keras_zip_declaring_a_member_larger_than_itself_is_one_line(tmp_path,
         assert "corrupt zip (model.weights.h5 declares 4,294,967,280 bytes" in err, err
     code, out, err = _run(capsys, "verify", keras)
     assert code == 1 and "corrupt zip" in out + err and "Traceback" not in out + err
+
+
+def test_a_flax_msgpack_of_250000_tiny_leaves_is_held_to_the_budget(tmp_path, capsys):
+    # 250,000 leaves (small integers) in 1.7 MB: the walk held 64 bytes an entry to the budget, and each leaf then
+    # cost about 650 more (its Leaf, Row and JSON entry): 188 MB against a 16 MB budget. Each leaf is now held at
+    # 768 bytes as it is decoded.
+    f = tmp_path / "state.msgpack"
+    n = 250_000
+    f.write_bytes(msgpack.packb({f"{i:x}": i % 100 for i in range(n)}))
+    assert f.stat().st_size < 2**21
+    for argv in (("inspect", f, "--format", "json"), ("verify", f), ("diff", f, f, "--values")):
+        code, mib, out = grown_mib(*argv, "--memory-budget-mb", "16", timeout=300)
+        assert code in (1, 2) and "over the memory budget of 16.00 MiB" in out and "Traceback" not in out, out
+        assert mib < 16, (argv, mib)
+    # At a budget that holds them, every leaf is read.
+    code, out, err = _run(capsys, "inspect", f, "--format", "json", "--memory-budget-mb", "512")
+    values = json.loads(out)["checkpoints"][0]["items"]["default"]["values"]
+    assert code == 0 and len(values) == n and values["3e7"] == 999 % 100, err
