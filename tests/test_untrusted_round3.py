@@ -273,3 +273,36 @@ def test_a_flax_msgpack_of_250000_tiny_leaves_is_held_to_the_budget(tmp_path, ca
     code, out, err = _run(capsys, "inspect", f, "--format", "json", "--memory-budget-mb", "512")
     values = json.loads(out)["checkpoints"][0]["items"]["default"]["values"]
     assert code == 0 and len(values) == n and values["3e7"] == 999 % 100, err
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def test_plan_escapes_a_newline_in_a_leaf_name(tmp_path, capsys):
+    f = tmp_path / "w.npz"
+    np.savez(f, **{"w\ntreetools: note: all clear": np.ones((4, 4), np.float32)})
+    code, out, err = _run(capsys, "plan", f)
+    assert code == 0 and "w\\ntreetools: note: all clear" in out, out
+    assert not any(line.startswith("treetools: note: all clear") for line in (out + err).splitlines()), out
+    _clean(out, err)
+
+
+def test_plan_of_a_recorded_mesh_of_65536_x_65536_devices_is_one_line(tmp_path, capsys):
+    import base64
+
+    import treetools as tt
+    from tests.test_untrusted import _orbax
+
+    run = _orbax(tmp_path / "run")
+    key = base64.b64encode(b"w").decode()
+    (run / "1" / "params" / "_sharding").write_text(json.dumps({key: json.dumps(
+        {"sharding_type": "NamedSharding", "shape": [65536, 65536], "axis_names": ["a", "b"],
+         "partition_spec": [["a"]]})}))
+    err = _one_error(capsys, "plan", run)
+    assert "records a mesh of 65536 x 65536 devices (4,294,967,296)" in err and "--mesh" in err, err
+    code, out, err = _run(capsys, "plan", run, "--mesh", "a=2,b=2")  # a mesh of the user's own: planned
+    assert code == 0 and "mesh a=2 x b=2 (4 devices)" in out, err
+    code, out, err = _run(capsys, "plan", run, "--mesh", "a=65536,b=65536")  # a usage error: one line, exit 2
+    assert code == 2 and err.count("\n") == 1 and "4,294,967,296 devices, more than 16,777,216" in err, err
+    with pytest.raises(ValueError, match="more than 16,777,216"):
+        tt.memory_plan({"w": np.ones(4, np.float32)}, mesh={"a": 65536, "b": 65536})

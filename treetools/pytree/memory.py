@@ -289,6 +289,11 @@ class MemoryPlan:
 # ---------------------------------------------------------------------------- the mesh
 
 
+MAX_DEVICES = 2**24
+"""The most devices a mesh planned for may have (16,777,216, beyond any machine): jax's meshes count them in 32
+bits, and a recorded mesh of 65536 x 65536 devices ended in a ``std::bad_cast`` traceback."""
+
+
 def _mesh_of(mesh: Any) -> tuple[dict[str, int], Mesh | AbstractMesh | None]:
     """``({axis: size}, a Mesh or AbstractMesh to lay shardings on)`` from what ``mesh=`` accepts."""
     if mesh is None:
@@ -303,6 +308,8 @@ def _mesh_of(mesh: Any) -> tuple[dict[str, int], Mesh | AbstractMesh | None]:
         sizes = {k: int(v) for k, v in mesh.items()}
         if not sizes:
             return {}, None
+        if math.prod(sizes.values()) > MAX_DEVICES:
+            raise ValueError(f"`mesh` {sizes} has {math.prod(sizes.values()):,} devices, more than {MAX_DEVICES:,}.")
         return sizes, AbstractMesh(tuple(sizes.values()), tuple(sizes))
     raise TypeError(f"`mesh` must be a jax Mesh, an AbstractMesh or {{axis: size}}, got {type(mesh).__name__}.")
 
@@ -718,7 +725,7 @@ def memory_plan(
 def _mesh_text(plan: MemoryPlan) -> str:
     if not plan.mesh:
         return "one device"
-    shape = " x ".join(f"{a}={s}" for a, s in plan.mesh.items())
+    shape = " x ".join(f"{safe_text(a, width=40)}={s}" for a, s in plan.mesh.items())
     return f"mesh {shape} ({plan.devices:,} devices)"
 
 
@@ -756,8 +763,9 @@ def _fit_line(plan: MemoryPlan) -> str | None:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], *, flexible: int, width: int = WIDTH) -> list[str]:
-    """Columns joined by two spaces, within ``width``: the ``flexible`` column is cut (both ends kept) to fit."""
-    cells = [list(header)] + [list(r) for r in rows]
+    """Columns joined by two spaces, within ``width``: the ``flexible`` column is cut (both ends kept) to fit.
+    Every cell is escaped (``safe_text``): a newline in a stored leaf name cannot start a line of its own."""
+    cells = [list(header)] + [[safe_text(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     over = sum(widths) + 2 * (len(widths) - 1) - width
     if over > 0:
