@@ -306,3 +306,57 @@ def test_plan_of_a_recorded_mesh_of_65536_x_65536_devices_is_one_line(tmp_path, 
     assert code == 2 and err.count("\n") == 1 and "4,294,967,296 devices, more than 16,777,216" in err, err
     with pytest.raises(ValueError, match="more than 16,777,216"):
         tt.memory_plan({"w": np.ones(4, np.float32)}, mesh={"a": 65536, "b": 65536})
+
+
+# ----------------------------------------------------------------------------- plot of health dumps
+
+
+def _dump(**over) -> dict:
+    dump = {"schema": 1, "kind": "treetools.health_dump", "step": 3, "reason": "every",
+            "names": ["loss", "grad_norm/a", "grad_norm/b"], "flagged": [],
+            "records": [{"step": s, "flagged": 0, "loss": 1.0, "grad_norm/a": 0.5 * s, "grad_norm/b": 1.0}
+                        for s in (1, 2, 3)]}
+    dump.update(over)
+    return dump
+
+
+_RECORD = {"step": 1, "flagged": 0, "grad_norm/a": 0.5}
+HOSTILE_DUMPS = {
+    "deep JSON": '{"kind": "treetools.health_dump", "records": [], "x": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    "a record without a step": _dump(records=[{"flagged": 0, "grad_norm/a": 1.0}]),
+    "a step that is a string": _dump(records=[{**_RECORD, "step": "one"}]),
+    "a record that is a list": _dump(records=[[1, 2]]),
+    "a value that is a string": _dump(records=[{**_RECORD, "grad_norm/a": "big"}]),
+    "a value beyond any float": _dump(records=[{**_RECORD, "grad_norm/a": 10**400}]),
+    "names that are numbers": _dump(names=[1, 2]),
+    "a flagged entry without a step": _dump(flagged=[{"reasons": ["spike"]}]),
+    "attributed modules that are a number": _dump(flagged=[{"step": 1, "attributed": 7}]),
+    "nonfinite kinds that are a list": _dump(records=[{**_RECORD, "nonfinite": ["nan"]}]),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_DUMPS))
+def test_plot_of_a_hostile_health_dump_is_one_line(tmp_path, capsys, case):
+    pytest.importorskip("matplotlib")
+    dump = HOSTILE_DUMPS[case]
+    path = tmp_path / "health_00000003.json"
+    path.write_text(dump if isinstance(dump, str) else json.dumps(dump))
+    err = _one_error(capsys, "plot", path)
+    assert str(path) in err and ("health dump" in err or "not a metrics file" in err), err
+    assert not (tmp_path / "health_00000003.png").exists()
+
+
+def test_plot_of_a_health_dump_fifo_never_opens_it(tmp_path, capsys, watched_fifos):
+    make, opened = watched_fifos
+    path = make(tmp_path / "health_00000003.json")
+    code, out, err = _run(capsys, "plot", path)
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not opened, opened
+
+
+def test_plot_of_a_sound_health_dump_still_draws(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "health_00000003.json"
+    path.write_text(json.dumps(_dump(flagged=[{"step": 2, "reasons": ["spike " * 100], "attributed": ["a"]}])))
+    code, out, err = _run(capsys, "plot", path)
+    assert code == 0 and out.strip() == str(tmp_path / "health_00000003.png"), err
