@@ -360,3 +360,27 @@ def test_plot_of_a_sound_health_dump_still_draws(tmp_path, capsys):
     path.write_text(json.dumps(_dump(flagged=[{"step": 2, "reasons": ["spike " * 100], "attributed": ["a"]}])))
     code, out, err = _run(capsys, "plot", path)
     assert code == 0 and out.strip() == str(tmp_path / "health_00000003.png"), err
+
+
+# ----------------------------------------------------------------------------- convert's DST name
+
+
+def test_convert_to_a_230_character_name_writes_it_and_a_longer_than_any_name_is_one_line(tmp_path, capsys):
+    # The hidden temporary beside DST adds about 35 characters (and Orbax 21 more): a 230-character DST ended in
+    # an OSError traceback (ENAMETOOLONG). The temporary's name is now cut to fit; a DST no file system can name
+    # is a usage error before anything is read.
+    import treetools as tt
+
+    src = tmp_path / "w.npz"
+    np.savez(src, w=np.arange(6, dtype=np.float32))
+    for dst, extra in ((tmp_path / ("a" * 218 + ".safetensors"), ()), (tmp_path / ("f" * 230), ()),
+                       (tmp_path / ("o" * 230), ("--to", "orbax"))):
+        assert len(dst.name) == 230
+        code, out, err = _run(capsys, "convert", src, dst, *extra)
+        assert code == 0 and "Traceback" not in err, err
+        np.testing.assert_array_equal(tt.flatten(tt.load_parameters(dst))["w"], np.arange(6, dtype=np.float32))
+    assert sorted(len(p.name) for p in tmp_path.iterdir()) == [5, 230, 230, 230]  # no temporary left behind
+    long = tmp_path / ("b" * 250 + ".safetensors")
+    code, out, err = _run(capsys, "convert", src, long)
+    assert code == 2 and err.count("\n") == 1 and "262 bytes long" in err and "at most 255" in err, err
+    assert long.name not in os.listdir(tmp_path) and "Traceback" not in err
