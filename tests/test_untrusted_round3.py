@@ -384,3 +384,20 @@ def test_convert_to_a_230_character_name_writes_it_and_a_longer_than_any_name_is
     code, out, err = _run(capsys, "convert", src, long)
     assert code == 2 and err.count("\n") == 1 and "262 bytes long" in err and "at most 255" in err, err
     assert long.name not in os.listdir(tmp_path) and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- OCDBT
+
+
+def test_a_symlink_loop_in_an_ocdbt_item_is_refused_naming_the_checkpoints_path(tmp_path, capsys):
+    # The database's folder is read through its pinned descriptor: the refusal named /proc/self/fd/5/d/up.
+    from tests.test_untrusted import _orbax
+
+    run = _orbax(tmp_path / "run")
+    (run / "1" / "params" / "d" / "up").symlink_to("..")
+    where = f"{run}/1/params/d/up: a symlink back to a folder above it (a loop)"
+    for argv in (("inspect", run), ("inspect", run, "--stats"), ("diff", run, run)):
+        err = _one_error(capsys, *argv, code=2 if argv[0] == "diff" else 1)
+        assert where in err and "/proc/self/fd" not in err, err
+    code, out, err = _run(capsys, "verify", run)
+    assert code == 1 and where in out and "/proc/self/fd" not in out + err, out + err
