@@ -253,15 +253,23 @@ def test_an_unreadable_item_is_listed_with_its_handler_and_reason(tmp_path):
     with ocp.CheckpointManager(root) as manager:
         manager.save(1, args=ocp.args.Composite(params=ocp.args.StandardSave({"w": jnp.ones(2)}), blob=_BlobSave()))
         manager.wait_until_finished()
+    # Issue 49: a partial read exits 1 after printing all that was read (as du and ls do); --allow-unread: 0.
     rc, out, err = run("inspect", root)
-    assert rc == 0, err
+    assert rc == 1 and err.splitlines() == [
+        "treetools: error: 1 item could not be read (`blob`): listed with the reason above; --allow-unread exits 0 "
+        "on a partial read"], err
     assert "Not read (1 item):" in out and "`blob` (_BlobHandler): its folder holds `blob.bin`" in out, out
-    assert "Grand total (1 of 2 items read)" in out
-    unreadable = inspect_json(root)["checkpoints"][0]["unreadable"]
+    assert "Grand total (1 of 2 items read)" in out and "w " in out  # the item read is printed all the same
+    rc, allowed, err = run("inspect", root, "--allow-unread")
+    assert rc == 0 and allowed == out and not err, err
+    unreadable = inspect_json(root, "--allow-unread")["checkpoints"][0]["unreadable"]
     assert unreadable == [{"item": "blob", "handler": "_BlobHandler", "reason": unreadable[0]["reason"]}]
     assert "blob.bin" in unreadable[0]["reason"]
     rc, out, err = run("verify", root)
     assert rc == 1 and "item `blob` (_BlobHandler) cannot be read" in out + err
+    rc, out, err = run("verify", root, "--allow-unread")  # listed as not read; what was read is whole
+    assert rc == 0 and "not read: " in out and "item `blob` (_BlobHandler) cannot be read" in out, out + err
+    assert "problem:" not in out and "1 not read (--allow-unread)" in out, out
     rc, out, err = run("inspect", root, "--item", "blob")
     assert rc == 1 and "item `blob` (_BlobHandler) cannot be read" in err
     check_load_parameters(root, {"w": np.ones(2, np.float32)})  # the params still read

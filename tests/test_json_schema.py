@@ -192,3 +192,39 @@ def test_memory_plan_json_with_every_section_filled_validates(devices):
     jsonschema.validate(out, _schema("plan"))
     assert out["compiled"]["platform"] == "cpu" and out["replicated"][0]["path"] == "params/embed"
     assert out["host"]["over_budget"] == ["params/embed", "opt_state/0/trace/embed"]
+
+
+# Issue 49: scalar and string leaves show their values; an item not read is listed, in every command's JSON.
+
+
+def test_values_and_unread_items_validate(tmp_path, capsys):
+    import os
+
+    import orbax.checkpoint as ocp
+
+    state = np.random.RandomState(7).get_state()  # ('MT19937', key[624], pos, has_gauss, cached_gaussian)
+    run = tmp_path / "run"
+    with ocp.CheckpointManager(run) as manager:
+        manager.save(3, args=ocp.args.Composite(
+            params=ocp.args.StandardSave({"w": jnp.ones(2)}),
+            extra=ocp.args.PyTreeSave({"step": 3, "lr": 0.25, "rng": state}),
+            meta=ocp.args.JsonSave({"k": 1})))
+        manager.wait_until_finished()
+    os.unlink(run / "3" / "meta" / "metadata")
+    os.mkfifo(run / "3" / "meta" / "metadata")  # never opened: listed as not read
+    out = _json(capsys, "inspect", run, rc=1)
+    jsonschema.validate(out, _schema())
+    (checkpoint,) = out["checkpoints"]
+    assert [u["item"] for u in checkpoint["unreadable"]] == ["meta"]
+    want = {"step": 3, "lr": 0.25, "rng/0": "MT19937", "rng/2": int(state[2]), "rng/3": int(state[3]),
+            "rng/4": float(state[4])}
+    assert checkpoint["items"]["extra"]["values"] == want
+    assert _json(capsys, "inspect", run, "--allow-unread", "--depth", "1")["checkpoints"][0]["items"]["extra"]["values"] == want
+    out = _json(capsys, "diff", run, run, rc=1)  # the same, but `meta` not read on either side
+    jsonschema.validate(out, _schema("diff"))
+    assert [u["item"] for u in out["unreadable"]["a"]] == ["meta"] and out["identical"] is False
+    assert out["counts"]["added"] == out["counts"]["removed"] == out["counts"]["changed_metadata"] == 0
+    out = _json(capsys, "verify", run, "--allow-unread")
+    jsonschema.validate(out, _schema("verify"))
+    (entry,) = out["paths"][0]["checkpoints"]
+    assert entry["problems"] == [] and len(entry["unread"]) == 1 and "a FIFO" in entry["unread"][0]

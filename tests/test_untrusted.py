@@ -574,7 +574,9 @@ def test_a_newline_in_an_item_name_cannot_forge_a_note(tmp_path, capsys):
     meta_path.write_text(json.dumps(meta))
     code, out, err = _run(capsys, "inspect", run)
     # Issue 37: an item that cannot be read is listed in the view (one line under "Not read"), never a note.
-    assert code == 0 and not err, err
+    # Issue 49: and the exit code says so: 1, with one escaped error line naming it.
+    assert code == 1 and len(err.splitlines()) == 1 and err.startswith("treetools: error: 1 item could not be read"), err
+    assert "`gone\\ntreetools: note: all clear" in err, err
     lines = out.splitlines()
     at = lines.index("Not read (1 item):")
     assert lines[at + 1].startswith("- `gone\\ntreetools") and "but it has no folder" in lines[at + 1], out
@@ -1648,17 +1650,31 @@ def test_a_fifo_in_an_orbax_item_is_named_as_a_fifo_and_never_opened(tmp_path, c
     make(b / "1" / "params" / "extra")
     for run, item, name in ((a, "meta", "metadata"), (b, "params", "extra")):
         code, out, err = _run(capsys, "inspect", run, "--format", "json")
-        assert code == 0, err
+        # Issue 49: listed, the others printed, and exit 1 (a partial read); --allow-unread: 0, the same output.
+        assert code == 1 and f"could not be read (`{item}`)" in err.splitlines()[-1], err
+        assert _run(capsys, "inspect", run, "--format", "json", "--allow-unread")[:2] == (0, out)
         checkpoint = json.loads(out)["checkpoints"][0]
         assert checkpoint["unreadable"] == [{"item": item, "handler": checkpoint["unreadable"][0]["handler"],
                                              "reason": f"`{name}` is not a regular file (a FIFO), and treetools "
                                                        "never opens one"}], checkpoint["unreadable"]
         assert sorted(checkpoint["items"]) == sorted({"params", "rng", "meta"} - {item})  # the others are read
         code, out, err = _run(capsys, "inspect", run)
-        assert code == 0 and f"`{name}` is not a regular file (a FIFO)" in out, (out, err)
+        assert code == 1 and f"`{name}` is not a regular file (a FIFO)" in out, (out, err)
+        for stats in ("--stats", "--allow-unread"):  # --stats reads the others' arrays, and exits 1 all the same
+            code, out, err = _run(capsys, "inspect", run, stats)
+            assert code == (0 if stats == "--allow-unread" else 1) and "a FIFO" in out and "Not read" in out, err
         code, out, err = _run(capsys, "verify", run)
         problem = next(line for line in out.splitlines() if "FIFO" in line)
         assert code == 1 and name in problem and "not a regular file (a FIFO)" in problem, (out, err)
+        code, out, err = _run(capsys, "verify", run, "--allow-unread")  # listed as not read, not as damage
+        assert "not read: " in out and "a FIFO" in out, (out, err)
+        # `extra` in the params folder is also a stranger there (no file Orbax writes): damage all the same.
+        problems = [line for line in out.splitlines() if line.startswith("problem:")]
+        assert code == len(problems) == (item == "params"), (out, err)
+        assert all("holds `extra`, which is no item" in line for line in problems), out
+        code, out, err = _run(capsys, "diff", run, run)  # nothing is the same that was not read
+        assert code == 1 and "not read (in A): 1 item" in out and "where read" in out, (out, err)
+        assert _run(capsys, "diff", run, run, "--allow-unread")[0] == 0
     with pytest.raises(CheckpointError, match="item `params` .* `extra` is not a regular file \\(a FIFO\\)"):
         tt.load_parameters(b)
     assert float(tt.flatten(tt.load_parameters(a))["w"][0]) == 1.0

@@ -28,10 +28,10 @@ from treetools.ckpt.items import MODEL_ITEMS, PARAM_SUBTREES, counts_params, par
 from treetools.ckpt.leaves import Item
 from treetools.ckpt.opening import open_source
 from treetools.ckpt.readers import np_dtype
-from treetools.pytree.memory import TOP, MemoryPlan, memory_plan
+from treetools.pytree.memory import MAX_DEVICES, TOP, MemoryPlan, memory_plan
 from treetools.pytree.partitioning import mesh_axes_of
 from treetools.rules.spec import read_rules_file
-from treetools.shared.errors import CheckpointNotFoundError
+from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")
 """Optimizers ``treetools plan --optimizer`` knows by name: optax's, with their default hyperparameters."""
@@ -221,13 +221,22 @@ def _is_moment(part: str) -> bool:
     return part == "opt_state"
 
 
-def _recorded_mesh(parts: Mapping[str, Item]) -> dict[str, int]:
-    """The mesh the checkpoint records with its shardings (the first leaf's that has one), else ``{}``."""
-    for item in parts.values():
+def _recorded_mesh(parts: Mapping[str, Item], where: str) -> dict[str, int]:
+    """The mesh the checkpoint records with its shardings (the first leaf's that has one), else ``{}``.
+
+    Raises:
+      CheckpointError: it has more than ``MAX_DEVICES`` devices (the message names the leaf and ``--mesh``)."""
+    for name, item in parts.items():
         for leaf in item.leaves:
             sharding = leaf.row.sharding
             if sharding is not None and sharding.mesh:
-                return {str(k): int(v) for k, v in sharding.mesh.items()}
+                sizes = {str(k): int(v) for k, v in sharding.mesh.items()}
+                if math.prod(sizes.values()) > MAX_DEVICES:
+                    raise CheckpointError(
+                        f"{where}: `{name}/{leaf.name}` records a mesh of {' x '.join(map(str, sizes.values()))} "
+                        f"devices ({math.prod(sizes.values()):,}), more than {MAX_DEVICES:,}: no machine has it; "
+                        "plan for a mesh of your own with --mesh AXIS=SIZE,... (mesh= in the library).")
+                return sizes
     return {}
 
 
@@ -303,7 +312,10 @@ def plan_checkpoint(
         notes.append("opt_state: the stored one left out; the optimizer's own state is planned instead")
     if params is not None and params != "params":
         notes.append(f"params: the parameters are `{params}`")
-    sizes = dict(getattr(mesh, "shape", mesh) or {}) if mesh is not None else _recorded_mesh(parts)
+    sizes = dict(getattr(mesh, "shape", mesh) or {}) if mesh is not None else _recorded_mesh(parts, where)
+    if mesh is not None and math.prod(int(v) for v in sizes.values()) > MAX_DEVICES:
+        raise ValueError(f"`mesh` {dict(sizes)} has {math.prod(int(v) for v in sizes.values()):,} devices, more than "
+                         f"{MAX_DEVICES:,}.")
     if shard_largest is not None and shard_largest not in sizes:
         raise ValueError(f"--shard-largest {shard_largest}: the mesh {dict(sizes) or '(one device)'} has no axis "
                          f"`{shard_largest}`; name one of its axes, or give the mesh one (--mesh {shard_largest}=N).")

@@ -67,6 +67,10 @@ class Item:
     target's array leaves are matched to them by position, as the writer's own reader does."""
 
 
+EMPTY_FOLDER = "its folder holds nothing"
+"""How the reason of an ``Unreadable`` item whose folder is empty begins (``Unreadable.empty``)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Unreadable:
     """An item of a step that treetools cannot read, listed (never dropped in silence): its name, the handler
@@ -83,9 +87,26 @@ class Unreadable:
     def to_json(self) -> dict[str, str]:
         return {"item": self.name, "handler": self.handler, "reason": self.reason}
 
+    @property
+    def empty(self) -> bool:
+        """Its folder holds nothing (the writer left it empty): nothing in it went unread, so it does not make
+        ``inspect`` or ``diff`` exit 1 (DESIGN.md "Reading, partly"); it is still listed."""
+        return self.reason.startswith(EMPTY_FOLDER)
+
     def sentence(self) -> str:
         """One line naming the item, its handler and the reason (a note, a ``verify`` problem)."""
         return f"item `{self.name}` ({self.handler}) cannot be read: {self.reason}"
+
+
+class UnreadProblem(str):
+    """A ``verify`` problem that says an item could not be read (``Unreadable.sentence``), not that stored data is
+    damaged: with ``allow_unread`` (``--allow-unread``) it is listed as not read instead of failing the check.
+
+    >>> p = UnreadProblem("run/1: item `x` (h) cannot be read: why."); (isinstance(p, str), p == str(p))
+    (True, True)
+    """
+
+    __slots__ = ()
 
 
 @dataclasses.dataclass

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.items import part_holder, part_of, top_level_keys
-from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot
+from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, UnreadProblem
 from treetools.ckpt.readers import MemoryBudgetError, missing_notes
 from treetools.ckpt.steps import StepListing, describe_series, parse_step, resolve_step
 from treetools.ckpt.storage import OutsideCheckpointError, Storage
@@ -131,7 +131,12 @@ class Source:
         """
         resolved = self.resolve(step)
         with self.reading(resolved):
-            return self._snapshot(resolved, items)
+            snap = self._snapshot(resolved, items)
+        if any(not u.empty for u in snap.unreadable):  # an item of a step being pruned: the step went, not the item
+            gone = self.step_deleted(resolved)
+            if gone is not None:
+                raise gone
+        return snap
 
     @property
     def storage(self) -> Any:
@@ -266,7 +271,7 @@ class Source:
             raise
         except (CheckpointError, CheckpointNotFoundError) as e:  # corrupt: a problem of this step, not the end
             return [], [str(e)]
-        return list(snap.items.values()), [f"{self.path}: {u.sentence()}." for u in snap.unreadable]
+        return list(snap.items.values()), [UnreadProblem(f"{self.path}: {u.sentence()}.") for u in snap.unreadable]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,10 +55,16 @@ compared".
 
 --format json prints one object, "schema": 1 (docs/json-schema.md).
 
+An item either side cannot read (a handler treetools does not read, a FIFO
+or a damaged file in its folder) is listed under "not read" with the reason,
+and the checkpoints are not called the same: exit 1. --allow-unread compares
+what was read and lets the exit code follow it.
+
 Exit codes (as GNU diff): 0 the checkpoints are the same (with --values:
 every value within tolerance; without, values are not compared and 0 says
-only that the leaves and their metadata match); 1 they differ; 2 trouble
-(usage, a missing or unreadable checkpoint).
+only that the leaves and their metadata match); 1 they differ, or an item
+was not read (without --allow-unread); 2 trouble (usage, a missing or
+unreadable checkpoint).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ import argparse
 from treetools.cli import _output
 from treetools.cli._args import nonneg_float
 from treetools.cli.options import (
+    add_allow_unread,
     add_depth,
     add_filters,
     add_item,
@@ -93,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_item(parser)
     add_reading(parser)
     add_processes(parser)
+    add_allow_unread(parser)
     parser.add_argument("--values", action="store_true", help="also compare values, streamed in blocks")
     parser.add_argument("--atol", type=nonneg_float, default=0.0,
                         help="absolute tolerance of |a - b| <= atol + rtol * |b| (default 0: relative only, so "

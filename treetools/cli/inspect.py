@@ -39,9 +39,15 @@ Examples:
   treetools inspect model.safetensors --include 'attn' --sort params --stats
   treetools inspect ckpt_dir --prefix validation_loss_lm_per_token_   another series of steps
 
+An item that cannot be read (a handler treetools does not read, a FIFO or a
+damaged file in its folder) is listed under "Not read" with the reason, after
+everything that was read, and the exit code is 1, as `du` and `ls` exit for a
+tree partly unreadable; --allow-unread keeps it 0.
+
 Exit codes: 0 ok; 1 error (missing path, not a checkpoint, corrupt file, a
-pattern that matches nothing); 2 usage; 3 non-finite values found under
---fail-on-nonfinite. Nothing is ever written under PATH.
+pattern that matches nothing) or an item not read (without --allow-unread);
+2 usage; 3 non-finite values found under --fail-on-nonfinite. Nothing is
+ever written under PATH.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from treetools.cli import _output
 from treetools.cli.options import (
     add_depth,
     add_filters,
+    add_allow_unread,
     add_item,
     add_output_format,
     add_prefix,
@@ -94,6 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_item(parser)
     add_reading(parser)
     add_processes(parser)
+    add_allow_unread(parser)
     group = parser.add_mutually_exclusive_group()
     add_depth(group, help="one row per path prefix of K parts below the item's shared prefix, summed")
     group.add_argument("--leaves", action="store_true",
@@ -166,4 +174,14 @@ def main(args: argparse.Namespace) -> int:
         _output.warning(f"non-finite values in {len(report.nonfinite)} leaf(s): {shown}"
                         + (" ..." if len(report.nonfinite) > 5 else ""))
         return 3
-    return 0
+    return unread_exit(report.unread, report.complete)
+
+
+def unread_exit(unread: list[str], complete: bool) -> int:
+    """1 with one line naming what could not be read (already listed with the reasons), unless ``complete``."""
+    if complete:
+        return 0
+    shown = ", ".join(f"`{safe_text(n, width=CELL_WIDTH)}`" for n in unread[:5]) + (" ..." if len(unread) > 5 else "")
+    _output.error(f"{len(unread)} item{'s' * (len(unread) != 1)} could not be read ({shown}): listed with the "
+                  "reason above; --allow-unread exits 0 on a partial read")
+    return 1

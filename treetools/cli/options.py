@@ -111,6 +111,13 @@ def add_processes(parser: argparse.ArgumentParser) -> None:
                              "reads a share of the leaves; process 0 prints the report")
 
 
+def add_allow_unread(parser: argparse.ArgumentParser) -> None:
+    """``--allow-unread``: an item, leaf or file that could not be read is listed, and the exit code stays 0."""
+    parser.add_argument("--allow-unread", action="store_true", default=False,
+                        help="exit 0 although an item could not be read (it is still listed, with the reason); "
+                             "by default a partial read exits 1 after printing all that was read")
+
+
 def add_output_format(parser: argparse.ArgumentParser, choices: Sequence[str]) -> None:
     """``--format`` with the renderings a command has."""
     parser.add_argument("--format", choices=tuple(choices), default="table", help="output format (default table)")

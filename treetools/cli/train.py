@@ -110,6 +110,8 @@ def main(args: argparse.Namespace) -> int:
     # it is written (tt.JsonlWriter).
     refuse_link_out(os.path.join(args.workdir, "checkpoints"), args.workdir)
     check_writable(os.path.join(args.workdir, "metrics.jsonl"))  # a read-only place fails now, before jax starts
+    if args.health or args.inject_spike is not None:  # health dumps go to WORKDIR/health (checked again at each)
+        refuse_link_out(os.path.join(args.workdir, "health"), args.workdir)
     if args.cpu_devices:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:

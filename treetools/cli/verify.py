@@ -23,9 +23,15 @@ Examples:
 steps: {"ok": ..., "paths": [{"path", "format", "steps", "incomplete", "ok",
 "checkpoints": [one entry per step checked]}]} (docs/json-schema.md).
 
+An item that cannot be read (a handler treetools does not read, a FIFO in
+its folder) is a problem: nothing is called whole that was not read.
+--allow-unread lists it on a `not read:` line instead, and the exit code
+follows what was read.
+
 Exit codes: 0 every check of every PATH passed (one verdict line per step);
-1 problems found (one line each, then the verdict) or a known error (missing
-path, not a checkpoint) at any PATH; 2 usage.
+1 problems found (one line each, then the verdict), an item not read
+(without --allow-unread) or a known error (missing path, not a checkpoint)
+at any PATH; 2 usage.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ import argparse
 import os
 
 from treetools.cli import KNOWN_ERRORS, _output, error_text
-from treetools.cli.options import add_output_format, add_prefix, add_processes, add_reading, add_step, options_from
+from treetools.cli.options import (
+    add_allow_unread, add_output_format, add_prefix, add_processes, add_reading, add_step, options_from,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_format(parser, ("table", "json"))
     add_reading(parser)
     add_processes(parser)
+    add_allow_unread(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -56,6 +56,7 @@ from treetools.ckpt.writers.safetensors import (
     write_safetensors,
 )
 from treetools.shared.errors import CheckpointError, UsageError
+from treetools.shared.files import NAME_MAX
 from treetools.commands.options import ConvertOptions, resolve
 from treetools.commands.progress import Progress
 from treetools.shared.files import check_writable, existing_folder, free_bytes
@@ -287,6 +288,10 @@ def check_arguments(dst: str, opts: ConvertOptions) -> str:
     treetools.shared.errors.UsageError: --step all (`step='all'`): convert writes one step; pick one (--step N, or latest).
     """
     to = opts.to or "safetensors"
+    name = os.path.basename(os.path.normpath(str(dst)))
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise UsageError(f"{dst}: its last part is {len(name.encode('utf-8', 'surrogateescape')):,} bytes long; a "
+                         f"file system names a file in at most {NAME_MAX}: pick a shorter name.")
     if to not in TARGETS:
         raise UsageError(f"--to {opts.to} (`to`): one of {', '.join(TARGETS)}.")
     suffix = os.path.splitext(str(dst))[1]  # "out.npz/" names a folder: no suffix

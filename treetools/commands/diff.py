@@ -40,7 +40,7 @@ import numpy as np
 from treetools.ckpt.mapping import map_items
 from treetools.ckpt.context import DEFAULT_BLOCK_BYTES
 from treetools.ckpt.items import counts_params, order_items, params_item, params_within, train_state_parts
-from treetools.ckpt.leaves import NO_VALUE, Leaf, Snapshot
+from treetools.ckpt.leaves import NO_VALUE, Leaf, Snapshot, Unreadable
 from treetools.ckpt.opening import open_source
 from treetools.ckpt.readers import bit_view, is_numeric
 from treetools.ckpt.source import Source
@@ -158,15 +158,22 @@ class DiffReport:
     """Diagnostics for stderr (e.g. a hint to pass ``item``); not part of the JSON object."""
     depth: int | None = None
     """With ``depth``, ``added``, ``removed`` and ``values`` hold groups of leaves (each says how many)."""
+    unread_a: list[Unreadable] = dataclasses.field(default_factory=list)
+    """Items of A that could not be read (name, handler, reason): listed, and nothing is the same without them."""
+    unread_b: list[Unreadable] = dataclasses.field(default_factory=list)
+    allow_unread: bool = False
+    """``DiffOptions.allow_unread``: an item not read on either side does not make the sides differ."""
 
     @property
     def identical(self) -> bool:
-        """No leaf added, removed or changed, and (with values) every compared leaf within tolerance.
+        """No leaf added, removed or changed, and (with values) every compared leaf within tolerance; and every
+        item of both sides read (unless ``allow_unread``: then the items read are compared).
 
         Without values (``values_compared`` False) it says only that the leaves and their metadata match.
         """
         same_values = self.values is None or all(v.allclose for v in self.values)
-        return not (self.added or self.removed or self.changed) and same_values
+        read = self.allow_unread or not any(not u.empty for u in [*self.unread_a, *self.unread_b])
+        return not (self.added or self.removed or self.changed) and same_values and read
 
     @property
     def values_compared(self) -> bool:
@@ -189,13 +196,28 @@ class DiffReport:
         (then "same" is "same metadata": nothing was said of the values); every count named."""
         c = self.counts()
         word = "different" if not self.identical else "same" if self.values_compared else "same metadata"
+        unread = len(self.unread_a) + len(self.unread_b)
+        if not self.identical and self.identical_read:  # exit 1 all the same: not everything was read
+            word = f"{'same' if self.values_compared else 'same metadata'} where read"
         leaves = (f"{word} (leaves): {c['added']} added, {c['removed']} removed, {c['changed_metadata']} with changed "
                   f"metadata, {c['same_metadata']} with the same metadata,")
         if not self.values_compared:
             why = "; exit 0 says only the leaves and metadata match" if self.identical else ""
-            return f"{leaves}\n  values: not compared (--values compares them{why})"
-        return (f"{leaves}\n  values: {c['bit_identical']} bit-identical, {c['within_tolerance']} within tolerance, "
-                f"{c['outside_tolerance']} outside tolerance")
+            out = f"{leaves}\n  values: not compared (--values compares them{why})"
+        else:
+            out = (f"{leaves}\n  values: {c['bit_identical']} bit-identical, {c['within_tolerance']} within "
+                   f"tolerance, {c['outside_tolerance']} outside tolerance")
+        if unread:
+            allowed = " (--allow-unread: compared what was read)" if self.allow_unread else ""
+            out += (f"\n  not read: {len(self.unread_a)} item(s) of A, {len(self.unread_b)} item(s) of B, listed "
+                    f"above{allowed}")
+        return out
+
+    @property
+    def identical_read(self) -> bool:
+        """What ``identical`` says of the items that were read alone."""
+        same_values = self.values is None or all(v.allclose for v in self.values)
+        return not (self.added or self.removed or self.changed) and same_values
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -208,6 +230,7 @@ class DiffReport:
             "changed": [c.to_json() for c in self.changed],
             "unchanged": self.unchanged,
             "values_compared": self.values_compared,
+            "unreadable": {"a": [u.to_json() for u in self.unread_a], "b": [u.to_json() for u in self.unread_b]},
         }
         if self.values is not None:
             out["atol"], out["rtol"] = self.atol, self.rtol
@@ -757,6 +780,9 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
         rtol=opts.rtol,
         notes=notes,
         depth=opts.depth,
+        unread_a=list(snap_a.unreadable),
+        unread_b=list(snap_b.unreadable),
+        allow_unread=opts.allow_unread,
     )
     if opts.values:
         pairs = [(flat_a[p], flat_b[p], p) for p in same_shape]

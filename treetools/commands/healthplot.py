@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import stat
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +38,22 @@ KIND_ORDER = ("grad_norm", "update_ratio", "nonfinite_grads", "grad_abs_max", "m
 MARK = "red"
 
 
+MAX_DUMP_BYTES = 256 * 2**20
+"""The largest health dump read (a dump of a 32-step ring of a few thousand modules is a few MB)."""
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def is_health_dump(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a health dump file (its first bytes name the kind); cheap, never raises."""
+    """Whether ``path`` is a health dump file (its first bytes name the kind); cheap, never raises, never opens
+    what is no regular file (a FIFO would block the open)."""
+    if not _regular(os.path.expanduser(os.fspath(path))):
+        return False
     try:
         with open(os.path.expanduser(os.fspath(path)), "rb") as f:
             head = f.read(256)
@@ -62,15 +77,63 @@ def read_health_dump(path: str | os.PathLike) -> dict[str, Any]:
     [{'step': 3, 'flagged': 0, 'grad_norm/a': nan}]
     """
     path = os.path.expanduser(os.fspath(path))
+    if not _regular(path) or os.path.getsize(path) > MAX_DUMP_BYTES:
+        raise ValueError(f"{path}: not a regular file of at most {MAX_DUMP_BYTES // 2**20} MiB, so not a health dump.")
     with open(path, encoding="utf-8") as f:
         try:
             dump = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not JSON ({e.msg}), so not a health dump.") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not JSON ({getattr(e, 'msg', None) or e.reason}), so not a health "
+                             "dump.") from None
+        except RecursionError:
+            raise ValueError(f"{path}: JSON nested too deeply, so not a health dump.") from None
     if not isinstance(dump, dict) or dump.get("kind") != DUMP_KIND or not isinstance(dump.get("records"), list):
         raise ValueError(f"{path}: not a health dump (a JSON object with \"kind\": \"{DUMP_KIND}\", written by "
                          "tt.HealthDumper or `treetools train --health`).")
+    problem = _malformed(dump)
+    if problem is not None:
+        raise ValueError(f"{path}: a damaged health dump ({problem}).")
     return {**dump, "records": [decode_record(r) for r in dump["records"]]}
+
+
+def _number(v: Any) -> bool:
+    """None, a float, or an int a float holds (``10**400`` would overflow ``float()``)."""
+    return v is None or isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool) and abs(v) <= 2**62)
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _malformed(dump: Mapping[str, Any]) -> str | None:
+    """What makes ``dump`` no health dump ``health_figure`` can draw, as ``tt.write_health_dump`` writes them (a
+    record without a step, a value that is no number, a name that is no string), or None when it is one."""
+    if not _strings(dump.get("names")):
+        return "`names` is not a list of strings"
+    for i, r in enumerate(dump["records"]):
+        if not isinstance(r, dict):
+            return f"record {i} is not an object"
+        if not isinstance(r.get("step"), int) or isinstance(r.get("step"), bool) or abs(r["step"]) > 2**62:
+            return f"record {i} has no integer `step`"
+        kinds = r.get("nonfinite", {})
+        if not isinstance(kinds, dict) or not all(isinstance(v, str) for v in kinds.values()):
+            return f"record {i}: `nonfinite` is not an object of strings"
+        bad = next((k for k, v in r.items() if k != "nonfinite" and not _number(v)), None)
+        if bad is not None:
+            return f"record {i}: `{bad[:80]}` is not a number"
+    flagged = dump.get("flagged") or []
+    if not isinstance(flagged, list):
+        return "`flagged` is not a list"
+    for i, f in enumerate(flagged):
+        if (not isinstance(f, dict) or not isinstance(f.get("step"), int) or isinstance(f.get("step"), bool)
+                or abs(f["step"]) > 2**62):
+            return f"flagged entry {i} has no integer `step`"
+        for key in ("reasons", "attributed", "nonfinite_modules"):
+            if key in f and not _strings(f[key]):
+                return f"flagged entry {i}: `{key}` is not a list of strings"
+    if not all(_number(dump.get(k)) or isinstance(dump.get(k), str) for k in ("step", "reason")):
+        return "`step` or `reason` is neither a number nor a string"
+    return None
 
 
 def _natural(label: str) -> tuple:
@@ -179,9 +242,13 @@ def health_figure(dump: Mapping[str, Any], *, kinds: list[str] | None = None, ma
 
 
 def _title(dump: Mapping[str, Any], flagged: list[Mapping[str, Any]]) -> str:
-    head = f"health dump at step {dump.get('step')} ({dump.get('reason')})"
+    def cut(text: Any) -> str:  # a title line, not a page: what a dump says is shown at most 120 characters long
+        text = str(text)
+        return text if len(text) <= 120 else text[:117] + "..."
+
+    head = f"health dump at step {cut(dump.get('step'))} ({cut(dump.get('reason'))})"
     for f in flagged[:2]:
-        why = "; ".join(f.get("reasons") or []) or "flagged"
-        who = ", ".join(f.get("attributed", [])[:3])
+        why = cut("; ".join(f.get("reasons") or []) or "flagged")
+        who = cut(", ".join(f.get("attributed", [])[:3]))
         head += f"\nstep {f['step']}: {why}" + (f"; largest jump: {who}" if who else "")
     return head

@@ -78,6 +78,8 @@ class InspectOptions(ReadOptions):
       rows_per_item: without ``depth`` or ``leaves``, group an item's rows at the deepest level that keeps
         it to this many rows (the CLI's one-screen summary); None shows every leaf.
       rules: ``tt.Rules`` applied to every item first (``--unstack``: a scanned block shown per layer).
+      allow_unread: a partial read is complete enough (``--allow-unread``): ``Report.complete`` stays True
+        when an item could not be read (it is still listed).
     """
 
     step: int | str | None = None
@@ -91,6 +93,7 @@ class InspectOptions(ReadOptions):
     stats: bool = False
     rows_per_item: int | None = None
     rules: Rules | None = None
+    allow_unread: bool = False
 
     def __post_init__(self) -> None:
         if self.depth is not None and self.depth < 0:
@@ -114,6 +117,8 @@ class DiffOptions(ReadOptions):
       sort: ``path``, ``params`` or ``bytes`` order of the listed leaves; with ``values``, also
         ``max_abs_diff``, ``rel_l2`` or ``outside`` (elements outside the tolerance): most changed first.
       rules: ``tt.Rules`` applied to A's leaves first (compare a renamed export with its source).
+      allow_unread: an item either side could not read (still listed) does not make them differ
+        (``--allow-unread``); by default it does: nothing is called the same that was not read.
     """
 
     step: int | str | None = None
@@ -129,15 +134,19 @@ class DiffOptions(ReadOptions):
     depth: int | None = None
     sort: str | None = None
     rules: Rules | None = None
+    allow_unread: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerifyOptions(ReadOptions):
     """What ``verify_path`` checks: one step of a checkpoint root (None: the latest committed one; with
-    ``verify_checkpoint``, ``"all"``: every committed one), of the series ``prefix`` in a folder holding several."""
+    ``verify_checkpoint``, ``"all"``: every committed one), of the series ``prefix`` in a folder holding several.
+    ``allow_unread``: an item that could not be read is listed (``VerifyReport.unread``), not a problem
+    (``--allow-unread``); by default it is one."""
 
     step: int | str | None = None
     prefix: str | None = None
+    allow_unread: bool = False
 
 
 def resolve(cls: type[_O], options: _O | None, fields: dict[str, Any]) -> _O:

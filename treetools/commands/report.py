@@ -86,6 +86,8 @@ class ItemReport:
             out["not_params"] = dict(self.not_params)
         if self.kind == "json":
             out["value"] = jsonable(self.value)
+        elif self.values:  # scalar and string leaves of a pytree (a step counter, numpy's random state)
+            out["values"] = {path: jsonable(v) for path, v in self.values.items()}
         return out
 
 
@@ -136,6 +138,22 @@ class Report:
     leaves: bool = False
     grouped_at: int | None = None
     """The depth the summary view chose to fit ``rows_per_item`` (None: every leaf, or ``depth`` was given)."""
+    allow_unread: bool = False
+    """``InspectOptions.allow_unread``: whether a partial read counts as ``complete``."""
+
+    @property
+    def unread(self) -> list[str]:
+        """The items that could not be read (listed in every view with the reason): ``item``, or ``step N: item``
+        with several steps shown; ``[]`` when everything was read."""
+        several = len(self.by_step) > 1
+        return [f"step {s.step}: {u.name}" if several else u.name for s in self.by_step for u in s.unreadable
+                if not u.empty]
+
+    @property
+    def complete(self) -> bool:
+        """Everything was read, or ``allow_unread`` said a partial read will do: the CLI exits 1 when False
+        (after printing all that was read), as ``du`` and ``ls`` do for a tree partly unreadable."""
+        return self.allow_unread or not self.unread
 
     def to_json(self) -> dict[str, Any]:
         """The versioned object of ``docs/json-schema.md``; non-finite floats become ``null``."""
@@ -376,6 +394,7 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
         depth=opts.depth,
         leaves=opts.leaves,
         grouped_at=grouped_at,
+        allow_unread=opts.allow_unread,
     )
 
 

@@ -139,18 +139,21 @@ def _item_section(title: str, item: ItemReport, fmt: str, tablefmt: str, stats: 
         return [f"[{safe_title}] the same leaves as [{shown[key]}]: {total}"]
     shown.setdefault(key, safe_title)
     values = item.values
+    # A scalar or string leaf whose value is known is shown by its value (under `values:`), not as an empty row.
+    rows = [r for r in item.rows if not (r.shape is None and r.leaves == 1 and r.name in values)]
     if not item.rows:
         body = ["(no leaves)"]
-    elif values and len(values) == len(item.rows) and {r.name for r in item.rows} <= set(values):
+    elif not rows:
         body = [_render_values(values, md)]  # a JSON item, or scalars: their values are what they hold
-    elif fmt == "tree":
-        body = [render_tree(item.rows, label=item.label, sizes=True),
-                footer(item.total, label=item.label, markdown=md, not_params=item.not_params)]
     else:
-        table, dropped = _table(item.rows, item.label, stats, stat_columns, md, tablefmt, fit=fit)
-        body = [table, footer(item.total, label=item.label, markdown=md, not_params=item.not_params)]
-        if dropped:
-            body.append(f"({', '.join(dropped)} left out to fit {width()} columns; --leaves shows every column)")
+        if fmt == "tree":
+            body = [render_tree(rows, label=item.label, sizes=True)]
+        else:
+            table, dropped = _table(rows, item.label, stats, stat_columns, md, tablefmt, fit=fit)
+            body = [table]
+            if dropped:
+                body.append(f"({', '.join(dropped)} left out to fit {width()} columns; --leaves shows every column)")
+        body.insert(1, footer(item.total, label=item.label, markdown=md, not_params=item.not_params))
         if values:
             body += ["values:", _render_values(values, md)]
     if md:  # markdown needs blank lines between a heading, a paragraph and a table
@@ -364,6 +367,10 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
             if dropped:
                 body += f"\n(allclose left out to fit {width()} columns: it is yes where outside tol is 0)"
         sections.append((title, body))
+    for name, unread in (("A", report.unread_a), ("B", report.unread_b)):
+        if unread:
+            body = "\n".join(safe_text(f"- `{u.name}` ({u.handler}): {u.reason}") for u in unread)
+            sections.append((f"not read (in {name}): {len(unread)} item{'s' * (len(unread) != 1)}", body))
     out = [f"- A: {side(report.a)}", f"- B: {side(report.b)}"] if md else [f"A: {side(report.a)}", f"B: {side(report.b)}"]
     for title, body in sections:
         # Markdown needs a blank line between a paragraph and a table.
@@ -472,6 +479,7 @@ def render_verify(run: VerifyRun, fmt: str = "table") -> str:
         lines = []
         for r in result.reports:
             lines += [f"problem: {safe_text(problem)}" for problem in r.problems]
+            lines += [f"not read: {safe_text(unread)}" for unread in r.unread]
             lines.append(safe_text(r.verdict()))
         if result.incomplete_line() is not None:
             lines.append(safe_text(result.incomplete_line()))

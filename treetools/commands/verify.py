@@ -26,7 +26,7 @@ from typing import Any
 
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.readers import MemoryBudgetError
-from treetools.ckpt.leaves import Item
+from treetools.ckpt.leaves import Item, UnreadProblem
 from treetools.ckpt.opening import open_source
 from treetools.ckpt.source import Source
 from treetools.ckpt.stream import Failed, reduce_blocks
@@ -50,6 +50,9 @@ class VerifyReport:
     leaves: int = 0
     bytes: int = 0
     problems: list[str] = dataclasses.field(default_factory=list)
+    unread: list[str] = dataclasses.field(default_factory=list)
+    """With ``allow_unread``: the items that could not be read, one sentence each (listed, not problems; without
+    it they are problems)."""
 
     @property
     def ok(self) -> bool:
@@ -58,13 +61,16 @@ class VerifyReport:
     def verdict(self) -> str:
         where = f"{self.path}" + (f" (step {self.step})" if self.step is not None else "")
         if self.ok:
-            return f"ok: {where}: {self.items} item(s), {self.leaves} leaves, {self.bytes:,} bytes read and decoded."
+            unread = (f"; {len(self.unread)} not read (--allow-unread)"
+                      if self.unread else "")
+            return (f"ok: {where}: {self.items} item(s), {self.leaves} leaves, {self.bytes:,} bytes read and "
+                    f"decoded{unread}.")
         n = len(self.problems)
         return f"FAILED: {where}: {n} problem{'s' * (n != 1)} in {self.items} item(s), {self.leaves} leaves checked."
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "format": self.format, "step": self.step, "ok": self.ok, "items": self.items,
-                "leaves": self.leaves, "bytes": self.bytes, "problems": self.problems}
+                "leaves": self.leaves, "bytes": self.bytes, "problems": self.problems, "unread": self.unread}
 
 
 @dataclasses.dataclass
@@ -297,7 +303,10 @@ def _verify(source: Source, step: int | None, opts: VerifyOptions) -> VerifyRepo
     report = VerifyReport(source.path, source.format, step)
     with source.reading(step):  # a step pruned while it is read: named as such
         items, problems = source.verify_metadata(step)
-    report.problems += problems
+    if opts.allow_unread:  # listed, not failed: what was read is checked as usual
+        report.unread += [str(p) for p in problems if isinstance(p, UnreadProblem)]
+        problems = [p for p in problems if not isinstance(p, UnreadProblem)]
+    report.problems += [str(p) for p in problems]
     report.items += len(items)
     _read_leaves(items, report, source.context.block_bytes, opts.progress)
     gone = source.step_deleted(step) if report.problems else None

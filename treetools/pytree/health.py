@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from treetools.shared.files import replace_file
+from treetools.shared.files import refuse_link_out, replace_file
 from treetools.shared.records import encode_record
 
 DUMP_KIND = "treetools.health_dump"
@@ -393,17 +393,21 @@ class HealthDumper:
       every: also write the ring every ``every`` steps (None: only on flags).
       after: steps to wait past a flagged step, so the dump shows what followed.
       check_every: read the flags every this many steps (1: one step late).
+      within: a folder the dumps must stay in (``treetools train``: its WORKDIR): a ``folder`` that is a link
+        leading out of it (planted in the run folder, before or during the run) is refused at each dump
+        (``PermissionError``, one line), never written through. None: ``folder`` is the caller's to link.
 
     Returns (a call): a list of events, ``{"event": "flagged", "step", **explanation}``
     and ``{"event": "dump", "step", "path"}``, for the host loop to print.
     """
 
     def __init__(self, folder: str | os.PathLike, detector: SpikeDetector, *, every: int | None = None,
-                 after: int = 4, check_every: int = 1):
+                 after: int = 4, check_every: int = 1, within: str | os.PathLike | None = None):
         if after < 0 or check_every < 1 or (every is not None and every < 1):
             raise ValueError(f"`after` must be >= 0, `check_every` and `every` >= 1; got after={after}, "
                              f"check_every={check_every}, every={every}.")
         self.folder = os.path.expanduser(os.fspath(folder))
+        self.within = os.path.expanduser(os.fspath(within)) if within is not None else None
         self.detector, self.every, self.after, self.check_every = detector, every, after, check_every
         self._recent: list[tuple[int, Any, Any]] = []  # (step, detector state, report), not yet read
         self._pending: list[dict[str, Any]] = []  # explained flagged steps waiting for their dump
@@ -440,6 +444,8 @@ class HealthDumper:
     def _dump(self, reason: str, flagged: list[dict[str, Any]]) -> dict[str, Any]:
         self._pending = [f for f in self._pending if f not in flagged]
         path = os.path.join(self.folder, f"health_{self._step:08d}.json")
+        if self.within is not None:
+            refuse_link_out(self.folder, self.within)
         write_health_dump(path, self._state, reason=reason, flagged=flagged, step=self._step)
         return {"event": "dump", "step": self._step, "path": path, "reason": reason}
 

@@ -307,6 +307,11 @@ class MemoryPlan:
 # ---------------------------------------------------------------------------- the mesh
 
 
+MAX_DEVICES = 2**24
+"""The most devices a mesh planned for may have (16,777,216, beyond any machine): jax's meshes count them in 32
+bits, and a recorded mesh of 65536 x 65536 devices ended in a ``std::bad_cast`` traceback."""
+
+
 def _mesh_of(mesh: Any) -> tuple[dict[str, int], Mesh | AbstractMesh | None]:
     """``({axis: size}, a Mesh or AbstractMesh to lay shardings on)`` from what ``mesh=`` accepts."""
     if mesh is None:
@@ -321,6 +326,8 @@ def _mesh_of(mesh: Any) -> tuple[dict[str, int], Mesh | AbstractMesh | None]:
         sizes = {k: int(v) for k, v in mesh.items()}
         if not sizes:
             return {}, None
+        if math.prod(sizes.values()) > MAX_DEVICES:
+            raise ValueError(f"`mesh` {sizes} has {math.prod(sizes.values()):,} devices, more than {MAX_DEVICES:,}.")
         return sizes, AbstractMesh(tuple(sizes.values()), tuple(sizes))
     raise TypeError(f"`mesh` must be a jax Mesh, an AbstractMesh or {{axis: size}}, got {type(mesh).__name__}.")
 

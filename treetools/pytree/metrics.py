@@ -201,6 +201,8 @@ def read_metrics(path: str | os.PathLike, *, drop_superseded: bool = True) -> li
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such metrics file; `treetools train --workdir DIR` writes "
                                 f"DIR/{METRICS_FILE}.")
+    if not os.path.isfile(path):  # a FIFO would block the open for ever: never opened
+        raise ValueError(f"{path}: not a regular file, so not a metrics file.")
     with open(path, "rb") as f:
         records = [decode_record(record) for _, _, record in _parse(path, f.read())]
     if not records:

@@ -70,7 +70,7 @@ def indivisible_warnings(found: Sequence[Indivisible]) -> list[str]:
 def _mesh_text(plan: Any) -> str:
     if not plan.mesh:
         return "one device"
-    shape = " x ".join(f"{a}={s}" for a, s in plan.mesh.items())
+    shape = " x ".join(f"{safe_text(a, width=40)}={s}" for a, s in plan.mesh.items())
     return f"mesh {shape} ({plan.devices:,} devices)"
 
 
@@ -108,8 +108,9 @@ def _fit_line(plan: Any) -> str | None:
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]], *, flexible: int, width: int = WIDTH) -> list[str]:
-    """Columns joined by two spaces, within ``width``: the ``flexible`` column is cut (both ends kept) to fit."""
-    cells = [list(header)] + [list(r) for r in rows]
+    """Columns joined by two spaces, within ``width``: the ``flexible`` column is cut (both ends kept) to fit.
+    Every cell is escaped (``safe_text``): a newline in a stored leaf name cannot start a line of its own."""
+    cells = [list(header)] + [[safe_text(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     over = sum(widths) + 2 * (len(widths) - 1) - width
     if over > 0:

@@ -313,7 +313,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     unread: dict[int, Any] = {}  # metrics of the steps whose flags the dumper has not read yet
     flags = [0, start]  # flagged steps since the last log step, and that step
     detector, _ = make_health(cfg)
-    dumper = tt.HealthDumper(os.path.join(cfg.workdir, "health"), detector, after=cfg.health_after) \
+    dumper = tt.HealthDumper(os.path.join(cfg.workdir, "health"), detector, after=cfg.health_after,
+                             within=cfg.workdir) \
         if cfg.health else None
     events: list[dict[str, Any]] = []
     # On CPU, several steps in flight gain nothing and XLA:CPU's in-process

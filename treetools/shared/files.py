@@ -42,6 +42,13 @@ _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 
 
+NAME_MAX = 255
+"""The longest name of one file or folder, in bytes, on the file systems treetools writes to (Linux, macOS)."""
+
+TMP_SUFFIX_ROOM = 32
+"""Bytes a temporary name leaves free for what a writer appends to it (Orbax's ``.orbax-checkpoint-tmp``: 21)."""
+
+
 class LinkRefused(PermissionError):
     """A write refused because its destination is a symbolic link (never written through): ``filename`` is the
     link, ``strerror`` says why (one line: ``PATH: reason.``)."""
@@ -54,7 +61,16 @@ def tmp_name(dst: str, what: str) -> str:
     True
     """
     head, name = os.path.split(dst)
-    return os.path.join(head, f".{name}.treetools-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tail = f".treetools-{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    # A name is at most NAME_MAX (255) bytes: a long destination's own name is cut (both ends kept) to leave room
+    # for the tail, and for what a writer appends to the temporary (Orbax: `.orbax-checkpoint-tmp`), so a
+    # 230-character DST can be written (its temporary name was 264: ENAMETOOLONG).
+    room = NAME_MAX - TMP_SUFFIX_ROOM - 1 - len(tail.encode())
+    raw = name.encode("utf-8", "surrogateescape")
+    if len(raw) > room:
+        half = room // 2
+        name = (raw[:half] + b"~" + raw[len(raw) - (room - half - 1):]).decode("utf-8", "ignore")
+    return os.path.join(head, f".{name}{tail}")
 
 
 WRITE_ERRNOS = frozenset(getattr(errno, name) for name in ("EACCES", "EPERM", "EROFS", "ENOSPC", "EDQUOT", "EFBIG",

@@ -28,6 +28,7 @@ import collections
 import dataclasses
 import os
 import threading
+from typing import Iterator
 from treetools.ckpt.leaves import check_name
 from treetools.ckpt.readers import JSON_EXPANSION, check_budget
 from treetools.ckpt.steps import MAX_METADATA_BYTES
@@ -250,7 +251,7 @@ def check_database(storage: Storage, base: str, limit: float, *, shown: str | No
     except Exception as e:  # tensorstore: a corrupt manifest
         raise CheckpointError(f"{os.path.join(shown, MANIFEST)}: corrupt OCDBT manifest ({first_line(e)}).") from None
     # What the walk read, and the folders whose files make ``stored_bytes`` (a file added changes its folder).
-    read: list[str] = [*key_files, *(f for f, _, _ in storage.walk(base))]
+    read: list[str] = [*key_files, *(f for f, _, _ in _walk(storage, base, shown))]
     leaf_bytes, nodes = 0, 0
     for node in dump.get("version_tree_nodes") or []:  # older versions: bounded, though the latest reads none
         loc = node.get("location") if isinstance(node, dict) else None
@@ -282,7 +283,7 @@ def check_database(storage: Storage, base: str, limit: float, *, shown: str | No
         except Exception as e:
             raise CheckpointError(f"{shown}: corrupt OCDBT b-tree node {loc} ({first_line(e)}).") from None
         pending += [(e["location"], height - 1) for e in entries if isinstance(e, dict) and isinstance(e.get("location"), str)]
-    files = _files(storage, base)
+    files = _files(storage, base, shown)
     database = Database(sum(size for _, size in files), node_bytes, leaf_bytes, nodes)
     read = list(dict.fromkeys(read))
     relative = tuple(os.path.relpath(path, base) if not storage.remote else path[len(base):].lstrip("/")
@@ -302,10 +303,21 @@ def _manifests(storage: Storage, base: str) -> list[str]:
     return sorted(n for n in names if n == MANIFEST or (n.startswith("manifest.") and len(n) == 25))
 
 
-def _files(storage: Storage, base: str) -> list[tuple[str, int]]:
+def _walk(storage: Storage, base: str, shown: str) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``storage.walk(base)``; a refusal (a symlink loop in the database's folder) names the folder as the
+    checkpoint does (``shown``), not as the descriptor it was read through (``/proc/self/fd/5/d/up``)."""
+    try:
+        yield from storage.walk(base)
+    except CheckpointError as e:
+        if base == shown or base not in str(e):
+            raise
+        raise CheckpointError(str(e).replace(base, shown)) from None
+
+
+def _files(storage: Storage, base: str, shown: str | None = None) -> list[tuple[str, int]]:
     """Every file of the database, with its size (the database's bytes on disk)."""
     out = []
-    for folder, _, files in storage.walk(base):
+    for folder, _, files in _walk(storage, base, shown or base):
         for name in files:
             path = os.path.join(folder, name)
             try:

@@ -30,7 +30,7 @@ from treetools.ckpt.formats._tensorstore import (
     zarr_header,
     zarr_leaves,
 )
-from treetools.ckpt.leaves import (NO_VALUE, Item, Leaf, Unreadable, array_row, check_name, tree_leaves,
+from treetools.ckpt.leaves import (EMPTY_FOLDER, NO_VALUE, Item, Leaf, Unreadable, array_row, check_name, tree_leaves,
                                    value_row)
 from treetools.ckpt.readers import read_metadata
 from treetools.ckpt.storage import SpecialFileError, Storage, normalize
@@ -198,12 +198,24 @@ def read_pytree_item(context: ReadContext, item_dir: str, name: str, problems: l
         chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None
         reader = TensorStoreReader(context, spec, shape, dtype, chunk, where=f"{item_dir}: `{'/'.join(path)}`",
                                    shared=shared)
-        if value_type in _VALUE_TYPES:  # a Python scalar: a value, counted as no parameter
-            leaves.append(Leaf(value_row(path), reader, key=param))
+        if value_type in _VALUE_TYPES:  # a Python scalar: a value, counted as no parameter, shown as its value
+            leaves.append(Leaf(value_row(path), reader, value=_scalar_value(reader), key=param))
         else:
             row = array_row(path, shape, dtype, sharding=shardings.get(param))
             leaves.append(Leaf(row, reader, key=param))
     return OrbaxItem(name, "pytree", leaves, folder=item_dir, metadata=raw)
+
+
+def _scalar_value(reader: TensorStoreReader) -> Any:
+    """The value of a Python scalar leaf (Orbax stores it as a zero-dimensional array): one element read, so that
+    every view shows it (a step counter, numpy's random state ``('MT19937', key, pos, ...)``); ``NO_VALUE`` when
+    it is no single element or cannot be read (``verify`` reads it again and names the problem)."""
+    if tuple(reader.shape) != () or reader.dtype.kind not in "biuf":
+        return NO_VALUE
+    try:
+        return reader.read_all().item()
+    except (CheckpointError, OSError, ValueError):
+        return NO_VALUE
 
 
 ARRAY_ITEM_NAME = "checkpoint"
@@ -400,7 +412,7 @@ def _why_unreadable(storage: Storage, folder: str) -> str:
         return "; ".join(_not_regular(e.path, file_kind(storage, e.path), folder) for e in odd[:4])
     names = [e.name for e in entries]
     shown = ", ".join(f"`{n}`" for n in names[:8]) + (", ..." if len(names) > 8 else "")
-    return (f"its folder holds {shown or 'nothing'}: no Orbax _METADATA, JSON file, zarr array, proto text or "
+    return (f"{EMPTY_FOLDER if not shown else f'its folder holds {shown}'}: no Orbax _METADATA, JSON file, zarr array, proto text or "
             "Grain iterator state, which are what treetools reads")
 
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from treetools.ckpt.context import DEFAULT_MEMORY_BUDGET, ReadContext
-from treetools.ckpt.leaves import Leaf, array_row
+from treetools.ckpt.leaves import Leaf, UnreadProblem, array_row
 from treetools.ckpt.readers import (
     ArrayReader,
     Index,
@@ -520,8 +520,8 @@ def _header(future: Any, w: str, pins: Pins | None, problems: list[str] | None) 
         if isinstance(future, CheckpointError):
             raise future
         return ArrayHeader(future.result(), w)
-    except CheckpointError as e:
-        message = str(e)
+    except CheckpointError as e:  # a FIFO where a file is read: not read (never opened), not damage
+        message = UnreadProblem(e) if isinstance(e, SpecialFileError) else str(e)
     except Exception as e:
         text = first_line(e)
         message = f"{w}: cannot open array metadata ({pins.shown(text) if pins is not None else text})."

@@ -19,12 +19,12 @@ from __future__ import annotations
 import base64
 import os
 import struct
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from treetools.ckpt.context import ReadContext
-from treetools.ckpt.formats._tensorstore import TensorStoreReader, item_stores, open_all, ts_spec
+from treetools.ckpt.formats._tensorstore import OPEN_BATCH, TensorStoreReader, item_stores, open_all, ts_spec
 from treetools.ckpt.leaves import Leaf, array_row, check_name
 from treetools.ckpt.source import FileSource, Format
 from treetools.ckpt.steps import read_json_file
@@ -89,16 +89,21 @@ class _Flat:
         pos = self.field(table, 0)
         return self._u("<b", pos) if pos is not None else 0
 
-    def vector(self, table: int, index: int) -> list[int]:
-        """Positions of the elements of a vector of offsets (tables or strings); [] when absent."""
+    def vector(self, table: int, index: int) -> tuple[int, int]:
+        """Where the entries of a vector of offsets (tables or strings) start, and how many; ``(0, 0)`` when
+        absent. Entries are found one at a time (``entry``): a node of 800,000 children holds no list of them."""
         pos = self.field(table, index)
         if pos is None:
-            return []
+            return 0, 0
         vec = pos + self._u("<I", pos)
         n = self._u("<I", vec)
-        if n > len(self.buf) // 4:
+        if n > (len(self.buf) - vec) // 4:
             raise CheckpointError(f"{self.where}: corrupt {TREE_KEY} (a vector of {n:,} entries).")
-        return [vec + 4 + 4 * i + self._u("<I", vec + 4 + 4 * i) for i in range(n)]
+        return vec + 4, n
+
+    def entry(self, start: int, i: int) -> int:
+        """The position of entry ``i`` of a vector of offsets starting at ``start``."""
+        return start + 4 * i + self._u("<I", start + 4 * i)
 
     def string(self, pos: int) -> str:
         n = self._u("<I", pos)
@@ -107,42 +112,81 @@ class _Flat:
         return self.buf[pos + 4:pos + 4 + n].decode("utf-8", "replace")
 
 
-def leaf_paths(raw: dict[str, Any], where: str) -> list[tuple[str, ...]]:
-    """The key path of every flattened leaf (in jax's flatten order), from the serialized ``PyTreeDef``: dict keys
-    by name, tuple/list/custom-node children by position. Read without jax.
-
-    >>> leaf_paths({TREE_KEY: "EAAAAAAACgAQAA8ACAAEAAoAAAAMAAAAJAAAAAAAAAQCAAAAEAAAAAQAAAABAAAAYgAAAAEAAABhAAAAAgAAABAAAAAEAAAA/P///wQABAAEAAAA"}, "x")  # jax: {"b": 1, "a": 2}
-    [('a',), ('b',)]
-    """
+def _flat(raw: dict[str, Any], where: str) -> _Flat:
     try:
-        flat = _Flat(base64.b64decode(raw[TREE_KEY], validate=True), where)
+        return _Flat(base64.b64decode(raw[TREE_KEY], validate=True), where)
     except (ValueError, TypeError):
         raise CheckpointError(f"{where}: corrupt {TREE_KEY} (not base64).") from None
-    paths: list[tuple[str, ...]] = []
-    stack: list[tuple[int, tuple[str, ...]]] = [(flat.root(), ())]
-    seen = 0
-    while stack:
-        table, path = stack.pop()
-        seen += 1
-        if seen > MAX_NODES or len(path) > MAX_DEPTH:
-            raise CheckpointError(f"{where}: {TREE_KEY} holds more nodes, or nests deeper, than a checkpoint does.")
-        kind = flat.kind(table)
-        if kind == _KIND_LEAF:
-            paths.append(path)
-            continue
+
+
+def iter_leaf_paths(raw: dict[str, Any], where: str) -> Iterator[tuple[str, ...]]:
+    """The key path of every flattened leaf (in jax's flatten order), from the serialized ``PyTreeDef``: dict keys
+    by name, tuple/list/custom-node children by position. Read without jax, one leaf at a time.
+
+    What it holds is the path being walked, never a list of every leaf or child. In a tree every node but the
+    root takes a 4-byte offset in its parent's vector and a table of its own (at least its 4-byte vtable
+    offset), so the nodes walked are bounded by the bytes, 1 + bytes / 8: a DAG of shared nodes (a 28 KB file
+    spelling 2^60 leaves, which grew the process past 2 GB) is refused once it outgrows them.
+
+    >>> list(iter_leaf_paths({TREE_KEY: "EAAAAAAACgAQAA8ACAAEAAoAAAAMAAAAJAAAAAAAAAQCAAAAEAAAAAQAAAABAAAAYgAAAAEAAABhAAAAAgAAABAAAAAEAAAA/P///wQABAAEAAAA"}, "x"))  # jax: {"b": 1, "a": 2}
+    [('a',), ('b',)]
+    """
+    flat = _flat(raw, where)
+    most = min(MAX_NODES, 1 + len(flat.buf) // 8)
+    walked = 0
+
+    def visit(table: int, depth: int) -> int:
+        nonlocal walked
+        walked += 1
+        if walked > most:
+            raise CheckpointError(f"{where}: corrupt {TREE_KEY} (more nodes than its {len(flat.buf):,} bytes can "
+                                  "spell: nodes shared, as no tree has them).")
+        if depth > MAX_DEPTH:
+            raise CheckpointError(f"{where}: {TREE_KEY} nests deeper than a checkpoint does.")
+        return flat.kind(table)
+
+    root = flat.root()
+    if visit(root, 0) == _KIND_LEAF:
+        yield ()
+        return
+    # One frame per node on the path walked: (kind, children vector, names vector, next child, path to the node).
+    stack: list[list[Any]] = []
+
+    def push(table: int, kind: int, path: tuple[str, ...]) -> None:
         if kind == _KIND_NONE:
-            continue
-        children = flat.vector(table, 1)
-        if kind == _KIND_DICT:
-            names = [flat.string(p) for p in flat.vector(table, 2)]
-            if len(names) != len(children):
-                raise CheckpointError(f"{where}: corrupt {TREE_KEY} (a dict whose keys and children differ in number).")
-        elif kind in (_KIND_TUPLE, _KIND_LIST, _KIND_CUSTOM):
-            names = [str(i) for i in range(len(children))]
-        else:
+            return
+        if kind not in (_KIND_DICT, _KIND_TUPLE, _KIND_LIST, _KIND_CUSTOM):
             raise CheckpointError(f"{where}: corrupt {TREE_KEY} (a node of unknown kind {kind}).")
-        stack.extend((child, path + (name,)) for child, name in reversed(list(zip(children, names))))
-    return paths
+        children = flat.vector(table, 1)
+        names = flat.vector(table, 2) if kind == _KIND_DICT else (0, 0)
+        if kind == _KIND_DICT and names[1] != children[1]:
+            raise CheckpointError(f"{where}: corrupt {TREE_KEY} (a dict whose keys and children differ in number).")
+        stack.append([kind, children, names, 0, path])
+
+    push(root, flat.kind(root), ())
+    while stack:
+        frame = stack[-1]
+        kind, (start, n), (names_at, _), i, path = frame
+        if i == n:
+            stack.pop()
+            continue
+        frame[3] = i + 1
+        child = flat.entry(start, i)
+        name = flat.string(flat.entry(names_at, i)) if kind == _KIND_DICT else str(i)
+        child_kind = visit(child, len(path) + 1)
+        if child_kind == _KIND_LEAF:
+            yield path + (name,)
+        else:
+            push(child, child_kind, path + (name,))
+
+
+def leaf_paths(raw: dict[str, Any], where: str) -> list[tuple[str, ...]]:
+    """Every leaf's key path (``iter_leaf_paths``), as a list.
+
+    >>> leaf_paths({TREE_KEY: "EAAAAAAACgAQAA8ACAAEAAoAAAAMAAAAJAAAAAAAAAQCAAAAEAAAAAQAAAABAAAAYgAAAAEAAABhAAAAAgAAABAAAAAEAAAA/P///wQABAAEAAAA"}, "x")
+    [('a',), ('b',)]
+    """
+    return list(iter_leaf_paths(raw, where))
 
 
 def read_jax_pytree(context: ReadContext, folder: str) -> tuple[list[Leaf], list[str]]:
@@ -153,30 +197,43 @@ def read_jax_pytree(context: ReadContext, folder: str) -> tuple[list[Leaf], list
     if not (isinstance(raw, dict) and isinstance(raw.get(TREE_KEY), str) and isinstance(raw.get(LEAVES_KEY), list)):
         raise CheckpointError(f"{meta_path}: not jax's pytree serialization ({TREE_KEY} and {LEAVES_KEY} expected).")
     descriptions = raw[LEAVES_KEY]
-    paths = leaf_paths(raw, meta_path)
-    if len(paths) != len(descriptions):
-        raise CheckpointError(f"{meta_path}: its structure has {len(paths):,} leaves and {LEAVES_KEY} lists "
+    count = sum(1 for _ in iter_leaf_paths(raw, meta_path))  # first counted, nothing kept: a mismatch costs nothing
+    if count != len(descriptions):
+        raise CheckpointError(f"{meta_path}: its structure has {count:,} leaves and {LEAVES_KEY} lists "
                               f"{len(descriptions):,}; the file is corrupt.")
-    paths = [p or (str(i),) for i, p in enumerate(paths)]  # a tree that is one array: named by its index
     notes: list[str] = []
-    ids = [i for i, d in enumerate(descriptions) if d is not None and d != "null"]
-    for i in ids:
-        for part in paths[i]:
-            check_name(part, where=meta_path)
     store = os.path.join(folder, ARRAY_STORE)
     ocdbt = storage.isfile(os.path.join(store, "manifest.ocdbt"))
-    # jax writes no chunk that equals the fill value (zeros) and reads a missing chunk as fill, as here.
-    specs = [{**ts_spec(storage, store, str(i), use_ocdbt=ocdbt, use_zarr3=True), "fill_missing_data_reads": True}
-             for i in ids]
-    wheres = [f"{folder}: `{'/'.join(paths[i])}`" for i in ids]
     shared = item_stores(storage)
-    leaves = []
-    for i, spec, where, header in zip(ids, specs, wheres, open_all(context, specs, wheres, stores=shared)):
-        dtype = np.dtype(header.dtype.numpy_dtype)
-        shape = tuple(int(d) for d in header.shape)
-        chunk = tuple(int(c) for c in header.chunk_layout.read_chunk.shape or ()) or None
-        reader = TensorStoreReader(context, spec, shape, dtype, chunk, where=where, shared=shared)
-        leaves.append(Leaf(array_row(paths[i], shape, dtype), reader, key=str(i)))
+    leaves: list[Leaf] = []
+    batch: list[tuple[int, tuple[str, ...]]] = []
+
+    def flush() -> None:
+        # jax writes no chunk that equals the fill value (zeros) and reads a missing chunk as fill, as here.
+        specs = [{**ts_spec(storage, store, str(i), use_ocdbt=ocdbt, use_zarr3=True), "fill_missing_data_reads": True}
+                 for i, _ in batch]
+        wheres = [f"{folder}: `{'/'.join(path)}`" for _, path in batch]
+        headers = open_all(context, specs, wheres, stores=shared)
+        for (i, path), spec, where, header in zip(batch, specs, wheres, headers):
+            dtype = np.dtype(header.dtype.numpy_dtype)
+            shape = tuple(int(d) for d in header.shape)
+            chunk = tuple(int(c) for c in header.chunk_layout.read_chunk.shape or ()) or None
+            reader = TensorStoreReader(context, spec, shape, dtype, chunk, where=where, shared=shared)
+            leaves.append(Leaf(array_row(path, shape, dtype), reader, key=str(i)))
+        batch.clear()
+
+    # Specs are made and headers opened a batch at a time, as the paths are walked: what is held before an array
+    # that is not there is refused is one batch, not a spec per declared leaf (800,000 of them held 661 MB).
+    for i, path in enumerate(iter_leaf_paths(raw, meta_path)):
+        if descriptions[i] is None or descriptions[i] == "null":
+            continue
+        path = path or (str(i),)  # a tree that is one array: named by its index
+        for part in path:
+            check_name(part, where=meta_path)
+        batch.append((i, path))
+        if len(batch) == OPEN_BATCH:
+            flush()
+    flush()
     return leaves, notes
 
 

@@ -112,6 +112,12 @@ def _opener(storage: Storage, path: str) -> tuple[Callable[[], Any], int]:
     if len(local) < 30 or local[:4] != ZIP_MAGIC:
         raise CheckpointError(f"{path}: corrupt zip (no local header for {WEIGHTS_MEMBER}).")
     start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+    # The size the zip's directory declares is no evidence: the member must lie within the zip's own bytes (a 7 KB
+    # file declaring a 4 GB member let its datasets declare 2^28 chunks "within" it, for verify to walk).
+    total = storage.getsize(path)
+    if info.compress_size != info.file_size or start + info.file_size > total:
+        raise CheckpointError(f"{path}: corrupt zip ({WEIGHTS_MEMBER} declares {info.file_size:,} bytes from byte "
+                              f"{start:,}, and the file holds {total:,}); refusing to read it.")
     return (lambda: h5py.File(_Window(storage, path, start, info.file_size), "r")), info.file_size
 
 

@@ -45,7 +45,7 @@ from treetools.ckpt.formats._orbax_items import (  # the items of a step; this m
     read_item,
     special_item,
 )
-from treetools.ckpt.leaves import (DEFAULT_ITEM, Item, Snapshot, Unreadable, check_name)
+from treetools.ckpt.leaves import (DEFAULT_ITEM, Item, Snapshot, Unreadable, UnreadProblem, check_name)
 from treetools.ckpt.readers import MemoryBudgetError, read_metadata
 from treetools.ckpt.source import Format, Source
 from treetools.ckpt.storage import SpecialFileError, Storage, normalize
@@ -226,7 +226,11 @@ class OrbaxSource(Source):
                 if _empty_folder(self.storage, item_dir):  # T5X's `dataset` without an iterator: nothing to check
                     self._note_empty(step, name, e.unreadable.handler)
                 else:
-                    problems.append(f"{self._shown(step)}: {e}.")
+                    problems.append(UnreadProblem(f"{self._shown(step)}: {e}."))
+                continue
+            except SpecialFileError as e:  # a FIFO in this item (never opened): not read, rather than damaged
+                problems.append(UnreadProblem(str(e)))
+                items.append(Item(name, "pytree", []))
                 continue
             except (CheckpointError, CheckpointNotFoundError) as e:
                 problems.append(str(e))

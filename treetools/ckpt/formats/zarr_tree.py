@@ -33,6 +33,7 @@ are never claimed: their own format reads them, or names what is missing.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Any, Sequence
@@ -42,6 +43,8 @@ import numpy as np
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.formats._orbax_items import logical_paths
 from treetools.ckpt.formats._tensorstore import TensorStoreReader, item_stores, natural_key, open_all
+from treetools.ckpt.formats._ts_folders import KEY_WORK, LOOKUP_WORK, LOOKUPS_PER_STORED_BYTE
+from treetools.ckpt.readers import ArrayReader
 from treetools.ckpt.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name
 from treetools.ckpt.source import Format, Source
 from treetools.ckpt.steps import read_file, scan_steps, step_series
@@ -67,19 +70,30 @@ MAX_FOLDERS = 1_000_000
 N5_HEADER = "attributes.json"
 
 
-def _header(storage: Storage, folder: str, files: Sequence[str]) -> str | None:
-    """The TensorStore driver of an array folder (``zarr``, ``zarr3``, ``n5``), None for any other folder."""
+def _header(storage: Storage, folder: str, files: Sequence[str], *, strict: bool = False) -> str | None:
+    """The TensorStore driver of an array folder (``zarr``, ``zarr3``, ``n5``), None for any other folder.
+
+    ``strict`` (reading the tree, not probing it): a ``zarr.json`` or ``attributes.json`` that cannot be read
+    (a FIFO, never opened; truncated, not JSON) is refused in one line naming it, never taken for "no array"
+    (the array it heads would be left out without a word)."""
     if ".zarray" in files:
         return "zarr"
     for name, driver in (("zarr.json", "zarr3"), (N5_HEADER, "n5")):
         if name not in files:
             continue
+        path = os.path.join(folder, name)
         try:
-            meta = json.loads(read_file(storage, os.path.join(folder, name), what="array header",
-                                        max_bytes=2**20).decode("utf-8"))
+            meta = json.loads(read_file(storage, path, what="array header", max_bytes=2**20).decode("utf-8"))
         except OutsideCheckpointError:
             raise  # a header linked out of the checkpoint: refused, not "no array"
-        except (CheckpointError, ValueError, UnicodeDecodeError):
+        except CheckpointError:
+            if strict:
+                raise
+            continue
+        except (ValueError, UnicodeDecodeError) as e:
+            if strict:
+                raise CheckpointError(f"{path}: not a JSON array header ({str(e)[:80]}): truncated or damaged; "
+                                      "its folder cannot be read.") from None
             continue
         if not isinstance(meta, dict):
             continue
@@ -134,7 +148,7 @@ def arrays_below(storage: Storage, top: str) -> tuple[list[tuple[tuple[str, ...]
                                   "checkpoint?).")
         rel = normalize(folder)[len(base):].strip("/")
         parts = tuple(re.split(r"[/\\]", rel)) if rel else ()
-        driver = _header(storage, folder, files)
+        driver = _header(storage, folder, files, strict=True)
         if driver is not None:
             found.append((parts, driver, folder))
             dirs[:] = []  # its chunks (and nested chunk folders)
@@ -188,9 +202,46 @@ def read_tree(context: ReadContext, top: str, *, problems: list[str] | None = No
         dtype = np.dtype(header.dtype.numpy_dtype)
         shape = tuple(int(d) for d in header.shape)
         chunk = tuple(int(c) for c in header.chunk_layout.read_chunk.shape or ()) or None
-        reader = TensorStoreReader(context, spec, shape, dtype, chunk, where=where, shared=shared)
+        keys = tuple(int(c) for c in header.chunk_layout.write_chunk.shape or ()) or chunk
+        why = _out_of_proportion(storage, folder, where, shape, keys)
+        reader = (TensorStoreReader(context, spec, shape, dtype, chunk, where=where, shared=shared) if why is None
+                  else RefusedReader(context, shape, dtype, chunk, why))
         leaves.append(Leaf(array_row(path, shape, dtype), reader, key="/".join(parts)))
     return leaves
+
+
+class RefusedReader(ArrayReader):
+    """An array whose metadata is shown and whose every read is refused before it starts (``why``, one line)."""
+
+    def __init__(self, context: ReadContext, shape: tuple[int, ...], dtype: np.dtype, chunk: Any, why: str):
+        self.context, self.shape, self.dtype, self.chunk_shape, self.why = context, shape, dtype, chunk, why
+
+    def read(self, index: Any) -> np.ndarray:
+        raise CheckpointError(self.why)
+
+
+def _out_of_proportion(storage: Storage, folder: str, where: str, shape: Sequence[int],
+                       chunk: Sequence[int] | None) -> str | None:
+    """Why reading the array of ``folder`` is refused, or None: TensorStore looks up every chunk (a file here) a
+    read spans, stored or not (a chunk never written reads as the fill value), at about 90 us each, so a
+    126-byte header declaring 2^34 chunks ran without end. The chunks are held to the bound OCDBT lookups are
+    held to (``check_lookups``: ``KEY_WORK`` each, ``LOOKUP_WORK`` plus ``LOOKUPS_PER_STORED_BYTE`` per byte
+    stored in the folder); the folder is measured only for an array of more chunks than ``LOOKUP_WORK`` allows."""
+    keys = math.prod(-(-int(n) // max(1, int(c))) for n, c in zip(shape, chunk or shape))
+    if keys * KEY_WORK <= LOOKUP_WORK:
+        return None
+    stored = 0
+    for top, _, files in storage.walk(folder):
+        for name in files:
+            try:
+                stored += storage.getsize(os.path.join(top, name))
+            except OSError:
+                continue
+        if keys * KEY_WORK <= LOOKUP_WORK + LOOKUPS_PER_STORED_BYTE * stored:
+            return None
+    return (f"{where}: {keys:,} chunks to look up (each a file, stored or not) for {stored:,} bytes stored in its "
+            "folder: reading them would take out of proportion to what is stored (a compute bomb?); refusing to "
+            "start.")
 
 
 def _pointer(storage: Storage, root: str, series: str) -> int | None:
