@@ -56,15 +56,16 @@ def test_shard_size_and_memory_budget_take_the_same_units(tmp_path, capsys, monk
         names = [n for f in files for n in safe_open(str(out / f), "numpy").keys()]
         assert sorted(names) == ["a", "b"]
     capsys.readouterr()
-    # --to orbax holds the item (8 KiB) in memory: a budget of 4K is over, 16K is not; a bare number is MiB.
-    src = str(tmp_path / "w.npz")
-    assert main(["convert", src, str(tmp_path / "o1"), "--to", "orbax", "--memory-budget-mb", "4K"]) == 1
+    # --show of a whole leaf holds it (8 KiB): a budget of 4K is over, 16K is not; a bare number is MiB.
+    np.savez(tmp_path / "big.npz", w=np.ones(2048, np.float32))
+    src = str(tmp_path / "big.npz")
+    assert main(["inspect", src, "--show", "w", "--memory-budget-mb", "4K"]) == 1
     assert "over the memory budget of 4.00 KiB" in capsys.readouterr().err
-    assert main(["convert", src, str(tmp_path / "o2"), "--to", "orbax", "--memory-budget-mb", "16K"]) == 0
-    assert main(["convert", src, str(tmp_path / "o3"), "--to", "orbax", "--memory-budget-mb", "0.004"]) == 1
+    assert main(["inspect", src, "--show", "w", "--memory-budget-mb", "16K"]) == 0
+    assert main(["inspect", src, "--show", "w", "--memory-budget-mb", "0.004"]) == 1
     assert "over the memory budget of 4.10 KiB" in capsys.readouterr().err  # 0.004 MiB = 4,194 bytes
     monkeypatch.setenv("TREETOOLS_MEMORY_BUDGET_MB", "4K")
-    assert main(["convert", src, str(tmp_path / "o4"), "--to", "orbax"]) == 1
+    assert main(["inspect", src, "--show", "w"]) == 1
     assert "over the memory budget of 4.00 KiB" in capsys.readouterr().err
-    assert main(["convert", src, str(tmp_path / "o5"), "--to", "orbax", "--memory-budget-mb", "lots"]) == 2
+    assert main(["inspect", src, "--show", "w", "--memory-budget-mb", "lots"]) == 2
     assert "--memory-budget-mb 'lots' is not a size" in capsys.readouterr().err
