@@ -694,3 +694,46 @@ def test_cut_paths_keep_the_parts_that_tell_rows_apart(tmp_path, capsys, monkeyp
     assert all(p.split("/")[4] in re.split(r"[/.…]", c) for p, c in zip(paths, cut)), cut
     (one,) = cut_paths([paths[0]], 30)
     assert len(one) <= 30 and one.endswith("bias")
+
+
+def test_every_whole_row_pastes_into_show_and_a_shortened_one_says_where_it_is_whole(tmp_path, capsys, monkeypatch):
+    # Issue 47, point 22: rows elided in the middle (`…/train/inner_state/...`) could not be pasted into `--show`,
+    # though the README says any row pastes. At 100 columns (a pipe), a row either is its whole path, which
+    # `inspect --show` takes, or is shortened with `…` and one note under the table says how to see it whole.
+    long_stem = "train/opt_state/1/inner_state/0/{m}/params/decoder/layers_0/self_attention_norm/scale"
+    longs = [long_stem.format(m=m) for m in ("mu", "nu")]  # 84 characters: shortened at 100 columns
+    mid = "params/decoder/layers_0/self_attention/query_projection/kernel"  # 62: whole once allclose goes
+    a = {p: np.full(4, 1.0, np.float32) for p in [*longs, mid]}
+    b = {p: a[p] + np.float32(k + 1) for k, p in enumerate(a)}  # row k moved by k + 1
+    np.savez(tmp_path / "a.npz", **a)
+    np.savez(tmp_path / "b.npz", **b)
+    monkeypatch.chdir(tmp_path)
+    for paths, cut in (([mid], False), ([*longs, mid], True)):
+        keep = {p: a[p] for p in paths}
+        np.savez("a1.npz", **keep)
+        np.savez("b1.npz", **{p: b[p] for p in paths})
+        rc, text, _ = run(capsys, "diff", "a1.npz", "b1.npz", "--values")
+        lines = text.splitlines()
+        assert rc == 1 and max(map(len, lines)) <= 100, text
+        rows = [re.split(r"\s{2,}", line) for line in lines if "(100%)" in line]
+        assert len(rows) == len(paths), text
+        notes = [line for line in lines if line.startswith("(… shortens paths")]
+        for cell, max_abs, *_ in rows:
+            path = list(a)[round(float(max_abs)) - 1]  # the row's own path, told by its number
+            if "…" in cell:
+                assert notes, text  # shortened: the note says where the whole paths are
+                continue
+            assert cell == path, (cell, path)
+            rc, out, err = run(capsys, "inspect", "a1.npz", "--show", cell, "--format", "json")
+            assert rc == 0, err
+            assert json.loads(out)["value"] == a[path].tolist()
+        assert len(notes) == cut, text  # said once, only where a path is shortened
+        if cut:
+            assert "--format json" in notes[0] and "100 columns" in notes[0]
+            assert any("…" in cell for cell, *_ in rows)
+            whole = {v["path"] for v in diff_json(capsys, "a1.npz", "b1.npz", "--values", rc=1)["values"]}
+            assert whole == set(paths)  # where the note points: every path whole, each pasting into --show
+            for path in whole:
+                assert run(capsys, "inspect", "a1.npz", "--show", path, "--format", "json")[0] == 0
+        else:
+            assert "allclose left out to fit 100 columns" in text  # left out so that the path shows whole

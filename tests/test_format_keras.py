@@ -89,13 +89,83 @@ def test_weights_h5_every_command(weights_h5, tmp_path):
 def test_keras_zip_every_command(keras_file, tmp_path):
     path, model, truth = keras_file
     assert int(truth["optimizer/vars/0"]) == 2  # iterations: one batch per epoch, two epochs
-    check_single_file(path, truth, tmp_path, "keras")
+    check_single_file(path, truth, tmp_path, "keras", params=_model_part(truth))
+
+
+def _model_part(truth):
+    """The truth without the optimizer's variables: the model's, as ``load_parameters`` and ``convert`` take."""
+    return {k: v for k, v in truth.items() if not k.startswith("optimizer/")}
 
 
 @pytest.mark.parametrize("which", ["weights_h5", "keras_file"])
 def test_convert(which, request, tmp_path):
     path, model, truth = request.getfixturevalue(which)
-    check_convert(path, truth, tmp_path)
+    check_convert(path, _model_part(truth), tmp_path)
+    (tmp_path / "whole").mkdir()
+    check_convert(path, truth, tmp_path / "whole", item="default")  # the whole file, asked for by name
+
+
+class _Subclassed(keras.Model):
+    """Variables saved under attribute names (``enc/vars/0``), ``layers/``, and the model's own ``vars/0``."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = keras.layers.Dense(4)
+        self.norm = keras.layers.BatchNormalization()
+        self.out = keras.layers.Dense(2)
+        self.scale = self.add_weight(shape=(2,), initializer="ones", name="scale")
+
+    def call(self, x):
+        return self.out(self.norm(self.enc(x))) * self.scale
+
+
+def _trained(model):
+    """Compiled with Adam and trained one step: the optimizer's variables exist and are saved with the model."""
+    model.compile(optimizer="adam", loss="mse")
+    model.fit(np.ones((4, 3), np.float32), np.ones((4, 2), np.float32), verbose=0, batch_size=4, epochs=1)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["sequential", "subclassed"])
+@pytest.mark.parametrize("saved", ["m.keras", "m.weights.h5"])
+def test_params_are_the_models_variables_not_the_optimizers(kind, saved, tmp_path):
+    # Issue 47 point 17: load_parameters, convert and inspect's params count held the optimizer's variables.
+    import json
+
+    import treetools as tt
+    from tests._every_command import run
+
+    keras.utils.set_random_seed(0)
+    model = _trained(_Subclassed() if kind == "subclassed" else keras.Sequential(
+        [keras.Input((3,)), keras.layers.Dense(4, name="enc"), keras.layers.BatchNormalization(name="bn"),
+         keras.layers.Dense(2)]))
+    path = tmp_path / saved
+    model.save(path) if saved.endswith(".keras") else model.save_weights(path)
+    weights = [np.asarray(keras.ops.convert_to_numpy(v.value)) for v in model.weights]
+    opt_sizes = sum(int(np.size(keras.ops.convert_to_numpy(v.value))) for v in model.optimizer.variables)
+    assert opt_sizes > 0 and any(not w.trainable for w in model.weights)  # BatchNorm's moving statistics count
+
+    got = tt.flatten(tt.load_parameters(path))
+    assert not [k for k in got if k.startswith("optimizer/")], sorted(got)
+    assert sum(v.size for v in got.values()) == model.count_params()
+    # The same variables, whatever their paths: each value's bytes, dtype and shape as the model holds it.
+    key = lambda a: (str(a.dtype), a.shape, a.tobytes())  # noqa: E731
+    assert sorted(map(key, got.values())) == sorted(map(key, weights))
+
+    rc, out, err = run("inspect", path, "--format", "json")
+    assert rc == 0, err
+    item = json.loads(out)["checkpoints"][0]["items"]["default"]
+    assert item["total_params"] == model.count_params() + opt_sizes  # inspect shows every stored variable
+    assert item["not_params"] == {"optimizer state": opt_sizes}
+    rc, out, err = run("inspect", path)
+    assert f"({model.count_params():,} params, {opt_sizes:,} optimizer state)" in out, out
+
+    dst = tmp_path / "converted.safetensors"
+    rc, out, err = run("convert", path, dst)
+    assert rc == 0, out + err
+    from safetensors.numpy import load_file
+
+    assert sorted(map(key, load_file(dst).values())) == sorted(map(key, weights))
 
 
 def test_diff_of_two_weight_files_names_the_changed_variable(weights_h5, tmp_path):

@@ -206,7 +206,8 @@ def _keras(tmp, whole):
     from tests.test_format_keras import write_keras_file, write_weights_h5
 
     path, _, truth = write_keras_file(tmp) if whole else write_weights_h5(tmp / "model.weights.h5")
-    return Case(path, truth)
+    # a compiled model's file: item `default` is every variable, the optimizer's too (without it, the model's)
+    return Case(path, truth, item="default" if whole else None)
 
 
 def _orbax_every_handler(tmp):

@@ -58,7 +58,7 @@ def non_param_leaves(leaves: Sequence["Leaf"]) -> dict[tuple[str, ...], str]:
     [(('bn', 'mean'), 'batch statistics'), (('bn', 'var'), 'batch statistics'), (('drop', 'rngs', 'count'), 'RNG state'), (('drop', 'rngs', 'key'), 'RNG state')]
     """
     names = {leaf.path for leaf in leaves}
-    out: dict[tuple[str, ...], str] = {}
+    out: dict[tuple[str, ...], str] = dict.fromkeys(keras_optimizer_paths(leaves), "optimizer state")
     for leaf in leaves:
         path = leaf.path
         if not path:
@@ -70,6 +70,39 @@ def non_param_leaves(leaves: Sequence["Leaf"]) -> dict[tuple[str, ...], str]:
                 (*path[:-1], "scale") in names or (*path[:-1], "bias") in names):
             out[path] = "batch statistics"
     return out
+
+
+KERAS_OPTIMIZER = "optimizer"
+"""Where Keras 3 saves a compiled model's optimizer variables (``optimizer/vars/N``, saving_lib's attribute path)."""
+
+
+def keras_optimizer_paths(leaves: Sequence["Leaf"]) -> list[tuple[str, ...]]:
+    """The paths of a Keras file's optimizer variables; none when the leaves are not laid out as Keras saves.
+
+    Keras 3 (``model.save``, ``save_weights``) writes every variable as ``<attribute path>/vars/<i>``: the
+    model's under its layers (``layers/dense``, a subclassed model's attribute names, its own ``vars``), the
+    optimizer's under ``optimizer``. The model's parameters (``model.count_params()``, ``model.weights``) are
+    every variable but the optimizer's.
+
+    >>> import numpy as np
+    >>> tree = {"layers": {"dense": {"vars": {"0": np.ones(2)}}}, "optimizer": {"vars": {"0": np.int64(3)}}}
+    >>> keras_optimizer_paths(tree_leaves(tree, where="x"))
+    [('optimizer', 'vars', '0')]
+    """
+    paths = [leaf.path for leaf in leaves]
+    if not paths or not all(len(p) >= 2 and p[-2] == "vars" and p[-1].isdigit() for p in paths):
+        return []
+    return [p for p in paths if len(p) > 2 and p[0] == KERAS_OPTIMIZER]
+
+
+def keras_model(item: Item) -> Item | None:
+    """A Keras file's model variables (every leaf but the optimizer's, paths as stored); None when ``item`` is not
+    a Keras file holding an optimizer's variables (``keras_optimizer_paths``)."""
+    if any(leaf.row.sep != "/" for leaf in item.leaves):
+        return None
+    optimizer = set(keras_optimizer_paths(item.leaves))
+    model = [leaf for leaf in item.leaves if leaf.path not in optimizer]
+    return dataclasses.replace(item, leaves=model) if optimizer and model else None
 
 
 def counts_params(item: str) -> bool:
@@ -228,6 +261,11 @@ def find_params(source: _Steps, step: int | None, *, item: str | None = None,
                        "chooses another item.")
     if name in ("params", "params_ema", "model"):
         return found, None
+    model = None if use_ema else keras_model(found)
+    if model is not None:
+        return model, (f"{where}: parameters taken from item `{name}` without `{KERAS_OPTIMIZER}/` (the Keras "
+                       "optimizer's variables), as keras' count_params counts them; item= (--item) chooses another "
+                       "item or path.")
     below, path = params_path(found, use_ema=use_ema)
     if path is None:
         return found, None
@@ -259,7 +297,8 @@ def params_within(found: Item, *, use_ema: bool = False) -> Item:
     else its ``params_subtree`` (an item holding a whole train state)."""
     if found.name in ("params", "params_ema", "model"):
         return found
-    return params_subtree(found, use_ema=use_ema)
+    model = None if use_ema else keras_model(found)
+    return model if model is not None else params_subtree(found, use_ema=use_ema)
 
 
 def params_subtree(item: Item, *, use_ema: bool = False) -> Item:

@@ -8,6 +8,7 @@ module only turns them into text, with ``treetools.shared.render``'s row tables 
 from __future__ import annotations
 
 import json
+import textwrap
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -335,17 +336,28 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
             text += f" (in {groups:,} group{'s' * (groups != 1)}, --depth {report.depth})"
         return text
 
+    said: list[bool] = []  # the note on shortened paths, said under the first table that has one
+
+    def noted(body: str, cut: bool) -> str:
+        if not cut or said:
+            return body
+        said.append(True)
+        fit = f"{width()} columns" if not md else f"{CELL_WIDTH} characters"
+        note = (f"(… shortens paths to fit {fit}; --format json" + (" or a wider terminal" if not md else "")
+                + " prints them whole)")
+        return body + ("\n\n" + note if md else "\n" + "\n".join(textwrap.wrap(note, width())))
+
     sections: list[tuple[str, str | None]] = []
     for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
         if rows:
             headers, data = row_cells(rows, ["path", "shape_cell", "dtype", "count"], path_width=None)
-            body, _ = _diff_table(data, headers, md)
-            sections.append((f"{title}: {counted(sum(r.leaves for r in rows), len(rows))}", body))
+            body, _, cut = _diff_table(data, headers, md)
+            sections.append((f"{title}: {counted(sum(r.leaves for r in rows), len(rows))}", noted(body, cut)))
     if report.changed:
         data = [[c.path, f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)]
                 for c in report.changed for f in c.fields]
-        body, _ = _diff_table(data, ["path", "field", "A", "B"], md)
-        sections.append((f"changed metadata: {counted(len(report.changed))}", body))
+        body, _, cut = _diff_table(data, ["path", "field", "A", "B"], md)
+        sections.append((f"changed metadata: {counted(len(report.changed))}", noted(body, cut)))
     if report.values is not None:
         diffs = [v for v in report.values if not v.bit_identical]
         compared = sum(v.leaves for v in report.values)
@@ -363,9 +375,10 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
             headers.append("allclose")
             for line, v in zip(data, diffs):
                 line.append("yes" if v.allclose else "no")
-            body, dropped = _diff_table(data, headers, md, droppable=("allclose",))
+            body, dropped, cut = _diff_table(data, headers, md, droppable=("allclose",))
             if dropped:
                 body += f"\n(allclose left out to fit {width()} columns: it is yes where outside tol is 0)"
+            body = noted(body, cut)
         sections.append((title, body))
     for name, unread in (("A", report.unread_a), ("B", report.unread_b)):
         if unread:
@@ -422,33 +435,44 @@ DIFF_PATH_MIN = 40
 
 
 def _diff_table(data: list[list[str]], headers: list[str], md: bool, droppable: Sequence[str] = ()
-                ) -> tuple[str, list[str]]:
-    """A diff section's table, path first (raw names, escaped here); returns it and the columns left out.
+                ) -> tuple[str, list[str], bool]:
+    """A diff section's table, path first (raw names, escaped here); returns it, the columns left out, and
+    whether a path was shortened (``…``).
 
     A terminal table fits ``width()``: the path column gets what the other columns leave, cut with
-    ``cut_paths`` (the parts the rows share go first, what tells them apart stays); while that is under
-    ``DIFF_PATH_MIN``, ``droppable`` columns are left out in order. Markdown keeps every column and paths up
-    to ``CELL_WIDTH``.
+    ``cut_paths`` (the parts the rows share go first, what tells them apart stays); ``droppable`` columns are
+    left out in order while that is under ``DIFF_PATH_MIN``, or where leaving them out lets every path show
+    whole (a whole path pastes into ``inspect --show``). Markdown keeps every column and paths up to
+    ``CELL_WIDTH``.
     """
-    def render(keep: list[int], room: int, stand_in: str | None = None) -> str:
+    whole = [safe_text(row[0]) for row in data]
+    longest = max(map(len, whole), default=0)
+
+    def render(keep: list[int], room: int, stand_in: str | None = None) -> tuple[str, bool]:
         paths = [stand_in] * len(data) if stand_in else cut_paths([row[0] for row in data], room)
         cells = [[path, *(row[i] for i in keep[1:])] for path, row in zip(paths, data)]
-        return tabulate(cells, headers=[headers[i] for i in keep], tablefmt="github" if md else "simple",
-                        disable_numparse=True)
+        table = tabulate(cells, headers=[headers[i] for i in keep], tablefmt="github" if md else "simple",
+                         disable_numparse=True)
+        return table, not stand_in and paths != whole
 
-    dropped: list[str] = []
-    keep = list(range(len(headers)))
-    if md:
-        return render(keep, CELL_WIDTH), dropped
-    while True:
+    def room_for(dropped: Sequence[str]) -> int:
         keep = [i for i, h in enumerate(headers) if h not in dropped]
         # What the other columns take: measured on a table whose path cells are 8 characters (wider than the
         # header "path" with its padding, so the column is exactly 8 wide).
-        others = max(map(len, render(keep, 0, "x" * 8).splitlines())) - 8
-        room = max(width() - others, 12)
+        others = max(map(len, render(keep, 0, "x" * 8)[0].splitlines())) - 8
+        return max(width() - others, 12)
+
+    dropped: list[str] = []
+    if md:
+        table, cut = render(list(range(len(headers))), CELL_WIDTH)
+        return table, dropped, cut
+    while True:
+        keep = [i for i, h in enumerate(headers) if h not in dropped]
+        room = room_for(dropped)
         left = [h for h in droppable if h in headers and h not in dropped]
-        if room >= DIFF_PATH_MIN or not left:
-            return render(keep, room), dropped
+        if not left or room >= longest or (room >= DIFF_PATH_MIN and room_for(dropped + left) < longest):
+            table, cut = render(keep, room)
+            return table, dropped, cut
         dropped.append(left[0])
 
 
