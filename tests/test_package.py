@@ -226,6 +226,6 @@ def test_make_demo_installs_what_the_demo_needs_and_make_test_adds_the_test_extr
     for heavy in ("moto", "keras", "equinox", "gcsfs", "s3fs", "pytest"):
         assert heavy not in demo_deps, heavy
     assert test[0] == demo[0] and test[-1] == {"test", "test-formats", "plot", "remote", "keras", "tensorboard",
-                                               "af3"}  # on top of it
+                                               "af3", "wandb"}  # on top of it
     assert test[-1] == set(extras)  # every extra: the suite tests them all
     assert _make_installs("bench", tmp_path)[-1] == test[-1]
