@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 DEMO_EXTRAS := plot
-TEST_EXTRAS := test,test-formats,plot,remote,keras,tensorboard,af3
+TEST_EXTRAS := test,test-formats,plot,remote,keras,tensorboard,af3,wandb
 WORKDIR ?= runs/demo
 
 .PHONY: demo test bench venv clean

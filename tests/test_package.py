@@ -110,8 +110,11 @@ def _check_target(target: str, where: str, *, clone: bool) -> None:
     from treetools.shared.install import DISTRIBUTION
 
     names = (DISTRIBUTION, ".") if clone else (DISTRIBUTION,)
+    # A wheel built from a clone (README "Releasing"): dist/jax_treetools-VERSION-py3-none-any.whl.
+    wheel = rf"(?:dist/)?{DISTRIBUTION.replace('-', '_')}-[\w.]+-py3-none-any\.whl"
     match = re.fullmatch(r"([^\[]+)(?:\[([\w,-]+)\])?", target)
-    assert match and match.group(1) in names, f"{where}: `pip install {target}` does not install {DISTRIBUTION}"
+    assert match and (match.group(1) in names or clone and re.fullmatch(wheel, match.group(1))), (
+        f"{where}: `pip install {target}` does not install {DISTRIBUTION}")
     unknown = set((match.group(2) or "").split(",")) - {""} - _extras()
     assert not unknown, f"{where}: `pip install {target}` names extras pyproject.toml lacks: {sorted(unknown)}"
 
@@ -151,6 +154,10 @@ def test_every_install_line_of_the_docs_names_the_distribution_or_a_clone():
     readme = targets.get("README.md", set())
     assert "jax-treetools[plot]" in readme and ".[plot]" in readme, readme  # from the index, and from a clone
     assert "pip install -e '.[plot]'" in (ROOT / "README.md").read_text()
+    # Issue 47.24: jax-treetools is not on the package index yet; the README must not send users there as if it were.
+    index_line = next(line for line in (ROOT / "README.md").read_text().splitlines()
+                      if "pip install 'jax-treetools[plot]'" in line)
+    assert "not yet" in index_line, index_line
 
 
 def test_the_messages_of_a_missing_extra_name_the_distribution(tmp_path, monkeypatch):
@@ -219,6 +226,6 @@ def test_make_demo_installs_what_the_demo_needs_and_make_test_adds_the_test_extr
     for heavy in ("moto", "keras", "equinox", "gcsfs", "s3fs", "pytest"):
         assert heavy not in demo_deps, heavy
     assert test[0] == demo[0] and test[-1] == {"test", "test-formats", "plot", "remote", "keras", "tensorboard",
-                                               "af3"}  # on top of it
+                                               "af3", "wandb"}  # on top of it
     assert test[-1] == set(extras)  # every extra: the suite tests them all
     assert _make_installs("bench", tmp_path)[-1] == test[-1]

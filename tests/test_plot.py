@@ -136,6 +136,37 @@ def test_per_module_norms_get_one_panel_per_kind(tmp_path):
         ("grad_norm per module", ["layers_3"])]
 
 
+def test_a_module_has_one_colour_in_every_panel(tmp_path):
+    # Two per-module panels ranked in opposite orders (grad_norm: layers_3 largest; param_norm: layers_0 largest),
+    # two runs: each module's lines have one colour across both panels and both runs, and modules differ.
+    records = [{"step": s, "loss": 1.0 / s, "grad_norm": 1.0, "param_norm": 1.0,
+                **{f"grad_norm/layers_{i}": (i + 1) / s for i in range(4)},
+                **{f"param_norm/layers_{i}": 10.0 - i for i in range(4)}} for s in range(1, 6)]
+    first = _write(tmp_path / "a" / "metrics.jsonl", records)
+    second = _write(tmp_path / "b" / "metrics.jsonl", records)
+    fig = tt.plot_metrics({"a": tt.read_metrics(str(first)), "b": tt.read_metrics(str(second))}, keys="norm/")
+    FigureCanvasAgg(fig).draw()
+    panels = _panels(fig)
+    assert set(panels) == {"grad_norm per module", "param_norm per module"}
+    assert [line.get_label() for line in panels["grad_norm per module"].lines][:4] == [f"layers_{i}" for i in (3, 2, 1, 0)]
+    assert [line.get_label() for line in panels["param_norm per module"].lines][:4] == [f"layers_{i}" for i in range(4)]
+    seen: dict[str, set] = {}
+    for ax in panels.values():
+        assert len(ax.lines) == 8  # 4 modules x 2 runs
+        for n, line in enumerate(ax.lines):
+            module = ax.lines[n % 4].get_label()  # the second run's lines come in the first run's order, unlabelled
+            seen.setdefault(module, set()).add(matplotlib.colors.to_hex(line.get_color()))
+    assert set(seen) == {f"layers_{i}" for i in range(4)}
+    assert all(len(colours) == 1 for colours in seen.values()), seen
+    assert len({c for colours in seen.values() for c in colours}) == 4
+    # The legend's swatches carry the same colours.
+    for ax in panels.values():
+        legend = ax.get_legend()
+        for text, handle in zip(legend.get_texts(), legend.legend_handles):
+            if text.get_text() in seen:
+                assert {matplotlib.colors.to_hex(handle.get_color())} == seen[text.get_text()]
+
+
 def _visible_major_ticks(fig, ax):
     FigureCanvasAgg(fig).draw()
     lo, hi = ax.get_ylim()

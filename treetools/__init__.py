@@ -118,6 +118,7 @@ _EXPORTS = {  # public name -> module under treetools
     "JsonlWriter": "pytree.metrics",
     "read_metrics": "pytree.metrics",
     "TensorBoardWriter": "pytree.metrics",
+    "WandbWriter": "pytree.metrics",
     # training health: spike/NaN detector, on-device recorder, dumps
     "SpikeDetector": "pytree.health",
     "DetectorState": "pytree.health",

@@ -41,11 +41,13 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 
 from treetools.cli import _output
 from treetools.cli._args import positive_float, positive_int, unit_float
 from treetools.shared.files import check_writable, refuse_link_out
+from treetools.shared.install import install_hint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d("--inject-spike", type=positive_int, default=None, metavar="STEP",
       help="feed a deliberately bad batch (every token 0) at STEP; implies --health")
     d("--ema-decay", type=unit_float, default=0.99, metavar="D", help="decay of the EMA params (default: 0.99)")
+    d("--tensorboard", default=None, metavar="DIR",
+      help="also write the metrics as TensorBoard event files in DIR (tt.TensorBoardWriter; needs tensorboardX, "
+           "the tensorboard extra); view with `tensorboard --logdir DIR`")
+    d("--wandb", default=None, metavar="PROJECT",
+      help="also log the metrics to a W&B run in PROJECT (tt.WandbWriter; needs wandb, the wandb extra), its files "
+           "under DIR/wandb; WANDB_MODE=offline logs without network (`wandb sync` uploads later)")
     d("--cpu-devices", type=positive_int, default=None, metavar="N",
       help="simulate N CPU devices (sets XLA_FLAGS; only before jax starts)")
     d("--quiet", action="store_true", help="print nothing but errors")
@@ -104,6 +112,19 @@ def check_workdir(workdir: str) -> None:
     raise ValueError(f"--workdir {workdir} {where}: a run written there would read as part of it; {fix}.")
 
 
+def _check_writers(args: argparse.Namespace) -> None:
+    """--tensorboard and --wandb fail now, before jax starts, when their package is missing or DIR is read-only."""
+    if args.tensorboard is not None:
+        if importlib.util.find_spec("tensorboardX") is None:
+            raise ImportError(f"--tensorboard needs tensorboardX; install it: {install_hint('tensorboard')}")
+        check_writable(os.path.join(args.tensorboard, "events"))
+    if args.wandb is not None:
+        if not args.wandb.strip() or "/" in args.wandb:
+            raise ValueError(f"--wandb {args.wandb!r}: give a W&B project name (no '/'), e.g. --wandb treetools-demo.")
+        if importlib.util.find_spec("wandb") is None:
+            raise ImportError(f"--wandb needs wandb; install it: {install_hint('wandb')}")
+
+
 def main(args: argparse.Namespace) -> int:
     check_workdir(args.workdir)
     # Orbax would save (and prune) through a link planted at WORKDIR/checkpoints; metrics.jsonl is guarded where
@@ -112,6 +133,7 @@ def main(args: argparse.Namespace) -> int:
     check_writable(os.path.join(args.workdir, "metrics.jsonl"))  # a read-only place fails now, before jax starts
     if args.health or args.inject_spike is not None:  # health dumps go to WORKDIR/health (checked again at each)
         refuse_link_out(os.path.join(args.workdir, "health"), args.workdir)
+    _check_writers(args)
     if args.cpu_devices:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
@@ -125,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
                       freeze_embeddings=args.freeze_embeddings, ema_decay=args.ema_decay, resume=args.resume,
                       quiet=args.quiet, norm_depth=args.norm_depth, model=ModelConfig(scan_layers=args.scan_layers),
                       health=args.health or args.inject_spike is not None, inject_spike=args.inject_spike,
+                      tensorboard=args.tensorboard, wandb_project=args.wandb,
                       log=lambda line: _output.out(line, flush=True))  # `| head`: training goes on, exit code kept
     train(cfg)
     return 0

@@ -285,26 +285,35 @@ def metrics_figure(
 
     fig = Figure(layout="constrained")
     axes, ncols = _grid(fig, len(panels))
-    colors = [_COLORS[i % len(_COLORS)] for i in range(max(len(runs), max_modules))]
+    colors = [_COLORS[i % len(_COLORS)] for i in range(len(runs))]
     styles = ["-", "--", ":", "-."]
 
-    for ax, (title, panel_keys, parent) in zip(axes, panels):
-        per_module = parent is not None
-        if per_module:
+    shown_panels = []
+    for title, panel_keys, parent in panels:
+        if parent is not None:
             panel_keys = sorted(panel_keys, key=lambda k: -_last_value(runs, k))
             if len(panel_keys) > max_modules:
                 title = f"{title} (largest {max_modules} of {len(panel_keys)})"
                 panel_keys = panel_keys[:max_modules]
+        shown_panels.append((title, panel_keys, parent))
+    # One colour per module across every panel (grad_norm's layers_3 and param_norm's layers_3 alike), in the order
+    # first shown; more distinct modules than colours: the cycle repeats, a module still keeps its colour.
+    modules = dict.fromkeys(key[len(parent) + 1:] for _, panel_keys, parent in shown_panels if parent is not None
+                            for key in panel_keys)
+    module_color = {module: _COLORS[i % len(_COLORS)] for i, module in enumerate(modules)}
+
+    for ax, (title, panel_keys, parent) in zip(axes, shown_panels):
+        per_module = parent is not None
         values: list[float] = []
         nonfinite: list = []
         labelled: set[str] = set()
         for r, (label, records) in enumerate(runs.items()):
-            for m, key in enumerate(panel_keys):
+            for key in panel_keys:
                 steps, ys = _series(records, key)
                 if not steps:
                     continue
                 if per_module:
-                    style = dict(color=colors[m], linestyle=styles[r % len(styles)], linewidth=1.2,
+                    style = dict(color=module_color[key[len(parent) + 1:]], linestyle=styles[r % len(styles)], linewidth=1.2,
                                  label=None if key in labelled else key[len(parent) + 1:])
                     labelled.add(key)
                 else:

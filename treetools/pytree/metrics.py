@@ -11,9 +11,10 @@ through ``read_metrics``).
 
 Writers (``MetricsLogger(writer)``): a path (``JsonlWriter``), a
 ``TensorBoardWriter(logdir)`` (event files, with the ``tensorboard`` extra:
-``pip install 'jax-treetools[tensorboard]'``), any callable ``(step, {name:
-number})`` (W&B: ``lambda step, m: wandb.log(m, step=step)``), or a list of
-them. A metric that is an array of more than one element is logged as one
+``pip install 'jax-treetools[tensorboard]'``), a ``WandbWriter(project)`` (a
+W&B run, with the ``wandb`` extra), any callable ``(step, {name: number})``
+(``lambda step, m: run.log(m, step=step)`` for a W&B run of your own), or a
+list of them. A metric that is an array of more than one element is logged as one
 number per element, ``name/0``, ``name/1``, ... (``name/i/j`` for 2-D): every
 writer takes numbers, and ``treetools plot --heatmap 'name/(\\d+)$'`` draws them.
 
@@ -339,6 +340,55 @@ class TensorBoardWriter:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+class WandbWriter:
+    """Log each metric to a Weights & Biases run: ``run.log(metrics, step=step)``.
+
+    Through ``wandb`` (the ``wandb`` extra: ``pip install 'jax-treetools[wandb]'``). The run is started here
+    (``wandb.init(project=..., dir=...)``) and finished by ``close()``; W&B's own settings apply, so
+    ``WANDB_MODE=offline`` writes the run under ``dir/wandb/offline-run-*`` without any network (``wandb
+    sync`` uploads it later). A resumed trainer run is a new W&B run starting at the step after
+    ``resume_step`` (recorded in the run's config). Only jax's process 0 logs unless ``all_processes``.
+
+    Args:
+      project: the W&B project.
+      dir: the folder W&B writes its ``wandb/`` files in (created if needed; None: W&B's default, the current folder).
+      config: the run's config (hyperparameters), shown by W&B.
+      resume_step: the step the run resumed from, or None for a fresh run.
+      all_processes: log from every jax process.
+
+    Raises:
+      ImportError: wandb is not installed (the message says how to install it).
+    """
+
+    def __init__(self, project: str, *, dir: str | os.PathLike | None = None, config: Mapping[str, Any] | None = None,
+                 resume_step: int | None = None, all_processes: bool = False):
+        self.project = project
+        self.all_processes = all_processes
+        self.run = None
+        if not _writes(all_processes):
+            return
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError(f"WandbWriter needs wandb; install it: {install_hint('wandb')}") from None
+        config = dict(config or {})
+        if resume_step is not None:
+            config["resume_step"] = operator.index(resume_step)
+        if dir is not None:
+            dir = os.path.expanduser(os.fspath(dir))
+            os.makedirs(dir, exist_ok=True)
+        self.run = wandb.init(project=project, dir=dir, config=config, reinit="create_new")
+
+    def __call__(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self.run is not None:
+            self.run.log(dict(metrics), step=int(step))
+
+    def close(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
 
 
 Writer = Callable[[int, dict[str, float]], Any]

@@ -14,7 +14,9 @@ Everything treetools offers, used the way a trainer would:
   ``scan_layers`` ``grad_norm/layers/<i>`` at depth 2, the layer index being a
   path part; the scanned blocks' stacked leaves split in the same pass),
   logged every ``log_every`` steps by ``MetricsLogger`` to ``WORKDIR/metrics.jsonl`` (no host sync in between;
-  started afresh by a fresh run, continued after the restored step on resume);
+  started afresh by a fresh run, continued after the restored step on resume), and with ``tensorboard=DIR``
+  to a ``TensorBoardWriter(DIR)``, with ``wandb_project=NAME`` to a ``WandbWriter(NAME)`` (its files under
+  ``WORKDIR/wandb/``): every writer gets the same records;
 * ``get_checkpoint_manager`` saving params, params_ema, opt_state and the data
   iterator state, with the step's loss and norms (``save_checkpoint(...,
   metrics=...)``, shown by ``treetools inspect --step all``);
@@ -85,6 +87,8 @@ class TrainConfig:
     health_length: int = 32  # steps the on-device ring holds
     health_after: int = 4  # steps past a flagged step before its dump is written
     health_warmup: int = 20  # steps before the detector may flag a spike (NaN/Inf at once)
+    tensorboard: str | None = None  # also write the metrics as TensorBoard event files in this folder
+    wandb_project: str | None = None  # also log the metrics to a W&B run of this project (files in WORKDIR/wandb)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
 
 
@@ -294,13 +298,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # A fresh run starts metrics.jsonl afresh; a resumed one keeps the records up to the restored
     # step and drops those logged after it (they are about to be logged again).
     jsonl = tt.JsonlWriter(metrics_path, resume_step=latest)
+    writers = [jsonl, *_extra_writers(cfg, latest)]
+
+    def record(step: int, host: dict[str, float]) -> None:
+        for writer in writers:
+            writer(step, host)
     losses: list[float] = []
     tick = [time.perf_counter(), start]
 
     def write(step: int, host: dict[str, float]) -> None:
         # MetricsLogger hands over host floats once per log step: the file and
         # the progress line share that one device-to-host transfer.
-        jsonl(step, host)
+        record(step, host)
         losses.append(host["loss"])
         now = time.perf_counter()
         rate = (step - tick[1]) / max(now - tick[0], 1e-9)
@@ -309,7 +318,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                   f"update_ratio {host['update_ratio']:.2e}  {rate:.1f} steps/s")
 
     logger = tt.MetricsLogger(write, every=cfg.log_every)
-    flag_log = tt.MetricsLogger(jsonl, every=1)  # a flagged step between log steps gets its own line
+    flag_log = tt.MetricsLogger(record, every=1)  # a flagged step between log steps gets its own line
     unread: dict[int, Any] = {}  # metrics of the steps whose flags the dumper has not read yet
     flags = [0, start]  # flagged steps since the last log step, and that step
     detector, _ = make_health(cfg)
@@ -359,12 +368,28 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                metrics={k: float(metrics[k]) for k in CHECKPOINT_METRICS})  # a save step's sync
     manager.wait_until_finished()
     manager.close()
+    for writer in writers:
+        close = getattr(writer, "close", None)
+        if callable(close):
+            close()
     _say(cfg, f"checkpoints: {ckpt_dir}\nmetrics:     {os.path.abspath(metrics_path)}")
     _say(cfg, f"inspect with: treetools inspect {ckpt_dir}")
     return {"state": state, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
             "checkpoint_dir": ckpt_dir,
             "metrics_path": metrics_path, "optimal_loss": data.optimal_loss(), "start_step": start,
             "health_events": events}
+
+
+def _extra_writers(cfg: TrainConfig, resume_step: int | None) -> list[Any]:
+    """The writers besides metrics.jsonl: TensorBoard event files, a W&B run; each continues after ``resume_step``."""
+    writers: list[Any] = []
+    if cfg.tensorboard is not None:
+        writers.append(tt.TensorBoardWriter(cfg.tensorboard, resume_step=resume_step))
+    if cfg.wandb_project is not None:
+        config = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                  if isinstance(getattr(cfg, f.name), (int, float, str, bool))}
+        writers.append(tt.WandbWriter(cfg.wandb_project, dir=cfg.workdir, config=config, resume_step=resume_step))
+    return writers
 
 
 def _log_flagged(cfg: TrainConfig, event: dict[str, Any], unread: dict[int, Any], flag_log: Any,
