@@ -13,7 +13,8 @@ This module is the contract only (no jax): ``treetools.checkpointing.distributed
 from __future__ import annotations
 
 import heapq
-from typing import Protocol, Sequence
+import pickle
+from typing import Any, Protocol, Sequence
 
 
 class Share(Protocol):
@@ -44,3 +45,21 @@ def owners(sizes: Sequence[int], count: int) -> list[int]:
         out[j] = p
         heapq.heappush(heap, (load + sizes[j], p))
     return out
+
+
+def pool(share: Share, value: Any) -> list[Any]:
+    """Every process's ``value``, by process index: each pickled and passed through ``share.allgather`` (a
+    collective: every process calls it in turn). The pickles come from the run's own processes, never from a
+    checkpoint's bytes; an exception that does not pickle travels as a ``RuntimeError`` of its type and text.
+
+    >>> class Alone:
+    ...     index, count = 0, 1
+    ...     def allgather(self, payload): return [payload]
+    >>> pool(Alone(), {"job": 3})
+    [{'job': 3}]
+    """
+    try:
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:
+        payload = pickle.dumps(RuntimeError(f"{type(value).__name__}: {value}"), protocol=pickle.HIGHEST_PROTOCOL)
+    return [pickle.loads(part) for part in share.allgather(payload)]

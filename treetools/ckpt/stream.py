@@ -39,7 +39,6 @@ import dataclasses
 import functools
 import math
 import os
-import pickle
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
@@ -47,7 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVa
 import numpy as np
 
 from treetools.ckpt.readers import ArrayReader, Index, MemoryBudgetError, block_extent, plan_blocks
-from treetools.ckpt.share import Share, owners
+from treetools.ckpt.share import Share, owners, pool
 
 GROUP_BLOCKS = 4
 """Blocks of one job per task: enough to amortize opening a store, few enough to spread a big leaf over threads."""
@@ -418,12 +417,11 @@ def _shared(share: Share, jobs: Sequence[Sequence[ArrayReader]], start: Callable
     try:
         got = reduce_blocks([jobs[j] for j in mine], lambda i: start(mine[i]), fold, share=_ALONE,
                             labels=[labels[j] for j in mine] if labels is not None else None, **kwargs)
-        payload = _dumps(dict(zip(mine, got)))
+        mine_done: Any = dict(zip(mine, got))
     except Exception as e:  # raised everywhere after the pooling: the others must not wait for this process
-        payload = _dumps(e)
+        mine_done = e
     out: list[Any] = [None] * len(jobs)
-    for part in share.allgather(payload):
-        found = pickle.loads(part)  # from the run's own processes, never a checkpoint's bytes
+    for found in pool(share, mine_done):
         if isinstance(found, Exception):
             raise found
         for j, result in found.items():
@@ -433,14 +431,6 @@ def _shared(share: Share, jobs: Sequence[Sequence[ArrayReader]], start: Callable
         raise RuntimeError(f"{len(missing)} job(s) read by no process of {share.count}: the processes disagree "
                            "about the checkpoint (each must read the same one)")
     return out
-
-
-def _dumps(value: Any) -> bytes:
-    """``value`` pickled; an exception that does not pickle as one line of its own type's name and text."""
-    try:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        return pickle.dumps(RuntimeError(f"{type(value).__name__}: {value}"), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class _Alone:

@@ -34,7 +34,6 @@ import dataclasses
 import json
 import math
 import os
-import pickle
 import re
 import struct
 from typing import Any, Callable, Iterator, Sequence
@@ -45,7 +44,7 @@ from treetools.ckpt.storage import Storage, backend
 from treetools.shared.files import fsync_file
 from treetools.ckpt.formats.safetensors import DTYPE_NAMES
 from treetools.ckpt.readers import ArrayReader, InMemoryReader, np_dtype
-from treetools.ckpt.share import Share, owners
+from treetools.ckpt.share import Share, owners, pool
 from treetools.ckpt.stream import stream_blocks
 from treetools.shared import rows
 from treetools.shared.errors import CheckpointError
@@ -343,7 +342,7 @@ def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str
     met: list[list[Any]] = []
 
     def meet(value: Any) -> list[Any]:
-        met.append([pickle.loads(b) for b in share.allgather(_pickled(value))])  # the run's own processes
+        met.append(pool(share, value))
         return met[-1]
 
     def write_mine(path: str | None) -> Any:
@@ -403,11 +402,3 @@ def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str
     error = first_error()
     if error is not None:
         raise error
-
-
-def _pickled(value: Any) -> bytes:
-    """``value`` pickled; an exception that does not pickle as a ``CheckpointError`` of its text."""
-    try:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        return pickle.dumps(CheckpointError(f"{type(value).__name__}: {value}"), protocol=pickle.HIGHEST_PROTOCOL)
