@@ -318,3 +318,26 @@ def test_moment_norms_of_nnx_state_of_the_optimizer_are_numpys_over_optaxs_state
     want = np.sqrt(sum(np.sum(np.asarray(tt.unbox_tree(x), np.float64) ** 2) for m in firsts
                        for x in jax.tree.leaves(m)))
     assert float(via_state["mu_norm"]) == pytest.approx(want, rel=1e-5)
+
+
+def test_logical_names_without_rules_are_refused_at_the_first_param_and_with_rules_moments_follow():
+    # Point 10: logical names and no rules. The plan names the first param leaf and the fix (not the moments
+    # alone); given the rules (or inside nn.logical_axis_rules), the moments are sharded as their params are.
+    class M(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            return nn.Dense(16, kernel_init=init)(x)
+
+    params = jax.eval_shape(M().init, jax.random.PRNGKey(0), jnp.ones((1, 8)))["params"]
+    mesh = {"data": 2, "fsdp": 4}
+    with pytest.raises(ValueError, match=r"`params/Dense_0/kernel` carries the logical names .*pass `rules=`"):
+        tt.memory_plan(params, mesh=mesh, optimizer=optax.adamw(1e-3))
+    rules = [("embed", "fsdp"), ("mlp", None)]
+    given = tt.memory_plan(params, mesh=mesh, optimizer=optax.adamw(1e-3), rules=rules)
+    with nn.logical_axis_rules(rules):
+        ambient = tt.memory_plan(params, mesh=mesh, optimizer=optax.adamw(1e-3))
+    # kernel (8, 16) float32 split 4 ways over `embed` -> fsdp: 128 bytes a device; bias (16,) replicated: 64.
+    assert given.by_part["params"] == ambient.by_part["params"] == 8 * 16 * 4 // 4 + 16 * 4
+    # Adam's mu and nu as their params (2 x 192), and its int32 count, replicated.
+    assert given.by_part["opt_state"] == ambient.by_part["opt_state"] == 2 * 192 + 4
