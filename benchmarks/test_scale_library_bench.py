@@ -27,7 +27,7 @@ from conftest import SCALE, report
 
 import treetools as tt
 
-N_LIBRARY = max(int(100_000 * SCALE), 40)
+N_LIBRARY = max(int(100_000 * SCALE), 80)  # at least the 19 layers PATTERNS names (4 leaves a layer)
 N_NORMS = [max(int(n * SCALE), 8) for n in (300, 1_000)]
 PATTERNS = [rf"layers/{i}/attn/bias$" for i in range(19)] + [r"mlp/bias$"]
 

@@ -41,6 +41,7 @@ ENV_READERS = {
     "ckpt/storage/bucket.py",  # the S3 client's own AWS_* variables, handed to TensorStore (which ignores them)
     "ckpt/storage/reach.py",  # the GCS client's own variables (emulator, credentials files, metadata server)
     "checkpointing/distributed.py",  # jax's own JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+    "pytree/estimates.py",  # jax's own XLA_PYTHON_CLIENT_MEM_FRACTION / _PREALLOCATE (the allocator's pool)
 }
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import logging
 import os
 from typing import Any, Callable, Iterator, Sequence
 
@@ -326,6 +327,9 @@ def write_orbax(
 
     handler = _leaf_handler_class()(block_bytes, on_block)
     registry = ocp.type_handlers.create_type_handler_registry((Leaf, handler))
+    # A registry without jax.Array makes Orbax warn that it keeps no array metadata: true, and no jax.Array is
+    # saved here; not a line for the user of every convert.
+    _quiet_absl("No jax.Array in TypeHandlerRegistry")
 
     def save_handler() -> Any:  # StandardCheckpointHandler is this handler with Orbax's global type registry
         return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
@@ -370,3 +374,21 @@ def write_orbax(
             for name in os.listdir(folder):  # Orbax's own tmp folder beside ours (StandardCheckpointer)
                 if name.startswith(os.path.basename(tmp)):
                     remove(os.path.join(folder, name))
+
+
+class _Without(logging.Filter):
+    """Drops the log records whose message holds ``text``."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def _quiet_absl(text: str) -> None:
+    """Drop absl log records holding ``text`` from now on (once per text, whatever the number of saves)."""
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _Without) and f.text == text for f in logger.filters):
+        logger.addFilter(_Without(text))
