@@ -721,3 +721,21 @@ def test_flat_stored_names_are_never_split_into_a_params_subtree(tmp_path):
     got = tt.load_parameters(tmp_path / "m.safetensors")
     assert sorted(got) == sorted(tensors)
     np.testing.assert_array_equal(got["lm_head.weight"], tensors["lm_head.weight"])
+
+
+def test_a_folder_named_like_a_step_of_a_series_with_no_committed_step_is_no_part_of_a_checkpoint(tmp_path):
+    # pytest's `test_name_0` folders beside an unfinished Orbax save (`other_1.orbax-checkpoint-tmp`): the folder
+    # holding them reads as a root (the unfinished save is Orbax's), but a run folder in `test_name_0/` is inside
+    # no checkpoint; a step of a series that has a committed step still is.
+    from treetools.ckpt.diagnose import enclosing_checkpoints
+
+    (tmp_path / "other_1.orbax-checkpoint-tmp-1700000000").mkdir()
+    (tmp_path / "test_name_0").mkdir()
+    assert enclosing_checkpoints(tmp_path / "test_name_0" / "run", include_self=True) == []
+    inside_save = enclosing_checkpoints(tmp_path / "other_1.orbax-checkpoint-tmp-1700000000" / "x")
+    assert str(tmp_path) in [str(p) for p, _ in inside_save]  # inside the unfinished save: part of the root still
+    root = tmp_path / "committed"
+    with ocp.CheckpointManager(str(root), options=ocp.CheckpointManagerOptions(step_prefix="ckpt")) as mgr:
+        mgr.save(1, args=ocp.args.StandardSave({"w": np.ones(3, np.float32)}))
+        mgr.wait_until_finished()
+    assert [str(p) for p, _ in enclosing_checkpoints(root / "ckpt_2" / "run")] == [str(root)]  # a step to come

@@ -18,7 +18,7 @@ from typing import Sequence
 from treetools.ckpt.context import ReadContext
 from treetools.ckpt.registry import claiming_format, registered_formats
 from treetools.ckpt.source import file_head, Format
-from treetools.ckpt.steps import MARKER, commit_evidence
+from treetools.ckpt.steps import MARKER, TMP_DIR_SUFFIX, commit_evidence
 from treetools.ckpt.storage import Storage, backend, is_url, normalize
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
@@ -100,11 +100,16 @@ def _holds(location: str, fmt: Format, name: str | None, looking: ReadContext) -
         if storage.lexists(entry):  # a file of the step is part of it; a stranger folder is not
             return not storage.isdir(entry)
         return commit_evidence(location, storage) == MARKER
-    names = set(listing.incomplete)
+    # A series none of whose steps is committed holds its unfinished saves (`*.orbax-checkpoint-tmp*`) and
+    # nothing else: `run_0/` beside another series' save is a folder named like a step, not part of a checkpoint
+    # (pytest's `test_name_0` folders beside an Orbax save made every run folder in them "inside a checkpoint").
+    names: set[str] = set()
     for series in listing.every_series().values():
-        names |= {os.path.basename(folder) for folder in series.committed.values()} | set(series.incomplete)
+        names |= {os.path.basename(folder) for folder in series.committed.values()}
+        names |= {n for n in series.incomplete if series.committed or TMP_DIR_SUFFIX in n}
+    names |= {n for n in listing.incomplete if listing.committed or TMP_DIR_SUFFIX in n}
     series_step = re.escape(listing.series) + r"\d+" if listing.series else r"\d+"
-    return name in names or re.fullmatch(series_step, name) is not None
+    return name in names or (bool(listing.committed) and re.fullmatch(series_step, name) is not None)
 
 
 def shown_path(location: str, display: str) -> str:
