@@ -4,7 +4,6 @@ parameters, the estimates beside the state. Ground truth: jax's own placement on
 
 from __future__ import annotations
 
-import collections
 
 import flax.linen as nn
 import jax
@@ -16,15 +15,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treetools as tt
-
-
-def _held(tree) -> dict:
-    """Bytes each device holds of ``tree``: jax's addressable shards, summed per device."""
-    out: dict = collections.Counter()
-    for leaf in jax.tree.leaves(tt.unbox_tree(tree)):
-        for shard in leaf.addressable_shards:
-            out[shard.device] += shard.data.nbytes
-    return out
+from tests.test_memory_plan import _held
 
 
 def _box(shape, names, dtype=jnp.float32):
