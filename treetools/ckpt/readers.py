@@ -52,6 +52,16 @@ MAX_ARRAY_BYTES = 2**60
 any real checkpoint, and far inside the int64 arithmetic numpy and TensorStore do on sizes."""
 
 
+def _count(d: Any, i: int, *, where: str, what: str) -> int:
+    """Entry ``i`` of a shape or an offset list read from metadata, as an int: an integer >= 0 (not a bool, not a
+    float such as ``1e999``), else one ``CheckpointError`` naming ``where``, ``what`` and the entry."""
+    if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
+        shown = repr(d) if isinstance(d, (int, float, str, bool, type(None), np.integer)) else type(d).__name__
+        raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {shown[:40]}, not an integer >= 0); "
+                              "the metadata is damaged or hostile.")
+    return int(d)
+
+
 def checked_shape(values: Any, *, where: str, itemsize: int = 1, what: str = "shape") -> tuple[int, ...]:
     """A shape (or chunk shape) read from a checkpoint's metadata, validated where it is parsed.
 
@@ -76,11 +86,7 @@ def checked_shape(values: Any, *, where: str, itemsize: int = 1, what: str = "sh
     out = []
     total = max(1, int(itemsize))
     for i, d in enumerate(values):
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
-            shown = repr(d) if isinstance(d, (int, float, str, bool, type(None), np.integer)) else type(d).__name__
-            raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {shown[:40]}, not an integer >= 0); "
-                                  "the metadata is damaged or hostile.")
-        d = int(d)
+        d = _count(d, i, where=where, what=what)
         total *= d if d else 1
         if d > MAX_ARRAY_BYTES or total > MAX_ARRAY_BYTES:
             raise CheckpointError(f"{where}: {what} declares more than 2**60 bytes (1 EiB, rank {len(values)}); "
@@ -92,8 +98,9 @@ def checked_shape(values: Any, *, where: str, itemsize: int = 1, what: str = "sh
 def checked_offsets(values: Any, *, where: str, count: int, limit: int, what: str = "offsets") -> tuple[int, ...]:
     """Byte offsets read from a checkpoint's header, each validated by itself and by the data it points into.
 
-    Each of the ``count`` entries must be an integer in ``[0, limit]`` (``limit``: the bytes there are, the
-    file's size less its header); offsets are never multiplied together, so a real file of any size passes
+    Each of the ``count`` entries must be an integer in ``[0, limit]`` (``limit``: the most there can be;
+    safetensors passes ``MAX_ARRAY_BYTES`` and names a file shorter than its offsets as truncated itself);
+    offsets are never multiplied together, so a real file of any size passes
     (a shard of 10 GB holds offsets near 10**10, whose product is past 2**60).
 
     Raises:
@@ -110,14 +117,11 @@ def checked_offsets(values: Any, *, where: str, count: int, limit: int, what: st
                               "the metadata is damaged or hostile.")
     out = []
     for i, d in enumerate(values):
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
-            shown = repr(d) if isinstance(d, (int, float, str, bool, type(None), np.integer)) else type(d).__name__
-            raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {shown[:40]}, not an integer >= 0); "
-                                  "the metadata is damaged or hostile.")
+        d = _count(d, i, where=where, what=what)
         if d > limit:
-            raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {int(d):,}, more than the {limit:,} bytes "
+            raise CheckpointError(f"{where}: corrupt {what} (entry {i} is {d:,}, more than the {limit:,} bytes "
                                   "there can be); the file is damaged or hostile.")
-        out.append(int(d))
+        out.append(d)
     return tuple(out)
 
 
