@@ -44,8 +44,8 @@ print('INCALL', time.process_time() - t, size(tree))
 
 
 _MAKE = """import sys, numpy as np
-from treetools.ckpt.readers import InMemoryReader
-from treetools.ckpt.writers.orbax import write_orbax
+from treetools.checkpoint_io.readers import InMemoryReader
+from treetools.checkpoint_io.writers.orbax import write_orbax
 if sys.argv[3] == "random":  # one incompressible 64 MiB array, the same in every leaf
     data = np.random.default_rng(0).standard_normal((4096, 4096), dtype=np.float32)
 else:

@@ -52,7 +52,7 @@ from process_runs import (  # noqa: E402
     treetools_script,
 )
 
-from treetools.ckpt.stream import cores  # noqa: E402
+from treetools.checkpoint_io.stream import cores  # noqa: E402
 
 SCALE = float(os.environ.get("TREETOOLS_BENCH_SCALE", "1.0"))
 ROWS = max(8, int(round(1024 * SCALE)))

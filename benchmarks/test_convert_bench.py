@@ -24,7 +24,7 @@ import numpy as np
 from conftest import SCALE, report
 
 import treetools as tt
-from treetools.ckpt.writers import safetensors as st_writer
+from treetools.checkpoint_io.writers import safetensors as st_writer
 
 FULL = 2**30
 TENSORS = 16

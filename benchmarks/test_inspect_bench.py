@@ -30,7 +30,7 @@ from etils import epath
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from treetools.commands.report import inspect_path
+from treetools.checkpoint_tools.report import inspect_path
 
 LAYERS = 32
 FULL_SMALL = 2 * 2**20

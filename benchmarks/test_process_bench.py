@@ -57,7 +57,7 @@ from process_runs import (
     treetools_script,
 )
 
-from treetools.ckpt.stream import cores
+from treetools.checkpoint_io.stream import cores
 
 ROWS = max(8, int(round(1024 * SCALE)))
 ROUNDS = 7 if SCALE >= 0.25 else 1

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: the servers of tests/_buckets.py
 from tests._buckets import _gcs_service, _s3_service, gcs_store, remote_store, s3_store  # noqa: F401 (fixtures)
-from treetools.commands.report import inspect_path
+from treetools.checkpoint_tools.report import inspect_path
 
 LAYERS = 32
 FULL = 256 * 2**20

@@ -41,12 +41,12 @@ import pytest
 from conftest import SCALE
 
 import treetools as tt
-from treetools.ckpt.opening import open_source
-from treetools.ckpt.stream import cores, reduce_blocks, stream_blocks
-from treetools.commands.diff import diff_paths, value_diffs
-from treetools.commands.report import inspect_path
-from treetools.commands.stats import compute_stats
-from treetools.commands.verify import verify_path
+from treetools.checkpoint_io.opening import open_source
+from treetools.checkpoint_io.stream import cores, reduce_blocks, stream_blocks
+from treetools.checkpoint_tools.diff import diff_paths, value_diffs
+from treetools.checkpoint_tools.report import inspect_path
+from treetools.checkpoint_tools.stats import compute_stats
+from treetools.checkpoint_tools.verify import verify_path
 
 LEAVES, COLS = 64, 2048
 ROWS = max(8, int(round(1024 * SCALE)))
@@ -314,7 +314,7 @@ def test_load_parameters_vs_library_loaders(ckpts):
     st, root, hf = ckpts["safetensors"][2], ckpts["orbax"]["path"], ckpts["hf"]
     shards = sorted(os.path.join(hf, f) for f in os.listdir(hf) if f.endswith(".safetensors"))
     # The library imported as far as a call needs (its format plugins too: the first open_source registers them).
-    ours = ("import treetools as tt, treetools.checkpointing.restore, treetools.ckpt\ntreetools.ckpt.registered_formats()\n"
+    ours = ("import treetools as tt, treetools.checkpoint_jax.restore, treetools.checkpoint_io\ntreetools.checkpoint_io.registered_formats()\n"
             "f = lambda: tt.load_parameters({!r}{})\n")
     orbax_numpy = (
         "import numpy as np, jax, orbax.checkpoint as ocp\nfrom etils import epath\n"

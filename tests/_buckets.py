@@ -294,7 +294,7 @@ class Store:
             import s3fs
 
             return s3fs.S3FileSystem(skip_instance_cache=True)
-        import gcsfs.core  # the plain client, as treetools.ckpt.storage uses it
+        import gcsfs.core  # the plain client, as treetools.checkpoint_io.storage uses it
 
         return gcsfs.core.GCSFileSystem(token="anon", skip_instance_cache=True)
 
@@ -318,13 +318,13 @@ class Store:
         The endpoints are constant for the session, so cached clients stay valid
         once made; but one made before the fixtures set the environment (say, a
         gcsfs instance without ``token="anon"``) would point at the real cloud.
-        Clears fsspec's instance caches and ``treetools.ckpt.storage``'s per-scheme
+        Clears fsspec's instance caches and ``treetools.checkpoint_io.storage``'s per-scheme
         clients (which hold fsspec instances and listings). Each store fixture calls it.
         """
         for module, cls in (("s3fs", "S3FileSystem"), ("gcsfs.core", "GCSFileSystem")):
             if module in sys.modules:
                 getattr(sys.modules[module], cls).clear_instance_cache()
-        storage = sys.modules.get("treetools.ckpt.storage")
+        storage = sys.modules.get("treetools.checkpoint_io.storage")
         if storage is not None:
             storage.forget_clients()
 

@@ -23,11 +23,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 import treetools as tt
-import treetools.commands.report as report_module
-import treetools.commands.stats as stats_module
+import treetools.checkpoint_tools.report as report_module
+import treetools.checkpoint_tools.stats as stats_module
 from treetools.cli import main
 from treetools.shared.errors import CheckpointError, StepDeletedError
-from treetools.commands.report import inspect_path
+from treetools.checkpoint_tools.report import inspect_path
 
 
 def _plain_orbax(folder: Path, tree: dict) -> Path:
@@ -260,7 +260,7 @@ def prune_after_open(monkeypatch):
 
 
 def test_load_parameters_and_restore_of_a_pruned_step_name_it(tmp_path, prune_after_open):
-    import treetools.checkpointing.restore as restore_module  # the module whose open_source load_parameters and restore use
+    import treetools.checkpoint_jax.restore as restore_module  # the module whose open_source load_parameters and restore use
 
     root = _two_steps(tmp_path)
     prune_after_open(restore_module, root)
@@ -279,14 +279,14 @@ def jax_struct(shape):
 
 
 def test_verify_and_show_of_a_pruned_step_name_it(tmp_path, capsys, prune_after_open):
-    import treetools.commands.verify as verify_module
+    import treetools.checkpoint_tools.verify as verify_module
 
     root = _two_steps(tmp_path)
     prune_after_open(verify_module, root)
     code, out, err = _run(capsys, "verify", root, "--step", "2")
     assert code == 1 and "step 2 was deleted" in err and "FAILED" not in out
     shutil.copytree(root / "1", root / "2")
-    import treetools.commands.show as show_module  # --show reads through show_leaf
+    import treetools.checkpoint_tools.show as show_module  # --show reads through show_leaf
 
     prune_after_open(show_module, root)
     code, _, err = _run(capsys, "inspect", root, "--step", "2", "--show", "params/w")

@@ -1,4 +1,4 @@
-"""treetools.checkpointing.manager and treetools.checkpointing.restore on 8 fake CPU devices: save, restore on other meshes, mismatches, load_parameters."""
+"""treetools.checkpoint_jax.manager and treetools.checkpoint_jax.restore on 8 fake CPU devices: save, restore on other meshes, mismatches, load_parameters."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import treetools as ckpt
-from treetools.ckpt import steps
+from treetools.checkpoint_io import steps
 from treetools.pytree.abstract import make_abstract
 from treetools.pytree.partitioning import unbox
 from treetools.pytree.paths import flatten, is_leaf
@@ -170,7 +170,7 @@ def test_read_only_manager_logs_no_notices_and_hides_no_other_warning(tmp_path, 
     # Issue 39, point 18: read_only=True printed two absl warnings (save_interval_steps=0, "directory is read only").
     from absl import logging as absl_logging
 
-    from treetools.checkpointing.manager import _quiet_read_only_notice
+    from treetools.checkpoint_jax.manager import _quiet_read_only_notice
 
     mngr = ckpt.get_checkpoint_manager(1, checkpoint_dir=tmp_path, async_save=False)
     ckpt.save_checkpoint(mngr, 1, {"params": {"w": np.ones(2, np.float32)}})
@@ -383,7 +383,7 @@ def test_load_parameters_unknown_step_lists_available(saved):
 
 def test_load_parameters_names_what_is_wrong_with_the_folder(saved, tmp_path):
     # Not a checkpoint: one error that lists the formats treetools reads (from the registry).
-    from treetools.ckpt.registry import registered_formats as formats
+    from treetools.checkpoint_io.registry import registered_formats as formats
 
     (tmp_path / "logs").mkdir()
     with pytest.raises(ckpt.CheckpointError, match=r"not a checkpoint that treetools can read\. Readable formats: ") as info:

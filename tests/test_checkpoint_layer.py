@@ -30,11 +30,11 @@ from flax import nnx, serialization
 
 import treetools as tt
 from treetools.cli import main
-from treetools.commands.diff import diff_paths
-from treetools.commands.report import inspect_path
-from treetools.ckpt.leaves import tree_leaves
-from treetools.ckpt.registry import claiming_format, register_format, registered_formats, unregister_format
-from treetools.ckpt.source import FileSource, Format
+from treetools.checkpoint_tools.diff import diff_paths
+from treetools.checkpoint_tools.report import inspect_path
+from treetools.checkpoint_io.leaves import tree_leaves
+from treetools.checkpoint_io.registry import claiming_format, register_format, registered_formats, unregister_format
+from treetools.checkpoint_io.source import FileSource, Format
 from treetools.pytree.paths import flatten
 
 FIXTURE = Path(__file__).parent / "fixtures" / "treetools_v0_1"
@@ -529,7 +529,7 @@ def test_a_plain_npy_reads_as_npy_and_is_never_a_did_you_mean(tmp_path, capsys, 
     # 0-byte file as the checkpoint the user meant.
     import shutil
 
-    from treetools.ckpt.opening import open_source
+    from treetools.checkpoint_io.opening import open_source
 
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.save(tmp_path / "x.npy", x)
@@ -545,7 +545,7 @@ def test_a_plain_npy_reads_as_npy_and_is_never_a_did_you_mean(tmp_path, capsys, 
     assert [open_source(str(tmp_path / n)).format for n in ("m.eqx", "two.npy")] == ["equinox", "equinox"]
     # Beside a stray array and an empty file, no "did you mean"; beside a real checkpoint, that one alone.
     # (Looked for one folder up only: other tests' folders in pytest's base folder can read as a run of steps.)
-    import treetools.ckpt.diagnose as source_module
+    import treetools.checkpoint_io.diagnose as source_module
 
     monkeypatch.setattr(source_module, "NEAR_LEVELS", {False: 1, True: 1})
     folder = tmp_path / "f"
@@ -577,7 +577,7 @@ def test_t5x_style_folder_is_not_claimed_as_orbax(tmp_path, capsys):
 def test_unexpected_exception_keeps_its_traceback(tmp_path, monkeypatch):
     # A bug is not a known error: the CLI lets it through instead of a one-line "internal error".
     path, _, _ = write_npz(tmp_path)
-    import treetools.commands.report as report
+    import treetools.checkpoint_tools.report as report
 
     def boom(*args, **kwargs):
         raise RuntimeError("a bug")
@@ -727,7 +727,7 @@ def test_a_folder_named_like_a_step_of_a_series_with_no_committed_step_is_no_par
     # pytest's `test_name_0` folders beside an unfinished Orbax save (`other_1.orbax-checkpoint-tmp`): the folder
     # holding them reads as a root (the unfinished save is Orbax's), but a run folder in `test_name_0/` is inside
     # no checkpoint; a step of a series that has a committed step still is.
-    from treetools.ckpt.diagnose import enclosing_checkpoints
+    from treetools.checkpoint_io.diagnose import enclosing_checkpoints
 
     (tmp_path / "other_1.orbax-checkpoint-tmp-1700000000").mkdir()
     (tmp_path / "test_name_0").mkdir()

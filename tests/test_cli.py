@@ -18,7 +18,7 @@ import pytest
 import treetools as tt
 from treetools import cli
 from treetools.cli import main
-from treetools.commands.progress import Progress
+from treetools.checkpoint_tools.progress import Progress
 from tests.test_inspect import inspect_json, numpy_stats, one_error_line, run
 
 def only_item(data: dict, name: str = "default") -> dict:
@@ -301,8 +301,8 @@ def test_metadata_inspect_loads_neither_the_rules_nor_the_block_engine_nor_the_s
     # only for --stats, rules and the other commands. (The rules spec, standard library only, loads with the parser:
     # its field table gives the rules flags.)
     np.savez(tmp_path / "a.npz", w=np.ones((2, 4), np.float32))
-    later = ["treetools.rules.plan", "treetools.ckpt.mapping", "treetools.ckpt.stream", "treetools.commands.stats",
-             "treetools.commands.progress"]
+    later = ["treetools.rules.plan", "treetools.checkpoint_io.mapping", "treetools.checkpoint_io.stream", "treetools.checkpoint_tools.stats",
+             "treetools.checkpoint_tools.progress"]
     code = ("import io, contextlib, sys\nfrom treetools.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n    assert main(sys.argv[1:]) == 0\n"
             f"print([m for m in {later!r} if m in sys.modules])\n")
@@ -505,7 +505,7 @@ def test_version_and_help_return_0(capsys):
 
 
 def test_inspect_help_names_every_built_in_format_and_statistic(capsys):
-    from treetools.ckpt.registry import registered_formats
+    from treetools.checkpoint_io.registry import registered_formats
     from treetools.shared.rows import STATS
 
     rc, out, _ = run(capsys, "inspect", "--help")
@@ -519,8 +519,8 @@ def test_inspect_help_names_every_built_in_format_and_statistic(capsys):
 def test_every_registered_format_is_described_in_inspect_help_and_named_in_the_readme(capsys):
     # Issue 24.24: `inspect --help` listed fewer formats than the README. Both now name every registered format;
     # --help takes them (and their descriptions) from the registry, read without importing numpy.
-    from treetools.ckpt.formats import catalog
-    from treetools.ckpt.registry import registered_formats
+    from treetools.checkpoint_io.formats import catalog
+    from treetools.checkpoint_io.registry import registered_formats
 
     formats = [(f.name, f.description) for f in registered_formats()]
     assert catalog() == formats

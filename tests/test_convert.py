@@ -24,10 +24,10 @@ import safetensors.numpy
 from safetensors import safe_open
 
 import treetools as tt
-from treetools.ckpt import writers  # noqa: F401  (the package imports without jax)
-from treetools.ckpt.stream import cores
+from treetools.checkpoint_io import writers  # noqa: F401  (the package imports without jax)
+from treetools.checkpoint_io.stream import cores
 from treetools.shared.settings import block_bytes_from
-from treetools.ckpt.writers import safetensors as st_writer
+from treetools.checkpoint_io.writers import safetensors as st_writer
 from treetools.cli import main
 
 from tests._t5x_writer import save_t5x
@@ -395,7 +395,7 @@ def test_progress_bar_draws_per_block_on_a_terminal(tmp_path, capsys):
 _SLOW_CHILD = """
 import sys, time
 import treetools as tt
-from treetools.ckpt.writers import safetensors as w
+from treetools.checkpoint_io.writers import safetensors as w
 real = w.tensor_blocks
 def slow(tensors, block_bytes):
     for tensor, block in real(tensors, block_bytes):
@@ -531,7 +531,7 @@ def test_bucket_destinations_stream_their_uploads(tmp_path, remote_store, monkey
 
 
 def test_a_failed_bucket_upload_leaves_no_object(tmp_path, remote_store, monkeypatch):
-    from treetools.ckpt.storage import bucket
+    from treetools.checkpoint_io.storage import bucket
 
     monkeypatch.setattr(bucket, "UPLOAD_BLOCK", 5 * 2**20)  # S3's smallest part: a multipart upload starts
     np.savez(tmp_path / "w.npz", a=rng.standard_normal(2**22, dtype=np.float32), b=np.ones(3, np.float32))
@@ -554,7 +554,7 @@ def test_a_failed_bucket_upload_leaves_no_object(tmp_path, remote_store, monkeyp
 
 
 def test_writers_import_no_jax():
-    code = ("import sys, treetools.ckpt.writers.safetensors, treetools.ckpt.writers.orbax, treetools.commands.convert\n"
+    code = ("import sys, treetools.checkpoint_io.writers.safetensors, treetools.checkpoint_io.writers.orbax, treetools.checkpoint_tools.convert\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'orbax')))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -25,10 +25,10 @@ import tensorstore as ts
 from safetensors import safe_open
 
 import treetools as tt
-from treetools.ckpt.formats._tensorstore import TensorStoreReader
-from treetools.ckpt.readers import InMemoryReader, block_extent
-from treetools.ckpt.stream import cores
-from treetools.ckpt.writers.orbax import c_order_chunk, write_orbax
+from treetools.checkpoint_io.formats._tensorstore import TensorStoreReader
+from treetools.checkpoint_io.readers import InMemoryReader, block_extent
+from treetools.checkpoint_io.stream import cores
+from treetools.checkpoint_io.writers.orbax import c_order_chunk, write_orbax
 from treetools.shared.settings import block_bytes_from
 
 from tests._every_command import flat_arrays, run

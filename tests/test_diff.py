@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from treetools.commands.diff import diff_paths
+from treetools.checkpoint_tools.diff import diff_paths
 from tests.test_inspect import flat, host_tree, meta_of, one_error_line, run, write_run
 
 
@@ -371,9 +371,9 @@ def _fast_path_case(case: str) -> tuple[np.ndarray, np.ndarray, float, float]:
                                   "zero_tolerance", "identical_with_nan", "sparse", "atol0_near_line",
                                   "atol0_subnormal_tolerance", "atol0_tiny_adam_nu"])
 def test_fast_float_comparison_is_numpys_float64_rule(case):
-    from treetools.ckpt.readers import InMemoryReader
-    from treetools.ckpt.leaves import array_row, Leaf
-    from treetools.commands.diff import value_diffs
+    from treetools.checkpoint_io.readers import InMemoryReader
+    from treetools.checkpoint_io.leaves import array_row, Leaf
+    from treetools.checkpoint_tools.diff import value_diffs
 
     a, b, atol, rtol = _fast_path_case(case)
     leaf = lambda x: Leaf(array_row(("w",), x.shape, x.dtype), InMemoryReader(x))  # noqa: E731
@@ -566,8 +566,8 @@ def test_tiny_adam_nu_that_changed_60_percent_is_outside_the_default_tolerance(t
 
 def test_default_tolerance_takes_the_float32_fast_path():
     # atol 0 (the default) must not send every float32 leaf down the float64 reference code.
-    from treetools.commands.diff import _Rule
-    from treetools.commands.options import DiffOptions
+    from treetools.checkpoint_tools.diff import _Rule
+    from treetools.checkpoint_tools.options import DiffOptions
 
     f32 = np.dtype(np.float32)
     rule = _Rule.of(f32, f32, DiffOptions().atol, DiffOptions().rtol)

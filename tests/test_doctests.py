@@ -20,7 +20,7 @@ MODULES = sorted(m.name for m in pkgutil.walk_packages(treetools.__path__, "tree
 def test_the_walk_finds_every_layer():
     # The walk is not vacuous: each layer folder contributes modules with examples.
     with_examples = [name for name in MODULES if _examples(importlib.import_module(name))]
-    for folder in ("shared", "rules", "pytree", "ckpt", "checkpointing", "commands", "cli"):
+    for folder in ("shared", "rules", "pytree", "checkpoint_io", "checkpoint_jax", "checkpoint_tools", "cli"):
         assert any(name.startswith(f"treetools.{folder}.") for name in with_examples), folder
     assert len(with_examples) >= 40, with_examples
 

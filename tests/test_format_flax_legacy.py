@@ -16,8 +16,8 @@ from flax.training import checkpoints
 import treetools as tt
 from treetools.cli import main
 from treetools.shared.errors import StepDeletedError
-from treetools.ckpt.opening import open_source
-from treetools.commands.report import inspect_path
+from treetools.checkpoint_io.opening import open_source
+from treetools.checkpoint_tools.report import inspect_path
 
 
 def _state(step):

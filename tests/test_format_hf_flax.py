@@ -16,7 +16,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 import treetools as tt
 from treetools.cli import main
-from treetools.commands.report import inspect_path
+from treetools.checkpoint_tools.report import inspect_path
 
 INDEX = "flax_model.msgpack.index.json"
 

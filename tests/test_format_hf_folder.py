@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 import treetools as tt
 from treetools.cli import main
-from treetools.commands.report import inspect_path
+from treetools.checkpoint_tools.report import inspect_path
 from treetools.pytree.paths import flatten
 
 SIDE_FILES = {

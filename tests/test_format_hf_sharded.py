@@ -10,8 +10,8 @@ from safetensors.numpy import save_file
 
 import treetools as tt
 from treetools.cli import main
-from treetools.commands.diff import diff_paths
-from treetools.commands.report import inspect_path
+from treetools.checkpoint_tools.diff import diff_paths
+from treetools.checkpoint_tools.report import inspect_path
 
 
 def _write(folder, tensors_per_shard):

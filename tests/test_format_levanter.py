@@ -228,7 +228,7 @@ def test_a_folder_with_metadata_json_of_another_writer_is_not_a_levanter_step(tm
     model = _model(3)
     save_export(tmp_path / "tree" / "model", model)
     (tmp_path / "tree" / "metadata.json").write_text('{"name": "mine"}')
-    from treetools.ckpt.registry import claiming_format
+    from treetools.checkpoint_io.registry import claiming_format
 
     fmt = claiming_format(str(tmp_path / "tree"))
     assert fmt is None or fmt.name != "levanter", fmt

@@ -14,7 +14,7 @@ import pytest
 
 import treetools as tt
 from treetools.cli import main
-from treetools.commands.report import inspect_path
+from treetools.checkpoint_tools.report import inspect_path
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 MANAGER, PYTREE, NNX = (FIXTURES / f"orbax_0_6_{name}" for name in ("manager", "pytree", "nnx"))

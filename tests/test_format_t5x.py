@@ -16,14 +16,14 @@ import pytest
 from flax import traverse_util
 
 import treetools as tt
-from treetools.ckpt.context import ReadContext
+from treetools.checkpoint_io.context import ReadContext
 from treetools.cli import main
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
-from treetools.commands.diff import diff_paths
-from treetools.commands.report import inspect_path
-from treetools.commands.show import show_leaf
-from treetools.ckpt.opening import open_source
-from treetools.commands.verify import verify_path
+from treetools.checkpoint_tools.diff import diff_paths
+from treetools.checkpoint_tools.report import inspect_path
+from treetools.checkpoint_tools.show import show_leaf
+from treetools.checkpoint_io.opening import open_source
+from treetools.checkpoint_tools.verify import verify_path
 
 from tests._t5x_writer import save_orbax_legacy_item, save_orbax_legacy_step, save_t5x
 
@@ -362,7 +362,7 @@ def test_a_fifo_instead_of_zarray_is_refused_not_waited_on(model_dir, tmp_path):
 
 
 def test_claims_need_positive_evidence(tmp_path):
-    from treetools.ckpt.formats.t5x import FORMAT
+    from treetools.checkpoint_io.formats.t5x import FORMAT
 
     (tmp_path / "checkpoint").write_text("model_checkpoint_path: \"model.ckpt-100\"\n")  # TensorFlow's index file
     assert not FORMAT.claims(str(tmp_path / "checkpoint"), ReadContext().confined_to(str(tmp_path)))
@@ -428,7 +428,7 @@ def test_an_inline_array_whose_bytes_do_not_fill_its_shape_is_corrupt(tmp_path):
 def test_docstring_examples():
     import doctest
 
-    from treetools.ckpt.formats import t5x
+    from treetools.checkpoint_io.formats import t5x
 
     result = doctest.testmod(t5x, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

@@ -25,10 +25,10 @@ from safetensors.numpy import save_file as save_safetensors
 
 import treetools as tt
 from treetools.cli import main
-from treetools.ckpt.opening import open_source
-from treetools.commands.diff import diff_paths
-from treetools.commands.report import inspect_path
-from treetools.commands.show import show_leaf
+from treetools.checkpoint_io.opening import open_source
+from treetools.checkpoint_tools.diff import diff_paths
+from treetools.checkpoint_tools.report import inspect_path
+from treetools.checkpoint_tools.show import show_leaf
 from treetools.pytree.paths import flatten
 from tests._every_command import flat_arrays
 from tests.test_checkpoint_layer import write_orbax_manager_linen

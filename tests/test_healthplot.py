@@ -1,4 +1,4 @@
-"""treetools.commands.healthplot and `treetools plot DUMP.json`: a health dump drawn per layer (issue 40)."""
+"""treetools.checkpoint_tools.healthplot and `treetools plot DUMP.json`: a health dump drawn per layer (issue 40)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.test_health import _grads, _metrics
-from treetools.commands.healthplot import health_figure, is_health_dump, read_health_dump
+from treetools.checkpoint_tools.healthplot import health_figure, is_health_dump, read_health_dump
 from treetools.pytree.health import HealthDumper, HealthRecorder, SpikeDetector
 
 pytest.importorskip("matplotlib")

@@ -13,7 +13,7 @@ import pytest
 from flax import serialization
 
 from treetools.cli import main
-from treetools.commands.diff import diff_paths
+from treetools.checkpoint_tools.diff import diff_paths
 
 
 def _safetensors(path, header: dict, data: bytes) -> None:
@@ -34,7 +34,7 @@ def test_file_truncated_while_reading_is_an_error_not_sigbus(tmp_path):
     f = tmp_path / "m.safetensors"
     save_file({"w": np.arange(2**20, dtype=np.float32)}, str(f))
     code = ("import os, sys\n"
-            "from treetools.ckpt import open_source\nfrom treetools.shared.errors import CheckpointError\n"
+            "from treetools.checkpoint_io import open_source\nfrom treetools.shared.errors import CheckpointError\n"
             f"leaf = open_source({str(f)!r}).snapshot().items['default'].leaves[0]\n"
             f"os.truncate({str(f)!r}, 4096)\n"
             "try:\n    [b.sum() for b in leaf.reader.storage_blocks(1 << 16)]\n"
@@ -113,7 +113,7 @@ def test_msgpack_nested_a_thousand_levels_deep_is_no_recursion_error(tmp_path):
     for _ in range(900):
         tree = {"n": tree}
     (tmp_path / "deep.msgpack").write_bytes(msgpack.packb(tree))
-    from treetools.ckpt.opening import open_source
+    from treetools.checkpoint_io.opening import open_source
 
     source = open_source(str(tmp_path / "deep.msgpack"))
     (leaf,) = source.snapshot().items["default"].leaves

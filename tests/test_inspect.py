@@ -1,4 +1,4 @@
-"""treetools.commands and `treetools inspect` on checkpoints written by Orbax, Flax, safetensors and numpy.
+"""treetools.checkpoint_tools and `treetools inspect` on checkpoints written by Orbax, Flax, safetensors and numpy.
 
 Every expected shape, dtype, count, byte total, sharding and statistic is
 derived here from the writer's own arrays (numpy float64 for statistics),
@@ -30,9 +30,9 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from treetools.cli import main
-from treetools.ckpt.readers import plan_blocks
+from treetools.checkpoint_io.readers import plan_blocks
 from treetools.shared.errors import CheckpointError
-from treetools.commands.report import inspect_path
+from treetools.checkpoint_tools.report import inspect_path
 
 STEPS = (100, 200)
 TMP_STEP = "ckpt_0300.orbax-checkpoint-tmp-1700000000"
@@ -922,8 +922,8 @@ def test_an_nnx_state_counts_its_params_apart_from_rng_state_and_batch_statistic
 def test_stats_reach_rows_by_path_prefix_once_per_leaf_not_rows_times_leaves():
     # Issue 36: `_with_stats` compared every row with every leaf: `--leaves --stats` at 4,000 leaves was 16 million
     # comparisons before any data was read. Counted here: how many (path, statistics) entries it looks at.
-    from treetools.commands.report import _with_stats
-    from treetools.commands.stats import StatsAccumulator
+    from treetools.checkpoint_tools.report import _with_stats
+    from treetools.checkpoint_tools.stats import StatsAccumulator
     from treetools.shared.rows import Row, aggregate_rows
 
     class Counted(dict):

@@ -22,8 +22,8 @@ import tensorstore as ts
 from safetensors.numpy import load_file
 
 import treetools as tt
-from treetools.ckpt import open_source
-from treetools.ckpt.formats import _ts_folders
+from treetools.checkpoint_io import open_source
+from treetools.checkpoint_io.formats import _ts_folders
 from treetools.shared.errors import CheckpointError
 from tests._every_command import inspect_json, leaves_of
 

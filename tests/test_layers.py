@@ -29,19 +29,19 @@ def test_a_broken_layer_is_caught(tmp_path):
     copy = tmp_path / "src"
     shutil.copytree(PACKAGE, copy / "treetools", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", copy / "pyproject.toml")
-    source = copy / "treetools" / "ckpt" / "source.py"
-    source.write_text(source.read_text() + "\n\ndef _up():\n    from treetools.commands import report  # noqa\n")
+    source = copy / "treetools" / "checkpoint_io" / "source.py"
+    source.write_text(source.read_text() + "\n\ndef _up():\n    from treetools.checkpoint_tools import report  # noqa\n")
     lint = pathlib.Path(sys.executable).with_name("lint-imports")
     env = {"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([str(lint), "--no-cache"], cwd=copy, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout[-3000:]
-    assert "treetools.ckpt.source -> treetools.commands.report" in proc.stdout
+    assert "treetools.checkpoint_io.source -> treetools.checkpoint_tools.report" in proc.stdout
 
 
 def test_the_checkpoint_layer_imports_no_command_no_cli_and_no_jax():
-    code = ("import sys, treetools.ckpt as c\n"
+    code = ("import sys, treetools.checkpoint_io as c\n"
             "c.registered_formats()\n"  # every built-in format module imported too
-            "bad = sorted(m for m in sys.modules if m.startswith(('treetools.commands', 'treetools.cli'))\n"
+            "bad = sorted(m for m in sys.modules if m.startswith(('treetools.checkpoint_tools', 'treetools.cli'))\n"
             "             or m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'optax', 'orbax'))\n"
             "print(bad)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -63,8 +63,8 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/plot.py", "plot_files"): "numpy",
     # Metadata mode (inspect without --stats or rules) starts without the rules engine, the block engine and the
     # statistics: whole-process inspect is measured against `import jax` (benchmarks/test_stream_bench.py).
-    ("commands/report.py", "_inspect"): "startup",
-    ("commands/report.py", "_compute_stats"): "startup",
+    ("checkpoint_tools/report.py", "_inspect"): "startup",
+    ("checkpoint_tools/report.py", "_compute_stats"): "startup",
     # The rules spec is standard library only, so the CLI builds the rules flags from its field table: numpy (dtype
     # names, the planner) loads when rules are made or planned.
     ("rules/spec.py", "_dtype_name"): "numpy",
@@ -77,9 +77,9 @@ FUNCTION_LEVEL_IMPORTS = {
     # `treetools plan` traces the optimizer's init with jax (its --help does not).
     ("cli/plan.py", "main"): "jax",
     # `treetools inspect --help` lists the formats from their source; only a bytecode-only install imports them.
-    ("ckpt/formats/__init__.py", "catalog"): "numpy",
+    ("checkpoint_io/formats/__init__.py", "catalog"): "numpy",
     # load_parameters(path) without a target returns numpy: the jax-side modules load only to place arrays.
-    ("checkpointing/restore.py", "_target"): "jax",
+    ("checkpoint_jax/restore.py", "_target"): "jax",
 }
 
 

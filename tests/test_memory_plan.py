@@ -382,7 +382,7 @@ def test_empty_tree_and_nothing_on_a_mesh():
 def test_largest_block_is_what_restore_checkpoint_reads_at_a_time(mesh, tmp_path, monkeypatch):
     from safetensors.numpy import save_file
 
-    from treetools.ckpt.readers import FileReader
+    from treetools.checkpoint_io.readers import FileReader
 
     save_file({"w": np.ones((64, 32), np.float32), "b": np.ones(32, np.float32)}, str(tmp_path / "m.safetensors"))
     target = {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("fsdp"))),
@@ -492,7 +492,7 @@ def test_cli_layout_rules_lay_out_a_file_without_shardings(tmp_path, capsys):
 
 
 def test_cli_optimizer_names_are_the_library_ones():
-    from treetools.checkpointing.memory import OPTIMIZERS as LIBRARY
+    from treetools.checkpoint_jax.memory import OPTIMIZERS as LIBRARY
     from treetools.cli.plan import OPTIMIZERS as CLI
 
     assert CLI == LIBRARY

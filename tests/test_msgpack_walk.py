@@ -1,4 +1,4 @@
-"""The Flax msgpack walker (``treetools/ckpt/formats/_msgpack.py``): flax's own trees, hostile files, memory.
+"""The Flax msgpack walker (``treetools/checkpoint_io/formats/_msgpack.py``): flax's own trees, hostile files, memory.
 
 The truth is ``flax.serialization.msgpack_restore`` of the same bytes: the
 walker must give the same tree, with each array left in the file (a
@@ -19,11 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import treetools as tt
-from treetools.ckpt.context import ReadContext
-from treetools.ckpt.storage import LocalStorage
-from treetools.ckpt.formats import _msgpack
-from treetools.ckpt.formats._msgpack import MAX_DEPTH, MsgpackError, walk
-from treetools.ckpt.readers import FileReader, MemoryBudgetError
+from treetools.checkpoint_io.context import ReadContext
+from treetools.checkpoint_io.storage import LocalStorage
+from treetools.checkpoint_io.formats import _msgpack
+from treetools.checkpoint_io.formats._msgpack import MAX_DEPTH, MsgpackError, walk
+from treetools.checkpoint_io.readers import FileReader, MemoryBudgetError
 from treetools.shared.errors import CheckpointError
 
 

@@ -162,10 +162,10 @@ def test_every_install_line_of_the_docs_names_the_distribution_or_a_clone():
 
 def test_the_messages_of_a_missing_extra_name_the_distribution(tmp_path, monkeypatch):
     # What a user sees, not only the source: each missing extra is reported with the command that installs it.
-    from treetools.ckpt import storage
-    from treetools.ckpt.context import ReadContext
-    from treetools.ckpt.formats import keras
-    from treetools.commands import plot as commands_plot
+    from treetools.checkpoint_io import storage
+    from treetools.checkpoint_io.context import ReadContext
+    from treetools.checkpoint_io.formats import keras
+    from treetools.checkpoint_tools import plot as commands_plot
     from treetools.shared.errors import CheckpointError
 
     seen = []
@@ -187,7 +187,7 @@ def test_the_messages_of_a_missing_extra_name_the_distribution(tmp_path, monkeyp
         storage.bucket.S3Storage()  # the client `storage.backend` makes at a process's first s3:// URL
     except storage.RemoteStorageError as e:
         seen.append(("remote", str(e)))
-    from treetools.ckpt.formats import af3
+    from treetools.checkpoint_io.formats import af3
 
     zst = tmp_path / "af3.bin.zst"
     zst.write_bytes(af3.ZSTD_MAGIC + bytes(64))
@@ -229,3 +229,24 @@ def test_make_demo_installs_what_the_demo_needs_and_make_test_adds_the_test_extr
                                                "af3", "wandb"}  # on top of it
     assert test[-1] == set(extras)  # every extra: the suite tests them all
     assert _make_installs("bench", tmp_path)[-1] == test[-1]
+
+
+def test_the_layer_folders_renamed_keep_treetools_ckpt_for_format_authors():
+    # Issue 45 "names that say the layer": ckpt/ -> checkpoint_io/, checkpointing/ -> checkpoint_jax/,
+    # commands/ -> checkpoint_tools/. `treetools.ckpt` keeps its public names (one list, the same objects).
+    import importlib
+
+    import treetools.checkpoint_io as io_layer
+    import treetools.ckpt as ckpt
+
+    assert ckpt.__all__ == io_layer.__all__ and len(ckpt.__all__) >= 20
+    for name in ckpt.__all__:
+        assert getattr(ckpt, name) is getattr(io_layer, name), name
+    package = pathlib.Path(tt.__file__).parent
+    assert {"checkpoint_io", "checkpoint_jax", "checkpoint_tools", "cli"} <= {p.name for p in package.iterdir()}
+    for old in ("checkpointing", "commands", "ckpt.formats"):
+        try:
+            importlib.import_module(f"treetools.{old}")
+        except ImportError:
+            continue
+        raise AssertionError(f"treetools.{old} still imports: the old layer folders are gone")

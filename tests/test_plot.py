@@ -1,4 +1,4 @@
-"""`treetools plot` / treetools.commands.plot (tt.plot_metrics, tt.plot_stats): panels, keys, per-module norms, axes
+"""`treetools plot` / treetools.checkpoint_tools.plot (tt.plot_metrics, tt.plot_stats): panels, keys, per-module norms, axes
 and overlays, checked on the Figure."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import matplotlib.image  # noqa: E402
 import treetools as tt  # noqa: E402
 from treetools.cli import main as cli_main  # noqa: E402
 from treetools.cli.plot import plot_files, run_labels  # noqa: E402
-from treetools.commands.plot import heatmap_figure, metrics_figure, stats_figure, stats_report  # noqa: E402
+from treetools.checkpoint_tools.plot import heatmap_figure, metrics_figure, stats_figure, stats_report  # noqa: E402
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -562,7 +562,7 @@ def test_unstack_plots_a_stacked_leaf_per_layer(counted, tmp_path, capsys):
 
 def test_plot_stats_draws_the_report_object_without_its_json(counted, monkeypatch, tmp_path, capsys):
     # Issue 36: `plot --stats` round-tripped its report through to_json(); the figure is drawn from the Report.
-    from treetools.commands.report import Report
+    from treetools.checkpoint_tools.report import Report
 
     root, _ = counted
     report = tt.inspect_path(str(root), step="all", stats=True, leaves=True)

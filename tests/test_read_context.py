@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from treetools.ckpt import storage
-from treetools.ckpt.context import DEFAULT_BLOCK_BYTES, DEFAULT_MEMORY_BUDGET, ReadContext
-from treetools.ckpt.leaves import Snapshot
-from treetools.ckpt.readers import MemoryBudgetError
-from treetools.ckpt.source import Source
-from treetools.ckpt.storage.base import Storage
-from treetools.ckpt.storage.bucket import BucketStorage, GcsStorage, S3Storage
-from treetools.ckpt.storage.local import LocalStorage
+from treetools.checkpoint_io import storage
+from treetools.checkpoint_io.context import DEFAULT_BLOCK_BYTES, DEFAULT_MEMORY_BUDGET, ReadContext
+from treetools.checkpoint_io.leaves import Snapshot
+from treetools.checkpoint_io.readers import MemoryBudgetError
+from treetools.checkpoint_io.source import Source
+from treetools.checkpoint_io.storage.base import Storage
+from treetools.checkpoint_io.storage.bucket import BucketStorage, GcsStorage, S3Storage
+from treetools.checkpoint_io.storage.local import LocalStorage
 from treetools.shared.errors import CheckpointError
 
 PACKAGE = pathlib.Path(tt.__file__).parent
@@ -37,10 +37,10 @@ def _modules():
 
 
 ENV_READERS = {
-    "ckpt/context.py",  # TREETOOLS_MEMORY_BUDGET_MB, TREETOOLS_CHUNK_BYTES, TREETOOLS_WORKERS: the one place
-    "ckpt/storage/bucket.py",  # the S3 client's own AWS_* variables, handed to TensorStore (which ignores them)
-    "ckpt/storage/reach.py",  # the GCS client's own variables (emulator, credentials files, metadata server)
-    "checkpointing/distributed.py",  # jax's own JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+    "checkpoint_io/context.py",  # TREETOOLS_MEMORY_BUDGET_MB, TREETOOLS_CHUNK_BYTES, TREETOOLS_WORKERS: the one place
+    "checkpoint_io/storage/bucket.py",  # the S3 client's own AWS_* variables, handed to TensorStore (which ignores them)
+    "checkpoint_io/storage/reach.py",  # the GCS client's own variables (emulator, credentials files, metadata server)
+    "checkpoint_jax/distributed.py",  # jax's own JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
     "pytree/estimates.py",  # jax's own XLA_PYTHON_CLIENT_MEM_FRACTION / _PREALLOCATE (the allocator's pool)
 }
 

@@ -101,7 +101,7 @@ def test_no_unlabelled_block_hides_a_command():
 
 
 def _registered_formats() -> set[str]:
-    from treetools.ckpt.registry import registered_formats
+    from treetools.checkpoint_io.registry import registered_formats
 
     return {f.name for f in registered_formats()}
 
@@ -149,7 +149,7 @@ def test_python_block_runs_on_its_own(block, devices, tmp_path, monkeypatch, req
         else:
             exec(compile(block.code, block.id, "exec"), namespace)  # noqa: S102 - the documentation's own code
     finally:
-        from treetools.ckpt.registry import unregister_format
+        from treetools.checkpoint_io.registry import unregister_format
 
         for name in _registered_formats() - formats:  # a format a block registered (and did not remove)
             unregister_format(name)

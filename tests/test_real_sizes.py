@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import treetools as tt
-import treetools.ckpt
+import treetools.checkpoint_io
 
 from tests._every_command import run as _run
 
@@ -107,7 +107,7 @@ def test_offsets_past_2_31_and_2_32_and_a_tensor_over_4_gb_are_read(big_file):
         name: (shape, codes[dt]) for name, (shape, dt) in want.items()}
     assert {leaf["path"]: leaf["bytes"] for leaf in leaves}["huge"] == 2 * (2**31 + 5)  # over 4 GiB
     # The marker values at each tensor's ends, read back by --show and by the library.
-    source = treetools.ckpt.open_source(path)
+    source = treetools.checkpoint_io.open_source(path)
     snap = source.snapshot()
     readers = {leaf.name: leaf.reader for leaf in snap.items["default"].leaves}
     for name, (first, last) in markers.items():

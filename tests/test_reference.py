@@ -278,7 +278,7 @@ SPIKE = 28
 
 def test_inject_spike_is_detected_attributed_dumped_skipped_and_plotted(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from treetools.commands.healthplot import read_health_dump
+    from treetools.checkpoint_tools.healthplot import read_health_dump
 
     # Checkpoints at every step from SPIKE - 1 on: the steps before and at the bad batch, read back below.
     cfg = dict(log_every=4, health=True, health_warmup=12, ckpt_every=1, max_to_keep=None)

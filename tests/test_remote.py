@@ -435,7 +435,7 @@ class _Waits:
     def __init__(self, monkeypatch):
         import socket
 
-        from treetools.ckpt.storage import reach as storage
+        from treetools.checkpoint_io.storage import reach as storage
 
         self.attempts: list[tuple[tuple[str, int], float | None]] = []
         self.waits: list[float] = []
@@ -457,8 +457,8 @@ def test_an_unreachable_gcs_endpoint_fails_after_one_bounded_wait_with_one_line(
     # Issue 24.16: offline, `inspect gs://...` waited ~50 s in silence (gcsfs's retries) before its error. Now one
     # connection attempt, bounded by REACH_TIMEOUT, decides it, and gcsfs is never asked.
     gcsfs_core = pytest.importorskip("gcsfs.core")
-    from treetools.ckpt import storage
-    from treetools.ckpt.storage import reach
+    from treetools.checkpoint_io import storage
+    from treetools.checkpoint_io.storage import reach
 
     port = _closed_port()
     url = f"http://127.0.0.1:{port}"  # nothing listens there: as unreachable as the cloud offline
@@ -491,7 +491,7 @@ def test_gcs_credentials_are_decided_without_waiting_for_a_metadata_server(tmp_p
     import socket
     import threading
 
-    from treetools.ckpt.storage import reach as storage
+    from treetools.checkpoint_io.storage import reach as storage
 
     for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", "GCE_METADATA_IP"):
         monkeypatch.delenv(name, raising=False)

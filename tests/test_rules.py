@@ -1,4 +1,4 @@
-"""treetools.rules (spec, plan, dtypes) and the block reader over it (treetools.ckpt.mapping.RuledReader): the Rules
+"""treetools.rules (spec, plan, dtypes) and the block reader over it (treetools.checkpoint_io.mapping.RuledReader): the Rules
 engine, checked against numpy doing the same mapping by hand."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from treetools.ckpt.mapping import RuledReader
-from treetools.ckpt.readers import InMemoryReader
+from treetools.checkpoint_io.mapping import RuledReader
+from treetools.checkpoint_io.readers import InMemoryReader
 from treetools.rules.dtypes import resolve_dtype
 from treetools.rules.plan import Piece, format_rows
 from treetools.rules.spec import FIELDS, Rules, fields_markdown, parse_cast, parse_rename, parse_transpose

@@ -232,8 +232,8 @@ def test_plan_lists_sources_fill_and_unused_and_reads_nothing(tmp_path, devices,
     def no_reads(*args, **kwargs):
         raise AssertionError("plan_restore read array data")
 
-    monkeypatch.setattr("treetools.checkpointing.restore._read", no_reads)
-    monkeypatch.setattr("treetools.checkpointing.restore._reader_values", no_reads)
+    monkeypatch.setattr("treetools.checkpoint_jax.restore._read", no_reads)
+    monkeypatch.setattr("treetools.checkpoint_jax.restore._reader_values", no_reads)
     plan = tt.plan_restore(ckpt, None, {"params": target}, fill_missing={"head": np.zeros(5, np.float32)},
                            allow_unused=True)
     assert plan.ok
@@ -255,7 +255,7 @@ def no_data_reads(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("array data was read before the error")
 
-    monkeypatch.setattr("treetools.checkpointing.restore._read", fail)
+    monkeypatch.setattr("treetools.checkpoint_jax.restore._read", fail)
 
 
 def test_a_rule_matching_nothing_names_the_rule_and_nearby_paths(tmp_path, devices, no_data_reads):
@@ -396,7 +396,7 @@ def test_fill_missing_that_does_not_fit_is_a_problem(tmp_path, devices, no_data_
 def test_orbax_restore_stays_the_path_and_never_reads_unused_leaves(tmp_path, devices, monkeypatch):
     import orbax.checkpoint as ocp
 
-    from treetools.ckpt.formats.orbax import OrbaxSource
+    from treetools.checkpoint_io.formats.orbax import OrbaxSource
 
     params = {"w": np.arange(8.0, dtype=np.float32), "b": np.ones(4, np.float32)}
     state = {"params": params, "opt_state": {"mu": {"w": np.zeros(8, np.float32), "b": np.zeros(4, np.float32)}}}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from treetools.cli import main
-from treetools.commands.show import parse_leaf_spec, show_leaf
+from treetools.checkpoint_tools.show import parse_leaf_spec, show_leaf
 
 FIXTURE = Path(__file__).parent / "fixtures" / "treetools_v0_1"
 TRUTH = dict(np.load(Path(__file__).parent / "fixtures" / "treetools_v0_1_truth.npz"))
@@ -79,7 +79,7 @@ def test_raw_file_slices_across_rows_equal_numpy(tmp_path, layout, index):
 def test_raw_file_slices_read_in_small_slabs(tmp_path, monkeypatch, slab):
     """A non-contiguous block is read in slabs of at most SLAB_BYTES (several rows per read, or one row in
     pieces when a row is larger): every way of cutting it gives numpy's answer."""
-    from treetools.ckpt import readers as arrays
+    from treetools.checkpoint_io import readers as arrays
 
     monkeypatch.setattr(arrays, "SLAB_BYTES", slab)
     truth = np.arange(6 * 5 * 4, dtype=np.float32).reshape(6, 5, 4)
@@ -216,7 +216,7 @@ def test_show_json_writes_nan_and_inf_as_null(tmp_path, capsys):
 def test_show_report_is_the_library_of_show_and_the_cli_prints_it(tmp_path, capsys):
     # Issue 36: `inspect --show`'s statistics and JSON were computed in the CLI (cli/inspect.py `_show`); they are
     # the library's (show_report, ShowReport.to_json) and the CLI prints what it returns.
-    from treetools.commands.show import show_report
+    from treetools.checkpoint_tools.show import show_report
 
     w = np.array([[1.0, np.nan, -3.0], [np.inf, 0.0, 2.0]], np.float32)
     np.savez(tmp_path / "w.npz", w=w)

@@ -1,4 +1,4 @@
-"""treetools.commands.stats: every statistic against numpy float64 over the whole array.
+"""treetools.checkpoint_tools.stats: every statistic against numpy float64 over the whole array.
 
 Tolerances: float statistics of float32 (and narrower) data are reduced in
 float32 per cache-sized piece and merged in float64; they match float64 numpy
@@ -18,10 +18,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from treetools.ckpt.context import ReadContext
-from treetools.ckpt.readers import FileReader, InMemoryReader
-from treetools.commands.progress import Progress
-from treetools.commands.stats import StatsAccumulator, array_stats, compute_stats, leaf_stats
+from treetools.checkpoint_io.context import ReadContext
+from treetools.checkpoint_io.readers import FileReader, InMemoryReader
+from treetools.checkpoint_tools.progress import Progress
+from treetools.checkpoint_tools.stats import StatsAccumulator, array_stats, compute_stats, leaf_stats
 
 
 def _expected(x: np.ndarray) -> dict:
@@ -148,9 +148,9 @@ def test_merge_equals_one_stream():
 
 _CHILD = (
     "import sys, numpy as np, resource\n"
-    "from treetools.ckpt.readers import FileReader\n"
-    "from treetools.ckpt.context import ReadContext\n"
-    "from treetools.commands.stats import compute_stats\n"
+    "from treetools.checkpoint_io.readers import FileReader\n"
+    "from treetools.checkpoint_io.context import ReadContext\n"
+    "from treetools.checkpoint_tools.stats import compute_stats\n"
     "n = int(sys.argv[2])\n"
     "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
     "acc = compute_stats([FileReader(ReadContext().confined_to(sys.argv[1]), sys.argv[1], 0, (n,), np.float32)],"

@@ -1,4 +1,4 @@
-"""The one step rule (treetools.ckpt.steps): names, commit evidence, step specs, and the manager agreeing with it."""
+"""The one step rule (treetools.checkpoint_io.steps): names, commit evidence, step specs, and the manager agreeing with it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import treetools as tt
-from treetools.ckpt import steps
+from treetools.checkpoint_io import steps
 
 
 def test_constants_match_orbax():
@@ -98,7 +98,7 @@ def test_fifo_step_metadata_is_never_committed_and_never_hangs(tmp_path):
 
 
 def test_step_rule_imports_neither_jax_nor_orbax(tmp_path):
-    code = ("import sys, treetools.ckpt.steps as s\n"
+    code = ("import sys, treetools.checkpoint_io.steps as s\n"
             f"s.scan_steps({str(tmp_path)!r})\n"
             "assert 'jax' not in sys.modules and 'orbax' not in sys.modules, sorted(sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True)

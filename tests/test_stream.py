@@ -1,4 +1,4 @@
-"""The block engine (``treetools/ckpt/stream.py``): what makes the streaming commands fast, pinned without a clock.
+"""The block engine (``treetools/checkpoint_io/stream.py``): what makes the streaming commands fast, pinned without a clock.
 
 Every block of every reader read once; the sides of a diff in flight together;
 work spread over threads; blocks in flight bounded; results independent of
@@ -17,13 +17,13 @@ import pytest
 from safetensors.numpy import save_file
 
 import treetools as tt
-from treetools.ckpt.formats._tensorstore import TensorStoreReader
-from treetools.ckpt.readers import FileReader, InMemoryReader, plan_blocks
-from treetools.ckpt.stream import Failed, job_plan, ordered_map, read_arrays, reduce_blocks, stream_blocks
+from treetools.checkpoint_io.formats._tensorstore import TensorStoreReader
+from treetools.checkpoint_io.readers import FileReader, InMemoryReader, plan_blocks
+from treetools.checkpoint_io.stream import Failed, job_plan, ordered_map, read_arrays, reduce_blocks, stream_blocks
 from treetools.shared.errors import CheckpointError
-from treetools.commands.diff import diff_paths, value_diffs
-from treetools.commands.report import inspect_path
-from treetools.commands.verify import verify_path
+from treetools.checkpoint_tools.diff import diff_paths, value_diffs
+from treetools.checkpoint_tools.report import inspect_path
+from treetools.checkpoint_tools.verify import verify_path
 from tests.test_inspect import write_run
 
 
@@ -295,7 +295,7 @@ def test_load_parameters_reads_leaves_in_parallel():
 def test_tensorstore_arrays_are_read_two_per_core_at_once(monkeypatch):
     # load_parameters of an Orbax step: TensorStore decodes on its own threads, so two whole-array reads per core are
     # in flight (0.58 -> 0.50 s for 512 MiB on 2 cores); other readers, one per core.
-    import treetools.ckpt.stream as stream
+    import treetools.checkpoint_io.stream as stream
 
     monkeypatch.setattr(stream, "cores", lambda: 2)
     monkeypatch.delenv("TREETOOLS_WORKERS", raising=False)
@@ -378,11 +378,11 @@ def test_json_of_a_diff_is_the_same_with_one_thread_or_many(two_steps, monkeypat
 
 
 def test_every_streaming_command_reads_through_the_engine(two_steps, tmp_path, monkeypatch):
-    import treetools.ckpt.stream as stream
-    import treetools.commands.diff as diff_module
-    import treetools.commands.stats as stats_module
-    import treetools.commands.verify as verify_module
-    import treetools.checkpointing.restore as restore_module
+    import treetools.checkpoint_io.stream as stream
+    import treetools.checkpoint_tools.diff as diff_module
+    import treetools.checkpoint_tools.stats as stats_module
+    import treetools.checkpoint_tools.verify as verify_module
+    import treetools.checkpoint_jax.restore as restore_module
 
     calls = collections.Counter()
 
@@ -400,7 +400,7 @@ def test_every_streaming_command_reads_through_the_engine(two_steps, tmp_path, m
     verify_path(root, step=200)
     diff_paths(root, root, step_a=100, step_b=200, values=True)
     tt.load_parameters(root, step=200)
-    assert calls == {"treetools.commands.stats": 1, "treetools.commands.verify": 1, "treetools.commands.diff": 1,
+    assert calls == {"treetools.checkpoint_tools.stats": 1, "treetools.checkpoint_tools.verify": 1, "treetools.checkpoint_tools.diff": 1,
                      "load_parameters": 1}  # once per command: every leaf in one engine call, not one per leaf
 
 
@@ -413,10 +413,10 @@ def test_every_long_command_advances_its_progress_bar_block_by_block(tmp_path, m
     # and ends at the bytes it announced.
     from safetensors.numpy import save_file
 
-    from treetools.commands import progress as progress_module
-    from treetools.commands.diff import diff_paths
-    from treetools.commands.report import inspect_path
-    from treetools.commands.verify import verify_path
+    from treetools.checkpoint_tools import progress as progress_module
+    from treetools.checkpoint_tools.diff import diff_paths
+    from treetools.checkpoint_tools.report import inspect_path
+    from treetools.checkpoint_tools.verify import verify_path
 
     calls: list[tuple[int, int]] = []
 
@@ -426,7 +426,7 @@ def test_every_long_command_advances_its_progress_bar_block_by_block(tmp_path, m
             calls.append((self.done, self.total))
 
     # inspect imports Progress when it computes statistics (metadata mode starts without it): patched at its source.
-    for module in ("treetools.commands.progress", "treetools.commands.diff", "treetools.commands.verify"):
+    for module in ("treetools.checkpoint_tools.progress", "treetools.checkpoint_tools.diff", "treetools.checkpoint_tools.verify"):
         monkeypatch.setattr(f"{module}.Progress", Recording)
     w = np.arange(4 * 2**20, dtype=np.float32).reshape(1024, 4096)  # 16 MiB
     save_file({"w": w}, str(tmp_path / "a.safetensors"))
@@ -454,8 +454,8 @@ def test_the_bar_of_a_few_blocks_is_drawn_at_each_block(tmp_path, capsys, comman
 
     from safetensors.numpy import save_file
 
-    from treetools.commands.diff import diff_paths
-    from treetools.commands.verify import verify_path
+    from treetools.checkpoint_tools.diff import diff_paths
+    from treetools.checkpoint_tools.verify import verify_path
 
     w = np.arange(2**20, dtype=np.float32)  # 4 MiB
     save_file({"w": w}, str(tmp_path / "a.safetensors"))
@@ -474,7 +474,7 @@ def test_the_bar_is_rate_limited_without_skipping_a_step_it_shows(monkeypatch):
     # 100,000 times; with the clock moving, the finer percentage is drawn too, at most every 0.1 s.
     import io
 
-    from treetools.commands import progress as progress_module
+    from treetools.checkpoint_tools import progress as progress_module
 
     now = [1000.0]
     monkeypatch.setattr(progress_module.time, "monotonic", lambda: now[0])

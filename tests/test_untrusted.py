@@ -94,9 +94,9 @@ def _zarray(shape, chunks, dtype="|u1", compressor=None) -> dict:
 _GROWN = (
     "import resource, sys\n"
     "import numpy, tensorstore\n"
-    "import treetools.commands.report, treetools.commands.verify, treetools.checkpointing.restore\n"
+    "import treetools.checkpoint_tools.report, treetools.checkpoint_tools.verify, treetools.checkpoint_jax.restore\n"
     "from treetools.cli import main\n"
-    "from treetools.ckpt import registry\n"
+    "from treetools.checkpoint_io import registry\n"
     "registry.registered_formats()\n"
     "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
     "if sys.argv[1] == 'load':\n"
@@ -325,7 +325,7 @@ def test_pieces_of_a_read_cover_the_block_exactly(tmp_path, monkeypatch):
     _item_metadata(folder, ["w"])
     source = tt.open_source(folder, memory_budget=128 * 2**10)  # 64 chunks of 2 KiB overhead
     reader = source.snapshot().items["params"].leaves[0].reader
-    from treetools.ckpt.formats import _tensorstore
+    from treetools.checkpoint_io.formats import _tensorstore
 
     pieces = []
     real = _tensorstore._Opened._check_blosc  # called once for each read TensorStore is asked for
@@ -333,7 +333,7 @@ def test_pieces_of_a_read_cover_the_block_exactly(tmp_path, monkeypatch):
     np.testing.assert_array_equal(reader.read((slice(5, 4000),)), w[5:4000])
     assert len(pieces) == -(-3995 // 64) and all(p[0].stop - p[0].start <= 64 for p in pieces)
     np.testing.assert_array_equal(tt.load_parameters(folder)["w"], w)
-    from treetools.ckpt.formats._tensorstore import max_chunks_per_read
+    from treetools.checkpoint_io.formats._tensorstore import max_chunks_per_read
 
     assert max_chunks_per_read(128 * 2**10) == 64 and max_chunks_per_read(math.inf) == 32768
 
@@ -504,7 +504,7 @@ def test_a_bucket_root_of_many_steps_is_listed_in_few_round_trips(tmp_path, remo
 
 def test_the_hugging_face_index_check_is_one_pass_over_the_index(tmp_path, monkeypatch):
     # 200 shards of 5 tensors: the check scanned the whole index once per shard (and once per file beside it).
-    from treetools.ckpt.formats import _hf_index
+    from treetools.checkpoint_io.formats import _hf_index
 
     tensors = {f"layer_{i:04d}.weight": np.full(2, i, np.float32) for i in range(1000)}
     _hf_shards(tmp_path / "model", tensors, shards=200)
@@ -803,8 +803,8 @@ def test_an_ocdbt_array_of_more_chunk_lookups_than_its_bytes_on_disk_allow_is_re
     small = _ocdbt_item(tmp_path / "small" / "params", 2**12, 1)
     assert _run(capsys, "inspect", small, "--stats")[0] == 0
     np.testing.assert_array_equal(tt.load_parameters(small)["w"], np.zeros(2**12, np.uint8))
-    from treetools.ckpt.formats._ocdbt import check_database
-    from treetools.ckpt.storage import LOCAL
+    from treetools.checkpoint_io.formats._ocdbt import check_database
+    from treetools.checkpoint_io.storage import LOCAL
 
     database = check_database(LOCAL, str(folder), 2**31)
     assert database.leaf_bytes * 2**16 > 2**34 + 2**10 * database.stored_bytes  # the rule, from what is stored
@@ -1076,7 +1076,7 @@ def test_convert_never_replaces_what_it_was_not_asked_to(tmp_path, capsys, monke
         assert code == 0, err
         assert not dst.is_symlink() and outside.read_bytes() == CANARY
     # A DST that appears while convert writes is left as it is: the final rename never replaces it.
-    from treetools.ckpt.writers import safetensors as st_writer
+    from treetools.checkpoint_io.writers import safetensors as st_writer
 
     real_write = st_writer._write_file
 

@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 
 import treetools as tt
 from treetools.cli import main
-from treetools.commands.verify import verify_path
+from treetools.checkpoint_tools.verify import verify_path
 
 
 def _tree():

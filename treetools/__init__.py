@@ -103,7 +103,7 @@ _EXPORTS = {  # public name -> module under treetools
     # memory: will it fit?
     "memory_plan": "pytree.memory",
     "MemoryPlan": "pytree.memory",
-    "plan_checkpoint": "checkpointing.memory",
+    "plan_checkpoint": "checkpoint_jax.memory",
     "Row": "shared.rows",
     "rows_from_tree": "pytree.table",
     # norms
@@ -136,27 +136,27 @@ _EXPORTS = {  # public name -> module under treetools
     "replicate": "pytree.abstract",
     "update_ema": "pytree.abstract",
     # checkpointing: a manager and saving; restore and load from any checkpoint
-    "get_checkpoint_manager": "checkpointing.manager",
-    "save_checkpoint": "checkpointing.manager",
-    "restore_checkpoint": "checkpointing.restore",
-    "plan_restore": "checkpointing.restore",
-    "RestorePlan": "checkpointing.restore_plan",
-    "load_parameters": "checkpointing.restore",
-    "connect_processes": "checkpointing.distributed",
-    # the checkpoint layer (treetools.ckpt has the rest, for format authors)
-    "list_steps": "ckpt.steps",
-    "list_incomplete": "ckpt.steps",
-    "latest_step": "ckpt.steps",
-    "open_source": "ckpt.opening",
-    "register_format": "ckpt.registry",
-    "Format": "ckpt.source",
+    "get_checkpoint_manager": "checkpoint_jax.manager",
+    "save_checkpoint": "checkpoint_jax.manager",
+    "restore_checkpoint": "checkpoint_jax.restore",
+    "plan_restore": "checkpoint_jax.restore",
+    "RestorePlan": "checkpoint_jax.restore_plan",
+    "load_parameters": "checkpoint_jax.restore",
+    "connect_processes": "checkpoint_jax.distributed",
+    # the checkpoint layer (treetools.checkpoint_io has the rest, for format authors)
+    "list_steps": "checkpoint_io.steps",
+    "list_incomplete": "checkpoint_io.steps",
+    "latest_step": "checkpoint_io.steps",
+    "open_source": "checkpoint_io.opening",
+    "register_format": "checkpoint_io.registry",
+    "Format": "checkpoint_io.source",
     # commands over checkpoints
-    "inspect_path": "commands.report",
-    "diff_paths": "commands.diff",
-    "convert": "commands.convert",
+    "inspect_path": "checkpoint_tools.report",
+    "diff_paths": "checkpoint_tools.diff",
+    "convert": "checkpoint_tools.convert",
     # figures (matplotlib: the plot extra)
-    "plot_metrics": "commands.plot",
-    "plot_stats": "commands.plot",
+    "plot_metrics": "checkpoint_tools.plot",
+    "plot_stats": "checkpoint_tools.plot",
     # errors
     "CheckpointError": "shared.errors",
     "CheckpointMismatchError": "shared.errors",
@@ -187,10 +187,10 @@ def __dir__() -> list[str]:
 
 if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.pytree.abstract import make_abstract, replicate, update_ema
-    from treetools.ckpt.opening import open_source
-    from treetools.ckpt.registry import register_format
-    from treetools.ckpt.source import Format
-    from treetools.ckpt.steps import latest_step, list_incomplete, list_steps
+    from treetools.checkpoint_io.opening import open_source
+    from treetools.checkpoint_io.registry import register_format
+    from treetools.checkpoint_io.source import Format
+    from treetools.checkpoint_io.steps import latest_step, list_incomplete, list_steps
     from treetools.pytree.counting import get_num_bytes, get_num_params
     from treetools.shared.errors import (
         CheckpointError,
@@ -201,13 +201,13 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         StepDeletedError,
         UsageError,
     )
-    from treetools.commands.convert import convert
-    from treetools.commands.diff import diff_paths
-    from treetools.commands.plot import plot_metrics, plot_stats
-    from treetools.commands.report import inspect_path
-    from treetools.checkpointing.distributed import connect_processes
-    from treetools.checkpointing.manager import get_checkpoint_manager, save_checkpoint
-    from treetools.checkpointing.memory import plan_checkpoint
+    from treetools.checkpoint_tools.convert import convert
+    from treetools.checkpoint_tools.diff import diff_paths
+    from treetools.checkpoint_tools.plot import plot_metrics, plot_stats
+    from treetools.checkpoint_tools.report import inspect_path
+    from treetools.checkpoint_jax.distributed import connect_processes
+    from treetools.checkpoint_jax.manager import get_checkpoint_manager, save_checkpoint
+    from treetools.checkpoint_jax.memory import plan_checkpoint
     from treetools.pytree.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
     from treetools.pytree.memory import MemoryPlan, memory_plan
     from treetools.pytree.metrics import JsonlWriter, MetricsLogger, read_metrics
@@ -221,8 +221,8 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     )
     from treetools.pytree.partitioning import is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
     from treetools.pytree.paths import flatten, leaves_with_paths, map_with_path, path_str, unflatten
-    from treetools.checkpointing.restore import load_parameters, plan_restore, restore_checkpoint
-    from treetools.checkpointing.restore_plan import RestorePlan
+    from treetools.checkpoint_jax.restore import load_parameters, plan_restore, restore_checkpoint
+    from treetools.checkpoint_jax.restore_plan import RestorePlan
     from treetools.shared.rows import LeafSharding, Row
     from treetools.pytree.table import rows_from_tree, tabulate_params
     from treetools.rules.spec import Rules

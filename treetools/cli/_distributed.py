@@ -3,7 +3,7 @@
 ``--processes N`` starts N - 1 copies of the same command on this machine, each told its place by
 ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (coordinator on 127.0.0.1), and is
 process 0 itself. ``--distributed`` joins a run started elsewhere (one process per host under SLURM, say).
-Either way the command's options get this process's share (``treetools.checkpointing.distributed.connect_processes``),
+Either way the command's options get this process's share (``treetools.checkpoint_jax.distributed.connect_processes``),
 the block engine reads that share and pools the results, and only process 0 writes to stdout: one report,
 the same as one process's. Standard library only at import: jax is imported when a run is joined.
 """
@@ -54,7 +54,7 @@ class Run:
         if processes <= 1 and not getattr(args, "distributed", False):
             return
         # Here, not at the top: a command run by one process never loads jax.
-        from treetools.checkpointing.distributed import connect_processes
+        from treetools.checkpoint_jax.distributed import connect_processes
 
         if processes > 1:
             address = f"127.0.0.1:{_free_port()}"

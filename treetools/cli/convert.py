@@ -89,9 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools convert --help` does not need.
-    from treetools.commands.convert import convert
-    from treetools.commands.options import ConvertOptions
-    from treetools.commands.text import render_convert
+    from treetools.checkpoint_tools.convert import convert
+    from treetools.checkpoint_tools.options import ConvertOptions
+    from treetools.checkpoint_tools.text import render_convert
 
     # Arguments that cannot work together (--to orbax with a .safetensors DST, --step all...) are the library's
     # UsageError (exit 2), checked before anything is read.

@@ -116,9 +116,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools diff --help` does not need.
-    from treetools.commands.diff import diff_paths
-    from treetools.commands.options import DiffOptions
-    from treetools.commands.text import render_diff
+    from treetools.checkpoint_tools.diff import diff_paths
+    from treetools.checkpoint_tools.options import DiffOptions
+    from treetools.checkpoint_tools.text import render_diff
 
     steps = list(args.step)
     if len(steps) > 2:

@@ -55,7 +55,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-from treetools.ckpt.formats import catalog
+from treetools.checkpoint_io.formats import catalog
 from treetools.cli import _output
 from treetools.cli.options import (
     add_depth,
@@ -81,7 +81,7 @@ ROWS_PER_ITEM = 15
 """The default view groups each item at the deepest level that keeps it to this many rows."""
 
 def formats_help(width: int = 79) -> str:
-    """The formats PATH may be, one paragraph each, from the format registry (``treetools.ckpt.formats.catalog``,
+    """The formats PATH may be, one paragraph each, from the format registry (``treetools.checkpoint_io.formats.catalog``,
     read without importing numpy): the end of ``treetools inspect --help``."""
     names = catalog()
     pad = max(len(name) for name, _ in names) + 4
@@ -137,8 +137,8 @@ def stat_columns(text: str) -> tuple[str, ...]:
 
 def _show(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools inspect --help` does not need.
-    from treetools.commands.show import show_report
-    from treetools.commands.text import render_show
+    from treetools.checkpoint_tools.show import show_report
+    from treetools.checkpoint_tools.text import render_show
 
     # A bad index is the library's UsageError (exit 2).
     report = show_report(args.path, args.show, step=args.step, item=args.item, memory_budget=args.memory_budget,
@@ -155,9 +155,9 @@ def main(args: argparse.Namespace) -> int:
     if args.show is not None:
         return _show(args)
     # Here, not at the top: the reading modules import numpy, which `treetools inspect --help` does not need.
-    from treetools.commands.options import InspectOptions
-    from treetools.commands.report import inspect_path
-    from treetools.commands.text import render_report
+    from treetools.checkpoint_tools.options import InspectOptions
+    from treetools.checkpoint_tools.report import inspect_path
+    from treetools.checkpoint_tools.text import render_report
 
     rules = rules_from(args)
     summary = args.format in ("table", "markdown") and args.depth is None and not args.leaves

@@ -44,7 +44,7 @@ from treetools.cli.options import add_item, add_output_format, add_prefix, add_r
 from treetools.shared.errors import UsageError
 from treetools.shared.rows import parse_size
 
-OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")  # treetools.checkpointing.memory.OPTIMIZERS (jax side)
+OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion")  # treetools.checkpoint_jax.memory.OPTIMIZERS (jax side)
 
 
 def mesh_axes(text: str) -> dict[str, int]:
@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: planning traces the optimizer with jax, which `treetools plan --help` does not need.
-    from treetools.checkpointing.memory import LayoutRules, plan_checkpoint
+    from treetools.checkpoint_jax.memory import LayoutRules, plan_checkpoint
 
     if args.top < 0:
         raise UsageError(f"--top {args.top}: expected a number >= 0")

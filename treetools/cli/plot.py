@@ -36,7 +36,7 @@ per layer. Steps where a shown leaf holds NaN or Inf are marked. CKPT_DIR is a
 checkpoint root that `treetools inspect` reads; the arrays are streamed as
 `treetools inspect --step all --stats` does.
 
-The figures are the library's (tt.plot_metrics, tt.plot_stats; treetools.commands.plot),
+The figures are the library's (tt.plot_metrics, tt.plot_stats; treetools.checkpoint_tools.plot),
 usable from a notebook. A health dump (health_<step>.json, written by
 `treetools train --health` or tt.HealthDumper) is drawn as modules x steps
 heatmaps around the flagged step, the attributed module marked (default
@@ -148,7 +148,7 @@ def plot_files(paths: Sequence[str | os.PathLike], *, keys: str | Sequence[str] 
         (``tt.read_metrics``), or as ``metrics_figure``.
     """
     # Here, not at the top: matplotlib and the reading modules, which `treetools plot --help` does not need (numpy).
-    from treetools.commands.plot import plot_metrics
+    from treetools.checkpoint_tools.plot import plot_metrics
 
     return plot_metrics(_read_runs(paths), keys=keys)
 
@@ -177,8 +177,8 @@ def _default_output(paths: Sequence[str], name: str = "norms.png") -> str:
 
 def _plot_health_dump(path: str, output: str | None) -> int:
     # Here, not at the top: the figures' modules import numpy, which `treetools plot --help` does not need.
-    from treetools.commands import healthplot
-    from treetools.commands.plot import image_formats
+    from treetools.checkpoint_tools import healthplot
+    from treetools.checkpoint_tools.plot import image_formats
 
     output = os.path.expanduser(output) if output else os.path.splitext(os.path.expanduser(path))[0] + ".png"
     _check_output(output, image_formats())
@@ -201,7 +201,7 @@ def _save(fig: "Figure", output: str) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: the figures' modules import numpy, which `treetools plot --help` does not need.
-    from treetools.commands import healthplot
+    from treetools.checkpoint_tools import healthplot
 
     paths = args.metrics
     if len(paths) == 1 and args.stats is None and args.heatmap is None and healthplot.is_health_dump(paths[0]):
@@ -220,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
     else:
         output = _default_output(paths, "heatmap.png" if args.heatmap is not None else "norms.png")
     # Here, not at the top: matplotlib and the reading modules, which `treetools plot --help` does not need (numpy).
-    from treetools.commands.plot import image_formats, plot_metrics, plot_stats
+    from treetools.checkpoint_tools.plot import image_formats, plot_metrics, plot_stats
 
     # Checked before anything is read: --stats streams a whole checkpoint.
     _check_output(output, image_formats(), reads=paths[0] if args.stats is not None else None)

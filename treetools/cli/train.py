@@ -96,7 +96,7 @@ def check_workdir(workdir: str) -> None:
       ValueError: naming the checkpoint, and the run folder to use where it is a trainer's ``checkpoints/``.
     """
     # The checkpoint layer imports numpy, which `treetools train --help` does not need.
-    from treetools.ckpt.diagnose import enclosing_checkpoints, shown_path
+    from treetools.checkpoint_io.diagnose import enclosing_checkpoints, shown_path
 
     inside = enclosing_checkpoints(workdir, include_self=True)
     if not inside:

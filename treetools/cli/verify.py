@@ -57,9 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     # Here, not at the top: the reading modules import numpy, which `treetools verify --help` does not need.
-    from treetools.commands.options import VerifyOptions
-    from treetools.commands.text import render_verify
-    from treetools.commands.verify import VerifyResult, VerifyRun, verify_checkpoint
+    from treetools.checkpoint_tools.options import VerifyOptions
+    from treetools.checkpoint_tools.text import render_verify
+    from treetools.checkpoint_tools.verify import VerifyResult, VerifyRun, verify_checkpoint
 
     options = options_from(args, VerifyOptions)
     results = []

@@ -19,7 +19,7 @@ callback, no host sync), and one host object:
   late, or every ``check_every`` steps) and writes the ring to a JSON file
   ``after`` steps past a flagged step, or every ``every`` steps: the file
   ``treetools plot`` draws as a per-layer heatmap around the spike, the
-  attributed modules marked (``treetools.commands.healthplot``).
+  attributed modules marked (``treetools.checkpoint_tools.healthplot``).
 * ``every_n(step, n, fn, ...)``: per-layer work only on every n-th step, behind
   ``lax.cond`` (measured against the plain reductions in ``benchmarks/``: a
   win on CPU; on GPU a conditional makes the step wait for its predicate).

@@ -12,7 +12,7 @@ through this one engine, in two steps:
    source leaf, and returns a ``RulesPlan``: one ``TargetLeaf`` per leaf the
    user gets (its path, shape, dtype and how it is made from the sources),
    or raises one ``RulesError`` listing every problem before any data is read.
-2. The checkpoint layer's ``treetools.ckpt.mapping.RuledReader`` reads any
+2. The checkpoint layer's ``treetools.checkpoint_io.mapping.RuledReader`` reads any
    block of a target leaf by reading only the matching block of its source(s).
 
 Modules: ``spec`` (``Rules``, its one field table, files and CLI strings),

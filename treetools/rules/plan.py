@@ -7,7 +7,7 @@ each over the paths of its own stage (``treetools.rules`` tells the order)::
 
 and returns a ``RulesPlan`` of ``TargetLeaf``\\ s, or raises one
 ``RulesError`` with every problem of the first stage that has any. Nothing
-here reads array data: ``treetools.ckpt.mapping.RuledReader`` reads a target
+here reads array data: ``treetools.checkpoint_io.mapping.RuledReader`` reads a target
 leaf's blocks from its source's.
 """
 

@@ -7,7 +7,7 @@ paths its patterns see (docs/rules.md's table is ``fields_markdown()``), and
 its flag's metavar and help (``treetools.cli.options.add_rules`` builds the
 rules flags from ``FIELDS``). A new rule is a row here and its stage in the
 planner (``treetools.rules.plan``), and, when it changes data, its step in
-the block reader (``treetools.ckpt.mapping.RuledReader``).
+the block reader (``treetools.checkpoint_io.mapping.RuledReader``).
 
 Standard library only at import: the CLI builds its flags from this table
 before numpy loads. A dtype name is resolved (numpy, ml_dtypes) when a

@@ -2,7 +2,7 @@
 
 Data is built elsewhere (``treetools.shared.rows``); this module only turns it into
 text, for ``tabulate_params`` and the checkpoint commands alike (their reports
-are rendered by ``treetools.commands.text`` with these pieces). It imports no
+are rendered by ``treetools.checkpoint_tools.text`` with these pieces). It imports no
 jax. Names read from a checkpoint are made safe for a terminal here
 (``safe_text``: control characters escaped), so a file cannot clear the
 screen or forge rows.

@@ -1,6 +1,6 @@
 """The values of treetools' documented environment variables, parsed (stdlib only: no variable is read here).
 
-``ReadContext.from_env`` (``treetools/ckpt/context.py``) reads the variables and
+``ReadContext.from_env`` (``treetools/checkpoint_io/context.py``) reads the variables and
 parses them with these functions; the ``treetools`` program's own process
 settings (``treetools/cli/_process.py``) size malloc's free memory from the same
 block size before anything heavy is imported. Each parser takes the raw text

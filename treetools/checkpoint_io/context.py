@@ -1,0 +1,125 @@
+"""The read context: how one command reads checkpoints, built once at the edge and passed down explicitly.
+
+A ``ReadContext`` is a small immutable object: the memory budget, the block
+size, the number of reading threads, the series of steps to read, and the
+storage a checkpoint's reads go through (confined to the checkpoint it was
+opened at). The CLI builds it from its options, the library's entry points
+(``open_source``, ``load_parameters``, ``inspect_path``, ...) from their
+arguments; ``ReadContext.from_env`` is the one place where the documented
+environment variables are read. ``open_source`` binds it to the checkpoint's
+confined storage (``within``) and hands it to the format, which hands it to
+every reader it makes: a worker thread reads the settings of the reader it
+holds, and nothing depends on which thread asks.
+
+| variable | field | default |
+|---|---|---|
+| ``TREETOOLS_MEMORY_BUDGET_MB`` | ``memory_budget`` (MB; ``inf``: none) | 2048 MB |
+| ``TREETOOLS_CHUNK_BYTES`` | ``block_bytes`` (at least 1024) | 8 MiB |
+| ``TREETOOLS_WORKERS`` | ``workers`` (threads) | the cores the process may run on |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Mapping
+
+from treetools.checkpoint_io.share import Share
+from treetools.checkpoint_io.storage import Storage, backend
+from treetools.shared.settings import (DEFAULT_BLOCK_BYTES, DEFAULT_MEMORY_BUDGET, block_bytes_from, memory_budget_from,
+                                       workers_from)
+
+UNBOUNDED = math.inf
+"""No budget: whole arrays are what ``load_parameters`` returns, held to the machine's memory instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadContext:
+    """How checkpoints are read: one immutable object, passed as an argument to every reading layer.
+
+    Attributes:
+      memory_budget: the most stored data one read may decode at once, in bytes (one storage chunk, one
+        ``--show`` slice, a metadata file parsed whole); ``math.inf``: no budget.
+      block_bytes: bytes of stored data per block of a streamed read.
+      workers: threads of the block engine; None: the cores this process may run on (a bucket: at least 16).
+        Given, it replaces the cores in every rule that counts them (so setting it to the cores changes nothing).
+      prefix: in a folder holding several series of steps (``checkpoint_6`` and ``eval_6``), the one to read
+        (None: ``checkpoint_``, else the steps named by number alone).
+      storage: the storage reads go through; ``open_source`` binds it to the checkpoint opened (``within``),
+        confined to it. None before that: the unconfined storage of each path's scheme.
+      share: this process's share of a run of several (``treetools.checkpoint_io.share``): the block engine reads its
+        jobs only and pools every process's results. None: one process reads everything.
+      follow_links: follow symlinks that lead out of the checkpoint (a step folder kept on another volume):
+        the storage is then not confined to the checkpoint, and a link inside it may make treetools read any
+        file the user can (docs/untrusted.md says what that gives up). Off by default; for checkpoints you trust.
+
+    >>> ctx = ReadContext(memory_budget=64 * 2**20)
+    >>> ctx.memory_budget // 2**20, ctx.block_bytes // 2**20, ctx.workers
+    (64, 8, None)
+    """
+
+    memory_budget: float = DEFAULT_MEMORY_BUDGET
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    workers: int | None = None
+    prefix: str | None = None
+    storage: Storage | None = dataclasses.field(default=None, compare=False, repr=False)
+    follow_links: bool = False
+    share: Share | None = dataclasses.field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.memory_budget, (int, float)) and self.memory_budget > 0):
+            raise ValueError(f"`memory_budget` must be a positive number of bytes (math.inf: none), got "
+                             f"{self.memory_budget!r}.")
+        if not (isinstance(self.block_bytes, int) and self.block_bytes >= 1):
+            raise ValueError(f"`block_bytes` must be a positive number of bytes, got {self.block_bytes!r}.")
+        if self.workers is not None and not (isinstance(self.workers, int) and self.workers >= 1):
+            raise ValueError(f"`workers` must be a positive number of threads, got {self.workers!r}.")
+        if not isinstance(self.follow_links, bool):
+            raise TypeError(f"`follow_links` must be True or False, got {self.follow_links!r}.")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **given: Any) -> "ReadContext":
+        """A context from the fields ``given`` (None values ignored), the rest from the environment variables.
+
+        Raises:
+          CheckpointError: a variable is set to something that is not a valid value (naming it).
+
+        >>> ReadContext.from_env({"TREETOOLS_MEMORY_BUDGET_MB": "64"}, block_bytes=4096).memory_budget / 2**20
+        64.0
+        >>> ReadContext.from_env({"TREETOOLS_WORKERS": "x"})
+        Traceback (most recent call last):
+        treetools.shared.errors.CheckpointError: `TREETOOLS_WORKERS` must be a positive number of threads, got 'x'.
+        """
+        env = os.environ if environ is None else environ
+        fields = {k: v for k, v in given.items() if v is not None}
+        if "memory_budget" not in fields:
+            fields["memory_budget"] = memory_budget_from(env.get("TREETOOLS_MEMORY_BUDGET_MB"))
+        if "block_bytes" not in fields:
+            fields["block_bytes"] = block_bytes_from(env.get("TREETOOLS_CHUNK_BYTES"))
+        if "workers" not in fields:
+            fields["workers"] = workers_from(env.get("TREETOOLS_WORKERS"))
+        return cls(**fields)
+
+    def within(self, storage: Storage) -> "ReadContext":
+        """This context reading through ``storage`` (the confined storage of one opened checkpoint)."""
+        return dataclasses.replace(self, storage=storage)
+
+    def confined_to(self, location: str) -> "ReadContext":
+        """This context reading through ``location``'s storage confined to it (as ``open_source`` reads it).
+
+        >>> import tempfile
+        >>> ctx = ReadContext().confined_to(tempfile.mkdtemp())
+        >>> ctx.storage.isdir("/")
+        True
+        """
+        return self.within(backend(location).confine(location, follow_links=self.follow_links))
+
+    def replace(self, **changes: Any) -> "ReadContext":
+        """A copy with ``changes`` (``load_parameters`` reads whole arrays: ``memory_budget=math.inf``)."""
+        return dataclasses.replace(self, **changes)
+
+
+def resolve(context: "ReadContext | None") -> "ReadContext":
+    """``context``, or one from the environment (a library call given none)."""
+    return context if context is not None else ReadContext.from_env()
