@@ -109,7 +109,7 @@ def _engine_stream(path: str, step: int | None, dst: str | None) -> None:
     readers = [leaf.reader for leaf in item.leaves if leaf.reader is not None]
     f = open(dst, "wb", buffering=0) if dst else None
     try:
-        for _, _, block in stream_blocks(readers, chunk_bytes=8 * 2**20):
+        for _, _, block in stream_blocks(readers, block_bytes=8 * 2**20):
             if f is not None:
                 f.write(memoryview(np.ascontiguousarray(block).view(np.uint8)))
     finally:
@@ -230,7 +230,7 @@ def test_what_limits_each_command(ckpts):
     n = ckpts["bytes"]
     parts = {
         "decode only (Orbax zstd, TensorStore reads)": (lambda: reduce_blocks(
-            [(r,) for r in readers[2]], lambda j: None, lambda acc, ix, bs: None, chunk_bytes=8 * 2**20), n),
+            [(r,) for r in readers[2]], lambda j: None, lambda acc, ix, bs: None, block_bytes=8 * 2**20), n),
         "statistics only (in memory)": (lambda: compute_stats(mem_b), n),
         "comparison only (in memory, both sides)": (lambda: value_diffs(pairs), 2 * n),
     }

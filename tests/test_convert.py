@@ -135,7 +135,7 @@ def test_large_transposed_and_unstacked_leaves_stream_in_small_blocks(tmp_path):
     w = rng.standard_normal((4, 300, 70), dtype=np.float32)
     np.savez(tmp_path / "w.npz", stacked=w)
     rules = tt.Rules(unstack=["stacked"], transpose=[("stacked", (1, 0))])
-    report = tt.convert(tmp_path / "w.npz", tmp_path / "o.safetensors", rules=rules, chunk_bytes=1024, verify=True)
+    report = tt.convert(tmp_path / "w.npz", tmp_path / "o.safetensors", rules=rules, block_bytes=1024, verify=True)
     assert report.ok
     got = safetensors.numpy.load_file(tmp_path / "o.safetensors")
     for i in range(4):
@@ -382,7 +382,7 @@ def test_a_dtype_safetensors_cannot_hold_is_one_error_naming_the_leaf(tmp_path):
 
 def test_progress_bar_draws_per_block_on_a_terminal(tmp_path, capsys):
     np.savez(tmp_path / "w.npz", a=np.ones(2**16, np.float32))
-    tt.convert(tmp_path / "w.npz", tmp_path / "o.safetensors", progress=True, chunk_bytes=4096)
+    tt.convert(tmp_path / "w.npz", tmp_path / "o.safetensors", progress=True, block_bytes=4096)
     err = capsys.readouterr().err
     assert "\r[" in err and " a" in err
     tt.convert(tmp_path / "w.npz", tmp_path / "p.safetensors")  # not a terminal: nothing drawn
@@ -403,7 +403,7 @@ def slow(tensors, block_bytes):
         yield tensor, block
 w.tensor_blocks = slow
 print("started", flush=True)
-tt.convert(sys.argv[1], sys.argv[2], chunk_bytes=1 << 16, overwrite=len(sys.argv) > 3)
+tt.convert(sys.argv[1], sys.argv[2], block_bytes=1 << 16, overwrite=len(sys.argv) > 3)
 print("finished", flush=True)
 """
 
@@ -546,7 +546,7 @@ def test_a_failed_bucket_upload_leaves_no_object(tmp_path, remote_store, monkeyp
     monkeypatch.setattr(st_writer, "tensor_blocks", failing)
     for dst in (remote_store.url("x.safetensors"), remote_store.url("hf")):
         with pytest.raises(OSError, match="disk gone"):
-            tt.convert(tmp_path / "w.npz", dst, chunk_bytes=4 * 2**20)
+            tt.convert(tmp_path / "w.npz", dst, block_bytes=4 * 2**20)
         assert not remote_store.fs().exists(dst)
 
 
@@ -667,7 +667,7 @@ def test_verify_counts_every_difference_across_blocks_and_names_the_first_in_c_o
             yield tensor, block
 
     monkeypatch.setattr(st_writer, "tensor_blocks", damaged)
-    report = tt.convert(tmp_path / "w.npz", tmp_path / "o.safetensors", chunk_bytes=1024, verify=True)
+    report = tt.convert(tmp_path / "w.npz", tmp_path / "o.safetensors", block_bytes=1024, verify=True)
     bad = np.argwhere(load_file(str(tmp_path / "o.safetensors"))["a"] != src)
     assert len(bad) == len(damage)
     first = tuple(int(i) for i in bad[0])  # argwhere lists positions in C order

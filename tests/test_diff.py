@@ -377,7 +377,7 @@ def test_fast_float_comparison_is_numpys_float64_rule(case):
 
     a, b, atol, rtol = _fast_path_case(case)
     leaf = lambda x: Leaf(array_row(("w",), x.shape, x.dtype), InMemoryReader(x))  # noqa: E731
-    (got,) = value_diffs([(leaf(a), leaf(b), "w")], atol=atol, rtol=rtol, chunk_bytes=300_000, workers=2)
+    (got,) = value_diffs([(leaf(a), leaf(b), "w")], atol=atol, rtol=rtol, block_bytes=300_000, workers=2)
     x, y = a.astype(np.float64), b.astype(np.float64)
     close = np.isclose(x, y, rtol=rtol, atol=atol, equal_nan=True)
     both = np.isfinite(x) & np.isfinite(y)

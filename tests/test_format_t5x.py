@@ -441,7 +441,7 @@ def test_the_checkpoint_msgpack_is_walked_not_parsed_whole(tmp_path):
     w = np.random.default_rng(0).standard_normal((1024, 1024), np.float32)
     inline = msgpack.ExtType(1, msgpack.packb((w.shape, "float32", w.tobytes()), use_bin_type=True))
     (tmp_path / "checkpoint").write_bytes(msgpack.packb({"version": 3, "optimizer": {"target": {"w": inline}}}))
-    report = inspect_path(str(tmp_path / "checkpoint"), stats=True, memory_budget=2**20, chunk_bytes=2**19)
+    report = inspect_path(str(tmp_path / "checkpoint"), stats=True, memory_budget=2**20, block_bytes=2**19)
     (stats,) = [leaf["stats"] for leaf in report.to_json()["checkpoints"][0]["items"]["target"]["leaves"]]
     assert stats["max"] == pytest.approx(float(w.max())) and stats["min"] == pytest.approx(float(w.min()))
     np.testing.assert_array_equal(tt.load_parameters(tmp_path / "checkpoint")["w"], w)

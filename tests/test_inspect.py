@@ -512,7 +512,7 @@ def test_stats_peak_memory_is_bounded(tmp_path):
         peak = _child_peak_kib("inspect", str(path), "--stats", "--format", "json", env=env)
         assert peak - base < 48 * 1024, (path.name, base, peak)
     want = numpy_stats(w)
-    got = inspect_path(str(tmp_path / "big.npz"), stats=True, chunk_bytes=budget).by_step[0].items["default"].rows[0]
+    got = inspect_path(str(tmp_path / "big.npz"), stats=True, block_bytes=budget).by_step[0].items["default"].rows[0]
     np.testing.assert_allclose(got.stats["std"], want["std"], rtol=1e-5)
 
 

@@ -100,10 +100,10 @@ def test_array_stats_matches_numpy_float64(name):
 
 
 @pytest.mark.parametrize("name", ["normal_f32", "nonfinite_mixed", "large_mean_small_std_f32", "bf16", "int32"])
-@pytest.mark.parametrize("chunk_bytes", [1024, 4099, 1 << 20])  # many blocks, odd sizes, one block
-def test_leaf_stats_in_blocks_matches_numpy(name, chunk_bytes):
+@pytest.mark.parametrize("block_bytes", [1024, 4099, 1 << 20])  # many blocks, odd sizes, one block
+def test_leaf_stats_in_blocks_matches_numpy(name, block_bytes):
     x = CASES[name]
-    _check(leaf_stats(InMemoryReader(x), chunk_bytes=chunk_bytes).result(), x, _rtol(x.dtype, name))
+    _check(leaf_stats(InMemoryReader(x), block_bytes=block_bytes).result(), x, _rtol(x.dtype, name))
 
 
 def test_compute_stats_parallel_equals_sequential_and_numpy(tmp_path):
@@ -116,9 +116,9 @@ def test_compute_stats_parallel_equals_sequential_and_numpy(tmp_path):
     readers.append(FileReader(ReadContext().confined_to(str(path)), str(path), 0, big.shape, big.dtype))
     arrays.append(big)
     names.append("big")
-    seq = [leaf_stats(r, chunk_bytes=5000).result() for r in readers]
-    par = [a.result() for a in compute_stats(readers, chunk_bytes=5000, workers=4)]
-    one = [a.result() for a in compute_stats(readers, chunk_bytes=5000, workers=1)]
+    seq = [leaf_stats(r, block_bytes=5000).result() for r in readers]
+    par = [a.result() for a in compute_stats(readers, block_bytes=5000, workers=4)]
+    one = [a.result() for a in compute_stats(readers, block_bytes=5000, workers=1)]
     assert par == one  # merged in block order: timing never changes the numbers
     for s, p, x, name in zip(seq, par, arrays, names):
         _check(p, x, _rtol(x.dtype, name))
@@ -134,7 +134,7 @@ def test_compute_stats_progress_counts_every_byte():
     readers = [InMemoryReader(CASES[k]) for k in ("normal_f32", "bf16", "int32")]
     total = sum(r.dtype.itemsize * math.prod(r.shape) for r in readers)
     bar = Progress(total, enabled=False)
-    compute_stats(readers, chunk_bytes=4096, progress=bar, workers=3, labels=["a", "b", "c"])
+    compute_stats(readers, block_bytes=4096, progress=bar, workers=3, labels=["a", "b", "c"])
     assert bar.done == total
 
 
@@ -154,7 +154,7 @@ _CHILD = (
     "n = int(sys.argv[2])\n"
     "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
     "acc = compute_stats([FileReader(ReadContext().confined_to(sys.argv[1]), sys.argv[1], 0, (n,), np.float32)],"
-    " chunk_bytes=1 << 20, workers=2)[0]\n"
+    " block_bytes=1 << 20, workers=2)[0]\n"
     "print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, acc.count)\n"
 )
 

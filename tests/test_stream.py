@@ -65,9 +65,9 @@ class Held:
             self.now -= n
 
 
-def _tiles(log, name, shape, chunk_bytes, itemsize):
+def _tiles(log, name, shape, block_bytes, itemsize):
     got = sorted(ix for n, ix, _ in log if n == name)
-    want = sorted(tuple((s.start, s.stop) for s in ix) for ix in plan_blocks(shape, chunk_bytes // itemsize))
+    want = sorted(tuple((s.start, s.stop) for s in ix) for ix in plan_blocks(shape, block_bytes // itemsize))
     return got, want
 
 
@@ -85,7 +85,7 @@ def test_reduce_blocks_reads_every_block_of_every_reader_once_on_every_worker():
     arrays = {f"r{i}": np.arange(1000 * (i + 1), dtype=np.float32).reshape(-1, 10) for i in range(4)}
     readers = [Counting(a, log, n, gate=gate) for n, a in arrays.items()]
     parts = reduce_blocks([(r,) for r in readers], lambda j: [0.0], lambda acc, ix, bs: acc.__setitem__(
-        0, acc[0] + float(bs[0].sum())), chunk_bytes=400, workers=2)
+        0, acc[0] + float(bs[0].sum())), block_bytes=400, workers=2)
     assert [sum(p[0] for p in ps) for ps in parts] == [float(a.sum()) for a in arrays.values()]
     for n, a in arrays.items():
         got, want = _tiles(log, n, a.shape, 400, 4)
@@ -98,7 +98,7 @@ def test_results_do_not_depend_on_the_number_of_threads():
     arrays = [rng.standard_normal((300, 70)).astype(np.float32) for _ in range(5)]
     runs = [reduce_blocks([(InMemoryReader(a),) for a in arrays], lambda j: [],
                           lambda acc, ix, bs: acc.append(float(np.sum(bs[0], dtype=np.float64))),
-                          chunk_bytes=2000, workers=w) for w in (1, 2, 5)]
+                          block_bytes=2000, workers=w) for w in (1, 2, 5)]
     assert runs[0] == runs[1] == runs[2]  # partials in block order, whatever finished first
 
 
@@ -109,17 +109,17 @@ def test_a_failing_job_is_failed_alone_and_other_errors_propagate():
 
     good = InMemoryReader(np.ones(10))
     out = reduce_blocks([(Broken(np.ones(10)),), (good,)], lambda j: [0], lambda acc, ix, bs: None,
-                        chunk_bytes=16, workers=2, errors=(CheckpointError,))
+                        block_bytes=16, workers=2, errors=(CheckpointError,))
     assert isinstance(out[0], Failed) and "broken chunk" in str(out[0].error) and not isinstance(out[1], Failed)
     with pytest.raises(CheckpointError, match="broken chunk"):
-        reduce_blocks([(Broken(np.ones(10)),)], lambda j: [0], lambda acc, ix, bs: None, chunk_bytes=16, workers=2)
+        reduce_blocks([(Broken(np.ones(10)),)], lambda j: [0], lambda acc, ix, bs: None, block_bytes=16, workers=2)
 
 
 def test_blocks_in_flight_are_bounded_by_the_workers():
     held = Held()
     arrays = [np.arange(4000.0) for _ in range(6)]
     jobs = [(held.reader(a), held.reader(a)) for a in arrays]  # pairs, as a diff reads them
-    reduce_blocks(jobs, lambda j: None, lambda acc, ix, blocks: held.used(len(blocks)), chunk_bytes=800, workers=3)
+    reduce_blocks(jobs, lambda j: None, lambda acc, ix, blocks: held.used(len(blocks)), block_bytes=800, workers=3)
     assert held.now == 0 and held.peak <= 2 * 3  # the two sides of the current block, per worker
 
 
@@ -157,11 +157,11 @@ def test_a_block_is_let_go_before_the_next_is_read(sides):
     # the peak RSS of --stats at 8 GiB 110 MiB where 128 MiB gave 68).
     alive = Alive()
     jobs = [tuple(alive.reader(np.arange(4000.0)) for _ in range(sides)) for _ in range(6)]
-    reduce_blocks(jobs, lambda j: None, lambda acc, ix, blocks: None, chunk_bytes=800, workers=3)
+    reduce_blocks(jobs, lambda j: None, lambda acc, ix, blocks: None, block_bytes=800, workers=3)
     assert alive.now == 0 and alive.peak <= sides * 3, alive.peak  # the block(s) being folded, per worker
     alive = Alive()
     reduce_blocks([tuple(alive.reader(np.arange(4000.0)) for _ in range(sides))], lambda j: None,
-                  lambda acc, ix, blocks: None, chunk_bytes=800, workers=1)
+                  lambda acc, ix, blocks: None, block_bytes=800, workers=1)
     assert alive.peak == sides  # one thread: one block of each side at a time
 
 
@@ -181,7 +181,7 @@ def test_the_two_sides_of_a_diff_are_read_side_by_side():
     row = tt.ckpt.Leaf(tt.ckpt.array_row(("w",), a.shape, a.dtype), None)
     pairs = [(tt.ckpt.Leaf(row.row, Counting(a, log, "a", gate=gate)),
               tt.ckpt.Leaf(row.row, Counting(a + 1, log, "b", gate=gate)), "w")]
-    (d,) = value_diffs(pairs, chunk_bytes=4000, workers=1)
+    (d,) = value_diffs(pairs, block_bytes=4000, workers=1)
     assert d.mismatched == a.size and d.max_abs_diff == pytest.approx(1.0)
     for side in "ab":
         got, want = _tiles(log, side, a.shape, 4000, 4)
@@ -235,7 +235,7 @@ def _each_block_once(log, sizes):
 
 def test_diff_values_reads_each_block_of_each_side_once(two_steps, monkeypatch):
     log = _count_tensorstore(monkeypatch)
-    report = diff_paths(str(two_steps), str(two_steps), step_a=100, step_b=200, values=True, chunk_bytes=64)
+    report = diff_paths(str(two_steps), str(two_steps), step_a=100, step_b=200, values=True, block_bytes=64)
     sizes = _sizes(two_steps, (100, 200))
     _each_block_once(log, sizes)
     assert len(log) == 2 * len(report.values) and set(log) <= set(sizes)  # both sides of every compared leaf
@@ -244,12 +244,12 @@ def test_diff_values_reads_each_block_of_each_side_once(two_steps, monkeypatch):
 
 def test_verify_and_stats_decode_each_block_once(two_steps, monkeypatch):
     log = _count_tensorstore(monkeypatch)
-    assert verify_path(str(two_steps), step=200, chunk_bytes=64).ok
+    assert verify_path(str(two_steps), step=200, block_bytes=64).ok
     sizes = _sizes(two_steps, (200,))
     _each_block_once(log, sizes)
     assert set(log) == set(sizes)
     log.clear()
-    inspect_path(str(two_steps), step=200, stats=True, chunk_bytes=64)
+    inspect_path(str(two_steps), step=200, stats=True, block_bytes=64)
     assert any(len(blocks) > 1 for blocks in log.values())
     _each_block_once(log, sizes)
 
@@ -267,7 +267,7 @@ def test_safetensors_diff_and_load_read_each_byte_once(tmp_path, monkeypatch):
         return real(self, view, pos)
 
     monkeypatch.setattr(FileReader, "_fill", fill)
-    diff_paths(str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), values=True, chunk_bytes=1024)
+    diff_paths(str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), values=True, block_bytes=1024)
     for name in ("a", "b"):
         spans = sorted((pos, n) for (p, pos, n) in reads if p.endswith(f"{name}.safetensors"))
         assert all(c == 1 for c in reads.values())
@@ -331,7 +331,7 @@ def test_stream_blocks_comes_in_writer_order_with_bounded_read_ahead():
     held = Held()
     arrays = [np.arange(600, dtype=np.float32).reshape(20, 30) + 1000 * i for i in range(4)]
     out = []
-    for i, index, block in stream_blocks([held.reader(a) for a in arrays], chunk_bytes=480, workers=3, window=4):
+    for i, index, block in stream_blocks([held.reader(a) for a in arrays], block_bytes=480, workers=3, window=4):
         held.used()
         out.append((i, block.copy()))
         assert block.flags.c_contiguous
@@ -344,9 +344,9 @@ def test_stream_blocks_comes_in_writer_order_with_bounded_read_ahead():
 def test_contiguous_plans_follow_chunk_rows_when_they_fit():
     r = InMemoryReader(np.zeros((8, 6), np.float32))
     r.chunk_shape = (2, 3)
-    plan = job_plan((r,), chunk_bytes=4 * 24, contiguous=True)  # 24 elements: two chunk rows of 12
+    plan = job_plan((r,), block_bytes=4 * 24, contiguous=True)  # 24 elements: two chunk rows of 12
     assert [(ix[0].start, ix[0].stop) for ix in plan] == [(0, 4), (4, 8)] and all(ix[1] == slice(None) for ix in plan)
-    tiles = job_plan((r,), chunk_bytes=4 * 24)  # chunk-aligned tiles when contiguity is not asked
+    tiles = job_plan((r,), block_bytes=4 * 24)  # chunk-aligned tiles when contiguity is not asked
     assert all((ix[0].stop - ix[0].start) % 2 == 0 for ix in tiles)
 
 
@@ -433,11 +433,11 @@ def test_every_long_command_advances_its_progress_bar_block_by_block(tmp_path, m
     save_file({"w": w + 1}, str(tmp_path / "b.safetensors"))
     a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
     if command == "stats":
-        inspect_path(a, stats=True, chunk_bytes=2**20)
+        inspect_path(a, stats=True, block_bytes=2**20)
     elif command == "verify":
-        assert verify_path(a, chunk_bytes=2**20).ok
+        assert verify_path(a, block_bytes=2**20).ok
     else:
-        assert not diff_paths(a, b, values=True, chunk_bytes=2**20).identical
+        assert not diff_paths(a, b, values=True, block_bytes=2**20).identical
     sides = 2 if command == "diff" else 1
     assert len(calls) >= 16, len(calls)  # a diff advances once per block pair, by both sides
     assert calls[-1][0] == calls[-1][1] == sides * w.nbytes
@@ -462,9 +462,9 @@ def test_the_bar_of_a_few_blocks_is_drawn_at_each_block(tmp_path, capsys, comman
     save_file({"w": w + 1}, str(tmp_path / "b.safetensors"))
     a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
     if command == "verify":
-        assert verify_path(a, chunk_bytes=2**20, progress=True).ok
+        assert verify_path(a, block_bytes=2**20, progress=True).ok
     else:
-        assert not diff_paths(a, b, values=True, chunk_bytes=2**20, progress=True).identical
+        assert not diff_paths(a, b, values=True, block_bytes=2**20, progress=True).identical
     drawn = [float(x) for x in re.findall(r"\] +([\d.]+)%", capsys.readouterr().err)]
     assert [x for x in drawn if x] == [25.0, 50.0, 75.0, 100.0], drawn
 
@@ -520,14 +520,14 @@ def test_processes_each_read_a_share_and_all_get_every_result(count):
     def fold(acc, ix, blocks):
         acc.append(float(blocks[0].sum()))
 
-    alone = reduce_blocks([(InMemoryReader(a),) for a in arrays], lambda j: [], fold, chunk_bytes=800, workers=2)
+    alone = reduce_blocks([(InMemoryReader(a),) for a in arrays], lambda j: [], fold, block_bytes=800, workers=2)
     board = ([None] * count, threading.Barrier(count))
     logs = [[] for _ in range(count)]
     results = [None] * count
 
     def process(p):
         jobs = [(Counting(a, logs[p], j),) for j, a in enumerate(arrays)]
-        results[p] = reduce_blocks(jobs, lambda j: [], fold, chunk_bytes=800, workers=2,
+        results[p] = reduce_blocks(jobs, lambda j: [], fold, block_bytes=800, workers=2,
                                    share=ThreadShare(p, count, board))
 
     threads = [threading.Thread(target=process, args=(p,)) for p in range(count)]
@@ -554,7 +554,7 @@ def test_an_error_in_one_process_reaches_every_process():
     def process(p):
         jobs = [(Broken(np.ones(100)),), (InMemoryReader(np.ones(90)),)]
         try:
-            reduce_blocks(jobs, lambda j: None, lambda *a: None, chunk_bytes=80, workers=1,
+            reduce_blocks(jobs, lambda j: None, lambda *a: None, block_bytes=80, workers=1,
                           share=ThreadShare(p, 2, board))
         except MemoryError as e:
             raised[p] = str(e)

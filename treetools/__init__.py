@@ -148,6 +148,7 @@ _EXPORTS = {  # public name -> module under treetools
     "list_incomplete": "checkpoint_io.steps",
     "latest_step": "checkpoint_io.steps",
     "open_source": "checkpoint_io.opening",
+    "ReadOptions": "checkpoint_io.context",
     "register_format": "checkpoint_io.registry",
     "Format": "checkpoint_io.source",
     # commands over checkpoints
@@ -187,6 +188,7 @@ def __dir__() -> list[str]:
 
 if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
     from treetools.pytree.abstract import make_abstract, replicate, update_ema
+    from treetools.checkpoint_io.context import ReadOptions
     from treetools.checkpoint_io.opening import open_source
     from treetools.checkpoint_io.registry import register_format
     from treetools.checkpoint_io.source import Format

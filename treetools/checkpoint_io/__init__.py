@@ -36,7 +36,7 @@ _EXPORTS = {  # public name -> module under treetools.checkpoint_io
     **dict.fromkeys(("FileSource", "Format", "Source", "file_head"), "source"),
     **dict.fromkeys(("register_format", "registered_formats", "unregister_format"), "registry"),
     "open_source": "opening",
-    "ReadContext": "context",
+    **dict.fromkeys(("ReadContext", "ReadOptions"), "context"),
     **dict.fromkeys(("Storage", "backend", "register_scheme"), "storage"),
 }
 
@@ -57,7 +57,7 @@ def __dir__() -> list[str]:
 
 
 if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ordinary imports
-    from treetools.checkpoint_io.context import ReadContext
+    from treetools.checkpoint_io.context import ReadContext, ReadOptions
     from treetools.checkpoint_io.leaves import (
         DEFAULT_ITEM,
         NO_VALUE,

@@ -123,3 +123,39 @@ class ReadContext:
 def resolve(context: "ReadContext | None") -> "ReadContext":
     """``context``, or one from the environment (a library call given none)."""
     return context if context is not None else ReadContext.from_env()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReadOptions:
+    """How a command reads array data: block size, memory budget, progress bar.
+
+    Attributes:
+      block_bytes: bytes of stored data per block (None: ``TREETOOLS_CHUNK_BYTES``, else 8 MiB).
+      workers: threads of the block engine (None: ``TREETOOLS_WORKERS``, else the cores this process may run on).
+      memory_budget: the most stored data decoded at once, in bytes (None:
+        ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB; ``math.inf``: none).
+      progress: draw a progress bar on stderr (None: when stderr is a terminal).
+      follow_links: follow symlinks that lead out of the checkpoint (``ReadContext.follow_links``; off by
+        default: a link out is refused).
+      share: this process's share of a run of several (``tt.connect_processes()``; ``ReadContext.share``): it
+        reads its share of the leaves, and every process gets the whole report.
+    """
+
+    block_bytes: int | None = None
+    workers: int | None = None
+    memory_budget: float | None = None
+    progress: bool | None = None
+    follow_links: bool = False
+    share: Share | None = None
+
+    def read_context(self) -> ReadContext:
+        """The ``ReadContext`` a command reads with: these fields, the environment variables for those not given
+        (``ReadContext.from_env``), and the options' ``prefix`` where it has one. Built once per command.
+
+        >>> ReadOptions(memory_budget=2**20, workers=2).read_context().workers
+        2
+        """
+        return ReadContext.from_env(memory_budget=self.memory_budget, block_bytes=self.block_bytes,
+                                    workers=self.workers,
+                                    prefix=getattr(self, "prefix", None), follow_links=self.follow_links,
+                                    share=self.share)

@@ -20,7 +20,7 @@ Every command that reads all of a checkpoint's data goes through here:
 
 Memory: a worker holds the blocks of its current task only (a TensorStore
 reader one block ahead), so ``reduce_blocks`` peaks at about
-``2 * readers per job * workers * chunk_bytes`` plus one storage chunk per
+``2 * readers per job * workers * block_bytes`` plus one storage chunk per
 read in flight; ``stream_blocks`` at ``window + workers`` blocks, or two
 stripes of whole stored chunks where one is larger (each within the memory
 budget). Tasks carry indices, never data.
@@ -52,7 +52,7 @@ GROUP_BLOCKS = 4
 """Blocks of one job per task: enough to amortize opening a store, few enough to spread a big leaf over threads."""
 
 REMOTE_WORKERS = 16
-"""Threads when a reader reads from a bucket: round trips overlap (memory ~ 2 * 16 * chunk_bytes)."""
+"""Threads when a reader reads from a bucket: round trips overlap (memory ~ 2 * 16 * block_bytes)."""
 
 _A = TypeVar("_A")
 _R = TypeVar("_R")
@@ -164,7 +164,7 @@ def own_order(reader: ArrayReader) -> bool:
     return reader.sequential or reader.storage_order
 
 
-def job_plan(readers: Sequence[ArrayReader], chunk_bytes: int, *, contiguous: bool = False) -> list[Index]:
+def job_plan(readers: Sequence[ArrayReader], block_bytes: int, *, contiguous: bool = False) -> list[Index]:
     """The one block plan every reader of a job follows: aligned to the first reader's storage chunks.
 
     A reader that streams front to back (a compressed zip member) needs
@@ -172,7 +172,7 @@ def job_plan(readers: Sequence[ArrayReader], chunk_bytes: int, *, contiguous: bo
     blocks are stripes: whole bands of chunk rows along the first axis, every
     other axis whole. Such a stripe covers whole stored chunks and is one
     C-contiguous run, so each chunk is decoded once; a stripe is larger than
-    ``chunk_bytes`` where one band of chunk rows is (an Orbax leaf stored as
+    ``block_bytes`` where one band of chunk rows is (an Orbax leaf stored as
     one chunk is one stripe), and the caller cuts it (``stream_blocks``). Only
     where one band is over the readers' memory budget are blocks plain
     C-contiguous runs across chunks (each such chunk is then decoded once per
@@ -186,7 +186,7 @@ def job_plan(readers: Sequence[ArrayReader], chunk_bytes: int, *, contiguous: bo
     first = readers[0]
     shape = tuple(first.shape)
     itemsize = max(r.dtype.itemsize for r in readers)
-    max_elems = max(1, chunk_bytes // itemsize)
+    max_elems = max(1, block_bytes // itemsize)
     if any(r.sequential for r in readers):
         return list(plan_blocks(shape, max_elems))
     granule = first.chunk_shape
@@ -222,7 +222,7 @@ class Task:
     plan: tuple[Index, ...] | None
 
 
-def plan_tasks(jobs: Sequence[Sequence[ArrayReader]], chunk_bytes: int, *,
+def plan_tasks(jobs: Sequence[Sequence[ArrayReader]], block_bytes: int, *,
                group: int = GROUP_BLOCKS) -> list[Task]:
     """Tasks covering every block of every job once; the largest jobs first (so no big leaf starts last).
 
@@ -237,7 +237,7 @@ def plan_tasks(jobs: Sequence[Sequence[ArrayReader]], chunk_bytes: int, *,
         if len(readers) == 1 and own_order(readers[0]):
             tasks.append(Task(j, None))
             continue
-        plan = job_plan(readers, chunk_bytes)
+        plan = job_plan(readers, block_bytes)
         if any(r.sequential for r in readers):
             tasks.append(Task(j, tuple(plan)))
             continue
@@ -245,7 +245,7 @@ def plan_tasks(jobs: Sequence[Sequence[ArrayReader]], chunk_bytes: int, *,
     return tasks
 
 
-def task_blocks(readers: Sequence[ArrayReader], task: Task, chunk_bytes: int, io: ThreadPoolExecutor | None = None
+def task_blocks(readers: Sequence[ArrayReader], task: Task, block_bytes: int, io: ThreadPoolExecutor | None = None
                 ) -> Iterator[tuple[Index | None, tuple[np.ndarray, ...]]]:
     """``(index, blocks)`` of one task: the block ``index`` of each reader, read side by side.
 
@@ -257,7 +257,7 @@ def task_blocks(readers: Sequence[ArrayReader], task: Task, chunk_bytes: int, io
     all. ``index`` is None in a reader's own storage order.
     """
     if task.plan is None:
-        for block in readers[0].storage_blocks(chunk_bytes):
+        for block in readers[0].storage_blocks(block_bytes):
             yield None, (block,)
         return
     if len(readers) > 1 and not any(r.sequential for r in readers):
@@ -320,7 +320,7 @@ class Failed:
 
 def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], _A],
                   fold: Callable[[_A, Index | None, tuple[np.ndarray, ...]], None], *,
-                  chunk_bytes: int, workers: int | None = None, progress: Progress | None = None,
+                  block_bytes: int, workers: int | None = None, progress: Progress | None = None,
                   labels: Sequence[str] | None = None,
                   errors: tuple[type[BaseException], ...] = (), share: Share | None = None
                   ) -> list[list[_A] | Failed]:
@@ -331,7 +331,7 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
       start: job number -> a fresh partial result (one per task).
       fold: ``fold(partial, index, blocks)`` adds one block of each reader of the job (``index`` is None
         in a reader's own storage order).
-      chunk_bytes: bytes of stored data per block and reader.
+      block_bytes: bytes of stored data per block and reader.
       workers: threads (default ``default_workers``, or 1 below ``SMALL_BYTES`` of data); 1 runs in this thread.
       progress: advanced by each block's stored bytes (every reader's), started with ``labels[job]``.
       errors: exceptions that fail one job, not the call: that job's result is ``Failed`` and its
@@ -346,7 +346,7 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
 
     >>> from treetools.checkpoint_io.readers import InMemoryReader
     >>> parts = reduce_blocks([(InMemoryReader(np.arange(10.0)),)], lambda j: [], lambda acc, ix, bs: acc.append(
-    ...     float(bs[0].sum())), chunk_bytes=32, workers=2)
+    ...     float(bs[0].sum())), block_bytes=32, workers=2)
     >>> [sum(map(sum, p)) for p in parts]
     [45.0]
     """
@@ -354,11 +354,11 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
     if share is None:
         share = given_share(every)
     if share is not None and share.count > 1:
-        return _shared(share, jobs, start, fold, chunk_bytes=chunk_bytes, workers=workers, progress=progress,
+        return _shared(share, jobs, start, fold, block_bytes=block_bytes, workers=workers, progress=progress,
                        labels=labels, errors=errors)
     if workers is None:
         workers = default_workers(every) if _nbytes(every) >= SMALL_BYTES or any(r.remote for r in every) else 1
-    tasks = plan_tasks(jobs, chunk_bytes)
+    tasks = plan_tasks(jobs, block_bytes)
     # Helper threads read the sides of a job side by side where a reader cannot read in the background.
     sides = any(len(readers) > 1 and not all(r.reads_async for r in readers) for readers in jobs)
     io = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="treetools-io") if sides else None
@@ -377,7 +377,7 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
                     progress.start(labels[task.job])
         partial = start(task.job)
         try:
-            for index, blocks in task_blocks(readers, task, chunk_bytes, io):
+            for index, blocks in task_blocks(readers, task, block_bytes, io):
                 fold(partial, index, blocks)
                 if progress is not None:
                     progress.advance(sum(b.size * b.dtype.itemsize for b in blocks))
@@ -445,7 +445,7 @@ class _Alone:
 _ALONE = _Alone()
 
 
-def stream_blocks(readers: Sequence[ArrayReader], *, chunk_bytes: int, workers: int | None = None,
+def stream_blocks(readers: Sequence[ArrayReader], *, block_bytes: int, workers: int | None = None,
                   window: int | None = None, contiguous: bool = True, progress: Progress | None = None
                   ) -> Iterator[tuple[int, Index, np.ndarray]]:
     """Every block of every reader as ``(reader number, index, block)``: readers in order, blocks in plan order.
@@ -453,19 +453,19 @@ def stream_blocks(readers: Sequence[ArrayReader], *, chunk_bytes: int, workers: 
     What a writer consumes (``convert``): with ``contiguous`` each block is a
     C-contiguous run of its array's elements, blocks in C order, so appending
     them writes the array. Reads follow ``job_plan``'s stripes (whole stored
-    chunks, so each is decoded once) and a stripe over ``chunk_bytes`` is
-    handed out cut into C-ordered pieces of at most ``chunk_bytes``. Reads
+    chunks, so each is decoded once) and a stripe over ``block_bytes`` is
+    handed out cut into C-ordered pieces of at most ``block_bytes``. Reads
     run ahead on ``workers`` threads, at most ``window`` (default
     ``2 * workers``) blocks' worth of bytes read and not yet consumed, or one
     stripe when a stripe is larger: memory stays about
-    ``(window + workers) * chunk_bytes``, or two stripes (one being consumed,
+    ``(window + workers) * block_bytes``, or two stripes (one being consumed,
     the next read), each within the memory budget. A reader that streams
     front to back (a compressed npz member) is read in this thread when its
     turn comes.
 
     >>> from treetools.checkpoint_io.readers import InMemoryReader
     >>> [(i, b.tolist()) for i, _, b in stream_blocks([InMemoryReader(np.arange(3)), InMemoryReader(np.ones(2))],
-    ...                                                chunk_bytes=16, workers=2)]
+    ...                                                block_bytes=16, workers=2)]
     [(0, [0, 1]), (0, [2]), (1, [1.0, 1.0])]
     """
     if workers is None:
@@ -474,7 +474,7 @@ def stream_blocks(readers: Sequence[ArrayReader], *, chunk_bytes: int, workers: 
     units: list[tuple[int, Index | None]] = []
     plans: dict[int, list[Index]] = {}
     for i, r in enumerate(readers):
-        plans[i] = job_plan((r,), chunk_bytes, contiguous=contiguous)
+        plans[i] = job_plan((r,), block_bytes, contiguous=contiguous)
         if r.sequential:
             units.append((i, None))
         else:
@@ -493,13 +493,13 @@ def stream_blocks(readers: Sequence[ArrayReader], *, chunk_bytes: int, workers: 
         return math.prod(block_extent(index, readers[i].shape)[1]) * readers[i].dtype.itemsize
 
     workers = min(workers, max(1, len(units)))  # one block (a small leaf): read here, no threads started
-    fetched = ordered_map(fetch, units, workers=workers, window=window * max(1, chunk_bytes), cost=cost)
+    fetched = ordered_map(fetch, units, workers=workers, window=window * max(1, block_bytes), cost=cost)
     # Not zip(units, fetched), and no piece kept past its yield: a zip's reused result tuple, or the loop variable
     # of the last piece (a view of its stripe), would hold each stripe while the next is read.
     for i, index in units:
         block = next(fetched)
         if index is not None:
-            max_elems = max(1, chunk_bytes // block.dtype.itemsize) if contiguous else block.size
+            max_elems = max(1, block_bytes // block.dtype.itemsize) if contiguous else block.size
             for ix, piece in _cut(index, block, readers[i].shape, max_elems):
                 if progress is not None:
                     progress.advance(piece.size * piece.dtype.itemsize)

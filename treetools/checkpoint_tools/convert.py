@@ -513,7 +513,7 @@ def verify_written(dst: str, report: ConvertReport, plan: _Plan, opts: ConvertOp
     try:
         # Half blocks: each of the engine's threads holds both sides of one, so verify's blocks in flight take
         # about what the write's read-ahead took, and the peak stays that of the write.
-        parts = reduce_blocks(jobs, lambda j: _BitDiff(), _fold_bits, chunk_bytes=max(1, context.block_bytes // 2),
+        parts = reduce_blocks(jobs, lambda j: _BitDiff(), _fold_bits, block_bytes=max(1, context.block_bytes // 2),
                               progress=bar, labels=names, errors=(CheckpointError, OSError, ValueError))
     finally:
         bar.close()

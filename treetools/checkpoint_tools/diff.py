@@ -503,7 +503,7 @@ def _result(acc: _Compared, path: str, size: int) -> ValueDiff:
 
 
 def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
-                chunk_bytes: int = DEFAULT_BLOCK_BYTES, workers: int | None = None,
+                block_bytes: int = DEFAULT_BLOCK_BYTES, workers: int | None = None,
                 progress: Progress | None = None) -> list[ValueDiff]:
     """Compare many pairs of stored arrays of one shape each, on all cores: one ``ValueDiff`` per pair.
 
@@ -526,14 +526,14 @@ def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = DEFAUL
         rules.append(_Rule.of(ra.dtype, rb.dtype, atol, rtol))
     parts = reduce_blocks([(a.reader, b.reader) for a, b, _ in pairs], lambda j: _Compared(rule=rules[j]),
                           lambda acc, index, blocks: _fold(acc, blocks[0], blocks[1]),
-                          chunk_bytes=chunk_bytes, workers=workers, progress=progress,
+                          block_bytes=block_bytes, workers=workers, progress=progress,
                           labels=[p for _, _, p in pairs])
     return [_result(functools.reduce(_Compared.merge, p, _Compared()), path, math.prod(a.reader.shape))
             for (a, _, path), p in zip(pairs, parts)]
 
 
 def value_diff(a: Leaf, b: Leaf, *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
-               chunk_bytes: int = DEFAULT_BLOCK_BYTES, path: str | None = None) -> ValueDiff:
+               block_bytes: int = DEFAULT_BLOCK_BYTES, path: str | None = None) -> ValueDiff:
     """Compare two stored arrays of one shape, streaming both in the same blocks (``value_diffs`` of one pair).
 
     >>> import numpy as np
@@ -544,7 +544,7 @@ def value_diff(a: Leaf, b: Leaf, *, atol: float = DEFAULT_ATOL, rtol: float = DE
     >>> d = value_diff(a, b); (d.allclose, d.mismatched, d.nonfinite_b, d.max_abs_diff)
     (False, 1, 1, inf)
     """
-    return value_diffs([(a, b, path or a.name)], atol=atol, rtol=rtol, chunk_bytes=chunk_bytes, workers=1)[0]
+    return value_diffs([(a, b, path or a.name)], atol=atol, rtol=rtol, block_bytes=block_bytes, workers=1)[0]
 
 
 def _describe(source: Source, step: int | None, item: str | None) -> dict[str, Any]:
@@ -706,7 +706,7 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     Args:
       a, b: checkpoint paths (B may equal A, with different steps).
       options: a ``DiffOptions`` (step, step_a, step_b, item, values, atol,
-        rtol, include, exclude, depth, sort, chunk_bytes, memory_budget).
+        rtol, include, exclude, depth, sort, block_bytes, memory_budget).
       **fields: the same fields as keywords (``diff_paths(a, b, values=True)``), over ``options``.
 
     Returns:
@@ -789,7 +789,7 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
         bar = Progress(sum(leaf.row.bytes for a_leaf, b_leaf, _ in pairs for leaf in (a_leaf, b_leaf)),
                        enabled=opts.progress)
         try:
-            diffs = value_diffs(pairs, atol=opts.atol, rtol=opts.rtol, chunk_bytes=context.block_bytes, progress=bar)
+            diffs = value_diffs(pairs, atol=opts.atol, rtol=opts.rtol, block_bytes=context.block_bytes, progress=bar)
         finally:
             bar.close()
         if opts.depth is not None:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeVar
 
-from treetools.checkpoint_io.context import ReadContext
-from treetools.checkpoint_io.share import Share
+from treetools.checkpoint_io.context import ReadOptions
 
 if TYPE_CHECKING:  # an annotation only: the rules engine loads with the first rules (inspect/diff/convert)
     from treetools.rules.spec import Rules
@@ -24,39 +23,6 @@ _O = TypeVar("_O", bound="ReadOptions")
 DEFAULT_ATOL, DEFAULT_RTOL = 0.0, 1e-5
 """``diff``'s default tolerance ``|a - b| <= atol + rtol * |b|``: relative only, so that a tensor of small values
 (Adam's ``nu`` around 1e-9) is not "within tolerance" of anything else small."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ReadOptions:
-    """How a command reads array data: block size, memory budget, progress bar.
-
-    Attributes:
-      chunk_bytes: bytes of stored data per block (None: ``TREETOOLS_CHUNK_BYTES``, else 8 MiB).
-      memory_budget: the most stored data decoded at once, in bytes (None:
-        ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB; ``math.inf``: none).
-      progress: draw a progress bar on stderr (None: when stderr is a terminal).
-      follow_links: follow symlinks that lead out of the checkpoint (``ReadContext.follow_links``; off by
-        default: a link out is refused).
-      share: this process's share of a run of several (``tt.connect_processes()``; ``ReadContext.share``): it
-        reads its share of the leaves, and every process gets the whole report.
-    """
-
-    chunk_bytes: int | None = None
-    memory_budget: float | None = None
-    progress: bool | None = None
-    follow_links: bool = False
-    share: "Share | None" = None
-
-    def read_context(self) -> ReadContext:
-        """The ``ReadContext`` a command reads with: these fields, the environment variables for those not given
-        (``ReadContext.from_env``), and the options' ``prefix`` where it has one. Built once per command.
-
-        >>> InspectOptions(memory_budget=2**20, prefix="eval_").read_context().prefix
-        'eval_'
-        """
-        return ReadContext.from_env(memory_budget=self.memory_budget, block_bytes=self.chunk_bytes,
-                                    prefix=getattr(self, "prefix", None), follow_links=self.follow_links,
-                                    share=self.share)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

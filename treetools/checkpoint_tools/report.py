@@ -272,7 +272,7 @@ def inspect_path(path: str, options: InspectOptions | None = None, /, **fields: 
       path: any checkpoint a registered format reads (an Orbax root, step or
         item folder, a Flax msgpack file, a ``.safetensors``, an ``.npz``...).
       options: an ``InspectOptions`` (step, item, depth, leaves, include,
-        exclude, sort, stats, rows_per_item, chunk_bytes, memory_budget, progress).
+        exclude, sort, stats, rows_per_item, block_bytes, memory_budget, progress).
       **fields: the same fields as keywords (``inspect_path(path, depth=1)``), over ``options``.
 
     Returns:
@@ -410,7 +410,7 @@ def _under(item: Item, prefix: str, where: str) -> Item:
     return dataclasses.replace(item, leaves=below)
 
 
-def _compute_stats(kept, snaps, chunk_bytes, progress):
+def _compute_stats(kept, snaps, block_bytes, progress):
     # Here, not at the top: metadata mode starts without the block engine and the statistics (its startup).
     from treetools.checkpoint_tools.progress import Progress
     from treetools.checkpoint_tools.stats import compute_stats
@@ -422,7 +422,7 @@ def _compute_stats(kept, snaps, chunk_bytes, progress):
     nonfinite = []
     try:
         # All cores, a few blocks per task, peak memory bounded per thread (stats.compute_stats).
-        computed = compute_stats([leaf.reader for _, _, leaf in todo], chunk_bytes=chunk_bytes, progress=bar,
+        computed = compute_stats([leaf.reader for _, _, leaf in todo], block_bytes=block_bytes, progress=bar,
                                  labels=[f"{name}/{leaf.name}" for _, name, leaf in todo])
         for (i, name, leaf), acc in zip(todo, computed):
             accs[i].setdefault(name, {})[leaf.path] = acc

@@ -190,27 +190,27 @@ class StatsAccumulator:
         return sum(getattr(self, k) for k in NONFINITE_COUNTS)
 
 
-def array_stats(array: Any, *, chunk_bytes: int = DEFAULT_BLOCK_BYTES) -> dict[str, Any]:
+def array_stats(array: Any, *, block_bytes: int = DEFAULT_BLOCK_BYTES) -> dict[str, Any]:
     """The statistics of one in-memory array (same definitions as ``--stats``).
 
     >>> array_stats(np.array([3.0, -4.0]))["l2"]
     5.0
     """
-    acc = StatsAccumulator(piece_elems=max(1, chunk_bytes // 8))
+    acc = StatsAccumulator(piece_elems=max(1, block_bytes // 8))
     acc.update(np.asarray(array))
     return acc.result()
 
 
-def leaf_stats(reader: ArrayReader, *, chunk_bytes: int = DEFAULT_BLOCK_BYTES,
+def leaf_stats(reader: ArrayReader, *, block_bytes: int = DEFAULT_BLOCK_BYTES,
                progress: "Progress | None" = None) -> StatsAccumulator:
-    """Stream one stored array through a ``StatsAccumulator`` in blocks of about ``chunk_bytes``.
+    """Stream one stored array through a ``StatsAccumulator`` in blocks of about ``block_bytes``.
 
     >>> from treetools.checkpoint_io.readers import InMemoryReader
-    >>> leaf_stats(InMemoryReader(np.arange(4.0)), chunk_bytes=16).result()["max"]
+    >>> leaf_stats(InMemoryReader(np.arange(4.0)), block_bytes=16).result()["max"]
     3.0
     """
-    acc = StatsAccumulator(piece_elems=max(1, chunk_bytes // 8))
-    for block in reader.storage_blocks(chunk_bytes):
+    acc = StatsAccumulator(piece_elems=max(1, block_bytes // 8))
+    for block in reader.storage_blocks(block_bytes):
         acc.update(block)
         if progress is not None:
             progress.advance(block.size * reader.dtype.itemsize)
@@ -218,7 +218,7 @@ def leaf_stats(reader: ArrayReader, *, chunk_bytes: int = DEFAULT_BLOCK_BYTES,
     return acc
 
 
-def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_BLOCK_BYTES,
+def compute_stats(readers: Sequence[ArrayReader], *, block_bytes: int = DEFAULT_BLOCK_BYTES,
                   progress: "Progress | None" = None, workers: int | None = None,
                   labels: Sequence[str] | None = None) -> list[StatsAccumulator]:
     """The statistics of many stored arrays, on all cores: one ``StatsAccumulator`` per reader, same order.
@@ -228,13 +228,13 @@ def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_
     split across threads; a sequential one, such as a compressed npz member,
     is one task); numpy's reductions and the readers' I/O release the GIL.
     Each thread holds at most its current blocks (a TensorStore reader reads
-    one block ahead), so peak memory is about ``2 * workers * chunk_bytes``
+    one block ahead), so peak memory is about ``2 * workers * block_bytes``
     plus one storage chunk per thread, whatever the checkpoint size. Partial
     results merge in block order, so the answer does not depend on timing.
 
     Args:
       readers: the arrays, each an ``ArrayReader``.
-      chunk_bytes: the block budget (bytes of stored data per block).
+      block_bytes: the block budget (bytes of stored data per block).
       progress: advanced by each block's stored bytes (thread-safe).
       workers: threads; default ``treetools.checkpoint_io.stream.default_workers`` (the cores, at least
         ``REMOTE_WORKERS`` when a reader reads from a bucket). 1 runs in this thread.
@@ -245,12 +245,12 @@ def compute_stats(readers: Sequence[ArrayReader], *, chunk_bytes: int = DEFAULT_
 
     >>> from treetools.checkpoint_io.readers import InMemoryReader
     >>> accs = compute_stats([InMemoryReader(np.arange(5.0)), InMemoryReader(np.ones(3, np.float32))],
-    ...                      chunk_bytes=16, workers=2)
+    ...                      block_bytes=16, workers=2)
     >>> [a.result()["mean"] for a in accs]
     [2.0, 1.0]
     """
-    piece = max(1, chunk_bytes // 8)
+    piece = max(1, block_bytes // 8)
     parts = reduce_blocks([(r,) for r in readers], lambda i: StatsAccumulator(piece_elems=piece),
-                          lambda acc, index, blocks: acc.update(blocks[0]), chunk_bytes=chunk_bytes,
+                          lambda acc, index, blocks: acc.update(blocks[0]), block_bytes=block_bytes,
                           workers=workers, progress=progress, labels=labels)
     return [functools.reduce(StatsAccumulator.merge, p, StatsAccumulator(piece_elems=piece)) for p in parts]

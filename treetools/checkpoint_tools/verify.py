@@ -156,7 +156,7 @@ class VerifyRun:
         return json_object(SCHEMA, {"ok": self.ok, "paths": [r.to_json() for r in self.results]})
 
 
-def _read_leaves(items: list[Item], report: VerifyReport, chunk_bytes: int, progress: bool | None) -> None:
+def _read_leaves(items: list[Item], report: VerifyReport, block_bytes: int, progress: bool | None) -> None:
     """Decode every block of every leaf of ``items`` once, on all cores (the block engine); count what came back."""
     todo = []
     for item in items:
@@ -167,7 +167,7 @@ def _read_leaves(items: list[Item], report: VerifyReport, chunk_bytes: int, prog
                 todo.append((item, leaf))
     bar = Progress(sum(leaf.row.bytes for _, leaf in todo), enabled=progress)
     try:
-        counts = reduce_blocks([(leaf.reader,) for _, leaf in todo], lambda j: [0], _count, chunk_bytes=chunk_bytes,
+        counts = reduce_blocks([(leaf.reader,) for _, leaf in todo], lambda j: [0], _count, block_bytes=block_bytes,
                                progress=bar, labels=[f"{item.name}/{leaf.name}" for item, leaf in todo],
                                errors=(CheckpointError, OSError, ValueError))
     finally:
@@ -196,7 +196,7 @@ def verify_path(path: str, options: VerifyOptions | None = None, /, **fields: An
 
     Args:
       path: anything ``treetools inspect`` reads.
-      options: a ``VerifyOptions`` (step, chunk_bytes, memory_budget).
+      options: a ``VerifyOptions`` (step, block_bytes, memory_budget).
       **fields: the same fields as keywords (``verify_path(path, step=100)``), over ``options``.
 
     Returns:

@@ -96,7 +96,7 @@ def add_reading(parser: argparse.ArgumentParser) -> None:
                         help="follow symlinks that lead out of the checkpoint (step folders on another volume); "
                              "off by default: only for checkpoints you trust (docs/untrusted.md)")
     # Hidden: the block budget of --stats / --values / verify (tests and benchmarks shrink it).
-    parser.add_argument("--chunk-mb", type=chunk_mb, default=None, dest="chunk_bytes", help=argparse.SUPPRESS)
+    parser.add_argument("--chunk-mb", type=chunk_mb, default=None, dest="block_bytes", help=argparse.SUPPRESS)
 
 
 def add_processes(parser: argparse.ArgumentParser) -> None:

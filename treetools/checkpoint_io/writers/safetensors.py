@@ -233,7 +233,7 @@ def tensor_blocks(tensors: Sequence[Tensor], block_bytes: int) -> Iterator[tuple
     """
     readers = [t.reader if isinstance(t.reader, ArrayReader) else InMemoryReader(np.asarray(t.reader))
                for t in tensors]
-    for i, index, block in stream_blocks(readers, chunk_bytes=max(1, block_bytes), contiguous=True):
+    for i, index, block in stream_blocks(readers, block_bytes=max(1, block_bytes), contiguous=True):
         tensor = tensors[i]
         block = np.asarray(block)
         want = tuple(len(range(n)[s]) for n, s in zip(tensor.shape, index))
