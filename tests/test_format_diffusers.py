@@ -80,3 +80,71 @@ def test_a_model_folder_and_diff(tmp_path):
     check_diff_names_the_changed_leaf(a, b, "conv_in/kernel", 0.5)
     rc, out, err = run("diff", tmp_path / "a", tmp_path / "a")
     assert rc == 0, out + err
+
+
+def _save_sharded(folder, tensors: dict, stem: str, shards: int = 2) -> None:
+    """A component saved as diffusers/transformers shard one too large for a file (``huggingface_hub``'s
+    ``split_state_dict_into_shards``: ``{stem}-0000k-of-0000N.safetensors`` and ``{stem}.safetensors.index.json``
+    with ``metadata.total_size`` and ``weight_map``)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = list(tensors)
+    weight_map = {}
+    for k in range(shards):
+        shard = f"{stem}-{k + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[k::shards]}
+        save_file(part, str(folder / shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    total = sum(t.nbytes for t in tensors.values())
+    (folder / f"{stem}.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+def test_a_pipeline_with_sharded_and_variant_components(tmp_path):
+    # Issue 49: a PyTorch pipeline (SDXL-like) whose transformer and second text encoder are sharded, and whose VAE
+    # was saved only as the fp16 variant: every component is an item, read from its shards or its variant file.
+    import json
+
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(1)
+    transformer = {f"blocks.{i}.attn.to_q.weight": rng.standard_normal((4, 4)).astype(np.float32) for i in range(3)}
+    encoder = {"text_model.embeddings.token_embedding.weight": rng.standard_normal((10, 4)).astype(np.float32),
+               "text_model.final_layer_norm.weight": rng.standard_normal(4).astype(np.float32)}
+    vae = {"encoder.conv_in.weight": rng.standard_normal((4, 3, 3, 3)).astype(np.float16)}
+    root = tmp_path / "pipe"
+    _save_sharded(root / "transformer", transformer, "diffusion_pytorch_model", shards=2)
+    _save_sharded(root / "text_encoder_2", encoder, "model", shards=2)
+    (root / "vae").mkdir(parents=True)
+    save_file(vae, str(root / "vae" / "diffusion_pytorch_model.fp16.safetensors"))
+    (root / "scheduler").mkdir()
+    (root / "scheduler" / "scheduler_config.json").write_text("{}")
+    (root / "model_index.json").write_text(json.dumps({
+        "_class_name": "FluxPipeline", "_diffusers_version": "0.30.0", "scheduler": ["diffusers", "X"],
+        "text_encoder_2": ["transformers", "T5EncoderModel"], "transformer": ["diffusers", "FluxTransformer2DModel"],
+        "vae": ["diffusers", "AutoencoderKL"]}))
+    report = inspect_json(root)
+    assert report["format"] == "diffusers"
+    assert list(report["checkpoints"][0]["items"]) == ["text_encoder_2", "transformer", "vae"]
+    rc, _, err = run("inspect", root)
+    assert rc == 0 and "diffusion_pytorch_model.fp16.safetensors" in err  # the variant read is named
+    for name, tensors in (("transformer", transformer), ("text_encoder_2", encoder), ("vae", vae)):
+        check_inspect(root, tensors, item=name)
+        check_show(root, tensors, item=name)
+        check_load_parameters(root, tensors, item=name)
+    check_load_parameters(root, transformer)  # the denoising model by default
+    check_verify(root)
+    check_inspect(root / "transformer", transformer)  # the sharded component alone
+    # A shard the index names, missing: that component is listed unread with the reason, the others are read,
+    # and the exit code says the read was partial (1; --allow-unread: 0).
+    (root / "transformer" / "diffusion_pytorch_model-00002-of-00002.safetensors").unlink()
+    rc, out, err = run("inspect", root, "--format", "json")
+    assert rc == 1, err
+    report = json.loads(out)
+    (unread,) = report["checkpoints"][0]["unreadable"]
+    assert unread["item"] == "transformer" and "diffusion_pytorch_model-00002-of-00002.safetensors" in unread["reason"]
+    assert list(report["checkpoints"][0]["items"]) == ["text_encoder_2", "vae"]
+    assert run("inspect", root, "--allow-unread")[0] == 0

@@ -289,6 +289,21 @@ def _diffusers(tmp, *below):
     return Case(tmp / "sd", flat_arrays(params["unet"]), item="unet", restore_item="unet")
 
 
+def _diffusers_sharded(tmp):
+    import json
+
+    from tests.test_format_diffusers import _save_sharded
+
+    transformer = {k.replace("/", "."): v for k, v in flat_arrays(_params()).items()}
+    encoder = {k.replace("/", "."): v for k, v in flat_arrays(_params(2)).items()}
+    _save_sharded(tmp / "pipe" / "transformer", transformer, "diffusion_pytorch_model")
+    _save_sharded(tmp / "pipe" / "text_encoder_2", encoder, "model")
+    (tmp / "pipe" / "model_index.json").write_text(json.dumps({
+        "_class_name": "FluxPipeline", "text_encoder_2": ["transformers", "T5EncoderModel"],
+        "transformer": ["diffusers", "FluxTransformer2DModel"]}))
+    return Case(tmp / "pipe", transformer, item="transformer", restore_item="transformer")
+
+
 def _flax_metric_named(tmp):
     from flax.training import checkpoints
 
@@ -415,6 +430,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "objax `Checkpoint` npz (a `names` array)": _objax,
     "diffusers Flax pipeline": _diffusers,
     "diffusers Flax model folder": lambda t: _diffusers(t, "unet"),
+    "diffusers PyTorch pipeline, sharded components": _diffusers_sharded,
     "Flax checkpoints named by a metric (`best_acc_0.625`)": _flax_metric_named,
     "Levanter bare `save_checkpoint` export root": _levanter_bare_export,
     "Levanter bare `save_checkpoint` export step folder": lambda t: _levanter_bare_export(t, "step-0"),

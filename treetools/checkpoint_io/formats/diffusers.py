@@ -18,17 +18,30 @@
   note; ``item=`` (``--item``) picks another component.
 
 Each component folder is also readable alone (PATH ``pipeline/unet``).
+
+A component too large for one file is **sharded** as transformers and
+diffusers shard it (``diffusion_pytorch_model-00001-of-00003.safetensors`` with
+``diffusion_pytorch_model.safetensors.index.json``; ``model-0000k-of-0000N``
+with ``model.safetensors.index.json`` for a transformers component; the Flax
+``*.msgpack.index.json`` alike): read through its index, checked against its
+shards as ``hf_sharded`` does. A component saved only as a **variant**
+(``save_pretrained(..., variant="fp16")``: ``diffusion_pytorch_model.fp16.safetensors``,
+``model.fp16.safetensors``) is read from that file, named in a note; the plain
+file is preferred where both are present.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable, Sequence
 
 from treetools.checkpoint_io.context import ReadContext
+from treetools.checkpoint_io.formats.hf_flax_sharded import read_flax_sharded
+from treetools.checkpoint_io.formats.hf_sharded import read_sharded
 from treetools.checkpoint_io.formats.msgpack import read_msgpack
 from treetools.checkpoint_io.formats.safetensors import read_safetensors
-from treetools.checkpoint_io.leaves import Item, Leaf, Snapshot, check_name
+from treetools.checkpoint_io.leaves import Item, Leaf, Snapshot, Unreadable, check_name
 from treetools.checkpoint_io.readers import read_metadata
 from treetools.checkpoint_io.source import FileSource, Format, Source
 from treetools.checkpoint_io.storage import Storage, normalize
@@ -38,10 +51,17 @@ PIPELINE_INDEX = "model_index.json"
 MODEL_FILES: tuple[tuple[str, Callable[[ReadContext, str], list[Leaf]]], ...] = (
     ("diffusion_flax_model.msgpack", read_msgpack),
     ("diffusion_pytorch_model.safetensors", read_safetensors),
+    ("diffusion_pytorch_model.safetensors.index.json", read_sharded),
+    ("diffusion_flax_model.msgpack.index.json", read_flax_sharded),
 )
-"""A diffusers model folder's weights file (``FLAX_WEIGHTS_NAME``, ``SAFETENSORS_WEIGHTS_NAME``)."""
-COMPONENT_FILES = MODEL_FILES + (("flax_model.msgpack", read_msgpack), ("model.safetensors", read_safetensors))
+"""A diffusers model folder's weights file (``FLAX_WEIGHTS_NAME``, ``SAFETENSORS_WEIGHTS_NAME``, and the index of
+the sharded ones, ``SAFETENSORS_WEIGHTS_INDEX_NAME``...)."""
+COMPONENT_FILES = MODEL_FILES + (("flax_model.msgpack", read_msgpack), ("model.safetensors", read_safetensors),
+                                 ("model.safetensors.index.json", read_sharded),
+                                 ("flax_model.msgpack.index.json", read_flax_sharded))
 """A pipeline component's weights file: a diffusers model's, or a transformers model's."""
+_VARIANT = re.compile(r"(diffusion_pytorch_model|model)\.([A-Za-z0-9_]+)\.safetensors")
+"""A variant's single weights file (diffusers' ``_add_variant``: ``diffusion_pytorch_model.fp16.safetensors``)."""
 MAIN_COMPONENTS = ("unet", "transformer", "prior", "decoder")
 """The component ``load_parameters`` reads from a pipeline (the denoising model), the first present."""
 
@@ -53,6 +73,15 @@ def weights_of(storage: Storage, folder: str, files: Sequence[tuple[str, Any]] =
         path = os.path.join(folder, name)
         if storage.isfile(path):
             return path, read
+    model_only = files is MODEL_FILES
+    try:
+        names = sorted(storage.listdir(folder))
+    except OSError:
+        return None
+    for name in names:  # no plain file: a variant's (fp16, ema, ...), the first in name order
+        match = _VARIANT.fullmatch(name)
+        if match and not (model_only and match.group(1) == "model") and storage.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name), read_safetensors
     return None
 
 
@@ -96,6 +125,11 @@ class PipelineSource(Source):
         if without:
             self.notes.append(f"{display}: components without weights (configuration only), not shown: "
                               f"{', '.join(without)}.")
+        for name, folder in self._components.items():
+            file, _ = weights_of(context.storage, folder)
+            if _VARIANT.fullmatch(os.path.basename(file)):
+                self.notes.append(f"{display}: component `{name}` has only a variant's weights; read "
+                                  f"{os.path.basename(file)}.")
 
     def item_names(self, step: int | None) -> list[str]:
         return list(self._components)
@@ -104,11 +138,14 @@ class PipelineSource(Source):
         return next((n for n in MAIN_COMPONENTS if n in self._components), next(iter(self._components)))
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
-        items = {}
+        items, unreadable = {}, []
         for name in names:
             file, read = weights_of(self.storage, self._components[name])
-            items[name] = Item(name, "pytree", list(read(self.context, file)))
-        return Snapshot(None, items)
+            try:
+                items[name] = Item(name, "pytree", list(read(self.context, file)))
+            except CheckpointError as e:  # a broken component (a shard missing) is listed; the others are read
+                unreadable.append(Unreadable(name, os.path.basename(file), str(e)))
+        return Snapshot(None, items, unreadable=unreadable)
 
 
 def _is_pipeline(storage: Storage, location: str) -> bool:
