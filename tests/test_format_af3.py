@@ -186,3 +186,54 @@ def test_the_list_of_records_is_held_to_the_memory_budget(tmp_path):
     assert rc == 1 and "over the memory budget" in err and "records" in err, err
     rc, out, err = run("inspect", path, "--memory-budget-mb", "64")
     assert rc == 0 and "4,000 params" in out.replace("elements", "params"), out + err
+
+
+def _split(data: bytes, parts: int) -> list[bytes]:
+    cut = [len(data) * k // parts for k in range(parts + 1)]
+    return [data[cut[k]:cut[k + 1]] for k in range(parts)]
+
+
+@pytest.mark.parametrize("names", [
+    ["af3.0.bin.zst", "af3.1.bin.zst", "af3.2.bin.zst"],  # select_model_files' first pattern
+    ["af3.bin.zst.0", "af3.bin.zst.1", "af3.bin.zst.2"],  # its second
+])
+def test_a_model_in_parts_is_one_stream(tmp_path, names):
+    # Issue 49: the loader's select_model_files/_MultiFileIO read a model split into parts as one zstd stream cut
+    # anywhere (mid-frame here). The folder, any part and every command read the whole model.
+    whole = tmp_path / "whole.bin.zst"
+    write_af3(whole, _params())
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name, part in zip(names, _split(whole.read_bytes(), 3)):
+        (folder / name).write_bytes(part)
+    truth = _flat(_params())
+    for path in (folder, folder / names[1]):
+        check_inspect(path, truth)
+        check_show(path, truth)
+        check_load_parameters(path, truth)
+    check_stats(folder, truth)
+    check_verify(folder)
+    rc, _, err = run("inspect", folder / names[2])
+    assert rc == 0 and "part 2 of a model in 3 parts" in err, err
+
+
+def test_uncompressed_parts_and_a_missing_part(tmp_path):
+    # select_model_files' uncompressed patterns (`af3.N.bin`): the records back to back, no zstd.
+    raw = b"".join(encode_record(s, n, a) for s, names in _params().items() for n, a in names.items())
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for k, part in enumerate(_split(raw, 2)):
+        (folder / f"af3.{k}.bin").write_bytes(part)
+    check_inspect(folder, _flat(_params()))
+    check_load_parameters(folder / "af3.1.bin", _flat(_params()))
+    # A part lost: the stream ends inside a record, one error naming the truncation.
+    (folder / "af3.1.bin").unlink()
+    check_refused(folder, "truncated")
+
+
+def test_a_folder_of_other_bin_files_is_not_claimed(tmp_path):
+    # pytorch_model-0000k-of-0000N.bin files (zip pickles) are no AlphaFold 3 model: not claimed by af3.
+    for k in (1, 2):
+        (tmp_path / f"pytorch_model-0000{k}-of-00002.bin").write_bytes(b"PK\x03\x04" + bytes(60))
+    rc, _, err = run("inspect", tmp_path)
+    assert rc != 0 and "AlphaFold" not in err, err

@@ -359,6 +359,17 @@ def _af3(tmp):
     return Case(Path(write_af3(tmp / "af3.bin.zst", _params())), _flat(_params()))
 
 
+def _af3_parts(tmp):
+    pytest.importorskip("zstandard")
+    from tests.test_format_af3 import _flat, _params, _split, write_af3
+
+    data = Path(write_af3(tmp / "whole.bin.zst", _params())).read_bytes()
+    (tmp / "models").mkdir()
+    for k, part in enumerate(_split(data, 2)):
+        (tmp / "models" / f"af3.{k}.bin.zst").write_bytes(part)
+    return Case(tmp / "models", _flat(_params()))
+
+
 def _maxtext_aqt(tmp):
     import jax
     import jax.numpy as jnp
@@ -443,6 +454,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "paxml GDA checkpoints (`TrainState(step, mdl_vars, opt_states)`, one folder per leaf)": _paxml,
     "MaxText AQT-quantized params (`save_params_to_path`: collections `params` and `aqt`)": _maxtext_aqt,
     "AlphaFold 3 parameter file (`af3.bin.zst`)": _af3,
+    "AlphaFold 3 model in parts": _af3_parts,
 }
 
 

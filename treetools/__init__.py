@@ -174,6 +174,8 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str) -> _typing.Any:
+    if name == "ckpt":  # `tt.ckpt.open_source(...)`: the format authors' module, loaded on first use
+        return _importlib.import_module("treetools.ckpt")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'treetools' has no attribute {name!r}")

@@ -27,12 +27,23 @@ stream may expand at most ``MAX_EXPANSION`` times the file's bytes (a zstd
 "bomb" is refused, never decompressed to the end). zstd comes from the
 ``zstandard`` package (``pip install 'jax-treetools[af3]'``), the library the
 loader uses; it is imported only when such a file is opened.
+
+**Several files, one stream.** ``select_model_files`` also takes a model
+folder and a model split into parts (``af3.0.bin.zst``, ``af3.1.bin.zst``...,
+or ``af3.bin.zst.0``...; uncompressed ``af3.bin`` and ``af3.0.bin``), read
+as one stream: the parts' bytes back to back (``_MultiFileIO``), decompressed
+as a whole. PATH may be such a folder, any part (the whole set is read, with a
+note), or the single file. Parts are put in the order of their numbers (the
+loader sorts the paths as strings, the same order below 10 parts). An
+uncompressed ``.bin`` is claimed only when its first record header parses.
 """
 
 from __future__ import annotations
 
+import io
 import math
 import os
+import re
 import struct
 import threading
 from typing import Any, Sequence
@@ -70,14 +81,41 @@ def _zstd() -> Any:
     return zstandard
 
 
-class _Stream:
-    """The decompressed stream of one file, read forward from a position; a read behind it starts over.
+class _Parts(io.RawIOBase):
+    """The files of one model back to back, read forward as one file (the loader's ``_MultiFileIO``)."""
 
-    One per file, shared by its leaves' readers (a lock keeps their reads whole).
+    def __init__(self, context: ReadContext, paths: Sequence[str]):
+        self._context, self._paths = context, list(paths)
+        self._index, self._file = 0, context.storage.open(self._paths[0], block_size=_SKIP)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while True:
+            n = self._file.readinto(b)
+            if n or self._index + 1 == len(self._paths):
+                return n or 0
+            self._file.close()
+            self._index += 1
+            self._file = self._context.storage.open(self._paths[self._index], block_size=_SKIP)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        super().close()
+
+
+class _Stream:
+    """The (decompressed) stream of a model's files, read forward from a position; a read behind it starts over.
+
+    One per model, shared by its leaves' readers (a lock keeps their reads whole).
     """
 
-    def __init__(self, context: ReadContext, path: str, size: int):
-        self._context, self._path, self._size = context, path, size
+    def __init__(self, context: ReadContext, paths: Sequence[str], size: int, *, compressed: bool = True):
+        self._context, self._paths, self._size, self._compressed = context, list(paths), size, compressed
+        self._path = self._paths[0] if len(self._paths) == 1 else f"{self._paths[0]} (+{len(self._paths) - 1} parts)"
         self._lock = threading.Lock()
         self._file: Any = None
         self._reader: Any = None
@@ -85,8 +123,10 @@ class _Stream:
 
     def _restart(self) -> None:
         self.close()
-        self._file = self._context.storage.open(self._path, block_size=_SKIP)
-        self._reader = _zstd().ZstdDecompressor().stream_reader(self._file, read_across_frames=True)
+        self._file = _Parts(self._context, self._paths)
+        self._reader = (_zstd().ZstdDecompressor().stream_reader(io.BufferedReader(self._file, _SKIP),
+                                                                 read_across_frames=True)
+                        if self._compressed else self._file)
         self.pos = 0
 
     def close(self) -> None:
@@ -110,7 +150,7 @@ class _Stream:
         return got
 
     def _check_expansion(self) -> None:
-        if self.pos > MAX_EXPANSION * max(self._size, _SKIP):
+        if self._compressed and self.pos > MAX_EXPANSION * max(self._size, _SKIP):
             raise CheckpointError(
                 f"{self._path}: the {self._size:,}-byte file decompresses to over {self.pos:,} bytes (more than "
                 f"{MAX_EXPANSION} times its size): not AlphaFold 3 parameters but a decompression bomb; refusing it.")
@@ -168,17 +208,19 @@ def _text(data: bytes, where: str, what: str) -> str:
         raise CheckpointError(f"{where}: corrupt {_WHAT}: the {what} is not UTF-8 text.") from None
 
 
-def read_af3(context: ReadContext, path: str) -> list[Leaf]:
-    """The leaves of an AlphaFold 3 parameter file, ``<scope>/<name>``, from the record headers (array bytes are
-    skipped, not kept). tests/test_format_af3.py writes such files with the loader's own ``encode_record``
-    layout and ``zstandard`` (no example here: the package is an optional extra).
+def read_af3(context: ReadContext, path: str | Sequence[str], *, compressed: bool = True) -> list[Leaf]:
+    """The leaves of an AlphaFold 3 parameter file (or of its parts, one stream), ``<scope>/<name>``, from the
+    record headers (array bytes are skipped, not kept). tests/test_format_af3.py writes such files with the
+    loader's own ``encode_record`` layout and ``zstandard`` (no example here: the package is an optional extra).
     """
     storage = context.storage
+    paths = [path] if isinstance(path, str) else list(path)
     try:
-        size = storage.getsize(path)
+        size = sum(storage.getsize(p) for p in paths)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e}).") from None
-    stream = _Stream(context, path, size)
+        raise CheckpointError(f"{e.filename or paths[0]}: cannot read ({e.strerror or e}).") from None
+    stream = _Stream(context, paths, size, compressed=compressed)
+    path = stream._path
     found: dict[tuple[str, str], Leaf] = {}
     index = 0
     with stream:
@@ -224,7 +266,7 @@ def read_af3(context: ReadContext, path: str) -> list[Leaf]:
                     f"{offset:,}, but the stream ends at byte {stream.pos:,}; the download or copy was cut short.")
             found.pop((scope, name), None)  # the loader's dict: a later record replaces an earlier one
             found[(scope, name)] = Leaf(array_row((scope, name), shape, dtype),
-                                        _RecordReader(stream, context, path, offset, shape, dtype))
+                                        _RecordReader(stream, context, paths[0], offset, shape, dtype))
             index += 1
             check_budget(len(found) * LEAF_COST, where=path, what=f"the list of its {len(found):,} records",
                          budget=context.memory_budget)
@@ -233,19 +275,105 @@ def read_af3(context: ReadContext, path: str) -> list[Leaf]:
     return list(found.values())
 
 
+PATTERNS = (  # the loader's select_model_files, in its order: (pattern, compressed)
+    (re.compile(r"(?P<model>.*)\.(?P<part>[0-9]+)\.bin\.zst"), True),
+    (re.compile(r"(?P<model>.*)\.bin\.zst\.(?P<part>[0-9]+)"), True),
+    (re.compile(r"(?P<model>.*)\.(?P<part>[0-9]+)\.bin"), False),
+    (re.compile(r"(?P<model>.*)\.bin\.zst"), True),
+    (re.compile(r"(?P<model>.*)\.bin"), False),
+)
+
+
+def _model_files(storage: Any, folder: str, names: Sequence[str], want: str | None = None
+                 ) -> tuple[list[str], bool] | None:
+    """The files of the model in ``folder`` (the one named ``want``, else the only one), in part order, and
+    whether they are compressed; None when none matches. Several models in one folder: an error, as the loader's."""
+    for pattern, compressed in PATTERNS:
+        models: dict[str, list[tuple[int, str]]] = {}
+        for name in names:
+            match = pattern.fullmatch(name)
+            if match:
+                part = int(match.group("part")) if "part" in pattern.groupindex else 0
+                models.setdefault(match.group("model"), []).append((part, name))
+        if want is not None:
+            models = {k: v for k, v in models.items() if k == want}
+        models = {k: v for k, v in models.items()  # positive evidence in each model's first part
+                  if _starts_like(storage, os.path.join(folder, min(v)[1]), compressed)}
+        if len(models) > 1:
+            raise CheckpointError(f"{folder or '.'}: holds several AlphaFold 3 models ({', '.join(sorted(models))}); "
+                                  "give PATH as one of their files.")
+        if models:
+            (parts,) = models.values()
+            return [os.path.join(folder, name) for _, name in sorted(parts)], compressed
+    return None
+
+
+def _starts_like(storage: Any, path: str, compressed: bool) -> bool:
+    """Positive evidence: zstd's magic, or (uncompressed) a first record header that parses."""
+    head = file_head(storage, path, HEADER.size + 3 * MAX_NAME_BYTES // 256)
+    if compressed:
+        return head[:len(ZSTD_MAGIC)] == ZSTD_MAGIC
+    if len(head) < HEADER.size:
+        return False
+    scope_len, name_len, dtype_len, rank, nbytes = HEADER.unpack(head[:HEADER.size])
+    if not (0 < scope_len <= 256 and 0 < name_len <= 64 and 0 < dtype_len <= 16 and 0 <= rank <= 8 and nbytes >= 0):
+        return False
+    names = head[HEADER.size:HEADER.size + scope_len + name_len + dtype_len]
+    try:
+        np_dtype(names[scope_len + name_len:].decode("ascii"))
+        names.decode("utf-8")
+    except (UnicodeDecodeError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _select(location: str, context: ReadContext) -> tuple[list[str], bool, str | None] | None:
+    """What PATH reads: its model's files, compressed or not, and a note when PATH is a folder or one part."""
+    storage = context.storage
+    if storage.isdir(location):
+        try:
+            names = [n for n in sorted(storage.listdir(location)) if storage.isfile(os.path.join(location, n))]
+        except OSError:
+            return None
+        found = _model_files(storage, location, names)
+        if found is None:
+            return None
+        return found[0], found[1], f"read the AlphaFold 3 model {', '.join(os.path.basename(p) for p in found[0])}"
+    base, folder = os.path.basename(location), os.path.dirname(location)
+    for pattern, compressed in PATTERNS:
+        match = pattern.fullmatch(base)
+        if not match:
+            continue
+        if "part" not in pattern.groupindex:
+            return ([location], compressed, None) if _starts_like(storage, location, compressed) else None
+        names = [n for n in sorted(storage.listdir(folder or ".")) if storage.isfile(os.path.join(folder, n))]
+        found = _model_files(storage, folder, names, want=match.group("model"))
+        if found is None or location not in found[0]:  # a part whose first part is not AlphaFold 3's
+            return None
+        return found[0], compressed, (f"{base} is part {match.group('part')} of a model in {len(found[0])} parts; "
+                                      f"read them all, as one stream")
+    return None
+
+
 def _claims(location: str, context: ReadContext) -> bool:
-    return (os.path.basename(location).endswith(SUFFIX)
-            and file_head(context.storage, location, len(ZSTD_MAGIC)) == ZSTD_MAGIC)
+    try:
+        return _select(location, context) is not None
+    except CheckpointError:
+        return True  # several models in one folder: claimed, so that opening it says so
 
 
 def _open(location: str, display: str, context: ReadContext) -> FileSource:
+    selected = _select(location, context)
+    if selected is None:
+        raise CheckpointError(f"{display}: no AlphaFold 3 parameter file (af3.bin.zst, af3.N.bin.zst...) here.")
+    paths, compressed, note = selected
     try:
-        leaves = read_af3(context, location)
+        leaves = read_af3(context, paths, compressed=compressed)
     except MemoryBudgetError:
         raise
     except CheckpointError as e:  # name the path as typed
         raise CheckpointError(str(e).replace(location, display, 1)) from None
-    return FileSource(display, context, "af3", leaves)
+    return FileSource(display, context, "af3", leaves, notes=[f"{display}: {note}."] if note else [])
 
 
 FORMAT = Format(
