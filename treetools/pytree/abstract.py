@@ -81,14 +81,13 @@ def _on_mesh(leaf: Any, mesh: Mesh) -> tuple[Sharding, PartitionSpec | None]:
     return NamedSharding(mesh, PartitionSpec()), None  # unboxed, unnamed: replicated on the mesh
 
 
-def _abstract_leaf(keypath: Any, leaf: Any, sharding: Any, mesh: Mesh | None, remapped: list[Remapped],
+def _abstract_leaf(path: "_LazyPath", leaf: Any, sharding: Any, mesh: Mesh | None, remapped: list[Remapped],
                    checked: set) -> Any:
-    """``leaf`` as a struct (in its box); ``keypath`` becomes a path string only for a message, and each
+    """``leaf`` as a struct (in its box); ``path`` becomes a path string only for a message, and each
     (sharding, shape) is checked once (``checked``)."""
     if not is_array_like(leaf):
         return leaf
     value = unbox(leaf)
-    path = _LazyPath(keypath)
     try:
         if sharding is None and mesh is not None:
             sharding, was = _on_mesh(leaf, mesh)
@@ -117,16 +116,31 @@ def _abstract_leaf(keypath: Any, leaf: Any, sharding: Any, mesh: Mesh | None, re
     return rebox(leaf, struct)
 
 
+class _Paths:
+    """The key paths of a tree's leaves, flattened with their paths only when a message names one (a plain
+    flatten is several times cheaper than one with paths, and most calls name no leaf)."""
+
+    __slots__ = ("_tree", "_keypaths")
+
+    def __init__(self, tree: PyTree):
+        self._tree, self._keypaths = tree, None
+
+    def __getitem__(self, i: int) -> Any:
+        if self._keypaths is None:
+            self._keypaths = [p for p, _ in jax.tree_util.tree_flatten_with_path(self._tree, is_leaf=is_leaf)[0]]
+        return self._keypaths[i]
+
+
 class _LazyPath:
-    """A key path that becomes its path string when printed (most leaves are never named in a message)."""
+    """A leaf's path that becomes its path string when printed (most leaves are never named in a message)."""
 
-    __slots__ = ("keypath",)
+    __slots__ = ("paths", "index")
 
-    def __init__(self, keypath: Any):
-        self.keypath = keypath
+    def __init__(self, paths: Any, index: int):
+        self.paths, self.index = paths, index
 
     def __str__(self) -> str:
-        return path_str(self.keypath)
+        return path_str(self.paths[self.index])
 
     def __format__(self, spec: str) -> str:
         return format(str(self), spec)
@@ -196,14 +210,16 @@ def make_abstract(tree: PyTree, sharding: Any = None, *, mesh: Mesh | None = Non
     """
     if isinstance(sharding, Mesh):
         sharding, mesh = None, sharding
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
+    flat, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_leaf)
     if sharding is None or isinstance(sharding, (Sharding, PartitionSpec)):
-        shardings = [sharding] * len(pairs)
+        shardings = [sharding] * len(flat)
     else:
-        shardings = _broadcast_shardings(tree, sharding, len(pairs))
+        shardings = _broadcast_shardings(tree, sharding, len(flat))
     remapped: list[Remapped] = []
     checked: set = set()
-    leaves = [_abstract_leaf(p, x, s, mesh, remapped, checked) for (p, x), s in zip(pairs, shardings)]
+    paths = _Paths(tree)
+    leaves = [_abstract_leaf(_LazyPath(paths, i), x, s, mesh, remapped, checked)
+              for i, (x, s) in enumerate(zip(flat, shardings))]
     if remapped:
         warnings.warn(_remapped_message(remapped, mesh), stacklevel=2)
     return jax.tree_util.tree_unflatten(treedef, leaves)
