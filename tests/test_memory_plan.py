@@ -398,10 +398,10 @@ def test_largest_block_is_what_restore_checkpoint_reads_at_a_time(mesh, tmp_path
 
 def test_stored_chunks_over_the_budget_are_named():
     tree = {"w": _box((1024, 1024), ("fsdp", None)), "b": jax.ShapeDtypeStruct((1024,), jnp.float32)}
-    plan = tt.memory_plan(tree, mesh={"fsdp": 4}, memory_budget=2**20, block_bytes={"params/b": 4096})
+    plan = tt.memory_plan(tree, mesh={"fsdp": 4}, memory_budget=2**20, chunk_bytes={"params/b": 4096})
     # w: a device block of 1 MiB, saved by this layout (a chunk = one block): block + chunk = 2 MiB.
     assert plan.host.restore_peak_bytes == 2 * 2**20 and plan.host.over_budget == ()
-    plan = tt.memory_plan(tree, mesh={"fsdp": 4}, memory_budget=2**19, block_bytes={"params/w": 4 * 2**20})
+    plan = tt.memory_plan(tree, mesh={"fsdp": 4}, memory_budget=2**19, chunk_bytes={"params/w": 4 * 2**20})
     assert plan.host.over_budget == ("params/w",) and plan.host.restore_peak_bytes == 2**20 + 4 * 2**20
     assert "over the memory budget" in str(plan)
 
