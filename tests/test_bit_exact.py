@@ -92,3 +92,22 @@ def test_diff_values_count_negative_zero_and_nan_payload_as_not_bit_identical(tm
     a = np.float32([0.0, 1.0])
     assert value_diff(leaf(a), leaf(a.copy())).bit_identical
     assert not value_diff(leaf(a), leaf(np.float32([-0.0, 1.0]))).bit_identical  # equal values, other bits
+
+
+def test_convert_verify_counts_what_numpy_counts_and_finds_the_first():
+    from treetools.checkpoint_tools.convert import _BitDiff, _fold_bits
+
+    rng = np.random.default_rng(1)
+    want = rng.standard_normal((4, 6)).astype(ml_dtypes.bfloat16)
+    got = want.copy()
+    bits = got.view(np.uint16)
+    bits[1, 2] ^= 0x8000  # a sign: -x for x (a 0.0 becomes -0.0)
+    bits[3, 5] = 0x7FC1  # a NaN where the source has a number
+    acc = _BitDiff()
+    _fold_bits(acc, (slice(0, 4), slice(0, 6)), (got, want))
+    assert acc.differ == int(_numpy_differ(got, want).sum()) == 2
+    assert acc.first == (1, 2)
+    # the source block in another dtype is compared after the same cast, as the writer casts it
+    same = _BitDiff()
+    _fold_bits(same, None, (want, want.astype(np.float32)))
+    assert same.differ == 0 and same.first is None
