@@ -530,12 +530,16 @@ def fit_table(headers: Sequence[str] | None, rows: Sequence[Sequence[str]], *, s
         shown = [list(r) for r in rows]
         cut = False
         if paths:
-            cells = [stand_in] * len(rows) if stand_in else (whole if room is None else cut_paths([r[0] for r in rows], room))
-            cut = not stand_in and cells != whole
+            if stand_in:
+                cells = [stand_in] * len(rows)
+            else:
+                cells = whole if room is None else cut_paths([r[0] for r in rows], room)
+                cut = cells != whole
             for line, c in zip(shown, cells):
                 line[0] = c
         heads = [names[i] for i in keep] if headers is not None else None
-        return _layout(heads, [[r[i] for i in keep] for r in shown], style, [keep.index(i) for i in right if i in keep]), cut
+        aligned = [keep.index(i) for i in right if i in keep]
+        return _layout(heads, [[r[i] for i in keep] for r in shown], style, aligned), cut
 
     if markdown or not fit:
         text, cut = render(range(cols), CELL_WIDTH if paths else None)
@@ -557,12 +561,13 @@ def fit_table(headers: Sequence[str] | None, rows: Sequence[Sequence[str]], *, s
             have = path_room(keep)
             wide = have < longest
             worth = have < PATH_MIN or path_room([i for i in keep if names[i] not in left]) >= longest
+            if not (wide and left and worth):
+                text, cut = render(keep, have)
+                return Table(text, tuple(h for h in dropped if h not in empty), cut)
         else:
             text, _ = render(keep, None)
-            wide, worth = max(map(len, text.splitlines()), default=0) > room, True
-        if not (wide and left and worth):
-            text, cut = render(keep, have if paths else None)
-            return Table(text, tuple(h for h in dropped if h not in empty), cut)
+            if not (left and max(map(len, text.splitlines()), default=0) > room):
+                return Table(text, tuple(h for h in dropped if h not in empty))
         dropped.append(left[0])
 
 
@@ -579,7 +584,8 @@ def _layout(headers: Sequence[str] | None, rows: Sequence[Sequence[str]], style:
         return _simple_table(headers, rows)
     from tabulate import tabulate
 
-    return tabulate(rows, headers=list(headers) if headers is not None else (), tablefmt=style, disable_numparse=True)
+    return tabulate(rows, headers=list(headers) if headers is not None else (), tablefmt=style,
+                    disable_numparse=True)
 
 
 def render_rows(
