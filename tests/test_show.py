@@ -237,3 +237,16 @@ def test_show_stats_line_counts_the_nonfinite_elements(tmp_path, capsys):
     np.savez(tmp_path / "w.npz", w=np.array([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32))
     assert main(["inspect", str(tmp_path / "w.npz"), "--show", "w", "--stats"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "stats: mean=1.5  std=0.5  min=1  max=2  nonfinite=3"
+
+
+def test_fail_on_nonfinite_says_the_same_line_for_show_and_for_the_table(tmp_path, capsys):
+    # Issue 45: `--fail-on-nonfinite` warned in two texts (--show: "non-finite values in a, b"; the table: with
+    # the count). One function, one text: the count of leaves, then their names.
+    np.savez(tmp_path / "w.npz", w=np.array([1.0, np.nan], np.float32), v=np.ones(2, np.float32))
+    path = str(tmp_path / "w.npz")
+    assert main(["inspect", path, "--show", "w", "--fail-on-nonfinite"]) == 3
+    shown = capsys.readouterr().err.strip().splitlines()[-1]
+    assert main(["inspect", path, "--fail-on-nonfinite"]) == 3
+    table = capsys.readouterr().err.strip().splitlines()[-1]
+    assert shown == table and table.endswith("non-finite values in 1 leaf(s): default/w"), (shown, table)
+    assert main(["inspect", path, "--show", "v", "--fail-on-nonfinite"]) == 0

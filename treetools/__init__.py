@@ -158,14 +158,25 @@ _EXPORTS = {  # public name -> module under treetools
     # figures (matplotlib: the plot extra)
     "plot_metrics": "checkpoint_tools.plot",
     "plot_stats": "checkpoint_tools.plot",
-    # errors
+    # errors: every one a user can meet (docs/errors.md), all under TreetoolsError
+    "TreetoolsError": "shared.errors",
     "CheckpointError": "shared.errors",
+    "NotACheckpointError": "shared.errors",
     "CheckpointMismatchError": "shared.errors",
     "CheckpointNotFoundError": "shared.errors",
     "StepDeletedError": "shared.errors",
     "PatternError": "shared.errors",
     "RulesError": "shared.errors",
     "UsageError": "shared.errors",
+    "LinkRefusedError": "shared.files",
+    "MemoryBudgetError": "checkpoint_io.readers",
+    "OutsideCheckpointError": "checkpoint_io.storage.base",
+    "SpecialFileError": "checkpoint_io.storage.base",
+    "RemoteStorageError": "checkpoint_io.storage.reach",
+    "RemoteNotFoundError": "checkpoint_io.storage.bucket",
+    "MsgpackError": "checkpoint_io.formats._msgpack",
+    "NpyHeaderError": "checkpoint_io.formats.npz",
+    "OutputError": "shared.errors",
     # rules: rename, drop, cast, transpose, stack/unstack a checkpoint's leaves
     "Rules": "rules.spec",
 }
@@ -200,11 +211,21 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         CheckpointError,
         CheckpointMismatchError,
         CheckpointNotFoundError,
+        NotACheckpointError,
+        OutputError,
         PatternError,
         RulesError,
         StepDeletedError,
+        TreetoolsError,
         UsageError,
     )
+    from treetools.shared.files import LinkRefusedError
+    from treetools.checkpoint_io.readers import MemoryBudgetError
+    from treetools.checkpoint_io.storage.base import OutsideCheckpointError, SpecialFileError
+    from treetools.checkpoint_io.storage.reach import RemoteStorageError
+    from treetools.checkpoint_io.storage.bucket import RemoteNotFoundError
+    from treetools.checkpoint_io.formats._msgpack import MsgpackError
+    from treetools.checkpoint_io.formats.npz import NpyHeaderError
     from treetools.checkpoint_tools.convert import convert
     from treetools.checkpoint_tools.diff import diff_paths
     from treetools.checkpoint_tools.plot import plot_metrics, plot_stats

@@ -217,6 +217,42 @@ def bit_view(x: np.ndarray) -> np.ndarray:
     return x.view(f"u{size}") if size in (1, 2, 4, 8) else x.view(np.uint8)
 
 
+def bits_differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Where two arrays of one dtype and shape are not bit-exact: a bool per element, C order (flat).
+
+    Bit-exact, the one definition ``diff`` (``bit_identical``) and ``convert --verify`` use: the same dtype and,
+    element by element, the same bytes. So NaNs with different payloads differ and two alike NaNs do not,
+    ``-0.0`` differs from ``0.0``, and ``bfloat16`` or ``float8`` compare their own 2 or 1 bytes; an element wider
+    than 8 bytes (``complex128``) differs where any of its bytes does.
+
+    Raises:
+      ValueError: the dtypes or shapes differ (cast one side first: ``convert`` compares a cast leaf with the
+        same cast of its source).
+
+    >>> bits_differ(np.array([0.0, np.nan, 1.0]), np.array([-0.0, np.nan, 1.0])).tolist()
+    [True, False, False]
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise ValueError(f"bit comparison of {a.dtype}{list(a.shape)} with {b.dtype}{list(b.shape)}: cast and "
+                         "shape one side like the other first")
+    bad = bit_view(np.ravel(a)) != bit_view(np.ravel(b))
+    if bad.size != a.size:  # compared per byte: an element differs where any of its bytes does
+        bad = np.any(bad.reshape(-1, a.dtype.itemsize), axis=1)
+    return bad
+
+
+def bit_identical(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays are bit-exact (``bits_differ``): the same dtype and shape and every element's bytes the
+    same; False for different dtypes or shapes.
+
+    >>> bit_identical(np.array([np.nan]), np.array([np.nan])), bit_identical(np.zeros(1), -np.zeros(1))
+    (True, False)
+    """
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return not bool(bits_differ(a, b).any())
+
+
 class ArrayReader:
     """Hands out one stored array in blocks; never the whole array at once.
 

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Sequence
 
 from treetools.shared.errors import Mismatch
-from treetools.shared.render import safe_text
+from treetools.shared.render import fit_table, safe_text
 from treetools.shared.rows import format_shape
 
 
@@ -101,8 +101,7 @@ class RestorePlan:
             rows += [(f"({item.name}/{p} unused)", "", "", "", "") for p in item.unused]
             rows += [(f"({item.name}/{p} dropped by the rules)", "", "", "", "") for p in item.dropped]
         rows = [tuple(safe_text(c) for c in row) for row in rows]
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+        return fit_table(rows[0], rows[1:], style="plain", fit=False).text
 
 
 def _few(names: Sequence[str], n: int = 3) -> str:

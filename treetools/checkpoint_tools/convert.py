@@ -39,7 +39,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from treetools.checkpoint_io.context import ReadContext
-from treetools.checkpoint_io.readers import ArrayReader, bit_view, is_numeric, np_dtype
+from treetools.checkpoint_io.readers import ArrayReader, bits_differ, is_numeric, np_dtype
 from treetools.checkpoint_io.storage import as_typed, backend, is_url, location
 from treetools.checkpoint_io.stream import Failed, reduce_blocks
 from treetools.checkpoint_io.mapping import RuledReader
@@ -553,10 +553,7 @@ def _fold_bits(acc: _BitDiff, index: Any, blocks: tuple[np.ndarray, ...]) -> Non
     (NaNs by their bits; a cast leaf against the bytes of the same cast)."""
     got, want = blocks
     dtype = np.dtype(got.dtype)
-    a, b = np.ravel(got), np.ravel(np.asarray(want).astype(dtype, copy=False))
-    bad = bit_view(a) != bit_view(b)  # a bool per element where an unsigned integer is as wide as one
-    if bad.size != a.size:  # else per byte: an element differs where any of its bytes does
-        bad = np.any(bad.reshape(-1, dtype.itemsize), axis=1)
+    bad = bits_differ(np.asarray(got), np.asarray(want).astype(dtype, copy=False).reshape(got.shape))
     n = int(np.count_nonzero(bad))
     if not n:
         return

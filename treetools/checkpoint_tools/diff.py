@@ -42,7 +42,7 @@ from treetools.checkpoint_io.context import DEFAULT_BLOCK_BYTES
 from treetools.checkpoint_io.items import counts_params, order_items, params_item, params_within, train_state_parts
 from treetools.checkpoint_io.leaves import NO_VALUE, Leaf, Snapshot, Unreadable
 from treetools.checkpoint_io.opening import open_source
-from treetools.checkpoint_io.readers import bit_view, is_numeric
+from treetools.checkpoint_io.readers import bit_identical, is_numeric
 from treetools.checkpoint_io.source import Source
 from treetools.checkpoint_io.stream import reduce_blocks
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, UsageError
@@ -366,7 +366,6 @@ class _Rule:
 
     kind: str
     work: np.dtype | None  # float32 or float64 for the fast float path; None: the exact reference code per piece
-    same_dtype: bool
     atol: float
     rtol: float
 
@@ -383,7 +382,7 @@ class _Rule:
             # float32's subnormals are then decided in float64, see `_mismatched`); otherwise float64 decides.
             plain = (1e-30 <= atol <= 1e30 or (atol == 0 and rtol >= 1e-30)) and rtol <= 1e30
             work = np.dtype(np.float32) if narrow and plain else np.dtype(np.float64)
-        return _Rule(kind, work, da == db, float(atol), float(rtol))
+        return _Rule(kind, work, float(atol), float(rtol))
 
 
 def _fold(acc: _Compared, xa: np.ndarray, xb: np.ndarray) -> None:
@@ -398,7 +397,7 @@ def _fold(acc: _Compared, xa: np.ndarray, xb: np.ndarray) -> None:
 def _fold_piece(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule) -> None:
     identical = False
     if acc.same_bits:  # until one piece differs; then no more bit comparisons for this leaf
-        acc.same_bits = identical = rule.same_dtype and bool(np.array_equal(bit_view(pa), bit_view(pb)))
+        acc.same_bits = identical = bit_identical(pa, pb)  # the one definition, as convert --verify's
     if rule.work is None:
         acc.add(*_block_compare(_as_compared(pa, rule.kind), _as_compared(pb, rule.kind), rule.kind,
                                 rule.atol, rule.rtol))

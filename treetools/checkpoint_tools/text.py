@@ -12,7 +12,6 @@ import textwrap
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
-from tabulate import tabulate
 
 from treetools.checkpoint_tools.report import ItemReport, Report
 
@@ -23,10 +22,9 @@ if TYPE_CHECKING:  # annotations only: `inspect` does not load the diff, verify 
     from treetools.checkpoint_tools.verify import VerifyRun
 from treetools.shared.render import (
     CELL_WIDTH,
-    WIDTH,
     DEFAULT_STAT_COLUMNS,
     bytes_text,
-    cut_paths,
+    fit_table,
     footer,
     format_stat,
     json_text,
@@ -171,25 +169,14 @@ def _table(rows: Sequence[Row], label: str, stats: bool, stat_columns: Sequence[
            fit: bool = False) -> tuple[str, list[str]]:
     """Rows as a table: path, shape, dtype, then the counts and sharding, or with ``stats`` the statistics.
 
-    With ``fit`` (the one-screen view), while the table is wider than
-    ``width()``, the columns empty on every row are left out first, then those
-    of ``DROPPED_TO_FIT``; returns the table and the columns left out that held
-    something.
+    With ``fit`` (the one-screen view) the table fits ``width()`` by the one rule (``fit_table``): the columns
+    empty on every row go first, then those of ``DROPPED_TO_FIT``; paths stay whole (each pastes into
+    ``--show``). Returns the table and the columns left out that held something.
     """
     headers, data = row_cells(rows, ["path", "shape_cell", "dtype",
                                      *(stat_columns if stats else ["count", "bytes", "sharding"])], label=label)
-    empty = [h for i, h in enumerate(headers) if i and data and not any(str(row[i]).strip() for row in data)]
-    dropped: list[str] = []
-    room = width()
-    while True:
-        keep = [i for i, h in enumerate(headers) if h not in dropped]
-        table = tabulate([[row[i] for i in keep] for row in data], headers=[headers[i] for i in keep],
-                         tablefmt="github" if md else tablefmt, disable_numparse=True)
-        too_wide = max(map(len, table.splitlines()), default=0) > room
-        left = [h for h in [*empty, *DROPPED_TO_FIT] if h in headers and h not in dropped]
-        if not (fit and too_wide and left):
-            return table, [h for h in dropped if h not in empty]
-        dropped.append(left[0])
+    table = fit_table(headers, data, style="github" if md else tablefmt, fit=fit, droppable=DROPPED_TO_FIT)
+    return table.text, list(table.dropped)
 
 
 def _items_read(read: int, unreadable: int) -> str:
@@ -212,8 +199,7 @@ def _items_table(items: dict[str, ItemReport], md: bool, unreadable: int = 0) ->
     """``--depth 0``: one row per item, then the grand total."""
     data = [[safe_text(name, width=CELL_WIDTH), f"{item.total.leaves:,}", f"{format_count(item.total.params)} {item.label}",
              human(item.total.bytes, "B")] for name, item in items.items()]
-    table = tabulate(data, headers=["item", "leaves", "count", "bytes"], tablefmt="github" if md else "simple",
-                     disable_numparse=True)
+    table = fit_table(["item", "leaves", "count", "bytes"], data, style="github" if md else "simple", fit=False).text
     t = Totals(0, 0, {})
     for item in items.values():
         t = t + item.total
@@ -234,7 +220,7 @@ def _steps_list(report: Report, md: bool) -> list[str]:
         data.append([str(s.step), safe_text(s.metadata.get("saved_at", "")),
                      *(safe_text(format_stat(metrics[m])) if m in metrics else "" for m in metric_names),
                      f"{params:,}" if params else "", human(s.total.bytes, "B")])
-    table = tabulate(data, headers=headers, tablefmt="github" if md else "simple", disable_numparse=True)
+    table = fit_table(headers, data, style="github" if md else "simple", fit=False).text
     return [table, "", "--stats adds each statistic per leaf or module across these steps; --step N shows one step."]
 
 
@@ -255,8 +241,7 @@ def _steps_stats(report: Report, md: bool, stat_columns: Sequence[str]) -> list[
             steps = [s.step for s in report.by_step]
             data = [[safe_text(path, width=CELL_WIDTH), *(format_stat(v[st]) if st in v else "" for st in steps)] for path, v in rows.items()]
             title = f"[{safe_text(name)}] {stat}"
-            table = tabulate(data, headers=["path", *map(str, steps)], tablefmt="github" if md else "simple",
-                             disable_numparse=True)
+            table = fit_table(["path", *map(str, steps)], data, style="github" if md else "simple", fit=False).text
             out += [f"## {title}" if md else title, *([""] if md else []), table, ""]
     return out[:-1] if out else ["(no statistics: no numeric leaf)"]
 
@@ -268,11 +253,8 @@ def _render_values(values: dict[str, Any], md: bool) -> str:
 
     # No column padded to a huge name; a list, not a dict, so two names that cut alike stay two rows.
     cells = [(safe_text(p, width=CELL_WIDTH), v) for p, v in values.items()]
-    if md:
-        return tabulate([[p, shown(v)] for p, v in cells], headers=["path", "value"], tablefmt="github",
-                        disable_numparse=True)
-    width = max(len(p) for p, _ in cells)
-    return "\n".join(f"{p:<{width}}  {shown(v)}" for p, v in cells)
+    return fit_table(["path", "value"] if md else None, [[p, shown(v)] for p, v in cells],
+                     style="github" if md else "plain", fit=False).text
 
 
 # ---------------------------------------------------------------------------- --show
@@ -388,21 +370,22 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     for title, body in sections:
         # Markdown needs a blank line between a paragraph and a table.
         out += ["", title, *([""] if md and body else []), *([body] if body else [])]
-    out += ["", *(piece for line in report.verdict().splitlines() for piece in _wrap_list(line, width()))]
+    out += ["", *(piece for line in report.verdict().splitlines() for piece in _wrap_list(line))]
     return "\n".join(out)
 
 
-def _wrap_list(line: str, width: int = WIDTH, indent: str = "  ") -> list[str]:
-    """A line of ``a, b, c`` items as lines of at most ``width`` columns, broken after a comma (an item longer
-    than that stays whole), continuations indented.
+def _wrap_list(line: str, room: int | None = None, indent: str = "  ") -> list[str]:
+    """A line of ``a, b, c`` items as lines of at most ``room`` columns (default ``width()``), broken after a
+    comma (an item longer than that stays whole), continuations indented.
 
-    >>> _wrap_list("counts: 10 added, 20 removed, 30 moved", width=20)
+    >>> _wrap_list("counts: 10 added, 20 removed, 30 moved", 20)
     ['counts: 10 added,', '  20 removed,', '  30 moved']
     """
+    room = width() if room is None else room
     parts = line.split(", ")
     out, current = [], parts[0]
     for part in parts[1:]:
-        if len(current) + 2 + len(part) + (part is not parts[-1]) <= width:
+        if len(current) + 2 + len(part) + (part is not parts[-1]) <= room:
             current += ", " + part
         else:
             out.append(current + ",")
@@ -430,50 +413,13 @@ def outside_text(count: int, size: int) -> str:
     return f"{count:,} ({share})"
 
 
-DIFF_PATH_MIN = 40
-"""A diff table's path column keeps at least this many characters; below it, droppable columns go first."""
-
-
 def _diff_table(data: list[list[str]], headers: list[str], md: bool, droppable: Sequence[str] = ()
                 ) -> tuple[str, list[str], bool]:
-    """A diff section's table, path first (raw names, escaped here); returns it, the columns left out, and
-    whether a path was shortened (``…``).
-
-    A terminal table fits ``width()``: the path column gets what the other columns leave, cut with
-    ``cut_paths`` (the parts the rows share go first, what tells them apart stays); ``droppable`` columns are
-    left out in order while that is under ``DIFF_PATH_MIN``, or where leaving them out lets every path show
-    whole (a whole path pastes into ``inspect --show``). Markdown keeps every column and paths up to
-    ``CELL_WIDTH``.
-    """
-    whole = [safe_text(row[0]) for row in data]
-    longest = max(map(len, whole), default=0)
-
-    def render(keep: list[int], room: int, stand_in: str | None = None) -> tuple[str, bool]:
-        paths = [stand_in] * len(data) if stand_in else cut_paths([row[0] for row in data], room)
-        cells = [[path, *(row[i] for i in keep[1:])] for path, row in zip(paths, data)]
-        table = tabulate(cells, headers=[headers[i] for i in keep], tablefmt="github" if md else "simple",
-                         disable_numparse=True)
-        return table, not stand_in and paths != whole
-
-    def room_for(dropped: Sequence[str]) -> int:
-        keep = [i for i, h in enumerate(headers) if h not in dropped]
-        # What the other columns take: measured on a table whose path cells are 8 characters (wider than the
-        # header "path" with its padding, so the column is exactly 8 wide).
-        others = max(map(len, render(keep, 0, "x" * 8)[0].splitlines())) - 8
-        return max(width() - others, 12)
-
-    dropped: list[str] = []
-    if md:
-        table, cut = render(list(range(len(headers))), CELL_WIDTH)
-        return table, dropped, cut
-    while True:
-        keep = [i for i, h in enumerate(headers) if h not in dropped]
-        room = room_for(dropped)
-        left = [h for h in droppable if h in headers and h not in dropped]
-        if not left or room >= longest or (room >= DIFF_PATH_MIN and room_for(dropped + left) < longest):
-            table, cut = render(keep, room)
-            return table, dropped, cut
-        dropped.append(left[0])
+    """A diff section's table, path first (raw names, escaped and cut by ``fit_table``'s one rule: what the
+    other columns leave of ``width()``, ``droppable`` left out first where the paths would get too little
+    room); returns it, the columns left out, and whether a path was shortened (``…``)."""
+    table = fit_table(headers, data, style="github" if md else "simple", paths=True, droppable=droppable)
+    return table.text, list(table.dropped), table.cut
 
 
 def _nonfinite_change(v: Any) -> str:
@@ -542,9 +488,7 @@ def render_convert(report: ConvertReport, fmt: str = "table") -> str:
         table += [[safe_text(p), "(dropped)", "", "", "", "drop"] for p in report.dropped]
         if report.to != "safetensors":  # Orbax: one folder, no file per tensor
             table = [row[:4] + row[5:] for row in table]
-        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
-        lines.append("")
+        lines += [fit_table(table[0], table[1:], style="plain", fit=False).text, ""]
     elif report.dropped:
         lines.append(f"dropped by the rules: {len(report.dropped)} leaves ({', '.join(safe_text(p) for p in report.dropped[:3])}"
                      + (", ..." if len(report.dropped) > 3 else "") + ")")

@@ -36,7 +36,7 @@ from typing import Any, NoReturn, Sequence
 import treetools
 from treetools.cli import _args, _distributed, _output, _process
 from treetools.shared.files import WRITE_ERRNOS, user_path
-from treetools.shared.render import json_object, set_width
+from treetools.shared.render import json_object, set_width, terminal_columns
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, PatternError, UsageError
 
 
@@ -271,7 +271,7 @@ def _main(argv: list[str], command: str | None) -> int:
         return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    set_width(_terminal_columns())  # tables fit the terminal stdout is, 100 columns for a file or a pipe
+    set_width(terminal_columns(sys.stdout))  # tables fit the terminal stdout is, 100 columns for a file or a pipe
     run = _distributed.Run()
     try:
         run.join(args, argv)  # --processes N / --distributed: this process's share of the reads
@@ -299,19 +299,6 @@ def _main(argv: list[str], command: str | None) -> int:
     finally:
         run.close()  # after an error too: the run left, the local copies waited for
     return int(code or 0)
-
-
-def _terminal_columns() -> int | None:
-    """The width the text views fit when stdout is a terminal: ``COLUMNS`` where set (a shell keeps it to the
-    terminal's), else the terminal's own; None (100 columns) for a file or a pipe, whose output stays the same
-    wherever it runs."""
-    try:
-        if not sys.stdout.isatty():
-            return None
-        env = os.environ.get("COLUMNS", "").strip()
-        return int(env) if env.isdigit() and int(env) > 0 else os.get_terminal_size(sys.stdout.fileno()).columns
-    except (OSError, ValueError, AttributeError):  # a stdout without a descriptor (a StringIO)
-        return None
 
 
 def _json_error(args: argparse.Namespace, e: BaseException, code: int, *, usage: bool) -> int:

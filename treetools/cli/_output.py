@@ -28,13 +28,10 @@ import os
 import sys
 from typing import Any, Iterator, Sequence
 
+from treetools.shared.errors import OutputError  # defined with the others; raised here
 from treetools.shared.render import one_line, safe_text
 
 PROG = "treetools"
-
-
-class OutputError(Exception):
-    """stdout cannot be written (a full disk, an I/O error): the command stops with this one line."""
 
 
 @dataclasses.dataclass

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from typing import Sequence
 
 from treetools.checkpoint_io.formats import catalog
 from treetools.cli import _output
@@ -146,8 +147,7 @@ def _show(args: argparse.Namespace) -> int:
                          stats=args.stats or args.fail_on_nonfinite or args.stats_columns is not None)
     _output.out(render_show(report, args.format, stat_columns=args.stats_columns or DEFAULT_STAT_COLUMNS))
     if args.fail_on_nonfinite and report.nonfinite:
-        _output.warning(f"non-finite values in {', '.join(safe_text(n, width=CELL_WIDTH) for n in report.nonfinite[:5])}")
-        return 3
+        return nonfinite_exit(report.nonfinite)
     return 0
 
 
@@ -170,11 +170,16 @@ def main(args: argparse.Namespace) -> int:
         _output.note(note)
     _output.out(render_report(report, args.format, stat_columns=args.stats_columns or DEFAULT_STAT_COLUMNS))
     if args.fail_on_nonfinite and report.nonfinite:
-        shown = ", ".join(safe_text(n, width=CELL_WIDTH) for n in report.nonfinite[:5])
-        _output.warning(f"non-finite values in {len(report.nonfinite)} leaf(s): {shown}"
-                        + (" ..." if len(report.nonfinite) > 5 else ""))
-        return 3
+        return nonfinite_exit(report.nonfinite)
     return unread_exit(report.unread, report.complete)
+
+
+def nonfinite_exit(names: Sequence[str]) -> int:
+    """``--fail-on-nonfinite``'s one warning, for the leaf table and ``--show`` alike: how many leaves hold NaN or
+    Inf and the first five of them; returns its exit code, 3."""
+    shown = ", ".join(safe_text(n, width=CELL_WIDTH) for n in names[:5]) + (" ..." if len(names) > 5 else "")
+    _output.warning(f"non-finite values in {len(names)} leaf(s): {shown}")
+    return 3
 
 
 def unread_exit(unread: list[str], complete: bool) -> int:

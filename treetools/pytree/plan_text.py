@@ -1,4 +1,4 @@
-"""``str(plan)`` of a ``MemoryPlan`` (``treetools.pytree.memory``): the plan as text within ``WIDTH`` columns.
+"""``str(plan)`` of a ``MemoryPlan`` (``treetools.pytree.memory``): the plan as text within ``width()`` columns.
 
 The plan is read by its attributes only (``mesh``, ``by_part``, ``warnings``, ``compiled``, ``host``...), so this
 module sits below ``treetools.pytree.memory``, which calls it.
@@ -13,11 +13,8 @@ from typing import Any, Sequence
 
 from jax.sharding import PartitionSpec
 
-from treetools.shared.render import safe_text
+from treetools.shared.render import fit_table, safe_text, width
 from treetools.shared.rows import format_shape, human
-
-WIDTH = 100
-"""The most columns ``str(plan)`` uses."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +90,9 @@ _FIGURE = re.compile(r"(\d) (B|KiB|MiB|GiB|TiB)\b")
 
 
 def _wrap(text: str) -> list[str]:
-    """A sentence as lines within ``WIDTH`` columns (continuations indented), a figure never cut from its unit."""
+    """A sentence as lines within ``width()`` columns (continuations indented), a figure never cut from its unit."""
     kept = _FIGURE.sub("\\1\u00a0\\2", text)  # textwrap breaks at ASCII whitespace only
-    lines = textwrap.wrap(kept, WIDTH, subsequent_indent="    ", break_long_words=True, break_on_hyphens=False)
+    lines = textwrap.wrap(kept, width(), subsequent_indent="    ", break_long_words=True, break_on_hyphens=False)
     return [line.replace("\u00a0", " ") for line in lines]
 
 
@@ -107,23 +104,16 @@ def _fit_line(plan: Any) -> str | None:
     return f"device memory {_b(plan.device_memory)}: {verdict} (the state; activations not counted)"
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], *, flexible: int, width: int = WIDTH) -> list[str]:
-    """Columns joined by two spaces, within ``width``: the ``flexible`` column is cut (both ends kept) to fit.
-    Every cell is escaped (``safe_text``): a newline in a stored leaf name cannot start a line of its own."""
-    cells = [list(header)] + [[safe_text(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    over = sum(widths) + 2 * (len(widths) - 1) - width
-    if over > 0:
-        widths[flexible] = max(len(header[flexible]), widths[flexible] - over)
-        cells = [[safe_text(c, width=widths[flexible]) if i == flexible else c for i, c in enumerate(r)]
-                 for r in cells]
-    right = {len(header) - 1}
-    return ["  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-            for r in cells]
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Columns joined by two spaces, the last aligned right, within ``width()`` by the one rule (``fit_table``):
+    the path column (the first) is cut to what the others leave. Every cell is escaped (``safe_text``): a
+    newline in a stored leaf name cannot start a line of its own."""
+    cells = [[r[0], *(safe_text(c) for c in r[1:])] for r in rows]
+    return fit_table(header, cells, style="plain", paths=True, right=[len(header) - 1]).text.splitlines()
 
 
 def render_plan(plan: Any) -> str:
-    """The plan as text within ``WIDTH`` columns: parts, the verdict, the compiled step, host memory, the
+    """The plan as text within ``width()`` columns: parts, the verdict, the compiled step, host memory, the
     replicated leaves that could be sharded, the largest leaves per device, and the notes."""
     lines = [line for w in plan.warnings for line in _wrap(f"warning: {safe_text(w)}")]
     lines += [render_summary(plan)]
@@ -152,14 +142,14 @@ def render_plan(plan: Any) -> str:
         lines += ["", f"replicated on every device, {_b(plan.replicated_threshold)} or more, and shardable:"]
         rows = [(s.leaf.name, format_shape(s.leaf.shape), s.leaf.dtype, f"dim {s.dim} over {s.axis} ({s.size})",
                  _b(s.leaf.bytes)) for s in shardable[: plan.top]]
-        lines += _table(("path", "shape", "dtype", "could split", "bytes"), rows, flexible=0)
+        lines += _table(("path", "shape", "dtype", "could split", "bytes"), rows)
         if len(shardable) > plan.top:
             lines.append(f"... and {len(shardable) - plan.top} more")
     if plan.rows:
         lines += ["", "largest leaves per device:"]
         rows = [(r.name, format_shape(r.shape), r.dtype, safe_text(r.sharding, width=32), _b(r.bytes))
                 for r in plan.rows]
-        lines += _table(("path", "shape", "dtype", "spec", "per device"), rows, flexible=0)
+        lines += _table(("path", "shape", "dtype", "spec", "per device"), rows)
     if plan.notes:
         lines.append("")
         for note in plan.notes:

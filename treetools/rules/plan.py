@@ -23,6 +23,7 @@ import numpy as np
 from treetools.rules.dtypes import dtype_text, kind, resolve_dtype, source_dtype
 from treetools.shared.errors import RulesError
 from treetools.shared.patterns import nearby
+from treetools.shared.render import fit_table
 
 Shape = tuple[int, ...]
 
@@ -153,8 +154,7 @@ def format_rows(rows: Sequence[RuleRow]) -> str:
         shape = "" if r.target is None else change(r.source_shape and tuple(r.source_shape), r.shape)
         dtype = "" if r.target is None else change(r.source_dtype, r.dtype)
         table.append((r.source, target, shape, dtype))
-    widths = [max(len(row[i]) for row in table) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table)
+    return fit_table(table[0], table[1:], style="plain", fit=False).text
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,32 +1,13 @@
-"""The exceptions treetools users catch.
+"""The exceptions treetools users catch. docs/errors.md is the one list of every exception a user can meet (its
+base, when it is raised, the ``treetools`` program's exit code for it); each is exported from ``treetools``.
 
-All but ``CheckpointNotFoundError`` are ``ValueError`` subclasses, so code written against the older
-``except ValueError`` keeps working. Importing this module imports nothing
-heavy (no jax, no numpy).
-
-* ``CheckpointError``: a known problem with a checkpoint on disk: missing,
-  not a checkpoint, corrupt, unreadable, an unknown or incomplete step. The
-  CLI prints it as one ``treetools: error: ...`` line and exits 1.
-* ``NotACheckpointError``: a ``CheckpointError``: a path no format reads.
-* ``CheckpointNotFoundError``: a ``FileNotFoundError``: the path, the step
-  (the message lists the committed ones) or the item asked for is not there.
-* ``CheckpointMismatchError``: a restore target does not match the
-  checkpoint; ``problems`` lists every offending leaf.
-
-The two errors with several problems (``RulesError``, ``CheckpointMismatchError``)
-also carry ``header`` (the first line of the message) and ``hint`` (the fix
-common to them all, or None), so a caller can show the first few problems and
-a count (the CLI does) without parsing the message.
-* ``PatternError``: an include/exclude/label pattern that is not a regex or
-  that matches no leaf.
-* ``RulesError``: a ``PatternError``: ``tt.Rules`` that do not fit a
-  checkpoint's leaves (a pattern matching nothing, two leaves renamed onto one
-  path, an unstack of a leaf without the layer axis...); ``problems`` lists
-  one line per rule or leaf. A restore does not raise it: its plan lists the
-  rules' problems, and ``CheckpointMismatchError`` carries them.
-* ``UsageError``: an argument that cannot work as given (a value out of its
-  range, options that contradict each other), found before anything is read.
-  The CLI prints it as ``treetools COMMAND: error: ...`` and exits 2.
+Every one derives from ``TreetoolsError`` (``except tt.TreetoolsError`` catches them all) and keeps its
+standard base: all but ``CheckpointNotFoundError`` (a ``FileNotFoundError``) are ``ValueError`` subclasses,
+so code written against the older ``except ValueError`` keeps working. The errors with several problems
+(``RulesError``, ``CheckpointMismatchError``) also carry ``problems``, ``header`` (the first line of the
+message) and ``hint`` (the fix common to them all, or None), so a caller can show the first few problems and
+a count (the CLI does) without parsing the message. Importing this module imports nothing heavy (no jax, no
+numpy). The errors of the storage and format layers are defined beside their code, under ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -35,7 +16,18 @@ import dataclasses
 from typing import Any, Sequence
 
 
-class CheckpointError(ValueError):
+class TreetoolsError(Exception):
+    """The base of every exception treetools raises for its user: ``except tt.TreetoolsError`` catches any of
+    them, and nothing else (a bug keeps its own type). Each subclass keeps its standard base too
+    (``ValueError``, ``FileNotFoundError``, ``PermissionError``); docs/errors.md lists them with the exit code
+    the ``treetools`` program gives each.
+
+    >>> issubclass(CheckpointError, TreetoolsError), issubclass(CheckpointNotFoundError, FileNotFoundError)
+    (True, True)
+    """
+
+
+class CheckpointError(TreetoolsError, ValueError):
     """A known problem with a checkpoint: missing, not a checkpoint, corrupt, unreadable, unknown step.
 
     The message is one line naming the path and, where there is one, the fix.
@@ -56,7 +48,7 @@ class NotACheckpointError(CheckpointError):
     """
 
 
-class CheckpointNotFoundError(FileNotFoundError):
+class CheckpointNotFoundError(TreetoolsError, FileNotFoundError):
     """The path, step or item asked for does not exist; the message lists what does.
 
     >>> isinstance(CheckpointNotFoundError("runs/x: no step 5; committed steps: 100, 200."), FileNotFoundError)
@@ -75,7 +67,7 @@ class StepDeletedError(CheckpointNotFoundError):
     """
 
 
-class UsageError(ValueError):
+class UsageError(TreetoolsError, ValueError):
     """An argument that cannot work as given: a value out of its range, or options that contradict each other.
 
     Checked once, where the argument is taken (the library, or the CLI for an
@@ -90,7 +82,12 @@ class UsageError(ValueError):
         super().__init__(" ".join(str(message).split()))
 
 
-class PatternError(ValueError):
+class OutputError(TreetoolsError):
+    """stdout cannot be written (a full disk, an I/O error): the ``treetools`` program stops with this one line
+    (exit 1; diff 2). A reader that leaves early (``| head``) is no error."""
+
+
+class PatternError(TreetoolsError, ValueError):
     """A path pattern that is not a valid regex, or that matches no leaf.
 
     >>> isinstance(PatternError("`exclude` pattern 'bias$' matches no leaf"), ValueError)

@@ -35,6 +35,8 @@ import shutil
 import uuid
 from typing import IO, Any, Callable, Iterator
 
+from treetools.shared.errors import TreetoolsError
+
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _RENAME_NOREPLACE = 1
@@ -49,7 +51,7 @@ TMP_SUFFIX_ROOM = 32
 """Bytes a temporary name leaves free for what a writer appends to it (Orbax's ``.orbax-checkpoint-tmp``: 21)."""
 
 
-class LinkRefused(PermissionError):
+class LinkRefusedError(TreetoolsError, PermissionError):
     """A write refused because its destination is a symbolic link (never written through): ``filename`` is the
     link, ``strerror`` says why (one line: ``PATH: reason.``)."""
 
@@ -212,13 +214,13 @@ def open_append(path: str) -> Iterator[IO[str]]:
     """``path`` opened to append text (created if absent), never through a link at its name.
 
     Raises:
-      LinkRefused: ``path`` is a symbolic link.
+      LinkRefusedError: ``path`` is a symbolic link.
     """
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o666)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise LinkRefused(errno.ELOOP, "a symbolic link; treetools never writes through a link (remove it, or "
+            raise LinkRefusedError(errno.ELOOP, "a symbolic link; treetools never writes through a link (remove it, or "
                                            "write elsewhere)", path) from None
         raise
     with os.fdopen(fd, "a", encoding="utf-8") as f:
@@ -229,13 +231,13 @@ def refuse_link_out(path: str, folder: str) -> None:
     """Refuse to write at ``path`` (inside ``folder``) when it is a symlink leading out of ``folder``.
 
     Raises:
-      LinkRefused: naming the link and where it leads.
+      LinkRefusedError: naming the link and where it leads.
     """
     if not os.path.islink(path):
         return
     real, top = os.path.realpath(path), os.path.realpath(folder)
     if real != top and not real.startswith(top.rstrip(os.sep) + os.sep):
-        raise LinkRefused(errno.ELOOP, f"a symbolic link leading out of {folder} (to {real}); treetools never "
+        raise LinkRefusedError(errno.ELOOP, f"a symbolic link leading out of {folder} (to {real}); treetools never "
                                        "writes through such a link (remove it, or pick another folder)", path)
 
 

@@ -10,8 +10,10 @@ screen or forge rows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import re
 from collections import Counter
 from typing import Any, Mapping, Sequence
@@ -38,7 +40,8 @@ def stat_value(stats: Mapping[str, Any], name: str) -> Any:
 
 
 WIDTH = 100
-"""The columns the text views fit where no width is given: output to a file or a pipe, or a library caller."""
+"""The columns the text views fit where no width is given: output to a file or a pipe, or a library caller. The
+one width constant: every table (``fit_table``) and every wrapped line fits ``width()``."""
 
 MIN_WIDTH = 60
 """The fewest columns a view is fitted to, however narrow the terminal."""
@@ -50,6 +53,23 @@ def set_width(columns: int | None) -> None:
     """The columns the text views fit from now on (the ``treetools`` program sets the terminal's while a command
     runs, when stdout is one); None: ``WIDTH``."""
     _columns[0] = columns
+
+
+def terminal_columns(stream: Any) -> int | None:
+    """The columns of the terminal ``stream`` is (what the ``treetools`` program gives ``set_width``):
+    ``COLUMNS`` where set (a shell keeps it to the terminal's), else the terminal's own; None (``WIDTH``) for a
+    file or a pipe, whose output stays the same wherever it runs.
+
+    >>> import io; terminal_columns(io.StringIO()) is None
+    True
+    """
+    try:
+        if not stream.isatty():
+            return None
+        env = os.environ.get("COLUMNS", "").strip()
+        return int(env) if env.isdigit() and int(env) > 0 else os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):  # a stream without a descriptor (a StringIO)
+        return None
 
 
 def width() -> int:
@@ -461,6 +481,113 @@ def _simple_table(headers: Sequence[str], data: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- one table fitter
+
+PATH_MIN = 40
+"""A fitted table's path column keeps at least this many characters while a ``droppable`` column can go."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A table as text (``fit_table``): ``dropped`` the columns left out to fit that held something (a column
+    empty on every row goes unsaid: it hides nothing), ``cut`` whether a path was shortened (``…``)."""
+
+    text: str
+    dropped: tuple[str, ...] = ()
+    cut: bool = False
+
+
+def fit_table(headers: Sequence[str] | None, rows: Sequence[Sequence[str]], *, style: str = "simple",
+              fit: bool = True, paths: bool = False, droppable: Sequence[str] = (),
+              right: Sequence[int] = ()) -> Table:
+    """Cells as a table that fits ``width()`` columns: the one way every table treetools prints is laid out.
+
+    ``style``: ``simple`` (tabulate's, the terminal tables), ``github`` (markdown), ``plain`` (columns joined
+    by two spaces, the headers as the first line, no rule; ``right`` the columns aligned right), or any other
+    tabulate format. Cells are text as shown (escaped by the caller), but with ``paths`` the first column's raw
+    names, escaped and cut here. The one width rule, with ``fit`` on a terminal table (markdown is read
+    rendered, not on a terminal: never fitted, its paths cut at ``CELL_WIDTH`` only): while the table is wider
+    than ``width()``, the columns empty on every row go first, then those of ``droppable`` in order, then (with
+    ``paths``) the path column is cut to what the others leave (``cut_paths``: the parts the rows share go
+    first, what tells them apart stays); with ``paths`` a ``droppable`` column only goes while the paths would
+    get under ``PATH_MIN`` characters, or where leaving the rest out shows every path whole (a whole path pastes
+    into ``inspect --show``).
+
+    >>> set_width(None); print(fit_table(["path", "n"], [["a/b", "1"]]).text)
+    path    n
+    ------  ---
+    a/b     1
+    >>> fit_table(["path", "note"], [["w", "x" * 120]], droppable=["note"])
+    Table(text='path\\n------\\nw', dropped=('note',), cut=False)
+    """
+    markdown = style == "github"
+    cols = len(headers) if headers is not None else max(map(len, rows), default=0)
+    names = list(headers) if headers is not None else [str(i) for i in range(cols)]
+    whole = [safe_text(r[0]) for r in rows] if paths else []
+    longest = max(map(len, whole), default=0)
+
+    def render(keep: Sequence[int], room: int | None, stand_in: str | None = None) -> tuple[str, bool]:
+        shown = [list(r) for r in rows]
+        cut = False
+        if paths:
+            if stand_in:
+                cells = [stand_in] * len(rows)
+            else:
+                cells = whole if room is None else cut_paths([r[0] for r in rows], room)
+                cut = cells != whole
+            for line, c in zip(shown, cells):
+                line[0] = c
+        heads = [names[i] for i in keep] if headers is not None else None
+        aligned = [keep.index(i) for i in right if i in keep]
+        return _layout(heads, [[r[i] for i in keep] for r in shown], style, aligned), cut
+
+    if markdown or not fit:
+        text, cut = render(range(cols), CELL_WIDTH if paths else None)
+        return Table(text, (), cut)
+    room = width()
+    empty = [names[i] for i in range(1, cols) if rows and not any(str(r[i]).strip() for r in rows)]
+    order = [*empty, *(h for h in droppable if h in names and h not in empty)]
+
+    def path_room(keep: Sequence[int]) -> int:
+        # What the other columns take, measured on a table whose path cells are 8 characters (wider than the
+        # header "path" with its padding, so the column is exactly 8 wide).
+        return max(room - (max(map(len, render(keep, None, "x" * 8)[0].splitlines())) - 8), 12)
+
+    dropped: list[str] = []
+    while True:
+        keep = [i for i in range(cols) if names[i] not in dropped]
+        left = [h for h in order if h not in dropped]
+        if paths:
+            have = path_room(keep)
+            wide = have < longest
+            worth = have < PATH_MIN or path_room([i for i in keep if names[i] not in left]) >= longest
+            if not (wide and left and worth):
+                text, cut = render(keep, have)
+                return Table(text, tuple(h for h in dropped if h not in empty), cut)
+        else:
+            text, _ = render(keep, None)
+            if not (left and max(map(len, text.splitlines()), default=0) > room):
+                return Table(text, tuple(h for h in dropped if h not in empty))
+        dropped.append(left[0])
+
+
+def _layout(headers: Sequence[str] | None, rows: Sequence[Sequence[str]], style: str, right: Sequence[int]) -> str:
+    """The cells laid out in ``style`` (``fit_table``), nothing fitted."""
+    if style == "plain":
+        table = ([list(headers)] if headers is not None else []) + [list(r) for r in rows]
+        if not table:
+            return ""
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        return "\n".join("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                         .rstrip() for r in table)
+    if style == "simple" and headers is not None and rows and _plain(headers, rows):
+        return _simple_table(headers, rows)
+    from tabulate import tabulate
+
+    return tabulate(rows, headers=list(headers) if headers is not None else (), tablefmt=style,
+                    disable_numparse=True)
+
+
 def render_rows(
     rows: Sequence[Row],
     *,
@@ -491,8 +618,6 @@ def render_rows(
         return render_tree(rows, strip=strip, label=count_label) + "\n" + footer(total, label=count_label)
     if fmt not in ("table", "markdown"):
         raise ValueError(f"`fmt` must be one of table, markdown, tree, json; got {fmt!r}.")
-    from tabulate import tabulate
-
     columns = ["path", "shape", "dtype", "count", "bytes", "sharding"]
     if any(r.layers is not None for r in rows):  # stacked (scanned) leaves: how many layers each holds
         columns.insert(2, "layers")
@@ -503,11 +628,7 @@ def render_rows(
     if stat_columns and any(r.stats is not None for r in rows):
         columns += list(stat_columns)
     headers, data = row_cells(rows, columns, strip=strip, label=count_label)
-    if fmt == "table" and tablefmt == "simple" and _plain(headers, data):
-        body = _simple_table(headers, data)
-    else:
-        body = tabulate(data, headers=headers, tablefmt="github" if fmt == "markdown" else tablefmt,
-                        disable_numparse=True)
+    body = fit_table(headers, data, style="github" if fmt == "markdown" else tablefmt, fit=False).text
     return body + "\n\n" + footer(total, label=count_label, markdown=fmt == "markdown")
 
 
