@@ -43,7 +43,6 @@ from treetools.checkpoint_io.readers import ArrayReader, bit_view, is_numeric, n
 from treetools.checkpoint_io.storage import as_typed, backend, is_url, location
 from treetools.checkpoint_io.stream import Failed, reduce_blocks
 from treetools.checkpoint_io.mapping import RuledReader
-from treetools.checkpoint_io.items import find_params
 from treetools.checkpoint_io.leaves import Item, Leaf
 from treetools.checkpoint_io.opening import open_source
 from treetools.checkpoint_io.source import Source
@@ -245,13 +244,13 @@ class _Plan:
     dropped: list[str]
     skipped: list[tuple[str, str]]
     notes: list[str] = dataclasses.field(default_factory=list)
-    """Which path the parameters were taken from (``find_params``), for the report's notes."""
+    """Which path the parameters were taken from (``Source.find_params``), for the report's notes."""
 
 
 def _plan(src: str, opts: ConvertOptions, context: ReadContext) -> _Plan:
     source = open_source(src, context)
     step = source.resolve(opts.step)
-    item, found_at = find_params(source, step, item=opts.item)
+    item, found_at = source.find_params(step, item=opts.item)
     by_name: dict[str, Leaf] = {leaf.name: leaf for leaf in item.leaves}
     rules = opts.rules if opts.rules is not None else Rules()
     plan = rules.plan([(leaf.name, leaf.row.shape, leaf.row.dtype) for leaf in item.leaves])

@@ -39,7 +39,7 @@ import numpy as np
 
 from treetools.checkpoint_io.mapping import map_items
 from treetools.checkpoint_io.context import DEFAULT_BLOCK_BYTES
-from treetools.checkpoint_io.items import counts_params, order_items, params_item, params_within, train_state_parts
+from treetools.checkpoint_io.items import counts_params, order_items, params_within, train_state_parts
 from treetools.checkpoint_io.leaves import NO_VALUE, Leaf, Snapshot, Unreadable
 from treetools.checkpoint_io.opening import open_source
 from treetools.checkpoint_io.readers import bit_view, is_numeric
@@ -593,13 +593,13 @@ def _holds_more(snap: Snapshot) -> bool:
 
 def _pair_params(src_a: Source, snap_a: Snapshot, src_b: Source, snap_b: Snapshot) -> list[str]:
     """Without ``item``: where one side holds only params and the other more, the other is narrowed to its params
-    as ``convert`` and ``load_parameters`` pick them (``params_item``, ``params_within``); returns the note
+    as ``convert`` and ``load_parameters`` pick them (``Source.params_item``, ``params_within``); returns the note
     saying so (none where no params item is known)."""
     for source, snap, other, (side, only) in ((src_a, snap_a, snap_b, "AB"), (src_b, snap_b, snap_a, "BA")):
         if not (_holds_more(snap) and _params_only(other)):
             continue
         try:
-            name = params_item(source, snap.step)
+            name = source.params_item(snap.step)
         except CheckpointNotFoundError:
             return []
         if name not in snap.items:
