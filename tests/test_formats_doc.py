@@ -550,14 +550,25 @@ def test_row_is_true(row, tmp_path, capsys):
 
 
 def test_writing_a_format_example_runs(tmp_path):
-    # docs/formats.md "Writing a format": the worked example runs as written, in a fresh namespace.
+    # docs/formats.md "Writing a format": the worked examples (a single file; a format with steps) run as written,
+    # each in a fresh namespace.
+    import re
+
+    from treetools.checkpoint_io.registry import registered_formats, unregister_format
+
     text = DOC.read_text()
     section = text[text.index("## Writing a format"):]
-    code = section[section.index("```python\n") + len("```python\n"):section.index("\n```", section.index("```python"))]
-    namespace = {"workdir": str(tmp_path)}
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```python\n(.*?)\n```", section, flags=re.S)
+    assert len(blocks) == 2, len(blocks)
+    spaces = []
     try:
-        exec(compile(code, "docs/formats.md (Writing a format)", "exec"), namespace)
+        for i, code in enumerate(blocks):
+            spaces.append({"workdir": str(tmp_path)})
+            exec(compile(code, f"docs/formats.md (Writing a format, block {i + 1})", "exec"), spaces[-1])
     finally:
-        tt.ckpt.unregister_format("rawbin")
-    assert namespace["params"]["dense"]["b"].tolist() == [1.0, 1.0, 1.0]
-    assert "rawbin" not in [f.name for f in tt.ckpt.registered_formats()]
+        for name in ("rawbin", "rawbin-run"):
+            unregister_format(name)
+    assert spaces[0]["params"]["dense"]["b"].tolist() == [1.0, 1.0, 1.0]
+    assert spaces[1]["source"].steps == [100, 200]
+    assert not {"rawbin", "rawbin-run"} & {f.name for f in registered_formats()}

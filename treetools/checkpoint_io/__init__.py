@@ -18,7 +18,7 @@ Modules, bottom to top: ``storage`` (where files live: one interface, a class
 per scheme), ``context`` (the read settings), ``steps`` (the one step rule),
 ``readers`` (block readers, the memory budget), ``stream`` (the block engine),
 ``leaves`` (Leaf/Item/Snapshot), ``items`` (which item holds the params),
-``source`` (Format, Source), ``registry``, ``diagnose`` ("did you mean"),
+``source`` (Format, Source and its layouts), ``registry``, ``diagnose`` ("did you mean"),
 ``opening`` (``open_source``), ``formats/`` and ``mapping`` (rules over
 leaves), ``writers/``.
 """
@@ -29,11 +29,12 @@ import importlib as _importlib
 import typing as _typing
 
 _EXPORTS = {  # public name -> module under treetools.checkpoint_io
-    **dict.fromkeys(("ArrayReader", "FileReader", "InMemoryReader", "MemoryBudgetError", "checked_shape",
-                     "plan_blocks"), "readers"),
+    **dict.fromkeys(("ArrayReader", "FileReader", "InMemoryReader", "MemoryBudgetError", "SequentialReader",
+                     "checked_shape", "plan_blocks"), "readers"),
     **dict.fromkeys(("DEFAULT_ITEM", "NO_VALUE", "Item", "Leaf", "Snapshot", "Unreadable", "array_row", "check_name", "stored_path",
                      "tree_leaves", "value_row"), "leaves"),
-    **dict.fromkeys(("FileSource", "Format", "Source", "file_head"), "source"),
+    **dict.fromkeys(("FileSource", "Format", "ItemLayout", "Layout", "RootLayout", "Source", "StepLayout",
+                     "file_head"), "source"),
     **dict.fromkeys(("register_format", "registered_formats", "unregister_format"), "registry"),
     "open_source": "opening",
     **dict.fromkeys(("ReadContext", "ReadOptions"), "context"),
@@ -77,9 +78,19 @@ if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ord
         FileReader,
         InMemoryReader,
         MemoryBudgetError,
+        SequentialReader,
         checked_shape,
         plan_blocks,
     )
     from treetools.checkpoint_io.registry import register_format, registered_formats, unregister_format
-    from treetools.checkpoint_io.source import file_head, FileSource, Format, Source
+    from treetools.checkpoint_io.source import (
+        FileSource,
+        Format,
+        ItemLayout,
+        Layout,
+        RootLayout,
+        Source,
+        StepLayout,
+        file_head,
+    )
     from treetools.checkpoint_io.storage import Storage, backend, register_scheme

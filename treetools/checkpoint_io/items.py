@@ -1,15 +1,18 @@
 """The one home of item-name knowledge: which item holds the parameters, in which order items are shown, whose
 counts are parameters, and where a train state keeps its parts.
 
-Every command and the library ask this module (``params_item``,
-``params_subtree``, ``order_items``, ``counts_params``...), so none has its
-own idea of where the params are. No jax.
+Every command and the library ask this module (``choose_params_item``,
+``params_from``, ``order_items``, ``counts_params``...), so none has its own
+idea of where the params are. Pure functions over item names and items: a
+``Source`` (``treetools.checkpoint_io.source``, the layer above) reads the
+items and hands them down (``Source.params_item``, ``Source.find_params``);
+nothing here calls back up into it. No jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, Sequence
+from typing import Sequence
 
 from treetools.checkpoint_io.leaves import Item, Leaf, tree_leaves  # noqa: F401  (tree_leaves: the examples use it)
 from treetools.shared.errors import CheckpointNotFoundError
@@ -115,21 +118,6 @@ def counts_params(item: str) -> bool:
 
 
 
-class _Steps(Protocol):
-    """What ``params_item`` asks of a ``Source`` (``treetools.checkpoint_io.source``, a layer above)."""
-
-    path: str
-
-    def item_names(self, step: int | None) -> list[str]: ...
-
-    def default_item(self, step: int | None) -> str | None: ...
-
-    def snapshot(self, step: Any = None, items: Sequence[str] | None = None) -> Any: ...
-
-    def missing_item(self, name: str, present: Sequence[str], step: int | None, *,
-                     note: str | None = None) -> CheckpointNotFoundError: ...
-
-
 def part_holder(present: Sequence[str], name: str) -> str | None:
     """The item that may hold ``name`` as a top-level key: the one item holding a whole train state (Orbax's
     ``default``/``state``/``train_state``), or the lone item of the step; None when there is no single one.
@@ -198,28 +186,27 @@ def train_state_parts(name: str, item: Item, present: Sequence[str]) -> list[str
     return order_items(keys)
 
 
-def params_item(source: _Steps, step: int | None, *, item: str | None = None, use_ema: bool = False) -> str:
-    """The item that holds the parameters of one step.
+def choose_params_item(names: Sequence[str], *, default: str | None = None, use_ema: bool = False,
+                       where: str = "the checkpoint") -> str:
+    """The item of a step (``names``) that holds the parameters.
 
-    ``item`` when given (it must exist); else ``params`` (``params_ema`` with
-    ``use_ema``; T5X: ``target``; Levanter, EasyDeL: ``model``); else the one item of a single-item step;
-    else the one item holding a whole train state beside others (a ``best_fn``
-    manager's ``metrics`` item).
+    ``params`` (``params_ema`` with ``use_ema``); else the format's own choice
+    (``default``: ``Source.default_item``); else T5X's ``target``, Levanter's and
+    EasyDeL's ``model``; else the one item of a single-item step; else the one
+    item holding a whole train state beside others (a ``best_fn`` manager's
+    ``metrics`` item). ``Source.params_item`` asks it with the step's items.
 
     Raises:
-      CheckpointNotFoundError: no such item, or none of these (the message lists the items).
+      CheckpointNotFoundError: none of these (the message, starting with ``where``, lists the items).
+
+    >>> choose_params_item(["opt_state", "params"]), choose_params_item(["target", "state"])
+    ('params', 'target')
     """
-    names = source.item_names(step)
-    if item is not None:
-        if item not in names:
-            raise source.missing_item(item, names, step)
-        return item
     wanted = "params_ema" if use_ema else "params"
     if wanted in names:
         return wanted
-    chosen = source.default_item(step)
-    if chosen is not None and chosen in names:
-        return chosen
+    if default is not None and default in names:
+        return default
     model = [n for n in MODEL_ITEMS if n in names]  # T5X: `target`; Levanter, EasyDeL: `model`
     if not use_ema and model:
         return model[0]
@@ -228,33 +215,30 @@ def params_item(source: _Steps, step: int | None, *, item: str | None = None, us
     whole = [n for n in names if n in STATE_ITEMS]
     if len(whole) == 1:
         return whole[0]
-    where = f"{source.path} (step {step})" if step is not None else source.path
     raise CheckpointNotFoundError(
         f"{where} has no item {wanted!r}; items present: {', '.join(names) or 'none'}; pass item=NAME."
     )
 
 
-def params_of_step(source: _Steps, step: int | None, *, item: str | None = None, use_ema: bool = False) -> Item:
-    """The parameters of one step as one item: ``find_params``'s item (without the note)."""
-    return find_params(source, step, item=item, use_ema=use_ema)[0]
-
-
-def find_params(source: _Steps, step: int | None, *, item: str | None = None,
-                use_ema: bool = False) -> tuple[Item, str | None]:
-    """The parameters of one step as one item, and a note saying which path they were taken from (None when the
-    item is the parameters). ``params_item``'s item, narrowed by ``params_subtree`` when it holds a whole train
-    state; an item asked for by name is returned whole.
+def params_from(found: Item, *, chosen_by_format: bool = False, use_ema: bool = False,
+                where: str = "the checkpoint") -> tuple[Item, str | None]:
+    """The parameters in the item ``choose_params_item`` picked (``found``, read), and a note saying which path
+    they were taken from (None when the item is the parameters): the item itself, its Keras model variables, or
+    its ``params_path``. ``chosen_by_format``: the format's own ``default_item`` picked it among several items
+    (the note says so). ``Source.find_params`` reads the item and asks this.
 
     Raises:
-      CheckpointNotFoundError: no item holds them, or the item holds a train state whose parameters are none of
-        the known places (the message lists the candidates with their sizes: pass item=).
+      CheckpointNotFoundError: the item holds a train state whose parameters are none of the known places (the
+        message lists the candidates with their sizes: pass item=).
+
+    >>> import numpy as np
+    >>> state = Item("default", "pytree", tree_leaves({"params": {"w": np.ones(2)}, "step": 3}, where="x"))
+    >>> found, note = params_from(state, where="ckpt")
+    >>> [leaf.name for leaf in found.leaves], note.split(";")[0]
+    (['w'], 'ckpt: parameters taken from `params` of item `default`')
     """
-    if item is not None:
-        return _chosen(source, step, item), None
-    name = params_item(source, step, use_ema=use_ema)
-    found = source.snapshot(step, [name]).items[name]
-    where = f"{source.path} (step {step})" if step is not None else source.path
-    if name == source.default_item(step) and len(source.item_names(step)) > 1:
+    name = found.name
+    if chosen_by_format:
         below, path = params_path(found, use_ema=use_ema)
         at = f"`{'/'.join(path)}` of " if path is not None else ""
         return below, (f"{where}: parameters taken from {at}item `{name}`, as its format reads them; item= (--item) "
@@ -273,27 +257,23 @@ def find_params(source: _Steps, step: int | None, *, item: str | None = None,
                    "another item, top-level key or path.")
 
 
-def _chosen(source: _Steps, step: int | None, item: str) -> Item:
-    """The item ``item`` names: an item, a top-level key of the one item holding a whole state, or ``item/path``
-    (the leaves below that path, named from there)."""
-    names = source.item_names(step)
-    name, under = item_argument(names, item)
-    if name not in names and part_holder(names, name) is None:
-        raise source.missing_item(item, names, step)
-    found = source.snapshot(step, [name]).items[name]
-    if under is None:
-        return found
+def leaves_below(item: Item, under: str) -> Item | None:
+    """The leaves of ``item`` below the path ``under`` (``a/b``), named from there; None when none is.
+
+    >>> import numpy as np
+    >>> item = Item("params", "pytree", tree_leaves({"dense": {"w": np.ones(2)}, "b": np.ones(1)}, where="x"))
+    >>> [leaf.name for leaf in leaves_below(item, "dense").leaves], leaves_below(item, "conv")
+    (['w'], None)
+    """
     parts = tuple(under.split("/"))
     n = len(parts)
     below = [dataclasses.replace(leaf, row=dataclasses.replace(leaf.row, path=leaf.path[n:]))
-             for leaf in found.leaves if len(leaf.path) > n and leaf.path[:n] == parts]
-    if not below:
-        raise source.missing_item(item, names, step, note=f"`{name}` has nothing below `{under}`")
-    return dataclasses.replace(found, leaves=below)
+             for leaf in item.leaves if len(leaf.path) > n and leaf.path[:n] == parts]
+    return dataclasses.replace(item, leaves=below) if below else None
 
 
 def params_within(found: Item, *, use_ema: bool = False) -> Item:
-    """The parameters in the item ``params_item`` picked: the item itself when it is a params (or model) item,
+    """The parameters in the item ``choose_params_item`` picked: the item itself when it is a params (or model) item,
     else its ``params_subtree`` (an item holding a whole train state)."""
     if found.name in ("params", "params_ema", "model"):
         return found

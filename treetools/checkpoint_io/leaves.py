@@ -48,7 +48,7 @@ class Leaf:
         return self.row.name
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Item:
     """One item of one step: a pytree (arrays) or a JSON value, as leaves.
 
@@ -109,7 +109,7 @@ class UnreadProblem(str):
     __slots__ = ()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Snapshot:
     """One checkpoint (one step): the items asked for, in stored order.
 

@@ -14,6 +14,7 @@ reader it holds.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import math
 import os
@@ -253,11 +254,13 @@ def bit_identical(a: np.ndarray, b: np.ndarray) -> bool:
     return not bool(bits_differ(a, b).any())
 
 
-class ArrayReader:
+class ArrayReader(abc.ABC):
     """Hands out one stored array in blocks; never the whole array at once.
 
-    Subclasses implement ``read(index)`` for random access, or override
-    ``blocks`` when the storage can only be streamed front to back.
+    An abstract base: a subclass implements ``read(index)`` (random access),
+    or derives from ``SequentialReader`` and implements ``blocks`` when the
+    storage can only be streamed front to back. One that leaves its read out
+    cannot be built (``TypeError``).
     """
 
     __slots__ = ()  # a subclass made by the hundred thousand (``FileReader``) may do without a ``__dict__``
@@ -288,8 +291,9 @@ class ArrayReader:
         """Bytes of stored data per block when it streams a whole array (its context's block size)."""
         return self.context.block_bytes if self.context is not None else DEFAULT_BLOCK_BYTES
 
+    @abc.abstractmethod
     def read(self, index: Index) -> np.ndarray:
-        raise NotImplementedError
+        """The block at ``index`` (a tuple of slices, one per axis) as a numpy array."""
 
     reads_async: bool = False
     """True when the reads ``reading`` begins run in the background (TensorStore decodes on its own threads)."""
@@ -323,6 +327,23 @@ class ArrayReader:
         Fortran-ordered; statistics do not care.
         """
         return self.blocks(plan_blocks(self.shape, max(1, max_bytes // self.dtype.itemsize), self.chunk_shape))
+
+
+class SequentialReader(ArrayReader):
+    """An array its storage can only stream front to back (a compressed zip member): a subclass implements
+    ``blocks`` for plans in C order (and may override ``storage_blocks``); it has no random access, so the
+    engine reads it in one task, in order (``sequential``), and never calls ``read``."""
+
+    __slots__ = ()
+    sequential = True
+
+    @abc.abstractmethod
+    def blocks(self, plan: Iterable[Index]) -> Iterator[np.ndarray]:
+        """The blocks of ``plan``, which must run front to back in C order."""
+
+    def read(self, index: Index) -> np.ndarray:
+        raise TypeError(f"{type(self).__name__} streams its array front to back (sequential): read it with "
+                        "blocks() or read_all(), not read(index).")
 
 
 class Pending(Protocol):

@@ -19,6 +19,13 @@ storage the checkpoint is read through (confined to it), the memory budget,
 the block size. A format reads only through ``context.storage`` and gives the
 context to every reader it makes.
 
+A source opened at a folder says where that folder sits with a ``Layout``
+given to ``Source.__init__``: a ``RootLayout`` (a folder of step folders,
+listed once by the base with the format's step names and commit rule), a
+``StepLayout`` (one step folder) or an ``ItemLayout`` (one item of a step).
+The base decides the steps and the step number from it, and
+``Source.step_folder(step)`` is the one step-folder rule of every format.
+
 Format-specific work that other code needs is a hook of ``Source`` with a
 generic default (``restore_arrays``: a format's own fast restore;
 ``verify_metadata``: a format's own consistency checks), so no code outside
@@ -29,18 +36,23 @@ Importing this module imports no jax.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
+import os
+import re
 import stat as stat_
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from treetools.checkpoint_io.context import ReadContext
-from treetools.checkpoint_io.items import part_holder, part_of, top_level_keys
+from treetools.checkpoint_io.items import (choose_params_item, item_argument, leaves_below, params_from, part_holder,
+                                           part_of, top_level_keys)
 from treetools.checkpoint_io.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, UnreadProblem
 from treetools.checkpoint_io.readers import MemoryBudgetError, missing_notes
-from treetools.checkpoint_io.steps import StepListing, describe_series, parse_step, resolve_step
-from treetools.checkpoint_io.storage import OutsideCheckpointError, Storage
+from treetools.checkpoint_io.steps import (StepListing, describe_series, parse_step, parse_step_name, resolve_step,
+                                           scan_steps)
+from treetools.checkpoint_io.storage import OutsideCheckpointError, Storage, normalize
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 
 DELETION_CHECKS, DELETION_CHECK_PAUSE = 6, 0.05
@@ -48,12 +60,123 @@ DELETION_CHECKS, DELETION_CHECK_PAUSE = 6, 0.05
 asks whether the step is still committed before the failure counts as damage."""
 
 
-class Source:
+@dataclasses.dataclass(frozen=True)
+class Layout(abc.ABC):
+    """Where the path a format opened sits in a checkpoint: a root of step folders, one step folder, or one item
+    of a step. Given to ``Source.__init__``, which lists the steps (``listing``), reads the step number
+    (``step``) and finds a step's folder (``step_folder``) through it: no format branches on where it was
+    opened.
+
+    Attributes:
+      location: the path opened (absolute, or a bucket URL).
+    """
+
+    location: str
+
+    @abc.abstractmethod
+    def listing(self, scan: Callable[[str], StepListing]) -> StepListing | None:
+        """The steps below ``location`` listed by ``scan`` (a root), or None (a single step)."""
+
+    @abc.abstractmethod
+    def step(self, parse: Callable[[str], int | None]) -> int | None:
+        """The step number of a single step, read from its folder's name by ``parse``; None for a root."""
+
+    @abc.abstractmethod
+    def step_folder(self, listing: StepListing | None, step: int | None) -> str:
+        """The folder of step ``step``."""
+
+    @property
+    def item(self) -> str | None:
+        """The name of the one item given directly (``ItemLayout``), else None."""
+        return None
+
+    def item_names(self, step_folder: str, listed: Callable[[str], list[str]]) -> list[str]:
+        """The items of a step: ``listed(step_folder)``, the format's own listing; the item given for an item."""
+        return listed(step_folder)
+
+    def whole_item(self, step_folder: str, find: Callable[[str], str | None]) -> str | None:
+        """Where a step that is one item keeps it (the path given, for an item; for a step, what ``find``
+        finds in its folder: Orbax's step folder that is itself the item, T5X's ``checkpoint`` file), else None."""
+        return find(step_folder)
+
+    def given_step(self) -> str | None:
+        """The step folder given directly (no listing checked that it is committed), else None."""
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RootLayout(Layout):
+    """A folder of step folders (a CheckpointManager root, a run folder): the steps are listed."""
+
+    def listing(self, scan: Callable[[str], StepListing]) -> StepListing | None:
+        return scan(self.location)
+
+    def step(self, parse: Callable[[str], int | None]) -> int | None:
+        return None
+
+    def step_folder(self, listing: StepListing | None, step: int | None) -> str:
+        return listing.folder(step) if listing is not None and step is not None else self.location
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout(Layout):
+    """One step folder given directly (or one tree without steps): its number, if any, is in its name."""
+
+    def listing(self, scan: Callable[[str], StepListing]) -> StepListing | None:
+        return None
+
+    def step(self, parse: Callable[[str], int | None]) -> int | None:
+        return parse(os.path.basename(normalize(self.location)))
+
+    def step_folder(self, listing: StepListing | None, step: int | None) -> str:
+        return self.location
+
+    def given_step(self) -> str | None:
+        return self.location
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemLayout(Layout):
+    """One item of a step given directly (an item folder, T5X's ``checkpoint`` file): the step folder is the
+    one holding it.
+
+    Attributes:
+      name: the item's name.
+      numbered: whether the step number is read from the name of the folder holding it (False where that
+        folder need not be a step: an Orbax save that is its own item).
+    """
+
+    name: str = ""
+    numbered: bool = True
+
+    def listing(self, scan: Callable[[str], StepListing]) -> StepListing | None:
+        return None
+
+    def step(self, parse: Callable[[str], int | None]) -> int | None:
+        return parse(os.path.basename(os.path.dirname(normalize(self.location)))) if self.numbered else None
+
+    def step_folder(self, listing: StepListing | None, step: int | None) -> str:
+        return os.path.dirname(normalize(self.location))
+
+    @property
+    def item(self) -> str | None:
+        return self.name
+
+    def item_names(self, step_folder: str, listed: Callable[[str], list[str]]) -> list[str]:
+        return [self.name]
+
+    def whole_item(self, step_folder: str, find: Callable[[str], str | None]) -> str | None:
+        return self.location
+
+
+class Source(abc.ABC):
     """An opened checkpoint: what it is and which steps it has; metadata and data are read on demand.
 
-    Formats subclass it and implement ``item_names`` and ``read_items``; a
-    subclass's constructor hands ``path``, ``context`` and its ``listing`` to
-    this one, and nothing is set on a source after it is built.
+    An abstract base: formats subclass it and implement ``item_names`` and
+    ``read_items`` (a subclass missing one cannot be built). A subclass's
+    constructor hands ``path``, ``context`` and its ``Layout`` (or, for a
+    source with no step folders, its ``listing``) to this one, and nothing is
+    set on a source after it is built.
 
     Attributes:
       path: the path as the user gave it (shown in messages).
@@ -64,15 +187,32 @@ class Source:
       incomplete: names of unfinished saves (never read).
       deleting: those of ``incomplete`` being deleted (a manager pruning them; ``StepListing.deleting``).
       step: the step number of a single step folder, when its name says it.
+      layout: where the path opened sits (``RootLayout``, ``StepLayout``, ``ItemLayout``); None for a source
+        without step folders (a single file, a folder of step files).
     """
 
     format: str = "?"
     record_sharding: bool = False
 
-    def __init__(self, path: str, context: ReadContext, *, listing: StepListing | None = None,
-                 step: int | None = None):
+    def __init__(self, path: str, context: ReadContext, *, layout: Layout | None = None,
+                 names: re.Pattern[str] | None = None, commit_rule: Callable[[str, Any], bool] | None = None,
+                 prefer: Sequence[str] | None = None, listing: StepListing | None = None, step: int | None = None):
+        """``layout``: where the path opened sits; the steps of a root are listed with ``scan_steps`` and the
+        format's step ``names`` (a pattern with a ``step`` group), ``commit_rule`` and preferred series
+        (``prefer``), and a single step's number is read from its folder's name with the same ``names``.
+        ``listing``/``step``: given directly by a source without a layout (a folder of step files)."""
         self.path = path
         self.context = context
+        self.layout = layout
+        if layout is not None:
+            self.location = layout.location
+            if listing is not None or step is not None:
+                raise TypeError("Source: pass a layout or a listing and step, not both")
+            named: dict[str, Any] = {"names": names} if names is not None else {}
+            scanned = {**named, **({"commit_rule": commit_rule} if commit_rule is not None else {}),
+                       **({"prefer": prefer} if prefer is not None else {})}
+            listing = layout.listing(lambda root: scan_steps(root, storage=context.storage, **scanned))
+            step = layout.step(lambda name: parse_step_name(name, **named))
         self.step = step
         if listing is not None and context.prefix is not None:
             listing = self.series_of(listing, context.prefix)
@@ -94,15 +234,22 @@ class Source:
 
     # -- what formats implement
 
+    @abc.abstractmethod
     def item_names(self, step: int | None) -> list[str]:
         """The items of one step (cheap: names only)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         """The metadata of the named items of one step; reads no array data."""
-        raise NotImplementedError
 
     # -- shared
+
+    def step_folder(self, step: int | None) -> str:
+        """The folder of one step: a listed step's folder under a root, else the step folder given (or the one
+        holding the item given). The one step-folder rule of every source built with a layout."""
+        if self.layout is None:
+            raise TypeError(f"{type(self).__name__} was built without a layout: it has no step folders")
+        return self.layout.step_folder(self.listing, step)
 
     def resolve(self, step: Any = None) -> int | None:
         """``None``/``-1``/``"latest"`` -> the latest committed step; an int must be a committed one.
@@ -223,12 +370,64 @@ class Source:
         extra = f" {note[0].upper()}{note[1:]}." if note else ""
         return CheckpointNotFoundError(f"{where} has no item `{name}`; items: {', '.join(present) or 'none'}.{extra}")
 
+    # -- the parameters: which item holds them (``treetools.checkpoint_io.items`` decides from what is read here)
+
+    def params_item(self, step: int | None, *, item: str | None = None, use_ema: bool = False) -> str:
+        """The item that holds the parameters of one step: ``item`` when given (it must exist), else
+        ``items.choose_params_item`` over the step's items and this format's ``default_item``.
+
+        Raises:
+          CheckpointNotFoundError: no such item, or none holds them (the message lists the items).
+        """
+        names = self.item_names(step)
+        if item is not None:
+            if item not in names:
+                raise self.missing_item(item, names, step)
+            return item
+        return choose_params_item(names, default=self.default_item(step), use_ema=use_ema, where=self._where(step))
+
+    def find_params(self, step: int | None, *, item: str | None = None,
+                    use_ema: bool = False) -> tuple[Item, str | None]:
+        """The parameters of one step as one item, and a note saying which path they were taken from (None when
+        the item is the parameters): ``params_item``'s item read, narrowed by ``items.params_from`` when it holds
+        a whole train state; an item asked for by name (``item``: an item, a top-level key of the one item
+        holding a whole state, or ``item/path``) is returned as named.
+
+        Raises:
+          CheckpointNotFoundError: no item holds them, or the item holds a train state whose parameters are none
+            of the known places (the message lists the candidates with their sizes: pass item=).
+        """
+        if item is not None:
+            return self._named_item(step, item), None
+        name = self.params_item(step, use_ema=use_ema)
+        found = self.snapshot(step, [name]).items[name]
+        several = name == self.default_item(step) and len(self.item_names(step)) > 1
+        return params_from(found, chosen_by_format=several, use_ema=use_ema, where=self._where(step))
+
+    def _named_item(self, step: int | None, item: str) -> Item:
+        """The item ``item`` names: an item, a top-level key of the one item holding a whole state, or
+        ``item/path`` (the leaves below that path, named from there)."""
+        names = self.item_names(step)
+        name, under = item_argument(names, item)
+        if name not in names and part_holder(names, name) is None:
+            raise self.missing_item(item, names, step)
+        found = self.snapshot(step, [name]).items[name]
+        if under is None:
+            return found
+        below = leaves_below(found, under)
+        if below is None:
+            raise self.missing_item(item, names, step, note=f"`{name}` has nothing below `{under}`")
+        return below
+
+    def _where(self, step: int | None) -> str:
+        return f"{self.path} (step {step})" if step is not None else self.path
+
     # -- hooks: a format's own way of doing something, with a generic default
 
     def default_item(self, step: int | None) -> str | None:
         """The item that holds the parameters when the format knows it better than the item names say (Flax
         checkpoints named by a metric, ``best_acc_0.625``: the one flax's ``latest_checkpoint`` picks); None: the
-        generic rule of ``treetools.checkpoint_io.items.params_item``."""
+        generic rule of ``treetools.checkpoint_io.items.choose_params_item``."""
         return None
 
     def series_of(self, listing: StepListing, prefix: str) -> StepListing:

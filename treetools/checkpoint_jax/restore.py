@@ -36,7 +36,6 @@ import numpy as np
 
 from treetools.checkpoint_io.mapping import map_item
 from treetools.checkpoint_io.context import UNBOUNDED
-from treetools.checkpoint_io.items import find_params
 from treetools.checkpoint_io.leaves import Item, Leaf, NO_VALUE, value_row
 from treetools.checkpoint_io.opening import open_source
 from treetools.checkpoint_io.storage import location
@@ -763,7 +762,7 @@ def load_parameters(
     source = open_source(shown, memory_budget=UNBOUNDED, prefix=prefix, follow_links=follow_links)
     resolved = source.resolve(step)
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
-        found, found_at = find_params(source, resolved, item=item, use_ema=use_ema_params)
+        found, found_at = source.find_params(resolved, item=item, use_ema=use_ema_params)
         if found_at is not None:  # which path of a whole train state the parameters are: said, not guessed silently
             _LOG.info("%s", found_at)
         if target is None:

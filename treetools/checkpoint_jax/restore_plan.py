@@ -38,7 +38,7 @@ class LeafPlan:
     ops: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ItemPlan:
     """The plan of one item: its target leaves, and the checkpoint leaves no target leaf uses or the rules drop."""
 
@@ -49,7 +49,7 @@ class ItemPlan:
     dropped: list[str] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class RestorePlan:
     """What ``restore_checkpoint`` would do, from metadata alone (``plan_restore``).
 

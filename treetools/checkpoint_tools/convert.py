@@ -43,7 +43,6 @@ from treetools.checkpoint_io.readers import ArrayReader, bits_differ, is_numeric
 from treetools.checkpoint_io.storage import as_typed, backend, is_url, location
 from treetools.checkpoint_io.stream import Failed, reduce_blocks
 from treetools.checkpoint_io.mapping import RuledReader
-from treetools.checkpoint_io.items import find_params
 from treetools.checkpoint_io.leaves import Item, Leaf
 from treetools.checkpoint_io.opening import open_source
 from treetools.checkpoint_io.source import Source
@@ -92,7 +91,7 @@ class ConvertRow:
         return math.prod(self.shape) * np_dtype(self.dtype).itemsize
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ConvertReport:
     """What ``convert`` did (or, with ``dry_run``, would do).
 
@@ -235,7 +234,7 @@ def _readable(t: TargetLeaf) -> str | None:
     return None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Plan:
     source: Source
     step: int | None
@@ -245,13 +244,13 @@ class _Plan:
     dropped: list[str]
     skipped: list[tuple[str, str]]
     notes: list[str] = dataclasses.field(default_factory=list)
-    """Which path the parameters were taken from (``find_params``), for the report's notes."""
+    """Which path the parameters were taken from (``Source.find_params``), for the report's notes."""
 
 
 def _plan(src: str, opts: ConvertOptions, context: ReadContext) -> _Plan:
     source = open_source(src, context)
     step = source.resolve(opts.step)
-    item, found_at = find_params(source, step, item=opts.item)
+    item, found_at = source.find_params(step, item=opts.item)
     by_name: dict[str, Leaf] = {leaf.name: leaf for leaf in item.leaves}
     rules = opts.rules if opts.rules is not None else Rules()
     plan = rules.plan([(leaf.name, leaf.row.shape, leaf.row.dtype) for leaf in item.leaves])
@@ -356,19 +355,20 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
         check_writable(os.path.join(dst_loc, str(opts.dst_step)) if opts.dst_step is not None else dst_loc)
     plan = _plan(src, opts, context)
     _check_names(t.path for t in plan.targets)
-    report = ConvertReport(str(src), str(dst), plan.source.format, plan.step, plan.item.name, to, "", [],
-                           dropped=plan.dropped, skipped=plan.skipped, dry_run=opts.dry_run)
-    report.notes += plan.notes + [f"left out `{p}`: {why}" for p, why in plan.skipped]
+    notes = plan.notes + [f"left out `{p}`: {why}" for p, why in plan.skipped]
     if opts.dry_run and exists and opts.dst_step is None:
-        report.notes.append(f"{dst} exists: the write would need --overwrite")
+        notes.append(f"{dst} exists: the write would need --overwrite")
+    planned = ConvertReport(str(src), str(dst), plan.source.format, plan.step, plan.item.name, to, "", [],
+                            dropped=plan.dropped, skipped=plan.skipped, dry_run=opts.dry_run, notes=notes)
     started = time.perf_counter()
     if to == "safetensors":
         tensors = [Tensor(safetensors_name(t.path), r) for t, r in zip(plan.targets, plan.readers)]
         layout = plan_layout(dst_loc, tensors, shard_size=opts.shard_size)
         file_of = layout.file_of()
-        report.layout = "folder" if layout.folder else "file"
-        report.files = [f.name for f in layout.files] + (["model.safetensors.index.json"] if layout.index else [])
-        report.rows = _rows(plan.targets, [t.name for t in tensors], [file_of[t.name] for t in tensors])
+        report = dataclasses.replace(
+            planned, layout="folder" if layout.folder else "file",
+            files=[f.name for f in layout.files] + (["model.safetensors.index.json"] if layout.index else []),
+            rows=_rows(plan.targets, [t.name for t in tensors], [file_of[t.name] for t in tensors]))
         if not opts.dry_run:
             _check_space(dst_loc, layout.total_size)
             with _progress(report, opts) as on_block:
@@ -380,8 +380,8 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
             raise UsageError("--to orbax is written by one process; drop --processes/--distributed, or write "
                              "safetensors (each process writes its shards).")
         parts = [orbax_parts(t.path) for t in plan.targets]
-        report.layout = "step" if opts.dst_step is not None else "checkpoint"
-        report.rows = _rows(plan.targets, ["/".join(p) for p in parts], [""] * len(parts))
+        report = dataclasses.replace(planned, layout="step" if opts.dst_step is not None else "checkpoint",
+                                     rows=_rows(plan.targets, ["/".join(p) for p in parts], [""] * len(parts)))
         check_orbax(list(zip(parts, plan.readers)))
         if not opts.dry_run:
             with _progress(report, opts) as on_block, _full_disk(dst):
@@ -390,12 +390,12 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
                             block_bytes=context.block_bytes, on_block=on_block)
     if opts.dry_run:
         return report
-    report.seconds = time.perf_counter() - started
+    report = dataclasses.replace(report, seconds=time.perf_counter() - started)
     if opts.verify:
         started = time.perf_counter()
-        report.problems = verify_written(dst_loc, report, plan, opts, context)
-        report.verified = True
-        report.verify_seconds = time.perf_counter() - started
+        problems = verify_written(dst_loc, report, plan, opts, context)
+        report = dataclasses.replace(report, problems=problems, verified=True,
+                                     verify_seconds=time.perf_counter() - started)
     return report
 
 

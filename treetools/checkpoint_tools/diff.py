@@ -39,7 +39,7 @@ import numpy as np
 
 from treetools.checkpoint_io.mapping import map_items
 from treetools.checkpoint_io.context import DEFAULT_BLOCK_BYTES
-from treetools.checkpoint_io.items import counts_params, order_items, params_item, params_within, train_state_parts
+from treetools.checkpoint_io.items import counts_params, order_items, params_within, train_state_parts
 from treetools.checkpoint_io.leaves import NO_VALUE, Leaf, Snapshot, Unreadable
 from treetools.checkpoint_io.opening import open_source
 from treetools.checkpoint_io.readers import bit_identical, is_numeric
@@ -57,7 +57,7 @@ SCHEMA = 1
 """Version of ``DiffReport.to_json`` (``docs/json-schema.md``)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LeafChange:
     """A leaf in both checkpoints whose metadata differs; ``fields`` names what changed."""
 
@@ -80,7 +80,7 @@ class LeafChange:
                 "b": side(self.b, self.value_b)}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ValueDiff:
     """Value comparison of one leaf (or, with ``depth``, one group of leaves) present in both checkpoints."""
 
@@ -102,11 +102,11 @@ class ValueDiff:
     outside_leaves: int = -1
     """Of ``leaves``, how many have elements outside the tolerance; -1: from ``allclose`` (one leaf)."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # the -1 defaults filled in once, as the object is built (frozen after)
         if self.same_leaves < 0:
-            self.same_leaves = self.leaves if self.bit_identical else 0
+            object.__setattr__(self, "same_leaves", self.leaves if self.bit_identical else 0)
         if self.outside_leaves < 0:
-            self.outside_leaves = 0 if self.allclose else self.leaves
+            object.__setattr__(self, "outside_leaves", 0 if self.allclose else self.leaves)
 
     @property
     def outside_fraction(self) -> float:
@@ -141,7 +141,7 @@ def _rel(diff_sq: float, ref_sq: float, max_abs: float) -> float:
     return diff_l2 / ref_l2 if ref_l2 > 0 else (0.0 if diff_l2 == 0 else math.inf)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DiffReport:
     """What ``treetools diff`` prints, as data."""
 
@@ -568,10 +568,9 @@ def _snapshot(source: Source, step: Any, item: str | None) -> Snapshot:
 
 
 def _items(snap: Snapshot, rules: Rules | None = None) -> dict[str, list[Leaf]]:
-    """The leaves of a side per item (through ``rules``), params first."""
-    if rules is not None and not rules.empty:
-        snap.items = map_items(snap.items, rules)
-    return {name: snap.items[name].leaves for name in order_items(list(snap.items))}
+    """The leaves of a side per item (through ``rules``: new items, the snapshot is left as read), params first."""
+    items = map_items(snap.items, rules) if rules is not None and not rules.empty else snap.items
+    return {name: items[name].leaves for name in order_items(list(items))}
 
 
 def _params_only(snap: Snapshot) -> bool:
@@ -590,24 +589,26 @@ def _holds_more(snap: Snapshot) -> bool:
     return train_state_parts(name, item, [name]) is not None
 
 
-def _pair_params(src_a: Source, snap_a: Snapshot, src_b: Source, snap_b: Snapshot) -> list[str]:
+def _pair_params(src_a: Source, snap_a: Snapshot, src_b: Source,
+                 snap_b: Snapshot) -> tuple[Snapshot, Snapshot, list[str]]:
     """Without ``item``: where one side holds only params and the other more, the other is narrowed to its params
-    as ``convert`` and ``load_parameters`` pick them (``params_item``, ``params_within``); returns the note
-    saying so (none where no params item is known)."""
+    as ``convert`` and ``load_parameters`` pick them (``Source.params_item``, ``params_within``): the two sides
+    (the narrowed one a new snapshot) and the note saying so (none where no params item is known)."""
     for source, snap, other, (side, only) in ((src_a, snap_a, snap_b, "AB"), (src_b, snap_b, snap_a, "BA")):
         if not (_holds_more(snap) and _params_only(other)):
             continue
         try:
-            name = params_item(source, snap.step)
+            name = source.params_item(snap.step)
         except CheckpointNotFoundError:
-            return []
+            return snap_a, snap_b, []
         if name not in snap.items:
-            return []
+            return snap_a, snap_b, []
         held = ", ".join(snap.items)
-        snap.items = {name: params_within(snap.items[name])}
-        return [f"{only} holds only params and {side} more ({held}): comparing {side}'s params (item {name}); "
-                "pass --item NAME to compare another item."]
-    return []
+        narrowed = dataclasses.replace(snap, items={name: params_within(snap.items[name])})
+        pair = (narrowed, snap_b) if side == "A" else (snap_a, narrowed)
+        return (*pair, [f"{only} holds only params and {side} more ({held}): comparing {side}'s params (item "
+                        f"{name}); pass --item NAME to compare another item."])
+    return snap_a, snap_b, []
 
 
 def _flat(items: dict[str, list[Leaf]], prefix_items: bool) -> dict[str, tuple[str, Leaf]]:
@@ -731,7 +732,7 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
         raise CheckpointError(f"step {step}: neither {src_a.path} nor {src_b.path} is a checkpoint root with steps.")
     snap_a = _snapshot(src_a, step_a if step_a is not None else (step if src_a.steps is not None else None), item)
     snap_b = _snapshot(src_b, step_b if step_b is not None else (step if src_b.steps is not None else None), item)
-    notes = _pair_params(src_a, snap_a, src_b, snap_b) if item is None else []
+    snap_a, snap_b, notes = _pair_params(src_a, snap_a, src_b, snap_b) if item is None else (snap_a, snap_b, [])
     items_a, items_b = _items(snap_a, opts.rules), _items(snap_b)
     single = len(items_a) == 1 and len(items_b) == 1
     if not single and 1 in (len(items_a), len(items_b)):
@@ -793,7 +794,7 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
             bar.close()
         if opts.depth is not None:
             diffs = _group_values(diffs, {p: _renamed(flat_a[p].row, p) for p in same_shape}, opts.depth)
-        report.values = sort_values(diffs, opts.sort)
+        report = dataclasses.replace(report, values=sort_values(diffs, opts.sort))
     return report
 
 

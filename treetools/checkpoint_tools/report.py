@@ -31,7 +31,7 @@ SCHEMA = 2
 """Version of the ``--format json`` object; bumped on any incompatible change."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ItemReport:
     """One item of one step: the rows shown and the totals of the leaves behind them.
 
@@ -91,7 +91,7 @@ class ItemReport:
         return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepReport:
     """One step (or the one checkpoint): its saved metadata and items."""
 
@@ -114,7 +114,7 @@ class StepReport:
                 "unreadable": [u.to_json() for u in self.unreadable]}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Report:
     """What ``treetools inspect`` prints, as data.
 

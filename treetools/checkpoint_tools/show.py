@@ -63,7 +63,7 @@ SCHEMA = 1
 """Version of the ``inspect --show --format json`` object (``ShowReport.to_json``)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Shown:
     """What ``--show`` read: the step, the leaf as ``item/path``, the index asked for, the values, and with
     ``stats`` their statistics (``treetools.checkpoint_tools.stats.array_stats``; None for a non-numeric or empty value)."""
@@ -88,7 +88,7 @@ class Shown:
         return entry if self.stats is None else {**entry, "stats": jsonable(self.stats)}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ShowReport:
     """What ``treetools inspect --show`` prints, as data: one ``Shown`` per step read (every committed step with
     ``all_steps``). Rendered by ``treetools.checkpoint_tools.text.render_show``."""
@@ -121,10 +121,9 @@ def show_report(path: str, spec: str, *, step: int | str | None = None, item: st
     (['default/w'], 3.0, [1.0, None, 3.0])
     """
     shown = show_values(path, spec, step=step, item=item, memory_budget=memory_budget, prefix=prefix, rules=rules)
-    if stats:
-        for s in shown:
-            if s.is_array and s.value.size and is_numeric(s.value.dtype):
-                s.stats = array_stats(s.value)
+    if stats:  # each with its statistics: new values, as read
+        shown = [dataclasses.replace(s, stats=array_stats(s.value))
+                 if s.is_array and s.value.size and is_numeric(s.value.dtype) else s for s in shown]
     return ShowReport(shown, all_steps=step == "all")
 
 

@@ -39,7 +39,7 @@ SCHEMA = 1
 """Version of ``verify``'s JSON object (``VerifyRun.to_json``; ``docs/json-schema.md``)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class VerifyReport:
     """What ``treetools verify`` found: counts of what was checked, and every problem."""
 
@@ -73,7 +73,7 @@ class VerifyReport:
                 "leaves": self.leaves, "bytes": self.bytes, "problems": self.problems, "unread": self.unread}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class VerifyResult:
     """What ``treetools verify`` found at one PATH: a report per step checked, and the unfinished saves there.
 
@@ -136,7 +136,7 @@ class VerifyResult:
         return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class VerifyRun:
     """What ``treetools verify PATH...`` found: one ``VerifyResult`` per PATH, in the order given."""
 
@@ -156,12 +156,15 @@ class VerifyRun:
         return json_object(SCHEMA, {"ok": self.ok, "paths": [r.to_json() for r in self.results]})
 
 
-def _read_leaves(items: list[Item], report: VerifyReport, block_bytes: int, progress: bool | None) -> None:
-    """Decode every block of every leaf of ``items`` once, on all cores (the block engine); count what came back."""
+def _read_leaves(items: list[Item], block_bytes: int, progress: bool | None) -> tuple[int, int, list[str]]:
+    """Decode every block of every leaf of ``items`` once, on all cores (the block engine); count what came back:
+    ``(leaves checked, bytes read, problems)``."""
     todo = []
+    leaves = nbytes = 0
+    problems: list[str] = []
     for item in items:
         for leaf in item.leaves:
-            report.leaves += 1
+            leaves += 1
             # A dtype of no bytes (jax's float0: the "gradient" of an integer leaf) stores nothing to read.
             if leaf.reader is not None and leaf.reader.dtype.itemsize > 0:
                 todo.append((item, leaf))
@@ -174,12 +177,13 @@ def _read_leaves(items: list[Item], report: VerifyReport, block_bytes: int, prog
         bar.close()
     for (item, leaf), parts in zip(todo, counts):
         if isinstance(parts, Failed):
-            report.problems.append(f"{item.name}/{leaf.name}: stored data cannot be read ({parts.error}).")
+            problems.append(f"{item.name}/{leaf.name}: stored data cannot be read ({parts.error}).")
             continue
         got, want = sum(p[0] for p in parts), math.prod(leaf.reader.shape)
         if got != want:
-            report.problems.append(f"{item.name}/{leaf.name}: stored data holds {got:,} elements, metadata says {want:,}.")
-        report.bytes += got * leaf.reader.dtype.itemsize
+            problems.append(f"{item.name}/{leaf.name}: stored data holds {got:,} elements, metadata says {want:,}.")
+        nbytes += got * leaf.reader.dtype.itemsize
+    return leaves, nbytes, problems
 
 
 def _count(count: list[int], index: Any, blocks: tuple[Any, ...]) -> None:
@@ -294,21 +298,19 @@ def _open(path: str, context: ReadContext) -> Source | VerifyReport:
     except (CheckpointNotFoundError, MemoryBudgetError, NotACheckpointError):  # nothing to check: an error line
         raise
     except CheckpointError as e:  # a single-file format reads its header at open: damage there is a problem too
-        report = VerifyReport(path, "?", None)
-        report.problems.append(str(e))
-        return report
+        return VerifyReport(path, "?", None, problems=[str(e)])
 
 
 def _verify(source: Source, step: int | None, opts: VerifyOptions) -> VerifyReport:
-    report = VerifyReport(source.path, source.format, step)
     with source.reading(step):  # a step pruned while it is read: named as such
         items, problems = source.verify_metadata(step)
+    unread: list[str] = []
     if opts.allow_unread:  # listed, not failed: what was read is checked as usual
-        report.unread += [str(p) for p in problems if isinstance(p, UnreadProblem)]
+        unread = [str(p) for p in problems if isinstance(p, UnreadProblem)]
         problems = [p for p in problems if not isinstance(p, UnreadProblem)]
-    report.problems += [str(p) for p in problems]
-    report.items += len(items)
-    _read_leaves(items, report, source.context.block_bytes, opts.progress)
+    leaves, nbytes, damaged = _read_leaves(items, source.context.block_bytes, opts.progress)
+    report = VerifyReport(source.path, source.format, step, items=len(items), leaves=leaves, bytes=nbytes,
+                          problems=[str(p) for p in problems] + damaged, unread=unread)
     gone = source.step_deleted(step) if report.problems else None
     if gone is not None:  # pruned while it was checked: not damage
         raise gone

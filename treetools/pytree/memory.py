@@ -186,7 +186,7 @@ class HostMemory:
                 "over_budget": list(self.over_budget)}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     """What ``memory_plan`` found: data first, ``str(plan)`` and ``plan.to_json()`` render it.
 
@@ -810,15 +810,15 @@ def memory_plan(
     leaves = [leaf for part in laid.values() for leaf in part.leaves]
     by_part = {name: sum(leaf.bytes for leaf in part.leaves) for name, part in laid.items()}
     plan = MemoryPlan(dict(sizes), leaves, by_part, sum(by_part.values()), device_memory=memory,
-                      shardings={name: part.shardings for name, part in laid.items()}, notes=notes, top=top,
+                      host=_host(leaves, chunk_bytes, memory_budget),
+                      shardings={name: part.shardings for name, part in laid.items()}, notes=notes,
+                      warnings=indivisible_warnings(layout.indivisible), indivisible=layout.indivisible, top=top,
                       replicated_threshold=replicated_threshold)
-    plan.host = _host(leaves, chunk_bytes, memory_budget)
-    plan.estimates = _estimates(plan, activations, parts_global=plan.global_bytes.get("params", 0))
-    plan.indivisible = layout.indivisible
-    plan.warnings += indivisible_warnings(layout.indivisible)
+    plan = dataclasses.replace(plan, estimates=_estimates(plan, activations,
+                                                          parts_global=plan.global_bytes.get("params", 0)))
     if step_fn is not None:
         abstract = {name: part.abstract for name, part in laid.items() if name != "grads"}
         state = _with_parts(tree, state_parts(tree), abstract, added=optimizer is not None)
-        plan.compiled, note = _compiled(step_fn, state, step_args, sizes, mesh_obj)
-        plan.notes.append(note)
+        compiled, note = _compiled(step_fn, state, step_args, sizes, mesh_obj)
+        plan = dataclasses.replace(plan, compiled=compiled, notes=[*plan.notes, note])
     return plan

@@ -60,7 +60,7 @@ _VALUE_TYPES = ("scalar", "string")
 # ---------------------------------------------------------------------------- pytree items
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class OrbaxItem(Item):
     """A pytree item and what Orbax's own restore needs of it, read once: its folder and parsed ``_METADATA``.
 

@@ -38,8 +38,8 @@ from treetools.checkpoint_io.formats._tensorstore import array_folders, subdirs,
 from treetools.checkpoint_io.formats.levanter import METADATA_FILE, has_metadata, saved_metadata
 from treetools.checkpoint_io.leaves import DEFAULT_ITEM, Item, Snapshot, check_name
 from treetools.checkpoint_io.readers import np_dtype
-from treetools.checkpoint_io.source import Format, Source
-from treetools.checkpoint_io.steps import read_json_file, scan_steps, step_series
+from treetools.checkpoint_io.source import Format, Layout, RootLayout, Source, StepLayout
+from treetools.checkpoint_io.steps import read_json_file
 from treetools.checkpoint_io.storage import Storage, normalize
 from treetools.shared.errors import CheckpointError
 
@@ -79,27 +79,19 @@ def _is_trainer_save(storage: Storage, folder: str) -> bool:
 
 
 class EasyDeLSource(Source):
-    """An EasyDeL trainer save folder (``mode="root"``, ``run-N`` steps) or one checkpoint folder (``"folder"``)."""
+    """An EasyDeL trainer save folder (``RootLayout``, ``run-N`` steps) or one checkpoint folder (``StepLayout``)."""
 
     format = "easydel"
+    layout: Layout
 
-    def __init__(self, location: str, display: str, context: ReadContext, mode: str):
-        self.location = location
-        self.mode = mode
+    def __init__(self, display: str, context: ReadContext, layout: Layout):
         self._indexes: dict[str, dict[str, list[dict[str, Any]]]] = {}
-        listing = (scan_steps(location, commit_rule=has_metadata, names=RUN_NAMES, prefer=("run-",),
-                              storage=context.storage) if mode == "root" else None)
-        found = step_series(os.path.basename(normalize(location)), names=RUN_NAMES) if mode != "root" else None
-        super().__init__(display, context, listing=listing, step=found[1] if found else None)
-
-    def _folder(self, step: int | None) -> str:
-        if self.listing is not None and step is not None:
-            return self.listing.folder(step)
-        return self.location
+        super().__init__(display, context, layout=layout, names=RUN_NAMES, commit_rule=has_metadata,
+                         prefer=("run-",))
 
     def _items(self, step: int | None) -> dict[str, list[dict[str, Any]]]:
         """The step's index, parsed once."""
-        folder = self._folder(step)
+        folder = self.step_folder(step)
         if folder not in self._indexes:
             path = os.path.join(folder, INDEX_FILE)
             index = read_json_file(self.storage, path, what=f"EasyDeL {INDEX_FILE}")
@@ -115,7 +107,7 @@ class EasyDeLSource(Source):
     def _unindexed_folders(self, step: int | None) -> list[str]:
         """Top-level folders of the checkpoint holding zarr arrays that no index prefix names (a prefix whose
         index entry a later save overwrote): items too, read from the arrays themselves."""
-        folder = self._folder(step)
+        folder = self.step_folder(step)
         listed = self._items(step)
         out = []
         for d in subdirs(self.storage, folder):
@@ -189,7 +181,7 @@ class EasyDeLSource(Source):
         return Item(name, "pytree", out)
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
-        folder = self._folder(step)
+        folder = self.step_folder(step)
         notes: list[str] = []
         items = {name: self._read(folder, name, self._items(step).get(name, []), None, notes) for name in names}
         metadata = (saved_metadata(self.storage, folder, keys=("is_temporary", "has_optimizer_state"))
@@ -200,8 +192,9 @@ class EasyDeLSource(Source):
         """Every index entry checked: a missing array or one that disagrees with the index is a problem, and the
         other arrays are still read; a trainer save given directly needs its ``metadata.json``."""
         problems: list[str] = []
-        folder = self._folder(step)
-        if self.mode == "folder" and _is_trainer_save(self.storage, folder) and not has_metadata(folder, self.storage):
+        folder = self.step_folder(step)
+        given = self.layout.given_step()  # a listed step's metadata was checked by the listing
+        if given is not None and _is_trainer_save(self.storage, given) and not has_metadata(given, self.storage):
             problems.append(f"{self.path}: no {METADATA_FILE} (EasyDeL writes it last); the save may be unfinished.")
         try:
             index = self._items(step)
@@ -236,11 +229,11 @@ def _open(location: str, display: str, context: ReadContext) -> EasyDeLSource:
     if _index_file(storage, location):  # the index given as PATH: the checkpoint it indexes, its folder
         location = os.path.dirname(normalize(location))
     if _index(storage, location) is None:
-        return EasyDeLSource(location, display, context, "root")
+        return EasyDeLSource(display, context, RootLayout(location))
     if _is_trainer_save(storage, location) and not has_metadata(location, storage):
         raise CheckpointError(f"{display}: incomplete save (an EasyDeL trainer save without {METADATA_FILE}, which "
                               "it writes last); it is never read.")
-    return EasyDeLSource(location, display, context, "folder")
+    return EasyDeLSource(display, context, StepLayout(location))
 
 
 FORMAT = Format(

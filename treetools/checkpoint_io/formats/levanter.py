@@ -40,8 +40,8 @@ from treetools.checkpoint_io.formats._orbax_items import logical_paths
 from treetools.checkpoint_io.formats._tensorstore import array_folders, subdirs, zarr_header, zarr_leaves
 from treetools.checkpoint_io.leaves import Item, Snapshot, check_name
 from treetools.checkpoint_io.readers import MemoryBudgetError
-from treetools.checkpoint_io.source import Format, Source
-from treetools.checkpoint_io.steps import read_json_file, scan_steps, step_series
+from treetools.checkpoint_io.source import Format, ItemLayout, Layout, RootLayout, Source, StepLayout
+from treetools.checkpoint_io.steps import read_json_file
 from treetools.checkpoint_io.storage import Storage, normalize
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
 
@@ -135,31 +135,21 @@ def _is_step(storage: Storage, folder: str) -> bool:
 
 
 class LevanterSource(Source):
-    """A Levanter run folder (``mode="root"``), one step folder, or one item folder of a step."""
+    """A Levanter run folder (``RootLayout``), one step folder (``StepLayout``), or one item folder of a step
+    (``ItemLayout``)."""
 
     format = "levanter"
+    layout: Layout
 
-    def __init__(self, location: str, display: str, context: ReadContext, mode: str):
-        self.location = location
-        self.mode = mode
-        listing = (scan_steps(location, commit_rule=has_metadata, names=STEP_NAMES, prefer=("step-",),
-                              storage=context.storage) if mode == "root" else None)
-        folder = os.path.dirname(normalize(location)) if mode == "item" else location
-        found = step_series(os.path.basename(normalize(folder)), names=STEP_NAMES)
-        super().__init__(display, context, listing=listing, step=found[1] if found and mode != "root" else None)
-
-    def _step_dir(self, step: int | None) -> str:
-        if self.listing is not None and step is not None:
-            return self.listing.folder(step)
-        return self.location
+    def __init__(self, display: str, context: ReadContext, layout: Layout):
+        super().__init__(display, context, layout=layout, names=STEP_NAMES, commit_rule=has_metadata,
+                         prefer=("step-",))
 
     def item_names(self, step: int | None) -> list[str]:
-        if self.mode == "item":
-            return [os.path.basename(normalize(self.location))]
-        return subdirs(self.storage, self._step_dir(step))
+        return self.layout.item_names(self.step_folder(step), lambda folder: subdirs(self.storage, folder))
 
     def _read(self, step: int | None, name: str, notes: list[str], problems: list[str] | None = None) -> Item:
-        step_dir = os.path.dirname(normalize(self.location)) if self.mode == "item" else self._step_dir(step)
+        step_dir = self.step_folder(step)
         check_name(name, where=step_dir)
         folder = os.path.join(step_dir, name)
         arrays, empty = array_folders(self.storage, folder)
@@ -175,8 +165,7 @@ class LevanterSource(Source):
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         notes: list[str] = []
         items = {name: self._read(step, name, notes) for name in names}
-        meta_dir = os.path.dirname(normalize(self.location)) if self.mode == "item" else self._step_dir(step)
-        return Snapshot(step, items, metadata=saved_metadata(self.storage, meta_dir), notes=notes)
+        return Snapshot(step, items, metadata=saved_metadata(self.storage, self.step_folder(step)), notes=notes)
 
     def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
         """Every item read leaf by leaf: an array that cannot be opened, or a folder that ends without an
@@ -216,14 +205,14 @@ def _open(location: str, display: str, context: ReadContext) -> LevanterSource:
         if not has_metadata(location, storage):
             raise CheckpointError(f"{display}: incomplete save (no {METADATA_FILE}, which Levanter writes after "
                                   "every array); it is never read.")
-        return LevanterSource(location, display, context, "step")
+        return LevanterSource(display, context, StepLayout(location))
     parent = os.path.dirname(normalize(location))
     if _is_step(storage, parent) and not any(STEP_NAMES.match(d) for d in subdirs(storage, location)):
         if not has_metadata(parent, storage):
             raise CheckpointError(f"{display}: part of an incomplete save (no {METADATA_FILE} in its step folder); "
                                   "it is never read.")
-        return LevanterSource(location, display, context, "item")
-    return LevanterSource(location, display, context, "root")
+        return LevanterSource(display, context, ItemLayout(location, name=os.path.basename(normalize(location))))
+    return LevanterSource(display, context, RootLayout(location))
 
 
 FORMAT = Format(

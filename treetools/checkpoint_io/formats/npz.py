@@ -19,15 +19,14 @@ import numpy as np
 from treetools.checkpoint_io.context import ReadContext
 from treetools.checkpoint_io.diagnose import TORCH_SUFFIXES, is_torch_zip
 from treetools.checkpoint_io.leaves import Leaf, array_row, check_name, stored_path, value_row
-from treetools.checkpoint_io.readers import ArrayReader, FileReader, block_span, check_budget, checked_shape, np_dtype
+from treetools.checkpoint_io.readers import (ArrayReader, FileReader, SequentialReader, block_span, check_budget,
+                                             checked_shape, np_dtype)
 from treetools.checkpoint_io.source import file_head, FileSource, Format
 from treetools.shared.errors import CheckpointError
 
 
-class ZipStreamReader(ArrayReader):
+class ZipStreamReader(SequentialReader):
     """A compressed npz member, decompressed front to back in bounded reads."""
-
-    sequential = True
 
     def __init__(self, context: ReadContext, path: str, member: str, skip: int, shape: tuple[int, ...],
                  dtype: np.dtype, fortran: bool):

@@ -47,7 +47,7 @@ from treetools.checkpoint_io.formats._orbax_items import (  # the items of a ste
 )
 from treetools.checkpoint_io.leaves import (DEFAULT_ITEM, Item, Snapshot, Unreadable, UnreadProblem, check_name)
 from treetools.checkpoint_io.readers import MemoryBudgetError, read_metadata
-from treetools.checkpoint_io.source import Format, Source
+from treetools.checkpoint_io.source import Format, ItemLayout, Layout, RootLayout, Source, StepLayout
 from treetools.checkpoint_io.storage import SpecialFileError, Storage, normalize
 from treetools.checkpoint_io.steps import (
     COMMIT_SUCCESS_FILE,
@@ -56,7 +56,6 @@ from treetools.checkpoint_io.steps import (
     TMP_DIR_SUFFIX,
     is_committed,
     parse_step_name,
-    scan_steps,
     tmp_step,
 )
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, StepDeletedError
@@ -64,28 +63,29 @@ from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, St
 
 
 class OrbaxSource(Source):
-    """An Orbax CheckpointManager root (``mode="root"``), one step folder, or one item folder."""
+    """An Orbax CheckpointManager root (``RootLayout``), one step folder (``StepLayout``), or one item folder
+    (``ItemLayout``: an item of a step, or a standalone save, which is its own item)."""
 
     format = "orbax"
     record_sharding = True
+    layout: Layout
 
-    def __init__(self, location: str, display: str, context: ReadContext, mode: str):
-        self.location = location
-        self.mode = mode
-        listing = scan_steps(location, storage=context.storage) if mode == "root" else None
-        step = parse_step_name(os.path.basename(location)) if mode == "step" else None
-        super().__init__(display, context, listing=listing, step=step)
+    def __init__(self, display: str, context: ReadContext, layout: Layout):
+        super().__init__(display, context, layout=layout)
         self._step_meta: dict[str, Any] = {}
 
     def item_dir(self, step: int | None, name: str) -> str:
         """The folder of one item of one step (the step folder itself when the step is one item)."""
-        if self.mode == "item":
-            return self.location
-        step_dir = self._step_dir(step)
-        return step_dir if self.mode == "root" and _step_is_item(self.storage, step_dir) else os.path.join(step_dir, name)
+        whole = self._whole_item(step)
+        return whole if whole is not None else os.path.join(self.step_folder(step), name)
 
-    def _step_dir(self, step: int | None) -> str:
-        return self.listing.folder(step) if self.listing is not None and step is not None else self.location
+    def _whole_item(self, step: int | None) -> str | None:
+        """The folder that is the whole of the step's one item: the item folder given, or a step folder that is
+        itself the item (a Checkpointer's save per step); None when the step holds item folders."""
+        return self.layout.whole_item(self.step_folder(step), self._step_is_item)
+
+    def _step_is_item(self, step_dir: str) -> str | None:
+        return step_dir if self.listing is not None and _step_is_item(self.storage, step_dir) else None
 
     def step_metadata(self, step_dir: str) -> dict[str, Any]:
         """The parsed ``_CHECKPOINT_METADATA`` of a step folder (read once per source), {} when absent."""
@@ -100,21 +100,15 @@ class OrbaxSource(Source):
         return {str(k): str(v) for k, v in handlers.items()} if isinstance(handlers, dict) else None
 
     def item_names(self, step: int | None) -> list[str]:
-        if self.mode == "item":
-            return [self._item_name()]
-        step_dir = self._step_dir(step)
-        if self.mode == "root" and _step_is_item(self.storage, step_dir):
+        return self.layout.item_names(self.step_folder(step), self._listed_items)
+
+    def _listed_items(self, step_dir: str) -> list[str]:
+        if self._step_is_item(step_dir) is not None:
             return [DEFAULT_ITEM]
         handlers = self._handlers(step_dir)
         if handlers is not None:
             return sorted(handlers)
         return [d for d in subdirs(self.storage, step_dir) if TMP_DIR_SUFFIX not in d and _is_item(self.storage, os.path.join(step_dir, d))]
-
-    def _item_name(self) -> str:
-        """``default`` for a standalone Checkpointer save (the folder is the item), else the folder's name."""
-        if self.storage.lexists(os.path.join(self.location, STEP_METADATA_FILE)):
-            return "default"
-        return os.path.basename(self.location) or "default"
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
         """Every item asked for, whatever handler wrote it (``read_item``); one that holds nothing treetools
@@ -122,9 +116,9 @@ class OrbaxSource(Source):
         notes: list[str] = []
         items: dict[str, Item] = {}
         unreadable: list[Unreadable] = []
-        step_dir = self._step_dir(step)
-        if self.mode == "item" or (self.mode == "root" and _step_is_item(self.storage, step_dir)):
-            folder = self.location if self.mode == "item" else step_dir
+        step_dir = self.step_folder(step)
+        folder = self._whole_item(step)
+        if folder is not None:
             (name,) = names
             try:
                 items[name] = read_item(self.context, folder, name, handler=self._own_handler)
@@ -164,7 +158,7 @@ class OrbaxSource(Source):
         """The handler of the item folder given directly, as its step's ``_CHECKPOINT_METADATA`` records it.
 
         The step folder is above the folder given: ``read_item`` asks only when the answer matters."""
-        if self.mode != "item":
+        if self.layout.item is None:
             return None
         parent = os.path.dirname(normalize(self.location))
         return (self._handlers(parent) or {}).get(os.path.basename(normalize(self.location)))
@@ -206,7 +200,8 @@ class OrbaxSource(Source):
         """Commit evidence of a step folder given directly; each item read leaf by leaf (a leaf whose array
         cannot be opened is a problem, the others are still checked); arrays ``_METADATA`` does not list."""
         problems: list[str] = []
-        if self.mode == "step" and not is_committed(self.location, self.storage):
+        given = self.layout.given_step()
+        if given is not None and not is_committed(given, self.storage):
             problems.append(f"{self.path}: no commit evidence (commit_success.txt or a committed "
                             "_CHECKPOINT_METADATA); the save may be unfinished.")
         try:
@@ -214,12 +209,10 @@ class OrbaxSource(Source):
         except CheckpointError as e:
             return [], problems + [str(e)]
         items: list[Item] = []
-        handlers = (self._handlers(self._step_dir(step)) or {}) if self.mode != "item" else {}
         for name in names:
             item_dir = self.item_dir(step, name)
             try:
-                item = read_item(self.context, item_dir, name, problems,
-                                 handler=handlers.get(name) if self.mode != "item" else self._own_handler)
+                item = read_item(self.context, item_dir, name, problems, handler=self._handler(step, name))
             except (MemoryBudgetError, StepDeletedError):
                 raise
             except UnreadableItem as e:
@@ -240,16 +233,23 @@ class OrbaxSource(Source):
             if isinstance(item, OrbaxItem):
                 problems += [p for p in _unlisted_arrays(self.context, item) if p not in problems]
                 problems += _strangers(self.storage, item.folder, self._shown(step, name), expected=_item_entries(self.storage, item))
-        if self.mode != "item" and not (self.mode == "root" and _step_is_item(self.storage, self._step_dir(step))):
+        if self._whole_item(step) is None:
             problems += self._strangers_in_step(step, names)
         return items, problems
+
+    def _handler(self, step: int | None, name: str) -> Any:
+        """The handler that wrote item ``name`` as its step records it: the item folder given asks its step's
+        ``_CHECKPOINT_METADATA`` only when the answer matters (``_own_handler``, lazily)."""
+        if self.layout.item is not None:
+            return self._own_handler
+        return (self._handlers(self.step_folder(step)) or {}).get(name)
 
     def _shown(self, step: int | None, item: str | None = None) -> str:
         """The folder of a step (or of one of its items) as the user would write it: below the path they gave."""
         parts = [self.path]
-        if self.mode == "root" and step is not None:
-            parts.append(os.path.basename(self._step_dir(step)))
-        if item is not None and self.mode != "item" and not _step_is_item(self.storage, self._step_dir(step)):
+        if self.listing is not None and step is not None:  # a step found below the path given
+            parts.append(os.path.basename(self.step_folder(step)))
+        if item is not None and self._whole_item(step) is None:
             parts.append(item)
         return "/".join(p.rstrip("/") for p in parts)
 
@@ -261,7 +261,7 @@ class OrbaxSource(Source):
 
     def _strangers_in_step(self, step: int | None, items: Sequence[str]) -> list[str]:
         """A problem naming what a committed step folder holds beside its items and Orbax's own files."""
-        step_dir = self._step_dir(step)
+        step_dir = self.step_folder(step)
         if self._handlers(step_dir) is not None:
             expected = set(items)
         else:  # no list of the step's items (Orbax before 0.6): any folder holding an item's files is one
@@ -482,18 +482,19 @@ def _open(location: str, display: str, context: ReadContext) -> OrbaxSource:
                                   and not _is_item(storage, location) and not is_committed(location, storage)):
         raise CheckpointError(f"{display}: incomplete save (an Orbax tmp folder or no commit marker); it is never read.")
     if _is_item(storage, location) or _item_without_metadata(storage, location) or _listed_item(storage, location):
-        source = OrbaxSource(location, display, context, "item")
-        # A standalone save (its own step metadata) must be committed; an item folder of a manager's step
-        # (a single unnamed item is `<step>/default/`) is committed when its step folder is.
+        # A standalone save (its own step metadata) is item `default` and must be committed; an item folder of a
+        # manager's step (a single unnamed item is `<step>/default/`) is committed when its step folder is.
         standalone = storage.lexists(os.path.join(location, STEP_METADATA_FILE))
+        name = "default" if standalone else os.path.basename(location) or "default"
         committed = (is_committed(location, storage) if standalone
                      else is_committed(os.path.dirname(location), storage))
-        if (standalone or source._item_name() == "default") and not committed:
+        if name == "default" and not committed:
             raise CheckpointError(f"{display}: incomplete save (no commit marker); it is never read.")
-        return source
+        # No step number from the folder above: a standalone save's folder need not be a step.
+        return OrbaxSource(display, context, ItemLayout(location, name=name, numbered=False))
     if _looks_like_step(storage, location):
-        return OrbaxSource(location, display, context, "step")
-    return OrbaxSource(location, display, context, "root")
+        return OrbaxSource(display, context, StepLayout(location))
+    return OrbaxSource(display, context, RootLayout(location))
 
 
 FORMAT = Format(

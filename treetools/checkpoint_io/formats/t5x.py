@@ -51,14 +51,13 @@ from treetools.checkpoint_io.formats._orbax_items import (  # a T5X root may hol
     read_pytree_item,
 )
 from treetools.checkpoint_io.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name, tree_leaves
-from treetools.checkpoint_io.source import Format, Source
+from treetools.checkpoint_io.source import Format, ItemLayout, Layout, RootLayout, Source, StepLayout
 from treetools.checkpoint_io.steps import (
     PYTREE_METADATA_FILE,
     TMP_DIR_SUFFIX,
     is_committed,
     parse_step_name,
     read_file,
-    scan_steps,
     tmp_step,
 )
 
@@ -287,37 +286,37 @@ def _is_item(storage: Storage, folder: str) -> bool:
 
 
 class T5XSource(Source):
-    """A T5X model dir or Orbax (< 0.5) root (``mode="root"``), one step folder, one item folder, or the file."""
+    """A T5X model dir or Orbax (< 0.5) root (``RootLayout``), one step folder (``StepLayout``) or item folder,
+    or the ``checkpoint`` file given directly (``ItemLayout``: read whatever else its folder holds)."""
 
     format = "t5x"
+    layout: Layout
 
-    def __init__(self, location: str, display: str, context: ReadContext, mode: str):
-        self.location = location
-        self.mode = mode
+    def __init__(self, display: str, context: ReadContext, layout: Layout):
         self._trees: dict[int | None, tuple[Item, int | None]] = {}
-        listing = scan_steps(location, commit_rule=_committed, storage=context.storage) if mode == "root" else None
-        folder = os.path.dirname(location) if mode == "file" else location
-        super().__init__(display, context, listing=listing,
-                         step=None if mode == "root" else parse_step_name(os.path.basename(folder)))
+        super().__init__(display, context, layout=layout, commit_rule=_committed)
 
-    def _step_dir(self, step: int | None) -> str:
-        if self.listing is not None and step is not None:
-            return self.listing.folder(step)
-        return os.path.dirname(self.location) if self.mode == "file" else self.location
+    def _tree_file(self, step: int | None) -> str | None:
+        """The ``checkpoint`` msgpack holding the whole step (the file given, or its step folder's), else None
+        (the step's items are folders)."""
+        return self.layout.whole_item(self.step_folder(step), self._tree_in)
 
-    def _tree(self, step: int | None) -> tuple[Item, int | None]:
-        """The step's ``checkpoint`` msgpack, parsed once per step."""
+    def _tree_in(self, folder: str) -> str | None:
+        return os.path.join(folder, CHECKPOINT_FILE) if _has_tree(self.storage, folder) else None
+
+    def _tree(self, step: int | None, path: str) -> tuple[Item, int | None]:
+        """The step's ``checkpoint`` msgpack (at ``path``), parsed once per step."""
         if step not in self._trees:
-            path = self.location if self.mode == "file" else os.path.join(self._step_dir(step), CHECKPOINT_FILE)
             self._trees[step] = read_tree(self.context, path, DEFAULT_ITEM)
         return self._trees[step]
 
-    def _split(self, step: int | None) -> dict[str, Item] | None:
-        """A T5X state dict as its top-level items (``target``: the model parameters, ``state``: the
-        optimizer's), or None for an Orbax (< 0.5) item file, which is one tree."""
-        if not (self.mode == "file" or _has_tree(self.storage, self._step_dir(step))):
+    def _split(self, step: int | None, path: str | None) -> dict[str, Item] | None:
+        """A T5X state dict (the msgpack at ``path``, ``_tree_file``) as its top-level items (``target``: the
+        model parameters, ``state``: the optimizer's), or None for an Orbax (< 0.5) item file, which is one tree,
+        or a step whose items are folders (``path`` None)."""
+        if path is None:
             return None
-        whole, version = self._tree(step)
+        whole, version = self._tree(step, path)
         if version is None or not whole.leaves or any(len(leaf.path) < 2 for leaf in whole.leaves):
             return None
         out: dict[str, list[Leaf]] = {}
@@ -328,9 +327,10 @@ class T5XSource(Source):
 
     def _items(self, step: int | None) -> dict[str, str]:
         """Item name -> the folder holding it (its ``checkpoint``, or Orbax's ``_METADATA``)."""
-        folder = self._step_dir(step)
-        if self.mode == "file" or _has_tree(self.storage, folder):
-            split = self._split(step)
+        folder = self.step_folder(step)
+        path = self._tree_file(step)
+        if path is not None:
+            split = self._split(step, path)
             return dict.fromkeys(split, folder) if split is not None else {DEFAULT_ITEM: folder}
         return {d: os.path.join(folder, d) for d in _subdirs(self.storage, folder)
                 if TMP_DIR_SUFFIX not in d and _is_item(self.storage, os.path.join(folder, d))}
@@ -339,23 +339,25 @@ class T5XSource(Source):
         return list(self._items(step))
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
-        split = self._split(step)
-        if split is not None:
-            version = self._tree(step)[1]
+        whole_file = self._tree_file(step)
+        split = self._split(step, whole_file)
+        if split is not None and whole_file is not None:
+            version = self._tree(step, whole_file)[1]
             return Snapshot(step, {name: split[name] for name in names},
                             metadata={"custom": {"t5x_checkpoint_version": version}})
         folders = self._items(step)
         items: dict[str, Item] = {}
         metadata: dict[str, Any] = {}
+        step_dir = self.step_folder(step)
         for name in names:
             folder = folders[name]
-            if self.mode != "file" and self.storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
-                items[name] = read_pytree_item(self.context, folder, name)  # a later Orbax save in the same root
-            elif self.mode != "file" and is_json_item(self.storage, folder):
-                items[name] = read_json_item(self.context, folder, name)
-            elif self.mode == "file" or _has_tree(self.storage, folder) and folder == self._step_dir(step):
-                whole, version = self._tree(step)
+            if whole_file is not None and folder == step_dir:  # the step is one tree: the file given, or its folder's
+                whole, version = self._tree(step, whole_file)
                 items[name] = dataclasses.replace(whole, name=name)
+            elif self.storage.lexists(os.path.join(folder, PYTREE_METADATA_FILE)):
+                items[name] = read_pytree_item(self.context, folder, name)  # a later Orbax save in the same root
+            elif is_json_item(self.storage, folder):
+                items[name] = read_json_item(self.context, folder, name)
             else:
                 items[name], version = read_tree(self.context, os.path.join(folder, CHECKPOINT_FILE), name)
                 if version is not None:
@@ -387,14 +389,14 @@ def _open(location: str, display: str, context: ReadContext) -> T5XSource:
         raise CheckpointError(f"{display}: incomplete save (a tmp folder, renamed only when the save finishes); "
                               "it is never read.")
     if storage.isfile(location):
-        return T5XSource(location, display, context, "file")
+        return T5XSource(display, context, ItemLayout(location, name=DEFAULT_ITEM))
     if _has_tree(storage, location):
-        return T5XSource(location, display, context, "step")
+        return T5XSource(display, context, StepLayout(location))
     root = any(parse_step_name(d) is not None and _committed(os.path.join(location, d), storage)
                for d in _subdirs(storage, location))
     if not root and _orbax_step(storage, location):
-        return T5XSource(location, display, context, "step")
-    return T5XSource(location, display, context, "root")
+        return T5XSource(display, context, StepLayout(location))
+    return T5XSource(display, context, RootLayout(location))
 
 
 FORMAT = Format(

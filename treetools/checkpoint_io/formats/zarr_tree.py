@@ -46,8 +46,8 @@ from treetools.checkpoint_io.formats._tensorstore import TensorStoreReader, item
 from treetools.checkpoint_io.formats._ts_folders import KEY_WORK, LOOKUP_WORK, LOOKUPS_PER_STORED_BYTE
 from treetools.checkpoint_io.readers import ArrayReader
 from treetools.checkpoint_io.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name
-from treetools.checkpoint_io.source import Format, Source
-from treetools.checkpoint_io.steps import read_file, scan_steps, step_series
+from treetools.checkpoint_io.source import Format, Layout, RootLayout, Source, StepLayout
+from treetools.checkpoint_io.steps import read_file, step_series
 from treetools.checkpoint_io.storage import OutsideCheckpointError, Storage, normalize
 from treetools.shared.errors import CheckpointError
 
@@ -287,35 +287,28 @@ def _is_root(storage: Storage, folder: str) -> bool:
 
 
 class ZarrTreeSource(Source):
-    """A folder of step folders of arrays (``mode="root"``) or one tree of arrays (``"tree"``): item ``default``."""
+    """A folder of step folders of arrays (``RootLayout``) or one tree of arrays (``StepLayout``): item
+    ``default``."""
 
     format = "zarr-tree"
 
-    def __init__(self, location: str, display: str, context: ReadContext, mode: str):
-        self.location = location
-        self.mode = mode
-        listing = (scan_steps(location, commit_rule=_committed, names=STEP_NAMES, storage=context.storage,
-                              prefer=("checkpoint_", "checkpoint-", "ckpt_", "ckpt-", ""))
-                   if mode == "root" else None)
-        found = step_series(os.path.basename(normalize(location)), names=STEP_NAMES) if mode == "tree" else None
-        super().__init__(display, context, listing=listing, step=found[1] if found else None)
+    def __init__(self, display: str, context: ReadContext, layout: Layout):
+        super().__init__(display, context, layout=layout, names=STEP_NAMES, commit_rule=_committed,
+                         prefer=("checkpoint_", "checkpoint-", "ckpt_", "ckpt-", ""))
         self.notes.append(f"{display}: read by the structural zarr-tree reader (no format's marker file): one array "
                           "per folder, leaf names from the folder paths.")
-
-    def _folder(self, step: int | None) -> str:
-        return self.listing.folder(step) if self.listing is not None and step is not None else self.location
 
     def item_names(self, step: int | None) -> list[str]:
         return [DEFAULT_ITEM]
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
-        leaves = read_tree(self.context, self._folder(step))
+        leaves = read_tree(self.context, self.step_folder(step))
         return Snapshot(step, {name: Item(name, "pytree", leaves) for name in names})
 
     def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
         problems: list[str] = []
         try:
-            leaves = read_tree(self.context, self._folder(step), problems=problems)
+            leaves = read_tree(self.context, self.step_folder(step), problems=problems)
         except CheckpointError as e:
             return [], problems + [str(e)]
         return [Item(DEFAULT_ITEM, "pytree", leaves)], problems
@@ -329,8 +322,8 @@ def _claims(location: str, context: ReadContext) -> bool:
 
 
 def _open(location: str, display: str, context: ReadContext) -> ZarrTreeSource:
-    mode = "root" if _is_root(context.storage, location) else "tree"
-    return ZarrTreeSource(location, display, context, mode)
+    layout = RootLayout(location) if _is_root(context.storage, location) else StepLayout(location)
+    return ZarrTreeSource(display, context, layout)
 
 
 FORMAT = Format(
