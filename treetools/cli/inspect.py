@@ -70,6 +70,7 @@ from treetools.cli.options import (
     add_step,
     options_from,
     read_options,
+    reading_given,
     rules_from,
 )
 from treetools.shared.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, STAT_COLUMNS, safe_text
@@ -139,6 +140,10 @@ def _show(args: argparse.Namespace) -> int:
     from treetools.checkpoint_tools.show import show_report
     from treetools.checkpoint_tools.text import render_show
 
+    unused = [flag for flag in reading_given(args, data_only=True) if flag != "--block-size"]
+    if unused:  # taken, as by every command that reads, and said to change nothing: never dropped silently
+        _output.note(f"--show reads one slice in one read: {', '.join(unused)} change{'s' * (len(unused) == 1)} "
+                     "nothing here")
     # A bad index is the library's UsageError (exit 2).
     report = show_report(args.path, args.show, step=args.step, item=args.item, prefix=args.prefix,
                          rules=rules_from(args), read=read_options(args),

@@ -178,6 +178,8 @@ def reading_given(args: argparse.Namespace, *, data_only: bool = False) -> list[
         if setting.kind == "processes":
             given += [flag for flag, value in (("--processes", getattr(args, "processes", None)),
                                                ("--distributed", getattr(args, "distributed", False))) if value]
+        elif setting.kind == "toggle" and getattr(args, name, None) is False:
+            given.append(f"--no-{setting.flag[2:]}")
         elif getattr(args, name, None) not in (None, False):
             given.append(setting.flag)
     return given
