@@ -372,3 +372,15 @@ def test_the_older_keywords_still_work(linked):
         tt.plan_checkpoint(root, read=read, memory_budget=BUDGET)
     with pytest.raises(TypeError, match="tt.ReadOptions or a ReadContext"):
         tt.plan_checkpoint(root, read={"follow_links": True})
+
+
+def test_docs_list_every_reading_flag_once():
+    # docs/cli.md "Reading options": one row per setting, its flag and its field, as the table says.
+    text = (os.path.join(os.path.dirname(__file__), "..", "docs", "cli.md"))
+    with open(text, encoding="utf-8") as f:
+        page = f.read()
+    section = page[page.index("## Reading options"):page.index("## What PATH may be")]
+    rows = [line for line in section.splitlines() if line.startswith("| `--")]
+    assert len(rows) == len(READ_SETTINGS)
+    for (name, setting), row in zip(READ_SETTINGS.items(), rows):
+        assert row.startswith(f"| `{setting.flag}") and f"`{name}`" in row, (name, row)
