@@ -140,14 +140,14 @@ def _show(args: argparse.Namespace) -> int:
     from treetools.checkpoint_tools.show import show_report
     from treetools.checkpoint_tools.text import render_show
 
-    unused = [flag for flag in reading_given(args, data_only=True) if flag != "--block-size"]
+    stats = args.stats or args.fail_on_nonfinite or args.stats_columns is not None
+    unused = [flag for flag in reading_given(args, data_only=True) if flag != "--block-size" or not stats]
     if unused:  # taken, as by every command that reads, and said to change nothing: never dropped silently
         _output.note(f"--show reads one slice in one read: {', '.join(unused)} change{'s' * (len(unused) == 1)} "
                      "nothing here")
     # A bad index is the library's UsageError (exit 2).
     report = show_report(args.path, args.show, step=args.step, item=args.item, prefix=args.prefix,
-                         rules=rules_from(args), read=read_options(args),
-                         stats=args.stats or args.fail_on_nonfinite or args.stats_columns is not None)
+                         rules=rules_from(args), read=read_options(args), stats=stats)
     _output.out(render_show(report, args.format, stat_columns=args.stats_columns or DEFAULT_STAT_COLUMNS))
     if args.fail_on_nonfinite and report.nonfinite:
         _output.warning(f"non-finite values in {', '.join(safe_text(n, width=CELL_WIDTH) for n in report.nonfinite[:5])}")

@@ -128,7 +128,9 @@ def add_reading(parser: argparse.ArgumentParser, *, data: bool = True, processes
     """
     group = parser.add_argument_group("reading (every command that reads a checkpoint; docs/cli.md)")
     for name, setting in READ_SETTINGS.items():
-        help = setting.help if data or not setting.data else f"{setting.help}; plan reads metadata only: no effect"
+        help = setting.help
+        if setting.data and not data:
+            help = f"{help}; `{parser.prog}` reads metadata only: no effect"
         if setting.kind == "size":
             group.add_argument(setting.flag, dest=name, default=None, metavar=setting.metavar, help=help,
                                type=size(setting.flag, minimum=setting.minimum, unbounded=setting.unbounded))
