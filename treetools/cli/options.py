@@ -122,7 +122,7 @@ def add_reading(parser: argparse.ArgumentParser, *, data: bool = True, processes
     every command that reads a checkpoint calls this, so every one has every flag.
 
     ``data=False``: the command reads metadata only (``plan``): the flags about reading array data are taken
-    and ``unused_reading`` names them in a note. ``processes=False``: the command runs in one process only;
+    and the command names them in a note (``reading_given``). ``processes=False``: the command runs in one process only;
     ``--processes``/``--distributed`` are a usage error saying so. The older spellings (``--memory-budget-mb``
     and ``--chunk-mb``, a bare number being MiB) set the same fields, hidden from the help.
     """
