@@ -121,10 +121,10 @@ def add_reading(parser: argparse.ArgumentParser, *, data: bool = True, processes
     """The reading flags, one per ``tt.ReadOptions`` field, from one table (``shared.settings.READ_SETTINGS``):
     every command that reads a checkpoint calls this, so every one has every flag.
 
-    ``data=False``: the command reads metadata only (``plan``): the flags about reading array data are taken
-    and the command names them in a note (``reading_given``). ``processes=False``: the command runs in one process only;
-    ``--processes``/``--distributed`` are a usage error saying so. The older spellings (``--memory-budget-mb``
-    and ``--chunk-mb``, a bare number being MiB) set the same fields, hidden from the help.
+    ``data=False``: the command reads metadata only (``plan``): the flags about reading array data are taken,
+    and the command names them in a note (``reading_given``). ``processes=False``: the command runs in one
+    process only; ``--processes``/``--distributed`` are a usage error saying so. The older spellings
+    (``--memory-budget-mb`` and ``--chunk-mb``, a bare number being MiB) set the same fields, hidden from the help.
     """
     group = parser.add_argument_group("reading (every command that reads a checkpoint; docs/cli.md)")
     for name, setting in READ_SETTINGS.items():
