@@ -3,7 +3,7 @@
 * A stored chunk is decoded whole by TensorStore: a ``.zarray`` that declares
   2^40-element chunks (or a tiny file whose one chunk decodes to 4 GiB) must be
   refused, by the chunk shape the store itself reports, before anything is
-  allocated: one line naming the leaf and ``--memory-budget-mb``.
+  allocated: one line naming the leaf and ``--memory-budget``.
 * A step folder that a manager deletes between the listing and the read is a
   ``StepDeletedError`` naming the step; ``inspect`` of the latest step reads
   once more and shows the step that is latest now.
@@ -60,10 +60,10 @@ def test_hostile_chunk_declaration_is_refused_before_allocating(tmp_path, capsys
     code, out, err = _run(capsys, "inspect", folder, "--stats")
     assert code == 1
     line = err.strip()
-    assert line.count("\n") == 0 and "`w`" in line and "--memory-budget-mb" in line and "4.00 TiB" in line, line
+    assert line.count("\n") == 0 and "`w`" in line and "--memory-budget" in line and "4.00 TiB" in line, line
     assert _run(capsys, "verify", folder)[0] == 1
     code, _, err = _run(capsys, "inspect", folder, "--show", "w[:2]")
-    assert code == 1 and "--memory-budget-mb" in err
+    assert code == 1 and "--memory-budget" in err
 
 
 def test_hostile_chunk_child_process_exits_cleanly_with_small_peak(tmp_path):
@@ -92,7 +92,7 @@ def test_decompression_bomb_chunk_is_refused_by_default(tmp_path, capsys):
     (folder / "w" / ".zarray").write_text(json.dumps(meta))
     assert sum(f.stat().st_size for f in (folder / "w").iterdir()) < 200 * 1024
     code, _, err = _run(capsys, "inspect", folder, "--stats")
-    assert code == 1 and "4.00 GiB" in err and "2.00 GiB" in err and "--memory-budget-mb" in err
+    assert code == 1 and "4.00 GiB" in err and "2.00 GiB" in err and "--memory-budget" in err
 
 
 def test_budget_flag_and_variable_are_honoured(tmp_path, capsys, monkeypatch):
@@ -116,7 +116,7 @@ def test_show_whole_leaf_over_budget_asks_for_a_slice(tmp_path, capsys):
     w = np.arange(2**20, dtype=np.float32)
     np.savez(tmp_path / "w.npz", w=w)
     code, _, err = _run(capsys, "inspect", tmp_path / "w.npz", "--show", "w", "--memory-budget-mb", "1")
-    assert code == 1 and "w[:4]" in err and "--memory-budget-mb" in err
+    assert code == 1 and "w[:4]" in err and "--memory-budget" in err
     code, out, _ = _run(capsys, "inspect", tmp_path / "w.npz", "--show", "w[5:8]", "--memory-budget-mb", "1")
     assert code == 0 and "5. 6. 7." in out
 
@@ -212,7 +212,7 @@ def test_msgpack_is_read_by_offset_within_a_budget_smaller_than_the_file(tmp_pat
     code, out, _ = _run(capsys, "inspect", path, "--memory-budget-mb", "1", "--show", "params/w[:3]")
     assert code == 0 and np.array2string(w[:3]).split()[0].strip("[") in out
     code, _, err = _run(capsys, "inspect", path, "--memory-budget-mb", "1", "--show", "params/w")
-    assert code == 1 and "--memory-budget-mb" in err  # a 4 MiB slice is over a 1 MiB budget, as for any format
+    assert code == 1 and "--memory-budget" in err  # a 4 MiB slice is over a 1 MiB budget, as for any format
     monkeypatch.setenv("TREETOOLS_MEMORY_BUDGET_MB", "1")
     np.testing.assert_array_equal(tt.load_parameters(path)["w"], w)
 
@@ -222,7 +222,7 @@ def test_show_slices_are_held_to_the_budget_by_what_they_read(tmp_path, capsys):
     np.savez(tmp_path / "w.npz", w=w)
     for spec in ("w[:]", "w[::2]"):  # a strided slice reads its whole span
         code, _, err = _run(capsys, "inspect", tmp_path / "w.npz", "--show", spec, "--memory-budget-mb", "1")
-        assert code == 1 and "4.00 MiB" in err and "--memory-budget-mb" in err, (spec, err)
+        assert code == 1 and "4.00 MiB" in err and "--memory-budget" in err, (spec, err)
     code, out, _ = _run(capsys, "inspect", tmp_path / "w.npz", "--show", "w[::2]", "--memory-budget-mb", "inf",
                         "--format", "json")
     assert code == 0 and json.loads(out)["value"] == w[::2].tolist()  # `inf`: no budget
@@ -240,7 +240,7 @@ def test_verify_over_budget_is_a_known_error_not_damage(tmp_path, capsys):
     w = np.random.default_rng(0).random(2**20, dtype=np.float32)
     folder = _plain_orbax(tmp_path / "ckpt", {"w": w})
     code, out, err = _run(capsys, "verify", folder, "--memory-budget-mb", "1")
-    assert code == 1 and "FAILED" not in out and "memory budget" in err and "--memory-budget-mb" in err
+    assert code == 1 and "FAILED" not in out and "memory budget" in err and "--memory-budget" in err
     assert _run(capsys, "verify", folder, "--memory-budget-mb", "8")[0] == 0
 
 

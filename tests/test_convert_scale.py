@@ -173,7 +173,7 @@ def test_a_read_failing_inside_orbaxs_save_is_one_line_and_leaves_nothing(tmp_pa
 def test_a_stored_chunk_over_the_memory_budget_is_refused_with_one_line(tmp_path, capsys):
     _orbax_save(tmp_path / "src", {"a": np.ones(2**18, np.float32)})  # one chunk of 1 MiB
     rc, _, err = run("convert", tmp_path / "src", tmp_path / "o", "--to", "orbax", "--memory-budget-mb", "0.5")
-    assert rc == 1 and err.count("\n") == 1 and "memory budget" in err and "--memory-budget-mb" in err, err
+    assert rc == 1 and err.count("\n") == 1 and "memory budget" in err and "--memory-budget" in err, err
     assert not (tmp_path / "o").exists()
 
 

@@ -61,6 +61,9 @@ FUNCTION_LEVEL_IMPORTS = {
     ("cli/plot.py", "main"): "numpy",
     ("cli/plot.py", "_plot_health_dump"): "numpy",
     ("cli/plot.py", "plot_files"): "numpy",
+    # The reading flags come from a standard-library table; tt.ReadOptions (the checkpoint I/O layer's storage
+    # modules) loads when a command builds its options, not for --help.
+    ("cli/options.py", "read_options"): "startup",
     # Metadata mode (inspect without --stats or rules) starts without the rules engine, the block engine and the
     # statistics: whole-process inspect is measured against `import jax` (benchmarks/test_stream_bench.py).
     ("checkpoint_tools/report.py", "_inspect"): "startup",

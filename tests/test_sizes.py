@@ -68,4 +68,4 @@ def test_shard_size_and_memory_budget_take_the_same_units(tmp_path, capsys, monk
     assert main(["inspect", src, "--show", "w"]) == 1
     assert "over the memory budget of 4.00 KiB" in capsys.readouterr().err
     assert main(["inspect", src, "--show", "w", "--memory-budget-mb", "lots"]) == 2
-    assert "--memory-budget-mb 'lots' is not a size" in capsys.readouterr().err
+    assert "argument --memory-budget-mb: 'lots' is not a size" in capsys.readouterr().err

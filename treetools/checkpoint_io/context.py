@@ -27,6 +27,7 @@ from typing import Any, Mapping
 
 from treetools.checkpoint_io.share import Share
 from treetools.checkpoint_io.storage import Storage, backend
+from treetools.shared.rows import parse_size
 from treetools.shared.settings import (DEFAULT_BLOCK_BYTES, DEFAULT_MEMORY_BUDGET, block_bytes_from, memory_budget_from,
                                        workers_from)
 
@@ -57,6 +58,8 @@ class ReadContext:
     >>> ctx = ReadContext(memory_budget=64 * 2**20)
     >>> ctx.memory_budget // 2**20, ctx.block_bytes // 2**20, ctx.workers
     (64, 8, None)
+    >>> ReadContext(memory_budget="64MiB", block_bytes="1M") == ReadContext(memory_budget=2**26, block_bytes=2**20)
+    True
     """
 
     memory_budget: float = DEFAULT_MEMORY_BUDGET
@@ -68,6 +71,7 @@ class ReadContext:
     share: Share | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        _sizes(self)
         if not (isinstance(self.memory_budget, (int, float)) and self.memory_budget > 0):
             raise ValueError(f"`memory_budget` must be a positive number of bytes (math.inf: none), got "
                              f"{self.memory_budget!r}.")
@@ -120,6 +124,16 @@ class ReadContext:
         return dataclasses.replace(self, **changes)
 
 
+def _sizes(options: Any) -> None:
+    """``options``' sizes given as text (``"64MiB"``, ``"2GB"``, ``"inf"`` for no budget) as bytes, in place (a
+    frozen dataclass being built): the one parser of every size (``shared.rows.parse_size``; a bare number is
+    bytes). ``ValueError`` naming the field and the forms taken."""
+    for name, unbounded in (("memory_budget", True), ("block_bytes", False)):
+        value = getattr(options, name)
+        if isinstance(value, str):
+            object.__setattr__(options, name, parse_size(value, what=name, unbounded=unbounded))
+
+
 def resolve(context: "ReadContext | None") -> "ReadContext":
     """``context``, or one from the environment (a library call given none)."""
     return context if context is not None else ReadContext.from_env()
@@ -127,7 +141,14 @@ def resolve(context: "ReadContext | None") -> "ReadContext":
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReadOptions:
-    """How a command reads array data: block size, memory budget, progress bar.
+    """How a command reads a checkpoint: block size, threads, memory budget, progress bar, links, processes.
+
+    The one read-options object: every function that reads a checkpoint takes it, as its options class's base
+    (``InspectOptions``, ``DiffOptions``, ``VerifyOptions``, ``ConvertOptions``) or as the keyword ``read=``
+    (``show_report``, ``plan_checkpoint``, ``plot_stats``, ``stats_report``), which also takes the
+    ``ReadContext`` it builds. Every command that reads has one flag per field, generated from one table
+    (``treetools.shared.settings.READ_SETTINGS``; docs/cli.md). A size may be given with its unit (``"64MiB"``,
+    ``"2GB"``, a bare number is bytes).
 
     Attributes:
       block_bytes: bytes of stored data per block (None: ``TREETOOLS_CHUNK_BYTES``, else 8 MiB).
@@ -148,6 +169,9 @@ class ReadOptions:
     follow_links: bool = False
     share: Share | None = None
 
+    def __post_init__(self) -> None:
+        _sizes(self)
+
     def read_context(self) -> ReadContext:
         """The ``ReadContext`` a command reads with: these fields, the environment variables for those not given
         (``ReadContext.from_env``), and the options' ``prefix`` where it has one. Built once per command.
@@ -159,3 +183,44 @@ class ReadOptions:
                                     workers=self.workers,
                                     prefix=getattr(self, "prefix", None), follow_links=self.follow_links,
                                     share=self.share)
+
+
+READ_FIELDS = ("block_bytes", "workers", "memory_budget", "progress", "follow_links", "share")
+"""``ReadOptions``' own fields (its subclasses add the command's): what ``read=`` carries."""
+
+
+def read_fields(read: "ReadOptions | ReadContext | None") -> dict[str, Any]:
+    """The read options ``read`` gives, as ``ReadOptions`` fields: what an options class built from it takes
+    (``InspectOptions(**read_fields(read), ...)``). A ``ReadContext`` gives its own (and no progress bar
+    setting: automatic); None gives none (the environment's, then the defaults).
+
+    >>> read_fields(ReadContext(block_bytes=4096, follow_links=True))["block_bytes"]
+    4096
+    >>> read_fields(None)
+    {}
+    """
+    if read is None:
+        return {}
+    if isinstance(read, ReadOptions):
+        return {name: getattr(read, name) for name in READ_FIELDS}
+    if isinstance(read, ReadContext):
+        return {name: getattr(read, name) for name in READ_FIELDS if name != "progress"}
+    raise TypeError(f"`read` must be a tt.ReadOptions or a ReadContext, got {type(read).__name__}.")
+
+
+def context_of(read: "ReadOptions | ReadContext | None", **given: Any) -> ReadContext:
+    """The ``ReadContext`` a function given ``read=`` reads with: ``read``'s (a ``ReadOptions`` builds it; None:
+    the environment's), with the loose keywords ``given`` that are not None on top (``memory_budget=``,
+    ``prefix=``: the older keywords of the same functions).
+
+    >>> context_of(ReadOptions(workers=2), memory_budget="1GiB").memory_budget == 2**30
+    True
+    """
+    if isinstance(read, ReadContext):
+        context = read
+    elif read is None or isinstance(read, ReadOptions):
+        context = (read or ReadOptions()).read_context()
+    else:
+        raise TypeError(f"`read` must be a tt.ReadOptions or a ReadContext, got {type(read).__name__}.")
+    changes = {k: v for k, v in given.items() if v is not None}
+    return context.replace(**changes) if changes else context

@@ -39,12 +39,12 @@ def check_budget(nbytes: int, *, where: str, what: str, budget: float) -> None:
     >>> check_budget(10, where="w", what="one storage chunk", budget=2**31)
     >>> check_budget(2**50, where="ckpt/params: `w`", what="one storage chunk", budget=2**31)
     Traceback (most recent call last):
-    treetools.checkpoint_io.readers.MemoryBudgetError: ckpt/params: `w`: one storage chunk decodes to 1024.00 TiB, over the memory budget of 2.00 GiB; raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
+    treetools.checkpoint_io.readers.MemoryBudgetError: ckpt/params: `w`: one storage chunk decodes to 1024.00 TiB, over the memory budget of 2.00 GiB; raise it with --memory-budget (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
     """
     if nbytes > budget:
         raise MemoryBudgetError(
             f"{where}: {what} decodes to {human(nbytes, 'B')}, over the memory budget of {human(budget, 'B')}; "
-            "raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory."
+            "raise it with --memory-budget (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory."
         )
 
 
@@ -141,7 +141,7 @@ def check_leaf_count(count: int, *, where: str, budget: float) -> None:
 
     >>> check_leaf_count(144_000, where="z.safetensors", budget=64 * 2**20)
     Traceback (most recent call last):
-    treetools.checkpoint_io.readers.MemoryBudgetError: z.safetensors: 144,000 arrays listed (about 2.5 KiB each once read) decodes to 351.56 MiB, over the memory budget of 64.00 MiB; raise it with --memory-budget-mb (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
+    treetools.checkpoint_io.readers.MemoryBudgetError: z.safetensors: 144,000 arrays listed (about 2.5 KiB each once read) decodes to 351.56 MiB, over the memory budget of 64.00 MiB; raise it with --memory-budget (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
     """
     check_budget(LEAF_BYTES * count, where=where, what=f"{count:,} arrays listed (about 2.5 KiB each once read)",
                  budget=budget)

@@ -24,6 +24,7 @@ import os
 import re
 from typing import Any, Mapping, Sequence
 
+from treetools.checkpoint_io.context import ReadContext, ReadOptions, context_of
 from treetools.checkpoint_io.items import MODEL_ITEMS, PARAM_SUBTREES, counts_params, part_of, train_state_parts
 from treetools.checkpoint_io.leaves import Item
 from treetools.checkpoint_io.opening import open_source
@@ -250,10 +251,11 @@ def plan_checkpoint(
     optimizer: str | Any = None,
     grads: bool = True,
     device_memory: int | str | None = None,
-    memory_budget: float | None = None,
+    memory_budget: float | str | None = None,
     prefix: str | None = None,
     top: int = TOP,
     shard_largest: str | None = None,
+    read: ReadOptions | ReadContext | None = None,
 ) -> MemoryPlan:
     """The per-device memory to restore a checkpoint onto a mesh and train it: ``memory_plan`` from metadata.
 
@@ -269,13 +271,17 @@ def plan_checkpoint(
         its state replaces a stored ``opt_state`` (``notes`` says so).
       grads: count the gradients a training step holds (the params' floating leaves).
       device_memory: one device's memory (bytes or ``"80GiB"``): ``plan.fits``.
-      memory_budget: the restore's memory budget in bytes (None: ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB).
+      memory_budget: the restore's memory budget in bytes or a size (``"4GiB"``), over ``read``'s (None:
+        ``read``'s, else ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB).
       prefix: the series of steps to read in a folder holding several.
       top: rows kept.
       shard_largest: a mesh axis: every leaf neither the rules nor a recorded sharding lay out (a Hugging Face
         checkpoint's, all of them) splits its largest dimension that axis divides over it (FSDP's default
         layout); one no dimension of which it divides stays replicated. Without it such leaves are replicated,
         and a plan where no leaf is split over a mesh of several devices says so first (``plan.warnings``).
+      read: how the checkpoint's metadata is read (``tt.ReadOptions`` or a ``ReadContext``: ``follow_links``,
+        ``memory_budget``; None: the environment's). Only metadata is read: its block size and threads are
+        carried, not used.
 
     Raises:
       CheckpointNotFoundError, CheckpointError: as ``treetools inspect`` (no such path, step or item).
@@ -294,7 +300,7 @@ def plan_checkpoint(
     elif isinstance(rules, Mapping):
         rules = LayoutRules.from_dict(rules)
     tx = optimizer_named(optimizer) if isinstance(optimizer, str) else optimizer
-    source = open_source(path, memory_budget=memory_budget, prefix=prefix)  # the edge: settings read once, here
+    source = open_source(path, context_of(read, memory_budget=memory_budget, prefix=prefix))  # the edge, once
     budget = source.context.memory_budget
     resolved = source.resolve(step)
     with source.reading(resolved):

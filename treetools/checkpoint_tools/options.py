@@ -62,6 +62,7 @@ class InspectOptions(ReadOptions):
     allow_unread: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.depth is not None and self.depth < 0:
             raise ValueError(f"`depth` must be 0 (one row per item) or a positive integer, got {self.depth}.")
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from treetools.checkpoint_io.context import ReadContext, ReadOptions, read_fields
 from treetools.checkpoint_tools.options import InspectOptions
 from treetools.checkpoint_tools.report import Report, inspect_path
 from treetools.shared.errors import UsageError
@@ -509,18 +510,21 @@ def _shared_folder(paths: Sequence[str]) -> str:
 
 
 def stats_report(path: str | os.PathLike, *, depth: int | None = None, item: str | None = None,
-                 rules: Rules | None = None) -> Report:
+                 rules: Rules | None = None, read: ReadOptions | ReadContext | None = None) -> Report:
     """The ``treetools inspect --step all --stats`` report of a checkpoint root, as ``plot_stats`` draws it.
 
     Every leaf (or every module of ``depth`` path parts) of every committed
     step, with its statistics; arrays are streamed within the memory budget,
     with a progress bar on a terminal. ``rules`` (``tt.Rules(unstack=[...])``)
-    map the leaves first: a stacked leaf is one line per layer.
+    map the leaves first: a stacked leaf is one line per layer. ``read``: how to read (``tt.ReadOptions`` or a
+    ``ReadContext``: links, memory budget, block size, threads, progress bar, processes; None: the
+    environment's).
 
     Raises:
       CheckpointNotFoundError, CheckpointError: as ``treetools inspect``.
     """
-    options = InspectOptions(step="all", stats=True, item=item, depth=depth, leaves=depth is None, rules=rules)
+    options = InspectOptions(step="all", stats=True, item=item, depth=depth, leaves=depth is None, rules=rules,
+                             **read_fields(read))
     return inspect_path(os.fspath(path), options)
 
 
@@ -687,6 +691,7 @@ def plot_stats(
     item: str | None = None,
     rules: Rules | None = None,
     max_lines: int = MAX_MODULES,
+    read: ReadOptions | ReadContext | None = None,
 ) -> Figure:
     """A statistic of each leaf (or module) of a checkpoint across its saved steps: what
     ``treetools plot CKPT --stats STAT`` draws.
@@ -701,13 +706,15 @@ def plot_stats(
       item: with a path, only this item (``params``); only it is read.
       rules: with a path, ``tt.Rules`` mapping the leaves first (``unstack``: a stacked leaf is a line per layer).
       max_lines: each panel shows this many paths, the largest by their last value.
+      read: with a path, how to read it (``tt.ReadOptions`` or a ``ReadContext``: ``follow_links``,
+        ``memory_budget``, ``block_bytes``, ``workers``, ``progress``; None: the environment's).
 
     Returns:
       A matplotlib ``Figure``, one panel per item.
 
     Raises:
       ImportError: matplotlib is not installed.
-      UsageError: ``depth``, ``item`` or ``rules`` with a report (they say how to read a path).
+      UsageError: ``depth``, ``item``, ``rules`` or ``read`` with a report (they say how to read a path).
       ValueError, CheckpointError: as ``stats_figure`` and ``tt.inspect_path``.
 
     >>> import numpy as np, tempfile, treetools as tt
@@ -721,9 +728,9 @@ def plot_stats(
     [('params: max', [1.0, 2.0])]
     """
     if isinstance(report, Report):
-        if depth is not None or item is not None or rules is not None:
-            raise UsageError("`depth`, `item` and `rules` say how to read a checkpoint; pass them with its path, "
-                             "or to tt.inspect_path for a report")
+        if depth is not None or item is not None or rules is not None or read is not None:
+            raise UsageError("`depth`, `item`, `rules` and `read` say how to read a checkpoint; pass them with its "
+                             "path, or to tt.inspect_path for a report")
     else:
-        report = stats_report(report, depth=depth, item=item, rules=rules)
+        report = stats_report(report, depth=depth, item=item, rules=rules, read=read)
     return stats_figure(report, stat, keys=keys, max_lines=max_lines)

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from treetools.checkpoint_io.mapping import map_items
-from treetools.checkpoint_io.context import ReadContext
+from treetools.checkpoint_io.context import ReadContext, ReadOptions, context_of
 from treetools.checkpoint_io.items import item_argument, part_holder
 from treetools.checkpoint_io.leaves import Item, Leaf
 from treetools.checkpoint_io.opening import open_source
@@ -109,10 +109,14 @@ class ShowReport:
 
 
 def show_report(path: str, spec: str, *, step: int | str | None = None, item: str | None = None,
-                memory_budget: float | None = None, prefix: str | None = None, rules: Rules | None = None,
-                stats: bool = False) -> ShowReport:
+                memory_budget: float | str | None = None, prefix: str | None = None, rules: Rules | None = None,
+                stats: bool = False, read: ReadOptions | ReadContext | None = None) -> ShowReport:
     """``inspect --show``: ``show_values`` of one step or of every one (``step="all"``), each with its statistics
-    where ``stats`` asks (numeric, non-empty arrays; the same definitions as ``--stats``).
+    where ``stats`` asks (numeric, non-empty arrays; the same definitions as ``--stats``, in blocks of the read
+    options' block size).
+
+    ``read``: how to read (``tt.ReadOptions`` or a ``ReadContext``: links, memory budget, block size; None: the
+    environment's); ``memory_budget`` and ``prefix``, given, go over it.
 
     >>> import numpy as np, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "w.npz"); np.savez(f, w=np.array([1.0, np.nan, 3.0]))
@@ -120,16 +124,17 @@ def show_report(path: str, spec: str, *, step: int | str | None = None, item: st
     >>> report.nonfinite, report.shown[0].stats["max"], report.to_json()["value"]
     (['default/w'], 3.0, [1.0, None, 3.0])
     """
-    shown = show_values(path, spec, step=step, item=item, memory_budget=memory_budget, prefix=prefix, rules=rules)
+    context = context_of(read, memory_budget=memory_budget, prefix=prefix)
+    shown = show_values(path, spec, step=step, item=item, rules=rules, read=context)
     if stats:  # each with its statistics: new values, as read
-        shown = [dataclasses.replace(s, stats=array_stats(s.value))
+        shown = [dataclasses.replace(s, stats=array_stats(s.value, block_bytes=context.block_bytes))
                  if s.is_array and s.value.size and is_numeric(s.value.dtype) else s for s in shown]
     return ShowReport(shown, all_steps=step == "all")
 
 
 def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str | None = None,
-              memory_budget: float | None = None, prefix: str | None = None,
-              rules: Rules | None = None, context: ReadContext | None = None) -> tuple[str, Any]:
+              memory_budget: float | str | None = None, prefix: str | None = None, rules: Rules | None = None,
+              context: ReadContext | None = None, read: ReadOptions | ReadContext | None = None) -> tuple[str, Any]:
     """The values of one leaf, or of a slice of it, reading only that leaf (only the chunks a slice needs).
 
     Args:
@@ -142,7 +147,9 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
       memory_budget: the most the read may hold, in bytes (None: ``TREETOOLS_MEMORY_BUDGET_MB``, else 2 GiB).
       prefix: the series of steps in a folder holding several (default ``checkpoint_``).
       rules: read through these rules (``inspect --unstack``): the leaf is a target leaf.
-      context: how to read (``ReadContext``; None: from the environment), under ``memory_budget`` and ``prefix``.
+      read: how to read (``tt.ReadOptions`` or a ``ReadContext``; None: from the environment), under
+        ``memory_budget`` and ``prefix``.
+      context: the older name of ``read``.
 
     Returns:
       ``(item/path, numpy array or value)``; a stored scalar value is a plain Python value.
@@ -157,16 +164,17 @@ def show_leaf(path: str, spec: str, *, step: int | str | None = None, item: str 
     ('default/w', array([4, 6]))
     """
     (shown,) = show_values(path, spec, step=step, item=item, memory_budget=memory_budget, prefix=prefix, rules=rules,
-                           context=context)
+                           read=read if read is not None else context)
     return shown.path, shown.value
 
 
 def show_values(path: str, spec: str, *, step: int | str | None = None, item: str | None = None,
-                memory_budget: float | None = None, prefix: str | None = None,
-                rules: Rules | None = None, context: ReadContext | None = None) -> list[Shown]:
+                memory_budget: float | str | None = None, prefix: str | None = None, rules: Rules | None = None,
+                context: ReadContext | None = None, read: ReadOptions | ReadContext | None = None) -> list[Shown]:
     """``show_leaf`` of one step, or of every committed step (``step="all"``), each a ``Shown`` naming its step."""
     name, index = parse_leaf_spec(spec)
-    source = open_source(path, context, memory_budget=memory_budget, prefix=prefix)
+    source = open_source(path, context_of(read if read is not None else context, memory_budget=memory_budget,
+                                          prefix=prefix))
     if step == "all":
         steps = source.steps if source.steps is not None else [source.resolve(None)]
     else:
@@ -287,7 +295,7 @@ def _read(source: Source, spec: str, item_name: str, leaf: Leaf, index: tuple[An
         raise MemoryBudgetError(
             f"{source.path}: `{item_name}/{leaf.name}`: showing {spec!r} reads {reads}, {human(nbytes, 'B')}, over "
             f"the memory budget of {human(budget, 'B')}; show a smaller slice (e.g. `{leaf.name}"
-            f"[{', '.join(['0'] * max(0, len(shape) - 1) + [':4'])}]`), or raise the budget with --memory-budget-mb."
+            f"[{', '.join(['0'] * max(0, len(shape) - 1) + [':4'])}]`), or raise the budget with --memory-budget."
         )
     if leaf.reader.sequential:
         block = np.asarray(leaf.reader.read_all())[tuple(full)]

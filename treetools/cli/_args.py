@@ -83,15 +83,6 @@ def step(text: str) -> int | float | str:
     return number
 
 
-def chunk_mb(text: str) -> int:
-    """MiB (fractions allowed) -> bytes, at least 1024.
-
-    >>> chunk_mb("0.5")
-    524288
-    """
-    return max(1024, int(positive_float(text) * 2**20))
-
-
 def closest(word: str, choices: Iterable[str]) -> str | None:
     """The one of ``choices`` closest to ``word`` (difflib), or None when none is close.
 

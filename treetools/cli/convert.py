@@ -17,7 +17,7 @@ header carries format=pt unless --metadata format=... says otherwise.
 
 Both outputs are streamed block by block (memory stays a few blocks, or
 a stripe of whole stored chunks, whatever the model's size; a stored chunk
-over --memory-budget-mb is refused); Orbax output is stored in chunks of at
+over --memory-budget is refused); Orbax output is stored in chunks of at
 most a block. Writes are atomic: a temporary name beside
 DST renamed at the end (in a bucket, objects that appear only when whole,
 the index last); an existing DST needs --overwrite; nothing is written under
@@ -44,7 +44,6 @@ from treetools.cli.options import (
     add_item,
     add_output_format,
     add_prefix,
-    add_processes,
     add_reading,
     add_rules,
     add_step,
@@ -84,7 +83,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fsync", dest="fsync", action="store_false", help=argparse.SUPPRESS)
     add_output_format(parser, ("table", "json"))
     add_reading(parser)
-    add_processes(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -80,7 +80,6 @@ from treetools.cli.options import (
     add_item,
     add_output_format,
     add_prefix,
-    add_processes,
     add_reading,
     add_sort,
     add_rules,
@@ -99,7 +98,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prefix(parser)
     add_item(parser)
     add_reading(parser)
-    add_processes(parser)
     add_allow_unread(parser)
     parser.add_argument("--values", action="store_true", help="also compare values, streamed in blocks")
     parser.add_argument("--atol", type=nonneg_float, default=0.0,

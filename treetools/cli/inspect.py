@@ -13,8 +13,8 @@ path that is not a checkpoint but lies inside one, or holds one, is an error
 naming the path to pass.
 
 Metadata mode reads no array data. --stats streams each array in bounded
-blocks (TREETOOLS_CHUNK_BYTES, default 8 MiB; a compressed storage chunk is
-always decoded whole) and reports the statistics listed under --stats: the
+blocks (--block-size, default 8MiB; a compressed storage chunk is always
+decoded whole) and reports the statistics listed under --stats: the
 floats over the finite elements (std is the population one), the counts over
 all. In JSON a float that is NaN or infinite is written as null.
 --stats-columns COLS picks the statistics the table shows, and implies --stats.
@@ -65,12 +65,13 @@ from treetools.cli.options import (
     add_item,
     add_output_format,
     add_prefix,
-    add_processes,
     add_reading,
     add_sort,
     add_rules,
     add_step,
     options_from,
+    read_options,
+    reading_given,
     rules_from,
 )
 from treetools.shared.render import CELL_WIDTH, DEFAULT_STAT_COLUMNS, STAT_COLUMNS, safe_text
@@ -101,7 +102,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prefix(parser)
     add_item(parser)
     add_reading(parser)
-    add_processes(parser)
     add_allow_unread(parser)
     group = parser.add_mutually_exclusive_group()
     add_depth(group, help="one row per path prefix of K parts below the item's shared prefix, summed")
@@ -141,10 +141,14 @@ def _show(args: argparse.Namespace) -> int:
     from treetools.checkpoint_tools.show import show_report
     from treetools.checkpoint_tools.text import render_show
 
+    stats = args.stats or args.fail_on_nonfinite or args.stats_columns is not None
+    unused = [flag for flag in reading_given(args, data_only=True) if flag != "--block-size" or not stats]
+    if unused:  # taken, as by every command that reads, and said to change nothing: never dropped silently
+        _output.note(f"--show reads one slice in one read: {', '.join(unused)} change{'s' * (len(unused) == 1)} "
+                     "nothing here")
     # A bad index is the library's UsageError (exit 2).
-    report = show_report(args.path, args.show, step=args.step, item=args.item, memory_budget=args.memory_budget,
-                         prefix=args.prefix, rules=rules_from(args),
-                         stats=args.stats or args.fail_on_nonfinite or args.stats_columns is not None)
+    report = show_report(args.path, args.show, step=args.step, item=args.item, prefix=args.prefix,
+                         rules=rules_from(args), read=read_options(args), stats=stats)
     _output.out(render_show(report, args.format, stat_columns=args.stats_columns or DEFAULT_STAT_COLUMNS))
     if args.fail_on_nonfinite and report.nonfinite:
         return nonfinite_exit(report.nonfinite)

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
-from treetools.cli._args import chunk_mb, positive_float, positive_int, regex, step
+from treetools.cli._args import positive_int, regex, step
 from treetools.rules.spec import FIELDS, Rules
 from treetools.shared.errors import UsageError
-from treetools.shared.rows import parse_size
+from treetools.shared.rows import human, parse_size, size_forms
+from treetools.shared.settings import READ_SETTINGS
+
+if TYPE_CHECKING:  # an annotation only: the parsers are built before the checkpoint layer loads
+    from treetools.checkpoint_io.context import ReadOptions
 
 _T = TypeVar("_T")
 
@@ -72,43 +76,125 @@ def add_depth(parser: argparse.ArgumentParser | Any, *, help: str) -> None:
     parser.add_argument("--depth", type=positive_int, default=None, metavar="K", help=help)
 
 
-def memory_budget_mb(text: str) -> float:
-    """``--memory-budget-mb``: a size (``shared.rows.parse_size``: ``4G``, ``4GiB``, ``500MB``), a bare number
-    being MiB (fractions allowed), ``inf`` for none -> bytes.
+def size(flag: str, *, bare: int = 1, minimum: int = 1, unbounded: bool = False) -> Callable[[str], float]:
+    """The argparse type of a size flag: ``shared.rows.parse_size`` (``64MiB``, ``500MB``, ``16G``; a bare number
+    is ``bare`` bytes, 1 for every flag but the older ``--memory-budget-mb`` and ``--chunk-mb``: MiB), at least
+    ``minimum`` bytes; ``unbounded``: ``inf`` too. A bad value is a usage error naming the flag and the forms.
 
-    >>> memory_budget_mb("0.5"), memory_budget_mb("inf"), memory_budget_mb("4G") == 4096 * 2**20
-    (524288, inf, True)
+    >>> size("--block-size")("64MiB"), size("--memory-budget-mb", bare=2**20, unbounded=True)("0.5")
+    (67108864, 524288)
+    >>> try:
+    ...     size("--block-size", minimum=1024)("512")
+    ... except argparse.ArgumentTypeError as e:
+    ...     print(str(e).split(";")[0])
+    '512' is below 1KiB (1024 bytes)
     """
-    try:
-        return parse_size(text, what="--memory-budget-mb", bare=2**20, unbounded=True)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).replace("`", "")) from None
+
+    def parse(text: str) -> float:
+        try:
+            value = parse_size(text, what=flag, bare=bare, unbounded=unbounded)
+        except ValueError as e:
+            # argparse names the flag first ("argument --block-size: ..."): the message says the rest
+            raise argparse.ArgumentTypeError(str(e).replace(f"`{flag}` ", "", 1).rstrip(".")) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is below {human(minimum, 'B').replace('.00 ', '')}"
+                                             f" ({minimum} bytes); {size_forms(bare, unbounded)}")
+        return value
+
+    parse.__name__ = "size"  # argparse names the type in its own errors
+    return parse
 
 
-def add_reading(parser: argparse.ArgumentParser) -> None:
-    """``--memory-budget-mb MB`` (the most stored data decoded at once), ``--follow-links`` (links out of the
-    checkpoint followed), and the hidden block size ``--chunk-mb``."""
-    parser.add_argument("--memory-budget-mb", type=memory_budget_mb, default=None, dest="memory_budget", metavar="MB",
-                        help="most stored data decoded at once by --stats/--show/--values/verify: one storage "
-                             "chunk or one --show read: MiB, or a size such as 4G (default 2048; "
-                             "TREETOOLS_MEMORY_BUDGET_MB)")
-    parser.add_argument("--follow-links", action="store_true", default=False,
-                        help="follow symlinks that lead out of the checkpoint (step folders on another volume); "
-                             "off by default: only for checkpoints you trust (docs/untrusted.md)")
-    # Hidden: the block budget of --stats / --values / verify (tests and benchmarks shrink it).
-    parser.add_argument("--chunk-mb", type=chunk_mb, default=None, dest="block_bytes", help=argparse.SUPPRESS)
+class _NotHere(argparse.Action):
+    """A reading flag a command takes no part of: a usage error saying why, never ignored."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, why: str = "", **kwargs: Any):
+        self.why = why
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string}: {self.why}")
 
 
-def add_processes(parser: argparse.ArgumentParser) -> None:
+def add_reading(parser: argparse.ArgumentParser, *, data: bool = True, processes: bool = True) -> None:
+    """The reading flags, one per ``tt.ReadOptions`` field, from one table (``shared.settings.READ_SETTINGS``):
+    every command that reads a checkpoint calls this, so every one has every flag.
+
+    ``data=False``: the command reads metadata only (``plan``): the flags about reading array data are taken,
+    and the command names them in a note (``reading_given``). ``processes=False``: the command runs in one
+    process only; ``--processes``/``--distributed`` are a usage error saying so. The older spellings
+    (``--memory-budget-mb`` and ``--chunk-mb``, a bare number being MiB) set the same fields, hidden from the help.
+    """
+    group = parser.add_argument_group("reading (every command that reads a checkpoint; docs/cli.md)")
+    for name, setting in READ_SETTINGS.items():
+        help = setting.help
+        if setting.data and not data:
+            help = f"{help}; `{parser.prog}` reads metadata only: no effect"
+        if setting.kind == "size":
+            group.add_argument(setting.flag, dest=name, default=None, metavar=setting.metavar, help=help,
+                               type=size(setting.flag, minimum=setting.minimum, unbounded=setting.unbounded))
+            if setting.alias is not None:
+                flag, bare = setting.alias
+                group.add_argument(flag, dest=name, default=None, help=argparse.SUPPRESS,
+                                   type=size(flag, bare=bare, minimum=setting.minimum, unbounded=setting.unbounded))
+        elif setting.kind == "count":
+            group.add_argument(setting.flag, dest=name, type=positive_int, default=None, metavar=setting.metavar,
+                               help=help)
+        elif setting.kind == "switch":
+            group.add_argument(setting.flag, dest=name, action="store_true", default=False, help=help)
+        elif setting.kind == "toggle":
+            group.add_argument(setting.flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help)
+        elif processes:
+            _add_processes(group, setting.help)
+        else:
+            why = (f"`{parser.prog}` runs in one process (it reads metadata only: nothing to share); "
+                   "drop it" if not data else f"`{parser.prog}` runs in one process; drop it")
+            group.add_argument(setting.flag, metavar=setting.metavar, nargs=1, action=_NotHere, why=why,
+                               help=f"not here: {why}")
+            group.add_argument("--distributed", nargs=0, action=_NotHere, why=why, help=argparse.SUPPRESS)
+
+
+def _add_processes(group: Any, help: str) -> None:
     """``--processes N`` (N local processes, each reading a share of the leaves) and ``--distributed`` (this
     process is one of a ``jax.distributed`` run started elsewhere): ``treetools.cli._distributed``."""
-    parser.add_argument("--processes", type=positive_int, default=None, metavar="N",
-                        help="read with N processes on this machine (jax.distributed on 127.0.0.1), each a share "
-                             "of the leaves by bytes; one report, the same as one process's")
-    parser.add_argument("--distributed", action="store_true", default=False,
-                        help="be one process of a jax.distributed run (SLURM, Open MPI, Kubernetes, or "
-                             "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID on each host): each "
-                             "reads a share of the leaves; process 0 prints the report")
+    group.add_argument("--processes", type=positive_int, default=None, metavar="N", help=help)
+    group.add_argument("--distributed", action="store_true", default=False,
+                       help="be one process of a jax.distributed run (SLURM, Open MPI, Kubernetes, or "
+                            "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID on each host): each "
+                            "reads a share of the leaves; process 0 prints the report")
+
+
+def reading_given(args: argparse.Namespace, *, data_only: bool = False) -> list[str]:
+    """The reading flags given on the command line (``--block-size``, ...); ``data_only``: only those about
+    reading array data (what a command that reads metadata only names in its note).
+
+    >>> reading_given(argparse.Namespace(block_bytes=4096, workers=None, memory_budget=None, progress=None,
+    ...                                  follow_links=True, processes=None, distributed=False))
+    ['--follow-links', '--block-size']
+    """
+    given = []
+    for name, setting in READ_SETTINGS.items():
+        if data_only and not setting.data:
+            continue
+        if setting.kind == "processes":
+            given += [flag for flag, value in (("--processes", getattr(args, "processes", None)),
+                                               ("--distributed", getattr(args, "distributed", False))) if value]
+        elif setting.kind == "toggle" and getattr(args, name, None) is False:
+            given.append(f"--no-{setting.flag[2:]}")
+        elif getattr(args, name, None) not in (None, False):
+            given.append(setting.flag)
+    return given
+
+
+def read_options(args: argparse.Namespace) -> ReadOptions:
+    """The ``tt.ReadOptions`` the reading flags say (``share``: set by ``--processes``/``--distributed``, in
+    ``cli._distributed``); for the library functions that take ``read=`` (``show_report``, ``plan_checkpoint``,
+    ``plot_stats``)."""
+    from treetools.checkpoint_io.context import ReadOptions  # here: keeps startup (the parsers) off the I/O layer
+
+    return options_from(args, ReadOptions)
 
 
 def add_allow_unread(parser: argparse.ArgumentParser) -> None:

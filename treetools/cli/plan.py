@@ -29,6 +29,11 @@ Examples:
 
 --format json prints one object, "schema": 1 (docs/json-schema.md).
 
+The reading flags of every command (docs/cli.md) are taken: --follow-links
+and --memory-budget apply to the metadata read; plan reads no array data, so
+--block-size, --workers and --progress change nothing (a note says so), and
+--processes is refused (one process).
+
 Exit codes: 0 fits (or no --device-memory given); 1 does not fit, or a known
 error (missing path, not a checkpoint); 2 usage (a bad --mesh, --device-memory
 or rules file; a recorded sharding over an axis --mesh lacks).
@@ -40,7 +45,8 @@ import argparse
 import json
 
 from treetools.cli import KNOWN_ERRORS, _output
-from treetools.cli.options import add_item, add_output_format, add_prefix, add_reading, add_step
+from treetools.cli.options import (add_item, add_output_format, add_prefix, add_reading, add_step, read_options,
+                                   reading_given)
 from treetools.shared.errors import UsageError
 from treetools.shared.rows import parse_size
 
@@ -105,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prefix(parser)
     add_item(parser)
     add_output_format(parser, ("table", "json"))
-    add_reading(parser)
+    add_reading(parser, data=False, processes=False)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -121,11 +127,14 @@ def main(args: argparse.Namespace) -> int:
         except (ValueError, OSError) as e:
             raise UsageError(f"--rules: {e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror
                              else " ".join(str(e).split())) from None
+    unused = reading_given(args, data_only=True)
+    if unused:  # taken, as by every command that reads, and said to change nothing: never dropped silently
+        _output.note(f"plan reads metadata only: {', '.join(unused)} change{'s' * (len(unused) == 1)} nothing here")
     try:
         plan = plan_checkpoint(args.path, step=args.step, item=args.item, mesh=args.mesh, rules=rules,
                                optimizer=args.optimizer, grads=args.grads, device_memory=args.device_memory,
-                               memory_budget=args.memory_budget, prefix=args.prefix, top=args.top,
-                               shard_largest=args.shard_largest)
+                               prefix=args.prefix, top=args.top, shard_largest=args.shard_largest,
+                               read=read_options(args))
     except KNOWN_ERRORS:
         raise  # one `treetools: error:` line, exit 1
     except ValueError as e:  # the mesh and the checkpoint's layout do not fit together: the arguments' fault

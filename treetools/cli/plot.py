@@ -34,7 +34,9 @@ Integer leaves (an optimizer's step count) are left out unless --keys picks
 them. --unstack RE shows a stacked (scanned) leaf that RE matches as one line
 per layer. Steps where a shown leaf holds NaN or Inf are marked. CKPT_DIR is a
 checkpoint root that `treetools inspect` reads; the arrays are streamed as
-`treetools inspect --step all --stats` does.
+`treetools inspect --step all --stats` does, with the same reading flags
+(--follow-links, --memory-budget, --block-size, --workers, --progress,
+--processes; docs/cli.md), which apply to --stats only.
 
 The figures are the library's (tt.plot_metrics, tt.plot_stats; treetools.checkpoint_tools.plot),
 usable from a notebook. A health dump (health_<step>.json, written by
@@ -66,7 +68,7 @@ from typing import TYPE_CHECKING
 
 from treetools.cli import _output
 from treetools.cli._args import positive_int
-from treetools.cli.options import add_rules, rules_from
+from treetools.cli.options import add_reading, add_rules, read_options, reading_given, rules_from
 from treetools.pytree.metrics import METRICS_FILE, read_metrics
 from treetools.shared.errors import UsageError
 from treetools.shared.files import check_writable, replace_file
@@ -94,6 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --stats: one line per module of K path parts (default: one per leaf)")
     parser.add_argument("--item", metavar="NAME", help="with --stats: only this item (e.g. params); reads only it")
     add_rules(parser, ("unstack",))
+    add_reading(parser)
     parser.add_argument("-o", "--output", default=None, metavar="IMAGE",
                         help="image to write (default: norms.png, or heatmap.png, beside METRICS; with several, "
                              "and for --stats (stats_STAT.png), in the current folder)")
@@ -207,8 +210,12 @@ def main(args: argparse.Namespace) -> int:
     if len(paths) == 1 and args.stats is None and args.heatmap is None and healthplot.is_health_dump(paths[0]):
         return _plot_health_dump(paths[0], args.output)
     if args.stats is None:
-        if args.depth is not None or args.item is not None or args.unstack:
-            raise UsageError("--depth, --item and --unstack apply to --stats (a checkpoint's statistics)")
+        reading = reading_given(args)
+        if args.depth is not None or args.item is not None or args.unstack or reading:
+            given = [f for f, v in (("--depth", args.depth is not None), ("--item", args.item is not None),
+                                    ("--unstack", bool(args.unstack))) if v] + reading
+            raise UsageError(f"{', '.join(given)}: these flags apply to --stats (a checkpoint's statistics); "
+                             "metrics files are read whole")
     elif args.heatmap is not None:
         raise UsageError("--heatmap draws metrics files, --stats a checkpoint; give one of them")
     elif len(paths) != 1:
@@ -226,9 +233,12 @@ def main(args: argparse.Namespace) -> int:
     _check_output(output, image_formats(), reads=paths[0] if args.stats is not None else None)
     if args.stats is not None:
         fig = plot_stats(paths[0], args.stats, keys=args.keys, depth=args.depth, item=args.item,
-                         rules=rules_from(args))
+                         rules=rules_from(args), read=read_options(args))
     else:
         fig = plot_metrics(_read_runs(paths), keys=args.keys, heatmap=args.heatmap)
+    share = getattr(args, "share", None)
+    if share is not None and share.index != 0:
+        return 0  # --processes: each process read its share; process 0 writes the one image
     _save(fig, output)
     _output.out(output)
     return 0

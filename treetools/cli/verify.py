@@ -41,7 +41,7 @@ import os
 
 from treetools.cli import KNOWN_ERRORS, _output, error_text
 from treetools.cli.options import (
-    add_allow_unread, add_output_format, add_prefix, add_processes, add_reading, add_step, options_from,
+    add_allow_unread, add_output_format, add_prefix, add_reading, add_step, options_from,
 )
 
 
@@ -51,7 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prefix(parser)
     add_output_format(parser, ("table", "json"))
     add_reading(parser)
-    add_processes(parser)
     add_allow_unread(parser)
 
 

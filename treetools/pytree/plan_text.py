@@ -134,7 +134,7 @@ def render_plan(plan: Any) -> str:
             shown = ", ".join(safe_text(p, width=40) for p in h.over_budget[:3])
             lines += _wrap(f"host: {len(h.over_budget)} stored chunk(s) over the memory budget of "
                          f"{_b(h.memory_budget)} ({shown}{', ...' if len(h.over_budget) > 3 else ''}): a restore "
-                         "refuses them; raise --memory-budget-mb")
+                         "refuses them; raise --memory-budget")
     for e in getattr(plan, "estimates", []):
         lines += _wrap(f"estimate: {e.name} {_b(e.bytes) if e.bytes >= 0 else '-' + _b(-e.bytes)} = {e.formula}")
     shardable = plan.replicated

@@ -365,7 +365,7 @@ Slurm read ``16G``; any case."""
 
 def parse_size(size: int | float | str, *, what: str = "size", bare: int = 1, unbounded: bool = False) -> int:
     """Bytes from ``5GB`` (decimal), ``80GiB`` or ``16G`` (binary: ``_SIZE_UNITS``) or a bare number of ``bare``
-    bytes (1: bytes; ``--memory-budget-mb``: 2**20).
+    bytes (1: bytes, every size flag; 2**20 for the older ``--memory-budget-mb``).
 
     ``what`` names the argument in the error (``shard_size``, ``--device-memory``); ``unbounded`` also takes
     ``inf`` (no limit: returns ``math.inf``).
@@ -387,12 +387,21 @@ def parse_size(size: int | float | str, *, what: str = "size", bare: int = 1, un
         m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)", text)
         unit = m.group(2).upper() if m else None
         if m is None or (unit and unit not in _SIZE_UNITS):
-            raise ValueError(f"`{what}` {size!r} is not a size; write a number with a unit such as 16G or 2GiB "
-                             "(binary), 500MB (decimal), or a bare number of "
-                             f"{'bytes' if bare == 1 else 'MiB' if bare == 2**20 else f'{bare}-byte units'}.")
+            raise ValueError(f"`{what}` {size!r} is not a size; {size_forms(bare, unbounded)}.")
         value = float(m.group(1)) * (_SIZE_UNITS[unit] if unit else bare)
     if value == math.inf and unbounded:
         return math.inf  # type: ignore[return-value]
     if not value >= 1 or value == math.inf:
-        raise ValueError(f"`{what}` must be positive, got {size!r}.")
+        raise ValueError(f"`{what}` must be positive, got {size!r}; {size_forms(bare, unbounded)}.")
     return int(value)
+
+
+def size_forms(bare: int = 1, unbounded: bool = False) -> str:
+    """The forms ``parse_size`` takes, as every size error says them.
+
+    >>> size_forms()
+    'write a number with a unit such as 16G or 2GiB (binary), 500MB (decimal), or a bare number of bytes'
+    """
+    unit = "bytes" if bare == 1 else "MiB" if bare == 2**20 else f"{bare}-byte units"
+    return (f"write a number with a unit such as 16G or 2GiB (binary), 500MB (decimal), or a bare number of {unit}"
+            + (", or inf (no limit)" if unbounded else ""))
