@@ -89,9 +89,9 @@ With ``--rules FILE`` the flags come after the file's rules (``Rules.merge``).
 >>> [(t.path, t.shape, t.dtype.name) for t in plan]
 [('h.0.weight', (8, 4), 'bfloat16'), ('h.1.weight', (8, 4), 'bfloat16'), ('step', (), 'int32')]
 >>> print(plan)
-source       -> target      shape                dtype
-layers/w[0]  -> h.0.weight  (2, 4, 8) -> (8, 4)  float32 -> bfloat16
-layers/w[1]  -> h.1.weight  (2, 4, 8) -> (8, 4)  float32 -> bfloat16
+source       -> target      shape                dtype                rules
+layers/w[0]  -> h.0.weight  (2, 4, 8) -> (8, 4)  float32 -> bfloat16  unstack [0], transpose (1, 0), cast bfloat16
+layers/w[1]  -> h.1.weight  (2, 4, 8) -> (8, 4)  float32 -> bfloat16  unstack [1], transpose (1, 0), cast bfloat16
 step         -> step        ()                   int32
 """
 
