@@ -745,7 +745,7 @@ def test_describe_takes_path_strings_shapes_and_dtypes_optional():
         ("opt_state/mu", None, None, ("drop",)),
     ]
     assert format_rows(rows).splitlines() == [
-        "source               -> target        shape  dtype             rules",
+        "source               -> target        shape  dtype          rules",
         "params/dense/kernel  -> dense.weight         ? -> bfloat16  transpose (1, 0), cast bfloat16",
         "step                 -> step                 ? -> float32   cast float32",
         "opt_state/mu         (dropped)",

@@ -405,9 +405,10 @@ class Pad(Node):
 
     def op(self) -> str:
         s = self.spec
-        mean = f" mean {s.mean:g}" if s.mean else ""
-        how = {"zeros": "zeros", "normal": f"normal{mean} stddev {s.stddev:g} seed {s.seed}",
-               "uniform": f"uniform {s.low:g}..{s.high:g} seed {s.seed}"}[s.init]
+        if s.init == "normal":
+            how = f"normal{f' mean {s.mean:g}' if s.mean else ''} stddev {s.stddev:g} seed {s.seed}"
+        else:
+            how = "zeros" if s.init == "zeros" else f"uniform {s.low:g}..{s.high:g} seed {s.seed}"
         return f"pad axis {s.axis} to {s.size} ({how})"
 
     def chunk(self, source_chunk: Any) -> Shape | None:
