@@ -523,3 +523,26 @@ def test_load_parameters_and_restore_onto_8_devices_with_layout_rules(tmp_path, 
                                                                                  "to": "interleaved"}]]})
     with pytest.raises(tt.CheckpointMismatchError, match="not a multiple of head_dim 8"):
         tt.restore_checkpoint(str(tmp_path / "model.safetensors"), None, {"default": target}, rules=bad)
+
+
+def test_docs_layout_section_python_toml_and_flags_are_one_rules(tmp_path, monkeypatch):
+    import re
+    import shlex
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "rules.md").read_text()
+    section = doc[doc.index("## Layout rules"):]
+    blocks = re.findall(r"```(\w*)\n(.*?)```", section, flags=re.S)
+    python, = [b for lang, b in blocks if lang == "python" and "to_jax = " in b]
+    toml, = [b for lang, b in blocks if lang == "toml"]
+    flags, = [b for lang, b in blocks if lang == "" and b.startswith("--rename")]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(python, namespace)  # noqa: S102 - the page's own example, which checks itself against numpy
+    (tmp_path / "layout.toml").write_text(toml)
+    words = shlex.split(flags)
+    kwargs: dict = {}
+    for flag, value in zip(words[::2], words[1::2]):
+        kwargs.setdefault(flag.removeprefix("--"), []).append(value)
+    assert Rules.from_file(tmp_path / "layout.toml") == namespace["to_jax"]
+    assert Rules.from_cli(**kwargs) == namespace["to_jax"]
