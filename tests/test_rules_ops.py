@@ -98,7 +98,8 @@ def test_split_equal_and_by_sizes_is_np_split():
 
 def test_concat_joins_in_the_order_of_parts_not_of_the_leaves():
     arrays = rng_arrays(**{"l0__up_proj": (5, DM), "l0__gate_proj": (4, DM), "l0__norm": (DM,)})
-    rules = Rules(concat=[(r"\.(?P<part>gate|up)_proj$", {"name": ".gate_up_proj", "axis": 0, "parts": ["gate", "up"]})])
+    rules = Rules(concat=[(r"\.(?P<part>gate|up)_proj$",
+                           {"name": ".gate_up_proj", "axis": 0, "parts": ["gate", "up"]})])
     got = read_all(rules, arrays)
     assert list(got) == ["l0.gate_up_proj", "l0.norm"]  # where its first leaf was
     assert bits(got["l0.gate_up_proj"], np.concatenate([arrays["l0.gate_proj"], arrays["l0.up_proj"]], axis=0))
@@ -293,7 +294,8 @@ def test_plan_text_shows_each_op_with_shapes_before_any_read():
     assert " ".join(text[1].split()) == ("c_attn -> q (6, 36) -> (6, 3, 4) float32 split axis 1 [0:12], "
                                          "reshape (6, 3, 4), permute to interleaved axis 2 head_dim 4")
     assert " ".join(text[3].split()) == "c_attn -> v (6, 36) -> (6, 12) float32 split axis 1 [24:36]"
-    assert " ".join(text[4].split()) == "wte -> wte (11, 6) -> (16, 6) float32 pad axis 0 to 16 (normal stddev 0.02 seed 1)"
+    assert " ".join(text[4].split()) == ("wte -> wte (11, 6) -> (16, 6) float32 pad axis 0 to 16 "
+                                         "(normal stddev 0.02 seed 1)")
     assert text[5].split()[:3] == ["wte", "->", "head"] and "tie of wte, transpose (1, 0)" in text[5]
     # paths alone: the mapping of the names, the shapes unknown
     rows = rules.describe(["c_attn", "wte"])
@@ -464,8 +466,9 @@ def test_convert_dry_run_shows_the_plan_and_a_bad_rule_writes_nothing(tmp_path, 
 
 
 def test_cli_flags_and_a_rules_file_give_the_same_rules(tmp_path):
-    from treetools.cli.options import add_rules, rules_from
     import argparse
+
+    from treetools.cli.options import add_rules, rules_from
 
     parser = argparse.ArgumentParser()
     add_rules(parser)
@@ -495,7 +498,8 @@ def test_cli_flags_and_a_rules_file_give_the_same_rules(tmp_path):
 def test_load_parameters_and_restore_onto_8_devices_with_layout_rules(tmp_path, devices):
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
     from safetensors.numpy import save_file
 
     hf = _llama()
@@ -505,19 +509,23 @@ def test_load_parameters_and_restore_onto_8_devices_with_layout_rules(tmp_path, 
     assert sorted(loaded) == sorted(want)
     for p, value in want.items():
         assert bits(np.asarray(loaded[p]), value), p
-    mesh = jax.make_mesh((8,), ("fsdp",))
-    fsdp = NamedSharding(mesh, P(None, "fsdp"))  # [L, d, H, D]: d=6 is not split by 8; shard the vocab instead
-    target = {"layers": {"attn": {p: {"kernel": jax.ShapeDtypeStruct((2, DM, H, D), jnp.float32,
-                                                                       sharding=NamedSharding(mesh, P()))}
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    # every device its own block: a layer and one entry of head_dim (through the permute and the reshape) of each
+    # kernel, two rows of the padded embedding (the last ones drawn), two columns of the tied head
+    heads = NamedSharding(mesh, P("a", None, None, "b"))
+    rows, cols = NamedSharding(mesh, P(("a", "b"))), NamedSharding(mesh, P(None, ("a", "b")))
+    target = {"layers": {"attn": {p: {"kernel": jax.ShapeDtypeStruct((2, DM, H, D), jnp.float32, sharding=heads)}
                                   for p in "qk"}},
-              "embed": {"embedding": jax.ShapeDtypeStruct((16, DM), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))},
-              "lm_head": {"kernel": jax.ShapeDtypeStruct((DM, 16), jnp.float32, sharding=fsdp)}}
+              "embed": {"embedding": jax.ShapeDtypeStruct((16, DM), jnp.float32, sharding=rows)},
+              "lm_head": {"kernel": jax.ShapeDtypeStruct((DM, 16), jnp.float32, sharding=cols)}}
     out = tt.flatten(tt.restore_checkpoint(str(tmp_path / "model.safetensors"), None, {"default": target},
                                            rules=LLAMA_RULES)["default"])
     for p, value in want.items():
         assert bits(np.asarray(out[p]), value), p
-    assert out["lm_head/kernel"].sharding == fsdp
-    assert out["embed/embedding"].addressable_shards[1].data.shape == (2, DM)  # each device its own rows
+    assert out["lm_head/kernel"].sharding == cols and out["layers/attn/q/kernel"].sharding == heads
+    for shard in out["layers/attn/k/kernel"].addressable_shards:
+        assert shard.data.shape == (1, DM, H, 1)
+        assert bits(np.asarray(shard.data), want["layers/attn/k/kernel"][shard.index])
     # a rule that does not fit is a problem of the restore plan, raised before any read
     bad = Rules(**{**LLAMA_RULES.to_dict(), "permute": [[r"attn/(q|k)/kernel$", {"axis": 2, "head_dim": 8,
                                                                                  "to": "interleaved"}]]})

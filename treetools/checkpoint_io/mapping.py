@@ -20,12 +20,12 @@ from typing import Any, Collection, Mapping
 
 import numpy as np
 
-from treetools.checkpoint_io.readers import ArrayReader, Index, check_budget
 from treetools.checkpoint_io.leaves import Item, Leaf, array_row, stored_path
-from treetools.shared.errors import RulesError
+from treetools.checkpoint_io.readers import ArrayReader, Index, check_budget
 from treetools.rules.blocks import Box, Piece
 from treetools.rules.plan import RulesPlan, TargetLeaf
 from treetools.rules.spec import Rules
+from treetools.shared.errors import RulesError
 
 
 class RuledReader(ArrayReader):

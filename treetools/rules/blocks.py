@@ -384,8 +384,10 @@ class Pad(Node):
         if key not in reading.cache:
             reading.hold(math.prod(shape) * 8, f"the {shape} new entries `pad` draws ({s.init})")
             rng = np.random.default_rng(s.seed)
-            drawn = (rng.normal(s.mean, s.stddev, size=shape) if s.init == "normal" else
-                     rng.uniform(s.low, s.high, size=shape))
+            if s.init == "normal":
+                drawn = rng.normal(s.mean, float(s.stddev or 0.0), size=shape)
+            else:
+                drawn = rng.uniform(float(s.low or 0.0), float(s.high or 0.0), size=shape)
             reading.cache[key] = drawn.astype(self.dtype)
         return reading.cache[key]
 

@@ -296,7 +296,9 @@ class Reshape(_Spec):
     def __str__(self) -> str:
         if self.shape is not None:
             return str(list(self.shape))
-        return f"axis {self.axis} into {list(self.into or ())}" if self.into is not None else f"merge {list(self.merge or ())}"
+        if self.into is not None:
+            return f"axis {self.axis} into {list(self.into)}"
+        return f"merge {list(self.merge or ())}"
 
 
 check_reshape = _checker(Reshape, "reshape")

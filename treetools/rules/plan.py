@@ -20,8 +20,8 @@ from typing import Any, Collection, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from treetools.rules.blocks import Cast, Node, Piece, Read, Stack, Transpose, ops, source_text, structure
 from treetools.rules import stages
+from treetools.rules.blocks import Cast, Node, Piece, Read, Stack, Transpose, ops, source_text, structure
 from treetools.rules.dtypes import dtype_text, kind, resolve_dtype, source_dtype
 from treetools.shared.errors import RulesError
 from treetools.shared.patterns import nearby

@@ -23,9 +23,22 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Sequence
 
-from treetools.rules.ops import (check_concat, check_pad, check_permute, check_reshape, check_slice, check_split,
-                                 check_tie, parse_concat, parse_pad, parse_permute, parse_reshape, parse_slice,
-                                 parse_split, parse_tie)
+from treetools.rules.ops import (
+    check_concat,
+    check_pad,
+    check_permute,
+    check_reshape,
+    check_slice,
+    check_split,
+    check_tie,
+    parse_concat,
+    parse_pad,
+    parse_permute,
+    parse_reshape,
+    parse_slice,
+    parse_split,
+    parse_tie,
+)
 from treetools.shared.patterns import compile_patterns
 
 if TYPE_CHECKING:  # annotations only: the planner imports numpy
