@@ -554,3 +554,42 @@ def test_docs_layout_section_python_toml_and_flags_are_one_rules(tmp_path, monke
         kwargs.setdefault(flag.removeprefix("--"), []).append(value)
     assert Rules.from_file(tmp_path / "layout.toml") == namespace["to_jax"]
     assert Rules.from_cli(**kwargs) == namespace["to_jax"]
+
+
+def test_convert_streams_layout_rules_in_blocks_not_whole_leaves(tmp_path, monkeypatch):
+    # A spy on the safetensors file reader: every block convert reads from the source, through reshape, permute,
+    # transpose, stack, pad and tie, is a few target blocks' worth, never a whole leaf.
+    from safetensors.numpy import load_file, save_file
+
+    from treetools.checkpoint_io.readers import FileReader
+
+    L, big_h, big_d, width = 2, 8, 16, 32
+    rng = np.random.default_rng(1)
+    hf = {f"model.layers.{i}.self_attn.{p}_proj.weight": rng.standard_normal((big_h * big_d, width)).astype(np.float32)
+          for i in range(L) for p in "qk"}
+    hf["model.embed_tokens.weight"] = rng.standard_normal((100, width)).astype(np.float32)
+    save_file(hf, tmp_path / "model.safetensors")
+    rules = Rules(**{**LLAMA_RULES.to_dict(),
+                     "reshape": [[r"attn/(q|k)/kernel$", {"axis": 1, "into": [-1, big_d]}]],
+                     "permute": [[r"attn/(q|k)/kernel$", {"axis": 2, "head_dim": big_d, "to": "interleaved"}]],
+                     "pad": [[r"^embed/embedding$", {"axis": 0, "size": 128}]]})
+    sizes: list[int] = []
+    real = FileReader.read
+
+    def spy(self, index):
+        block = real(self, index)
+        sizes.append(block.size)
+        return block
+
+    monkeypatch.setattr(FileReader, "read", spy)
+    block_bytes = 1024  # 256 float32 per block; a leaf is 4096 (q, k) or 3200 (the embedding)
+    assert tt.convert(str(tmp_path / "model.safetensors"), str(tmp_path / "out.safetensors"), rules=rules,
+                      block_bytes=block_bytes).rows
+    monkeypatch.setattr(FileReader, "read", real)
+    assert sizes and max(sizes) <= 2 * block_bytes // 4, max(sizes)
+    got = load_file(tmp_path / "out.safetensors")
+    q0 = hf["model.layers.0.self_attn.q_proj.weight"]
+    inter = q0.reshape(big_h, 2, big_d // 2, width).transpose(0, 2, 1, 3).reshape(big_h, big_d, width)
+    assert bits(got["layers.attn.q.kernel"][0], inter.transpose(2, 0, 1))
+    assert bits(got["lm_head.kernel"], np.concatenate([hf["model.embed_tokens.weight"],
+                                                      np.zeros((28, width), np.float32)]).T)
