@@ -593,3 +593,27 @@ def test_convert_streams_layout_rules_in_blocks_not_whole_leaves(tmp_path, monke
     assert bits(got["layers.attn.q.kernel"][0], inter.transpose(2, 0, 1))
     assert bits(got["lm_head.kernel"], np.concatenate([hf["model.embed_tokens.weight"],
                                                       np.zeros((28, width), np.float32)]).T)
+
+
+def test_unstack_of_layers_on_another_axis_as_maxtext_keeps_them():
+    # MaxText's scanned kernels keep the layers on axis 1: [d, L, H, D]; `(pattern, axis)` unstacks them there
+    kernel = rng_arrays(k=(DM, 3, H, D))["k"]
+    rules = Rules(unstack=[(r"^decoder/layers/", 1)], rename={r"^decoder/layers/(\d+)/q$": r"h.\1.q"},
+                  reshape={r"^h\.\d+\.q$": {"merge": [1, 2]}}, transpose={r"^h\.\d+\.q$": (1, 0)})
+    got = read_all(rules, {"decoder/layers/q": kernel})
+    for i in range(3):
+        assert bits(got[f"h.{i}.q"], kernel[:, i].reshape(DM, H * D).T), i
+    plan = rules.plan({"decoder/layers/q": kernel})
+    assert plan["h.1.q"].row().source == "decoder/layers/q[:, 1]"
+    assert plan["h.1.q"].row().ops[0] == "unstack axis 1 [1]"
+    # and back: stack (a new axis 0), then the layers moved to axis 1 by a transpose
+    back = Rules(rename={r"^h\.(\d+)\.q$": r"decoder/layers/\1/q"}, stack=["decoder/layers/"],  # [L, H*D, d]
+                 reshape={"^decoder/layers/q$": {"axis": 1, "into": [H, D]}},
+                 transpose={"^decoder/layers/q$": (3, 0, 1, 2)})
+    stacked = read_all(back, {f"h.{i}.q": got[f"h.{i}.q"] for i in range(3)})["decoder/layers/q"]
+    assert bits(stacked, kernel)
+    assert Rules(unstack=[("a", 0)]) == Rules(unstack=["a"]) and Rules(unstack=[("a", 1)]).to_dict() == {
+        "unstack": [["a", 1]]}
+    assert Rules.from_cli(unstack=["^decoder/layers/=>axis=1"]) == Rules(unstack=[("^decoder/layers/", 1)])
+    with pytest.raises(RulesError, match=r"matches `w`, which has shape \(2,\), no layer axis 1"):
+        Rules(unstack=[("w", 1)]).plan([("w", (2,), "f4")])

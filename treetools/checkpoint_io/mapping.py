@@ -89,7 +89,9 @@ class RuledReader(ArrayReader):
         index = tuple(slice(a, b) for a, b in box)
         if piece.layer is None:
             return np.asarray(self._read_source(piece.path, index))
-        return np.asarray(self._read_source(piece.path, (slice(piece.layer, piece.layer + 1), *index)))[0]
+        a = piece.axis
+        block = self._read_source(piece.path, (*index[:a], slice(piece.layer, piece.layer + 1), *index[a:]))
+        return np.asarray(block).take(0, axis=a)
 
     def hold(self, nbytes: int, what: str) -> None:
         """Refuse to make ``nbytes`` at once over the memory budget (``treetools.rules.blocks.Reading``)."""

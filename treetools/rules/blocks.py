@@ -56,9 +56,11 @@ class Piece:
 
     path: str
     layer: int | None = None
+    axis: int = 0
+    """The source's layer axis (``unstack`` of ``(pattern, axis)``)."""
 
     def __str__(self) -> str:
-        return self.path if self.layer is None else f"{self.path}[{self.layer}]"
+        return self.path if self.layer is None else f"{self.path}[{':, ' * self.axis}{self.layer}]"
 
 
 class Reading(Protocol):
@@ -125,13 +127,15 @@ class Read(Node):
         return np.asarray(reading.fetch(self.piece, box))
 
     def op(self) -> str | None:
-        return None if self.piece.layer is None else f"unstack [{self.piece.layer}]"
+        p = self.piece
+        return None if p.layer is None else f"unstack {'axis ' + str(p.axis) + ' ' if p.axis else ''}[{p.layer}]"
 
     def chunk(self, source_chunk: Any) -> Shape | None:
         chunk = source_chunk(self.piece.path)
         if chunk is None:
             return None
-        return tuple(chunk[1:]) if self.piece.layer is not None else tuple(chunk)
+        a = self.piece.axis
+        return tuple(chunk[:a]) + tuple(chunk[a + 1:]) if self.piece.layer is not None else tuple(chunk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,11 +476,11 @@ def source_text(node: Node) -> str:
         return str(node.piece)
     if isinstance(node, Stack):
         reads = [p for p in node.parts if isinstance(p, Read)]
-        if len(reads) == len(node.parts) and len({r.piece.path for r in reads}) == 1:
+        if len(reads) == len(node.parts) and len({(r.piece.path, r.piece.axis) for r in reads}) == 1:
             layers = [r.piece.layer for r in reads]
             start = layers[0] or 0
             if layers == list(range(start, start + len(layers))):
-                return f"{reads[0].piece.path}[{start}..{layers[-1]}]"
+                return f"{reads[0].piece.path}[{':, ' * reads[0].piece.axis}{start}..{layers[-1]}]"
         return f"{source_text(node.parts[0])} .. {source_text(node.parts[-1])} ({len(node.parts)})"
     if isinstance(node, Concat):
         return " + ".join(source_text(p) for p in node.parts)

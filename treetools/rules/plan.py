@@ -350,8 +350,11 @@ class _Planner:
                 out.append(node)
                 continue
             pat = self.rules.compiled("unstack")[k]
+            entry = self.rules.unstack[k]
+            axis = entry[1] if isinstance(entry, tuple) else 0
             shape = node.shape
             fix = "narrow the pattern so that it matches only stacked (scanned) leaves"
+            where = "leading axis" if axis == 0 else f"axis {axis}"
             if not node.known:  # a path alone: the layer count is num_layers, or unknown
                 if self.num_layers is None:
                     self.problems.append(
@@ -359,28 +362,29 @@ class _Planner:
                         "its shape (a (path, shape, dtype) triple) or num_layers=."
                     )
                     continue
-            elif shape is None or not shape or shape[0] == 0:
-                what = "is not an array" if shape is None else f"has shape {shape}, no leading layer axis"
+            elif shape is None or len(shape) <= axis or shape[axis] == 0:
+                missing = "leading layer axis" if axis == 0 else f"layer axis {axis}"
+                what = "is not an array" if shape is None else f"has shape {shape}, no {missing}"
                 self.problems.append(f"`unstack` pattern {pat.pattern!r} matches `{node.path}`, which {what}; {fix}.")
                 continue
-            elif self.num_layers is not None and shape[0] != self.num_layers:
+            elif self.num_layers is not None and shape[axis] != self.num_layers:
                 self.problems.append(
-                    f"`unstack` pattern {pat.pattern!r}: `{node.path}` has shape {shape}, whose leading axis is "
+                    f"`unstack` pattern {pat.pattern!r}: `{node.path}` has shape {shape}, whose {where} is "
                     f"not the {self.num_layers} layers expected; {fix}, or fix num_layers."
                 )
                 continue
             match = pat.search(node.path)
             if shape is not None:
-                self.check_target_layers(node, match, shape)
-            for i in range(self.num_layers if shape is None else shape[0]):
+                self.check_target_layers(node, match, shape[axis])
+            inner = None if shape is None else shape[:axis] + shape[axis + 1:]
+            for i in range(self.num_layers if shape is None else shape[axis]):
                 out.append(dataclasses.replace(
                     node, path=insert_index(node.path, match, i),
-                    node=Read(None if shape is None else shape[1:], node.dtype, Piece(node.path, i)),
-                    shape=None if shape is None else shape[1:],
+                    node=Read(inner, node.dtype, Piece(node.path, i, axis)), shape=inner,
                 ))
         return out
 
-    def check_target_layers(self, node: TargetLeaf, match: re.Match, shape: Shape) -> None:
+    def check_target_layers(self, node: TargetLeaf, match: re.Match, layers: int) -> None:
         """With ``targets``: the layers of an unstacked leaf that the target names must be 0 .. L-1."""
         if self.targets is None:
             return
@@ -390,10 +394,10 @@ class _Planner:
                 named += 1
         except (re.error, IndexError):
             return  # a bad replacement: the rename stage names it
-        if named and named != shape[0]:
+        if named and named != layers:
             first, last = (self.renamed(insert_index(node.path, match, i)) for i in (0, named - 1))
             self.problems.append(
-                f"`unstack`: `{node.path}` has shape {shape}, {shape[0]} layers, but the target has {named} "
+                f"`unstack`: `{node.path}` has shape {node.shape}, {layers} layers, but the target has {named} "
                 f"(`{first}` .. `{last}`); restore a checkpoint with as many layers or fix the target's layer count."
             )
 

@@ -190,6 +190,48 @@ class Patterns:
         return tuple(given)
 
 
+class LayerPatterns(Patterns):
+    """``unstack``'s patterns: each a regex (the layer axis is 0) or ``(pattern, axis)`` for another layer axis
+    (MaxText keeps its scanned layers on axis 1); ``'RE=>axis=A'`` on the command line."""
+
+    def python(self, name: str) -> str:
+        return f"{name}=[pattern or (pattern, axis), ...]"
+
+    def normalize(self, value: Any, name: str) -> tuple[Any, ...]:  # type: ignore[override]
+        if value is None:
+            return ()
+        if isinstance(value, (str, re.Pattern)):
+            value = [value]
+        out: list[Any] = []
+        for v in value:
+            if isinstance(v, (list, tuple)):
+                if len(v) != 2 or isinstance(v[1], bool) or not isinstance(v[1], numbers.Integral) or v[1] < 0:
+                    raise TypeError(f"`{name}` takes patterns or (pattern, axis) pairs with an axis >= 0, got {v!r}.")
+                out.append(_pattern(v[0], name) if v[1] == 0 else (_pattern(v[0], name), int(v[1])))
+            else:
+                out.append(_pattern(v, name))
+        return tuple(out)
+
+    def patterns(self, value: tuple[Any, ...]) -> list[str]:
+        return [v[0] if isinstance(v, tuple) else v for v in value]
+
+    def to_json(self, value: tuple[Any, ...]) -> list[Any]:
+        return [list(v) if isinstance(v, tuple) else v for v in value]
+
+    def from_flags(self, given: Iterable[str]) -> tuple[Any, ...]:
+        out = []
+        for text in given:
+            pattern, arrow, rest = text.partition("=>")
+            if not arrow:
+                out.append(text)
+                continue
+            key, _, axis = rest.strip().partition("=")
+            if key != "axis" or not axis.isdecimal() or "=>" in rest:
+                raise ValueError(f"`--unstack` {text!r}: write RE, or RE=>axis=A for a layer axis other than 0.")
+            out.append((pattern, int(axis)))
+        return self.normalize(out, "unstack")
+
+
 @dataclasses.dataclass(frozen=True)
 class Pairs:
     """``[(pattern, value), ...]`` or ``{pattern: value}``, in order (the first matching rule wins).
@@ -295,7 +337,7 @@ class RuleField:
       syntax: how the flag's value is read, where there is more to say than the metavar (docs/rules.md).
     """
 
-    kind: Patterns | Pairs | FloatingDtype | Switch
+    kind: Patterns | LayerPatterns | Pairs | FloatingDtype | Switch
     meaning: str
     matched: str
     help: str
@@ -389,12 +431,14 @@ class Rules:
         meaning="`numpy.transpose(leaf, axes)`; first match wins", matched="target paths",
         metavar="'RE=AXES'", help="transpose the leaves RE matches, axes comma-separated: 'kernel$=1,0'",
         syntax="axes comma-separated (`'kernel$=0,2,1'`), split at the last `=`")
-    unstack: Sequence[str] = _rule(
-        _PATTERNS,
-        meaning="split a stacked (scanned) leaf of shape `(L, ...)` into `L` leaves of shape `(...)`",
+    unstack: Sequence[str | tuple[str, int]] = _rule(
+        LayerPatterns(),
+        meaning="split a stacked (scanned) leaf of shape `(L, ...)` into `L` leaves of shape `(...)`; "
+                "`(pattern, axis)` when the layers are another axis (`(d, L, ...)` is axis 1)",
         matched="checkpoint paths (after keep/drop)",
         metavar="RE", help="split a stacked (scanned) leaf of shape (L, ...) into L leaves: "
-                           "layers/attn/q -> layers/0/attn/q ...")
+                           "layers/attn/q -> layers/0/attn/q ...; 'RE=>axis=1' for layers on axis 1",
+        syntax="`'RE=>axis=A'` for a layer axis other than 0")
     stack: Sequence[str] = _rule(
         _PATTERNS, meaning="the inverse of unstack: per-layer leaves become one leaf with a new axis 0",
         matched="paths after rename", metavar="RE", help="the inverse of --unstack")
