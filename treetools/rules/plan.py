@@ -3,7 +3,8 @@
 ``plan_rules(rules, leaves)`` (``Rules.plan``) runs the stages in order,
 each over the paths of its own stage (``treetools.rules`` tells the order)::
 
-    keep / drop  ->  unstack  ->  rename  ->  stack  ->  transpose  ->  cast
+    keep / drop  ->  unstack  ->  split  ->  rename  ->  stack  ->  concat  ->  reshape  ->  permute
+                 ->  transpose  ->  slice  ->  pad  ->  tie  ->  cast
 
 and returns a ``RulesPlan`` of ``TargetLeaf``\\ s, or raises one
 ``RulesError`` with every problem of the first stage that has any. Nothing
