@@ -5,9 +5,11 @@ field's metadata, a ``RuleField``): its kind (how a value is checked, merged,
 written as JSON and read from its command-line flag), what it means and the
 paths its patterns see (docs/rules.md's table is ``fields_markdown()``), and
 its flag's metavar and help (``treetools.cli.options.add_rules`` builds the
-rules flags from ``FIELDS``). A new rule is a row here and its stage in the
-planner (``treetools.rules.plan``), and, when it changes data, its step in
-the block reader (``treetools.checkpoint_io.mapping.RuledReader``).
+rules flags from ``FIELDS``). A new rule is a row here (its value's kind,
+and for a structured value its spec in ``treetools.rules.ops``), its stage in
+the planner (``treetools.rules.plan``, ``treetools.rules.stages``), and, when
+it changes data, its step in ``treetools.rules.blocks``, which the block
+reader (``treetools.checkpoint_io.mapping.RuledReader``) reads through.
 
 Standard library only at import: the CLI builds its flags from this table
 before numpy loads. A dtype name is resolved (numpy, ml_dtypes) when a
