@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 
 PERMUTE_LAYOUTS = ("half", "interleaved")
 """Rotary layouts: ``half`` pairs element ``i`` of a head with ``i + rotary_dim/2`` (Hugging Face's
-``rotate_half``); ``interleaved`` pairs ``2i`` with ``2i + 1`` (Meta's original Llama, GPT-J, MaxText)."""
+``rotate_half``); ``interleaved`` pairs ``2i`` with ``2i + 1`` (Meta's original Llama checkpoints, GPT-J)."""
 INITIALIZERS = ("zeros", "normal", "uniform")
 """How ``pad`` fills new entries: zeros, or ``numpy.random.default_rng(seed).normal(mean, stddev, shape)`` /
 ``.uniform(low, high, shape)`` over the whole new region (docs/rules.md)."""
