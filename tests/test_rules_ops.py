@@ -617,3 +617,40 @@ def test_unstack_of_layers_on_another_axis_as_maxtext_keeps_them():
     assert Rules.from_cli(unstack=["^decoder/layers/=>axis=1"]) == Rules(unstack=[("^decoder/layers/", 1)])
     with pytest.raises(RulesError, match=r"matches `w`, which has shape \(2,\), no layer axis 1"):
         Rules(unstack=[("w", 1)]).plan([("w", (2,), "f4")])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_split_concat_and_permute_round_trips_of_random_shapes_read_in_random_blocks(data):
+    rank = data.draw(st.integers(1, 3))
+    shape = data.draw(st.lists(st.integers(1, 5), min_size=rank, max_size=rank))
+    axis = data.draw(st.integers(0, rank - 1))
+    heads, head_dim = data.draw(st.integers(1, 3)), 2 * data.draw(st.integers(1, 3))
+    shape[axis] = heads * head_dim
+    x = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    cuts = sorted(data.draw(st.sets(st.integers(1, shape[axis] - 1), max_size=3))) if shape[axis] > 1 else []
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, shape[axis]])]
+    names = [f"p{i}" for i in range(len(sizes))]
+    parts = read_all(Rules(split={"^w$": {"names": names, "axis": axis, "sizes": sizes}}), {"w": x}, blocks=((2,),))
+    for name, want in zip(names, np.split(x, np.cumsum(sizes)[:-1], axis=axis)):
+        assert bits(parts[name], want)
+    joined = read_all(Rules(concat={"^(?P<part>p\\d+)$": {"name": "w", "axis": axis, "parts": names}}), parts,
+                      blocks=((1,), (3,)))
+    assert bits(joined["w"], x)
+    rotary = 2 * data.draw(st.integers(1, head_dim // 2))
+    spec = {"axis": axis, "head_dim": head_dim, "rotary_dim": rotary, "to": data.draw(st.sampled_from(["half",
+                                                                                                        "interleaved"]))}
+    moved = read_all(Rules(permute={"w": spec}), {"w": x}, blocks=((1,), (2, 3)))["w"]
+    # by hand: each head's first `rotary` entries, half <-> interleaved
+    heads_x = np.moveaxis(x, axis, -1).reshape(*np.moveaxis(x, axis, -1).shape[:-1], heads, head_dim).copy()
+    rot = heads_x[..., :rotary]
+    if spec["to"] == "interleaved":  # entry 2i + a from a * R/2 + i
+        rot = rot.reshape(*rot.shape[:-1], 2, rotary // 2).swapaxes(-1, -2).reshape(rot.shape)
+    else:  # entry a * R/2 + i from 2i + a
+        rot = rot.reshape(*rot.shape[:-1], rotary // 2, 2).swapaxes(-1, -2).reshape(rot.shape)
+    heads_x[..., :rotary] = rot
+    want = np.moveaxis(heads_x.reshape(*heads_x.shape[:-2], heads * head_dim), -1, axis)
+    assert bits(moved, np.ascontiguousarray(want))
+    back = read_all(Rules(permute={"w": {**spec, "to": "half" if spec["to"] == "interleaved" else "interleaved"}}),
+                    {"w": moved}, blocks=((1,),))["w"]
+    assert bits(back, x)
