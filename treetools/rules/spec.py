@@ -474,7 +474,7 @@ class Rules:
         meaning="rotary layouts: along `axis` (whole heads of `head_dim`), each head's first `rotary_dim` (all) "
                 "entries reordered `to` `interleaved` (pairs `2i, 2i+1`) from `half` (pairs `i, i+R/2`, Hugging "
                 "Face's), or back",
-        matched="target paths", metavar="'RE=>axis=A head_dim=D to=half|interleaved'",
+        matched="target paths", metavar="'RE=>axis=A head_dim=D to=half|interleaved [rotary_dim=R]'",
         help="reorder each head's rotary entries along an axis: 'q_proj\\.weight$=>axis=0 head_dim=128 "
              "to=interleaved'",
         syntax="as `--split`")
