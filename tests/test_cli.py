@@ -350,6 +350,9 @@ def test_the_rules_flags_are_the_rules_field_table(tmp_path):
 
     values = {"rename": ["^a/(.*)$=>b.\\1"], "drop": ["^opt/"], "keep": ["^(a|opt)/"], "cast": ["(?=x)=float16"],
               "dtype": "bfloat16", "transpose": ["w$=1,0"], "unstack": ["^a/"], "stack": ["^c/"],
+              "split": ["f$=>names=g,u axis=0"], "concat": ["(?P<part>g|u)$=>name=gu axis=0 parts=g,u"],
+              "reshape": ["w$=>axis=0 into=-1,4"], "permute": ["q$=>axis=0 head_dim=4 to=half"],
+              "slice": ["e$=>axis=0 stop=3"], "pad": ["e$=>axis=0 size=8"], "tie": ["e$=>name=h axes=1,0"],
               "allow_unmatched": True}
     assert set(values) == set(FIELDS)  # a new field needs a value here
     (tmp_path / "r.json").write_text(json.dumps({"drop": ["^first$"], "cast": {"(?=x)": "float32"}}))
@@ -368,7 +371,12 @@ def test_the_rules_flags_are_the_rules_field_table(tmp_path):
         assert rules == Rules.from_cli(rules_file=tmp_path / "r.json", **values)
         assert rules == Rules(rename=[(r"^a/(.*)$", r"b.\1")], drop=["^first$", "^opt/"], keep=["^(a|opt)/"],
                               cast={"(?=x)": "float16"}, dtype="bfloat16", transpose={"w$": (1, 0)},
-                              unstack=["^a/"], stack=["^c/"], allow_unmatched=True)
+                              unstack=["^a/"], stack=["^c/"], split={"f$": {"names": ["g", "u"], "axis": 0}},
+                              concat={"(?P<part>g|u)$": {"name": "gu", "axis": 0, "parts": ["g", "u"]}},
+                              reshape={"w$": {"axis": 0, "into": [-1, 4]}},
+                              permute={"q$": {"axis": 0, "head_dim": 4, "to": "half"}},
+                              slice={"e$": {"axis": 0, "stop": 3}}, pad={"e$": {"axis": 0, "size": 8}},
+                              tie={"e$": {"name": "h", "axes": [1, 0]}}, allow_unmatched=True)
         assert rules_from(parser.parse_args([command, "A", "B"])) is None
     inspect = cli.build_parser("inspect")._subparsers._group_actions[0].choices["inspect"]  # noqa: SLF001
     flags = {o for a in inspect._actions for o in a.option_strings}  # noqa: SLF001

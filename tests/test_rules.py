@@ -143,6 +143,14 @@ FULL = Rules(
     transpose=[(r"\.weight$", (1, 0))],
     unstack=["params/layers"],
     stack=["experts/"],
+    split=[(r"c_attn\.weight$", {"names": ["q.weight", "k.weight", "v.weight"], "axis": 1})],
+    concat=[(r"\.(?P<part>gate|up)_proj\.weight$", {"name": ".gate_up_proj.weight", "axis": 0,
+                                                      "parts": ["gate", "up"]})],
+    reshape=[(r"q_proj\.weight$", (-1, 64, 0))],
+    permute=[(r"(q|k)_proj\.weight$", {"axis": 0, "head_dim": 64, "to": "interleaved"})],
+    slice=[(r"^lm_head", {"axis": 0, "stop": 32000})],
+    pad=[(r"embed_tokens\.weight$", {"axis": 0, "size": 32128, "init": "normal", "stddev": 0.02, "seed": 1})],
+    tie=[(r"^embed/embedding$", {"name": "lm_head/kernel", "axes": [1, 0]})],
     allow_unmatched=True,
 )
 
@@ -164,6 +172,27 @@ allow_unmatched = true
 
 [transpose]
 '\.weight$' = [1, 0]
+
+[split]
+'c_attn\.weight$' = {names = ['q.weight', 'k.weight', 'v.weight'], axis = 1}
+
+[concat]
+'\.(?P<part>gate|up)_proj\.weight$' = {name = '.gate_up_proj.weight', axis = 0, parts = ['gate', 'up']}
+
+[reshape]
+'q_proj\.weight$' = [-1, 64, 0]
+
+[permute]
+'(q|k)_proj\.weight$' = {axis = 0, head_dim = 64, to = 'interleaved'}
+
+[slice]
+'^lm_head' = {axis = 0, stop = 32000}
+
+[pad]
+'embed_tokens\.weight$' = {axis = 0, size = 32128, init = 'normal', stddev = 0.02, seed = 1}
+
+[tie]
+'^embed/embedding$' = {name = 'lm_head/kernel', axes = [1, 0]}
 """
 
 FULL_FLAGS = dict(
@@ -175,6 +204,13 @@ FULL_FLAGS = dict(
     transpose=[r"\.weight$=1,0"],
     unstack=["params/layers"],
     stack=["experts/"],
+    split=[r"c_attn\.weight$=>names=q.weight,k.weight,v.weight axis=1"],
+    concat=[r"\.(?P<part>gate|up)_proj\.weight$=>name=.gate_up_proj.weight axis=0 parts=gate,up"],
+    reshape=[r"q_proj\.weight$=-1,64,0"],
+    permute=[r"(q|k)_proj\.weight$=>axis=0 head_dim=64 to=interleaved"],
+    slice=[r"^lm_head=>axis=0 stop=32000"],
+    pad=[r"embed_tokens\.weight$=>axis=0 size=32128 init=normal stddev=0.02 seed=1"],
+    tie=[r"^embed/embedding$=>name=lm_head/kernel axes=1,0"],
     allow_unmatched=True,
 )
 
@@ -571,7 +607,7 @@ def test_reads_take_only_the_blocks_asked_for():
     plan = Rules(stack=["l/"]).plan(layers)
     block = RuledReader(plan["l/w"], {p: Recording(p, x, calls) for p, x in layers.items()}).read(
         (slice(1, 3), slice(0, 2)))
-    assert calls == [("l/1/w", (slice(0, 2), slice(None))), ("l/2/w", (slice(0, 2), slice(None)))]
+    assert calls == [("l/1/w", (slice(0, 2), slice(0, 8))), ("l/2/w", (slice(0, 2), slice(0, 8)))]  # whole: 0..8
     assert bits_equal(block, src[1:3, 0:2])
 
 
@@ -688,9 +724,10 @@ def test_describe_rows_and_text():
         ("opt_state/0/mu/embed", None, None, ("drop",)),  # dropped leaves come last
     ]
     text = format_rows(rows).splitlines()
-    assert text[0].split() == ["source", "->", "target", "shape", "dtype"]
+    assert text[0].split() == ["source", "->", "target", "shape", "dtype", "rules"]
     assert text[1].split() == ["params/layers/attn/q[0]", "->", "params/layers/0/attn/q", "(4,", "3,", "5)", "->",
-                               "(5,", "3)", "float32", "->", "bfloat16"]
+                               "(5,", "3)", "float32", "->", "bfloat16", "unstack", "[0],", "transpose", "(1,",
+                               "0),", "cast", "bfloat16"]
     assert text[-1].split() == ["opt_state/0/mu/embed", "(dropped)"]
     assert str(rules.plan(leaves)) == format_rows(rows)
 
@@ -708,9 +745,9 @@ def test_describe_takes_path_strings_shapes_and_dtypes_optional():
         ("opt_state/mu", None, None, ("drop",)),
     ]
     assert format_rows(rows).splitlines() == [
-        "source               -> target        shape  dtype",
-        "params/dense/kernel  -> dense.weight         ? -> bfloat16",
-        "step                 -> step                 ? -> float32",
+        "source               -> target        shape  dtype          rules",
+        "params/dense/kernel  -> dense.weight         ? -> bfloat16  transpose (1, 0), cast bfloat16",
+        "step                 -> step                 ? -> float32   cast float32",
         "opt_state/mu         (dropped)",
     ]
     # known metadata where given: the triples' rows are what describe(triples) gives

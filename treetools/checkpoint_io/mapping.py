@@ -20,25 +20,29 @@ from typing import Any, Collection, Mapping
 
 import numpy as np
 
-from treetools.checkpoint_io.readers import ArrayReader, Index, check_budget
 from treetools.checkpoint_io.leaves import Item, Leaf, array_row, stored_path
-from treetools.shared.errors import RulesError
-from treetools.rules.plan import Piece, RulesPlan, TargetLeaf
+from treetools.checkpoint_io.readers import ArrayReader, Index, check_budget
+from treetools.rules.blocks import Box, Piece
+from treetools.rules.plan import RulesPlan, TargetLeaf
 from treetools.rules.spec import Rules
+from treetools.shared.errors import RulesError
 
 
 class RuledReader(ArrayReader):
     """One target leaf of ``Rules``, read block by block from its source leaves' readers.
 
-    ``read(index)`` reads exactly the source blocks the target block needs:
-    an unstacked layer ``i`` reads ``(slice(i, i + 1), *index)`` of its
-    source; a transpose reads the permuted index and transposes; a stack
-    reads the same block of each layer the leading slice covers. The cast is
-    ``astype`` (bit-exact for a widening cast, numpy's (ml_dtypes')
-    round-to-nearest-even for a narrowing one; a complex -> real cast keeps
-    the real part). A source that can only stream front to back (a compressed
-    npz member) is read whole once, held to the memory budget, when a
-    transform needs random blocks of it.
+    ``read(index)`` reads exactly the source blocks the target block needs
+    (``treetools.rules.blocks``: the leaf's ``node`` maps the block onto its
+    sources): an unstacked layer ``i`` reads ``(slice(i, i + 1), *index)`` of
+    its source; a split piece or a slice reads its window; a transpose reads
+    the permuted index and transposes; a stack or a concat reads the same
+    block of each part the block covers; a reshape reads the source rows that
+    hold the block's elements; a permute reads the heads the block touches; a
+    pad reads the stored part and makes the new part. The cast is ``astype``
+    (bit-exact for a widening cast, numpy's (ml_dtypes') round-to-nearest-even
+    for a narrowing one; a complex -> real cast keeps the real part). A source
+    that can only stream front to back (a compressed npz member) is read whole
+    once, held to the memory budget, when a transform needs random blocks of it.
 
     Args:
       target: a ``TargetLeaf`` of an array (``Rules.plan``).
@@ -65,11 +69,10 @@ class RuledReader(ArrayReader):
         first = self._sources[target.source]
         self.context = first.context
         self.remote = any(r.remote for r in self._sources.values())
-        self.chunk_shape = _granule(target, first.chunk_shape)
+        chunk = target.node.chunk(lambda path: self._sources[path].chunk_shape)
+        self.chunk_shape = chunk if chunk is not None and len(chunk) == len(self.shape) else None
         self._whole: dict[str, np.ndarray] = {}
-        inverse = None if target.axes is None else tuple(np.argsort(target.axes))
-        # The leaf before the transpose: target axis j is its axis axes[j].
-        self._pre_shape = self.shape if inverse is None else tuple(self.shape[i] for i in inverse)
+        self.cache: dict[Any, Any] = {}  # what a step makes once per reader (the values `pad` draws)
 
     def _read_source(self, path: str, index: Index) -> np.ndarray:
         reader = self._sources[path]
@@ -81,38 +84,31 @@ class RuledReader(ArrayReader):
             self._whole[path] = np.asarray(reader.read_all())
         return self._whole[path][index]
 
-    def read(self, index: Index | None = None) -> np.ndarray:
-        """The block ``index`` (a tuple of slices; missing trailing axes are whole) of the target leaf."""
-        leaf = self._target
-        index = _full_index(index, self.shape)
-        pre = index
-        if leaf.axes is not None:
-            listed: list[slice] = [slice(None)] * len(index)
-            for j, a in enumerate(leaf.axes):
-                listed[a] = index[j]
-            pre = tuple(listed)
-        if leaf.stacked:
-            layers = range(len(leaf.pieces))[pre[0]]
-            blocks = [self._piece(leaf.pieces[i], pre[1:]) for i in layers]
-            if blocks:
-                block = np.stack(blocks)
-            else:
-                inner = tuple(len(range(n)[s]) for n, s in zip(self._pre_shape[1:], pre[1:]))
-                block = np.empty((0, *inner), leaf.source_dtype)
-        else:
-            block = self._piece(leaf.pieces[0], pre)
-        if leaf.axes is not None:
-            block = block.transpose(leaf.axes)
-        if leaf.cast is not None:
-            if block.dtype.kind == "c" and leaf.cast.kind != "c":
-                block = block.real
-            block = block.astype(leaf.cast)
-        return block
-
-    def _piece(self, piece: Piece, index: Index) -> np.ndarray:
+    def fetch(self, piece: Piece, box: Box) -> np.ndarray:
+        """The block ``box`` of one source piece (``treetools.rules.blocks.Reading``)."""
+        index = tuple(slice(a, b) for a, b in box)
         if piece.layer is None:
             return np.asarray(self._read_source(piece.path, index))
-        return np.asarray(self._read_source(piece.path, (slice(piece.layer, piece.layer + 1), *index)))[0]
+        a = piece.axis
+        block = self._read_source(piece.path, (*index[:a], slice(piece.layer, piece.layer + 1), *index[a:]))
+        return np.asarray(block).take(0, axis=a)
+
+    def hold(self, nbytes: int, what: str) -> None:
+        """Refuse to make ``nbytes`` at once over the memory budget (``treetools.rules.blocks.Reading``)."""
+        check_budget(nbytes, budget=self.budget, where=self._target.path, what=what)
+
+    def read(self, index: Index | None = None) -> np.ndarray:
+        """The block ``index`` (a tuple of slices; missing trailing axes are whole) of the target leaf."""
+        index = _full_index(index, self.shape)
+        spans = [s.indices(n) for s, n in zip(index, self.shape)]
+        box = tuple((a, max(a, b)) if step == 1 else (min(range(a, b, step), default=0),
+                                                       max(range(a, b, step), default=-1) + 1)
+                    for a, b, step in spans)
+        block = self._target.node.read(box, self)
+        if all(step == 1 for _, _, step in spans):
+            return block
+        # a strided index: the box that holds it, then every step-th entry
+        return block[tuple(slice(None, None, step) for _, _, step in spans)]
 
     def __repr__(self) -> str:
         return f"RuledReader({self._target.path!r}, shape={self.shape}, dtype={self.dtype})"
@@ -126,20 +122,6 @@ def _full_index(index: Any, shape: tuple[int, ...]) -> Index:
     if len(index) > len(shape) or not all(isinstance(s, slice) for s in index):
         raise TypeError(f"a block index is a tuple of at most {len(shape)} slices, got {index!r}.")
     return tuple(index) + (slice(None),) * (len(shape) - len(index))
-
-
-def _granule(target: TargetLeaf, chunk: tuple[int, ...] | None) -> tuple[int, ...] | None:
-    """The storage chunk of the target leaf as its source's chunk maps onto it (blocks that decode each chunk once)."""
-    if chunk is None or target.shape is None:
-        return None
-    chunk = tuple(chunk)
-    if target.stacked:
-        chunk = (1, *chunk)
-    elif target.pieces[0].layer is not None:
-        chunk = chunk[1:]
-    if target.axes is not None:
-        chunk = tuple(chunk[a] for a in target.axes)
-    return chunk if len(chunk) == len(target.shape) else None
 
 
 def source_triples(item: Item) -> list[tuple[str, tuple[int, ...] | None, object]]:

@@ -1,7 +1,8 @@
 """The rules engine (no jax): map a checkpoint's leaves onto the leaves a user wants, from metadata alone.
 
 A ``Rules`` is data (a frozen dataclass, JSON or TOML in a file, or CLI
-flags): rename, drop/keep, cast, transpose, unstack and stack, each written
+flags): rename, drop/keep, cast, transpose, unstack and stack, and the layout
+rules split, concat, reshape, permute (rotary), slice, pad and tie, each written
 as Python regexes matched with ``re.search`` on the one path string
 (``params/layers/3/attn/q``; a flat-key name such as
 ``model.layers.0.self_attn.q_proj.weight`` is matched as the string it is).
@@ -16,12 +17,18 @@ through this one engine, in two steps:
    block of a target leaf by reading only the matching block of its source(s).
 
 Modules: ``spec`` (``Rules``, its one field table, files and CLI strings),
-``plan`` (the plan types and the planner), ``dtypes`` (dtype names and kinds).
+``ops`` (the layout rules' values), ``plan`` (the plan types and the planner),
+``stages`` (the planner's layout stages), ``blocks`` (how a target leaf is made
+from its sources, read block by block), ``dtypes`` (dtype names and kinds).
 
 Order of operations (each rule's patterns see the paths of its own stage)::
 
     keep / drop  ->  unstack  ->  rename  ->  stack  ->  transpose  ->  cast
     `-------- source paths ---------'  `- per-layer -'   `---- target paths ----'
+
+with the layout rules between them (docs/rules.md, "Order of operations")::
+
+    unstack -> split -> rename -> stack -> concat -> reshape -> permute -> transpose -> slice -> pad -> tie -> cast
 
 * ``keep`` / ``drop``: matched against the checkpoint's own paths. A leaf is
   used when it matches some ``keep`` pattern (or there are none) and no
@@ -89,9 +96,9 @@ With ``--rules FILE`` the flags come after the file's rules (``Rules.merge``).
 >>> [(t.path, t.shape, t.dtype.name) for t in plan]
 [('h.0.weight', (8, 4), 'bfloat16'), ('h.1.weight', (8, 4), 'bfloat16'), ('step', (), 'int32')]
 >>> print(plan)
-source       -> target      shape                dtype
-layers/w[0]  -> h.0.weight  (2, 4, 8) -> (8, 4)  float32 -> bfloat16
-layers/w[1]  -> h.1.weight  (2, 4, 8) -> (8, 4)  float32 -> bfloat16
+source       -> target      shape                dtype                rules
+layers/w[0]  -> h.0.weight  (2, 4, 8) -> (8, 4)  float32 -> bfloat16  unstack [0], transpose (1, 0), cast bfloat16
+layers/w[1]  -> h.1.weight  (2, 4, 8) -> (8, 4)  float32 -> bfloat16  unstack [1], transpose (1, 0), cast bfloat16
 step         -> step        ()                   int32
 """
 

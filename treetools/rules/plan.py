@@ -3,7 +3,8 @@
 ``plan_rules(rules, leaves)`` (``Rules.plan``) runs the stages in order,
 each over the paths of its own stage (``treetools.rules`` tells the order)::
 
-    keep / drop  ->  unstack  ->  rename  ->  stack  ->  transpose  ->  cast
+    keep / drop  ->  unstack  ->  split  ->  rename  ->  stack  ->  concat  ->  reshape  ->  permute
+                 ->  transpose  ->  slice  ->  pad  ->  tie  ->  cast
 
 and returns a ``RulesPlan`` of ``TargetLeaf``\\ s, or raises one
 ``RulesError`` with every problem of the first stage that has any. Nothing
@@ -20,6 +21,8 @@ from typing import Any, Collection, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from treetools.rules import stages
+from treetools.rules.blocks import Cast, Node, Piece, Read, Stack, Transpose, ops, source_text, structure
 from treetools.rules.dtypes import dtype_text, kind, resolve_dtype, source_dtype
 from treetools.shared.errors import RulesError
 from treetools.shared.patterns import nearby
@@ -32,57 +35,58 @@ Shape = tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
-class Piece:
-    """One source leaf, or one layer of it, that a target leaf is made of.
-
-    ``layer`` is the index into the source's axis 0 (an unstacked layer), or
-    None for the whole leaf.
-
-    >>> str(Piece("layers/attn/q", 3)), str(Piece("w"))
-    ('layers/attn/q[3]', 'w')
-    """
-
-    path: str
-    layer: int | None = None
-
-    def __str__(self) -> str:
-        return self.path if self.layer is None else f"{self.path}[{self.layer}]"
-
-
-@dataclasses.dataclass(frozen=True)
 class TargetLeaf:
     """One leaf the rules produce, and how to make it.
 
-    Made by, in this order: take ``pieces`` (one, or the stacked layers in
-    index order, each a whole source leaf or one layer of one); stack them
-    along a new axis 0 when ``stacked``; ``numpy.transpose`` by ``axes``;
-    ``astype(cast)``. ``shape``/``dtype`` are the result's (None for a
-    non-array value, passed through as it is); ``source_shape``/``source_dtype``
-    are those of the source leaf of ``pieces[0]`` as stored. ``known`` is
-    False for an array named by its path alone (``Rules.describe(paths)``):
-    its shapes are None, as is a dtype not given; it is planned, never read.
+    ``node`` is how it is made from its sources (``treetools.rules.blocks``:
+    source leaves or layers of them, then windows, a stack, a concat, a
+    reshape, a permute, a transpose, a pad, a tie, a cast), read block by block.
+    ``shape``/``dtype`` are the result's (None for a non-array value, passed
+    through as it is); ``source_shape``/``source_dtype`` are those of the
+    source leaf of ``pieces[0]`` as stored. ``known`` is False for an array
+    named by its path alone (``Rules.describe(paths)``): its shapes are None,
+    as is a dtype not given; it is planned, never read.
     """
 
     path: str
     shape: Shape | None
     dtype: Any
-    pieces: tuple[Piece, ...]
+    node: Node
     source_shape: Shape | None
     source_dtype: Any
-    stacked: bool = False
-    axes: tuple[int, ...] | None = None
-    cast: np.dtype | None = None
     known: bool = True
 
     @property
+    def pieces(self) -> tuple[Piece, ...]:
+        """The source leaves, or layers of them, read: one, or the stacked (joined) ones in order."""
+        return tuple(self.node.pieces())
+
+    @property
+    def stacked(self) -> bool:
+        """Made by ``stack`` (of layers, below any per-leaf step)."""
+        return isinstance(structure(self.node), Stack)
+
+    @property
+    def axes(self) -> tuple[int, ...] | None:
+        """The axes of the last transpose (``numpy.transpose``'s), or None when the leaf is not transposed last."""
+        node = self.node.children[0] if isinstance(self.node, Cast) else self.node
+        return node.axes if isinstance(node, Transpose) else None
+
+    @property
+    def cast(self) -> np.dtype | None:
+        """The dtype a ``cast``/``dtype`` rule casts to (None for none)."""
+        return self.node.dtype if isinstance(self.node, Cast) else None
+
+    @property
     def source(self) -> str:
-        """The one source path (for a stack, that of layer 0)."""
+        """The one source path (for a stack or a concat, that of the first piece)."""
         return self.pieces[0].path
 
     @property
     def layer(self) -> int | None:
-        """The unstacked layer of the one source (None for a whole leaf or a stack)."""
-        return None if self.stacked else self.pieces[0].layer
+        """The unstacked layer of the one source (None for a whole leaf, a stack or a concat)."""
+        node = structure(self.node)
+        return node.piece.layer if isinstance(node, Read) else None
 
     @property
     def is_array(self) -> bool:
@@ -92,28 +96,12 @@ class TargetLeaf:
     @property
     def identity(self) -> bool:
         """True when the leaf is a source leaf as stored (at most renamed)."""
-        return not self.stacked and self.pieces[0].layer is None and self.axes is None and self.cast is None
+        return isinstance(self.node, Read) and self.node.piece.layer is None
 
     def row(self) -> RuleRow:
         """This leaf as a ``describe`` row."""
-        ops = [f"stack {len(self.pieces)}"] if self.stacked else []
-        if not self.stacked and self.pieces[0].layer is not None:
-            ops.append(f"unstack [{self.pieces[0].layer}]")
-        if self.axes is not None:
-            ops.append(f"transpose {self.axes}")
-        if self.cast is not None:
-            ops.append(f"cast {self.cast.name}")
-        return RuleRow(_pieces_text(self.pieces, self.stacked), self.path, self.source_shape, self.shape,
-                       dtype_text(self.source_dtype), dtype_text(self.dtype), tuple(ops))
-
-
-def _pieces_text(pieces: Sequence[Piece], stacked: bool) -> str:
-    if not stacked:
-        return str(pieces[0])
-    layers = [p.layer for p in pieces]
-    if len({p.path for p in pieces}) == 1 and layers == list(range(layers[0] or 0, (layers[0] or 0) + len(pieces))):
-        return f"{pieces[0].path}[{layers[0]}..{layers[-1]}]"
-    return f"{pieces[0]} .. {pieces[-1]} ({len(pieces)})"
+        return RuleRow(source_text(self.node), self.path, self.source_shape, self.shape,
+                       dtype_text(self.source_dtype), dtype_text(self.dtype), tuple(ops(self.node)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,26 +122,27 @@ class RuleRow:
 
 
 def format_rows(rows: Sequence[RuleRow]) -> str:
-    """``describe``'s rows as plain text: ``source -> target  shape  dtype``, a change shown as ``a -> b``.
+    """``describe``'s rows as plain text: ``source -> target  shape  dtype  rules``, a change shown as ``a -> b``,
+    and what the rules do to the leaf (``rules``: a permute or a square transpose changes no shape).
 
     Names are printed as they are; a terminal renderer escapes control characters.
 
     >>> from treetools.rules import Rules
     >>> print(format_rows(Rules(dtype="bfloat16").describe([("w", (2,), "float32")])))
-    source -> target  shape  dtype
-    w      -> w       (2,)   float32 -> bfloat16
+    source -> target  shape  dtype               rules
+    w      -> w       (2,)   float32 -> bfloat16  cast bfloat16
     """
 
     def change(a: Any, b: Any) -> str:
         a, b = ("?" if a is None and b is not None else "" if a is None else str(a)), ("" if b is None else str(b))
         return a if a == b or not b else f"{a} -> {b}"
 
-    table = [("source", "-> target", "shape", "dtype")]
+    table = [("source", "-> target", "shape", "dtype", "rules")]
     for r in rows:
         target = "-> " + r.target if r.target is not None else "(dropped)"
         shape = "" if r.target is None else change(r.source_shape and tuple(r.source_shape), r.shape)
         dtype = "" if r.target is None else change(r.source_dtype, r.dtype)
-        table.append((r.source, target, shape, dtype))
+        table.append((r.source, target, shape, dtype, "" if r.target is None else ", ".join(r.ops)))
     return fit_table(table[0], table[1:], style="plain", fit=False).text
 
 
@@ -327,16 +316,23 @@ class _Planner:
         return firsts
 
     def run(self, leaves: list[tuple[str, Shape | None, Any, bool]]) -> RulesPlan:
-        nodes = [TargetLeaf(p, s, d, (Piece(p),), s, d, known=known) for p, s, d, known in leaves]
+        nodes = [TargetLeaf(p, s, d, Read(s, d, Piece(p)), s, d, known=known) for p, s, d, known in leaves]
         nodes, dropped = self.keep_drop(nodes)
         self.check()
         nodes = self.unstack(nodes)
+        self.check()
+        nodes = stages.split(self, nodes)
         self.check()
         nodes = self.rename(nodes)
         self.check()
         nodes = self.stack(nodes)
         self.check()
-        nodes = self.cast(self.transpose(nodes))
+        nodes = stages.concat(self, nodes)
+        self.check()
+        for stage in (stages.reshape, stages.permute, _Planner.transpose, stages.slice_, stages.pad, stages.tie):
+            nodes = stage(self, nodes)
+            self.check()
+        nodes = self.cast(nodes)
         self.check()
         return RulesPlan(tuple(nodes), tuple(dropped), tuple(self.unmatched.items()))
 
@@ -355,8 +351,11 @@ class _Planner:
                 out.append(node)
                 continue
             pat = self.rules.compiled("unstack")[k]
+            entry = self.rules.unstack[k]
+            axis = entry[1] if isinstance(entry, tuple) else 0
             shape = node.shape
             fix = "narrow the pattern so that it matches only stacked (scanned) leaves"
+            where = "leading axis" if axis == 0 else f"axis {axis}"
             if not node.known:  # a path alone: the layer count is num_layers, or unknown
                 if self.num_layers is None:
                     self.problems.append(
@@ -364,27 +363,29 @@ class _Planner:
                         "its shape (a (path, shape, dtype) triple) or num_layers=."
                     )
                     continue
-            elif shape is None or not shape or shape[0] == 0:
-                what = "is not an array" if shape is None else f"has shape {shape}, no leading layer axis"
+            elif shape is None or len(shape) <= axis or shape[axis] == 0:
+                missing = "leading layer axis" if axis == 0 else f"layer axis {axis}"
+                what = "is not an array" if shape is None else f"has shape {shape}, no {missing}"
                 self.problems.append(f"`unstack` pattern {pat.pattern!r} matches `{node.path}`, which {what}; {fix}.")
                 continue
-            elif self.num_layers is not None and shape[0] != self.num_layers:
+            elif self.num_layers is not None and shape[axis] != self.num_layers:
                 self.problems.append(
-                    f"`unstack` pattern {pat.pattern!r}: `{node.path}` has shape {shape}, whose leading axis is "
+                    f"`unstack` pattern {pat.pattern!r}: `{node.path}` has shape {shape}, whose {where} is "
                     f"not the {self.num_layers} layers expected; {fix}, or fix num_layers."
                 )
                 continue
             match = pat.search(node.path)
             if shape is not None:
-                self.check_target_layers(node, match, shape)
-            for i in range(self.num_layers if shape is None else shape[0]):
+                self.check_target_layers(node, match, shape[axis])
+            inner = None if shape is None else shape[:axis] + shape[axis + 1:]
+            for i in range(self.num_layers if shape is None else shape[axis]):
                 out.append(dataclasses.replace(
-                    node, path=insert_index(node.path, match, i), pieces=(Piece(node.path, i),),
-                    shape=None if shape is None else shape[1:],
+                    node, path=insert_index(node.path, match, i),
+                    node=Read(inner, node.dtype, Piece(node.path, i, axis)), shape=inner,
                 ))
         return out
 
-    def check_target_layers(self, node: TargetLeaf, match: re.Match, shape: Shape) -> None:
+    def check_target_layers(self, node: TargetLeaf, match: re.Match, layers: int) -> None:
         """With ``targets``: the layers of an unstacked leaf that the target names must be 0 .. L-1."""
         if self.targets is None:
             return
@@ -394,10 +395,10 @@ class _Planner:
                 named += 1
         except (re.error, IndexError):
             return  # a bad replacement: the rename stage names it
-        if named and named != shape[0]:
+        if named and named != layers:
             first, last = (self.renamed(insert_index(node.path, match, i)) for i in (0, named - 1))
             self.problems.append(
-                f"`unstack`: `{node.path}` has shape {shape}, {shape[0]} layers, but the target has {named} "
+                f"`unstack`: `{node.path}` has shape {node.shape}, {layers} layers, but the target has {named} "
                 f"(`{first}` .. `{last}`); restore a checkpoint with as many layers or fix the target's layer count."
             )
 
@@ -434,7 +435,7 @@ class _Planner:
             by_path.setdefault(node.path, []).append(node)
         for path, group in by_path.items():
             if len(group) > 1:
-                names = [f"`{_pieces_text(n.pieces, n.stacked)}`" for n in group]
+                names = [f"`{source_text(n.node)}`" for n in group]
                 both = "both" if len(names) == 2 else "all"
                 self.problems.append(
                     f"{', '.join(names[:-1])} and {names[-1]} {both} become `{path}` after {stage}; fix the "
@@ -496,8 +497,8 @@ class _Planner:
                 f"`stack` into `{path}`: {len(members)} layers ({names}), not the {self.num_layers} expected."
             )
         shape = None if first.shape is None else (len(members), *first.shape)
-        return TargetLeaf(path, shape, first.dtype, tuple(n.pieces[0] for _, n in members), first.source_shape,
-                          first.source_dtype, stacked=True, known=first.known)
+        node = Stack(shape, first.dtype, tuple(n.node for _, n in members))
+        return TargetLeaf(path, shape, first.dtype, node, first.source_shape, first.source_dtype, known=first.known)
 
     def transpose(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
         firsts = self.first_match("transpose", [n.path for n in nodes], "target paths, after rename and stack")
@@ -522,7 +523,7 @@ class _Planner:
             axes = tuple(a % rank for a in axes)
             if axes != tuple(range(rank)):
                 shape = None if node.shape is None else tuple(node.shape[a] for a in axes)
-                out[-1] = dataclasses.replace(node, axes=axes, shape=shape)
+                out[-1] = dataclasses.replace(node, node=Transpose(shape, node.dtype, node.node, axes), shape=shape)
         return out
 
     def cast(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
@@ -536,7 +537,7 @@ class _Planner:
         for node, k in zip(nodes, firsts):
             target = None if not node.is_array else self.cast_to(node, k, kinds_of.get(k, {}))
             out.append(node if target is None or target == node.dtype else
-                       dataclasses.replace(node, dtype=target, cast=target))
+                       dataclasses.replace(node, dtype=target, node=Cast(node.shape, target, node.node)))
         return out
 
     def cast_to(self, node: TargetLeaf, k: int | None, kinds: dict[str | None, str]) -> np.dtype | None:

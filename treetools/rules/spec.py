@@ -5,9 +5,11 @@ field's metadata, a ``RuleField``): its kind (how a value is checked, merged,
 written as JSON and read from its command-line flag), what it means and the
 paths its patterns see (docs/rules.md's table is ``fields_markdown()``), and
 its flag's metavar and help (``treetools.cli.options.add_rules`` builds the
-rules flags from ``FIELDS``). A new rule is a row here and its stage in the
-planner (``treetools.rules.plan``), and, when it changes data, its step in
-the block reader (``treetools.checkpoint_io.mapping.RuledReader``).
+rules flags from ``FIELDS``). A new rule is a row here (its value's kind,
+and for a structured value its spec in ``treetools.rules.ops``), its stage in
+the planner (``treetools.rules.plan``, ``treetools.rules.stages``), and, when
+it changes data, its step in ``treetools.rules.blocks``, which the block
+reader (``treetools.checkpoint_io.mapping.RuledReader``) reads through.
 
 Standard library only at import: the CLI builds its flags from this table
 before numpy loads. A dtype name is resolved (numpy, ml_dtypes) when a
@@ -23,6 +25,22 @@ import os
 import re
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Sequence
 
+from treetools.rules.ops import (
+    check_concat,
+    check_pad,
+    check_permute,
+    check_reshape,
+    check_slice,
+    check_split,
+    check_tie,
+    parse_concat,
+    parse_pad,
+    parse_permute,
+    parse_reshape,
+    parse_slice,
+    parse_split,
+    parse_tie,
+)
 from treetools.shared.patterns import compile_patterns
 
 if TYPE_CHECKING:  # annotations only: the planner imports numpy
@@ -174,6 +192,48 @@ class Patterns:
         return tuple(given)
 
 
+class LayerPatterns(Patterns):
+    """``unstack``'s patterns: each a regex (the layer axis is 0) or ``(pattern, axis)`` for another layer axis
+    (MaxText keeps its scanned layers on axis 1); ``'RE=>axis=A'`` on the command line."""
+
+    def python(self, name: str) -> str:
+        return f"{name}=[pattern or (pattern, axis), ...]"
+
+    def normalize(self, value: Any, name: str) -> tuple[Any, ...]:  # type: ignore[override]
+        if value is None:
+            return ()
+        if isinstance(value, (str, re.Pattern)):
+            value = [value]
+        out: list[Any] = []
+        for v in value:
+            if isinstance(v, (list, tuple)):
+                if len(v) != 2 or isinstance(v[1], bool) or not isinstance(v[1], numbers.Integral) or v[1] < 0:
+                    raise TypeError(f"`{name}` takes patterns or (pattern, axis) pairs with an axis >= 0, got {v!r}.")
+                out.append(_pattern(v[0], name) if v[1] == 0 else (_pattern(v[0], name), int(v[1])))
+            else:
+                out.append(_pattern(v, name))
+        return tuple(out)
+
+    def patterns(self, value: tuple[Any, ...]) -> list[str]:
+        return [v[0] if isinstance(v, tuple) else v for v in value]
+
+    def to_json(self, value: tuple[Any, ...]) -> list[Any]:
+        return [list(v) if isinstance(v, tuple) else v for v in value]
+
+    def from_flags(self, given: Iterable[str]) -> tuple[Any, ...]:
+        out = []
+        for text in given:
+            pattern, arrow, rest = text.partition("=>")
+            if not arrow:
+                out.append(text)
+                continue
+            key, _, axis = rest.strip().partition("=")
+            if key != "axis" or not axis.isdecimal() or "=>" in rest:
+                raise ValueError(f"`--unstack` {text!r}: write RE, or RE=>axis=A for a layer axis other than 0.")
+            out.append((pattern, int(axis)))
+        return self.normalize(out, "unstack")
+
+
 @dataclasses.dataclass(frozen=True)
 class Pairs:
     """``[(pattern, value), ...]`` or ``{pattern: value}``, in order (the first matching rule wins).
@@ -209,7 +269,8 @@ class Pairs:
     def to_json(self, value: tuple[tuple[str, Any], ...]) -> Any:
         if self.mapping:
             return dict(value)
-        return [[p, list(v) if isinstance(v, tuple) else v] for p, v in value]
+        return [[p, v.to_json() if hasattr(v, "to_json") else list(v) if isinstance(v, tuple) else v]
+                for p, v in value]
 
     def from_flags(self, given: Iterable[str]) -> list[tuple[str, Any]]:
         return [self.parse(text) for text in given]
@@ -278,7 +339,7 @@ class RuleField:
       syntax: how the flag's value is read, where there is more to say than the metavar (docs/rules.md).
     """
 
-    kind: Patterns | Pairs | FloatingDtype | Switch
+    kind: Patterns | LayerPatterns | Pairs | FloatingDtype | Switch
     meaning: str
     matched: str
     help: str
@@ -372,15 +433,73 @@ class Rules:
         meaning="`numpy.transpose(leaf, axes)`; first match wins", matched="target paths",
         metavar="'RE=AXES'", help="transpose the leaves RE matches, axes comma-separated: 'kernel$=1,0'",
         syntax="axes comma-separated (`'kernel$=0,2,1'`), split at the last `=`")
-    unstack: Sequence[str] = _rule(
-        _PATTERNS,
-        meaning="split a stacked (scanned) leaf of shape `(L, ...)` into `L` leaves of shape `(...)`",
+    unstack: Sequence[str | tuple[str, int]] = _rule(
+        LayerPatterns(),
+        meaning="split a stacked (scanned) leaf of shape `(L, ...)` into `L` leaves of shape `(...)`; "
+                "`(pattern, axis)` when the layers are another axis (`(d, L, ...)` is axis 1)",
         matched="checkpoint paths (after keep/drop)",
         metavar="RE", help="split a stacked (scanned) leaf of shape (L, ...) into L leaves: "
-                           "layers/attn/q -> layers/0/attn/q ...")
+                           "layers/attn/q -> layers/0/attn/q ...; 'RE=>axis=1' for layers on axis 1",
+        syntax="`'RE=>axis=A'` for a layer axis other than 0")
     stack: Sequence[str] = _rule(
         _PATTERNS, meaning="the inverse of unstack: per-layer leaves become one leaf with a new axis 0",
         matched="paths after rename", metavar="RE", help="the inverse of --unstack")
+    split: Sequence[tuple[str, Any]] | Mapping[str, Any] = _rule(
+        Pairs("{names: [name, ...], axis: A, sizes: [n, ...]}", check_split, parse_split),
+        meaning="one leaf becomes several: consecutive pieces along `axis`, each named "
+                "`re.sub(pattern, name, path)`; `sizes` (one may be -1, the rest) or equal pieces",
+        matched="paths after unstack", metavar="'RE=>names=N1,N2,... axis=A [sizes=S1,S2,...]'",
+        help="split a fused leaf along an axis into named pieces: 'c_attn\\.weight$=>names=q.weight,k.weight,"
+             "v.weight axis=1'",
+        syntax="exactly one `=>`, then space-separated `key=value` items, lists comma-separated")
+    concat: Sequence[tuple[str, Any]] | Mapping[str, Any] = _rule(
+        Pairs("{name: name, axis: A, parts: [part, ...]}", check_concat, parse_concat),
+        meaning="the inverse of split: the leaves whose `re.sub(pattern, name, path)` agree become one, joined "
+                "along `axis` in the order of `parts`, the values of the pattern's group `(?P<part>...)`",
+        matched="paths after stack", metavar="'RE=>name=NAME axis=A parts=P1,P2,...'",
+        help="join leaves along an axis, in the order of their (?P<part>...) group: "
+             "'\\.(?P<part>gate|up)_proj\\.weight$=>name=.gate_up_proj.weight axis=0 parts=gate,up'",
+        syntax="as `--split`")
+    reshape: Sequence[tuple[str, Any]] | Mapping[str, Any] = _rule(
+        Pairs("{axis: A, into: [n, ...]} | {merge: [A, B]} | shape", check_reshape, parse_reshape),
+        meaning="split or merge axes (`numpy.reshape`): `axis` becomes the axes `into` (one -1: the rest), or the "
+                "axes `merge[0] .. merge[1]` become one, or the leaf takes `shape` (0: its size at that position, "
+                "one -1: the rest)",
+        matched="target paths", metavar="'RE=>axis=A into=S1,S2' | 'RE=>merge=A,B' | 'RE=SHAPE'",
+        help="split or merge axes: 'q_proj\\.weight$=>axis=0 into=-1,64' ([H*D, d] -> [H, D, d]), "
+             "'kernel$=>merge=1,2' ([d, H, D] -> [d, H*D]), or a shape 'w$=0,-1'",
+        syntax="as `--split`, or a shape: sizes comma-separated, split at the last `=`")
+    permute: Sequence[tuple[str, Any]] | Mapping[str, Any] = _rule(
+        Pairs("{axis: A, head_dim: D, to: half|interleaved, rotary_dim: R}", check_permute, parse_permute),
+        meaning="rotary layouts: along `axis` (whole heads of `head_dim`), each head's first `rotary_dim` (all) "
+                "entries reordered `to` `interleaved` (pairs `2i, 2i+1`) from `half` (pairs `i, i+R/2`, Hugging "
+                "Face's), or back",
+        matched="target paths", metavar="'RE=>axis=A head_dim=D to=half|interleaved [rotary_dim=R]'",
+        help="reorder each head's rotary entries along an axis: 'q_proj\\.weight$=>axis=0 head_dim=128 "
+             "to=interleaved'",
+        syntax="as `--split`")
+    slice: Sequence[tuple[str, Any]] | Mapping[str, Any] = _rule(
+        Pairs("{axis: A, stop: N, start: 0}", check_slice, parse_slice),
+        meaning="keep entries `start .. stop-1` along `axis` (a vocabulary shrunk)",
+        matched="target paths", metavar="'RE=>axis=A stop=N [start=M]'",
+        help="keep entries start..stop-1 along an axis: 'embed_tokens\\.weight$=>axis=0 stop=32000'",
+        syntax="as `--split`")
+    pad: Sequence[tuple[str, Any]] | Mapping[str, Any] = _rule(
+        Pairs("{axis: A, size: N, init: zeros|normal|uniform, ...}", check_pad, parse_pad),
+        meaning="grow `axis` to `size` entries at its end: zeros, or `numpy.random.default_rng(seed)`'s "
+                "`normal(mean, stddev)` / `uniform(low, high)` drawn over the whole new region",
+        matched="target paths", metavar="'RE=>axis=A size=N [init=normal stddev=S seed=K]'",
+        help="grow an axis at its end (a vocabulary resized): 'embed$=>axis=0 size=32128 init=normal "
+             "stddev=0.02 seed=0'; new entries zero by default",
+        syntax="as `--split`")
+    tie: Sequence[tuple[str, Any]] | Mapping[str, Any] = _rule(
+        Pairs("{name: name, axes: [1, 0]}", check_tie, parse_tie),
+        meaning="one more leaf, `re.sub(pattern, name, path)`, holding the matched leaf's values, transposed "
+                "by `axes` when given (`lm_head` written as the embedding)",
+        matched="target paths", metavar="'RE=>name=NAME [axes=1,0]'",
+        help="write a leaf again under another name, transposed or not: "
+             "'^embed/embedding$=>name=lm_head/kernel axes=1,0'",
+        syntax="as `--split`")
     allow_unmatched: bool = _rule(
         Switch(), default=False, meaning="a pattern that matches nothing is ignored instead of an error",
         matched="", help="a rule that matches no leaf is ignored instead of an error")
@@ -580,5 +699,6 @@ def fields_markdown() -> str:
         flag = f"`{field.flag(name)}" + (f" {field.metavar}`" if field.metavar else "`")
         flag += ", repeatable" if field.kind.flag == "repeat" else ""
         flag += f": {field.syntax}" if field.syntax else ""
-        lines.append(f"| `{field.kind.python(name)}` | {field.meaning} | {field.matched} | {flag} |")
+        cells = (f"`{field.kind.python(name)}`", field.meaning, field.matched, flag)
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")  # a `|` in a cell is escaped
     return "\n".join(lines)
