@@ -172,3 +172,21 @@ def test_a_backend_that_forgets_confine_cannot_be_made():
         Unconfined()
     with pytest.raises(TypeError, match="abort"):
         type("Half", (Upload,), {"write": lambda self, d: None, "commit": lambda self: None})()
+
+
+def test_the_adding_a_storage_scheme_example_runs(monkeypatch):
+    # docs/formats.md "Adding a storage scheme": the example runs as written, in a fresh namespace.
+    from pathlib import Path
+
+    from treetools.checkpoint_io.storage import schemes
+
+    monkeypatch.setattr(schemes, "_SCHEMES", dict(schemes._SCHEMES))  # mem:// registered for this test only
+    monkeypatch.setattr(schemes, "_BACKENDS", dict(schemes._BACKENDS))
+    text = (Path(__file__).parent.parent / "docs" / "formats.md").read_text()
+    section = text[text.index("## Adding a storage scheme"):]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start:section.index("\n```", start)]
+    namespace: dict = {"__name__": "formats_doc_scheme"}
+    exec(compile(code, "docs/formats.md (Adding a storage scheme)", "exec"), namespace)
+    assert sorted(namespace["MEM"].files) == ["mem://bucket/run/model.safetensors"]
+    assert not namespace["MemStorage"].__abstractmethods__
