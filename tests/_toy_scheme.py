@@ -12,15 +12,15 @@ import io
 import threading
 from typing import Any, Callable
 
-from treetools.checkpoint_io.storage import Storage, Upload, normalize, register_scheme
-from treetools.checkpoint_io.storage.base import Entry, Stat, entries
+from treetools.checkpoint_io.storage import Entry, Stat, Storage, Upload, entries, normalize, register_scheme
 
 
 class ToyUpload(Upload):
     """One object being written: it appears in the dict whole, at ``commit``."""
 
     def __init__(self, storage: "ToyStorage", path: str):
-        self.path, self.written, self._storage, self._parts = path, 0, storage, []
+        self.path, self.written, self._storage = path, 0, storage
+        self._parts: list[bytes] = []
 
     def write(self, data: Any) -> None:
         self._parts.append(bytes(data))

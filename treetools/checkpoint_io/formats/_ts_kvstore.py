@@ -33,10 +33,15 @@ import threading
 import weakref
 from typing import Any, Callable
 
-from treetools.checkpoint_io.storage import LocalStorage, SpecialFileError, Storage, kind_of_mode, split_url
+from treetools.checkpoint_io.storage import (
+    LocalStorage,
+    SpecialFileError,
+    Storage,
+    kind_of_mode,
+    split_url,
+)
 from treetools.checkpoint_io.storage.local import Root, fd_path
 from treetools.shared.errors import CheckpointError
-
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
@@ -164,11 +169,12 @@ class LocalPinned(Pinned):
             return True
         with _WALKS_LOCK:
             dirs = _WALKS.get((self.identity, root.allowed))
-        if dirs is None:
+        held = self.fd
+        if dirs is None or held is None:  # never walked, or closed
             return False
         for rel, ident in dirs:  # relative to the held descriptor (no lookup through /proc for each)
             try:
-                st = os.stat(rel, dir_fd=self.fd) if rel else os.fstat(self.fd)
+                st = os.stat(rel, dir_fd=held) if rel else os.fstat(held)
             except (OSError, TypeError):
                 return False
             if (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != ident:
@@ -179,6 +185,8 @@ class LocalPinned(Pinned):
         """Every entry below the folder checked; ``(relative folder, identity)`` of each folder gone through."""
         seen: set[tuple[int, int]] = set()
         dirs: list[tuple[str, tuple[int, ...]]] = []
+        if self.fd is None:
+            raise CheckpointError(f"{self.folder}: checked after it was let go of.")
         stack = [(os.dup(self.fd), self.real(), self.folder, "")]
         nofollow = os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC
         while stack:

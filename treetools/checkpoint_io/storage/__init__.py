@@ -22,20 +22,44 @@ import copy
 import os
 from typing import Any
 
-from treetools.checkpoint_io.storage.base import (OutsideCheckpointError, SpecialFileError, Storage, Upload, is_url,
-                                                  join, kind_of_mode, map_io, normalize, parent, realpath, split_url)
+from treetools.checkpoint_io.storage import bucket  # noqa: F401  (registers gs:// and s3://)
+from treetools.checkpoint_io.storage.base import (
+    Entry,
+    OutsideCheckpointError,
+    Stat,
+    SpecialFileError,
+    Storage,
+    Upload,
+    is_url,
+    join,
+    entries,
+    kind_of_mode,
+    map_io,
+    normalize,
+    parent,
+    realpath,
+    split_url,
+)
+from treetools.checkpoint_io.storage.bucket import (
+    GcsStorage,
+    RemoteNotFoundError,
+    S3Storage,
+)
 from treetools.checkpoint_io.storage.local import LocalStorage, Root
 from treetools.checkpoint_io.storage.reach import RemoteStorageError
-from treetools.checkpoint_io.storage.schemes import (LOCAL, backend, forget_clients, register_scheme,
-                                                     registered_schemes)
-from treetools.checkpoint_io.storage import bucket  # noqa: E402,F401  (registers gs:// and s3://)
-from treetools.checkpoint_io.storage.bucket import GcsStorage, RemoteNotFoundError, S3Storage
+from treetools.checkpoint_io.storage.schemes import (
+    LOCAL,
+    backend,
+    forget_clients,
+    register_scheme,
+    registered_schemes,
+)
 from treetools.shared.errors import CheckpointError
 
-__all__ = ["LOCAL", "CheckpointError", "GcsStorage", "LocalStorage", "OutsideCheckpointError", "RemoteNotFoundError",
-           "RemoteStorageError", "Root", "S3Storage", "SpecialFileError", "Storage", "Upload", "as_typed", "backend",
-           "forget_clients", "is_url", "join", "kind_of_mode", "location", "map_io", "normalize", "parent",
-           "realpath", "register_scheme", "registered_schemes", "split_url"]
+__all__ = ["LOCAL", "Entry", "GcsStorage", "LocalStorage", "OutsideCheckpointError", "RemoteNotFoundError",
+           "RemoteStorageError", "Root", "S3Storage", "SpecialFileError", "Stat", "Storage", "Upload", "as_typed",
+           "backend", "entries", "forget_clients", "is_url", "join", "kind_of_mode", "location", "map_io",
+           "normalize", "parent", "realpath", "register_scheme", "registered_schemes", "split_url"]
 
 
 def location(path: Any, *, name: str = "path") -> str:
