@@ -1,18 +1,25 @@
-"""``toy://``: a storage scheme in one module, as docs/formats.md ("Adding a storage scheme") writes one.
+"""Two storage schemes, each in this one module, as docs/formats.md ("Adding a storage scheme") writes one.
 
-Files live in a dict, ``{normalized URL: bytes}``; folders are key prefixes, as in a bucket. The class implements
-the abstract methods of ``Storage`` (nothing else is needed) and the module registers it: importing this module is
-all a program does to read and write ``toy://`` paths with every command. No TensorStore key-value store is
-registered for it, so a format whose arrays TensorStore reads (Orbax, zarr) refuses it with one line.
+``toy://``: files live in a dict, ``{normalized URL: bytes}``; folders are key prefixes, as in a bucket. The class
+implements the abstract methods of ``Storage`` (nothing else is needed) and the module registers it: importing
+this module is all a program does to read and write ``toy://`` paths with every command. No TensorStore key-value
+store is registered for it, so a format whose arrays TensorStore reads (Orbax, zarr) refuses it with one line.
+
+``folder://``: a local folder under another name, registered with a TensorStore key-value store too
+(``register_kvstore``): Orbax checkpoints read in it.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import threading
 from typing import Any, Callable
 
-from treetools.checkpoint_io.storage import Entry, Stat, Storage, Upload, entries, normalize, register_scheme
+from treetools.checkpoint_io import register_kvstore
+from treetools.checkpoint_io.formats._ts_kvstore import kvstore_spec, pin
+from treetools.checkpoint_io.storage import (LOCAL, Entry, LocalStorage, Stat, Storage, Upload, entries, is_url, join,
+                                             normalize, register_scheme, split_url)
 
 
 class ToyUpload(Upload):
@@ -102,3 +109,59 @@ class ToyStorage(Storage):
 
 TOY = ToyStorage()
 register_scheme("toy", lambda url: TOY)
+
+
+class FolderStorage(Storage):
+    """``folder://NAME/KEY``: the local folder ``TOP/NAME/KEY`` under another name, read through the local disk's
+    own storage (confinement included), and, registered with ``register_kvstore``, through TensorStore's ``file``
+    store: Orbax and zarr checkpoints read in it as on the disk."""
+
+    scheme = "folder"
+    top = ""  # set by the test: where folder:// URLs lead
+
+    def __init__(self, disk: LocalStorage = LOCAL):
+        self.disk = disk
+
+    def local(self, path: str) -> str:
+        """The local path of a ``folder://`` URL; a local path as it is (TensorStore's adapter hands back the
+        local folders it reads)."""
+        if not is_url(path):
+            return path
+        _, name, key = split_url(path)
+        return os.path.join(self.top, name, key)
+
+    def confine(self, path: str, *, follow_links: bool = False) -> "FolderStorage":
+        return FolderStorage(self.disk.confine(self.local(path), follow_links=follow_links))
+
+    def stat(self, path: str) -> Any:
+        return self.disk.stat(self.local(path))
+
+    def link_target(self, path: str) -> str | None:
+        return self.disk.link_target(self.local(path))
+
+    def scandir(self, path: str) -> Any:
+        with self.disk.scandir(self.local(path)) as it:
+            found = [Entry(e.name, join(path, e.name), "directory" if e.is_dir() else "file",
+                           e.stat().st_size if e.is_file() else 0) for e in it]
+        return entries(found)
+
+    def open(self, path: str, *, block_size: int = 64 * 2**10) -> Any:
+        return self.disk.open(self.local(path))
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        return self.disk.read_range(self.local(path), start, length)
+
+    def create(self, path: str, *, size: int | None = None, fsync: bool = True) -> Upload:
+        return self.disk.create(self.local(path), fsync=fsync)
+
+    def write_atomically(self, dst: str, write: Callable[[str], list[str]], *, folder: bool,
+                         fsync: bool = True, overwrite: bool = True) -> None:
+        self.disk.write_atomically(self.local(dst), write, folder=folder, fsync=fsync, overwrite=overwrite)
+
+    def remove(self, path: str) -> None:
+        self.disk.remove(self.local(path))
+
+
+register_scheme("folder", lambda url: FolderStorage())
+register_kvstore("folder", lambda folder: kvstore_spec(LOCAL, FolderStorage().local(folder)),
+                 pin=lambda storage, folder: pin(storage.disk, FolderStorage().local(folder)))

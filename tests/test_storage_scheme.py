@@ -29,7 +29,7 @@ from tests._every_command import (
     check_verify,
     run,
 )
-from tests._toy_scheme import TOY, ToyStorage
+from tests._toy_scheme import TOY, FolderStorage, ToyStorage
 from treetools.checkpoint_io.storage import Storage, Upload, base
 
 TOY_ROOT = "toy://bucket/ckpts"
@@ -144,6 +144,39 @@ def test_an_orbax_checkpoint_in_a_scheme_tensorstore_cannot_read_is_refused_in_o
         np.testing.assert_array_equal(tt.load_parameters(str(tmp_path / "run"))["w"], params["w"])
     finally:
         TOY.files.clear()
+
+
+def test_a_scheme_with_a_tensorstore_store_reads_orbax_as_the_local_disk(tmp_path, monkeypatch):
+    # folder:// registers a key-value store with the TensorStore adapter in its own module (register_kvstore):
+    # Orbax's arrays then read there through TensorStore, every command as on the disk, confinement included.
+    monkeypatch.setattr(FolderStorage, "top", str(tmp_path))
+    rng = np.random.default_rng(7)
+    params = {"w": rng.standard_normal((6, 4)).astype(np.float32), "b": np.arange(4, dtype=np.float32)}
+    for name, tree in (("a", params), ("b", {**params, "w": params["w"] + 0.5})):
+        mngr = tt.get_checkpoint_manager(1, checkpoint_dir=str(tmp_path / "vol" / name), async_save=False)
+        tt.save_checkpoint(mngr, 1, {"params": tree})
+        mngr.close()
+    la, (ua, ub) = str(tmp_path / "vol" / "a"), ("folder://vol/a", "folder://vol/b")
+    check_inspect(ua, params, item="params")
+    check_stats(ua, params, item="params")
+    check_show(ua, params, item="params")
+    check_verify(ua)
+    check_load_parameters(ua, params)
+    for args in ([], ["--stats"], ["--item", "params", "--show", "w"], ["--format", "json"]):
+        _same(["inspect", la, *args], ["inspect", ua, *args], la, ua)
+    _same(["verify", la], ["verify", ua], la, ua)
+    check_diff_names_the_changed_leaf(ua, ub, "w", 0.5, item="params")
+    rc, out, err = run("convert", ua, "folder://vol/out/w.safetensors", "--verify")
+    assert rc == 0 and "verify: ok" in out, out + err
+    rc, out, err = run("convert", la, str(tmp_path / "w.safetensors"))
+    assert rc == 0, out + err
+    assert (tmp_path / "vol" / "out" / "w.safetensors").read_bytes() == (tmp_path / "w.safetensors").read_bytes()
+    # its reads stay inside the checkpoint as the disk's do: an array folder linked out of it is refused
+    outside = tmp_path / "elsewhere"
+    os.rename(tmp_path / "vol" / "a" / "1" / "params", outside)
+    os.symlink(outside, tmp_path / "vol" / "a" / "1" / "params")
+    rc, out, err = run("inspect", ua, "--stats")
+    assert rc == 1 and "outside the checkpoint" in err, out + err
 
 
 # ----------------------------------------------------------------------------- the contract, checked

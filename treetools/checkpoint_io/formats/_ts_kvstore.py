@@ -161,7 +161,7 @@ class LocalPinned(Pinned):
     def unchanged(self) -> bool:
         """Whether the folder's path still leads to this folder as pinned (same inode, same times) and, when
         ``check_tree`` walked it, no folder below it has changed since (that walk's memo): a few stats. False
-        sends the caller back to ``Storage.pin``, which checks afresh."""
+        sends the caller back to ``pin``, which checks afresh."""
         if _identity(self.folder) != self.identity:  # renamed, replaced, or a link swapped in on its path
             return False
         root = self._storage.root
