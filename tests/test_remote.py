@@ -475,7 +475,7 @@ def test_an_unreachable_gcs_endpoint_fails_after_one_bounded_wait_with_one_line(
     for name in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL"):
         monkeypatch.setenv(name, url)
     monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
-    monkeypatch.setattr(storage, "_BACKENDS", {})  # this process's first gs:// URL
+    monkeypatch.setattr(storage.schemes, "_BACKENDS", {})  # this process's first gs:// URL
     monkeypatch.setattr(gcsfs_core, "GCSFileSystem", lambda *a, **k: pytest.fail("gcsfs was asked"))
     recorded = _Waits(monkeypatch)
     assert main(["inspect", "gs://bucket/run/checkpoints"]) == 1

@@ -38,7 +38,8 @@ _EXPORTS = {  # public name -> module under treetools.checkpoint_io
     **dict.fromkeys(("register_format", "registered_formats", "unregister_format"), "registry"),
     "open_source": "opening",
     **dict.fromkeys(("ReadContext", "ReadOptions"), "context"),
-    **dict.fromkeys(("Storage", "backend", "register_scheme"), "storage"),
+    **dict.fromkeys(("Storage", "Upload", "backend", "register_scheme"), "storage"),
+    "register_kvstore": "formats._ts_kvstore",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -93,4 +94,5 @@ if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ord
         StepLayout,
         file_head,
     )
-    from treetools.checkpoint_io.storage import Storage, backend, register_scheme
+    from treetools.checkpoint_io.formats._ts_kvstore import register_kvstore
+    from treetools.checkpoint_io.storage import Storage, Upload, backend, register_scheme

@@ -19,7 +19,8 @@ from treetools.checkpoint_io.context import ReadContext
 from treetools.checkpoint_io.registry import claiming_format, registered_formats
 from treetools.checkpoint_io.source import file_head, Format
 from treetools.checkpoint_io.steps import MARKER, TMP_DIR_SUFFIX, commit_evidence
-from treetools.checkpoint_io.storage import Storage, backend, is_url, normalize
+from treetools.checkpoint_io.storage import Storage, backend, is_url, join, normalize
+from treetools.checkpoint_io.storage import parent as parent_of
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 NEAR_LEVELS = {False: 8, True: 4}
@@ -60,7 +61,7 @@ def enclosing_checkpoints(path: str, *, include_self: bool = False, levels: int 
     below: str | None = None  # the name, in `current`, of the folder on the way down to `path`
     current: str | None = location
     if not include_self:
-        below, current = os.path.basename(location), storage.parent(location)
+        below, current = os.path.basename(location), parent_of(location)
     for _ in range(levels if levels is not None else NEAR_LEVELS[storage.remote]):
         if current is None:
             break
@@ -70,7 +71,7 @@ def enclosing_checkpoints(path: str, *, include_self: bool = False, levels: int 
                 found.append((current, fmt))
         except (OSError, CheckpointError):  # an unreadable folder above: no evidence either way
             pass
-        below, current = os.path.basename(current), storage.parent(current)
+        below, current = os.path.basename(current), parent_of(current)
     return found
 
 
@@ -93,8 +94,8 @@ def _holds(location: str, fmt: Format, name: str | None, looking: ReadContext) -
     except (CheckpointError, CheckpointNotFoundError, OSError):
         return True  # claimed by its own files, and unreadable (an unfinished step): a checkpoint all the same
     if listing is None:  # a step's items are folders in it: another folder there is no part of it
-        folders = [n for n in items if storage.isdir(storage.join(location, n))]
-        entry = storage.join(location, name)
+        folders = [n for n in items if storage.isdir(join(location, n))]
+        entry = join(location, name)
         if name in items or not folders:
             return True
         if storage.lexists(entry):  # a file of the step is part of it; a stranger folder is not
@@ -129,7 +130,7 @@ def did_you_mean(location: str, display: str, storage: Storage) -> str | None:
     rest: list[str] = []
     folder = location
     while True:
-        above = storage.parent(folder)
+        above = parent_of(folder)
         if above is None or above == folder:
             return None
         rest.insert(0, folder[len(above):].strip("/"))
@@ -143,13 +144,13 @@ def did_you_mean(location: str, display: str, storage: Storage) -> str | None:
     close = difflib.get_close_matches(rest[0], [n for n in names if not n.startswith(".")], n=3, cutoff=0.6)
     options = []
     for name in close:
-        full = storage.join(folder, name)
+        full = join(folder, name)
         for part in rest[1:]:
-            full = storage.join(full, part)
+            full = join(full, part)
         try:
-            there = full if not rest[1:] or storage.exists(full) else storage.join(folder, name)
+            there = full if not rest[1:] or storage.exists(full) else join(folder, name)
         except (OSError, CheckpointError):
-            there = storage.join(folder, name)
+            there = join(folder, name)
         options.append(shown_path(there, display))
     return f"; did you mean {' or '.join(options)}?" if options else None
 
@@ -188,7 +189,7 @@ def _checkpoints_beside(folder: str, formats: Sequence[Format], looking: ReadCon
     names.sort(key=lambda n: (not any(w in n.lower() for w in _LIKELY), n))
     found = []
     for name in names[:NEAR_ENTRIES[storage.remote]]:
-        entry = storage.join(folder, name)
+        entry = join(folder, name)
         fmt = _claimed(entry, formats, looking)
         if fmt is not None:
             found.append((entry, fmt))
@@ -209,8 +210,8 @@ def _checkpoints_below(folder: str, formats: Sequence[Format], looking: ReadCont
                 names = sorted(n for n in storage.listdir(parent) if not n.startswith("."))
             except (OSError, CheckpointError):
                 continue
-            below += [storage.join(parent, n) for n in names
-                      if storage.join(parent, n) not in claimed and storage.isdir(storage.join(parent, n))]
+            below += [join(parent, n) for n in names
+                      if join(parent, n) not in claimed and storage.isdir(join(parent, n))]
         level = []
         for sub in below:
             try:
@@ -221,7 +222,7 @@ def _checkpoints_below(folder: str, formats: Sequence[Format], looking: ReadCont
                 if left <= 0:
                     return found
                 left -= 1
-                entry = storage.join(sub, name)
+                entry = join(sub, name)
                 fmt = _claimed(entry, formats, looking)
                 if fmt is not None:
                     found.append((entry, fmt))
@@ -321,7 +322,7 @@ def not_a_checkpoint(location: str, display: str, formats: Sequence[Format], con
     pickle = _torch_pickle(location, folder, looking)
     if pickle is not None and not folder:
         return _refuse_pickle(display, pickle)
-    parent = storage.parent(location)
+    parent = parent_of(location)
     near = (_checkpoints_below(location, formats, looking) if folder else
             _checkpoints_beside(parent, formats, looking, skip=os.path.basename(location)) if parent is not None
             else [])

@@ -66,7 +66,7 @@ def _open(location: str, display: str, context: ReadContext) -> Source:
     storage = backend(location)
     storage.forget(location)  # a bucket is listed afresh each time a checkpoint is opened
     if not storage.exists(location):
-        if storage.islink(location):
+        if storage.link_target(location) is not None:
             raise CheckpointError(f"{display}: {file_kind(storage, location)}; point at the checkpoint itself.")
         error = storage.missing(location)
         hint = did_you_mean(location, display, storage) if isinstance(error, CheckpointNotFoundError) else None
@@ -78,7 +78,7 @@ def _open(location: str, display: str, context: ReadContext) -> Source:
                               "checkpoint file or folder.")
     confined = context.confined_to(location)  # from here on, every read must resolve inside PATH
     if storage.isdir(location):
-        storage.prefetch_tree(location)  # in a bucket, one LIST answers the probes of every step and item below
+        storage.prefetch(location, tree=True)  # in a bucket, one LIST answers the probes of every step and item below
     registered = registered_formats()
     for fmt in registered:
         if claims(fmt, location, confined):

@@ -492,9 +492,9 @@ class Format:
 
     ``location`` is an absolute local path or a ``gs://`` / ``s3://`` URL. A
     format lists and reads only through ``context.storage`` (``isdir``,
-    ``scandir``, ``open``, ``read_range``, and ``kvstore_spec`` for
-    TensorStore), never ``os``: so it reads buckets too, and every read stays
-    inside the checkpoint.
+    ``scandir``, ``open``, ``read_range``; TensorStore's key-value store of a
+    folder from ``formats._ts_kvstore.kvstore_spec``), never ``os``: so it reads
+    buckets too, and every read stays inside the checkpoint.
     """
 
     name: str

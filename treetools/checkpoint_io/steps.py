@@ -50,7 +50,7 @@ import re
 import stat
 from typing import Any, Callable, Iterable, Sequence
 
-from treetools.checkpoint_io.storage import Storage, backend, normalize
+from treetools.checkpoint_io.storage import Storage, backend, map_io, normalize
 from treetools.checkpoint_io.storage.base import SpecialFileError, kind_of_mode
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
@@ -91,7 +91,7 @@ def read_file(storage: Storage, path: str, *, what: str, max_bytes: int = MAX_ME
     try:
         st = storage.stat(path)
     except FileNotFoundError:
-        if storage.islink(path):
+        if storage.link_target(path) is not None:
             raise CheckpointError(f"{path}: {file_kind(storage, path)}; cannot read it as {what}.") from None
         raise CheckpointNotFoundError(f"{path}: {what} is missing.") from None
     except OSError as e:
@@ -131,11 +131,8 @@ def read_json_file(storage: Storage, path: str, *, what: str, max_bytes: int = M
 
 def file_kind(storage: Storage, path: str) -> str:
     """``a folder``, ``a FIFO``, ``a broken symlink``...: what stands at ``path`` instead of a file."""
-    if storage.islink(path) and not storage.exists(path):
-        try:
-            target = storage.readlink(path)
-        except OSError:
-            target = "?"
+    target = storage.link_target(path)
+    if target is not None and not storage.exists(path):
         return f"a broken or looping symlink to {target!r}"
     try:
         return kind_of_mode(storage.stat(path).st_mode)
@@ -469,7 +466,7 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
         return "step", commit_evidence(entry.path, storage)
 
     # In a bucket each step costs a round trip or two: the steps are judged concurrently.
-    for (entry, (series, step), _), (kind, found) in zip(candidates, storage.map_io(judge, candidates)):
+    for (entry, (series, step), _), (kind, found) in zip(candidates, map_io(storage, judge, candidates)):
         if kind == "skip":
             skipped.append(entry.name)
         elif kind == "step" and found is not None:

@@ -40,7 +40,7 @@ import numpy as np
 
 from treetools.checkpoint_io.context import ReadContext
 from treetools.checkpoint_io.readers import ArrayReader, bits_differ, is_numeric, np_dtype
-from treetools.checkpoint_io.storage import as_typed, backend, is_url, location
+from treetools.checkpoint_io.storage import as_typed, backend, is_url, join, location, parent, realpath
 from treetools.checkpoint_io.stream import Failed, reduce_blocks
 from treetools.checkpoint_io.mapping import RuledReader
 from treetools.checkpoint_io.leaves import Item, Leaf
@@ -196,11 +196,10 @@ def _check_places(src: str, dst: str) -> tuple[str, str]:
             backend(at)
         except CheckpointError as e:  # named as typed (`file:///x`, not `file://x`)
             raise as_typed(e, at, os.fspath(typed) if isinstance(typed, (str, os.PathLike)) else str(typed)) from None
-    store = backend(b)
-    ra = backend(a).realpath(a)
-    above = store.parent(b)
-    written = store.join(store.realpath(above), os.path.basename(b)) if above is not None else b
-    for rb in {written, store.realpath(b)}:
+    ra = realpath(a)
+    above = parent(b)
+    written = join(realpath(above), os.path.basename(b)) if above is not None else b
+    for rb in {written, realpath(b)}:
         if ra == rb or ra.startswith(rb.rstrip("/") + "/") or rb.startswith(ra.rstrip("/") + "/"):
             raise CheckpointError(
                 f"{dst}: the destination is, holds, or lies inside the source {src}; nothing is ever written under "

@@ -32,6 +32,7 @@ from typing import Iterator
 from treetools.checkpoint_io.leaves import check_name
 from treetools.checkpoint_io.readers import JSON_EXPANSION, check_budget
 from treetools.checkpoint_io.steps import MAX_METADATA_BYTES
+from treetools.checkpoint_io.formats._ts_kvstore import kvstore_spec
 from treetools.checkpoint_io.storage import Storage
 from treetools.shared.errors import CheckpointError
 
@@ -246,7 +247,7 @@ def check_database(storage: Storage, base: str, limit: float, *, shown: str | No
     if not manifests:
         return Database(0, 0, 0, 0)
     try:
-        kv = ts.KvStore.open(storage.kvstore_spec(base)).result()
+        kv = ts.KvStore.open(kvstore_spec(storage, base)).result()
         dump = ts.ocdbt.dump(checked).result()
     except Exception as e:  # tensorstore: a corrupt manifest
         raise CheckpointError(f"{os.path.join(shown, MANIFEST)}: corrupt OCDBT manifest ({first_line(e)}).") from None

@@ -12,7 +12,7 @@ finding those folders (``array_folders``) and reading them as leaves (``zarr_lea
 TensorStore opens the files of a store itself, by path: the zarr header, each
 chunk file, an OCDBT manifest and its data files. So before any store is
 opened, every local folder its spec names is opened once and checked
-(``_ts_folders.Pins``, ``Storage.pin``): the folder itself, and (for array data, and for an OCDBT
+(``_ts_folders.Pins``, ``_ts_kvstore.pin``): the folder itself, and (for array data, and for an OCDBT
 database always) every entry below it, must resolve inside the checkpoint
 root; TensorStore is then handed the folder through that open descriptor
 (``/proc/self/fd/N``), so a folder swapped after the check is not the one read.
@@ -51,6 +51,7 @@ from treetools.checkpoint_io.readers import (
 )
 from treetools.checkpoint_io.formats._ocdbt import first_line
 from treetools.checkpoint_io.formats._ts_folders import OPEN_FILES, ItemStores, Pins
+from treetools.checkpoint_io.formats._ts_kvstore import kvstore_spec
 from treetools.checkpoint_io.steps import file_kind
 from treetools.checkpoint_io.storage import SpecialFileError, Storage, normalize
 from treetools.shared.errors import CheckpointError
@@ -366,7 +367,7 @@ class _Reading:
 
 def item_stores(storage: Storage) -> ItemStores:
     """What the readers of one item share (``ItemStores``): one TensorStore context, its cache (OCDBT b-tree nodes
-    locally; in a bucket, ``Storage.tensorstore_context``'s, where every open costs round trips), and the folders
+    locally; in a bucket, its scheme's ``_ts_kvstore.KvStore.context``, where every open costs round trips), and the folders
     they read, pinned once."""
     return ItemStores(storage)
 
@@ -374,9 +375,9 @@ def item_stores(storage: Storage) -> ItemStores:
 def ts_spec(storage: Storage, item_dir: str, name: str, *, use_ocdbt: bool, use_zarr3: bool) -> dict[str, Any]:
     """The TensorStore spec of one saved array, as Orbax's ``ArrayReadSpec`` builds it."""
     if use_ocdbt:
-        kvstore: dict[str, Any] = {"driver": "ocdbt", "base": storage.kvstore_spec(item_dir), "path": name}
+        kvstore: dict[str, Any] = {"driver": "ocdbt", "base": kvstore_spec(storage, item_dir), "path": name}
     else:
-        kvstore = storage.kvstore_spec(os.path.join(item_dir, name))
+        kvstore = kvstore_spec(storage, os.path.join(item_dir, name))
     return {
         "driver": "zarr3" if use_zarr3 else "zarr",
         "kvstore": kvstore,

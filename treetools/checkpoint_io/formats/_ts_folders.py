@@ -17,7 +17,8 @@ from typing import Any, Callable, Sequence
 from treetools.checkpoint_io.context import DEFAULT_MEMORY_BUDGET
 from treetools.checkpoint_io.formats._ocdbt import Database, check_database
 from treetools.checkpoint_io.steps import file_kind
-from treetools.checkpoint_io.storage import Pinned, Storage, normalize
+from treetools.checkpoint_io.formats._ts_kvstore import Pinned, folder_of, pin, tensorstore_context
+from treetools.checkpoint_io.storage import Storage, normalize
 from treetools.shared.errors import CheckpointError
 
 OPEN_FILES = (".zarray", "zarr.json", ".zattrs")
@@ -79,9 +80,6 @@ def check_ocdbt(storage: Storage, base: str, budget: float, *, shown: str | None
     return check_database(storage, base, min(budget, DEFAULT_MEMORY_BUDGET), shown=shown)
 
 
-_REMOTE_SCHEMES = {"gcs": "gs", "s3": "s3"}  # TensorStore's key-value store drivers -> URL schemes
-
-
 class Pins:
     """The local folders of TensorStore specs, opened once and checked, and the specs rewritten to read
     through them. Close it when TensorStore is done with the stores opened from its specs.
@@ -127,8 +125,8 @@ class Pins:
             return node
         if node.get("driver") == "file" and isinstance(node.get("path"), str):
             return {**node, "path": self.folder(node["path"], ocdbt=ocdbt).path + "/"}
-        if ocdbt and node.get("driver") in _REMOTE_SCHEMES and isinstance(node.get("bucket"), str):
-            url = f"{_REMOTE_SCHEMES[node['driver']]}://{node['bucket']}/{str(node.get('path') or '').strip('/')}"
+        url = folder_of(node) if ocdbt else None
+        if url is not None:
             if url not in self._remote_checked:  # a bucket has no links: the database's manifest only
                 check_ocdbt(self._storage, normalize(url), self._budget)
                 self._remote_checked.add(url)
@@ -164,7 +162,7 @@ class Pins:
     def _open(self, folder: str, ocdbt: bool) -> Pinned:
         what = "array data" if self._data else "array metadata"
         try:
-            pinned = self._storage.pin(folder)
+            pinned = pin(self._storage, folder)
         except NotADirectoryError:
             raise CheckpointError(f"{self._where}: cannot open {what} ({folder} is {file_kind(self._storage, folder)}, "
                                   "not a folder).") from None
@@ -284,7 +282,7 @@ class ItemStores:
 
     def __init__(self, storage: Storage):
         self._storage = storage
-        remote = storage.tensorstore_context()
+        remote = tensorstore_context(storage)
         # A bucket's context (its own cache, shared connections) as it gives it; locally, a cache for OCDBT only.
         self._context_spec = remote if remote is not None else {_OCDBT_CACHE: {"total_bytes_limit": ITEM_CACHE_BYTES}}
         self._ocdbt_cache = remote is None

@@ -28,6 +28,7 @@ from treetools.checkpoint_io.formats._tensorstore import (
     first_line,
     subdirs,
 )
+from treetools.checkpoint_io.formats._ts_kvstore import kvstore_spec
 from treetools.checkpoint_io.formats._orbax_items import (  # the items of a step; this module reads roots and steps
     _ORBAX_FILES,
     OCDBT_PROCESS_PREFIX,
@@ -404,7 +405,7 @@ def _stored_arrays(context: ReadContext, item_dir: str, use_ocdbt: bool) -> set[
         with Pins(storage, data=False, budget=context.memory_budget, where=item_dir) as pins:
             base = pins.folder(item_dir, ocdbt=True).path
             try:
-                kv = ts.KvStore.open({"driver": "ocdbt", "base": storage.kvstore_spec(base)}).result()
+                kv = ts.KvStore.open({"driver": "ocdbt", "base": kvstore_spec(storage, base)}).result()
                 keys = [key.decode("utf-8", "replace") for key in kv.list().result()]
             except Exception as e:  # tensorstore: a corrupt database, named as the checkpoint names its folder
                 raise CheckpointError(f"{item_dir}: cannot list the stored arrays "

@@ -44,6 +44,7 @@ from treetools.checkpoint_io.context import ReadContext
 from treetools.checkpoint_io.formats._orbax_items import logical_paths
 from treetools.checkpoint_io.formats._tensorstore import TensorStoreReader, item_stores, natural_key, open_all
 from treetools.checkpoint_io.formats._ts_folders import KEY_WORK, LOOKUP_WORK, LOOKUPS_PER_STORED_BYTE
+from treetools.checkpoint_io.formats._ts_kvstore import kvstore_spec
 from treetools.checkpoint_io.readers import ArrayReader
 from treetools.checkpoint_io.leaves import DEFAULT_ITEM, Item, Leaf, Snapshot, array_row, check_name
 from treetools.checkpoint_io.source import Format, Layout, RootLayout, Source, StepLayout
@@ -174,7 +175,7 @@ def leaf_names(folders: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
 
 
 def _spec(storage: Storage, folder: str, driver: str) -> dict[str, Any]:
-    return {"driver": driver, "kvstore": storage.kvstore_spec(folder), "recheck_cached_data": False,
+    return {"driver": driver, "kvstore": kvstore_spec(storage, folder), "recheck_cached_data": False,
             "recheck_cached_metadata": False}
 
 

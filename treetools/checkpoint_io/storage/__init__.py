@@ -4,11 +4,14 @@
 scheme, made at its first path); ``backend(path).confine(path)`` the storage
 a checkpoint opened at ``path`` reads through (``open_source`` makes it: every
 read stays inside the checkpoint). Callers ask a ``Storage``; none branches on
-the scheme. A new scheme is one ``Storage`` subclass, registered with
-``register_scheme``.
+the scheme. A new scheme is one module: a ``Storage`` subclass (an ``abc.ABC``:
+it implements the abstract methods, ``confine`` among them) and the
+``register_scheme`` call that names its scheme (see docs/formats.md, "Adding a
+storage scheme").
 
 Modules: ``base`` (the interface, names), ``local`` (the disk, and
-confinement), ``bucket`` (fsspec and TensorStore in buckets), ``reach``
+confinement), ``schemes`` (``register_scheme``, ``backend``), ``bucket``
+(``gs://`` and ``s3://`` through fsspec, registered there), ``reach``
 (offline probes, credentials, errors as one line). Standard library only at
 import time.
 """
@@ -17,62 +20,46 @@ from __future__ import annotations
 
 import copy
 import os
-import threading
-from typing import Any, Callable
+from typing import Any
 
-from treetools.checkpoint_io.storage.base import (OutsideCheckpointError, Pinned, SpecialFileError, Storage, Upload, is_url,
-                                         kind_of_mode, normalize, split_url)
-from treetools.checkpoint_io.storage.bucket import GcsStorage, RemoteNotFoundError, S3Storage, make
+from treetools.checkpoint_io.storage import bucket  # noqa: F401  (registers gs:// and s3://)
+from treetools.checkpoint_io.storage.base import (
+    Entry,
+    OutsideCheckpointError,
+    Stat,
+    SpecialFileError,
+    Storage,
+    Upload,
+    is_url,
+    join,
+    entries,
+    kind_of_mode,
+    map_io,
+    normalize,
+    parent,
+    realpath,
+    split_url,
+)
+from treetools.checkpoint_io.storage.bucket import (
+    GcsStorage,
+    RemoteNotFoundError,
+    S3Storage,
+)
 from treetools.checkpoint_io.storage.local import LocalStorage, Root
 from treetools.checkpoint_io.storage.reach import RemoteStorageError
+from treetools.checkpoint_io.storage.schemes import (
+    LOCAL,
+    backend,
+    forget_clients,
+    register_scheme,
+    registered_schemes,
+)
 from treetools.shared.errors import CheckpointError
 
-LOCAL = LocalStorage()
-"""The local disk, unconfined."""
-
-_SCHEMES: dict[str, Callable[[str], Storage]] = {
-    "gs": lambda url: make(GcsStorage, url),
-    "s3": lambda url: make(S3Storage, url),
-}
-_BACKENDS: dict[str, Storage] = {}
-_BACKENDS_LOCK = threading.Lock()
-
-
-def register_scheme(scheme: str, factory: Callable[[str], Storage]) -> None:
-    """Read ``scheme://`` URLs through the ``Storage`` that ``factory(first_url)`` makes (once per process)."""
-    with _BACKENDS_LOCK:
-        _SCHEMES[scheme.lower()] = factory
-        _BACKENDS.pop(scheme.lower(), None)
-
-
-def backend(path: str) -> Storage:
-    """The (unconfined) storage of ``path``'s scheme: the local disk for a path, a bucket client for a URL.
-
-    Raises:
-      CheckpointError: a URL of a scheme no backend reads (the message lists those that are read).
-      RemoteStorageError: the scheme's extra is missing, or its endpoint cannot be reached.
-
-    >>> backend("/data/ckpt") is LOCAL
-    True
-    """
-    if not is_url(path):
-        return LOCAL
-    scheme = split_url(path)[0]
-    with _BACKENDS_LOCK:
-        found = _BACKENDS.get(scheme)
-        if found is None:
-            factory = _SCHEMES.get(scheme)
-            if factory is None:
-                raise CheckpointError(f"{path}: no storage reads {scheme}:// URLs; readable: local paths, "
-                                      f"{', '.join(f'{s}://' for s in sorted(_SCHEMES))}.")
-            found = _BACKENDS[scheme] = factory(path)
-        return found
-
-
-def forget_clients() -> None:
-    """Drop every bucket client made so far (the next URL of a scheme makes a new one from the environment)."""
-    with _BACKENDS_LOCK:
-        _BACKENDS.clear()
+__all__ = ["LOCAL", "Entry", "GcsStorage", "LocalStorage", "OutsideCheckpointError", "RemoteNotFoundError",
+           "RemoteStorageError", "Root", "S3Storage", "SpecialFileError", "Stat", "Storage", "Upload", "as_typed",
+           "backend", "entries", "forget_clients", "is_url", "join", "kind_of_mode", "location", "map_io",
+           "normalize", "parent", "realpath", "register_scheme", "registered_schemes", "split_url"]
 
 
 def location(path: Any, *, name: str = "path") -> str:

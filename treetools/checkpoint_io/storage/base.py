@@ -4,17 +4,18 @@ Readers of checkpoints (the step rule, the formats, the array readers) ask a
 ``Storage`` instead of ``os``, so one code path reads a local folder and the
 same folder in a bucket, and no caller branches on the scheme. A backend is
 one class (``treetools.checkpoint_io.storage.local.LocalStorage``,
-``treetools.checkpoint_io.storage.bucket.GcsStorage`` / ``S3Storage``); a new scheme is
-one more, registered with ``register_scheme``.
+``treetools.checkpoint_io.storage.bucket.GcsStorage`` / ``S3Storage``), an ``abc.ABC`` subclass that
+implements the abstract methods; a new scheme is one module holding one more, registered with
+``register_scheme`` (``treetools.checkpoint_io.storage.schemes``).
 
 Standard library only.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
-import errno
 import os
 import stat as stat_
 from typing import Any, Callable, ContextManager, Iterable, Iterator
@@ -141,7 +142,7 @@ class Entry:
         return Stat.of(self.kind, self.size)
 
 
-class Upload:
+class Upload(abc.ABC):
     """One file being written: ``write`` bytes, then ``commit`` (the file exists, whole) or ``abort`` (it does not).
 
     Used as a context manager, an exception aborts. ``written`` counts the bytes written so far.
@@ -150,14 +151,17 @@ class Upload:
     path: str
     written: int = 0
 
+    @abc.abstractmethod
     def write(self, data: Any) -> None:
-        raise NotImplementedError
+        """Append ``data`` (bytes-like) to the file; ``written`` grows by its size."""
 
+    @abc.abstractmethod
     def commit(self) -> None:
-        raise NotImplementedError
+        """Finish the file: from now on it reads whole at ``path``."""
 
+    @abc.abstractmethod
     def abort(self) -> None:
-        raise NotImplementedError
+        """Give the file up: nothing of it is left at ``path``."""
 
     def __enter__(self) -> "Upload":
         return self
@@ -169,115 +173,110 @@ class Upload:
             self.abort()
 
 
-class Pinned:
-    """A folder opened once and checked, for a library that opens the files in it by path (TensorStore).
+def join(folder: str, name: str) -> str:
+    """``name`` (relative, ``/``-separated) inside ``folder``: a local path or a URL of any scheme.
 
-    ``path`` is what to hand the library. The default (a bucket: no links to
-    follow) is the folder's URL itself, with nothing to check; the local backend
-    hands out a descriptor's path instead.
+    >>> join("gs://b/run", "7/params"), join("/data/run", "7")
+    ('gs://b/run/7/params', '/data/run/7')
     """
-
-    fd: int | None = None
-    identity: tuple[int, ...] = ()
-
-    def __init__(self, folder: str):
-        self.folder = self.path = folder
-
-    def check_file(self, name: str) -> None:
-        """Refuse ``name`` (relative) unless it may be read (inside the checkpoint, a regular file)."""
-
-    def check_tree(self) -> None:
-        """Refuse the folder unless everything below it may be read."""
-
-    def unchanged(self) -> bool:
-        """Whether the folder is still the one pinned and checked (a bucket's URL always is)."""
-        return True
-
-    def close(self) -> None:
-        pass
-
-    def __enter__(self) -> "Pinned":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(folder, name)
 
 
-class Storage:
-    """Where a checkpoint's files live, with the same methods for every backend.
+def parent(path: str) -> str | None:
+    """The folder holding ``path``; None at the top (``/``, a bucket).
+
+    >>> parent("s3://b/run/7"), parent("s3://b"), parent("/data/run"), parent("/")
+    ('s3://b/run', None, '/data', None)
+    """
+    if is_url(path):
+        scheme, bucket, key = split_url(path)
+        return None if not key else f"{scheme}://{bucket}/{key}".rpartition("/")[0]
+    above = os.path.dirname(path)
+    return None if above == path else above
+
+
+def realpath(path: str) -> str:
+    """Where ``path`` leads: a local path with every symlink resolved (``os.path.realpath``); a URL as it is,
+    normalized (object stores have no links).
+
+    >>> realpath("s3://b//run/")
+    's3://b/run'
+    """
+    return normalize(path) if is_url(path) else os.path.realpath(path)
+
+
+class Storage(abc.ABC):
+    """Where a checkpoint's files live: bytes and names, with the same methods for every backend.
 
     Paths are strings: absolute local paths, or URLs of the backend's scheme
-    (``normalize`` makes either). An instance may be *confined* to a checkpoint
-    root (``confine``): every read through it must resolve inside the root, or
-    is refused with a ``CheckpointError``; the unconfined instance of a scheme
-    (``treetools.checkpoint_io.storage.backend``) reads anything, and serves probes that
-    look around a checkpoint (the "did you mean" diagnostics) and writes.
+    (``normalize`` makes either; ``join``, ``parent`` and ``realpath`` are
+    functions of the names alone). An instance may be *confined* to a
+    checkpoint root (``confine``): every read through it must resolve inside
+    the root, or is refused with a ``CheckpointError``; the unconfined instance
+    of a scheme (``treetools.checkpoint_io.storage.backend``) reads anything,
+    and serves probes that look around a checkpoint (the "did you mean"
+    diagnostics) and writes.
 
-    Implementation hint: a backend implements the probes (``info``-like
-    ``exists``/``isdir``/``isfile``/``getsize``/``stat``), ``scandir``,
-    ``open``, ``read_range``, ``kvstore_spec`` and the writes; the rest have
-    defaults written in terms of those.
+    A backend implements the abstract methods: ``confine`` (a backend without
+    links returns itself: say so, never inherit it), ``stat``, ``scandir``,
+    ``open``, ``read_range``, ``create``, ``write_atomically`` and ``remove``.
+    The rest have defaults written in terms of those. Nothing here is about a
+    library that reads the files by path: TensorStore's key-value stores for a
+    scheme are the TensorStore adapter's (``formats/_ts_kvstore.py``).
     """
 
     scheme: str = ""
+    """The URL scheme this backend reads (``file`` for the local disk)."""
     remote: bool = False
     """True when every read is a network round trip (more threads than cores help, ranged reads are GETs)."""
 
     # -- confinement
 
+    @abc.abstractmethod
     def confine(self, path: str, *, follow_links: bool = False) -> "Storage":
         """A storage whose reads must stay inside ``path`` (a folder; for a file, its folder and the file itself);
-        with ``follow_links``, one that follows links out of it (held open all the same). The default (no
-        symlinks, as in a bucket) is this storage itself."""
-        return self
-
-    def close(self) -> None:
-        """Release what ``confine`` holds (an open folder); reads after it are refused."""
-
-    # -- names
-
-    def join(self, folder: str, name: str) -> str:
-        return os.path.join(folder, name)
-
-    def parent(self, path: str) -> str | None:
-        """The folder holding ``path``; None at the top (``/``, a bucket)."""
-        parent = os.path.dirname(path)
-        return None if parent == path else parent
-
-    def realpath(self, path: str) -> str:
-        return normalize(path)
+        with ``follow_links``, one that follows links out of it (held open all the same). A backend without
+        symlinks (a bucket) returns itself."""
 
     # -- probes (follow symlinks, like os.path)
 
+    @abc.abstractmethod
+    def stat(self, path: str) -> Any:
+        """``os.stat``-like (``st_mode``: the kind; ``st_size``) of what ``path`` leads to; FileNotFoundError when
+        nothing is there."""
+
     def exists(self, path: str) -> bool:
-        raise NotImplementedError
+        try:
+            self.stat(path)
+        except (OSError, ValueError):
+            return False
+        return True
 
     def lexists(self, path: str) -> bool:
-        return self.exists(path)
+        """Whether anything stands at ``path``, a broken link included."""
+        return self.exists(path) or self.link_target(path) is not None
 
     def isdir(self, path: str) -> bool:
-        raise NotImplementedError
+        try:
+            return stat_.S_ISDIR(self.stat(path).st_mode)
+        except (OSError, ValueError):
+            return False
 
     def isfile(self, path: str) -> bool:
-        raise NotImplementedError
-
-    def islink(self, path: str) -> bool:
-        return False
-
-    def readlink(self, path: str) -> str:
-        """Where the link ``path`` points, as stored; OSError where it is no link (no backend but a disk has them)."""
-        raise OSError(errno.EINVAL, "not a symlink", path)
-
-    def lstat(self, path: str) -> Any:
-        """``stat`` of ``path`` itself, a link not followed (the same as ``stat`` where there are no links)."""
-        return self.stat(path)
+        try:
+            return stat_.S_ISREG(self.stat(path).st_mode)
+        except (OSError, ValueError):
+            return False
 
     def getsize(self, path: str) -> int:
         return self.stat(path).st_size
 
-    def stat(self, path: str) -> Any:
-        raise NotImplementedError
+    def link_target(self, path: str) -> str | None:
+        """Where the symlink at ``path`` points, as stored; None where ``path`` is no link (no backend but a disk
+        has them)."""
+        return None
 
+    @abc.abstractmethod
     def scandir(self, path: str) -> ContextManager[Iterator[Any]]:
         """The entries of folder ``path`` (``os.DirEntry``-like: ``name``, ``path``, ``is_dir``, ``is_file``,
         ``is_symlink``, ``stat``); FileNotFoundError when there is no such folder.
@@ -285,7 +284,6 @@ class Storage:
         ``is_dir()`` and ``is_file()`` say what an entry leads to, a link's target included: listings ask them
         so (never ``follow_symlinks=False``), so that a link inside a checkpoint reads as what it names and one
         leading out of it is refused when it is read, never skipped as neither file nor folder."""
-        raise NotImplementedError
 
     def listdir(self, path: str) -> list[str]:
         with self.scandir(path) as it:
@@ -304,17 +302,21 @@ class Storage:
                 continue
             dirs = sorted(e.name for e in entries if e.is_dir())
             yield folder, dirs, sorted(e.name for e in entries if not e.is_dir())
-            pending.extend(self.join(folder, d) for d in reversed(dirs))
+            pending.extend(join(folder, d) for d in reversed(dirs))
+
+    def missing(self, path: str) -> Exception:
+        """The error for a path with nothing at it."""
+        return CheckpointNotFoundError(f"{path}: no such file or folder.")
 
     # -- reads
 
+    @abc.abstractmethod
     def open(self, path: str, *, block_size: int = 64 * 2**10) -> Any:
         """A file opened for reading (binary, seekable). ``block_size``: how far ahead a bucket reads."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """``length`` bytes at ``start`` (fewer at the end of the file)."""
-        raise NotImplementedError
 
     def read_into(self, path: str, view: memoryview, pos: int) -> int:
         """Read into ``view`` from byte ``pos``; the number of bytes read (short at the end of the file)."""
@@ -322,72 +324,61 @@ class Storage:
         view[: len(data)] = data
         return len(data)
 
-    def kvstore_spec(self, folder: str) -> dict[str, Any]:
-        """The TensorStore key-value store of a folder."""
-        raise NotImplementedError
-
-    def tensorstore_context(self) -> dict[str, Any] | None:
-        """The spec of one TensorStore context the readers of one item share, or None: each array opens with a
-        fresh, cache-less context (locally, where an open costs no round trip)."""
-        return None
-
-    def pin(self, folder: str) -> Pinned:
-        """``folder`` opened and checked, to hand a library that opens the files in it by path."""
-        return Pinned(folder)
-
-    def missing(self, path: str) -> Exception:
-        """The error for a path with nothing at it."""
-        return CheckpointNotFoundError(f"{path}: no such file or folder.")
-
     # -- listings a backend may remember (a bucket); no-ops on a disk
 
     def forget(self, path: str) -> None:
         """Drop remembered listings, so the next look at ``path`` asks afresh."""
 
-    def prefetch_tree(self, folder: str) -> bool:
-        """List everything below ``folder`` at once where that saves round trips; whether it was listed."""
+    def prefetch(self, folder: str, *, tree: bool = False) -> bool:
+        """List ``folder`` now where that answers the probes that follow (``tree``: everything below it at once,
+        where that saves round trips); whether it was listed."""
         return False
-
-    def prefetch(self, folder: str) -> None:
-        """List ``folder`` now where that answers the probes that follow."""
-
-    def map_io(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
-        """``[fn(x) for x in items]``; a remote backend runs them several at a time (each waits on the network)."""
-        return [fn(x) for x in items]
 
     # -- writes (treetools convert, the one command that writes)
 
+    @abc.abstractmethod
     def create(self, path: str, *, size: int | None = None, fsync: bool = True) -> Upload:
-        """A file opened for writing (``Upload``): nothing at ``path`` reads as complete before ``commit``."""
-        raise NotImplementedError
+        """A file opened for writing (``Upload``), its folders made as needed: nothing at ``path`` reads as complete
+        before ``commit``."""
 
+    @abc.abstractmethod
     def write_atomically(self, dst: str, write: Callable[[str], list[str]], *, folder: bool,
                          fsync: bool = True, overwrite: bool = True) -> None:
         """Write ``dst`` (a file, or with ``folder`` a folder of files) so that nothing partial ever reads as it.
 
-        ``write(path)`` writes the file (or the folder's files, after ``makedirs(path)``) at ``path`` with
-        ``create`` (``fsync=False``) and returns the files it wrote; where ``path`` is, and how it becomes
-        ``dst``, is the backend's: a temporary name renamed at the end on a disk (``fsync``: durably), ``dst``
-        itself in a bucket, whose objects appear whole when their upload completes (an old folder is removed
-        first, so old shards never read beside new ones). A failed or interrupted write leaves nothing at the
-        temporary name. Without ``overwrite``, a disk's final rename never replaces what appeared at ``dst``
-        meanwhile (a bucket has no such rename: the caller's check before writing is all there is).
+        ``write(path)`` writes the file (or the folder's files) at ``path`` with ``create`` (``fsync=False``) and
+        returns the files it wrote; where ``path`` is, and how it becomes ``dst``, is the backend's: a temporary
+        name renamed at the end on a disk (``fsync``: durably), ``dst`` itself in a bucket, whose objects appear
+        whole when their upload completes (an old folder is removed first, so old shards never read beside new
+        ones). A failed or interrupted write leaves nothing at the temporary name. Without ``overwrite``, a
+        disk's final rename never replaces what appeared at ``dst`` meanwhile (a bucket has no such rename: the
+        caller's check before writing is all there is).
         """
-        raise NotImplementedError
 
-    def makedirs(self, path: str) -> None:
-        """``os.makedirs(path, exist_ok=True)``; nothing where folders are key prefixes."""
-
-    def replace(self, src: str, dst: str) -> None:
-        """Rename ``src`` to ``dst``, replacing what is there (durably); a backend without rename refuses."""
-        raise ValueError(f"{self.scheme}:// has no rename; writers upload to the final name instead.")
-
+    @abc.abstractmethod
     def remove(self, path: str) -> None:
         """Remove a file or a whole folder; nothing there is no error."""
-        raise NotImplementedError
 
-    def fsync_dir(self, path: str) -> None:
-        """Make a rename in folder ``path`` durable (no-op where that means nothing)."""
+
+def map_io(storage: Storage, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+    """``[fn(x) for x in items]``; on a remote storage several at a time (each waits on the network).
+
+    >>> from treetools.checkpoint_io.storage import LOCAL
+    >>> map_io(LOCAL, abs, [-1, 2])
+    [1, 2]
+    """
+    items = list(items)
+    if not storage.remote or len(items) < 2:
+        return [fn(x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(REMOTE_IO_THREADS, len(items)), thread_name_prefix="treetools-io") as pool:
+        return list(pool.map(fn, items))
+
+
+REMOTE_IO_THREADS = 16
+"""Round trips one read of a remote storage keeps in flight at once (``map_io``: listings and small files of many
+steps)."""
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
-"""``gs://`` and ``s3://`` buckets, read in place: fsspec's ``gcsfs``/``s3fs`` for listings and small files,
-TensorStore's own ``gcs``/``s3`` key-value stores for arrays (``kvstore_spec``), with byte ranges.
+"""``gs://`` and ``s3://`` buckets, read in place through fsspec's ``gcsfs``/``s3fs``, with byte ranges; both
+schemes registered here (``register_scheme``). TensorStore reads arrays in them through its own ``gcs``/``s3``
+key-value stores: those are the TensorStore adapter's (``formats/_ts_kvstore.py``), not this module's.
 
 The client library is imported at the first URL of its scheme (the ``remote`` extra). Object stores have no
 folders, only key prefixes, and no symlinks: a bucket needs no confinement. Writes upload in blocks (S3
@@ -9,15 +10,16 @@ killed leaves no object (``BucketUpload.abort`` cancels it).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import logging
-import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
-from treetools.checkpoint_io.storage.base import Entry, Stat, Storage, Upload, entries, normalize, split_url
+from treetools.checkpoint_io.storage.base import (REMOTE_IO_THREADS, Entry, Stat, Storage, Upload, entries,
+                                                  normalize, split_url)
 from treetools.checkpoint_io.storage.reach import RemoteStorageError, check_reachable, gcs_token, translate
+from treetools.checkpoint_io.storage.schemes import register_scheme
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 from treetools.shared.install import install_hint
 
@@ -32,11 +34,10 @@ class _Info:
     size: int
 
 
-REMOTE_IO_THREADS = 16
-"""Round trips one bucket read keeps in flight at once (listings and small files of many steps)."""
+__all__ = ["REMOTE_IO_THREADS", "BucketStorage", "BucketUpload", "GcsStorage", "RemoteNotFoundError", "S3Storage"]
 
 TREE_LISTING_LIMIT = 10_000
-"""The most objects ``prefetch_tree`` lists below a bucket folder (10 LIST pages on S3, 2 on GCS)."""
+"""The most objects ``prefetch(tree=True)`` lists below a bucket folder (10 LIST pages on S3, 2 on GCS)."""
 
 UPLOAD_BLOCK = 32 * 2**20
 """Bytes per uploaded part (S3 multipart part, GCS resumable chunk) unless the object's size asks for more."""
@@ -61,16 +62,16 @@ class BucketUpload(Upload):
 
     def __init__(self, storage: "BucketStorage", path: str, *, size: int | None = None):
         self.path, self._storage, self.written = path, storage, 0
-        with translate(path):
+        with translate(path, storage.credentials):
             self._file = storage.fs.open(storage.key(path), "wb", block_size=upload_block(size))
 
     def write(self, data: Any) -> None:
-        with translate(self.path):
+        with translate(self.path, self._storage.credentials):
             self._file.write(data)
         self.written += memoryview(data).nbytes
 
     def commit(self) -> None:
-        with translate(self.path):
+        with translate(self.path, self._storage.credentials):
             self._file.close()
         self._storage.forget(self.path)
 
@@ -91,13 +92,16 @@ class BucketStorage(Storage):
     ``info`` call. ``forget()`` drops what was remembered (each
     ``open_source`` starts fresh, so a long-lived process sees new steps).
 
-    Implementation hint: a subclass names its ``scheme`` and ``package`` and
-    makes its client (``make_client``), its TensorStore key-value store
-    (``kvstore_spec``) and its whole-tree listing (``list_objects``).
+    A subclass names its ``scheme``, ``package`` and ``credentials`` (the
+    hint a refused request ends with), makes its client (``make_client``) and
+    its whole-tree listing (``list_objects``), and registers itself
+    (``register_scheme``) in its module.
     """
 
     remote = True
     package = ""
+    credentials = "check the credentials its client library reads"
+    """How to give this scheme's client credentials: the end of a "no credentials" error."""
 
     def __init__(self) -> None:
         try:
@@ -116,25 +120,23 @@ class BucketStorage(Storage):
         self._probes: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    @abc.abstractmethod
     def make_client(self) -> Any:
-        raise NotImplementedError
+        """The fsspec file system of this scheme (imported here: the ``remote`` extra)."""
 
+    @abc.abstractmethod
     def list_objects(self, bucket: str, prefix: str, limit: int) -> list[dict[str, Any]]:
         """Every object whose key starts with ``prefix``, at most ``limit`` of them, in one paged LIST."""
-        raise NotImplementedError
+
+    def confine(self, path: str, *, follow_links: bool = False) -> "BucketStorage":
+        """Itself: a bucket has no symlinks, so no read through a key under ``path`` can lead out of it."""
+        return self
 
     # -- names
 
     def key(self, url: str) -> str:
         _, bucket, key = split_url(url)
         return f"{bucket}/{key}" if key else bucket
-
-    def join(self, folder: str, name: str) -> str:
-        return f"{folder}/{name}"
-
-    def parent(self, path: str) -> str | None:
-        _, bucket, key = split_url(path)
-        return None if not key else path.rpartition("/")[0]
 
     # -- listings
 
@@ -155,7 +157,7 @@ class BucketStorage(Storage):
             return cached
         if gone:
             raise FileNotFoundError(url)
-        with translate(url):
+        with translate(url, self.credentials):
             found = self.fs.ls(self.key(url), detail=True)
         out: dict[str, _Info] = {}
         base = self.key(url).rstrip("/") + "/"
@@ -212,7 +214,7 @@ class BucketStorage(Storage):
             except FileNotFoundError:
                 return None
         try:
-            with translate(url):
+            with translate(url, self.credentials):
                 raw = self.fs.info(self.key(url))
             found: _Info | None = _Info("directory" if raw.get("type") == "directory" else "file",
                                         int(raw.get("size") or 0))
@@ -228,7 +230,7 @@ class BucketStorage(Storage):
         _, bucket, key = split_url(url)
         prefix = key + "/" if key else ""
         try:
-            with translate(url):
+            with translate(url, self.credentials):
                 found = self.list_objects(bucket, prefix, limit + 1)
         except (AttributeError, TypeError):  # a client without these (private, paged) listings: list per folder
             return None
@@ -252,30 +254,26 @@ class BucketStorage(Storage):
         with self._lock:
             self._listings.update(listings)
 
-    def prefetch_tree(self, folder: str, *, limit: int = TREE_LISTING_LIMIT) -> bool:
-        """List every object below ``folder`` at once (one paginated LIST, not one per folder): the listings and
-        existence probes of every folder below are answered from it, a root of 500 steps included. A folder
-        holding more than ``limit`` objects (steps that each keep thousands of chunk objects) is listed folder by
-        folder when needed instead."""
-        objects = self.objects_under(folder, limit)
-        if not objects:
-            return False
-        self.remember_tree(folder, objects)
-        return True
+    def prefetch(self, folder: str, *, tree: bool = False) -> bool:
+        """List ``folder`` now (one LIST answers the probes of its entries that follow).
 
-    def prefetch(self, folder: str) -> None:
+        With ``tree``, every object below ``folder`` at once (one paginated
+        LIST, not one per folder): the listings and existence probes of every
+        folder below are answered from it, a root of 500 steps included. A
+        folder holding more than ``TREE_LISTING_LIMIT`` objects (steps that each
+        keep thousands of chunk objects) is listed folder by folder when needed
+        instead."""
+        if tree:
+            objects = self.objects_under(folder, TREE_LISTING_LIMIT)
+            if not objects:
+                return False
+            self.remember_tree(folder, objects)
+            return True
         try:
             self.listing(folder)
         except (FileNotFoundError, CheckpointError):
-            pass
-
-    def map_io(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
-        items = list(items)
-        if len(items) < 2:
-            return [fn(x) for x in items]
-        with ThreadPoolExecutor(max_workers=min(REMOTE_IO_THREADS, len(items)),
-                                thread_name_prefix="treetools-io") as pool:
-            return list(pool.map(fn, items))
+            return False
+        return True
 
     # -- probes
 
@@ -311,7 +309,7 @@ class BucketStorage(Storage):
         """The error for a URL with nothing under it: naming a missing bucket as such."""
         _, bucket, _ = split_url(path)
         try:
-            with translate(path):
+            with translate(path, self.credentials):
                 bucket_there = self.fs.exists(bucket)
         except FileNotFoundError:
             bucket_there = False
@@ -327,18 +325,13 @@ class BucketStorage(Storage):
         info = self.info(path)  # known from a listing: no HEAD request for the size
         if info is None or info.kind != "file":
             raise FileNotFoundError(path)
-        with translate(path):
+        with translate(path, self.credentials):
             return self.fs.open(self.key(path), "rb", block_size=block_size, cache_type="readahead", size=info.size)
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """One ranged GET."""
-        with translate(path):
+        with translate(path, self.credentials):
             return self.fs.cat_file(self.key(path), start=start, end=start + length)
-
-    def tensorstore_context(self) -> dict[str, Any] | None:
-        # Every open costs round trips (an OCDBT manifest and b-tree nodes, the credentials): sharing one context
-        # shares those and the connections, and its small cache keeps the b-tree nodes every array looks up.
-        return {"cache_pool": {"total_bytes_limit": 64 * 2**20}}
 
     # -- writes
 
@@ -353,7 +346,7 @@ class BucketStorage(Storage):
         self.forget(dst)
 
     def remove(self, path: str) -> None:
-        with translate(path):
+        with translate(path, self.credentials):
             try:
                 self.fs.rm(self.key(path), recursive=True)
             except FileNotFoundError:
@@ -362,10 +355,11 @@ class BucketStorage(Storage):
 
 
 class GcsStorage(BucketStorage):
-    """``gs://``: gcsfs's plain client (credentials chosen without waiting, ``gcs_token``), TensorStore's ``gcs``."""
+    """``gs://``: gcsfs's plain client (credentials chosen without waiting, ``gcs_token``)."""
 
     scheme = "gs"
     package = "gcsfs"
+    credentials = "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS"
 
     def make_client(self) -> Any:
         # gcsfs's plain client: the package's default class is an experimental subclass that first asks the
@@ -382,21 +376,13 @@ class GcsStorage(BucketStorage):
                         max_results=limit, delimiter="")
         return found
 
-    def kvstore_spec(self, folder: str) -> dict[str, Any]:
-        """TensorStore's ``gcs`` driver.
-
-        >>> GcsStorage.kvstore_spec(None, "gs://b/run/7/params")
-        {'driver': 'gcs', 'bucket': 'b', 'path': 'run/7/params/'}
-        """
-        _, bucket, key = split_url(folder)
-        return {"driver": "gcs", "bucket": bucket, "path": key + "/" if key else ""}
-
 
 class S3Storage(BucketStorage):
-    """``s3://``: s3fs, and TensorStore's ``s3`` with the endpoint and region botocore would use."""
+    """``s3://``: s3fs (the endpoint and credentials botocore reads: ``AWS_ENDPOINT_URL``, ``AWS_*``)."""
 
     scheme = "s3"
     package = "s3fs"
+    credentials = "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
 
     def make_client(self) -> Any:
         import s3fs
@@ -414,27 +400,12 @@ class S3Storage(BucketStorage):
 
         return sync(self.fs.loop, collect)
 
-    def kvstore_spec(self, folder: str) -> dict[str, Any]:
-        """TensorStore's ``s3`` driver. The endpoint comes from ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
-        (TensorStore does not read them itself) and the region from ``AWS_REGION`` / ``AWS_DEFAULT_REGION``;
-        without either, TensorStore asks AWS for the bucket's region."""
-        _, bucket, key = split_url(folder)
-        spec: dict[str, Any] = {"driver": "s3", "bucket": bucket, "path": key + "/" if key else ""}
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        if endpoint:
-            spec["endpoint"] = endpoint
-            region = region or "us-east-1"
-        if region:
-            spec["aws_region"] = region
-        if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
-            # The keys botocore would use first; without this TensorStore walks its provider chain
-            # (profile files first) and logs every file it does not find.
-            spec["context"] = {"aws_credentials": {"type": "environment"}}
-        return spec
-
 
 def make(cls: type[BucketStorage], url: str) -> BucketStorage:
     """The client of ``url``'s scheme, after ``check_reachable`` (a ``gs://`` URL offline fails at once)."""
-    check_reachable(url)
+    check_reachable(url, cls.credentials)
     return cls()
+
+
+register_scheme("gs", lambda url: make(GcsStorage, url))
+register_scheme("s3", lambda url: make(S3Storage, url))

@@ -4,8 +4,9 @@ Checkpoints are untrusted input: a symlink inside one (a chunk file, an item
 folder, a metadata file) may lead anywhere on the machine. ``confine(path)``
 opens the checkpoint's folder once (a ``Root``, holding an open descriptor of
 it) and returns a ``LocalStorage`` bound to it: every read through that
-storage (``open``, ``read_range``, ``read_into``, the listings, and a folder
-``pin``-ned for TensorStore) resolves inside the root, or is refused. The
+storage (``open``, ``read_range``, ``read_into``, the listings; and the folders
+the TensorStore adapter opens through ``open_fd`` and checks against ``root``)
+resolves inside the root, or is refused. The
 storage holds the root; the readers a checkpoint hands out hold the storage;
 nothing is registered by path, and nothing depends on which thread reads.
 
@@ -18,11 +19,9 @@ import contextlib
 import errno
 import os
 import stat as stat_
-import threading
 import weakref
 from typing import Any, Callable, Iterator
 
-from treetools.checkpoint_io.storage.base import Pinned as _BasePinned
 from treetools.checkpoint_io.storage.base import OutsideCheckpointError, SpecialFileError, Storage, Upload, kind_of_mode
 from treetools.shared.errors import CheckpointError
 from treetools.shared.files import create_new, fsync_dir, fsync_file, remove, swap_in, tmp_name
@@ -126,139 +125,6 @@ class Root:
 
     def __repr__(self) -> str:
         return f"Root({self.path!r})"
-
-
-_WALKS: dict[tuple, list[tuple[str, tuple[int, ...]]]] = {}
-"""Folders already walked and found clean, by the identity of every folder gone through (a memo, not a registry
-of roots: a changed folder changes its identity)."""
-_WALKS_LOCK = threading.Lock()
-
-
-def _identity(path: str) -> tuple[int, ...] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-
-
-class LocalPinned(_BasePinned):
-    """A local folder opened once and checked, for a library that opens the files in it by path (TensorStore).
-
-    ``path`` is what to hand the library: ``/proc/self/fd/N`` on Linux, so the
-    folder read is the one checked even if a link is swapped in for it later
-    (elsewhere its real path). ``identity`` changes when entries of the folder
-    are added, removed or renamed. Close it when the library is done.
-    """
-
-    def __init__(self, storage: "LocalStorage", folder: str, fd: int):
-        self._storage, self.folder, self.fd = storage, folder, fd
-        self.path = f"/proc/self/fd/{fd}" if fd_path(fd) is not None else os.path.realpath(folder)
-        st = os.fstat(fd)
-        self.identity = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-        self._finalizer = weakref.finalize(self, os.close, fd)
-
-    def real(self, name: str = "") -> str:
-        """The real path of ``name`` inside the folder (symlinks resolved)."""
-        return os.path.realpath(os.path.join(self.path, name) if name else self.path)
-
-    def check_file(self, name: str) -> None:
-        root = self._storage.root
-        if root is None:
-            return
-        real = self.real(name)
-        root.check(os.path.join(self.folder, name), real)
-        try:
-            mode = os.stat(real).st_mode
-        except OSError:
-            return  # missing: the library's own error names it
-        if not (stat_.S_ISREG(mode) or stat_.S_ISDIR(mode)):
-            raise _special(os.path.join(self.folder, name), mode)
-
-    def check_tree(self) -> None:
-        """Refuse the folder unless every entry below it resolves inside the checkpoint root (links followed) and
-        is a regular file or folder (no FIFO, socket or device).
-
-        A walk that found nothing wrong is remembered by the identity of every
-        folder it went through (inode, modification and change times): while none
-        of them has changed (an entry added, removed, renamed or relinked changes
-        its folder's times), the next check of the same folder is those stats only.
-        """
-        root = self._storage.root
-        if root is None:
-            return
-        key = (self.identity, root.allowed)
-        with _WALKS_LOCK:
-            dirs = _WALKS.get(key)
-        if dirs is not None and all(_identity(os.path.join(self.path, rel)) == ident for rel, ident in dirs):
-            return
-        dirs = self._walk(root)
-        with _WALKS_LOCK:
-            _WALKS[key] = dirs
-            while len(_WALKS) > 4096:
-                _WALKS.pop(next(iter(_WALKS)))
-
-    def unchanged(self) -> bool:
-        """Whether the folder's path still leads to this folder as pinned (same inode, same times) and, when
-        ``check_tree`` walked it, no folder below it has changed since (that walk's memo): a few stats. False
-        sends the caller back to ``Storage.pin``, which checks afresh."""
-        if _identity(self.folder) != self.identity:  # renamed, replaced, or a link swapped in on its path
-            return False
-        root = self._storage.root
-        if root is None:
-            return True
-        with _WALKS_LOCK:
-            dirs = _WALKS.get((self.identity, root.allowed))
-        if dirs is None:
-            return False
-        for rel, ident in dirs:  # relative to the held descriptor (no lookup through /proc for each)
-            try:
-                st = os.stat(rel, dir_fd=self.fd) if rel else os.fstat(self.fd)
-            except (OSError, TypeError):
-                return False
-            if (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != ident:
-                return False
-        return True
-
-    def _walk(self, root: Root) -> list[tuple[str, tuple[int, ...]]]:
-        """Every entry below the folder checked; ``(relative folder, identity)`` of each folder gone through."""
-        seen: set[tuple[int, int]] = set()
-        dirs: list[tuple[str, tuple[int, ...]]] = []
-        stack = [(os.dup(self.fd), self.real(), self.folder, "")]
-        nofollow = os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC
-        while stack:
-            fd, real, shown, rel = stack.pop()
-            try:
-                st = os.fstat(fd)
-                if (st.st_dev, st.st_ino) in seen:
-                    continue
-                seen.add((st.st_dev, st.st_ino))
-                dirs.append((rel, (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)))
-                with os.scandir(fd) as it:
-                    for e in it:
-                        name, sub = os.path.join(shown, e.name), os.path.join(rel, e.name)
-                        if e.is_symlink():
-                            target = os.path.realpath(os.path.join(real, e.name))
-                            root.check(name, target)
-                            if os.path.isdir(target):
-                                stack.append((self._storage.open_fd(target, _DIRECTORY), target, name, sub))
-                            elif os.path.exists(target) and not os.path.isfile(target):
-                                raise _special(name, os.stat(target).st_mode)
-                        elif e.is_dir(follow_symlinks=False):
-                            stack.append((os.open(e.name, nofollow, dir_fd=fd), os.path.join(real, e.name), name, sub))
-                        elif not e.is_file(follow_symlinks=False):
-                            raise _special(name, e.stat(follow_symlinks=False).st_mode)
-            except BaseException:
-                for other, *_ in stack:
-                    os.close(other)
-                raise
-            finally:
-                os.close(fd)
-        return dirs
-
-    def close(self) -> None:
-        self._finalizer()
-        self.fd = None
 
 
 def _special(path: str, mode: int) -> SpecialFileError:
@@ -380,11 +246,9 @@ class LocalStorage(Storage):
         return LocalStorage(Root(os.path.dirname(path), named=path, follow_links=follow_links))
 
     def close(self) -> None:
+        """Release the root's open folder (reads after it are refused); nothing for the unconfined disk."""
         if self.root is not None:
             self.root.close()
-
-    def realpath(self, path: str) -> str:
-        return os.path.realpath(path)
 
     def _at(self, path: str) -> tuple[str, int | None]:
         """Where ``path`` is reached: ``(path relative to the root's open folder, its descriptor)`` when it lies
@@ -436,11 +300,11 @@ class LocalStorage(Storage):
     def isfile(self, path: str) -> bool:
         return stat_.S_ISREG(self._mode(path) or 0)
 
-    def islink(self, path: str) -> bool:
-        return stat_.S_ISLNK(self._mode(path, follow=False) or 0)
-
-    def readlink(self, path: str) -> str:
-        return self._os(os.readlink, path)
+    def link_target(self, path: str) -> str | None:
+        try:
+            return self._os(os.readlink, path)
+        except (OSError, ValueError):  # no link there (or nothing at all)
+            return None
 
     def getsize(self, path: str) -> int:
         return self.stat(path).st_size
@@ -581,26 +445,10 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
-    def kvstore_spec(self, folder: str) -> dict[str, Any]:
-        """TensorStore's ``file`` driver at ``folder``.
-
-        >>> LocalStorage().kvstore_spec("/data/run/7/params")
-        {'driver': 'file', 'path': '/data/run/7/params/'}
-        """
-        return {"driver": "file", "path": os.path.abspath(folder) + "/"}
-
-    def pin(self, folder: str) -> LocalPinned:
-        """``folder`` opened and checked (inside the root).
-
-        Raises:
-          CheckpointError: the folder resolves outside the root.
-          OSError: it cannot be opened (missing, not a folder).
-        """
-        return LocalPinned(self, folder, self.open_fd(folder, _DIRECTORY))
-
     # -- writes
 
     def create(self, path: str, *, size: int | None = None, fsync: bool = True) -> LocalUpload:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         return LocalUpload(path, fsync=fsync)
 
     def write_atomically(self, dst: str, write: Callable[[str], list[str]], *, folder: bool,
@@ -617,21 +465,11 @@ class LocalStorage(Storage):
                 for path in written:
                     fsync_file(path)
                 if folder:
-                    self.fsync_dir(tmp)
+                    fsync_dir(tmp)
             swap_in(tmp, dst, overwrite=overwrite)
         except BaseException:
             self.remove(tmp)
             raise
 
-    def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
-
-    def replace(self, src: str, dst: str) -> None:
-        os.replace(src, dst)
-        self.fsync_dir(os.path.dirname(dst) or ".")
-
     def remove(self, path: str) -> None:
         remove(path)
-
-    def fsync_dir(self, path: str) -> None:
-        fsync_dir(path)

@@ -113,8 +113,9 @@ def _metadata_server() -> bool:
     return bool(_within(METADATA_TIMEOUT + 0.5, ask, False))
 
 
-def check_reachable(url: str) -> None:
-    """Fail at once, with one line, when ``url``'s storage endpoint cannot be reached (a ``gs://`` URL offline).
+def check_reachable(url: str, credentials: str = "") -> None:
+    """Fail at once, with one line, when ``url``'s storage endpoint cannot be reached (a ``gs://`` URL offline);
+    ``credentials``: how to give the scheme credentials, said when none were found either.
 
     Only for ``gs://``: offline, gcsfs retries each request with backoff for
     about 50 seconds before failing; boto (``s3://``) fails on its own within
@@ -132,7 +133,7 @@ def check_reachable(url: str) -> None:
     if endpoint == GCS_ENDPOINT:
         cause = "no network, or a firewall in the way: check the connection"
         if gcs_token() is not None:
-            cause += f" (no Google credentials were found either: {_CREDENTIAL_HINTS['gs']})"
+            cause += f" (no Google credentials were found either: {credentials})"
     else:
         cause = "is the GCS emulator that STORAGE_EMULATOR_HOST names running? Start it, or unset the variable"
     raise RemoteStorageError(f"{url}: cannot reach {endpoint} ({why}): {cause}.")
@@ -175,15 +176,10 @@ def gcs_token() -> str | None:
 
 
 
-_CREDENTIAL_HINTS = {
-    "gs": "run `gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS",
-    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
-}
-
-
 @contextlib.contextmanager
-def translate(url: str) -> Iterator[None]:
-    """Client-library errors as one line each: no credentials, permission denied, no such bucket.
+def translate(url: str, credentials: str = "check the credentials the client library reads") -> Iterator[None]:
+    """Client-library errors as one line each: no credentials (ending with ``credentials``, the scheme's hint: its
+    ``BucketStorage.credentials``), permission denied, no such bucket.
 
     A missing key stays a ``FileNotFoundError`` (callers decide what a missing file means).
     """
@@ -203,7 +199,7 @@ def translate(url: str) -> Iterator[None]:
         if ("NoCredentials" in name or "DefaultCredentialsError" in name or "Unable to locate credentials" in text
                 or code == 401 or text.startswith("Anonymous caller")):
             raise RemoteStorageError(
-                f"{url}: no credentials for {scheme}:// ({text}); {_CREDENTIAL_HINTS[scheme]}."
+                f"{url}: no credentials for {scheme}:// ({text}); {credentials}."
             ) from None
         if code == 403 or text.startswith("Forbidden"):  # gcsfs raises a plain OSError for a 403
             detail = " ".join(str(e).split("\n")[1:2]).strip() or text

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from treetools.checkpoint_io.storage import Storage, backend
+from treetools.checkpoint_io.storage import Storage, backend, join
 from treetools.shared.files import fsync_file
 from treetools.checkpoint_io.formats.safetensors import DTYPE_NAMES
 from treetools.checkpoint_io.readers import ArrayReader, InMemoryReader, np_dtype
@@ -312,12 +312,11 @@ def write_safetensors(
         if not layout.folder:
             _write_file(storage, path, layout.files[0], meta, block_bytes, on_block)
             return [path]
-        storage.makedirs(path)
-        written = [storage.join(path, f.name) for f in layout.files]
+        written = [join(path, f.name) for f in layout.files]  # create makes the folder
         for file_path, f in zip(written, layout.files):
             _write_file(storage, file_path, f, meta, block_bytes, on_block)
         if layout.index:  # last: a folder of shards is a checkpoint only with its index
-            written.append(storage.join(path, INDEX_NAME))
+            written.append(join(path, INDEX_NAME))
             with storage.create(written[-1], fsync=False) as out:
                 out.write(index_json(layout))
         return written
@@ -351,7 +350,7 @@ def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str
                 return "skipped"
             written = []
             for i in mine:
-                target = storage.join(path, layout.files[i].name) if layout.folder else path
+                target = join(path, layout.files[i].name) if layout.folder else path
                 _write_file(storage, target, layout.files[i], meta, block_bytes, on_block)
                 written.append(target)
             if fsync and not storage.remote:
@@ -366,20 +365,14 @@ def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str
 
     if share.index == 0:
         def write(path: str) -> list[str]:
-            try:
-                if layout.folder:
-                    storage.makedirs(path)
-            except Exception as e:
-                meet(e)
-                raise
-            meet(path)
+            meet(path)  # the folder is made by the first file created in it
             meet(write_mine(path))
             error = first_error()
             if error is not None:
                 raise error
-            written = [storage.join(path, f.name) for f in layout.files] if layout.folder else [path]
+            written = [join(path, f.name) for f in layout.files] if layout.folder else [path]
             if layout.index:  # last: a folder of shards is a checkpoint only with its index
-                written.append(storage.join(path, INDEX_NAME))
+                written.append(join(path, INDEX_NAME))
                 with storage.create(written[-1], fsync=False) as out:
                     out.write(index_json(layout))
             return written
