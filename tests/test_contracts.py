@@ -21,6 +21,7 @@ from treetools.checkpoint_io.context import ReadContext
 from treetools.checkpoint_io.leaves import DEFAULT_ITEM, Item, Snapshot
 from treetools.checkpoint_io.readers import ArrayReader, SequentialReader
 from treetools.checkpoint_io.source import FileSource, ItemLayout, Layout, RootLayout, Source, StepLayout
+from treetools.checkpoint_io.storage import Storage, Upload
 
 PACKAGE = pathlib.Path(treetools.__file__).resolve().parent
 
@@ -33,6 +34,9 @@ CONTRACTS = {
     ArrayReader: {"read"},
     SequentialReader: {"blocks"},
     Layout: {"listing", "step", "step_folder"},
+    # bytes and names only: a backend that forgets `confine` cannot be built (it would read outside)
+    Storage: {"confine", "create", "open", "read_range", "remove", "scandir", "stat", "write_atomically"},
+    Upload: {"abort", "commit", "write"},
 }
 
 
