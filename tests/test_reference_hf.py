@@ -252,7 +252,8 @@ def test_from_hf_reads_what_save_pretrained_wrote(hf_models, case):
     assert cfg.d_model == config.hidden_size and cfg.n_heads == config.num_attention_heads
     assert cfg.tie_embeddings == config.tie_word_embeddings
     if cfg.family != "gpt2":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads  # as modeling_*
+        # as modeling_*.py reads it
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         assert cfg.kv_heads == config.num_key_value_heads and cfg.head_size == head_dim
         assert cfg.d_ff == config.intermediate_size and cfg.rope_theta == config.rope_parameters["rope_theta"]
 

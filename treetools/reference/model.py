@@ -51,7 +51,8 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -76,7 +77,8 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 # Hugging Face's activation names (ACT2FN keys) -> ours.
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
                    "gelu": "gelu", "relu": "relu"}
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = {"default": (), "linear": ("factor",),  # the rope_scaling keys each type needs
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 _CHOICES = {"family": FAMILIES, "norm": ("layernorm", "rmsnorm"), "positions": ("learned", "rope"),
             "mlp": ("plain", "gated"), "activation": tuple(ACTIVATIONS)}
 
@@ -88,9 +90,10 @@ class ModelConfig:
     ``n_kv_heads`` None: as many as ``n_heads`` (1: multi-query); ``head_dim`` None: ``d_model // n_heads``.
     ``norm_plus_one``: the norm multiplies by ``1 + scale`` (Gemma; its scale starts at 0). ``embed_scale``:
     the embeddings are multiplied by ``sqrt(d_model)`` (Gemma). ``rope_scaling``: the items of Hugging Face's
-    ``rope_parameters`` beyond ``rope_theta`` (``rope_type`` ``linear`` or ``llama3`` and their factors), as a
-    tuple of ``(key, value)`` pairs. ``sliding_window``: each query sees at most that many keys, itself
-    included (Mistral). ``fused_qkv``: one ``qkv`` kernel (GPT-2's ``c_attn``) instead of ``q``, ``k``, ``v``.
+    ``rope_parameters`` beyond ``rope_theta`` (``rope_type`` ``linear`` or ``llama3`` and their factors), a
+    dict or ``(key, value)`` pairs, kept as sorted pairs. ``sliding_window``: each query sees at most that many
+    keys, itself included (Mistral). ``fused_qkv``: one ``qkv`` kernel (GPT-2's ``c_attn``) instead of ``q``,
+    ``k``, ``v``.
     """
 
     vocab: int = 64
@@ -120,6 +123,8 @@ class ModelConfig:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
+        # One spelling (sorted pairs, hashable as a flax module's field), whether given as a dict or as pairs.
+        object.__setattr__(self, "rope_scaling", tuple(sorted(dict(self.rope_scaling or ()).items())))
         for name, allowed in _CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig {name}={getattr(self, name)!r}: use one of {', '.join(allowed)}.")
@@ -128,9 +133,13 @@ class ModelConfig:
                              "each key-value head serves a whole group of query heads.")
         if self.positions == "rope" and self.head_size % 2:
             raise ValueError(f"ModelConfig head_dim={self.head_size} is odd; RoPE rotates pairs: use an even head_dim.")
-        rope_type = dict(self.rope_scaling).get("rope_type", "default")
+        scaling = dict(self.rope_scaling)
+        rope_type = scaling.get("rope_type", "default")
         if rope_type not in _ROPE_TYPES:
             raise ValueError(f"ModelConfig rope_scaling rope_type={rope_type!r}: use one of {', '.join(_ROPE_TYPES)}.")
+        missing = [k for k in _ROPE_TYPES[rope_type] if k not in scaling]
+        if missing:
+            raise ValueError(f"ModelConfig rope_scaling of rope_type {rope_type!r} lacks {', '.join(missing)}.")
 
     @property
     def kv_heads(self) -> int:
@@ -141,7 +150,7 @@ class ModelConfig:
         return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
 
     @classmethod
-    def from_hf(cls, source: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> "ModelConfig":
+    def from_hf(cls, source: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> ModelConfig:
         """The config of a Hugging Face ``config.json``: a path to it, to the folder holding it, or its dict.
 
         ``model_type`` must be one of ``FAMILIES``; a field the file leaves out takes the value transformers'
@@ -207,9 +216,9 @@ def _read_hf(source: Any) -> tuple[dict[str, Any], str]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: cannot read a Hugging Face config.json ({e.__class__.__name__}: "
-                         f"{getattr(e, 'strerror', None) or e}); pass the model folder, its config.json, or the dict.") \
-            from None
+        why = getattr(e, "strerror", None) or e
+        raise ValueError(f"{path}: cannot read a Hugging Face config.json ({e.__class__.__name__}: {why}); pass the "
+                         "model folder, its config.json, or the dict.") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not a Hugging Face config object.")
     return data, path
@@ -243,13 +252,13 @@ def _rope_fields(hf: Mapping[str, Any], where: str) -> dict[str, Any]:
     params.pop("partial_rotary_factor", None)
     if rope_type == "default":
         return {"rope_theta": float(theta), "rope_scaling": ()}
-    if rope_type == "llama3":
+    if rope_type == "llama3":  # as transformers' standardize_rope_params
         params.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-        keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    else:
-        keep = ("factor",)
+    missing = [k for k in _ROPE_TYPES[rope_type] if params.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: rope_type {rope_type!r} lacks {', '.join(missing)}.")
     return {"rope_theta": float(theta),
-            "rope_scaling": (("rope_type", rope_type), *((k, params[k]) for k in keep))}
+            "rope_scaling": (("rope_type", rope_type), *((k, params[k]) for k in _ROPE_TYPES[rope_type]))}
 
 
 def _llama_fields(hf: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
