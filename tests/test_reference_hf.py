@@ -265,7 +265,7 @@ def test_to_hf_builds_the_same_model_in_transformers(hf_models, case):
     cfg = ModelConfig.from_hf(folder)
     written = cfg.to_hf()
     assert ModelConfig.from_hf(written) == cfg
-    config = transformers.AutoConfig.for_model(**written)
+    config = transformers.AutoConfig.for_model(**written, bos_token_id=0, eos_token_id=1)  # GPT-2's 50256: no such id
     config._attn_implementation = "eager"
     rebuilt = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     assert type(rebuilt) is type(model)
