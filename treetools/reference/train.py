@@ -115,7 +115,9 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     # The schedule must not depend on --steps: a run resumed with a larger
     # --steps has to follow the same curve as one that ran straight through.
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, cfg.decay_steps)
-    adamw = optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=tt.get_param_mask_fn(WEIGHT_DECAY_EXCLUDE))
+    # One exclude list for every family of the reference model: a llama has no bias and no pos_embed.
+    decay_mask = tt.get_param_mask_fn(WEIGHT_DECAY_EXCLUDE, allow_unmatched=True)
+    adamw = optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decay_mask)
     rules = [(r"^embed/", "frozen")] if cfg.freeze_embeddings else []
     labels = tt.get_param_label_fn(rules, default="train")
     return optax.chain(
@@ -280,7 +282,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     _say(cfg, f"mesh {dict(mesh.shape)} over {jax.device_count()} {jax.devices()[0].platform} device(s)")
     _say(cfg, tt.memory_plan(state, mesh=mesh).summary())  # the fullest device, part by part (grads included)
     _say(cfg, tt.tabulate_params(state["params"], show_weight_decay=True,
-                                 weight_decay_exclude=list(WEIGHT_DECAY_EXCLUDE), depth=None))
+                                 weight_decay_exclude=list(WEIGHT_DECAY_EXCLUDE), allow_unmatched=True, depth=None))
     start = 0
     if latest is not None:
         parts = ("params", "params_ema", "opt_state")
