@@ -393,10 +393,10 @@ def test_fill_missing_that_does_not_fit_is_a_problem(tmp_path, devices, no_data_
 # ----------------------------------------------------------------------------- Orbax's own restore, partial
 
 
-def test_orbax_restore_stays_the_path_and_never_reads_unused_leaves(tmp_path, devices, monkeypatch):
+def test_orbax_restore_reads_through_the_block_engine_and_never_reads_unused_leaves(tmp_path, devices, monkeypatch):
     import orbax.checkpoint as ocp
 
-    from treetools.checkpoint_io.formats.orbax import OrbaxSource
+    from treetools.checkpoint_io import stream
 
     params = {"w": np.arange(8.0, dtype=np.float32), "b": np.ones(4, np.float32)}
     state = {"params": params, "opt_state": {"mu": {"w": np.zeros(8, np.float32), "b": np.zeros(4, np.float32)}}}
@@ -410,18 +410,19 @@ def test_orbax_restore_stays_the_path_and_never_reads_unused_leaves(tmp_path, de
         for f in chunks:
             f.unlink()
     calls = []
-    real = OrbaxSource.restore_arrays
+    real = stream.read_regions
 
-    def spy(self, item, targets):
-        calls.append(sorted(targets))
-        return real(self, item, targets)
+    def spy(regions, then, **kwargs):
+        calls.append(sorted({kwargs["names"][i] for i in range(len(regions))}))
+        return real(regions, then, **kwargs)
 
-    monkeypatch.setattr(OrbaxSource, "restore_arrays", spy)
-    rules = tt.Rules(rename=[(r"^params/", "model/")])  # a rename needs no data first: Orbax still reads
+    monkeypatch.setattr("treetools.checkpoint_jax.placing.read_regions", spy)
+    rules = tt.Rules(rename=[(r"^params/", "model/")])  # a rename: the stored leaves' readers, renamed
     target = {"model": {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params.items()}}
     out = tt.restore_checkpoint(str(folder), None, {"default": target}, rules=rules, allow_unused=True)["default"]
-    assert calls == [["params/b", "params/w"]]  # Orbax asked for exactly the two leaves, by their stored names
+    assert calls == [["default/model/b", "default/model/w"]]  # one engine call, for exactly the two leaves
     np.testing.assert_array_equal(np.asarray(out["model"]["w"]), params["w"])
+    np.testing.assert_array_equal(np.asarray(out["model"]["b"]), params["b"])
 
 
 # ----------------------------------------------------------------------------- host memory of an unstack

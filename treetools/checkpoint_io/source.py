@@ -20,8 +20,8 @@ the block size. A format reads only through ``context.storage`` and gives the
 context to every reader it makes.
 
 Format-specific work that other code needs is a hook of ``Source`` with a
-generic default (``restore_arrays``: a format's own fast restore;
-``verify_metadata``: a format's own consistency checks), so no code outside
+generic default (``verify_metadata``: a format's own consistency checks;
+``series_of``: the series of steps ``--prefix`` names), so no code outside
 a format branches on its name or reads its private state.
 
 Importing this module imports no jax.
@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import stat as stat_
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from treetools.checkpoint_io.context import ReadContext
 from treetools.checkpoint_io.items import part_holder, part_of, top_level_keys
@@ -241,20 +241,6 @@ class Source:
           CheckpointError: no such series (the message lists them).
         """
         return listing.select(prefix, where=self.path)
-
-    def restore_arrays(self, item: Item, targets: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Read arrays of ``item`` straight into their targets the format's own way; None: the generic way.
-
-        ``targets`` maps a leaf's name (``Leaf.name``) to a ``jax.ShapeDtypeStruct``
-        with a sharding; the result maps the same names to ``jax.Array``s. The
-        default returns None, and the restore reads each device's block through
-        the leaves' ``ArrayReader``s, which works for every format. Orbax
-        overrides it to use Orbax's own restore where it can.
-
-        Implementation hint: import jax (and your library) inside this method,
-        so metadata reads stay jax-free.
-        """
-        return None
 
     def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
         """For ``treetools verify``: the step's items read for checking, and every problem found doing so.

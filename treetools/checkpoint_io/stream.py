@@ -2,7 +2,7 @@
 
 Every command that reads all of a checkpoint's data goes through here:
 ``inspect --stats``, ``diff --values`` (both sides of a leaf, block by block),
-``verify``, ``convert`` and ``load_parameters``. Three ways in, one scheduler:
+``verify``, ``convert``, ``load_parameters`` and ``restore_checkpoint``. Four ways in, one scheduler:
 
 * ``reduce_blocks(jobs, start, fold)``: each job is a tuple of readers of one
   shape read with one block plan (one leaf for statistics and verify; the two
@@ -25,6 +25,11 @@ read in flight; ``stream_blocks`` at ``window + workers`` blocks, or two
 stripes of whole stored chunks where one is larger (each within the memory
 budget). Tasks carry indices, never data.
 
+A fourth way in, ``read_regions(regions, then)``, is the restore's: each
+region (one device's block of a leaf) read whole, once, in blocks of at most
+``block_bytes``, and handed on the worker thread that read it to ``then``
+(which places it on its devices).
+
 Threads: numpy's ufuncs, TensorStore's decoding and file reads release the
 GIL, so threads scale with cores. ``TREETOOLS_WORKERS`` sets the default
 number of threads (else the cores this process may run on, ``taskset`` aware);
@@ -45,7 +50,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVa
 
 import numpy as np
 
-from treetools.checkpoint_io.readers import ArrayReader, Index, MemoryBudgetError, block_extent, plan_blocks
+from treetools.checkpoint_io.readers import (ArrayReader, Index, MemoryBudgetError, block_extent, check_budget,
+                                             plan_blocks)
 from treetools.checkpoint_io.share import Share, owners, pool
 
 GROUP_BLOCKS = 4
@@ -530,3 +536,113 @@ def read_arrays(readers: Sequence[ArrayReader], *, workers: int | None = None) -
             workers *= 2
     return ordered_map(lambda r: r.read_all(), readers, workers=min(workers, max(1, len(readers))),
                        window=2 * workers)
+
+
+# ---------------------------------------------------------------------------- regions: one device's block each
+
+
+def region_plan(reader: ArrayReader, index: Index, block_bytes: int) -> list[tuple[Index, Index]]:
+    """The reads of one region of ``reader`` (``index``: one device's block): ``(index in the array, index in the
+    region)`` pairs of at most ``block_bytes`` each, or one stored chunk where a chunk is larger (a block never
+    splits a chunk), tiling the region in C order.
+
+    >>> from treetools.checkpoint_io.readers import InMemoryReader
+    >>> r = InMemoryReader(np.zeros((8, 4), np.float32))
+    >>> [(a[0], b[0]) for a, b in region_plan(r, (slice(2, 6), slice(None)), 32)]
+    [(slice(2, 4, None), slice(0, 2, None)), (slice(4, 6, None), slice(2, 4, None))]
+    """
+    corner, sizes = block_extent(index, reader.shape)
+    whole = tuple(slice(a, a + n) for a, n in zip(corner, sizes))
+    if math.prod(sizes) * reader.dtype.itemsize <= block_bytes:
+        return [(whole, tuple(slice(0, n) for n in sizes))]
+    out = []
+    for local in plan_blocks(sizes, max(1, block_bytes // reader.dtype.itemsize), reader.chunk_shape):
+        spans = [s.indices(n)[:2] for s, n in zip(local, sizes)]
+        out.append((tuple(slice(c + a, c + b) for c, (a, b) in zip(corner, spans)),
+                    tuple(slice(a, b) for a, b in spans)))
+    return out
+
+
+def _region(reader: ArrayReader, index: Index, block_bytes: int) -> np.ndarray:
+    """One region read whole, in the reads ``region_plan`` gives (TensorStore: the next read in flight)."""
+    plan = region_plan(reader, index, block_bytes)
+    if len(plan) == 1:
+        return np.asarray(reader.read(plan[0][0]))
+    out = np.empty(block_extent(index, reader.shape)[1], reader.dtype)
+    for (_, local), block in zip(plan, reader.blocks([ix for ix, _ in plan])):
+        out[local] = block
+        del block
+    return out
+
+
+def read_regions(regions: Sequence[tuple[ArrayReader, Index]], then: Callable[[int, np.ndarray], _R], *,
+                 block_bytes: int, budget: float, workers: int | None = None,
+                 names: Sequence[str] | None = None) -> Iterator[tuple[int, _R]]:
+    """Each region (a reader and an index: the block one device holds) read once and handed to ``then`` on the
+    worker thread that read it; ``(region number, then's result)`` yielded in region order.
+
+    The restore's way in (``restore_checkpoint``, ``load_parameters`` with a
+    target): ``then`` places the block on its device(s), so a block is held
+    on the host only between its read and its placing. Regions are read on
+    ``workers`` threads (default: the readers' context's, else the cores,
+    doubled for TensorStore as in ``read_arrays``, one thread below
+    ``SMALL_BYTES``); each region is read in blocks of at most
+    ``block_bytes`` (``region_plan``) into its own buffer. At most
+    ``2 * workers * block_bytes`` of regions (or two regions, where one is
+    larger) are read and not yet handed on, never more than ``budget``. The
+    regions of a reader that streams only front to back (a compressed npz
+    member) are cut from its array read whole once.
+
+    Raises:
+      MemoryBudgetError: before anything is read, a region (or a front-to-back reader's whole array) over
+        ``budget``, named by ``names[i]`` (default: the region number).
+
+    >>> from treetools.checkpoint_io.readers import InMemoryReader
+    >>> r = InMemoryReader(np.arange(6.0))
+    >>> list(read_regions([(r, (slice(0, 3),)), (r, (slice(3, 6),))], lambda i, b: b.tolist(), block_bytes=16,
+    ...                   budget=2**20, workers=2))
+    [(0, [0.0, 1.0, 2.0]), (1, [3.0, 4.0, 5.0])]
+    """
+    units: list[tuple[int, ...]] = []  # region numbers: one each, or every region of a front-to-back reader
+    costs: list[int] = []
+    streamed: dict[int, int] = {}  # id(reader) -> its unit
+    for i, (reader, index) in enumerate(regions):
+        whole = reader.sequential
+        nbytes = math.prod(reader.shape if whole else block_extent(index, reader.shape)[1]) * reader.dtype.itemsize
+        where = names[i] if names is not None else f"region {i}"
+        if whole and id(reader) in streamed:
+            u = streamed[id(reader)]
+            units[u] = (*units[u], i)
+            continue
+        check_budget(nbytes, where=where, budget=budget,
+                     what=("a compressed leaf read whole (it streams only front to back) to place it," if whole
+                           else f"one device's block ({list(block_extent(index, reader.shape)[1])} {reader.dtype}), "
+                           "held on the host to place it,"),
+                     fix="read=tt.ReadOptions(memory_budget=...) (or TREETOOLS_MEMORY_BUDGET_MB)")
+        if whole:
+            streamed[id(reader)] = len(units)
+        units.append((i,))
+        costs.append(nbytes)
+    readers = [r for r, _ in regions]
+    if workers is None:
+        workers = given_workers(readers)
+        if workers is None:
+            small = _nbytes(readers) < SMALL_BYTES and not any(r.remote for r in readers)
+            workers = 1 if small else default_workers(readers) * (2 if readers and all(r.reads_async
+                                                                                      for r in readers) else 1)
+    largest = max(costs, default=0)
+    window = min(max(2 * workers * block_bytes, 2 * largest), max(budget - largest, largest))
+
+    def fetch(u: int) -> list[tuple[int, _R]]:
+        numbers = units[u]
+        reader = regions[numbers[0]][0]
+        if not reader.sequential:
+            i = numbers[0]
+            return [(i, then(i, _region(reader, regions[i][1], block_bytes)))]
+        array = reader.read_all()
+        return [(i, then(i, array[regions[i][1]])) for i in numbers]
+
+    done = ordered_map(fetch, range(len(units)), workers=min(workers, max(1, len(units))), window=window,
+                       cost=lambda u: costs[u], name="treetools-restore")
+    for results in done:
+        yield from results
