@@ -587,7 +587,9 @@ def read_regions(regions: Sequence[tuple[ArrayReader, Index]], then: Callable[[i
     ``workers`` threads (default: the readers' context's, else the cores,
     doubled for TensorStore as in ``read_arrays``, one thread below
     ``SMALL_BYTES``); each region is read in blocks of at most
-    ``block_bytes`` (``region_plan``) into its own buffer. At most
+    ``block_bytes`` (``region_plan``) into its own buffer; the blocks of one
+    TensorStore leaf are read together, one chunk decoded once for all the
+    blocks it holds (``_units``). At most
     ``2 * workers * block_bytes`` of regions (or two regions, where one is
     larger) are read and not yet handed on, never more than ``budget``. The
     regions of a reader that streams only front to back (a compressed npz
@@ -603,46 +605,81 @@ def read_regions(regions: Sequence[tuple[ArrayReader, Index]], then: Callable[[i
     ...                   budget=2**20, workers=2))
     [(0, [0.0, 1.0, 2.0]), (1, [3.0, 4.0, 5.0])]
     """
-    units: list[tuple[int, ...]] = []  # region numbers: one each, or every region of a front-to-back reader
-    costs: list[int] = []
-    streamed: dict[int, int] = {}  # id(reader) -> its unit
+    sizes = []
     for i, (reader, index) in enumerate(regions):
         whole = reader.sequential
-        nbytes = math.prod(reader.shape if whole else block_extent(index, reader.shape)[1]) * reader.dtype.itemsize
-        where = names[i] if names is not None else f"region {i}"
-        if whole and id(reader) in streamed:
-            u = streamed[id(reader)]
-            units[u] = (*units[u], i)
-            continue
-        check_budget(nbytes, where=where, budget=budget,
+        sizes.append(math.prod(reader.shape if whole else block_extent(index, reader.shape)[1]) * reader.dtype.itemsize)
+        check_budget(sizes[-1], where=names[i] if names is not None else f"region {i}", budget=budget,
                      what=("a compressed leaf read whole (it streams only front to back) to place it," if whole
                            else f"one device's block ({list(block_extent(index, reader.shape)[1])} {reader.dtype}), "
                            "held on the host to place it,"),
                      fix="read=tt.ReadOptions(memory_budget=...) (or TREETOOLS_MEMORY_BUDGET_MB)")
-        if whole:
-            streamed[id(reader)] = len(units)
-        units.append((i,))
-        costs.append(nbytes)
     readers = [r for r, _ in regions]
     if workers is None:
         workers = given_workers(readers)
         if workers is None:
-            small = _nbytes(readers) < SMALL_BYTES and not any(r.remote for r in readers)
+            small = sum(sizes) < SMALL_BYTES and not any(r.remote for r in readers)
             workers = 1 if small else default_workers(readers) * (2 if readers and all(r.reads_async
                                                                                       for r in readers) else 1)
-    largest = max(costs, default=0)
+    largest = max(sizes, default=0)
     window = min(max(2 * workers * block_bytes, 2 * largest), max(budget - largest, largest))
+    units, costs = _units(regions, sizes, block_bytes, cap=max(largest, window // 2))
 
     def fetch(u: int) -> list[tuple[int, _R]]:
         numbers = units[u]
         reader = regions[numbers[0]][0]
-        if not reader.sequential:
+        if reader.sequential:
+            array = reader.read_all()
+            return [(i, then(i, array[regions[i][1]])) for i in numbers]
+        if len(numbers) == 1:
             i = numbers[0]
             return [(i, then(i, _region(reader, regions[i][1], block_bytes)))]
-        array = reader.read_all()
-        return [(i, then(i, array[regions[i][1]])) for i in numbers]
+        start = reader.reading()  # TensorStore: every region's read in flight on one store, a chunk decoded once
+        try:
+            pending = [start(region_plan(reader, regions[i][1], block_bytes)[0][0]) for i in numbers]
+            out = []
+            for i in numbers:
+                block = np.asarray(pending.pop(0).result())
+                out.append((i, then(i, block)))
+                del block
+            return out
+        finally:
+            close = getattr(start, "close", None)
+            if close is not None:
+                close()
 
     done = ordered_map(fetch, range(len(units)), workers=min(workers, max(1, len(units))), window=window,
                        cost=lambda u: costs[u], name="treetools-restore")
     for results in done:
         yield from results
+
+
+def _units(regions: Sequence[tuple[ArrayReader, Index]], sizes: Sequence[int], block_bytes: int, *, cap: int
+           ) -> tuple[list[tuple[int, ...]], list[int]]:
+    """``read_regions``' tasks: region numbers read by one thread, and their bytes.
+
+    Every region of a reader that streams front to back is one task (its
+    array read whole once); consecutive regions of one TensorStore reader,
+    each within ``block_bytes``, are one task of at most ``cap`` bytes whose
+    reads are all in flight at once on one open store: the device blocks of
+    a leaf resharded across its stored chunks (``P(None, "tp")`` from an FSDP
+    save) then share each chunk's decoding instead of decoding it per block.
+    Any other region is a task of its own.
+    """
+    units: list[tuple[int, ...]] = []
+    costs: list[int] = []
+    streamed: dict[int, int] = {}  # id(reader) -> its task
+    for i, (reader, _) in enumerate(regions):
+        if reader.sequential:
+            if id(reader) in streamed:
+                units[streamed[id(reader)]] += (i,)
+                continue
+            streamed[id(reader)] = len(units)
+        elif (reader.reads_async and sizes[i] <= block_bytes and units and regions[units[-1][-1]][0] is reader
+              and sizes[units[-1][-1]] <= block_bytes and costs[-1] + sizes[i] <= cap):
+            units[-1] += (i,)
+            costs[-1] += sizes[i]
+            continue
+        units.append((i,))
+        costs.append(sizes[i])
+    return units, costs
