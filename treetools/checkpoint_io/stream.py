@@ -589,9 +589,11 @@ def read_regions(regions: Sequence[tuple[ArrayReader, Index]], then: Callable[[i
     ``SMALL_BYTES``); each region is read in blocks of at most
     ``block_bytes`` (``region_plan``) into its own buffer; the blocks of one
     TensorStore leaf are read together, one chunk decoded once for all the
-    blocks it holds (``_units``). At most
-    ``2 * workers * block_bytes`` of regions (or two regions, where one is
-    larger) are read and not yet handed on, never more than ``budget``. The
+    blocks it holds (``_units``). Host memory: at most
+    ``2 * workers * block_bytes`` of regions are read and not yet handed on
+    (one region at a time where one is larger: a device block and the stored
+    chunks decoded for it, as ``tt.memory_plan`` counts a restore), and never
+    more than ``budget`` less the largest region. The
     regions of a reader that streams only front to back (a compressed npz
     member) are cut from its array read whole once.
 
@@ -622,7 +624,7 @@ def read_regions(regions: Sequence[tuple[ArrayReader, Index]], then: Callable[[i
             workers = 1 if small else default_workers(readers) * (2 if readers and all(r.reads_async
                                                                                       for r in readers) else 1)
     largest = max(sizes, default=0)
-    window = min(max(2 * workers * block_bytes, 2 * largest), max(budget - largest, largest))
+    window = min(max(2 * workers * block_bytes, largest), max(budget - largest, largest))
     units, costs = _units(regions, sizes, block_bytes, cap=max(largest, window // 2))
 
     def fetch(u: int) -> list[tuple[int, _R]]:
