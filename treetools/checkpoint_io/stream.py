@@ -27,8 +27,8 @@ budget). Tasks carry indices, never data.
 
 A fourth way in, ``read_regions(regions, then)``, is the restore's: each
 region (one device's block of a leaf) read whole, once, in blocks of at most
-``block_bytes``, and handed on the worker thread that read it to ``then``
-(which places it on its devices).
+``block_bytes`` on the worker threads, read ahead, and handed in order to
+``then`` (which places it on its devices) in the calling thread.
 
 Threads: numpy's ufuncs, TensorStore's decoding and file reads release the
 GIL, so threads scale with cores. ``TREETOOLS_WORKERS`` sets the default
@@ -578,8 +578,8 @@ def _region(reader: ArrayReader, index: Index, block_bytes: int) -> np.ndarray:
 def read_regions(regions: Sequence[tuple[ArrayReader, Index]], then: Callable[[int, np.ndarray], _R], *,
                  block_bytes: int, budget: float, workers: int | None = None,
                  names: Sequence[str] | None = None) -> Iterator[tuple[int, _R]]:
-    """Each region (a reader and an index: the block one device holds) read once and handed to ``then`` on the
-    worker thread that read it; ``(region number, then's result)`` yielded in region order.
+    """Each region (a reader and an index: the block one device holds) read once and handed to ``then`` in this
+    thread; ``(region number, then's result)`` yielded in region order.
 
     The restore's way in (``restore_checkpoint``, ``load_parameters`` with a
     target): ``then`` places the block on its device(s), so a block is held
@@ -589,11 +589,15 @@ def read_regions(regions: Sequence[tuple[ArrayReader, Index]], then: Callable[[i
     ``SMALL_BYTES``); each region is read in blocks of at most
     ``block_bytes`` (``region_plan``) into its own buffer; the blocks of one
     TensorStore leaf are read together, one chunk decoded once for all the
-    blocks it holds (``_units``). Host memory: at most
-    ``2 * workers * block_bytes`` of regions are read and not yet handed on
-    (one region at a time where one is larger: a device block and the stored
-    chunks decoded for it, as ``tt.memory_plan`` counts a restore), and never
-    more than ``budget`` less the largest region. The
+    blocks it holds (``_units``). ``then`` runs in the calling thread: what
+    it allocates (device buffers) comes from one heap, reused from one
+    restore to the next (on worker threads, glibc's per-thread heaps doubled
+    the peak memory and the page faults of a restore).
+
+    Host memory: at most ``2 * workers * block_bytes`` of regions are read
+    and not yet placed (one region at a time where one is larger: a device
+    block and the stored chunks decoded for it, as ``tt.memory_plan`` counts a
+    restore), and never more than ``budget`` less the largest region. The
     regions of a reader that streams only front to back (a compressed npz
     member) are cut from its array read whole once.
 
@@ -626,34 +630,35 @@ def read_regions(regions: Sequence[tuple[ArrayReader, Index]], then: Callable[[i
     largest = max(sizes, default=0)
     window = min(max(2 * workers * block_bytes, largest), max(budget - largest, largest))
     units, costs = _units(regions, sizes, block_bytes, cap=max(largest, window // 2))
+    task = max(costs, default=0)
+    if window < 2 * task:  # no room for a task read while another is handed on: one at a time, in this thread
+        workers = 1
 
-    def fetch(u: int) -> list[tuple[int, _R]]:
+    def fetch(u: int) -> list[tuple[int, np.ndarray]]:
         numbers = units[u]
         reader = regions[numbers[0]][0]
         if reader.sequential:
             array = reader.read_all()
-            return [(i, then(i, array[regions[i][1]])) for i in numbers]
+            return [(i, array[regions[i][1]]) for i in numbers]
         if len(numbers) == 1:
-            i = numbers[0]
-            return [(i, then(i, _region(reader, regions[i][1], block_bytes)))]
+            return [(numbers[0], _region(reader, regions[numbers[0]][1], block_bytes))]
         start = reader.reading()  # TensorStore: every region's read in flight on one store, a chunk decoded once
         try:
             pending = [start(region_plan(reader, regions[i][1], block_bytes)[0][0]) for i in numbers]
-            out = []
-            for i in numbers:
-                block = np.asarray(pending.pop(0).result())
-                out.append((i, then(i, block)))
-                del block
-            return out
+            return [(i, np.asarray(p.result())) for i, p in zip(numbers, pending)]
         finally:
             close = getattr(start, "close", None)
             if close is not None:
                 close()
 
-    done = ordered_map(fetch, range(len(units)), workers=min(workers, max(1, len(units))), window=window,
+    # Tasks read ahead within the window less the task being handed on.
+    done = ordered_map(fetch, range(len(units)), workers=min(workers, max(1, len(units))), window=window - task,
                        cost=lambda u: costs[u], name="treetools-restore")
-    for results in done:
-        yield from results
+    for blocks in done:  # handed on in this thread: what ``then`` allocates comes from one heap, reused
+        while blocks:
+            i, block = blocks.pop(0)
+            yield i, then(i, block)
+            del block
 
 
 def _units(regions: Sequence[tuple[ArrayReader, Index]], sizes: Sequence[int], block_bytes: int, *, cap: int

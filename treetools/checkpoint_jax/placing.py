@@ -5,7 +5,7 @@ a target) reads array data, for every format and whether or not rules apply:
 every distinct block the addressable devices hold (a replicated block once)
 is one region of ``treetools.checkpoint_io.stream.read_regions``, read on the
 engine's worker threads with read-ahead, in blocks of the read context's
-``block_bytes``, and put on its device(s) by the thread that read it. The
+``block_bytes``, and put on its device(s) as it comes. The
 host holds the regions in flight only, at most the context's memory budget;
 a process reads only what its own devices hold.
 """
