@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import treetools as tt
-from tests.test_rules_restore import WRITERS, _nested
+from tests.test_rules_restore import WRITERS
 from treetools.checkpoint_io import stream
 from treetools.checkpoint_io.readers import FileReader, MemoryBudgetError, block_extent
 from treetools.checkpoint_io.context import ReadContext

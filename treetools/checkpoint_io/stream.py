@@ -629,7 +629,7 @@ def read_regions(regions: Sequence[tuple[ArrayReader, Index]], then: Callable[[i
                                                                                       for r in readers) else 1)
     largest = max(sizes, default=0)
     window = min(max(2 * workers * min(block_bytes, largest), largest), max(budget - largest, largest))
-    units, costs = _units(regions, sizes, block_bytes, cap=max(largest, window // 2))
+    units, costs = _units(regions, sizes, block_bytes, cap=int(max(largest, window // 2)))
     task = max(costs, default=0)
     if window < 2 * task:  # no room for a task read while another is handed on: one at a time, in this thread
         workers = 1

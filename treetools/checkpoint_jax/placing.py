@@ -85,7 +85,7 @@ def place_arrays(readers: Mapping[str, ArrayReader], targets: Mapping[str, Any],
     out = {}
     for path, x in targets.items():
         if is_key(x):
-            out[path] = jax.device_put(jax.random.wrap_key_data(np.asarray(placed[path][0]), impl=key_impl(x)),
+            out[path] = jax.device_put(jax.random.wrap_key_data(jax.numpy.asarray(placed[path][0]), impl=key_impl(x)),
                                        x.sharding)
             continue
         out[path] = jax.make_array_from_single_device_arrays(tuple(x.shape), x.sharding, placed[path])

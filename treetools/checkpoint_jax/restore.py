@@ -44,6 +44,7 @@ from treetools.checkpoint_io.context import UNBOUNDED, ReadContext, ReadOptions
 from treetools.checkpoint_io.items import find_params
 from treetools.checkpoint_io.leaves import Item, Leaf, NO_VALUE, value_row
 from treetools.checkpoint_io.opening import open_source
+from treetools.checkpoint_io.readers import ArrayReader
 from treetools.checkpoint_io.storage import location
 from treetools.checkpoint_io.source import Source
 from treetools.checkpoint_io.stream import read_arrays
@@ -333,7 +334,8 @@ def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any], conte
     Other targets get host values.
     """
     values: dict[str, Any] = {}
-    arrays = {}
+    arrays: dict[str, Any] = {}
+    readers: dict[str, ArrayReader] = {}
     for path, x in targets.items():
         leaf = leaves[path]
         if leaf.reader is None or not (hasattr(x, "sharding") and hasattr(x, "shape")):
@@ -342,9 +344,9 @@ def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any], conte
                 value = type(x)(np.asarray(value).item())
             values[path] = value
             continue
-        arrays[path] = x
+        arrays[path], readers[path] = x, leaf.reader
     if arrays:
-        values.update(place_arrays({p: leaves[p].reader for p in arrays}, arrays, context, label=label))
+        values.update(place_arrays(readers, arrays, context, label=label))
     return values
 
 
