@@ -33,8 +33,10 @@ class MemoryBudgetError(CheckpointError):
     """A read that would decode more than the memory budget at once (not damage: raise the budget)."""
 
 
-def check_budget(nbytes: int, *, where: str, what: str, budget: float) -> None:
-    """Refuse to decode ``nbytes`` at once when that is over ``budget`` (one line naming the flag).
+def check_budget(nbytes: int, *, where: str, what: str, budget: float,
+                 fix: str = "--memory-budget (or TREETOOLS_MEMORY_BUDGET_MB)") -> None:
+    """Refuse to decode ``nbytes`` at once when that is over ``budget`` (one line naming ``fix``: the flag, or
+    the library's argument).
 
     >>> check_budget(10, where="w", what="one storage chunk", budget=2**31)
     >>> check_budget(2**50, where="ckpt/params: `w`", what="one storage chunk", budget=2**31)
@@ -44,7 +46,7 @@ def check_budget(nbytes: int, *, where: str, what: str, budget: float) -> None:
     if nbytes > budget:
         raise MemoryBudgetError(
             f"{where}: {what} decodes to {human(nbytes, 'B')}, over the memory budget of {human(budget, 'B')}; "
-            "raise it with --memory-budget (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory."
+            f"raise it with {fix} if the machine has the memory."
         )
 
 

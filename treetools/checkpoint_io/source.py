@@ -27,8 +27,8 @@ The base decides the steps and the step number from it, and
 ``Source.step_folder(step)`` is the one step-folder rule of every format.
 
 Format-specific work that other code needs is a hook of ``Source`` with a
-generic default (``restore_arrays``: a format's own fast restore;
-``verify_metadata``: a format's own consistency checks), so no code outside
+generic default (``verify_metadata``: a format's own consistency checks;
+``series_of``: the series of steps ``--prefix`` names), so no code outside
 a format branches on its name or reads its private state.
 
 Importing this module imports no jax.
@@ -43,7 +43,7 @@ import os
 import re
 import stat as stat_
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from treetools.checkpoint_io.context import ReadContext
 from treetools.checkpoint_io.items import (choose_params_item, item_argument, leaves_below, params_from, part_holder,
@@ -440,20 +440,6 @@ class Source(abc.ABC):
           CheckpointError: no such series (the message lists them).
         """
         return listing.select(prefix, where=self.path)
-
-    def restore_arrays(self, item: Item, targets: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Read arrays of ``item`` straight into their targets the format's own way; None: the generic way.
-
-        ``targets`` maps a leaf's name (``Leaf.name``) to a ``jax.ShapeDtypeStruct``
-        with a sharding; the result maps the same names to ``jax.Array``s. The
-        default returns None, and the restore reads each device's block through
-        the leaves' ``ArrayReader``s, which works for every format. Orbax
-        overrides it to use Orbax's own restore where it can.
-
-        Implementation hint: import jax (and your library) inside this method,
-        so metadata reads stay jax-free.
-        """
-        return None
 
     def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
         """For ``treetools verify``: the step's items read for checking, and every problem found doing so.

@@ -55,8 +55,8 @@ from treetools.checkpoint_io.storage.base import SpecialFileError, kind_of_mode
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError
 
 
-# Orbax's on-disk names (orbax.checkpoint._src.path.atomicity_types and
-# _src.metadata.checkpoint), copied so that the rule needs no orbax import;
+# Orbax's on-disk names (its private path.atomicity_types and metadata.checkpoint
+# modules), copied so that the rule needs no orbax import;
 # tests/test_steps.py checks that they still equal Orbax's.
 TMP_DIR_SUFFIX = ".orbax-checkpoint-tmp"
 COMMIT_SUCCESS_FILE = "commit_success.txt"

@@ -2,7 +2,7 @@
 
 Every command that reads all of a checkpoint's data goes through here:
 ``inspect --stats``, ``diff --values`` (both sides of a leaf, block by block),
-``verify``, ``convert`` and ``load_parameters``. Three ways in, one scheduler:
+``verify``, ``convert``, ``load_parameters`` and ``restore_checkpoint``. Four ways in, one scheduler:
 
 * ``reduce_blocks(jobs, start, fold)``: each job is a tuple of readers of one
   shape read with one block plan (one leaf for statistics and verify; the two
@@ -25,6 +25,11 @@ read in flight; ``stream_blocks`` at ``window + workers`` blocks, or two
 stripes of whole stored chunks where one is larger (each within the memory
 budget). Tasks carry indices, never data.
 
+A fourth way in, ``read_regions(regions, then)``, is the restore's: each
+region (one device's block of a leaf) read whole, once, in blocks of at most
+``block_bytes`` on the worker threads, read ahead, and handed in order to
+``then`` (which places it on its devices) in the calling thread.
+
 Threads: numpy's ufuncs, TensorStore's decoding and file reads release the
 GIL, so threads scale with cores. ``TREETOOLS_WORKERS`` sets the default
 number of threads (else the cores this process may run on, ``taskset`` aware);
@@ -45,7 +50,8 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVa
 
 import numpy as np
 
-from treetools.checkpoint_io.readers import ArrayReader, Index, MemoryBudgetError, block_extent, plan_blocks
+from treetools.checkpoint_io.readers import (ArrayReader, Index, MemoryBudgetError, block_extent, check_budget,
+                                             plan_blocks)
 from treetools.checkpoint_io.share import Share, owners, pool
 
 GROUP_BLOCKS = 4
@@ -530,3 +536,157 @@ def read_arrays(readers: Sequence[ArrayReader], *, workers: int | None = None) -
             workers *= 2
     return ordered_map(lambda r: r.read_all(), readers, workers=min(workers, max(1, len(readers))),
                        window=2 * workers)
+
+
+# ---------------------------------------------------------------------------- regions: one device's block each
+
+
+def region_plan(reader: ArrayReader, index: Index, block_bytes: int) -> list[tuple[Index, Index]]:
+    """The reads of one region of ``reader`` (``index``: one device's block): ``(index in the array, index in the
+    region)`` pairs of at most ``block_bytes`` each, or one stored chunk where a chunk is larger (a block never
+    splits a chunk), tiling the region in C order.
+
+    >>> from treetools.checkpoint_io.readers import InMemoryReader
+    >>> r = InMemoryReader(np.zeros((8, 4), np.float32))
+    >>> [(a[0], b[0]) for a, b in region_plan(r, (slice(2, 6), slice(None)), 32)]
+    [(slice(2, 4, None), slice(0, 2, None)), (slice(4, 6, None), slice(2, 4, None))]
+    """
+    corner, sizes = block_extent(index, reader.shape)
+    whole = tuple(slice(a, a + n) for a, n in zip(corner, sizes))
+    if math.prod(sizes) * reader.dtype.itemsize <= block_bytes:
+        return [(whole, tuple(slice(0, n) for n in sizes))]
+    out = []
+    for local in plan_blocks(sizes, max(1, block_bytes // reader.dtype.itemsize), reader.chunk_shape):
+        spans = [s.indices(n)[:2] for s, n in zip(local, sizes)]
+        out.append((tuple(slice(c + a, c + b) for c, (a, b) in zip(corner, spans)),
+                    tuple(slice(a, b) for a, b in spans)))
+    return out
+
+
+def _region(reader: ArrayReader, index: Index, block_bytes: int) -> np.ndarray:
+    """One region read whole, in the reads ``region_plan`` gives (TensorStore: the next read in flight)."""
+    plan = region_plan(reader, index, block_bytes)
+    if len(plan) == 1:
+        return np.asarray(reader.read(plan[0][0]))
+    out = np.empty(block_extent(index, reader.shape)[1], reader.dtype)
+    for (_, local), block in zip(plan, reader.blocks([ix for ix, _ in plan])):
+        out[local] = block
+        del block
+    return out
+
+
+def read_regions(regions: Sequence[tuple[ArrayReader, Index]], then: Callable[[int, np.ndarray], _R], *,
+                 block_bytes: int, budget: float, workers: int | None = None,
+                 names: Sequence[str] | None = None) -> Iterator[tuple[int, _R]]:
+    """Each region (a reader and an index: the block one device holds) read once and handed to ``then`` in this
+    thread; ``(region number, then's result)`` yielded in region order.
+
+    The restore's way in (``restore_checkpoint``, ``load_parameters`` with a
+    target): ``then`` places the block on its device(s), so a block is held
+    on the host only between its read and its placing. Regions are read on
+    ``workers`` threads (default: the readers' context's, else the cores,
+    doubled for TensorStore as in ``read_arrays``, one thread below
+    ``SMALL_BYTES``); each region is read in blocks of at most
+    ``block_bytes`` (``region_plan``) into its own buffer; the blocks of one
+    TensorStore leaf are read together, one chunk decoded once for all the
+    blocks it holds (``_units``). ``then`` runs in the calling thread: what
+    it allocates (device buffers) comes from one heap, reused from one
+    restore to the next (on worker threads, glibc's per-thread heaps doubled
+    the peak memory and the page faults of a restore).
+
+    Host memory: at most ``2 * workers * block_bytes`` of regions are read
+    and not yet placed (one region at a time where one is larger: a device
+    block and the stored chunks decoded for it, as ``tt.memory_plan`` counts a
+    restore), and never more than ``budget`` less the largest region. The
+    regions of a reader that streams only front to back (a compressed npz
+    member) are cut from its array read whole once.
+
+    Raises:
+      MemoryBudgetError: before anything is read, a region (or a front-to-back reader's whole array) over
+        ``budget``, named by ``names[i]`` (default: the region number).
+
+    >>> from treetools.checkpoint_io.readers import InMemoryReader
+    >>> r = InMemoryReader(np.arange(6.0))
+    >>> list(read_regions([(r, (slice(0, 3),)), (r, (slice(3, 6),))], lambda i, b: b.tolist(), block_bytes=16,
+    ...                   budget=2**20, workers=2))
+    [(0, [0.0, 1.0, 2.0]), (1, [3.0, 4.0, 5.0])]
+    """
+    sizes = []
+    for i, (reader, index) in enumerate(regions):
+        whole = reader.sequential
+        sizes.append(math.prod(reader.shape if whole else block_extent(index, reader.shape)[1]) * reader.dtype.itemsize)
+        check_budget(sizes[-1], where=names[i] if names is not None else f"region {i}", budget=budget,
+                     what=("a compressed leaf read whole (it streams only front to back) to place it," if whole
+                           else f"one device's block ({list(block_extent(index, reader.shape)[1])} {reader.dtype}), "
+                           "held on the host to place it,"),
+                     fix="read=tt.ReadOptions(memory_budget=...) (or TREETOOLS_MEMORY_BUDGET_MB)")
+    readers = [r for r, _ in regions]
+    if workers is None:
+        workers = given_workers(readers)
+        if workers is None:
+            small = sum(sizes) < SMALL_BYTES and not any(r.remote for r in readers)
+            workers = 1 if small else default_workers(readers) * (2 if readers and all(r.reads_async
+                                                                                      for r in readers) else 1)
+    largest = max(sizes, default=0)
+    window = min(max(2 * workers * min(block_bytes, largest), largest), max(budget - largest, largest))
+    units, costs = _units(regions, sizes, block_bytes, cap=int(max(largest, window // 2)))
+    task = max(costs, default=0)
+    if window < 2 * task:  # no room for a task read while another is handed on: one at a time, in this thread
+        workers = 1
+
+    def fetch(u: int) -> list[tuple[int, np.ndarray]]:
+        numbers = units[u]
+        reader = regions[numbers[0]][0]
+        if reader.sequential:
+            array = reader.read_all()
+            return [(i, array[regions[i][1]]) for i in numbers]
+        if len(numbers) == 1:
+            return [(numbers[0], _region(reader, regions[numbers[0]][1], block_bytes))]
+        start = reader.reading()  # TensorStore: every region's read in flight on one store, a chunk decoded once
+        try:
+            pending = [start(region_plan(reader, regions[i][1], block_bytes)[0][0]) for i in numbers]
+            return [(i, np.asarray(p.result())) for i, p in zip(numbers, pending)]
+        finally:
+            close = getattr(start, "close", None)
+            if close is not None:
+                close()
+
+    # Tasks read ahead within the window less the task being handed on.
+    done = ordered_map(fetch, range(len(units)), workers=min(workers, max(1, len(units))), window=window - task,
+                       cost=lambda u: costs[u], name="treetools-restore")
+    for blocks in done:  # handed on in this thread: what ``then`` allocates comes from one heap, reused
+        while blocks:
+            i, block = blocks.pop(0)
+            yield i, then(i, block)
+            del block
+
+
+def _units(regions: Sequence[tuple[ArrayReader, Index]], sizes: Sequence[int], block_bytes: int, *, cap: int
+           ) -> tuple[list[tuple[int, ...]], list[int]]:
+    """``read_regions``' tasks: region numbers read by one thread, and their bytes.
+
+    Every region of a reader that streams front to back is one task (its
+    array read whole once); consecutive regions of one TensorStore reader,
+    each within ``block_bytes``, are one task of at most ``cap`` bytes whose
+    reads are all in flight at once on one open store: the device blocks of
+    a leaf resharded across its stored chunks (``P(None, "tp")`` from an FSDP
+    save) then share each chunk's decoding instead of decoding it per block.
+    Any other region is a task of its own.
+    """
+    units: list[tuple[int, ...]] = []
+    costs: list[int] = []
+    streamed: dict[int, int] = {}  # id(reader) -> its task
+    for i, (reader, _) in enumerate(regions):
+        if reader.sequential:
+            if id(reader) in streamed:
+                units[streamed[id(reader)]] += (i,)
+                continue
+            streamed[id(reader)] = len(units)
+        elif (reader.reads_async and sizes[i] <= block_bytes and units and regions[units[-1][-1]][0] is reader
+              and sizes[units[-1][-1]] <= block_bytes and costs[-1] + sizes[i] <= cap):
+            units[-1] += (i,)
+            costs[-1] += sizes[i]
+            continue
+        units.append((i,))
+        costs.append(sizes[i])
+    return units, costs

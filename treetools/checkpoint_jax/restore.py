@@ -14,11 +14,16 @@ every leaf, for every format the layer reads:
 * boxes (flax ``Partitioned``, nnx ``Variable``) are never written to disk:
   the stored arrays are put back in the target's boxes; leaves saved as
   ``.../value`` nodes are read with that suffix dropped, everywhere;
-* every array is read straight into its target's sharding: a format's own
-  restore for the leaves the rules leave as stored (Orbax's, through
-  ``Source.restore_arrays``, with every other stored leaf Orbax's
-  ``PLACEHOLDER``: never read), else each addressable device's block through
-  the leaves' readers (through the rules: an unstacked layer reads its slice);
+* every array is read straight into its target's sharding, for every format
+  (Orbax's included) and with or without rules, by the one block engine
+  (``placing.place_arrays`` over ``checkpoint_io.stream.read_regions``): each
+  addressable device's block read once through the leaves' readers (through
+  the rules: an unstacked layer reads its slice), on the engine's threads
+  with read-ahead, within the read options' memory budget; a stored leaf no
+  target asks for is never read;
+* every entry point takes the read options (``read=tt.ReadOptions(...)`` or
+  the ``ReadContext`` it builds): block size, threads, memory budget,
+  ``follow_links``;
 * relative and ``~`` paths work everywhere (Orbax itself needs absolute ones).
 
 This module imports neither jax nor orbax at import time: ``load_parameters``
@@ -35,12 +40,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import numpy as np
 
 from treetools.checkpoint_io.mapping import map_item
-from treetools.checkpoint_io.context import UNBOUNDED
+from treetools.checkpoint_io.context import UNBOUNDED, ReadContext, ReadOptions
 from treetools.checkpoint_io.leaves import Item, Leaf, NO_VALUE, value_row
 from treetools.checkpoint_io.opening import open_source
+from treetools.checkpoint_io.readers import ArrayReader
 from treetools.checkpoint_io.storage import location
 from treetools.checkpoint_io.source import Source
 from treetools.checkpoint_io.stream import read_arrays
+from treetools.checkpoint_jax.placing import is_key as _is_key, key_impl, place_arrays
 from treetools.checkpoint_jax.restore_plan import ItemPlan, LeafPlan, RestorePlan
 from treetools.shared.errors import CheckpointMismatchError, Mismatch, RulesError
 from treetools.shared.rows import Row, dtype_name
@@ -61,12 +68,6 @@ def _describe(x: Any) -> str:
 
 def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _is_key(x: Any) -> bool:
-    """A typed PRNG key target (stored as its key data)."""
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and "key<" in str(dtype)
 
 
 # ---------------------------------------------------------------------------- targets
@@ -322,17 +323,18 @@ def _host_values(leaves: Sequence[Leaf]) -> list[Any]:
     return [_host_value(leaf, next(arrays)) if leaf.reader is not None else _host_value(leaf) for leaf in leaves]
 
 
-def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any]) -> dict[str, Any]:
+def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any], context: ReadContext, *,
+                   label: str = "") -> dict[str, Any]:
     """``{leaf path: value}`` read through the checkpoint layer's readers.
 
-    An array target with a sharding becomes a ``jax.Array`` assembled shard by
-    shard: each addressable device's block is read alone (a replicated block
-    once), so a process reads only what its devices hold. Other targets get
-    host values.
+    An array target with a sharding becomes a ``jax.Array`` placed by the
+    block engine (``place_arrays``): each distinct block of this process's
+    devices read once, on the engine's threads, straight onto its device(s).
+    Other targets get host values.
     """
-    import jax  # placing arrays is the jax side
-
-    values = {}
+    values: dict[str, Any] = {}
+    arrays: dict[str, Any] = {}
+    readers: dict[str, ArrayReader] = {}
     for path, x in targets.items():
         leaf = leaves[path]
         if leaf.reader is None or not (hasattr(x, "sharding") and hasattr(x, "shape")):
@@ -341,55 +343,19 @@ def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any]) -> di
                 value = type(x)(np.asarray(value).item())
             values[path] = value
             continue
-        if _is_key(x):  # stored as key data; whole, then wrapped
-            data = np.asarray(leaf.reader.read_all())
-            # key_impl takes arrays only; an abstract key's dtype carries its impl
-            impl = jax.random.key_impl(x) if isinstance(x, jax.Array) else x.dtype._impl
-            values[path] = jax.device_put(jax.random.wrap_key_data(data, impl=impl), x.sharding)
-            continue
-        values[path] = _assemble(leaf.reader, x)
+        arrays[path], readers[path] = x, leaf.reader
+    if arrays:
+        values.update(place_arrays(readers, arrays, context, label=label))
     return values
 
 
 def _keyed(value: Any, target: Any) -> Any:
-    """A format's own restore of a typed-key target that gave the key data (an item Orbax's
-    ``JaxRandomKeyCheckpointHandler`` saved with ``ArraySave``) as the key again."""
-    if not _is_key(target):
-        return value
+    """A fill value for a typed-key target (the key, or its key data) as the key on the target's sharding."""
     import jax  # a typed key target: jax is loaded already
 
     if _is_key(value):
         return jax.device_put(value, target.sharding)
-    impl = jax.random.key_impl(target) if isinstance(target, jax.Array) else target.dtype._impl
-    return jax.device_put(jax.random.wrap_key_data(value, impl=impl), target.sharding)
-
-
-def _assemble(reader: Any, target: Any) -> Any:
-    """One ``jax.Array`` on ``target``'s sharding, its device blocks read one at a time.
-
-    Each distinct block of this process's devices is read once (a replicated
-    block is put on every device that holds it), placed on its device(s), and
-    dropped: host memory holds about one device block, never the whole leaf.
-    A compressed npz member, which streams only front to back, is read whole once.
-    """
-    import jax  # placing arrays is the jax side
-
-    shape, dtype = tuple(target.shape), np.dtype(target.dtype)
-    groups: dict[tuple, tuple[Any, list[Any]]] = {}
-    for device, index in target.sharding.addressable_devices_indices_map(shape).items():
-        groups.setdefault(_index_key(index), (index, []))[1].append(device)
-    whole = np.asarray(reader.read_all()).astype(dtype, copy=False) if reader.sequential else None
-    placed = {}
-    for index, devices in groups.values():
-        block = whole[tuple(index)] if whole is not None else np.asarray(reader.read(tuple(index))).astype(dtype, copy=False)
-        for device in devices:
-            placed[device] = jax.device_put(block, device)
-        del block
-    return jax.make_array_from_single_device_arrays(shape, target.sharding, [placed[d] for d in placed])
-
-
-def _index_key(index: Any) -> tuple:
-    return tuple((s.start, s.stop, s.step) for s in index)
+    return jax.device_put(jax.random.wrap_key_data(value, impl=key_impl(target)), target.sharding)
 
 
 def _fill_values(fill: Mapping[str, Any], targets: Mapping[str, Any]) -> dict[str, Any]:
@@ -410,36 +376,43 @@ def _fill_values(fill: Mapping[str, Any], targets: Mapping[str, Any]) -> dict[st
     return out
 
 
-def _read(source: Source, work: _Work) -> Any:
-    """Every target leaf's value, then the target tree: a format's own restore for the leaves the rules leave
-    as stored, the readers (through the rules) for the others, ``fill_missing`` for the missing ones."""
+def _read(source: Source, work: _Work, *, label: str = "") -> Any:
+    """Every target leaf's value, then the target tree: the readers (through the rules) for the leaves from the
+    checkpoint, placed by the block engine; ``fill_missing`` for the missing ones."""
     abstract = work.target.by_path
     values = _fill_values({p: work.target.fill[p] for p in work.from_fill}, abstract)
     mapped = {leaf.name: leaf for leaf in work.mapped.leaves}
-    as_stored = {p: (work.rules[p].source if work.rules is not None else p) for p in work.from_checkpoint
-                 if work.rules is None or work.rules[p].identity}
-    rest = [p for p in work.from_checkpoint if p not in as_stored]
-    if as_stored:
-        own = source.restore_arrays(work.stored, {as_stored[p]: abstract[p] for p in as_stored})
-        if own is None:
-            rest = list(work.from_checkpoint)
-        else:
-            values.update({p: _keyed(own[src], abstract[p]) for p, src in as_stored.items()})
-    values.update(_reader_values(mapped, {p: abstract[p] for p in rest}))
+    values.update(_reader_values(mapped, {p: abstract[p] for p in work.from_checkpoint}, source.context,
+                                 label=label))
     return work.target.rebuild(values)
 
 
 # ---------------------------------------------------------------------------- restore
 
 
-def _open(manager: Any, prefix: str | None = None, follow_links: bool = False) -> tuple[Source, Any]:
+def _context(read: "ReadOptions | ReadContext | None", prefix: str | None, follow_links: bool | None
+             ) -> ReadContext:
+    """The read context of one call: ``read`` (options built once, a context as given, None: the environment's),
+    with the loose ``prefix``/``follow_links`` keywords over it where given."""
+    if read is None:
+        context = ReadContext.from_env()
+    elif isinstance(read, ReadOptions):
+        context = read.read_context()
+    elif isinstance(read, ReadContext):
+        context = read
+    else:
+        raise TypeError(f"`read` must be a tt.ReadOptions, a ReadContext or None, got {type(read).__name__}.")
+    given = {k: v for k, v in (("prefix", prefix), ("follow_links", follow_links)) if v is not None}
+    return context.replace(**given) if given else context
+
+
+def _open(manager: Any, context: ReadContext) -> tuple[Source, Any]:
     """The source a manager (its pending save waited for) or a path names, and how to name it in errors."""
     if hasattr(manager, "directory") and hasattr(manager, "wait_until_finished"):
         manager.wait_until_finished()  # a pending async save may be the latest step
-        return (open_source(location(manager.directory, name="manager"), prefix=prefix, follow_links=follow_links),
-                manager.directory)
+        return open_source(location(manager.directory, name="manager"), context), manager.directory
     typed = os.fspath(manager) if isinstance(manager, (str, os.PathLike)) else location(manager, name="manager")
-    return open_source(typed, prefix=prefix, follow_links=follow_links), manager  # errors name it as typed
+    return open_source(typed, context), manager  # errors name it as typed
 
 
 def _per_item(value: Any, names: Sequence[str], what: str, *, is_one: Callable[[Any], bool]) -> dict[str, Any]:
@@ -462,8 +435,7 @@ def _per_item(value: Any, names: Sequence[str], what: str, *, is_one: Callable[[
 
 
 def _prepare(manager: Any, step: Any, items: Mapping[str, Any], *, sharding: Any, rules: Any, fill_missing: Any,
-             allow_unused: bool, allow_dtype_cast: bool,
-             prefix: str | None = None, follow_links: bool = False
+             allow_unused: bool, allow_dtype_cast: bool, context: ReadContext
              ) -> tuple[Source, int | None, Any, RestorePlan, dict, dict]:
     if not isinstance(items, Mapping) or not items:
         raise ValueError("`items` must be a non-empty dict of item name -> target tree (or None for JSON items).")
@@ -478,7 +450,7 @@ def _prepare(manager: Any, step: Any, items: Mapping[str, Any], *, sharding: Any
         )
     rules_by = _per_item(rules, names, "rules", is_one=lambda v: isinstance(v, Rules))
     fills = _per_item(fill_missing, pytree_names, "fill_missing", is_one=lambda v: len(pytree_names) == 1)
-    source, display = _open(manager, prefix, follow_links)
+    source, display = _open(manager, context)
     resolved = source.resolve(step)
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
         present = source.item_names(resolved)
@@ -522,7 +494,8 @@ def plan_restore(
     allow_unused: bool = False,
     allow_dtype_cast: bool = False,
     prefix: str | None = None,
-    follow_links: bool = False,
+    follow_links: bool | None = None,
+    read: ReadOptions | ReadContext | None = None,
 ) -> RestorePlan:
     """What ``restore_checkpoint`` would do with the same arguments, from metadata alone.
 
@@ -557,8 +530,8 @@ def plan_restore(
     /... (step 1): 1/2 target leaves from the checkpoint, 1 from fill_missing (params/head), 0 checkpoint leaves unused, 0 problems
     """
     return _prepare(manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing,
-                    allow_unused=allow_unused, allow_dtype_cast=allow_dtype_cast, prefix=prefix,
-                    follow_links=follow_links)[3]
+                    allow_unused=allow_unused, allow_dtype_cast=allow_dtype_cast,
+                    context=_context(read, prefix, follow_links))[3]
 
 
 def restore_checkpoint(
@@ -572,7 +545,8 @@ def restore_checkpoint(
     allow_unused: bool = False,
     allow_dtype_cast: bool = False,
     prefix: str | None = None,
-    follow_links: bool = False,
+    follow_links: bool | None = None,
+    read: ReadOptions | ReadContext | None = None,
 ) -> dict[str, Any]:
     """Restore named items of a step into their targets' structure, dtypes and shardings, with rules.
 
@@ -619,7 +593,11 @@ def restore_checkpoint(
       prefix: in a folder holding several series of steps (flax's
         ``save_checkpoint(prefix=...)``), the series to read (default ``checkpoint_``).
       follow_links: follow symlinks that lead out of the checkpoint (step folders kept on another volume); off
-        by default, for checkpoints you trust (docs/untrusted.md says what it gives up).
+        by default (None: ``read``'s), for checkpoints you trust (docs/untrusted.md says what it gives up).
+      read: how to read (``tt.ReadOptions`` or a ``ReadContext``; None: the environment's defaults): each
+        device's block is read in blocks of ``block_bytes`` on ``workers`` threads, and the device blocks held
+        on the host at once stay within ``memory_budget`` (one device's block over it is refused before any
+        read: ``MemoryBudgetError``); ``follow_links`` as above.
 
     Returns:
       name -> restored tree (JSON items as dicts).
@@ -629,6 +607,8 @@ def restore_checkpoint(
       CheckpointMismatchError: (a ``ValueError``) targets do not match; every problem is listed, the rules'
         among them (a pattern that matches nothing, two leaves renamed onto one path, an unstack whose
         leading axis is not the layer count: ``Mismatch`` of kind ``"rules"``).
+      MemoryBudgetError: (a ``CheckpointError``) one device's block, or one stored chunk, over ``read``'s
+        memory budget (the message names the leaf and the fix).
       ValueError: ``sharding`` is a dict whose keys are not item names, or a pytree target is None; a
         malformed rule when the ``Rules`` is made (``PatternError`` for a bad regex).
 
@@ -643,12 +623,12 @@ def restore_checkpoint(
     """
     source, resolved, display, plan, work, out = _prepare(
         manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing, allow_unused=allow_unused,
-        allow_dtype_cast=allow_dtype_cast, prefix=prefix, follow_links=follow_links)
+        allow_dtype_cast=allow_dtype_cast, context=_context(read, prefix, follow_links))
     if plan.problems:
         raise CheckpointMismatchError(resolved, display, plan.problems)
     with source.reading(resolved):
         for name, item_work in work.items():
-            out[name] = _read(source, item_work)
+            out[name] = _read(source, item_work, label=f"{name}/")
     return {name: out[name] for name in items}
 
 
@@ -702,7 +682,8 @@ def load_parameters(
     allow_unused: bool = False,
     allow_dtype_cast: bool = False,
     prefix: str | None = None,
-    follow_links: bool = False,
+    follow_links: bool | None = None,
+    read: ReadOptions | ReadContext | None = None,
 ) -> Any:
     """The params (or EMA params) of one step, without a manager or model code.
 
@@ -718,8 +699,8 @@ def load_parameters(
     ``restore_checkpoint`` (rules, ``fill_missing``, ``allow_unused``,
     ``allow_dtype_cast`` as there): checked, then placed per the target's
     shardings (or ``sharding``). Nothing under ``checkpoint_dir`` is written.
-    Whole arrays are what it returns: no memory budget applies, the machine's
-    memory does.
+    Whole arrays are what it returns: no memory budget applies unless
+    ``read`` gives one, the machine's memory does.
 
     Args:
       checkpoint_dir: a checkpoint root, one committed step folder, or any
@@ -735,7 +716,10 @@ def load_parameters(
         ``save_checkpoint(prefix=...)``: ``checkpoint_6`` and ``eval_6``), the
         series to read (default ``checkpoint_``, else the steps named by number alone).
       follow_links: follow symlinks that lead out of the checkpoint (step folders kept on another volume); off
-        by default, for checkpoints you trust (docs/untrusted.md says what it gives up).
+        by default (None: ``read``'s), for checkpoints you trust (docs/untrusted.md says what it gives up).
+      read: how to read (``tt.ReadOptions`` or a ``ReadContext``; None: the environment's defaults): threads
+        and block size; ``memory_budget`` only when given (whole arrays are the result; with a ``target`` it
+        bounds the device blocks held on the host, as in ``restore_checkpoint``).
 
     Raises:
       CheckpointNotFoundError: (a ``FileNotFoundError``) no such path, no
@@ -759,7 +743,10 @@ def load_parameters(
     # A path is shown as the user typed it (relative, `~`); anything else path-like (etils.epath) as its location.
     shown = (os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, (str, os.PathLike))
              else location(checkpoint_dir, name="checkpoint_dir"))
-    source = open_source(shown, memory_budget=UNBOUNDED, prefix=prefix, follow_links=follow_links)
+    context = _context(read, prefix, follow_links)
+    if read is None or (isinstance(read, ReadOptions) and read.memory_budget is None):
+        context = context.replace(memory_budget=UNBOUNDED)  # whole arrays are the result: the machine's memory
+    source = open_source(shown, context)
     resolved = source.resolve(step)
     with source.reading(resolved):  # a step pruned while it is read: StepDeletedError naming it
         found, found_at = source.find_params(resolved, item=item, use_ema=use_ema_params)

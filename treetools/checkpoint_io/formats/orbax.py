@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 
 from treetools.checkpoint_io.context import ReadContext
@@ -184,19 +184,6 @@ class OrbaxSource(Source):
 
     # -- hooks
 
-    def restore_arrays(self, item: Item, targets: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Orbax's own restore of a local pytree item, each array per its target; None in a bucket.
-
-        Orbax reads ``gs://`` only through its own path handling and not
-        ``s3://`` at all, and ignores the emulator and endpoint variables: in a
-        bucket the generic restore (TensorStore's gcs/s3 stores, each device's
-        block alone) reads instead. The ``_METADATA`` parsed for the metadata
-        view is handed to Orbax, so the file is read once.
-        """
-        if not isinstance(item, OrbaxItem) or self.storage.remote:
-            return None
-        return _orbax_restore(self.context, item, targets)
-
     def verify_metadata(self, step: int | None) -> tuple[list[Item], list[str]]:
         """Commit evidence of a step folder given directly; each item read leaf by leaf (a leaf whose array
         cannot be opened is a problem, the others are still checked); arrays ``_METADATA`` does not list."""
@@ -311,81 +298,6 @@ def _strangers(storage: Storage, folder: str, shown: str, *, expected: set[str] 
     return [f"{shown}: holds {listed}, {'which is' if one else 'which are'} no item of this save and no file "
             f"Orbax writes; something else wrote into the committed save (a run's --workdir inside it?): move "
             f"{'it' if one else 'them'} out."]
-
-
-def _orbax_restore(context: ReadContext, item: OrbaxItem, targets: Mapping[str, Any]) -> dict[str, Any]:
-    """Read the targeted leaves of one Orbax pytree item through Orbax, each per its abstract target.
-
-    Orbax restores the tree as it is stored (its own structure, ``kernel/value``
-    nodes of older saves included); each leaf's ``key`` (its stored param
-    name) maps the stored arrays to leaf names. Every stored leaf no target
-    asks for is Orbax's ``PLACEHOLDER``: never read (a params-only target from
-    a whole train state reads no optimizer moment).
-    """
-    storage = context.storage
-    # jax and orbax only here: metadata reads of Orbax checkpoints import neither.
-    import jax
-    import orbax.checkpoint as ocp
-    from etils import epath
-    from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler as base
-    from orbax.checkpoint._src.metadata import tree as tree_metadata
-
-    names = {leaf.key: leaf.name for leaf in item.leaves}
-
-    class _ParsedMetadata(base.BasePyTreeCheckpointHandler):
-        async def _read_metadata_file(self, directory: Any) -> Any:
-            return tree_metadata.InternalTreeMetadata.from_json(
-                item.metadata, pytree_metadata_options=self._pytree_metadata_options
-            )
-
-    handler = _ParsedMetadata()
-    try:  # what _entries checked is what Orbax needs; anything else Orbax's parser trips on is the file's fault too
-        stored = tree_metadata.InternalTreeMetadata.from_json(
-            item.metadata, pytree_metadata_options=handler._pytree_metadata_options
-        ).as_nested_tree()
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        handler.close()
-        raise CheckpointError(f"{os.path.join(item.folder, PYTREE_METADATA_FILE)}: corrupt Orbax _METADATA "
-                              f"(Orbax cannot parse it: {type(e).__name__}: {str(e)[:200]}).") from None
-
-    def key_name(entry: Any) -> str:  # Orbax's stored trees are dicts and lists
-        return str(entry.key if hasattr(entry, "key") else entry.idx)
-
-    def leaf_name(keypath: Any) -> str | None:
-        return names.get(".".join(key_name(e) for e in keypath))
-
-    def wanted(keypath: Any) -> bool:
-        return leaf_name(keypath) in targets
-
-    def restore_arg(keypath: Any, _meta: Any) -> Any:
-        target = targets.get(leaf_name(keypath) or "")
-        if target is not None and hasattr(target, "shape") and hasattr(target, "dtype"):
-            return ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=target.sharding,
-                                        global_shape=tuple(target.shape), dtype=target.dtype)
-        return ocp.RestoreArgs()
-
-    skeleton = jax.tree_util.tree_map_with_path(lambda kp, meta: meta if wanted(kp) else ocp.PLACEHOLDER, stored)
-    restore_args = jax.tree_util.tree_map_with_path(restore_arg, stored)
-    # Orbax opens the item's files by path: it is handed the item folder pinned and checked whole (every file
-    # inside the checkpoint, the OCDBT manifest held to the budget), as TensorStore is for any other read.
-    with Pins(storage, data=True, budget=context.memory_budget, where=item.folder) as pins:
-        folder = pins.folder(item.folder, ocdbt=storage.isfile(os.path.join(item.folder, "manifest.ocdbt"))).path
-        for leaf in item.leaves:  # the work of each array read, as TensorStoreReader holds it
-            if leaf.name in targets and leaf.reader is not None:
-                pins.check_lookups(f"{item.folder}: `{leaf.name}`", leaf.reader.shape,
-                                   leaf.reader.chunk_shape or leaf.reader.shape)
-        try:
-            restored = handler.restore(epath.Path(folder),
-                                       args=base.BasePyTreeRestoreArgs(item=skeleton, restore_args=restore_args))
-        finally:
-            handler.close()
-    out = {}
-    for keypath, value in jax.tree_util.tree_flatten_with_path(restored)[0]:
-        name = leaf_name(keypath)
-        if name is not None and name in targets:
-            out[name] = value
-    return out
-
 
 
 def _relative(folder: str, base: str) -> str:
