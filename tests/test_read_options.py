@@ -277,15 +277,13 @@ LIBRARY = {  # name -> (call(root, tmp, read), reads array data, draws a progres
     "stats_report": (lambda root, tmp, read: __import__("treetools.checkpoint_tools.plot", fromlist=["x"])
                      .stats_report(root, read=read), True, True),
     "plot_stats": (lambda root, tmp, read: tt.plot_stats(root, "max", read=read), True, True),
-    # Checked here by the context the checkpoint is opened with (every reader holds it) until the engine branch
-    # reads them through the block engine too.
+    # The jax side's entry points: the context the checkpoint is opened with reaches every reader (and the
+    # block engine, tests/test_restore_engine.py).
     "restore_checkpoint": (lambda root, tmp, read: tt.restore_checkpoint(root, None, _target(), read=read), False,
                            False),
     "plan_restore": (lambda root, tmp, read: tt.plan_restore(root, None, _target(), read=read), False, False),
     "load_parameters": (lambda root, tmp, read: tt.load_parameters(root, read=read), False, False),
 }
-ENGINE = {"restore_checkpoint", "plan_restore", "load_parameters"}
-"""restore.py takes ``read=`` on the engine branch (issue 45); the lead merges both."""
 
 
 def _target() -> dict:
@@ -300,8 +298,7 @@ def _entries(kinds=("options", "context")):
         for kind in kinds:
             if kind == "context" and name in ("inspect_path", "diff_paths", "verify_path", "convert"):
                 continue  # their options classes are ReadOptions (the ReadContext is built inside)
-            marks = [pytest.mark.xfail(strict=False, reason="engine branch: read= on restore.py")] \
-                if name in ENGINE else []
+            marks = []
             if name == "plot_stats":
                 marks.append(pytest.mark.skipif(not _has_matplotlib(), reason="matplotlib (the plot extra)"))
             out.append(pytest.param(name, kind, marks=marks, id=f"{name}-{kind}"))
