@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 SIZES = ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "positions")
 """The sizes a preset's placeholders may name."""
 
-_PLACEHOLDER = re.compile(r"^\{([a-z_][a-z0-9_ *+\-/]*)\}$")
+_PLACEHOLDER = re.compile(r"^\{([a-z0-9_][a-z0-9_ *+\-/]*)\}$")
 
 # transformers' config-class defaults of the keys ``hf_sizes`` reads, where a family's differ from
 # "as many kv heads as heads" and "head_dim = hidden / heads" (``save_pretrained`` leaves defaults out).
@@ -246,6 +246,11 @@ def _spec(name: str, data: Mapping[str, Any]) -> PresetSpec:
         row = value if isinstance(value, Mapping) else {"shape": value}
         re.compile(pattern)
         shape = tuple(row["shape"]) if row.get("shape") is not None else None
+        for dim in shape or ():
+            if not isinstance(dim, int) and not (isinstance(dim, str) and _PLACEHOLDER.match(dim)):
+                raise ValueError(f"preset file {name}: expected shape of {pattern!r}: {dim!r} is neither a number "
+                                 "nor a placeholder such as '{hidden}'.")
+            placeholders(dim)  # an unknown size or operator is an error now
         expect.append(Expect(pattern, shape, bool(row.get("optional", False))))
     infer = tuple((size, str(p), int(axis)) for size, (p, axis) in dict(head.get("infer", {})).items())
     rules = dict(data.get("rules", {}))
@@ -388,19 +393,16 @@ class Preset(Rules):
         assert self.spec is not None
         some = ", ".join(repr(e.pattern) for e in self.spec.expect[:4])
         return (f"`{path}`: no leaf of a {self._what()} checkpoint is named so (preset {self.preset} expects "
-                f"{len(self.spec.expect)} kinds of leaves: {some}, ...; `treetools presets --show {self.preset}` "
-                "lists them); pick the preset of this checkpoint's family and layout.")
+                f"{len(self.spec.expect)} kinds of leaves: {some}, ...; docs/presets.md lists them); pick the preset "
+                "of this checkpoint's family and layout.")
 
     def _fit(self, path: str, shape: tuple[int, ...], row: Expect, sizes: dict[str, int]) -> None:
-        want = [d if isinstance(d, int) else _PLACEHOLDER.match(d) for d in row.shape or ()]
+        want = [d if isinstance(d, int) else _PLACEHOLDER.fullmatch(str(d)) for d in row.shape or ()]
         if len(want) != len(shape):
             raise RulesError([self._mismatch(path, shape, row, sizes)])
         for dim, w in zip(shape, want):
             if isinstance(w, int):
                 ok = dim == w
-            elif w is None:
-                raise ValueError(f"preset {self.preset}: expected shape {row.dims()} of {row.pattern!r}: "
-                                 "a dimension is a number or a placeholder.")
             else:
                 name = w.group(1).strip()
                 if name in SIZES and name not in sizes:
