@@ -4,11 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Two stamps: `make demo` installs what the demo needs (treetools and its plot extra, for `treetools plot` after
 # it); `make test` and `make bench` add the test extras (pytest, the object-store servers, the Keras/Equinox
-# writers, gcsfs/s3fs) on top.
+# writers, torch and transformers for the reference model's logits, gcsfs/s3fs) on top.
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 DEMO_EXTRAS := plot
-TEST_EXTRAS := test,test-formats,plot,remote,keras,tensorboard,af3,wandb
+TEST_EXTRAS := test,test-formats,test-hf,plot,remote,keras,tensorboard,af3,wandb
 WORKDIR ?= runs/demo
 
 .PHONY: demo test bench venv clean
