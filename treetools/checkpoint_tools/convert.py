@@ -469,17 +469,16 @@ def _model_files(src: str, config: Any) -> dict[str, bytes]:
         if not os.path.isfile(first):
             raise UsageError(f"--config {config}: no such file (pass a config.json, or the folder holding it).")
     else:
-        store = backend(src)
-        parent = store.parent(src)
-        if store.isdir(src):
+        at = backend(src)
+        parent = at.parent(src)
+        if at.isdir(src):
             up = os.path.basename(src.rstrip("/")).isdigit() and parent is not None  # a step folder: its root
-            folders = [src] + ([parent] if up else [])
+            folders = [src] + ([parent] if up and parent is not None else [])
         else:
             folders = [parent] if parent is not None else []
         first = None
-    store = backend(folders[0]) if folders else None
     for folder in folders:
-        assert store is not None
+        store = backend(folder)
         names = {name: store.join(folder, name) for name in MODEL_FILES}
         if first is not None:
             names["config.json"] = first

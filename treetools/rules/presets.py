@@ -36,7 +36,8 @@ import importlib.resources
 import json
 import os
 import re
-from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from treetools.rules.spec import Rules
 from treetools.shared.errors import RulesError, UsageError
@@ -127,12 +128,12 @@ _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lamb
         ast.FloorDiv: lambda a, b: a // b}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _expression(text: str) -> ast.expr:
     node = ast.parse(text.strip(), mode="eval").body
     for sub in ast.walk(node):
         if not isinstance(sub, (ast.BinOp, ast.Name, ast.Constant, ast.Load, *_OPS)):
-            raise ValueError(f"placeholder {{{text}}}: only sizes, numbers and + - * // are allowed.")
+            raise ValueError(f"placeholder {{{text}}}: only sizes, numbers and + - * // are allowed.")  # noqa: TRY004
         if isinstance(sub, ast.Name) and sub.id not in SIZES:
             raise ValueError(f"placeholder {{{text}}}: unknown size {sub.id!r}; the sizes are {', '.join(SIZES)}.")
     return node
@@ -375,14 +376,14 @@ class Preset(Rules):
                 self._fit(path, tuple(shape), self.spec.expect[row], sizes)
         missing = [e for i, e in enumerate(self.spec.expect) if i not in seen and not e.optional]
         if missing:
-            raise RulesError([f"preset {self.preset}: the checkpoint has no leaf matching {missing[0].pattern!r} "
-                              f"(expected shape {missing[0].dims()}); it is not a {self._what()} checkpoint."])
+            raise RulesError([(f"preset {self.preset}: the checkpoint has no leaf matching {missing[0].pattern!r} "
+                               f"(expected shape {missing[0].dims()}); it is not a {self._what()} checkpoint.")])
         self._infer(leaves, sizes)
         lacking = sorted(self.spec.needs - set(sizes))
         if lacking:
-            raise RulesError([f"preset {self.preset} needs the model's {', '.join(lacking)}, which the checkpoint's "
-                              "shapes do not give: pass its Hugging Face config.json (tt.preset(name, config=...), "
-                              "--config FILE)."])
+            raise RulesError([(f"preset {self.preset} needs the model's {', '.join(lacking)}, which the "
+                               "checkpoint's shapes do not give: pass its Hugging Face config.json "
+                               "(tt.preset(name, config=...), --config FILE).")])
         return sizes
 
     def _what(self) -> str:
@@ -404,6 +405,7 @@ class Preset(Rules):
             if isinstance(w, int):
                 ok = dim == w
             else:
+                assert w is not None  # the file's shapes were checked when it was read
                 name = w.group(1).strip()
                 if name in SIZES and name not in sizes:
                     sizes[name] = dim  # the first leaf that shows a size sets it
