@@ -11,9 +11,10 @@ Each case is a transformers model (PyTorch on the CPU) whose every parameter is 
 * ``AutoModelForCausalLM.from_pretrained(DST)`` of the converted-back folder, with no other step, gives logits
   identical to the original model's;
 * errors: an unknown preset, a checkpoint that does not fit (nothing written), a conversion to ``hf`` with no
-  ``config.json``; and docs/presets.md's table, each row of which a test here runs.
+  ``config.json``.
 
-Skipped without torch and transformers (the ``test-hf`` extra).
+Skipped without torch and transformers (the ``test-hf`` extra); tests/test_presets_data.py checks the files,
+docs/presets.md's table (each row names a test here) and the package data without them.
 """
 
 from __future__ import annotations
@@ -342,39 +343,6 @@ def test_reference_to_hf_without_a_config_is_a_usage_error(models, tmp_path):
 def test_a_preset_of_another_family_than_the_config_is_refused(models, tmp_path):
     with pytest.raises(UsageError, match="model_type 'llama', not 'mistral'"):
         tt.convert(models["llama"][1], str(tmp_path / "out"), preset="mistral:hf:reference")
-
-
-# --- docs/presets.md ----------------------------------------------------------------------------------------------
-
-
-def _doc_rows():
-    with open(os.path.join(ROOT, "docs", "presets.md"), encoding="utf-8") as f:
-        text = f.read()
-    table = text.split("<!-- presets table -->")[1].split("<!-- end presets table -->")[0]
-    rows = [[c.strip().strip("`") for c in line.strip().strip("|").split("|")]
-            for line in table.strip().splitlines()[2:]]
-    return rows
-
-
-def test_docs_table_lists_every_preset():
-    """Each row of the table is a preset (``tt.presets()``) with the file and the test that runs it."""
-    rows = _doc_rows()
-    names = [r[0] for r in rows]
-    assert sorted(names) == tt.presets()
-    for name, file, test, *_ in rows:
-        assert tt.preset(name).spec.file == file
-        function, _, case = test.partition("[")
-        assert callable(globals()[function]), test
-        family = name.split(":")[0]
-        params = MAXTEXT if "maxtext" in function else list(CASES)
-        assert case.rstrip("]") in params and CASES[case.rstrip("]")][0] == family, test
-
-
-def test_preset_files_name_the_maxtext_commit():
-    for name in ("llama:hf:maxtext", "llama:maxtext:hf", "mistral:hf:maxtext", "mistral:maxtext:hf"):
-        with open(os.path.join(ROOT, "treetools", "presets", tt.preset(name).spec.file), encoding="utf-8") as f:
-            text = f.read()
-        assert "598dfbc62ec5100adcedc24279c223c6b1c4f0db" in text and "llama_or_mistral_ckpt.py" in text
 
 
 # --- the reference model's logits, where the reference model reads HF configs -----------------------------------

@@ -376,7 +376,7 @@ class Preset(Rules):
                 self._fit(path, tuple(shape), self.spec.expect[row], sizes)
         missing = [e for i, e in enumerate(self.spec.expect) if i not in seen and not e.optional]
         if missing:
-            raise RulesError([(f"preset {self.preset}: the checkpoint has no leaf matching {missing[0].pattern!r} "
+            raise RulesError([(f"preset {self.preset}: the checkpoint has no leaf matching `{missing[0].pattern}` "
                                f"(expected shape {missing[0].dims()}); it is not a {self._what()} checkpoint.")])
         self._infer(leaves, sizes)
         lacking = sorted(self.spec.needs - set(sizes))
@@ -392,7 +392,7 @@ class Preset(Rules):
 
     def _unknown(self, path: str) -> str:
         assert self.spec is not None
-        some = ", ".join(repr(e.pattern) for e in self.spec.expect[:4])
+        some = ", ".join(f"`{e.pattern}`" for e in self.spec.expect[:4])
         return (f"`{path}`: no leaf of a {self._what()} checkpoint is named so (preset {self.preset} expects "
                 f"{len(self.spec.expect)} kinds of leaves: {some}, ...; docs/presets.md lists them); pick the preset "
                 "of this checkpoint's family and layout.")
