@@ -225,8 +225,8 @@ def test_make_demo_installs_what_the_demo_needs_and_make_test_adds_the_test_extr
     demo_deps = " ".join(dep for extra in demo[0] for dep in extras[extra])
     for heavy in ("moto", "keras", "equinox", "gcsfs", "s3fs", "pytest"):
         assert heavy not in demo_deps, heavy
-    assert test[0] == demo[0] and test[-1] == {"test", "test-formats", "plot", "remote", "keras", "tensorboard",
-                                               "af3", "wandb"}  # on top of it
+    assert test[0] == demo[0] and test[-1] == {"test", "test-formats", "test-hf", "plot", "remote", "keras",
+                                               "tensorboard", "af3", "wandb"}  # on top of it
     assert test[-1] == set(extras)  # every extra: the suite tests them all
     assert _make_installs("bench", tmp_path)[-1] == test[-1]
 

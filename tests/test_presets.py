@@ -359,5 +359,6 @@ def test_reference_logits_of_a_converted_model(models, case, tmp_path):
     tt.convert(folder, ref, preset=f"{family}:hf:reference", to="orbax")
     cfg = model_module.ModelConfig.from_hf(folder)
     out = np.asarray(model_module.Transformer(cfg).apply({"params": tt.load_parameters(ref)}, tokens))
-    scale = float(np.max(np.abs(logits)))
-    assert float(np.max(np.abs(out - logits))) <= 2e-4 * scale
+    scale, diff = float(np.max(np.abs(logits))), float(np.max(np.abs(out - logits)))
+    print(f"{case}: max |diff| {diff:.2e} of max |logits| {scale:.3f} ({diff / scale:.1e})")  # shown with -s
+    assert diff <= 2e-4 * scale
