@@ -340,6 +340,20 @@ def test_reference_to_hf_without_a_config_is_a_usage_error(models, tmp_path):
     _check_back("gemma", models, str(tmp_path / "back"))
 
 
+def test_dry_run_shows_every_step_and_writes_nothing(models, tmp_path):
+    folder = models["llama"][1]
+    done = _cli("convert", folder, str(tmp_path / "mt"), "--preset", "llama:hf:maxtext", "--dry-run",
+                "--format", "json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    query = next(t for t in report["tensors"] if t["name"] == "decoder.layers.self_attention.query.kernel")
+    assert query["shape"] == [48, 2, 6, 8] and "permute" in " ".join(query["ops"])
+    assert "config.json" in report["files"] and "generation_config.json" in report["files"]
+    assert not os.path.exists(tmp_path / "mt")
+    done = _cli("convert", folder, str(tmp_path / "mt"), "--config", folder)
+    assert done.returncode == 2 and "--preset" in done.stderr
+
+
 def test_a_preset_of_another_family_than_the_config_is_refused(models, tmp_path):
     with pytest.raises(UsageError, match="model_type 'llama', not 'mistral'"):
         tt.convert(models["llama"][1], str(tmp_path / "out"), preset="mistral:hf:reference")

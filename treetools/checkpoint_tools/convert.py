@@ -426,6 +426,9 @@ def _preset(src: str, dst: str, opts: ConvertOptions, to: str) -> tuple[Any, dic
         name = opts.preset
     elif isinstance(rules, Preset):
         name = rules.preset
+    elif opts.config is not None:
+        raise UsageError("--config (`config`) gives a preset its model's config.json; add --preset "
+                         "FAMILY:SOURCE:TARGET (`preset=`), or drop it.")
     else:
         return rules, {}, []
     files = _model_files(src, opts.config)
