@@ -463,6 +463,8 @@ def _config_where(src: str, config: Any) -> str:
 def _model_files(src: str, config: Any) -> dict[str, bytes]:
     """``config.json`` and ``generation_config.json`` as bytes: ``config``'s (a dict, a file, its folder), or the
     source's; empty when there is none."""
+    if hasattr(config, "to_json_string") and not isinstance(config, (str, os.PathLike)):
+        return {"config.json": config.to_json_string().encode("utf-8")}  # a transformers PretrainedConfig
     if isinstance(config, Mapping):
         return {"config.json": (json.dumps(dict(config), indent=2) + "\n").encode("utf-8")}
     if config is not None:

@@ -69,14 +69,17 @@ _HF_DEFAULTS: dict[str, dict[str, int]] = {
 # ---------------------------------------------------------------------------------------------- sizes
 
 
-def read_hf_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
-    """An HF ``config.json`` as a dict: the dict itself, the file, or the folder holding it.
+def read_hf_config(config: Any) -> dict[str, Any]:
+    """An HF ``config.json`` as a dict: the dict itself, the file, the folder holding it, or a transformers
+    ``PretrainedConfig``.
 
     Raises:
       UsageError: the file is missing or is not a JSON object (the message names it).
     """
     if isinstance(config, Mapping):
         return dict(config)
+    if hasattr(config, "to_dict") and not isinstance(config, (str, os.PathLike)):
+        return dict(config.to_dict())  # a transformers PretrainedConfig
     path = os.path.expanduser(os.fspath(config))
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -91,7 +94,7 @@ def read_hf_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, A
     return data
 
 
-def hf_sizes(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, int]:
+def hf_sizes(config: Any) -> dict[str, int]:
     """The sizes presets name, from an HF ``config.json`` (a path, its folder, or its dict).
 
     A key the file leaves out takes transformers' default for its ``model_type``.
@@ -301,12 +304,13 @@ def preset_spec(name: str) -> PresetSpec:
     return catalog[name]
 
 
-def preset(name: str, config: str | os.PathLike | Mapping[str, Any] | None = None) -> Preset:
+def preset(name: str, config: Any = None) -> Preset:
     """The ``tt.Rules`` of preset ``name`` (``tt.presets()`` lists them), for the model ``config`` describes.
 
     Args:
       name: ``FAMILY:SOURCE:TARGET``, e.g. ``"llama:hf:reference"``.
-      config: the model's Hugging Face ``config.json``: its path, the folder holding it, or its dict. It gives
+      config: the model's Hugging Face ``config.json``: its path, the folder holding it, its dict, or a
+        transformers ``PretrainedConfig``. It gives
         the sizes the preset's placeholders name (and checks the checkpoint's shapes against them); without
         it, sizes are read off the checkpoint's own shapes where they can be.
 
