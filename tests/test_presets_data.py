@@ -154,6 +154,26 @@ def test_a_preset_with_rules_flags_after_it(tmp_path):
     assert plan["layers_0/q/kernel"].shape == (32, 32)
 
 
+def test_convert_with_a_preset_object_keeps_the_rules_merged_after_it(tmp_path):
+    """rules=tt.preset(...).merge(...) in convert: the source's config.json gives the sizes, the merged rules stay."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    tensors = {p: rng.standard_normal(s).astype(np.float32) for p, s, _ in _llama_leaves()}
+    save_file(tensors, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps(CONFIG))
+    rules = tt.preset("llama:hf:reference").merge(tt.Rules(dtype="float16"))
+    tt.convert(str(src), str(tmp_path / "ref"), rules=rules)
+    out = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    assert out["layers_1.q.kernel"].dtype == np.float16
+    assert np.array_equal(out["layers_1.q.kernel"], tensors["model.layers.1.self_attn.q_proj.weight"].T.astype(np.float16))
+    assert json.loads((tmp_path / "ref" / "config.json").read_text()) == CONFIG
+
+
 def test_the_presets_ship_in_the_package(tmp_path):
     # setuptools' build_py lays out exactly the files a wheel holds (as tests/test_package.py does for py.typed)
     src = tmp_path / "src"

@@ -445,8 +445,9 @@ def _preset(src: str, dst: str, opts: ConvertOptions, to: str) -> tuple[Any, dic
     if opts.preset is not None:
         built: Rules = preset(name, config=config)
         rules = built if rules is None else built.merge(rules)
-    elif config is not None and not rules.sizes:
-        rules = preset(name, config=config)
+    elif config is not None and not rules.sizes:  # the config's sizes, keeping any rules merged after the preset
+        fresh = preset(name, config=config)
+        rules = fresh if not Rules.to_dict(rules) else dataclasses.replace(rules, sizes=fresh.sizes)
     notes = []
     folder = to == "orbax" or not str(dst).lower().endswith(".safetensors")
     if files and not folder:
