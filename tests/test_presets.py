@@ -49,6 +49,11 @@ CASES = {
                         {**_COMMON, "vocab_size": 89, "hidden_size": 32, "intermediate_size": 72,
                          "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
                          "attention_bias": True, "mlp_bias": True}),
+    # MQA, head_dim 12 apart from 40 / 5, tied: to MaxText too (no logits_dense)
+    "llama-tied-mqa": ("llama", "LlamaForCausalLM", "LlamaConfig",
+                       {**_COMMON, "vocab_size": 61, "hidden_size": 40, "intermediate_size": 56,
+                        "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 12,
+                        "tie_word_embeddings": True}),
     # GQA 4:2, untied
     "mistral": ("mistral", "MistralForCausalLM", "MistralConfig",
                 {**_COMMON, "vocab_size": 101, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
