@@ -265,6 +265,21 @@ def test_maxtext_to_hf_reads_head_dim_off_the_shapes(models, tmp_path):
     _check_back("llama", models, str(tmp_path / "back"))
 
 
+def test_a_preset_conversion_reads_from_and_writes_to_a_bucket(models, s3_store, tmp_path):
+    """The Hugging Face folder in a bucket: its config.json is found there, the MaxText layout written to a
+    bucket, and the way back (config.json carried over, in the bucket) loads in transformers once copied."""
+    _, folder, _, _, _ = models["mistral"]
+    src = s3_store.upload(folder, "hf")
+    mt = s3_store.url("maxtext")
+    tt.convert(src, mt, preset="mistral:hf:maxtext")
+    back = s3_store.url("back")
+    report = tt.convert(mt, back, preset="mistral:maxtext:hf", verify=True)
+    assert report.ok and {"config.json", "generation_config.json"} <= set(report.files)
+    local = tmp_path / "back"
+    s3_store.fs().get(back, str(local), recursive=True)
+    _check_back("mistral", models, str(local))
+
+
 # --- restore and load with a preset ------------------------------------------------------------------------------
 
 
