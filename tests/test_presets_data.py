@@ -132,6 +132,19 @@ def test_head_dim_needs_a_config_or_a_shape():
     assert {t.path: t.shape for t in plan} == {p: s for p, s, _ in _llama_leaves()}
 
 
+def test_the_way_back_reads_maxtexts_params_prefix_and_the_scanned_reference():
+    maxtext = tt.preset("llama:hf:maxtext", config=CONFIG).plan(_llama_leaves())
+    plan = tt.preset("llama:maxtext:hf").plan([("params/params/" + t.path, t.shape, "float32") for t in maxtext])
+    assert {t.path: t.shape for t in plan} == {p: s for p, s, _ in _llama_leaves()}
+    # the reference model scanned (nn.scan: `layers/...` with the layers on axis 0) back to Hugging Face
+    per_layer = tt.preset("llama:hf:reference").plan(_llama_leaves())
+    scanned = tt.Rules(stack=[r"^layers/"], rename=[(r"^layers_(\d+)/", r"layers/\1/")]).plan(
+        [(t.path, t.shape, "float32") for t in per_layer])
+    assert scanned["layers/q/kernel"].shape == (2, 32, 32)
+    plan = tt.preset("llama:reference:hf").plan([(t.path, t.shape, "float32") for t in scanned])
+    assert {t.path: t.shape for t in plan} == {p: s for p, s, _ in _llama_leaves()}
+
+
 def test_the_first_leaf_that_does_not_fit_is_the_one_error():
     leaves = _llama_leaves()
     with pytest.raises(RulesError) as e:
