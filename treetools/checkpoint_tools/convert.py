@@ -475,9 +475,8 @@ def _model_files(src: str, config: Any) -> dict[str, bytes]:
         if not os.path.isfile(first):
             raise UsageError(f"--config {config}: no such file (pass a config.json, or the folder holding it).")
     else:
-        at = backend(src)
-        parent = at.parent(src)
-        if at.isdir(src):
+        parent = _parent(src)
+        if backend(src).isdir(src):
             up = os.path.basename(src.rstrip("/")).isdigit() and parent is not None  # a step folder: its root
             folders = [src] + ([parent] if up and parent is not None else [])
         else:
@@ -485,7 +484,7 @@ def _model_files(src: str, config: Any) -> dict[str, bytes]:
         first = None
     for folder in folders:
         store = backend(folder)
-        names = {name: store.join(folder, name) for name in MODEL_FILES}
+        names = {name: _join(folder, name) for name in MODEL_FILES}
         if first is not None:
             names["config.json"] = first
         if not store.isfile(names["config.json"]):
@@ -503,13 +502,25 @@ def _model_files(src: str, config: Any) -> dict[str, bytes]:
     return {}
 
 
+def _parent(path: str) -> str | None:
+    """The folder holding ``path`` (a local path or a bucket URL); None at a bucket's top."""
+    if not is_url(path):
+        return os.path.dirname(os.path.normpath(path))
+    scheme, _, rest = path.rstrip("/").partition("://")
+    return f"{scheme}://{rest.rsplit('/', 1)[0]}" if "/" in rest else None
+
+
+def _join(folder: str, name: str) -> str:
+    return folder.rstrip("/") + "/" + name if is_url(folder) else os.path.join(folder, name)
+
+
 def _write_model_files(dst: str, files: Mapping[str, bytes]) -> None:
     """The model files into the folder just written (after the weights: transformers reads them together)."""
     if not files:
         return
     store = backend(dst)
     for name, data in files.items():
-        with store.create(store.join(dst, name)) as out:
+        with store.create(_join(dst, name)) as out:
             out.write(data)
 
 
