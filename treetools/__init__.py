@@ -179,6 +179,8 @@ _EXPORTS = {  # public name -> module under treetools
     "OutputError": "shared.errors",
     # rules: rename, drop, cast, transpose, stack/unstack a checkpoint's leaves
     "Rules": "rules.spec",
+    "presets": "rules.presets",
+    "preset": "rules.presets",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -30,11 +30,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import logging
 import math
 import os
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -62,6 +63,7 @@ from treetools.shared.files import check_writable, existing_folder, free_bytes
 from treetools.shared.render import json_object, safe_text
 from treetools.shared.rows import human
 from treetools.rules.plan import TargetLeaf
+from treetools.rules.presets import Preset, preset, preset_spec
 from treetools.rules.spec import Rules
 
 TARGETS = ("safetensors", "orbax")
@@ -70,6 +72,8 @@ OTHER_FILES = (".npz", ".npy", ".msgpack", ".eqx", ".h5", ".keras", ".pt", ".pth
 pickles): a DST ending in one is a mistake, never a folder to write (a Hugging Face folder named ``out.npz``)."""
 SCHEMA = 1
 """Version of ``ConvertReport.to_json``."""
+MODEL_FILES = ("config.json", "generation_config.json")
+"""A Hugging Face model folder's files beside the weights that a preset conversion carries over (docs/presets.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +350,8 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
     to = check_arguments(dst, opts)
     metadata = {str(k): str(v) for k, v in dict(opts.metadata).items()}
     src_loc, dst_loc = _check_places(src, dst)
+    rules, model_files, model_notes = _preset(src_loc, dst, opts, to)
+    opts = dataclasses.replace(opts, rules=rules)
     context = opts.read_context()
     exists = backend(dst_loc).lexists(dst_loc)  # a dangling symlink is something there too
     if exists and not opts.overwrite and not opts.dry_run and opts.dst_step is None:
@@ -354,7 +360,7 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
         check_writable(os.path.join(dst_loc, str(opts.dst_step)) if opts.dst_step is not None else dst_loc)
     plan = _plan(src, opts, context)
     _check_names(t.path for t in plan.targets)
-    notes = plan.notes + [f"left out `{p}`: {why}" for p, why in plan.skipped]
+    notes = plan.notes + model_notes + [f"left out `{p}`: {why}" for p, why in plan.skipped]
     if opts.dry_run and exists and opts.dst_step is None:
         notes.append(f"{dst} exists: the write would need --overwrite")
     planned = ConvertReport(str(src), str(dst), plan.source.format, plan.step, plan.item.name, to, "", [],
@@ -387,8 +393,10 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
                 write_orbax(dst_loc, list(zip(parts, plan.readers)), step=opts.dst_step,
                             item=plan.item.name if opts.item is not None else "params", overwrite=opts.overwrite,
                             block_bytes=context.block_bytes, on_block=on_block)
+    report = dataclasses.replace(report, files=report.files + list(model_files))
     if opts.dry_run:
         return report
+    _write_model_files(dst_loc, model_files)
     report = dataclasses.replace(report, seconds=time.perf_counter() - started)
     if opts.verify:
         started = time.perf_counter()
@@ -396,6 +404,123 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
         report = dataclasses.replace(report, problems=problems, verified=True,
                                      verify_seconds=time.perf_counter() - started)
     return report
+
+
+def _preset(src: str, dst: str, opts: ConvertOptions, to: str) -> tuple[Any, dict[str, bytes], list[str]]:
+    """The rules to apply (a preset's, filled with the model's sizes, then ``opts.rules``), the model files to
+    write beside the weights (``config.json``, ``generation_config.json``), and notes; checked before any read.
+
+    The model files are ``opts.config``'s (a dict, a ``config.json``, or its folder) or the source's (in the
+    source folder, beside a source file, or in the root above a step folder). A preset whose target is ``hf``
+    needs a ``config.json`` (transformers' ``from_pretrained`` reads it); the others carry it over when there is
+    one, so that the way back finds it beside its source.
+
+    Raises:
+      UsageError: an unknown preset; a conversion to ``hf`` with no ``config.json``; a ``config.json`` of
+        another family than the preset's, or that does not parse.
+    """
+    rules = opts.rules
+    if opts.preset is not None:
+        preset_spec(opts.preset)  # an unknown name: a usage error listing the presets, before anything is read
+        name = opts.preset
+    elif isinstance(rules, Preset):
+        name = rules.preset
+    elif opts.config is not None:
+        raise UsageError("--config (`config`) gives a preset its model's config.json; add --preset "
+                         "FAMILY:SOURCE:TARGET (`preset=`), or drop it.")
+    else:
+        return rules, {}, []
+    files = _model_files(src, opts.config)
+    config = json.loads(files["config.json"]) if "config.json" in files else None
+    family, _, target = name.split(":")
+    if config is not None and config.get("model_type") not in (None, family):
+        raise UsageError(f"--preset {name}: the config.json {_config_where(src, opts.config)} is of model_type "
+                         f"{config.get('model_type')!r}, not {family!r}; pick the preset of that family, or pass "
+                         "this model's config (--config).")
+    if target == "hf" and config is None:
+        raise UsageError(f"--preset {name} writes a Hugging Face folder, which needs its config.json: {src} has "
+                         "none beside it; pass the model's config.json (--config FILE, config=...; for the "
+                         "reference model, ModelConfig.to_hf() gives it).")
+    if opts.preset is not None:
+        built: Rules = preset(name, config=config)
+        rules = built if rules is None else built.merge(rules)
+    elif config is not None and not rules.sizes:  # the config's sizes, keeping any rules merged after the preset
+        fresh = preset(name, config=config)
+        rules = fresh if not Rules.to_dict(rules) else dataclasses.replace(rules, sizes=fresh.sizes)
+    notes = []
+    folder = to == "orbax" or not str(dst).lower().endswith(".safetensors")
+    if files and not folder:
+        notes.append(f"{', '.join(files)} not written: {dst} is one .safetensors file; name a folder to get a "
+                     "model folder transformers loads")
+        files = {}
+    return rules, files, notes
+
+
+def _config_where(src: str, config: Any) -> str:
+    return "given" if isinstance(config, Mapping) else str(config) if config is not None else f"beside {src}"
+
+
+def _model_files(src: str, config: Any) -> dict[str, bytes]:
+    """``config.json`` and ``generation_config.json`` as bytes: ``config``'s (a dict, a file, its folder), or the
+    source's; empty when there is none."""
+    if hasattr(config, "to_json_string") and not isinstance(config, (str, os.PathLike)):
+        return {"config.json": config.to_json_string().encode("utf-8")}  # a transformers PretrainedConfig
+    if isinstance(config, Mapping):
+        return {"config.json": (json.dumps(dict(config), indent=2) + "\n").encode("utf-8")}
+    if config is not None:
+        path = os.path.expanduser(os.fspath(config))
+        folders = [path] if os.path.isdir(path) else [os.path.dirname(path) or "."]
+        first = path if not os.path.isdir(path) else os.path.join(path, "config.json")
+        if not os.path.isfile(first):
+            raise UsageError(f"--config {config}: no such file (pass a config.json, or the folder holding it).")
+    else:
+        parent = _parent(src)
+        if backend(src).isdir(src):
+            up = os.path.basename(src.rstrip("/")).isdigit() and parent is not None  # a step folder: its root
+            folders = [src] + ([parent] if up and parent is not None else [])
+        else:
+            folders = [parent] if parent is not None else []
+        first = None
+    for folder in folders:
+        store = backend(folder)
+        names = {name: _join(folder, name) for name in MODEL_FILES}
+        if first is not None:
+            names["config.json"] = first
+        if not store.isfile(names["config.json"]):
+            continue
+        out = {}
+        for name, path in names.items():
+            if store.isfile(path):
+                with store.open(path) as f:
+                    out[name] = f.read()
+        try:
+            json.loads(out["config.json"])
+        except ValueError as e:
+            raise UsageError(f"{names['config.json']}: not JSON ({e}); pass a readable config.json (--config).") from None
+        return out
+    return {}
+
+
+def _parent(path: str) -> str | None:
+    """The folder holding ``path`` (a local path or a bucket URL); None at a bucket's top."""
+    if not is_url(path):
+        return os.path.dirname(os.path.normpath(path))
+    scheme, _, rest = path.rstrip("/").partition("://")
+    return f"{scheme}://{rest.rsplit('/', 1)[0]}" if "/" in rest else None
+
+
+def _join(folder: str, name: str) -> str:
+    return folder.rstrip("/") + "/" + name if is_url(folder) else os.path.join(folder, name)
+
+
+def _write_model_files(dst: str, files: Mapping[str, bytes]) -> None:
+    """The model files into the folder just written (after the weights: transformers reads them together)."""
+    if not files:
+        return
+    store = backend(dst)
+    for name, data in files.items():
+        with store.create(_join(dst, name)) as out:
+            out.write(data)
 
 
 def _check_space(dst: str, nbytes: int) -> None:

@@ -138,6 +138,10 @@ class ConvertOptions(ReadOptions):
       prefix: the series of steps to read in a folder holding several (``checkpoint_``, the default).
       item: the source item (None: the one ``load_parameters`` reads, the params).
       rules: a ``tt.Rules`` applied to the item's leaves (rename, drop, cast, transpose, unstack...).
+      preset: a preset's name, ``FAMILY:SOURCE:TARGET`` (``tt.presets()``; docs/presets.md): its rules, then
+        ``rules`` after them.
+      config: the model's Hugging Face ``config.json`` (a path, its folder, or its dict): the sizes a preset
+        needs, and the ``config.json`` a conversion to ``hf`` writes; None: the one beside the source, if any.
       to: ``"safetensors"`` (default) or ``"orbax"``.
       shard_size: the most bytes per shard of a safetensors folder (``5GB``, ``500MB``, ``2GiB`` or an int).
       metadata: extra ``__metadata__`` of every safetensors header (``format`` defaults to ``pt``).
@@ -152,6 +156,8 @@ class ConvertOptions(ReadOptions):
     prefix: str | None = None
     item: str | None = None
     rules: Any = None
+    preset: str | None = None
+    config: Any = None
     to: str | None = None
     shard_size: int | str = "5GB"
     metadata: Mapping[str, str] = dataclasses.field(default_factory=dict)

@@ -29,6 +29,14 @@ Examples:
   treetools convert flax_model.msgpack gpt2/ --rules gpt2_to_pt.toml --dry-run
   treetools convert model.safetensors orbax_ckpt/ --to orbax
   treetools convert gs://bucket/run/checkpoints s3://bucket/export/model/ --step 1000
+  treetools convert Llama-3.2-1B/ llama_ref/ --preset llama:hf:reference --to orbax
+  treetools convert llama_ref/ llama_hf/ --preset llama:reference:hf --config Llama-3.2-1B/config.json
+
+--preset FAMILY:SOURCE:TARGET applies a preset (docs/presets.md), the rules
+flags after it; its sizes come from the model's config.json (--config, or
+the one beside SRC). A conversion to hf writes config.json (and
+generation_config.json when there is one) beside the shards, so that
+transformers' from_pretrained(DST) loads it.
 
 Exit codes: 0 written (and, with --verify, read back equal); 1 a known error
 (missing source, existing DST, rules that do not fit) or --verify found
@@ -44,6 +52,7 @@ from treetools.cli.options import (
     add_item,
     add_output_format,
     add_prefix,
+    add_preset,
     add_reading,
     add_rules,
     add_step,
@@ -66,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_prefix(parser)
     add_item(parser)
     add_rules(parser)
+    add_preset(parser)
     parser.add_argument("--to", choices=("safetensors", "orbax"), default=None,
                         help="output format (default safetensors)")
     parser.add_argument("--shard-size", default="5GB", metavar="SIZE",
