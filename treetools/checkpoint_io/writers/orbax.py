@@ -31,6 +31,17 @@ Two layouts:
   hidden folder of the root, and the finished step is renamed into place: an
   old step ``N`` is replaced only then, never deleted first.
 
+Several processes (``share``, on ``jax.distributed``): every process runs
+Orbax's save on the whole tree, as Orbax's multi-process save runs, and the
+handler writes in each process the leaves that process owns by bytes
+(``treetools.checkpoint_io.share.owners``), each into that process's own OCDBT
+database (``ocdbt.process_N``), where Orbax's ``NumpyHandler`` writes every
+value from process 0. Orbax's primary process merges the databases (TensorStore's
+``experimental_copy_range_to``) and writes the metadata; process 0 puts the
+result in place. Orbax's public API only (``NumpyHandler``,
+``get_json_tspec_write``, ``CommitFutureAwaitingContractedSignals``,
+``BasePyTreeCheckpointHandler``).
+
 Importing this module imports neither jax nor Orbax: ``write_orbax`` does.
 """
 
@@ -186,6 +197,28 @@ def _with_chunks(spec: dict[str, Any], chunk: tuple[int, ...]) -> bool:
     return False
 
 
+async def _write_owned(handler: Any, values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any] | None
+                       ) -> None:
+    """``LeafHandler``'s writes: the leaves this process owns (``Leaf.mine``), each into this process's own OCDBT
+    database (``ocdbt.process_N``, which Orbax's primary process merges at the end), where Orbax's
+    ``NumpyHandler`` writes every value from process 0. The write specs are Orbax's own (its public
+    ``get_json_tspec_write``)."""
+    import orbax.checkpoint as ocp
+
+    args = list(args or [ocp.SaveArgs()] * len(values))
+    ocp.type_handlers.check_input_arguments(values, infos, args)
+    writes = []
+    for value, info, arg in zip(values, infos, args):
+        await info.await_path_creation()
+        ocdbt = bool(info.is_ocdbt_checkpoint)
+        tspec = ocp.type_handlers.get_json_tspec_write(
+            info, use_ocdbt=ocdbt, global_shape=value.shape, local_shape=value.shape, dtype=value.dtype,
+            process_index=ocp.multihost.process_index() if ocdbt else None, arg=arg)
+        if value.mine if isinstance(value, Leaf) else ocp.multihost.process_index() == 0:
+            writes.append(handler._open_and_write(value, tspec, info.ts_context))
+    await asyncio.gather(*writes)
+
+
 @functools.cache
 def _leaf_handler_class() -> type:
     """The type handler of a block-by-block save (made on first use: it subclasses Orbax's, and importing Orbax
@@ -239,25 +272,10 @@ def _leaf_handler_class() -> type:
 
         async def serialize(self, values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any] | None = None
                             ) -> list[Any]:
-            """Orbax's ``NumpyHandler.serialize``, but every process writes the leaves it owns (``Leaf.mine``),
-            each into its own OCDBT database (``ocdbt.process_N``, which Orbax's primary process merges at the
-            end), where Orbax's writes every value from process 0. Built from Orbax's public API only."""
-            args = list(args or [ocp.SaveArgs()] * len(values))
-            ocp.type_handlers.check_input_arguments(values, infos, args)
-            return [ocp.future.CommitFutureAwaitingContractedSignals(self._write_mine(values, infos, args),
-                                                                     name="np_type_handler")]
-
-        async def _write_mine(self, values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any]) -> None:
-            writes = []
-            for value, info, arg in zip(values, infos, args):
-                await info.await_path_creation()
-                ocdbt = bool(info.is_ocdbt_checkpoint)
-                tspec = ocp.type_handlers.get_json_tspec_write(
-                    info, use_ocdbt=ocdbt, global_shape=value.shape, local_shape=value.shape, dtype=value.dtype,
-                    process_index=ocp.multihost.process_index() if ocdbt else None, arg=arg)
-                if value.mine if isinstance(value, Leaf) else ocp.multihost.process_index() == 0:
-                    writes.append(self._open_and_write(value, tspec, info.ts_context))
-            await asyncio.gather(*writes)
+            """Orbax's ``NumpyHandler.serialize``, but every process writes the leaves it owns (``Leaf.mine``):
+            ``_write_owned``."""
+            write = _write_owned(self, values, infos, args)
+            return [ocp.future.CommitFutureAwaitingContractedSignals(write, name="np_type_handler")]
 
         def _own_context(self, ts_context: Any) -> Any:
             """Orbax's TensorStore context with its caches emptied, one for every leaf of the save: Orbax's keeps
