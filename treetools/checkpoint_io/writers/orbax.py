@@ -480,40 +480,41 @@ def _write_shared(share: Share, save: _OrbaxSave, dst: str, final: str, overwrit
     def first_error() -> BaseException | None:
         return next((v for round_ in met for v in round_ if isinstance(v, BaseException)), None)
 
-    made_root = False
-    if share.index == 0:
-        try:
-            made_root = save.step is not None and not os.path.lexists(dst)
-            if made_root:
-                os.makedirs(dst)
-            tmp: Any = tmp_name(final, "tmp")
-        except Exception as e:
-            tmp = e
-        meet(tmp)
-    else:
-        tmp = meet(None)[0]
-    written: Any = "skipped"
-    if first_error() is None:
-        try:
-            written = save.run(tmp)
-        except Exception as e:
-            written = e
-    meet(written)
-    if share.index == 0:
+    made_root, done = False, False
+    tmp: Any = None
+    try:
+        if share.index == 0:
+            named: Any
+            try:
+                made_root = save.step is not None and not os.path.lexists(dst)
+                if made_root:
+                    os.makedirs(dst)
+                tmp = named = tmp_name(final, "tmp")
+            except Exception as e:
+                named = e
+            meet(named)
+        else:
+            tmp = meet(None)[0]
+        written: Any = "skipped"
+        if first_error() is None:
+            try:
+                written = save.run(tmp)
+            except Exception as e:
+                written = e
+        meet(written)
         outcome: Any = "ok"
-        try:
-            if first_error() is None:
+        if share.index == 0 and first_error() is None:
+            try:
                 _put(written, final, overwrite)
-        except Exception as e:
-            outcome = e
-        finally:
-            if isinstance(tmp, str):
-                _remove_tmp(tmp)
-            if made_root and (outcome != "ok" or first_error() is not None):
-                remove(dst)
+                done = True
+            except Exception as e:
+                outcome = e
         meet(outcome)
-    else:
-        meet(None)
+    finally:  # process 0, on any error or an interrupt too: no temporary left, nor a manager root it made
+        if isinstance(tmp, str) and share.index == 0:
+            _remove_tmp(tmp)
+        if made_root and not done:
+            remove(dst)
     error = first_error()
     if error is not None:
         raise error
