@@ -176,8 +176,10 @@ def test_processes(work):
     tt = treetools_script()
     rng = np.random.default_rng(0)
     cases = {
-        "64 tensors": {f"w{i}": rng.standard_normal(max(16, int(2**22 * SCALE))).astype(np.float32) for i in range(64)},
-        "20,000 leaves": {f"p{i}": rng.standard_normal(64).astype(np.float32) for i in range(max(20, int(2e4 * SCALE)))},
+        "64 tensors": {f"w{i}": rng.standard_normal(max(16, int(2**22 * SCALE))).astype(np.float32)
+                       for i in range(64)},
+        "20,000 leaves": {f"p{i}": rng.standard_normal(64).astype(np.float32)
+                          for i in range(max(20, int(2e4 * SCALE)))},
     }
     print(f"\n[bench] real-size processes: load {load()}", flush=True)
     for case, tensors in cases.items():
@@ -194,4 +196,37 @@ def test_processes(work):
                   f"1 process {w1:.2f} s, 2 processes {w2:.2f} s wall | speed-up {w1 / w2:.2f} | CPU "
                   f"{min(r.cpu for r in one):.2f} vs {min(r.cpu for r in two):.2f} s (the second process's jax "
                   "start-up included)", flush=True)
+        src.unlink()
+
+
+def test_processes_convert_orbax(work):
+    # `convert --to orbax` by 1 and 2 processes (each writing the leaves it owns into its own OCDBT database,
+    # merged by process 0): random float32, 64 tensors of 4 MiB; and 2,000 small leaves. Wall time, interleaved
+    # rounds, median; CPU includes the second process (its jax start-up too); peak RSS is the largest process's.
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    tt = treetools_script()
+    rng = np.random.default_rng(0)
+    cases = {
+        "64 tensors, 256 MiB": {f"w{i}": rng.standard_normal(max(16, int(2**20 * SCALE))).astype(np.float32)
+                                for i in range(64)},
+        "2,000 leaves of 64": {f"p{i}": rng.standard_normal(64).astype(np.float32)
+                               for i in range(max(20, int(2e3 * SCALE)))},
+    }
+    print(f"\n[bench] real-size processes convert --to orbax: load {load()}", flush=True)
+    src, dst = work / "procs.safetensors", work / "procs_orbax"
+    for case, tensors in cases.items():
+        save_file(tensors, str(src))
+        one, two = [], []
+        for _ in range(ROUNDS):
+            for runs, extra in ((one, []), (two, ["--processes", "2"])):
+                runs.append(timed([*tt, "convert", str(src), str(dst), "--to", "orbax", *extra]))
+                remove(dst)
+        w1 = sorted(r.wall for r in one)[len(one) // 2]
+        w2 = sorted(r.wall for r in two)[len(two) // 2]
+        print(f"[bench] real-size processes convert --to orbax | {case} | 1 process {w1:.2f} s, 2 processes "
+              f"{w2:.2f} s wall | speed-up {w1 / w2:.2f} | CPU {min(r.cpu for r in one):.2f} vs "
+              f"{min(r.cpu for r in two):.2f} s | peak RSS {max(r.rss_kib for r in one) / 1024:.0f} vs "
+              f"{max(r.rss_kib for r in two) / 1024:.0f} MiB (the largest process)", flush=True)
         src.unlink()

@@ -381,9 +381,6 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
                                   overwrite=opts.overwrite, on_block=on_block, fsync=opts.fsync,
                                   share=context.share)
     else:
-        if context.share is not None and context.share.count > 1:
-            raise UsageError("--to orbax is written by one process; drop --processes/--distributed, or write "
-                             "safetensors (each process writes its shards).")
         parts = [orbax_parts(t.path) for t in plan.targets]
         report = dataclasses.replace(planned, layout="step" if opts.dst_step is not None else "checkpoint",
                                      rows=_rows(plan.targets, ["/".join(p) for p in parts], [""] * len(parts)))
@@ -392,11 +389,12 @@ def convert(src: str, dst: str, options: ConvertOptions | None = None, /, **fiel
             with _progress(report, opts) as on_block, _full_disk(dst):
                 write_orbax(dst_loc, list(zip(parts, plan.readers)), step=opts.dst_step,
                             item=plan.item.name if opts.item is not None else "params", overwrite=opts.overwrite,
-                            block_bytes=context.block_bytes, on_block=on_block)
+                            block_bytes=context.block_bytes, on_block=on_block, share=context.share)
     report = dataclasses.replace(report, files=report.files + list(model_files))
     if opts.dry_run:
         return report
-    _write_model_files(dst_loc, model_files)
+    if context.share is None or context.share.index == 0:  # one writer of the model files in a run of several
+        _write_model_files(dst_loc, model_files)
     report = dataclasses.replace(report, seconds=time.perf_counter() - started)
     if opts.verify:
         started = time.perf_counter()

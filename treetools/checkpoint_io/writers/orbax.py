@@ -31,6 +31,17 @@ Two layouts:
   hidden folder of the root, and the finished step is renamed into place: an
   old step ``N`` is replaced only then, never deleted first.
 
+Several processes (``share``, on ``jax.distributed``): every process runs
+Orbax's save on the whole tree, as Orbax's multi-process save runs, and the
+handler writes in each process the leaves that process owns by bytes
+(``treetools.checkpoint_io.share.owners``), each into that process's own OCDBT
+database (``ocdbt.process_N``), where Orbax's ``NumpyHandler`` writes every
+value from process 0. Orbax's primary process merges the databases (TensorStore's
+``experimental_copy_range_to``) and writes the metadata; process 0 puts the
+result in place. Orbax's public API only (``NumpyHandler``,
+``get_json_tspec_write``, ``CommitFutureAwaitingContractedSignals``,
+``BasePyTreeCheckpointHandler``).
+
 Importing this module imports neither jax nor Orbax: ``write_orbax`` does.
 """
 
@@ -46,6 +57,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from treetools.checkpoint_io.readers import Index, block_extent, plan_blocks
+from treetools.checkpoint_io.share import Share, owners, pool
 from treetools.checkpoint_io.storage import backend
 from treetools.checkpoint_io.stream import cores
 from treetools.checkpoint_io.writers.safetensors import Tensor, tensor_blocks
@@ -154,8 +166,8 @@ class Leaf:
     """One leaf to save, as Orbax's ``NumpyHandler`` sees a value (``shape``, ``dtype``, ``size``), holding its
     reader instead of its data."""
 
-    def __init__(self, name: str, reader: Any):
-        self.name, self.reader = name, reader
+    def __init__(self, name: str, reader: Any, mine: bool = True):
+        self.name, self.reader, self.mine = name, reader, mine  # mine: this process writes it (a run of several)
         self.dtype = Tensor(name, reader).dtype
         self.shape = tuple(int(d) for d in reader.shape)
         self.size = math.prod(self.shape)
@@ -183,6 +195,28 @@ def _with_chunks(spec: dict[str, Any], chunk: tuple[int, ...]) -> bool:
         meta["chunks"] = list(chunk)
         return True
     return False
+
+
+async def _write_owned(handler: Any, values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any] | None
+                       ) -> None:
+    """``LeafHandler``'s writes: the leaves this process owns (``Leaf.mine``), each into this process's own OCDBT
+    database (``ocdbt.process_N``, which Orbax's primary process merges at the end), where Orbax's
+    ``NumpyHandler`` writes every value from process 0. The write specs are Orbax's own (its public
+    ``get_json_tspec_write``)."""
+    import orbax.checkpoint as ocp
+
+    args = list(args or [ocp.SaveArgs()] * len(values))
+    ocp.type_handlers.check_input_arguments(values, infos, args)
+    writes = []
+    for value, info, arg in zip(values, infos, args):
+        await info.await_path_creation()
+        ocdbt = bool(info.is_ocdbt_checkpoint)
+        tspec = ocp.type_handlers.get_json_tspec_write(
+            info, use_ocdbt=ocdbt, global_shape=value.shape, local_shape=value.shape, dtype=value.dtype,
+            process_index=ocp.multihost.process_index() if ocdbt else None, arg=arg)
+        if value.mine if isinstance(value, Leaf) else ocp.multihost.process_index() == 0:
+            writes.append(handler._open_and_write(value, tspec, info.ts_context))
+    await asyncio.gather(*writes)
 
 
 @functools.cache
@@ -236,6 +270,13 @@ def _leaf_handler_class() -> type:
                     self._held -= cost
                     self._gate.notify_all()
 
+        async def serialize(self, values: Sequence[Any], infos: Sequence[Any], args: Sequence[Any] | None = None
+                            ) -> list[Any]:
+            """Orbax's ``NumpyHandler.serialize``, but every process writes the leaves it owns (``Leaf.mine``):
+            ``_write_owned``."""
+            write = _write_owned(self, values, infos, args)
+            return [ocp.future.CommitFutureAwaitingContractedSignals(write, name="np_type_handler")]
+
         def _own_context(self, ts_context: Any) -> Any:
             """Orbax's TensorStore context with its caches emptied, one for every leaf of the save: Orbax's keeps
             up to 100 MB of OCDBT cache, and the peak grew with the bytes written through it (by 290 MB over
@@ -282,6 +323,7 @@ def write_orbax(
     overwrite: bool = False,
     block_bytes: int = 8 * 2**20,
     on_block: OnBlock | None = None,
+    share: Share | None = None,
 ) -> None:
     """Save ``leaves`` with Orbax's own writer, block by block (see the module docstring); atomic.
 
@@ -300,10 +342,16 @@ def write_orbax(
       overwrite: replace an existing ``dst`` (or step).
       block_bytes: the most source data read at once per block, and the largest stored chunk written.
       on_block: called with (leaf name, bytes) after each chunk is written.
+      share: this process's share of a run of several (``treetools.checkpoint_io.share``, on ``jax.distributed``;
+        every process calls this with the same arguments, ``dst`` on a file system they all see): each process
+        writes the leaves it owns by bytes (``owners``) into its own OCDBT database, Orbax's multi-process save
+        (its primary process, process 0, merges the databases and writes the metadata), and process 0 puts the
+        checkpoint at its place. Orbax's restore reads the same tree and values as one process writes.
 
     Raises:
       CheckpointError: ``dst`` (or the step) exists without ``overwrite``, or appeared while it was written; no
-        array to write; a bucket ``dst``; the errors of reading the leaves.
+        array to write; a bucket ``dst``; the errors of reading the leaves (in a run of several: any process's,
+        raised by every process).
     """
     if backend(dst).remote:
         raise CheckpointError(f"{dst}: --to orbax writes local folders; write it locally and upload the folder, "
@@ -321,59 +369,155 @@ def write_orbax(
     if not leaves:  # Orbax refuses an empty item ("Found empty item") after making its folders
         raise CheckpointError(f"{dst}: no array to write (the item holds none, or the rules dropped them all); "
                               "nothing was written.")
-    tree = nest([(parts, Leaf("/".join(parts), reader)) for parts, reader in leaves])
-    # Orbax (and jax under it) only here: everything else treetools converts stays jax-free.
-    import orbax.checkpoint as ocp
-
-    handler = _leaf_handler_class()(block_bytes, on_block)
-    registry = ocp.type_handlers.create_type_handler_registry((Leaf, handler))
-    # A registry without jax.Array makes Orbax warn that it keeps no array metadata: true, and no jax.Array is
-    # saved here; not a line for the user of every convert.
-    _quiet_absl("No jax.Array in TypeHandlerRegistry")
-
-    def save_handler() -> Any:  # StandardCheckpointHandler is this handler with Orbax's global type registry
-        return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
-
-    save_args = ocp.args.PyTreeSave(tree, save_args=nest([(p, ocp.SaveArgs(chunk_byte_size=block_bytes))
-                                                          for p, _ in leaves]))
+    index, count = (share.index, share.count) if share is not None else (0, 1)
+    objects = [Leaf("/".join(parts), reader) for parts, reader in leaves]
+    for leaf, owner in zip(objects, owners([leaf.size * leaf.dtype.itemsize for leaf in objects], count)):
+        leaf.mine = owner == index  # by bytes, the same list in every process
+    tree = nest([(parts, leaf) for (parts, _), leaf in zip(leaves, objects)])
+    save = _OrbaxSave(tree, [p for p, _ in leaves], step, item, block_bytes, on_block, several=count > 1)
+    if share is not None and count > 1:
+        _write_shared(share, save, dst, final, overwrite)
+        return
     made_root = step is not None and not os.path.lexists(dst)
     if made_root:
         os.makedirs(dst)
     tmp = tmp_name(final, "tmp")
     try:
-        try:
-            if step is None:
-                with ocp.Checkpointer(save_handler()) as checkpointer:
-                    checkpointer.save(tmp, args=save_args)
-                written = tmp
-            else:  # a manager of its own in a hidden folder of the root: the step is moved out once committed
-                options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-                with ocp.CheckpointManager(tmp, options=options, item_handlers={item: save_handler()}) as manager:
-                    manager.save(step, args=ocp.args.Composite(**{item: save_args}))
-                    manager.wait_until_finished()
-                written = os.path.join(tmp, str(step))
-        except BaseException:
-            if handler.error is not None:
-                raise handler.error from None  # a leaf's read failed: that, not what it made Orbax raise
-            raise
-        if handler.error is not None:  # a leaf's read failed; Orbax finished the temporary, which is removed
-            raise handler.error
-        try:
-            swap_in(written, final, overwrite=overwrite)
-        except FileExistsError:
-            raise CheckpointError(f"{final} appeared while it was being written and was left as it is; pass "
-                                  "--overwrite (overwrite=True) to replace it.") from None
+        _put(save.run(tmp), final, overwrite)
     except BaseException:
         if made_root:
             remove(dst)
         raise
     finally:
-        remove(tmp)
-        folder = os.path.dirname(tmp)
-        if os.path.isdir(folder):
-            for name in os.listdir(folder):  # Orbax's own tmp folder beside ours (StandardCheckpointer)
-                if name.startswith(os.path.basename(tmp)):
-                    remove(os.path.join(folder, name))
+        _remove_tmp(tmp)
+
+
+def _put(written: str, final: str, overwrite: bool) -> None:
+    """The finished checkpoint (or step) ``written`` put at ``final``."""
+    try:
+        swap_in(written, final, overwrite=overwrite)
+    except FileExistsError:
+        raise CheckpointError(f"{final} appeared while it was being written and was left as it is; pass "
+                              "--overwrite (overwrite=True) to replace it.") from None
+
+
+def _remove_tmp(tmp: str) -> None:
+    """Our temporary, and Orbax's own temporary beside it (``StandardCheckpointer``), removed."""
+    remove(tmp)
+    folder = os.path.dirname(tmp)
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name.startswith(os.path.basename(tmp)):
+                remove(os.path.join(folder, name))
+
+
+class _OrbaxSave:
+    """Orbax's own save of a tree of ``Leaf``s through ``LeafHandler`` (a registry of this save only)."""
+
+    def __init__(self, tree: dict[str, Any], paths: Sequence[tuple[str, ...]], step: int | None, item: str,
+                 block_bytes: int, on_block: OnBlock | None, several: bool):
+        self.tree, self.paths, self.step, self.item, self.block_bytes = tree, paths, step, item, block_bytes
+        self.several = several  # one of several processes
+        # Orbax (and jax under it) only here: everything else treetools converts stays jax-free.
+        self.handler = _leaf_handler_class()(block_bytes, on_block)
+
+    def run(self, tmp: str) -> str:
+        """Save at ``tmp`` (the checkpoint, or a manager root holding the step); the finished checkpoint's (or
+        step's) folder. A leaf whose read failed: its error, once Orbax has finished."""
+        import orbax.checkpoint as ocp
+
+        registry = ocp.type_handlers.create_type_handler_registry((Leaf, self.handler))
+        # A registry without jax.Array makes Orbax warn that it keeps no array metadata: true, and no jax.Array is
+        # saved here; not a line for the user of every convert.
+        _quiet_absl("No jax.Array in TypeHandlerRegistry")
+
+        def save_handler() -> Any:  # StandardCheckpointHandler is this handler with Orbax's global type registry
+            if not self.several:
+                return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+            # Several processes: Orbax's check of the merged databases would fail process 0 alone (inside Orbax,
+            # the others waiting at its next barrier) when another process's read failed; every process's outcome
+            # is pooled after the save instead (``_write_shared``), and a failed save is never put in place.
+            impl = ocp.BasePyTreeCheckpointHandler(type_handler_registry=registry, enable_post_merge_validation=False)
+            return ocp.PyTreeCheckpointHandler(type_handler_registry=registry, handler_impl=impl)
+
+        save_args = ocp.args.PyTreeSave(self.tree, save_args=nest([(p, ocp.SaveArgs(
+            chunk_byte_size=self.block_bytes)) for p in self.paths]))
+        try:
+            if self.step is None:
+                with ocp.Checkpointer(save_handler()) as checkpointer:
+                    checkpointer.save(tmp, args=save_args)
+                written = tmp
+            else:  # a manager of its own in a hidden folder of the root: the step is moved out once committed
+                options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+                with ocp.CheckpointManager(tmp, options=options,
+                                           item_handlers={self.item: save_handler()}) as manager:
+                    manager.save(self.step, args=ocp.args.Composite(**{self.item: save_args}))
+                    manager.wait_until_finished()
+                written = os.path.join(tmp, str(self.step))
+        except BaseException:
+            if self.handler.error is not None:
+                raise self.handler.error from None  # a leaf's read failed: that, not what it made Orbax raise
+            raise
+        if self.handler.error is not None:  # a leaf's read failed; Orbax finished the temporary, which is removed
+            raise self.handler.error
+        return written
+
+
+def _write_shared(share: Share, save: _OrbaxSave, dst: str, final: str, overwrite: bool) -> None:
+    """``write_orbax`` as one of ``share.count`` processes (see its ``share``).
+
+    Three meetings, held by every process whatever fails (a process that skipped one would leave the others
+    waiting): the temporary's name (process 0 makes the manager root first, with ``step``), each process's
+    outcome of Orbax's save (Orbax meets inside it too: every process saves, a failed read of a leaf is raised
+    only after), the outcome of process 0's rename. An error anywhere is raised everywhere, after the third.
+    """
+    met: list[list[Any]] = []
+
+    def meet(value: Any) -> list[Any]:
+        met.append(pool(share, value))
+        return met[-1]
+
+    def first_error() -> BaseException | None:
+        return next((v for round_ in met for v in round_ if isinstance(v, BaseException)), None)
+
+    made_root, done = False, False
+    tmp: Any = None
+    try:
+        if share.index == 0:
+            named: Any
+            try:
+                made_root = save.step is not None and not os.path.lexists(dst)
+                if made_root:
+                    os.makedirs(dst)
+                tmp = named = tmp_name(final, "tmp")
+            except Exception as e:
+                named = e
+            meet(named)
+        else:
+            tmp = meet(None)[0]
+        written: Any = "skipped"
+        if first_error() is None:
+            try:
+                written = save.run(tmp)
+            except Exception as e:
+                written = e
+        meet(written)
+        outcome: Any = "ok"
+        if share.index == 0 and first_error() is None:
+            try:
+                _put(written, final, overwrite)
+                done = True
+            except Exception as e:
+                outcome = e
+        meet(outcome)
+    finally:  # process 0, on any error or an interrupt too: no temporary left, nor a manager root it made
+        if isinstance(tmp, str) and share.index == 0:
+            _remove_tmp(tmp)
+        if made_root and not done:
+            remove(dst)
+    error = first_error()
+    if error is not None:
+        raise error
 
 
 class _Without(logging.Filter):
