@@ -86,7 +86,8 @@ def read_file(storage: Storage, path: str, *, what: str, max_bytes: int = MAX_ME
     >>> read_file(backend("/"), "/", what="Orbax _METADATA")
     Traceback (most recent call last):
     ...
-    treetools.checkpoint_io.storage.base.SpecialFileError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
+    treetools.checkpoint_io.storage.base.SpecialFileError: /: not a regular file (a folder); cannot read it as
+    Orbax _METADATA.
     """
     try:
         st = storage.stat(path)
@@ -195,7 +196,8 @@ def tmp_step(name: str, *, step_prefix: str | None = None, names: re.Pattern[str
 
     Orbax's tmp folders are ``<step name>.orbax-checkpoint-tmp-<ts>``, T5X's ``<step name>.tmp-<ts>``.
 
-    >>> tmp_step("ckpt_0300.orbax-checkpoint-tmp-1700000000"), tmp_step("checkpoint_300.tmp-1700000000"), tmp_step("300")
+    >>> (tmp_step("ckpt_0300.orbax-checkpoint-tmp-1700000000"), tmp_step("checkpoint_300.tmp-1700000000"),
+    ...  tmp_step("300"))
     (300, 300, None)
     """
     head = _tmp_head(name)
@@ -353,7 +355,8 @@ class StepListing:
         Raises:
           CheckpointError: no such series (the message lists the series there are).
 
-        >>> root = StepListing("run", {}, [], others={"eval_": StepListing("run", {4: "run/eval_4"}, [], series="eval_")})
+        >>> evals = StepListing("run", {4: "run/eval_4"}, [], series="eval_")
+        >>> root = StepListing("run", {}, [], others={"eval_": evals})
         >>> root.select("eval").steps
         [4]
         """
@@ -621,7 +624,8 @@ def resolve_step(listing: StepListing, step: Any, *, where: str | None = None) -
     >>> resolve_step(listing, 300)
     Traceback (most recent call last):
     ...
-    treetools.shared.errors.CheckpointNotFoundError: run: step 300 is an incomplete save (300.orbax-checkpoint-tmp-1); it is never read. Committed steps: 100, 200.
+    treetools.shared.errors.CheckpointNotFoundError: run: step 300 is an incomplete save (300.orbax-checkpoint-tmp-1);
+    it is never read. Committed steps: 100, 200.
     """
     where = where or listing.root
     asked = parse_step(step)

@@ -382,7 +382,8 @@ def _assemble(reader: Any, target: Any) -> Any:
     whole = np.asarray(reader.read_all()).astype(dtype, copy=False) if reader.sequential else None
     placed = {}
     for index, devices in groups.values():
-        block = whole[tuple(index)] if whole is not None else np.asarray(reader.read(tuple(index))).astype(dtype, copy=False)
+        block = (whole[tuple(index)] if whole is not None
+                 else np.asarray(reader.read(tuple(index))).astype(dtype, copy=False))
         for device in devices:
             placed[device] = jax.device_put(block, device)
         del block
@@ -554,8 +555,9 @@ def plan_restore(
     >>> mngr = get_checkpoint_manager(1, checkpoint_dir=root)
     >>> _ = save_checkpoint(mngr, 1, {"params": {"body": np.ones(3, np.float32)}}, wait=True); mngr.close()
     >>> target = {"body": jax.ShapeDtypeStruct((3,), np.float32), "head": jax.ShapeDtypeStruct((2,), np.float32)}
-    >>> print(plan_restore(root, -1, {"params": target}, fill_missing={"head": np.zeros(2, np.float32)}))  # doctest: +ELLIPSIS
-    /... (step 1): 1/2 target leaves from the checkpoint, 1 from fill_missing (params/head), 0 checkpoint leaves unused, 0 problems
+    >>> print(plan_restore(root, -1, {"params": target}, fill_missing={"head": np.zeros(2, np.float32)}))
+    /... (step 1): 1/2 target leaves from the checkpoint, 1 from fill_missing (params/head), 0 checkpoint leaves
+    unused, 0 problems
     """
     return _prepare(manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing,
                     allow_unused=allow_unused, allow_dtype_cast=allow_dtype_cast, prefix=prefix,

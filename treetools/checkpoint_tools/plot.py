@@ -313,8 +313,8 @@ def metrics_figure(
                 if not steps:
                     continue
                 if per_module:
-                    style = dict(color=module_color[key[len(parent) + 1:]], linestyle=styles[r % len(styles)], linewidth=1.2,
-                                 label=None if key in labelled else key[len(parent) + 1:])
+                    style = dict(color=module_color[key[len(parent) + 1:]], linestyle=styles[r % len(styles)],
+                                 linewidth=1.2, label=None if key in labelled else key[len(parent) + 1:])
                     labelled.add(key)
                 else:
                     style = dict(color=colors[r], linewidth=1.5, label=label)
@@ -597,7 +597,8 @@ def stats_figure(
             raise ValueError(f"{named} matches none of the checkpoint's paths ({', '.join(paths[:8])}"
                              f"{', ...' if len(paths) > 8 else ''}); pick from those.")
     else:
-        series = {item: {p: v for p, v in paths.items() if not _is_integer(v[0].dtype)} for item, paths in found.items()}
+        series = {item: {p: v for p, v in paths.items() if not _is_integer(v[0].dtype)}
+                  for item, paths in found.items()}
         left_out = {item: len(found[item]) - len(paths) for item, paths in series.items()}
         if not any(series.values()):  # integers only: nothing else to show
             series, left_out = found, {}

@@ -177,7 +177,8 @@ def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence
         return [{name: item.leaves for name, item in s.items.items()} for s in snaps]
     # A leaf is known by its path and by item/path (either may be pasted); match each pair once. An unmatched
     # pattern's nearby paths are in one form: the path alone for one item, item/path (one leaf) for several.
-    pairs = list(dict.fromkeys((name, leaf.name) for s in snaps for name, item in s.items.items() for leaf in item.leaves))
+    pairs = list(dict.fromkeys((name, leaf.name) for s in snaps for name, item in s.items.items()
+                               for leaf in item.leaves))
     several = len({name for name, _ in pairs}) > 1
     forms = [(f"{name}/{path}", path) if several else (path, f"{name}/{path}") for name, path in pairs]
     keep = dict(zip(pairs, select_any(forms, include, exclude)))
@@ -217,7 +218,8 @@ def collapse_numbered(rows: Sequence[Row], offset: int = 0) -> list[Row]:
     (24 layers named ``layers_N`` are 24 rows at any depth). Runs of fewer than
     three are left alone.
 
-    >>> rows = [Row(("layers_" + str(i), "w"), None, "float32", 4, 16, leaves=2) for i in range(3)] + [Row(("head",), (2,), "float32", 2, 8)]
+    >>> rows = [Row(("layers_" + str(i), "w"), None, "float32", 4, 16, leaves=2) for i in range(3)]
+    >>> rows.append(Row(("head",), (2,), "float32", 2, 8))
     >>> [(r.name, r.params, r.leaves) for r in collapse_numbered(rows)]
     [('layers_0..2/w', 12, 6), ('head', 2, 1)]
     """
@@ -286,7 +288,8 @@ def inspect_path(path: str, options: InspectOptions | None = None, /, **fields: 
     >>> import numpy as np, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "w.npz")
     >>> np.savez(f, **{"a/x/w": np.ones((2, 3), np.float32), "a/x/b": np.zeros(3, np.float32), "a/y": np.ones(2)})
-    >>> [(r["path"], r["params"]) for r in inspect_path(f, depth=1).to_json()["checkpoints"][0]["items"]["default"]["leaves"]]
+    >>> shown = inspect_path(f, depth=1).to_json()["checkpoints"][0]["items"]["default"]["leaves"]
+    >>> [(r["path"], r["params"]) for r in shown]
     [('a/x', 9), ('a/y', 2)]
     """
     opts = resolve(InspectOptions, options, fields)
@@ -331,7 +334,8 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
     notes: list[str] = []
     if all_steps:
         if source.steps is None:
-            raise CheckpointError(f"{source.path}: a single checkpoint, not a checkpoint root; `all` steps needs a root.")
+            raise CheckpointError(f"{source.path}: a single checkpoint, not a checkpoint root; `all` steps needs a "
+                                  "root.")
         snaps = []
         for step in source.steps:
             try:
@@ -417,7 +421,8 @@ def _compute_stats(kept, snaps, block_bytes, progress):
 
     todo = [(i, name, leaf) for i, items in enumerate(kept) for name, leaves in items.items()
             for leaf in leaves if leaf.reader is not None and is_numeric(leaf.reader.dtype)]
-    bar = Progress(sum(leaf.reader.dtype.itemsize * math.prod(leaf.reader.shape) for _, _, leaf in todo), enabled=progress)
+    bar = Progress(sum(leaf.reader.dtype.itemsize * math.prod(leaf.reader.shape) for _, _, leaf in todo),
+                   enabled=progress)
     accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite = []
     try:

@@ -55,7 +55,8 @@ def parse_leaf_spec(spec: str) -> tuple[str, tuple[Any, ...] | None]:
             else:
                 index.append(int(part))
         except ValueError:
-            raise UsageError(f"`show` index {part!r} in {spec!r} is not an integer or a start:stop:step slice.") from None
+            raise UsageError(f"`show` index {part!r} in {spec!r} is not an integer or a start:stop:step "
+                             "slice.") from None
     return name, tuple(index)
 
 
@@ -66,7 +67,8 @@ SCHEMA = 1
 @dataclasses.dataclass
 class Shown:
     """What ``--show`` read: the step, the leaf as ``item/path``, the index asked for, the values, and with
-    ``stats`` their statistics (``treetools.checkpoint_tools.stats.array_stats``; None for a non-numeric or empty value)."""
+    ``stats`` their statistics (``treetools.checkpoint_tools.stats.array_stats``; None for a non-numeric or empty
+    value)."""
 
     step: int | None
     path: str

@@ -115,7 +115,8 @@ def render_report(report: Report, fmt: str = "table", *, tablefmt: str = "simple
         out += _unreadable_lines(s.unreadable, md)
         if len(s.items) > 1 or s.unreadable:
             t = s.total
-            line = f"Grand total ({_items_read(len(s.items), len(s.unreadable))}): {format_count(t.params)} elements, {bytes_text(t.bytes)}"
+            line = (f"Grand total ({_items_read(len(s.items), len(s.unreadable))}): {format_count(t.params)} "
+                    f"elements, {bytes_text(t.bytes)}")
             out += ["", f"**{line}**" if md else line]
     if report.grouped_at:
         hint = "rows grouped to fit a screen; --leaves shows every leaf, --depth K chooses."
@@ -210,8 +211,9 @@ def _unreadable_lines(unreadable: Sequence[Any], md: bool) -> list[str]:
 
 def _items_table(items: dict[str, ItemReport], md: bool, unreadable: int = 0) -> list[str]:
     """``--depth 0``: one row per item, then the grand total."""
-    data = [[safe_text(name, width=CELL_WIDTH), f"{item.total.leaves:,}", f"{format_count(item.total.params)} {item.label}",
-             human(item.total.bytes, "B")] for name, item in items.items()]
+    data = [[safe_text(name, width=CELL_WIDTH), f"{item.total.leaves:,}",
+             f"{format_count(item.total.params)} {item.label}", human(item.total.bytes, "B")]
+            for name, item in items.items()]
     table = tabulate(data, headers=["item", "leaves", "count", "bytes"], tablefmt="github" if md else "simple",
                      disable_numparse=True)
     t = Totals(0, 0, {})
@@ -253,7 +255,8 @@ def _steps_stats(report: Report, md: bool, stat_columns: Sequence[str]) -> list[
             if not rows:
                 continue
             steps = [s.step for s in report.by_step]
-            data = [[safe_text(path, width=CELL_WIDTH), *(format_stat(v[st]) if st in v else "" for st in steps)] for path, v in rows.items()]
+            data = [[safe_text(path, width=CELL_WIDTH), *(format_stat(v[st]) if st in v else "" for st in steps)]
+                    for path, v in rows.items()]
             title = f"[{safe_text(name)}] {stat}"
             table = tabulate(data, headers=["path", *map(str, steps)], tablefmt="github" if md else "simple",
                              disable_numparse=True)
@@ -384,7 +387,8 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
         if unread:
             body = "\n".join(safe_text(f"- `{u.name}` ({u.handler}): {u.reason}") for u in unread)
             sections.append((f"not read (in {name}): {len(unread)} item{'s' * (len(unread) != 1)}", body))
-    out = [f"- A: {side(report.a)}", f"- B: {side(report.b)}"] if md else [f"A: {side(report.a)}", f"B: {side(report.b)}"]
+    bullet = "- " if md else ""
+    out = [f"{bullet}A: {side(report.a)}", f"{bullet}B: {side(report.b)}"]
     for title, body in sections:
         # Markdown needs a blank line between a paragraph and a table.
         out += ["", title, *([""] if md and body else []), *([body] if body else [])]
@@ -546,7 +550,8 @@ def render_convert(report: ConvertReport, fmt: str = "table") -> str:
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
         lines.append("")
     elif report.dropped:
-        lines.append(f"dropped by the rules: {len(report.dropped)} leaves ({', '.join(safe_text(p) for p in report.dropped[:3])}"
+        shown = ", ".join(safe_text(p) for p in report.dropped[:3])
+        lines.append(f"dropped by the rules: {len(report.dropped)} leaves ({shown}"
                      + (", ..." if len(report.dropped) > 3 else "") + ")")
     lines += [f"problem: {safe_text(p)}" for p in report.problems]
     lines.append(safe_text(report.verdict()))

@@ -107,7 +107,8 @@ class VerifyResult:
         """One line naming the unfinished saves and the steps being deleted, or None when there are none.
 
         >>> VerifyResult("run", "orbax", [2], ["1", "3.orbax-checkpoint-tmp-17"], deleting=["1"]).incomplete_line()
-        'incomplete: 1 unfinished save, not read (not damage): 3.orbax-checkpoint-tmp-17; 1 step being deleted (its commit markers are gone: a manager pruning it): 1'
+        'incomplete: 1 unfinished save, not read (not damage): 3.orbax-checkpoint-tmp-17; 1 step being deleted (its
+        commit markers are gone: a manager pruning it): 1'
         """
         saving = [n for n in self.incomplete if n not in self.deleting]
         deleting = [n for n in self.incomplete if n in self.deleting]
@@ -178,7 +179,8 @@ def _read_leaves(items: list[Item], report: VerifyReport, block_bytes: int, prog
             continue
         got, want = sum(p[0] for p in parts), math.prod(leaf.reader.shape)
         if got != want:
-            report.problems.append(f"{item.name}/{leaf.name}: stored data holds {got:,} elements, metadata says {want:,}.")
+            report.problems.append(f"{item.name}/{leaf.name}: stored data holds {got:,} elements, metadata says "
+                                   f"{want:,}.")
         report.bytes += got * leaf.reader.dtype.itemsize
 
 

@@ -81,8 +81,9 @@ ROWS_PER_ITEM = 15
 """The default view groups each item at the deepest level that keeps it to this many rows."""
 
 def formats_help(width: int = 79) -> str:
-    """The formats PATH may be, one paragraph each, from the format registry (``treetools.checkpoint_io.formats.catalog``,
-    read without importing numpy): the end of ``treetools inspect --help``."""
+    """The formats PATH may be, one paragraph each, from the format registry
+    (``treetools.checkpoint_io.formats.catalog``, read without importing numpy): the end of ``treetools inspect
+    --help``."""
     names = catalog()
     pad = max(len(name) for name, _ in names) + 4
     lines = ["formats (asked in this order; the first that claims PATH reads it):"]
@@ -146,7 +147,8 @@ def _show(args: argparse.Namespace) -> int:
                          stats=args.stats or args.fail_on_nonfinite or args.stats_columns is not None)
     _output.out(render_show(report, args.format, stat_columns=args.stats_columns or DEFAULT_STAT_COLUMNS))
     if args.fail_on_nonfinite and report.nonfinite:
-        _output.warning(f"non-finite values in {', '.join(safe_text(n, width=CELL_WIDTH) for n in report.nonfinite[:5])}")
+        shown = ", ".join(safe_text(n, width=CELL_WIDTH) for n in report.nonfinite[:5])
+        _output.warning(f"non-finite values in {shown}")
         return 3
     return 0
 

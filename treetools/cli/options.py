@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from typing import Any, Sequence, TypeVar
 
-from treetools.cli._args import chunk_mb, positive_float, positive_int, regex, step
+from treetools.cli._args import chunk_mb, positive_int, regex, step
 from treetools.rules.spec import FIELDS, Rules
 from treetools.shared.errors import UsageError
 from treetools.shared.rows import parse_size

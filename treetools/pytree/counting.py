@@ -50,7 +50,7 @@ def is_array_like(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _itemsize_cached(dtype: Any) -> int:
     try:
         return np.dtype(dtype).itemsize

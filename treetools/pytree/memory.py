@@ -68,7 +68,7 @@ from treetools.pytree.paths import is_leaf, path_parts
 from treetools.shared.aliases import PyTree
 from treetools.pytree.estimates import Estimate, activation_estimate, allocator_estimate, host_estimates
 from treetools.pytree.frozen import frozen_grads
-from treetools.pytree.plan_text import WIDTH, Indivisible, indivisible_warnings, render_plan, render_summary
+from treetools.pytree.plan_text import Indivisible, indivisible_warnings, render_plan, render_summary
 from treetools.shared.render import json_object
 from treetools.shared.rows import LeafSharding, dtype_name, format_shape, parse_size
 

@@ -69,7 +69,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Number
-from typing import Any, Union
+from typing import Any
 
 from treetools.shared.aliases import PathStr
 from treetools.pytree.partitioning import is_box, is_partitioned, layer_axis, unbox
@@ -79,7 +79,7 @@ from treetools.shared.patterns import compile_patterns, match_patterns
 LAYER_AXIS = "layers"
 """The box axis name that marks a stacked leaf's layer axis (flax's ``nn.PARTITION_NAME`` value by convention)."""
 
-Stacked = Union[bool, Mapping[str, int], None]
+Stacked = bool | Mapping[str, int] | None
 """``stacked=`` values: None/True (found from boxes), False (none), ``{pattern: axis}``."""
 
 
@@ -267,7 +267,8 @@ def _common_length(paths: list[tuple[str, ...]]) -> int:
     return n
 
 
-def _unmarked_stacks(under: dict[tuple[str, ...], list[int]], shapes: list, says: list) -> list[tuple[tuple[str, ...], int]]:
+def _unmarked_stacks(under: dict[tuple[str, ...], list[int]], shapes: list,
+                     says: list) -> list[tuple[tuple[str, ...], int]]:
     """``(module path, L)`` of the outermost subtrees that look stacked without a box saying so (module doc)."""
     found: list[tuple[tuple[str, ...], int]] = []
     for prefix in sorted(under, key=len):
@@ -288,7 +289,8 @@ def _unmarked_message(unmarked: list[tuple[tuple[str, ...], int]], parts: list[t
     named = []
     for prefix, length in unmarked:
         leaves = [(SEP.join(ps), shapes[j]) for j, ps in enumerate(parts) if ps[: len(prefix)] == prefix]
-        shown = ", ".join(f"`{p}` {s}" for p, s in leaves[:3]) + (f", ... ({len(leaves)} leaves)" if len(leaves) > 3 else "")
+        shown = ", ".join(f"`{p}` {s}" for p, s in leaves[:3])
+        shown += f", ... ({len(leaves)} leaves)" if len(leaves) > 3 else ""
         named.append(f"`{SEP.join(prefix) or '(the whole tree)'}` ({shown}: L={length})")
     fix = {("^" + re.escape(SEP.join(prefix)) + SEP if prefix else "^"): 0 for prefix, _ in unmarked}
     return (

@@ -114,7 +114,8 @@ def _unknown_layout(x: Any) -> str | None:
     if names := unmapped_logical_names(x):
         return (
             f"a LogicallyPartitioned box with logical names {names} and no rules mapping them to mesh axes; "
-            "trace the shard_map'd function inside `with nn.logical_axis_rules(rules):` (or build the box with `rules=`)"
+            "trace the shard_map'd function inside `with nn.logical_axis_rules(rules):` (or build the box with "
+            "`rules=`)"
         )
     info = leaf_sharding(x)
     unknown = [a for a in _spec_axes(info.spec) if a not in mesh.axis_names] if info is not None else []

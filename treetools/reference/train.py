@@ -27,8 +27,8 @@ Everything treetools offers, used the way a trainer would:
   flagged steps skip the update (``optax.tree.where``, as
   ``optax.apply_if_finite``; such a step logs update norms and ratios of 0, the
   update it discarded as ``discarded_update_ratio``, and a line of its own in
-  metrics.jsonl when it is no log step; each log step has ``flagged_since_log``), a ``HealthRecorder`` ring buffer on the device
-  (saved with the checkpoint as item ``health``) and a ``HealthDumper`` that
+  metrics.jsonl when it is no log step; each log step has ``flagged_since_log``), a ``HealthRecorder`` ring buffer
+  on the device (saved with the checkpoint as item ``health``) and a ``HealthDumper`` that
   writes ``WORKDIR/health/health_<step>.json`` a few steps after a flagged
   step; ``inject_spike=STEP`` feeds a deliberately bad batch (every token 0,
   like a batch of padding) at that step, to show the whole loop.

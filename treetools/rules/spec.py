@@ -573,7 +573,8 @@ def fields_markdown() -> str:
     """The field table as docs/rules.md shows it (``tests/test_rules.py`` checks the page against it).
 
     >>> print(fields_markdown().splitlines()[3])
-    | `drop=[pattern, ...]` | leave out the source leaves a pattern matches | checkpoint paths | `--drop RE`, repeatable |
+    | `drop=[pattern, ...]` | leave out the source leaves a pattern matches | checkpoint paths | `--drop RE`,
+    repeatable |
     """
     lines = ["| field | meaning | matched against | flag |", "|---|---|---|---|"]
     for name, field in FIELDS.items():

@@ -81,7 +81,8 @@ class LeafSharding:
         """Whether ``other`` splits the same dimensions over the same mesh axes (None counts as replicated)."""
         if other is None:
             return self.replicated
-        return self.entries == other.entries and (self.mesh is None or other.mesh is None or dict(self.mesh) == dict(other.mesh))
+        return self.entries == other.entries and (self.mesh is None or other.mesh is None
+                                                  or dict(self.mesh) == dict(other.mesh))
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -277,7 +278,8 @@ def totals(rows: Iterable[Row]) -> Totals:
     """Global params and bytes with a per-dtype breakdown (leaf rows only).
 
     >>> totals([Row(("a",), (2,), "float32", 2, 8), Row(("b",), (3,), "int8", 3, 3)]).to_json()
-    {'total_params': 5, 'total_bytes': 11, 'by_dtype': {'float32': {'params': 2, 'bytes': 8}, 'int8': {'params': 3, 'bytes': 3}}}
+    {'total_params': 5, 'total_bytes': 11, 'by_dtype': {'float32': {'params': 2, 'bytes': 8},
+    'int8': {'params': 3, 'bytes': 3}}}
     """
     params = nbytes = leaves = 0
     by_dtype: dict[str, dict[str, int]] = {}
