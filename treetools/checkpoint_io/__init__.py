@@ -56,7 +56,7 @@ def __dir__() -> list[str]:
     return list(__all__)
 
 
-if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ordinary imports
+if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ordinary imports (tests/test_static.py: exactly _EXPORTS)
     from treetools.checkpoint_io.context import ReadContext, ReadOptions
     from treetools.checkpoint_io.leaves import (
         DEFAULT_ITEM,
@@ -81,5 +81,5 @@ if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ord
         plan_blocks,
     )
     from treetools.checkpoint_io.registry import register_format, registered_formats, unregister_format
-    from treetools.checkpoint_io.source import file_head, FileSource, Format, Source
+    from treetools.checkpoint_io.source import FileSource, Format, Source, file_head
     from treetools.checkpoint_io.storage import Storage, backend, register_scheme

@@ -370,11 +370,7 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
         if task.job in failed:
             return None
         readers = jobs[task.job]
-        if progress is not None and labels is not None:
-            with lock:
-                if task.job not in started:
-                    started.add(task.job)
-                    progress.start(labels[task.job])
+        _announce(progress, labels, task.job, started, lock)
         partial = start(task.job)
         try:
             for index, blocks in task_blocks(readers, task, block_bytes, io):
@@ -389,19 +385,36 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
             return Failed(e)
         return partial
 
-    out: list[Any] = [[] for _ in jobs]
     try:
-        for task, part in zip(tasks, ordered_map(run, tasks, workers=min(workers, max(1, len(tasks))))):
-            if isinstance(out[task.job], Failed):
-                continue
-            if isinstance(part, Failed):
-                out[task.job] = part
-            elif part is not None:
-                out[task.job].append(part)
+        return _gather(len(jobs), tasks, ordered_map(run, tasks, workers=min(workers, max(1, len(tasks)))))
     finally:
         if io is not None:
             io.shutdown(wait=True, cancel_futures=True)
-    # Tasks ran largest job first; within a job they ran (and were collected) in block order.
+
+
+def _announce(progress: Progress | None, labels: Sequence[str] | None, job: int, started: set[int],
+              lock: threading.Lock) -> None:
+    """``reduce_blocks``: start ``progress`` with the label of ``job`` at its first task."""
+    if progress is None or labels is None:
+        return
+    with lock:
+        if job not in started:
+            started.add(job)
+            progress.start(labels[job])
+
+
+def _gather(n_jobs: int, tasks: Sequence[Task], parts: Iterable[Any]) -> list[Any]:
+    """``reduce_blocks``' result: per job, the partials of its tasks (``parts``, in task order), or its ``Failed``.
+
+    Tasks ran largest job first; within a job they ran (and are collected) in block order."""
+    out: list[Any] = [[] for _ in range(n_jobs)]
+    for task, part in zip(tasks, parts):
+        if isinstance(out[task.job], Failed):
+            continue
+        if isinstance(part, Failed):
+            out[task.job] = part
+        elif part is not None:
+            out[task.job].append(part)
     return out
 
 

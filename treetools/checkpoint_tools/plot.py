@@ -234,6 +234,61 @@ def _label_bottom(axes: list, ncols: int) -> None:
 
 
 
+_STYLES = ["-", "--", ":", "-."]
+"""Line styles of the runs in a per-module panel (the colour says the module)."""
+
+
+def _check_panels(panels: list, runs: Mapping[str, Any], names: list[str], pattern: Any, named: str) -> None:
+    """``metrics_figure``: refuse no panel, or more than ``MAX_PANELS``."""
+    if not panels:
+        shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+        if pattern is None:
+            raise ValueError(f"{', '.join(runs)}: no numeric metric besides `step` to plot.")
+        raise ValueError(f"{named} matches none of the logged metrics ({shown}); pick from those.")
+    if len(panels) > MAX_PANELS:
+        raise ValueError(f"{len(panels)} metrics to plot ({', '.join(t for t, _, _ in panels[:6])}, ...): more than "
+                         f"{MAX_PANELS} panels do not fit one figure; choose some with --keys RE.")
+
+
+def _largest_modules(panels: list, runs: Mapping[str, Sequence[Mapping[str, Any]]], max_modules: int) -> list:
+    """The panels with each per-module panel's keys ordered largest last value first, cut to ``max_modules``
+    (its title says so)."""
+    shown_panels = []
+    for title, panel_keys, parent in panels:
+        if parent is not None:
+            panel_keys = sorted(panel_keys, key=lambda k: -_last_value(runs, k))
+            if len(panel_keys) > max_modules:
+                title = f"{title} (largest {max_modules} of {len(panel_keys)})"
+                panel_keys = panel_keys[:max_modules]
+        shown_panels.append((title, panel_keys, parent))
+    return shown_panels
+
+
+def _draw_curves(ax: Any, runs: Mapping[str, Sequence[Mapping[str, Any]]], panel_keys: Sequence[str],
+                 parent: str | None, colors: list[str], module_color: dict[str, str]) -> tuple[list[float], list]:
+    """One panel's curves, every run's: ``(finite values, steps to mark non-finite)``."""
+    values: list[float] = []
+    nonfinite: list = []
+    labelled: set[str] = set()
+    for r, (label, records) in enumerate(runs.items()):
+        for key in panel_keys:
+            steps, ys = _series(records, key)
+            if not steps:
+                continue
+            if parent is not None:
+                style = dict(color=module_color[key[len(parent) + 1:]], linestyle=_STYLES[r % len(_STYLES)],
+                             linewidth=1.2, label=None if key in labelled else key[len(parent) + 1:])
+                labelled.add(key)
+            else:
+                style = dict(color=colors[r], linewidth=1.5, label=label)
+            finite, bad = _curve(ax, steps, ys, **style)
+            values += finite
+            nonfinite += bad
+            if key.endswith("nonfinite_grads"):  # a count: its steps above 0 are the NaN/Inf steps
+                nonfinite += [s for s, v in zip(steps, ys) if v > 0]
+    return values, nonfinite
+
+
 def metrics_figure(
     runs: Mapping[str, Sequence[Mapping[str, Any]]],
     *,
@@ -274,28 +329,13 @@ def metrics_figure(
     pattern, named = _compile(keys)
     names = _metric_names(runs)
     panels = _panels(names, pattern)
-    if not panels:
-        shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-        if pattern is None:
-            raise ValueError(f"{', '.join(runs)}: no numeric metric besides `step` to plot.")
-        raise ValueError(f"{named} matches none of the logged metrics ({shown}); pick from those.")
-    if len(panels) > MAX_PANELS:
-        raise ValueError(f"{len(panels)} metrics to plot ({', '.join(t for t, _, _ in panels[:6])}, ...): more than "
-                         f"{MAX_PANELS} panels do not fit one figure; choose some with --keys RE.")
+    _check_panels(panels, runs, names, pattern, named)
 
     fig = Figure(layout="constrained")
     axes, ncols = _grid(fig, len(panels))
     colors = [_COLORS[i % len(_COLORS)] for i in range(len(runs))]
-    styles = ["-", "--", ":", "-."]
 
-    shown_panels = []
-    for title, panel_keys, parent in panels:
-        if parent is not None:
-            panel_keys = sorted(panel_keys, key=lambda k: -_last_value(runs, k))
-            if len(panel_keys) > max_modules:
-                title = f"{title} (largest {max_modules} of {len(panel_keys)})"
-                panel_keys = panel_keys[:max_modules]
-        shown_panels.append((title, panel_keys, parent))
+    shown_panels = _largest_modules(panels, runs, max_modules)
     # One colour per module across every panel (grad_norm's layers_3 and param_norm's layers_3 alike), in the order
     # first shown; more distinct modules than colours: the cycle repeats, a module still keeps its colour.
     modules = dict.fromkeys(key[len(parent) + 1:] for _, panel_keys, parent in shown_panels if parent is not None
@@ -303,31 +343,13 @@ def metrics_figure(
     module_color = {module: _COLORS[i % len(_COLORS)] for i, module in enumerate(modules)}
 
     for ax, (title, panel_keys, parent) in zip(axes, shown_panels):
-        per_module = parent is not None
-        values: list[float] = []
-        nonfinite: list = []
-        labelled: set[str] = set()
-        for r, (label, records) in enumerate(runs.items()):
-            for key in panel_keys:
-                steps, ys = _series(records, key)
-                if not steps:
-                    continue
-                if per_module:
-                    style = dict(color=module_color[key[len(parent) + 1:]], linestyle=styles[r % len(styles)],
-                                 linewidth=1.2, label=None if key in labelled else key[len(parent) + 1:])
-                    labelled.add(key)
-                else:
-                    style = dict(color=colors[r], linewidth=1.5, label=label)
-                finite, bad = _curve(ax, steps, ys, **style)
-                values += finite
-                nonfinite += bad
-                if key.endswith("nonfinite_grads"):  # a count: its steps above 0 are the NaN/Inf steps
-                    nonfinite += [s for s, v in zip(steps, ys) if v > 0]
+        values, nonfinite = _draw_curves(ax, runs, panel_keys, parent, colors, module_color)
         _finish_panel(ax, title, values, nonfinite, log_ratio="ratio" in title)
-        if per_module and values:
+        if parent is not None and values:
             handles, labels = ax.get_legend_handles_labels()
             if len(runs) > 1:
-                handles += [Line2D([], [], color="0.3", linestyle=styles[r % len(styles)]) for r in range(len(runs))]
+                handles += [Line2D([], [], color="0.3", linestyle=_STYLES[r % len(_STYLES)])
+                            for r in range(len(runs))]
                 labels += list(runs)
             ax.legend(handles, labels, fontsize=7, ncols=2 if len(labels) > 5 else 1)
         elif nonfinite:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import textwrap
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 from tabulate import tabulate
@@ -319,36 +319,13 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     if fmt not in ("table", "markdown"):
         raise ValueError(f"`fmt` must be one of table, markdown, json; got {fmt!r}.")
     md = fmt == "markdown"
-
-    def side(d: dict[str, Any]) -> str:
-        extra = [f"step {d['step']}"] if d["step"] is not None else []
-        extra += [f"item {safe_text(d['item'])}"] if d["item"] else []
-        return f"{safe_text(d['path'])} ({', '.join([d['format'], *extra])})"
-
-    def shown(r: Row, field: str, value: Any) -> str:
-        if field == "value":
-            return safe_text(json.dumps(jsonable(value)), width=CELL_WIDTH)
-        if field == "shape":
-            return format_shape(r.shape)
-        v = getattr(r, field)
-        return "-" if v is None else safe_text(v, width=CELL_WIDTH)
-
-    def counted(leaves: int, groups: int | None = None) -> str:
-        text = f"{leaves:,} lea{'f' if leaves == 1 else 'ves'}"
-        if report.depth is not None and groups is not None:
-            text += f" (in {groups:,} group{'s' * (groups != 1)}, --depth {report.depth})"
-        return text
-
     said: list[bool] = []  # the note on shortened paths, said under the first table that has one
 
     def noted(body: str, cut: bool) -> str:
-        if not cut or said:
-            return body
-        said.append(True)
-        fit = f"{width()} columns" if not md else f"{CELL_WIDTH} characters"
-        note = (f"(… shortens paths to fit {fit}; --format json" + (" or a wider terminal" if not md else "")
-                + " prints them whole)")
-        return body + ("\n\n" + note if md else "\n" + "\n".join(textwrap.wrap(note, width())))
+        return _cut_note(body, cut, md, said)
+
+    def counted(leaves: int, groups: int | None = None) -> str:
+        return _counted(report, leaves, groups)
 
     sections: list[tuple[str, str | None]] = []
     for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
@@ -357,43 +334,86 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
             body, _, cut = _diff_table(data, headers, md)
             sections.append((f"{title}: {counted(sum(r.leaves for r in rows), len(rows))}", noted(body, cut)))
     if report.changed:
-        data = [[c.path, f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)]
+        data = [[c.path, f, _field_cell(c.a, f, c.value_a), _field_cell(c.b, f, c.value_b)]
                 for c in report.changed for f in c.fields]
         body, _, cut = _diff_table(data, ["path", "field", "A", "B"], md)
         sections.append((f"changed metadata: {counted(len(report.changed))}", noted(body, cut)))
     if report.values is not None:
-        diffs = [v for v in report.values if not v.bit_identical]
-        compared = sum(v.leaves for v in report.values)
-        title = f"values (atol={report.atol:g}, rtol={report.rtol:g}): {counted(compared)} compared"
-        body = None
-        if diffs:
-            title += f", {counted(compared - sum(v.same_leaves for v in report.values), len(diffs))} not bit-identical"
-            headers = ["path", "max_abs", "rel_l2", "outside tol"]
-            data = [[v.path, f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", outside_text(v.mismatched, v.size)]
-                    for v in diffs]
-            if any(v.nonfinite_a or v.nonfinite_b for v in diffs):  # else a column of "-" only
-                headers.append("nonfinite A->B")
-                for line, v in zip(data, diffs):
-                    line.append(_nonfinite_change(v))
-            headers.append("allclose")
-            for line, v in zip(data, diffs):
-                line.append("yes" if v.allclose else "no")
-            body, dropped, cut = _diff_table(data, headers, md, droppable=("allclose",))
-            if dropped:
-                body += f"\n(allclose left out to fit {width()} columns: it is yes where outside tol is 0)"
-            body = noted(body, cut)
-        sections.append((title, body))
+        sections.append(_values_section(report, report.values, md, noted))
     for name, unread in (("A", report.unread_a), ("B", report.unread_b)):
         if unread:
             body = "\n".join(safe_text(f"- `{u.name}` ({u.handler}): {u.reason}") for u in unread)
             sections.append((f"not read (in {name}): {len(unread)} item{'s' * (len(unread) != 1)}", body))
     bullet = "- " if md else ""
-    out = [f"{bullet}A: {side(report.a)}", f"{bullet}B: {side(report.b)}"]
+    out = [f"{bullet}A: {_diff_side(report.a)}", f"{bullet}B: {_diff_side(report.b)}"]
     for title, body in sections:
         # Markdown needs a blank line between a paragraph and a table.
         out += ["", title, *([""] if md and body else []), *([body] if body else [])]
     out += ["", *(piece for line in report.verdict().splitlines() for piece in _wrap_list(line, width()))]
     return "\n".join(out)
+
+
+def _diff_side(d: dict[str, Any]) -> str:
+    """One side of a diff: its path, format, step and item."""
+    extra = [f"step {d['step']}"] if d["step"] is not None else []
+    extra += [f"item {safe_text(d['item'])}"] if d["item"] else []
+    return f"{safe_text(d['path'])} ({', '.join([d['format'], *extra])})"
+
+
+def _field_cell(r: Row, field: str, value: Any) -> str:
+    """A changed metadata field of one side, as its cell."""
+    if field == "value":
+        return safe_text(json.dumps(jsonable(value)), width=CELL_WIDTH)
+    if field == "shape":
+        return format_shape(r.shape)
+    v = getattr(r, field)
+    return "-" if v is None else safe_text(v, width=CELL_WIDTH)
+
+
+def _counted(report: DiffReport, leaves: int, groups: int | None = None) -> str:
+    """``3 leaves``, with the groups they form under ``--depth``."""
+    text = f"{leaves:,} lea{'f' if leaves == 1 else 'ves'}"
+    if report.depth is not None and groups is not None:
+        text += f" (in {groups:,} group{'s' * (groups != 1)}, --depth {report.depth})"
+    return text
+
+
+def _cut_note(body: str, cut: bool, md: bool, said: list[bool]) -> str:
+    """``body``, with the note on shortened paths under it where it has one and ``said`` says it is the first."""
+    if not cut or said:
+        return body
+    said.append(True)
+    fit = f"{width()} columns" if not md else f"{CELL_WIDTH} characters"
+    note = (f"(… shortens paths to fit {fit}; --format json" + (" or a wider terminal" if not md else "")
+            + " prints them whole)")
+    return body + ("\n\n" + note if md else "\n" + "\n".join(textwrap.wrap(note, width())))
+
+
+def _values_section(report: DiffReport, values: Sequence[Any], md: bool,
+                    noted: Callable[[str, bool], str]) -> tuple[str, str | None]:
+    """The values section of a diff (``values``: its ``report.values``): its title, and its table of the leaves
+    not bit-identical (None: all are)."""
+    diffs = [v for v in values if not v.bit_identical]
+    compared = sum(v.leaves for v in values)
+    title = f"values (atol={report.atol:g}, rtol={report.rtol:g}): {_counted(report, compared)} compared"
+    if not diffs:
+        return title, None
+    different = compared - sum(v.same_leaves for v in values)
+    title += f", {_counted(report, different, len(diffs))} not bit-identical"
+    headers = ["path", "max_abs", "rel_l2", "outside tol"]
+    data = [[v.path, f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", outside_text(v.mismatched, v.size)]
+            for v in diffs]
+    if any(v.nonfinite_a or v.nonfinite_b for v in diffs):  # else a column of "-" only
+        headers.append("nonfinite A->B")
+        for line, v in zip(data, diffs):
+            line.append(_nonfinite_change(v))
+    headers.append("allclose")
+    for line, v in zip(data, diffs):
+        line.append("yes" if v.allclose else "no")
+    body, dropped, cut = _diff_table(data, headers, md, droppable=("allclose",))
+    if dropped:
+        body += f"\n(allclose left out to fit {width()} columns: it is yes where outside tol is 0)"
+    return title, noted(body, cut)
 
 
 def _wrap_list(line: str, width: int = WIDTH, indent: str = "  ") -> list[str]:

@@ -241,36 +241,46 @@ def _leaf_handler_class() -> type:
             up to 100 MB of OCDBT cache, and the peak grew with the bytes written through it (by 290 MB over
             8 GiB), where this one's stays flat."""
             if self._context is None:
-                spec = ts_context.spec.to_json() if ts_context is not None else {}
-                for key, value in spec.items():
-                    if key.split("#")[0] == "cache_pool" and isinstance(value, dict):
-                        value["total_bytes_limit"] = 0
-                self._context = ts.Context(spec)
+                self._context = ts.Context(_uncached(ts_context.spec.to_json() if ts_context is not None else {}))
             return self._context
 
         async def _write(self, leaf: Leaf, tspec: dict[str, Any], ts_context: Any) -> None:
             _with_chunks(tspec, c_order_chunk(leaf.shape, leaf.dtype.itemsize, self.block_bytes))
             store = await ts.open(ts.Spec(tspec), create=True, open=True, context=self._own_context(ts_context))
-            chunks = leaf.chunks(self.block_bytes)
-            pending = None
-            try:
-                while True:  # the next chunk is read (in a thread) while the last one is written
-                    item = await asyncio.to_thread(next, chunks, None)
-                    if pending is not None:
-                        done, pending = pending, None
-                        await done
-                    if item is None:
-                        break
-                    index, data = item
-                    pending = store[index].write(data, can_reference_source_data_indefinitely=True)
-                    if self.on_block is not None:
-                        self.on_block(leaf.name, data.nbytes)
-            finally:
-                chunks.close()
-                if pending is not None:  # a read failed: let the write in flight finish before the loop ends
-                    await asyncio.gather(pending, return_exceptions=True)
+            await _write_chunks(store, leaf, self.block_bytes, self.on_block)
 
     return LeafHandler
+
+
+def _uncached(spec: dict[str, Any]) -> dict[str, Any]:
+    """A TensorStore context spec (JSON) with the limit of each of its cache pools set to 0 (in place)."""
+    for key, value in spec.items():
+        if key.split("#")[0] == "cache_pool" and isinstance(value, dict):
+            value["total_bytes_limit"] = 0
+    return spec
+
+
+async def _write_chunks(store: Any, leaf: Leaf, block_bytes: int, on_block: OnBlock | None) -> None:
+    """Write ``leaf`` into the open TensorStore ``store`` chunk by chunk, the next chunk read (in a thread) while
+    the last one is written."""
+    chunks = leaf.chunks(block_bytes)
+    pending = None
+    try:
+        while True:
+            item = await asyncio.to_thread(next, chunks, None)
+            if pending is not None:
+                done, pending = pending, None
+                await done
+            if item is None:
+                break
+            index, data = item
+            pending = store[index].write(data, can_reference_source_data_indefinitely=True)
+            if on_block is not None:
+                on_block(leaf.name, data.nbytes)
+    finally:
+        chunks.close()
+        if pending is not None:  # a read failed: let the write in flight finish before the loop ends
+            await asyncio.gather(pending, return_exceptions=True)
 
 
 def write_orbax(
@@ -305,22 +315,7 @@ def write_orbax(
       CheckpointError: ``dst`` (or the step) exists without ``overwrite``, or appeared while it was written; no
         array to write; a bucket ``dst``; the errors of reading the leaves.
     """
-    if backend(dst).remote:
-        raise CheckpointError(f"{dst}: --to orbax writes local folders; write it locally and upload the folder, "
-                              "or convert to safetensors, which streams to buckets.")
-    check_orbax(leaves)
-    dst = os.path.abspath(dst)
-    final = dst if step is None else os.path.join(dst, str(step))
-    if step is not None and os.path.lexists(dst) and not os.path.isdir(dst):
-        raise CheckpointError(f"{dst} is not a folder; a manager root (--dst-step) is a folder of step folders.")
-    if os.path.lexists(final) and not overwrite:  # a dangling symlink is something there too
-        if step is None:
-            raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it.")
-        raise CheckpointError(f"{dst} already has step {step}; pass --overwrite (overwrite=True) to replace it, or "
-                              "choose another step.")
-    if not leaves:  # Orbax refuses an empty item ("Found empty item") after making its folders
-        raise CheckpointError(f"{dst}: no array to write (the item holds none, or the rules dropped them all); "
-                              "nothing was written.")
+    dst, final = _destination(dst, leaves, step, overwrite)
     tree = nest([(parts, Leaf("/".join(parts), reader)) for parts, reader in leaves])
     # Orbax (and jax under it) only here: everything else treetools converts stays jax-free.
     import orbax.checkpoint as ocp
@@ -342,16 +337,7 @@ def write_orbax(
     tmp = tmp_name(final, "tmp")
     try:
         try:
-            if step is None:
-                with ocp.Checkpointer(save_handler()) as checkpointer:
-                    checkpointer.save(tmp, args=save_args)
-                written = tmp
-            else:  # a manager of its own in a hidden folder of the root: the step is moved out once committed
-                options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-                with ocp.CheckpointManager(tmp, options=options, item_handlers={item: save_handler()}) as manager:
-                    manager.save(step, args=ocp.args.Composite(**{item: save_args}))
-                    manager.wait_until_finished()
-                written = os.path.join(tmp, str(step))
+            written = _save(tmp, step, item, save_handler, save_args)
         except BaseException:
             if handler.error is not None:
                 raise handler.error from None  # a leaf's read failed: that, not what it made Orbax raise
@@ -368,12 +354,55 @@ def write_orbax(
             remove(dst)
         raise
     finally:
-        remove(tmp)
-        folder = os.path.dirname(tmp)
-        if os.path.isdir(folder):
-            for name in os.listdir(folder):  # Orbax's own tmp folder beside ours (StandardCheckpointer)
-                if name.startswith(os.path.basename(tmp)):
-                    remove(os.path.join(folder, name))
+        _remove_tmp(tmp)
+
+
+def _destination(dst: str, leaves: Sequence[tuple[tuple[str, ...], Any]], step: int | None,
+                 overwrite: bool) -> tuple[str, str]:
+    """``write_orbax``'s checks before anything is written: ``(dst made absolute, the folder written)``."""
+    if backend(dst).remote:
+        raise CheckpointError(f"{dst}: --to orbax writes local folders; write it locally and upload the folder, "
+                              "or convert to safetensors, which streams to buckets.")
+    check_orbax(leaves)
+    dst = os.path.abspath(dst)
+    final = dst if step is None else os.path.join(dst, str(step))
+    if step is not None and os.path.lexists(dst) and not os.path.isdir(dst):
+        raise CheckpointError(f"{dst} is not a folder; a manager root (--dst-step) is a folder of step folders.")
+    if os.path.lexists(final) and not overwrite:  # a dangling symlink is something there too
+        if step is None:
+            raise CheckpointError(f"{dst} exists; pass --overwrite (overwrite=True) to replace it.")
+        raise CheckpointError(f"{dst} already has step {step}; pass --overwrite (overwrite=True) to replace it, or "
+                              "choose another step.")
+    if not leaves:  # Orbax refuses an empty item ("Found empty item") after making its folders
+        raise CheckpointError(f"{dst}: no array to write (the item holds none, or the rules dropped them all); "
+                              "nothing was written.")
+    return dst, final
+
+
+def _save(tmp: str, step: int | None, item: str, save_handler: Callable[[], Any], save_args: Any) -> str:
+    """Orbax's own save of ``save_args`` under ``tmp``: the folder it wrote (``tmp``, or its step folder)."""
+    import orbax.checkpoint as ocp
+
+    if step is None:
+        with ocp.Checkpointer(save_handler()) as checkpointer:
+            checkpointer.save(tmp, args=save_args)
+        return tmp
+    # a manager of its own in a hidden folder of the root: the step is moved out once committed
+    options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+    with ocp.CheckpointManager(tmp, options=options, item_handlers={item: save_handler()}) as manager:
+        manager.save(step, args=ocp.args.Composite(**{item: save_args}))
+        manager.wait_until_finished()
+    return os.path.join(tmp, str(step))
+
+
+def _remove_tmp(tmp: str) -> None:
+    """Remove the temporary ``tmp`` and Orbax's own tmp folders beside it (StandardCheckpointer)."""
+    remove(tmp)
+    folder = os.path.dirname(tmp)
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name.startswith(os.path.basename(tmp)):
+                remove(os.path.join(folder, name))
 
 
 class _Without(logging.Filter):

@@ -346,20 +346,7 @@ def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str
         return met[-1]
 
     def write_mine(path: str | None) -> Any:
-        try:
-            if path is None:
-                return "skipped"
-            written = []
-            for i in mine:
-                target = storage.join(path, layout.files[i].name) if layout.folder else path
-                _write_file(storage, target, layout.files[i], meta, block_bytes, on_block)
-                written.append(target)
-            if fsync and not storage.remote:
-                for target in written:
-                    fsync_file(target)
-            return "ok"
-        except Exception as e:
-            return e
+        return _write_own(storage, path, layout, mine, meta, block_bytes, on_block, fsync)
 
     def first_error() -> Exception | None:
         return next((v for round_ in met for v in round_ if isinstance(v, Exception)), None)
@@ -377,21 +364,9 @@ def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str
             error = first_error()
             if error is not None:
                 raise error
-            written = [storage.join(path, f.name) for f in layout.files] if layout.folder else [path]
-            if layout.index:  # last: a folder of shards is a checkpoint only with its index
-                written.append(storage.join(path, INDEX_NAME))
-                with storage.create(written[-1], fsync=False) as out:
-                    out.write(index_json(layout))
-            return written
+            return _with_index(storage, path, layout)
 
-        outcome: Any = "ok"
-        try:
-            storage.write_atomically(layout.dst, write, folder=layout.folder, fsync=fsync, overwrite=overwrite)
-        except FileExistsError:
-            outcome = CheckpointError(f"{layout.dst} appeared while it was being written and was left as it is; "
-                                      "pass --overwrite (overwrite=True) to replace it.")
-        except Exception as e:
-            outcome = e
+        outcome = _written_atomically(storage, layout, write, fsync=fsync, overwrite=overwrite)
         while len(met) < 2:  # write() never ran, or stopped early: the others still wait for these
             meet(outcome if isinstance(outcome, Exception) else CheckpointError("process 0 did not write"))
         meet(outcome)
@@ -402,3 +377,47 @@ def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str
     error = first_error()
     if error is not None:
         raise error
+
+
+def _write_own(storage: Storage, path: str | None, layout: Layout, mine: list[int], meta: dict[str, str],
+               block_bytes: int, on_block: OnBlock | None, fsync: bool) -> Any:
+    """``_write_shared``: this process's files (``mine``) written under ``path``: ``"ok"``, ``"skipped"`` (no
+    ``path``: process 0 made no folder), or the exception that stopped it."""
+    try:
+        if path is None:
+            return "skipped"
+        written = []
+        for i in mine:
+            target = storage.join(path, layout.files[i].name) if layout.folder else path
+            _write_file(storage, target, layout.files[i], meta, block_bytes, on_block)
+            written.append(target)
+        if fsync and not storage.remote:
+            for target in written:
+                fsync_file(target)
+        return "ok"
+    except Exception as e:
+        return e
+
+
+def _with_index(storage: Storage, path: str, layout: Layout) -> list[str]:
+    """The files of ``layout`` written under ``path``, with its index written last (a folder of shards is a
+    checkpoint only with its index)."""
+    written = [storage.join(path, f.name) for f in layout.files] if layout.folder else [path]
+    if layout.index:
+        written.append(storage.join(path, INDEX_NAME))
+        with storage.create(written[-1], fsync=False) as out:
+            out.write(index_json(layout))
+    return written
+
+
+def _written_atomically(storage: Storage, layout: Layout, write: Callable[[str], list[str]], *, fsync: bool,
+                        overwrite: bool) -> Any:
+    """``storage.write_atomically`` of ``layout.dst`` by ``write``: ``"ok"``, or the exception it raised."""
+    try:
+        storage.write_atomically(layout.dst, write, folder=layout.folder, fsync=fsync, overwrite=overwrite)
+    except FileExistsError:
+        return CheckpointError(f"{layout.dst} appeared while it was being written and was left as it is; "
+                               "pass --overwrite (overwrite=True) to replace it.")
+    except Exception as e:
+        return e
+    return "ok"
