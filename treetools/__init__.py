@@ -186,7 +186,8 @@ def __dir__() -> list[str]:
     return list(__all__)
 
 
-if _typing.TYPE_CHECKING:  # static analysers see ordinary imports (tests/test_static.py: exactly _EXPORTS)
+# Static analysers see ordinary imports: exactly _EXPORTS (tests/test_static.py checks).
+if _typing.TYPE_CHECKING:
     from treetools.checkpoint_io.context import ReadOptions
     from treetools.checkpoint_io.opening import open_source
     from treetools.checkpoint_io.registry import register_format

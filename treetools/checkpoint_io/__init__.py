@@ -56,7 +56,8 @@ def __dir__() -> list[str]:
     return list(__all__)
 
 
-if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ordinary imports (tests/test_static.py: exactly _EXPORTS)
+# Static analysers (and the import contracts) see ordinary imports: exactly _EXPORTS (tests/test_static.py checks).
+if _typing.TYPE_CHECKING:
     from treetools.checkpoint_io.context import ReadContext, ReadOptions
     from treetools.checkpoint_io.leaves import (
         DEFAULT_ITEM,

@@ -318,6 +318,14 @@ class Failed:
     error: BaseException
 
 
+def completed(part: list[_A] | Failed) -> list[_A]:
+    """One job's result of a ``reduce_blocks`` given no ``errors``, where a failure propagates and no job is
+    ``Failed``: its partials (a ``Failed`` raises its error)."""
+    if isinstance(part, Failed):
+        raise part.error
+    return part
+
+
 def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], _A],
                   fold: Callable[[_A, Index | None, tuple[np.ndarray, ...]], None], *,
                   block_bytes: int, workers: int | None = None, progress: Progress | None = None,

@@ -20,7 +20,7 @@ import operator
 import os
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, overload
 
 import jax
 import numpy as np
@@ -91,6 +91,10 @@ class _StepNameFormat:
         raise ValueError(f"no committed step {step} under {base_path}.")
 
 
+@overload
+def _positive_int(value: Any, name: str, *, optional: Literal[False] = False) -> int: ...
+@overload
+def _positive_int(value: Any, name: str, *, optional: bool) -> int | None: ...
 def _positive_int(value: Any, name: str, *, optional: bool = False) -> int | None:
     if optional and value is None:
         return None

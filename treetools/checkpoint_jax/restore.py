@@ -108,7 +108,7 @@ def _target(target: Any, sharding: Any, fill: Any, *, lone: str | None = None) -
     leaves = [x for _, x in pairs]
     paths = [path_str(p) for p, _ in pairs]
     bare = lone is not None and [p for p, _ in pairs] == [()]
-    if bare:
+    if bare and lone is not None:  # bare: lone is given
         paths = [lone]
     replicated = None
     abstract = []
@@ -121,7 +121,7 @@ def _target(target: Any, sharding: Any, fill: Any, *, lone: str | None = None) -
             value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=replicated)
         abstract.append(value)
     filled = {p: unbox(x) for p, x in leaves_with_paths(fill)} if fill is not None else {}
-    if bare and set(filled) == {""}:
+    if bare and lone is not None and set(filled) == {""}:
         filled = {lone: filled[""]}
 
     def rebuild(values: Mapping[str, Any]) -> Any:
@@ -346,7 +346,8 @@ def _reader_values(leaves: Mapping[str, Leaf], targets: Mapping[str, Any]) -> di
             data = np.asarray(leaf.reader.read_all())
             # key_impl takes arrays only; an abstract key's dtype carries its impl
             impl = jax.random.key_impl(x) if isinstance(x, jax.Array) else x.dtype._impl
-            values[path] = jax.device_put(jax.random.wrap_key_data(data, impl=impl), x.sharding)
+            key = jax.random.wrap_key_data(data, impl=impl)  # type: ignore[arg-type]  # numpy data works; jax says Array
+            values[path] = jax.device_put(key, x.sharding)
             continue
         values[path] = _assemble(leaf.reader, x)
     return values
@@ -682,13 +683,13 @@ def _nest(pairs: Sequence[tuple[Row, Any]]) -> Any:
             stack.extend((node, k, v) for k, v in node.items())
     top: Any = out
     for parent, key, node in reversed(order):
-        value: Any = node
+        built: Any = node
         if node and list(node) == [str(i) for i in range(len(node))]:
-            value = list(node.values())
+            built = list(node.values())
         if parent is None:
-            top = value
+            top = built
         else:
-            parent[key] = value
+            parent[key] = built
     return top
 
 

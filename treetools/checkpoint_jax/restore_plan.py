@@ -100,9 +100,9 @@ class RestorePlan:
                              ", ".join(leaf.ops)))
             rows += [(f"({item.name}/{p} unused)", "", "", "", "") for p in item.unused]
             rows += [(f"({item.name}/{p} dropped by the rules)", "", "", "", "") for p in item.dropped]
-        rows = [tuple(safe_text(c) for c in row) for row in rows]
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+        cells = [[safe_text(c) for c in row] for row in rows]
+        widths = [max(len(r[i]) for r in cells) for i in range(5)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
 def _few(names: Sequence[str], n: int = 3) -> str:

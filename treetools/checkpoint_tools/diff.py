@@ -42,9 +42,9 @@ from treetools.checkpoint_io.context import DEFAULT_BLOCK_BYTES
 from treetools.checkpoint_io.items import counts_params, order_items, params_item, params_within, train_state_parts
 from treetools.checkpoint_io.leaves import NO_VALUE, Leaf, Snapshot, Unreadable
 from treetools.checkpoint_io.opening import open_source
-from treetools.checkpoint_io.readers import bit_view, is_numeric
+from treetools.checkpoint_io.readers import ArrayReader, bit_view, is_numeric
 from treetools.checkpoint_io.source import Source
-from treetools.checkpoint_io.stream import reduce_blocks
+from treetools.checkpoint_io.stream import completed, reduce_blocks
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, UsageError
 from treetools.checkpoint_tools.options import DEFAULT_ATOL, DEFAULT_RTOL, DiffOptions, resolve
 from treetools.checkpoint_tools.progress import Progress
@@ -390,6 +390,8 @@ class _Rule:
 def _fold(acc: _Compared, xa: np.ndarray, xb: np.ndarray) -> None:
     """Compare one pair of blocks, a cache-sized piece at a time."""
     rule = acc.rule
+    if rule is None:  # only a merged total has none: blocks are folded into a task's partial, made with its rule
+        raise ValueError("a comparison of blocks needs its rule (_Compared(rule=...)).")
     fa, fb = np.ravel(xa), np.ravel(xb)
     with np.errstate(over="ignore", invalid="ignore"):  # overflow and NaN are detected from the sums, not warned
         for s in range(0, fa.size, _PIECE_ELEMS):
@@ -404,11 +406,13 @@ def _fold_piece(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule) -> 
         acc.add(*_block_compare(_as_compared(pa, rule.kind), _as_compared(pb, rule.kind), rule.kind,
                                 rule.atol, rule.rtol))
     else:
-        _fold_float(acc, pa, pb, rule, identical)
+        _fold_float(acc, pa, pb, rule, rule.work, identical)
 
 
-def _fold_float(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule, identical: bool) -> None:
-    """One piece of float data in ``rule.work`` (float32 for float32 and narrower): a dozen passes in cache.
+def _fold_float(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule, work: np.dtype,
+                identical: bool) -> None:
+    """One piece of float data in ``work``, the rule's (float32 for float32 and narrower): a dozen passes in
+    cache.
 
     The sums of squares come first: both finite means no NaN or Inf on either
     side and no overflow, so the non-finite bookkeeping is skipped. float32
@@ -418,16 +422,16 @@ def _fold_float(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule, ide
     overflow or underflow float32) takes the exact float64 reference code.
     """
     n = pa.size
-    bufs = _scratch(rule.work)
-    a = pa if pa.dtype == rule.work else _cast(pa, bufs.a[:n])
+    bufs = _scratch(work)
+    a = pa if pa.dtype == work else _cast(pa, bufs.a[:n])
     if identical:  # same bits: no difference; only |a|^2 and the non-finite counts
         rsq = _sumsq(a)
-        if math.isfinite(rsq) and not (rule.work == np.float32 and 0 < rsq < n * 1e-28):
+        if math.isfinite(rsq) and not (work == np.float32 and 0 < rsq < n * 1e-28):
             acc.add(0, 0.0, 0.0, rsq, 0, 0)
             return
         acc.add(*_block_compare(_as_compared(pa, "float"), _as_compared(pb, "float"), "float", rule.atol, rule.rtol))
         return
-    b = pb if pb.dtype == rule.work else _cast(pb, bufs.b[:n])
+    b = pb if pb.dtype == work else _cast(pb, bufs.b[:n])
     d = bufs.d[:n]
     np.subtract(a, b, out=d)
     dsq, rsq = _sumsq(d), _sumsq(a)
@@ -436,7 +440,7 @@ def _fold_float(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule, ide
         return
     np.abs(d, out=d)
     mx = float(np.maximum.reduce(d))
-    if rule.work == np.float32 and (0 < mx < 1e-15 or 0 < rsq < n * 1e-28):  # squares lost in float32 subnormals
+    if work == np.float32 and (0 < mx < 1e-15 or 0 < rsq < n * 1e-28):  # squares lost in float32 subnormals
         acc.add(*_block_compare(_as_compared(pa, "float"), _as_compared(pb, "float"), "float", rule.atol, rule.rtol))
         return
     acc.add(_mismatched(a, b, d, mx, rule, bufs), mx, dsq, rsq, 0, 0)
@@ -520,17 +524,19 @@ def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = DEFAUL
       ValueError: a pair whose arrays differ in shape.
     """
     rules = []
+    jobs: list[tuple[ArrayReader, ArrayReader]] = []
     for a, b, _ in pairs:
         ra, rb = a.reader, b.reader
         if ra is None or rb is None or tuple(ra.shape) != tuple(rb.shape):
             raise ValueError(f"`value_diff` needs two array leaves of one shape; got {a.row.shape} and {b.row.shape}.")
         rules.append(_Rule.of(ra.dtype, rb.dtype, atol, rtol))
-    parts = reduce_blocks([(a.reader, b.reader) for a, b, _ in pairs], lambda j: _Compared(rule=rules[j]),
+        jobs.append((ra, rb))
+    parts = reduce_blocks(jobs, lambda j: _Compared(rule=rules[j]),
                           lambda acc, index, blocks: _fold(acc, blocks[0], blocks[1]),
                           block_bytes=block_bytes, workers=workers, progress=progress,
                           labels=[p for _, _, p in pairs])
-    return [_result(functools.reduce(_Compared.merge, p, _Compared()), path, math.prod(a.reader.shape))
-            for (a, _, path), p in zip(pairs, parts)]
+    return [_result(functools.reduce(_Compared.merge, completed(p), _Compared()), path, math.prod(ra.shape))
+            for (ra, _), (_, _, path), p in zip(jobs, pairs, parts)]
 
 
 def value_diff(a: Leaf, b: Leaf, *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
@@ -750,9 +756,9 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
         keep = _keep(names, include, exclude)
         named_a = {k: v for k, v in named_a.items() if k in keep}
         named_b = {k: v for k, v in named_b.items() if k in keep}
-    shown = {k: name for k, (name, _) in named_b.items()} | {k: name for k, (name, _) in named_a.items()}
-    flat_a = {shown[k]: leaf for k, (_, leaf) in named_a.items()}
-    flat_b = {shown[k]: leaf for k, (_, leaf) in named_b.items()}
+    display = {k: name for k, (name, _) in named_b.items()} | {k: name for k, (name, _) in named_a.items()}
+    flat_a = {display[k]: leaf for k, (_, leaf) in named_a.items()}
+    flat_b = {display[k]: leaf for k, (_, leaf) in named_b.items()}
     compare_sharding = snap_a.record_sharding and snap_b.record_sharding
     added = [_renamed(flat_b[p].row, p) for p in flat_b if p not in flat_a]
     removed = [_renamed(flat_a[p].row, p) for p in flat_a if p not in flat_b]
@@ -761,14 +767,14 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     for p in (p for p in flat_a if p in flat_b):
         la, lb = flat_a[p], flat_b[p]
         ra, rb = la.row, lb.row
-        fields = [f for f in ("shape", "dtype") if getattr(ra, f) != getattr(rb, f)]
+        differ = [f for f in ("shape", "dtype") if getattr(ra, f) != getattr(rb, f)]
         if compare_sharding and not _same_sharding(ra.sharding, rb.sharding):
-            fields.append("sharding")
+            differ.append("sharding")
         va, vb = la.value, lb.value
         if va is not NO_VALUE and vb is not NO_VALUE and not _same_value(va, vb):
-            fields.append("value")
-        if fields:
-            changed.append(LeafChange(p, ra, rb, fields, va, vb))
+            differ.append("value")
+        if differ:
+            changed.append(LeafChange(p, ra, rb, differ, va, vb))
         if (la.reader is not None and lb.reader is not None and tuple(la.reader.shape) == tuple(lb.reader.shape)
                 and is_numeric(la.reader.dtype) and is_numeric(lb.reader.dtype)):
             same_shape.append(p)

@@ -83,7 +83,8 @@ def read_health_dump(path: str | os.PathLike) -> dict[str, Any]:
         try:
             dump = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not JSON ({getattr(e, 'msg', None) or e.reason}), so not a health "
+            why = e.msg if isinstance(e, json.JSONDecodeError) else e.reason
+            raise ValueError(f"{path}: not JSON ({why}), so not a health "
                              "dump.") from None
         except RecursionError:
             raise ValueError(f"{path}: JSON nested too deeply, so not a health dump.") from None

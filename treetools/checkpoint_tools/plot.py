@@ -24,7 +24,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import numpy as np
 
@@ -58,7 +58,7 @@ HEATMAP_LABELLED_ROWS = 24  # more rows than this: every k-th row labelled
 
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -234,7 +234,7 @@ def _label_bottom(axes: list, ncols: int) -> None:
 
 
 
-_STYLES = ["-", "--", ":", "-."]
+_STYLES: tuple[Literal["-", "--", ":", "-."], ...] = ("-", "--", ":", "-.")
 """Line styles of the runs in a per-module panel (the colour says the module)."""
 
 
@@ -472,7 +472,7 @@ def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str
     positive = np.concatenate([d[np.isfinite(d) & (d > 0)] for _, d, _ in grids.values()])
     if positive.size:
         lo, hi = float(positive.min()), float(positive.max())
-        norm = colors.LogNorm(lo / 1.05, hi * 1.05) if hi / lo < 1.1 else colors.LogNorm(lo, hi)
+        norm: colors.Normalize = colors.LogNorm(lo / 1.05, hi * 1.05) if hi / lo < 1.1 else colors.LogNorm(lo, hi)
     else:
         norm = colors.Normalize(0, 1)  # nothing positive and finite: every cell grey or red
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")  # no value (or <= 0): grey
@@ -482,11 +482,12 @@ def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str
     axes = list(fig.subplots(len(grids), 1, sharex=True, squeeze=False).flat)
     stride = math.ceil(len(order) / HEATMAP_LABELLED_ROWS)
     ylabel = next(iter(regex_.groupindex), "layer")
-    mesh = None
+    meshes = []
     for ax, (label, (steps, data, bad)) in zip(axes, grids.items()):
         xs, ys = cell_edges(steps), np.arange(len(order) + 1) - 0.5
-        shown = np.where(np.isfinite(data) & (data > 0), data, np.nan)
-        mesh = ax.pcolormesh(xs, ys, np.ma.masked_invalid(shown), cmap=cmap, norm=norm, shading="flat", gid="values")
+        cells = np.where(np.isfinite(data) & (data > 0), data, np.nan)
+        meshes.append(ax.pcolormesh(xs, ys, np.ma.masked_invalid(cells), cmap=cmap, norm=norm, shading="flat",
+                                    gid="values"))
         if bad.any():
             ax.pcolormesh(xs, ys, np.ma.masked_where(~bad, np.ones(data.shape)), cmap=colors.ListedColormap(
                 [NONFINITE_COLOR]), shading="flat", gid="nonfinite-cells")
@@ -498,7 +499,8 @@ def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str
         ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         ax.set_title(label if len(grids) > 1 else f"{label}: {bar_label}", fontsize=10, pad=12 if bad.any() else None)
     axes[-1].set_xlabel("step")
-    bar = fig.colorbar(mesh, ax=axes, label=bar_label + (" (log scale)" if isinstance(norm, colors.LogNorm) else ""),
+    scale = " (log scale)" if isinstance(norm, colors.LogNorm) else ""
+    bar = fig.colorbar(meshes[-1], ax=axes, label=bar_label + scale,
                        aspect=max(10.0, 4 * fig.get_figheight()))  # about a quarter inch wide at any height
     bar.ax.tick_params(labelsize=8)
     handles = [Patch(color=NONFINITE_COLOR, label="NaN/Inf"), Patch(color="0.85", label="no value / <= 0")]
@@ -615,9 +617,9 @@ def stats_figure(
     if pattern is not None:
         series = {item: {p: v for p, v in paths.items() if pattern.search(p)} for item, paths in found.items()}
         if not any(series.values()):
-            paths = list(dict.fromkeys(p for paths in found.values() for p in paths))
-            raise ValueError(f"{named} matches none of the checkpoint's paths ({', '.join(paths[:8])}"
-                             f"{', ...' if len(paths) > 8 else ''}); pick from those.")
+            names = list(dict.fromkeys(p for paths in found.values() for p in paths))
+            raise ValueError(f"{named} matches none of the checkpoint's paths ({', '.join(names[:8])}"
+                             f"{', ...' if len(names) > 8 else ''}); pick from those.")
     else:
         series = {item: {p: v for p, v in paths.items() if not _is_integer(v[0].dtype)}
                   for item, paths in found.items()}

@@ -247,7 +247,7 @@ def collapse_numbered(rows: Sequence[Row], offset: int = 0) -> list[Row]:
             continue
         done.add(k)
         pos, head, stem, tail = k
-        numbers = sorted(int(_NUMBERED.match(x.path[pos]).group(2)) for x in groups[k])
+        numbers = sorted(int(m.group(2)) for x in groups[k] if (m := _NUMBERED.match(x.path[pos])))  # each matches
         path = head + (f"{stem}{numbers[0]}..{numbers[-1]}",) + tail
         merged = aggregate_rows([dataclasses.replace(x, path=path) for x in groups[k]], len(path))
         out.extend(dataclasses.replace(x, shape=None, sharding=None) for x in merged)
@@ -330,7 +330,7 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
         wanted, under = None, None
     else:
         wanted, under = item_argument(source.item_names(source.resolve(None if all_steps else opts.step)), opts.item)
-    wanted = [wanted] if wanted is not None else None
+    names = [wanted] if wanted is not None else None
     notes: list[str] = []
     if all_steps:
         if source.steps is None:
@@ -339,13 +339,13 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
         snaps = []
         for step in source.steps:
             try:
-                snaps.append(source.snapshot(step, wanted))
+                snaps.append(source.snapshot(step, names))
             except StepDeletedError as e:  # pruned since the listing: the others are still worth showing
                 notes.append(f"{e} Not shown.")
         if not snaps:  # inspect_path lists again
             raise StepDeletedError(f"{source.path}: every listed step was deleted while it was being read.")
     else:
-        snaps = [source.snapshot(opts.step, wanted)]
+        snaps = [source.snapshot(opts.step, names)]
     if opts.rules is not None and not opts.rules.empty:
         # Here, not at the top: metadata mode without rules starts without the rules engine (its startup).
         from treetools.checkpoint_io.mapping import map_items

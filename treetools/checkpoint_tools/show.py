@@ -252,8 +252,8 @@ def find_leaf(source: Source, step: int | None, name: str, item: str | None = No
             raise CheckpointNotFoundError(
                 f"{source.path}: `{name}` is a group of {len(below):,} leaves ({shown}); --show takes one leaf: "
                 "name one of them (inspect --item GROUP --leaves lists them).")
-    every = [f"{n}/{leaf.name}" for n in dict.fromkeys(n for n, _ in tried) if items_of(n) is not None
-             for leaf in items_of(n).leaves]
+    every = [f"{n}/{leaf.name}" for n in dict.fromkeys(n for n, _ in tried) if (found := items_of(n)) is not None
+             for leaf in found.leaves]
     close = [p for p in nearby(name, every) if p != name] or [p for p in every[:5] if p != name]
     where = f"{source.path}" + (f" (step {step})" if step is not None else "")
     raise CheckpointNotFoundError(f"{where}: no leaf `{name}`; close paths: {', '.join(close) or 'none'}.")

@@ -346,9 +346,9 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
             sections.append((f"not read (in {name}): {len(unread)} item{'s' * (len(unread) != 1)}", body))
     bullet = "- " if md else ""
     out = [f"{bullet}A: {_diff_side(report.a)}", f"{bullet}B: {_diff_side(report.b)}"]
-    for title, body in sections:
+    for title, section in sections:
         # Markdown needs a blank line between a paragraph and a table.
-        out += ["", title, *([""] if md and body else []), *([body] if body else [])]
+        out += ["", title, *([""] if md and section else []), *([section] if section else [])]
     out += ["", *(piece for line in report.verdict().splitlines() for piece in _wrap_list(line, width()))]
     return "\n".join(out)
 

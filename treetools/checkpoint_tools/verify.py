@@ -25,7 +25,7 @@ import math
 from typing import Any
 
 from treetools.checkpoint_io.context import ReadContext
-from treetools.checkpoint_io.readers import MemoryBudgetError
+from treetools.checkpoint_io.readers import ArrayReader, MemoryBudgetError
 from treetools.checkpoint_io.leaves import Item, UnreadProblem
 from treetools.checkpoint_io.opening import open_source
 from treetools.checkpoint_io.source import Source
@@ -160,28 +160,30 @@ class VerifyRun:
 def _read_leaves(items: list[Item], report: VerifyReport, block_bytes: int, progress: bool | None) -> None:
     """Decode every block of every leaf of ``items`` once, on all cores (the block engine); count what came back."""
     todo = []
+    jobs: list[tuple[ArrayReader]] = []
     for item in items:
         for leaf in item.leaves:
             report.leaves += 1
             # A dtype of no bytes (jax's float0: the "gradient" of an integer leaf) stores nothing to read.
             if leaf.reader is not None and leaf.reader.dtype.itemsize > 0:
                 todo.append((item, leaf))
+                jobs.append((leaf.reader,))
     bar = Progress(sum(leaf.row.bytes for _, leaf in todo), enabled=progress)
     try:
-        counts = reduce_blocks([(leaf.reader,) for _, leaf in todo], lambda j: [0], _count, block_bytes=block_bytes,
+        counts = reduce_blocks(jobs, lambda j: [0], _count, block_bytes=block_bytes,
                                progress=bar, labels=[f"{item.name}/{leaf.name}" for item, leaf in todo],
                                errors=(CheckpointError, OSError, ValueError))
     finally:
         bar.close()
-    for (item, leaf), parts in zip(todo, counts):
+    for (item, leaf), (reader,), parts in zip(todo, jobs, counts):
         if isinstance(parts, Failed):
             report.problems.append(f"{item.name}/{leaf.name}: stored data cannot be read ({parts.error}).")
             continue
-        got, want = sum(p[0] for p in parts), math.prod(leaf.reader.shape)
+        got, want = sum(p[0] for p in parts), math.prod(reader.shape)
         if got != want:
             report.problems.append(f"{item.name}/{leaf.name}: stored data holds {got:,} elements, metadata says "
                                    f"{want:,}.")
-        report.bytes += got * leaf.reader.dtype.itemsize
+        report.bytes += got * reader.dtype.itemsize
 
 
 def _count(count: list[int], index: Any, blocks: tuple[Any, ...]) -> None:

@@ -51,7 +51,7 @@ class Remapped:
 
 def _carried_over(spec: PartitionSpec, mesh: Mesh, shape: tuple[int, ...]) -> PartitionSpec:
     """``spec`` (from another mesh) on ``mesh``: per dimension, the axes ``mesh`` has, if they still divide it."""
-    entries = []
+    entries: list[Any] = []
     for i, entry in enumerate(spec):
         kept = tuple(a for a in mesh_axes_of(entry) if a in mesh.axis_names)
         parts = math.prod(mesh.shape[a] for a in kept)
@@ -141,7 +141,7 @@ def _broadcast_shardings(tree: PyTree, sharding: PyTree, n_leaves: int) -> list[
     prefix = jax.tree.map(unbox, sharding, is_leaf=is_box)  # nnx.get_named_sharding gives Variables
     specs, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=_is_sharding_leaf)
     try:
-        subtrees = prefix_def.flatten_up_to(tree)
+        subtrees = prefix_def.flatten_up_to(tree)  # type: ignore[attr-defined]  # jaxlib's PyTreeDef stub lacks it
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"`sharding` must be one Sharding, or a tree of Shardings / PartitionSpecs that is the tree or a prefix "
@@ -204,7 +204,7 @@ def make_abstract(tree: PyTree, sharding: Any = None, *, mesh: Mesh | None = Non
     remapped: list[Remapped] = []
     checked: set = set()
     leaves = [_abstract_leaf(p, x, s, mesh, remapped, checked) for (p, x), s in zip(pairs, shardings)]
-    if remapped:
+    if remapped and mesh is not None:  # leaves are only remapped onto a mesh
         warnings.warn(_remapped_message(remapped, mesh), stacklevel=2)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 

@@ -464,8 +464,8 @@ class MetricsLogger:
     ):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"`every` must be a positive int, got {every!r}.")
-        many = isinstance(writer, Sequence) and not isinstance(writer, (str, bytes))
-        self.writers = [_writer(w, resume_step) for w in (writer if many else [writer])]
+        given = list(writer) if isinstance(writer, Sequence) and not isinstance(writer, (str, bytes)) else [writer]
+        self.writers = [_writer(w, resume_step) for w in given]
         self.writer = self.writers[0] if len(self.writers) == 1 else self._write_all
         self.every = every
         self.asynchronous = asynchronous

@@ -69,7 +69,8 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Number
-from typing import Any
+from types import FrameType
+from typing import Any, TypeGuard
 
 from treetools.shared.aliases import PathStr
 from treetools.pytree.partitioning import is_box, is_partitioned, layer_axis, unbox
@@ -101,7 +102,7 @@ def layer_parts(parts: Sequence[str], stack: Stack, layer: int) -> tuple[str, ..
     return (*parts[: stack.at], str(layer), *parts[stack.at :])
 
 
-def split_within(stack: Stack | None, depth: int | None) -> bool:
+def split_within(stack: Stack | None, depth: int | None) -> TypeGuard[Stack]:
     """Whether a stacked leaf's layers get keys of their own at ``depth``: the depth rule of per-layer results.
 
     ``depth`` counts the parts of a layer's path, the layer index being one
@@ -188,7 +189,9 @@ def _from_patterns(pairs, stacked: Mapping[str, int], shape_of) -> list[Stack | 
                     f"`stacked` pattern {pattern!r} matches leaf `{paths[i]}` ({what}), which has no axis {axis}; "
                     "narrow the pattern to the stacked leaves or fix the axis."
                 )
-            out[i] = Stack(axis % ndim, shape[axis % ndim], _parts_through(paths[i], regex.search(paths[i]).end()))
+            found = regex.search(paths[i])  # a match: `hit` says so
+            end = found.end() if found is not None else len(paths[i])
+            out[i] = Stack(axis % ndim, shape[axis % ndim], _parts_through(paths[i], end))
     return out
 
 
@@ -303,7 +306,8 @@ def _unmarked_message(unmarked: list[tuple[tuple[str, ...], int]], parts: list[t
 
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside treetools: the user's call, whichever function it went through."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_globals.get("__name__", "").startswith("treetools."):
         frame, level = frame.f_back, level + 1
     return level

@@ -438,7 +438,9 @@ def _sharded_norms_body(values, *, mesh, specs, stacks, **options):
     """
     axes = tuple(_spec_axes(spec) for spec in specs)
     stacks = tuple(s if s is None else (s[0], s[1], _entry_axes(spec, s[0])) for s, spec in zip(stacks, specs))
-    body = functools.partial(_norms_body, axes=axes, stacks=stacks, **options)
+    def body(values: Any) -> _Reduced:
+        return _norms_body(values, axes=axes, stacks=stacks, **options)
+
     return jax.shard_map(body, mesh=mesh, in_specs=(list(specs),), out_specs=PartitionSpec())(values)
 
 

@@ -76,7 +76,8 @@ class Block(nn.Module):
 class ScanBlock(Block):
     """A ``Block`` as the body of ``nn.scan``: ``(carry, _) -> (carry, None)``."""
 
-    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+    # nn.scan's body takes and returns (carry, x): a different signature from Block's, on purpose
+    def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:  # type: ignore[override]
         return super().__call__(x), None
 
 

@@ -380,7 +380,7 @@ class _Planner:
             match = pat.search(node.path)
             if shape is not None:
                 self.check_target_layers(node, match, shape)
-            for i in range(self.num_layers if shape is None else shape[0]):
+            for i in range(shape[0] if shape is not None else self.num_layers or 0):  # num_layers is set here
                 out.append(dataclasses.replace(
                     node, path=insert_index(node.path, match, i), pieces=(Piece(node.path, i),),
                     shape=None if shape is None else shape[1:],
@@ -537,7 +537,8 @@ class _Planner:
                 kinds_of.setdefault(k, {}).setdefault(_node_kind(node), node.path)
         out = []
         for node, k in zip(nodes, firsts):
-            target = None if not node.is_array else self.cast_to(node, k, kinds_of.get(k, {}))
+            kinds = kinds_of.get(k, {}) if k is not None else {}
+            target = None if not node.is_array else self.cast_to(node, k, kinds)
             out.append(node if target is None or target == node.dtype else
                        dataclasses.replace(node, dtype=target, cast=target))
         return out

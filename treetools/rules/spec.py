@@ -484,7 +484,8 @@ class Rules:
         unknown = sorted(set(flags) - set(FIELDS))
         if unknown:
             raise TypeError(f"unknown rules flag(s) {unknown}; the fields are {list(FIELDS)}.")
-        given = cls(**{k: FIELDS[k].kind.from_flags(v) for k, v in flags.items()})
+        parsed: dict[str, Any] = {k: FIELDS[k].kind.from_flags(v) for k, v in flags.items()}
+        given = cls(**parsed)
         return given if rules_file is None else cls.from_file(rules_file).merge(given)
 
     def merge(self, later: Rules) -> Rules:
@@ -499,7 +500,9 @@ class Rules:
         >>> Rules(cast={"w$": "float16"}, drop=["a"]).merge(Rules(cast={"w$": "bfloat16"}, drop=["b"]))
         Rules(drop=('a', 'b'), cast=(('w$', 'bfloat16'),))
         """
-        return Rules(**{k: field.kind.merge(getattr(self, k), getattr(later, k)) for k, field in FIELDS.items()})
+        merged: dict[str, Any] = {k: field.kind.merge(getattr(self, k), getattr(later, k))
+                                  for k, field in FIELDS.items()}
+        return Rules(**merged)
 
     # -------------------------------------------------------------------------------------- planning
 

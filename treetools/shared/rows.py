@@ -19,7 +19,7 @@ import functools
 import math
 import numbers
 import re
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, cast
 
 MIXED = "mixed"
 
@@ -85,7 +85,7 @@ class LeafSharding:
                                                   or dict(self.mesh) == dict(other.mesh))
 
     def to_json(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "mesh": dict(self.mesh) if self.mesh is not None else None,
             "spec": [list(e) if isinstance(e, (tuple, list)) else e for e in tuple(self.spec)],
         }
@@ -381,7 +381,7 @@ def parse_size(size: int | float | str, *, what: str = "size", bare: int = 1, un
     (524288, inf)
     """
     if isinstance(size, numbers.Number) and not isinstance(size, bool):
-        value = size * bare
+        value: float = cast(float, size) * bare  # any real number, numpy's too
     else:
         text = str(size).strip()
         if unbounded and text.lower() in ("inf", "infinity"):

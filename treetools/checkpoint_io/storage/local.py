@@ -209,12 +209,13 @@ class LocalPinned(_BasePinned):
             return True
         with _WALKS_LOCK:
             dirs = _WALKS.get((self.identity, root.allowed))
-        if dirs is None:
+        held = self.fd
+        if dirs is None or held is None:  # not walked, or closed
             return False
         for rel, ident in dirs:  # relative to the held descriptor (no lookup through /proc for each)
             try:
-                st = os.stat(rel, dir_fd=self.fd) if rel else os.fstat(self.fd)
-            except (OSError, TypeError):
+                st = os.stat(rel, dir_fd=held) if rel else os.fstat(held)
+            except OSError:
                 return False
             if (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != ident:
                 return False
@@ -222,6 +223,8 @@ class LocalPinned(_BasePinned):
 
     def _walk(self, root: Root) -> list[tuple[str, tuple[int, ...]]]:
         """Every entry below the folder checked; ``(relative folder, identity)`` of each folder gone through."""
+        if self.fd is None:
+            raise ValueError(f"{self.folder}: a pinned folder checked after it was closed")
         seen: set[tuple[int, int]] = set()
         dirs: list[tuple[str, tuple[int, ...]]] = []
         stack = [(os.dup(self.fd), self.real(), self.folder, "")]
@@ -395,9 +398,10 @@ class LocalStorage(Storage):
         at its name changes nothing that is probed, listed or read.
         """
         root = self.root
-        fd = root.fd if root is not None else None
-        rel = root.relative(path) if fd is not None else None
-        return (path, None) if rel is None else (rel, fd)
+        if root is None or root.fd is None:
+            return path, None
+        rel = root.relative(path)
+        return (path, None) if rel is None else (rel, root.fd)
 
     # -- probes (symlinks followed, as os.path does; what a link out of the root leads to is a kind and a size,
     #    never read: reads and listings through it are refused)
@@ -539,8 +543,8 @@ class LocalStorage(Storage):
                 real = fd_path(fd)
                 if real is None:  # no /proc: the real path, proven to be the file opened
                     real = os.path.realpath(path)
-                    st, opened = os.stat(real), os.fstat(fd)
-                    if (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino):
+                    st, held = os.stat(real), os.fstat(fd)
+                    if (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
                         raise CheckpointError(f"{path}: changed while it was opened; refusing to read it.")
                 root.check(path, real)
         except BaseException:
