@@ -145,7 +145,7 @@ def _granule(target: TargetLeaf, chunk: tuple[int, ...] | None) -> tuple[int, ..
 
 def source_triples(item: Item) -> list[tuple[str, tuple[int, ...] | None, object]]:
     """``(path, shape, dtype)`` of every leaf of ``item``, what ``Rules.plan`` reads (shape None for a value)."""
-    out = []
+    out: list[tuple[str, tuple[int, ...] | None, object]] = []
     for leaf in item.leaves:
         if leaf.reader is not None and leaf.row.shape is not None:
             out.append((leaf.name, tuple(leaf.reader.shape), leaf.reader.dtype))

@@ -293,7 +293,8 @@ def _side_by_side(readers: Sequence[ArrayReader], plan: Sequence[Index], io: Thr
                 del blocks
             return
         # Readers that read when asked (files): the first side here, the others on helper threads, at once.
-        starts += [r.reading() if r.reads_async else functools.partial(io.submit, r.read) for r in readers[1:]]
+        starts += [r.reading() if r.reads_async else functools.partial(io.submit, r.read)  # type: ignore[call-arg]
+                   for r in readers[1:]]  # (mypy reads a partial of Executor.submit as missing its function)
         for index in plan:
             others = [start(index) for start in starts]
             first = readers[0].read(index)
@@ -519,7 +520,7 @@ def stream_blocks(readers: Sequence[ArrayReader], *, block_bytes: int, workers: 
     # of the last piece (a view of its stripe), would hold each stripe while the next is read.
     for i, index in units:
         block = next(fetched)
-        if index is not None:
+        if index is not None and block is not None:  # fetched: a block for each index, None when streamed
             max_elems = max(1, block_bytes // block.dtype.itemsize) if contiguous else block.size
             for ix, piece in _cut(index, block, readers[i].shape, max_elems):
                 if progress is not None:

@@ -295,12 +295,12 @@ class _Walker:
 
     def finish(self, node: dict) -> Any:
         """A map once decoded: a chunked big array becomes one array; then the caller's hook."""
-        if node.get(CHUNKED) is True:
-            node = self.unchunk(node)
-        return self.object_hook(node) if self.object_hook is not None and isinstance(node, dict) else node
+        value: Any = self.unchunk(node) if node.get(CHUNKED) is True else node
+        return self.object_hook(value) if self.object_hook is not None and isinstance(value, dict) else value
 
     def unchunk(self, node: dict) -> FileReader:
-        shape_d, chunks_d = node.get("shape"), node.get("chunks")
+        shape_d: Any = node.get("shape")  # a missing one fails below as a wrong one does
+        chunks_d: Any = node.get("chunks")
         try:
             shape = tuple(int(shape_d[str(i)]) for i in range(len(shape_d)))
             chunks = [chunks_d[str(i)] for i in range(len(chunks_d))]

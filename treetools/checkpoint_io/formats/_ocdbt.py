@@ -184,7 +184,7 @@ class Database:
     nodes: int
 
 
-_CHECKED: "collections.OrderedDict[tuple, tuple[Database, tuple]]" = collections.OrderedDict()
+_CHECKED: "collections.OrderedDict[tuple, tuple[Database, tuple, tuple]]" = collections.OrderedDict()
 _CHECKED_LOCK = threading.Lock()
 
 
@@ -198,7 +198,7 @@ def _location(text: str, base_kind: str) -> tuple[str, int, int]:
 
 
 def _identity(storage: Storage, paths: list[str]) -> tuple:
-    out = []
+    out: list[tuple | None] = []
     for path in paths:
         try:
             st = storage.stat(path)
@@ -262,7 +262,8 @@ def check_database(storage: Storage, base: str, limit: float, *, shown: str | No
     versions = [v for v in dump.get("versions") or [] if isinstance(v, dict)]
     latest = max(versions, key=lambda v: v.get("generation_number") or 0, default=None)
     root = (latest or {}).get("root") or {}
-    pending = [(root["location"], int(latest.get("root_height") or 0))] if isinstance(root.get("location"), str) else []
+    height = int((latest or {}).get("root_height") or 0)
+    pending = [(root["location"], height)] if isinstance(root.get("location"), str) else []
     seen: set[str] = set()
     while pending:
         loc, height = pending.pop()

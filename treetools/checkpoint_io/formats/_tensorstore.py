@@ -238,7 +238,7 @@ class TensorStoreReader(ArrayReader):
 
     def __init__(self, context: ReadContext, spec: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype,
                  chunk_shape: tuple[int, ...] | None, *, where: str, shared: Any = None):
-        self.context = context
+        self.context: ReadContext = context  # always given: read through its checkpoint's storage
         self.spec = spec
         self.shape = shape
         self.dtype = np.dtype(dtype)
@@ -275,8 +275,9 @@ class TensorStoreReader(ArrayReader):
                     raise CheckpointError(f"{self._where}: cannot open array data ({pins.shown(first_line(e))}).") \
                         from None
                 try:
-                    chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
-                    shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)
+                    # a shape or dimension TensorStore does not know (None) raises TypeError: the fallback below
+                    chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)  # type: ignore[arg-type, union-attr]
+                    shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)  # type: ignore[arg-type]
                 except Exception:  # a driver without a chunk layout: fall back to the metadata's
                     chunk = shard = tuple(self.chunk_shape or self.shape)
                 return store, chunk, shard, _blosc_key(store, self._where)
@@ -474,7 +475,7 @@ def _open_batch(context: ReadContext, specs: list[dict[str, Any]], where: list[s
     # reused by the next batch names another folder.
     cache = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
     with Pins(context.storage, data=False, budget=context.memory_budget) as pins:
-        batch = []
+        batch: list[Any] = []  # futures, or the error of an array that could not be opened
         for spec, w in zip(specs, where):
             try:
                 batch.append(ts.open(pins.spec(spec, w), read=True, open=True, context=cache))
@@ -501,7 +502,7 @@ def _open_shared(context: ReadContext, stores: ItemStores, specs: list[dict[str,
                 continue
             batch.append((None, gen))  # released below even if the open raises
             batch[-1] = (ts.open(rewritten, read=True, open=True, context=gen.context), gen)
-        out = []
+        out: list[ArrayHeader | None] = []
         for future, gen in batch:
             header = _header(future, where[len(out)], gen.pins if gen is not None else None, problems)
             if gen is not None and header is not None:
