@@ -589,27 +589,13 @@ def parse_step(step: Any, *, allow_all: bool = False, name: str = "step") -> int
     if step is None:
         return None
     if isinstance(step, str):
-        text = step.strip()
-        if text == "latest":
-            return None
-        if text == "all" and allow_all:
-            return "all"
-        if text.lstrip("-").isdigit():
-            step = int(text)
-        elif FLOAT_STEP.match(text):
-            step = float(text)
-        else:
-            options = "an int, -1, None, 'latest'" + (" or 'all'" if allow_all else "")
-            raise TypeError(f"`{name}` must be {options}; got {step!r}.")
+        step = _step_text(step, allow_all, name)
+        if step is None or step == "all":
+            return step
     if isinstance(step, bool):
         raise TypeError(f"`{name}` must be an int, -1, None or 'latest'; got {step!r}.")
     if isinstance(step, float) or type(step).__name__ in ("float16", "float32", "float64"):
-        value = float(step)
-        if value == -1:
-            return None
-        if not (value >= 0 and value != float("inf")):
-            raise TypeError(f"`{name}` must be a step number >= 0, or -1 for the latest; got {step!r}.")
-        return int(value) if value.is_integer() else value
+        return _float_step(step, name)
     try:
         number = operator.index(step)
     except TypeError:
@@ -619,6 +605,31 @@ def parse_step(step: Any, *, allow_all: bool = False, name: str = "step") -> int
     if number < 0:
         raise TypeError(f"`{name}` must be a step number >= 0, or -1 for the latest; got {number}.")
     return number
+
+
+def _step_text(step: str, allow_all: bool, name: str) -> int | float | str | None:
+    """``parse_step`` of a string: None for ``latest``, ``"all"`` (with ``allow_all``), else its number."""
+    text = step.strip()
+    if text == "latest":
+        return None
+    if text == "all" and allow_all:
+        return "all"
+    if text.lstrip("-").isdigit():
+        return int(text)
+    if FLOAT_STEP.match(text):
+        return float(text)
+    options = "an int, -1, None, 'latest'" + (" or 'all'" if allow_all else "")
+    raise TypeError(f"`{name}` must be {options}; got {step!r}.")
+
+
+def _float_step(step: Any, name: str) -> int | float | None:
+    """``parse_step`` of a float (numpy's too): None for -1, an int when it is whole, else the float."""
+    value = float(step)
+    if value == -1:
+        return None
+    if not (value >= 0 and value != float("inf")):
+        raise TypeError(f"`{name}` must be a step number >= 0, or -1 for the latest; got {step!r}.")
+    return int(value) if value.is_integer() else value
 
 
 def _list(values: Iterable[Any]) -> str:

@@ -178,6 +178,29 @@ def _lone(item: Item) -> str | None:
     return item.name if [leaf.name for leaf in item.leaves] == [item.name] else None
 
 
+def _from_checkpoint(label: str, path: str, x: Any, leaf: Leaf, plan: Any,
+                     allow_dtype_cast: bool) -> tuple[LeafPlan, list[Mismatch]]:
+    """The plan of a target leaf read from the checkpoint's ``leaf``, and what does not fit it."""
+    shape = tuple(leaf.reader.shape) if leaf.reader is not None else None
+    dtype = leaf.reader.dtype if leaf.reader is not None else None
+    problems = _check_leaf(_shown(label, path), x, shape, dtype, allow_dtype_cast)
+    ops = _ops(plan, path, x, dtype)
+    source = str(plan[path].row().source) if plan is not None else path
+    return LeafPlan(path, "checkpoint", source, shape and tuple(shape),
+                    dtype_name(dtype) if dtype is not None else None, ops), problems
+
+
+def _from_fill(label: str, path: str, x: Any, value: Any, allow_dtype_cast: bool) -> tuple[LeafPlan, list[Mismatch]]:
+    """The plan of a target leaf taken from ``fill_missing`` (``value``), and what does not fit it."""
+    problems: list[Mismatch] = []
+    if _is_array(x):
+        value_data = _key_data(value)
+        problems += _check_leaf(_shown(label, path), x, getattr(value_data, "shape", None),
+                                getattr(value_data, "dtype", None), allow_dtype_cast, what="fill_missing ")
+    shape = tuple(value.shape) if _is_array(value) else None
+    return LeafPlan(path, "fill_missing", None, shape, dtype_name(value.dtype) if _is_array(value) else None), problems
+
+
 def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules | None, fill: Any,
                allow_unused: bool, allow_dtype_cast: bool, *,
                label: str | None = None) -> tuple[_Work, ItemPlan, list[Mismatch]]:
@@ -208,23 +231,14 @@ def _plan_item(name: str, stored: Item, target: Any, sharding: Any, rules: Rules
     for path, x in zip(tgt.paths, tgt.abstract):
         leaf = found.get(path)
         if leaf is not None:
-            shape = tuple(leaf.reader.shape) if leaf.reader is not None else None
-            dtype = leaf.reader.dtype if leaf.reader is not None else None
-            problems += _check_leaf(_shown(label, path), x, shape, dtype, allow_dtype_cast)
-            ops = _ops(plan, path, x, dtype)
-            source = str(plan[path].row().source) if plan is not None else path
-            item_plan.leaves.append(LeafPlan(path, "checkpoint", source, shape and tuple(shape),
-                                             dtype_name(dtype) if dtype is not None else None, ops))
+            leaf_plan, leaf_problems = _from_checkpoint(label, path, x, leaf, plan, allow_dtype_cast)
+            item_plan.leaves.append(leaf_plan)
+            problems += leaf_problems
             from_ckpt.append(path)
         elif path in tgt.fill:
-            value = tgt.fill[path]
-            if _is_array(x):
-                value_data = _key_data(value)
-                problems += _check_leaf(_shown(label, path), x, getattr(value_data, "shape", None),
-                                        getattr(value_data, "dtype", None), allow_dtype_cast, what="fill_missing ")
-            shape = tuple(value.shape) if _is_array(value) else None
-            item_plan.leaves.append(LeafPlan(path, "fill_missing", None, shape,
-                                             dtype_name(value.dtype) if _is_array(value) else None))
+            leaf_plan, leaf_problems = _from_fill(label, path, x, tgt.fill[path], allow_dtype_cast)
+            item_plan.leaves.append(leaf_plan)
+            problems += leaf_problems
             from_fill.append(path)
         elif layer_problems and _beyond_layers(path, found):  # a layer the checkpoint lacks: said by the rules
             item_plan.leaves.append(_target_leaf(path, "unresolved", x))

@@ -699,6 +699,30 @@ def check_arguments(opts: DiffOptions) -> None:
                          "(`values=True`).")
 
 
+def _selected(named_a: dict[str, Any], named_b: dict[str, Any], include: Any,
+              exclude: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both sides' leaves (key -> (shown name, leaf)) that ``--include``/``--exclude`` keep: a pattern matches a
+    leaf by any of its names on either side."""
+    names: dict[str, tuple[str, ...]] = {}
+    for side in (named_a, named_b):
+        for key, (shown, leaf) in side.items():
+            names[key] = tuple(dict.fromkeys([*names.get(key, ()), shown, key, leaf.name]))
+    keep = _keep(names, include, exclude)
+    return {k: v for k, v in named_a.items() if k in keep}, {k: v for k, v in named_b.items() if k in keep}
+
+
+def _leaf_change(p: str, la: Leaf, lb: Leaf, compare_sharding: bool) -> LeafChange | None:
+    """The metadata fields that differ between A's and B's leaf at ``p`` (None: none do)."""
+    ra, rb = la.row, lb.row
+    differ = [f for f in ("shape", "dtype") if getattr(ra, f) != getattr(rb, f)]
+    if compare_sharding and not _same_sharding(ra.sharding, rb.sharding):
+        differ.append("sharding")
+    va, vb = la.value, lb.value
+    if va is not NO_VALUE and vb is not NO_VALUE and not _same_value(va, vb):
+        differ.append("value")
+    return LeafChange(p, ra, rb, differ, va, vb) if differ else None
+
+
 def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: Any) -> DiffReport:
     """Compare two checkpoints of any formats, or two steps of one run.
 
@@ -749,13 +773,7 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
                      "pass --item NAME to compare one item with the other side's tree.")
     named_a, named_b = _flat(items_a, not single), _flat(items_b, not single)
     if include or exclude:
-        names: dict[str, tuple[str, ...]] = {}
-        for side in (named_a, named_b):
-            for key, (shown, leaf) in side.items():
-                names[key] = tuple(dict.fromkeys([*names.get(key, ()), shown, key, leaf.name]))
-        keep = _keep(names, include, exclude)
-        named_a = {k: v for k, v in named_a.items() if k in keep}
-        named_b = {k: v for k, v in named_b.items() if k in keep}
+        named_a, named_b = _selected(named_a, named_b, include, exclude)
     display = {k: name for k, (name, _) in named_b.items()} | {k: name for k, (name, _) in named_a.items()}
     flat_a = {display[k]: leaf for k, (_, leaf) in named_a.items()}
     flat_b = {display[k]: leaf for k, (_, leaf) in named_b.items()}
@@ -766,15 +784,9 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     same_shape: list[str] = []
     for p in (p for p in flat_a if p in flat_b):
         la, lb = flat_a[p], flat_b[p]
-        ra, rb = la.row, lb.row
-        differ = [f for f in ("shape", "dtype") if getattr(ra, f) != getattr(rb, f)]
-        if compare_sharding and not _same_sharding(ra.sharding, rb.sharding):
-            differ.append("sharding")
-        va, vb = la.value, lb.value
-        if va is not NO_VALUE and vb is not NO_VALUE and not _same_value(va, vb):
-            differ.append("value")
-        if differ:
-            changed.append(LeafChange(p, ra, rb, differ, va, vb))
+        change = _leaf_change(p, la, lb, compare_sharding)
+        if change is not None:
+            changed.append(change)
         if (la.reader is not None and lb.reader is not None and tuple(la.reader.shape) == tuple(lb.reader.shape)
                 and is_numeric(la.reader.dtype) and is_numeric(lb.reader.dtype)):
             same_shape.append(p)

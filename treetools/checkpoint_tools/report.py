@@ -25,6 +25,7 @@ from treetools.shared.render import json_object, jsonable
 from treetools.shared.rows import Row, Totals, aggregate_rows, common_prefix, sort_rows, totals
 
 if TYPE_CHECKING:
+    from treetools.checkpoint_io.source import Source
     from treetools.checkpoint_tools.stats import StatsAccumulator
 
 SCHEMA = 2
@@ -322,6 +323,55 @@ def _rows(leaf_rows: list[Row], opts: InspectOptions, accs: dict[tuple[str, ...]
     return sort_rows(rows, opts.sort), chosen
 
 
+def _every_step(source: Source, names: list[str] | None) -> tuple[list[Snapshot], list[str]]:
+    """``--step all``: the snapshot of every committed step, and a note for each deleted since the listing."""
+    if source.steps is None:
+        raise CheckpointError(f"{source.path}: a single checkpoint, not a checkpoint root; `all` steps needs a "
+                              "root.")
+    snaps, notes = [], []
+    for step in source.steps:
+        try:
+            snaps.append(source.snapshot(step, names))
+        except StepDeletedError as e:  # pruned since the listing: the others are still worth showing
+            notes.append(f"{e} Not shown.")
+    if not snaps:  # inspect_path lists again
+        raise StepDeletedError(f"{source.path}: every listed step was deleted while it was being read.")
+    return snaps, notes
+
+
+def _stats_of(source: Source, kept: list, snaps: list[Snapshot], block_bytes: int,
+              progress: bool | None) -> tuple[list, list[str]]:
+    """``_compute_stats``, where a step deleted while its arrays were read says so (not "cannot read chunk")."""
+    try:
+        return _compute_stats(kept, snaps, block_bytes, progress)
+    except (CheckpointError, OSError):
+        for s in snaps:
+            gone = source.step_deleted(s.step)
+            if gone is not None:
+                raise gone from None
+        raise
+
+
+def _item_reports(s: Snapshot, kept: dict[str, list[Leaf]], accs: dict[str, dict[tuple[str, ...], StatsAccumulator]],
+                  opts: InspectOptions) -> tuple[dict[str, ItemReport], int | None]:
+    """One step's item reports (with a train state's parts), and the depth rows were grouped at, if any."""
+    items = {}
+    grouped_at = None
+    for name, item_leaves in kept.items():
+        item_accs = accs.get(name, {})
+        rows, chosen = _rows([leaf.row for leaf in item_leaves], opts, item_accs)
+        grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
+        items[name] = ItemReport.of(s.items[name], item_leaves, rows)
+        parts = train_state_parts(name, dataclasses.replace(s.items[name], leaves=item_leaves), list(s.items))
+        for key in parts or ():
+            part_leaves = [leaf for leaf in item_leaves if leaf.path[:1] == (key,)]
+            part_rows, chosen = _rows([leaf.row for leaf in part_leaves], opts, item_accs)
+            grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
+            part = ItemReport.of(dataclasses.replace(s.items[name], name=key), part_leaves, part_rows)
+            items[name].parts[key] = part
+    return items, grouped_at
+
+
 def _inspect(path: str, opts: InspectOptions) -> Report:
     context = opts.read_context()
     source = open_source(path, context)
@@ -333,17 +383,7 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
     names = [wanted] if wanted is not None else None
     notes: list[str] = []
     if all_steps:
-        if source.steps is None:
-            raise CheckpointError(f"{source.path}: a single checkpoint, not a checkpoint root; `all` steps needs a "
-                                  "root.")
-        snaps = []
-        for step in source.steps:
-            try:
-                snaps.append(source.snapshot(step, names))
-            except StepDeletedError as e:  # pruned since the listing: the others are still worth showing
-                notes.append(f"{e} Not shown.")
-        if not snaps:  # inspect_path lists again
-            raise StepDeletedError(f"{source.path}: every listed step was deleted while it was being read.")
+        snaps, notes = _every_step(source, names)
     else:
         snaps = [source.snapshot(opts.step, names)]
     if opts.rules is not None and not opts.rules.empty:
@@ -359,30 +399,12 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
     accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite: list[str] = []
     if opts.stats:
-        try:
-            accs, nonfinite = _compute_stats(kept, snaps, context.block_bytes, opts.progress)
-        except (CheckpointError, OSError):
-            for s in snaps:  # a step deleted while its arrays were read: say so, not "cannot read chunk"
-                gone = source.step_deleted(s.step)
-                if gone is not None:
-                    raise gone from None
-            raise
+        accs, nonfinite = _stats_of(source, kept, snaps, context.block_bytes, opts.progress)
     by_step = []
     grouped_at = None
     for i, s in enumerate(snaps):
-        items = {}
-        for name, item_leaves in kept[i].items():
-            item_accs = accs[i].get(name, {})
-            rows, chosen = _rows([leaf.row for leaf in item_leaves], opts, item_accs)
-            grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
-            items[name] = ItemReport.of(s.items[name], item_leaves, rows)
-            parts = train_state_parts(name, dataclasses.replace(s.items[name], leaves=item_leaves), list(s.items))
-            for key in parts or ():
-                part_leaves = [leaf for leaf in item_leaves if leaf.path[:1] == (key,)]
-                part_rows, chosen = _rows([leaf.row for leaf in part_leaves], opts, item_accs)
-                grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
-                part = ItemReport.of(dataclasses.replace(s.items[name], name=key), part_leaves, part_rows)
-                items[name].parts[key] = part
+        items, chosen = _item_reports(s, kept[i], accs[i], opts)
+        grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
         by_step.append(StepReport(s.step, items, s.metadata, list(s.unreadable)))
     return Report(
         path=source.path,

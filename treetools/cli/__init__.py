@@ -259,19 +259,32 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: list[str], command: str | None) -> int:
     """Parse, run the command, map its known errors to exit codes: on stderr always, and on stdout too as one
     JSON object (``error_object``) when the command was asked for ``--format json``."""
+    args = _arguments(argv, command)
+    if isinstance(args, int):
+        return args
+    set_width(_terminal_columns())  # tables fit the terminal stdout is, 100 columns for a file or a pipe
+    return _run_command(args, argv, command)
+
+
+def _arguments(argv: list[str], command: str | None) -> argparse.Namespace | int:
+    """``argv`` parsed, or the exit code of a usage error (said on stderr, and as JSON where asked) or of
+    ``--help``."""
     try:
         parser = build_parser(command)
         if not argv:
             parser.print_help(sys.stderr)
             return 2
-        args = _parse(parser, argv, command)
+        return _parse(parser, argv, command)
     except _UsageExit as e:
         if command is not None and _takes_format(parser, command) and _asks_json(argv):
             _output.out(json.dumps(error_object(e.message, 2, usage=True)))
         return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
-    set_width(_terminal_columns())  # tables fit the terminal stdout is, 100 columns for a file or a pipe
+
+
+def _run_command(args: argparse.Namespace, argv: list[str], command: str | None) -> int:
+    """Run the parsed command; its known errors as one line and an exit code."""
     run = _distributed.Run()
     known = KNOWN_ERRORS + ((ValueError,) if command in ("plot", "train") else ())
     try:

@@ -209,8 +209,19 @@ def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | No
         return [None] * len(pairs)  # only a box names a layer axis: no box, no stack (and no path is split)
     parts = [_parts(p) for p, _ in pairs]
     shapes = [shape_of(x) for _, x in pairs]
-    # What each leaf says: (axis, L) for a box naming the layer axis; "other" for a box with other
-    # names; None for a leaf without sharding names (it joins a stack its shape fits).
+    says = _box_says(pairs, shapes)
+    if not any(isinstance(sig, tuple) for sig in says):
+        # No box names a layer axis: nothing is stacked, but say so where the shapes look stacked.
+        unmarked = _unmarked_stacks(_subtrees(parts), shapes, says) if warn_unmarked else []
+        if unmarked:
+            warnings.warn(_unmarked_message(unmarked, parts, shapes), stacklevel=_caller_level())
+        return [None] * len(pairs)
+    return _marked_stacks(parts, shapes, says)
+
+
+def _box_says(pairs, shapes: list) -> list[Any]:
+    """What each leaf says: (axis, L) for a box naming the layer axis; "other" for a box with other names; None
+    for a leaf without sharding names (it joins a stack its shape fits)."""
     says: list[Any] = []
     for (_, x), shape in zip(pairs, shapes):
         axis = layer_axis(x, LAYER_AXIS)
@@ -218,12 +229,12 @@ def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | No
             says.append((axis, shape[axis]))
         else:
             says.append("other" if is_partitioned(x) else None)
-    if not any(isinstance(sig, tuple) for sig in says):
-        # No box names a layer axis: nothing is stacked, but say so where the shapes look stacked.
-        unmarked = _unmarked_stacks(_subtrees(parts), shapes, says) if warn_unmarked else []
-        if unmarked:
-            warnings.warn(_unmarked_message(unmarked, parts, shapes), stacklevel=_caller_level())
-        return [None] * len(pairs)
+    return says
+
+
+def _marked_stacks(parts: list[tuple[str, ...]], shapes: list, says: list[Any]) -> list[Stack | None]:
+    """The stacks: each leaf whose box names the layer axis, with every leaf of the largest subtree above it whose
+    leaves all fit its ``(axis, L)``."""
     under = _subtrees(parts)
 
     def fits(j: int, sig: tuple[int, int]) -> bool:
@@ -233,15 +244,16 @@ def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | No
         return says[j] == sig
 
     uniform: dict[tuple[tuple[str, ...], tuple[int, int]], bool] = {}
-    out: list[Stack | None] = [None] * len(pairs)
+    out: list[Stack | None] = [None] * len(parts)
     for i, sig in enumerate(says):
         if not isinstance(sig, tuple) or out[i] is not None:
             continue
+        prefix = parts[i]  # the leaf itself fits: the longest prefix always does
         for k in range(len(parts[i]) + 1):
-            prefix = parts[i][:k]
-            if (prefix, sig) not in uniform:
-                uniform[prefix, sig] = all(fits(j, sig) for j in under[prefix])
-            if uniform[prefix, sig]:
+            if (parts[i][:k], sig) not in uniform:
+                uniform[parts[i][:k], sig] = all(fits(j, sig) for j in under[parts[i][:k]])
+            if uniform[parts[i][:k], sig]:
+                prefix = parts[i][:k]
                 break
         group = under[prefix]
         if len(group) > 1:

@@ -323,12 +323,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     one_in_flight = jax.default_backend() == "cpu"
     for step in range(start + 1, cfg.steps + 1):
         batch = jax.device_put(_next_batch(cfg, data, step), batch_sharding)
-        if cfg.health:
-            state, (metrics, report) = step_fn(state, batch, step)
-        else:
-            state, metrics = step_fn(state, batch, step)
-        if one_in_flight:
-            jax.block_until_ready(metrics)
+        state, metrics, report = _take_step(cfg, step_fn, state, batch, step, one_in_flight)
         if dumper is not None:  # before the logger: the flags of every earlier step are read by then
             unread[step] = metrics
             events += _health_events(cfg, dumper(step, state["health"]["recorder"], state["health"]["detector"],
@@ -365,6 +360,19 @@ def _resume(cfg: TrainConfig, ckpt_dir: str, latest: int, manager: Any, state: d
     data.set_state(restored["data_iter"])
     _say(cfg, f"resumed from step {latest} in {ckpt_dir}")
     return state
+
+
+def _take_step(cfg: TrainConfig, step_fn: Callable, state: Any, batch: Any, step: int,
+               one_in_flight: bool) -> tuple[Any, Any, Any]:
+    """One training step: the new state, its metrics, and the health report (None without ``--health``)."""
+    report = None
+    if cfg.health:
+        state, (metrics, report) = step_fn(state, batch, step)
+    else:
+        state, metrics = step_fn(state, batch, step)
+    if one_in_flight:
+        jax.block_until_ready(metrics)
+    return state, metrics, report
 
 
 def _next_batch(cfg: TrainConfig, data: MarkovTask, step: int) -> np.ndarray:
