@@ -204,7 +204,7 @@ def make_abstract(tree: PyTree, sharding: Any = None, *, mesh: Mesh | None = Non
     remapped: list[Remapped] = []
     checked: set = set()
     leaves = [_abstract_leaf(p, x, s, mesh, remapped, checked) for (p, x), s in zip(pairs, shardings)]
-    if remapped and mesh is not None:  # leaves are only remapped onto a mesh
+    if remapped:
         warnings.warn(_remapped_message(remapped, mesh), stacklevel=2)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -213,10 +213,11 @@ _SHOWN = 8
 """How many remapped leaves the warning names before it counts the rest."""
 
 
-def _remapped_message(remapped: list[Remapped], mesh: Mesh) -> str:
+def _remapped_message(remapped: list[Remapped], mesh: Mesh | None) -> str:
+    """The warning for leaves laid out anew on ``mesh`` (only a mesh remaps leaves: never None here)."""
     replicated = sum(r.replicated for r in remapped)
     lines = [f"make_abstract: {len(remapped)} leaves laid out on another mesh do not fit the mesh "
-             f"{dict(mesh.shape)} as they were ({replicated} now replicated); their layout here:"]
+             f"{dict(mesh.shape) if mesh is not None else {}} as they were ({replicated} now replicated); their layout here:"]
     lines += [f"  {r}" for r in remapped[:_SHOWN]]
     if len(remapped) > _SHOWN:
         lines.append(f"  ... and {len(remapped) - _SHOWN} more")
