@@ -216,8 +216,9 @@ _SHOWN = 8
 def _remapped_message(remapped: list[Remapped], mesh: Mesh | None) -> str:
     """The warning for leaves laid out anew on ``mesh`` (only a mesh remaps leaves: never None here)."""
     replicated = sum(r.replicated for r in remapped)
+    shape = dict(mesh.shape) if mesh is not None else {}
     lines = [f"make_abstract: {len(remapped)} leaves laid out on another mesh do not fit the mesh "
-             f"{dict(mesh.shape) if mesh is not None else {}} as they were ({replicated} now replicated); their layout here:"]
+             f"{shape} as they were ({replicated} now replicated); their layout here:"]
     lines += [f"  {r}" for r in remapped[:_SHOWN]]
     if len(remapped) > _SHOWN:
         lines.append(f"  ... and {len(remapped) - _SHOWN} more")
