@@ -86,6 +86,15 @@ def zstd_bound(data: bytes | memoryview) -> int:
 
 def _frame(view: memoryview, pos: int) -> tuple[int, int, int]:
     """``(the most the frame decodes to, its window, the position after it)`` for the frame header at ``pos``."""
+    descriptor, window, pos = _frame_header(view, pos)
+    decoded, pos = _frame_blocks(view, pos, min(window, ZSTD_BLOCK_MAX))
+    if descriptor & 0x04:  # content checksum
+        pos += 4
+    return decoded, window, pos
+
+
+def _frame_header(view: memoryview, pos: int) -> tuple[int, int, int]:
+    """``(frame header descriptor, window size, position of the first block)`` of the frame at ``pos``."""
     if pos >= len(view):
         raise Corrupt("a zstd frame without its header")
     descriptor = view[pos]
@@ -110,7 +119,12 @@ def _frame(view: memoryview, pos: int) -> tuple[int, int, int]:
     pos += fcs_size
     if single:
         window = content
-    block_max = min(window, ZSTD_BLOCK_MAX)
+    return descriptor, window, pos
+
+
+def _frame_blocks(view: memoryview, pos: int, block_max: int) -> tuple[int, int]:
+    """``(the most a frame's blocks decode to, the position after the last)``, its first block at ``pos``; a
+    compressed block counts ``block_max``, the most it may decode to."""
     decoded = 0
     while True:
         if pos + 3 > len(view):
@@ -128,10 +142,7 @@ def _frame(view: memoryview, pos: int) -> tuple[int, int, int]:
         pos += stored
         decoded += size if kind in (0, 1) else block_max  # raw and RLE: exactly; compressed: at most a block
         if last:
-            break
-    if descriptor & 0x04:  # content checksum
-        pos += 4
-    return decoded, window, pos
+            return decoded, pos
 
 
 def _varint(view: memoryview, pos: int) -> tuple[int, int]:
