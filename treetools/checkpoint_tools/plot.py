@@ -403,6 +403,22 @@ def cell_edges(steps: Sequence[float]) -> list[float]:
     return [steps[0] - (mids[0] - steps[0]), *mids, steps[-1] + (steps[-1] - mids[-1])]
 
 
+def _heatmap_grid(records: Sequence[Mapping[str, Any]], rows: Mapping[str, str],
+                  index: Mapping[str, int]) -> tuple[list, np.ndarray, np.ndarray]:
+    """One run's heatmap: ``(its steps, a rows x steps array of the values (NaN: none), where a value is NaN or
+    Inf)``; ``rows`` maps a metric key to its row's label, ``index`` a label to its row."""
+    steps = sorted({r["step"] for r in records if any(_is_number(r.get(k)) for k in rows)})
+    col = {s: j for j, s in enumerate(steps)}
+    data = np.full((len(index), len(steps)), np.nan)
+    present = np.zeros(data.shape, bool)
+    for r in records:
+        for key, row in rows.items():
+            if r["step"] in col and _is_number(r.get(key)):
+                data[index[row], col[r["step"]]] = r[key]
+                present[index[row], col[r["step"]]] = True
+    return steps, data, present & ~np.isfinite(data)
+
+
 def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str) -> Figure:
     """A rows x steps heatmap of the metrics whose name matches ``pattern``, one panel per run.
 
@@ -457,18 +473,7 @@ def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str
     order = sorted(set(rows.values()), key=_natural)
     index = {label: i for i, label in enumerate(order)}
 
-    grids = {}
-    for label, records in runs.items():
-        steps = sorted({r["step"] for r in records if any(_is_number(r.get(k)) for k in rows)})
-        col = {s: j for j, s in enumerate(steps)}
-        data = np.full((len(order), len(steps)), np.nan)
-        present = np.zeros(data.shape, bool)
-        for r in records:
-            for key, row in rows.items():
-                if r["step"] in col and _is_number(r.get(key)):
-                    data[index[row], col[r["step"]]] = r[key]
-                    present[index[row], col[r["step"]]] = True
-        grids[label] = (steps, data, present & ~np.isfinite(data))
+    grids = {label: _heatmap_grid(records, rows, index) for label, records in runs.items()}
     positive = np.concatenate([d[np.isfinite(d) & (d > 0)] for _, d, _ in grids.values()])
     if positive.size:
         lo, hi = float(positive.min()), float(positive.max())

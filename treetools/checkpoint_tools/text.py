@@ -340,10 +340,7 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
         sections.append((f"changed metadata: {counted(len(report.changed))}", noted(body, cut)))
     if report.values is not None:
         sections.append(_values_section(report, report.values, md, noted))
-    for name, unread in (("A", report.unread_a), ("B", report.unread_b)):
-        if unread:
-            body = "\n".join(safe_text(f"- `{u.name}` ({u.handler}): {u.reason}") for u in unread)
-            sections.append((f"not read (in {name}): {len(unread)} item{'s' * (len(unread) != 1)}", body))
+    sections += _unread_sections(report)
     bullet = "- " if md else ""
     out = [f"{bullet}A: {_diff_side(report.a)}", f"{bullet}B: {_diff_side(report.b)}"]
     for title, section in sections:
@@ -351,6 +348,16 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
         out += ["", title, *([""] if md and section else []), *([section] if section else [])]
     out += ["", *(piece for line in report.verdict().splitlines() for piece in _wrap_list(line, width()))]
     return "\n".join(out)
+
+
+def _unread_sections(report: DiffReport) -> list[tuple[str, str | None]]:
+    """A section per side with items it could not read, each listed with why."""
+    sections: list[tuple[str, str | None]] = []
+    for name, unread in (("A", report.unread_a), ("B", report.unread_b)):
+        if unread:
+            body = "\n".join(safe_text(f"- `{u.name}` ({u.handler}): {u.reason}") for u in unread)
+            sections.append((f"not read (in {name}): {len(unread)} item{'s' * (len(unread) != 1)}", body))
+    return sections
 
 
 def _diff_side(d: dict[str, Any]) -> str:
