@@ -341,7 +341,7 @@ def norm_metrics(
 # --------------------------------------------------------------------------- #
 
 
-def clip_by_global_norm(max_norm: float):
+def clip_by_global_norm(max_norm: float) -> Any:
     """``optax.clip_by_global_norm`` computed with ``get_sharded_global_norm``.
 
     Drop-in for optax's transform that is also right inside ``shard_map`` on

@@ -168,7 +168,8 @@ def find_stacks(
     )
 
 
-def _from_patterns(pairs, stacked: Mapping[str, int], shape_of) -> list[Stack | None]:
+def _from_patterns(pairs: Sequence[tuple[str, Any]], stacked: Mapping[str, int],
+                   shape_of: Callable[[Any], Any]) -> list[Stack | None]:
     paths = [p for p, _ in pairs]
     out: list[Stack | None] = [None] * len(pairs)
     for pattern, axis in stacked.items():
@@ -204,7 +205,8 @@ def _parts_through(path: str, end: int) -> int:
     return path[:end].count(SEP) + 1
 
 
-def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | None]:
+def _from_boxes(pairs: Sequence[tuple[str, Any]], shape_of: Callable[[Any], Any],
+                warn_unmarked: bool = False) -> list[Stack | None]:
     if not warn_unmarked and not any(is_box(x) for _, x in pairs):
         return [None] * len(pairs)  # only a box names a layer axis: no box, no stack (and no path is split)
     parts = [_parts(p) for p, _ in pairs]
@@ -219,7 +221,7 @@ def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | No
     return _marked_stacks(parts, shapes, says)
 
 
-def _box_says(pairs, shapes: list) -> list[Any]:
+def _box_says(pairs: Sequence[tuple[str, Any]], shapes: list) -> list[Any]:
     """What each leaf says: (axis, L) for a box naming the layer axis; "other" for a box with other names; None
     for a leaf without sharding names (it joins a stack its shape fits)."""
     says: list[Any] = []

@@ -347,7 +347,7 @@ def reduce_norms(
     # inline: a nested jit holding the (CPU) lax.cond fails under vmap with
     # unbatched constants beside batch-sharded leaves (a jax limitation).
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
-    options = {"groups": groups, "count_nonfinite": count_nonfinite, "stacks": leaf_stacks,
+    options: dict[str, Any] = {"groups": groups, "count_nonfinite": count_nonfinite, "stacks": leaf_stacks,
                "group_counts": group_counts, "abs_max": abs_max}
     if layout is not None:
         mesh, specs = layout
@@ -487,7 +487,8 @@ def _group_totals(
     return out
 
 
-def _norms_body(values, *, axes, stacks, groups, count_nonfinite, group_counts=False, abs_max=False) -> _Reduced:
+def _norms_body(values: Any, *, axes: Any, stacks: Any, groups: Any, count_nonfinite: bool, group_counts: bool = False,
+                abs_max: bool = False) -> _Reduced:
     """Per-leaf (per-layer) sums of squares, psum-ed per axis set; the global and group norms; the non-finite
     counts and largest ``|x|`` where asked."""
     sq = _batched_psum([_layer_sq(v, s) for v, s in zip(values, stacks)], axes)

@@ -10,6 +10,7 @@ that axis, which is how ``tt.norm_metrics`` finds the layer axis and logs
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -33,7 +34,7 @@ class ModelConfig:
     scan_layers: bool = False
 
 
-def _partitioned(init, names: tuple, cfg: ModelConfig):
+def _partitioned(init: Any, names: tuple, cfg: ModelConfig) -> Any:
     if cfg.scan_layers:
         return nn.with_logical_partitioning(init, names, rules=SCAN_RULES)
     return nn.with_partitioning(init, names)

@@ -142,7 +142,8 @@ def make_health(cfg: TrainConfig) -> tuple[tt.SpikeDetector, tt.HealthRecorder]:
             tt.HealthRecorder(length=cfg.health_length))
 
 
-def _step_metrics(cfg: TrainConfig, grads: Any, params: Any, updates: Any, opt_state: Any, loss: jax.Array):
+def _step_metrics(cfg: TrainConfig, grads: Any, params: Any, updates: Any, opt_state: Any,
+                  loss: jax.Array) -> dict[str, Any]:
     if cfg.health:
         metrics = tt.norm_metrics(grads=grads, params=params, updates=updates, opt_state=opt_state,
                                   depth=block_depth(cfg), abs_max=True)
@@ -163,7 +164,7 @@ def _skipped_update(metrics: dict[str, Any], flagged: jax.Array) -> dict[str, An
     return out
 
 
-def build(cfg: TrainConfig):
+def build(cfg: TrainConfig) -> tuple[Any, Transformer, dict[str, Any], Any, Any, Callable]:
     """Model, optimizer, mesh, sharded initial state and the jitted step.
 
     With ``cfg.health`` the state holds ``health`` (the detector's and the
@@ -194,7 +195,7 @@ def build(cfg: TrainConfig):
     state = jax.jit(full_init, out_shardings=state_shardings)(jax.random.key(cfg.seed))
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
 
-    def train_step(state: dict[str, Any], batch: jax.Array, step: jax.Array):
+    def train_step(state: dict[str, Any], batch: jax.Array, step: jax.Array) -> tuple[dict[str, Any], Any]:
         loss, grads = jax.value_and_grad(lambda p: _loss_fn(model, p, batch))(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
