@@ -46,9 +46,9 @@ class ReadContext:
         Given, it replaces the cores in every rule that counts them (so setting it to the cores changes nothing).
       prefix: in a folder holding several series of steps (``checkpoint_6`` and ``eval_6``), the one to read
         (None: ``checkpoint_``, else the steps named by number alone).
-      storage: the storage reads go through; ``open_source`` binds it to the checkpoint opened (``within``,
-        ``confined_to``), confined to it. A context not bound yet has none (``bound`` is None) and reading
-        ``storage`` raises: a format and a reader are only ever handed a bound one.
+      bound: the storage reads go through; ``open_source`` binds it to the checkpoint opened (``within``,
+        ``confined_to``), confined to it. None before that. ``storage`` is the same, as a ``Storage``: reading it
+        on a context not bound yet raises (a format and a reader are only ever handed a bound one).
       share: this process's share of a run of several (``treetools.checkpoint_io.share``): the block engine reads its
         jobs only and pools every process's results. None: one process reads everything.
       follow_links: follow symlinks that lead out of the checkpoint (a step folder kept on another volume):
