@@ -8,7 +8,7 @@ working. It re-exports exactly ``treetools.checkpoint_io.__all__``, lazily (impo
 import importlib as _importlib
 import typing as _typing
 
-from treetools.checkpoint_io import __all__  # noqa: F401  (the same public names, one list)
+from treetools.checkpoint_io import __all__  # the same public names, one list
 
 
 def __getattr__(name: str) -> _typing.Any:

@@ -47,8 +47,9 @@ class ReadContext:
         Given, it replaces the cores in every rule that counts them (so setting it to the cores changes nothing).
       prefix: in a folder holding several series of steps (``checkpoint_6`` and ``eval_6``), the one to read
         (None: ``checkpoint_``, else the steps named by number alone).
-      storage: the storage reads go through; ``open_source`` binds it to the checkpoint opened (``within``),
-        confined to it. None before that: the unconfined storage of each path's scheme.
+      bound: the storage reads go through; ``open_source`` binds it to the checkpoint opened (``within``,
+        ``confined_to``), confined to it. None before that. ``storage`` is the same, as a ``Storage``: reading it
+        on a context not bound yet raises (a format and a reader are only ever handed a bound one).
       share: this process's share of a run of several (``treetools.checkpoint_io.share``): the block engine reads its
         jobs only and pools every process's results. None: one process reads everything.
       follow_links: follow symlinks that lead out of the checkpoint (a step folder kept on another volume):
@@ -66,7 +67,7 @@ class ReadContext:
     block_bytes: int = DEFAULT_BLOCK_BYTES
     workers: int | None = None
     prefix: str | None = None
-    storage: Storage | None = dataclasses.field(default=None, compare=False, repr=False)
+    bound: Storage | None = dataclasses.field(default=None, compare=False, repr=False)
     follow_links: bool = False
     share: Share | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -105,9 +106,26 @@ class ReadContext:
             fields["workers"] = workers_from(env.get("TREETOOLS_WORKERS"))
         return cls(**fields)
 
+    @property
+    def storage(self) -> Storage:
+        """The storage this context reads through (``within``).
+
+        Raises:
+          RuntimeError: the context is not bound to a checkpoint yet (a bug of the caller, not of the checkpoint).
+
+        >>> ReadContext().storage
+        Traceback (most recent call last):
+        RuntimeError: this ReadContext is not bound to a checkpoint's storage yet; bind it with within(storage) or
+        confined_to(path) (open_source does).
+        """
+        if self.bound is None:
+            raise RuntimeError("this ReadContext is not bound to a checkpoint's storage yet; bind it with "
+                               "within(storage) or confined_to(path) (open_source does).")
+        return self.bound
+
     def within(self, storage: Storage) -> "ReadContext":
         """This context reading through ``storage`` (the confined storage of one opened checkpoint)."""
-        return dataclasses.replace(self, storage=storage)
+        return dataclasses.replace(self, bound=storage)
 
     def confined_to(self, location: str) -> "ReadContext":
         """This context reading through ``location``'s storage confined to it (as ``open_source`` reads it).

@@ -88,7 +88,8 @@ def _holds(location: str, fmt: Format, name: str | None, looking: ReadContext) -
         return True
     storage = looking.storage
     try:
-        source = fmt.open(location, location, looking.within(storage.confine(location, follow_links=looking.follow_links)))
+        confined = storage.confine(location, follow_links=looking.follow_links)
+        source = fmt.open(location, location, looking.within(confined))
         listing = source.listing
         items = source.item_names(source.step) if listing is None else []
     except (CheckpointError, CheckpointNotFoundError, OSError):

@@ -140,7 +140,8 @@ def check_name(name: str, *, where: str) -> None:
     >>> check_name("../etc/passwd", where="m.safetensors")
     Traceback (most recent call last):
     ...
-    treetools.shared.errors.CheckpointError: m.safetensors: key '../etc/passwd' tries to escape the checkpoint folder; refusing to read it.
+    treetools.shared.errors.CheckpointError: m.safetensors: key '../etc/passwd' tries to escape the checkpoint folder;
+    refusing to read it.
     """
     if "\0" in name:
         raise CheckpointError(f"{where}: key {name[:200]!r} holds a NUL byte; refusing to read it.")

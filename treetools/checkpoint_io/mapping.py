@@ -61,7 +61,8 @@ class RuledReader(ArrayReader):
 
     def __init__(self, target: TargetLeaf, sources: Mapping[str, ArrayReader]):
         if target.shape is None:
-            raise TypeError(f"`{target.path}` is not an array (from `{target.source}`); its value passes through as is.")
+            raise TypeError(f"`{target.path}` is not an array (from `{target.source}`); its value passes through "
+                            "as is.")
         self.shape = tuple(target.shape)
         self.dtype = np.dtype(target.dtype)
         self._target = target
@@ -126,7 +127,7 @@ def _full_index(index: Any, shape: tuple[int, ...]) -> Index:
 
 def source_triples(item: Item) -> list[tuple[str, tuple[int, ...] | None, object]]:
     """``(path, shape, dtype)`` of every leaf of ``item``, what ``Rules.plan`` reads (shape None for a value)."""
-    out = []
+    out: list[tuple[str, tuple[int, ...] | None, object]] = []
     for leaf in item.leaves:
         if leaf.reader is not None and leaf.row.shape is not None:
             out.append((leaf.name, tuple(leaf.reader.shape), leaf.reader.dtype))
@@ -188,7 +189,8 @@ def map_items(items: Mapping[str, Item], rules: Rules) -> dict[str, Item]:
     >>> map_items(items, Rules(unstack=["blocks"]))
     Traceback (most recent call last):
     ...
-    treetools.shared.errors.RulesError: `unstack` pattern 'blocks' matches no leaf (checkpoint paths after keep/drop); nearby paths: ['layers/w']. Fix the pattern, drop it, or pass allow_unmatched=True.
+    treetools.shared.errors.RulesError: `unstack` pattern 'blocks' matches no leaf (checkpoint paths after keep/drop);
+    nearby paths: ['layers/w']. Fix the pattern, drop it, or pass allow_unmatched=True.
     """
     lenient = Rules(**{**rules.to_dict(), "allow_unmatched": True})
     out, unmatched = {}, None

@@ -86,7 +86,8 @@ def read_file(storage: Storage, path: str, *, what: str, max_bytes: int = MAX_ME
     >>> read_file(backend("/"), "/", what="Orbax _METADATA")
     Traceback (most recent call last):
     ...
-    treetools.checkpoint_io.storage.base.SpecialFileError: /: not a regular file (a folder); cannot read it as Orbax _METADATA.
+    treetools.checkpoint_io.storage.base.SpecialFileError: /: not a regular file (a folder); cannot read it as
+    Orbax _METADATA.
     """
     try:
         st = storage.stat(path)
@@ -192,7 +193,8 @@ def tmp_step(name: str, *, step_prefix: str | None = None, names: re.Pattern[str
 
     Orbax's tmp folders are ``<step name>.orbax-checkpoint-tmp-<ts>``, T5X's ``<step name>.tmp-<ts>``.
 
-    >>> tmp_step("ckpt_0300.orbax-checkpoint-tmp-1700000000"), tmp_step("checkpoint_300.tmp-1700000000"), tmp_step("300")
+    >>> (tmp_step("ckpt_0300.orbax-checkpoint-tmp-1700000000"), tmp_step("checkpoint_300.tmp-1700000000"),
+    ...  tmp_step("300"))
     (300, 300, None)
     """
     head = _tmp_head(name)
@@ -350,7 +352,8 @@ class StepListing:
         Raises:
           CheckpointError: no such series (the message lists the series there are).
 
-        >>> root = StepListing("run", {}, [], others={"eval_": StepListing("run", {4: "run/eval_4"}, [], series="eval_")})
+        >>> evals = StepListing("run", {4: "run/eval_4"}, [], series="eval_")
+        >>> root = StepListing("run", {}, [], others={"eval_": evals})
         >>> root.select("eval").steps
         [4]
         """
@@ -439,31 +442,10 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
         return StepListing(root, {}, [], storage=storage)
     except OSError as e:
         raise CheckpointError(f"{root}: cannot list folder ({e.strerror or e}).") from None
-    candidates = []
-    for entry in entries:
-        name = entry.name
-        head = _tmp_head(name)
-        found = step_series(head if head is not None else name, names=names)
-        if found is None or (step_prefix is not None and parse_step_name(
-                head if head is not None else name, step_prefix=step_prefix, names=names) is None):
-            continue
-        candidates.append((entry, found, head is not None))
+    candidates = _step_candidates(entries, step_prefix, names)
 
     def judge(candidate: tuple[Any, tuple[str, int], bool]) -> tuple[str, str | None]:
-        """``(kind, commit evidence)`` of one step-named entry: kind ``skip``, ``other``, ``tmp`` or ``step``."""
-        entry, _, tmp = candidate
-        try:
-            is_dir = entry.is_dir()
-        except OSError:  # a symlink loop, an unreadable entry: junk, not a reason to fail the whole root
-            return "skip", None
-        if not is_dir:
-            return ("skip" if entry.is_symlink() and not storage.exists(entry.path) else "other"), None
-        if tmp:
-            return "tmp", None
-        storage.prefetch(entry.path)  # in a bucket, one listing answers every probe of the step's markers
-        if commit_rule is not None:
-            return "step", MARKER if commit_rule(entry.path, storage) else None
-        return "step", commit_evidence(entry.path, storage)
+        return _judge_step(candidate, storage, commit_rule)
 
     # In a bucket each step costs a round trip or two: the steps are judged concurrently.
     for (entry, (series, step), _), (kind, found) in zip(candidates, map_io(storage, judge, candidates)):
@@ -474,34 +456,78 @@ def scan_steps(root: str | os.PathLike, *, step_prefix: str | None = None,
             committed.setdefault(series, {}).setdefault(step, []).append(entry.path)
         elif kind != "other":
             incomplete.setdefault(series, []).append((step, entry.name))
+    _drop_unmarked_copies(committed, incomplete, evidence)
+    listings = {series: _series_listing(root, series, committed.get(series, {}), incomplete.get(series, []),
+                                        evidence, commit_rule, storage)
+                for series in sorted({*committed, *incomplete})}
+    return choose_series(root, listings, skipped, prefer=prefer, storage=storage)
+
+
+def _step_candidates(entries: list[Any], step_prefix: str | None,
+                     names: re.Pattern[str]) -> list[tuple[Any, tuple[str, int], bool]]:
+    """``(entry, (series, step), is a tmp folder)`` of each entry of a root whose name is a step's."""
+    candidates = []
+    for entry in entries:
+        head = _tmp_head(entry.name)
+        name = head if head is not None else entry.name
+        found = step_series(name, names=names)
+        if found is None or (step_prefix is not None
+                             and parse_step_name(name, step_prefix=step_prefix, names=names) is None):
+            continue
+        candidates.append((entry, found, head is not None))
+    return candidates
+
+
+def _judge_step(candidate: tuple[Any, tuple[str, int], bool], storage: Storage,
+                commit_rule: Callable[[str, Storage], bool] | None) -> tuple[str, str | None]:
+    """``(kind, commit evidence)`` of one step-named entry: kind ``skip``, ``other``, ``tmp`` or ``step``."""
+    entry, _, tmp = candidate
+    try:
+        is_dir = entry.is_dir()
+    except OSError:  # a symlink loop, an unreadable entry: junk, not a reason to fail the whole root
+        return "skip", None
+    if not is_dir:
+        return ("skip" if entry.is_symlink() and not storage.exists(entry.path) else "other"), None
+    if tmp:
+        return "tmp", None
+    storage.prefetch(entry.path)  # in a bucket, one listing answers every probe of the step's markers
+    if commit_rule is not None:
+        return "step", MARKER if commit_rule(entry.path, storage) else None
+    return "step", commit_evidence(entry.path, storage)
+
+
+def _drop_unmarked_copies(committed: dict[str, dict[int, list[str]]], incomplete: dict[str, list[tuple[int, str]]],
+                          evidence: dict[str, str | None]) -> None:
+    """In a series whose steps carry Orbax's commit marker, a step that has only finalized items (a copy in
+    progress, which copied the items before the marker) is not finished either: moved to ``incomplete``."""
     for series, steps in committed.items():
         if MARKER not in (evidence[p] for paths in steps.values() for p in paths):
             continue
-        # Steps of this series carry Orbax's commit marker: one that has only finalized items (a copy in
-        # progress, which copied the items before the marker) is not finished either.
         for step, paths in list(steps.items()):
             unmarked = [p for p in paths if evidence.get(p) == FINALIZED_ITEM]
             incomplete.setdefault(series, []).extend((step, os.path.basename(p)) for p in unmarked)
             steps[step] = [p for p in paths if p not in unmarked]
             if not steps[step]:
                 del steps[step]
-    listings = {}
-    for series in sorted({*committed, *incomplete}):
-        ordered = dict(sorted(committed.get(series, {}).items()))
-        names = [name for _, name in sorted(incomplete.get(series, []))]
-        marked = commit_rule is None and MARKER in (evidence[p] for paths in committed.get(series, {}).values()
-                                                     for p in paths)
-        listings[series] = StepListing(
-            root,
-            {s: paths[0] for s, paths in ordered.items()},
-            names,
-            {s: [os.path.basename(p) for p in paths] for s, paths in ordered.items() if len(paths) > 1},
-            series=series,
-            commit_rule=commit_rule,
-            storage=storage,
-            deleting=[n for n in names if marked and _lost_markers(storage, os.path.join(root, n))],
-        )
-    return choose_series(root, listings, skipped, prefer=prefer, storage=storage)
+
+
+def _series_listing(root: str, series: str, committed: dict[int, list[str]], incomplete: list[tuple[int, str]],
+                    evidence: dict[str, str | None], commit_rule: Callable[[str, Storage], bool] | None,
+                    storage: Storage) -> StepListing:
+    """The ``StepListing`` of one series: its committed step folders and its incomplete saves."""
+    ordered = dict(sorted(committed.items()))
+    names = [name for _, name in sorted(incomplete)]
+    marked = commit_rule is None and MARKER in (evidence[p] for paths in committed.values() for p in paths)
+    return StepListing(
+        root,
+        {s: paths[0] for s, paths in ordered.items()},
+        names,
+        {s: [os.path.basename(p) for p in paths] for s, paths in ordered.items() if len(paths) > 1},
+        series=series,
+        commit_rule=commit_rule,
+        storage=storage,
+        deleting=[n for n in names if marked and _lost_markers(storage, os.path.join(root, n))],
+    )
 
 
 def list_steps(checkpoint_dir: str | os.PathLike, *, step_prefix: str | None = None) -> list[int]:
@@ -560,27 +586,13 @@ def parse_step(step: Any, *, allow_all: bool = False, name: str = "step") -> int
     if step is None:
         return None
     if isinstance(step, str):
-        text = step.strip()
-        if text == "latest":
-            return None
-        if text == "all" and allow_all:
-            return "all"
-        if text.lstrip("-").isdigit():
-            step = int(text)
-        elif FLOAT_STEP.match(text):
-            step = float(text)
-        else:
-            options = "an int, -1, None, 'latest'" + (" or 'all'" if allow_all else "")
-            raise TypeError(f"`{name}` must be {options}; got {step!r}.")
+        step = _step_text(step, allow_all, name)
+        if step is None or step == "all":
+            return step
     if isinstance(step, bool):
         raise TypeError(f"`{name}` must be an int, -1, None or 'latest'; got {step!r}.")
     if isinstance(step, float) or type(step).__name__ in ("float16", "float32", "float64"):
-        value = float(step)
-        if value == -1:
-            return None
-        if not (value >= 0 and value != float("inf")):
-            raise TypeError(f"`{name}` must be a step number >= 0, or -1 for the latest; got {step!r}.")
-        return int(value) if value.is_integer() else value
+        return _float_step(step, name)
     try:
         number = operator.index(step)
     except TypeError:
@@ -590,6 +602,31 @@ def parse_step(step: Any, *, allow_all: bool = False, name: str = "step") -> int
     if number < 0:
         raise TypeError(f"`{name}` must be a step number >= 0, or -1 for the latest; got {number}.")
     return number
+
+
+def _step_text(step: str, allow_all: bool, name: str) -> int | float | str | None:
+    """``parse_step`` of a string: None for ``latest``, ``"all"`` (with ``allow_all``), else its number."""
+    text = step.strip()
+    if text == "latest":
+        return None
+    if text == "all" and allow_all:
+        return "all"
+    if text.lstrip("-").isdigit():
+        return int(text)
+    if FLOAT_STEP.match(text):
+        return float(text)
+    options = "an int, -1, None, 'latest'" + (" or 'all'" if allow_all else "")
+    raise TypeError(f"`{name}` must be {options}; got {step!r}.")
+
+
+def _float_step(step: Any, name: str) -> int | float | None:
+    """``parse_step`` of a float (numpy's too): None for -1, an int when it is whole, else the float."""
+    value = float(step)
+    if value == -1:
+        return None
+    if not (value >= 0 and value != float("inf")):
+        raise TypeError(f"`{name}` must be a step number >= 0, or -1 for the latest; got {step!r}.")
+    return int(value) if value.is_integer() else value
 
 
 def _list(values: Iterable[Any]) -> str:
@@ -618,7 +655,8 @@ def resolve_step(listing: StepListing, step: Any, *, where: str | None = None) -
     >>> resolve_step(listing, 300)
     Traceback (most recent call last):
     ...
-    treetools.shared.errors.CheckpointNotFoundError: run: step 300 is an incomplete save (300.orbax-checkpoint-tmp-1); it is never read. Committed steps: 100, 200.
+    treetools.shared.errors.CheckpointNotFoundError: run: step 300 is an incomplete save (300.orbax-checkpoint-tmp-1);
+    it is never read. Committed steps: 100, 200.
     """
     where = where or listing.root
     asked = parse_step(step)
@@ -639,5 +677,6 @@ def resolve_step(listing: StepListing, step: Any, *, where: str | None = None) -
                 f"Committed steps: {_list(listing.committed)}."
             )
         raise CheckpointNotFoundError(f"{where}: no step {asked}; available steps: {_list(listing.committed)}.")
-    listing.folder(asked)  # two folders for one step: an error naming both
-    return asked
+    # asked: an int, or one of flax's float steps (0.625), which pass through the step API typed int
+    listing.folder(asked)  # type: ignore[arg-type]  # two folders for one step: an error naming both
+    return asked  # type: ignore[return-value]

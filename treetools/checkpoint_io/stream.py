@@ -299,7 +299,8 @@ def _side_by_side(readers: Sequence[ArrayReader], plan: Sequence[Index], io: Thr
                 del blocks
             return
         # Readers that read when asked (files): the first side here, the others on helper threads, at once.
-        starts += [r.reading() if r.reads_async else functools.partial(io.submit, r.read) for r in readers[1:]]
+        starts += [r.reading() if r.reads_async else functools.partial(io.submit, r.read)  # type: ignore[call-arg]
+                   for r in readers[1:]]  # (mypy reads a partial of Executor.submit as missing its function)
         for index in plan:
             others = [start(index) for start in starts]
             first = readers[0].read(index)
@@ -322,6 +323,14 @@ class Failed:
     """A job whose read raised one of the ``errors`` given to ``reduce_blocks``; its other tasks were skipped."""
 
     error: BaseException
+
+
+def completed(part: list[_A] | Failed) -> list[_A]:
+    """One job's result of a ``reduce_blocks`` given no ``errors``, where a failure propagates and no job is
+    ``Failed``: its partials (a ``Failed`` raises its error)."""
+    if isinstance(part, Failed):
+        raise part.error
+    return part
 
 
 def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], _A],
@@ -376,11 +385,7 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
         if task.job in failed:
             return None
         readers = jobs[task.job]
-        if progress is not None and labels is not None:
-            with lock:
-                if task.job not in started:
-                    started.add(task.job)
-                    progress.start(labels[task.job])
+        _announce(progress, labels, task.job, started, lock)
         partial = start(task.job)
         try:
             for index, blocks in task_blocks(readers, task, block_bytes, io):
@@ -395,19 +400,36 @@ def reduce_blocks(jobs: Sequence[Sequence[ArrayReader]], start: Callable[[int], 
             return Failed(e)
         return partial
 
-    out: list[Any] = [[] for _ in jobs]
     try:
-        for task, part in zip(tasks, ordered_map(run, tasks, workers=min(workers, max(1, len(tasks))))):
-            if isinstance(out[task.job], Failed):
-                continue
-            if isinstance(part, Failed):
-                out[task.job] = part
-            elif part is not None:
-                out[task.job].append(part)
+        return _gather(len(jobs), tasks, ordered_map(run, tasks, workers=min(workers, max(1, len(tasks)))))
     finally:
         if io is not None:
             io.shutdown(wait=True, cancel_futures=True)
-    # Tasks ran largest job first; within a job they ran (and were collected) in block order.
+
+
+def _announce(progress: Progress | None, labels: Sequence[str] | None, job: int, started: set[int],
+              lock: threading.Lock) -> None:
+    """``reduce_blocks``: start ``progress`` with the label of ``job`` at its first task."""
+    if progress is None or labels is None:
+        return
+    with lock:
+        if job not in started:
+            started.add(job)
+            progress.start(labels[job])
+
+
+def _gather(n_jobs: int, tasks: Sequence[Task], parts: Iterable[Any]) -> list[Any]:
+    """``reduce_blocks``' result: per job, the partials of its tasks (``parts``, in task order), or its ``Failed``.
+
+    Tasks ran largest job first; within a job they ran (and are collected) in block order."""
+    out: list[Any] = [[] for _ in range(n_jobs)]
+    for task, part in zip(tasks, parts):
+        if isinstance(out[task.job], Failed):
+            continue
+        if isinstance(part, Failed):
+            out[task.job] = part
+        elif part is not None:
+            out[task.job].append(part)
     return out
 
 
@@ -504,7 +526,7 @@ def stream_blocks(readers: Sequence[ArrayReader], *, block_bytes: int, workers: 
     # of the last piece (a view of its stripe), would hold each stripe while the next is read.
     for i, index in units:
         block = next(fetched)
-        if index is not None:
+        if index is not None and block is not None:  # fetched: a block for each index, None when streamed
             max_elems = max(1, block_bytes // block.dtype.itemsize) if contiguous else block.size
             for ix, piece in _cut(index, block, readers[i].shape, max_elems):
                 if progress is not None:

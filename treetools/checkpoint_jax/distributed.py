@@ -95,7 +95,8 @@ def connect_processes(coordinator: str | None = None, count: int | None = None, 
         coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
         count = count if count is not None else _env_int("JAX_NUM_PROCESSES")
         index = index if index is not None else _env_int("JAX_PROCESS_ID")
-        if not jax.config.jax_cpu_collectives_implementation:  # CPU collectives (the pooling) need one
+        # CPU collectives (the pooling) need one; jax's Config stub declares no option attributes
+        if not jax.config.jax_cpu_collectives_implementation:  # type: ignore[attr-defined]
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         try:
             jax.distributed.initialize(coordinator_address=coordinator, num_processes=count, process_id=index,

@@ -20,7 +20,7 @@ import operator
 import os
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping, overload
 
 import jax
 import numpy as np
@@ -91,6 +91,10 @@ class _StepNameFormat:
         raise ValueError(f"no committed step {step} under {base_path}.")
 
 
+@overload
+def _positive_int(value: Any, name: str, *, optional: Literal[False] = False) -> int: ...
+@overload
+def _positive_int(value: Any, name: str, *, optional: bool) -> int | None: ...
 def _positive_int(value: Any, name: str, *, optional: bool = False) -> int | None:
     if optional and value is None:
         return None
@@ -199,13 +203,16 @@ def get_checkpoint_manager(
     if keep_period is not None and keep_period % ckpt_frequency:
         raise ValueError(
             f"`keep_period` ({keep_period}) must be a multiple of `ckpt_frequency` ({ckpt_frequency}); "
-            f"steps kept for good must be steps that get saved, e.g. keep_period={ckpt_frequency * max(1, round(keep_period / ckpt_frequency))}."
+            "steps kept for good must be steps that get saved, e.g. "
+            f"keep_period={ckpt_frequency * max(1, round(keep_period / ckpt_frequency))}."
         )
     if checkpoint_dir is None:
-        raise ValueError("`checkpoint_dir` is required; pass the run's checkpoint folder, e.g. workdir / 'checkpoints'.")
+        raise ValueError("`checkpoint_dir` is required; pass the run's checkpoint folder, e.g. "
+                         "workdir / 'checkpoints'.")
     item_names, json_items = tuple(item_names), frozenset(json_items)
     if not json_items <= set(item_names):
-        raise ValueError(f"`json_items` {sorted(json_items - set(item_names))} are not in `item_names` {list(item_names)}.")
+        raise ValueError(f"`json_items` {sorted(json_items - set(item_names))} are not in `item_names` "
+                         f"{list(item_names)}.")
 
     import orbax.checkpoint as ocp
     from orbax.checkpoint import checkpoint_managers as cm

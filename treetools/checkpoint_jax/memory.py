@@ -174,9 +174,10 @@ def largest_split(shape: Sequence[int], axis: str, size: int) -> tuple | None:
 
 
 def _tree(part: str, item: Item, sizes: Mapping[str, int], rules: LayoutRules | None,
-          counts: dict[str, int], shard_largest: str | None = None) -> tuple[dict[str, Any], dict[str, int]]:
-    """``{leaf name: ShapeDtypeStruct}`` of a part, each laid out by the rules or its recorded sharding (a
-    ``NamedSharding`` on an ``AbstractMesh`` with the mesh's axes), and each leaf's stored chunk in bytes."""
+          counts: dict[str, int], shard_largest: str | None = None) -> tuple[Any, dict[str, int]]:
+    """``{leaf name: ShapeDtypeStruct}`` of a part (the struct alone for a part that is one array), each laid out
+    by the rules or its recorded sharding (a ``NamedSharding`` on an ``AbstractMesh`` with the mesh's axes), and
+    each leaf's stored chunk in bytes."""
     import jax
     from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 

@@ -218,7 +218,8 @@ def _check_names(paths: Any) -> None:
 
     >>> _check_names(["a/b", "a\\ud800b"])
     Traceback (most recent call last):
-    treetools.shared.errors.CheckpointError: `a\\ud800b`: not UTF-8 text (a lone surrogate), which neither safetensors nor Orbax can store; rename it (--rename).
+    treetools.shared.errors.CheckpointError: `a\\ud800b`: not UTF-8 text (a lone surrogate), which neither safetensors
+    nor Orbax can store; rename it (--rename).
     """
     for path in paths:
         try:
@@ -287,7 +288,8 @@ def check_arguments(dst: str, opts: ConvertOptions) -> str:
     >>> check_arguments("out.safetensors", ConvertOptions(step="all"))
     Traceback (most recent call last):
     ...
-    treetools.shared.errors.UsageError: --step all (`step='all'`): convert writes one step; pick one (--step N, or latest).
+    treetools.shared.errors.UsageError: --step all (`step='all'`): convert writes one step; pick one (--step N, or
+    latest).
     """
     to = opts.to or "safetensors"
     name = os.path.basename(os.path.normpath(str(dst)))
@@ -303,7 +305,8 @@ def check_arguments(dst: str, opts: ConvertOptions) -> str:
         raise UsageError(f"{dst} names a {suffix} file, which convert does not write: end it in .safetensors "
                          "(one safetensors file), or name a folder (Hugging Face shards; Orbax with --to orbax).")
     if opts.dst_step is not None and to != "orbax":
-        raise UsageError("--dst-step (`dst_step`) writes a step of an Orbax manager root; add --to orbax (`to='orbax'`).")
+        raise UsageError("--dst-step (`dst_step`) writes a step of an Orbax manager root; add --to orbax "
+                         "(`to='orbax'`).")
     if opts.dst_step is not None and (isinstance(opts.dst_step, bool) or not isinstance(opts.dst_step, int)
                                       or opts.dst_step < 0):
         raise UsageError(f"--dst-step {opts.dst_step} (`dst_step`): a step is a number >= 0.")

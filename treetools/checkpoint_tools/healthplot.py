@@ -83,7 +83,8 @@ def read_health_dump(path: str | os.PathLike) -> dict[str, Any]:
         try:
             dump = json.load(f)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not JSON ({getattr(e, 'msg', None) or e.reason}), so not a health "
+            why = e.msg if isinstance(e, json.JSONDecodeError) else e.reason
+            raise ValueError(f"{path}: not JSON ({why}), so not a health "
                              "dump.") from None
         except RecursionError:
             raise ValueError(f"{path}: JSON nested too deeply, so not a health dump.") from None
@@ -111,28 +112,40 @@ def _malformed(dump: Mapping[str, Any]) -> str | None:
     if not _strings(dump.get("names")):
         return "`names` is not a list of strings"
     for i, r in enumerate(dump["records"]):
-        if not isinstance(r, dict):
-            return f"record {i} is not an object"
-        if not isinstance(r.get("step"), int) or isinstance(r.get("step"), bool) or abs(r["step"]) > 2**62:
-            return f"record {i} has no integer `step`"
-        kinds = r.get("nonfinite", {})
-        if not isinstance(kinds, dict) or not all(isinstance(v, str) for v in kinds.values()):
-            return f"record {i}: `nonfinite` is not an object of strings"
-        bad = next((k for k, v in r.items() if k != "nonfinite" and not _number(v)), None)
-        if bad is not None:
-            return f"record {i}: `{bad[:80]}` is not a number"
+        wrong = _malformed_record(i, r)
+        if wrong is not None:
+            return wrong
     flagged = dump.get("flagged") or []
     if not isinstance(flagged, list):
         return "`flagged` is not a list"
     for i, f in enumerate(flagged):
-        if (not isinstance(f, dict) or not isinstance(f.get("step"), int) or isinstance(f.get("step"), bool)
-                or abs(f["step"]) > 2**62):
+        if not isinstance(f, dict) or not _step_number(f.get("step")):
             return f"flagged entry {i} has no integer `step`"
         for key in ("reasons", "attributed", "nonfinite_modules"):
             if key in f and not _strings(f[key]):
                 return f"flagged entry {i}: `{key}` is not a list of strings"
     if not all(_number(dump.get(k)) or isinstance(dump.get(k), str) for k in ("step", "reason")):
         return "`step` or `reason` is neither a number nor a string"
+    return None
+
+
+def _step_number(step: Any) -> bool:
+    """Whether ``step`` is a step a dump may hold: an int (no bool) of at most 2**62."""
+    return isinstance(step, int) and not isinstance(step, bool) and abs(step) <= 2**62
+
+
+def _malformed_record(i: int, r: Any) -> str | None:
+    """``_malformed`` of the dump's record ``i``."""
+    if not isinstance(r, dict):
+        return f"record {i} is not an object"
+    if not _step_number(r.get("step")):
+        return f"record {i} has no integer `step`"
+    kinds = r.get("nonfinite", {})
+    if not isinstance(kinds, dict) or not all(isinstance(v, str) for v in kinds.values()):
+        return f"record {i}: `nonfinite` is not an object of strings"
+    bad = next((k for k, v in r.items() if k != "nonfinite" and not _number(v)), None)
+    if bad is not None:
+        return f"record {i}: `{bad[:80]}` is not a number"
     return None
 
 

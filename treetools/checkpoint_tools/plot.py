@@ -24,7 +24,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import numpy as np
 
@@ -59,7 +59,7 @@ HEATMAP_LABELLED_ROWS = 24  # more rows than this: every k-th row labelled
 
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -235,6 +235,61 @@ def _label_bottom(axes: list, ncols: int) -> None:
 
 
 
+_STYLES: tuple[Literal["-", "--", ":", "-."], ...] = ("-", "--", ":", "-.")
+"""Line styles of the runs in a per-module panel (the colour says the module)."""
+
+
+def _check_panels(panels: list, runs: Mapping[str, Any], names: list[str], pattern: Any, named: str) -> None:
+    """``metrics_figure``: refuse no panel, or more than ``MAX_PANELS``."""
+    if not panels:
+        shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
+        if pattern is None:
+            raise ValueError(f"{', '.join(runs)}: no numeric metric besides `step` to plot.")
+        raise ValueError(f"{named} matches none of the logged metrics ({shown}); pick from those.")
+    if len(panels) > MAX_PANELS:
+        raise ValueError(f"{len(panels)} metrics to plot ({', '.join(t for t, _, _ in panels[:6])}, ...): more than "
+                         f"{MAX_PANELS} panels do not fit one figure; choose some with --keys RE.")
+
+
+def _largest_modules(panels: list, runs: Mapping[str, Sequence[Mapping[str, Any]]], max_modules: int) -> list:
+    """The panels with each per-module panel's keys ordered largest last value first, cut to ``max_modules``
+    (its title says so)."""
+    shown_panels = []
+    for title, panel_keys, parent in panels:
+        if parent is not None:
+            panel_keys = sorted(panel_keys, key=lambda k: -_last_value(runs, k))
+            if len(panel_keys) > max_modules:
+                title = f"{title} (largest {max_modules} of {len(panel_keys)})"
+                panel_keys = panel_keys[:max_modules]
+        shown_panels.append((title, panel_keys, parent))
+    return shown_panels
+
+
+def _draw_curves(ax: Any, runs: Mapping[str, Sequence[Mapping[str, Any]]], panel_keys: Sequence[str],
+                 parent: str | None, colors: list[str], module_color: dict[str, str]) -> tuple[list[float], list]:
+    """One panel's curves, every run's: ``(finite values, steps to mark non-finite)``."""
+    values: list[float] = []
+    nonfinite: list = []
+    labelled: set[str] = set()
+    for r, (label, records) in enumerate(runs.items()):
+        for key in panel_keys:
+            steps, ys = _series(records, key)
+            if not steps:
+                continue
+            if parent is not None:
+                style = dict(color=module_color[key[len(parent) + 1:]], linestyle=_STYLES[r % len(_STYLES)],
+                             linewidth=1.2, label=None if key in labelled else key[len(parent) + 1:])
+                labelled.add(key)
+            else:
+                style = dict(color=colors[r], linewidth=1.5, label=label)
+            finite, bad = _curve(ax, steps, ys, **style)
+            values += finite
+            nonfinite += bad
+            if key.endswith("nonfinite_grads"):  # a count: its steps above 0 are the NaN/Inf steps
+                nonfinite += [s for s, v in zip(steps, ys) if v > 0]
+    return values, nonfinite
+
+
 def metrics_figure(
     runs: Mapping[str, Sequence[Mapping[str, Any]]],
     *,
@@ -275,28 +330,13 @@ def metrics_figure(
     pattern, named = _compile(keys)
     names = _metric_names(runs)
     panels = _panels(names, pattern)
-    if not panels:
-        shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
-        if pattern is None:
-            raise ValueError(f"{', '.join(runs)}: no numeric metric besides `step` to plot.")
-        raise ValueError(f"{named} matches none of the logged metrics ({shown}); pick from those.")
-    if len(panels) > MAX_PANELS:
-        raise ValueError(f"{len(panels)} metrics to plot ({', '.join(t for t, _, _ in panels[:6])}, ...): more than "
-                         f"{MAX_PANELS} panels do not fit one figure; choose some with --keys RE.")
+    _check_panels(panels, runs, names, pattern, named)
 
     fig = Figure(layout="constrained")
     axes, ncols = _grid(fig, len(panels))
     colors = [_COLORS[i % len(_COLORS)] for i in range(len(runs))]
-    styles = ["-", "--", ":", "-."]
 
-    shown_panels = []
-    for title, panel_keys, parent in panels:
-        if parent is not None:
-            panel_keys = sorted(panel_keys, key=lambda k: -_last_value(runs, k))
-            if len(panel_keys) > max_modules:
-                title = f"{title} (largest {max_modules} of {len(panel_keys)})"
-                panel_keys = panel_keys[:max_modules]
-        shown_panels.append((title, panel_keys, parent))
+    shown_panels = _largest_modules(panels, runs, max_modules)
     # One colour per module across every panel (grad_norm's layers_3 and param_norm's layers_3 alike), in the order
     # first shown; more distinct modules than colours: the cycle repeats, a module still keeps its colour.
     modules = dict.fromkeys(key[len(parent) + 1:] for _, panel_keys, parent in shown_panels if parent is not None
@@ -304,31 +344,13 @@ def metrics_figure(
     module_color = {module: _COLORS[i % len(_COLORS)] for i, module in enumerate(modules)}
 
     for ax, (title, panel_keys, parent) in zip(axes, shown_panels):
-        per_module = parent is not None
-        values: list[float] = []
-        nonfinite: list = []
-        labelled: set[str] = set()
-        for r, (label, records) in enumerate(runs.items()):
-            for key in panel_keys:
-                steps, ys = _series(records, key)
-                if not steps:
-                    continue
-                if per_module:
-                    style = dict(color=module_color[key[len(parent) + 1:]], linestyle=styles[r % len(styles)], linewidth=1.2,
-                                 label=None if key in labelled else key[len(parent) + 1:])
-                    labelled.add(key)
-                else:
-                    style = dict(color=colors[r], linewidth=1.5, label=label)
-                finite, bad = _curve(ax, steps, ys, **style)
-                values += finite
-                nonfinite += bad
-                if key.endswith("nonfinite_grads"):  # a count: its steps above 0 are the NaN/Inf steps
-                    nonfinite += [s for s, v in zip(steps, ys) if v > 0]
+        values, nonfinite = _draw_curves(ax, runs, panel_keys, parent, colors, module_color)
         _finish_panel(ax, title, values, nonfinite, log_ratio="ratio" in title)
-        if per_module and values:
+        if parent is not None and values:
             handles, labels = ax.get_legend_handles_labels()
             if len(runs) > 1:
-                handles += [Line2D([], [], color="0.3", linestyle=styles[r % len(styles)]) for r in range(len(runs))]
+                handles += [Line2D([], [], color="0.3", linestyle=_STYLES[r % len(_STYLES)])
+                            for r in range(len(runs))]
                 labels += list(runs)
             ax.legend(handles, labels, fontsize=7, ncols=2 if len(labels) > 5 else 1)
         elif nonfinite:
@@ -380,6 +402,22 @@ def cell_edges(steps: Sequence[float]) -> list[float]:
         return [steps[0] - 0.5, steps[0] + 0.5]
     mids = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
     return [steps[0] - (mids[0] - steps[0]), *mids, steps[-1] + (steps[-1] - mids[-1])]
+
+
+def _heatmap_grid(records: Sequence[Mapping[str, Any]], rows: Mapping[str, str],
+                  index: Mapping[str, int]) -> tuple[list, np.ndarray, np.ndarray]:
+    """One run's heatmap: ``(its steps, a rows x steps array of the values (NaN: none), where a value is NaN or
+    Inf)``; ``rows`` maps a metric key to its row's label, ``index`` a label to its row."""
+    steps = sorted({r["step"] for r in records if any(_is_number(r.get(k)) for k in rows)})
+    col = {s: j for j, s in enumerate(steps)}
+    data = np.full((len(index), len(steps)), np.nan)
+    present = np.zeros(data.shape, bool)
+    for r in records:
+        for key, row in rows.items():
+            if r["step"] in col and _is_number(r.get(key)):
+                data[index[row], col[r["step"]]] = r[key]
+                present[index[row], col[r["step"]]] = True
+    return steps, data, present & ~np.isfinite(data)
 
 
 def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str) -> Figure:
@@ -436,22 +474,11 @@ def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str
     order = sorted(set(rows.values()), key=_natural)
     index = {label: i for i, label in enumerate(order)}
 
-    grids = {}
-    for label, records in runs.items():
-        steps = sorted({r["step"] for r in records if any(_is_number(r.get(k)) for k in rows)})
-        col = {s: j for j, s in enumerate(steps)}
-        data = np.full((len(order), len(steps)), np.nan)
-        present = np.zeros(data.shape, bool)
-        for r in records:
-            for key, row in rows.items():
-                if r["step"] in col and _is_number(r.get(key)):
-                    data[index[row], col[r["step"]]] = r[key]
-                    present[index[row], col[r["step"]]] = True
-        grids[label] = (steps, data, present & ~np.isfinite(data))
+    grids = {label: _heatmap_grid(records, rows, index) for label, records in runs.items()}
     positive = np.concatenate([d[np.isfinite(d) & (d > 0)] for _, d, _ in grids.values()])
     if positive.size:
         lo, hi = float(positive.min()), float(positive.max())
-        norm = colors.LogNorm(lo / 1.05, hi * 1.05) if hi / lo < 1.1 else colors.LogNorm(lo, hi)
+        norm: colors.Normalize = colors.LogNorm(lo / 1.05, hi * 1.05) if hi / lo < 1.1 else colors.LogNorm(lo, hi)
     else:
         norm = colors.Normalize(0, 1)  # nothing positive and finite: every cell grey or red
     cmap = matplotlib.colormaps["viridis"].with_extremes(bad="0.85")  # no value (or <= 0): grey
@@ -461,11 +488,12 @@ def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str
     axes = list(fig.subplots(len(grids), 1, sharex=True, squeeze=False).flat)
     stride = math.ceil(len(order) / HEATMAP_LABELLED_ROWS)
     ylabel = next(iter(regex_.groupindex), "layer")
-    mesh = None
+    meshes = []
     for ax, (label, (steps, data, bad)) in zip(axes, grids.items()):
         xs, ys = cell_edges(steps), np.arange(len(order) + 1) - 0.5
-        shown = np.where(np.isfinite(data) & (data > 0), data, np.nan)
-        mesh = ax.pcolormesh(xs, ys, np.ma.masked_invalid(shown), cmap=cmap, norm=norm, shading="flat", gid="values")
+        cells = np.where(np.isfinite(data) & (data > 0), data, np.nan)
+        meshes.append(ax.pcolormesh(xs, ys, np.ma.masked_invalid(cells), cmap=cmap, norm=norm, shading="flat",
+                                    gid="values"))
         if bad.any():
             ax.pcolormesh(xs, ys, np.ma.masked_where(~bad, np.ones(data.shape)), cmap=colors.ListedColormap(
                 [NONFINITE_COLOR]), shading="flat", gid="nonfinite-cells")
@@ -477,7 +505,8 @@ def heatmap_figure(runs: Mapping[str, Sequence[Mapping[str, Any]]], pattern: str
         ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, steps=[1, 2, 5, 10]))
         ax.set_title(label if len(grids) > 1 else f"{label}: {bar_label}", fontsize=10, pad=12 if bad.any() else None)
     axes[-1].set_xlabel("step")
-    bar = fig.colorbar(mesh, ax=axes, label=bar_label + (" (log scale)" if isinstance(norm, colors.LogNorm) else ""),
+    scale = " (log scale)" if isinstance(norm, colors.LogNorm) else ""
+    bar = fig.colorbar(meshes[-1], ax=axes, label=bar_label + scale,
                        aspect=max(10.0, 4 * fig.get_figheight()))  # about a quarter inch wide at any height
     bar.ax.tick_params(labelsize=8)
     handles = [Patch(color=NONFINITE_COLOR, label="NaN/Inf"), Patch(color="0.85", label="no value / <= 0")]
@@ -597,11 +626,12 @@ def stats_figure(
     if pattern is not None:
         series = {item: {p: v for p, v in paths.items() if pattern.search(p)} for item, paths in found.items()}
         if not any(series.values()):
-            paths = list(dict.fromkeys(p for paths in found.values() for p in paths))
-            raise ValueError(f"{named} matches none of the checkpoint's paths ({', '.join(paths[:8])}"
-                             f"{', ...' if len(paths) > 8 else ''}); pick from those.")
+            names = list(dict.fromkeys(p for paths in found.values() for p in paths))
+            raise ValueError(f"{named} matches none of the checkpoint's paths ({', '.join(names[:8])}"
+                             f"{', ...' if len(names) > 8 else ''}); pick from those.")
     else:
-        series = {item: {p: v for p, v in paths.items() if not _is_integer(v[0].dtype)} for item, paths in found.items()}
+        series = {item: {p: v for p, v in paths.items() if not _is_integer(v[0].dtype)}
+                  for item, paths in found.items()}
         left_out = {item: len(found[item]) - len(paths) for item, paths in series.items()}
         if not any(series.values()):  # integers only: nothing else to show
             series, left_out = found, {}

@@ -25,6 +25,7 @@ from treetools.shared.render import json_object, jsonable
 from treetools.shared.rows import Row, Totals, aggregate_rows, common_prefix, sort_rows, totals
 
 if TYPE_CHECKING:
+    from treetools.checkpoint_io.source import Source
     from treetools.checkpoint_tools.stats import StatsAccumulator
 
 SCHEMA = 2
@@ -177,7 +178,8 @@ def _filter(snaps: Sequence[Snapshot], include: Sequence[str], exclude: Sequence
         return [{name: item.leaves for name, item in s.items.items()} for s in snaps]
     # A leaf is known by its path and by item/path (either may be pasted); match each pair once. An unmatched
     # pattern's nearby paths are in one form: the path alone for one item, item/path (one leaf) for several.
-    pairs = list(dict.fromkeys((name, leaf.name) for s in snaps for name, item in s.items.items() for leaf in item.leaves))
+    pairs = list(dict.fromkeys((name, leaf.name) for s in snaps for name, item in s.items.items()
+                               for leaf in item.leaves))
     several = len({name for name, _ in pairs}) > 1
     forms = [(f"{name}/{path}", path) if several else (path, f"{name}/{path}") for name, path in pairs]
     keep = dict(zip(pairs, select_any(forms, include, exclude)))
@@ -217,7 +219,8 @@ def collapse_numbered(rows: Sequence[Row], offset: int = 0) -> list[Row]:
     (24 layers named ``layers_N`` are 24 rows at any depth). Runs of fewer than
     three are left alone.
 
-    >>> rows = [Row(("layers_" + str(i), "w"), None, "float32", 4, 16, leaves=2) for i in range(3)] + [Row(("head",), (2,), "float32", 2, 8)]
+    >>> rows = [Row(("layers_" + str(i), "w"), None, "float32", 4, 16, leaves=2) for i in range(3)]
+    >>> rows.append(Row(("head",), (2,), "float32", 2, 8))
     >>> [(r.name, r.params, r.leaves) for r in collapse_numbered(rows)]
     [('layers_0..2/w', 12, 6), ('head', 2, 1)]
     """
@@ -245,7 +248,7 @@ def collapse_numbered(rows: Sequence[Row], offset: int = 0) -> list[Row]:
             continue
         done.add(k)
         pos, head, stem, tail = k
-        numbers = sorted(int(_NUMBERED.match(x.path[pos]).group(2)) for x in groups[k])
+        numbers = sorted(int(m.group(2)) for x in groups[k] if (m := _NUMBERED.match(x.path[pos])))  # each matches
         path = head + (f"{stem}{numbers[0]}..{numbers[-1]}",) + tail
         merged = aggregate_rows([dataclasses.replace(x, path=path) for x in groups[k]], len(path))
         out.extend(dataclasses.replace(x, shape=None, sharding=None) for x in merged)
@@ -286,7 +289,8 @@ def inspect_path(path: str, options: InspectOptions | None = None, /, **fields: 
     >>> import numpy as np, tempfile, os
     >>> f = os.path.join(tempfile.mkdtemp(), "w.npz")
     >>> np.savez(f, **{"a/x/w": np.ones((2, 3), np.float32), "a/x/b": np.zeros(3, np.float32), "a/y": np.ones(2)})
-    >>> [(r["path"], r["params"]) for r in inspect_path(f, depth=1).to_json()["checkpoints"][0]["items"]["default"]["leaves"]]
+    >>> shown = inspect_path(f, depth=1).to_json()["checkpoints"][0]["items"]["default"]["leaves"]
+    >>> [(r["path"], r["params"]) for r in shown]
     [('a/x', 9), ('a/y', 2)]
     """
     opts = resolve(InspectOptions, options, fields)
@@ -319,6 +323,55 @@ def _rows(leaf_rows: list[Row], opts: InspectOptions, accs: dict[tuple[str, ...]
     return sort_rows(rows, opts.sort), chosen
 
 
+def _every_step(source: Source, names: list[str] | None) -> tuple[list[Snapshot], list[str]]:
+    """``--step all``: the snapshot of every committed step, and a note for each deleted since the listing."""
+    if source.steps is None:
+        raise CheckpointError(f"{source.path}: a single checkpoint, not a checkpoint root; `all` steps needs a "
+                              "root.")
+    snaps, notes = [], []
+    for step in source.steps:
+        try:
+            snaps.append(source.snapshot(step, names))
+        except StepDeletedError as e:  # pruned since the listing: the others are still worth showing
+            notes.append(f"{e} Not shown.")
+    if not snaps:  # inspect_path lists again
+        raise StepDeletedError(f"{source.path}: every listed step was deleted while it was being read.")
+    return snaps, notes
+
+
+def _stats_of(source: Source, kept: list, snaps: list[Snapshot], block_bytes: int,
+              progress: bool | None) -> tuple[list, list[str]]:
+    """``_compute_stats``, where a step deleted while its arrays were read says so (not "cannot read chunk")."""
+    try:
+        return _compute_stats(kept, snaps, block_bytes, progress)
+    except (CheckpointError, OSError):
+        for s in snaps:
+            gone = source.step_deleted(s.step)
+            if gone is not None:
+                raise gone from None
+        raise
+
+
+def _item_reports(s: Snapshot, kept: dict[str, list[Leaf]], accs: dict[str, dict[tuple[str, ...], StatsAccumulator]],
+                  opts: InspectOptions) -> tuple[dict[str, ItemReport], int | None]:
+    """One step's item reports (with a train state's parts), and the depth rows were grouped at, if any."""
+    items = {}
+    grouped_at = None
+    for name, item_leaves in kept.items():
+        item_accs = accs.get(name, {})
+        rows, chosen = _rows([leaf.row for leaf in item_leaves], opts, item_accs)
+        grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
+        items[name] = ItemReport.of(s.items[name], item_leaves, rows)
+        parts = train_state_parts(name, dataclasses.replace(s.items[name], leaves=item_leaves), list(s.items))
+        for key in parts or ():
+            part_leaves = [leaf for leaf in item_leaves if leaf.path[:1] == (key,)]
+            part_rows, chosen = _rows([leaf.row for leaf in part_leaves], opts, item_accs)
+            grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
+            part = ItemReport.of(dataclasses.replace(s.items[name], name=key), part_leaves, part_rows)
+            items[name].parts[key] = part
+    return items, grouped_at
+
+
 def _inspect(path: str, opts: InspectOptions) -> Report:
     context = opts.read_context()
     source = open_source(path, context)
@@ -327,21 +380,12 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
         wanted, under = None, None
     else:
         wanted, under = item_argument(source.item_names(source.resolve(None if all_steps else opts.step)), opts.item)
-    wanted = [wanted] if wanted is not None else None
+    names = [wanted] if wanted is not None else None
     notes: list[str] = []
     if all_steps:
-        if source.steps is None:
-            raise CheckpointError(f"{source.path}: a single checkpoint, not a checkpoint root; `all` steps needs a root.")
-        snaps = []
-        for step in source.steps:
-            try:
-                snaps.append(source.snapshot(step, wanted))
-            except StepDeletedError as e:  # pruned since the listing: the others are still worth showing
-                notes.append(f"{e} Not shown.")
-        if not snaps:  # inspect_path lists again
-            raise StepDeletedError(f"{source.path}: every listed step was deleted while it was being read.")
+        snaps, notes = _every_step(source, names)
     else:
-        snaps = [source.snapshot(opts.step, wanted)]
+        snaps = [source.snapshot(opts.step, names)]
     if opts.rules is not None and not opts.rules.empty:
         # Here, not at the top: metadata mode without rules starts without the rules engine (its startup).
         from treetools.checkpoint_io.mapping import map_items
@@ -355,30 +399,12 @@ def _inspect(path: str, opts: InspectOptions) -> Report:
     accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite: list[str] = []
     if opts.stats:
-        try:
-            accs, nonfinite = _compute_stats(kept, snaps, context.block_bytes, opts.progress)
-        except (CheckpointError, OSError):
-            for s in snaps:  # a step deleted while its arrays were read: say so, not "cannot read chunk"
-                gone = source.step_deleted(s.step)
-                if gone is not None:
-                    raise gone from None
-            raise
+        accs, nonfinite = _stats_of(source, kept, snaps, context.block_bytes, opts.progress)
     by_step = []
     grouped_at = None
     for i, s in enumerate(snaps):
-        items = {}
-        for name, item_leaves in kept[i].items():
-            item_accs = accs[i].get(name, {})
-            rows, chosen = _rows([leaf.row for leaf in item_leaves], opts, item_accs)
-            grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
-            items[name] = ItemReport.of(s.items[name], item_leaves, rows)
-            parts = train_state_parts(name, dataclasses.replace(s.items[name], leaves=item_leaves), list(s.items))
-            for key in parts or ():
-                part_leaves = [leaf for leaf in item_leaves if leaf.path[:1] == (key,)]
-                part_rows, chosen = _rows([leaf.row for leaf in part_leaves], opts, item_accs)
-                grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
-                part = ItemReport.of(dataclasses.replace(s.items[name], name=key), part_leaves, part_rows)
-                items[name].parts[key] = part
+        items, chosen = _item_reports(s, kept[i], accs[i], opts)
+        grouped_at = max(grouped_at or 0, chosen) if chosen is not None else grouped_at
         by_step.append(StepReport(s.step, items, s.metadata, list(s.unreadable)))
     return Report(
         path=source.path,
@@ -417,7 +443,8 @@ def _compute_stats(kept, snaps, block_bytes, progress):
 
     todo = [(i, name, leaf) for i, items in enumerate(kept) for name, leaves in items.items()
             for leaf in leaves if leaf.reader is not None and is_numeric(leaf.reader.dtype)]
-    bar = Progress(sum(leaf.reader.dtype.itemsize * math.prod(leaf.reader.shape) for _, _, leaf in todo), enabled=progress)
+    bar = Progress(sum(leaf.reader.dtype.itemsize * math.prod(leaf.reader.shape) for _, _, leaf in todo),
+                   enabled=progress)
     accs: list[dict[str, dict[tuple[str, ...], StatsAccumulator]]] = [{} for _ in snaps]
     nonfinite = []
     try:

@@ -55,7 +55,8 @@ def parse_leaf_spec(spec: str) -> tuple[str, tuple[Any, ...] | None]:
             else:
                 index.append(int(part))
         except ValueError:
-            raise UsageError(f"`show` index {part!r} in {spec!r} is not an integer or a start:stop:step slice.") from None
+            raise UsageError(f"`show` index {part!r} in {spec!r} is not an integer or a start:stop:step "
+                             "slice.") from None
     return name, tuple(index)
 
 
@@ -66,7 +67,8 @@ SCHEMA = 1
 @dataclasses.dataclass(frozen=True)
 class Shown:
     """What ``--show`` read: the step, the leaf as ``item/path``, the index asked for, the values, and with
-    ``stats`` their statistics (``treetools.checkpoint_tools.stats.array_stats``; None for a non-numeric or empty value)."""
+    ``stats`` their statistics (``treetools.checkpoint_tools.stats.array_stats``; None for a non-numeric or empty
+    value)."""
 
     step: int | None
     path: str
@@ -257,8 +259,8 @@ def find_leaf(source: Source, step: int | None, name: str, item: str | None = No
             raise CheckpointNotFoundError(
                 f"{source.path}: `{name}` is a group of {len(below):,} leaves ({shown}); --show takes one leaf: "
                 "name one of them (inspect --item GROUP --leaves lists them).")
-    every = [f"{n}/{leaf.name}" for n in dict.fromkeys(n for n, _ in tried) if items_of(n) is not None
-             for leaf in items_of(n).leaves]
+    every = [f"{n}/{leaf.name}" for n in dict.fromkeys(n for n, _ in tried) if (found := items_of(n)) is not None
+             for leaf in found.leaves]
     close = [p for p in nearby(name, every) if p != name] or [p for p in every[:5] if p != name]
     where = f"{source.path}" + (f" (step {step})" if step is not None else "")
     raise CheckpointNotFoundError(f"{where}: no leaf `{name}`; close paths: {', '.join(close) or 'none'}.")

@@ -19,7 +19,7 @@ import numpy as np
 
 from treetools.checkpoint_io.context import DEFAULT_BLOCK_BYTES
 from treetools.checkpoint_io.readers import ArrayReader
-from treetools.checkpoint_io.stream import reduce_blocks
+from treetools.checkpoint_io.stream import completed, reduce_blocks
 from treetools.checkpoint_tools.progress import Progress
 from treetools.shared.rows import NONFINITE_COUNTS, STAT_COUNTS, STATS
 
@@ -253,4 +253,4 @@ def compute_stats(readers: Sequence[ArrayReader], *, block_bytes: int = DEFAULT_
     parts = reduce_blocks([(r,) for r in readers], lambda i: StatsAccumulator(piece_elems=piece),
                           lambda acc, index, blocks: acc.update(blocks[0]), block_bytes=block_bytes,
                           workers=workers, progress=progress, labels=labels)
-    return [functools.reduce(StatsAccumulator.merge, p, StatsAccumulator(piece_elems=piece)) for p in parts]
+    return [functools.reduce(StatsAccumulator.merge, completed(p), StatsAccumulator(piece_elems=piece)) for p in parts]

@@ -67,7 +67,8 @@ def step(text: str) -> int | float | str:
     >>> step("-2")
     Traceback (most recent call last):
     ...
-    argparse.ArgumentTypeError: expected a step number >= 0, -1 or `latest` (the latest committed step) or `all`; got '-2'
+    argparse.ArgumentTypeError: expected a step number >= 0, -1 or `latest` (the latest committed step) or `all`;
+    got '-2'
     """
     if text in ("latest", "all"):
         return text

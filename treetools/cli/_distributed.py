@@ -15,7 +15,7 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from treetools.cli import _output
 

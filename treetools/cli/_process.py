@@ -74,7 +74,7 @@ def user_sets_malloc(environ: MutableMapping[str, str]) -> bool:
 def glibc_mallopt() -> Callable[[int, int], int] | None:
     """glibc's ``mallopt``, or None under another C library."""
     try:
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+        if not (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc"):
             return None
     except (AttributeError, ValueError, OSError):  # not glibc (macOS, musl, Windows)
         return None

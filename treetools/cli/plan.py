@@ -61,7 +61,8 @@ def mesh_axes(text: str) -> dict[str, int]:
     >>> mesh_axes("data=8,data=2")
     Traceback (most recent call last):
     ...
-    argparse.ArgumentTypeError: expected AXIS=SIZE,... with each axis once and each size a positive integer (data=8,fsdp=16); got 'data=8,data=2'
+    argparse.ArgumentTypeError: expected AXIS=SIZE,... with each axis once and each size a positive integer
+    (data=8,fsdp=16); got 'data=8,data=2'
     """
     out: dict[str, int] = {}
     for part in text.split(","):
@@ -104,8 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-grads", dest="grads", action="store_false",
                         help="leave out the gradients a training step holds (to serve, not train)")
     parser.add_argument("--device-memory", type=device_memory, default=None, metavar="SIZE",
-                        help="one device's memory (80GiB or 80G binary, 40GB decimal, bytes): exit 1 when the state does "
-                             "not fit")
+                        help="one device's memory (80GiB or 80G binary, 40GB decimal, bytes): exit 1 when the state "
+                             "does not fit")
     parser.add_argument("--top", type=int, default=10, metavar="N", help="largest leaves shown (default 10)")
     add_step(parser, allow_all=False)
     add_prefix(parser)

@@ -60,9 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d("--seed", type=int, default=0, help="model init and data seed (default: 0); a resumed run must keep it")
     d("--batch-size", type=positive_int, default=32, metavar="B",
       help="global batch, a multiple of the device count (default: 32)")
-    d("--learning-rate", type=positive_float, default=3e-3, metavar="LR", help="peak AdamW learning rate (default: 3e-3)")
-    d("--log-every", type=positive_int, default=20, metavar="N", help="log norms to metrics.jsonl every N steps (default: 20)")
-    d("--ckpt-every", type=positive_int, default=100, metavar="N", help="save a checkpoint every N steps (default: 100)")
+    d("--learning-rate", type=positive_float, default=3e-3, metavar="LR",
+      help="peak AdamW learning rate (default: 3e-3)")
+    d("--log-every", type=positive_int, default=20, metavar="N",
+      help="log norms to metrics.jsonl every N steps (default: 20)")
+    d("--ckpt-every", type=positive_int, default=100, metavar="N",
+      help="save a checkpoint every N steps (default: 100)")
     d("--freeze-embeddings", action="store_true", help="freeze embed/ with optax.multi_transform + get_param_label_fn")
     d("--scan-layers", action="store_true",
       help="the blocks as one nn.scan named `layers` (stacked leaves); norms logged per layer. A resumed run "

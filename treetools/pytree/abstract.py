@@ -51,7 +51,7 @@ class Remapped:
 
 def _carried_over(spec: PartitionSpec, mesh: Mesh, shape: tuple[int, ...]) -> PartitionSpec:
     """``spec`` (from another mesh) on ``mesh``: per dimension, the axes ``mesh`` has, if they still divide it."""
-    entries = []
+    entries: list[Any] = []
     for i, entry in enumerate(spec):
         kept = tuple(a for a in mesh_axes_of(entry) if a in mesh.axis_names)
         parts = math.prod(mesh.shape[a] for a in kept)
@@ -155,7 +155,7 @@ def _broadcast_shardings(tree: PyTree, sharding: PyTree, n_leaves: int) -> list[
     prefix = jax.tree.map(unbox, sharding, is_leaf=is_box)  # nnx.get_named_sharding gives Variables
     specs, prefix_def = jax.tree_util.tree_flatten(prefix, is_leaf=_is_sharding_leaf)
     try:
-        subtrees = prefix_def.flatten_up_to(tree)
+        subtrees = prefix_def.flatten_up_to(tree)  # type: ignore[attr-defined]  # jaxlib's PyTreeDef stub lacks it
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"`sharding` must be one Sharding, or a tree of Shardings / PartitionSpecs that is the tree or a prefix "
@@ -229,10 +229,12 @@ _SHOWN = 8
 """How many remapped leaves the warning names before it counts the rest."""
 
 
-def _remapped_message(remapped: list[Remapped], mesh: Mesh) -> str:
+def _remapped_message(remapped: list[Remapped], mesh: Mesh | None) -> str:
+    """The warning for leaves laid out anew on ``mesh`` (only a mesh remaps leaves: never None here)."""
     replicated = sum(r.replicated for r in remapped)
+    shape = dict(mesh.shape) if mesh is not None else {}
     lines = [f"make_abstract: {len(remapped)} leaves laid out on another mesh do not fit the mesh "
-             f"{dict(mesh.shape)} as they were ({replicated} now replicated); their layout here:"]
+             f"{shape} as they were ({replicated} now replicated); their layout here:"]
     lines += [f"  {r}" for r in remapped[:_SHOWN]]
     if len(remapped) > _SHOWN:
         lines.append(f"  ... and {len(remapped) - _SHOWN} more")

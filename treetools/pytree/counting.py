@@ -50,7 +50,7 @@ def is_array_like(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _itemsize_cached(dtype: Any) -> int:
     try:
         return np.dtype(dtype).itemsize
@@ -111,7 +111,8 @@ def _device_sizes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tu
     """``((device id, elements it holds), ...)`` for every device of ``sharding``."""
     out = []
     for device, index in sharding.devices_indices_map(shape).items():
-        out.append((device.id, math.prod(len(range(*s.indices(d))) for s, d in zip(index, shape))))
+        held = math.prod(len(range(*s.indices(d))) for s, d in zip(index, shape))
+        out.append((device.id, held))  # type: ignore[attr-defined]  # jaxlib's Device stub has no `id`
     return tuple(out)
 
 

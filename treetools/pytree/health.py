@@ -411,8 +411,8 @@ class HealthDumper:
         self.detector, self.every, self.after, self.check_every = detector, every, after, check_every
         self._recent: list[tuple[int, Any, Any]] = []  # (step, detector state, report), not yet read
         self._pending: list[dict[str, Any]] = []  # explained flagged steps waiting for their dump
-        self._state: RecorderState | None = None
-        self._step = None
+        self._state: RecorderState | None = None  # the last step's, and that step
+        self._step: int | None = None
 
     def __call__(self, step: int, recorder_state: RecorderState, detector_state: DetectorState,
                  report: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -424,9 +424,9 @@ class HealthDumper:
             events += self._check(keep_last=True)
         due = [f for f in self._pending if step >= f["step"] + self.after]
         if due:
-            events.append(self._dump("flagged", due))
+            events.append(self._dump("flagged", due, recorder_state, int(step)))
         elif self.every is not None and step % self.every == 0:
-            events.append(self._dump("every", []))
+            events.append(self._dump("every", [], recorder_state, int(step)))
         return events
 
     def _check(self, keep_last: bool = False) -> list[dict[str, Any]]:
@@ -441,19 +441,20 @@ class HealthDumper:
                 events.append({"event": "flagged", **explained})
         return events
 
-    def _dump(self, reason: str, flagged: list[dict[str, Any]]) -> dict[str, Any]:
+    def _dump(self, reason: str, flagged: list[dict[str, Any]], state: RecorderState, step: int) -> dict[str, Any]:
+        """Write the dump of ``state``, the recorder's at ``step`` (the last step handed over)."""
         self._pending = [f for f in self._pending if f not in flagged]
-        path = os.path.join(self.folder, f"health_{self._step:08d}.json")
+        path = os.path.join(self.folder, f"health_{step:08d}.json")
         if self.within is not None:
             refuse_link_out(self.folder, self.within)
-        write_health_dump(path, self._state, reason=reason, flagged=flagged, step=self._step)
-        return {"event": "dump", "step": self._step, "path": path, "reason": reason}
+        write_health_dump(path, state, reason=reason, flagged=flagged, step=step)
+        return {"event": "dump", "step": step, "path": path, "reason": reason}
 
     def close(self) -> list[dict[str, Any]]:
         """At the end of a run: check the last flags and write the dump still owed (fewer steps after it)."""
-        if self._state is None:
+        if self._state is None or self._step is None:  # set together, by the first step handed over
             return []
         events = self._check() if self._recent else []
         if self._pending:
-            events.append(self._dump("flagged", list(self._pending)))
+            events.append(self._dump("flagged", list(self._pending), self._state, self._step))
         return events

@@ -143,10 +143,11 @@ class Compiled:
     @property
     def total_bytes(self) -> int | None:
         """Arguments + outputs - aliased (donated) + temporaries + generated code: the step's peak as XLA plans it."""
-        parts = (self.argument_bytes, self.output_bytes, self.temp_bytes, self.generated_code_bytes)
-        if any(p is None for p in parts):
+        parts = [self.argument_bytes, self.output_bytes, self.temp_bytes, self.generated_code_bytes]
+        known = [p for p in parts if p is not None]
+        if len(known) < len(parts):
             return None
-        return sum(parts) - (self.alias_bytes or 0)
+        return sum(known) - (self.alias_bytes or 0)
 
     def to_json(self) -> dict[str, Any]:
         return {"argument_bytes": self.argument_bytes, "output_bytes": self.output_bytes,
@@ -494,7 +495,9 @@ class _Layout:
         """Lay ``tree`` out: leaves without a layout of their own take the one of the param they ``mirrors``;
         ``collect`` gathers this part's layouts by path (the params', for the parts that mirror them)."""
         pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-        plans, abstract, shardings = [], [], []
+        plans: list[Any] = []
+        abstract: list[Any] = []
+        shardings: list[Any] = []
         for keypath, leaf in pairs:
             boxed = is_box(leaf)
             if not is_array_like(leaf):
@@ -516,7 +519,7 @@ class _Layout:
                 names = box_spec(leaf) if boxed else None
                 trust = (hit is None or hit[0] == shape) and (names is None or len(tuple(names)) <= len(shape))
             spec = _own_spec(leaf, asked=self.asked, trust_names=trust)
-            if spec is None and hit is not None:
+            if spec is None and hit is not None and mirrors is not None:  # a hit comes from mirrors
                 spec = mirrors.spec_for(parts, shape, hit)
             entries, per_device, leaf_sharding = self._laid(part, path, shape, spec)
             if collect is not None:
@@ -658,7 +661,7 @@ def _compiled(step_fn: Callable, state: PyTree, step_args: Sequence[Any], sizes:
 
 def _with_parts(tree: Any, parts: Mapping[str, Any], laid: Mapping[str, PyTree], added: bool) -> Any:
     """The state ``step_fn`` gets: ``tree`` with each part's abstract (laid-out) tree in place."""
-    if dataclasses.is_dataclass(tree) and not isinstance(tree, Mapping):
+    if dataclasses.is_dataclass(tree) and not isinstance(tree, (type, Mapping)):  # an instance: a TrainState
         if added:
             raise ValueError("`optimizer=` with a dataclass state (a TrainState) that `step_fn` takes: the state "
                              "holds its own opt_state; drop `optimizer=`.")

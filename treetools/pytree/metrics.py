@@ -89,7 +89,7 @@ def _start_transfer(metrics: Mapping[str, Any]) -> None:
         if copy is not None:
             try:
                 copy()
-            except Exception:  # noqa: BLE001 - an array that cannot start early is fetched by device_get below
+            except Exception:  # an array that cannot start early is fetched by device_get below
                 pass
 
 
@@ -189,7 +189,8 @@ def read_metrics(path: str | os.PathLike, *, drop_superseded: bool = True) -> li
     >>> import os, tempfile
     >>> folder = tempfile.mkdtemp()
     >>> _ = open(os.path.join(folder, "metrics.jsonl"), "w").write(
-    ...     '{"step": 1, "loss": 3.0}\\n{"step": 2, "loss": 2.0}\\n{"step": 2, "loss": 2.5}\\n{"step": 3, "loss": 1.5}\\n')
+    ...     '{"step": 1, "loss": 3.0}\\n{"step": 2, "loss": 2.0}\\n'
+    ...     '{"step": 2, "loss": 2.5}\\n{"step": 3, "loss": 1.5}\\n')
     >>> [(r["step"], r["loss"]) for r in read_metrics(folder)]
     [(1, 3.0), (2, 2.5), (3, 1.5)]
     """
@@ -323,7 +324,8 @@ class TensorBoardWriter:
         try:
             from tensorboardX import SummaryWriter
         except ImportError:
-            raise ImportError(f"TensorBoardWriter needs tensorboardX; install it: {install_hint('tensorboard')}") from None
+            raise ImportError(f"TensorBoardWriter needs tensorboardX; install it: "
+                              f"{install_hint('tensorboard')}") from None
         purge = None if resume_step is None else operator.index(resume_step) + 1
         # tensorboardX names its file by the second and the host: a writer made in the same second (a quick
         # restart) would truncate the earlier file. A process- and time-unique suffix keeps both.
@@ -462,8 +464,8 @@ class MetricsLogger:
     ):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"`every` must be a positive int, got {every!r}.")
-        many = isinstance(writer, Sequence) and not isinstance(writer, (str, bytes))
-        self.writers = [_writer(w, resume_step) for w in (writer if many else [writer])]
+        given = list(writer) if isinstance(writer, Sequence) and not isinstance(writer, (str, bytes)) else [writer]
+        self.writers = [_writer(w, resume_step) for w in given]
         self.writer = self.writers[0] if len(self.writers) == 1 else self._write_all
         self.every = every
         self.asynchronous = asynchronous

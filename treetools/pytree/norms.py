@@ -139,12 +139,12 @@ def _norm_entries(
                      group_counts=per_name, abs_max=max_key is not None, stacks=split)
     totals: dict[str, jax.Array] = {kind: reduced.norm}
     per: dict[str, jax.Array] = {f"{kind}/{name}": g for name, g in zip(names, reduced.groups)}
-    if count_key is not None:
+    if count_key is not None and reduced.nonfinite is not None:  # computed when asked (count_nonfinite)
         totals[count_key] = reduced.nonfinite
         per.update({f"{count_key}/{name}": c for name, c in zip(names, reduced.group_nonfinite or [])})
-    if max_key is not None:
+    if max_key is not None and reduced.abs_max is not None:  # computed when asked (abs_max)
         totals[max_key] = reduced.abs_max
-        per.update({f"{max_key}/{name}": m for name, m in zip(names, reduced.group_abs_max)})
+        per.update({f"{max_key}/{name}": m for name, m in zip(names, reduced.group_abs_max or [])})
     return totals, per
 
 
@@ -341,7 +341,7 @@ def norm_metrics(
 # --------------------------------------------------------------------------- #
 
 
-def clip_by_global_norm(max_norm: float):
+def clip_by_global_norm(max_norm: float) -> Any:
     """``optax.clip_by_global_norm`` computed with ``get_sharded_global_norm``.
 
     Drop-in for optax's transform that is also right inside ``shard_map`` on

@@ -13,6 +13,7 @@ dict_keys(['params/Dense_0/kernel'])
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 import jax
@@ -107,8 +108,7 @@ def leaves_with_paths(tree: PyTree, *, also_leaf: Callable[[Any], bool] | None =
     leaf = is_leaf if also_leaf is None else (lambda x: is_leaf(x) or also_leaf(x))
     pairs = [(path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=leaf)]
     if len({p for p, _ in pairs}) != len(pairs):
-        seen: set[str] = set()
-        dup = sorted({p for p, _ in pairs if p in seen or seen.add(p)})
+        dup = sorted(p for p, n in collections.Counter(p for p, _ in pairs).items() if n > 1)
         raise ValueError(
             f"leaves share the path string(s) {dup[:5]}; rename the keys so that each leaf has one path."
         )

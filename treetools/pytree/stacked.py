@@ -69,7 +69,8 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Number
-from typing import Any, Union
+from types import FrameType
+from typing import Any, TypeGuard
 
 from treetools.shared.aliases import PathStr
 from treetools.pytree.partitioning import is_box, is_partitioned, layer_axis, unbox
@@ -79,7 +80,7 @@ from treetools.shared.patterns import compile_patterns, match_patterns
 LAYER_AXIS = "layers"
 """The box axis name that marks a stacked leaf's layer axis (flax's ``nn.PARTITION_NAME`` value by convention)."""
 
-Stacked = Union[bool, Mapping[str, int], None]
+Stacked = bool | Mapping[str, int] | None
 """``stacked=`` values: None/True (found from boxes), False (none), ``{pattern: axis}``."""
 
 
@@ -101,7 +102,7 @@ def layer_parts(parts: Sequence[str], stack: Stack, layer: int) -> tuple[str, ..
     return (*parts[: stack.at], str(layer), *parts[stack.at :])
 
 
-def split_within(stack: Stack | None, depth: int | None) -> bool:
+def split_within(stack: Stack | None, depth: int | None) -> TypeGuard[Stack]:
     """Whether a stacked leaf's layers get keys of their own at ``depth``: the depth rule of per-layer results.
 
     ``depth`` counts the parts of a layer's path, the layer index being one
@@ -167,7 +168,8 @@ def find_stacks(
     )
 
 
-def _from_patterns(pairs, stacked: Mapping[str, int], shape_of) -> list[Stack | None]:
+def _from_patterns(pairs: Sequence[tuple[str, Any]], stacked: Mapping[str, int],
+                   shape_of: Callable[[Any], Any]) -> list[Stack | None]:
     paths = [p for p, _ in pairs]
     out: list[Stack | None] = [None] * len(pairs)
     for pattern, axis in stacked.items():
@@ -188,7 +190,9 @@ def _from_patterns(pairs, stacked: Mapping[str, int], shape_of) -> list[Stack | 
                     f"`stacked` pattern {pattern!r} matches leaf `{paths[i]}` ({what}), which has no axis {axis}; "
                     "narrow the pattern to the stacked leaves or fix the axis."
                 )
-            out[i] = Stack(axis % ndim, shape[axis % ndim], _parts_through(paths[i], regex.search(paths[i]).end()))
+            found = regex.search(paths[i])  # a match: `hit` says so
+            end = found.end() if found is not None else len(paths[i])
+            out[i] = Stack(axis % ndim, shape[axis % ndim], _parts_through(paths[i], end))
     return out
 
 
@@ -201,13 +205,25 @@ def _parts_through(path: str, end: int) -> int:
     return path[:end].count(SEP) + 1
 
 
-def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | None]:
+def _from_boxes(pairs: Sequence[tuple[str, Any]], shape_of: Callable[[Any], Any],
+                warn_unmarked: bool = False) -> list[Stack | None]:
     if not warn_unmarked and not any(is_box(x) for _, x in pairs):
         return [None] * len(pairs)  # only a box names a layer axis: no box, no stack (and no path is split)
     parts = [_parts(p) for p, _ in pairs]
     shapes = [shape_of(x) for _, x in pairs]
-    # What each leaf says: (axis, L) for a box naming the layer axis; "other" for a box with other
-    # names; None for a leaf without sharding names (it joins a stack its shape fits).
+    says = _box_says(pairs, shapes)
+    if not any(isinstance(sig, tuple) for sig in says):
+        # No box names a layer axis: nothing is stacked, but say so where the shapes look stacked.
+        unmarked = _unmarked_stacks(_subtrees(parts), shapes, says) if warn_unmarked else []
+        if unmarked:
+            warnings.warn(_unmarked_message(unmarked, parts, shapes), stacklevel=_caller_level())
+        return [None] * len(pairs)
+    return _marked_stacks(parts, shapes, says)
+
+
+def _box_says(pairs: Sequence[tuple[str, Any]], shapes: list) -> list[Any]:
+    """What each leaf says: (axis, L) for a box naming the layer axis; "other" for a box with other names; None
+    for a leaf without sharding names (it joins a stack its shape fits)."""
     says: list[Any] = []
     for (_, x), shape in zip(pairs, shapes):
         axis = layer_axis(x, LAYER_AXIS)
@@ -215,12 +231,12 @@ def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | No
             says.append((axis, shape[axis]))
         else:
             says.append("other" if is_partitioned(x) else None)
-    if not any(isinstance(sig, tuple) for sig in says):
-        # No box names a layer axis: nothing is stacked, but say so where the shapes look stacked.
-        unmarked = _unmarked_stacks(_subtrees(parts), shapes, says) if warn_unmarked else []
-        if unmarked:
-            warnings.warn(_unmarked_message(unmarked, parts, shapes), stacklevel=_caller_level())
-        return [None] * len(pairs)
+    return says
+
+
+def _marked_stacks(parts: list[tuple[str, ...]], shapes: list, says: list[Any]) -> list[Stack | None]:
+    """The stacks: each leaf whose box names the layer axis, with every leaf of the largest subtree above it whose
+    leaves all fit its ``(axis, L)``."""
     under = _subtrees(parts)
 
     def fits(j: int, sig: tuple[int, int]) -> bool:
@@ -230,15 +246,16 @@ def _from_boxes(pairs, shape_of, warn_unmarked: bool = False) -> list[Stack | No
         return says[j] == sig
 
     uniform: dict[tuple[tuple[str, ...], tuple[int, int]], bool] = {}
-    out: list[Stack | None] = [None] * len(pairs)
+    out: list[Stack | None] = [None] * len(parts)
     for i, sig in enumerate(says):
         if not isinstance(sig, tuple) or out[i] is not None:
             continue
+        prefix = parts[i]  # the leaf itself fits: the longest prefix always does
         for k in range(len(parts[i]) + 1):
-            prefix = parts[i][:k]
-            if (prefix, sig) not in uniform:
-                uniform[prefix, sig] = all(fits(j, sig) for j in under[prefix])
-            if uniform[prefix, sig]:
+            if (parts[i][:k], sig) not in uniform:
+                uniform[parts[i][:k], sig] = all(fits(j, sig) for j in under[parts[i][:k]])
+            if uniform[parts[i][:k], sig]:
+                prefix = parts[i][:k]
                 break
         group = under[prefix]
         if len(group) > 1:
@@ -267,7 +284,8 @@ def _common_length(paths: list[tuple[str, ...]]) -> int:
     return n
 
 
-def _unmarked_stacks(under: dict[tuple[str, ...], list[int]], shapes: list, says: list) -> list[tuple[tuple[str, ...], int]]:
+def _unmarked_stacks(under: dict[tuple[str, ...], list[int]], shapes: list,
+                     says: list) -> list[tuple[tuple[str, ...], int]]:
     """``(module path, L)`` of the outermost subtrees that look stacked without a box saying so (module doc)."""
     found: list[tuple[tuple[str, ...], int]] = []
     for prefix in sorted(under, key=len):
@@ -288,7 +306,8 @@ def _unmarked_message(unmarked: list[tuple[tuple[str, ...], int]], parts: list[t
     named = []
     for prefix, length in unmarked:
         leaves = [(SEP.join(ps), shapes[j]) for j, ps in enumerate(parts) if ps[: len(prefix)] == prefix]
-        shown = ", ".join(f"`{p}` {s}" for p, s in leaves[:3]) + (f", ... ({len(leaves)} leaves)" if len(leaves) > 3 else "")
+        shown = ", ".join(f"`{p}` {s}" for p, s in leaves[:3])
+        shown += f", ... ({len(leaves)} leaves)" if len(leaves) > 3 else ""
         named.append(f"`{SEP.join(prefix) or '(the whole tree)'}` ({shown}: L={length})")
     fix = {("^" + re.escape(SEP.join(prefix)) + SEP if prefix else "^"): 0 for prefix, _ in unmarked}
     return (
@@ -301,7 +320,8 @@ def _unmarked_message(unmarked: list[tuple[tuple[str, ...], int]], parts: list[t
 
 def _caller_level() -> int:
     """The ``stacklevel`` of the first frame outside treetools: the user's call, whichever function it went through."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_globals.get("__name__", "").startswith("treetools."):
         frame, level = frame.f_back, level + 1
     return level

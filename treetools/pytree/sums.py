@@ -114,7 +114,8 @@ def _unknown_layout(x: Any) -> str | None:
     if names := unmapped_logical_names(x):
         return (
             f"a LogicallyPartitioned box with logical names {names} and no rules mapping them to mesh axes; "
-            "trace the shard_map'd function inside `with nn.logical_axis_rules(rules):` (or build the box with `rules=`)"
+            "trace the shard_map'd function inside `with nn.logical_axis_rules(rules):` (or build the box with "
+            "`rules=`)"
         )
     info = leaf_sharding(x)
     unknown = [a for a in _spec_axes(info.spec) if a not in mesh.axis_names] if info is not None else []
@@ -346,7 +347,7 @@ def reduce_norms(
     # inline: a nested jit holding the (CPU) lax.cond fails under vmap with
     # unbatched constants beside batch-sharded leaves (a jax limitation).
     traced = any(isinstance(v, jax.core.Tracer) for v in values)
-    options = {"groups": groups, "count_nonfinite": count_nonfinite, "stacks": leaf_stacks,
+    options: dict[str, Any] = {"groups": groups, "count_nonfinite": count_nonfinite, "stacks": leaf_stacks,
                "group_counts": group_counts, "abs_max": abs_max}
     if layout is not None:
         mesh, specs = layout
@@ -437,7 +438,9 @@ def _sharded_norms_body(values, *, mesh, specs, stacks, **options):
     """
     axes = tuple(_spec_axes(spec) for spec in specs)
     stacks = tuple(s if s is None else (s[0], s[1], _entry_axes(spec, s[0])) for s, spec in zip(stacks, specs))
-    body = functools.partial(_norms_body, axes=axes, stacks=stacks, **options)
+    def body(values: Any) -> _Reduced:
+        return _norms_body(values, axes=axes, stacks=stacks, **options)
+
     return jax.shard_map(body, mesh=mesh, in_specs=(list(specs),), out_specs=PartitionSpec())(values)
 
 
@@ -484,7 +487,8 @@ def _group_totals(
     return out
 
 
-def _norms_body(values, *, axes, stacks, groups, count_nonfinite, group_counts=False, abs_max=False) -> _Reduced:
+def _norms_body(values: Any, *, axes: Any, stacks: Any, groups: Any, count_nonfinite: bool, group_counts: bool = False,
+                abs_max: bool = False) -> _Reduced:
     """Per-leaf (per-layer) sums of squares, psum-ed per axis set; the global and group norms; the non-finite
     counts and largest ``|x|`` where asked."""
     sq = _batched_psum([_layer_sq(v, s) for v, s in zip(values, stacks)], axes)

@@ -27,8 +27,8 @@ Everything treetools offers, used the way a trainer would:
   flagged steps skip the update (``optax.tree.where``, as
   ``optax.apply_if_finite``; such a step logs update norms and ratios of 0, the
   update it discarded as ``discarded_update_ratio``, and a line of its own in
-  metrics.jsonl when it is no log step; each log step has ``flagged_since_log``), a ``HealthRecorder`` ring buffer on the device
-  (saved with the checkpoint as item ``health``) and a ``HealthDumper`` that
+  metrics.jsonl when it is no log step; each log step has ``flagged_since_log``), a ``HealthRecorder`` ring buffer
+  on the device (saved with the checkpoint as item ``health``) and a ``HealthDumper`` that
   writes ``WORKDIR/health/health_<step>.json`` a few steps after a flagged
   step; ``inject_spike=STEP`` feeds a deliberately bad batch (every token 0,
   like a batch of padding) at that step, to show the whole loop.
@@ -43,7 +43,7 @@ import dataclasses
 import os
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, cast
 
 import jax
 import jax.numpy as jnp
@@ -134,7 +134,7 @@ def _shardings(abstract: Any, mesh: jax.sharding.Mesh) -> Any:
 
 
 def _loss_fn(model: Transformer, params: Any, batch: jax.Array) -> jax.Array:
-    logits = model.apply({"params": params}, batch[:, :-1])
+    logits = cast(jax.Array, model.apply({"params": params}, batch[:, :-1]))  # no mutable=: the output alone
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch[:, 1:]).mean()
 
 
@@ -144,7 +144,8 @@ def make_health(cfg: TrainConfig) -> tuple[tt.SpikeDetector, tt.HealthRecorder]:
             tt.HealthRecorder(length=cfg.health_length))
 
 
-def _step_metrics(cfg: TrainConfig, grads: Any, params: Any, updates: Any, opt_state: Any, loss: jax.Array):
+def _step_metrics(cfg: TrainConfig, grads: Any, params: Any, updates: Any, opt_state: Any,
+                  loss: jax.Array) -> dict[str, Any]:
     if cfg.health:
         metrics = tt.norm_metrics(grads=grads, params=params, updates=updates, opt_state=opt_state,
                                   depth=block_depth(cfg), abs_max=True)
@@ -165,7 +166,7 @@ def _skipped_update(metrics: dict[str, Any], flagged: jax.Array) -> dict[str, An
     return out
 
 
-def build(cfg: TrainConfig):
+def build(cfg: TrainConfig) -> tuple[Any, Transformer, dict[str, Any], Any, Any, Callable]:
     """Model, optimizer, mesh, sharded initial state and the jitted step.
 
     With ``cfg.health`` the state holds ``health`` (the detector's and the
@@ -196,7 +197,7 @@ def build(cfg: TrainConfig):
     state = jax.jit(full_init, out_shardings=state_shardings)(jax.random.key(cfg.seed))
     batch_sharding = NamedSharding(mesh, P(("data", "fsdp"), None))
 
-    def train_step(state: dict[str, Any], batch: jax.Array, step: jax.Array):
+    def train_step(state: dict[str, Any], batch: jax.Array, step: jax.Array) -> tuple[dict[str, Any], Any]:
         loss, grads = jax.value_and_grad(lambda p: _loss_fn(model, p, batch))(state["params"])
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -285,17 +286,8 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
                                  weight_decay_exclude=list(WEIGHT_DECAY_EXCLUDE), allow_unmatched=True, depth=None))
     start = 0
     if latest is not None:
-        parts = ("params", "params_ema", "opt_state")
-        targets = tt.make_abstract({k: state[k] for k in parts})
-        # A run saved without --health has no `health` item: its detector and recorder start afresh.
-        has_health = cfg.health and "health" in tt.open_source(ckpt_dir).item_names(latest)
-        if has_health:
-            targets["health"] = tt.make_abstract(state["health"])
-        restored = tt.restore_checkpoint(manager, latest, {**targets, "data_iter": None})
-        state = {**state, **{k: restored[k] for k in (*parts, *(["health"] if has_health else []))}}
-        data.set_state(restored["data_iter"])
+        state = _resume(cfg, ckpt_dir, latest, manager, state, data)
         start = latest
-        _say(cfg, f"resumed from step {latest} in {ckpt_dir}")
 
     # A fresh run starts metrics.jsonl afresh; a resumed one keeps the records up to the restored
     # step and drops those logged after it (they are about to be logged again).
@@ -333,53 +325,105 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     # queue up; there, wait for each step. Accelerators keep running ahead.
     one_in_flight = jax.default_backend() == "cpu"
     for step in range(start + 1, cfg.steps + 1):
-        batch = next(data)
-        if step == cfg.inject_spike:
-            batch = np.zeros_like(batch)  # a deliberately bad batch: every token 0 (a batch of padding)
-            _say(cfg, f"step {step}: injecting a bad batch (every token 0)")
-        batch = jax.device_put(batch, batch_sharding)
-        if cfg.health:
-            state, (metrics, report) = step_fn(state, batch, step)
-        else:
-            state, metrics = step_fn(state, batch, step)
-        if one_in_flight:
-            jax.block_until_ready(metrics)
+        batch = jax.device_put(_next_batch(cfg, data, step), batch_sharding)
+        state, metrics, report = _take_step(cfg, step_fn, state, batch, step, one_in_flight)
         if dumper is not None:  # before the logger: the flags of every earlier step are read by then
             unread[step] = metrics
-            for event in dumper(step, state["health"]["recorder"], state["health"]["detector"], report):
-                events.append(event)
-                _say_event(cfg, event)
-                _log_flagged(cfg, event, unread, flag_log, flags)
-            for s in [s for s in unread if s < step]:
-                del unread[s]
-            if step % cfg.log_every == 0:
-                metrics = {**metrics, "flagged_since_log": metrics["flagged"] + flags[0]}
-                flags[:] = [0, step]
+            events += _health_events(cfg, dumper(step, state["health"]["recorder"], state["health"]["detector"],
+                                                 report), unread, flag_log, flags)
+            metrics = _after_health(cfg, step, metrics, unread, flags)
         logger(step, metrics)
         if step % cfg.ckpt_every == 0 or step == cfg.steps:
             if dumper is not None and step == cfg.steps:
-                for event in dumper.close():
-                    events.append(event)
-                    _say_event(cfg, event)
-                    _log_flagged(cfg, event, unread, flag_log, flags)
-            items = {"params": state["params"], "params_ema": state["params_ema"], "opt_state": state["opt_state"],
-                     "data_iter": data.get_state()}
-            if cfg.health:
-                items["health"] = state["health"]
-            tt.save_checkpoint(manager, step, items, force=step == cfg.steps,
+                events += _health_events(cfg, dumper.close(), unread, flag_log, flags)
+            tt.save_checkpoint(manager, step, _checkpoint_items(cfg, state, data), force=step == cfg.steps,
                                metrics={k: float(metrics[k]) for k in CHECKPOINT_METRICS})  # a save step's sync
     manager.wait_until_finished()
     manager.close()
-    for writer in writers:
-        close = getattr(writer, "close", None)
-        if callable(close):
-            close()
+    _close_writers(writers)
     _say(cfg, f"checkpoints: {ckpt_dir}\nmetrics:     {os.path.abspath(metrics_path)}")
     _say(cfg, f"inspect with: treetools inspect {ckpt_dir}")
     return {"state": state, "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
             "checkpoint_dir": ckpt_dir,
             "metrics_path": metrics_path, "optimal_loss": data.optimal_loss(), "start_step": start,
             "health_events": events}
+
+
+def _resume(cfg: TrainConfig, ckpt_dir: str, latest: int, manager: Any, state: dict[str, Any],
+            data: MarkovTask) -> dict[str, Any]:
+    """``state`` with what step ``latest`` saved restored into it (``data`` set to its saved position)."""
+    parts = ("params", "params_ema", "opt_state")
+    targets = tt.make_abstract({k: state[k] for k in parts})
+    # A run saved without --health has no `health` item: its detector and recorder start afresh.
+    has_health = cfg.health and "health" in tt.open_source(ckpt_dir).item_names(latest)
+    if has_health:
+        targets["health"] = tt.make_abstract(state["health"])
+    restored = tt.restore_checkpoint(manager, latest, {**targets, "data_iter": None})
+    state = {**state, **{k: restored[k] for k in (*parts, *(["health"] if has_health else []))}}
+    data.set_state(restored["data_iter"])
+    _say(cfg, f"resumed from step {latest} in {ckpt_dir}")
+    return state
+
+
+def _take_step(cfg: TrainConfig, step_fn: Callable, state: Any, batch: Any, step: int,
+               one_in_flight: bool) -> tuple[Any, Any, Any]:
+    """One training step: the new state, its metrics, and the health report (None without ``--health``)."""
+    report = None
+    if cfg.health:
+        state, (metrics, report) = step_fn(state, batch, step)
+    else:
+        state, metrics = step_fn(state, batch, step)
+    if one_in_flight:
+        jax.block_until_ready(metrics)
+    return state, metrics, report
+
+
+def _next_batch(cfg: TrainConfig, data: MarkovTask, step: int) -> np.ndarray:
+    """The batch of ``step``: the task's next, or at ``--inject-spike`` a deliberately bad one."""
+    batch = next(data)
+    if step == cfg.inject_spike:
+        batch = np.zeros_like(batch)  # a deliberately bad batch: every token 0 (a batch of padding)
+        _say(cfg, f"step {step}: injecting a bad batch (every token 0)")
+    return batch
+
+
+def _after_health(cfg: TrainConfig, step: int, metrics: dict[str, Any], unread: dict[int, Any],
+                  flags: list[int]) -> dict[str, Any]:
+    """Once the dumper has read ``step``'s flags: the earlier steps' metrics forgotten, and a log step's
+    ``metrics`` with ``flagged_since_log`` (the count then starts again)."""
+    for s in [s for s in unread if s < step]:
+        del unread[s]
+    if step % cfg.log_every == 0:
+        metrics = {**metrics, "flagged_since_log": metrics["flagged"] + flags[0]}
+        flags[:] = [0, step]
+    return metrics
+
+
+def _health_events(cfg: TrainConfig, new: Iterable[dict[str, Any]], unread: dict[int, Any], flag_log: Any,
+                   flags: list[int]) -> list[dict[str, Any]]:
+    """The dumper's ``new`` events, each said on stderr and its flagged step logged (``_log_flagged``)."""
+    events = []
+    for event in new:
+        events.append(event)
+        _say_event(cfg, event)
+        _log_flagged(cfg, event, unread, flag_log, flags)
+    return events
+
+
+def _checkpoint_items(cfg: TrainConfig, state: dict[str, Any], data: MarkovTask) -> dict[str, Any]:
+    """The items a checkpoint of the run saves."""
+    items = {"params": state["params"], "params_ema": state["params_ema"], "opt_state": state["opt_state"],
+             "data_iter": data.get_state()}
+    if cfg.health:
+        items["health"] = state["health"]
+    return items
+
+
+def _close_writers(writers: list[Any]) -> None:
+    for writer in writers:
+        close = getattr(writer, "close", None)
+        if callable(close):
+            close()
 
 
 def _extra_writers(cfg: TrainConfig, resume_step: int | None) -> list[Any]:

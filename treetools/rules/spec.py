@@ -603,7 +603,8 @@ class Rules:
         unknown = sorted(set(flags) - set(FIELDS))
         if unknown:
             raise TypeError(f"unknown rules flag(s) {unknown}; the fields are {list(FIELDS)}.")
-        given = cls(**{k: FIELDS[k].kind.from_flags(v) for k, v in flags.items()})
+        parsed: dict[str, Any] = {k: FIELDS[k].kind.from_flags(v) for k, v in flags.items()}
+        given = cls(**parsed)
         return given if rules_file is None else cls.from_file(rules_file).merge(given)
 
     def merge(self, later: Rules) -> Rules:
@@ -618,7 +619,9 @@ class Rules:
         >>> Rules(cast={"w$": "float16"}, drop=["a"]).merge(Rules(cast={"w$": "bfloat16"}, drop=["b"]))
         Rules(drop=('a', 'b'), cast=(('w$', 'bfloat16'),))
         """
-        return Rules(**{k: field.kind.merge(getattr(self, k), getattr(later, k)) for k, field in FIELDS.items()})
+        merged: dict[str, Any] = {k: field.kind.merge(getattr(self, k), getattr(later, k))
+                                  for k, field in FIELDS.items()}
+        return Rules(**merged)
 
     # -------------------------------------------------------------------------------------- planning
 
@@ -692,7 +695,8 @@ def fields_markdown() -> str:
     """The field table as docs/rules.md shows it (``tests/test_rules.py`` checks the page against it).
 
     >>> print(fields_markdown().splitlines()[3])
-    | `drop=[pattern, ...]` | leave out the source leaves a pattern matches | checkpoint paths | `--drop RE`, repeatable |
+    | `drop=[pattern, ...]` | leave out the source leaves a pattern matches | checkpoint paths | `--drop RE`,
+    repeatable |
     """
     lines = ["| field | meaning | matched against | flag |", "|---|---|---|---|"]
     for name, field in FIELDS.items():

@@ -87,7 +87,8 @@ _TMP = re.compile(r"^\.(.+?)\.treetools-(?:tmp|old|probe)-\d+-[0-9a-f]{8}")
 def user_path(path: str) -> str:
     """The destination a temporary name (``tmp_name``) stands for; any other path as it is.
 
-    >>> user_path("/out/.model.safetensors.treetools-tmp-12-0123abcd"), user_path("/out/.x.treetools-tmp-1-0123abcd.orbax-checkpoint-tmp/d/f")
+    >>> (user_path("/out/.model.safetensors.treetools-tmp-12-0123abcd"),
+    ...  user_path("/out/.x.treetools-tmp-1-0123abcd.orbax-checkpoint-tmp/d/f"))
     ('/out/model.safetensors', '/out/x')
     >>> user_path("/out/model.safetensors")
     '/out/model.safetensors'
@@ -321,7 +322,8 @@ def swap_in(tmp: str, dst: str, *, overwrite: bool = True) -> None:
 
     >>> import tempfile
     >>> d = tempfile.mkdtemp(); os.makedirs(os.path.join(d, "new", "x")); os.makedirs(os.path.join(d, "old", "y"))
-    >>> swap_in(os.path.join(d, "new"), os.path.join(d, "old")); sorted(os.listdir(d)), os.listdir(os.path.join(d, "old"))
+    >>> swap_in(os.path.join(d, "new"), os.path.join(d, "old"))
+    >>> sorted(os.listdir(d)), os.listdir(os.path.join(d, "old"))
     (['old'], ['x'])
     """
     if not overwrite:

@@ -79,7 +79,8 @@ def match_patterns(paths: Sequence[str], patterns: Sequence[re.Pattern], *, name
     >>> match_patterns(["a/bias"], compile_patterns(["kernel"], name="include"), name="include")
     Traceback (most recent call last):
     ...
-    treetools.shared.errors.PatternError: `include` pattern 'kernel' matches no leaf; nearby paths: ['a/bias']. Fix the pattern or drop it.
+    treetools.shared.errors.PatternError: `include` pattern 'kernel' matches no leaf; nearby paths: ['a/bias']. Fix
+    the pattern or drop it.
     """
     hits = [False] * len(paths)
     for pat in patterns:
@@ -125,7 +126,8 @@ def select_any(names: Sequence[Sequence[str]], include: Sequence[str] = (), excl
     >>> select_any([("params/w", "w"), ("opt/w", "w")], include=["^x"])
     Traceback (most recent call last):
     ...
-    treetools.shared.errors.PatternError: `include` pattern '^x' matches no leaf; nearby paths: ['params/w', 'opt/w']. Fix the pattern or drop it.
+    treetools.shared.errors.PatternError: `include` pattern '^x' matches no leaf; nearby paths: ['params/w', 'opt/w'].
+    Fix the pattern or drop it.
     """
     flat = list(dict.fromkeys(n for group in names for n in group))
     shown = list(dict.fromkeys(group[0] for group in names if group))

@@ -16,7 +16,7 @@ import math
 import os
 import re
 from collections import Counter
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from treetools.shared.rows import MIXED, STATS, Row, Totals, format_count, format_shape, human, nonfinite_count, totals
 
@@ -336,7 +336,7 @@ def row_cells(rows: Sequence[Row], columns: Sequence[str], *, strip: int = 0, la
     >>> row_cells([Row(("enc", "w"), (4,), "float32", 4, 16)], ["path", "shape", "count", "bytes", "mean"])
     (['path', 'shape', 'params', 'bytes', 'mean'], [['enc/w', '(4,)', '4', '16 B', '']])
     """
-    cells = {
+    cells: dict[str, Callable[..., str]] = {
         "path": lambda r: safe_text(r.sep.join(r.path[strip:]) or r.name, width=path_width),
         "leaves": lambda r: str(r.leaves),
         "shape": lambda r: format_shape(r.shape),

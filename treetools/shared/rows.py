@@ -19,7 +19,7 @@ import functools
 import math
 import numbers
 import re
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence, cast
 
 MIXED = "mixed"
 
@@ -81,10 +81,11 @@ class LeafSharding:
         """Whether ``other`` splits the same dimensions over the same mesh axes (None counts as replicated)."""
         if other is None:
             return self.replicated
-        return self.entries == other.entries and (self.mesh is None or other.mesh is None or dict(self.mesh) == dict(other.mesh))
+        return self.entries == other.entries and (self.mesh is None or other.mesh is None
+                                                  or dict(self.mesh) == dict(other.mesh))
 
     def to_json(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "mesh": dict(self.mesh) if self.mesh is not None else None,
             "spec": [list(e) if isinstance(e, (tuple, list)) else e for e in tuple(self.spec)],
         }
@@ -277,7 +278,8 @@ def totals(rows: Iterable[Row]) -> Totals:
     """Global params and bytes with a per-dtype breakdown (leaf rows only).
 
     >>> totals([Row(("a",), (2,), "float32", 2, 8), Row(("b",), (3,), "int8", 3, 3)]).to_json()
-    {'total_params': 5, 'total_bytes': 11, 'by_dtype': {'float32': {'params': 2, 'bytes': 8}, 'int8': {'params': 3, 'bytes': 3}}}
+    {'total_params': 5, 'total_bytes': 11, 'by_dtype': {'float32': {'params': 2, 'bytes': 8},
+    'int8': {'params': 3, 'bytes': 3}}}
     """
     params = nbytes = leaves = 0
     by_dtype: dict[str, dict[str, int]] = {}
@@ -379,7 +381,7 @@ def parse_size(size: int | float | str, *, what: str = "size", bare: int = 1, un
     (524288, inf)
     """
     if isinstance(size, numbers.Number) and not isinstance(size, bool):
-        value = size * bare
+        value: float = cast(float, size) * bare  # any real number, numpy's too
     else:
         text = str(size).strip()
         if unbounded and text.lower() in ("inf", "infinity"):

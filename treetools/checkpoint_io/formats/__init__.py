@@ -55,6 +55,8 @@ def _declared(file: str) -> tuple[int, str, str] | None:
         call = node.value
         given = {k.arg: k.value for k in call.keywords if k.arg is not None}
         name = given.get("name", call.args[0] if call.args else None)
+        if name is None:
+            return None
         try:
             return (ast.literal_eval(given["priority"]), ast.literal_eval(name),
                     ast.literal_eval(given["description"]) if "description" in given else "")

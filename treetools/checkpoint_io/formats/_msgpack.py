@@ -57,6 +57,10 @@ of them held 188 MB against a 16 MB budget)."""
 _NOTHING = object()
 _INTS = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q", 0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
 _LENGTH = {1: ">B", 2: ">H", 4: ">I"}
+_NUMBERS = {0xCA: ">f", 0xCB: ">d", **_INTS}
+_SIZED = {**{0xC4 + k: ("bin", 1 << k) for k in range(3)}, **{0xD9 + k: ("str", 1 << k) for k in range(3)},
+          **{0xDC + k: ("array", 2 << k) for k in range(2)}, **{0xDE + k: ("map", 2 << k) for k in range(2)}}
+"""Headers followed by a length: ``header byte -> (kind, bytes of the length)``."""
 
 
 class MsgpackError(CheckpointError):
@@ -167,30 +171,27 @@ class _Walker:
             return "array", b & 0x0F
         if b <= 0xBF:
             return "value", self.text(b & 0x1F)
+        return self._typed_header(b)
+
+    def _typed_header(self, b: int) -> tuple[str, Any]:
+        """``header`` of the first bytes 0xc0-0xdf: nil, booleans, numbers, and what a length or a size follows."""
+        cur = self.cur
         if b == 0xC0:
             return "value", None
         if b in (0xC2, 0xC3):
             return "value", b == 0xC3
-        if b in (0xC4, 0xC5, 0xC6):
-            return "bin", cur.unpack(_LENGTH[1 << (b - 0xC4)], 1 << (b - 0xC4))
+        if b in _NUMBERS:
+            fmt = _NUMBERS[b]
+            return "value", cur.unpack(fmt, struct.calcsize(fmt))
+        if b in _SIZED:
+            kind, width = _SIZED[b]
+            n = cur.unpack(_LENGTH[width], width)
+            return ("value", self.text(n)) if kind == "str" else (kind, n)
         if b in (0xC7, 0xC8, 0xC9):
             n = cur.unpack(_LENGTH[1 << (b - 0xC7)], 1 << (b - 0xC7))
             return "ext", (cur.unpack(">b", 1), n)
-        if b == 0xCA:
-            return "value", cur.unpack(">f", 4)
-        if b == 0xCB:
-            return "value", cur.unpack(">d", 8)
-        if b in _INTS:
-            fmt = _INTS[b]
-            return "value", cur.unpack(fmt, struct.calcsize(fmt))
         if 0xD4 <= b <= 0xD8:
             return "ext", (cur.unpack(">b", 1), 1 << (b - 0xD4))
-        if b in (0xD9, 0xDA, 0xDB):
-            return "value", self.text(cur.unpack(_LENGTH[1 << (b - 0xD9)], 1 << (b - 0xD9)))
-        if b in (0xDC, 0xDD):
-            return "array", cur.unpack(_LENGTH[2 << (b - 0xDC)], 2 << (b - 0xDC))
-        if b in (0xDE, 0xDF):
-            return "map", cur.unpack(_LENGTH[2 << (b - 0xDE)], 2 << (b - 0xDE))
         raise cur.corrupt("byte 0xc1, which msgpack never uses", cur.pos() - 1)
 
     def walk_value(self, kind: str, v: Any) -> Any:
@@ -240,13 +241,7 @@ class _Walker:
         while True:
             kind, v = self.header()
             if kind in ("map", "array"):
-                if v * (2 if kind == "map" else 1) > cur.size - cur.pos():  # each entry takes a byte at least
-                    raise cur.corrupt(f"a {kind} of {v:,} entries in {cur.size - cur.pos():,} bytes")
-                self.hold(v * _OBJECT_BYTES, "the structure of this Flax msgpack")
-                if v:
-                    if len(stack) >= MAX_DEPTH:
-                        raise cur.corrupt(f"nested more than {MAX_DEPTH} levels deep")
-                    stack.append([{} if kind == "map" else [], v, kind == "map", _NOTHING])
+                if self._open(kind, v, stack):
                     continue
                 value = self.finish({}) if kind == "map" else []
             elif kind == "bin":
@@ -257,36 +252,55 @@ class _Walker:
                 value = v
             if not (stack and stack[-1][2] and stack[-1][3] is _NOTHING):  # a leaf, not a map key
                 self.hold(_LEAF_BYTES, "the structure of this Flax msgpack")
-            while True:  # hand the value to the open containers, closing those it completes
-                if not stack:
-                    if whole and cur.pos() != cur.size:
-                        raise cur.corrupt(f"{cur.size - cur.pos():,} bytes of extra data after the object")
-                    return value
-                frame = stack[-1]
-                if frame[2] and frame[3] is _NOTHING:
-                    if not (value is None or isinstance(value, (str, int, float, bytes))):
-                        raise cur.corrupt(f"a map key that is a {type(value).__name__}")
-                    frame[3] = value
-                    break
-                if frame[2]:
-                    frame[0][frame[3]] = value
-                    frame[3] = _NOTHING
-                else:
-                    frame[0].append(value)
-                frame[1] -= 1
-                if frame[1]:
-                    break
-                stack.pop()
-                value = self.finish(frame[0]) if frame[2] else frame[0]
+            done = self._hand(value, stack)
+            if done is not _NOTHING:
+                if whole and cur.pos() != cur.size:
+                    raise cur.corrupt(f"{cur.size - cur.pos():,} bytes of extra data after the object")
+                return done
+
+    def _open(self, kind: str, n: int, stack: list[list[Any]]) -> bool:
+        """A ``map``/``array`` header of ``n`` entries: opened on ``stack`` (True), or False when it is empty."""
+        cur = self.cur
+        if n * (2 if kind == "map" else 1) > cur.size - cur.pos():  # each entry takes a byte at least
+            raise cur.corrupt(f"a {kind} of {n:,} entries in {cur.size - cur.pos():,} bytes")
+        self.hold(n * _OBJECT_BYTES, "the structure of this Flax msgpack")
+        if not n:
+            return False
+        if len(stack) >= MAX_DEPTH:
+            raise cur.corrupt(f"nested more than {MAX_DEPTH} levels deep")
+        stack.append([{} if kind == "map" else [], n, kind == "map", _NOTHING])
+        return True
+
+    def _hand(self, value: Any, stack: list[list[Any]]) -> Any:
+        """Hand ``value`` to the open containers on ``stack``, closing those it completes: the whole object once
+        the outermost closes (or ``value`` itself when none is open), else ``_NOTHING``."""
+        while stack:
+            frame = stack[-1]
+            if frame[2] and frame[3] is _NOTHING:
+                if not (value is None or isinstance(value, (str, int, float, bytes))):
+                    raise self.cur.corrupt(f"a map key that is a {type(value).__name__}")
+                frame[3] = value
+                return _NOTHING
+            if frame[2]:
+                frame[0][frame[3]] = value
+                frame[3] = _NOTHING
+            else:
+                frame[0].append(value)
+            frame[1] -= 1
+            if frame[1]:
+                return _NOTHING
+            stack.pop()
+            value = self.finish(frame[0]) if frame[2] else frame[0]
+        return value
 
     def finish(self, node: dict) -> Any:
         """A map once decoded: a chunked big array becomes one array; then the caller's hook."""
-        if node.get(CHUNKED) is True:
-            node = self.unchunk(node)
-        return self.object_hook(node) if self.object_hook is not None and isinstance(node, dict) else node
+        value: Any = self.unchunk(node) if node.get(CHUNKED) is True else node
+        return self.object_hook(value) if self.object_hook is not None and isinstance(value, dict) else value
 
     def unchunk(self, node: dict) -> FileReader:
-        shape_d, chunks_d = node.get("shape"), node.get("chunks")
+        shape_d: Any = node.get("shape")  # a missing one fails below as a wrong one does
+        chunks_d: Any = node.get("chunks")
         try:
             shape = tuple(int(shape_d[str(i)]) for i in range(len(shape_d)))
             chunks = [chunks_d[str(i)] for i in range(len(chunks_d))]

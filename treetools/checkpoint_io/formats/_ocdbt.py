@@ -87,6 +87,15 @@ def zstd_bound(data: bytes | memoryview) -> int:
 
 def _frame(view: memoryview, pos: int) -> tuple[int, int, int]:
     """``(the most the frame decodes to, its window, the position after it)`` for the frame header at ``pos``."""
+    descriptor, window, pos = _frame_header(view, pos)
+    decoded, pos = _frame_blocks(view, pos, min(window, ZSTD_BLOCK_MAX))
+    if descriptor & 0x04:  # content checksum
+        pos += 4
+    return decoded, window, pos
+
+
+def _frame_header(view: memoryview, pos: int) -> tuple[int, int, int]:
+    """``(frame header descriptor, window size, position of the first block)`` of the frame at ``pos``."""
     if pos >= len(view):
         raise Corrupt("a zstd frame without its header")
     descriptor = view[pos]
@@ -111,7 +120,12 @@ def _frame(view: memoryview, pos: int) -> tuple[int, int, int]:
     pos += fcs_size
     if single:
         window = content
-    block_max = min(window, ZSTD_BLOCK_MAX)
+    return descriptor, window, pos
+
+
+def _frame_blocks(view: memoryview, pos: int, block_max: int) -> tuple[int, int]:
+    """``(the most a frame's blocks decode to, the position after the last)``, its first block at ``pos``; a
+    compressed block counts ``block_max``, the most it may decode to."""
     decoded = 0
     while True:
         if pos + 3 > len(view):
@@ -129,10 +143,7 @@ def _frame(view: memoryview, pos: int) -> tuple[int, int, int]:
         pos += stored
         decoded += size if kind in (0, 1) else block_max  # raw and RLE: exactly; compressed: at most a block
         if last:
-            break
-    if descriptor & 0x04:  # content checksum
-        pos += 4
-    return decoded, window, pos
+            return decoded, pos
 
 
 def _varint(view: memoryview, pos: int) -> tuple[int, int]:
@@ -185,7 +196,7 @@ class Database:
     nodes: int
 
 
-_CHECKED: "collections.OrderedDict[tuple, tuple[Database, tuple]]" = collections.OrderedDict()
+_CHECKED: "collections.OrderedDict[tuple, tuple[Database, tuple, tuple]]" = collections.OrderedDict()
 _CHECKED_LOCK = threading.Lock()
 
 
@@ -199,7 +210,7 @@ def _location(text: str, base_kind: str) -> tuple[str, int, int]:
 
 
 def _identity(storage: Storage, paths: list[str]) -> tuple:
-    out = []
+    out: list[tuple | None] = []
     for path in paths:
         try:
             st = storage.stat(path)
@@ -263,7 +274,8 @@ def check_database(storage: Storage, base: str, limit: float, *, shown: str | No
     versions = [v for v in dump.get("versions") or [] if isinstance(v, dict)]
     latest = max(versions, key=lambda v: v.get("generation_number") or 0, default=None)
     root = (latest or {}).get("root") or {}
-    pending = [(root["location"], int(latest.get("root_height") or 0))] if isinstance(root.get("location"), str) else []
+    height = int((latest or {}).get("root_height") or 0)
+    pending = [(root["location"], height)] if isinstance(root.get("location"), str) else []
     seen: set[str] = set()
     while pending:
         loc, height = pending.pop()

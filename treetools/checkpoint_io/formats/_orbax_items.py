@@ -268,8 +268,9 @@ def _grain_files(storage: Storage, folder: str) -> list[str]:
         names = storage.listdir(folder)
     except OSError:
         return []
-    return sorted((n for n in names if GRAIN_STATE.match(n) and storage.isfile(os.path.join(folder, n))),
-                  key=lambda n: int(GRAIN_STATE.match(n).group("index")))
+    found = [(int(m.group("index")), n) for n in names
+             if (m := GRAIN_STATE.match(n)) and storage.isfile(os.path.join(folder, n))]
+    return [n for _, n in sorted(found, key=lambda pair: pair[0])]
 
 
 PROTO_FILE = "proto.pbtxt"
@@ -346,7 +347,7 @@ def read_item(context: ReadContext, item_dir: str, name: str, problems: list[str
     if layout == "grain":
         return read_grain_item(context, item_dir, name)
     if layout == "proto":
-        path = _proto_file(storage, item_dir)
+        path = os.path.join(item_dir, PROTO_FILE)  # there when the layout was read (gone since: read_file says so)
         text = read_file(storage, path, what="Orbax proto item").decode("utf-8", "replace")
         return Item(name, "json", [Leaf(value_row((name,)), value=text)], value=text)
     if layout == "composite":

@@ -59,7 +59,7 @@ def _step_files(context: ReadContext, folder: str) -> dict[str, dict[int, str]]:
         if m is None or not entry.is_file() or not is_msgpack_map(context.storage, entry.path):
             continue
         found.setdefault(m.group("prefix") or "", {}).setdefault(step_number(m.group("step")), entry.path)
-    return found
+    return found  # type: ignore[return-value]  # flax's float steps (0.625) pass as steps typed int
 
 
 def step_number(text: str) -> int | float:
@@ -148,6 +148,8 @@ class FlaxLegacySource(Source):
         return [DEFAULT_ITEM]
 
     def read_items(self, step: int | None, names: Sequence[str]) -> Snapshot:
+        if self.listing is None or step is None:  # always a root of steps: `resolve` gives one of them
+            raise CheckpointError(f"{self.path}: a legacy Flax checkpoint is read one step at a time; name a step.")
         path = self.listing.folder(step)
         if self.storage.isdir(path):  # an Orbax-mode step folder: one Orbax item
             return Snapshot(step, {name: read_pytree_item(self.context, path, name) for name in names})

@@ -215,6 +215,8 @@ def read_jax_pytree(context: ReadContext, folder: str) -> tuple[list[Leaf], list
         wheres = [f"{folder}: `{'/'.join(path)}`" for _, path in batch]
         headers = open_all(context, specs, wheres, stores=shared)
         for (i, path), spec, where, header in zip(batch, specs, wheres, headers):
+            if header is None:  # only with problems=, which collects instead of raising
+                continue
             dtype = np.dtype(header.dtype.numpy_dtype)
             shape = tuple(int(d) for d in header.shape)
             chunk = tuple(int(c) for c in header.chunk_layout.read_chunk.shape or ()) or None

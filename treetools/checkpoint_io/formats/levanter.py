@@ -71,7 +71,7 @@ def saved_metadata(storage: Storage, folder: str, *, keys: Sequence[str] = ("is_
     out: dict[str, Any] = {}
     try:  # isoformat(), local time without a zone (Levanter) or with one (EasyDeL)
         moment = datetime.datetime.fromisoformat(str(meta.get("timestamp")))
-        out["saved_at"] = moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        out["saved_at"] = moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     except (TypeError, ValueError, OverflowError, OSError):
         pass
     custom = {k: meta[k] for k in keys if k in meta}

@@ -30,7 +30,7 @@ class ZipStreamReader(SequentialReader):
 
     def __init__(self, context: ReadContext, path: str, member: str, skip: int, shape: tuple[int, ...],
                  dtype: np.dtype, fortran: bool):
-        self.context = context
+        self.context: ReadContext = context  # always given: read through its checkpoint's storage
         self._path, self._member, self._skip = path, member, skip
         self.shape = shape
         self.dtype = dtype
@@ -58,7 +58,7 @@ class ZipStreamReader(SequentialReader):
                 view = memoryview(buf)
                 got = 0
                 while got < want:
-                    n = f.readinto(view[got:])
+                    n = f.readinto(view[got:])  # type: ignore[attr-defined]  # a ZipExtFile; typeshed says IO[bytes]
                     if not n:
                         raise CheckpointError(f"{self._path}: npz member {self._member!r} is truncated.")
                     got += n
@@ -133,7 +133,8 @@ def npy_header(f: Any, where: str) -> tuple[tuple[int, ...], bool, np.dtype, int
         elif version == (2, 0):
             shape, fortran, dtype = fmt.read_array_header_2_0(f)
         else:
-            shape, fortran, dtype = fmt._read_array_header(f, version)  # 3.0 (utf-8 names): no public reader
+            # 3.0 (utf-8 names): no public reader
+            shape, fortran, dtype = fmt._read_array_header(f, version)  # type: ignore[attr-defined]
     except (ValueError, OSError, EOFError, zipfile.BadZipFile, SyntaxError, TypeError) as e:
         raise NpyHeaderError(f"{where}: corrupt .npy header ({str(e)[:200]}).") from None
     dtype = np.dtype(dtype)
@@ -221,11 +222,12 @@ def apply_names(leaves: list[Leaf], where: str, budget: float) -> tuple[list[Lea
     parameter. Any other npz comes back as it is (haiku's ``scope/sub//param`` keys included). Also the notes."""
     by_key = {leaf.key: leaf for leaf in leaves}
     names_leaf = by_key.get(NAMES_MEMBER)
-    if names_leaf is None or names_leaf.reader is None or len(names_leaf.row.shape or ()) != 1:
+    names_shape = names_leaf.row.shape if names_leaf is not None else None
+    if names_leaf is None or names_leaf.reader is None or names_shape is None or len(names_shape) != 1:
         return leaves, []
     if np.dtype(names_leaf.reader.dtype).kind not in "US":
         return leaves, []
-    count = names_leaf.row.shape[0]
+    count = names_shape[0]
     if set(by_key) != {NAMES_MEMBER, *map(str, range(count))}:
         return leaves, []
     check_budget(np.dtype(names_leaf.reader.dtype).itemsize * count, where=where, what="the `names` array",

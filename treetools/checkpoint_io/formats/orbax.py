@@ -169,9 +169,9 @@ class OrbaxSource(Source):
         out: dict[str, Any] = {}
         ns = meta.get("commit_timestamp_nsecs") or meta.get("init_timestamp_nsecs")
         if isinstance(ns, (int, float)) and 0 < ns < 2**62:  # a time of year 2116 at most: no overflow below
-            moment = datetime.datetime.fromtimestamp(ns / 1e9, tz=datetime.timezone.utc)
+            moment = datetime.datetime.fromtimestamp(ns / 1e9, tz=datetime.UTC)
             out["saved_at"] = moment.strftime("%Y-%m-%dT%H:%M:%SZ")
-        custom = meta.get("custom_metadata") if isinstance(meta.get("custom_metadata"), dict) else {}
+        custom = given if isinstance(given := meta.get("custom_metadata"), dict) else {}
         # save_checkpoint stores metrics in custom metadata: Orbax keeps its own field only with a best_fn.
         metrics = meta.get("metrics") or custom.get("metrics")
         if isinstance(metrics, dict) and metrics:

@@ -177,7 +177,7 @@ def _stored_leaf(context: ReadContext, parts: tuple[str, ...], name: str, base: 
         )
     shape, dtype, chunks = _zarray(context, zarray)
     if spec is not None:
-        meta = spec.get("metadata") if isinstance(spec.get("metadata"), dict) else {}
+        meta = given if isinstance(given := spec.get("metadata"), dict) else {}
         said_shape = meta.get("shape")
         said_dtype = spec.get("dtype", meta.get("dtype"))
         try:
@@ -240,6 +240,8 @@ def read_tree(context: ReadContext, path: str, name: str = DEFAULT_ITEM) -> tupl
         wheres = [f"{base}: `{'/'.join(parts)}`" for _, parts, _ in in_ocdbt]
         headers = open_all(context, specs, wheres, stores=shared)
         for (i, parts, stored), spec, where, store in zip(in_ocdbt, specs, wheres, headers):
+            if store is None:  # only with problems=, which collects instead of raising
+                continue
             shape = tuple(int(d) for d in store.shape)
             dtype = np.dtype(store.dtype.numpy_dtype)
             chunks = tuple(int(c) for c in store.chunk_layout.read_chunk.shape or ()) or None

@@ -120,7 +120,7 @@ def _files(storage: Storage, folder: str) -> tuple[list[str], list[str]]:
 def _probe(storage: Storage, top: str) -> bool:
     """Whether a depth-first look at a few folders below ``top`` finds an array and no other format's marker."""
     try:
-        for seen, (folder, dirs, files) in enumerate(storage.walk(top)):
+        for seen, (folder, _dirs, files) in enumerate(storage.walk(top)):
             if seen >= PROBE_FOLDERS:
                 return False
             if any(f in FOREIGN for f in files) or (folder == top and "checkpoint" in files):

@@ -78,7 +78,7 @@ class BucketUpload(Upload):
     def abort(self) -> None:
         try:
             self._file.discard()  # S3: abort the multipart upload; GCS: cancel the resumable session
-        except Exception:  # noqa: BLE001 - best effort: an unfinished upload is never visible anyway
+        except Exception:  # best effort: an unfinished upload is never visible anyway
             pass
         self._file.closed = True  # so close() (and garbage collection) can never complete it
 
