@@ -31,7 +31,8 @@ import typing as _typing
 _EXPORTS = {  # public name -> module under treetools.checkpoint_io
     **dict.fromkeys(("ArrayReader", "FileReader", "InMemoryReader", "MemoryBudgetError", "SequentialReader",
                      "checked_shape", "plan_blocks"), "readers"),
-    **dict.fromkeys(("DEFAULT_ITEM", "NO_VALUE", "Item", "Leaf", "Snapshot", "Unreadable", "array_row", "check_name", "stored_path",
+    **dict.fromkeys(("DEFAULT_ITEM", "NO_VALUE", "Item", "Leaf", "Snapshot", "Unreadable", "array_row", "check_name",
+                     "stored_path",
                      "tree_leaves", "value_row"), "leaves"),
     **dict.fromkeys(("FileSource", "Format", "ItemLayout", "Layout", "RootLayout", "Source", "StepLayout",
                      "file_head"), "source"),

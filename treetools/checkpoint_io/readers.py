@@ -41,7 +41,9 @@ def check_budget(nbytes: int, *, where: str, what: str, budget: float,
     >>> check_budget(10, where="w", what="one storage chunk", budget=2**31)
     >>> check_budget(2**50, where="ckpt/params: `w`", what="one storage chunk", budget=2**31)
     Traceback (most recent call last):
-    treetools.checkpoint_io.readers.MemoryBudgetError: ckpt/params: `w`: one storage chunk decodes to 1024.00 TiB, over the memory budget of 2.00 GiB; raise it with --memory-budget (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
+    treetools.checkpoint_io.readers.MemoryBudgetError: ckpt/params: `w`: one storage chunk decodes to 1024.00 TiB, over
+    the memory budget of 2.00 GiB; raise it with --memory-budget (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has
+    the memory.
     """
     if nbytes > budget:
         raise MemoryBudgetError(
@@ -113,7 +115,8 @@ def checked_offsets(values: Any, *, where: str, count: int, limit: int, what: st
     (4, 8589934592)
     >>> checked_offsets([0, 2**40], where="m.safetensors: tensor 'w'", count=2, limit=100, what="data_offsets")
     Traceback (most recent call last):
-    treetools.shared.errors.CheckpointError: m.safetensors: tensor 'w': corrupt data_offsets (entry 1 is 1,099,511,627,776, more than the 100 bytes there can be); the file is damaged or hostile.
+    treetools.shared.errors.CheckpointError: m.safetensors: tensor 'w': corrupt data_offsets (entry 1 is
+    1,099,511,627,776, more than the 100 bytes there can be); the file is damaged or hostile.
     """
     if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or len(values) != count:
         raise CheckpointError(f"{where}: corrupt {what} ({repr(values)[:40]}, not a list of {count} integers); "
@@ -143,7 +146,9 @@ def check_leaf_count(count: int, *, where: str, budget: float) -> None:
 
     >>> check_leaf_count(144_000, where="z.safetensors", budget=64 * 2**20)
     Traceback (most recent call last):
-    treetools.checkpoint_io.readers.MemoryBudgetError: z.safetensors: 144,000 arrays listed (about 2.5 KiB each once read) decodes to 351.56 MiB, over the memory budget of 64.00 MiB; raise it with --memory-budget (or TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
+    treetools.checkpoint_io.readers.MemoryBudgetError: z.safetensors: 144,000 arrays listed (about 2.5 KiB each once
+    read) decodes to 351.56 MiB, over the memory budget of 64.00 MiB; raise it with --memory-budget (or
+    TREETOOLS_MEMORY_BUDGET_MB) if the machine has the memory.
     """
     check_budget(LEAF_BYTES * count, where=where, what=f"{count:,} arrays listed (about 2.5 KiB each once read)",
                  budget=budget)
@@ -555,7 +560,8 @@ class FileReader(ArrayReader):
         if group >= sizes[k]:  # the slab of all the block's rows fits: one contiguous read, then cut
             slab = (starts[:k + 1] + (0,) * (nd - k - 1), sizes[:k + 1] + shape[k + 1:])
             data = self._region(*slab, shape)
-            return data[(slice(None),) * (k + 1) + tuple(slice(a, a + n) for a, n in zip(starts[k + 1:], sizes[k + 1:]))]
+            inner = tuple(slice(a, a + n) for a, n in zip(starts[k + 1:], sizes[k + 1:]))
+            return data[(slice(None),) * (k + 1) + inner]
         parts = [self._region(starts[:k] + (starts[k] + i,) + starts[k + 1:],
                               sizes[:k] + (min(group, sizes[k] - i),) + sizes[k + 1:], shape)
                  for i in range(0, sizes[k], group)]

@@ -526,8 +526,10 @@ def plan_restore(
     >>> mngr = get_checkpoint_manager(1, checkpoint_dir=root)
     >>> _ = save_checkpoint(mngr, 1, {"params": {"body": np.ones(3, np.float32)}}, wait=True); mngr.close()
     >>> target = {"body": jax.ShapeDtypeStruct((3,), np.float32), "head": jax.ShapeDtypeStruct((2,), np.float32)}
-    >>> print(plan_restore(root, -1, {"params": target}, fill_missing={"head": np.zeros(2, np.float32)}))  # doctest: +ELLIPSIS
-    /... (step 1): 1/2 target leaves from the checkpoint, 1 from fill_missing (params/head), 0 checkpoint leaves unused, 0 problems
+    >>> print(plan_restore(root, -1, {"params": target},
+    ...                    fill_missing={"head": np.zeros(2, np.float32)}))  # doctest: +ELLIPSIS
+    /... (step 1): 1/2 target leaves from the checkpoint, 1 from fill_missing (params/head), 0 checkpoint leaves
+    unused, 0 problems
     """
     return _prepare(manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing,
                     allow_unused=allow_unused, allow_dtype_cast=allow_dtype_cast,

@@ -497,7 +497,8 @@ def _model_files(src: str, config: Any) -> dict[str, bytes]:
         try:
             json.loads(out["config.json"])
         except ValueError as e:
-            raise UsageError(f"{names['config.json']}: not JSON ({e}); pass a readable config.json (--config).") from None
+            raise UsageError(f"{names['config.json']}: not JSON ({e}); pass a readable config.json "
+                             "(--config).") from None
         return out
     return {}
 

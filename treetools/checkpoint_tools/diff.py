@@ -9,9 +9,9 @@ both with the same shape is streamed block by block from both sides at once:
 * ``bit_identical``: the stored values are the same bits (NaN payloads included);
 * ``mismatched``: elements outside ``|a - b| <= atol + rtol * |b|`` (numpy's
   rule; by default ``atol = 0`` and ``rtol = 1e-5``, so a tensor of tiny values, such
-  as Adam's ``nu`` around 1e-9, is compared relative to its own size), where NaN equals NaN and an infinity equals the same infinity, but a
-  value that becomes NaN or Inf is always outside; integers (steps, counters, PRNG key words) are compared
-  exactly, with no tolerance: any changed integer is outside it; integers and complex
+  as Adam's ``nu`` around 1e-9, is compared relative to its own size), where NaN equals NaN and an infinity
+  equals the same infinity, but a value that becomes NaN or Inf is always outside; integers (steps, counters,
+  PRNG key words) are compared exactly, with no tolerance: any changed integer is outside it; integers and complex
   numbers are compared exactly (no float64 rounding of int64 beyond 2**53, no
   dropped imaginary part);
 * ``max_abs_diff`` over elements finite on both sides (``inf`` when a finite
@@ -255,7 +255,8 @@ def _as_compared(x: np.ndarray, kind: str) -> np.ndarray:
     return x.astype(np.float64)  # exact for every float dtype up to float64
 
 
-def _block_compare(xa: np.ndarray, xb: np.ndarray, kind: str, atol: float, rtol: float) -> tuple[int, float, float, float, int, int]:
+def _block_compare(xa: np.ndarray, xb: np.ndarray, kind: str, atol: float, rtol: float
+                   ) -> tuple[int, float, float, float, int, int]:
     """``(mismatched, max_abs, diff_sq, ref_sq, nonfinite_a, nonfinite_b)`` of one pair of blocks, exactly.
 
     The reference rule, in float64 (complex128, exact integers); the float fast
@@ -682,7 +683,8 @@ def check_arguments(opts: DiffOptions) -> None:
     >>> check_arguments(DiffOptions(sort="rel_l2"))
     Traceback (most recent call last):
     ...
-    treetools.shared.errors.UsageError: --sort rel_l2 (`sort='rel_l2'`) orders the value comparisons; add --values (`values=True`).
+    treetools.shared.errors.UsageError: --sort rel_l2 (`sort='rel_l2'`) orders the value comparisons; add --values
+    (`values=True`).
     """
     if "all" in (opts.step, opts.step_a, opts.step_b):
         raise UsageError("--step all is for `inspect`; diff compares one step with another")
@@ -725,7 +727,8 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     opts = resolve(DiffOptions, options, fields)
     check_arguments(opts)
     row_sort = None if opts.sort in VALUE_SORTS else opts.sort  # added/removed leaves have no values
-    step, step_a, step_b, item, include, exclude = opts.step, opts.step_a, opts.step_b, opts.item, opts.include, opts.exclude
+    step, step_a, step_b, item = opts.step, opts.step_a, opts.step_b, opts.item
+    include, exclude = opts.include, opts.exclude
     context = opts.read_context()
     src_a, src_b = open_source(a, context), open_source(b, context)
     if step is not None and step != "latest" and src_a.steps is None and src_b.steps is None:

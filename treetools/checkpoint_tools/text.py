@@ -113,7 +113,8 @@ def render_report(report: Report, fmt: str = "table", *, tablefmt: str = "simple
         out += _unreadable_lines(s.unreadable, md)
         if len(s.items) > 1 or s.unreadable:
             t = s.total
-            line = f"Grand total ({_items_read(len(s.items), len(s.unreadable))}): {format_count(t.params)} elements, {bytes_text(t.bytes)}"
+            line = (f"Grand total ({_items_read(len(s.items), len(s.unreadable))}): {format_count(t.params)} elements, "
+                    f"{bytes_text(t.bytes)}")
             out += ["", f"**{line}**" if md else line]
     if report.grouped_at:
         hint = "rows grouped to fit a screen; --leaves shows every leaf, --depth K chooses."
@@ -197,7 +198,8 @@ def _unreadable_lines(unreadable: Sequence[Any], md: bool) -> list[str]:
 
 def _items_table(items: dict[str, ItemReport], md: bool, unreadable: int = 0) -> list[str]:
     """``--depth 0``: one row per item, then the grand total."""
-    data = [[safe_text(name, width=CELL_WIDTH), f"{item.total.leaves:,}", f"{format_count(item.total.params)} {item.label}",
+    data = [[safe_text(name, width=CELL_WIDTH), f"{item.total.leaves:,}",
+             f"{format_count(item.total.params)} {item.label}",
              human(item.total.bytes, "B")] for name, item in items.items()]
     table = fit_table(["item", "leaves", "count", "bytes"], data, style="github" if md else "simple", fit=False).text
     t = Totals(0, 0, {})
@@ -239,7 +241,8 @@ def _steps_stats(report: Report, md: bool, stat_columns: Sequence[str]) -> list[
             if not rows:
                 continue
             steps = [s.step for s in report.by_step]
-            data = [[safe_text(path, width=CELL_WIDTH), *(format_stat(v[st]) if st in v else "" for st in steps)] for path, v in rows.items()]
+            data = [[safe_text(path, width=CELL_WIDTH), *(format_stat(v[st]) if st in v else "" for st in steps)]
+                    for path, v in rows.items()]
             title = f"[{safe_text(name)}] {stat}"
             table = fit_table(["path", *map(str, steps)], data, style="github" if md else "simple", fit=False).text
             out += [f"## {title}" if md else title, *([""] if md else []), table, ""]
@@ -298,80 +301,118 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
     if fmt not in ("table", "markdown"):
         raise ValueError(f"`fmt` must be one of table, markdown, json; got {fmt!r}.")
     md = fmt == "markdown"
-
-    def side(d: dict[str, Any]) -> str:
-        extra = [f"step {d['step']}"] if d["step"] is not None else []
-        extra += [f"item {safe_text(d['item'])}"] if d["item"] else []
-        return f"{safe_text(d['path'])} ({', '.join([d['format'], *extra])})"
-
-    def shown(r: Row, field: str, value: Any) -> str:
-        if field == "value":
-            return safe_text(json.dumps(jsonable(value)), width=CELL_WIDTH)
-        if field == "shape":
-            return format_shape(r.shape)
-        v = getattr(r, field)
-        return "-" if v is None else safe_text(v, width=CELL_WIDTH)
-
-    def counted(leaves: int, groups: int | None = None) -> str:
-        text = f"{leaves:,} lea{'f' if leaves == 1 else 'ves'}"
-        if report.depth is not None and groups is not None:
-            text += f" (in {groups:,} group{'s' * (groups != 1)}, --depth {report.depth})"
-        return text
-
-    said: list[bool] = []  # the note on shortened paths, said under the first table that has one
-
-    def noted(body: str, cut: bool) -> str:
-        if not cut or said:
-            return body
-        said.append(True)
-        fit = f"{width()} columns" if not md else f"{CELL_WIDTH} characters"
-        note = (f"(… shortens paths to fit {fit}; --format json" + (" or a wider terminal" if not md else "")
-                + " prints them whole)")
-        return body + ("\n\n" + note if md else "\n" + "\n".join(textwrap.wrap(note, width())))
-
-    sections: list[tuple[str, str | None]] = []
-    for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
-        if rows:
-            headers, data = row_cells(rows, ["path", "shape_cell", "dtype", "count"], path_width=None)
-            body, _, cut = _diff_table(data, headers, md)
-            sections.append((f"{title}: {counted(sum(r.leaves for r in rows), len(rows))}", noted(body, cut)))
-    if report.changed:
-        data = [[c.path, f, shown(c.a, f, c.value_a), shown(c.b, f, c.value_b)]
-                for c in report.changed for f in c.fields]
-        body, _, cut = _diff_table(data, ["path", "field", "A", "B"], md)
-        sections.append((f"changed metadata: {counted(len(report.changed))}", noted(body, cut)))
-    if report.values is not None:
-        diffs = [v for v in report.values if not v.bit_identical]
-        compared = sum(v.leaves for v in report.values)
-        title = f"values (atol={report.atol:g}, rtol={report.rtol:g}): {counted(compared)} compared"
-        body = None
-        if diffs:
-            title += f", {counted(compared - sum(v.same_leaves for v in report.values), len(diffs))} not bit-identical"
-            headers = ["path", "max_abs", "rel_l2", "outside tol"]
-            data = [[v.path, f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", outside_text(v.mismatched, v.size)]
-                    for v in diffs]
-            if any(v.nonfinite_a or v.nonfinite_b for v in diffs):  # else a column of "-" only
-                headers.append("nonfinite A->B")
-                for line, v in zip(data, diffs):
-                    line.append(_nonfinite_change(v))
-            headers.append("allclose")
-            for line, v in zip(data, diffs):
-                line.append("yes" if v.allclose else "no")
-            body, dropped, cut = _diff_table(data, headers, md, droppable=("allclose",))
-            if dropped:
-                body += f"\n(allclose left out to fit {width()} columns: it is yes where outside tol is 0)"
-            body = noted(body, cut)
-        sections.append((title, body))
-    for name, unread in (("A", report.unread_a), ("B", report.unread_b)):
-        if unread:
-            body = "\n".join(safe_text(f"- `{u.name}` ({u.handler}): {u.reason}") for u in unread)
-            sections.append((f"not read (in {name}): {len(unread)} item{'s' * (len(unread) != 1)}", body))
-    out = [f"- A: {side(report.a)}", f"- B: {side(report.b)}"] if md else [f"A: {side(report.a)}", f"B: {side(report.b)}"]
+    note = _CutNote(md)
+    sections = [*_rows_sections(report, md, note), *_changed_sections(report, md, note),
+                *_values_sections(report, md, note), *_unread_sections(report)]
+    a, b = _diff_side(report.a), _diff_side(report.b)
+    out = [f"- A: {a}", f"- B: {b}"] if md else [f"A: {a}", f"B: {b}"]
     for title, body in sections:
         # Markdown needs a blank line between a paragraph and a table.
         out += ["", title, *([""] if md and body else []), *([body] if body else [])]
     out += ["", *(piece for line in report.verdict().splitlines() for piece in _wrap_list(line))]
     return "\n".join(out)
+
+
+Section = tuple[str, "str | None"]
+"""A diff section: its title line and its body (a table, a list; None: the title says it all)."""
+
+
+class _CutNote:
+    """The note on shortened paths, said under the first table of a diff that has one."""
+
+    def __init__(self, md: bool):
+        self.md, self.said = md, False
+
+    def __call__(self, body: str, cut: bool) -> str:
+        if not cut or self.said:
+            return body
+        self.said = True
+        fit = f"{width()} columns" if not self.md else f"{CELL_WIDTH} characters"
+        note = (f"(… shortens paths to fit {fit}; --format json" + (" or a wider terminal" if not self.md else "")
+                + " prints them whole)")
+        return body + ("\n\n" + note if self.md else "\n" + "\n".join(textwrap.wrap(note, width())))
+
+
+def _diff_side(d: dict[str, Any]) -> str:
+    """One side of a diff: its path, format, step and item."""
+    extra = [f"step {d['step']}"] if d["step"] is not None else []
+    extra += [f"item {safe_text(d['item'])}"] if d["item"] else []
+    return f"{safe_text(d['path'])} ({', '.join([d['format'], *extra])})"
+
+
+def _field_cell(r: Row, field: str, value: Any) -> str:
+    """A changed metadata field of one side, as its cell."""
+    if field == "value":
+        return safe_text(json.dumps(jsonable(value)), width=CELL_WIDTH)
+    if field == "shape":
+        return format_shape(r.shape)
+    v = getattr(r, field)
+    return "-" if v is None else safe_text(v, width=CELL_WIDTH)
+
+
+def _counted(report: DiffReport, leaves: int, groups: int | None = None) -> str:
+    """``3 leaves``, with the groups they form under ``--depth``."""
+    text = f"{leaves:,} lea{'f' if leaves == 1 else 'ves'}"
+    if report.depth is not None and groups is not None:
+        text += f" (in {groups:,} group{'s' * (groups != 1)}, --depth {report.depth})"
+    return text
+
+
+def _rows_sections(report: DiffReport, md: bool, note: _CutNote) -> list[Section]:
+    """The leaves only in B, and only in A."""
+    sections: list[Section] = []
+    for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
+        if rows:
+            headers, data = row_cells(rows, ["path", "shape_cell", "dtype", "count"], path_width=None)
+            body, _, cut = _diff_table(data, headers, md)
+            sections.append((f"{title}: {_counted(report, sum(r.leaves for r in rows), len(rows))}", note(body, cut)))
+    return sections
+
+
+def _changed_sections(report: DiffReport, md: bool, note: _CutNote) -> list[Section]:
+    """The leaves on both sides whose metadata differs, a row per field."""
+    if not report.changed:
+        return []
+    data = [[c.path, f, _field_cell(c.a, f, c.value_a), _field_cell(c.b, f, c.value_b)]
+            for c in report.changed for f in c.fields]
+    body, _, cut = _diff_table(data, ["path", "field", "A", "B"], md)
+    return [(f"changed metadata: {_counted(report, len(report.changed))}", note(body, cut))]
+
+
+def _values_sections(report: DiffReport, md: bool, note: _CutNote) -> list[Section]:
+    """With ``--values``: what was compared, and a row per leaf that is not bit-identical."""
+    if report.values is None:
+        return []
+    diffs = [v for v in report.values if not v.bit_identical]
+    compared = sum(v.leaves for v in report.values)
+    title = f"values (atol={report.atol:g}, rtol={report.rtol:g}): {_counted(report, compared)} compared"
+    if not diffs:
+        return [(title, None)]
+    differing = compared - sum(v.same_leaves for v in report.values)
+    title += f", {_counted(report, differing, len(diffs))} not bit-identical"
+    headers = ["path", "max_abs", "rel_l2", "outside tol"]
+    data = [[v.path, f"{v.max_abs_diff:.4g}", f"{v.rel_l2:.4g}", outside_text(v.mismatched, v.size)] for v in diffs]
+    if any(v.nonfinite_a or v.nonfinite_b for v in diffs):  # else a column of "-" only
+        headers.append("nonfinite A->B")
+        for line, v in zip(data, diffs):
+            line.append(_nonfinite_change(v))
+    headers.append("allclose")
+    for line, v in zip(data, diffs):
+        line.append("yes" if v.allclose else "no")
+    body, dropped, cut = _diff_table(data, headers, md, droppable=("allclose",))
+    if dropped:
+        body += f"\n(allclose left out to fit {width()} columns: it is yes where outside tol is 0)"
+    return [(title, note(body, cut))]
+
+
+def _unread_sections(report: DiffReport) -> list[Section]:
+    """The items either side could not read, each with the reason."""
+    sections: list[Section] = []
+    for name, unread in (("A", report.unread_a), ("B", report.unread_b)):
+        if unread:
+            body = "\n".join(safe_text(f"- `{u.name}` ({u.handler}): {u.reason}") for u in unread)
+            sections.append((f"not read (in {name}): {len(unread)} item{'s' * (len(unread) != 1)}", body))
+    return sections
 
 
 def _wrap_list(line: str, room: int | None = None, indent: str = "  ") -> list[str]:
@@ -490,7 +531,8 @@ def render_convert(report: ConvertReport, fmt: str = "table") -> str:
             table = [row[:4] + row[5:] for row in table]
         lines += [fit_table(table[0], table[1:], style="plain", fit=False).text, ""]
     elif report.dropped:
-        lines.append(f"dropped by the rules: {len(report.dropped)} leaves ({', '.join(safe_text(p) for p in report.dropped[:3])}"
+        shown = ", ".join(safe_text(p) for p in report.dropped[:3])
+        lines.append(f"dropped by the rules: {len(report.dropped)} leaves ({shown}"
                      + (", ..." if len(report.dropped) > 3 else "") + ")")
     lines += [f"problem: {safe_text(p)}" for p in report.problems]
     lines.append(safe_text(report.verdict()))

@@ -106,8 +106,10 @@ class VerifyResult:
     def incomplete_line(self) -> str | None:
         """One line naming the unfinished saves and the steps being deleted, or None when there are none.
 
-        >>> VerifyResult("run", "orbax", [2], ["1", "3.orbax-checkpoint-tmp-17"], deleting=["1"]).incomplete_line()
-        'incomplete: 1 unfinished save, not read (not damage): 3.orbax-checkpoint-tmp-17; 1 step being deleted (its commit markers are gone: a manager pruning it): 1'
+        >>> result = VerifyResult("run", "orbax", [2], ["1", "3.orbax-checkpoint-tmp-17"], deleting=["1"])
+        >>> print(result.incomplete_line())
+        incomplete: 1 unfinished save, not read (not damage): 3.orbax-checkpoint-tmp-17; 1 step being deleted (its
+        commit markers are gone: a manager pruning it): 1
         """
         saving = [n for n in self.incomplete if n not in self.deleting]
         deleting = [n for n in self.incomplete if n in self.deleting]

@@ -83,8 +83,9 @@ ROWS_PER_ITEM = 15
 """The default view groups each item at the deepest level that keeps it to this many rows."""
 
 def formats_help(width: int = 79) -> str:
-    """The formats PATH may be, one paragraph each, from the format registry (``treetools.checkpoint_io.formats.catalog``,
-    read without importing numpy): the end of ``treetools inspect --help``."""
+    """The formats PATH may be, one paragraph each, from the format registry
+    (``treetools.checkpoint_io.formats.catalog``, read without importing numpy): the end of
+    ``treetools inspect --help``."""
     names = catalog()
     pad = max(len(name) for name, _ in names) + 4
     lines = ["formats (asked in this order; the first that claims PATH reads it):"]

@@ -106,7 +106,8 @@ class TargetLeaf:
 
 @dataclasses.dataclass(frozen=True)
 class RuleRow:
-    """One line of ``describe``: a source (``path``, ``path[3]`` for a layer, ``a .. b (N)`` for a stack) and its target.
+    """One line of ``describe``: a source (``path``, ``path[3]`` for a layer, ``a .. b (N)`` for a stack) and its
+    target.
 
     ``target`` is None for a dropped leaf; ``ops`` names what happens
     (``unstack [3]``, ``rename``, ``stack 12``, ``transpose (1, 0)``, ``cast bfloat16``).
@@ -156,7 +157,8 @@ class RulesPlan:
     leaves: tuple[TargetLeaf, ...]
     dropped: tuple[str, ...] = ()
     unmatched: tuple[tuple[tuple[str, str], str], ...] = ()
-    """``((field, pattern), message)`` of every pattern that matched nothing (with ``allow_unmatched``, which let it)."""
+    """``((field, pattern), message)`` of every pattern that matched nothing (with ``allow_unmatched``, which let
+    it)."""
 
     def __iter__(self) -> Iterator[TargetLeaf]:
         return iter(self.leaves)
@@ -309,7 +311,8 @@ class _Planner:
         for pat, ok in zip(patterns, matched):
             if not ok:
                 message = (f"`{field}` pattern {pat.pattern!r} matches no leaf ({where}); nearby paths: "
-                           f"{nearby(pat.pattern, list(paths))}. Fix the pattern, drop it, or pass allow_unmatched=True.")
+                           f"{nearby(pat.pattern, list(paths))}. Fix the pattern, drop it, or pass "
+                           "allow_unmatched=True.")
                 self.unmatched[(field, pat.pattern)] = message
                 if not self.rules.allow_unmatched:
                     self.problems.append(message)

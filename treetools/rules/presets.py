@@ -136,7 +136,7 @@ def _expression(text: str) -> ast.expr:
     node = ast.parse(text.strip(), mode="eval").body
     for sub in ast.walk(node):
         if not isinstance(sub, (ast.BinOp, ast.Name, ast.Constant, ast.Load, *_OPS)):
-            raise ValueError(f"placeholder {{{text}}}: only sizes, numbers and + - * // are allowed.")  # noqa: TRY004
+            raise ValueError(f"placeholder {{{text}}}: only sizes, numbers and + - * // are allowed.")
         if isinstance(sub, ast.Name) and sub.id not in SIZES:
             raise ValueError(f"placeholder {{{text}}}: unknown size {sub.id!r}; the sizes are {', '.join(SIZES)}.")
     return node

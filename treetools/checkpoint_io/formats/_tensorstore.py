@@ -50,7 +50,7 @@ from treetools.checkpoint_io.readers import (
     plan_blocks,
 )
 from treetools.checkpoint_io.formats._ocdbt import first_line
-from treetools.checkpoint_io.formats._ts_folders import OPEN_FILES, ItemStores, Pins
+from treetools.checkpoint_io.formats._ts_folders import ItemStores, Pins
 from treetools.checkpoint_io.formats._ts_kvstore import kvstore_spec
 from treetools.checkpoint_io.steps import file_kind
 from treetools.checkpoint_io.storage import SpecialFileError, Storage, normalize
@@ -181,16 +181,16 @@ class _Opened:
         starts, sizes = block_extent(index, self.reader.shape)
         chunk = self.chunk or tuple(max(1, n) for n in self.reader.shape)
         lo = [s // c for s, c in zip(starts, chunk)]
-        counts = [(-(-(s + n) // c) - l) if n else 0 for s, n, c, l in zip(starts, sizes, chunk, lo)]
+        counts = [(-(-(s + n) // c) - first) if n else 0 for s, n, c, first in zip(starts, sizes, chunk, lo)]
         if 0 in sizes or math.prod(counts) <= self.max_chunks:
             return None
 
         def tiles() -> Iterator[tuple[Index, Index]]:
             for grid in plan_blocks(counts, self.max_chunks):
                 piece, local = [], []
-                for g, n_chunks, l, c, s, n in zip(grid, counts, lo, chunk, starts, sizes):
+                for g, n_chunks, first, c, s, n in zip(grid, counts, lo, chunk, starts, sizes):
                     a, b, _ = g.indices(n_chunks)
-                    e0, e1 = max(s, (l + a) * c), min(s + n, (l + b) * c)
+                    e0, e1 = max(s, (first + a) * c), min(s + n, (first + b) * c)
                     piece.append(slice(e0, e1))
                     local.append(slice(e0 - s, e1 - s))
                 yield tuple(piece), tuple(local)

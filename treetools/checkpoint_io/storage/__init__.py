@@ -22,7 +22,7 @@ import copy
 import os
 from typing import Any
 
-from treetools.checkpoint_io.storage import bucket  # noqa: F401  (registers gs:// and s3://)
+from treetools.checkpoint_io.storage import bucket
 from treetools.checkpoint_io.storage.base import (
     Entry,
     OutsideCheckpointError,

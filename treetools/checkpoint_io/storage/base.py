@@ -326,7 +326,7 @@ class Storage(abc.ABC):
 
     # -- listings a backend may remember (a bucket); no-ops on a disk
 
-    def forget(self, path: str) -> None:
+    def forget(self, path: str) -> None:  # noqa: B027  (a no-op on a disk, on purpose: not abstract)
         """Drop remembered listings, so the next look at ``path`` asks afresh."""
 
     def prefetch(self, folder: str, *, tree: bool = False) -> bool:

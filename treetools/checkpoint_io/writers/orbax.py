@@ -224,7 +224,6 @@ def _leaf_handler_class() -> type:
     """The type handler of a block-by-block save (made on first use: it subclasses Orbax's, and importing Orbax
     imports jax)."""
     import orbax.checkpoint as ocp
-    import tensorstore as ts
 
     if not callable(getattr(ocp.type_handlers.NumpyHandler, "_open_and_write", None)):  # the one hook overridden
         raise CheckpointError("--to orbax: this orbax-checkpoint's NumpyHandler has no _open_and_write (written "
@@ -282,36 +281,51 @@ def _leaf_handler_class() -> type:
             up to 100 MB of OCDBT cache, and the peak grew with the bytes written through it (by 290 MB over
             8 GiB), where this one's stays flat."""
             if self._context is None:
-                spec = ts_context.spec.to_json() if ts_context is not None else {}
-                for key, value in spec.items():
-                    if key.split("#")[0] == "cache_pool" and isinstance(value, dict):
-                        value["total_bytes_limit"] = 0
-                self._context = ts.Context(spec)
+                self._context = _uncached_context(ts_context)
             return self._context
 
         async def _write(self, leaf: Leaf, tspec: dict[str, Any], ts_context: Any) -> None:
-            _with_chunks(tspec, c_order_chunk(leaf.shape, leaf.dtype.itemsize, self.block_bytes))
-            store = await ts.open(ts.Spec(tspec), create=True, open=True, context=self._own_context(ts_context))
-            chunks = leaf.chunks(self.block_bytes)
-            pending = None
-            try:
-                while True:  # the next chunk is read (in a thread) while the last one is written
-                    item = await asyncio.to_thread(next, chunks, None)
-                    if pending is not None:
-                        done, pending = pending, None
-                        await done
-                    if item is None:
-                        break
-                    index, data = item
-                    pending = store[index].write(data, can_reference_source_data_indefinitely=True)
-                    if self.on_block is not None:
-                        self.on_block(leaf.name, data.nbytes)
-            finally:
-                chunks.close()
-                if pending is not None:  # a read failed: let the write in flight finish before the loop ends
-                    await asyncio.gather(pending, return_exceptions=True)
+            await _write_leaf(self, leaf, tspec, self._own_context(ts_context))
 
     return LeafHandler
+
+
+def _uncached_context(ts_context: Any) -> Any:
+    """A TensorStore context like Orbax's ``ts_context`` (its spec), with every cache pool emptied."""
+    import tensorstore as ts
+
+    spec = ts_context.spec.to_json() if ts_context is not None else {}
+    for key, value in spec.items():
+        if key.split("#")[0] == "cache_pool" and isinstance(value, dict):
+            value["total_bytes_limit"] = 0
+    return ts.Context(spec)
+
+
+async def _write_leaf(handler: Any, leaf: Leaf, tspec: dict[str, Any], context: Any) -> None:
+    """One leaf into its TensorStore array, chunk by chunk: the next chunk is read (in a thread) while the last
+    one is written; ``handler.on_block`` hears of each."""
+    import tensorstore as ts
+
+    _with_chunks(tspec, c_order_chunk(leaf.shape, leaf.dtype.itemsize, handler.block_bytes))
+    store = await ts.open(ts.Spec(tspec), create=True, open=True, context=context)
+    chunks = leaf.chunks(handler.block_bytes)
+    pending = None
+    try:
+        while True:
+            item = await asyncio.to_thread(next, chunks, None)
+            if pending is not None:
+                done, pending = pending, None
+                await done
+            if item is None:
+                break
+            index, data = item
+            pending = store[index].write(data, can_reference_source_data_indefinitely=True)
+            if handler.on_block is not None:
+                handler.on_block(leaf.name, data.nbytes)
+    finally:
+        chunks.close()
+        if pending is not None:  # a read failed: let the write in flight finish before the loop ends
+            await asyncio.gather(pending, return_exceptions=True)
 
 
 def write_orbax(

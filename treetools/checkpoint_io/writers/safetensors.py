@@ -328,6 +328,37 @@ def write_safetensors(
                               "(overwrite=True) to replace it.") from None
 
 
+def _write_own(storage: Storage, path: str | None, layout: Layout, mine: list[int], meta: dict[str, str],
+               block_bytes: int, on_block: OnBlock | None, fsync: bool) -> Any:
+    """This process's files of a shared write (``mine``: their indices) into the folder ``path``: "ok", "skipped"
+    (no folder to write into: another process failed first), or the exception that stopped it."""
+    try:
+        if path is None:
+            return "skipped"
+        written = []
+        for i in mine:
+            target = join(path, layout.files[i].name) if layout.folder else path
+            _write_file(storage, target, layout.files[i], meta, block_bytes, on_block)
+            written.append(target)
+        if fsync and not storage.remote:
+            for target in written:
+                fsync_file(target)
+        return "ok"
+    except Exception as e:
+        return e
+
+
+def _with_index(storage: Storage, path: str, layout: Layout) -> list[str]:
+    """The files of a shared write, every process's, with the index written last (a folder of shards is a
+    checkpoint only with its index)."""
+    written = [join(path, f.name) for f in layout.files] if layout.folder else [path]
+    if layout.index:
+        written.append(join(path, INDEX_NAME))
+        with storage.create(written[-1], fsync=False) as out:
+            out.write(index_json(layout))
+    return written
+
+
 def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str, str], block_bytes: int,
                   overwrite: bool, on_block: OnBlock | None, fsync: bool) -> None:
     """``write_safetensors`` as one of ``share.count`` processes (see its ``share``).
@@ -345,20 +376,7 @@ def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str
         return met[-1]
 
     def write_mine(path: str | None) -> Any:
-        try:
-            if path is None:
-                return "skipped"
-            written = []
-            for i in mine:
-                target = join(path, layout.files[i].name) if layout.folder else path
-                _write_file(storage, target, layout.files[i], meta, block_bytes, on_block)
-                written.append(target)
-            if fsync and not storage.remote:
-                for target in written:
-                    fsync_file(target)
-            return "ok"
-        except Exception as e:
-            return e
+        return _write_own(storage, path, layout, mine, meta, block_bytes, on_block, fsync)
 
     def first_error() -> Exception | None:
         return next((v for round_ in met for v in round_ if isinstance(v, Exception)), None)
@@ -370,12 +388,7 @@ def _write_shared(share: Share, storage: Storage, layout: Layout, meta: dict[str
             error = first_error()
             if error is not None:
                 raise error
-            written = [join(path, f.name) for f in layout.files] if layout.folder else [path]
-            if layout.index:  # last: a folder of shards is a checkpoint only with its index
-                written.append(join(path, INDEX_NAME))
-                with storage.create(written[-1], fsync=False) as out:
-                    out.write(index_json(layout))
-            return written
+            return _with_index(storage, path, layout)
 
         outcome: Any = "ok"
         try:
