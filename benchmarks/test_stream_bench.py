@@ -223,8 +223,8 @@ def test_what_limits_each_command(ckpts):
     root = ckpts["orbax"]["path"]
     source = open_source(root)
     readers = {s: [leaf.reader for leaf in source.snapshot(s).items["params"].leaves] for s in (1, 2)}
-    mem_a = [tt.ckpt.readers.InMemoryReader(r.read_all()) for r in readers[1]]
-    mem_b = [tt.ckpt.readers.InMemoryReader(r.read_all()) for r in readers[2]]
+    mem_a = [tt.ckpt.InMemoryReader(r.read_all()) for r in readers[1]]
+    mem_b = [tt.ckpt.InMemoryReader(r.read_all()) for r in readers[2]]
     rows = lambda rs: [tt.ckpt.Leaf(tt.ckpt.array_row(("w",), r.shape, r.dtype), r) for r in rs]  # noqa: E731
     pairs = [(a, b, "w") for a, b in zip(rows(mem_a), rows(mem_b))]
     n = ckpts["bytes"]

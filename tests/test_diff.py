@@ -312,7 +312,9 @@ def test_a_dotted_safetensors_export_pairs_with_the_slashed_msgpack_it_came_from
 def _fast_path_case(case: str) -> tuple[np.ndarray, np.ndarray, float, float]:
     import ml_dtypes
 
-    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+    import zlib
+
+    rng = np.random.default_rng(zlib.crc32(case.encode()))  # the same data whatever PYTHONHASHSEED is
     n = 200_003  # several blocks of several cache-sized pieces, and a ragged end
     b = rng.standard_normal(n).astype(np.float32)
     atol, rtol = 1e-8, 1e-5
@@ -389,7 +391,9 @@ def test_fast_float_comparison_is_numpys_float64_rule(case):
     if math.isinf(want_max):  # issue 39, point 6: a value that became non-finite is the most changed; the
         want_rel = math.inf   # finite elements' sums are still exact
         np.testing.assert_allclose(got.diff_sq / got.ref_sq, diff_sq / ref_sq, rtol=1e-6, err_msg=case)
-    np.testing.assert_allclose(got.rel_l2, want_rel, rtol=1e-6, atol=1e-300, err_msg=case)
+    # rel_l2 is a summary (the counts above are exact): the fast path sums each piece's squares in float32, so over
+    # 200,003 elements it lands within a few 1e-6 of the float64 sum (seen: 1.01e-6 with an unlucky seed).
+    np.testing.assert_allclose(got.rel_l2, want_rel, rtol=4e-6, atol=1e-300, err_msg=case)
     assert (got.nonfinite_a, got.nonfinite_b) == (int((~np.isfinite(x)).sum()), int((~np.isfinite(y)).sum()))
     assert got.bit_identical == (a.dtype == b.dtype and a.tobytes() == b.tobytes())
 

@@ -42,6 +42,7 @@ ENV_READERS = {
     "checkpoint_io/storage/reach.py",  # the GCS client's own variables (emulator, credentials files, metadata server)
     "checkpoint_jax/distributed.py",  # jax's own JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
     "pytree/estimates.py",  # jax's own XLA_PYTHON_CLIENT_MEM_FRACTION / _PREALLOCATE (the allocator's pool)
+    "shared/render.py",  # the terminal's COLUMNS (as shutil.get_terminal_size reads it): the width tables fit
 }
 
 

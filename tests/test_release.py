@@ -31,9 +31,11 @@ def _run(*args, cwd):
 
 
 def _modules(root: Path) -> set[str]:
-    """Every .py file and py.typed of the package, as paths relative to ``root`` (read from the source tree)."""
+    """Every .py file, py.typed and shipped preset (package data) of the package, as paths relative to ``root``
+    (read from the source tree)."""
     return {p.relative_to(root).as_posix() for p in (root / "treetools").rglob("*")
-            if p.suffix == ".py" or p.name == "py.typed"} - {""}
+            if p.suffix == ".py" or p.name == "py.typed" or (p.parent.name == "presets" and p.suffix == ".toml")
+            } - {""}
 
 
 def test_wheel_and_sdist_build_offline_and_pass_twine_check(tmp_path):

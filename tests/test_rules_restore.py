@@ -480,10 +480,11 @@ def test_unstacking_holds_a_few_device_blocks_not_the_stacked_leaf(tmp_path):
     _, growth, ok = proc.stdout.strip().splitlines()[-1].split()
     result = layers * rows * cols * 4
     assert ok == "True"
-    # The result itself (256 MiB) plus at most 48 MiB (a device block is 4 MiB, a layer 32 MiB; measured: +28 MiB
-    # on one thread) plus the engine's read-ahead, 2 x workers device blocks (measured: +48 MiB on 2 threads).
-    # Reading the stacked leaf whole would add 256 MiB.
-    bound = result + 48 * 2**20 + 2 * workers * (rows // 8) * cols * 4
+    # The result itself (256 MiB) plus at most 64 MiB (a device block is 4 MiB, a layer 32 MiB; measured: +28 MiB
+    # on one thread; allocator arenas under load add a few MiB: 321 MiB was seen against a 320 MiB bound) plus the
+    # engine's read-ahead, 2 x workers device blocks (measured: +48 MiB on 2 threads). Reading the stacked leaf
+    # whole would add 256 MiB.
+    bound = result + 64 * 2**20 + 2 * workers * (rows // 8) * cols * 4
     assert int(growth) < bound, f"grew {int(growth) / 2**20:.0f} MiB for a {result / 2**20:.0f} MiB result"
 
 

@@ -201,14 +201,54 @@ def __dir__() -> list[str]:
     return list(__all__)
 
 
-if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
-    from treetools.pytree.abstract import make_abstract, replicate, update_ema
+if _typing.TYPE_CHECKING:
     from treetools.checkpoint_io.context import ReadOptions
+    from treetools.checkpoint_io.formats._msgpack import MsgpackError
+    from treetools.checkpoint_io.formats.npz import NpyHeaderError
     from treetools.checkpoint_io.opening import open_source
+    from treetools.checkpoint_io.readers import MemoryBudgetError
     from treetools.checkpoint_io.registry import register_format
     from treetools.checkpoint_io.source import Format
     from treetools.checkpoint_io.steps import latest_step, list_incomplete, list_steps
+    from treetools.checkpoint_io.storage.base import OutsideCheckpointError, SpecialFileError
+    from treetools.checkpoint_io.storage.bucket import RemoteNotFoundError
+    from treetools.checkpoint_io.storage.reach import RemoteStorageError
+    from treetools.checkpoint_jax.distributed import connect_processes
+    from treetools.checkpoint_jax.manager import get_checkpoint_manager, save_checkpoint
+    from treetools.checkpoint_jax.memory import plan_checkpoint
+    from treetools.checkpoint_jax.restore import load_parameters, plan_restore, restore_checkpoint
+    from treetools.checkpoint_jax.restore_plan import RestorePlan
+    from treetools.checkpoint_tools.convert import convert
+    from treetools.checkpoint_tools.diff import diff_paths
+    from treetools.checkpoint_tools.plot import plot_metrics, plot_stats
+    from treetools.checkpoint_tools.report import inspect_path
+    from treetools.pytree.abstract import make_abstract, replicate, update_ema
     from treetools.pytree.counting import get_num_bytes, get_num_params
+    from treetools.pytree.health import (
+        DetectorState,
+        HealthDumper,
+        HealthRecorder,
+        RecorderState,
+        SpikeDetector,
+        every_n,
+        write_health_dump,
+    )
+    from treetools.pytree.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
+    from treetools.pytree.memory import MemoryPlan, memory_plan
+    from treetools.pytree.metrics import JsonlWriter, MetricsLogger, TensorBoardWriter, WandbWriter, read_metrics
+    from treetools.pytree.norms import (
+        clip_by_global_norm,
+        get_grad_norms,
+        get_param_norms,
+        get_sharded_global_norm,
+        get_sharded_norm_logits,
+        norm_metrics,
+    )
+    from treetools.pytree.partitioning import is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
+    from treetools.pytree.paths import flatten, leaves_with_paths, map_with_path, path_str, unflatten
+    from treetools.pytree.table import rows_from_tree, tabulate_params
+    from treetools.rules.presets import preset, presets
+    from treetools.rules.spec import Rules
     from treetools.shared.errors import (
         CheckpointError,
         CheckpointMismatchError,
@@ -222,34 +262,4 @@ if _typing.TYPE_CHECKING:  # static analysers see ordinary imports
         UsageError,
     )
     from treetools.shared.files import LinkRefusedError
-    from treetools.checkpoint_io.readers import MemoryBudgetError
-    from treetools.checkpoint_io.storage.base import OutsideCheckpointError, SpecialFileError
-    from treetools.checkpoint_io.storage.reach import RemoteStorageError
-    from treetools.checkpoint_io.storage.bucket import RemoteNotFoundError
-    from treetools.checkpoint_io.formats._msgpack import MsgpackError
-    from treetools.checkpoint_io.formats.npz import NpyHeaderError
-    from treetools.checkpoint_tools.convert import convert
-    from treetools.checkpoint_tools.diff import diff_paths
-    from treetools.checkpoint_tools.plot import plot_metrics, plot_stats
-    from treetools.checkpoint_tools.report import inspect_path
-    from treetools.checkpoint_jax.distributed import connect_processes
-    from treetools.checkpoint_jax.manager import get_checkpoint_manager, save_checkpoint
-    from treetools.checkpoint_jax.memory import plan_checkpoint
-    from treetools.pytree.masks import flattened_traversal, get_param_label_fn, get_param_mask_fn
-    from treetools.pytree.memory import MemoryPlan, memory_plan
-    from treetools.pytree.metrics import JsonlWriter, MetricsLogger, read_metrics
-    from treetools.pytree.norms import (
-        clip_by_global_norm,
-        get_grad_norms,
-        get_param_norms,
-        get_sharded_global_norm,
-        get_sharded_norm_logits,
-        norm_metrics,
-    )
-    from treetools.pytree.partitioning import is_box, is_partitioned, leaf_sharding, params_of, unbox, unbox_tree
-    from treetools.pytree.paths import flatten, leaves_with_paths, map_with_path, path_str, unflatten
-    from treetools.checkpoint_jax.restore import load_parameters, plan_restore, restore_checkpoint
-    from treetools.checkpoint_jax.restore_plan import RestorePlan
     from treetools.shared.rows import LeafSharding, Row
-    from treetools.pytree.table import rows_from_tree, tabulate_params
-    from treetools.rules.spec import Rules

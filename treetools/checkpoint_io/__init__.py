@@ -59,8 +59,9 @@ def __dir__() -> list[str]:
     return list(__all__)
 
 
-if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ordinary imports
+if _typing.TYPE_CHECKING:
     from treetools.checkpoint_io.context import ReadContext, ReadOptions
+    from treetools.checkpoint_io.formats._ts_kvstore import register_kvstore
     from treetools.checkpoint_io.leaves import (
         DEFAULT_ITEM,
         NO_VALUE,
@@ -95,5 +96,4 @@ if _typing.TYPE_CHECKING:  # static analysers (and the import contracts) see ord
         StepLayout,
         file_head,
     )
-    from treetools.checkpoint_io.formats._ts_kvstore import register_kvstore
     from treetools.checkpoint_io.storage import Storage, Upload, backend, register_scheme
