@@ -36,6 +36,7 @@ Examples:
   treetools plot runs/scan --heatmap 'grad_norm/layers/(\\d+)$' -o layers.png
   treetools train --workdir runs/spike --steps 60 --inject-spike 40 --cpu-devices 4
   treetools plot runs/spike/health/health_00000044.json
+  treetools train --workdir runs/ft --init-from HF_DIR --steps 50   (fine-tune a Hugging Face model)
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d("--wandb", default=None, metavar="PROJECT",
       help="also log the metrics to a W&B run in PROJECT (tt.WandbWriter; needs wandb, the wandb extra), its files "
            "under DIR/wandb; WANDB_MODE=offline logs without network (`wandb sync` uploads later)")
+    d("--init-from", default=None, metavar="HF_DIR",
+      help="start from a Hugging Face model folder (llama, mistral, qwen2, gemma or gpt2: config.json and "
+           "safetensors): the model is its config.json, the weights its own, read through the preset "
+           "FAMILY:hf:reference; DIR/config.json is written for the way back (convert --preset FAMILY:reference:hf "
+           "--config DIR/config.json). Give it again to resume the run")
     d("--cpu-devices", type=positive_int, default=None, metavar="N",
       help="simulate N CPU devices (sets XLA_FLAGS; only before jax starts)")
     d("--quiet", action="store_true", help="print nothing but errors")
@@ -137,6 +143,9 @@ def main(args: argparse.Namespace) -> int:
     if args.health or args.inject_spike is not None:  # health dumps go to WORKDIR/health (checked again at each)
         refuse_link_out(os.path.join(args.workdir, "health"), args.workdir)
     _check_writers(args)
+    if args.init_from is not None and not os.path.isfile(os.path.join(args.init_from, "config.json")):
+        raise ValueError(f"--init-from {args.init_from}: no config.json there; give a Hugging Face model folder "
+                         "(config.json beside its safetensors).")
     if args.cpu_devices:
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
@@ -150,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
                       freeze_embeddings=args.freeze_embeddings, ema_decay=args.ema_decay, resume=args.resume,
                       quiet=args.quiet, norm_depth=args.norm_depth, model=ModelConfig(scan_layers=args.scan_layers),
                       health=args.health or args.inject_spike is not None, inject_spike=args.inject_spike,
-                      tensorboard=args.tensorboard, wandb_project=args.wandb,
+                      tensorboard=args.tensorboard, wandb_project=args.wandb, init_from=args.init_from,
                       log=lambda line: _output.out(line, flush=True))  # `| head`: training goes on, exit code kept
     train(cfg)
     return 0

@@ -40,6 +40,7 @@ batches are split over both axes.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -90,6 +91,25 @@ class TrainConfig:
     tensorboard: str | None = None  # also write the metrics as TensorBoard event files in this folder
     wandb_project: str | None = None  # also log the metrics to a W&B run of this project (files in WORKDIR/wandb)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    init_from: str | None = None  # a Hugging Face model folder: its config.json is the model, its weights the start
+
+
+def from_hf_model(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` whose model is ``cfg.init_from``'s ``config.json`` (``ModelConfig.from_hf``; ``scan_layers`` kept)."""
+    if cfg.init_from is None:
+        return cfg
+    return dataclasses.replace(cfg, model=ModelConfig.from_hf(cfg.init_from, scan_layers=cfg.model.scan_layers))
+
+
+def hf_params(cfg: TrainConfig) -> Any:
+    """``cfg.init_from``'s weights as the reference model's params (host numpy): read through the preset
+    ``FAMILY:hf:reference`` for the family of its ``config.json``, stacked under ``layers`` when scanned."""
+    name = f"{cfg.model.family}:hf:reference"
+    params = tt.load_parameters(cfg.init_from, rules=tt.preset(name, config=cfg.init_from))
+    if cfg.model.scan_layers:
+        blocks = [params.pop(f"{LAYERS}_{i}") for i in range(cfg.model.n_layers)]
+        params[LAYERS] = jax.tree.map(lambda *xs: np.stack(xs), *blocks)
+    return params
 
 
 def block_depth(cfg: TrainConfig) -> int:
@@ -166,6 +186,13 @@ def _skipped_update(metrics: dict[str, Any], flagged: jax.Array) -> dict[str, An
     return out
 
 
+def _loaded(made: Any, weight: Any) -> Any:
+    """``weight`` in place of the value ``made`` by ``model.init``: its dtype, and its box where it has one."""
+    value = tt.unbox(made)
+    new = jnp.asarray(weight, value.dtype).reshape(value.shape)
+    return made.replace_boxed(new) if tt.is_box(made) else new
+
+
 def build(cfg: TrainConfig) -> tuple[Any, Transformer, dict[str, Any], Any, Any, Callable]:
     """Model, optimizer, mesh, sharded initial state and the jitted step.
 
@@ -179,8 +206,12 @@ def build(cfg: TrainConfig) -> tuple[Any, Transformer, dict[str, Any], Any, Any,
     dummy = jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32)
     detector, recorder = make_health(cfg)
 
+    start = hf_params(cfg) if cfg.init_from is not None else None
+
     def init(key: jax.Array) -> dict[str, Any]:
         params = model.init(key, dummy)["params"]
+        if start is not None:  # the weights of --init-from, in the dtypes and boxes (partition names) the model makes
+            params = jax.tree.map(_loaded, params, start, is_leaf=tt.is_box)
         return {"params": params, "params_ema": params, "opt_state": tx.init(params)}
 
     def health_init(state: dict[str, Any]) -> dict[str, Any]:
@@ -274,8 +305,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
               "(raise --steps to continue).", file=sys.stderr)
         return {"state": None, "first_loss": None, "last_loss": None, "checkpoint_dir": ckpt_dir,
                 "metrics_path": metrics_path, "optimal_loss": None, "start_step": latest}
-    if latest is not None:
-        cfg = _saved_layout(cfg, ckpt_dir, latest)
+    cfg = from_hf_model(cfg)
+    if latest is not None:  # a resumed run: the model is --init-from's, the weights the checkpoint's
+        cfg = _saved_layout(dataclasses.replace(cfg, init_from=None), ckpt_dir, latest)
+    elif cfg.init_from is not None:  # the model's config.json for the way back (convert --preset F:reference:hf)
+        os.makedirs(cfg.workdir, exist_ok=True)
+        with open(os.path.join(cfg.workdir, "config.json"), "w") as f:
+            json.dump(cfg.model.to_hf(), f, indent=2)
     mesh, model, state, state_shardings, batch_sharding, step_fn = build(cfg)
     data = MarkovTask(cfg.model.vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
     manager = tt.get_checkpoint_manager(cfg.ckpt_every, max_to_keep=cfg.max_to_keep, checkpoint_dir=ckpt_dir)
