@@ -330,6 +330,7 @@ def render_diff(report: DiffReport, fmt: str = "table") -> str:
         return body + ("\n\n" + note if md else "\n" + "\n".join(textwrap.wrap(note, width())))
 
     sections: list[tuple[str, str | None]] = []
+    body: str | None  # a section's text; None: its title alone
     for title, rows in (("added (only in B)", report.added), ("removed (only in A)", report.removed)):
         if rows:
             headers, data = row_cells(rows, ["path", "shape_cell", "dtype", "count"], path_width=None)
