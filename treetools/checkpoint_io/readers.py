@@ -478,6 +478,7 @@ class FileReader(ArrayReader):
 
     # Slots: a safetensors header may list 144,629 tensors, each a reader; a __dict__ each was 650 bytes.
     __slots__ = ("context", "_path", "_offset", "shape", "dtype", "_fortran", "_segments")
+    context: ReadContext  # always given (ArrayReader's may be None)
 
     def __init__(self, context: ReadContext, path: str, offset: int, shape: Sequence[int], dtype: np.dtype, *,
                  fortran: bool = False, segments: Sequence[tuple[int, int]] | None = None):
@@ -522,7 +523,7 @@ class FileReader(ArrayReader):
         if count == 0:
             return np.zeros(shape, self.dtype)
         out = np.empty(count, self.dtype)
-        view = memoryview(out.view(np.uint8))  # not memoryview(out): ml_dtypes (bfloat16...) have no buffer format
+        view = out.view(np.uint8).data  # not out.data: ml_dtypes (bfloat16...) have no buffer format
         item = self.dtype.itemsize
         for first, offset, n in self._segments:
             lo, hi = max(start, first), min(start + count, first + n)

@@ -107,9 +107,9 @@ def _target(target: Any, sharding: Any, fill: Any, *, lone: str | None = None) -
     pairs, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_leaf)
     leaves = [x for _, x in pairs]
     paths = [path_str(p) for p, _ in pairs]
-    bare = lone is not None and [p for p, _ in pairs] == [()]
-    if bare:
-        paths = [lone]
+    bare = lone if lone is not None and [p for p, _ in pairs] == [()] else None  # the bare leaf's path
+    if bare is not None:
+        paths = [bare]
     replicated = None
     abstract = []
     for leaf in jax.tree_util.tree_leaves(make_abstract(target, sharding), is_leaf=is_leaf):
@@ -121,8 +121,8 @@ def _target(target: Any, sharding: Any, fill: Any, *, lone: str | None = None) -
             value = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=replicated)
         abstract.append(value)
     filled = {p: unbox(x) for p, x in leaves_with_paths(fill)} if fill is not None else {}
-    if bare and set(filled) == {""}:
-        filled = {lone: filled[""]}
+    if bare is not None and set(filled) == {""}:
+        filled = {bare: filled[""]}
 
     def rebuild(values: Mapping[str, Any]) -> Any:
         """The target's structure with each leaf's restored value, inside the leaf's box."""
@@ -661,13 +661,13 @@ def _nest(pairs: Sequence[tuple[Row, Any]]) -> Any:
             stack.extend((node, k, v) for k, v in node.items())
     top: Any = out
     for parent, key, node in reversed(order):
-        value: Any = node
+        built: Any = node
         if node and list(node) == [str(i) for i in range(len(node))]:
-            value = list(node.values())
+            built = list(node.values())
         if parent is None:
-            top = value
+            top = built
         else:
-            parent[key] = value
+            parent[key] = built
     return top
 
 

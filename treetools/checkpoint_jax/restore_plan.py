@@ -100,8 +100,8 @@ class RestorePlan:
                              ", ".join(leaf.ops)))
             rows += [(f"({item.name}/{p} unused)", "", "", "", "") for p in item.unused]
             rows += [(f"({item.name}/{p} dropped by the rules)", "", "", "", "") for p in item.dropped]
-        rows = [tuple(safe_text(c) for c in row) for row in rows]
-        return fit_table(rows[0], rows[1:], style="plain", fit=False).text
+        safe = [tuple(safe_text(c) for c in row) for row in rows]
+        return fit_table(safe[0], safe[1:], style="plain", fit=False).text
 
 
 def _few(names: Sequence[str], n: int = 3) -> str:

@@ -44,7 +44,7 @@ from treetools.checkpoint_io.leaves import NO_VALUE, Leaf, Snapshot, Unreadable
 from treetools.checkpoint_io.opening import open_source
 from treetools.checkpoint_io.readers import bit_identical, is_numeric
 from treetools.checkpoint_io.source import Source
-from treetools.checkpoint_io.stream import reduce_blocks
+from treetools.checkpoint_io.stream import completed, reduce_blocks
 from treetools.shared.errors import CheckpointError, CheckpointNotFoundError, UsageError
 from treetools.checkpoint_tools.options import DEFAULT_ATOL, DEFAULT_RTOL, DiffOptions, resolve
 from treetools.checkpoint_tools.progress import Progress
@@ -389,6 +389,7 @@ class _Rule:
 def _fold(acc: _Compared, xa: np.ndarray, xb: np.ndarray) -> None:
     """Compare one pair of blocks, a cache-sized piece at a time."""
     rule = acc.rule
+    assert rule is not None  # each task's partial starts with its pair's rule (value_diffs)
     fa, fb = np.ravel(xa), np.ravel(xb)
     with np.errstate(over="ignore", invalid="ignore"):  # overflow and NaN are detected from the sums, not warned
         for s in range(0, fa.size, _PIECE_ELEMS):
@@ -417,6 +418,7 @@ def _fold_float(acc: _Compared, pa: np.ndarray, pb: np.ndarray, rule: _Rule, ide
     overflow or underflow float32) takes the exact float64 reference code.
     """
     n = pa.size
+    assert rule.work is not None  # _fold_piece comes here only with a work dtype
     bufs = _scratch(rule.work)
     a = pa if pa.dtype == rule.work else _cast(pa, bufs.a[:n])
     if identical:  # same bits: no difference; only |a|^2 and the non-finite counts
@@ -519,17 +521,19 @@ def value_diffs(pairs: Sequence[tuple[Leaf, Leaf, str]], *, atol: float = DEFAUL
       ValueError: a pair whose arrays differ in shape.
     """
     rules = []
+    jobs = []
     for a, b, _ in pairs:
         ra, rb = a.reader, b.reader
         if ra is None or rb is None or tuple(ra.shape) != tuple(rb.shape):
             raise ValueError(f"`value_diff` needs two array leaves of one shape; got {a.row.shape} and {b.row.shape}.")
         rules.append(_Rule.of(ra.dtype, rb.dtype, atol, rtol))
-    parts = reduce_blocks([(a.reader, b.reader) for a, b, _ in pairs], lambda j: _Compared(rule=rules[j]),
+        jobs.append((ra, rb))
+    parts = reduce_blocks(jobs, lambda j: _Compared(rule=rules[j]),
                           lambda acc, index, blocks: _fold(acc, blocks[0], blocks[1]),
                           block_bytes=block_bytes, workers=workers, progress=progress,
                           labels=[p for _, _, p in pairs])
-    return [_result(functools.reduce(_Compared.merge, p, _Compared()), path, math.prod(a.reader.shape))
-            for (a, _, path), p in zip(pairs, parts)]
+    return [_result(functools.reduce(_Compared.merge, completed(p), _Compared()), path, math.prod(ra.shape))
+            for (_, _, path), (ra, _), p in zip(pairs, jobs, parts)]
 
 
 def value_diff(a: Leaf, b: Leaf, *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL,
@@ -745,8 +749,8 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     if include or exclude:
         names: dict[str, tuple[str, ...]] = {}
         for side in (named_a, named_b):
-            for key, (shown, leaf) in side.items():
-                names[key] = tuple(dict.fromkeys([*names.get(key, ()), shown, key, leaf.name]))
+            for key, (label, leaf) in side.items():
+                names[key] = tuple(dict.fromkeys([*names.get(key, ()), label, key, leaf.name]))
         keep = _keep(names, include, exclude)
         named_a = {k: v for k, v in named_a.items() if k in keep}
         named_b = {k: v for k, v in named_b.items() if k in keep}
@@ -761,14 +765,14 @@ def diff_paths(a: str, b: str, options: DiffOptions | None = None, /, **fields: 
     for p in (p for p in flat_a if p in flat_b):
         la, lb = flat_a[p], flat_b[p]
         ra, rb = la.row, lb.row
-        fields = [f for f in ("shape", "dtype") if getattr(ra, f) != getattr(rb, f)]
+        differ = [f for f in ("shape", "dtype") if getattr(ra, f) != getattr(rb, f)]
         if compare_sharding and not _same_sharding(ra.sharding, rb.sharding):
-            fields.append("sharding")
+            differ.append("sharding")
         va, vb = la.value, lb.value
         if va is not NO_VALUE and vb is not NO_VALUE and not _same_value(va, vb):
-            fields.append("value")
-        if fields:
-            changed.append(LeafChange(p, ra, rb, fields, va, vb))
+            differ.append("value")
+        if differ:
+            changed.append(LeafChange(p, ra, rb, differ, va, vb))
         if (la.reader is not None and lb.reader is not None and tuple(la.reader.shape) == tuple(lb.reader.shape)
                 and is_numeric(la.reader.dtype) and is_numeric(lb.reader.dtype)):
             same_shape.append(p)

@@ -168,23 +168,24 @@ def _read_leaves(items: list[Item], block_bytes: int, progress: bool | None) -> 
         for leaf in item.leaves:
             leaves += 1
             # A dtype of no bytes (jax's float0: the "gradient" of an integer leaf) stores nothing to read.
-            if leaf.reader is not None and leaf.reader.dtype.itemsize > 0:
-                todo.append((item, leaf))
-    bar = Progress(sum(leaf.row.bytes for _, leaf in todo), enabled=progress)
+            reader = leaf.reader
+            if reader is not None and reader.dtype.itemsize > 0:
+                todo.append((item, leaf, reader))
+    bar = Progress(sum(leaf.row.bytes for _, leaf, _ in todo), enabled=progress)
     try:
-        counts = reduce_blocks([(leaf.reader,) for _, leaf in todo], lambda j: [0], _count, block_bytes=block_bytes,
-                               progress=bar, labels=[f"{item.name}/{leaf.name}" for item, leaf in todo],
+        counts = reduce_blocks([(reader,) for _, _, reader in todo], lambda j: [0], _count, block_bytes=block_bytes,
+                               progress=bar, labels=[f"{item.name}/{leaf.name}" for item, leaf, _ in todo],
                                errors=(CheckpointError, OSError, ValueError))
     finally:
         bar.close()
-    for (item, leaf), parts in zip(todo, counts):
+    for (item, leaf, reader), parts in zip(todo, counts):
         if isinstance(parts, Failed):
             problems.append(f"{item.name}/{leaf.name}: stored data cannot be read ({parts.error}).")
             continue
-        got, want = sum(p[0] for p in parts), math.prod(leaf.reader.shape)
+        got, want = sum(p[0] for p in parts), math.prod(reader.shape)
         if got != want:
             problems.append(f"{item.name}/{leaf.name}: stored data holds {got:,} elements, metadata says {want:,}.")
-        nbytes += got * leaf.reader.dtype.itemsize
+        nbytes += got * reader.dtype.itemsize
     return leaves, nbytes, problems
 
 

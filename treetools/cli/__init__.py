@@ -72,7 +72,8 @@ class _UsageExit(SystemExit):
         self.message = message
 
 
-_NARGS = {None: "{0}", "?": "[{0}]", "*": "[{0} ...]", "+": "{0} [{0} ...]", argparse.PARSER: "{0} ..."}
+_NARGS: dict[int | str | None, str] = {None: "{0}", "?": "[{0}]", "*": "[{0} ...]", "+": "{0} [{0} ...]",
+                                       argparse.PARSER: "{0} ..."}
 """How a positional argument's ``nargs`` reads in a usage line (argparse's own notation)."""
 
 
@@ -148,9 +149,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-KNOWN_ERRORS: tuple[type, ...] = (CheckpointError, CheckpointNotFoundError, PatternError, FileNotFoundError,
-                                   PermissionError, IsADirectoryError, NotADirectoryError, ImportError,
-                                   UnicodeDecodeError)
+KNOWN_ERRORS: tuple[type[Exception], ...] = (CheckpointError, CheckpointNotFoundError, PatternError, FileNotFoundError,
+                                              PermissionError, IsADirectoryError, NotADirectoryError, ImportError,
+                                              UnicodeDecodeError)
 """Exception types that are the user's input, not a bug: reported as one line. Anything else keeps its traceback."""
 
 

@@ -97,7 +97,8 @@ def formats_help(width: int = 79) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = formats_help  # called by the parser when the help is printed
+    # called by the parser (cli._CommandParser) when the help is printed; typeshed's argparse types it str | None
+    parser.epilog = formats_help  # type: ignore[assignment]
     parser.add_argument("path", metavar="PATH", help="checkpoint folder or file")
     add_step(parser)
     add_prefix(parser)

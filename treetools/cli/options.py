@@ -223,9 +223,10 @@ def add_rules(parser: argparse.ArgumentParser, fields: Sequence[str] | None = No
     for name, field in FIELDS.items():
         if fields is not None and name not in fields:
             continue
-        how: dict[str, Any] = {"switch": {"action": "store_true"}, "one": {"default": None, "metavar": field.metavar},
-                               "repeat": {"action": "append", "default": [], "metavar": field.metavar}}[field.kind.flag]
-        group.add_argument(field.flag(name), dest=name, help=field.help, **how)
+        hows: dict[str, dict[str, Any]] = {
+            "switch": {"action": "store_true"}, "one": {"default": None, "metavar": field.metavar},
+            "repeat": {"action": "append", "default": [], "metavar": field.metavar}}
+        group.add_argument(field.flag(name), dest=name, help=field.help, **hows[field.kind.flag])
 
 
 def add_preset(parser: argparse.ArgumentParser) -> None:

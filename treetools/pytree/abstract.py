@@ -121,6 +121,7 @@ class _Paths:
     flatten is several times cheaper than one with paths, and most calls name no leaf)."""
 
     __slots__ = ("_tree", "_keypaths")
+    _keypaths: list[tuple[Any, ...]] | None
 
     def __init__(self, tree: PyTree):
         self._tree, self._keypaths = tree, None

@@ -364,7 +364,7 @@ def _gpt2_hf(cfg: ModelConfig) -> dict[str, Any]:
 
 # --- the model -----------------------------------------------------------------------------------------------------
 
-def _partitioned(init, names: tuple, cfg: ModelConfig):
+def _partitioned(init: Callable[..., Any], names: tuple, cfg: ModelConfig) -> Callable[..., Any]:
     if cfg.scan_layers:
         return nn.with_logical_partitioning(init, names, rules=SCAN_RULES)
     return nn.with_partitioning(init, names)

@@ -381,7 +381,9 @@ class _Planner:
             if shape is not None:
                 self.check_target_layers(node, match, shape[axis])
             inner = None if shape is None else shape[:axis] + shape[axis + 1:]
-            for i in range(self.num_layers if shape is None else shape[axis]):
+            layers = self.num_layers if shape is None else shape[axis]
+            assert layers is not None  # no shape: the `not node.known` branch above went on only with num_layers
+            for i in range(layers):
                 out.append(dataclasses.replace(
                     node, path=insert_index(node.path, match, i),
                     node=Read(inner, node.dtype, Piece(node.path, i, axis)), shape=inner,
@@ -538,7 +540,7 @@ class _Planner:
                 kinds_of.setdefault(k, {}).setdefault(_node_kind(node), node.path)
         out = []
         for node, k in zip(nodes, firsts):
-            target = None if not node.is_array else self.cast_to(node, k, kinds_of.get(k, {}))
+            target = None if not node.is_array else self.cast_to(node, k, kinds_of.get(k, {}) if k is not None else {})
             out.append(node if target is None or target == node.dtype else
                        dataclasses.replace(node, dtype=target, node=Cast(node.shape, target, node.node)))
         return out

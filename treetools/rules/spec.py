@@ -199,7 +199,7 @@ class LayerPatterns(Patterns):
     def python(self, name: str) -> str:
         return f"{name}=[pattern or (pattern, axis), ...]"
 
-    def normalize(self, value: Any, name: str) -> tuple[Any, ...]:  # type: ignore[override]
+    def normalize(self, value: Any, name: str) -> tuple[Any, ...]:
         if value is None:
             return ()
         if isinstance(value, (str, re.Pattern)):
@@ -221,7 +221,7 @@ class LayerPatterns(Patterns):
         return [list(v) if isinstance(v, tuple) else v for v in value]
 
     def from_flags(self, given: Iterable[str]) -> tuple[Any, ...]:
-        out = []
+        out: list[str | tuple[str, int]] = []
         for text in given:
             pattern, arrow, rest = text.partition("=>")
             if not arrow:

@@ -133,6 +133,13 @@ def _blosc_key(store: Any, where: str) -> Any:
     return key if blosc else None
 
 
+def _grid_shape(shape: tuple[int | None, ...] | None) -> tuple[int, ...]:
+    """A chunk layout grid's shape as ints; TypeError when it is unset (None, or None in a dimension)."""
+    if shape is None or None in shape:
+        raise TypeError(f"chunk grid shape {shape} is not set")
+    return tuple(int(c) for c in shape if c is not None)
+
+
 class _Opened:
     """One open store of a ``TensorStoreReader`` and what its reads are held to."""
 
@@ -237,6 +244,8 @@ class TensorStoreReader(ArrayReader):
     ``max_chunks_per_read``.
     """
 
+    context: ReadContext  # always given (ArrayReader's may be None)
+
     def __init__(self, context: ReadContext, spec: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype,
                  chunk_shape: tuple[int, ...] | None, *, where: str, shared: Any = None):
         self.context = context
@@ -276,8 +285,8 @@ class TensorStoreReader(ArrayReader):
                     raise CheckpointError(f"{self._where}: cannot open array data ({pins.shown(first_line(e))}).") \
                         from None
                 try:
-                    chunk = tuple(int(c) for c in store.chunk_layout.read_chunk.shape)
-                    shard = tuple(int(c) for c in store.chunk_layout.write_chunk.shape or chunk)
+                    chunk = _grid_shape(store.chunk_layout.read_chunk.shape)
+                    shard = _grid_shape(store.chunk_layout.write_chunk.shape or chunk)
                 except Exception:  # a driver without a chunk layout: fall back to the metadata's
                     chunk = shard = tuple(self.chunk_shape or self.shape)
                 return store, chunk, shard, _blosc_key(store, self._where)
@@ -475,7 +484,7 @@ def _open_batch(context: ReadContext, specs: list[dict[str, Any]], where: list[s
     # reused by the next batch names another folder.
     cache = ts.Context({"cache_pool": {"total_bytes_limit": 16 * 2**20}})
     with Pins(context.storage, data=False, budget=context.memory_budget) as pins:
-        batch = []
+        batch: list[ts.Future[ts.TensorStore] | CheckpointError] = []
         for spec, w in zip(specs, where):
             try:
                 batch.append(ts.open(pins.spec(spec, w), read=True, open=True, context=cache))
@@ -502,7 +511,7 @@ def _open_shared(context: ReadContext, stores: ItemStores, specs: list[dict[str,
                 continue
             batch.append((None, gen))  # released below even if the open raises
             batch[-1] = (ts.open(rewritten, read=True, open=True, context=gen.context), gen)
-        out = []
+        out: list[ArrayHeader | None] = []
         for future, gen in batch:
             header = _header(future, where[len(out)], gen.pins if gen is not None else None, problems)
             if gen is not None and header is not None:

@@ -260,7 +260,7 @@ class LocalStorage(Storage):
         """
         root = self.root
         fd = root.fd if root is not None else None
-        rel = root.relative(path) if fd is not None else None
+        rel = root.relative(path) if root is not None and fd is not None else None
         return (path, None) if rel is None else (rel, fd)
 
     # -- probes (symlinks followed, as os.path does; what a link out of the root leads to is a kind and a size,
@@ -403,8 +403,8 @@ class LocalStorage(Storage):
                 real = fd_path(fd)
                 if real is None:  # no /proc: the real path, proven to be the file opened
                     real = os.path.realpath(path)
-                    st, opened = os.stat(real), os.fstat(fd)
-                    if (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino):
+                    st, fst = os.stat(real), os.fstat(fd)
+                    if (st.st_dev, st.st_ino) != (fst.st_dev, fst.st_ino):
                         raise CheckpointError(f"{path}: changed while it was opened; refusing to read it.")
                 root.check(path, real)
         except BaseException:

@@ -52,7 +52,7 @@ import functools
 import math
 import logging
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -130,7 +130,7 @@ def c_order_chunk(shape: Sequence[int], itemsize: int, block_bytes: int) -> tupl
 
 
 def boxes(pieces: Iterator[np.ndarray], shape: tuple[int, ...], dtype: np.dtype, block_bytes: int
-          ) -> Iterator[tuple[Index, np.ndarray]]:
+          ) -> Generator[tuple[Index, np.ndarray], None, None]:
     """A leaf's C-ordered blocks (``pieces``, any sizes) regrouped as its stored chunks (``c_order_chunk``), in C
     order: ``(index, data)``. A piece that is one chunk passes through as it is; otherwise chunks are filled
     from the pieces' flat data (one chunk held at a time).
@@ -173,7 +173,7 @@ class Leaf:
         self.size = math.prod(self.shape)
         self.ndim = len(self.shape)
 
-    def chunks(self, block_bytes: int) -> Iterator[tuple[Index, np.ndarray]]:
+    def chunks(self, block_bytes: int) -> Generator[tuple[Index, np.ndarray], None, None]:
         """The leaf's stored chunks in C order, read block by block (each source chunk decoded once)."""
         pieces = (block for _, block in tensor_blocks([Tensor(self.name, self.reader)], block_bytes))
         return boxes(pieces, self.shape, self.dtype, block_bytes)
