@@ -274,6 +274,8 @@ def _main(argv: list[str], command: str | None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     set_width(terminal_columns(sys.stdout))  # tables fit the terminal stdout is, 100 columns for a file or a pipe
     run = _distributed.Run()
+    # plot and train take the user's values straight (a bad metrics file, a bad setting): one line too
+    known = KNOWN_ERRORS + ((ValueError,) if command in ("plot", "train") else ())
     try:
         run.join(args, argv)  # --processes N / --distributed: this process's share of the reads
         code = run.finish(int(args._main(args) or 0))
@@ -286,7 +288,7 @@ def _main(argv: list[str], command: str | None) -> int:
             raise
         _output.error(e, prog=f"{PROG} {command}")
         return _json_error(args, e, 2, usage=True)
-    except KNOWN_ERRORS + ((ValueError,) if command in ("plot", "train") else ()) as e:
+    except known as e:
         # Known problems with what the user gave: one line, exit 1 (diff: 2, GNU diff's "trouble").
         if os.environ.get("TREETOOLS_DEBUG"):
             raise
