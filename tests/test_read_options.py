@@ -367,7 +367,7 @@ def test_the_older_keywords_still_work(linked):
     assert path == "params/w" and np.array_equal(value, w[1])
     with pytest.raises(CheckpointError, match="memory budget of 100 B"):
         tt.plan_checkpoint(root, read=read, memory_budget=BUDGET)
-    with pytest.raises(TypeError, match="tt.ReadOptions or a ReadContext"):
+    with pytest.raises(TypeError, match="`read` must be a tt.ReadOptions, a ReadContext or None, got dict"):
         tt.plan_checkpoint(root, read={"follow_links": True})
 
 

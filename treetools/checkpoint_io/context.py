@@ -223,7 +223,7 @@ def read_fields(read: "ReadOptions | ReadContext | None") -> dict[str, Any]:
         return {name: getattr(read, name) for name in READ_FIELDS}
     if isinstance(read, ReadContext):
         return {name: getattr(read, name) for name in READ_FIELDS if name != "progress"}
-    raise TypeError(f"`read` must be a tt.ReadOptions or a ReadContext, got {type(read).__name__}.")
+    raise TypeError(f"`read` must be a tt.ReadOptions, a ReadContext or None, got {type(read).__name__}.")
 
 
 def context_of(read: "ReadOptions | ReadContext | None", **given: Any) -> ReadContext:
@@ -239,6 +239,6 @@ def context_of(read: "ReadOptions | ReadContext | None", **given: Any) -> ReadCo
     elif read is None or isinstance(read, ReadOptions):
         context = (read or ReadOptions()).read_context()
     else:
-        raise TypeError(f"`read` must be a tt.ReadOptions or a ReadContext, got {type(read).__name__}.")
+        raise TypeError(f"`read` must be a tt.ReadOptions, a ReadContext or None, got {type(read).__name__}.")
     changes = {k: v for k, v in given.items() if v is not None}
     return context.replace(**changes) if changes else context

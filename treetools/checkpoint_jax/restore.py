@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import numpy as np
 
 from treetools.checkpoint_io.mapping import map_item
-from treetools.checkpoint_io.context import UNBOUNDED, ReadContext, ReadOptions
+from treetools.checkpoint_io.context import UNBOUNDED, ReadContext, ReadOptions, context_of
 from treetools.checkpoint_io.leaves import Item, Leaf, NO_VALUE, value_row
 from treetools.checkpoint_io.opening import open_source
 from treetools.checkpoint_io.readers import ArrayReader
@@ -390,22 +390,6 @@ def _read(source: Source, work: _Work, *, label: str = "") -> Any:
 # ---------------------------------------------------------------------------- restore
 
 
-def _context(read: "ReadOptions | ReadContext | None", prefix: str | None, follow_links: bool | None
-             ) -> ReadContext:
-    """The read context of one call: ``read`` (options built once, a context as given, None: the environment's),
-    with the loose ``prefix``/``follow_links`` keywords over it where given."""
-    if read is None:
-        context = ReadContext.from_env()
-    elif isinstance(read, ReadOptions):
-        context = read.read_context()
-    elif isinstance(read, ReadContext):
-        context = read
-    else:
-        raise TypeError(f"`read` must be a tt.ReadOptions, a ReadContext or None, got {type(read).__name__}.")
-    given = {k: v for k, v in (("prefix", prefix), ("follow_links", follow_links)) if v is not None}
-    return context.replace(**given) if given else context
-
-
 def _open(manager: Any, context: ReadContext) -> tuple[Source, Any]:
     """The source a manager (its pending save waited for) or a path names, and how to name it in errors."""
     if hasattr(manager, "directory") and hasattr(manager, "wait_until_finished"):
@@ -533,7 +517,7 @@ def plan_restore(
     """
     return _prepare(manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing,
                     allow_unused=allow_unused, allow_dtype_cast=allow_dtype_cast,
-                    context=_context(read, prefix, follow_links))[3]
+                    context=context_of(read, prefix=prefix, follow_links=follow_links))[3]
 
 
 def restore_checkpoint(
@@ -625,7 +609,7 @@ def restore_checkpoint(
     """
     source, resolved, display, plan, work, out = _prepare(
         manager, step, items, sharding=sharding, rules=rules, fill_missing=fill_missing, allow_unused=allow_unused,
-        allow_dtype_cast=allow_dtype_cast, context=_context(read, prefix, follow_links))
+        allow_dtype_cast=allow_dtype_cast, context=context_of(read, prefix=prefix, follow_links=follow_links))
     if plan.problems:
         raise CheckpointMismatchError(resolved, display, plan.problems)
     with source.reading(resolved):
@@ -745,7 +729,7 @@ def load_parameters(
     # A path is shown as the user typed it (relative, `~`); anything else path-like (etils.epath) as its location.
     shown = (os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, (str, os.PathLike))
              else location(checkpoint_dir, name="checkpoint_dir"))
-    context = _context(read, prefix, follow_links)
+    context = context_of(read, prefix=prefix, follow_links=follow_links)
     if read is None or (isinstance(read, ReadOptions) and read.memory_budget is None):
         context = context.replace(memory_budget=UNBOUNDED)  # whole arrays are the result: the machine's memory
     source = open_source(shown, context)
