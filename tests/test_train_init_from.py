@@ -90,3 +90,41 @@ def test_init_from_a_folder_without_config_is_refused(tmp_path, capsys):
     assert main(["train", "--workdir", str(tmp_path / "w"), "--init-from", str(tmp_path / "empty")]) == 1
     err = capsys.readouterr().err
     assert "--init-from" in err and "config.json" in err and err.count("\n") == 1
+
+
+_OTHERS = {  # fused c_attn, Conv1D, learned positions, tied; and MQA with (1 + w) norms and scaled embeddings
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", {"vocab_size": 64, "n_embd": 32, "n_head": 4, "n_layer": 2,
+                                               "n_positions": 32, "bos_token_id": 0, "eos_token_id": 1}),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                                                  "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 8,
+                                                  "num_hidden_layers": 2, "max_position_embeddings": 64,
+                                                  "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": None}),
+}
+
+
+@pytest.mark.parametrize("family", list(_OTHERS))
+def test_fine_tune_other_families_and_convert_back(family, tmp_path):
+    """The same round as for Llama, with the family's own preset both ways."""
+    from treetools.cli import main
+    from treetools.reference.model import ModelConfig, Transformer
+
+    model_cls, config_cls, kwargs = _OTHERS[family]
+    torch.manual_seed(5)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    folder, work, back = str(tmp_path / "hf"), str(tmp_path / "ft"), str(tmp_path / "ft-hf")
+    model.save_pretrained(folder, max_shard_size="20KB")
+    assert main(["train", "--workdir", work, "--init-from", folder, "--steps", "2", "--ckpt-every", "2",
+                 "--log-every", "1", "--batch-size", "8", "--quiet"]) == 0
+    trained = tt.load_parameters(os.path.join(work, "checkpoints"))
+    assert main(["convert", os.path.join(work, "checkpoints"), back, "--preset", f"{family}:reference:hf",
+                 "--config", os.path.join(work, "config.json")]) == 0
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(back).float().eval()
+    assert type(tuned) is type(model)
+    tokens = np.random.default_rng(2).integers(0, 64, (2, 12))
+    want = np.asarray(Transformer(ModelConfig.from_hf(folder)).apply({"params": trained}, tokens))
+    got = _hf_logits(tuned, tokens)
+    assert float(np.max(np.abs(got - want))) <= 2e-4 * float(np.max(np.abs(want)))
+    assert float(np.max(np.abs(got - _hf_logits(model, tokens)))) > 1e-3  # trained: moved from the start
