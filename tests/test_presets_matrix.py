@@ -39,7 +39,7 @@ MATRIX = {
                      "num_attention_heads": 8, "num_key_value_heads": 8, "tie_word_embeddings": False}),
     # GQA 8:4, head_dim 16 with 8 * 16 != hidden 64, llama3 rotary scaling, tied
     "llama-gqa-llama3": ("LlamaForCausalLM", "LlamaConfig",
-                         {**_LLAMA, "vocab_size": 67, "hidden_size": 64, "intermediate_size": 48,
+                         {**_LLAMA, "vocab_size": 72, "hidden_size": 64, "intermediate_size": 48,
                           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 16,
                           "tie_word_embeddings": True, "rope_theta": 500000.0,
                           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -151,3 +151,29 @@ def test_maxtext_and_back(models, case, tmp_path):
     assert _saved(mt)["decoder.layers.mlp.wo.kernel"].shape[1] == layers  # MaxText's layer axis: axis 1
     tt.convert(mt, back, preset=f"{family}:maxtext:hf")
     _check_back(folder, back, state)
+
+
+def test_restore_straight_onto_a_mesh_with_a_preset(models, devices):
+    """``restore_checkpoint(HF_DIR, ..., rules=tt.preset(...))`` onto the reference model's FSDP layout on a 2x4
+    mesh: every leaf comes back with the target's sharding, and the sharded params give transformers' logits."""
+    import jax
+
+    family, folder, _, tokens, logits = models("llama-gqa-llama3")
+    cfg = ModelConfig.from_hf(folder)
+    model = Transformer(cfg)
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), devices=devices,  # Auto axes, as the reference trainer's
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    boxed = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 4), np.int32))["params"]
+    target = tt.make_abstract(boxed, mesh=mesh)
+    sharded = [s for s in jax.tree.leaves(target) if not s.sharding.is_fully_replicated]
+    assert sharded  # the reference model's partition names put some leaves across the mesh
+    rules = tt.preset(f"{family}:hf:reference", config=folder)
+    restored = tt.restore_checkpoint(folder, -1, {"default": target}, rules=rules)["default"]
+    for (path, want), got in zip(jax.tree_util.tree_leaves_with_path(target), jax.tree.leaves(restored)):
+        assert got.sharding == want.sharding and got.shape == want.shape, jax.tree_util.keystr(path)
+    host = tt.flatten(tt.load_parameters(folder, rules=rules))
+    assert tt.is_box(restored["embed"]["embedding"])  # boxes stay boxes, as in the target
+    for path, value in tt.flatten(jax.tree.map(tt.unbox, restored, is_leaf=tt.is_box)).items():
+        assert np.array_equal(np.asarray(value), host[path]), path
+    out = np.asarray(model.apply({"params": restored}, tokens))
+    assert float(np.max(np.abs(out - logits))) <= 2e-4 * float(np.max(np.abs(logits)))
