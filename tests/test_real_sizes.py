@@ -240,6 +240,60 @@ def test_npz_member_over_4_gb(tmp_path):
         assert json.loads(out)["value"] == [value]
 
 
+def _sparse_flax_msgpack(path, chunks, markers):
+    """A Flax msgpack file (``flax.serialization.to_bytes``'s layout) of ``{"w": float32 array, "b": [1, 2]}``
+    where ``w`` is chunked as flax chunks arrays over ``MAX_CHUNK_SIZE``: ``{"__msgpack_chunked_array__": True,
+    "shape": {"0": n}, "chunks": {"0": ext, ...}}``, each chunk an ndarray ext (code 1) of ``(shape, dtype,
+    bytes)``. The chunks' bytes are holes; ``markers`` (element -> value) are written in place. Returns ``n``."""
+    import msgpack
+
+    n = sum(chunks) // 4
+    with open(path, "wb") as f:
+        # a map of 2 (w, b); w's map of 3; chunks' map of len(chunks)
+        f.write(b"\x82" + msgpack.packb("w") + b"\x83" + msgpack.packb("__msgpack_chunked_array__") + b"\xc3"
+                + msgpack.packb("shape") + msgpack.packb({"0": n}) + msgpack.packb("chunks")
+                + bytes([0x80 | len(chunks)]))
+        starts = []
+        for i, nbytes in enumerate(chunks):
+            inner = (b"\x93" + msgpack.packb([nbytes // 4]) + msgpack.packb("float32") + b"\xc6"
+                     + struct.pack(">I", nbytes))
+            f.write(msgpack.packb(str(i)) + b"\xc9" + struct.pack(">I", len(inner) + nbytes) + b"\x01" + inner)
+            starts.append(f.tell())
+            f.seek(nbytes, os.SEEK_CUR)
+        small = msgpack.packb([[2], "int32", np.array([1, 2], np.int32).tobytes()], use_bin_type=True)
+        f.write(msgpack.packb("b") + msgpack.packb(msgpack.ExtType(1, small)))
+    bounds = np.cumsum([0, *chunks]) // 4
+    for element, value in markers.items():
+        i = int(np.searchsorted(bounds, element, side="right")) - 1
+        put(path, starts[i] + 4 * (element - bounds[i]), np.array([value], np.float32))
+    return n
+
+
+def test_flax_msgpack_array_over_4_gb(tmp_path):
+    # 5 chunks of 1 GiB (flax's MAX_CHUNK_SIZE is 2**30): one array of 5 GiB, elements past 2**31 and 2**32 bytes.
+    chunks = [GiB] * 5
+    markers = {0: 1.5, 2**29 + 1: -2.25, 2**30 + 7: 4.0, 5 * 2**28 - 1: -8.5}  # its bytes 2**31 + 4, 2**32 + 28, last
+    path = tmp_path / "big.msgpack"
+    n = _sparse_flax_msgpack(path, chunks, markers)
+    assert path.stat().st_size > 5 * GiB and path.stat().st_blocks * 512 < 2**20  # sparse: holes cost no disk
+    from flax import serialization  # the writer's own reader, on a small file built the same way
+
+    _sparse_flax_msgpack(tmp_path / "small.msgpack", [64, 32], {3: 1.0, 20: 2.0})
+    small = serialization.msgpack_restore((tmp_path / "small.msgpack").read_bytes())
+    want = np.zeros(24, np.float32)
+    want[[3, 20]] = [1.0, 2.0]
+    np.testing.assert_array_equal(small["w"], want)
+    np.testing.assert_array_equal(small["b"], [1, 2])
+    code, out, err = _run("inspect", path, "--leaves", "--format", "json")
+    assert code == 0, err
+    leaves = {leaf["path"]: leaf for leaf in json.loads(out)["checkpoints"][0]["items"]["default"]["leaves"]}
+    assert (leaves["w"]["shape"], leaves["w"]["bytes"]) == ([n], 4 * n) and 4 * n == 5 * GiB
+    for element, value in markers.items():
+        code, out, err = _run("inspect", path, "--show", f"w[{element}:{element + 1}]", "--format", "json")
+        assert code == 0, err
+        assert json.loads(out)["value"] == [value]
+
+
 def test_a_truncated_file_lists_its_header_and_names_what_is_missing(tmp_path):
     from safetensors.numpy import save_file
 
