@@ -4,7 +4,7 @@
 each over the paths of its own stage (``treetools.rules`` tells the order)::
 
     keep / drop  ->  unstack  ->  split  ->  rename  ->  stack  ->  concat  ->  reshape  ->  permute
-                 ->  transpose  ->  slice  ->  pad  ->  tie  ->  cast
+                 ->  transpose  ->  slice  ->  pad  ->  tie  ->  scale  ->  cast
 
 and returns a ``RulesPlan`` of ``TargetLeaf``\\ s, or raises one
 ``RulesError`` with every problem of the first stage that has any. Nothing
@@ -40,7 +40,7 @@ class TargetLeaf:
 
     ``node`` is how it is made from its sources (``treetools.rules.blocks``:
     source leaves or layers of them, then windows, a stack, a concat, a
-    reshape, a permute, a transpose, a pad, a tie, a cast), read block by block.
+    reshape, a permute, a transpose, a pad, a tie, a scale, a cast), read block by block.
     ``shape``/``dtype`` are the result's (None for a non-array value, passed
     through as it is); ``source_shape``/``source_dtype`` are those of the
     source leaf of ``pieces[0]`` as stored. ``known`` is False for an array
@@ -332,7 +332,8 @@ class _Planner:
         self.check()
         nodes = stages.concat(self, nodes)
         self.check()
-        for stage in (stages.reshape, stages.permute, _Planner.transpose, stages.slice_, stages.pad, stages.tie):
+        for stage in (stages.reshape, stages.permute, _Planner.transpose, stages.slice_, stages.pad, stages.tie,
+                      stages.scale):
             nodes = stage(self, nodes)
             self.check()
         nodes = self.cast(nodes)
