@@ -3,11 +3,12 @@
 Truth is numpy doing the same by hand, written here apart from the engine: ``np.split``, ``np.concatenate``,
 ``reshape``, the rotary permutation as Hugging Face's Llama conversion script writes it (``view(H, D/2, 2, d)
 .transpose(1, 2)``), ``np.random.default_rng(seed).normal`` for new rows, a scale as numpy float64 rounded by
-``astype`` (float32, float16) or, for bfloat16, to the nearest of all 65536 bfloat16 values found by search. Each op is read whole and in blocks
-(tiles of several shapes, through ``RuledReader``), through ``tt.convert`` (npz/safetensors in, safetensors and
-Orbax out, read back with safetensors' own reader and Orbax's), through ``load_parameters`` and
-``restore_checkpoint`` onto the 8 fake CPU devices; round trips are bit-exact; reads stay within the blocks a
-block needs (a recording reader counts the largest block read); the CLI flags, the plan text and the errors.
+``astype`` (float32, float16) or, for bfloat16, to the nearest of all 65536 bfloat16 values (a search). Each
+op is read whole and in blocks (tiles of several shapes, through ``RuledReader``), through ``tt.convert``
+(npz/safetensors in, safetensors and Orbax out, read back with safetensors' own reader and Orbax's), through
+``load_parameters`` and ``restore_checkpoint`` onto the 8 fake CPU devices; round trips are bit-exact (a scale
+by 1/sqrt(N) and back: within one ulp); reads stay within the blocks a block needs (a recording reader counts
+the largest block read); the CLI flags, the plan text and the errors.
 """
 
 from __future__ import annotations

@@ -446,7 +446,7 @@ class Preset(Rules):
     def empty(self) -> bool:
         return False
 
-    def merge(self, later: Rules) -> Rules:
+    def merge(self, later: Rules) -> Preset:
         """The preset's rules (filled now: every size it needs must be known) followed by ``later``'s."""
         if self.spec is not None and not self.spec.needs <= {k for k, _ in self.sizes}:
             missing = sorted(self.spec.needs - {k for k, _ in self.sizes})
