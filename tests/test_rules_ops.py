@@ -243,6 +243,12 @@ def test_scale_is_numpy_float64_rounded_once_to_the_leafs_dtype(factor, by_hand)
     assert bits(got["b"], nearest_bfloat16(b_exact))
     assert bits(got["c"], nearest_bfloat16(exact))                        # scaled and cast: rounded once, to bf16
     assert bits(got["k"], x)                                              # no rule: as stored
+    # a scale, then a transpose's axes still read off the plan; a cast to integers after a scale is numpy's astype
+    plan = Rules(transpose={"w": (1, 0)}, scale={"w": factor}, dtype="float16").plan({"w": x})
+    shown = {"-2.5e-3": "-0.0025"}.get(str(factor), str(factor))
+    assert plan["w"].axes == (1, 0) and plan["w"].row().ops == ("transpose (1, 0)", f"scale {shown}", "cast float16")
+    as_int = read_all(Rules(scale={"w": factor}, cast={"w": "int32"}), {"w": x})["w"]
+    assert bits(as_int, exact.astype(np.int32))
 
 
 def test_a_scale_then_a_cast_rounds_once_where_float32_then_bfloat16_would_round_twice():

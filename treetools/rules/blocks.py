@@ -35,6 +35,7 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from treetools.rules.dtypes import kind
 from treetools.rules.ops import Pad as PadSpec
 from treetools.rules.ops import Permute as PermuteSpec
 from treetools.rules.ops import Scale as ScaleSpec
@@ -453,7 +454,7 @@ def round_once(values: np.ndarray, dtype: Any) -> np.ndarray:
     (1.0, 1.0078125)
     """
     dtype = np.dtype(dtype)
-    if dtype.kind == "f" or dtype.itemsize >= 4:
+    if dtype.kind == "f" or kind(dtype) != "floating":  # numpy's floats, and any other kind: astype as a cast does
         return values.astype(dtype)
     f32 = values.astype(np.float32)
     wide = f32.astype(np.float64)
@@ -473,13 +474,16 @@ class Scale(Node):
     spec: ScaleSpec = None  # type: ignore[assignment]
 
     def exact(self, box: Box, reading: Reading) -> np.ndarray:
-        """The scaled block in float64, before any rounding."""
-        block = self.child.read(box, reading).astype(np.float64)
+        """The scaled block in float64, before any rounding (one float64 copy of the block, scaled in place)."""
+        block = np.array(self.child.read(box, reading), dtype=np.float64)
         s = self.spec
         if s.root is None:
-            return block * np.float64(s.number)
-        root = np.sqrt(np.float64(s.root))
-        return block / root if s.inverse else block * root
+            block *= np.float64(s.number)
+        elif s.inverse:
+            block /= np.sqrt(np.float64(s.root))
+        else:
+            block *= np.sqrt(np.float64(s.root))
+        return block
 
     def read(self, box: Box, reading: Reading) -> np.ndarray:
         return round_once(self.exact(box, reading), self.dtype)

@@ -22,7 +22,7 @@ from typing import Any, Collection, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from treetools.rules import stages
-from treetools.rules.blocks import Cast, Node, Piece, Read, Stack, Transpose, ops, source_text, structure
+from treetools.rules.blocks import Cast, Node, Piece, Read, Scale, Stack, Transpose, ops, source_text, structure
 from treetools.rules.dtypes import dtype_text, kind, resolve_dtype, source_dtype
 from treetools.shared.errors import RulesError
 from treetools.shared.patterns import nearby
@@ -68,8 +68,11 @@ class TargetLeaf:
 
     @property
     def axes(self) -> tuple[int, ...] | None:
-        """The axes of the last transpose (``numpy.transpose``'s), or None when the leaf is not transposed last."""
-        node = self.node.children[0] if isinstance(self.node, Cast) else self.node
+        """The axes of the last transpose (``numpy.transpose``'s), or None when the leaf is not transposed last
+        (a scale and a cast after it, which change values in place, are looked through)."""
+        node = self.node
+        while isinstance(node, (Cast, Scale)):
+            node = node.children[0]
         return node.axes if isinstance(node, Transpose) else None
 
     @property
