@@ -353,7 +353,7 @@ def test_the_rules_flags_are_the_rules_field_table(tmp_path):
               "split": ["f$=>names=g,u axis=0"], "concat": ["(?P<part>g|u)$=>name=gu axis=0 parts=g,u"],
               "reshape": ["w$=>axis=0 into=-1,4"], "permute": ["q$=>axis=0 head_dim=4 to=half"],
               "slice": ["e$=>axis=0 stop=3"], "pad": ["e$=>axis=0 size=8"], "tie": ["e$=>name=h axes=1,0"],
-              "allow_unmatched": True}
+              "scale": ["q$=1/sqrt(4)"], "allow_unmatched": True}
     assert set(values) == set(FIELDS)  # a new field needs a value here
     (tmp_path / "r.json").write_text(json.dumps({"drop": ["^first$"], "cast": {"(?=x)": "float32"}}))
     for command in ("convert", "diff"):
@@ -376,7 +376,8 @@ def test_the_rules_flags_are_the_rules_field_table(tmp_path):
                               reshape={"w$": {"axis": 0, "into": [-1, 4]}},
                               permute={"q$": {"axis": 0, "head_dim": 4, "to": "half"}},
                               slice={"e$": {"axis": 0, "stop": 3}}, pad={"e$": {"axis": 0, "size": 8}},
-                              tie={"e$": {"name": "h", "axes": [1, 0]}}, allow_unmatched=True)
+                              tie={"e$": {"name": "h", "axes": [1, 0]}}, scale={"q$": "1/sqrt(4)"},
+                              allow_unmatched=True)
         assert rules_from(parser.parse_args([command, "A", "B"])) is None
     inspect = cli.build_parser("inspect")._subparsers._group_actions[0].choices["inspect"]  # noqa: SLF001
     flags = {o for a in inspect._actions for o in a.option_strings}  # noqa: SLF001

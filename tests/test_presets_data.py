@@ -82,6 +82,9 @@ def test_placeholders():
     assert evaluate("kv_heads * head_dim", {"kv_heads": 2, "head_dim": 16}) == 32
     assert evaluate("head_dim // 2", {}) is None
     assert fill({"a": ["{3 * hidden}", "x{2}", "{hidden}"]}, {"hidden": 5}) == {"a": [15, "x{2}", 5]}
+    # inside a scale factor, the digits; nowhere else inside a string (a regex's `\d{2}` stays as it is)
+    assert fill(["1/sqrt({head_dim})", "sqrt({heads * head_dim})", "2/sqrt({head_dim})", r"\d{2}"],
+                {"head_dim": 8, "heads": 4}) == ["1/sqrt(8)", "sqrt(32)", "2/sqrt({head_dim})", r"\d{2}"]
     with pytest.raises(ValueError, match="unknown size"):
         evaluate("width", {})
     # transformers' defaults where save_pretrained leaves a key out (by hand: Mistral's 8 kv heads, Gemma's 256)
@@ -204,3 +207,84 @@ def test_the_presets_ship_in_the_package(tmp_path):
                             timeout=300, check=False)
     assert listed.stdout.split() == tt.presets(), listed.stderr[-2000:]
     assert np.all([name.count(":") == 2 for name in tt.presets()])
+
+
+# ---------------------------------------------------------------------------------------------- options
+
+
+def test_maxtext_presets_scale_the_query_by_default_and_scale_query_false_leaves_it_out():
+    maxtext = tt.preset("llama:hf:maxtext", config=CONFIG).plan(_llama_leaves())
+    ops = {t.path: t.row().ops for t in maxtext}
+    assert ops["decoder/layers/self_attention/query/kernel"][-1] == "scale 1/sqrt(8)"  # head_dim 32 / 4
+    assert not any("scale" in op for path, row in ops.items() if "query" not in path for op in row)
+    back = tt.preset("llama:maxtext:hf").plan([(t.path, t.shape, "float32") for t in maxtext])
+    assert back["model.layers.1.self_attn.q_proj.weight"].row().ops[-1] == "scale sqrt(8)"  # head_dim off the shape
+    assert not any("scale" in op for t in back if "q_proj" not in t.path for op in t.row().ops)
+    # off: the same plan without the scale, from tt.preset's keyword or from the name as --preset writes it
+    for off in (tt.preset("llama:hf:maxtext", config=CONFIG, scale_query=False),
+                tt.preset("llama:hf:maxtext,scale_query=false", config=CONFIG),
+                tt.preset("llama:hf:maxtext, scale_query = False", config=CONFIG)):
+        assert off.options == (("scale_query", False),) and not off.scale
+        plan = off.plan(_llama_leaves())
+        assert [t.row().ops for t in plan] == [tuple(o for o in ops[t.path] if not o.startswith("scale"))
+                                               for t in plan]
+    assert tt.preset("mistral:maxtext:hf", scale_query=False) != tt.preset("mistral:maxtext:hf")
+    assert tt.preset("llama:hf:maxtext,scale_query=true") == tt.preset("llama:hf:maxtext")
+    merged = tt.preset("llama:hf:maxtext", config=CONFIG, scale_query=False).merge(tt.Rules(dtype="bfloat16"))
+    assert merged.options == (("scale_query", False),) and not merged.scale
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: tt.preset("llama:hf:maxtext", scale=False), r"preset llama:hf:maxtext has no option 'scale'; its "
+                                                         r"options: scale_query \(default true\)"),
+    (lambda: tt.preset("llama:hf:reference,scale_query=false"), r"has no option 'scale_query'; its options: none"),
+    (lambda: tt.preset("llama:hf:maxtext", scale_query="no"),  # type: ignore[arg-type]
+     r"option scale_query='no': give True or False"),
+    (lambda: tt.preset("llama:hf:maxtext,scale_query"), r"'scale_query' is not OPTION=true or OPTION=false"),
+    (lambda: tt.preset("llama:hf:maxtext,scale_query=0"), r"'scale_query=0' is not OPTION=true or OPTION=false"),
+])
+def test_an_option_that_is_not_there_or_not_true_or_false_is_a_usage_error(call, message):
+    with pytest.raises(UsageError, match=message):
+        call()
+
+
+def test_an_option_table_is_checked_when_the_file_is_read():
+    from treetools.rules.presets import _spec
+
+    good = {"preset": {"names": ["x:a:b"]}, "rules": {"drop": ["^opt"]},
+            "options": {"half": {"default": False, "rules": {"scale": [["w$", 0.5]]}}}}
+    spec = _spec("x.toml", good)
+    assert spec.filled({}, {"half": True}).to_dict() == {"drop": ["^opt"], "scale": [["w$", 0.5]]}
+    assert spec.filled({}, {}).to_dict() == {"drop": ["^opt"]}
+    for bad, message in (({"half": {"rules": {}}}, "default \\(true or false\\)"),
+                         ({"half": {"default": True, "when": 1}}, "option 'half' is a table"),
+                         ({"half": {"default": True, "rules": {"scale": [["w$", "2*sqrt(2)"]]}}}, "factor '2\\*sqrt")):
+        with pytest.raises(ValueError, match=message):
+            _spec("x.toml", {**good, "options": bad})
+
+
+@pytest.mark.parametrize("head_dim", [8, 12, 64, 128])
+def test_the_query_scale_of_a_bfloat16_model_is_within_one_ulp_of_maxtexts_own_bfloat16_arithmetic(head_dim):
+    """A bfloat16 checkpoint (Llama 3's): the preset divides by sqrt(head_dim) in float64 and rounds once; the
+    script (llama_or_mistral_ckpt.py) computes `kernel / np.sqrt(head_dim).astype(bfloat16)` in ml_dtypes'
+    bfloat16 (sqrt(128) is 11.3125 there). They agree exactly when sqrt(head_dim) is a power of 2, else within one
+    bfloat16 step."""
+    import ml_dtypes
+
+    from treetools.checkpoint_io.mapping import RuledReader
+    from treetools.checkpoint_io.readers import InMemoryReader
+
+    bf16 = ml_dtypes.bfloat16
+    config = {**CONFIG, "head_dim": head_dim}
+    rng = np.random.default_rng(head_dim)
+    arrays = {p: (rng.standard_normal(s) * 0.05).astype(bf16) for p, s, _ in _llama_leaves(D=head_dim)}
+    plan = tt.preset("llama:hf:maxtext", config=config).plan(arrays)
+    query = plan["decoder/layers/self_attention/query/kernel"]
+    got = RuledReader(query, {p: InMemoryReader(a) for p, a in arrays.items()}).read()
+    assert got.dtype == bf16
+    unscaled = tt.preset("llama:hf:maxtext", config=config, scale_query=False).plan(arrays)
+    layout = RuledReader(unscaled[query.path], {p: InMemoryReader(a) for p, a in arrays.items()}).read()
+    script = layout / np.sqrt(head_dim).astype(bf16)  # the script's own expression, in bfloat16
+    assert script.dtype == bf16
+    steps = np.abs(got.view(np.int16).astype(np.int64) - script.view(np.int16).astype(np.int64))
+    assert steps.max() <= (0 if head_dim == 64 else 1), steps.max()

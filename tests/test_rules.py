@@ -151,6 +151,7 @@ FULL = Rules(
     slice=[(r"^lm_head", {"axis": 0, "stop": 32000})],
     pad=[(r"embed_tokens\.weight$", {"axis": 0, "size": 32128, "init": "normal", "stddev": 0.02, "seed": 1})],
     tie=[(r"^embed/embedding$", {"name": "lm_head/kernel", "axes": [1, 0]})],
+    scale=[(r"q_proj\.weight$", "1/sqrt(128)"), (r"^lm_head", 0.5)],
     allow_unmatched=True,
 )
 
@@ -193,6 +194,10 @@ allow_unmatched = true
 
 [tie]
 '^embed/embedding$' = {name = 'lm_head/kernel', axes = [1, 0]}
+
+[scale]
+'q_proj\.weight$' = '1/sqrt(128)'
+'^lm_head' = 0.5
 """
 
 FULL_FLAGS = dict(
@@ -211,6 +216,7 @@ FULL_FLAGS = dict(
     slice=[r"^lm_head=>axis=0 stop=32000"],
     pad=[r"embed_tokens\.weight$=>axis=0 size=32128 init=normal stddev=0.02 seed=1"],
     tie=[r"^embed/embedding$=>name=lm_head/kernel axes=1,0"],
+    scale=[r"q_proj\.weight$=1/sqrt(128)", "^lm_head=0.5"],
     allow_unmatched=True,
 )
 

@@ -1,12 +1,14 @@
-"""The layout rules (issue 46): split, concat, reshape, permute, slice, pad and tie.
+"""The layout rules (issue 46): split, concat, reshape, permute, slice, pad, tie and scale.
 
 Truth is numpy doing the same by hand, written here apart from the engine: ``np.split``, ``np.concatenate``,
 ``reshape``, the rotary permutation as Hugging Face's Llama conversion script writes it (``view(H, D/2, 2, d)
-.transpose(1, 2)``), ``np.random.default_rng(seed).normal`` for new rows. Each op is read whole and in blocks
-(tiles of several shapes, through ``RuledReader``), through ``tt.convert`` (npz/safetensors in, safetensors and
-Orbax out, read back with safetensors' own reader and Orbax's), through ``load_parameters`` and
-``restore_checkpoint`` onto the 8 fake CPU devices; round trips are bit-exact; reads stay within the blocks a
-block needs (a recording reader counts the largest block read); the CLI flags, the plan text and the errors.
+.transpose(1, 2)``), ``np.random.default_rng(seed).normal`` for new rows, a scale as numpy float64 rounded by
+``astype`` (float32, float16) or, for bfloat16, to the nearest of all 65536 bfloat16 values (a search). Each
+op is read whole and in blocks (tiles of several shapes, through ``RuledReader``), through ``tt.convert``
+(npz/safetensors in, safetensors and Orbax out, read back with safetensors' own reader and Orbax's), through
+``load_parameters`` and ``restore_checkpoint`` onto the 8 fake CPU devices; round trips are bit-exact (a scale
+by 1/sqrt(N) and back: within one ulp); reads stay within the blocks a block needs (a recording reader counts
+the largest block read); the CLI flags, the plan text and the errors.
 """
 
 from __future__ import annotations
@@ -204,6 +206,80 @@ def test_everything_at_once_is_the_numpy_composition():
     assert bits(got["wte"], padded.astype(bf16)) and bits(got["head"], padded.T.astype(bf16))
 
 
+def nearest_bfloat16(values):
+    """float64 ``values`` rounded to the nearest bfloat16 (ties to the even code), by a search over every finite
+    bfloat16 value: apart from any float32 step."""
+    import ml_dtypes
+
+    codes = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    with np.errstate(invalid="ignore"):  # the NaN codes
+        every = codes.view(ml_dtypes.bfloat16).astype(np.float64)
+    keep = np.isfinite(every) & ~((every == 0) & (codes >= 0x8000))  # one zero
+    order = np.argsort(every[keep], kind="stable")
+    table, table_codes = every[keep][order], codes[keep][order]
+    hi = np.clip(np.searchsorted(table, values), 1, len(table) - 1)
+    lo = hi - 1
+    d_lo, d_hi = values - table[lo], table[hi] - values
+    pick = np.where(d_lo < d_hi, lo, np.where(d_hi < d_lo, hi, np.where(table_codes[lo] % 2 == 0, lo, hi)))
+    return table_codes[pick].view(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("factor, by_hand", [
+    ("1/sqrt(128)", lambda x: x / np.sqrt(np.float64(128))),
+    ("sqrt(12)", lambda x: x * np.sqrt(np.float64(12))),
+    (0.1, lambda x: x * np.float64(0.1)),
+    ("-2.5e-3", lambda x: x * np.float64(-2.5e-3)),
+])
+def test_scale_is_numpy_float64_rounded_once_to_the_leafs_dtype(factor, by_hand):
+    import ml_dtypes
+
+    x = rng_arrays(w=(7, 2 * DM))["w"] * np.float32(3.0)
+    exact = by_hand(x.astype(np.float64))
+    arrays = {"w": x, "h": x.astype(np.float16), "b": x.astype(ml_dtypes.bfloat16), "c": x, "k": x}
+    got = read_all(Rules(scale={"^(w|h|b|c)$": factor}, cast={"^c$": "bfloat16"}), arrays)
+    assert bits(got["w"], exact.astype(np.float32))                      # numpy: float64 -> float32, one rounding
+    assert bits(got["h"], by_hand(x.astype(np.float16).astype(np.float64)).astype(np.float16))
+    b_exact = by_hand(x.astype(ml_dtypes.bfloat16).astype(np.float64))
+    assert bits(got["b"], nearest_bfloat16(b_exact))
+    assert bits(got["c"], nearest_bfloat16(exact))                        # scaled and cast: rounded once, to bf16
+    assert bits(got["k"], x)                                              # no rule: as stored
+    # a scale, then a transpose's axes still read off the plan; a cast to integers after a scale is numpy's astype
+    plan = Rules(transpose={"w": (1, 0)}, scale={"w": factor}, dtype="float16").plan({"w": x})
+    shown = {"-2.5e-3": "-0.0025"}.get(str(factor), str(factor))
+    assert plan["w"].axes == (1, 0) and plan["w"].row().ops == ("transpose (1, 0)", f"scale {shown}", "cast float16")
+    as_int = read_all(Rules(scale={"w": factor}, cast={"w": "int32"}), {"w": x})["w"]
+    assert bits(as_int, exact.astype(np.int32))
+
+
+def test_a_scale_then_a_cast_rounds_once_where_float32_then_bfloat16_would_round_twice():
+    # 1 + 2**-8 is a float32, and the midpoint of the bfloat16s 1 and 1 + 2**-7; times (1 + 2**-40) it is just
+    # above that midpoint, so its nearest bfloat16 is 1 + 2**-7. Through float32 it would land on the midpoint
+    # and round (to even) to 1.
+    x = np.array([1 + 2**-8, -(1 + 2**-8)], np.float32)
+    got = read_all(Rules(scale={"w": 1 + 2**-40}, dtype="bfloat16"), {"w": x}, blocks=((1,),))["w"]
+    assert got.astype(np.float64).tolist() == [1 + 2**-7, -(1 + 2**-7)]
+    assert bits(got, nearest_bfloat16(x.astype(np.float64) * (1 + 2**-40)))
+    twice = (x.astype(np.float64) * (1 + 2**-40)).astype(np.float32).astype(got.dtype)
+    assert twice.astype(np.float64).tolist() == [1.0, -1.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_scale_by_1_over_sqrt_n_then_sqrt_n_is_within_one_ulp_and_exact_when_n_is_a_power_of_4(data):
+    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)))
+    seed, n = data.draw(st.integers(0, 2**16)), data.draw(st.integers(1, 300))
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 10.0 ** rng.integers(-20, 20, shape)).astype(np.float32)
+    there = read_all(Rules(scale={"w": f"1/sqrt({n})"}), {"w": x}, blocks=((1,), (2, 3)))["w"]
+    assert bits(there, (x.astype(np.float64) / np.sqrt(np.float64(n))).astype(np.float32))
+    back = read_all(Rules(scale={"w": f"sqrt({n})"}), {"w": there}, blocks=((2,),))["w"]
+    assert bits(back, (there.astype(np.float64) * np.sqrt(np.float64(n))).astype(np.float32))
+    ulps = np.abs(back.view(np.int32).astype(np.int64) - x.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1, (n, x.ravel()[ulps.argmax()], back.ravel()[ulps.argmax()])
+    if n in (1, 4, 16, 64, 256):  # sqrt(n) a power of 2: both ways exact
+        assert bits(back, x)
+
+
 # ---------------------------------------------------------------------------------------------- round trips
 
 
@@ -330,6 +406,10 @@ def test_plan_text_shows_each_op_with_shapes_before_any_read():
      r"`w` and `v` both become `v` after tie"),
     (Rules(tie={"w": {"name": "t", "axes": [0, 0]}}), [("w", (2, 3), "f4")],
      r"`tie` rule 'w': axes \[0, 0\] are not a permutation of the 2 axes of `w` \(2, 3\)"),
+    (Rules(scale={"^s": "1/sqrt(8)"}), [("w", (2,), "f4"), ("step", (), "int32")],
+     r"^`scale` rule \('\^s', 1/sqrt\(8\)\) matches `step` of dtype int32, which is not floating; .*narrow"),
+    (Rules(scale={"^s": 2}), [("w", (2,), "f4"), ("step", None, None)],
+     r"^`scale` rule \('\^s', 2\) matches `step`, which is not an array"),
 ])
 def test_a_rule_that_does_not_fit_is_a_rules_error_naming_the_leaf(rules, leaves, message):
     with pytest.raises(RulesError, match=message):
@@ -346,6 +426,13 @@ def test_a_rule_that_does_not_fit_is_a_rules_error_naming_the_leaf(rules, leaves
     ("pad", {"axis": 0, "size": 3, "seed": 1}, r"takes no other keys, not \['seed'\]"),
     ("reshape", {"axis": 0}, r"give one of shape"),
     ("tie", {"nom": "x"}, r"unknown key\(s\) \['nom'\]"),
+    ("scale", "1/sqrt(head_dim)", r"^`scale` factor '1/sqrt\(head_dim\)': write a number .*sqrt\(N\) or 1/sqrt\(N\) .*"
+                                  r"\(rule 'w'\)$"),
+    ("scale", "2*sqrt(2)", r"factor '2\*sqrt\(2\)': write a number"),
+    ("scale", "__import__('os').getcwd()", r"write a number"),  # nothing is evaluated
+    ("scale", "1/sqrt(0)", r"N in sqrt\(N\) must be a finite number > 0"),
+    ("scale", "nan", r"write a number"),
+    ("scale", True, r"factor True: write a number"),
 ])
 def test_malformed_values_are_errors_when_the_rules_are_made(field, value, message):
     with pytest.raises((TypeError, ValueError), match=message):
@@ -364,6 +451,7 @@ LLAMA_RULES = Rules(
     transpose=[(r"attn/(q|k)/kernel$", (0, 3, 1, 2))],                         # -> [L, d, H, D]
     pad=[(r"^embed/embedding$", {"axis": 0, "size": 16, "init": "normal", "stddev": 0.02, "seed": 3})],
     tie=[(r"^embed/embedding$", {"name": "lm_head/kernel", "axes": [1, 0]})],
+    scale=[(r"attn/q/kernel$", "1/sqrt(3)")],
 )
 
 
@@ -377,7 +465,8 @@ def _llama(L=2, vocab=13):
 
 
 def _llama_truth(hf, L=2):
-    """LLAMA_RULES by hand: np.stack, the heads' reshape, the rotary permutation (HF's inverse), the transpose."""
+    """LLAMA_RULES by hand: np.stack, the heads' reshape, the rotary permutation (HF's inverse), the transpose, q
+    divided by sqrt(3) in float64."""
     out = {}
     for p in "qk":
         layers = []
@@ -387,6 +476,8 @@ def _llama_truth(hf, L=2):
             assert bits(hf_permute(inter, H), w)
             layers.append(inter.reshape(H, D, DM).transpose(2, 0, 1))
         out[f"layers/attn/{p}/kernel"] = np.stack(layers)
+    q = out["layers/attn/q/kernel"]
+    out["layers/attn/q/kernel"] = (q.astype(np.float64) / np.sqrt(np.float64(3))).astype(np.float32)
     emb = hf["model.embed_tokens.weight"]
     emb = np.concatenate([emb, np.random.default_rng(3).normal(0, 0.02, size=(16 - len(emb), DM)).astype(np.float32)])
     out["embed/embedding"], out["lm_head/kernel"] = emb, emb.T
@@ -424,12 +515,17 @@ def test_convert_safetensors_to_safetensors_and_orbax_and_back(tmp_path):
         reshape=[(r"_proj\.weight$", {"merge": [1, 2]})],
         permute=[(r"_proj\.weight$", {"axis": 1, "head_dim": D, "to": "half"})],
         transpose=[(r"_proj\.weight$", (1, 0))],
-        slice=[(r"embed_tokens", {"axis": 0, "stop": 13})])
+        slice=[(r"embed_tokens", {"axis": 0, "stop": 13})],
+        scale=[(r"q_proj\.weight$", "sqrt(3)")])
     tt.convert(str(tmp_path / "orbax"), str(tmp_path / "hf.safetensors"), rules=back_rules)
     again = load_file(tmp_path / "hf.safetensors")
     assert sorted(again) == sorted(hf)
     for name, value in hf.items():
-        assert bits(again[name], value), name
+        if "q_proj" in name:  # x / sqrt(3) * sqrt(3), each rounded to float32: within one ulp of x
+            ulps = np.abs(again[name].view(np.int32).astype(np.int64) - value.view(np.int32).astype(np.int64))
+            assert again[name].shape == value.shape and ulps.max() <= 1 and ulps.max() == 1, name
+        else:
+            assert bits(again[name], value), name
 
 
 def test_convert_dry_run_shows_the_plan_and_a_bad_rule_writes_nothing(tmp_path, capsys):
@@ -444,14 +540,16 @@ def test_convert_dry_run_shows_the_plan_and_a_bad_rule_writes_nothing(tmp_path, 
                  "--permute", r"kernel$=>axis=2 head_dim=4 to=interleaved",
                  "--transpose", "kernel$=0,3,1,2",
                  "--pad", r"embed_tokens\.weight$=>axis=0 size=16 init=normal stddev=0.02 seed=3",
-                 "--tie", r"^model\.embed_tokens\.weight$=>name=lm_head.weight axes=1,0"]) == 0
+                 "--tie", r"^model\.embed_tokens\.weight$=>name=lm_head.weight axes=1,0",
+                 "--scale", r"attn/q/kernel$=1/sqrt(4)"]) == 0
     out = capsys.readouterr().out
     assert not (tmp_path / "out").exists()
     rows = {line.split(" -> ")[1].split()[0]: " ".join(line.split()) for line in out.splitlines()[1:] if " -> " in line}
     assert rows["layers.attn.q.kernel"].startswith("model.layers.0.self_attn.q_proj.weight .. model.layers.1.self_attn"
                                                    ".q_proj.weight (2) -> layers.attn.q.kernel (12, 6) -> (2, 6, 3, 4)")
     assert rows["layers.attn.q.kernel"].endswith("stack 2, reshape (2, 3, 4, 6), permute to interleaved axis 2 "
-                                                 "head_dim 4, transpose (0, 3, 1, 2)")
+                                                 "head_dim 4, transpose (0, 3, 1, 2), scale 1/sqrt(4)")
+    assert rows["layers.attn.k.kernel"].endswith("transpose (0, 3, 1, 2)")
     assert "(13, 6) -> (16, 6)" in rows["model.embed_tokens.weight"]
     assert rows["lm_head.weight"].endswith("tie of model.embed_tokens.weight, transpose (1, 0)")
     # a rule that does not fit: one RulesError line naming the leaf, exit 1 or 2, nothing written
@@ -463,6 +561,11 @@ def test_convert_dry_run_shows_the_plan_and_a_bad_rule_writes_nothing(tmp_path, 
     err = capsys.readouterr().err
     assert code != 0 and not (tmp_path / "out").exists()
     assert "`model.layers.0.self_attn.q_proj.weight` (12, 6) has 12 entries, not a multiple of head_dim 8" in err
+    code = main(["convert", src, dst, "--scale", r"q_proj\.weight$=1/sqrt(head_dim)"])
+    err = capsys.readouterr().err
+    assert code == 2 and not (tmp_path / "out").exists()
+    assert err.count("\n") == 1 and "`--scale` 'q_proj" in err and "(rule 'q_proj" in err  # one line, the rule named
+    assert "`scale` factor '1/sqrt(head_dim)': write a number (0.5, 2e-3), sqrt(N) or 1/sqrt(N)" in err
 
 
 def test_cli_flags_and_a_rules_file_give_the_same_rules(tmp_path):
@@ -478,14 +581,17 @@ def test_cli_flags_and_a_rules_file_give_the_same_rules(tmp_path):
              "--permute", r"(q|k)_proj\.weight$=>axis=0 head_dim=64 to=interleaved rotary_dim=32",
              "--slice", r"^lm_head=>axis=0 stop=32000 start=0",
              "--pad", r"embed_tokens\.weight$=>axis=0 size=32128 init=normal stddev=0.02 seed=1",
-             "--tie", r"^embed/embedding$=>name=lm_head/kernel axes=1,0"]
+             "--tie", r"^embed/embedding$=>name=lm_head/kernel axes=1,0",
+             "--scale", r"q_proj\.weight$=1/sqrt(128)", "--scale", "^lm_head=0.5"]
     from_flags = rules_from(parser.parse_args(flags))
     (tmp_path / "r.json").write_text(json.dumps(from_flags.to_dict()))
     assert Rules.from_file(tmp_path / "r.json") == from_flags
     assert from_flags.split[0][1].names == ("q.weight", "k.weight", "v.weight")
     assert from_flags.reshape[2][1].shape == (0, -1) and from_flags.to_dict()["reshape"][2] == ["w$", [0, -1]]
     assert from_flags.permute[0][1].rotary_dim == 32 and from_flags.pad[0][1].stddev == 0.02
-    for bad in (["--split", "c_attn=>names=a,b axis"], ["--tie", "w=>axes=1,0"], ["--reshape", "w=x"]):
+    assert from_flags.to_dict()["scale"] == [[r"q_proj\.weight$", "1/sqrt(128)"], ["^lm_head", 0.5]]
+    for bad in (["--split", "c_attn=>names=a,b axis"], ["--tie", "w=>axes=1,0"], ["--reshape", "w=x"],
+                ["--scale", "w=2*sqrt(2)"], ["--scale", "w"]):
         from treetools.shared.errors import UsageError
 
         with pytest.raises(UsageError):
@@ -590,7 +696,8 @@ def test_convert_streams_layout_rules_in_blocks_not_whole_leaves(tmp_path, monke
     got = load_file(tmp_path / "out.safetensors")
     q0 = hf["model.layers.0.self_attn.q_proj.weight"]
     inter = q0.reshape(big_h, 2, big_d // 2, width).transpose(0, 2, 1, 3).reshape(big_h, big_d, width)
-    assert bits(got["layers.attn.q.kernel"][0], inter.transpose(2, 0, 1))
+    q_scaled = (inter.transpose(2, 0, 1).astype(np.float64) / np.sqrt(np.float64(3))).astype(np.float32)
+    assert bits(got["layers.attn.q.kernel"][0], q_scaled)  # LLAMA_RULES' scale, streamed too
     assert bits(got["lm_head.kernel"], np.concatenate([hf["model.embed_tokens.weight"],
                                                       np.zeros((28, width), np.float32)]).T)
 

@@ -63,7 +63,7 @@ from treetools.shared.files import check_writable, existing_folder, free_bytes
 from treetools.shared.render import json_object, safe_text
 from treetools.shared.rows import human
 from treetools.rules.plan import TargetLeaf
-from treetools.rules.presets import Preset, preset, preset_spec
+from treetools.rules.presets import Preset, preset, preset_spec, split_name
 from treetools.rules.spec import Rules
 
 TARGETS = ("safetensors", "orbax")
@@ -423,7 +423,7 @@ def _preset(src: str, dst: str, opts: ConvertOptions, to: str) -> tuple[Any, dic
     rules = opts.rules
     if opts.preset is not None:
         preset_spec(opts.preset)  # an unknown name: a usage error listing the presets, before anything is read
-        name = opts.preset
+        name = split_name(opts.preset)[0]
     elif isinstance(rules, Preset):
         name = rules.preset
     elif opts.config is not None:
@@ -443,10 +443,10 @@ def _preset(src: str, dst: str, opts: ConvertOptions, to: str) -> tuple[Any, dic
                          "none beside it; pass the model's config.json (--config FILE, config=...; for the "
                          "reference model, ModelConfig.to_hf() gives it).")
     if opts.preset is not None:
-        built: Rules = preset(name, config=config)
+        built: Rules = preset(opts.preset, config=config)  # with the options it names
         rules = built if rules is None else built.merge(rules)
     elif config is not None and not rules.sizes:  # the config's sizes, keeping any rules merged after the preset
-        fresh = preset(name, config=config)
+        fresh = preset(name, config=config, **dict(rules.options))
         rules = fresh if not Rules.to_dict(rules) else dataclasses.replace(rules, sizes=fresh.sizes)
     notes = []
     folder = to == "orbax" or not str(dst).lower().endswith(".safetensors")

@@ -138,8 +138,8 @@ class ConvertOptions(ReadOptions):
       prefix: the series of steps to read in a folder holding several (``checkpoint_``, the default).
       item: the source item (None: the one ``load_parameters`` reads, the params).
       rules: a ``tt.Rules`` applied to the item's leaves (rename, drop, cast, transpose, unstack...).
-      preset: a preset's name, ``FAMILY:SOURCE:TARGET`` (``tt.presets()``; docs/presets.md): its rules, then
-        ``rules`` after them.
+      preset: a preset's name, ``FAMILY:SOURCE:TARGET`` (``tt.presets()``; docs/presets.md), options after a
+        comma (``llama:hf:maxtext,scale_query=false``): its rules, then ``rules`` after them.
       config: the model's Hugging Face ``config.json`` (a path, its folder, or its dict): the sizes a preset
         needs, and the ``config.json`` a conversion to ``hf`` writes; None: the one beside the source, if any.
       to: ``"safetensors"`` (default) or ``"orbax"``.

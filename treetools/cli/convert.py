@@ -34,7 +34,8 @@ Examples:
 
 --preset FAMILY:SOURCE:TARGET applies a preset (docs/presets.md), the rules
 flags after it; its sizes come from the model's config.json (--config, or
-the one beside SRC). A conversion to hf writes config.json (and
+the one beside SRC). Its options follow a comma: --preset
+llama:hf:maxtext,scale_query=false leaves MaxText's query scale out. A conversion to hf writes config.json (and
 generation_config.json when there is one) beside the shards, so that
 transformers' from_pretrained(DST) loads it.
 

@@ -233,9 +233,10 @@ def add_preset(parser: argparse.ArgumentParser) -> None:
     """``--preset FAMILY:SOURCE:TARGET`` and ``--config FILE`` (docs/presets.md): a preset's rules, the rules
     flags after them, and the model's Hugging Face ``config.json`` that gives its sizes."""
     group = parser.add_argument_group("presets (a model family's layout moves, shipped as rules; docs/presets.md)")
-    group.add_argument("--preset", metavar="FAMILY:SOURCE:TARGET", default=None,
+    group.add_argument("--preset", metavar="FAMILY:SOURCE:TARGET[,OPTION=false]", default=None,
                        help="apply a preset's rules (the rules flags come after them), e.g. llama:hf:reference, "
-                            "mistral:maxtext:hf; an unknown name lists them")
+                            "mistral:maxtext:hf; an unknown name lists them; options after a comma: "
+                            "llama:hf:maxtext,scale_query=false")
     group.add_argument("--config", metavar="FILE", default=None,
                        help="the model's Hugging Face config.json (or its folder): the sizes a preset needs, and "
                             "the config.json a conversion to hf writes (default: the one beside SRC)")

@@ -2,7 +2,7 @@
 
 A ``Rules`` is data (a frozen dataclass, JSON or TOML in a file, or CLI
 flags): rename, drop/keep, cast, transpose, unstack and stack, and the layout
-rules split, concat, reshape, permute (rotary), slice, pad and tie, each written
+rules split, concat, reshape, permute (rotary), slice, pad, tie and scale, each written
 as Python regexes matched with ``re.search`` on the one path string
 (``params/layers/3/attn/q``; a flat-key name such as
 ``model.layers.0.self_attn.q_proj.weight`` is matched as the string it is).
@@ -28,7 +28,8 @@ Order of operations (each rule's patterns see the paths of its own stage)::
 
 with the layout rules between them (docs/rules.md, "Order of operations")::
 
-    unstack -> split -> rename -> stack -> concat -> reshape -> permute -> transpose -> slice -> pad -> tie -> cast
+    unstack -> split -> rename -> stack -> concat -> reshape -> permute -> transpose -> slice -> pad -> tie -> scale
+            -> cast
 
 * ``keep`` / ``drop``: matched against the checkpoint's own paths. A leaf is
   used when it matches some ``keep`` pattern (or there are none) and no

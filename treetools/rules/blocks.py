@@ -3,8 +3,8 @@
 A ``TargetLeaf`` (``treetools.rules.plan``) holds one ``Node``: ``Read`` (a
 source leaf, or one layer of a stacked one) at the leaves, and over them
 ``Window`` (a ``split`` piece or a ``slice``), ``Stack``, ``Concat``,
-``Reshape``, ``Permute`` (rotary layouts), ``Transpose``, ``Pad``, ``Tied``
-and ``Cast``. ``node.read(box, reading)`` returns the block ``box`` (one
+``Reshape``, ``Permute`` (rotary layouts), ``Transpose``, ``Pad``, ``Tied``,
+``Scale`` and ``Cast``. ``node.read(box, reading)`` returns the block ``box`` (one
 ``(start, stop)`` per axis) of the node's value by reading, through
 ``reading.fetch(piece, box)``, only the blocks of its sources that the block
 needs: a window shifts the box, a stack or a concat reads the children the
@@ -35,8 +35,10 @@ from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from treetools.rules.dtypes import kind
 from treetools.rules.ops import Pad as PadSpec
 from treetools.rules.ops import Permute as PermuteSpec
+from treetools.rules.ops import Scale as ScaleSpec
 
 Shape = tuple[int, ...]
 Box = tuple[tuple[int, int], ...]
@@ -438,6 +440,61 @@ class Tied(Node):
         return self.child.chunk(source_chunk)
 
 
+def round_once(values: np.ndarray, dtype: Any) -> np.ndarray:
+    """float64 ``values`` rounded once to the floating ``dtype`` (to nearest, ties to even).
+
+    numpy rounds float64 to float32 and float16 directly; ml_dtypes converts a float64 to ``bfloat16`` and the
+    ``float8_*`` through float32, which rounds twice. For those, the float32 step rounds to odd (toward zero,
+    then the last bit set when inexact), which a second rounding to a format at least 2 bits narrower turns into
+    the one correct rounding.
+
+    >>> import ml_dtypes
+    >>> x = np.array([1 + 2**-8 + 2**-40])  # just above the bfloat16 midpoint between 1 and 1 + 2**-7
+    >>> float(x.astype(ml_dtypes.bfloat16)[0]), float(round_once(x, ml_dtypes.bfloat16)[0])
+    (1.0, 1.0078125)
+    """
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f" or kind(dtype) != "floating":  # numpy's floats, and any other kind: astype as a cast does
+        return values.astype(dtype)
+    f32 = values.astype(np.float32)
+    wide = f32.astype(np.float64)
+    inexact = np.isfinite(values) & (wide != values)
+    away = inexact & (np.abs(wide) > np.abs(values))
+    f32 = np.where(away, np.nextafter(f32, np.float32(0)), f32)
+    bits = f32.view(np.uint32) | inexact.astype(np.uint32)
+    return bits.view(np.float32).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale(Node):
+    """The child times ``spec``'s factor (``treetools.rules.ops.Scale``), in float64, rounded once to ``dtype``
+    (a ``Cast`` over it reads the float64 values, so a scale then a cast round once too)."""
+
+    child: Node = None  # type: ignore[assignment]
+    spec: ScaleSpec = None  # type: ignore[assignment]
+
+    def exact(self, box: Box, reading: Reading) -> np.ndarray:
+        """The scaled block in float64, before any rounding (one float64 copy of the block, scaled in place)."""
+        block = np.array(self.child.read(box, reading), dtype=np.float64)
+        s = self.spec
+        if s.root is None:
+            block *= np.float64(s.number)
+        elif s.inverse:
+            block /= np.sqrt(np.float64(s.root))
+        else:
+            block *= np.sqrt(np.float64(s.root))
+        return block
+
+    def read(self, box: Box, reading: Reading) -> np.ndarray:
+        return round_once(self.exact(box, reading), self.dtype)
+
+    def op(self) -> str:
+        return f"scale {self.spec}"
+
+    def chunk(self, source_chunk: Any) -> Shape | None:
+        return self.child.chunk(source_chunk)
+
+
 @dataclasses.dataclass(frozen=True)
 class Cast(Node):
     """``astype(dtype)``; a complex value cast to a real dtype keeps its real part."""
@@ -445,6 +502,8 @@ class Cast(Node):
     child: Node = None  # type: ignore[assignment]
 
     def read(self, box: Box, reading: Reading) -> np.ndarray:
+        if isinstance(self.child, Scale):  # scaled and cast: rounded once
+            return round_once(self.child.exact(box, reading), self.dtype)
         block = self.child.read(box, reading)
         if block.dtype.kind == "c" and np.dtype(self.dtype).kind != "c":
             block = block.real
@@ -488,7 +547,7 @@ def source_text(node: Node) -> str:
 
 
 def structure(node: Node) -> Node:
-    """The step under the ones that only change values in place (cast, transpose, permute, pad, reshape,
+    """The step under the ones that only change values in place (cast, scale, transpose, permute, pad, reshape,
     window, tie): a ``Read``, a ``Stack`` or a ``Concat``."""
     while not isinstance(node, (Read, Stack, Concat)):
         node = node.children[0]

@@ -1,11 +1,13 @@
-"""The values of the layout rules (split, concat, reshape, permute, pad, slice, tie): checked, stored, written.
+"""The values of the layout rules (split, concat, reshape, permute, pad, slice, tie, scale): checked and written.
 
 Each structured rule's value is a small frozen spec (``Split``, ``Concat``,
 ``Permute``, ``Pad``, ``Slice``, ``Tie``) made from a mapping (Python, JSON,
 TOML) or from its command-line string, ``'PATTERN=>key=value key=value'``:
 exactly one ``=>``, then space-separated ``key=value`` items, a list value
 comma-separated (``names=q.weight,k.weight,v.weight``). ``reshape`` takes a
-shape, written as ``transpose``'s axes are (``'PATTERN=0,-1,64'``).
+shape, written as ``transpose``'s axes are (``'PATTERN=0,-1,64'``). ``scale``
+takes a factor (``Scale``: a number, ``sqrt(N)`` or ``1/sqrt(N)``, parsed, never
+evaluated), ``'PATTERN=FACTOR'`` on the command line.
 
 Standard library only: the CLI builds the rules flags from the field table
 (``treetools.rules.spec``) before numpy loads.
@@ -223,6 +225,58 @@ class Tie(_Spec):
         return cls(v["name"], None if v.get("axes") is None else _ints(v["axes"], f"`{field}` axes"))
 
 
+_NUMBER = r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
+_FACTOR = re.compile(rf"\s*(?:(?P<number>{_NUMBER})|(?P<inverse>1\s*/\s*)?sqrt\s*\(\s*(?P<root>{_NUMBER})\s*\))\s*")
+FACTOR_FORMS = "a number (0.5, 2e-3), sqrt(N) or 1/sqrt(N) with N > 0"
+"""What ``scale`` takes: no other expression is read (nothing is evaluated)."""
+
+
+def _shown(x: float) -> str:
+    return str(int(x)) if x.is_integer() and abs(x) < 2**53 else repr(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+    """``scale``: a constant factor, one of three forms: ``number`` (``x * number``), ``sqrt(root)`` (``x *
+    sqrt(root)``) or ``1/sqrt(root)`` (``x / sqrt(root)``), computed in float64 (``numpy.sqrt`` of the float64
+    ``root``) and rounded once to the leaf's dtype. Written as a number, or as the text ``'sqrt(N)'`` /
+    ``'1/sqrt(N)'``; no other expression is read.
+
+    >>> Scale.make("1/sqrt(128)"), Scale.make(0.5).to_json(), str(Scale.make(" sqrt( 2.5 ) "))
+    (Scale(number=None, root=128.0, inverse=True), 0.5, 'sqrt(2.5)')
+    """
+
+    number: float | None = None
+    root: float | None = None
+    inverse: bool = False
+
+    @classmethod
+    def make(cls, value: Any, field: str = "scale") -> Scale:
+        if isinstance(value, str):
+            m = _FACTOR.fullmatch(value)
+            if m is None:
+                raise ValueError(f"`{field}` factor {value!r}: write {FACTOR_FORMS}.")
+            if m.group("number") is not None:
+                return cls.make(float(m.group("number")), field)
+            root = float(m.group("root"))
+            if not (math.isfinite(root) and root > 0):
+                raise ValueError(f"`{field}` factor {value!r}: N in sqrt(N) must be a finite number > 0.")
+            return cls(root=root, inverse=m.group("inverse") is not None)
+        try:
+            return cls(number=_float(value, f"`{field}` factor"))
+        except TypeError:
+            raise TypeError(f"`{field}` factor {value!r}: write {FACTOR_FORMS}.") from None
+
+    def __str__(self) -> str:
+        if self.root is None:
+            return _shown(float(self.number or 0.0))
+        return f"{'1/' if self.inverse else ''}sqrt({_shown(self.root)})"
+
+    def to_json(self) -> Any:
+        """A number as a number, ``sqrt(N)`` / ``1/sqrt(N)`` as that text (what ``make`` reads back)."""
+        return self.number if self.root is None else str(self)
+
+
 # ---------------------------------------------------------------------------------------------- checks
 
 
@@ -242,6 +296,7 @@ check_permute = _checker(Permute, "permute")
 check_pad = _checker(Pad, "pad")
 check_slice = _checker(Slice, "slice")
 check_tie = _checker(Tie, "tie")
+check_scale = _checker(Scale, "scale")
 _check_concat = _checker(Concat, "concat")
 
 
@@ -378,3 +433,19 @@ def parse_reshape(text: str) -> tuple[str, Reshape]:
 
 _parse_reshape = _parse("--reshape", r"q_proj\.weight$=>axis=0 into=-1,64", ("shape", "into", "merge"), _NUMS,
                         check_reshape)
+
+
+def parse_scale(text: str) -> tuple[str, Scale]:
+    """``'PATTERN=FACTOR'`` (``--scale``), split at the last ``=``: a number, ``sqrt(N)`` or ``1/sqrt(N)``.
+
+    >>> parse_scale(r"query/kernel$=1/sqrt(128)")
+    ('query/kernel$', Scale(number=None, root=128.0, inverse=True))
+    """
+    pattern, eq, value = text.rpartition("=")
+    if not eq or not value.strip():
+        raise ValueError(f"`--scale` {text!r}: write PATTERN=FACTOR, the factor {FACTOR_FORMS}, e.g. "
+                         "'query/kernel$=1/sqrt(128)'.")
+    try:
+        return pattern, check_scale(pattern, value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"`--scale` {text!r}: {e}") from None

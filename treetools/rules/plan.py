@@ -4,7 +4,7 @@
 each over the paths of its own stage (``treetools.rules`` tells the order)::
 
     keep / drop  ->  unstack  ->  split  ->  rename  ->  stack  ->  concat  ->  reshape  ->  permute
-                 ->  transpose  ->  slice  ->  pad  ->  tie  ->  cast
+                 ->  transpose  ->  slice  ->  pad  ->  tie  ->  scale  ->  cast
 
 and returns a ``RulesPlan`` of ``TargetLeaf``\\ s, or raises one
 ``RulesError`` with every problem of the first stage that has any. Nothing
@@ -22,7 +22,7 @@ from typing import Any, Collection, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from treetools.rules import stages
-from treetools.rules.blocks import Cast, Node, Piece, Read, Stack, Transpose, ops, source_text, structure
+from treetools.rules.blocks import Cast, Node, Piece, Read, Scale, Stack, Transpose, ops, source_text, structure
 from treetools.rules.dtypes import dtype_text, kind, resolve_dtype, source_dtype
 from treetools.shared.errors import RulesError
 from treetools.shared.patterns import nearby
@@ -40,7 +40,7 @@ class TargetLeaf:
 
     ``node`` is how it is made from its sources (``treetools.rules.blocks``:
     source leaves or layers of them, then windows, a stack, a concat, a
-    reshape, a permute, a transpose, a pad, a tie, a cast), read block by block.
+    reshape, a permute, a transpose, a pad, a tie, a scale, a cast), read block by block.
     ``shape``/``dtype`` are the result's (None for a non-array value, passed
     through as it is); ``source_shape``/``source_dtype`` are those of the
     source leaf of ``pieces[0]`` as stored. ``known`` is False for an array
@@ -68,8 +68,11 @@ class TargetLeaf:
 
     @property
     def axes(self) -> tuple[int, ...] | None:
-        """The axes of the last transpose (``numpy.transpose``'s), or None when the leaf is not transposed last."""
-        node = self.node.children[0] if isinstance(self.node, Cast) else self.node
+        """The axes of the last transpose (``numpy.transpose``'s), or None when the leaf is not transposed last
+        (a scale and a cast after it, which change values in place, are looked through)."""
+        node = self.node
+        while isinstance(node, (Cast, Scale)):
+            node = node.children[0]
         return node.axes if isinstance(node, Transpose) else None
 
     @property
@@ -332,7 +335,8 @@ class _Planner:
         self.check()
         nodes = stages.concat(self, nodes)
         self.check()
-        for stage in (stages.reshape, stages.permute, _Planner.transpose, stages.slice_, stages.pad, stages.tie):
+        for stage in (stages.reshape, stages.permute, _Planner.transpose, stages.slice_, stages.pad, stages.tie,
+                      stages.scale):
             nodes = stage(self, nodes)
             self.check()
         nodes = self.cast(nodes)

@@ -10,7 +10,11 @@ holds three tables (docs/presets.md):
   ``pattern = {shape = [...], optional = true}``; a dimension is a number, a
   size (``"{hidden}"``) or a product of sizes (``"{heads * head_dim}"``).
 * ``[rules]``: the ``Rules`` fields (``Rules.from_dict``), where a value that is
-  exactly ``"{size}"`` (or a product) is that size of the model.
+  exactly ``"{size}"`` (or a product) is that size of the model, and a
+  ``scale`` factor may hold one, ``"1/sqrt({head_dim})"``.
+* ``[options.NAME]``: a switch, ``default`` true or false, whose ``rules``
+  (filled the same way) come after ``[rules]`` when it is on; set with
+  ``preset(name, NAME=False)`` or ``--preset FAMILY:SOURCE:TARGET,NAME=false``.
 
 The sizes (``vocab``, ``hidden``, ``layers``, ``heads``, ``kv_heads``,
 ``head_dim``, ``ffn``, ``positions``) come from the model's Hugging Face
@@ -49,6 +53,8 @@ SIZES = ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "p
 """The sizes a preset's placeholders may name."""
 
 _PLACEHOLDER = re.compile(r"^\{([a-z0-9_][a-z0-9_ *+\-/]*)\}$")
+_IN_FACTOR = re.compile(r"^((?:1/)?sqrt\()\{([a-z0-9_][a-z0-9_ *+\-/]*)\}(\))$")
+"""A placeholder inside a ``scale`` factor, ``'1/sqrt({head_dim})'``: filled as ``'1/sqrt(128)'``."""
 
 # transformers' config-class defaults of the keys ``hf_sizes`` reads, where a family's differ from
 # "as many kv heads as heads" and "head_dim = hidden / heads" (``save_pretrained`` leaves defaults out).
@@ -162,11 +168,21 @@ def evaluate(text: str, sizes: Mapping[str, int]) -> int | None:
     return value(_expression(text))
 
 
+def _match(text: str) -> tuple[str, str, str] | None:
+    """``(before, size expression, after)`` of a placeholder string: ``"{head_dim}"`` (nothing around it), or one
+    inside a ``scale`` factor, ``"1/sqrt({head_dim})"``; None for any other string."""
+    m = _PLACEHOLDER.match(text)
+    if m:
+        return "", m.group(1), ""
+    m = _IN_FACTOR.match(text)
+    return (m.group(1), m.group(2), m.group(3)) if m else None
+
+
 def placeholders(data: Any) -> set[str]:
     """The sizes the placeholders in ``data`` (nested lists and dicts) name."""
     if isinstance(data, str):
-        m = _PLACEHOLDER.match(data)
-        return {n.id for n in ast.walk(_expression(m.group(1))) if isinstance(n, ast.Name)} if m else set()
+        m = _match(data)
+        return {n.id for n in ast.walk(_expression(m[1])) if isinstance(n, ast.Name)} if m else set()
     if isinstance(data, Mapping):
         return set().union(*(placeholders(v) for v in data.values()))
     if isinstance(data, (list, tuple)):
@@ -175,22 +191,24 @@ def placeholders(data: Any) -> set[str]:
 
 
 def fill(data: Any, sizes: Mapping[str, int]) -> Any:
-    """``data`` with every placeholder string (``"{head_dim}"``) replaced by its value.
+    """``data`` with every placeholder string (``"{head_dim}"``) replaced by its value, and a placeholder inside a
+    ``scale`` factor by its digits (``"1/sqrt({head_dim})"`` -> ``"1/sqrt(8)"``).
 
     Raises:
       KeyError: a placeholder names a size ``sizes`` lacks.
 
-    >>> fill({"permute": {"k$": {"axis": 1, "head_dim": "{head_dim}"}}}, {"head_dim": 8})
-    {'permute': {'k$': {'axis': 1, 'head_dim': 8}}}
+    >>> fill({"permute": {"k$": {"axis": 1, "head_dim": "{head_dim}"}}, "scale": [["q$", "1/sqrt({head_dim})"]]},
+    ...      {"head_dim": 8})
+    {'permute': {'k$': {'axis': 1, 'head_dim': 8}}, 'scale': [['q$', '1/sqrt(8)']]}
     """
     if isinstance(data, str):
-        m = _PLACEHOLDER.match(data)
+        m = _match(data)
         if not m:
             return data
-        value = evaluate(m.group(1), sizes)
+        value = evaluate(m[1], sizes)
         if value is None:
-            raise KeyError(m.group(1))
-        return value
+            raise KeyError(m[1])
+        return value if not (m[0] or m[2]) else f"{m[0]}{value}{m[2]}"
     if isinstance(data, Mapping):
         return {k: fill(v, sizes) for k, v in data.items()}
     if isinstance(data, (list, tuple)):
@@ -216,8 +234,24 @@ class Expect:
 
 
 @dataclasses.dataclass(frozen=True)
+class Option:
+    """One ``[options.NAME]`` table: a switch, on or off by ``default``, that adds its ``rules`` after the preset's
+    own (filled like them) when on."""
+
+    name: str
+    default: bool
+    description: str
+    rules: str  # JSON of its rules table, placeholders unfilled
+
+    @property
+    def rules_data(self) -> dict[str, Any]:
+        return json.loads(self.rules)
+
+
+@dataclasses.dataclass(frozen=True)
 class PresetSpec:
-    """A preset file as read: its names, text, size inference, expected leaves, and rules with placeholders."""
+    """A preset file as read: its names, text, size inference, expected leaves, rules with placeholders, and
+    options."""
 
     names: tuple[str, ...]
     description: str
@@ -225,6 +259,7 @@ class PresetSpec:
     infer: tuple[tuple[str, str, int], ...]
     expect: tuple[Expect, ...]
     rules: str  # JSON of the rules table, placeholders unfilled (hashable)
+    options: tuple[Option, ...] = ()
 
     @property
     def rules_data(self) -> dict[str, Any]:
@@ -232,17 +267,38 @@ class PresetSpec:
 
     @property
     def needs(self) -> set[str]:
-        """The sizes the rules' placeholders name."""
-        return placeholders(self.rules_data)
+        """The sizes the rules' placeholders name (the options' rules too)."""
+        return placeholders(self.rules_data).union(*(placeholders(o.rules_data) for o in self.options))
+
+    def filled(self, sizes: Mapping[str, int], options: Mapping[str, bool]) -> Rules:
+        """The rules with ``sizes`` filled in: ``[rules]``, then the rules of each option that is on."""
+        out = Rules.from_dict(fill(self.rules_data, sizes))
+        for option in self.options:
+            if options.get(option.name, option.default):
+                out = out.merge(Rules.from_dict(fill(option.rules_data, sizes)))
+        return out
 
 
 def _folder() -> Any:
     return importlib.resources.files("treetools").joinpath("presets")
 
 
+def _options(name: str, data: Mapping[str, Any]) -> tuple[Option, ...]:
+    out = []
+    for key, table in dict(data.get("options", {})).items():
+        if not isinstance(table, Mapping) or not isinstance(table.get("default"), bool) or \
+                sorted(set(table) - {"default", "description", "rules"}) or not re.fullmatch(r"[a-z][a-z0-9_]*", key):
+            raise ValueError(f"preset file {name}: option {key!r} is a table of default (true or false), "
+                             "description and rules, named in lower case.")
+        out.append(Option(key, table["default"], str(table.get("description", "")),
+                          json.dumps(dict(table.get("rules", {})))))
+    return tuple(out)
+
+
 def _spec(name: str, data: Mapping[str, Any]) -> PresetSpec:
     head = dict(data.get("preset", {}))
-    unknown = sorted(set(data) - {"preset", "expect", "rules"}) + sorted(set(head) - {"names", "description", "infer"})
+    unknown = (sorted(set(data) - {"preset", "expect", "rules", "options"})
+               + sorted(set(head) - {"names", "description", "infer"}))
     if unknown:
         raise ValueError(f"preset file {name}: unknown keys {unknown}.")
     expect = []
@@ -258,12 +314,13 @@ def _spec(name: str, data: Mapping[str, Any]) -> PresetSpec:
         expect.append(Expect(pattern, shape, bool(row.get("optional", False))))
     infer = tuple((size, str(p), int(axis)) for size, (p, axis) in dict(head.get("infer", {})).items())
     rules = dict(data.get("rules", {}))
-    try:  # keys, patterns and values checked now, with stand-in sizes (2: a head_dim must be even)
-        Rules.from_dict(fill(rules, dict.fromkeys(SIZES, 2)))
+    spec = PresetSpec(tuple(head.get("names", ())), str(head.get("description", "")), name, infer, tuple(expect),
+                      json.dumps(rules), _options(name, data))
+    try:  # keys, patterns and values checked now, with stand-in sizes (2: a head_dim must be even), options all on
+        spec.filled(dict.fromkeys(SIZES, 2), {o.name: True for o in spec.options})
     except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"preset file {name}: {e}") from None
-    return PresetSpec(tuple(head.get("names", ())), str(head.get("description", "")), name, infer, tuple(expect),
-                      json.dumps(rules))
+    return spec
 
 
 @functools.lru_cache(maxsize=1)
@@ -291,12 +348,33 @@ def presets() -> list[str]:
     return sorted(_catalog())
 
 
+def split_name(text: str) -> tuple[str, dict[str, bool]]:
+    """A preset as ``--preset`` names it, ``FAMILY:SOURCE:TARGET[,OPTION=true|false ...]``: its name and options.
+
+    Raises:
+      UsageError: an option not written ``OPTION=true`` or ``OPTION=false``.
+
+    >>> split_name("llama:hf:maxtext,scale_query=false")
+    ('llama:hf:maxtext', {'scale_query': False})
+    """
+    name, *given = str(text).split(",")
+    options: dict[str, bool] = {}
+    for item in given:
+        key, eq, value = item.strip().partition("=")
+        if not eq or value.strip().lower() not in ("true", "false") or key.strip() in options:
+            raise UsageError(f"--preset {text}: {item!r} is not OPTION=true or OPTION=false (once each); write "
+                             "FAMILY:SOURCE:TARGET,OPTION=false, e.g. llama:hf:maxtext,scale_query=false.")
+        options[key.strip()] = value.strip().lower() == "true"
+    return name.strip(), options
+
+
 def preset_spec(name: str) -> PresetSpec:
-    """The file behind preset ``name``.
+    """The file behind preset ``name`` (options after it, ``,scale_query=false``, are left out).
 
     Raises:
       UsageError: an unknown name (the message lists the presets).
     """
+    name = split_name(name)[0]
     catalog = _catalog()
     if name not in catalog:
         raise UsageError(f"--preset {name}: no such preset; the presets are {', '.join(sorted(catalog))} "
@@ -304,22 +382,35 @@ def preset_spec(name: str) -> PresetSpec:
     return catalog[name]
 
 
-def preset(name: str, config: Any = None) -> Preset:
+def preset(name: str, config: Any = None, **options: bool) -> Preset:
     """The ``tt.Rules`` of preset ``name`` (``tt.presets()`` lists them), for the model ``config`` describes.
 
     Args:
-      name: ``FAMILY:SOURCE:TARGET``, e.g. ``"llama:hf:reference"``.
+      name: ``FAMILY:SOURCE:TARGET``, e.g. ``"llama:hf:reference"``; options may follow as ``--preset`` writes
+        them, ``"llama:hf:maxtext,scale_query=false"``.
       config: the model's Hugging Face ``config.json``: its path, the folder holding it, its dict, or a
         transformers ``PretrainedConfig``. It gives
         the sizes the preset's placeholders name (and checks the checkpoint's shapes against them); without
         it, sizes are read off the checkpoint's own shapes where they can be.
+      **options: the preset's options (its file's ``[options.NAME]`` tables, docs/presets.md), True or False:
+        ``scale_query=False`` for the ``maxtext`` presets' layout-only conversion.
 
     Raises:
-      UsageError: an unknown name (the message lists the presets), or a config that cannot be read.
+      UsageError: an unknown name (the message lists the presets), an option the preset does not have (the
+        message lists its options) or not True/False, or a config that cannot be read.
     """
+    name, given = split_name(name)
     spec = preset_spec(name)
+    given.update(options)
+    known = {o.name: o.default for o in spec.options}
+    for key, value in given.items():
+        if key not in known:
+            have = ", ".join(f"{k} (default {str(v).lower()})" for k, v in known.items()) or "none"
+            raise UsageError(f"preset {name} has no option {key!r}; its options: {have} (docs/presets.md).")
+        if not isinstance(value, bool):
+            raise UsageError(f"preset {name}: option {key}={value!r}: give True or False.")
     sizes = hf_sizes(config) if config is not None else {}
-    return Preset.build(name, spec, sizes)
+    return Preset.build(name, spec, sizes, {**known, **given})
 
 
 # ---------------------------------------------------------------------------------------------- Preset
@@ -337,22 +428,25 @@ class Preset(Rules):
     preset: str = ""
     spec: PresetSpec | None = dataclasses.field(default=None, compare=False)
     sizes: tuple[tuple[str, int], ...] = ()
+    options: tuple[tuple[str, bool], ...] = ()
+    """Every option of the preset, on or off."""
 
     @classmethod
-    def build(cls, name: str, spec: PresetSpec, sizes: Mapping[str, int]) -> Preset:
-        data = spec.rules_data
+    def build(cls, name: str, spec: PresetSpec, sizes: Mapping[str, int], options: Mapping[str, bool]) -> Preset:
         known = dict(sizes)
-        fields = fill(data, known) if spec.needs <= set(known) else {}
-        return cls(preset=name, spec=spec, sizes=tuple(sorted(known.items())), **fields)
+        fields = Rules.to_dict(spec.filled(known, options)) if spec.needs <= set(known) else {}
+        return cls(preset=name, spec=spec, sizes=tuple(sorted(known.items())), options=tuple(sorted(options.items())),
+                   **fields)
 
     def __repr__(self) -> str:
-        return f"Preset({self.preset!r}, sizes={dict(self.sizes)})"
+        options = f", options={dict(self.options)}" if self.options else ""
+        return f"Preset({self.preset!r}, sizes={dict(self.sizes)}{options})"
 
     @property
     def empty(self) -> bool:
         return False
 
-    def merge(self, later: Rules) -> Rules:
+    def merge(self, later: Rules) -> Preset:
         """The preset's rules (filled now: every size it needs must be known) followed by ``later``'s."""
         if self.spec is not None and not self.spec.needs <= {k for k, _ in self.sizes}:
             missing = sorted(self.spec.needs - {k for k, _ in self.sizes})
@@ -443,9 +537,9 @@ class Preset(Rules):
         """The plain ``Rules`` for these source leaves (checked against the preset, sizes filled)."""
         assert self.spec is not None
         sizes = self.check(leaves)
-        base = {k: v for k, v in Rules.to_dict(self).items()} if Rules.to_dict(self) else fill(self.spec.rules_data,
-                                                                                              sizes)
-        return Rules.from_dict(base)
+        if Rules.to_dict(self):
+            return Rules.from_dict(Rules.to_dict(self))
+        return self.spec.filled(sizes, dict(self.options))
 
     def plan(
         self,

@@ -30,6 +30,7 @@ from treetools.rules.ops import (
     check_pad,
     check_permute,
     check_reshape,
+    check_scale,
     check_slice,
     check_split,
     check_tie,
@@ -37,6 +38,7 @@ from treetools.rules.ops import (
     parse_pad,
     parse_permute,
     parse_reshape,
+    parse_scale,
     parse_slice,
     parse_split,
     parse_tie,
@@ -500,6 +502,15 @@ class Rules:
         help="write a leaf again under another name, transposed or not: "
              "'^embed/embedding$=>name=lm_head/kernel axes=1,0'",
         syntax="as `--split`")
+    scale: Sequence[tuple[str, Any]] | Mapping[str, Any] = _rule(
+        Pairs("factor", check_scale, parse_scale),
+        meaning="multiply a **floating** leaf by a constant: a number, `'sqrt(N)'` or `'1/sqrt(N)'` (parsed, never "
+                "evaluated), in float64, rounded once to the leaf's dtype (its `cast`'s, when it has one); first "
+                "match wins",
+        matched="target paths, after tie", metavar="'RE=FACTOR'",
+        help="multiply the floating leaves RE matches by a factor: a number, sqrt(N) or 1/sqrt(N), e.g. "
+             "'query/kernel$=1/sqrt(128)'",
+        syntax="split at the last `=`")
     allow_unmatched: bool = _rule(
         Switch(), default=False, meaning="a pattern that matches nothing is ignored instead of an error",
         matched="", help="a rule that matches no leaf is ignored instead of an error")

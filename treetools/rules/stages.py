@@ -1,4 +1,4 @@
-"""The planner's stages for the layout rules: split, concat, reshape, permute, slice, pad, tie.
+"""The planner's stages for the layout rules: split, concat, reshape, permute, slice, pad, tie, scale.
 
 Each stage takes the planner (``treetools.rules.plan._Planner``: the rules,
 ``first_match``, the list of problems) and the target leaves of the stage
@@ -327,4 +327,25 @@ def tie(p: Any, leaves: list[Leaf]) -> list[Leaf]:
             node = blocks.Transpose(shape, leaf.dtype, node, axes)
         out.append(_wrap(leaf, node, path=name))
     p.check_collisions(out, "tie")
+    return out
+
+
+def scale(p: Any, leaves: list[Leaf]) -> list[Leaf]:
+    """``scale``: a floating leaf times a constant (in float64, rounded once to its dtype)."""
+    firsts = p.first_match("scale", [t.path for t in leaves], "target paths, after tie")
+    out = []
+    for leaf, k in zip(leaves, firsts):
+        out.append(leaf)
+        if k is None:
+            continue
+        pattern, spec = p.rules.scale[k]
+        rule = f"`scale` rule ({pattern!r}, {spec})"
+        if not leaf.is_array:
+            p.problems.append(f"{rule} matches `{leaf.path}`, which is not an array; narrow the pattern.")
+            continue
+        if leaf.dtype is not None and kind(leaf.dtype) != "floating":
+            p.problems.append(f"{rule} matches `{leaf.path}` of dtype {dtype_text(leaf.dtype)}, which is not "
+                              "floating; scale multiplies floating leaves only: narrow the pattern.")
+            continue
+        out[-1] = _wrap(leaf, blocks.Scale(leaf.shape, leaf.dtype, leaf.node, spec))
     return out
