@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 
 import flax.linen as nn
 import jax
@@ -26,17 +27,31 @@ def straight(tmp_path_factory):
     return train(_cfg(tmp_path_factory.mktemp("straight"), 2 * N))
 
 
+@pytest.fixture(scope="module")
+def half(tmp_path_factory):
+    """A run of N steps that ended there: the run the resume tests continue, each in a copy of its own."""
+    return train(_cfg(tmp_path_factory.mktemp("half"), N))
+
+
+def _copy_of(run, workdir):
+    """``run``'s workdir (checkpoints, metrics.jsonl) copied into ``workdir``: a stopped run to resume there."""
+    shutil.copytree(run["checkpoint_dir"], workdir / "checkpoints")
+    shutil.copy(run["metrics_path"], workdir / "metrics.jsonl")
+
+
 def _host(tree):
     return jax.tree.leaves(jax.device_get(tt.unbox_tree(tree)))
 
 
-def test_resume_is_bit_identical(straight, tmp_path):
-    first = train(_cfg(tmp_path, N))
-    assert first["start_step"] == 0
-    lines = []  # progress lines go where `log` says (`treetools train` passes its own, which a closed pipe cannot stop)
+def test_resume_is_bit_identical(straight, half, tmp_path):
+    assert half["start_step"] == 0
+    _copy_of(half, tmp_path)
+    # progress lines go where `log` says (`treetools train` passes its own, which a closed pipe cannot stop)
+    lines: list[str] = []
     resumed = train(_cfg(tmp_path, 2 * N, quiet=False, log=lines.append))
     assert resumed["start_step"] == N
-    assert lines and all(isinstance(line, str) for line in lines) and any(re.search(rf"^step +{2 * N}/", line) for line in lines)
+    assert lines and all(isinstance(line, str) for line in lines)
+    assert any(re.search(rf"^step +{2 * N}/", line) for line in lines)
     for key in ("params", "params_ema", "opt_state"):
         a, b = _host(straight["state"][key]), _host(resumed["state"][key])
         assert len(a) == len(b) > 0
@@ -141,12 +156,13 @@ def test_freeze_embeddings_keeps_them_exactly(tmp_path):
     from treetools.reference.train import build
 
     cfg = _cfg(tmp_path, 4, freeze_embeddings=True)
-    initial = jax.device_get(tt.unbox(build(cfg)[2]["params"]["embed"]["embedding"]))
+    made = build(cfg)[2]["params"]  # the initial params, as the run starts from them
+    initial = jax.device_get(tt.unbox(made["embed"]["embedding"]))
+    start = jax.device_get(tt.unbox(made["layers_0"]["up"]["kernel"]))
     result = train(cfg)
     params = result["state"]["params"]
     np.testing.assert_array_equal(np.asarray(tt.unbox(params["embed"]["embedding"])), initial)
     # Everything else trained: the first block's kernel moved.
-    start = jax.device_get(tt.unbox(build(cfg)[2]["params"]["layers_0"]["up"]["kernel"]))
     assert not np.array_equal(np.asarray(tt.unbox(params["layers_0"]["up"]["kernel"])), start)
 
 
@@ -198,7 +214,8 @@ def test_per_layer_norms_are_logged_both_ways(straight, scanned):
     # The logged param norms of each layer are those of the live params' slices (float64 by hand).
     params = tt.flatten(tt.unbox_tree(scanned["state"]["params"]))
     for i in range(n_layers):
-        want = np.sqrt(sum(np.sum(np.asarray(v, np.float64)[i] ** 2) for k, v in params.items() if k.startswith("layers/")))
+        want = np.sqrt(sum(np.sum(np.asarray(v, np.float64)[i] ** 2)
+                           for k, v in params.items() if k.startswith("layers/")))
         np.testing.assert_allclose(stacked[f"param_norm/layers/{i}"], want, rtol=1e-5)
 
 
@@ -229,10 +246,10 @@ def test_scanned_resume_is_bit_identical(scanned, tmp_path):
         np.testing.assert_array_equal(np.asarray(loaded[path]), np.asarray(value), err_msg=path)
 
 
-def test_a_resumed_run_keeps_its_scan_setting_whatever_the_flag(straight, tmp_path, capsys):
+def test_a_resumed_run_keeps_its_scan_setting_whatever_the_flag(straight, half, tmp_path, capsys):
     # Issue 39, point 10: `train --workdir RUN --scan-layers` on a run saved without it failed with a
     # 144-problem, 15k-character line. The run keeps the layout its checkpoint has, and a note says so.
-    train(_cfg(tmp_path, N))
+    _copy_of(half, tmp_path)  # a run of N steps saved without --scan-layers
     capsys.readouterr()
     argv = ["train", "--workdir", str(tmp_path), "--steps", str(2 * N), "--ckpt-every", str(N), "--log-every", "2",
             "--quiet"]
@@ -261,7 +278,7 @@ def test_the_trainer_prints_its_memory_plan_one_line_per_part(tmp_path, capsys):
     state = result["state"]
     held = {}
     for part in ("params", "opt_state", "params_ema"):  # the truth: jax's own shards of what was trained
-        per_device = {}
+        per_device: dict = {}
         for leaf in jax.tree.leaves(tt.unbox_tree(state[part])):
             for shard in leaf.addressable_shards:
                 per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
