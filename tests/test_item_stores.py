@@ -135,7 +135,7 @@ def test_a_link_added_to_the_item_after_its_check_refuses_the_next_read(root, tm
     shutil.copytree(root[0], path)
     (tmp_path / "secret").write_bytes(b"42" * 100)
     counted = Counted(monkeypatch)
-    leaves = [l for l in open_source(str(path)).snapshot(None).items["params"].leaves if l.reader is not None]
+    leaves = [leaf for leaf in open_source(str(path)).snapshot(None).items["params"].leaves if leaf.reader is not None]
     counted.data_pins.clear()  # the item's folders were pinned and checked as its headers were read
     whole = (slice(None), slice(None))
     np.testing.assert_array_equal(leaves[0].reader.read(whole), root[1]["params/layer_0/w"])
@@ -146,7 +146,7 @@ def test_a_link_added_to_the_item_after_its_check_refuses_the_next_read(root, tm
         leaves[2].reader.read(whole)  # the item's folder refused: every array in it, without checking it again
     assert counted.contexts() == 1 and len(counted.data_pins) == 1  # the change retired the context: pinned anew
     os.unlink(path / "1" / "params" / "d" / "stolen")
-    again = [l for l in open_source(str(path)).snapshot(None).items["params"].leaves if l.reader is not None]
+    again = [leaf for leaf in open_source(str(path)).snapshot(None).items["params"].leaves if leaf.reader is not None]
     np.testing.assert_array_equal(again[1].reader.read(whole), root[1]["params/layer_1/w"])  # checked afresh
 
 
@@ -158,7 +158,7 @@ def test_per_folder_arrays_rotate_contexts_and_close_their_folders(tmp_path, mon
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False))
     ckptr.save(str(tmp_path / "ckpt"), args=ocp.args.PyTreeSave(tree))
     counted = Counted(monkeypatch)
-    leaves = [l for l in open_source(str(tmp_path / "ckpt")).snapshot(None).items["default"].leaves]
+    leaves = [leaf for leaf in open_source(str(tmp_path / "ckpt")).snapshot(None).items["default"].leaves]
     before = len(os.listdir("/proc/self/fd"))
     for leaf in leaves:
         np.testing.assert_array_equal(leaf.reader.read((slice(None), slice(None))), tree[leaf.name], err_msg=leaf.name)

@@ -417,7 +417,8 @@ def test_orbax_multi_gb_in_the_memory_of_a_small_one(orbax_sized, command):
     out: list[str] = []
     code, big_hwm, _, err = _child(argv("big"), limit=small_peak + 48 * 2**20, out=out, **exact)
     assert code == 0, f"{command} of 2.25 GiB under the 128 MiB run's address space + 48 MiB: {err[-2000:]}"
-    assert big_hwm <= 1.3 * small_hwm, f"{command}: peak RSS {small_hwm >> 20} MiB at 128 MiB, {big_hwm >> 20} at 2.25 GiB"
+    assert big_hwm <= 1.3 * small_hwm, \
+        f"{command}: peak RSS {small_hwm >> 20} MiB at 128 MiB, {big_hwm >> 20} at 2.25 GiB"
     if command == "stats":  # what the bounded run computed is the data: 36 leaves of 2**24 zeros each
         leaves = json.loads(out[0])["checkpoints"][0]["items"]["default"]["leaves"]
         assert len(leaves) == 36

@@ -486,7 +486,7 @@ _HEADER_FILES = {"zarr": ".zarray", "zarr3": "zarr.json"}
 
 def _header_key(spec: dict[str, Any]) -> bytes | None:
     """The key of an array's zarr header in the OCDBT database its spec reads, None for any other spec."""
-    name, kvstore = _HEADER_FILES.get(spec.get("driver")), spec.get("kvstore") or {}
+    name, kvstore = _HEADER_FILES.get(str(spec.get("driver"))), spec.get("kvstore") or {}
     path = kvstore.get("path", "")
     if name is None or kvstore.get("driver") != "ocdbt" or not isinstance(path, str):
         return None
