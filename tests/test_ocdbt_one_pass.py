@@ -145,6 +145,21 @@ def test_values_are_tensorstores_own_lookups_in_a_tree_of_several_levels(tmp_pat
     assert len(got) == 300
 
 
+def test_an_item_of_many_more_keys_than_asked_for_is_left_to_the_lookups(tmp_path, monkeypatch):
+    # A few arrays stored in many chunks: listing every key costs more than looking a few headers up.
+    from treetools.checkpoint_io.storage import LOCAL
+
+    pairs = {f"arr_{i}/{name}".encode(): b"v" for i in range(4) for name in (".zarray", *map(str, range(40)))}
+    _database(tmp_path / "db", pairs)
+    wanted = {f"arr_{i}/.zarray".encode() for i in range(4)}
+    assert len(_ocdbt.values(LOCAL, str(tmp_path / "db"), wanted, 2**30)) == 4  # 164 keys: listed
+    monkeypatch.setattr(_ocdbt, "LISTED_ANYWAY", 0)
+    monkeypatch.setattr(_ocdbt, "LISTED_PER_KEY", 40)  # 4 keys asked for: at most 160 keys listed
+    assert _ocdbt.values(LOCAL, str(tmp_path / "db"), wanted, 2**30) is None
+    monkeypatch.setattr(_ocdbt, "LISTED_PER_KEY", 41)
+    assert len(_ocdbt.values(LOCAL, str(tmp_path / "db"), wanted, 2**30)) == 4
+
+
 def test_a_tree_out_of_order_is_declined():
     # TensorStore finds a key by searching each node's sorted keys: a leaf whose keys are out of order, or outside
     # the range its parent gives it, does not read as a walk would; the one pass declines it.
