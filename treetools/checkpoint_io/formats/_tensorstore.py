@@ -482,13 +482,17 @@ def open_all(context: ReadContext, specs: list[dict[str, Any]], where: list[str]
 
 
 _HEADER_FILES = {"zarr": ".zarray", "zarr3": "zarr.json"}
+_PLAIN_SPEC = {"driver", "kvstore", "recheck_cached_data", "recheck_cached_metadata", "fill_missing_data_reads"}
+"""What ``ts_spec`` puts in a spec: nothing that changes how a header parses but the driver (no dtype or shape
+asked of it), so one parse serves every array whose header has the same bytes."""
 
 
 def _header_key(spec: dict[str, Any]) -> bytes | None:
-    """The key of an array's zarr header in the OCDBT database its spec reads, None for any other spec."""
+    """The key of an array's zarr header in the OCDBT database its spec (as ``ts_spec`` builds them) reads, None
+    for any other spec."""
     name, kvstore = _HEADER_FILES.get(str(spec.get("driver"))), spec.get("kvstore") or {}
     path = kvstore.get("path", "")
-    if name is None or kvstore.get("driver") != "ocdbt" or not isinstance(path, str):
+    if name is None or kvstore.get("driver") != "ocdbt" or not isinstance(path, str) or not set(spec) <= _PLAIN_SPEC:
         return None
     return (path + name if not path or path.endswith("/") else f"{path}/{name}").encode()
 
