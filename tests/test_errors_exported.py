@@ -26,6 +26,8 @@ INTERNAL = {
         "caught in _ts_folders, which pins the changed folder afresh",
     "treetools.checkpoint_io.formats._ocdbt.Corrupt":
         "turned into a CheckpointError naming the OCDBT file by _ocdbt's callers",
+    "treetools.checkpoint_io.formats._ocdbt.NotPlain":
+        "caught inside _ocdbt.values, which then returns None: the headers open through TensorStore's lookups",
     "treetools.cli._UsageExit":
         "argparse's exit inside the program, returned as exit code 2 by cli.main",
 }

@@ -360,9 +360,11 @@ run()
 """
 
 
-def _child(argv, limit=0, **env):
+def _child(argv, limit=0, out=None, **env):
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(limit), *map(str, argv)], capture_output=True, text=True,
                           env={**os.environ, "JAX_PLATFORMS": "cpu", **env})
+    if out is not None:
+        out.append(proc.stdout)
     *lines, last = proc.stderr.strip().splitlines()
     hwm, peak = map(int, last.split())
     return proc.returncode, hwm, peak, "\n".join(lines)
@@ -420,3 +422,62 @@ def test_the_memory_limit_bites(sized):
     code, _, _, err = _child(["inspect", sized["big", "a"], "--show", "layers.0.w", "--memory-budget-mb", "4096"],
                              limit=small_peak + 48 * 2**20)
     assert code != 0
+
+
+# ---------------------------------------------------------------------------------------------- Orbax, multi-GB
+
+ORBAX_LEAF = (4096, 4096)  # float32: 64 MiB, stored as Orbax stores an unsharded leaf: one chunk
+
+
+def _zeros_orbax(path, leaves):
+    """An Orbax checkpoint (Orbax's save, through ``write_orbax``) of ``leaves`` float32 zero leaves of
+    ``ORBAX_LEAF``, one stored chunk each: a few KB of zstd on disk for 64 MiB of data."""
+    from treetools.checkpoint_io.readers import InMemoryReader
+    from treetools.checkpoint_io.writers.orbax import write_orbax
+
+    zeros = np.broadcast_to(np.float32(0), ORBAX_LEAF)
+    write_orbax(str(path), [(("layers", f"{i:02d}", "w"), InMemoryReader(zeros)) for i in range(leaves)],
+                block_bytes=4 * math.prod(ORBAX_LEAF))
+
+
+@pytest.fixture(scope="module")
+def orbax_sized(tmp_path_factory):
+    """Orbax checkpoints of 4 and of 36 leaves of 64 MiB (256 MiB and 2.25 GiB, past 2**31 bytes), two of each."""
+    folder = tmp_path_factory.mktemp("orbax_sized")
+    out = {}
+    for tag, leaves in (("small", 4), ("big", 36)):
+        for side in "ab":
+            out[tag, side] = folder / f"{tag}-{side}"
+            _zeros_orbax(out[tag, side], leaves)
+    return out
+
+
+@pytest.mark.parametrize("command", ["stats", "verify", "diff"])
+def test_orbax_multi_gb_in_the_memory_of_a_small_one(orbax_sized, command):
+    # 9x the bytes in leaves of the same size (Orbax's default: a leaf is one stored chunk, decoded whole): what
+    # the chunks in flight hold is the same (4 leaves are enough to fill the read-ahead of `diff --values` on two
+    # cores; with 2 it held 130 MiB less), so the 2.25 GiB checkpoint runs under a hard limit on its address space
+    # of the 256 MiB run's and two leaves (the run's address space varies by 70-80 MiB with its threads' malloc
+    # arenas; the checkpoint whole would need 2.25 GiB more), and its peak RSS is the small run's (the issue's
+    # bound: at most 1.3 times).
+    def argv(tag):
+        if command == "stats":
+            return ["inspect", orbax_sized[tag, "a"], "--stats", "--format", "json"]
+        if command == "diff":
+            return ["diff", orbax_sized[tag, "a"], orbax_sized[tag, "b"], "--values"]
+        return ["verify", orbax_sized[tag, "a"]]
+
+    exact = {"MALLOC_MMAP_THRESHOLD_": str(2**20)}
+    code, small_hwm, small_peak, err = _child(argv("small"), **exact)
+    assert code == 0, err
+    out: list[str] = []
+    code, big_hwm, _, err = _child(argv("big"), limit=small_peak + 2 * 4 * math.prod(ORBAX_LEAF), out=out, **exact)
+    assert code == 0, f"{command} of 2.25 GiB under the 256 MiB run's address space + 128 MiB: {err[-2000:]}"
+    assert big_hwm <= 1.3 * small_hwm, \
+        f"{command}: peak RSS {small_hwm >> 20} MiB at 256 MiB, {big_hwm >> 20} at 2.25 GiB"
+    if command == "stats":  # what the bounded run computed is the data: 36 leaves of 2**24 zeros each
+        leaves = json.loads(out[0])["checkpoints"][0]["items"]["default"]["leaves"]
+        assert len(leaves) == 36
+        for leaf in leaves:
+            assert leaf["stats"]["zeros"] == 2**24 and leaf["stats"]["min"] == leaf["stats"]["max"] == 0.0, leaf
+

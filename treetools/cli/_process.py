@@ -25,6 +25,16 @@ skipped where the user's environment already says something about it.
   a user who shrinks the blocks to hold memory down keeps that much less.
   Skipped unless the C library is glibc, and where any ``MALLOC_*``
   variable or a ``glibc.malloc`` tunable is set.
+* Python's cyclic garbage collector walks every live container object at each
+  full collection, and a command that reads a checkpoint of many leaves builds
+  its rows, readers and parsed metadata as it goes: collections at Python's
+  default thresholds (700 allocations) came ever more often over ever more
+  objects, 11 full ones over 4-5 million objects in a metadata ``inspect`` of
+  50,000 Orbax leaves, 0.75 of its 2.2 CPU s, and the growth of its CPU with
+  the leaves (exponent 1.2 from 10,000 to 50,000; 1.06 without). The program
+  collects ``GC_THRESHOLD`` allocations apart (as mypy does): objects are
+  still freed when their last reference goes; only garbage in reference cycles
+  waits longer.
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ from treetools.shared.settings import DEFAULT_BLOCK_BYTES, block_bytes_from
 
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
 """Variables by which a user sets OpenBLAS's threads (any one set: the program leaves it alone)."""
+
+GC_THRESHOLD = (200_000, 30, 30)
+"""``gc.set_threshold`` of the program's process (Python's default: 700, 10, 10)."""
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 MMAP_THRESHOLD = 32 * 2**20
@@ -91,12 +104,22 @@ def tune(environ: MutableMapping[str, str] | None = None,
     """Set OpenBLAS's threads and malloc's thresholds for this process (see the module docstring); returns
     what was set, in words. ``mallopt`` defaults to glibc's (None elsewhere: skipped).
 
+    >>> import gc
+    >>> saved = gc.get_threshold()
     >>> env = {"OMP_NUM_THREADS": "4"}
-    >>> tune(env, mallopt=lambda option, value: 1), env
-    (['malloc: blocks up to 32 MiB from the heap, 32 MiB kept free'], {'OMP_NUM_THREADS': '4'})
+    >>> for line in tune(env, mallopt=lambda option, value: 1):
+    ...     print(line)
+    gc: collections 200,000 allocations apart
+    malloc: blocks up to 32 MiB from the heap, 32 MiB kept free
+    >>> env, gc.get_threshold()
+    ({'OMP_NUM_THREADS': '4'}, (200000, 30, 30))
+    >>> gc.set_threshold(*saved)
     """
+    import gc
+
     environ = os.environ if environ is None else environ
-    done = []
+    gc.set_threshold(*GC_THRESHOLD)
+    done = [f"gc: collections {GC_THRESHOLD[0]:,} allocations apart"]
     if not any(k in environ for k in BLAS_THREAD_VARIABLES):
         environ["OPENBLAS_NUM_THREADS"] = "1"
         done.append("OPENBLAS_NUM_THREADS=1")
