@@ -22,11 +22,11 @@ RTOL = 2e-6  # float32 accumulation vs float64
 MODULES, PER_MODULE = 4, 6  # 24 leaves, and 24 + 1 terms in the global total: well above _CHAIN
 
 
-def _sq64(x) -> float:
+def _sq64(x: np.ndarray) -> float:
     return float(np.sum(np.asarray(x, dtype=np.float64) ** 2))
 
 
-def _nonfinite(x) -> int:
+def _nonfinite(x: np.ndarray) -> int:
     return int(np.sum(~np.isfinite(np.asarray(x))))
 
 
@@ -91,6 +91,12 @@ def test_stacked_leaves_per_layer():
     np.testing.assert_allclose(float(m["grad_norm"]), np.sqrt(sum(_sq64(v) for v in g.values())), rtol=RTOL)
 
 
+def _spec(box: nn.Partitioned) -> P:
+    info = leaf_sharding(box)
+    assert info is not None
+    return info.spec
+
+
 def test_inside_shard_map_equals_jit(devices):
     # Sharded and replicated boxes side by side: the stacked totals mix values that vary over the mesh axis
     # with values that do not.
@@ -100,7 +106,7 @@ def test_inside_shard_map_equals_jit(devices):
     specs = {k: (None, "fsdp") if i % 2 else (None, None) for i, k in enumerate(host)}
     glob = {k: jax.device_put(v, NamedSharding(mesh, P(*specs[k]))) for k, v in host.items()}
     boxed = unflatten_dict({k: nn.Partitioned(glob[k], names=specs[k]) for k in host})
-    in_specs = jax.tree.map(lambda b: leaf_sharding(b).spec if is_box(b) else P(), boxed, is_leaf=is_box)
+    in_specs = jax.tree.map(_spec, boxed, is_leaf=is_box)
 
     def fn(t):
         return norm_metrics(grads=t, depth=1, abs_max=True)
@@ -118,8 +124,9 @@ def test_inside_shard_map_equals_jit(devices):
 
 
 def test_gradient_through_the_halved_total():
-    tree = {k: jnp.asarray(v) for k, v in _host(5).items()}
-    total = np.sqrt(sum(_sq64(v) for v in tree.values()))
+    host = _host(5)
+    tree = {k: jnp.asarray(v) for k, v in host.items()}
+    total = np.sqrt(sum(_sq64(v) for v in host.values()))
     grads = jax.jit(jax.grad(lambda t: norm_metrics(grads=t)["grad_norm"]))(tree)
     for k, v in tree.items():
         np.testing.assert_allclose(np.asarray(grads[k]), np.asarray(v, np.float64) / total, rtol=1e-5, atol=1e-7)
