@@ -8,14 +8,19 @@ function and its anchor in the same run on the same tree. Sizes (``TREETOOLS_BEN
   doing the least of the same per-leaf work (sizes; shape and dtype; a struct; the regexes); ``memory_plan``
   (8-device mesh, adamw) against ``jax.eval_shape(adamw.init)``, which it runs.
 * ``norm_metrics(grads=g)`` trace + compile on 300 and 1,000 leaves against ``optax.tree.norm`` asked for the
-  same outputs (the norm and the count of non-finite elements) and alone. 3,000 leaves take minutes of XLA
-  compile on 2 cores for either (the report's 115 CPU s for optax alone), so they are left out here.
+  same outputs (the norm and the count of non-finite elements) and alone; per layer (``depth=2`` on this tree,
+  one group a layer, what ``depth=1`` is on a flax model of ``block_i`` modules) and per leaf (``per_param``)
+  against the same entries written with optax per group. 3,000 leaves take minutes of XLA compile on 2 cores
+  for either side, so they run only with ``TREETOOLS_BENCH_NORMS_3000=1`` (not in ``make bench``).
 
-Run: ``PYTHONPATH=$PWD .venv/bin/python -m pytest -q -s benchmarks/test_scale_library_bench.py``
+Run: ``PYTHONPATH=$PWD .venv/bin/python -m pytest -q -s benchmarks/test_scale_library_bench.py``; the 3,000-leaf
+compiles alone: ``TREETOOLS_BENCH_NORMS_3000=1 nice -n 10 .venv/bin/python -m pytest -q -s
+benchmarks/test_scale_library_bench.py -k "norm and 3000"``
 """
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -28,14 +33,18 @@ from conftest import SCALE, report
 import treetools as tt
 
 N_LIBRARY = max(int(100_000 * SCALE), 80)  # at least the 19 layers PATTERNS names (4 leaves a layer)
-N_NORMS = [max(int(n * SCALE), 8) for n in (300, 1_000)]
+LARGE_NORMS = (3_000,) if os.environ.get("TREETOOLS_BENCH_NORMS_3000") else ()  # minutes of XLA for optax
+N_NORMS = [max(int(n * SCALE), 8) for n in (300, 1_000, *LARGE_NORMS)]
 PATTERNS = [rf"layers/{i}/attn/bias$" for i in range(19)] + [r"mlp/bias$"]
 
 
 def _tree(n: int) -> dict:
+    def leaf(*shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
     return {"layers": {str(i): {
-        "attn": {"kernel": jax.ShapeDtypeStruct((64, 64), jnp.bfloat16), "bias": jax.ShapeDtypeStruct((64,), jnp.float32)},
-        "mlp": {"kernel": jax.ShapeDtypeStruct((64, 256), jnp.bfloat16), "bias": jax.ShapeDtypeStruct((256,), jnp.float32)},
+        "attn": {"kernel": leaf(64, 64, dtype=jnp.bfloat16), "bias": leaf(64)},
+        "mlp": {"kernel": leaf(64, 256, dtype=jnp.bfloat16), "bias": leaf(256)},
     } for i in range(n // 4)}}
 
 
@@ -89,10 +98,17 @@ def test_memory_plan_against_eval_shape_of_the_optimizer(tree):
            target="<= 2")
 
 
-def _trace_compile(fn, g) -> float:
+def _trace_compile(fn, g) -> tuple[float, list[str]]:
+    """CPU seconds to trace and compile ``fn`` on ``g`` (a new function each call: no cached trace), and its keys."""
     t0 = time.process_time()
-    jax.jit(fn).lower(g).compile()
-    return time.process_time() - t0
+    lowered = jax.jit(fn).lower(g)
+    lowered.compile()
+    out = lowered.out_info
+    return time.process_time() - t0, sorted(out) if isinstance(out, dict) else []
+
+
+def _count(leaves) -> jax.Array:  # the non-finite count, written plainly
+    return sum(jnp.sum(~jnp.isfinite(x)).astype(jnp.int32) for x in leaves)
 
 
 @pytest.mark.parametrize("n", N_NORMS)
@@ -100,13 +116,44 @@ def test_norm_metrics_compile_against_optax_with_the_same_outputs(n):
     g = _tree(n)
 
     def optax_same(g):  # what norm_metrics(grads=g) gives: the global norm and the non-finite count
-        return {"grad_norm": optax.tree.norm(g),
-                "nonfinite_grads": sum(jnp.sum(~jnp.isfinite(x)).astype(jnp.int32) for x in jax.tree.leaves(g))}
+        return {"grad_norm": optax.tree.norm(g), "nonfinite_grads": _count(jax.tree.leaves(g))}
 
-    ours = _trace_compile(lambda g: tt.norm_metrics(grads=g), g)  # a new function each time: no cache hit
-    same = _trace_compile(optax_same, g)
-    alone = _trace_compile(lambda g: optax.tree.norm(g), g)
+    ours, keys = _trace_compile(lambda g: tt.norm_metrics(grads=g), g)
+    same, same_keys = _trace_compile(optax_same, g)
+    alone, _ = _trace_compile(lambda g: optax.tree.norm(g), g)
+    assert keys == same_keys
     leaves = len(jax.tree.leaves(g))
     report(f"norm_metrics(grads=) trace+compile, {leaves} leaves (CPU)", ours, same, "optax norm + count",
            target="<= 1.5")
     report(f"norm_metrics(grads=) trace+compile, {leaves} leaves (CPU)", ours, alone, "optax.tree.norm alone")
+
+
+def _groups(g: dict, per_param: bool) -> dict[str, object]:
+    """The subtrees ``norm_metrics`` groups by on ``_tree``: each layer (``depth=2``), or each leaf (``per_param``)."""
+    layers = {f"layers/{i}": sub for i, sub in g["layers"].items()}
+    if not per_param:
+        return layers
+    return {f"{name}/{module}/{leaf}": x for name, sub in layers.items() for module, d in sub.items()
+            for leaf, x in d.items()}
+
+
+@pytest.mark.parametrize("n", N_NORMS)
+@pytest.mark.parametrize("grouping", ["depth=2", "per_param"])
+def test_grouped_norm_metrics_compile_against_optax_per_group(n, grouping):
+    g = _tree(n)
+    per_param = grouping == "per_param"
+    options = {"per_param": True} if per_param else {"depth": 2}
+
+    def optax_same(g):  # the same entries, one optax.tree.norm and one count a group
+        out = {"grad_norm": optax.tree.norm(g), "nonfinite_grads": _count(jax.tree.leaves(g))}
+        for name, sub in _groups(g, per_param).items():
+            out[f"grad_norm/{name}"] = optax.tree.norm(sub)
+            out[f"nonfinite_grads/{name}"] = _count(jax.tree.leaves(sub))
+        return out
+
+    ours, keys = _trace_compile(lambda g: tt.norm_metrics(grads=g, **options), g)
+    same, same_keys = _trace_compile(optax_same, g)
+    assert keys == same_keys
+    leaves = len(jax.tree.leaves(g))
+    report(f"norm_metrics(grads=, {grouping}) trace+compile, {leaves} leaves (CPU)", ours, same,
+           "optax per group + counts", target="<= 1.5")

@@ -58,7 +58,6 @@ or a box naming an axis the mesh does not have. Caveat: an unrelated
 from __future__ import annotations
 
 import functools
-import operator
 from numbers import Number
 from typing import Any, NamedTuple
 
@@ -458,9 +457,9 @@ def _varying(x: jax.Array) -> frozenset[str]:
 
 
 def _group_totals(
-    parts: list[jax.Array], whole: list[jax.Array], groups: tuple[_Group, ...], combine: Any = operator.add
+    parts: list[jax.Array], whole: list[jax.Array], groups: tuple[_Group, ...], combine: str = "add"
 ) -> list[jax.Array]:
-    """Each group's total (``combine``: add for squares and counts, ``jnp.maximum`` for maxima).
+    """Each group's total (``combine``: "add" for squares and counts, "max" for maxima; see ``_fold``).
 
     ``parts[i]`` is leaf i's value (a scalar, or one per layer of a stacked
     leaf), ``whole[i]`` its total. Norms are the sqrt of a group's summed
@@ -479,12 +478,53 @@ def _group_totals(
         leaves = tuple(sorted({i for i, _ in layered}))
         if len({layer for _, layer in layered}) == 1 and len({parts[i].shape for i in leaves}) == 1:
             if leaves not in combined:
-                combined[leaves] = functools.reduce(combine, [parts[i] for i in leaves])
+                combined[leaves] = _fold([parts[i] for i in leaves], combine)
             terms.append(combined[leaves][layered[0][1]])
         else:
             terms += [parts[i][layer] for i, layer in layered]
-        out.append(functools.reduce(combine, terms) if terms else jnp.zeros((), parts[0].dtype if parts else _F32))
+        out.append(_fold(terms, combine) if terms else jnp.zeros((), parts[0].dtype if parts else _F32))
     return out
+
+
+# Up to this many values are combined by a chain of adds (maxima); more, on CPU, by halving a stack of them.
+_CHAIN = 8
+_COMBINE = {"add": jax.lax.add, "max": jax.lax.max}
+
+
+def _fold(values: list[jax.Array], combine: str = "add", initial: jax.Array | None = None) -> jax.Array:
+    """The sum (``combine="max"``: the largest) of same-shaped values, starting from ``initial`` if given.
+
+    A chain of scalar adds fed by reductions is what XLA:CPU compiles in time
+    growing faster than the square of its length: its fusion pass grows one
+    fusion along the chain and, at every step, counts the reductions fused so far
+    for each reduction feeding it (``CpuInstructionFusion::ShouldFuse``);
+    ``optax.tree.norm`` has the same chain (issue 48: 98 CPU s of compile at
+    3,000 leaves). A ``reduce`` of the stacked values is no way out: XLA
+    rewrites a reduce of a concatenate back into the chain. On CPU, more than
+    ``_CHAIN`` values are stacked (a concatenate XLA:CPU does not fuse) and
+    the stack halved, ``v[0::2] + v[1::2]``, until one row is left: log2(n)
+    vector adds, a pairwise sum. Other backends keep the chain.
+    """
+    op = _COMBINE[combine]
+    if initial is not None:
+        values = [initial, *values]
+    if len(values) <= _CHAIN:
+        return functools.reduce(op, values)
+
+    def chain(*vs: jax.Array) -> jax.Array:
+        return functools.reduce(op, vs)
+
+    def halving(*vs: jax.Array) -> jax.Array:
+        stacked = jnp.stack(vs)
+        identity = jnp.full((1, *stacked.shape[1:]), 0 if combine == "add" else -jnp.inf, stacked.dtype)
+        while stacked.shape[0] > 1:
+            if stacked.shape[0] % 2:
+                stacked = jnp.concatenate([stacked, identity])
+            stacked = op(stacked[0::2], stacked[1::2])
+        return stacked[0]
+
+    # jax.lax.reduce_window would do as well for XLA, but is not differentiable inside this cond under jit.
+    return jax.lax.platform_dependent(*values, cpu=halving, default=chain)
 
 
 def _norms_body(values: Any, *, axes: Any, stacks: Any, groups: Any, count_nonfinite: bool, group_counts: bool = False,
@@ -500,8 +540,8 @@ def _norms_body(values: Any, *, axes: Any, stacks: Any, groups: Any, count_nonfi
         # A sibling of the sum of squares (same leaf, same axes): XLA:GPU/TPU fuse the two into one read.
         peaks = _batched_psum([_layer_abs_max(v, s) for v, s in zip(values, stacks)], axes, jax.lax.pmax)
         peak = [jnp.max(m) if m.ndim else m for m in peaks]
-        out = out._replace(abs_max=functools.reduce(jnp.maximum, peak, jnp.zeros((), _F32)),
-                           group_abs_max=_group_totals(peaks, peak, groups, jnp.maximum))
+        out = out._replace(abs_max=_fold(peak, "max", jnp.zeros((), _F32)),
+                           group_abs_max=_group_totals(peaks, peak, groups, "max"))
     if not count_nonfinite:
         return out
 
@@ -544,8 +584,8 @@ _norms_kernel = jax.jit(_norms_body, static_argnames=("axes", *_OPTIONS))
 _sharded_norms_kernel = jax.jit(_sharded_norms_body, static_argnames=("mesh", "specs", *_OPTIONS))
 
 
-def _tree_total(leaves: Any, dtype: Any = _F32) -> jax.Array:
-    return jax.tree.reduce(operator.add, leaves, initializer=jnp.zeros((), dtype))
+def _tree_total(leaves: list[jax.Array], dtype: Any = _F32) -> jax.Array:
+    return _fold(leaves, initial=jnp.zeros((), dtype))
 
 
 def find_leaf_stacks(pairs: list[tuple[PathStr, Any]], stacked: Stacked) -> list[Stack | None]:
