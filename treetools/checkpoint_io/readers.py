@@ -536,6 +536,18 @@ class FileReader(ArrayReader):
             if lo < hi:
                 yield lo - start, hi - start, offset + (lo - first) * item
 
+    def _fill_runs(self, runs: Iterable[tuple[memoryview, int]]) -> int:
+        """Read each ``(view, pos)`` of ``runs`` in order (``Storage.read_runs``: a disk opens the file once); how
+        many were read whole. A subclass that reads elsewhere (its own ``_fill``) reads them one by one."""
+        if type(self)._fill is FileReader._fill:
+            return self._storage.read_runs(self._path, runs)
+        done = 0
+        for view, pos in runs:
+            if self._fill(view, pos) < len(view):
+                break
+            done += 1
+        return done
+
     def _short(self, view: memoryview, pos: int) -> CheckpointError:
         got = self._fill(view, pos)
         return CheckpointError(f"{self._path}: the file ended at byte {pos + got:,}, before the data its header "
@@ -575,7 +587,8 @@ class FileReader(ArrayReader):
         partial axis, up to ``SLAB_BYTES`` at a time into a scratch buffer (a
         column slice of a tall leaf is a few large reads, not one read per
         row: one ranged GET each in a bucket), then cut into ``out``. What is
-        held beyond ``out`` is one slab at most.
+        held beyond ``out`` is one slab at most; no read is larger than the block size (``block_bytes``) or a
+        row, whichever is larger.
         """
         sizes, nd = out.shape, len(shape)
         k = 0  # leading axes of size one, then the first axis that may be partial
@@ -590,7 +603,7 @@ class FileReader(ArrayReader):
             self._rows_into(out, starts, shape, j)
             return
         row = math.prod(shape[k + 1:]) * self.dtype.itemsize  # one step along axis k, whole trailing axes
-        group = max(1, SLAB_BYTES // row)
+        group = max(1, min(SLAB_BYTES, self.block_bytes) // row)
         if group >= sizes[k]:  # the slab of all the block's rows fits: one contiguous read, then cut
             slab = self._region(starts[:k + 1] + (0,) * (nd - k - 1), sizes[:k + 1] + shape[k + 1:], shape)
             out[...] = slab[(slice(None),) * (k + 1) + tuple(slice(a, a + n) for a, n in zip(starts[k + 1:],
@@ -615,7 +628,7 @@ class FileReader(ArrayReader):
                 for lo, hi, pos in self._pieces(first, run):
                     yield view[r * step + lo * item:r * step + hi * item], pos
 
-        done = self._storage.read_runs(self._path, runs())
+        done = self._fill_runs(runs())
         for i, (part, pos) in enumerate(runs()):
             if i == done:
                 raise self._short(part, pos)
