@@ -175,7 +175,7 @@ class _Spy:
 
     def __init__(self, monkeypatch, name):
         self.reads = []
-        into, runs = LocalStorage.read_into, LocalStorage.read_runs
+        into, runs = LocalStorage.read_into, getattr(LocalStorage, "read_runs", None)
         spy = self
 
         def read_into(storage, path, view, pos):
@@ -192,7 +192,7 @@ class _Spy:
             return runs(storage, path, seen())
 
         monkeypatch.setattr(LocalStorage, "read_into", read_into)
-        monkeypatch.setattr(LocalStorage, "read_runs", read_runs)
+        monkeypatch.setattr(LocalStorage, "read_runs", read_runs, raising=False)  # (not before this change)
 
 
 def test_a_transposed_leaf_is_read_in_reads_of_at_most_a_block_each_byte_once(tmp_path, monkeypatch):
