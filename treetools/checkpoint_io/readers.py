@@ -537,10 +537,11 @@ class FileReader(ArrayReader):
                 yield lo - start, hi - start, offset + (lo - first) * item
 
     def _fill_runs(self, runs: Iterable[tuple[memoryview, int]]) -> int:
-        """Read each ``(view, pos)`` of ``runs`` in order (``Storage.read_runs``: a disk opens the file once); how
-        many were read whole. A subclass that reads elsewhere (its own ``_fill``) reads them one by one."""
-        if type(self)._fill is FileReader._fill:
-            return self._storage.read_runs(self._path, runs)
+        """Read each ``(view, pos)`` of ``runs`` in order (a local file: ``LocalStorage.read_runs``, the file opened
+        once); how many were read whole. A subclass that reads elsewhere (its own ``_fill``) reads them one by one."""
+        read_runs = getattr(self._storage, "read_runs", None)
+        if type(self)._fill is FileReader._fill and read_runs is not None:
+            return read_runs(self._path, runs)
         done = 0
         for view, pos in runs:
             if self._fill(view, pos) < len(view):

@@ -324,16 +324,6 @@ class Storage(abc.ABC):
         view[: len(data)] = data
         return len(data)
 
-    def read_runs(self, path: str, runs: Iterable[tuple[memoryview, int]]) -> int:
-        """Read each ``(view, pos)`` of ``runs`` (``read_into``), in order; how many were read whole (fewer: the
-        file ended inside the next one). A strided block's rows, each read on its own (a disk opens the file once)."""
-        done = 0
-        for view, pos in runs:
-            if self.read_into(path, view, pos) < len(view):
-                break
-            done += 1
-        return done
-
     # -- listings a backend may remember (a bucket); no-ops on a disk
 
     def forget(self, path: str) -> None:  # noqa: B027  (a no-op on a disk, on purpose: not abstract)

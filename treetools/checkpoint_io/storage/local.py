@@ -440,7 +440,9 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def read_runs(self, path: str, runs: Iterable[tuple[memoryview, int]]) -> int:
-        """The file opened once for all the runs: one ``preadv`` each."""
+        """Read each ``(view, pos)`` of ``runs`` in order, the file opened once for all (one ``preadv`` each); how
+        many were read whole (fewer: the file ended inside the next one). A strided block's rows (``FileReader``);
+        a local fast path, not part of the ``Storage`` interface (a bucket reads a strided block in slabs)."""
         try:
             fd = self.open_fd(path)
         except OSError as e:
