@@ -158,14 +158,25 @@ def test_a_plain_transpose_and_the_presets_write_numpy_s_transposes(small, tmp_p
     np.testing.assert_array_equal(got["decoder/logits_dense/kernel"], state["lm_head.weight"].T)
     np.testing.assert_array_equal(got["decoder/layers/mlp/wi_0/kernel"], stacked("mlp.gate_proj.weight", np.transpose))
     np.testing.assert_array_equal(got["decoder/layers/mlp/wo/kernel"], stacked("mlp.down_proj.weight", np.transpose))
-    np.testing.assert_array_equal(got["decoder/layers/self_attention/query/kernel"],
-                                  stacked("self_attn.q_proj.weight", lambda w: _interleaved(w, hd).transpose(2, 0, 1)))
+    q = stacked("self_attn.q_proj.weight", lambda w: _interleaved(w, hd).transpose(2, 0, 1))
+    np.testing.assert_allclose(got["decoder/layers/self_attention/query/kernel"],
+                               q * _query_scale(got["decoder/layers/self_attention/query/kernel"], q, hd), rtol=3e-7)
     np.testing.assert_array_equal(got["decoder/layers/self_attention/value/kernel"],
                                   stacked("self_attn.v_proj.weight", lambda w: w.reshape(-1, hd, w.shape[1])
                                           .transpose(2, 0, 1)))
     np.testing.assert_array_equal(got["decoder/layers/self_attention/out/kernel"],
                                   stacked("self_attn.o_proj.weight", lambda w: w.reshape(w.shape[0], -1, hd)
                                           .transpose(1, 2, 0)))
+
+
+def _query_scale(got, want, head_dim):
+    """1, or 1 / sqrt(head_dim) where the preset folds MaxText's attention scale into the query kernel (its
+    ``scale_query`` option, on by default where the preset has it): the one of the two ``got`` is, within float32
+    rounding of ``want`` times it. The layout is what this file checks; the scale is tests/test_presets.py's."""
+    for scale in (1.0, 1 / np.sqrt(head_dim)):
+        if np.allclose(got, np.asarray(want, np.float64) * scale, rtol=3e-7, atol=0):
+            return scale
+    raise AssertionError(f"the query kernel is neither the source's nor it over sqrt({head_dim})")
 
 
 # ---------------------------------------------------------------------------------------------- what is read
@@ -371,9 +382,9 @@ def test_hf_to_maxtext_orbax_of_a_multi_gb_folder_in_a_plain_convert_s_memory(bi
         # q: row 5 * 128 + 3 is head 5, entry 3 of the first half -> interleaved 2 * 3 = 6; row 5 * 128 + 64 is
         # entry 0 of the second half -> 2 * 0 + 1 = 1
         q = "model.layers.1.self_attn.q_proj.weight"
-        assert at("decoder/layers/self_attention/query/kernel", (9, 1, 5, 6)) == values[q, (5 * 128 + 3, 9)]
-        assert at("decoder/layers/self_attention/query/kernel", (9, 1, 5, 1)) == values[q, (5 * 128 + 64, 9)]
-        assert at("decoder/layers/self_attention/query/kernel", (9, 1, 5, 3)) == 0.0
+        got = [at("decoder/layers/self_attention/query/kernel", (9, 1, 5, e)) for e in (6, 1, 3)]
+        want = [values[q, (5 * 128 + 3, 9)], values[q, (5 * 128 + 64, 9)], 0.0]
+        np.testing.assert_allclose(got, np.multiply(want, _query_scale(got, want, 128)), rtol=3e-7)
 
     _limited(big, plain, tmp_path, ("--to", "orbax"), ["--preset", "llama:hf:maxtext"], check)
 
