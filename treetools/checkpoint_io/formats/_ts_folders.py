@@ -290,6 +290,18 @@ class ItemStores:
         self._lock = threading.Lock()
         self.contexts = 0
         """Contexts made so far (one per item unless folders changed or more than ``PINS_PER_CONTEXT`` were pinned)."""
+        self.listed: tuple[dict[int, tuple[dict[str, Any], str]], Any] | None = None
+        """Arrays whose header and chunks ``_tensorstore._open_listed`` kept from its one pass over the item's
+        OCDBT b-tree: by ``id`` of a reader's spec, ``(the spec, its folder)`` in a memory key-value store, and the
+        context that store lives in. Let go of when a folder of the item changes."""
+
+    def listed_spec(self, spec: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
+        """``(spec reading from memory, its context)`` for an array kept from the one pass, else None."""
+        listed = self.listed
+        known = listed[0].get(id(spec)) if listed is not None else None
+        if listed is None or known is None or known[0] is not spec:
+            return None
+        return {**spec, "kvstore": {"driver": "memory", "path": known[1]}}, listed[1]
 
     def acquire(self, storage: Storage, spec: dict[str, Any], where: str, budget: float,
                 recheck: bool = True) -> tuple[_Generation, dict, list[Database]]:
@@ -304,6 +316,7 @@ class ItemStores:
                 known = gen.specs.get(id(spec))
                 if known is not None and known[0] is spec:
                     if recheck and not all(pinned.unchanged() for pinned in known[2]):
+                        self.listed = None
                         self._retire(gen)
                         continue
                     gen.users += 1
@@ -314,6 +327,7 @@ class ItemStores:
                     gen.pins.recheck = recheck
                     rewritten = gen.pins.spec(spec, where)
                 except Changed:
+                    self.listed = None
                     self._retire(gen)
                     continue
                 if self._ocdbt_cache:
