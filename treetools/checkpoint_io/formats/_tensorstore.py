@@ -601,16 +601,14 @@ def _array_prefix(spec: dict[str, Any], key: bytes) -> bytes:
 def _hold_listed(stores: ItemStores, specs: list[dict[str, Any]], keys: list[bytes | None],
                  headers: list[ArrayHeader | None], found: dict[bytes, bytes],
                  chunks: dict[bytes, dict[bytes, bytes] | None]) -> None:
-    """Keep, in a memory key-value store of ``stores``, the header and chunks of each array all of whose chunks
-    the pass found inline (each chunk of its grid, and no other key): ``TensorStoreReader`` opens those from
-    memory, TensorStore's zarr driver decoding the same bytes, instead of looking each chunk up in the database
-    (each lookup scans a leaf of the whole item). Any other array is read as before."""
-    import tensorstore as ts
-
-    listed: dict[int, tuple[dict[str, Any], str]] = {}
-    memory = ts.Context()
-    kv = ts.KvStore.open({"driver": "memory"}, context=memory).result()
-    for i, (spec, key, header) in enumerate(zip(specs, keys, headers)):
+    """Keep, for ``stores``, the header and chunks of each array all of whose chunks the pass found inline (each
+    chunk of its grid, and no other key): ``TensorStoreReader`` opens those from memory (``ItemStores.listed_spec``
+    puts them in a memory key-value store when the array is first read), TensorStore's zarr driver decoding the
+    same bytes, instead of looking each chunk up in the database (each lookup scans a leaf of the whole item). Any
+    other array is read as before. Arrays of the same header share its bytes."""
+    listed: dict[int, tuple[dict[str, Any], str, bytes, tuple[tuple[bytes, bytes], ...]]] = {}
+    shared: dict[bytes, bytes] = {}
+    for spec, key, header in zip(specs, keys, headers):
         kept = chunks.pop(_array_prefix(spec, key), None) if key is not None and header is not None else None
         if not kept or header is None or key is None:
             continue
@@ -620,12 +618,11 @@ def _hold_listed(stores: ItemStores, specs: list[dict[str, Any]], keys: list[byt
             continue
         if len(kept) != math.prod(-(-n // c) for n, c in zip(header.shape, grid)):
             continue  # a chunk missing (TensorStore's error says so) or a key that is no chunk of the grid
-        kv[f"{i}/{_HEADER_FILES[spec['driver']]}".encode()] = found[key]
-        for rel, value in kept.items():
-            kv[f"{i}/".encode() + rel] = value
-        listed[id(spec)] = (spec, str(i))
+        header_bytes = shared.setdefault(found[key], found[key])
+        listed[id(spec)] = (spec, _HEADER_FILES[spec["driver"]], header_bytes, tuple(kept.items()))
     chunks.clear()
-    stores.listed = (listed, memory) if listed else None
+    if listed:
+        stores.keep_listed(listed)
 
 
 def _open_batch(context: ReadContext, specs: list[dict[str, Any]], where: list[str],
