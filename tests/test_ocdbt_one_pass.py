@@ -302,3 +302,35 @@ def test_a_damaged_or_missing_chunk_says_what_the_lookup_says(tmp_path, monkeypa
             _load(item)
         errors.append(str(raised.value).replace(f"item_{listed}", "item"))
     assert errors[0] == errors[1] and "`leaf_0`" in errors[0]
+
+
+def test_an_item_changed_after_the_pass_is_read_as_it_is_now(tmp_path):
+    # The one pass keeps chunks; once a folder of the item changes (a new value written: a new data file, a new
+    # manifest), the readers let go of what it kept and read through the database: the new value, not the old.
+    from treetools.checkpoint_io.formats._tensorstore import TensorStoreReader
+
+    tree = {k: v for k, v in _tree(6).items() if v.size < 1000}
+    item = _save(tmp_path / "item", tree)
+    names = sorted(tree)
+    specs, wheres = _specs(item, names, zarr3=False)
+    context = _context(tmp_path)
+    stores = item_stores(context.storage)
+    headers = open_all(context, specs, wheres, stores=stores)
+    assert len(stores.listed) == len(names)  # every array's chunks kept from the pass
+
+    def read(i: int) -> np.ndarray:
+        h = headers[i]
+        assert h is not None
+        reader = TensorStoreReader(context, specs[i], tuple(h.shape), np.dtype(h.dtype.numpy_dtype),
+                                   tuple(h.chunk_layout.read_chunk.shape or ()) or None, where=wheres[i],
+                                   shared=stores)
+        return reader.read_all()
+
+    np.testing.assert_array_equal(read(0), tree[names[0]])  # from the pass
+    new = (tree[names[1]] + 1).astype(tree[names[1]].dtype)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:  # the same array, saved anew: its chunk bytes
+        ckptr.save(str(tmp_path / "other"), args=ocp.args.PyTreeSave({names[1]: new}))
+    other = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/other/"}).result()
+    _rewrite(item, f"{names[1]}/0.0".encode(), bytes(other.read(f"{names[1]}/0.0".encode()).result().value))
+    np.testing.assert_array_equal(read(1), new)
+    assert not stores.listed  # let go of when the item changed
