@@ -212,3 +212,125 @@ def test_a_damaged_header_says_what_the_per_array_open_says(tmp_path, monkeypatc
     with pytest.raises(CheckpointError) as raised:
         open_all(context, specs, wheres, stores=item_stores(context.storage))
     assert str(raised.value) == before[0]
+
+
+# Array data (issue 48): the chunks of tiny arrays are stored inline in the b-tree leaf the one pass lists, so
+# they are read from there (TensorStore's zarr driver decoding them from memory), not looked up one by one.
+
+def _orbax_restore(item: str) -> dict:
+    """Orbax's own restore of a PyTree item to host numpy: the truth the values are compared with."""
+    from etils import epath
+
+    handler = ocp.PyTreeCheckpointHandler()
+    meta = handler.metadata(epath.Path(item)).tree
+    args = {k: ocp.RestoreArgs(restore_type=np.ndarray) for k in meta}
+    with ocp.Checkpointer(handler) as ckptr:
+        return ckptr.restore(item, args=ocp.args.PyTreeRestore(restore_args=args))
+
+
+def _load(item: str) -> dict:
+    import treetools as tt
+
+    return tt.flatten(tt.load_parameters(item))
+
+
+def _same_bits(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        value = np.asarray(value)
+        assert got[name].dtype == value.dtype and got[name].shape == value.shape, name
+        assert got[name].tobytes() == value.tobytes(), name
+
+
+@pytest.mark.parametrize("zarr3", [False, True], ids=["zarr", "zarr3"])
+def test_tiny_arrays_data_comes_from_the_one_pass_bit_for_bit(tmp_path, monkeypatch, zarr3):
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    tree = {"f32": rng.standard_normal((4, 8)).astype(np.float32),
+            "bf16": rng.standard_normal(5).astype(ml_dtypes.bfloat16),
+            "i8": np.arange(-3, 3, dtype=np.int8), "mask": np.array([[True], [False], [True]]),
+            "scalar": np.asarray(-7, np.int32), "f16": rng.standard_normal((2, 5, 7)).astype(np.float16),
+            "big": rng.standard_normal(4096).astype(np.float32)}  # 16 KiB of noise: stored out of line
+    item = _save(tmp_path / "item", tree, zarr3=zarr3)
+    want = _orbax_restore(item)
+    _same_bits({k: np.asarray(v) for k, v in want.items()}, tree)  # Orbax gives back what was saved
+    counted = Counted(monkeypatch)
+    got = _load(item)
+    monkeypatch.undo()
+    _same_bits(got, want)
+    assert counted.ocdbt_opens == 1  # only "big" looked up in the database; the 6 tiny ones read from the pass
+
+
+def test_data_lookups_do_not_grow_with_the_arrays(tmp_path, monkeypatch):
+    # _tree's kinds but the 1,000-element one (its chunk may be stored out of line): 0 lookups at 4 and at 400
+    # arrays; with nothing kept from the pass (LISTED_DATA_BYTES 0), one open through the database per array, as
+    # before, and the same values.
+    counts = []
+    for n in (4, 400):
+        tree = {k: v for k, v in _tree(n).items() if v.size < 1000}
+        item = _save(tmp_path / f"item{n}", tree)
+        counted = Counted(monkeypatch)
+        got = _load(item)
+        monkeypatch.undo()
+        _same_bits(got, tree)
+        counts.append(counted.ocdbt_opens)
+        monkeypatch.setattr(_tensorstore, "LISTED_DATA_BYTES", 0)
+        counted = Counted(monkeypatch)
+        _same_bits(_load(item), tree)
+        assert counted.ocdbt_opens == len(tree)
+        monkeypatch.undo()
+    assert counts == [0, 0]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "missing"])
+def test_a_damaged_or_missing_chunk_says_what_the_lookup_says(tmp_path, monkeypatch, damage):
+    from treetools.checkpoint_io.formats import _ts_folders
+
+    tree = {k: v for k, v in _tree(6).items() if v.size < 1000}
+    errors = []
+    for listed in (True, False):
+        item = _save(tmp_path / f"item_{listed}", tree)
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item}/"}).result()
+        if damage == "garbage":
+            kv[b"leaf_0/0.0"] = b"not a zstd frame"
+        else:
+            del kv[b"leaf_0/0.0"]
+        if not listed:
+            monkeypatch.setattr(_ts_folders.ItemStores, "listed_spec", lambda self, spec: None)
+        with pytest.raises(CheckpointError) as raised:
+            _load(item)
+        errors.append(str(raised.value).replace(f"item_{listed}", "item"))
+    assert errors[0] == errors[1] and "`leaf_0`" in errors[0]
+
+
+def test_an_item_changed_after_the_pass_is_read_as_it_is_now(tmp_path):
+    # The one pass keeps chunks; once a folder of the item changes (a new value written: a new data file, a new
+    # manifest), the readers let go of what it kept and read through the database: the new value, not the old.
+    from treetools.checkpoint_io.formats._tensorstore import TensorStoreReader
+
+    tree = {k: v for k, v in _tree(6).items() if v.size < 1000}
+    item = _save(tmp_path / "item", tree)
+    names = sorted(tree)
+    specs, wheres = _specs(item, names, zarr3=False)
+    context = _context(tmp_path)
+    stores = item_stores(context.storage)
+    headers = open_all(context, specs, wheres, stores=stores)
+    assert len(stores.listed) == len(names)  # every array's chunks kept from the pass
+
+    def read(i: int) -> np.ndarray:
+        h = headers[i]
+        assert h is not None
+        reader = TensorStoreReader(context, specs[i], tuple(h.shape), np.dtype(h.dtype.numpy_dtype),
+                                   tuple(h.chunk_layout.read_chunk.shape or ()) or None, where=wheres[i],
+                                   shared=stores)
+        return reader.read_all()
+
+    np.testing.assert_array_equal(read(0), tree[names[0]])  # from the pass
+    new = (tree[names[1]] + 1).astype(tree[names[1]].dtype)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as ckptr:  # the same array, saved anew: its chunk bytes
+        ckptr.save(str(tmp_path / "other"), args=ocp.args.PyTreeSave({names[1]: new}))
+    other = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/other/"}).result()
+    _rewrite(item, f"{names[1]}/0.0".encode(), bytes(other.read(f"{names[1]}/0.0".encode()).result().value))
+    np.testing.assert_array_equal(read(1), new)
+    assert not stores.listed  # let go of when the item changed

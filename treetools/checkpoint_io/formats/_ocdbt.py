@@ -306,8 +306,9 @@ about 1 ns per key of its leaf; a key listed, about 2 us)."""
 LISTED_ANYWAY = 2**16
 
 
-def values(storage: Storage, base: str, keys: Collection[bytes], limit: float, *,
-           shown: str | None = None) -> dict[bytes, bytes] | None:
+def values(storage: Storage, base: str, keys: Collection[bytes], limit: float, *, shown: str | None = None,
+           arrays: Collection[bytes] = (), chunks: dict[bytes, dict[bytes, bytes] | None] | None = None,
+           hold: int = 0) -> dict[bytes, bytes] | None:
     """The stored values of those of ``keys`` the latest version of the OCDBT database at ``base`` holds, read in
     one pass over its b-tree: each node read, bounded (as ``check_database`` bounds it) and listed once, and each
     value taken from its leaf entry (inline) or read from its data file.
@@ -318,6 +319,11 @@ def values(storage: Storage, base: str, keys: Collection[bytes], limit: float, *
     For metadata (zarr headers): a value over ``MAX_METADATA_BYTES`` is declined too. None also when the version
     holds more than ``LISTED_PER_KEY`` keys per key asked for (and ``LISTED_ANYWAY``): listing them all would cost
     more than the lookups.
+
+    With ``chunks`` (a dict filled in), the same pass also keeps the values stored inline under each prefix of
+    ``arrays`` (an array's folder, ``name/``; a key belongs to the longest such prefix it starts with): ``chunks``
+    maps the prefix to ``{key below it: value}``, or to None once one of its values is not inline or the values
+    kept would pass ``hold`` bytes in all (that array's data is looked up through TensorStore).
     """
     import tensorstore as ts
 
@@ -332,6 +338,7 @@ def values(storage: Storage, base: str, keys: Collection[bytes], limit: float, *
             return None
         kv = ts.KvStore.open(kvstore_spec(storage, base)).result()
         found: dict[bytes, bytes] = {}
+        set_arrays = set(arrays)
         # (node location, height, the prefix its keys are relative to, the range of full keys it may hold)
         pending: list[tuple[str, int, bytes, bytes, bytes | None]] = [(loc, h, b"", b"", None)
                                                                      for loc, h in _latest_root(dump)]
@@ -350,9 +357,32 @@ def values(storage: Storage, base: str, keys: Collection[bytes], limit: float, *
             for full, entry in entries:
                 if full in wanted:
                     found[full] = _value(storage, base, shown, entry)
+                elif chunks is not None and arrays:
+                    hold = _keep_chunk(full, entry, set_arrays, chunks, hold)
         return found
     except Exception:  # NotPlain, a refusal, TensorStore's error: the lookups one by one will say what is wrong
         return None
+
+
+def _keep_chunk(full: bytes, entry: dict, arrays: set[bytes], chunks: dict[bytes, dict[bytes, bytes] | None],
+                hold: int) -> int:
+    """Keep a leaf entry's inline value in ``chunks`` under the longest prefix of ``arrays`` its key starts with;
+    the bytes that may still be kept."""
+    prefix, at = None, full.rfind(b"/")
+    while at >= 0 and prefix is None:
+        prefix = full[:at + 1] if full[:at + 1] in arrays else None
+        at = full.rfind(b"/", 0, at)
+    if prefix is None:
+        return hold
+    kept = chunks.setdefault(prefix, {})
+    if kept is None:
+        return hold
+    inline = entry.get("inline_value")
+    if not isinstance(inline, bytes) or len(inline) + len(full) > hold:
+        chunks[prefix] = None  # looked up through TensorStore, as before: what it kept is let go
+        return hold + sum(len(k) + len(v) + len(prefix) for k, v in kept.items())
+    kept[full[len(prefix):]] = inline
+    return hold - len(full) - len(inline)
 
 
 def _entries(node: dict, prefix: bytes, low: bytes, high: bytes | None) -> list[tuple[bytes, dict]]:

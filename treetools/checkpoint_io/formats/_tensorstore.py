@@ -144,9 +144,12 @@ class _Opened:
     """One open store of a ``TensorStoreReader`` and what its reads are held to."""
 
     def __init__(self, reader: "TensorStoreReader", store: Any, pins: Pins, chunk: tuple[int, ...], blosc: Any,
-                 close: Callable[[], None]):
+                 close: Callable[[], None], reopen: Callable[[], Any] | None = None):
         self.reader, self.store, self.pins, self.chunk, self.blosc = reader, store, pins, chunk, blosc
         self._close = close
+        self._reopen = reopen
+        """For a store read from the item's one pass (memory), opening it through the database: a read that
+        fails from memory is read again that way, so its error is the one TensorStore gives there."""
         self.max_chunks = max_chunks_per_read(reader.budget)
 
     def close(self) -> None:
@@ -209,17 +212,31 @@ class _Opened:
         pieces = self.pieces(index)
         if pieces is None:
             self._check_blosc(index)
-            return self.store[index].read()
+            return self._read(index)
         starts, sizes = block_extent(index, self.reader.shape)
 
         def piecewise() -> np.ndarray:
             out = np.empty(sizes, self.reader.dtype)
             for piece, local in pieces:
                 self._check_blosc(piece)
-                out[local] = self.wait(self.store[piece].read())
+                out[local] = self.result(self._read(piece))
             return out
 
         return piecewise
+
+    def _read(self, index: Index) -> Any:
+        future = self.store[index].read()
+        reopen = self._reopen
+        if reopen is None:
+            return future
+
+        def or_through_database() -> np.ndarray:
+            try:
+                return np.asarray(future.result())
+            except Exception:
+                return self.wait(reopen()[index].read())
+
+        return or_through_database
 
     def result(self, pending: Any) -> np.ndarray:
         return pending() if callable(pending) else self.wait(pending)
@@ -278,21 +295,31 @@ class TensorStoreReader(ArrayReader):
         gen, spec, databases = stores.acquire(self.context.storage, self.spec, self._where, self.budget)
         pins = gen.pins
         try:
-            def open_() -> tuple:
+            def through_database() -> Any:
                 try:
-                    store = ts.open(spec, read=True, open=True, context=gen.context).result()
+                    return ts.open(spec, read=True, open=True, context=gen.context).result()
                 except Exception as e:  # tensorstore raises ValueError with a long status text
                     raise CheckpointError(f"{self._where}: cannot open array data ({pins.shown(first_line(e))}).") \
                         from None
+
+            def open_() -> tuple:
+                listed = stores.listed_spec(self.spec)
+                store = None
+                if listed is not None:  # its chunks kept from the item's one pass (``_hold_listed``)
+                    try:
+                        store = ts.open(listed[0], read=True, open=True, context=listed[1]).result()
+                    except Exception:
+                        store = None  # opened through the database, whose error names what is wrong
+                store = store or through_database()
                 try:
                     chunk = _grid_shape(store.chunk_layout.read_chunk.shape)
                     shard = _grid_shape(store.chunk_layout.write_chunk.shape or chunk)
                 except Exception:  # a driver without a chunk layout: fall back to the metadata's
                     chunk = shard = tuple(self.chunk_shape or self.shape)
-                return store, chunk, shard, _blosc_key(store, self._where)
+                return store, chunk, shard, _blosc_key(store, self._where), listed is not None and store is not None
 
             known = stores.opened(gen, self.spec, open_)
-            store, chunk, shard, blosc = known
+            store, chunk, shard, blosc, from_memory = known
             pins.check_lookups(self._where, self.shape, shard, databases)
             piece = math.prod(chunk) * self.dtype.itemsize
             if whole:
@@ -309,7 +336,8 @@ class TensorStoreReader(ArrayReader):
                 entries = math.prod(-(-s // max(1, c)) for s, c in zip(shard, chunk))
                 check_budget(16 * entries, where=self._where, what=f"one shard's index ({entries:,} inner chunks)",
                              budget=min(self.budget, DEFAULT_MEMORY_BUDGET))
-            return _Opened(self, store, pins, chunk, blosc, lambda: stores.release(gen))
+            return _Opened(self, store, pins, chunk, blosc, lambda: stores.release(gen),
+                           through_database if from_memory else None)
         except BaseException:
             stores.release(gen)
             raise
@@ -522,8 +550,12 @@ def _open_listed(context: ReadContext, stores: ItemStores, specs: list[dict[str,
         pinned = ((rewritten.get("kvstore") or {}).get("base") or {}).get("path")
         if not isinstance(pinned, str):
             return none
-        found = ocdbt_values(context.storage, pinned.rstrip("/"), set(k for k in keys if k is not None),
-                             min(context.memory_budget, DEFAULT_MEMORY_BUDGET), shown=str(base["path"]).rstrip("/"))
+        arrays = {_array_prefix(spec, key) for spec, key in zip(specs, keys) if key is not None}
+        chunks: dict[bytes, dict[bytes, bytes] | None] = {}
+        limit = min(context.memory_budget, DEFAULT_MEMORY_BUDGET)
+        found = ocdbt_values(context.storage, pinned.rstrip("/"), set(k for k in keys if k is not None), limit,
+                             shown=str(base["path"]).rstrip("/"), arrays=arrays, chunks=chunks,
+                             hold=int(min(limit * LISTED_DATA_SHARE, LISTED_DATA_BYTES)))
     finally:
         stores.release(gen)
     if not found:
@@ -551,7 +583,46 @@ def _open_listed(context: ReadContext, stores: ItemStores, specs: list[dict[str,
                 continue
             for i in at:
                 headers[i] = header
+    _hold_listed(stores, specs, keys, headers, found, chunks)
     return headers
+
+
+LISTED_DATA_BYTES = 256 * 2**20
+"""The most bytes of arrays' inline chunks ``_open_listed`` keeps from its pass (and half the memory budget)."""
+
+LISTED_DATA_SHARE = 0.5
+
+
+def _array_prefix(spec: dict[str, Any], key: bytes) -> bytes:
+    """The folder (``name/``) of an array's keys in its OCDBT database, from its header's key."""
+    return key[:len(key) - len(_HEADER_FILES[spec["driver"]])]
+
+
+def _hold_listed(stores: ItemStores, specs: list[dict[str, Any]], keys: list[bytes | None],
+                 headers: list[ArrayHeader | None], found: dict[bytes, bytes],
+                 chunks: dict[bytes, dict[bytes, bytes] | None]) -> None:
+    """Keep, for ``stores``, the header and chunks of each array all of whose chunks the pass found inline (each
+    chunk of its grid, and no other key): ``TensorStoreReader`` opens those from memory (``ItemStores.listed_spec``
+    puts them in a memory key-value store when the array is first read), TensorStore's zarr driver decoding the
+    same bytes, instead of looking each chunk up in the database (each lookup scans a leaf of the whole item). Any
+    other array is read as before. Arrays of the same header share its bytes."""
+    listed: dict[int, tuple[dict[str, Any], str, bytes, tuple[tuple[bytes, bytes], ...]]] = {}
+    shared: dict[bytes, bytes] = {}
+    for spec, key, header in zip(specs, keys, headers):
+        kept = chunks.pop(_array_prefix(spec, key), None) if key is not None and header is not None else None
+        if not kept or header is None or key is None:
+            continue
+        layout = header.chunk_layout
+        grid = () if not header.shape else layout.write_chunk.shape or layout.read_chunk.shape  # 0-d: one chunk
+        if grid is None or len(grid) != len(header.shape) or any(not c for c in grid):
+            continue
+        if len(kept) != math.prod(-(-n // c) for n, c in zip(header.shape, grid)):
+            continue  # a chunk missing (TensorStore's error says so) or a key that is no chunk of the grid
+        header_bytes = shared.setdefault(found[key], found[key])
+        listed[id(spec)] = (spec, _HEADER_FILES[spec["driver"]], header_bytes, tuple(kept.items()))
+    chunks.clear()
+    if listed:
+        stores.keep_listed(listed)
 
 
 def _open_batch(context: ReadContext, specs: list[dict[str, Any]], where: list[str],

@@ -290,6 +290,37 @@ class ItemStores:
         self._lock = threading.Lock()
         self.contexts = 0
         """Contexts made so far (one per item unless folders changed or more than ``PINS_PER_CONTEXT`` were pinned)."""
+        self.listed: dict[int, tuple[dict[str, Any], str, bytes, tuple[tuple[bytes, bytes], ...]]] = {}
+        """Arrays whose header and chunks ``_tensorstore._open_listed`` kept from its one pass over the item's
+        OCDBT b-tree, by ``id`` of a reader's spec: ``(the spec, its header's file name, the header, (key below
+        the array's folder, chunk)...)``. Let go of when a folder of the item changes."""
+        self._memory: tuple[Any, Any] | None = None
+        self._listed_n = 0
+
+    def keep_listed(self, listed: dict[int, tuple[dict[str, Any], str, bytes, tuple[tuple[bytes, bytes], ...]]]) -> None:
+        with self._lock:
+            self.listed.update(listed)
+
+    def listed_spec(self, spec: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
+        """``(spec reading from memory, its context)`` for an array kept from the one pass, else None: its header
+        and chunks put in a memory key-value store (once: a later open reads through the database)."""
+        import tensorstore as ts
+
+        with self._lock:
+            known = self.listed.get(id(spec))
+            if known is None or known[0] is not spec:
+                return None
+            del self.listed[id(spec)]
+            if self._memory is None:
+                context = ts.Context()
+                self._memory = (context, ts.KvStore.open({"driver": "memory"}, context=context).result())
+            context, kv = self._memory
+            self._listed_n += 1
+            folder = f"{self._listed_n}/".encode()
+        kv[folder + known[1].encode()] = known[2]
+        for key, value in known[3]:
+            kv[folder + key] = value
+        return {**spec, "kvstore": {"driver": "memory", "path": folder.decode()}}, context
 
     def acquire(self, storage: Storage, spec: dict[str, Any], where: str, budget: float,
                 recheck: bool = True) -> tuple[_Generation, dict, list[Database]]:
@@ -304,6 +335,7 @@ class ItemStores:
                 known = gen.specs.get(id(spec))
                 if known is not None and known[0] is spec:
                     if recheck and not all(pinned.unchanged() for pinned in known[2]):
+                        self.listed = {}
                         self._retire(gen)
                         continue
                     gen.users += 1
@@ -314,6 +346,7 @@ class ItemStores:
                     gen.pins.recheck = recheck
                     rewritten = gen.pins.spec(spec, where)
                 except Changed:
+                    self.listed = {}
                     self._retire(gen)
                     continue
                 if self._ocdbt_cache:
