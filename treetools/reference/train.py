@@ -154,9 +154,9 @@ def _shardings(abstract: Any, mesh: jax.sharding.Mesh) -> Any:
     replicated = NamedSharding(mesh, P())
 
     def place(leaf: Any) -> NamedSharding:
-        if not tt.is_box(leaf):
+        shape = getattr(tt.unbox(leaf), "shape", None)
+        if not tt.is_box(leaf) or shape is None:  # optax's MaskedNode in a box (frozen params' moments) has none
             return replicated
-        shape = tt.unbox(leaf).shape
         spec = list(box_spec(leaf) or ())
         for i, entry in enumerate(spec):
             axes = entry if isinstance(entry, (tuple, list)) else () if entry is None else (entry,)
