@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, Iterator
 
 from treetools.rules import blocks
 from treetools.rules.dtypes import dtype_text, kind
@@ -23,8 +23,7 @@ Leaf = Any  # a TargetLeaf (treetools.rules.plan imports this module)
 
 def _axis(p: Any, rule: str, leaf: Leaf, axis: int) -> int | None:
     """``axis`` of ``leaf`` as an index >= 0; None (a problem said) when out of range or not an array."""
-    if not leaf.is_array:
-        p.problems.append(f"{rule} matches `{leaf.path}`, which is not an array; narrow the pattern.")
+    if _not_array(p, rule, leaf):
         return None
     if leaf.shape is None:  # a path alone: nothing to check
         return axis
@@ -34,6 +33,24 @@ def _axis(p: Any, rule: str, leaf: Leaf, axis: int) -> int | None:
                           f"{rank}); give an axis of 0 .. {rank - 1} (or -1 .. -{rank}).")
         return None
     return axis % rank
+
+
+def _matched(p: Any, field: str, leaves: list[Leaf], where: str, out: list[Leaf]) -> Iterator[tuple[Leaf, int]]:
+    """The value stages' one loop: each leaf is appended to ``out`` in turn, and those whose path a ``field`` rule
+    matches are yielded with the index of the first such rule (the stage then replaces ``out[-1]`` or adds after
+    it). ``where`` names the paths matched, for ``first_match``'s messages."""
+    for leaf, k in zip(leaves, p.first_match(field, [t.path for t in leaves], where)):
+        out.append(leaf)
+        if k is not None:
+            yield leaf, k
+
+
+def _not_array(p: Any, rule: str, leaf: Leaf) -> bool:
+    """True (a problem said) when ``rule`` matched a leaf that is not an array."""
+    if leaf.is_array:
+        return False
+    p.problems.append(f"{rule} matches `{leaf.path}`, which is not an array; narrow the pattern.")
+    return True
 
 
 def _sub(p: Any, rule: str, pat: re.Pattern, name: str, path: str) -> str | None:
@@ -152,16 +169,11 @@ def _concat_group(p: Any, key: tuple[int, str], members: dict[str, Leaf]) -> Lea
 
 def reshape(p: Any, leaves: list[Leaf]) -> list[Leaf]:
     """``reshape``: an axis split ``into`` several, axes merged, or a whole new shape."""
-    firsts = p.first_match("reshape", [t.path for t in leaves], "target paths, after concat")
-    out = []
-    for leaf, k in zip(leaves, firsts):
-        out.append(leaf)
-        if k is None:
-            continue
+    out: list[Leaf] = []
+    for leaf, k in _matched(p, "reshape", leaves, "target paths, after concat", out):
         pattern, spec = p.rules.reshape[k]
         rule = f"`reshape` rule ({pattern!r}, {spec})"
-        if not leaf.is_array:
-            p.problems.append(f"{rule} matches `{leaf.path}`, which is not an array; narrow the pattern.")
+        if _not_array(p, rule, leaf):
             continue
         if leaf.shape is None:
             out[-1] = _wrap(leaf, blocks.Reshape(None, leaf.dtype, leaf.node))
@@ -219,12 +231,8 @@ def _sized(total: int, sizes: list[int], what: str) -> tuple[int, ...] | str:
 
 def permute(p: Any, leaves: list[Leaf]) -> list[Leaf]:
     """``permute``: the rotary layout along an axis whose length is whole heads."""
-    firsts = p.first_match("permute", [t.path for t in leaves], "target paths, after reshape")
-    out = []
-    for leaf, k in zip(leaves, firsts):
-        out.append(leaf)
-        if k is None:
-            continue
+    out: list[Leaf] = []
+    for leaf, k in _matched(p, "permute", leaves, "target paths, after reshape", out):
         pattern, spec = p.rules.permute[k]
         rule = f"`permute` rule {pattern!r}"
         axis = _axis(p, rule, leaf, spec.axis)
@@ -241,12 +249,8 @@ def permute(p: Any, leaves: list[Leaf]) -> list[Leaf]:
 
 def slice_(p: Any, leaves: list[Leaf]) -> list[Leaf]:
     """``slice``: entries ``start .. stop - 1`` of an axis."""
-    firsts = p.first_match("slice", [t.path for t in leaves], "target paths, after transpose")
-    out = []
-    for leaf, k in zip(leaves, firsts):
-        out.append(leaf)
-        if k is None:
-            continue
+    out: list[Leaf] = []
+    for leaf, k in _matched(p, "slice", leaves, "target paths, after transpose", out):
         pattern, spec = p.rules.slice[k]
         rule = f"`slice` rule {pattern!r}"
         axis = _axis(p, rule, leaf, spec.axis)
@@ -268,12 +272,8 @@ def slice_(p: Any, leaves: list[Leaf]) -> list[Leaf]:
 
 def pad(p: Any, leaves: list[Leaf]) -> list[Leaf]:
     """``pad``: an axis grown at its end, the new entries zeros or drawn from a seeded initializer."""
-    firsts = p.first_match("pad", [t.path for t in leaves], "target paths, after transpose and slice")
-    out = []
-    for leaf, k in zip(leaves, firsts):
-        out.append(leaf)
-        if k is None:
-            continue
+    out: list[Leaf] = []
+    for leaf, k in _matched(p, "pad", leaves, "target paths, after transpose and slice", out):
         pattern, spec = p.rules.pad[k]
         rule = f"`pad` rule {pattern!r}"
         axis = _axis(p, rule, leaf, spec.axis)
@@ -299,16 +299,11 @@ def pad(p: Any, leaves: list[Leaf]) -> list[Leaf]:
 
 def tie(p: Any, leaves: list[Leaf]) -> list[Leaf]:
     """``tie``: after each matched leaf, one more leaf holding its values (transposed by ``axes``)."""
-    firsts = p.first_match("tie", [t.path for t in leaves], "target paths, after pad")
-    out = []
-    for leaf, k in zip(leaves, firsts):
-        out.append(leaf)
-        if k is None:
-            continue
+    out: list[Leaf] = []
+    for leaf, k in _matched(p, "tie", leaves, "target paths, after pad", out):
         pattern, spec = p.rules.tie[k]
         rule = f"`tie` rule {pattern!r}"
-        if not leaf.is_array:
-            p.problems.append(f"{rule} matches `{leaf.path}`, which is not an array; narrow the pattern.")
+        if _not_array(p, rule, leaf):
             continue
         name = _sub(p, rule, p.rules.compiled("tie")[k], spec.name, leaf.path)
         if name is None:
@@ -332,16 +327,11 @@ def tie(p: Any, leaves: list[Leaf]) -> list[Leaf]:
 
 def scale(p: Any, leaves: list[Leaf]) -> list[Leaf]:
     """``scale``: a floating leaf times a constant (in float64, rounded once to its dtype)."""
-    firsts = p.first_match("scale", [t.path for t in leaves], "target paths, after tie")
-    out = []
-    for leaf, k in zip(leaves, firsts):
-        out.append(leaf)
-        if k is None:
-            continue
+    out: list[Leaf] = []
+    for leaf, k in _matched(p, "scale", leaves, "target paths, after tie", out):
         pattern, spec = p.rules.scale[k]
         rule = f"`scale` rule ({pattern!r}, {spec})"
-        if not leaf.is_array:
-            p.problems.append(f"{rule} matches `{leaf.path}`, which is not an array; narrow the pattern.")
+        if _not_array(p, rule, leaf):
             continue
         if leaf.dtype is not None and kind(leaf.dtype) != "floating":
             p.problems.append(f"{rule} matches `{leaf.path}` of dtype {dtype_text(leaf.dtype)}, which is not "
