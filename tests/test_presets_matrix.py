@@ -19,15 +19,15 @@ Skipped without torch and transformers (the ``test-hf`` extra).
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 import treetools as tt
 from treetools.reference.model import ModelConfig, Transformer
+
+from tests.test_presets import _config, _saved  # safetensors' own reader; the folder's config.json
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -61,7 +61,7 @@ MATRIX = {
     "qwen2-gqa-untied": ("Qwen2ForCausalLM", "Qwen2Config",
                          {**_LLAMA, "vocab_size": 79, "hidden_size": 48, "intermediate_size": 56,
                           "num_attention_heads": 6, "num_key_value_heads": 3, "tie_word_embeddings": False}),
-    # MHA 2 heads of 32 (hidden 24), exact GELU
+    # MHA 2 heads of 32 (hidden 24), GELU's tanh approximation
     "gemma-mha-gelu": ("GemmaForCausalLM", "GemmaConfig",
                        {**_LLAMA, "vocab_size": 73, "hidden_size": 24, "intermediate_size": 40,
                         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32,
@@ -73,18 +73,6 @@ MATRIX = {
 }
 FAMILY = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
           "GemmaForCausalLM": "gemma", "GPT2LMHeadModel": "gpt2"}
-
-
-def _saved(folder):
-    out = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        out.update(load_file(path))
-    return out
-
-
-def _config(folder):
-    with open(os.path.join(folder, "config.json")) as f:
-        return json.load(f)
 
 
 MAXTEXT = [case for case, (cls, _, kwargs) in MATRIX.items() if FAMILY[cls] in ("llama", "mistral")
