@@ -28,14 +28,14 @@ def test_malloc_thresholds_unless_the_user_tunes_malloc():
     calls: list[tuple[int, int]] = []
     mallopt = lambda option, value: calls.append((option, value)) or 1  # noqa: E731
     _process.tune({}, mallopt=mallopt)
-    # glibc's malloc.h: M_MMAP_THRESHOLD is -3, M_TRIM_THRESHOLD -1
-    assert calls == [(-3, 32 * 2**20), (-1, 32 * 2**20)]  # 4 blocks of the default 8 MiB kept free
+    # glibc's malloc.h: M_MMAP_THRESHOLD is -3, M_TRIM_THRESHOLD -1, M_ARENA_MAX -8
+    assert calls == [(-3, 32 * 2**20), (-1, 32 * 2**20), (-8, 2)]  # 4 blocks of the default 8 MiB kept free
     # A user who shrinks the blocks (to hold memory down) is kept 4 of them free, not 32 MiB; a bad value is the
     # command's to report: the process keeps the default.
     for chunk, kept in (("2097152", 8 * 2**20), ("1e9", 64 * 2**20), ("1.5", 32 * 2**20)):
         calls.clear()
         _process.tune({"TREETOOLS_CHUNK_BYTES": chunk}, mallopt=mallopt)
-        assert calls[-1] == (-1, kept), chunk
+        assert calls[1] == (-1, kept), chunk
     for env in ({"MALLOC_ARENA_MAX": "2"}, {"MALLOC_TRIM_THRESHOLD_": "0"},
                 {"GLIBC_TUNABLES": "glibc.rtld.nns=4:glibc.malloc.mmap_threshold=65536"}):
         calls.clear()
@@ -72,6 +72,50 @@ def test_a_tuned_process_takes_8_mib_blocks_from_the_heap():
     # Untuned, glibc maps a fresh process's first 8 MiB block by itself (and unmaps it when it is freed).
     assert hblks("default") == 1
     assert hblks("tuned") == 0
+
+
+# A fresh process: how many malloc arenas (malloc_info's <heap nr=...>) after 8 threads each hold an 8 MiB block
+# at once (a thread takes an arena of its own while glibc's limit allows).
+_ARENAS = """
+import ctypes, sys, threading
+from treetools.cli import _process
+if sys.argv[1] == "tuned":
+    _process.tune()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.open_memstream.restype = ctypes.c_void_p, ctypes.c_void_p
+libc.free.argtypes, libc.fclose.argtypes = [ctypes.c_void_p], [ctypes.c_void_p]
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+held, all_in = [], threading.Barrier(9)
+def hold():
+    held.append(libc.malloc(8 * 2**20))
+    all_in.wait()
+    all_in.wait()
+threads = [threading.Thread(target=hold) for _ in range(8)]
+for t in threads:
+    t.start()
+all_in.wait()
+buf, size = ctypes.c_char_p(), ctypes.c_size_t()
+stream = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+libc.malloc_info(0, stream)
+libc.fclose(stream)
+all_in.wait()
+for t in threads:
+    t.join()
+for p in held:
+    libc.free(p)
+print(buf.value.decode().count("<heap nr="))
+"""
+
+
+@pytest.mark.skipif(_process.glibc_mallopt() is None, reason="glibc's malloc")
+def test_a_tuned_process_shares_two_malloc_arenas():
+    def arenas(mode: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", _ARENAS, mode], capture_output=True, text=True, env=MALLOC_FREE)
+        assert proc.returncode == 0, proc.stderr
+        return int(proc.stdout)
+
+    assert arenas("default") > 2  # each thread an arena of its own (glibc allows eight per core)
+    assert arenas("tuned") <= _process.ARENA_MAX == 2
 
 
 _SEEN = ("import atexit, os, sys\n"
