@@ -335,7 +335,7 @@ class _Planner:
         self.check()
         nodes = stages.concat(self, nodes)
         self.check()
-        for stage in (stages.reshape, stages.permute, _Planner.transpose, stages.slice_, stages.pad, stages.tie,
+        for stage in (stages.reshape, stages.permute, stages.transpose, stages.slice_, stages.pad, stages.tie,
                       stages.scale):
             nodes = stage(self, nodes)
             self.check()
@@ -508,32 +508,6 @@ class _Planner:
         shape = None if first.shape is None else (len(members), *first.shape)
         node = Stack(shape, first.dtype, tuple(n.node for _, n in members))
         return TargetLeaf(path, shape, first.dtype, node, first.source_shape, first.source_dtype, known=first.known)
-
-    def transpose(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
-        firsts = self.first_match("transpose", [n.path for n in nodes], "target paths, after rename and stack")
-        out = []
-        for node, k in zip(nodes, firsts):
-            out.append(node)
-            if k is None:
-                continue
-            pattern, axes = self.rules.transpose[k]
-            # a path alone: its rank is not known, so the axes are checked against themselves
-            rank = len(node.shape) if node.shape is not None else len(axes) if node.is_array else None
-            if rank is None or not (
-                len(axes) == rank and all(-rank <= a < rank for a in axes) and len({a % rank for a in axes}) == rank
-            ):
-                what = ("not an array" if rank is None else "shape not given" if node.shape is None else
-                        f"shape {node.shape}, rank {rank}")
-                self.problems.append(
-                    f"`transpose` rule ({pattern!r}, {axes}) does not fit `{node.path}` ({what}); give a "
-                    "permutation of 0 .. rank-1, or narrow the pattern."
-                )
-                continue
-            axes = tuple(a % rank for a in axes)
-            if axes != tuple(range(rank)):
-                shape = None if node.shape is None else tuple(node.shape[a] for a in axes)
-                out[-1] = dataclasses.replace(node, node=Transpose(shape, node.dtype, node.node, axes), shape=shape)
-        return out
 
     def cast(self, nodes: list[TargetLeaf]) -> list[TargetLeaf]:
         firsts = self.first_match("cast", [n.path for n in nodes], "target paths, after rename and stack")

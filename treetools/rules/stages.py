@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from treetools.rules import blocks
 from treetools.rules.dtypes import dtype_text, kind
@@ -51,6 +51,14 @@ def _not_array(p: Any, rule: str, leaf: Leaf) -> bool:
         return False
     p.problems.append(f"{rule} matches `{leaf.path}`, which is not an array; narrow the pattern.")
     return True
+
+
+def permutation(axes: Sequence[int], rank: int) -> tuple[int, ...] | None:
+    """``axes`` as indices >= 0 when they permute ``rank`` axes (each in ``-rank .. rank - 1``, every axis once);
+    None when they do not."""
+    if len(axes) != rank or not all(-rank <= a < rank for a in axes) or len({a % rank for a in axes}) != rank:
+        return None
+    return tuple(a % rank for a in axes)
 
 
 def _sub(p: Any, rule: str, pat: re.Pattern, name: str, path: str) -> str | None:
@@ -247,6 +255,26 @@ def permute(p: Any, leaves: list[Leaf]) -> list[Leaf]:
     return out
 
 
+def transpose(p: Any, leaves: list[Leaf]) -> list[Leaf]:
+    """``transpose``: a leaf's axes permuted (``numpy.transpose``)."""
+    out: list[Leaf] = []
+    for leaf, k in _matched(p, "transpose", leaves, "target paths, after rename and stack", out):
+        pattern, axes = p.rules.transpose[k]
+        # a path alone: its rank is not known, so the axes are checked against themselves
+        rank = len(leaf.shape) if leaf.shape is not None else len(axes) if leaf.is_array else None
+        perm = None if rank is None else permutation(axes, rank)
+        if perm is None:
+            what = ("not an array" if rank is None else "shape not given" if leaf.shape is None else
+                    f"shape {leaf.shape}, rank {rank}")
+            p.problems.append(f"`transpose` rule ({pattern!r}, {axes}) does not fit `{leaf.path}` ({what}); give a "
+                              "permutation of 0 .. rank-1, or narrow the pattern.")
+            continue
+        if perm != tuple(range(len(perm))):
+            shape = None if leaf.shape is None else tuple(leaf.shape[a] for a in perm)
+            out[-1] = _wrap(leaf, blocks.Transpose(shape, leaf.dtype, leaf.node, perm))
+    return out
+
+
 def slice_(p: Any, leaves: list[Leaf]) -> list[Leaf]:
     """``slice``: entries ``start .. stop - 1`` of an axis."""
     out: list[Leaf] = []
@@ -311,13 +339,11 @@ def tie(p: Any, leaves: list[Leaf]) -> list[Leaf]:
         node: blocks.Node = blocks.Tied(leaf.shape, leaf.dtype, leaf.node, leaf.path)
         if spec.axes is not None:
             rank = len(leaf.shape) if leaf.shape is not None else len(spec.axes)
-            axes = spec.axes
-            if len(axes) != rank or sorted(a % rank for a in axes) != list(range(rank)) or \
-                    not all(-rank <= a < rank for a in axes):
-                p.problems.append(f"{rule}: axes {list(axes)} are not a permutation of the {rank} axes of "
+            axes = permutation(spec.axes, rank)
+            if axes is None:
+                p.problems.append(f"{rule}: axes {list(spec.axes)} are not a permutation of the {rank} axes of "
                                   f"`{leaf.path}` {leaf.shape}; give a permutation of 0 .. {rank - 1}.")
                 continue
-            axes = tuple(a % rank for a in axes)
             shape = None if leaf.shape is None else tuple(leaf.shape[a] for a in axes)
             node = blocks.Transpose(shape, leaf.dtype, node, axes)
         out.append(_wrap(leaf, node, path=name))
