@@ -1,7 +1,7 @@
 """A Llama-shaped Hugging Face folder of any size that costs no disk: sharded safetensors whose data are holes.
 
-Each shard is a safetensors header, then ``truncate`` (the holes read as zeros), as
-``tests/test_real_sizes.py`` builds its files; the index and a ``config.json`` (what the presets' placeholders
+Each shard is a safetensors header, then ``truncate`` (the holes read as zeros): ``tests/test_real_sizes.py``'s
+``sparse_safetensors``; the index and a ``config.json`` (what the presets' placeholders
 are filled from) beside them. ``put`` writes marker values at known elements, so what a conversion writes can be
 sampled and checked. Used by tests/test_presets_real_sizes.py and benchmarks/preset_scale.py.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
-from typing import Any
 
 import numpy as np
+
+from tests.test_real_sizes import sparse_safetensors
 
 TINYLLAMA = {"vocab": 32000, "hidden": 2048, "ffn": 5632, "heads": 32, "kv_heads": 4}
 """TinyLlama-1.1B's shapes (head_dim 64): float32, 250 MiB of embedding, 168 MiB a layer."""
@@ -65,21 +65,10 @@ def sparse_llama(folder: str, *, vocab: int, hidden: int, ffn: int, heads: int, 
     for k, shard in enumerate(shards):
         file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         path = os.path.join(folder, file)
-        header: dict[str, Any] = {}
-        offset = 0
+        starts = sparse_safetensors(path, [(name, "F32", shape, 4) for name, shape in shard])
         for name, shape in shard:
-            nbytes = 4 * math.prod(shape)
-            header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-            offset += nbytes
             weight_map[name] = file
-        header["__metadata__"] = {"format": "pt"}
-        raw = json.dumps(header).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(path, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)) + raw)
-        os.truncate(path, 8 + len(raw) + offset)
-        for name, shape in shard:
-            where[name] = (path, 8 + len(raw) + header[name]["data_offsets"][0], shape)
+            where[name] = (path, starts[name], shape)
     total = sum(4 * math.prod(s) for _, s in tensors)
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
