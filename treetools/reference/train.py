@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -54,7 +55,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import treetools as tt
-from treetools.pytree.partitioning import box_spec
+from treetools.pytree.partitioning import box_spec, mesh_axes_of
 from treetools.reference.data import MarkovTask
 from treetools.reference.model import LAYERS, ModelConfig, Transformer
 
@@ -159,14 +160,11 @@ def _shardings(abstract: Any, mesh: jax.sharding.Mesh) -> Any:
             return replicated
         spec = list(box_spec(leaf) or ())
         for i, entry in enumerate(spec):
-            axes = entry if isinstance(entry, (tuple, list)) else () if entry is None else (entry,)
-            if i < len(shape) and shape[i] % int(np.prod([mesh.shape[a] for a in axes], dtype=np.int64)):
+            if i < len(shape) and shape[i] % math.prod(mesh.shape[a] for a in mesh_axes_of(entry)):
                 spec[i] = None
         return NamedSharding(mesh, P(*spec))
 
-    shardings = jax.tree.map(place, abstract, is_leaf=tt.is_box)
-    tt.make_abstract(tt.unbox(abstract), shardings)  # every leaf checked against its sharding, named on error
-    return shardings
+    return jax.tree.map(place, abstract, is_leaf=tt.is_box)
 
 
 def _loss_fn(model: Transformer, params: Any, batch: jax.Array) -> jax.Array:
