@@ -30,7 +30,6 @@ def main() -> None:
     parser.add_argument("--treetools", default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    preset_scale._CLI = PROGRAM
     tmp = tempfile.mkdtemp(prefix="orbax-write-memory-")
     try:
         for leaves in (64, 512):
@@ -39,7 +38,7 @@ def main() -> None:
             runs = []
             for _ in range(args.rounds):
                 out = os.path.join(tmp, "out")
-                runs.append(preset_scale.run(args.treetools, src, out, ["--to", "orbax"]))
+                runs.append(preset_scale.run(args.treetools, src, out, ["--to", "orbax"], program=PROGRAM))
                 shutil.rmtree(out)
             cpu, peak = min(r[0] for r in runs), max(r[1] for r in runs)
             print(f"{leaves * 16 / 1024:g} GiB ({leaves} leaves of 16 MiB): CPU {cpu:.2f} s (least), peak RSS "

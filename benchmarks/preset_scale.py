@@ -48,10 +48,11 @@ COMMANDS = {
 }
 
 
-def run(code: str, src: str, out: str, args: list[str]) -> tuple[float, int, int]:
-    """``treetools convert SRC OUT ARGS`` in a child: (CPU seconds, peak RSS bytes, bytes read)."""
+def run(code: str, src: str, out: str, args: list[str], program: str = _CLI) -> tuple[float, int, int]:
+    """``treetools convert SRC OUT ARGS`` in a child running ``program`` (``main()`` by default): (CPU seconds, peak
+    RSS bytes, bytes read)."""
     env = {**os.environ, "PYTHONPATH": code, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.Popen([sys.executable, "-c", _CLI, "convert", src, out, "--shard-size", "2GB", *args],
+    proc = subprocess.Popen([sys.executable, "-c", program, "convert", src, out, "--shard-size", "2GB", *args],
                             cwd=code, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     err = proc.stderr.read()
