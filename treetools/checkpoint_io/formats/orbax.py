@@ -205,6 +205,9 @@ class OrbaxSource(Source):
                 raise
             except UnreadableItem as e:
                 if _empty_folder(self.storage, item_dir):  # T5X's `dataset` without an iterator: nothing to check
+                    gone = self.step_deleted(step)  # or a manager pruning the step, its files going first
+                    if gone is not None:
+                        raise gone from None
                     self._note_empty(step, name, e.unreadable.handler)
                 else:
                     problems.append(UnreadProblem(f"{self._shown(step)}: {e}."))
