@@ -9,6 +9,9 @@ child process of the ``treetools`` CLI; CPU is the child's user + system (``os.w
 and bytes read its ``rchar`` (``/proc/self/io``), both read at exit. Safetensors output is written for real (zeros)
 and removed after each run; Orbax output is compressed zeros.
 
+Then one leaf alone: a Llama-3-sized ``lm_head`` (128256 x 4096 float32, 2 GiB, a hole) transposed by a plain rule
+(``--transpose``), the leaf whose C-order blocks each read a piece of all its 128256 rows.
+
 Run it (``--treetools PATH``: measure another checkout, e.g. the main branch before the change)::
 
     python benchmarks/preset_scale.py --sizes 1,4,8 [--treetools /work/main] [--tmp /tmp/preset-bench]
@@ -25,7 +28,9 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests import _sparse_llama as llama
+from tests.test_real_sizes import sparse_safetensors
 
+LM_HEAD = (128256, 4096)
 LAYER_BYTES = 4 * (2 * 2048 * 2048 + 2 * 256 * 2048 + 3 * 5632 * 2048 + 2 * 2048)
 FIXED_BYTES = 4 * (2 * 32000 * 2048 + 2048)
 
@@ -91,6 +96,14 @@ def main() -> None:
                 print(f"| {total / 2**30:.2f} GiB ({layers} layers) | {name} | {cpu:.1f} | {hwm / 2**20:.0f} | "
                       f"{rchar / 2**30:.2f} |", flush=True)
             shutil.rmtree(src)
+        src = os.path.join(work, "lm_head.safetensors")
+        sparse_safetensors(src, [("lm_head.weight", "F32", LM_HEAD, 4)])
+        out = os.path.join(work, "out.safetensors")
+        cpu, hwm, rchar = run(args.treetools, src, out, ["--transpose", r"lm_head\.weight$=1,0"])
+        os.remove(out)
+        os.remove(src)
+        print(f"| 2.00 GiB (lm_head {LM_HEAD[0]} x {LM_HEAD[1]}) | --transpose 'lm_head\\.weight$=1,0' | {cpu:.1f} | "
+              f"{hwm / 2**20:.0f} | {rchar / 2**30:.2f} |", flush=True)
     finally:
         if args.tmp is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -84,6 +84,24 @@ def test_a_strided_block_reads_what_numpy_cuts(tmp_path, monkeypatch, how):
         assert got.flags.c_contiguous or how == "fortran"
 
 
+def test_box_runs_put_a_block_where_numpy_puts_it():
+    # A block written out of C order (a local safetensors file, `box_plan`) lands as runs at byte positions: written
+    # into a zeroed buffer, they make exactly numpy's array with the block set and nothing else touched.
+    from treetools.checkpoint_io.writers.safetensors import box_runs
+
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        shape = tuple(int(n) for n in rng.integers(1, 6, int(rng.integers(0, 5))))
+        index = tuple(slice(a, b) for a, b in _boxes(shape, rng, 1).__next__()) if shape else ()
+        want = np.zeros(shape, np.int32)
+        want[index] = np.arange(1, want[index].size + 1, dtype=np.int32).reshape(want[index].shape)
+        raw = bytearray(b"\0" * (7 + want.nbytes))
+        for view, pos in box_runs(np.ascontiguousarray(want[index]).view(np.uint8).reshape(-1), index, shape, 4, 7):
+            raw[pos:pos + len(view)] = bytes(view)
+        np.testing.assert_array_equal(np.frombuffer(bytes(raw[7:]), np.int32).reshape(shape), want,
+                                      err_msg=f"{shape} {index}")
+
+
 def test_a_truncated_file_is_named_on_a_row_by_row_read(tmp_path, monkeypatch):
     monkeypatch.setattr(readers_mod, "GAP_BYTES", 0)
     path = tmp_path / "a.bin"
@@ -190,16 +208,21 @@ class _Spy:
         into, runs = LocalStorage.read_into, getattr(LocalStorage, "read_runs", None)
         spy = self
 
-        def read_into(storage, path, view, pos):
+        self.by_path = {}  # path -> [(byte position, bytes)] of every file whose name ends with `name`
+
+        def seen_at(path, pos, n):
             if path.endswith(name):
-                spy.reads.append((pos, len(view)))
+                spy.reads.append((pos, n))
+                spy.by_path.setdefault(path, []).append((pos, n))
+
+        def read_into(storage, path, view, pos):
+            seen_at(path, pos, len(view))
             return into(storage, path, view, pos)
 
         def read_runs(storage, path, pieces):
             def seen():
                 for view, pos in pieces:
-                    if path.endswith(name):
-                        spy.reads.append((pos, len(view)))
+                    seen_at(path, pos, len(view))
                     yield view, pos
             return runs(storage, path, seen())
 
@@ -210,10 +233,11 @@ class _Spy:
 @pytest.mark.parametrize("shape", [(1024, 8192), (4096, 2048)])
 def test_a_transposed_leaf_is_read_in_reads_of_at_most_a_block(tmp_path, monkeypatch, shape):
     # A 32 MiB float32 leaf transposed, in blocks of 1 MiB. Before, each block read the whole leaf in slabs of 8 MiB
-    # and held them all. Now no read is over a block, and:
-    # - rows of 32 KiB (past GAP_BYTES): read row by row, the reads are the leaf's bytes, each once;
-    # - rows of 8 KiB: read in slabs of whole rows (copying a gap costs less than a read call), each block its
-    #   own pass over the leaf: 2048 target rows / (1 MiB / (4096 * 4) = 64 per block) = 32 passes of 32 MiB.
+    # and held them all; then each C-order block of the output was a column band of the source, and with rows of
+    # 8 KiB (under GAP_BYTES: read in slabs of whole rows) each block was its own pass over the leaf, 32 passes.
+    # Now a local output file is written with random access in blocks of whole source rows (`box_plan`; a leaf of
+    # 32 blocks is over REREAD_BLOCKS), so with rows of 32 KiB and of 8 KiB alike the reads are the leaf's bytes,
+    # each once, none over a block.
     src = tmp_path / "w.safetensors"
     starts = sparse_safetensors(src, [("w", "F32", shape, 4), ("b", "F32", (7,), 4)])
     spy = _Spy(monkeypatch, "w.safetensors")
@@ -222,15 +246,78 @@ def test_a_transposed_leaf_is_read_in_reads_of_at_most_a_block(tmp_path, monkeyp
     lo, hi = starts["w"], starts["w"] + 32 * MiB
     mine = sorted((pos, n) for pos, n in spy.reads if lo <= pos < hi)
     assert max(n for _, n in mine) <= MiB
-    if shape[1] * 4 > readers_mod.GAP_BYTES:
-        assert sum(n for _, n in mine) == hi - lo
-        covered = np.zeros(hi - lo, bool)  # every byte once: no two reads overlap, and together they are the leaf
-        for pos, n in mine:
-            assert not covered[pos - lo:pos - lo + n].any()
-            covered[pos - lo:pos - lo + n] = True
-        assert covered.all()
-    else:
-        assert sum(n for _, n in mine) == 32 * (hi - lo)
+    assert sum(n for _, n in mine) == hi - lo
+    covered = np.zeros(hi - lo, bool)  # every byte once: no two reads overlap, and together they are the leaf
+    for pos, n in mine:
+        assert not covered[pos - lo:pos - lo + n].any()
+        covered[pos - lo:pos - lo + n] = True
+    assert covered.all()
+
+
+def _data_spans(folder):
+    """path -> (first, end) byte of the tensor data of each safetensors file of ``folder``, from its own header."""
+    spans = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            path = os.path.join(folder, f)
+            with open(path, "rb") as handle:
+                n = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(n))
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+            spans[os.path.realpath(path)] = (8 + n, 8 + n + max(ends, default=0))
+    return spans
+
+
+@pytest.mark.parametrize("preset, to", [("llama:hf:maxtext", "orbax"), ("llama:hf:reference", None)])
+def test_a_preset_reads_each_source_byte_once(small, tmp_path, monkeypatch, preset, to):
+    # Blocks of 1 MiB over projections of 1-16 MiB: a C-order block of a transposed leaf is a column band of its
+    # source over every source row, and for MaxText's stacked leaves of every layer's source (each block read a
+    # piece of all of them: reads grew with the square of the layer count, 196 CPU s against 9 for 46 TinyLlama
+    # layers at 8 GiB). Blocks of whole source rows instead (Orbax chunks in that shape; a local safetensors file
+    # written with random access): every byte of every shard read once, and what is written is numpy's layout
+    # (test_a_plain_transpose_and_the_presets_write_numpy_s_transposes). (A block of 1 MiB is two heads of rows
+    # here; a block of part of a head would read the rest of it too: q and k's rotary permute moves rows within
+    # a head.)
+    # To safetensors a leaf is written that way above REREAD_BLOCKS blocks (below, re-reading costs less CPU than a
+    # write call per row); 0 here, so every leaf is.
+    from treetools.checkpoint_io.writers import safetensors as st_writer
+
+    monkeypatch.setattr(st_writer, "REREAD_BLOCKS", 0)
+    folder, _ = small
+    spans = _data_spans(folder)
+    spy = _Spy(monkeypatch, ".safetensors")
+    tt.convert(folder, str(tmp_path / "out"), preset=preset, to=to, block_bytes=2**20)
+    assert {os.path.realpath(p) for p in spy.by_path} == set(spans)
+    for path, reads in spy.by_path.items():
+        lo, hi = spans[os.path.realpath(path)]
+        covered = np.zeros(hi - lo, np.int64)
+        for pos, n in reads:
+            if pos >= lo:  # (the header's reads come first)
+                covered[pos - lo:pos - lo + n] += 1
+        assert covered.min() == covered.max() == 1, (path, covered.min(), covered.max())
+
+
+def test_maxtext_s_stacked_leaves_are_stored_in_chunks_of_whole_source_rows(small, tmp_path):
+    # The query kernel [embed, layers, heads, head_dim] from per-layer [heads * head_dim, embed]: a chunk is
+    # [embed, 1, heads of a block, head_dim] (whole source rows of one layer); Orbax's own restore reads it as the
+    # numpy layout built from the source by hand.
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+
+    folder, state = small
+    out = tmp_path / "mt"
+    tt.convert(folder, str(out), preset="llama:hf:maxtext,scale_query=false", to="orbax", block_bytes=2**20)
+    name = "decoder.layers.self_attention.query.kernel"
+    store = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{out}/"}, "path": name},
+                    read=True).result()
+    hidden, hd = SMALL["hidden"], SMALL["hidden"] // SMALL["heads"]
+    per_block = 2**20 // (4 * hidden * hd)  # heads in 1 MiB of whole source rows: 2
+    assert tuple(store.chunk_layout.read_chunk.shape) == (hidden, 1, per_block, hd)
+    restored = ocp.StandardCheckpointer().restore(str(out))
+    got = np.asarray(restored["decoder"]["layers"]["self_attention"]["query"]["kernel"])
+    want = np.stack([_interleaved(state[f"model.layers.{i}.self_attn.q_proj.weight"], hd).transpose(2, 0, 1)
+                     for i in range(2)], axis=1)
+    np.testing.assert_array_equal(got, want)
 
 
 # ---------------------------------------------------------------------------------------------- multi-GB, limited

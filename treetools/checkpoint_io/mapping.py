@@ -75,6 +75,13 @@ class RuledReader(ArrayReader):
         self._whole: dict[str, np.ndarray] = {}
         self.cache: dict[Any, Any] = {}  # what a step makes once per reader (the values `pad` draws)
 
+    @property
+    def layout(self) -> tuple[int, ...] | None:
+        """The sources' cheapest boxes (``ArrayReader.layout``: stored chunks, or a file's rows) as the rules move
+        them: a transposed leaf of a file reads whole source rows in blocks that are whole columns of it."""
+        layout = self._target.node.chunk(lambda path: self._sources[path].layout)
+        return layout if layout is not None and len(layout) == len(self.shape) else None
+
     def _read_source(self, path: str, index: Index) -> np.ndarray:
         reader = self._sources[path]
         if not reader.sequential:

@@ -289,6 +289,23 @@ class ArrayReader(abc.ABC):
     """True when blocks come from a bucket: reads wait on the network more than on a core."""
 
     @property
+    def layout(self) -> tuple[int, ...] | None:
+        """The box its reads are cheapest in: a stored chunk (``chunk_shape``), or, for data stored in C order with
+        random access (a file, memory), a row (the first axis 1, the others whole: one contiguous run). A block made
+        of whole such boxes reads each stored byte once. None where no box is (a front-to-back stream, Fortran
+        order).
+
+        >>> from treetools.checkpoint_io.readers import InMemoryReader
+        >>> InMemoryReader(np.zeros((3, 4, 5))).layout
+        (1, 4, 5)
+        """
+        if self.sequential or self.storage_order or not self.c_order:
+            return None
+        if self.chunk_shape is not None:
+            return tuple(int(c) for c in self.chunk_shape)
+        return (1, *(int(d) for d in self.shape[1:])) if len(self.shape) else ()
+
+    @property
     def budget(self) -> float:
         """The most this reader decodes at once, in bytes (its context's memory budget)."""
         return self.context.memory_budget if self.context is not None else DEFAULT_MEMORY_BUDGET
@@ -367,6 +384,18 @@ class Ready:
 
     def result(self) -> np.ndarray:
         return self._block
+
+
+def c_ordered(granule: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether blocks of whole ``granule`` boxes in C order are C-contiguous runs of ``shape``: the granule is 1 on
+    the leading axes, then any size on one axis, then whole on every axis after it.
+
+    >>> c_ordered((1, 4, 5), (3, 4, 5)), c_ordered((3, 1), (3, 4)), c_ordered((), ())
+    (True, False, True)
+    """
+    g = [min(max(1, int(c)), int(n)) for c, n in zip(granule, shape)]
+    k = next((i for i, c in enumerate(g) if c != 1), len(g))
+    return all(c == int(n) for c, n in zip(g[k + 1:], list(shape)[k + 1:]))
 
 
 def plan_blocks(shape: Sequence[int], max_elems: int, granule: Sequence[int] | None = None) -> Iterator[Index]:

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVa
 import numpy as np
 
 from treetools.checkpoint_io.readers import (ArrayReader, Index, MemoryBudgetError, block_extent, check_budget,
-                                             plan_blocks)
+                                             c_ordered, plan_blocks)
 from treetools.checkpoint_io.share import Share, owners, pool
 
 GROUP_BLOCKS = 4
@@ -201,6 +201,27 @@ def job_plan(readers: Sequence[ArrayReader], block_bytes: int, *, contiguous: bo
         fits = band <= max_elems or band * itemsize <= min(r.budget for r in readers)
         granule = (granule[0],) + tuple(shape[1:]) if fits else None
     return list(plan_blocks(shape, max_elems, granule))
+
+
+def box_plan(reader: ArrayReader, block_bytes: int) -> list[Index] | None:
+    """For a writer of boxes (one with random access into its output: Orbax's chunks, a local file): blocks of
+    whole ``reader.layout`` boxes, each at most ``block_bytes``, where C-order blocks would cross those boxes and
+    no stored chunk is there to align with (rules rearranging a file: a transpose reads whole source rows in
+    blocks that are whole columns of the leaf, each source byte once, where each C-order block would read a
+    piece of every source row); else None (C order costs no more). The blocks tile the leaf on a grid: every
+    block has the first one's shape, cut at the leaf's end.
+
+    >>> from treetools.checkpoint_io.readers import InMemoryReader
+    >>> box_plan(InMemoryReader(np.zeros((4, 6))), 48) is None
+    True
+    """
+    shape = tuple(int(d) for d in reader.shape)
+    layout = reader.layout if reader.chunk_shape is None else None
+    if layout is None or len(layout) != len(shape) or not math.prod(shape) or c_ordered(layout, shape):
+        return None
+    max_elems = max(1, block_bytes // reader.dtype.itemsize)
+    plan = list(plan_blocks(shape, max_elems, layout))
+    return plan if math.prod(block_extent(plan[0], shape)[1]) <= max_elems else None
 
 
 def _cut(index: Index, block: np.ndarray, shape: Sequence[int], max_elems: int
@@ -474,8 +495,8 @@ _ALONE = _Alone()
 
 
 def stream_blocks(readers: Sequence[ArrayReader], *, block_bytes: int, workers: int | None = None,
-                  window: int | None = None, contiguous: bool = True, progress: Progress | None = None
-                  ) -> Iterator[tuple[int, Index, np.ndarray]]:
+                  window: int | None = None, contiguous: bool = True, progress: Progress | None = None,
+                  plans: Sequence[Sequence[Index] | None] | None = None) -> Iterator[tuple[int, Index, np.ndarray]]:
     """Every block of every reader as ``(reader number, index, block)``: readers in order, blocks in plan order.
 
     What a writer consumes (``convert``): with ``contiguous`` each block is a
@@ -489,7 +510,9 @@ def stream_blocks(readers: Sequence[ArrayReader], *, block_bytes: int, workers: 
     ``(window + workers) * block_bytes``, or two stripes (one being consumed,
     the next read), each within the memory budget. A reader that streams
     front to back (a compressed npz member) is read in this thread when its
-    turn comes.
+    turn comes. ``plans`` gives a reader's blocks instead of ``job_plan``
+    (a writer of boxes: ``treetools.checkpoint_io.writers.orbax``); each such
+    block comes whole.
 
     >>> from treetools.checkpoint_io.readers import InMemoryReader
     >>> [(i, b.tolist()) for i, _, b in stream_blocks([InMemoryReader(np.arange(3)), InMemoryReader(np.ones(2))],
@@ -500,13 +523,17 @@ def stream_blocks(readers: Sequence[ArrayReader], *, block_bytes: int, workers: 
         workers = default_workers(readers)
     window = window if window is not None else 2 * workers
     units: list[tuple[int, Index | None]] = []
-    plans: dict[int, list[Index]] = {}
+    for_reader: dict[int, list[Index]] = {}
+    whole: set[int] = set()
     for i, r in enumerate(readers):
-        plans[i] = job_plan((r,), block_bytes, contiguous=contiguous)
+        given = plans[i] if plans is not None and not r.sequential else None
+        if given is not None:
+            whole.add(i)
+        for_reader[i] = list(given) if given is not None else job_plan((r,), block_bytes, contiguous=contiguous)
         if r.sequential:
             units.append((i, None))
         else:
-            units.extend((i, index) for index in plans[i])
+            units.extend((i, index) for index in for_reader[i])
 
     def fetch(unit: tuple[int, Index | None]) -> np.ndarray | None:
         i, index = unit
@@ -527,7 +554,7 @@ def stream_blocks(readers: Sequence[ArrayReader], *, block_bytes: int, workers: 
     for i, index in units:
         block = next(fetched)
         if index is not None and block is not None:  # fetched: a block for each index, None when streamed
-            max_elems = max(1, block_bytes // block.dtype.itemsize) if contiguous else block.size
+            max_elems = max(1, block_bytes // block.dtype.itemsize) if contiguous and i not in whole else block.size
             for ix, piece in _cut(index, block, readers[i].shape, max_elems):
                 if progress is not None:
                     progress.advance(piece.size * piece.dtype.itemsize)
@@ -535,7 +562,7 @@ def stream_blocks(readers: Sequence[ArrayReader], *, block_bytes: int, workers: 
                 del piece
             del block
             continue
-        for ix, b in zip(plans[i], readers[i].blocks(plans[i])):
+        for ix, b in zip(for_reader[i], readers[i].blocks(for_reader[i])):
             if progress is not None:
                 progress.advance(b.size * b.dtype.itemsize)
             yield i, ix, b

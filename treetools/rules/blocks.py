@@ -303,6 +303,51 @@ class Reshape(Node):
     def op(self) -> str:
         return f"reshape {self.shape}"
 
+    def chunk(self, source_chunk: Any) -> Shape | None:
+        inner = self.child.chunk(source_chunk)
+        src, dst, groups = self.child.shape, self.shape, self._groups
+        if inner is None or src is None or dst is None or groups is None or len(inner) != len(src):
+            return None
+        out = [1] * len(dst)
+        for gs, gt in groups:  # a chunk that is one aligned run of a group's elements is such a run after it too
+            run = _run([inner[k] for k in gs], [src[k] for k in gs])
+            granule = None if run is None else _granule([dst[k] for k in gt], run)
+            if granule is None:
+                return None
+            for k, g in zip(gt, granule):
+                out[k] = g
+        return tuple(out)
+
+
+def _run(granule: Sequence[int], dims: Sequence[int]) -> int | None:
+    """The length of the C-contiguous run ``granule`` is in ``dims`` (1 on the leading axes, then a divisor of that
+    axis (any size on the first), then whole), or None where its boxes are not aligned runs of one length.
+
+    >>> _run((1, 2, 5), (3, 4, 5)), _run((2, 1), (4, 5)), _run((1, 3), (2, 4))
+    (10, None, None)
+    """
+    g = [min(max(1, int(c)), d) for c, d in zip(granule, dims)]
+    k = next((i for i, c in enumerate(g) if c != 1), len(g) - 1)
+    if not g or any(c != d for c, d in zip(g[k + 1:], dims[k + 1:])) or (k and dims[k] % g[k]):
+        return None if g else 1
+    return g[k] * math.prod(dims[k + 1:])
+
+
+def _granule(dims: Sequence[int], run: int) -> tuple[int, ...] | None:
+    """The box of ``dims`` that is an aligned C-contiguous run of ``run`` elements (``_run``'s inverse), or None.
+
+    >>> _granule((3, 4, 5), 10), _granule((4, 5), 4)
+    ((1, 2, 5), None)
+    """
+    for k in range(len(dims) - 1, -1, -1):
+        after = math.prod(dims[k + 1:])
+        if run % after:
+            return None
+        if run // after <= dims[k]:
+            g = run // after
+            return (1,) * k + (g,) + tuple(dims[k + 1:]) if not k or dims[k] % g == 0 else None
+    return None
+
 
 def permute_sources(spec: PermuteSpec, positions: np.ndarray) -> np.ndarray:
     """For target positions along the permuted axis, the source positions they come from.

@@ -201,6 +201,22 @@ class LocalUpload(Upload):
             self._file.write(data)
         self.written += memoryview(data).nbytes
 
+    def write_runs(self, runs: Iterable[tuple[memoryview, int]]) -> None:
+        """Write each ``(view, pos)`` of ``runs`` at byte ``pos`` (one ``pwrite`` each): a block of a leaf written
+        out of C order (``treetools.checkpoint_io.writers.safetensors``); ``written`` grows by their bytes, and
+        ``write`` appends after the furthest byte written. A local fast path, not part of the ``Upload``
+        interface (a bucket's upload is appended in order)."""
+        with self._named():
+            self._file.flush()
+            fd, end = self._file.fileno(), self._file.tell()
+            for view, pos in runs:
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], pos + done)
+                self.written += len(view)
+                end = max(end, pos + len(view))
+            self._file.seek(end)
+
     def commit(self) -> None:
         with self._named():
             self._file.flush()

@@ -12,8 +12,10 @@ Orbax writes everything else (``_METADATA``, the OCDBT manifests, the
 commit), so the checkpoint is what ``StandardCheckpointer().save`` writes
 for the same arrays, up to the chunk shape: each array is stored in chunks
 of at most the block size (``TREETOOLS_CHUNK_BYTES``) that are C-contiguous
-runs (whole rows along the leading axes), so the output reads back in
-bounded memory too, and a write never splits a stored chunk. Memory: the
+runs (whole rows along the leading axes), or, for a leaf made by moving a
+file's axes (``Leaf.stored_chunk``), blocks of whole source rows; so the
+output reads back in bounded memory too, and a write never splits a stored
+chunk. Memory: the
 block engine's read-ahead of one leaf (a few blocks, or one stripe of whole
 source chunks, within the memory budget) and one chunk being written,
 whatever the item's size.
@@ -56,11 +58,11 @@ from typing import Any, Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
-from treetools.checkpoint_io.readers import Index, block_extent, plan_blocks
+from treetools.checkpoint_io.readers import ArrayReader, Index, block_extent, plan_blocks
 from treetools.checkpoint_io.share import Share, owners, pool
 from treetools.checkpoint_io.storage import backend
-from treetools.checkpoint_io.stream import cores
-from treetools.checkpoint_io.writers.safetensors import Tensor, tensor_blocks
+from treetools.checkpoint_io.stream import box_plan, cores
+from treetools.checkpoint_io.writers.safetensors import Tensor, tensor_blocks, tensor_boxes
 from treetools.shared.files import remove, swap_in, tmp_name
 from treetools.shared.errors import CheckpointError
 
@@ -173,9 +175,28 @@ class Leaf:
         self.size = math.prod(self.shape)
         self.ndim = len(self.shape)
 
+    def stored_chunk(self, block_bytes: int) -> tuple[int, ...]:
+        """The chunk shape the leaf is stored in: C-order runs of a block (``c_order_chunk``), or, for a leaf
+        whose C-order blocks would cross its sources' cheapest boxes (``stream.box_plan``: rules transposing or
+        stacking a file's rows, MaxText's ``[embed, layers, heads, head_dim]`` from per-layer ``[heads * head_dim,
+        embed]`` projections), a block of whole such boxes: each chunk then reads whole source rows, each source
+        byte once, where C-order chunks would read a piece of every layer's projection for each chunk."""
+        plan = self._box_plan(block_bytes)
+        if plan is not None:
+            return block_extent(plan[0], self.shape)[1]
+        return c_order_chunk(self.shape, self.dtype.itemsize, block_bytes)
+
+    def _box_plan(self, block_bytes: int) -> list[Index] | None:
+        return box_plan(self.reader, block_bytes) if isinstance(self.reader, ArrayReader) else None
+
     def chunks(self, block_bytes: int) -> Generator[tuple[Index, np.ndarray], None, None]:
-        """The leaf's stored chunks in C order, read block by block (each source chunk decoded once)."""
-        pieces = (block for _, block in tensor_blocks([Tensor(self.name, self.reader)], block_bytes))
+        """The leaf's stored chunks (``stored_chunk``), read block by block (each source chunk decoded once), in
+        C order or (a box plan) one read each in the order of the chunk grid."""
+        tensor = Tensor(self.name, self.reader)
+        plan = self._box_plan(block_bytes)
+        if plan is not None:
+            return ((index, block) for _, index, block in tensor_boxes([tensor], block_bytes, plans=[plan]))
+        pieces = (block for _, block in tensor_blocks([tensor], block_bytes))
         return boxes(pieces, self.shape, self.dtype, block_bytes)
 
 
@@ -306,7 +327,7 @@ async def _write_leaf(handler: Any, leaf: Leaf, tspec: dict[str, Any], context: 
     one is written; ``handler.on_block`` hears of each."""
     import tensorstore as ts
 
-    _with_chunks(tspec, c_order_chunk(leaf.shape, leaf.dtype.itemsize, handler.block_bytes))
+    _with_chunks(tspec, leaf.stored_chunk(handler.block_bytes))
     store = await ts.open(ts.Spec(tspec), create=True, open=True, context=context)
     chunks = leaf.chunks(handler.block_bytes)
     pending = None

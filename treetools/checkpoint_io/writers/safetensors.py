@@ -43,9 +43,9 @@ import numpy as np
 from treetools.checkpoint_io.storage import Storage, backend, join
 from treetools.shared.files import fsync_file
 from treetools.checkpoint_io.formats.safetensors import DTYPE_NAMES
-from treetools.checkpoint_io.readers import ArrayReader, InMemoryReader, np_dtype
+from treetools.checkpoint_io.readers import ArrayReader, InMemoryReader, Index, block_extent, np_dtype
 from treetools.checkpoint_io.share import Share, owners, pool
-from treetools.checkpoint_io.stream import stream_blocks
+from treetools.checkpoint_io.stream import box_plan, stream_blocks
 from treetools.shared import rows
 from treetools.shared.errors import CheckpointError
 
@@ -224,16 +224,17 @@ def index_json(layout: Layout) -> bytes:
 # ---------------------------------------------------------------------------------------------- reading blocks
 
 
-def tensor_blocks(tensors: Sequence[Tensor], block_bytes: int) -> Iterator[tuple[Tensor, np.ndarray]]:
-    """Every tensor's blocks, tensors in order and each in C order (whole rows along the leading axes), each
-    at most ``block_bytes``, as contiguous little-endian arrays of its dtype.
+def tensor_boxes(tensors: Sequence[Tensor], block_bytes: int, plans: Sequence[Sequence[Index] | None] | None = None
+                 ) -> Iterator[tuple[Tensor, Index, np.ndarray]]:
+    """``tensor_blocks`` with each block's index; a tensor that ``plans`` gives a plan comes in the blocks of that
+    plan instead (a writer of boxes: ``stream.box_plan``).
 
     The one read path of every writer: the block engine (``treetools.checkpoint_io.stream.stream_blocks``) reads
     ahead on every core, a bounded window of blocks, while the caller writes.
     """
     readers = [t.reader if isinstance(t.reader, ArrayReader) else InMemoryReader(np.asarray(t.reader))
                for t in tensors]
-    for i, index, block in stream_blocks(readers, block_bytes=max(1, block_bytes), contiguous=True):
+    for i, index, block in stream_blocks(readers, block_bytes=max(1, block_bytes), contiguous=True, plans=plans):
         tensor = tensors[i]
         block = np.asarray(block)
         want = tuple(len(range(n)[s]) for n, s in zip(tensor.shape, index))
@@ -244,7 +245,45 @@ def tensor_blocks(tensors: Sequence[Tensor], block_bytes: int) -> Iterator[tuple
                 raise CheckpointError(f"`{tensor.name}`: a block read as {block.dtype.name}, expected "
                                       f"{tensor.dtype.name}.")
             block = block.astype(tensor.dtype)  # byte order only: exact
-        yield tensor, np.ascontiguousarray(block)
+        yield tensor, index, np.ascontiguousarray(block)
+
+
+def tensor_blocks(tensors: Sequence[Tensor], block_bytes: int) -> Iterator[tuple[Tensor, np.ndarray]]:
+    """Every tensor's blocks, tensors in order and each in C order (whole rows along the leading axes), each
+    at most ``block_bytes``, as contiguous little-endian arrays of its dtype (``tensor_boxes``)."""
+    for tensor, _, block in tensor_boxes(tensors, block_bytes):
+        yield tensor, block
+
+
+REREAD_BLOCKS = 16
+"""A tensor whose C-order blocks each read a piece of every source row (a transposed leaf of a file) is written
+with random access (``box_plan``, one write call per row of a block, each source byte read once) only above this
+many blocks. Below, each block reading its whole leaf again (copies from the page cache) costs less than those
+write calls: TinyLlama's projections (2-6 blocks) convert in half the CPU that way, where a 128k-vocabulary
+``lm_head`` (128-256 blocks) would be read 128-256 times (benchmarks/preset_scale.py, BENCHMARKS.md)."""
+
+
+def box_runs(data: np.ndarray, index: Index, shape: Sequence[int], itemsize: int, start: int
+             ) -> Iterator[tuple[memoryview, int]]:
+    """The block ``index`` of an array of ``shape`` stored in C order from byte ``start``, its bytes ``data``
+    (C order), as ``(bytes, file position)`` runs: one per row of the block, a row ending at its last partial axis.
+
+    >>> [(bytes(v), p) for v, p in box_runs(np.arange(4, dtype=np.uint8), (slice(1, 3), slice(0, 2)), (4, 3), 1, 10)]
+    [(b'\\x00\\x01', 13), (b'\\x02\\x03', 16)]
+    """
+    starts, sizes = block_extent(index, shape)
+    nd = len(shape)
+    partial = [j for j in range(nd) if sizes[j] != shape[j]]
+    j = partial[-1] if partial else 0
+    run = math.prod(sizes[j:]) * itemsize if nd else itemsize
+    view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    # the first element of each row: the block's corner moved along the axes before j, in C order
+    firsts = np.zeros(1, np.int64)
+    for a, n, stride in zip(starts[:j], sizes[:j], (math.prod(shape[i + 1:]) for i in range(j))):
+        firsts = (firsts[:, None] + (a + np.arange(n, dtype=np.int64)) * stride).reshape(-1)
+    firsts += int(np.ravel_multi_index((0,) * j + tuple(starts[j:]), shape)) if nd else 0
+    for r, first in enumerate((start + firsts * itemsize).tolist()):
+        yield view[r * run:(r + 1) * run], first
 
 
 def blocks(tensor: Tensor, block_bytes: int) -> Iterator[np.ndarray]:
@@ -262,9 +301,26 @@ def _write_file(storage: Storage, path: str, file: ShardFile, metadata: dict[str
 
     with storage.create(path, size=len(head) + file.data_bytes, fsync=False) as out:
         out.write(head)
-        for tensor, block in tensor_blocks(file.tensors, block_bytes):
+        # A local file is written with random access where a tensor's C-order blocks would cross its sources'
+        # cheapest boxes (a transposed leaf of a file) and it spans more than REREAD_BLOCKS blocks: blocks of
+        # whole source rows, each at its place.
+        positional = getattr(out, "write_runs", None)
+        plans = [box_plan(t.reader, block_bytes) if positional is not None and isinstance(t.reader, ArrayReader)
+                 and t.nbytes > REREAD_BLOCKS * block_bytes else None for t in file.tensors]
+        starts, number = {}, {}
+        at = len(head)
+        for k, t in enumerate(file.tensors):
+            starts[k], number[id(t)] = at, k
+            at += t.nbytes
+        stream = tensor_boxes(file.tensors, block_bytes, plans) if any(p is not None for p in plans) else \
+            ((t, None, b) for t, b in tensor_blocks(file.tensors, block_bytes))
+        for tensor, index, block in stream:
+            k = number[id(tensor)]
             data = block.reshape(-1).view(np.uint8)
-            out.write(data)
+            if positional is not None and index is not None and plans[k] is not None:
+                positional(box_runs(data, index, tensor.shape, tensor.dtype.itemsize, starts[k]))
+            else:
+                out.write(data)
             if on_block is not None:
                 on_block(tensor.name, data.nbytes)
         want = len(head) + file.data_bytes
