@@ -281,6 +281,26 @@ def test_hf_maxtext_hf_round_trip(models, case, tmp_path):
     _check_back(case, models, back, scaled=True)
 
 
+def test_a_preset_to_orbax_keeps_the_config_in_the_save_and_verify_counts_it_the_model_s(models, tmp_path):
+    # The model's config.json rides in the Orbax save (the way back finds it there), and `verify` takes it for the
+    # model's, not for something written into the save; a file of another name still is a stranger.
+    case = MAXTEXT[0]
+    family = CASES[case][0]
+    _, folder, _, _, _ = models[case]
+    mt = tmp_path / "maxtext"
+    tt.convert(folder, str(mt), preset=f"{family}:hf:maxtext", to="orbax")
+    assert json.loads((mt / "config.json").read_text()) == _config(folder)
+    proc = _cli("verify", str(mt))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (mt / "notes.txt").write_text("x")
+    proc = _cli("verify", str(mt))
+    assert proc.returncode == 1 and "holds `notes.txt`, which is no item of this save" in proc.stdout, proc.stdout
+    (mt / "notes.txt").unlink()
+    back = str(tmp_path / "back")
+    tt.convert(str(mt), back, preset=f"{family}:maxtext:hf")  # no --config: the save's own
+    _check_back(case, models, back, scaled=True)
+
+
 @pytest.mark.parametrize("case", MAXTEXT)
 def test_hf_maxtext_hf_round_trip_layout_only(models, case, tmp_path):
     """scale_query=false, there (as --preset writes it) and back (as tt.preset's keyword): layout only, every

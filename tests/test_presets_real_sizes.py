@@ -476,6 +476,43 @@ def test_hf_to_maxtext_orbax_of_a_multi_gb_folder_in_a_plain_convert_s_memory(bi
     _limited(big, plain, tmp_path, ("--to", "orbax"), ["--preset", "llama:hf:maxtext"], check)
 
 
+def test_maxtext_s_stacked_chunks_convert_back_in_the_memory_of_reading_them(big, tmp_path):
+    # MaxText's stacked leaves are stored in chunks of whole source rows ([embed, 1, heads, head_dim], [embed, 1,
+    # ffn rows]), not C-ordered runs. A writer in C order read them a stripe of whole chunks at a time, up to the
+    # memory budget: the whole 448 MiB `wi_0` (1.9 GiB peak converting 4 GiB of TinyLlama layers). A local
+    # safetensors file now writes each chunk at its place. The yardstick is `inspect --stats` of the same save
+    # (every chunk read once, a few blocks at a time, TensorStore's threads and all): a plain convert back and
+    # `llama:maxtext:hf` run under its address space + 128 MiB (one stripe of `wi_0` would not fit) within 64 MiB
+    # of its peak RSS, and the markers come back where they started.
+    _, markers = big
+    values = _values(markers)
+    mt = tmp_path / "mt"
+    tt.convert(big[0], str(mt), preset="llama:hf:maxtext,scale_query=false", to="orbax")
+
+    def check_plain(out):
+        found = _safetensors_folder(out)
+        name = "decoder.layers.mlp.wi_0.kernel"
+        assert found[name][0] == (4096, 2, 14336)
+        for (r, c) in markers["model.layers.1.mlp.gate_proj.weight"]:
+            assert _element(found[name][1], name, (c, 1, r)) == values["model.layers.1.mlp.gate_proj.weight", (r, c)]
+
+    def check_hf(out):
+        found = _safetensors_folder(out)
+        for (name, index), v in values.items():
+            assert _element(found[name][1], name, index) == v, (name, index)
+
+    code, base_hwm, base_peak, err = _child(["inspect", mt, "--stats"], **_EXACT)
+    assert code == 0, err
+    for args, check in ((["--shard-size", "2GB"], check_plain),
+                        (["--shard-size", "2GB", "--preset", "llama:maxtext:hf,scale_query=false"], check_hf)):
+        out = tmp_path / "out"
+        code, hwm, _, err = _child(["convert", mt, out, *args], limit=base_peak + 128 * MiB, **_EXACT)
+        assert code == 0, f"{args} under `inspect --stats`'s address space + 128 MiB: {err[-2000:]}"
+        assert hwm <= base_hwm + 64 * MiB, f"{args}: peak RSS {hwm >> 20} MiB, `inspect --stats`'s {base_hwm >> 20}"
+        check(str(out))
+        shutil.rmtree(out)
+
+
 def test_the_memory_limit_bites(big, plain, tmp_path):
     # The control: under the same limit, the same plain convert fails when each block it reads is one 224 MiB
     # projection (what a block of a transposed leaf held before: its whole source).

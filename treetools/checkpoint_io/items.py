@@ -30,6 +30,10 @@ PARAM_ITEMS = ("params", "params_ema", "ema_params", "target", "model", "default
 STATE_ITEMS = ("state", "default", "train_state")
 """Items that hold a whole train state (Orbax's legacy and v1 training APIs, a single-item manager)."""
 
+MODEL_FILES = ("config.json", "generation_config.json")
+"""A Hugging Face model's files kept beside its weights: what ``convert --preset`` carries over (into an Orbax
+save too, where the way back finds it: docs/presets.md), and what no check of a save counts as a stranger."""
+
 PARAM_SUBTREES = {False: ("params", "target"), True: ("params_ema", "ema_params", "ema")}
 """Where real layouts keep the parameters inside one item holding a whole train state (T5X: ``target``)."""
 

@@ -205,18 +205,22 @@ def job_plan(readers: Sequence[ArrayReader], block_bytes: int, *, contiguous: bo
 
 def box_plan(reader: ArrayReader, block_bytes: int) -> list[Index] | None:
     """For a writer of boxes (one with random access into its output: Orbax's chunks, a local file): blocks of
-    whole ``reader.layout`` boxes, each at most ``block_bytes``, where C-order blocks would cross those boxes and
-    no stored chunk is there to align with (rules rearranging a file: a transpose reads whole source rows in
-    blocks that are whole columns of the leaf, each source byte once, where each C-order block would read a
-    piece of every source row); else None (C order costs no more). The blocks tile the leaf on a grid: every
-    block has the first one's shape, cut at the leaf's end.
+    whole ``reader.layout`` boxes, each at most ``block_bytes``, where C-order blocks would cross those boxes;
+    else None (C order costs no more). Such boxes are stored chunks that are not C-ordered runs (a C-order block
+    would decode each chunk it cuts, or read a stripe of them up to the memory budget), or a file's rows moved by
+    rules (a transpose: each C-order block is a column band that reads a piece of every source row; blocks of
+    whole source rows read each byte once). None too where one box is over ``block_bytes``. The blocks tile
+    the leaf on a grid: every block has the first one's shape, cut at the leaf's end.
 
     >>> from treetools.checkpoint_io.readers import InMemoryReader
     >>> box_plan(InMemoryReader(np.zeros((4, 6))), 48) is None
     True
+    >>> r = InMemoryReader(np.zeros((4, 6))); r.chunk_shape = (4, 2)
+    >>> [tuple((s.start, s.stop) for s in ix) for ix in box_plan(r, 64)]
+    [((0, 4), (0, 2)), ((0, 4), (2, 4)), ((0, 4), (4, 6))]
     """
     shape = tuple(int(d) for d in reader.shape)
-    layout = reader.layout if reader.chunk_shape is None else None
+    layout = reader.layout
     if layout is None or len(layout) != len(shape) or not math.prod(shape) or c_ordered(layout, shape):
         return None
     max_elems = max(1, block_bytes // reader.dtype.itemsize)

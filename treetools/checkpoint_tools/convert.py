@@ -45,6 +45,7 @@ from treetools.checkpoint_io.storage import as_typed, backend, is_url, join, loc
 from treetools.checkpoint_io.stream import Failed, reduce_blocks
 from treetools.checkpoint_io.mapping import RuledReader
 from treetools.checkpoint_io.leaves import Item, Leaf
+from treetools.checkpoint_io.items import MODEL_FILES
 from treetools.checkpoint_io.opening import open_source
 from treetools.checkpoint_io.source import Source
 from treetools.checkpoint_io.steps import parse_step
@@ -72,8 +73,6 @@ OTHER_FILES = (".npz", ".npy", ".msgpack", ".eqx", ".h5", ".keras", ".pt", ".pth
 pickles): a DST ending in one is a mistake, never a folder to write (a Hugging Face folder named ``out.npz``)."""
 SCHEMA = 1
 """Version of ``ConvertReport.to_json``."""
-MODEL_FILES = ("config.json", "generation_config.json")
-"""A Hugging Face model folder's files beside the weights that a preset conversion carries over (docs/presets.md)."""
 
 
 @dataclasses.dataclass(frozen=True)

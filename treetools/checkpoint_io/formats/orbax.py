@@ -46,6 +46,7 @@ from treetools.checkpoint_io.formats._orbax_items import (  # the items of a ste
     read_item,
     special_item,
 )
+from treetools.checkpoint_io.items import MODEL_FILES
 from treetools.checkpoint_io.leaves import (DEFAULT_ITEM, Item, Snapshot, Unreadable, UnreadProblem, check_name)
 from treetools.checkpoint_io.readers import MemoryBudgetError, read_metadata
 from treetools.checkpoint_io.source import Format, ItemLayout, Layout, RootLayout, Source, StepLayout
@@ -262,8 +263,9 @@ class OrbaxSource(Source):
         return _strangers(self.storage, step_dir, self._shown(step), expected=expected | _STEP_FILES)
 
 
-_STEP_FILES = {STEP_METADATA_FILE, COMMIT_SUCCESS_FILE, "descriptor", "_ROOT_METADATA", "orbax.checkpoint"}
-"""What Orbax writes in a step folder beside the items (``descriptor``: the CompositeCheckpointHandler's; ``orbax.checkpoint``: the v1 API's marker)."""
+_STEP_FILES = {STEP_METADATA_FILE, COMMIT_SUCCESS_FILE, "descriptor", "_ROOT_METADATA", "orbax.checkpoint",
+               *MODEL_FILES}
+"""What Orbax writes in a step folder beside the items (``descriptor``: the CompositeCheckpointHandler's; ``orbax.checkpoint``: the v1 API's marker), and a model's config kept with it (``items.MODEL_FILES``)."""
 
 
 def _empty_folder(storage: Storage, folder: str) -> bool:
@@ -279,7 +281,9 @@ def _item_entries(storage: Storage, item: OrbaxItem) -> set[str] | None:
     """What an OCDBT item folder may hold (None: not OCDBT, whose arrays are folders of their own names)."""
     if not item.metadata.get("use_ocdbt", storage.exists(os.path.join(item.folder, "manifest.ocdbt"))):
         return None
-    return _ORBAX_FILES | {"checkpoint"}  # `checkpoint`: the aggregate msgpack of Orbax before 0.5
+    # `checkpoint`: the aggregate msgpack of Orbax before 0.5; a model's config.json kept with its weights (a
+    # `convert --preset` to Orbax writes it there)
+    return _ORBAX_FILES | {"checkpoint", *MODEL_FILES}
 
 
 def _strangers(storage: Storage, folder: str, shown: str, *, expected: set[str] | None) -> list[str]:

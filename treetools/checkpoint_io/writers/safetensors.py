@@ -302,11 +302,12 @@ def _write_file(storage: Storage, path: str, file: ShardFile, metadata: dict[str
     with storage.create(path, size=len(head) + file.data_bytes, fsync=False) as out:
         out.write(head)
         # A local file is written with random access where a tensor's C-order blocks would cross its sources'
-        # cheapest boxes (a transposed leaf of a file) and it spans more than REREAD_BLOCKS blocks: blocks of
-        # whole source rows, each at its place.
+        # cheapest boxes (stored chunks that are not C-ordered runs; a transposed leaf of a file spanning more than
+        # REREAD_BLOCKS blocks): blocks of whole such boxes, each at its place.
         positional = getattr(out, "write_runs", None)
         plans = [box_plan(t.reader, block_bytes) if positional is not None and isinstance(t.reader, ArrayReader)
-                 and t.nbytes > REREAD_BLOCKS * block_bytes else None for t in file.tensors]
+                 and (t.reader.chunk_shape is not None or t.nbytes > REREAD_BLOCKS * block_bytes) else None
+                 for t in file.tensors]
         starts, number = {}, {}
         at = len(head)
         for k, t in enumerate(file.tensors):
