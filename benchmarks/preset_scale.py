@@ -9,7 +9,7 @@ child process of the ``treetools`` CLI; CPU is the child's user + system (``os.w
 and bytes read its ``rchar`` (``/proc/self/io``), both read at exit. Safetensors output is written for real (zeros)
 and removed after each run; Orbax output is compressed zeros.
 
-Then one leaf alone: a Llama-3-sized ``lm_head`` (128256 x 4096 float32, 2 GiB, a hole) transposed by a plain rule
+The MaxText save is then converted back to safetensors, plain and with ``llama:maxtext:hf``. Then one leaf alone: a Llama-3-sized ``lm_head`` (128256 x 4096 float32, 2 GiB, a hole) transposed by a plain rule
 (``--transpose``), the leaf whose C-order blocks each read a piece of all its 128256 rows.
 
 Run it (``--treetools PATH``: measure another checkout, e.g. the main branch before the change)::
@@ -52,6 +52,12 @@ COMMANDS = {
     "--preset llama:hf:maxtext --to orbax": ["--preset", "llama:hf:maxtext", "--to", "orbax"],
 }
 
+BACK = {
+    "that MaxText save: convert (plain)": [],
+    "that MaxText save: --preset llama:maxtext:hf": ["--preset", "llama:maxtext:hf"],
+}
+"""Run on the ``llama:hf:maxtext --to orbax`` output (its stacked leaves stored in chunks of whole source rows)."""
+
 
 def run(code: str, src: str, out: str, args: list[str], program: str = _CLI) -> tuple[float, int, int]:
     """``treetools convert SRC OUT ARGS`` in a child running ``program`` (``main()`` by default): (CPU seconds, peak
@@ -92,9 +98,17 @@ def main() -> None:
                 out = os.path.join(work, "out")
                 shutil.rmtree(out, ignore_errors=True)
                 cpu, hwm, rchar = run(args.treetools, src, out, extra)
-                shutil.rmtree(out, ignore_errors=True)
                 print(f"| {total / 2**30:.2f} GiB ({layers} layers) | {name} | {cpu:.1f} | {hwm / 2**20:.0f} | "
                       f"{rchar / 2**30:.2f} |", flush=True)
+                if "llama:hf:maxtext" in extra:  # and back, from that MaxText save
+                    for back, more in BACK.items():
+                        again = os.path.join(work, "back")
+                        shutil.rmtree(again, ignore_errors=True)
+                        cpu, hwm, rchar = run(args.treetools, out, again, more)
+                        shutil.rmtree(again, ignore_errors=True)
+                        print(f"| {total / 2**30:.2f} GiB ({layers} layers) | {back} | {cpu:.1f} | "
+                              f"{hwm / 2**20:.0f} | {rchar / 2**30:.2f} |", flush=True)
+                shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(src)
         src = os.path.join(work, "lm_head.safetensors")
         sparse_safetensors(src, [("lm_head.weight", "F32", LM_HEAD, 4)])

@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 import treetools as tt
 from treetools.checkpoint_io.formats._tensorstore import TensorStoreReader
-from treetools.checkpoint_io.readers import InMemoryReader, block_extent
+from treetools.checkpoint_io.readers import InMemoryReader, block_extent, c_ordered
 from treetools.checkpoint_io.stream import cores
 from treetools.checkpoint_io.writers.orbax import c_order_chunk, write_orbax
 from treetools.shared.settings import block_bytes_from
@@ -107,6 +107,17 @@ def test_each_stored_chunk_is_read_once(tmp_path, monkeypatch, to, chunked):
     expected = sum(math.prod(-(-n // c) for n, c in zip(v.shape, chunks[k])) for k, v in tree.items())
     assert len(counts) == expected  # every stored chunk read ...
     assert set(counts.values()) == {1}  # ... by exactly one read
+    if chunked and to == "safetensors":
+        # Chunks that are not C-ordered runs (Orbax cut `w`'s rows), over a block: a local file takes each one at
+        # its place, so a read is one chunk, never a stripe of them (up to the memory budget) as a writer in C
+        # order needs.
+        cut = [k for k, v in tree.items() if not c_ordered(chunks[k], v.shape)]
+        assert "w" in cut
+        for reader, index in counting.reads:
+            chunk = by_shape[tuple(reader.shape)]
+            if not c_ordered(chunk, reader.shape):
+                starts, sizes = block_extent(index, reader.shape)
+                assert math.prod(-(-(s + n) // c) - s // c for s, n, c in zip(starts, sizes, chunk)) == 1, index
     if to == "safetensors":
         with safe_open(dst, "np") as f:
             got = {k: f.get_tensor(k) for k in f.keys()}

@@ -203,13 +203,15 @@ def job_plan(readers: Sequence[ArrayReader], block_bytes: int, *, contiguous: bo
     return list(plan_blocks(shape, max_elems, granule))
 
 
-def box_plan(reader: ArrayReader, block_bytes: int) -> list[Index] | None:
+def box_plan(reader: ArrayReader, block_bytes: int, *, whole_chunks: bool = False) -> list[Index] | None:
     """For a writer of boxes (one with random access into its output: Orbax's chunks, a local file): blocks of
     whole ``reader.layout`` boxes, each at most ``block_bytes``, where C-order blocks would cross those boxes;
     else None (C order costs no more). Such boxes are stored chunks that are not C-ordered runs (a C-order block
     would decode each chunk it cuts, or read a stripe of them up to the memory budget), or a file's rows moved by
     rules (a transpose: each C-order block is a column band that reads a piece of every source row; blocks of
-    whole source rows read each byte once). None too where one box is over ``block_bytes``. The blocks tile
+    whole source rows read each byte once). None too where one box is over ``block_bytes``, unless
+    ``whole_chunks`` and the box is a stored chunk: then each block is one chunk (TensorStore decodes a chunk whole
+    anyway; a stripe would hold a band of them), for a writer whose blocks need not fit a block. The blocks tile
     the leaf on a grid: every block has the first one's shape, cut at the leaf's end.
 
     >>> from treetools.checkpoint_io.readers import InMemoryReader
@@ -225,7 +227,8 @@ def box_plan(reader: ArrayReader, block_bytes: int) -> list[Index] | None:
         return None
     max_elems = max(1, block_bytes // reader.dtype.itemsize)
     plan = list(plan_blocks(shape, max_elems, layout))
-    return plan if math.prod(block_extent(plan[0], shape)[1]) <= max_elems else None
+    fits = math.prod(block_extent(plan[0], shape)[1]) <= max_elems
+    return plan if fits or (whole_chunks and reader.chunk_shape is not None) else None
 
 
 def _cut(index: Index, block: np.ndarray, shape: Sequence[int], max_elems: int

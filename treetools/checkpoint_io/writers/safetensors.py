@@ -305,7 +305,8 @@ def _write_file(storage: Storage, path: str, file: ShardFile, metadata: dict[str
         # cheapest boxes (stored chunks that are not C-ordered runs; a transposed leaf of a file spanning more than
         # REREAD_BLOCKS blocks): blocks of whole such boxes, each at its place.
         positional = getattr(out, "write_runs", None)
-        plans = [box_plan(t.reader, block_bytes) if positional is not None and isinstance(t.reader, ArrayReader)
+        plans = [box_plan(t.reader, block_bytes, whole_chunks=True) if positional is not None
+                 and isinstance(t.reader, ArrayReader)
                  and (t.reader.chunk_shape is not None or t.nbytes > REREAD_BLOCKS * block_bytes) else None
                  for t in file.tensors]
         starts, number = {}, {}
