@@ -306,6 +306,29 @@ def test_verify_finds_a_difference_and_the_cli_exits_1(tmp_path, capsys, monkeyp
     assert out.rstrip().endswith("verify: FAILED: 1 problem.")
 
 
+def test_verify_takes_a_big_endian_source_as_its_little_endian_copy(tmp_path, monkeypatch):
+    # Safetensors is little-endian: a big-endian npz source is written byte-swapped, the same values. verify said
+    # "holds float32[2, 3], expected float32[2, 3]" (the dtypes differ only in byte order); a real difference in
+    # the values is still found.
+    src = {"a": np.arange(6, dtype=">f4").reshape(2, 3), "b": np.array([1.5, np.nan, -0.0], ">f8")}
+    np.savez(tmp_path / "w.npz", **src)
+    report = tt.convert(tmp_path / "w.npz", tmp_path / "o.safetensors", verify=True)
+    assert report.ok and report.problems == []
+    with safe_open(tmp_path / "o.safetensors", "np") as f:
+        for k, v in src.items():
+            assert f.get_tensor(k).dtype == v.dtype.newbyteorder("<") and f.get_tensor(k).tobytes() == \
+                v.astype(v.dtype.newbyteorder("<")).tobytes(), k
+    real = st_writer.tensor_blocks
+
+    def damaged(tensors, block_bytes):
+        for tensor, block in real(tensors, block_bytes):
+            yield tensor, (block * 2 if tensor.name == "a" else block)
+
+    monkeypatch.setattr(st_writer, "tensor_blocks", damaged)
+    report = tt.convert(tmp_path / "w.npz", tmp_path / "o2.safetensors", verify=True)
+    assert report.problems == ["`a`: 5 of 6 elements differ from the source (first at (0, 1))."], report.problems
+
+
 def test_cli_usage_errors_exit_2_and_known_errors_exit_1(tmp_path, capsys):
     np.savez(tmp_path / "w.npz", a=np.ones(3, np.float32))
     src, dst = str(tmp_path / "w.npz"), str(tmp_path / "o.safetensors")

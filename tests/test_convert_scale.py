@@ -163,6 +163,20 @@ def test_orbax_output_is_read_identically_by_orbax_and_stored_in_c_order_chunks_
     assert c_order_chunk((300, 70), 4, 4096) == (14, 70)
 
 
+def test_orbax_output_in_blocks_of_one_byte(tmp_path):
+    # --block-size 1 is a block size like any (each chunk one element): Orbax's save refused it with its own
+    # "target_byte_size=1 must be >= 4" and a traceback (found by a review); now the output is Orbax's save of
+    # the same arrays.
+    tree = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(5, dtype=np.int16),
+            "c": np.asarray(3.5)}
+    np.savez(tmp_path / "s.npz", **tree)
+    assert tt.convert(tmp_path / "s.npz", tmp_path / "o", to="orbax", block_bytes=1, verify=True).ok
+    got = flat_arrays(ocp.StandardCheckpointer().restore(os.path.abspath(tmp_path / "o")))
+    assert sorted(got) == sorted(tree)
+    for k, v in tree.items():
+        assert got[k].dtype == v.dtype and got[k].tobytes() == v.tobytes(), k
+
+
 def test_a_read_failing_inside_orbaxs_save_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     # The leaves are read inside Orbax's save, on its thread: the reader's own one-line error comes out, not
     # Orbax's wrapping of it, and no destination (nor temporary) is left.

@@ -230,28 +230,41 @@ class _Spy:
         monkeypatch.setattr(LocalStorage, "read_runs", read_runs, raising=False)  # (not before this change)
 
 
-@pytest.mark.parametrize("shape", [(1024, 8192), (4096, 2048)])
-def test_a_transposed_leaf_is_read_in_reads_of_at_most_a_block(tmp_path, monkeypatch, shape):
+@pytest.mark.parametrize("shape, passes, at_place", [((1024, 8192), 1, False), ((4096, 2048), 32, False),
+                                                     ((131072, 64), 1, True), ((256, 32768), 1, False)])
+def test_a_transposed_leaf_is_read_in_reads_of_at_most_a_block(tmp_path, monkeypatch, shape, passes, at_place):
     # A 32 MiB float32 leaf transposed, in blocks of 1 MiB. Before, each block read the whole leaf in slabs of 8 MiB
-    # and held them all; then each C-order block of the output was a column band of the source, and with rows of
-    # 8 KiB (under GAP_BYTES: read in slabs of whole rows) each block was its own pass over the leaf, 32 passes.
-    # Now a local output file is written with random access in blocks of whole source rows (`box_plan`; a leaf of
-    # 32 blocks is over REREAD_BLOCKS), so with rows of 32 KiB and of 8 KiB alike the reads are the leaf's bytes,
-    # each once, none over a block.
+    # and held them all. Now no read is over a block, and a local output file takes the leaf the cheaper way
+    # (`_positional_plan`, a call costing CALL_BYTES of copies):
+    # - rows of 32 KiB (past GAP_BYTES): C order reads each source row's piece of a block, each byte once;
+    # - rows of 8 KiB: C order reads in slabs of whole rows, each block a pass over the leaf (2048 target rows /
+    #   (1 MiB / (4096 * 4) = 64 per block) = 32 passes, 1 GiB copied), which costs less than writing its 2048-row
+    #   blocks of whole source rows at their places (65,536 write calls);
+    # - rows of 256 bytes: C order would make 32 passes too, and blocks of whole source rows are 64 target rows of
+    #   16 KiB (2,048 write calls): each byte read once;
+    # - rows of 128 KiB (a [d, vocab] kernel to [vocab, d]): at their places a block would be 32,768 target rows
+    #   of 32 bytes (a million write calls in all); C order reads each source row's 4 KiB piece once.
+    from treetools.checkpoint_io.storage.local import LocalUpload
+
     src = tmp_path / "w.safetensors"
     starts = sparse_safetensors(src, [("w", "F32", shape, 4), ("b", "F32", (7,), 4)])
     spy = _Spy(monkeypatch, "w.safetensors")
+    placed = []
+    write_runs = LocalUpload.write_runs
+    monkeypatch.setattr(LocalUpload, "write_runs", lambda upload, runs: placed.append(1) or write_runs(upload, runs))
     tt.convert(str(src), str(tmp_path / "out.safetensors"), rules=tt.Rules(transpose=[("^w$", (1, 0))]),
                block_bytes=MiB, workers=1)
     lo, hi = starts["w"], starts["w"] + 32 * MiB
     mine = sorted((pos, n) for pos, n in spy.reads if lo <= pos < hi)
     assert max(n for _, n in mine) <= MiB
-    assert sum(n for _, n in mine) == hi - lo
-    covered = np.zeros(hi - lo, bool)  # every byte once: no two reads overlap, and together they are the leaf
-    for pos, n in mine:
-        assert not covered[pos - lo:pos - lo + n].any()
-        covered[pos - lo:pos - lo + n] = True
-    assert covered.all()
+    assert sum(n for _, n in mine) == passes * (hi - lo)
+    assert bool(placed) == at_place
+    if passes == 1:
+        covered = np.zeros(hi - lo, bool)  # every byte once: no two reads overlap, and together they are the leaf
+        for pos, n in mine:
+            assert not covered[pos - lo:pos - lo + n].any()
+            covered[pos - lo:pos - lo + n] = True
+        assert covered.all()
 
 
 def _data_spans(folder):
@@ -278,11 +291,11 @@ def test_a_preset_reads_each_source_byte_once(small, tmp_path, monkeypatch, pres
     # (test_a_plain_transpose_and_the_presets_write_numpy_s_transposes). (A block of 1 MiB is two heads of rows
     # here; a block of part of a head would read the rest of it too: q and k's rotary permute moves rows within
     # a head.)
-    # To safetensors a leaf is written that way above REREAD_BLOCKS blocks (below, re-reading costs less CPU than a
-    # write call per row); 0 here, so every leaf is.
+    # To safetensors, a leaf is written that way where it costs less than C order, a write call counted as
+    # CALL_BYTES of copies; 0 here, so every leaf C order would read in slabs is (the others C order reads once).
     from treetools.checkpoint_io.writers import safetensors as st_writer
 
-    monkeypatch.setattr(st_writer, "REREAD_BLOCKS", 0)
+    monkeypatch.setattr(st_writer, "CALL_BYTES", 0)
     folder, _ = small
     spans = _data_spans(folder)
     spy = _Spy(monkeypatch, ".safetensors")
@@ -298,21 +311,22 @@ def test_a_preset_reads_each_source_byte_once(small, tmp_path, monkeypatch, pres
 
 
 def test_maxtext_s_stacked_leaves_are_stored_in_chunks_of_whole_source_rows(small, tmp_path):
-    # The query kernel [embed, layers, heads, head_dim] from per-layer [heads * head_dim, embed]: a chunk is
-    # [embed, 1, heads of a block, head_dim] (whole source rows of one layer); Orbax's own restore reads it as the
-    # numpy layout built from the source by hand.
+    # The query kernel [embed, layers, heads, head_dim] from per-layer [heads * head_dim, embed]: each block
+    # written is [embed, 1, heads of a block, head_dim] (whole source rows of one layer), stored as chunks of
+    # PIECE_BYTES along `embed` (a restore sharded along `embed`, as MaxText's FSDP, decodes its own rows); Orbax's
+    # own restore reads it as the numpy layout built from the source by hand.
     import orbax.checkpoint as ocp
     import tensorstore as ts
 
     folder, state = small
     out = tmp_path / "mt"
-    tt.convert(folder, str(out), preset="llama:hf:maxtext,scale_query=false", to="orbax", block_bytes=2**20)
+    tt.convert(folder, str(out), preset="llama:hf:maxtext,scale_query=false", to="orbax", block_bytes=4 * 2**20)
     name = "decoder.layers.self_attention.query.kernel"
     store = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{out}/"}, "path": name},
                     read=True).result()
     hidden, hd = SMALL["hidden"], SMALL["hidden"] // SMALL["heads"]
-    per_block = 2**20 // (4 * hidden * hd)  # heads in 1 MiB of whole source rows: 2
-    assert tuple(store.chunk_layout.read_chunk.shape) == (hidden, 1, per_block, hd)
+    per_block = 4 * 2**20 // (4 * hidden * hd)  # heads in 4 MiB of whole source rows: 8, all of them
+    assert tuple(store.chunk_layout.read_chunk.shape) == (hidden // 4, 1, per_block, hd)  # 4 MiB in 1 MiB pieces
     restored = ocp.StandardCheckpointer().restore(str(out))
     got = np.asarray(restored["decoder"]["layers"]["self_attention"]["query"]["kernel"])
     want = np.stack([_interleaved(state[f"model.layers.{i}.self_attn.q_proj.weight"], hd).transpose(2, 0, 1)

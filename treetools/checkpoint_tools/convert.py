@@ -627,7 +627,9 @@ def verify_written(dst: str, report: ConvertReport, plan: _Plan, opts: ConvertOp
             problems.append(f"`{name}`: missing from {report.dst}.")
             continue
         got = leaf.reader
-        if tuple(got.shape) != tuple(reader.shape) or np.dtype(got.dtype) != np.dtype(reader.dtype):
+        # (a byte order is no difference: safetensors is little-endian, a big-endian npz source is written so)
+        if tuple(got.shape) != tuple(reader.shape) or \
+                np.dtype(got.dtype).newbyteorder("=") != np.dtype(reader.dtype).newbyteorder("="):
             problems.append(f"`{name}`: {report.dst} holds {np.dtype(got.dtype).name}{list(got.shape)}, "
                             f"expected {np.dtype(reader.dtype).name}{list(reader.shape)}.")
             continue

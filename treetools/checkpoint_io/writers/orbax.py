@@ -117,6 +117,11 @@ OnBlock = Callable[[str, int], None]
 """``on_block(leaf name, nbytes)``: called after each stored chunk is written (a progress bar)."""
 
 
+PIECE_BYTES = 2**20
+"""About how large the stored chunks of a box-plan block whole along its first axis are: the block cut along that
+axis (``Leaf.stored_chunk``)."""
+
+
 def c_order_chunk(shape: Sequence[int], itemsize: int, block_bytes: int) -> tuple[int, ...]:
     """The chunk shape a leaf is stored in: the first block of a C-order plan of ``block_bytes`` (whole rows along
     the leading axes, a run of the flat data), so a C-ordered write fills whole chunks and a chunk reads back
@@ -179,19 +184,28 @@ class Leaf:
         """The chunk shape the leaf is stored in: C-order runs of a block (``c_order_chunk``), or, for a leaf
         whose C-order blocks would cross its sources' cheapest boxes (``stream.box_plan``: rules transposing or
         stacking a file's rows, MaxText's ``[embed, layers, heads, head_dim]`` from per-layer ``[heads * head_dim,
-        embed]`` projections), a block of whole such boxes: each chunk then reads whole source rows, each source
-        byte once, where C-order chunks would read a piece of every layer's projection for each chunk."""
+        embed]`` projections), a block of whole such boxes (cut along the first axis where it is whole): each
+        block written then reads whole source rows, each source byte once, where C-order chunks would read a
+        piece of every layer's projection for each chunk."""
         plan = self._box_plan(block_bytes)
-        if plan is not None:
-            return block_extent(plan[0], self.shape)[1]
-        return c_order_chunk(self.shape, self.dtype.itemsize, block_bytes)
+        if plan is None:
+            return c_order_chunk(self.shape, self.dtype.itemsize, block_bytes)
+        chunk = list(block_extent(plan[0], self.shape)[1])
+        if chunk and chunk[0] == self.shape[0]:
+            # A block whole along the first axis is stored as pieces of it of about PIECE_BYTES (each write is
+            # still one block, whole chunks): a restore sharded along that axis (MaxText's FSDP shards `embed`)
+            # decodes its own rows, not every row of every chunk it touches.
+            pieces = min(self.shape[0], max(1, math.prod(chunk) * self.dtype.itemsize // PIECE_BYTES))
+            chunk[0] = -(-self.shape[0] // pieces)
+        return tuple(chunk)
 
     def _box_plan(self, block_bytes: int) -> list[Index] | None:
         return box_plan(self.reader, block_bytes) if isinstance(self.reader, ArrayReader) else None
 
     def chunks(self, block_bytes: int) -> Generator[tuple[Index, np.ndarray], None, None]:
-        """The leaf's stored chunks (``stored_chunk``), read block by block (each source chunk decoded once), in
-        C order or (a box plan) one read each in the order of the chunk grid."""
+        """The leaf's data as ``(index, block)`` writes of whole stored chunks (``stored_chunk``), read block by
+        block (each source chunk decoded once): each chunk in C order, or (a box plan) each block of the plan,
+        one read each, whole chunks of the grid."""
         tensor = Tensor(self.name, self.reader)
         plan = self._box_plan(block_bytes)
         if plan is not None:
@@ -475,8 +489,10 @@ class _OrbaxSave:
             impl = ocp.BasePyTreeCheckpointHandler(type_handler_registry=registry, enable_post_merge_validation=False)
             return ocp.PyTreeCheckpointHandler(type_handler_registry=registry, handler_impl=impl)
 
+        # (Orbax refuses a chunk_byte_size under 4 bytes, before it reads one: the chunks of a block of 1 byte are
+        # one element each, whatever that is.)
         save_args = ocp.args.PyTreeSave(self.tree, save_args=nest([(p, ocp.SaveArgs(
-            chunk_byte_size=self.block_bytes)) for p in self.paths]))
+            chunk_byte_size=max(16, self.block_bytes))) for p in self.paths]))
         try:
             if self.step is None:
                 with ocp.Checkpointer(save_handler()) as checkpointer:

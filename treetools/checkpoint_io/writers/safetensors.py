@@ -43,7 +43,7 @@ import numpy as np
 from treetools.checkpoint_io.storage import Storage, backend, join
 from treetools.shared.files import fsync_file
 from treetools.checkpoint_io.formats.safetensors import DTYPE_NAMES
-from treetools.checkpoint_io.readers import ArrayReader, InMemoryReader, Index, block_extent, np_dtype
+from treetools.checkpoint_io.readers import GAP_BYTES, ArrayReader, InMemoryReader, Index, block_extent, np_dtype
 from treetools.checkpoint_io.share import Share, owners, pool
 from treetools.checkpoint_io.stream import box_plan, stream_blocks
 from treetools.shared import rows
@@ -255,12 +255,41 @@ def tensor_blocks(tensors: Sequence[Tensor], block_bytes: int) -> Iterator[tuple
         yield tensor, block
 
 
-REREAD_BLOCKS = 16
-"""A tensor whose C-order blocks each read a piece of every source row (a transposed leaf of a file) is written
-with random access (``box_plan``, one write call per row of a block, each source byte read once) only above this
-many blocks. Below, each block reading its whole leaf again (copies from the page cache) costs less than those
-write calls: TinyLlama's projections (2-6 blocks) convert in half the CPU that way, where a 128k-vocabulary
-``lm_head`` (128-256 blocks) would be read 128-256 times (benchmarks/preset_scale.py, BENCHMARKS.md)."""
+CALL_BYTES = 40_000
+"""What one read or write call costs, in bytes copied from the page cache: a ``pwrite`` of a row and its Python
+take 7 us, and 1.1 TB copied took 178 s, 0.16 ns a byte (benchmarks/preset_scale.py, BENCHMARKS.md). How a
+local file takes a transposed leaf is the cheaper of the two by it (``_positional_plan``)."""
+
+
+def _positional_plan(tensor: Tensor, block_bytes: int) -> list[Index] | None:
+    """The blocks a local file takes ``tensor`` in at their places (``box_plan``), or None for C order.
+
+    Always for stored chunks that are not C-ordered runs (C order would read stripes of them, up to the memory
+    budget). For a file's rows moved by rules (a transpose), whichever costs less: in C order each block reads a
+    piece of every source row, and where those pieces lie closer than ``GAP_BYTES`` the file is read in slabs, so
+    each block copies the whole leaf again (a 128k-vocabulary ``lm_head``: 256 times); else one read call per
+    source row and block. At their places, each source byte is read once and each row of a block is one write
+    call (a ``[d, vocab]`` kernel to ``[vocab, d]``: rows of 32 entries, millions of calls). A call counts as
+    ``CALL_BYTES`` copied.
+    """
+    reader = tensor.reader
+    if not isinstance(reader, ArrayReader):
+        return None
+    if reader.chunk_shape is not None:
+        return box_plan(reader, block_bytes, whole_chunks=True)
+    plan = box_plan(reader, block_bytes)
+    if plan is None or reader.layout is None:
+        return None
+    n = tensor.nbytes
+    sizes = block_extent(plan[0], tensor.shape)[1]
+    partial = [j for j, (k, full) in enumerate(zip(sizes, tensor.shape)) if k != full]
+    written = math.prod(sizes[partial[-1]:] if partial else sizes) * tensor.dtype.itemsize
+    row = math.prod(reader.layout) * tensor.dtype.itemsize  # one source row, as the rules moved it
+    blocks = -(-n // block_bytes)
+    piece = block_bytes * row // max(1, n)  # what each source row gives one C-order block
+    c_order = blocks * n if row - piece < GAP_BYTES else blocks * (n // max(1, row)) * CALL_BYTES
+    at_place = (n // max(1, written)) * CALL_BYTES + n
+    return plan if at_place < c_order else None
 
 
 def box_runs(data: np.ndarray, index: Index, shape: Sequence[int], itemsize: int, start: int
@@ -302,13 +331,10 @@ def _write_file(storage: Storage, path: str, file: ShardFile, metadata: dict[str
     with storage.create(path, size=len(head) + file.data_bytes, fsync=False) as out:
         out.write(head)
         # A local file is written with random access where a tensor's C-order blocks would cross its sources'
-        # cheapest boxes (stored chunks that are not C-ordered runs; a transposed leaf of a file spanning more than
-        # REREAD_BLOCKS blocks): blocks of whole such boxes, each at its place.
+        # cheapest boxes (stored chunks that are not C-ordered runs; a transposed leaf of a file where that costs
+        # less): blocks of whole such boxes, each at its place (`_positional_plan`).
         positional = getattr(out, "write_runs", None)
-        plans = [box_plan(t.reader, block_bytes, whole_chunks=True) if positional is not None
-                 and isinstance(t.reader, ArrayReader)
-                 and (t.reader.chunk_shape is not None or t.nbytes > REREAD_BLOCKS * block_bytes) else None
-                 for t in file.tensors]
+        plans = [_positional_plan(t, block_bytes) if positional is not None else None for t in file.tensors]
         starts, number = {}, {}
         at = len(head)
         for k, t in enumerate(file.tensors):
