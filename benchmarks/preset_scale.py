@@ -47,7 +47,7 @@ sys.exit(main(sys.argv[1:]))
 
 COMMANDS = {
     "convert (plain)": [],
-    "--preset llama:hf:reference": ["--preset", "llama:hf:reference"],
+    "--preset llama:hf:reference": ["--preset", "llama:hf:reference", "--to", "safetensors"],
     "convert --to orbax (plain)": ["--to", "orbax"],
     "--preset llama:hf:maxtext --to orbax": ["--preset", "llama:hf:maxtext", "--to", "orbax"],
 }

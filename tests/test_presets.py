@@ -270,7 +270,7 @@ def test_hf_maxtext_hf_round_trip(models, case, tmp_path):
     family = CASES[case][0]
     model, folder, state, _, _ = models[case]
     mt = str(tmp_path / "maxtext")
-    report = tt.convert(folder, mt, preset=f"{family}:hf:maxtext", verify=True)
+    report = tt.convert(folder, mt, preset=f"{family}:hf:maxtext", to="safetensors", verify=True)
     assert report.ok
     got, want = _saved(mt), _maxtext_by_hand(family, state, model.config)
     assert sorted(got) == sorted(want)
@@ -308,7 +308,7 @@ def test_hf_maxtext_hf_round_trip_layout_only(models, case, tmp_path):
     family = CASES[case][0]
     model, folder, state, _, _ = models[case]
     mt = str(tmp_path / "maxtext")
-    tt.convert(folder, mt, preset=f"{family}:hf:maxtext,scale_query=false")
+    tt.convert(folder, mt, preset=f"{family}:hf:maxtext,scale_query=false", to="safetensors")
     got, want = _saved(mt), _maxtext_by_hand(family, state, model.config, scale_query=False)
     assert sorted(got) == sorted(want)
     for name, value in want.items():
@@ -324,7 +324,7 @@ def test_maxtext_to_hf_reads_head_dim_off_the_shapes(models, tmp_path):
     --config."""
     folder = models["llama"][1]
     mt = str(tmp_path / "mt")
-    tt.convert(folder, mt, preset="llama:hf:maxtext")
+    tt.convert(folder, mt, preset="llama:hf:maxtext", to="safetensors")
     os.remove(os.path.join(mt, "config.json"))
     rules = tt.preset("llama:maxtext:hf")  # no config: sizes come from the shapes
     assert not rules.sizes
@@ -439,7 +439,8 @@ def test_dry_run_shows_every_step_and_writes_nothing(models, tmp_path):
                 "--format", "json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    query = next(t for t in report["tensors"] if t["name"] == "decoder.layers.self_attention.query.kernel")
+    assert report["to"] == "orbax"  # a preset to maxtext, no --to, a local folder: Orbax
+    query = next(t for t in report["tensors"] if t["name"] == "decoder/layers/self_attention/query/kernel")
     assert query["shape"] == [48, 2, 6, 8] and "permute" in " ".join(query["ops"])
     assert query["ops"][-1] == "scale 1/sqrt(8)"  # MaxText's query scale, shown before any read
     assert "config.json" in report["files"] and "generation_config.json" in report["files"]
@@ -447,7 +448,7 @@ def test_dry_run_shows_every_step_and_writes_nothing(models, tmp_path):
     done = _cli("convert", folder, str(tmp_path / "mt"), "--preset", "llama:hf:maxtext,scale_query=false",
                 "--dry-run", "--format", "json")
     assert done.returncode == 0, done.stderr
-    query = next(t for t in json.loads(done.stdout)["tensors"] if t["name"].endswith("self_attention.query.kernel"))
+    query = next(t for t in json.loads(done.stdout)["tensors"] if t["name"].endswith("self_attention/query/kernel"))
     assert "permute" in " ".join(query["ops"]) and not any("scale" in op for op in query["ops"])
     done = _cli("convert", folder, str(tmp_path / "mt"), "--preset", "llama:hf:maxtext,scale=false")
     assert done.returncode == 2 and "no option 'scale'; its options: scale_query (default true)" in done.stderr
@@ -472,7 +473,8 @@ def test_reference_logits_of_a_converted_model(models, case, tmp_path):
     family = CASES[case][0]
     _, folder, _, tokens, logits = models[case]
     ref = str(tmp_path / "ref")
-    tt.convert(folder, ref, preset=f"{family}:hf:reference", to="orbax")
+    report = tt.convert(folder, ref, preset=f"{family}:hf:reference")  # no `to`: a preset to reference is Orbax
+    assert report.to == "orbax"
     cfg = model_module.ModelConfig.from_hf(folder)
     out = np.asarray(model_module.Transformer(cfg).apply({"params": tt.load_parameters(ref)}, tokens))
     scale, diff = float(np.max(np.abs(logits))), float(np.max(np.abs(out - logits)))

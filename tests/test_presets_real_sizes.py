@@ -152,7 +152,7 @@ def test_a_plain_transpose_and_the_presets_write_numpy_s_transposes(small, tmp_p
         np.testing.assert_array_equal(got[name], w.T if name.endswith("proj.weight") else w, err_msg=name)
     # hf -> reference: every kernel [in, out]
     ref = str(tmp_path / "ref")
-    tt.convert(folder, ref, preset="llama:hf:reference", **read)
+    tt.convert(folder, ref, preset="llama:hf:reference", to="safetensors", **read)
     got = {}
     for f in sorted(os.listdir(ref)):
         if f.endswith(".safetensors"):
@@ -281,7 +281,7 @@ def _data_spans(folder):
     return spans
 
 
-@pytest.mark.parametrize("preset, to", [("llama:hf:maxtext", "orbax"), ("llama:hf:reference", None)])
+@pytest.mark.parametrize("preset, to", [("llama:hf:maxtext", "orbax"), ("llama:hf:reference", "safetensors")])
 def test_a_preset_reads_each_source_byte_once(small, tmp_path, monkeypatch, preset, to):
     # Blocks of 1 MiB over projections of 1-16 MiB: a C-order block of a transposed leaf is a column band of its
     # source over every source row, and for MaxText's stacked leaves of every layer's source (each block read a
@@ -454,7 +454,8 @@ def test_hf_to_reference_of_a_multi_gb_folder_in_a_plain_convert_s_memory(big, p
         with open(os.path.join(out, "config.json")) as f:
             assert json.load(f)["hidden_size"] == 4096
 
-    _limited(big, plain, tmp_path, ("--shard-size", "2GB"), ["--preset", "llama:hf:reference"], check)
+    _limited(big, plain, tmp_path, ("--shard-size", "2GB"), ["--preset", "llama:hf:reference", "--to", "safetensors"],
+             check)
 
 
 def test_hf_to_maxtext_orbax_of_a_multi_gb_folder_in_a_plain_convert_s_memory(big, plain, tmp_path):

@@ -276,6 +276,30 @@ def _plan(src: str, opts: ConvertOptions, context: ReadContext) -> _Plan:
 # ---------------------------------------------------------------------------------------------- the command
 
 
+JAX_TARGETS = ("reference", "maxtext")
+"""Preset targets that are JAX trees nesting on ``/``: written as Orbax where ``to`` is not given."""
+
+
+def default_target(dst: str, opts: ConvertOptions) -> str:
+    """The format ``convert`` writes where ``to`` is not given: safetensors, but Orbax for a preset whose target
+    is the reference model or MaxText (a JAX tree: ``load_parameters(DST)`` returns the nested params the
+    model's ``apply`` takes, where a safetensors folder holds them under dotted names), into a local folder
+    (Orbax output is not written to a bucket; a ``.safetensors`` destination names its format).
+
+    >>> default_target("ref", ConvertOptions(preset="llama:hf:reference")), default_target("ref", ConvertOptions())
+    ('orbax', 'safetensors')
+    >>> default_target("ref.safetensors", ConvertOptions(preset="llama:hf:maxtext,scale_query=false"))
+    'safetensors'
+    """
+    rules = opts.rules
+    name = split_name(opts.preset)[0] if opts.preset is not None else \
+        rules.preset if isinstance(rules, Preset) else None
+    if name is None or name.split(":")[-1] not in JAX_TARGETS or is_url(str(dst)) or \
+            str(dst).lower().endswith(".safetensors"):
+        return "safetensors"
+    return "orbax"
+
+
 def check_arguments(dst: str, opts: ConvertOptions) -> str:
     """The output format ``convert`` writes, once its arguments are known to work together.
 
@@ -290,7 +314,7 @@ def check_arguments(dst: str, opts: ConvertOptions) -> str:
     treetools.shared.errors.UsageError: --step all (`step='all'`): convert writes one step; pick one (--step N, or
     latest).
     """
-    to = opts.to or "safetensors"
+    to = opts.to or default_target(dst, opts)
     name = os.path.basename(os.path.normpath(str(dst)))
     if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
         raise UsageError(f"{dst}: its last part is {len(name.encode('utf-8', 'surrogateescape')):,} bytes long; a "

@@ -9,7 +9,8 @@ folder: model-0000K-of-0000N.safetensors shards of at most --shard-size with
 model.safetensors.index.json (model.safetensors when one shard holds it
 all), local or in a bucket. --to orbax writes an Orbax checkpoint folder
 (ocp.StandardCheckpointer); with --dst-step N, step N of a CheckpointManager
-root (item params).
+root (item params). A --preset to reference or maxtext writes Orbax into a
+local folder unless --to says otherwise (their trees nest on /).
 
 Tensor names are the paths with / turned into . (params/Dense_0/kernel ->
 params.Dense_0.kernel) unless --rename gives others. Every safetensors
@@ -78,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_rules(parser)
     add_preset(parser)
     parser.add_argument("--to", choices=("safetensors", "orbax"), default=None,
-                        help="output format (default safetensors)")
+                        help="output format (default safetensors; orbax for a --preset to reference or maxtext "
+                             "into a local folder)")
     parser.add_argument("--shard-size", default="5GB", metavar="SIZE",
                         help="most bytes per shard of a safetensors folder: 5GB (default), 500MB, 2GiB or 2G, or bytes")
     parser.add_argument("--metadata", type=_metadata, action="append", default=[], metavar="KEY=VALUE",
