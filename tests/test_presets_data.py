@@ -183,7 +183,7 @@ def test_convert_with_a_preset_object_keeps_the_rules_merged_after_it(tmp_path):
     save_file(tensors, str(src / "model.safetensors"))
     (src / "config.json").write_text(json.dumps(CONFIG))
     rules = tt.preset("llama:hf:reference").merge(tt.Rules(dtype="float16"))
-    tt.convert(str(src), str(tmp_path / "ref"), rules=rules)
+    tt.convert(str(src), str(tmp_path / "ref"), rules=rules, to="safetensors")
     out = load_file(str(tmp_path / "ref" / "model.safetensors"))
     assert out["layers_1.q.kernel"].dtype == np.float16
     assert np.array_equal(out["layers_1.q.kernel"], tensors["model.layers.1.self_attn.q_proj.weight"].T.astype(np.float16))
