@@ -398,6 +398,29 @@ def c_ordered(granule: Sequence[int], shape: Sequence[int]) -> bool:
     return all(c == int(n) for c, n in zip(g[k + 1:], list(shape)[k + 1:]))
 
 
+def row_axis(sizes: Sequence[int], shape: Sequence[int]) -> int:
+    """The axis where the rows of a block of ``sizes`` in ``shape`` end, each row one contiguous run of C-ordered
+    data: the block's last partial axis (0 for a whole block).
+
+    >>> row_axis((2, 3, 5), (4, 3, 5)), row_axis((4, 1, 5), (4, 3, 5)), row_axis((4, 3), (4, 3))
+    (0, 1, 0)
+    """
+    return max((i for i, (n, full) in enumerate(zip(sizes, shape)) if n != full), default=0)
+
+
+def row_firsts(starts: Sequence[int], sizes: Sequence[int], shape: Sequence[int], j: int) -> np.ndarray:
+    """The flat element each row of the block at corner ``starts`` of ``sizes`` in C-ordered data of ``shape``
+    starts at, rows in C order, a row running from axis ``j`` (``row_axis``) on.
+
+    >>> row_firsts((1, 2), (2, 3), (4, 6), 1).tolist()
+    [8, 14]
+    """
+    firsts = np.zeros(1, np.int64)
+    for a, n, dim in zip(starts[:j], sizes[:j], shape[:j]):  # Horner: ((i0 * s1 + i1) * s2 + ...)
+        firsts = (firsts[:, None] * int(dim) + np.arange(a, a + n, dtype=np.int64)).reshape(-1)
+    return firsts * math.prod(shape[j:]) + (int(starts[j]) * math.prod(shape[j + 1:]) if j < len(shape) else 0)
+
+
 def plan_blocks(shape: Sequence[int], max_elems: int, granule: Sequence[int] | None = None) -> Iterator[Index]:
     """Index tuples that tile ``shape`` in C order, each of at most ``max_elems`` elements.
 
@@ -627,7 +650,7 @@ class FileReader(ArrayReader):
         if k == nd or all(sizes[j] == shape[j] for j in range(k + 1, nd)):
             self._window_into(out, int(np.ravel_multi_index(starts, shape)) if nd else 0)
             return
-        j = max(i for i in range(nd) if sizes[i] != shape[i])  # the last partial axis: rows of the block end there
+        j = row_axis(sizes, shape)  # the last partial axis: rows of the block end there
         inner = math.prod(shape[j + 1:])
         if (shape[j] - sizes[j]) * inner * self.dtype.itemsize > GAP_BYTES and not self.remote:
             self._rows_into(out, starts, shape, j)
@@ -645,11 +668,8 @@ class FileReader(ArrayReader):
 
     def _rows_into(self, out: np.ndarray, starts: tuple[int, ...], shape: tuple[int, ...], j: int) -> None:
         """The block's rows (contiguous runs ending at its last partial axis ``j``), one read each, into ``out``."""
-        inner = math.prod(shape[j + 1:])
-        run = out.shape[j] * inner
-        corners = np.indices(out.shape[:j]).reshape(j, -1) + np.asarray(starts[:j]).reshape(j, 1)
-        firsts = (np.ravel_multi_index(tuple(corners), shape[:j]).astype(np.int64) * (shape[j] * inner)
-                  + starts[j] * inner)
+        run = out.shape[j] * math.prod(shape[j + 1:])
+        firsts = row_firsts(starts, out.shape, shape, j)
         view = out.reshape(-1).view(np.uint8).data
         item, step = self.dtype.itemsize, run * self.dtype.itemsize
 

@@ -280,6 +280,13 @@ JAX_TARGETS = ("reference", "maxtext")
 """Preset targets that are JAX trees nesting on ``/``: written as Orbax where ``to`` is not given."""
 
 
+def _preset_name(opts: ConvertOptions) -> str | None:
+    """The preset ``opts`` names (``preset``, options left out), or whose rules ``opts.rules`` are; None for none."""
+    if opts.preset is not None:
+        return split_name(opts.preset)[0]
+    return opts.rules.preset if isinstance(opts.rules, Preset) else None
+
+
 def default_target(dst: str, opts: ConvertOptions) -> str:
     """The format ``convert`` writes where ``to`` is not given: safetensors, but Orbax for a preset whose target
     is the reference model or MaxText (a JAX tree: ``load_parameters(DST)`` returns the nested params the
@@ -291,9 +298,7 @@ def default_target(dst: str, opts: ConvertOptions) -> str:
     >>> default_target("ref.safetensors", ConvertOptions(preset="llama:hf:maxtext,scale_query=false"))
     'safetensors'
     """
-    rules = opts.rules
-    name = split_name(opts.preset)[0] if opts.preset is not None else \
-        rules.preset if isinstance(rules, Preset) else None
+    name = _preset_name(opts)
     if name is None or name.split(":")[-1] not in JAX_TARGETS or is_url(str(dst)) or \
             str(dst).lower().endswith(".safetensors"):
         return "safetensors"
@@ -446,13 +451,11 @@ def _preset(src: str, dst: str, opts: ConvertOptions, to: str) -> tuple[Any, dic
     rules = opts.rules
     if opts.preset is not None:
         preset_spec(opts.preset)  # an unknown name: a usage error listing the presets, before anything is read
-        name = split_name(opts.preset)[0]
-    elif isinstance(rules, Preset):
-        name = rules.preset
-    elif opts.config is not None:
-        raise UsageError("--config (`config`) gives a preset its model's config.json; add --preset "
-                         "FAMILY:SOURCE:TARGET (`preset=`), or drop it.")
-    else:
+    name = _preset_name(opts)
+    if name is None:
+        if opts.config is not None:
+            raise UsageError("--config (`config`) gives a preset its model's config.json; add --preset "
+                             "FAMILY:SOURCE:TARGET (`preset=`), or drop it.")
         return rules, {}, []
     files = _model_files(src, opts.config)
     config = json.loads(files["config.json"]) if "config.json" in files else None

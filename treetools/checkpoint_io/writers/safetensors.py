@@ -31,6 +31,7 @@ under the destination's name that reads as a complete checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -43,7 +44,8 @@ import numpy as np
 from treetools.checkpoint_io.storage import Storage, backend, join
 from treetools.shared.files import fsync_file
 from treetools.checkpoint_io.formats.safetensors import DTYPE_NAMES
-from treetools.checkpoint_io.readers import GAP_BYTES, ArrayReader, InMemoryReader, Index, block_extent, np_dtype
+from treetools.checkpoint_io.readers import (GAP_BYTES, ArrayReader, InMemoryReader, Index, block_extent, np_dtype,
+                                             row_axis, row_firsts)
 from treetools.checkpoint_io.share import Share, owners, pool
 from treetools.checkpoint_io.stream import box_plan, stream_blocks
 from treetools.shared import rows
@@ -282,8 +284,7 @@ def _positional_plan(tensor: Tensor, block_bytes: int) -> list[Index] | None:
         return None
     n = tensor.nbytes
     sizes = block_extent(plan[0], tensor.shape)[1]
-    partial = [j for j, (k, full) in enumerate(zip(sizes, tensor.shape)) if k != full]
-    written = math.prod(sizes[partial[-1]:] if partial else sizes) * tensor.dtype.itemsize
+    written = math.prod(sizes[row_axis(sizes, tensor.shape):]) * tensor.dtype.itemsize
     row = math.prod(reader.layout) * tensor.dtype.itemsize  # one source row, as the rules moved it
     blocks = -(-n // block_bytes)
     piece = block_bytes * row // max(1, n)  # what each source row gives one C-order block
@@ -301,17 +302,10 @@ def box_runs(data: np.ndarray, index: Index, shape: Sequence[int], itemsize: int
     [(b'\\x00\\x01', 13), (b'\\x02\\x03', 16)]
     """
     starts, sizes = block_extent(index, shape)
-    nd = len(shape)
-    partial = [j for j in range(nd) if sizes[j] != shape[j]]
-    j = partial[-1] if partial else 0
-    run = math.prod(sizes[j:]) * itemsize if nd else itemsize
+    j = row_axis(sizes, shape)
+    run = math.prod(sizes[j:]) * itemsize
     view = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-    # the first element of each row: the block's corner moved along the axes before j, in C order
-    firsts = np.zeros(1, np.int64)
-    for a, n, stride in zip(starts[:j], sizes[:j], (math.prod(shape[i + 1:]) for i in range(j))):
-        firsts = (firsts[:, None] + (a + np.arange(n, dtype=np.int64)) * stride).reshape(-1)
-    firsts += int(np.ravel_multi_index((0,) * j + tuple(starts[j:]), shape)) if nd else 0
-    for r, first in enumerate((start + firsts * itemsize).tolist()):
+    for r, first in enumerate((start + row_firsts(starts, sizes, shape, j) * itemsize).tolist()):
         yield view[r * run:(r + 1) * run], first
 
 
@@ -335,18 +329,14 @@ def _write_file(storage: Storage, path: str, file: ShardFile, metadata: dict[str
         # less): blocks of whole such boxes, each at its place (`_positional_plan`).
         positional = getattr(out, "write_runs", None)
         plans = [_positional_plan(t, block_bytes) if positional is not None else None for t in file.tensors]
-        starts, number = {}, {}
-        at = len(head)
-        for k, t in enumerate(file.tensors):
-            starts[k], number[id(t)] = at, k
-            at += t.nbytes
-        stream = tensor_boxes(file.tensors, block_bytes, plans) if any(p is not None for p in plans) else \
+        ends = itertools.accumulate((t.nbytes for t in file.tensors), initial=len(head))
+        placed = {id(t): at for t, plan, at in zip(file.tensors, plans, ends) if plan is not None}  # where it starts
+        stream = tensor_boxes(file.tensors, block_bytes, plans) if placed else \
             ((t, None, b) for t, b in tensor_blocks(file.tensors, block_bytes))
         for tensor, index, block in stream:
-            k = number[id(tensor)]
             data = block.reshape(-1).view(np.uint8)
-            if positional is not None and index is not None and plans[k] is not None:
-                positional(box_runs(data, index, tensor.shape, tensor.dtype.itemsize, starts[k]))
+            if positional is not None and index is not None and id(tensor) in placed:
+                positional(box_runs(data, index, tensor.shape, tensor.dtype.itemsize, placed[id(tensor)]))
             else:
                 out.write(data)
             if on_block is not None:
